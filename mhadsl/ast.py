@@ -1,0 +1,212 @@
+"""Typed, frozen AST of a `.mha` file. Every node carries the `Span` it came from.
+
+Nodes compare and hash by identity (``eq=False``) so later stages can key side tables
+(types, constant values) on them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mhadsl.diagnostics import Span
+
+node = dataclass(frozen=True, eq=False)
+
+
+# ---------------------------------------------------------------- expressions
+@node
+class Expr:
+    span: Span
+
+
+@node
+class IntLit(Expr):
+    value: int
+
+
+@node
+class FloatLit(Expr):
+    value: float
+
+
+@node
+class BoolLit(Expr):
+    value: bool
+
+
+@node
+class NoneLit(Expr):
+    pass
+
+
+@node
+class Name(Expr):
+    id: str
+
+
+@node
+class Attr(Expr):
+    obj: Expr
+    name: str
+
+
+@node
+class Index(Expr):
+    obj: Expr
+    index: Expr
+
+
+@node
+class Keyword:
+    span: Span
+    name: str
+    value: Expr
+
+
+@node
+class Call(Expr):
+    func: Expr
+    args: tuple[Expr, ...]
+    kwargs: tuple[Keyword, ...]
+
+
+@node
+class Unary(Expr):
+    op: str  # "-", "!", "~"
+    operand: Expr
+
+
+@node
+class Binary(Expr):
+    op: str  # "+", "-", "*", "/", "%", "<<", ">>", "&", "|", "^", "<", ..., "&&", "||"
+    left: Expr
+    right: Expr
+
+
+@node
+class Tuple(Expr):
+    items: tuple[Expr, ...]
+
+
+# ---------------------------------------------------------------- statements
+@node
+class Stmt:
+    span: Span
+
+
+@node
+class Let(Stmt):
+    name: str
+    type: TypeRef | None
+    value: Expr
+    mutable: bool  # `var` is mutable, `let` is not
+
+
+@node
+class Assign(Stmt):
+    target: Expr  # Name, Attr or Index
+    op: str  # "=" or a compound operator such as "+="
+    value: Expr
+
+
+@node
+class If(Stmt):
+    cond: Expr
+    then: tuple[Stmt, ...]
+    orelse: tuple[Stmt, ...]
+
+
+@node
+class While(Stmt):
+    cond: Expr
+    body: tuple[Stmt, ...]
+
+
+@node
+class Return(Stmt):
+    value: Expr
+
+
+@node
+class ExprStmt(Stmt):
+    expr: Expr
+
+
+# ---------------------------------------------------------------- declarations
+@node
+class TypeRef:
+    span: Span
+    name: str
+
+
+@node
+class Param:
+    span: Span
+    name: str
+    type: TypeRef
+    default: Expr | None
+
+
+@node
+class RuleParam:
+    span: Span
+    name: str
+
+
+@node
+class Rule:
+    """``name(params) = expr`` or ``name(params) { stmts }``; the expr form is a return."""
+
+    span: Span
+    name: str
+    params: tuple[RuleParam, ...]
+    body: tuple[Stmt, ...]
+
+
+@node
+class Constant:
+    """``name = expr`` inside a declaration body (``may_advance = true``, ``dtype = bf16``)."""
+
+    span: Span
+    name: str
+    value: Expr
+
+
+@node
+class Decl:
+    span: Span
+    name: str
+
+
+@node
+class SchedulerDecl(Decl):
+    params: tuple[Param, ...]
+    constants: tuple[Constant, ...]
+    rules: tuple[Rule, ...]
+
+
+@node
+class FnDecl(Decl):
+    params: tuple[Param, ...]
+    ret: TypeRef
+    body: tuple[Stmt, ...]
+
+
+@node
+class AttentionDecl(Decl):
+    constants: tuple[Constant, ...]
+    rules: tuple[Rule, ...]
+
+
+@node
+class Import:
+    span: Span
+    path: str
+
+
+@node
+class Module:
+    """One parsed file: its imports and declarations in source order."""
+
+    span: Span
+    imports: tuple[Import, ...]
+    decls: tuple[Decl, ...]

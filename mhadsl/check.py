@@ -1,0 +1,610 @@
+"""Semantic checks: names, types, rules, arity, constants, where builtins may be used.
+
+`check_program` walks every declaration once, reports every error it finds through a
+`DiagnosticSink` (so one run lists them all) and returns a `CheckedProgram`: the
+declarations by name plus side tables the lowering reads (each expression's type and
+what each name refers to).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mhadsl import ast
+from mhadsl.attention_spec import ATTENTION_CONSTANTS
+from mhadsl.diagnostics import DiagnosticSink, Span
+from mhadsl.types import (
+    BOOL, COUNTER, DIM3, DTYPE, ERROR, F32, GRID, I32, INT_LITERAL, INTEGERS, MUTABLE_FIELDS,
+    NONE, NUMBERS, RECORD_FIELDS, RECORD_PROPERTIES, SCHEDULE, SCHEDULER, SCHEDULES, SEQ_INFO,
+    SLOTS, STATE, SYNC, SYNCS, TILE_SUMMARY, TILE_SUMMARY_FIELDS, TILE_SUMMARY_METHODS,
+    TYPE_NAMES, U32, VOID, WORK_INFO, Ty, unify,
+)
+
+HOST, DEVICE, ATTENTION = "host", "device", "attention"
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    params: tuple[tuple[str, Ty], ...]
+    returns: tuple[Ty, ...]
+    context: str
+
+
+# The trait's methods (BRIEF §3). Parameter names are the trait's; users may rename them.
+SCHEDULER_RULES: dict[str, RuleSpec] = {
+    "grid_dim": RuleSpec((("batch_size", U32), ("max_num_prompt_tiles", U32)), (GRID,), HOST),
+    "initial_state": RuleSpec((("slots", SLOTS), ("ts", TILE_SUMMARY)), (STATE,), DEVICE),
+    "get_current_work_info": RuleSpec((("ts", TILE_SUMMARY), ("state", STATE)), (WORK_INFO,),
+                                      DEVICE),
+    "advance": RuleSpec((("ts", TILE_SUMMARY), ("state", STATE), ("pipeline_idx", U32)),
+                        (SEQ_INFO, NONE), DEVICE),
+    "unsafe_seq_info": RuleSpec((("ts", TILE_SUMMARY), ("state", STATE)), (SEQ_INFO,), DEVICE),
+}
+SCHEDULER_CONSTANTS = {"may_advance": BOOL, "schedule": SCHEDULE}
+
+ATTENTION_RULES: dict[str, tuple[tuple[tuple[str, Ty], ...], ...]] = {
+    "mask": ((("b", I32), ("h", I32), ("q_idx", I32), ("kv_idx", I32)),
+             (("b", I32), ("h", I32), ("q_idx", I32), ("kv_idx", I32), ("seqlen_q", I32),
+              ("seqlen_k", I32))),
+    "score": ((("s", F32), ("b", I32), ("h", I32), ("q_idx", I32), ("kv_idx", I32)),),
+}
+ATTENTION_RESULTS = {"mask": BOOL, "score": F32}
+# Names every mask/score body sees besides its parameters.
+ATTENTION_IMPLICIT = {"seqlen_q": I32, "seqlen_k": I32}
+
+# Builtin values: name -> (type, contexts where allowed, only inside these rules or None).
+BUILTIN_VALUES: dict[str, tuple[Ty, tuple[str, ...], tuple[str, ...] | None]] = {
+    "num_sms": (U32, (HOST, DEVICE), None),
+    "num_heads": (U32, (HOST, DEVICE), None),
+    "tile_m": (U32, (HOST, DEVICE), None),
+    "block_idx": (DIM3, (DEVICE,), None),
+    "thread_idx": (DIM3, (DEVICE,), None),
+    "grid_dim": (DIM3, (DEVICE,), None),
+    "queue": (COUNTER, (DEVICE,), None),
+    "producer": (BOOL, (DEVICE,), ("advance",)),
+    "sync": (SYNC, (DEVICE,), ("advance",)),
+    **{s: (SCHEDULE, (HOST, DEVICE), None) for s in SCHEDULES},
+    **{s: (SYNC, (HOST, DEVICE), None) for s in SYNCS},
+}
+MATH_FUNCTIONS = ("exp", "exp2", "log", "log2", "tanh", "sqrt", "abs")
+DEVICE_ONLY_FUNCTIONS = ("atomic_add", "barrier")
+CASTS = {"u32": U32, "i32": I32, "f32": F32}
+DTYPES = ("bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """What a name refers to. `node` is the declaring AST node, where there is one."""
+
+    kind: str  # local | rule_param | sched_param | fn_param | constant | builtin
+    name: str
+    ty: Ty
+    node: object = None
+    mutable: bool = False
+
+
+@dataclass
+class CheckedProgram:
+    schedulers: dict[str, ast.SchedulerDecl] = field(default_factory=dict)
+    fns: dict[str, ast.FnDecl] = field(default_factory=dict)
+    attentions: dict[str, ast.AttentionDecl] = field(default_factory=dict)
+    types: dict[ast.Expr, Ty] = field(default_factory=dict)
+    refs: dict[ast.Name, Symbol] = field(default_factory=dict)
+    # For each rule: the role of each of its parameters ("ts", "state", ...).
+    rule_roles: dict[ast.Rule, tuple[str, ...]] = field(default_factory=dict)
+
+
+class _Scope:
+    def __init__(self, parent: _Scope | None = None):
+        self.parent, self.names = parent, {}
+
+    def lookup(self, name: str) -> Symbol | None:
+        scope = self
+        while scope is not None:
+            if name in scope.names:
+                return scope.names[name]
+            scope = scope.parent
+        return None
+
+
+@dataclass
+class _Context:
+    where: str  # HOST, DEVICE or ATTENTION
+    rule: str  # rule or fn name, for messages and rule-only builtins
+    returns: tuple[Ty, ...]
+    default_int: Ty = U32
+
+
+class Checker:
+    """Walks declarations and expressions; the one place user errors are found."""
+
+    def __init__(self, sink: DiagnosticSink):
+        self.sink = sink
+        self.out = CheckedProgram()
+        self.checked_fns: set[str] = set()  # a fn may only call fns checked before it
+
+    def error(self, span: Span, message: str) -> Ty:
+        self.sink.error(span, message)
+        return ERROR
+
+    # ------------------------------------------------------------ declarations
+    def check_modules(self, modules: list[ast.Module]) -> CheckedProgram:
+        seen: dict[str, ast.Decl] = {}
+        for module in modules:
+            for decl in module.decls:
+                if decl.name in seen:
+                    self.error(decl.span, f"'{decl.name}' is already declared at "
+                                          f"{seen[decl.name].span!r}")
+                    continue
+                seen[decl.name] = decl
+                table = {ast.SchedulerDecl: self.out.schedulers, ast.FnDecl: self.out.fns,
+                         ast.AttentionDecl: self.out.attentions}[type(decl)]
+                table[decl.name] = decl
+        for fn in self.out.fns.values():
+            self.check_fn(fn)
+        for sched in self.out.schedulers.values():
+            self.check_scheduler(sched)
+        for attn in self.out.attentions.values():
+            self.check_attention(attn)
+        return self.out
+
+    def check_type_ref(self, ref: ast.TypeRef) -> Ty:
+        ty = TYPE_NAMES.get(ref.name)
+        return ty if ty else self.error(ref.span, f"unknown type '{ref.name}'")
+
+    def check_fn(self, fn: ast.FnDecl) -> None:
+        scope = _Scope()
+        for p in fn.params:
+            ty = self.check_type_ref(p.type)
+            if p.default is not None:
+                self.error(p.default.span, "fn parameters take no default value")
+            self.declare(scope, p.span, Symbol("fn_param", p.name, ty, p))
+        ret = self.check_type_ref(fn.ret)
+        ctx = _Context(DEVICE, fn.name, (ret,))
+        self.check_body(fn.body, scope, ctx, fn.span, f"fn '{fn.name}'")
+        self.checked_fns.add(fn.name)
+
+    def scheduler_scope(self, sched: ast.SchedulerDecl) -> _Scope:
+        scope = _Scope()
+        param_ctx = _Context(HOST, sched.name, ())
+        for p in sched.params:
+            ty = self.check_type_ref(p.type)
+            if p.default is not None:
+                self.expect(self.expr(p.default, scope, param_ctx), ty, p.default.span,
+                            f"default of parameter '{p.name}'")
+            self.declare(scope, p.span, Symbol("sched_param", p.name, ty, p))
+        for c in sched.constants:
+            if c.name not in SCHEDULER_CONSTANTS:
+                self.error(c.span, f"unknown scheduler constant '{c.name}'; expected "
+                                   f"{' or '.join(SCHEDULER_CONSTANTS)}")
+                continue
+            ty = SCHEDULER_CONSTANTS[c.name]
+            self.expect(self.expr(c.value, scope, param_ctx), ty, c.value.span, f"'{c.name}'")
+            self.declare(scope, c.span, Symbol("constant", c.name, ty, c))
+        for name, ty in SCHEDULER_CONSTANTS.items():
+            if scope.lookup(name) is None:
+                self.error(sched.span, f"scheduler '{sched.name}' does not define '{name}'")
+        return scope
+
+    def check_scheduler(self, sched: ast.SchedulerDecl) -> None:
+        scope = self.scheduler_scope(sched)
+        seen: dict[str, ast.Rule] = {}
+        for rule in sched.rules:
+            spec = SCHEDULER_RULES.get(rule.name)
+            if spec is None:
+                self.error(rule.span, f"unknown rule '{rule.name}'; a scheduler defines "
+                                      f"{', '.join(SCHEDULER_RULES)}")
+                continue
+            if rule.name in seen:
+                self.error(rule.span, f"rule '{rule.name}' is defined twice")
+                continue
+            seen[rule.name] = rule
+            self.check_rule(rule, spec.params, spec.returns, spec.context, scope)
+        for name in SCHEDULER_RULES:
+            if name not in seen:
+                self.error(sched.span, f"scheduler '{sched.name}' is missing rule '{name}'")
+
+    def check_rule(self, rule: ast.Rule, params, returns, where: str, outer: _Scope,
+                   default_int: Ty = U32) -> None:
+        if len(rule.params) != len(params):
+            self.error(rule.span, f"rule '{rule.name}' takes {len(params)} parameters "
+                                  f"({', '.join(n for n, _ in params)}), got {len(rule.params)}")
+            return
+        scope = _Scope(outer)
+        for p, (role, ty) in zip(rule.params, params):
+            self.declare(scope, p.span, Symbol("rule_param", p.name, ty, role))
+        self.out.rule_roles[rule] = tuple(role for role, _ in params)
+        ctx = _Context(where, rule.name, returns, default_int)
+        self.check_body(rule.body, scope, ctx, rule.span, f"rule '{rule.name}'")
+
+    def check_attention(self, attn: ast.AttentionDecl) -> None:
+        seen: set[str] = set()
+        for c in attn.constants:
+            if c.name in seen:
+                self.error(c.span, f"'{c.name}' is set twice")
+            seen.add(c.name)
+            self.check_attention_constant(c)
+        for rule in attn.rules:
+            if rule.name not in ATTENTION_RULES:
+                self.error(rule.span, f"unknown rule '{rule.name}' in an attention "
+                                      f"declaration; expected mask or score")
+                continue
+            if rule.name in seen:
+                self.error(rule.span, f"rule '{rule.name}' is defined twice")
+            seen.add(rule.name)
+            shapes = ATTENTION_RULES[rule.name]
+            params = next((s for s in shapes if len(s) == len(rule.params)), shapes[0])
+            scope = _Scope()
+            for name, ty in ATTENTION_IMPLICIT.items():
+                scope.names[name] = Symbol("rule_param", name, ty, name)
+            self.check_rule(rule, params, (ATTENTION_RESULTS[rule.name],), ATTENTION, scope,
+                            default_int=I32)
+
+    def check_attention_constant(self, c: ast.Constant) -> None:
+        if c.name not in ATTENTION_CONSTANTS:
+            self.error(c.span, f"unknown attention setting '{c.name}'; expected one of "
+                               f"{', '.join(ATTENTION_CONSTANTS)}")
+            return
+        if c.name == "scheduler":
+            self.check_scheduler_binding(c.value)
+            return
+        if c.name == "dtype":
+            if not (isinstance(c.value, ast.Name) and c.value.id in DTYPES):
+                self.error(c.value.span, f"dtype must be one of {', '.join(DTYPES)}")
+            return
+        ty = self.expr(c.value, _Scope(), _Context(HOST, c.name, (), I32))
+        want = ATTENTION_CONSTANTS[c.name]
+        if want == "int_pair":
+            if not (isinstance(c.value, ast.Tuple) and len(c.value.items) == 2
+                    and all(isinstance(i, ast.IntLit) for i in c.value.items)):
+                self.error(c.value.span, f"'{c.name}' must be a pair of integers, like (128, 64)")
+        elif want == F32:
+            if ty not in NUMBERS:
+                self.error(c.value.span, f"'{c.name}' must be a number")
+        elif want == BOOL:
+            self.expect(ty, BOOL, c.value.span, f"'{c.name}'")
+        elif not isinstance(c.value, ast.IntLit):
+            self.error(c.value.span, f"'{c.name}' must be an integer constant")
+
+    def check_scheduler_binding(self, value: ast.Expr) -> None:
+        func, kwargs = value, ()
+        if isinstance(value, ast.Call):
+            func, kwargs = value.func, value.kwargs
+            if value.args:
+                self.error(value.args[0].span, "scheduler arguments are passed by name, "
+                                               "like Queued(num_ctas = 264)")
+        if not isinstance(func, ast.Name) or func.id not in self.out.schedulers:
+            self.error(func.span, "scheduler must name a declared scheduler "
+                                  f"({', '.join(self.out.schedulers) or 'none declared'})")
+            return
+        sched = self.out.schedulers[func.id]
+        params = {p.name: p for p in sched.params}
+        for kw in kwargs:
+            if kw.name not in params:
+                self.error(kw.span, f"scheduler '{sched.name}' has no parameter '{kw.name}'")
+                continue
+            want = self.check_type_ref(params[kw.name].type)
+            self.expect(self.expr(kw.value, _Scope(), _Context(HOST, "scheduler", ())), want,
+                        kw.value.span, f"argument '{kw.name}'")
+
+    # ------------------------------------------------------------ statements
+    def declare(self, scope: _Scope, span: Span, sym: Symbol) -> None:
+        if sym.name in scope.names:
+            self.error(span, f"'{sym.name}' is already defined here")
+        elif sym.name in BUILTIN_VALUES or sym.name in SCHEDULER_RULES:
+            self.error(span, f"'{sym.name}' is a builtin name and cannot be redefined")
+        scope.names[sym.name] = sym
+
+    def check_body(self, body, scope: _Scope, ctx: _Context, span: Span, what: str) -> None:
+        if not self.block(body, _Scope(scope), ctx):
+            self.error(span, f"{what} can reach its end without returning a value")
+
+    def block(self, stmts, scope: _Scope, ctx: _Context) -> bool:
+        """Check statements; True when every path through them returns."""
+        returns = False
+        for stmt in stmts:
+            if returns:
+                self.error(stmt.span, "unreachable statement after return")
+                break
+            returns = self.stmt(stmt, scope, ctx)
+        return returns
+
+    def stmt(self, s: ast.Stmt, scope: _Scope, ctx: _Context) -> bool:
+        if isinstance(s, ast.Let):
+            ty = self.expr(s.value, scope, ctx)
+            if s.type is not None:
+                want = self.check_type_ref(s.type)
+                self.expect(ty, want, s.value.span, f"'{s.name}'")
+                ty = want
+            if ty == INT_LITERAL:
+                ty = ctx.default_int
+            if ty in (VOID, NONE):
+                ty = self.error(s.value.span, f"'{s.name}' cannot hold a value of type {ty}")
+            self.declare(scope, s.span, Symbol("local", s.name, ty, s, s.mutable))
+            return False
+        if isinstance(s, ast.Assign):
+            self.assign(s, scope, ctx)
+            return False
+        if isinstance(s, ast.If):
+            self.expect(self.expr(s.cond, scope, ctx), BOOL, s.cond.span, "if condition")
+            then = self.block(s.then, _Scope(scope), ctx)
+            orelse = self.block(s.orelse, _Scope(scope), ctx)
+            return then and orelse
+        if isinstance(s, ast.While):
+            self.expect(self.expr(s.cond, scope, ctx), BOOL, s.cond.span, "while condition")
+            self.block(s.body, _Scope(scope), ctx)
+            return False
+        if isinstance(s, ast.Return):
+            ty = self.expr(s.value, scope, ctx)
+            if ty == INT_LITERAL and ctx.default_int in ctx.returns:
+                ty = ctx.default_int
+            if ty != ERROR and not any(self.compatible(ty, r) for r in ctx.returns):
+                self.error(s.value.span, f"'{ctx.rule}' returns "
+                                         f"{' or '.join(map(str, ctx.returns))}, not {ty}")
+            return True
+        assert isinstance(s, ast.ExprStmt)
+        if not isinstance(s.expr, ast.Call):
+            self.error(s.span, "this expression does nothing; only calls can stand alone")
+        self.expr(s.expr, scope, ctx)
+        return False
+
+    def assign(self, s: ast.Assign, scope: _Scope, ctx: _Context) -> None:
+        target = s.target
+        if isinstance(target, ast.Name):
+            sym = scope.lookup(target.id)
+            if sym is None:
+                self.error(target.span, f"unknown name '{target.id}'")
+                return
+            if not sym.mutable:
+                what = "a `let` constant (use `var`)" if sym.kind == "local" else \
+                    {"rule_param": "a parameter", "fn_param": "a parameter",
+                     "sched_param": "a scheduler parameter", "constant": "a constant",
+                     "builtin": "a builtin"}[sym.kind]
+                self.error(target.span, f"cannot assign to '{target.id}': it is {what}")
+                return
+            self.out.refs[target] = sym
+            want = sym.ty
+        elif isinstance(target, ast.Attr):
+            obj_ty = self.expr(target.obj, scope, ctx)
+            if obj_ty == ERROR:
+                return
+            if target.name not in MUTABLE_FIELDS.get(obj_ty, ()):
+                self.error(target.span, f"cannot assign to field '{target.name}' of {obj_ty}")
+                return
+            want = RECORD_FIELDS[obj_ty][target.name]
+        elif isinstance(target, ast.Index):
+            want = self.expr(target, scope, ctx)
+            if want == ERROR:
+                return
+        else:
+            self.error(target.span, "cannot assign to this expression")
+            return
+        value = self.expr(s.value, scope, ctx)
+        if s.op != "=":
+            value = self.binary_type(s.op[:-1], want, value, s.span)
+        self.expect(value, want, s.value.span, "assigned value")
+
+    # ------------------------------------------------------------ expressions
+    def compatible(self, got: Ty, want: Ty) -> bool:
+        return got == want or (got == INT_LITERAL and want in NUMBERS) or ERROR in (got, want)
+
+    def expect(self, got: Ty, want: Ty, span: Span, what: str) -> None:
+        if not self.compatible(got, want):
+            self.error(span, f"{what} must be {want}, not {got}")
+
+    def expr(self, e: ast.Expr, scope: _Scope, ctx: _Context) -> Ty:
+        ty = self._expr(e, scope, ctx)
+        self.out.types[e] = ty
+        return ty
+
+    def _expr(self, e: ast.Expr, scope: _Scope, ctx: _Context) -> Ty:
+        if isinstance(e, ast.IntLit):
+            if e.value >= 2**32:
+                return self.error(e.span, "integer constant does not fit in 32 bits")
+            return INT_LITERAL
+        if isinstance(e, ast.FloatLit):
+            return F32
+        if isinstance(e, ast.BoolLit):
+            return BOOL
+        if isinstance(e, ast.NoneLit):
+            return NONE
+        if isinstance(e, ast.Name):
+            return self.name(e, scope, ctx)
+        if isinstance(e, ast.Attr):
+            return self.attr(e, scope, ctx)
+        if isinstance(e, ast.Index):
+            obj = self.expr(e.obj, scope, ctx)
+            self.expect(self.expr(e.index, scope, ctx), U32, e.index.span, "index")
+            if obj not in (SLOTS, ERROR):
+                return self.error(e.span, f"cannot index a value of type {obj}")
+            return U32
+        if isinstance(e, ast.Unary):
+            ty = self.expr(e.operand, scope, ctx)
+            if ty == ERROR:
+                return ERROR
+            if e.op == "!":
+                self.expect(ty, BOOL, e.operand.span, "operand of '!'")
+                return BOOL
+            allowed = NUMBERS if e.op == "-" else INTEGERS
+            if ty not in allowed:
+                return self.error(e.span, f"operator '{e.op}' does not apply to {ty}")
+            if e.op == "-" and ty == U32:
+                return self.error(e.span, "cannot negate an unsigned u32 value; use i32()")
+            return ty
+        if isinstance(e, ast.Binary):
+            return self.binary_type(e.op, self.expr(e.left, scope, ctx),
+                                    self.expr(e.right, scope, ctx), e.span)
+        if isinstance(e, ast.Tuple):
+            for item in e.items:
+                self.expect(self.expr(item, scope, ctx), U32, item.span, "grid dimension")
+            if not 1 <= len(e.items) <= 3:
+                return self.error(e.span, "a grid has 1 to 3 dimensions")
+            return GRID
+        assert isinstance(e, ast.Call)
+        return self.call(e, scope, ctx)
+
+    def binary_type(self, op: str, left: Ty, right: Ty, span: Span) -> Ty:
+        if ERROR in (left, right):
+            return ERROR
+        if op in ("&&", "||"):
+            if left != BOOL or right != BOOL:
+                return self.error(span, f"operands of '{op}' must be bool, not {left} and {right}")
+            return BOOL
+        if op in ("==", "!=") and left == right and left in (BOOL, SCHEDULE, SYNC):
+            return BOOL
+        common = unify(left, right)
+        if common is None or common not in NUMBERS:
+            return self.error(span, f"operator '{op}' does not apply to {left} and {right}")
+        if op in ("<<", ">>", "&", "|", "^", "%") and common == F32:
+            return self.error(span, f"operator '{op}' needs integers, not f32")
+        if op in ("==", "!=", "<", "<=", ">", ">="):
+            return BOOL
+        return common
+
+    def name(self, e: ast.Name, scope: _Scope, ctx: _Context) -> Ty:
+        sym = scope.lookup(e.id)
+        if sym is not None:
+            self.out.refs[e] = sym
+            return sym.ty
+        if e.id in BUILTIN_VALUES:
+            ty, contexts, rules = BUILTIN_VALUES[e.id]
+            if ctx.where not in contexts:
+                place = {HOST: "host-side code (grid_dim, parameter defaults)",
+                         ATTENTION: "mask and score expressions"}.get(ctx.where, ctx.rule)
+                return self.error(e.span, f"'{e.id}' is not available in {place}")
+            if rules is not None and ctx.rule not in rules:
+                return self.error(e.span, f"'{e.id}' is only available in {', '.join(rules)}")
+            self.out.refs[e] = Symbol("builtin", e.id, ty)
+            return ty
+        return self.error(e.span, f"unknown name '{e.id}'")
+
+    def attr(self, e: ast.Attr, scope: _Scope, ctx: _Context) -> Ty:
+        obj = self.expr(e.obj, scope, ctx)
+        if obj == ERROR:
+            return ERROR
+        if obj == DIM3:
+            if e.name not in ("x", "y", "z"):
+                return self.error(e.span, f"'{e.name}' is not x, y or z")
+            return U32
+        if obj == TILE_SUMMARY:
+            if e.name in TILE_SUMMARY_FIELDS:
+                return TILE_SUMMARY_FIELDS[e.name]
+            if e.name in TILE_SUMMARY_METHODS:
+                return self.error(e.span, f"'ts.{e.name}' is a method; call it")
+            return self.error(e.span, f"the tile summary has no field '{e.name}'")
+        fields = {**RECORD_FIELDS.get(obj, {}), **RECORD_PROPERTIES.get(obj, {})}
+        if e.name in fields:
+            return fields[e.name]
+        return self.error(e.span, f"{obj} has no field '{e.name}'")
+
+    def call(self, e: ast.Call, scope: _Scope, ctx: _Context) -> Ty:
+        func = e.func
+        if isinstance(func, ast.Attr):  # ts.method(...)
+            obj = self.expr(func.obj, scope, ctx)
+            if obj == ERROR:
+                return ERROR
+            if obj != TILE_SUMMARY or func.name not in TILE_SUMMARY_METHODS:
+                return self.error(func.span, f"{obj} has no method '{func.name}'")
+            params, result = TILE_SUMMARY_METHODS[func.name]
+            self.call_args(e, params, scope, ctx, f"ts.{func.name}")
+            return result
+        if not isinstance(func, ast.Name):
+            return self.error(e.span, "only named functions can be called")
+        name = func.id
+        if name in self.out.fns and scope.lookup(name) is None:
+            fn = self.out.fns[name]
+            if ctx.rule in self.out.fns and name not in self.checked_fns:
+                return self.error(e.span, f"fn '{ctx.rule}' may only call fns declared before "
+                                          f"it (no recursion)")
+            types = tuple(TYPE_NAMES.get(p.type.name, ERROR) for p in fn.params)
+            self.call_args(e, types, scope, ctx, name)
+            return TYPE_NAMES.get(fn.ret.name, ERROR)
+        record = TYPE_NAMES.get(name)
+        if record in RECORD_FIELDS:
+            return self.constructor(e, record, scope, ctx)
+        if name in DEVICE_ONLY_FUNCTIONS and ctx.where != DEVICE:
+            return self.error(e.span, f"'{name}' is not available in "
+                                      f"{'grid_dim' if ctx.where == HOST else 'attention code'}")
+        if name in DEVICE_ONLY_FUNCTIONS and ctx.rule in self.out.fns:
+            return self.error(e.span, f"'{name}' is not available inside a fn; call it from a rule")
+        if name == "atomic_add":
+            self.call_args(e, (COUNTER, U32), scope, ctx, name)
+            return U32
+        if name == "barrier":
+            if e.args or e.kwargs:
+                self.call_args(e, (SYNC,), scope, ctx, name)
+            return VOID
+        if name in ("min", "max", "cdiv", "where"):
+            n = 3 if name == "where" else 2
+            types = self.call_args(e, (None,) * n, scope, ctx, name)
+            if len(types) != n:
+                return ERROR
+            if name == "where":
+                self.expect(types[0], BOOL, e.args[0].span, "condition of where")
+                types = types[1:]
+            common = unify(*types)
+            if ERROR in types:
+                return ERROR
+            if common is None or (common not in NUMBERS and name != "where"):
+                return self.error(e.span, f"'{name}' does not apply to {types[0]} and {types[1]}")
+            if name == "cdiv" and common not in INTEGERS:
+                return self.error(e.span, "'cdiv' needs integers")
+            return common
+        if name in CASTS:
+            (ty,) = self.call_args(e, (None,), scope, ctx, name) or (ERROR,)
+            if ty not in NUMBERS + (BOOL, ERROR):
+                return self.error(e.span, f"cannot convert {ty} to {name}")
+            return CASTS[name]
+        if name in MATH_FUNCTIONS:
+            (ty,) = self.call_args(e, (None,), scope, ctx, name) or (ERROR,)
+            if name == "abs" and ty in INTEGERS and ty != U32:
+                return I32 if ty == INT_LITERAL else ty
+            if ty not in NUMBERS + (ERROR,):
+                return self.error(e.span, f"'{name}' needs a number, not {ty}")
+            return F32
+        if scope.lookup(name) is not None or name in BUILTIN_VALUES:
+            return self.error(func.span, f"'{name}' is not a function")
+        return self.error(func.span, f"unknown function '{name}'")
+
+    def call_args(self, e: ast.Call, params, scope, ctx, name: str) -> list[Ty]:
+        if e.kwargs:
+            self.error(e.kwargs[0].span, f"'{name}' takes no named arguments")
+        if len(e.args) != len(params):
+            self.error(e.span, f"'{name}' takes {len(params)} argument"
+                               f"{'' if len(params) == 1 else 's'}, got {len(e.args)}")
+            return []
+        types = []
+        for arg, want in zip(e.args, params):
+            ty = self.expr(arg, scope, ctx)
+            if want is not None:
+                self.expect(ty, want, arg.span, f"argument of '{name}'")
+            types.append(ty)
+        return types
+
+    def constructor(self, e: ast.Call, record: Ty, scope, ctx) -> Ty:
+        fields = RECORD_FIELDS[record]
+        if e.args:
+            self.error(e.args[0].span, f"{record} fields are passed by name, like "
+                                       f"{record}({next(iter(fields))} = ...)")
+        given = set()
+        for kw in e.kwargs:
+            if kw.name not in fields:
+                self.error(kw.span, f"{record} has no field '{kw.name}'")
+                continue
+            if kw.name in given:
+                self.error(kw.span, f"field '{kw.name}' is given twice")
+            given.add(kw.name)
+            self.expect(self.expr(kw.value, scope, ctx), fields[kw.name], kw.value.span,
+                        f"field '{kw.name}'")
+        missing = [f for f in fields if f not in given]
+        if missing:
+            self.error(e.span, f"{record} is missing field{'s' if len(missing) > 1 else ''} "
+                               f"{', '.join(missing)}")
+        return record
+
+
+def check_program(modules: list[ast.Module]) -> CheckedProgram:
+    """Check parsed modules; raise `MhaError` listing every error found."""
+    sink = DiagnosticSink()
+    program = Checker(sink).check_modules(modules)
+    sink.raise_if_any()
+    return program
