@@ -1,0 +1,71 @@
+"""NVPTX facts in one place: address spaces, special registers, barriers, intrinsics.
+
+Everything that names an `llvm.nvvm.*` intrinsic or a PTX address space lives here, so
+the scheduler lowering and the attention kernel share one vocabulary.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+GENERIC, GLOBAL, SHARED, CONSTANT, LOCAL = 0, 1, 3, 4, 5
+
+i1, i8, i16, i32, i64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+f32 = ir.FloatType()
+void = ir.VoidType()
+
+
+def ptr(addrspace: int = GENERIC) -> ir.PointerType:
+    return ir.PointerType(addrspace=addrspace)
+
+
+def intrinsic(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
+    """Declare (once) and return an intrinsic or external function."""
+    existing = module.globals.get(name)
+    if existing is not None:
+        return existing
+    return ir.Function(module, ir.FunctionType(ret, args), name=name)
+
+
+def call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
+    fn = intrinsic(builder.module, name, ret, [a.type for a in args])
+    return builder.call(fn, args)
+
+
+# ----------------------------------------------------------------- special registers
+SPECIAL_REGISTERS = {
+    ("block_idx", axis): f"llvm.nvvm.read.ptx.sreg.ctaid.{axis}" for axis in "xyz"
+} | {
+    ("thread_idx", axis): f"llvm.nvvm.read.ptx.sreg.tid.{axis}" for axis in "xyz"
+} | {
+    ("grid_dim", axis): f"llvm.nvvm.read.ptx.sreg.nctaid.{axis}" for axis in "xyz"
+} | {
+    ("block_dim", axis): f"llvm.nvvm.read.ptx.sreg.ntid.{axis}" for axis in "xyz"
+}
+
+
+def special_register(builder: ir.IRBuilder, group: str, axis: str) -> ir.Value:
+    return call(builder, SPECIAL_REGISTERS[(group, axis)], i32, [])
+
+
+def lane_id(builder: ir.IRBuilder) -> ir.Value:
+    return call(builder, "llvm.nvvm.read.ptx.sreg.laneid", i32, [])
+
+
+# ----------------------------------------------------------------- barriers
+CTA_BARRIER = 0  # bar.sync 0: every thread of the CTA
+PRODUCER_BARRIER = 1  # a named barrier among the producer's threads
+
+
+def barrier_all(builder: ir.IRBuilder) -> None:
+    call(builder, "llvm.nvvm.barrier.cta.sync.aligned.all", void, [i32(CTA_BARRIER)])
+
+
+def barrier_named(builder: ir.IRBuilder, barrier_id: int, num_threads: int | ir.Value) -> None:
+    count = i32(num_threads) if isinstance(num_threads, int) else num_threads
+    call(builder, "llvm.nvvm.barrier.cta.sync.aligned.count", void, [i32(barrier_id), count])
+
+
+# ----------------------------------------------------------------- kernels
+def mark_kernel(fn: ir.Function) -> None:
+    """Kernels use the ptx_kernel calling convention (LLVM >= 20)."""
+    fn.calling_convention = "ptx_kernel"
