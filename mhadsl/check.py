@@ -378,6 +378,7 @@ class Checker:
         else:
             self.error(target.span, "cannot assign to this expression")
             return
+        self.out.types[target] = want
         value = self.expr(s.value, scope, ctx)
         if s.op != "=":
             value = self.binary_type(s.op[:-1], want, value, s.span)

@@ -1,0 +1,521 @@
+"""Lowering of checked `.mha` statements and expressions to LLVM IR.
+
+One `FunctionLowering` turns a rule or fn body into IR inside the function being built.
+Values are `ir.Value`s (i1 for bool, i32 for u32/i32, float for f32); records are dicts
+of field -> value; `State` and the tile summary are pointers to their structs. What a
+builtin means on a target (a special register on the GPU, a field of the host
+environment) is answered by a `Builtins` object, so the same rules compile for both.
+Locals live in allocas that LLVM's mem2reg turns into registers.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from llvmlite import ir
+
+from mhadsl.codegen import nvptx
+from mhadsl.codegen.nvptx import f32, i1, i32, i64
+from mhadsl import ast
+from mhadsl.check import CheckedProgram, Symbol
+from mhadsl.types import (
+    BOOL, COUNTER, DIM3, F32, I32, INT_LITERAL, RECORD_FIELDS, SCHEDULE, SCHEDULES, SEQ_INFO,
+    STATE, SYNC, SYNCS, TILE_SUMMARY, TYPE_NAMES, U32, Ty,
+)
+
+Value = object  # ir.Value | dict (record) | _Dim3
+LLVM_TYPES = {U32: i32, I32: i32, BOOL: i1, F32: f32, SCHEDULE: i32, SYNC: i32}
+
+# Memory layout of the structs the rules exchange, shared by the GPU kernels and the host.
+STATE_FIELDS = ("idx", "slots", "max_idx")
+TS_FIELDS = ("batch_size", "max_num_prompt_tiles", "max_seq_len", "num_heads", "valid_length")
+ENV_FIELDS = ("counter", "num_sms", "block_idx", "grid_dim", "thread_idx", "fuel")
+
+
+def record_type(ty: Ty) -> ir.LiteralStructType:
+    """WorkInfo / SeqInfo as they sit in memory (bool stored as i8)."""
+    return ir.LiteralStructType([ir.IntType(8) if t == BOOL else LLVM_TYPES[t]
+                                 for t in RECORD_FIELDS[ty].values()])
+
+
+def state_type(slots_space: int) -> ir.LiteralStructType:
+    return ir.LiteralStructType([i32, nvptx.ptr(slots_space), i32])
+
+
+def ts_type(global_space: int) -> ir.LiteralStructType:
+    return ir.LiteralStructType([i32, i32, i32, i32, nvptx.ptr(global_space)])
+
+
+def env_type(global_space: int) -> ir.LiteralStructType:
+    dim3 = ir.ArrayType(i32, 3)
+    return ir.LiteralStructType([nvptx.ptr(global_space), i32, dim3, dim3, dim3, i64])
+
+
+def alloca(builder: ir.IRBuilder, ty: ir.Type, name: str = "") -> ir.AllocaInstr:
+    """A stack slot typed as an opaque `ptr`, as LLVM 22 wants (llvmlite types them)."""
+    slot = builder.alloca(ty, name=name)
+    slot.type = nvptx.ptr()
+    return slot
+
+
+def load(builder: ir.IRBuilder, slot: ir.AllocaInstr) -> ir.Value:
+    return builder.load(slot, typ=slot.allocated_type)
+
+
+class _Dim3:
+    def __init__(self, group: str):
+        self.group = group
+
+
+class Builtins:
+    """What target-dependent builtins lower to. Subclassed per target by the scheduler."""
+
+    def value(self, lower: FunctionLowering, name: str) -> Value:
+        raise NotImplementedError(name)
+
+    def dim3(self, lower: FunctionLowering, group: str, axis: str) -> ir.Value:
+        raise NotImplementedError(group)
+
+    def barrier(self, lower: FunctionLowering, sync: int) -> None:
+        raise NotImplementedError
+
+    def loop_fuel(self, lower: FunctionLowering) -> ir.Value | None:
+        """An i1 that is true while a `while` loop may go on (None: no bound)."""
+        return None
+
+
+class FunctionLowering:
+    """Lowers one body into the current function of `builder`."""
+
+    def __init__(self, builder: ir.IRBuilder, program: CheckedProgram, builtins: Builtins,
+                 bindings: dict[object, Value], *, tile_m: int = 0,
+                 param_values: dict[str, Callable[[], Value]] | None = None):
+        self.b = builder
+        self.program = program
+        self.builtins = builtins
+        # Symbol.node (a role string, Param, Let or Constant node) -> value or alloca
+        self.bindings = bindings
+        self.tile_m = tile_m
+        self.param_values = param_values or {}
+        self.locals: dict[ast.Let, object] = {}
+        self.ret_slot: object = None
+        self.ret_block: ir.Block | None = None
+
+    # ------------------------------------------------------------ helpers
+    def entry_alloca(self, ty: ir.Type, name: str = "") -> ir.AllocaInstr:
+        fn = self.b.function
+        with self.b.goto_block(fn.entry_basic_block):
+            if fn.entry_basic_block.instructions:
+                self.b.position_before(fn.entry_basic_block.instructions[0])
+            return alloca(self.b, ty, name)
+
+    def ty(self, e: ast.Expr) -> Ty:
+        return self.program.types[e]
+
+    def signed(self, e: ast.Expr) -> bool:
+        return self.ty(e) == I32
+
+    def new_block(self, name: str) -> ir.Block:
+        return self.b.append_basic_block(name)
+
+    # ------------------------------------------------------------ bodies
+    def lower_body(self, stmts, result_ty: Ty | None) -> object:
+        """Lower a body whose `return`s store into a result slot; returns the slot."""
+        saved = self.ret_slot, self.ret_block
+        self.ret_slot = self.alloc_value(result_ty) if result_ty is not None else None
+        self.ret_block = self.new_block("return")
+        self.block(stmts)
+        if not self.b.block.is_terminated:
+            self.b.branch(self.ret_block)
+        self.b.position_at_end(self.ret_block)
+        slot = self.ret_slot
+        self.ret_slot, self.ret_block = saved
+        return slot
+
+    def alloc_value(self, ty: Ty) -> object:
+        """Storage for a value of type `ty`: an alloca, or a dict of them for records."""
+        if ty in RECORD_FIELDS and ty != STATE:
+            return {f: self.entry_alloca(LLVM_TYPES[t], f) for f, t in RECORD_FIELDS[ty].items()}
+        if ty in (STATE, TILE_SUMMARY, COUNTER) or ty.name == "Slots":
+            return self.entry_alloca(nvptx.ptr(), ty.name)
+        return self.entry_alloca(LLVM_TYPES[ty])
+
+    def store_value(self, slot: object, value: Value) -> None:
+        if isinstance(slot, dict):
+            for f, s in slot.items():
+                self.b.store(value[f], s)
+        else:
+            self.b.store(value, slot)
+
+    def load_value(self, slot: object) -> Value:
+        if isinstance(slot, dict):
+            return {f: load(self.b, s) for f, s in slot.items()}
+        return load(self.b, slot)
+
+    def block(self, stmts) -> None:
+        for s in stmts:
+            if self.b.block.is_terminated:
+                return
+            self.stmt(s)
+
+    def stmt(self, s: ast.Stmt) -> None:
+        if isinstance(s, ast.Let):
+            value = self.expr(s.value)
+            slot = self.alloc_like(value)
+            self.store_value(slot, value)
+            self.locals[s] = slot
+        elif isinstance(s, ast.Assign):
+            self.assign(s)
+        elif isinstance(s, ast.If):
+            cond = self.expr(s.cond)
+            then_bb, else_bb, end_bb = self.new_block("then"), self.new_block("else"), \
+                self.new_block("endif")
+            self.b.cbranch(cond, then_bb, else_bb)
+            for bb, body in ((then_bb, s.then), (else_bb, s.orelse)):
+                self.b.position_at_end(bb)
+                self.block(body)
+                if not self.b.block.is_terminated:
+                    self.b.branch(end_bb)
+            self.b.position_at_end(end_bb)
+        elif isinstance(s, ast.While):
+            cond_bb, body_bb, end_bb = self.new_block("while"), self.new_block("body"), \
+                self.new_block("endwhile")
+            self.b.branch(cond_bb)
+            self.b.position_at_end(cond_bb)
+            cond = self.expr(s.cond)
+            fuel = self.builtins.loop_fuel(self)
+            if fuel is not None:
+                cond = self.b.and_(cond, fuel)
+            self.b.cbranch(cond, body_bb, end_bb)
+            self.b.position_at_end(body_bb)
+            self.block(s.body)
+            if not self.b.block.is_terminated:
+                self.b.branch(cond_bb)
+            self.b.position_at_end(end_bb)
+        elif isinstance(s, ast.Return):
+            if self.ret_slot is not None and not isinstance(s.value, ast.NoneLit):
+                self.store_value(self.ret_slot, self.expr(s.value))
+            self.on_return(s)
+            self.b.branch(self.ret_block)
+        else:
+            assert isinstance(s, ast.ExprStmt)
+            self.expr(s.expr)
+
+    def on_return(self, s: ast.Return) -> None:
+        """Hook for callers that track more than the value (advance's `none`)."""
+
+    def alloc_like(self, value: Value) -> object:
+        if isinstance(value, dict):
+            return {f: self.entry_alloca(v.type, f) for f, v in value.items()}
+        return self.entry_alloca(value.type)
+
+    def assign(self, s: ast.Assign) -> None:
+        target = s.target
+        value = self.expr(s.value)
+        if s.op != "=":
+            current = self.expr(target)  # loads the old value
+            value = self.arith(s.op[:-1], current, value, self.ty(s.value) == I32
+                               or self.ty(target) == I32, self.ty(target))
+        if isinstance(target, ast.Name):
+            sym = self.program.refs[target]
+            self.b.store(value, self.locals[sym.node])
+        elif isinstance(target, ast.Attr):
+            state_ptr = self.expr(target.obj)
+            self.b.store(value, self.state_field(state_ptr, target.name))
+        else:
+            assert isinstance(target, ast.Index)
+            self.b.store(value, self.slot_pointer(target))
+
+    # ------------------------------------------------------------ expressions
+    def expr(self, e: ast.Expr) -> Value:
+        if isinstance(e, ast.IntLit):
+            return i32(e.value & 0xFFFFFFFF)
+        if isinstance(e, ast.FloatLit):
+            return f32(e.value)
+        if isinstance(e, ast.BoolLit):
+            return i1(int(e.value))
+        if isinstance(e, ast.Name):
+            return self.name(e)
+        if isinstance(e, ast.Attr):
+            return self.attr(e)
+        if isinstance(e, ast.Index):
+            return self.b.load(self.slot_pointer(e), typ=i32)
+        if isinstance(e, ast.Unary):
+            v = self.coerce(self.expr(e.operand), self.ty(e.operand), self.ty(e))
+            if e.op == "!":
+                return self.b.not_(v)
+            if e.op == "~":
+                return self.b.not_(v)
+            return self.b.fneg(v) if self.ty(e) == F32 else self.b.neg(v)
+        if isinstance(e, ast.Binary):
+            return self.binary(e)
+        if isinstance(e, ast.Tuple):
+            return [self.expr(i) for i in e.items]
+        assert isinstance(e, ast.Call)
+        return self.call(e)
+
+    def coerce(self, v: Value, src: Ty, dst: Ty) -> Value:
+        """Integer to f32 promotion (the only implicit conversion)."""
+        if dst == F32 and src in (U32, I32, INT_LITERAL):
+            return self.b.uitofp(v, f32) if src == U32 else self.b.sitofp(v, f32)
+        return v
+
+    def binary(self, e: ast.Binary) -> ir.Value:
+        if e.op in ("&&", "||"):
+            return self.short_circuit(e)
+        lt, rt = self.ty(e.left), self.ty(e.right)
+        common = F32 if F32 in (lt, rt) else (I32 if I32 in (lt, rt) else
+                                               (lt if lt not in (INT_LITERAL,) else rt))
+        left = self.coerce(self.expr(e.left), lt, common)
+        right = self.coerce(self.expr(e.right), rt, common)
+        return self.arith(e.op, left, right, common == I32, common)
+
+    def arith(self, op: str, a: ir.Value, b: ir.Value, signed: bool, ty: Ty) -> ir.Value:
+        B = self.b
+        if ty == F32 or a.type == f32:
+            if op in ("==", "!=", "<", "<=", ">", ">="):
+                return B.fcmp_ordered(op, a, b)
+            return {"+": B.fadd, "-": B.fsub, "*": B.fmul, "/": B.fdiv}[op](a, b)
+        if op in ("==", "!=", "<", "<=", ">", ">="):
+            return (B.icmp_signed if signed else B.icmp_unsigned)(op, a, b)
+        if op in ("/", "%"):
+            # Division by zero is defined here (result 0) so a bad rule cannot trap the host.
+            zero = B.icmp_unsigned("==", b, b.type(0))
+            safe = B.select(zero, b.type(1), b)
+            q = (B.sdiv if signed else B.udiv)(a, safe) if op == "/" else \
+                (B.srem if signed else B.urem)(a, safe)
+            return B.select(zero, b.type(0), q)
+        if op == ">>":
+            return B.ashr(a, b) if signed else B.lshr(a, b)
+        return {"+": B.add, "-": B.sub, "*": B.mul, "<<": B.shl, "&": B.and_, "|": B.or_,
+                "^": B.xor}[op](a, b)
+
+    def short_circuit(self, e: ast.Binary) -> ir.Value:
+        left = self.expr(e.left)
+        left_bb = self.b.block
+        rhs_bb, end_bb = self.new_block("rhs"), self.new_block("sc_end")
+        if e.op == "&&":
+            self.b.cbranch(left, rhs_bb, end_bb)
+        else:
+            self.b.cbranch(left, end_bb, rhs_bb)
+        self.b.position_at_end(rhs_bb)
+        right = self.expr(e.right)
+        right_bb = self.b.block
+        self.b.branch(end_bb)
+        self.b.position_at_end(end_bb)
+        phi = self.b.phi(i1)
+        phi.add_incoming(i1(0 if e.op == "&&" else 1), left_bb)
+        phi.add_incoming(right, right_bb)
+        return phi
+
+    def name(self, e: ast.Name) -> Value:
+        sym: Symbol = self.program.refs[e]
+        if sym.kind == "local":
+            return self.load_value(self.locals[sym.node])
+        if sym.kind == "builtin":
+            if sym.name in SCHEDULES:
+                return i32(SCHEDULES.index(sym.name))
+            if sym.name in SYNCS:
+                return i32(SYNCS.index(sym.name))
+            if sym.name == "tile_m":
+                return i32(self.tile_m)
+            if sym.ty == DIM3:
+                return _Dim3(sym.name)
+            return self.builtins.value(self, sym.name)
+        if sym.kind in ("sched_param", "constant"):
+            return self.param_values[sym.name]()
+        value = self.bindings[sym.node]
+        return self.load_value(value) if sym.kind == "fn_param" else value
+
+    def attr(self, e: ast.Attr) -> Value:
+        obj = self.expr(e.obj)
+        obj_ty = self.ty(e.obj)
+        if isinstance(obj, _Dim3):
+            return self.builtins.dim3(self, obj.group, e.name)
+        if obj_ty == TILE_SUMMARY:
+            if e.name == "has_valid_length":
+                vl = self.ts_field(obj, "valid_length")
+                return self.b.icmp_unsigned("!=", self.b.ptrtoint(vl, i64), i64(0))
+            return self.ts_field(obj, e.name)
+        if obj_ty == STATE:
+            k = STATE_FIELDS.index(e.name)
+            return self.b.load(self.state_field(obj, e.name),
+                               typ=self.state_struct().elements[k])
+        if obj_ty == SEQ_INFO and e.name == "is_valid":
+            return self.b.icmp_unsigned(">", obj["seq_len"], obj["prompt_offset"])
+        return obj[e.name]
+
+    def state_field(self, state_ptr: ir.Value, name: str) -> ir.Value:
+        return self.b.gep(state_ptr, [i32(0), i32(STATE_FIELDS.index(name))],
+                          source_etype=self.state_struct())
+
+    def state_struct(self) -> ir.LiteralStructType:
+        return self.builtins.state_struct
+
+    def ts_field(self, ts_ptr: ir.Value, name: str) -> ir.Value:
+        k = TS_FIELDS.index(name)
+        ptr = self.b.gep(ts_ptr, [i32(0), i32(k)], source_etype=self.builtins.ts_struct)
+        return self.b.load(ptr, typ=self.builtins.ts_struct.elements[k])
+
+    def slot_pointer(self, e: ast.Index) -> ir.Value:
+        slots = self.expr(e.obj)
+        return self.b.gep(slots, [self.expr(e.index)], source_etype=i32)
+
+    # ------------------------------------------------------------ calls
+    def call(self, e: ast.Call) -> Value:
+        func = e.func
+        if isinstance(func, ast.Attr):
+            return self.ts_method(self.expr(func.obj), func.name, [self.expr(a) for a in e.args])
+        name = func.id
+        if name in self.program.fns:
+            return self.inline_fn(self.program.fns[name], [self.expr(a) for a in e.args])
+        if TYPE_NAMES.get(name) in RECORD_FIELDS:
+            given = {kw.name: self.expr(kw.value) for kw in e.kwargs}
+            if name == "State":
+                return self.make_state(given)
+            return {f: given[f] for f in RECORD_FIELDS[TYPE_NAMES[name]]}
+        if name == "atomic_add":
+            counter, amount = (self.expr(a) for a in e.args)
+            return self.b.atomic_rmw("add", counter, amount, "monotonic")
+        if name == "barrier":
+            sync = self.expr(e.args[0]) if e.args else i32(SYNCS.index("ALL"))
+            if not isinstance(sync, ir.Constant):
+                raise AssertionError("barrier needs a compile-time sync")
+            self.builtins.barrier(self, sync.constant)
+            return None
+        args = [self.expr(a) for a in e.args]
+        types = [self.ty(a) for a in e.args]
+        result = self.ty(e)
+        if name in ("min", "max"):
+            a, b = (self.coerce(v, t, result) for v, t in zip(args, types))
+            if result == F32:
+                return nvptx_math(self.b, "minnum" if name == "min" else "maxnum", [a, b])
+            cmp = self.arith("<" if name == "min" else ">", a, b, result == I32, result)
+            return self.b.select(cmp, a, b)
+        if name == "cdiv":
+            a, b = args
+            return self.arith("/", self.b.add(a, self.b.sub(b, i32(1))), b, result == I32, result)
+        if name == "where":
+            c, a, b = args
+            return self.b.select(c, self.coerce(a, types[1], result),
+                                 self.coerce(b, types[2], result))
+        if name in ("u32", "i32", "f32"):
+            return self.cast(args[0], types[0], result)
+        if name == "abs":
+            x = args[0]
+            if result == F32:
+                return nvptx_math(self.b, "fabs", [self.coerce(x, types[0], F32)])
+            neg = self.b.icmp_signed("<", x, i32(0))
+            return self.b.select(neg, self.b.neg(x), x)
+        x = self.coerce(args[0], types[0], F32)
+        return nvptx_math(self.b, name, [x])
+
+    def cast(self, v: ir.Value, src: Ty, dst: Ty) -> ir.Value:
+        if src == BOOL:
+            v = self.b.zext(v, i32)
+            src = U32
+        if dst == F32:
+            return self.coerce(v, src, F32)
+        if src == F32:
+            return self.b.fptosi(v, i32) if dst == I32 else self.b.fptoui(v, i32)
+        return v
+
+    def make_state(self, given: dict[str, ir.Value]) -> ir.Value:
+        ptr = self.entry_alloca(self.state_struct(), "state")
+        for f in STATE_FIELDS:
+            self.b.store(given[f], self.state_field(ptr, f))
+        return ptr
+
+    def inline_fn(self, fn: ast.FnDecl, args: list[Value]) -> Value:
+        # The callee sees the caller's environment (env, ts) but none of its names.
+        bindings = {k: v for k, v in self.bindings.items() if k in ("env", "ts")}
+        for p, a in zip(fn.params, args):
+            slot = self.alloc_like(a)
+            self.store_value(slot, a)
+            bindings[p] = slot
+        inner = FunctionLowering(self.b, self.program, self.builtins, bindings,
+                                 tile_m=self.tile_m, param_values=self.param_values)
+        slot = inner.lower_body(fn.body, TYPE_NAMES[fn.ret.name])
+        return self.load_value(slot)
+
+    # ------------------------------------------------------------ tile summary
+    def ts_method(self, ts: ir.Value, name: str, args: list[Value]) -> Value:
+        B = self.b
+        tiles = self.ts_field(ts, "max_num_prompt_tiles")
+        heads = self.ts_field(ts, "num_heads")
+        batch = self.ts_field(ts, "batch_size")
+        if name == "num_work":
+            return B.mul(B.mul(tiles, heads), batch)
+        if name == "work_info":
+            idx, schedule = args
+            one = i32(1)
+            tiles_nz = self.umax(tiles, one)
+            heads_nz = self.umax(heads, one)
+            q_tile = B.urem(idx, tiles_nz)
+            rest = B.udiv(idx, tiles_nz)
+            head = B.urem(rest, heads_nz)
+            seq = B.udiv(rest, heads_nz)
+            rotate = B.and_(B.icmp_unsigned("==", schedule, i32(SCHEDULES.index("PROMPT_ROTATE"))),
+                            B.trunc(head, i1))
+            q_tile = B.select(rotate, B.sub(B.sub(tiles, one), q_tile), q_tile)
+            valid = B.icmp_unsigned("<", idx, B.mul(B.mul(tiles, heads), batch))
+            return {"prompt_offset": B.mul(q_tile, i32(self.tile_m)), "head_idx": head,
+                    "prompt_idx": seq, "is_valid": valid}
+        if name == "seq_info":
+            (wi,) = args
+            seq_len, start = self.seq_extent(ts, wi["prompt_idx"])
+            return {"seq_len": seq_len, "start_of_seq": start,
+                    "prompt_offset": wi["prompt_offset"], "head_idx": wi["head_idx"],
+                    "prompt_idx": wi["prompt_idx"]}
+        seq_len, start = self.seq_extent(ts, args[0])
+        if name == "seq_len":
+            return seq_len
+        if name == "seq_start":
+            return start
+        assert name == "num_prompt_tiles"
+        m = i32(max(self.tile_m, 1))
+        return B.udiv(B.add(seq_len, i32(max(self.tile_m, 1) - 1)), m)
+
+    def umax(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.b.select(self.b.icmp_unsigned(">", a, b), a, b)
+
+    def seq_extent(self, ts: ir.Value, batch_idx: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """(seq_len, start) of sequence `batch_idx`; (0, 0) when it is out of range.
+
+        Ragged batches read the row offsets; the indices are clamped so an invalid work
+        item never reads past the offsets array.
+        """
+        B = self.b
+        batch = self.ts_field(ts, "batch_size")
+        in_range = B.icmp_unsigned("<", batch_idx, batch)
+        vl = self.ts_field(ts, "valid_length")
+        has_vl = B.icmp_unsigned("!=", B.ptrtoint(vl, i64), i64(0))
+        lo_idx = B.select(in_range, batch_idx, batch)
+        hi_idx = B.select(in_range, B.add(batch_idx, i32(1)), batch)
+        dense_len = self.ts_field(ts, "max_seq_len")
+        with B.if_else(has_vl) as (ragged, dense):
+            with ragged:
+                start_r = B.load(B.gep(vl, [lo_idx], source_etype=i32), typ=i32)
+                end_r = B.load(B.gep(vl, [hi_idx], source_etype=i32), typ=i32)
+                ragged_bb = B.block
+            with dense:
+                dense_bb = B.block
+        start = B.phi(i32)
+        start.add_incoming(start_r, ragged_bb)
+        start.add_incoming(i32(0), dense_bb)
+        end = B.phi(i32)
+        end.add_incoming(end_r, ragged_bb)
+        end.add_incoming(dense_len, dense_bb)
+        seq_len = B.select(in_range, B.sub(end, start), i32(0))
+        return seq_len, start
+
+
+def nvptx_math(builder: ir.IRBuilder, name: str, args: list[ir.Value]) -> ir.Value:
+    """f32 math through LLVM intrinsics (NVPTX and the host both lower them)."""
+    if name == "tanh":
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): stays within one ulp-ish of libm for |x| < 88
+        e = nvptx_math(builder, "exp", [builder.fmul(args[0], f32(2.0))])
+        return builder.fsub(f32(1.0), builder.fdiv(f32(2.0), builder.fadd(e, f32(1.0))))
+    llvm_name = {"exp": "llvm.exp.f32", "exp2": "llvm.exp2.f32", "log": "llvm.log.f32",
+                 "log2": "llvm.log2.f32", "sqrt": "llvm.sqrt.f32", "fabs": "llvm.fabs.f32",
+                 "minnum": "llvm.minnum.f32", "maxnum": "llvm.maxnum.f32"}[name]
+    return nvptx.call(builder, llvm_name, f32, args)

@@ -1,0 +1,414 @@
+"""Scheduler rules -> LLVM functions, the per-CTA work loop, and the trace kernel.
+
+Each rule of a scheduler specialisation becomes one function with a fixed ABI, the same
+on every target (pointers to structs laid out in `codegen.lower`):
+
+    grid_dim(env*, ts*, i32 batch_size, i32 max_num_prompt_tiles, [3 x i32]* out)  host only
+    initial_state(env*, ts*, slots*, State* out)
+    get_current_work_info(env*, ts*, State*, WorkInfo* out)
+    advance.<producer>.<sync>(env*, ts*, State*, i32 pipeline_idx, SeqInfo* out) -> i1
+    unsafe_seq_info(env*, ts*, State*, SeqInfo* out)
+
+On the GPU they are internal and always inlined into a kernel; on the host they are
+exported for the simulator, which calls them through ctypes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from llvmlite import ir
+
+from mhadsl.codegen import nvptx
+from mhadsl.codegen.lower import (
+    ENV_FIELDS, alloca, load, Builtins, FunctionLowering, env_type, record_type, state_type, ts_type,
+)
+from mhadsl.codegen.nvptx import i1, i8, i32, i64
+from mhadsl.codegen.target import Target
+from mhadsl import ast
+from mhadsl.check import SCHEDULER_RULES, CheckedProgram
+from mhadsl.diagnostics import MhaError
+from mhadsl.types import BOOL, RECORD_FIELDS, SCHEDULE, SCHEDULES, SEQ_INFO, SYNCS, WORK_INFO
+
+SLOT_COUNT = 2  # the work index rides a double-buffered pipeline (BRIEF §3)
+HOST_LOOP_FUEL = 1 << 20  # iterations a host `while` may run before the simulator gives up
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """One specialisation of a scheduler: its name, bound parameters and the tile height.
+
+    `args` maps parameter names to Python values (int, bool, or a Schedule name).
+    """
+
+    name: str
+    args: tuple[tuple[str, object], ...] = ()
+    tile_m: int = 128
+
+    def arg_dict(self) -> dict[str, object]:
+        return dict(self.args)
+
+
+def const_eval(e: ast.Expr, program: CheckedProgram, args: dict[str, object],
+               decl: ast.SchedulerDecl) -> object:
+    """Evaluate a compile-time constant (may_advance, a parameter's default)."""
+    if isinstance(e, (ast.BoolLit, ast.IntLit)):
+        return e.value
+    if isinstance(e, ast.Name):
+        if e.id in SCHEDULES:
+            return e.id
+        params = {p.name: p for p in decl.params}
+        if e.id in args:
+            return args[e.id]
+        if e.id in params and params[e.id].default is not None:
+            return const_eval(params[e.id].default, program, args, decl)
+    if isinstance(e, ast.Unary) and e.op == "!":
+        return not const_eval(e.operand, program, args, decl)
+    raise MhaError("this must be a compile-time constant here", e.span)
+
+
+class _TargetBuiltins(Builtins):
+    def __init__(self, target: Target, producer: bool, sync: int, producer_threads: int):
+        self.target = target
+        self.producer, self.sync, self.producer_threads = producer, sync, producer_threads
+        space = nvptx.SHARED if target.is_gpu else nvptx.GENERIC
+        gspace = nvptx.GLOBAL if target.is_gpu else nvptx.GENERIC
+        self.state_struct = state_type(space)
+        self.ts_struct = ts_type(gspace)
+        self.env_struct = env_type(gspace)
+
+    def env_field(self, lower: FunctionLowering, name: str, axis: int | None = None):
+        idx = [i32(0), i32(ENV_FIELDS.index(name))] + ([i32(axis)] if axis is not None else [])
+        return lower.b.gep(lower.bindings["env"], idx, source_etype=self.env_struct)
+
+    def value(self, lower: FunctionLowering, name: str):
+        if name == "num_sms":
+            return lower.b.load(self.env_field(lower, "num_sms"), typ=i32)
+        if name == "num_heads":
+            return lower.ts_field(lower.bindings["ts"], "num_heads")
+        if name == "queue":
+            return lower.b.load(self.env_field(lower, "counter"), typ=self.env_struct.elements[0])
+        if name == "producer":
+            return i1(int(self.producer))
+        assert name == "sync"
+        return i32(self.sync)
+
+    def dim3(self, lower: FunctionLowering, group: str, axis: str):
+        if self.target.is_gpu:
+            return nvptx.special_register(lower.b, group, axis)
+        return lower.b.load(self.env_field(lower, group, "xyz".index(axis)), typ=i32)
+
+    def barrier(self, lower: FunctionLowering, sync: int) -> None:
+        if not self.target.is_gpu or SYNCS[sync] == "NONE":
+            return  # the host simulates one thread per CTA: nothing to wait for
+        if SYNCS[sync] == "ALL" or self.producer_threads == 0:
+            nvptx.barrier_all(lower.b)
+        else:
+            nvptx.barrier_named(lower.b, nvptx.PRODUCER_BARRIER, self.producer_threads)
+
+    def loop_fuel(self, lower: FunctionLowering):
+        if self.target.is_gpu:
+            return None
+        # Host only: every iteration burns fuel, so a loop that never ends returns instead
+        # and the simulator reports it.
+        fuel_ptr = self.env_field(lower, "fuel")
+        left = lower.b.sub(lower.b.load(fuel_ptr, typ=i64), i64(1))
+        lower.b.store(left, fuel_ptr)
+        return lower.b.icmp_signed(">", left, i64(0))
+
+
+@dataclass
+class LoweredScheduler:
+    spec: SchedulerSpec
+    decl: ast.SchedulerDecl
+    may_advance: bool
+    functions: dict[str, ir.Function]
+    env_struct: ir.LiteralStructType
+    ts_struct: ir.LiteralStructType
+    state_struct: ir.LiteralStructType
+
+    def advance_name(self, producer: bool, sync: str) -> str:
+        return f"advance.{int(producer)}.{sync}"
+
+
+def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerSpec,
+                    target: Target, *, advance_variants=((True, "ALL"),),
+                    producer_threads: int = 0) -> LoweredScheduler:
+    """Emit the rule functions of one scheduler specialisation into `module`."""
+    decl = program.schedulers.get(spec.name)
+    if decl is None:
+        raise MhaError(f"no scheduler named '{spec.name}' (declared: "
+                       f"{', '.join(program.schedulers) or 'none'})")
+    args = spec.arg_dict()
+    params = {p.name: p for p in decl.params}
+    for name in args:
+        if name not in params:
+            raise MhaError(f"scheduler '{spec.name}' has no parameter '{name}' (it has: "
+                           f"{', '.join(params) or 'none'})", decl.span)
+    constants = {c.name: c for c in decl.constants}
+    may_advance = bool(const_eval(constants["may_advance"].value, program, args, decl))
+    rules = {r.name: r for r in decl.rules}
+    prefix = f"{spec.name}.{spec.tile_m}." + ".".join(f"{k}={v}" for k, v in spec.args)
+    functions: dict[str, ir.Function] = {}
+
+    def emit(rule_name: str, fn_name: str, producer: bool = True, sync: str = "ALL"):
+        builtins = _TargetBuiltins(target, producer, SYNCS.index(sync), producer_threads)
+        rule = rules[rule_name]
+        roles = program.rule_roles[rule]
+        env_t, ts_t, state_t = builtins.env_struct, builtins.ts_struct, builtins.state_struct
+        slot_space = nvptx.SHARED if target.is_gpu else nvptx.GENERIC
+        role_types = {"ts": nvptx.ptr(), "state": nvptx.ptr(), "slots": nvptx.ptr(slot_space),
+                      "batch_size": i32, "max_num_prompt_tiles": i32, "pipeline_idx": i32}
+        arg_roles = ["env", "ts"] + [r for r in roles if r != "ts"] + ["out"]
+        ret = i1 if rule_name == "advance" else nvptx.void
+        fnty = ir.FunctionType(ret, [role_types.get(r, nvptx.ptr()) for r in arg_roles])
+        fn = ir.Function(module, fnty, name=f"{prefix}{fn_name}")
+        if target.is_gpu:
+            fn.linkage = "internal"
+            fn.attributes.add("alwaysinline")
+        builder = ir.IRBuilder(fn.append_basic_block("entry"))
+        bindings = dict(zip(arg_roles, fn.args))
+        lower = FunctionLowering(builder, program, builtins, bindings, tile_m=spec.tile_m)
+        lower.param_values = _param_thunks(lower, decl, args)
+        returned_none = lower.entry_alloca(i1, "is_none") if rule_name == "advance" else None
+        if returned_none is not None:
+            builder.store(i1(0), returned_none)
+            lower.on_return = lambda s: builder.store(
+                i1(int(isinstance(s.value, ast.NoneLit))), returned_none)
+        result_ty = {"grid_dim": None, "advance": SEQ_INFO, "initial_state": None,
+                     "get_current_work_info": WORK_INFO, "unsafe_seq_info": SEQ_INFO}[rule_name]
+        if rule_name == "grid_dim":
+            lower.ret_slot_override = True
+        slot = _lower_rule_body(lower, rule, rule_name, result_ty, bindings["out"],
+                                builtins)
+        if rule_name == "advance":
+            _store_record(builder, slot, SEQ_INFO, bindings["out"])
+            builder.ret(builder.not_(load(builder, returned_none)))
+        else:
+            if result_ty is not None:
+                _store_record(builder, slot, result_ty, bindings["out"])
+            builder.ret_void()
+        functions[fn_name] = fn
+
+    if not target.is_gpu:
+        emit("grid_dim", "grid_dim")
+    emit("initial_state", "initial_state")
+    emit("get_current_work_info", "get_current_work_info")
+    emit("unsafe_seq_info", "unsafe_seq_info")
+    for producer, sync in advance_variants:
+        emit("advance", f"advance.{int(producer)}.{sync}", producer, sync)
+    b0 = _TargetBuiltins(target, True, 0, producer_threads)
+    return LoweredScheduler(spec, decl, may_advance, functions, b0.env_struct, b0.ts_struct,
+                            b0.state_struct)
+
+
+def _param_thunks(lower: FunctionLowering, decl: ast.SchedulerDecl,
+                  args: dict[str, object]) -> dict[str, Callable]:
+    """Scheduler parameters and constants, lowered where they are used."""
+    thunks: dict[str, Callable] = {}
+    for p in decl.params:
+        if p.name in args:
+            value = args[p.name]
+            const = (i32(SCHEDULES.index(value)) if p.type.name == "Schedule"
+                     else i1(int(value)) if p.type.name == "bool" else i32(int(value) & 0xFFFFFFFF))
+            thunks[p.name] = lambda c=const: c
+        else:
+            thunks[p.name] = lambda e=p.default: lower.expr(e)
+    for c in decl.constants:
+        thunks[c.name] = lambda e=c.value: lower.expr(e)
+    return thunks
+
+
+def _lower_rule_body(lower: FunctionLowering, rule: ast.Rule, rule_name: str, result_ty,
+                     out: ir.Value, builtins: _TargetBuiltins):
+    if rule_name == "grid_dim":
+        # The result is a tuple; store its items into out[0..2] at the return.
+        values = lower.alloc_value_tuple = [lower.entry_alloca(i32) for _ in range(3)]
+        for v in values:
+            lower.b.store(i32(1), v)
+        original = lower.stmt
+
+        def stmt(s):
+            if isinstance(s, ast.Return):
+                items = lower.expr(s.value)
+                for slot, item in zip(values, items):
+                    lower.b.store(item, slot)
+                lower.b.branch(lower.ret_block)
+            else:
+                original(s)
+        lower.stmt = stmt
+        lower.lower_body(rule.body, None)
+        for k, slot in enumerate(values):
+            lower.b.store(load(lower.b, slot), lower.b.gep(out, [i32(k)], source_etype=i32))
+        return None
+    if rule_name == "initial_state":
+        original = lower.stmt
+
+        def stmt(s):
+            if isinstance(s, ast.Return):
+                src = lower.expr(s.value)
+                lower.b.store(lower.b.load(src, typ=builtins.state_struct), out)
+                lower.b.branch(lower.ret_block)
+            else:
+                original(s)
+        lower.stmt = stmt
+        lower.lower_body(rule.body, None)
+        return None
+    return lower.lower_body(rule.body, result_ty)
+
+
+def _store_record(builder: ir.IRBuilder, slot: dict, ty, out: ir.Value) -> None:
+    struct = record_type(ty)
+    for k, (field, field_ty) in enumerate(RECORD_FIELDS[ty].items()):
+        value = load(builder, slot[field])
+        if field_ty == BOOL:
+            value = builder.zext(value, i8)
+        builder.store(value, builder.gep(out, [i32(0), i32(k)], source_etype=struct))
+
+
+def load_record(builder: ir.IRBuilder, ptr: ir.Value, ty) -> dict[str, ir.Value]:
+    struct = record_type(ty)
+    values = {}
+    for k, (field, field_ty) in enumerate(RECORD_FIELDS[ty].items()):
+        v = builder.load(builder.gep(ptr, [i32(0), i32(k)], source_etype=struct),
+                         typ=struct.elements[k])
+        values[field] = builder.trunc(v, i1) if field_ty == BOOL else v
+    return values
+
+
+# ---------------------------------------------------------------------- GPU side
+@dataclass
+class KernelEnv:
+    """Pointers to the env and tile-summary structs a kernel built from its params."""
+
+    env: ir.Value
+    ts: ir.Value
+    slots: ir.Value
+
+
+def emit_kernel_env(builder: ir.IRBuilder, sched: LoweredScheduler, *, counter, num_sms,
+                    batch_size, max_num_prompt_tiles, max_seq_len, num_heads,
+                    valid_length, slots) -> KernelEnv:
+    """Fill the env and tile summary from kernel parameters (SROA makes them registers)."""
+    env = alloca(builder, sched.env_struct, "env")
+    builder.store(counter, builder.gep(env, [i32(0), i32(0)], source_etype=sched.env_struct))
+    builder.store(num_sms, builder.gep(env, [i32(0), i32(1)], source_etype=sched.env_struct))
+    ts = alloca(builder, sched.ts_struct, "ts")
+    for k, v in enumerate((batch_size, max_num_prompt_tiles, max_seq_len, num_heads,
+                           valid_length)):
+        builder.store(v, builder.gep(ts, [i32(0), i32(k)], source_etype=sched.ts_struct))
+    return KernelEnv(env, ts, slots)
+
+
+def shared_slots(module: ir.Module) -> ir.GlobalVariable:
+    """The CTA's shared-memory work-index slots (one per pipeline stage)."""
+    name = "mhadsl.sched_slots"
+    if name in module.globals:
+        return module.globals[name]
+    slots = ir.GlobalVariable(module, ir.ArrayType(i32, SLOT_COUNT), name,
+                              addrspace=nvptx.SHARED)
+    slots.linkage = "internal"
+    slots.initializer = ir.Constant(ir.ArrayType(i32, SLOT_COUNT), None)
+    slots.align = 8
+    slots.type = nvptx.ptr(nvptx.SHARED)  # opaque, as LLVM 22 prints pointers
+    return slots
+
+
+def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv,
+                   body: Callable[[ir.IRBuilder, dict[str, ir.Value]], None], *,
+                   producer: bool = True, sync: str = "ALL") -> None:
+    """The persistent loop: initial_state, then body per valid tile, advance until none.
+
+    Every thread of the CTA runs it (advance may hold a barrier); `body` gets the tile's
+    SeqInfo fields and is skipped for tiles past their sequence's end.
+    """
+    fns = sched.functions
+    args = (kenv.env, kenv.ts)
+    state = alloca(builder, sched.state_struct, "state")
+    info = alloca(builder, record_type(WORK_INFO), "work_info")
+    seq = alloca(builder, record_type(SEQ_INFO), "seq_info")
+    pipe = alloca(builder, i32, "pipeline_idx")
+    builder.store(i32(0), pipe)
+    builder.call(fns["initial_state"], [*args, kenv.slots, state])
+    builder.call(fns["get_current_work_info"], [*args, state, info])
+    valid = load_record(builder, info, WORK_INFO)["is_valid"]
+    loop_bb = builder.append_basic_block("work")
+    exit_bb = builder.append_basic_block("work_done")
+    first_bb = builder.append_basic_block("first_tile")
+    builder.cbranch(valid, first_bb, exit_bb)
+    builder.position_at_end(first_bb)
+    builder.call(fns["unsafe_seq_info"], [*args, state, seq])
+    builder.branch(loop_bb)
+
+    builder.position_at_end(loop_bb)
+    fields = load_record(builder, seq, SEQ_INFO)
+    is_valid = builder.icmp_unsigned(">", fields["seq_len"], fields["prompt_offset"])
+    with builder.if_then(is_valid):
+        body(builder, fields)
+    if sched.may_advance:
+        p = builder.load(pipe, typ=i32)
+        more = builder.call(fns[sched.advance_name(producer, sync)], [*args, state, p, seq])
+        builder.store(builder.xor(p, i32(1)), pipe)
+        builder.cbranch(more, loop_bb, exit_bb)
+    else:
+        builder.branch(exit_bb)
+    builder.position_at_end(exit_bb)
+
+
+TRACE_FIELDS = 4  # per step: prompt_offset, head_idx, prompt_idx, 1 (0 past the last step)
+
+
+def build_trace_kernel(module: ir.Module, sched: LoweredScheduler) -> ir.Function:
+    """A kernel that drives the scheduler over the whole grid and records every tile.
+
+    Params: (u32* counter, u32 num_sms, u32 batch, u32 max_tiles, u32 max_seq_len,
+    u32 num_heads, i32* valid_length or null, u32* out, u32 max_steps, u32* overflow).
+    Thread 0 of CTA c writes step s at out[(c * max_steps + s) * 4 ...].
+    """
+    g = nvptx.ptr(nvptx.GLOBAL)
+    fnty = ir.FunctionType(nvptx.void, [g, i32, i32, i32, i32, i32, g, g, i32, g])
+    fn = ir.Function(module, fnty, name=f"trace_{sched.spec.name}")
+    nvptx.mark_kernel(fn)
+    counter, num_sms, batch, tiles, max_len, heads, vl, out, max_steps, overflow = fn.args
+    for a in (counter, vl, out, overflow):
+        a.add_attribute("noalias")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    slots = shared_slots(module)
+    kenv = emit_kernel_env(b, sched, counter=counter, num_sms=num_sms, batch_size=batch,
+                           max_num_prompt_tiles=tiles, max_seq_len=max_len, num_heads=heads,
+                           valid_length=vl, slots=slots)
+    step = alloca(b, i32, "step")
+    b.store(i32(0), step)
+    tid = nvptx.special_register(b, "thread_idx", "x")
+    cta = nvptx.special_register(b, "block_idx", "x")
+    nx = nvptx.special_register(b, "grid_dim", "x")
+    ny = nvptx.special_register(b, "grid_dim", "y")
+    cta = b.add(cta, b.mul(nx, b.add(nvptx.special_register(b, "block_idx", "y"),
+                                     b.mul(ny, nvptx.special_register(b, "block_idx", "z")))))
+
+    def record(bb: ir.IRBuilder, fields: dict[str, ir.Value]) -> None:
+        s = bb.load(step, typ=i32)
+        fits = bb.icmp_unsigned("<", s, max_steps)
+        with bb.if_else(bb.and_(fits, bb.icmp_unsigned("==", tid, i32(0)))) as (then, other):
+            with then:
+                base = bb.mul(bb.add(bb.mul(cta, max_steps), s), i32(TRACE_FIELDS))
+                for k, v in enumerate((fields["prompt_offset"], fields["head_idx"],
+                                       fields["prompt_idx"], i32(1))):
+                    bb.store(v, bb.gep(out, [bb.add(base, i32(k))], source_etype=i32))
+            with other:
+                with bb.if_then(bb.not_(fits)):
+                    bb.store(i32(1), overflow)
+        bb.store(bb.add(s, i32(1)), step)
+
+    emit_work_loop(b, sched, kenv, record)
+    b.ret_void()
+    return fn
+
+
+def rule_names() -> tuple[str, ...]:
+    return tuple(SCHEDULER_RULES)
+
+
+__all__ = ["SchedulerSpec", "LoweredScheduler", "lower_scheduler", "emit_work_loop",
+           "emit_kernel_env", "build_trace_kernel", "shared_slots", "load_record",
+           "SCHEDULE", "SLOT_COUNT", "HOST_LOOP_FUEL", "TRACE_FIELDS", "i64"]

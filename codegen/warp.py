@@ -1,0 +1,162 @@
+"""Warp-level building blocks for the sm_80-class tensor-core path.
+
+Register tiles are Python lists of SSA values; every helper here emits straight-line IR for
+one warp-wide instruction (or a short fixed sequence) and is reused by every head dim, dtype
+and kernel variant. The operand conventions are the PTX ones for `mma.m16n8k16.row.col`:
+
+  lane = 4*g + t   (g = lane // 4 in [0, 8), t = lane % 4)
+  A (16x16, row):  a0 = A[g][2t:2t+2]  a1 = A[g+8][2t:2t+2]  a2 = A[g][2t+8:2t+10]  a3 = A[g+8][2t+8:2t+10]
+  B (16x8,  col):  b0 = B[2t:2t+2][g]  b1 = B[2t+8:2t+10][g]
+  C (16x8, f32):   c0,c1 = C[g][2t:2t+2]  c2,c3 = C[g+8][2t:2t+2]
+
+Each A/B register is an i32 holding two 16-bit elements, the lower column/row in the low half.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from . import nvptx
+from .nvptx import SHARED, GLOBAL, call, f32, i32, i1, void
+
+DTYPES = ("bf16", "fp16")
+ELEMENT_BYTES = 2
+FULL_MASK = 0xFFFFFFFF
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+class _BFloatType(ir.Type):
+    """LLVM's `bfloat` (llvmlite 0.50 has no class for it)."""
+
+    null = "0.0"
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _BFloatType)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+BFLOAT = _BFloatType()
+HALF = ir.HalfType()
+
+
+def element_type(dtype: str) -> ir.Type:
+    if dtype == "bf16":
+        return BFLOAT
+    if dtype == "fp16":
+        return HALF
+    raise ValueError(f"unsupported dtype {dtype!r}; expected one of {DTYPES}")
+
+
+# ----------------------------------------------------------------- tensor cores
+def mma_m16n8k16(builder: ir.IRBuilder, dtype: str, a: list, b: list, c: list) -> list:
+    """D = A*B + C for one m16n8k16 tile (16-bit inputs, f32 accumulate).
+
+    a: 4 i32, b: 2 i32, c: 4 f32 -> 4 f32."""
+    assert len(a) == 4 and len(b) == 2 and len(c) == 4
+    ret = ir.LiteralStructType([f32] * 4)
+    if dtype == "bf16":
+        res = call(builder, "llvm.nvvm.mma.m16n8k16.row.col.bf16", ret, [*a, *b, *c])
+    elif dtype == "fp16":
+        h2 = ir.VectorType(HALF, 2)
+        ops = [builder.bitcast(x, h2) for x in (*a, *b)]
+        res = call(builder, "llvm.nvvm.mma.m16n8k16.row.col.f32.f32", ret, [*ops, *c])
+    else:
+        raise ValueError(dtype)
+    return [builder.extract_value(res, i) for i in range(4)]
+
+
+def ldmatrix_x4(builder: ir.IRBuilder, smem_ptr: ir.Value, trans: bool = False) -> list:
+    """`ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16`: lane l supplies the address of
+    row l % 8 of matrix l // 8; returns the 4 i32 registers (one per matrix)."""
+    name = ("llvm.nvvm.ldmatrix.sync.aligned.m8n8.x4.trans.b16.p3" if trans
+            else "llvm.nvvm.ldmatrix.sync.aligned.m8n8.x4.b16.p3")
+    res = call(builder, name, ir.LiteralStructType([i32] * 4), [smem_ptr])
+    return [builder.extract_value(res, i) for i in range(4)]
+
+
+def pack2(builder: ir.IRBuilder, dtype: str, lo: ir.Value, hi: ir.Value) -> ir.Value:
+    """Two f32 -> one i32 holding two 16-bit values (lo in the low half), round to nearest."""
+    vec = ir.VectorType(f32, 2)
+    v = builder.insert_element(ir.Constant(vec, ir.Undefined), lo, i32(0))
+    v = builder.insert_element(v, hi, i32(1))
+    narrow = builder.fptrunc(v, ir.VectorType(element_type(dtype), 2))
+    return builder.bitcast(narrow, i32)
+
+
+# ----------------------------------------------------------------- async copies
+def cp_async_16(builder: ir.IRBuilder, dst_smem: ir.Value, src_global: ir.Value,
+                src_bytes: ir.Value | None = None) -> None:
+    """`cp.async.cg.shared.global` of 16 bytes; with `src_bytes` (i32, 0 or 16) the rest of
+    the 16 bytes is zero-filled (src_bytes = 0: nothing is read, the destination is zeroed)."""
+    if src_bytes is None:
+        call(builder, "llvm.nvvm.cp.async.cg.shared.global.16", void, [dst_smem, src_global])
+    else:
+        call(builder, "llvm.nvvm.cp.async.cg.shared.global.16.s", void,
+             [dst_smem, src_global, src_bytes])
+
+
+def cp_async_commit(builder: ir.IRBuilder) -> None:
+    call(builder, "llvm.nvvm.cp.async.commit.group", void, [])
+
+
+def cp_async_wait(builder: ir.IRBuilder, pending: int = 0) -> None:
+    """Wait until at most `pending` of this thread's committed groups are in flight."""
+    call(builder, "llvm.nvvm.cp.async.wait.group", void, [i32(pending)])
+
+
+# ----------------------------------------------------------------- lanes and math
+def shfl_bfly(builder: ir.IRBuilder, value: ir.Value, lane_mask: int) -> ir.Value:
+    return call(builder, "llvm.nvvm.shfl.sync.bfly.f32", f32,
+                [i32(FULL_MASK), value, i32(lane_mask), i32(31)])
+
+
+def quad_allreduce(builder: ir.IRBuilder, value: ir.Value, op) -> ir.Value:
+    """Reduce over the 4 lanes of a quad (the lanes holding one accumulator row)."""
+    for m in (1, 2):
+        value = op(builder, value, shfl_bfly(builder, value, m))
+    return value
+
+
+def fmax(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
+    return call(builder, "llvm.maxnum.f32", f32, [a, b])
+
+
+def fadd(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
+    return builder.fadd(a, b)
+
+
+def ex2(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """2**x via `ex2.approx.ftz.f32` (ex2(-inf) = +0)."""
+    return call(builder, "llvm.nvvm.ex2.approx.ftz.f", f32, [x])
+
+
+def lg2(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    return call(builder, "llvm.nvvm.lg2.approx.ftz.f", f32, [x])
+
+
+def rcp(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    return call(builder, "llvm.nvvm.rcp.approx.ftz.f", f32, [x])
+
+
+def fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    return call(builder, "llvm.fma.f32", f32, [a, b, c])
+
+
+# ----------------------------------------------------------------- swizzled tiles
+def swizzle_chunk(builder: ir.IRBuilder, chunk: ir.Value, row: ir.Value) -> ir.Value:
+    """XOR swizzle of a 16-byte chunk index within a row: chunk ^ (row % 8).
+
+    Rows are a multiple of 128 bytes, so 8 consecutive rows at one logical chunk land in 8
+    different 16-byte bank groups: ldmatrix (8 rows x 16 B) and the cp.async fill of 8
+    consecutive chunks are both conflict-free."""
+    return builder.xor(chunk, builder.and_(row, i32(7)))
+
+
+def smem_ptr(builder: ir.IRBuilder, base: ir.Value, byte_offset: ir.Value) -> ir.Value:
+    return builder.gep(base, [builder.zext(byte_offset, nvptx.i64)], inbounds=True,
+                       source_etype=nvptx.i8)

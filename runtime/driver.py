@@ -1,0 +1,442 @@
+"""The CUDA driver side of mhadsl: errors, the primary context, modules, launches, memory.
+
+Everything goes through `cuda.bindings.driver`, and every driver result goes through `check`.
+Importing this module never touches the driver: the first call that needs a GPU initialises
+it, so CPU-only machines (no libcuda) can import mhadsl and run its CPU parts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+_SUCCESS = cu.CUresult.CUDA_SUCCESS
+_DEFAULT_DYNAMIC_SHARED = 48 * 1024  # what every kernel may use without opting in
+_JIT_LOG_BYTES = 1 << 16
+_COUNTER_SLOTS = 1024  # queue counters per slab (4 bytes each)
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed. `call`, `code` (a CUresult, or None when libcuda is missing)
+    and `error_name` say which call and how."""
+
+    def __init__(
+        self, call: str, code: cu.CUresult | None, error_name: str, description: str, detail: str = ""
+    ) -> None:
+        self.call = call
+        self.code = code
+        self.error_name = error_name
+        number = f" ({int(code)})" if code is not None else ""
+        text = f"{call} failed: {error_name}{number}" + (f": {description}" if description else "")
+        super().__init__(text + (f"\n{detail}" if detail else ""))
+
+
+def _describe(code: cu.CUresult) -> tuple[str, str]:
+    """(error name, error string) from the driver, or the enum's own name without libcuda."""
+    try:
+        name_err, name = cu.cuGetErrorName(code)
+        text_err, text = cu.cuGetErrorString(code)
+        if name_err == _SUCCESS and text_err == _SUCCESS:
+            return name.decode(), text.decode()
+    except Exception:  # describing an error must never hide it (libcuda may be absent)
+        pass
+    return getattr(code, "name", f"CUresult {int(code)}"), ""
+
+
+def check(result: tuple, call: str = "CUDA driver call", detail: str = "") -> Any:
+    """The one choke point for driver results: raise CudaError on failure, else return the
+    values after the status (None, the single value, or a tuple)."""
+    code, *values = result
+    if code != _SUCCESS:
+        raise CudaError(call, code, *_describe(code), detail)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def call(fn: Callable[..., tuple], *args: Any) -> Any:
+    """`fn(*args)` through `check`, named after the driver function."""
+    return check(fn(*args), fn.__name__)
+
+
+# --- initialisation and the primary context ---------------------------------------------------
+
+_lock = threading.Lock()
+_initialised = False
+_primary: dict[int, cu.CUcontext] = {}
+
+
+def _init() -> None:
+    global _initialised
+    if _initialised:
+        return
+    with _lock:
+        if _initialised:
+            return
+        try:
+            result = cu.cuInit(0)
+        except RuntimeError as exc:  # cuda-bindings raises (not returns) when libcuda is missing
+            raise CudaError("cuInit", None, "CUDA driver library not found", str(exc)) from exc
+        check(result, "cuInit")
+        _initialised = True
+
+
+def gpu_available() -> bool:
+    """True when a CUDA driver and at least one device are present; never raises."""
+    try:
+        _init()
+        return call(cu.cuDeviceGetCount) > 0
+    except Exception:
+        return False
+
+
+def current_device() -> int:
+    """torch's current CUDA device once torch has initialised CUDA (so we share its device and
+    primary context), else 0. torch stays optional: it is only looked at if already imported."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return 0
+
+
+def ensure_context(device: int | None = None) -> int:
+    """Make `device`'s primary context current on this thread (retaining it on first use);
+    return the device ordinal. The primary context is the one PyTorch and CuPy use, so pointers
+    and streams pass freely between them and mhadsl."""
+    dev = current_device() if device is None else device
+    ctx = _primary.get(dev)
+    if ctx is None:
+        _init()
+        with _lock:
+            ctx = _primary.get(dev)
+            if ctx is None:
+                # Retained for the life of the process, like the runtime API does.
+                ctx = _primary[dev] = call(cu.cuDevicePrimaryCtxRetain, call(cu.cuDeviceGet, dev))
+    if int(call(cu.cuCtxGetCurrent)) != int(ctx):  # the current context is per thread
+        call(cu.cuCtxSetCurrent, ctx)
+    return dev
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    device: int
+    name: str
+    compute_capability: tuple[int, int]
+    multiprocessor_count: int
+    max_shared_memory_per_block_optin: int
+    l2_cache_size: int
+
+
+def device_info(device: int | None = None) -> DeviceInfo:
+    """What the compiler and launcher need to know about a device (cached per device)."""
+    return _device_info(current_device() if device is None else device)
+
+
+@cache
+def _device_info(dev: int) -> DeviceInfo:
+    _init()
+    handle = call(cu.cuDeviceGet, dev)
+
+    def attr(name: str) -> int:
+        return call(cu.cuDeviceGetAttribute, getattr(cu.CUdevice_attribute, name), handle)
+
+    return DeviceInfo(
+        device=dev,
+        name=call(cu.cuDeviceGetName, 256, handle).split(b"\0", 1)[0].decode(),
+        compute_capability=(
+            attr("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"),
+            attr("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR"),
+        ),
+        multiprocessor_count=attr("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
+        max_shared_memory_per_block_optin=attr("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
+        l2_cache_size=attr("CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE"),
+    )
+
+
+def pointer_device(ptr: int) -> int:
+    """The device ordinal that owns device pointer `ptr`."""
+    _init()
+    attribute = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    return int(call(cu.cuPointerGetAttribute, attribute, ptr))
+
+
+# --- streams -----------------------------------------------------------------------------------
+
+
+def stream_handle(stream: object = None, *, kind: str | None = None, device: int | None = None) -> int:
+    """The raw CUstream handle of `stream`: an int, a torch.cuda.Stream (`.cuda_stream`), a CuPy
+    stream (`.ptr`) or a cuda-bindings CUstream. None means the stream the caller's tensors are
+    ordered on: torch's current stream for kind "torch", CuPy's for "cupy", else the legacy
+    default stream 0."""
+    if stream is None:
+        if kind == "torch":
+            return sys.modules["torch"].cuda.current_stream(device).cuda_stream
+        if kind == "cupy":
+            return sys.modules["cupy"].cuda.get_current_stream().ptr
+        return 0
+    if isinstance(stream, cu.CUstream):
+        return int(stream)
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    for attribute in ("cuda_stream", "ptr"):
+        handle = getattr(stream, attribute, None)
+        if isinstance(handle, int):
+            return handle
+    raise TypeError(
+        f"cannot use {type(stream).__qualname__} as a CUDA stream; pass an int handle, "
+        "a torch.cuda.Stream, a CuPy stream or None"
+    )
+
+
+# --- memory ------------------------------------------------------------------------------------
+
+
+def _free(ptr: int, device: int) -> None:
+    ensure_context(device)  # the collecting thread may have no current context
+    call(cu.cuMemFree, ptr)
+
+
+class DeviceBuffer:
+    """Device memory from cuMemAlloc, freed by `free()` or when the object is collected."""
+
+    def __init__(self, nbytes: int, device: int | None = None) -> None:
+        self.device = ensure_context(device)
+        self.nbytes = nbytes
+        self.ptr = int(call(cu.cuMemAlloc, max(nbytes, 1)))  # cuMemAlloc rejects 0 bytes
+        self._finalizer = weakref.finalize(self, _free, self.ptr, self.device)
+        self._finalizer.atexit = False  # process teardown frees device memory; the driver may be gone
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray, stream: object = None, device: int | None = None) -> DeviceBuffer:
+        """A new buffer holding a copy of `array` (made C-contiguous first)."""
+        host = np.ascontiguousarray(array)
+        buffer = cls(host.nbytes, device)
+        memcpy_htod(buffer.ptr, host, stream, buffer.device)
+        return buffer
+
+    def copy_to_numpy(self, out: np.ndarray, stream: object = None) -> np.ndarray:
+        """Fill the C-contiguous array `out` from the start of this buffer; return `out`."""
+        if out.nbytes > self.nbytes:
+            raise ValueError(f"cannot copy {out.nbytes} bytes out of a {self.nbytes}-byte buffer")
+        memcpy_dtoh(out, self.ptr, stream, self.device)
+        return out
+
+    def free(self) -> None:
+        self._finalizer()
+
+
+def _require_contiguous(array: np.ndarray) -> None:
+    if not array.flags.c_contiguous:
+        raise ValueError("host array for a device copy must be C-contiguous")
+
+
+def memcpy_htod(ptr: int, array: np.ndarray, stream: object = None, device: int | None = None) -> None:
+    """Copy the C-contiguous `array` to device pointer `ptr`, ordered on `stream`, and wait."""
+    _require_contiguous(array)
+    ensure_context(device)
+    handle = stream_handle(stream)
+    call(cu.cuMemcpyHtoDAsync, ptr, array.ctypes.data, array.nbytes, handle)
+    call(cu.cuStreamSynchronize, handle)  # the host array may be freed as soon as we return
+
+
+def memcpy_dtoh(out: np.ndarray, ptr: int, stream: object = None, device: int | None = None) -> None:
+    """Copy `out.nbytes` bytes from device pointer `ptr` into the C-contiguous `out`, ordered on
+    `stream` (so after the kernels queued there), and wait."""
+    _require_contiguous(out)
+    ensure_context(device)
+    handle = stream_handle(stream)
+    call(cu.cuMemcpyDtoHAsync, out.ctypes.data, ptr, out.nbytes, handle)
+    call(cu.cuStreamSynchronize, handle)
+
+
+def memset_d32_async(ptr: int, value: int, count: int, stream: object = None, device: int | None = None) -> None:
+    """Set `count` 32-bit words at `ptr` to `value`, ordered on `stream`. Resetting the queue
+    counter this way on the launch's own stream is what makes CUDA-graph replay correct."""
+    ensure_context(device)
+    call(cu.cuMemsetD32Async, ptr, value, count, stream_handle(stream))
+
+
+_counter_lock = threading.Lock()
+_counter_slabs: dict[int, list[DeviceBuffer]] = {}
+_counters: dict[tuple[int, int], int] = {}
+
+
+def queue_counter(stream: object = None, device: int | None = None) -> int:
+    """Device pointer to a 4-byte queue counter reserved for (`device`, `stream`).
+
+    Streams never share a counter, so queued kernels running on two streams at once cannot
+    steal each other's work. The caller resets it with `memset_d32_async` before each launch.
+    Counters are carved from pre-allocated slabs, so a stream first seen during CUDA-graph
+    capture (where cuMemAlloc is illegal) still gets one, provided the device has handed out a
+    counter before the capture (a warm-up launch does that)."""
+    dev = ensure_context(device)
+    key = (dev, stream_handle(stream))
+    with _counter_lock:
+        ptr = _counters.get(key)
+        if ptr is None:
+            used = sum(1 for d, _ in _counters if d == dev)
+            slabs = _counter_slabs.setdefault(dev, [])
+            if used == len(slabs) * _COUNTER_SLOTS:
+                slabs.append(DeviceBuffer(4 * _COUNTER_SLOTS, dev))
+            ptr = _counters[key] = slabs[-1].ptr + 4 * (used % _COUNTER_SLOTS)
+    return ptr
+
+
+# --- modules and launches ----------------------------------------------------------------------
+
+
+def _c_string(buffer: bytearray) -> str:
+    return bytes(buffer).split(b"\0", 1)[0].decode(errors="replace").strip()
+
+
+def _unload(handle: cu.CUmodule, device: int) -> None:
+    ensure_context(device)
+    call(cu.cuModuleUnload, handle)
+
+
+class Module:
+    """A CUDA module loaded into a device's primary context. `info_log` keeps the JIT's
+    verbose log (registers, spills) when the module came from PTX."""
+
+    def __init__(self, image: bytes, device: int | None = None) -> None:
+        """Load a cubin, fatbin or NUL-terminated PTX image; prefer `from_ptx`/`from_cubin`."""
+        self.device = ensure_context(device)
+        info, error = bytearray(_JIT_LOG_BYTES), bytearray(_JIT_LOG_BYTES)
+        jit = cu.CUjit_option
+        options = [
+            jit.CU_JIT_INFO_LOG_BUFFER,
+            jit.CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES,
+            jit.CU_JIT_ERROR_LOG_BUFFER,
+            jit.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+            jit.CU_JIT_LOG_VERBOSE,
+        ]
+        values = [info, _JIT_LOG_BYTES, error, _JIT_LOG_BYTES, 1]
+        result = cu.cuModuleLoadDataEx(image, len(options), options, values)
+        self.info_log = _c_string(info)
+        error_log = _c_string(error)
+        detail = f"JIT error log:\n{error_log}" if error_log else ""
+        if self.info_log and result[0] != _SUCCESS:
+            detail += f"\nJIT info log:\n{self.info_log}"
+        self._handle = check(result, "cuModuleLoadDataEx", detail.strip())
+        weakref.finalize(self, _unload, self._handle, self.device).atexit = False
+
+    @classmethod
+    def from_ptx(cls, ptx: str | bytes, device: int | None = None) -> Module:
+        text = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
+        return cls(text + b"\0", device)  # the driver reads PTX as a C string
+
+    @classmethod
+    def from_cubin(cls, cubin: bytes, device: int | None = None) -> Module:
+        return cls(bytes(cubin), device)
+
+    def function(self, name: str) -> Function:
+        ensure_context(self.device)
+        result = cu.cuModuleGetFunction(self._handle, name.encode())
+        handle = check(result, "cuModuleGetFunction", f"no kernel named {name!r} in this module")
+        return Function(self, handle, name)
+
+
+_CTYPES = (ctypes._SimpleCData, ctypes.Array, ctypes.Structure, ctypes.Union)
+
+
+def _as_ctype(arg: object, index: int) -> Any:
+    """One kernel argument as a ctypes object whose bytes are the parameter's value."""
+    if isinstance(arg, _CTYPES):
+        return arg
+    if isinstance(arg, np.generic):  # before the float check: np.float64 is a float
+        arg = arg.tobytes()
+    if isinstance(arg, (bool, float)):
+        raise TypeError(
+            f"kernel argument {index}: {type(arg).__name__} is ambiguous; pass a ctypes scalar "
+            "(ctypes.c_float, ctypes.c_int32, ...)"
+        )
+    if isinstance(arg, (bytes, bytearray, memoryview)):
+        raw = bytes(arg)
+        return (ctypes.c_ubyte * len(raw)).from_buffer_copy(raw)
+    pointer = arg if isinstance(arg, int) else getattr(arg, "ptr", None)
+    if isinstance(pointer, int) and 0 <= pointer < 1 << 64:
+        return ctypes.c_uint64(pointer)
+    raise TypeError(
+        f"kernel argument {index}: cannot pass {type(arg).__qualname__}; use a ctypes object, "
+        "raw bytes, or an int / DeviceBuffer / DeviceTensor for a device pointer"
+    )
+
+
+def pack_args(args: Sequence[object]) -> tuple[ctypes.Array, list[Any]]:
+    """The `void*[]` cuLaunchKernel wants, plus the ctypes values it points at (keep both alive
+    until the launch call returns; the driver copies the values at launch or capture time)."""
+    values = [_as_ctype(arg, i) for i, arg in enumerate(args)]
+    pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+    return pointers, values
+
+
+class Function:
+    """A kernel in a loaded Module."""
+
+    def __init__(self, module: Module, handle: cu.CUfunction, name: str) -> None:
+        self.module = module  # keeps the module loaded while the function is in use
+        self.name = name
+        self._handle = handle
+        self._dynamic_shared_limit = _DEFAULT_DYNAMIC_SHARED
+
+    @property
+    def num_regs(self) -> int:
+        ensure_context(self.module.device)
+        attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS
+        return call(cu.cuFuncGetAttribute, attribute, self._handle)
+
+    def set_max_dynamic_shared(self, nbytes: int) -> None:
+        """Opt the kernel in to `nbytes` of dynamic shared memory (only needed above 48 KiB)."""
+        if nbytes <= self._dynamic_shared_limit:
+            return
+        info = device_info(self.module.device)
+        if nbytes > info.max_shared_memory_per_block_optin:
+            raise ValueError(
+                f"kernel {self.name!r} needs {nbytes} bytes of dynamic shared memory; "
+                f"{info.name} allows at most {info.max_shared_memory_per_block_optin} per block"
+            )
+        ensure_context(self.module.device)
+        attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        call(cu.cuFuncSetAttribute, self._handle, attribute, nbytes)
+        self._dynamic_shared_limit = nbytes
+
+    def launch(
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_bytes: int,
+        stream: object,
+        args: Sequence[object],
+    ) -> None:
+        """Launch asynchronously on `stream` (anything `stream_handle` accepts).
+
+        Each element of `args` is one kernel parameter, passed by value:
+        - a ctypes object (c_int32, c_uint32, c_float, a ctypes Structure or Array, ...): its
+          bytes, so a struct or a 128-byte CUtensorMap goes as `(ctypes.c_ubyte * 128)` or a
+          Structure;
+        - bytes / bytearray / a NumPy scalar: those raw bytes;
+        - an int, or an object with an int `ptr` (DeviceBuffer, DeviceTensor): a 64-bit device
+          pointer. Plain ints are always pointers; wrap other integers in a ctypes type.
+        """
+        self.set_max_dynamic_shared(shared_bytes)
+        ensure_context(self.module.device)
+        pointers, _values = pack_args(args)
+        call(
+            cu.cuLaunchKernel,
+            self._handle,
+            *grid,
+            *block,
+            shared_bytes,
+            stream_handle(stream),
+            ctypes.addressof(pointers),
+            0,
+        )
