@@ -97,7 +97,11 @@ class HostJit:
 
     def __init__(self, module: ir.Module | str):
         ref = optimize(module, HOST)
-        self.engine = llvm.create_mcjit_compiler(ref, target_machine(HOST))
+        # The engine takes ownership of its target machine: give it a fresh one.
+        _init_llvm()
+        machine = llvm.Target.from_default_triple().create_target_machine(
+            cpu=llvm.get_host_cpu_name(), opt=2, jit=True)
+        self.engine = llvm.create_mcjit_compiler(ref, machine)
         self.engine.finalize_object()
         self.engine.run_static_constructors()
         self._module = ref  # the engine owns it; keep the reference for dumps

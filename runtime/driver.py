@@ -258,7 +258,9 @@ def memcpy_dtoh(out: np.ndarray, ptr: int, stream: object = None, device: int | 
     call(cu.cuStreamSynchronize, handle)
 
 
-def memset_d32_async(ptr: int, value: int, count: int, stream: object = None, device: int | None = None) -> None:
+def memset_d32_async(
+    ptr: int, value: int, count: int, stream: object = None, device: int | None = None
+) -> None:
     """Set `count` 32-bit words at `ptr` to `value`, ordered on `stream`. Resetting the queue
     counter this way on the launch's own stream is what makes CUDA-graph replay correct."""
     ensure_context(device)

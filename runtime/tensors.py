@@ -13,11 +13,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .driver import DeviceBuffer, memcpy_dtoh, pointer_device, stream_handle
+from .driver import DeviceBuffer, current_device, memcpy_dtoh, pointer_device, stream_handle
 
 DTYPES = ("bfloat16", "float16", "float32", "int32")
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}
-_NUMPY_DTYPES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32", np.dtype(np.int32): "int32"}
+_NUMPY_DTYPES = {
+    np.dtype(np.float16): "float16",
+    np.dtype(np.float32): "float32",
+    np.dtype(np.int32): "int32",
+}
 _CAI_DTYPES = {"<f2": "float16", "<f4": "float32", "<i4": "int32"}
 HOST = -1  # DeviceTensor.device of a NumPy array that still has to be copied to the device
 
@@ -90,9 +94,8 @@ def _from_torch(tensor: object, name: str) -> DeviceTensor:
     dtype = str(tensor.dtype).removeprefix("torch.")
     if dtype not in DTYPES:
         raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}; supported: {', '.join(DTYPES)}")
-    return DeviceTensor(
-        tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), dtype, tensor.device.index, "torch", tensor
-    )
+    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    return DeviceTensor(tensor.data_ptr(), shape, strides, dtype, tensor.device.index, "torch", tensor)
 
 
 def _from_cuda_array_interface(obj: object, name: str) -> DeviceTensor:
@@ -115,7 +118,10 @@ def _from_cuda_array_interface(obj: object, name: str) -> DeviceTensor:
     else:
         strides = _element_strides(tuple(byte_strides), _ITEMSIZE[dtype], name)
     kind = "cupy" if type(obj).__module__.startswith("cupy") else "cai"
-    device = obj.device.id if kind == "cupy" else pointer_device(ptr)
+    if kind == "cupy":
+        device = obj.device.id
+    else:  # an empty array may have no pointer to ask the driver about
+        device = pointer_device(ptr) if ptr else current_device()
     return DeviceTensor(ptr, shape, strides, dtype, device, kind, obj)
 
 
@@ -157,7 +163,9 @@ def to_device(
     C-contiguous and of kind "numpy"; keep the buffer alive while the tensor is in use."""
     host, dtype = _host_copy(array, name, dtype)
     buffer = DeviceBuffer.from_numpy(host, stream, device)
-    tensor = DeviceTensor(buffer.ptr, host.shape, contiguous_strides(host.shape), dtype, buffer.device, "numpy", array)
+    tensor = DeviceTensor(
+        buffer.ptr, host.shape, contiguous_strides(host.shape), dtype, buffer.device, "numpy", array
+    )
     return tensor, buffer
 
 
@@ -194,7 +202,9 @@ def empty_like_kind(reference: object, shape: tuple[int, ...], dtype: str) -> ob
             return cupy.empty(shape, dtype=dtype)
     if isinstance(reference, np.ndarray):
         return np.empty(shape, np.float32 if dtype == "bfloat16" else dtype)
-    raise TypeError(f"cannot allocate an output like a {type(reference).__qualname__}; pass the output explicitly")
+    raise TypeError(
+        f"cannot allocate an output like a {type(reference).__qualname__}; pass the output explicitly"
+    )
 
 
 def numpy_to_bf16_bits(array: np.ndarray) -> np.ndarray:

@@ -222,7 +222,7 @@ def test_numpy_array_is_marked_for_copy():
 
 @pytest.mark.parametrize("dtype", [np.int64, np.float64, np.uint8])
 def test_numpy_unsupported_dtype(dtype):
-    with pytest.raises(TypeError, match="'k'.*NumPy dtype"):
+    with pytest.raises(TypeError, match=r"'k'.*NumPy dtype"):
         as_device_tensor(np.zeros(3, dtype), "k")
 
 
@@ -237,7 +237,11 @@ class FakeCupyArray:
 
     def __init__(self, typestr, shape, strides=None):
         self.__cuda_array_interface__ = {
-            "shape": shape, "typestr": typestr, "data": (0xAB00, False), "strides": strides, "version": 3,
+            "shape": shape,
+            "typestr": typestr,
+            "data": (0xAB00, False),
+            "strides": strides,
+            "version": 3,
         }
         self.device = type("Device", (), {"id": 1})()
 
@@ -247,26 +251,33 @@ FakeCupyArray.__module__ = "cupy._fake"
 
 def test_cuda_array_interface_strides_become_elements():
     t = as_device_tensor(FakeCupyArray("<f2", (2, 3, 4), (48, 2, 12)), "k")
-    assert (t.ptr, t.shape, t.strides, t.dtype, t.device, t.kind) == (0xAB00, (2, 3, 4), (24, 1, 6), "float16", 1, "cupy")
+    assert (t.ptr, t.shape, t.strides, t.dtype, t.device, t.kind) == (
+        0xAB00,
+        (2, 3, 4),
+        (24, 1, 6),
+        "float16",
+        1,
+        "cupy",
+    )
     dense = as_device_tensor(FakeCupyArray("<i4", (2, 3)), "k")
     assert dense.strides == (3, 1) and dense.dtype == "int32"
 
 
 def test_cuda_array_interface_errors():
-    with pytest.raises(TypeError, match="'k'.*bfloat16"):
+    with pytest.raises(TypeError, match=r"'k'.*bfloat16"):
         as_device_tensor(FakeCupyArray("<V2", (4,)), "k")
-    with pytest.raises(TypeError, match="'k'.*'<f8'"):
+    with pytest.raises(TypeError, match=r"'k'.*'<f8'"):
         as_device_tensor(FakeCupyArray("<f8", (4,)), "k")
-    with pytest.raises(ValueError, match="'k'.*whole elements"):
+    with pytest.raises(ValueError, match=r"'k'.*whole elements"):
         as_device_tensor(FakeCupyArray("<f4", (4,), (6,)), "k")
 
 
 def test_to_device_rejects_before_touching_the_gpu():
     with pytest.raises(TypeError, match="'k'"):
         to_device(np.zeros(3, np.int64), "k")
-    with pytest.raises(TypeError, match="'k'.*int32 array as bfloat16"):
+    with pytest.raises(TypeError, match=r"'k'.*int32 array as bfloat16"):
         to_device(np.zeros(3, np.int32), "k", dtype="bfloat16")
-    with pytest.raises(TypeError, match="'k'.*unknown dtype"):
+    with pytest.raises(TypeError, match=r"'k'.*unknown dtype"):
         to_device(np.zeros(3, np.float32), "k", dtype="float8")
 
 
@@ -281,7 +292,9 @@ def test_empty_like_kind_numpy():
 
 def test_torch_cpu_tensor_is_a_clear_error():
     torch = pytest.importorskip("torch")
-    with pytest.raises(ValueError, match=r"tensor 'q' is on cpu; mhadsl kernels need CUDA tensors \(or NumPy"):
+    with pytest.raises(
+        ValueError, match=r"tensor 'q' is on cpu; mhadsl kernels need CUDA tensors \(or NumPy"
+    ):
         as_device_tensor(torch.zeros(3), "q")
 
 
@@ -358,8 +371,16 @@ def test_pack_args_convention():
         ptr = 0xDEAD0000
 
     tensor_map = (ctypes.c_ubyte * 128)(*range(128))
-    args = [0x7F0000001000, ctypes.c_int32(-3), ctypes.c_float(0.5), Pair(2, 7), tensor_map,
-            b"\x01\x02\x03", np.float32(1.25), HasPtr()]
+    args = [
+        0x7F0000001000,
+        ctypes.c_int32(-3),
+        ctypes.c_float(0.5),
+        Pair(2, 7),
+        tensor_map,
+        b"\x01\x02\x03",
+        np.float32(1.25),
+        HasPtr(),
+    ]
     pointers, values = pack_args(args)
     contents = [ctypes.string_at(pointers[i], ctypes.sizeof(values[i])) for i in range(len(args))]
     assert contents == [
@@ -379,4 +400,3 @@ def test_pack_args_convention():
 def test_pack_args_rejects_ambiguous_values(bad):
     with pytest.raises(TypeError, match="kernel argument 1"):
         pack_args([ctypes.c_int32(0), bad])
-

@@ -1,0 +1,317 @@
+"""mhadsl.runtime on a real GPU: module load, launch on torch/NumPy/CuPy data, memset, queue
+counters and CUDA-graph capture. Skipped (by conftest) without a GPU."""
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from mhadsl.runtime.driver import (
+    CudaError,
+    DeviceBuffer,
+    Module,
+    device_info,
+    memcpy_dtoh,
+    memset_d32_async,
+    queue_counter,
+    stream_handle,
+)
+from mhadsl.runtime.tensors import as_device_tensor, empty_like_kind, from_device, to_device
+
+pytestmark = pytest.mark.gpu
+
+# Hand-written PTX: add_one(int* data, u32 n); axpb(int* data, {int a, b} by value, u32 n):
+# data = data * a + b; ticket(u32* counter, int* out, u32 n): thread 0 of each block takes a
+# ticket t from the counter and writes out[t] = block + 1.
+PTX = r"""
+.version 8.0
+.target sm_80
+.address_size 64
+
+.visible .entry add_one(.param .u64 add_one_data, .param .u32 add_one_n)
+{
+    .reg .pred %p<2>;
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<5>;
+    ld.param.u64 %rd1, [add_one_data];
+    ld.param.u32 %r1, [add_one_n];
+    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %ntid.x;
+    mov.u32 %r4, %tid.x;
+    mad.lo.s32 %r5, %r2, %r3, %r4;
+    setp.ge.u32 %p1, %r5, %r1;
+    @%p1 bra $ADD_DONE;
+    cvta.to.global.u64 %rd2, %rd1;
+    mul.wide.u32 %rd3, %r5, 4;
+    add.s64 %rd4, %rd2, %rd3;
+    ld.global.u32 %r6, [%rd4];
+    add.s32 %r7, %r6, 1;
+    st.global.u32 [%rd4], %r7;
+$ADD_DONE:
+    ret;
+}
+
+.visible .entry axpb(.param .u64 axpb_data, .param .align 4 .b8 axpb_coef[8], .param .u32 axpb_n)
+{
+    .reg .pred %p<2>;
+    .reg .b32 %r<10>;
+    .reg .b64 %rd<5>;
+    ld.param.u64 %rd1, [axpb_data];
+    ld.param.u32 %r8, [axpb_coef];
+    ld.param.u32 %r9, [axpb_coef+4];
+    ld.param.u32 %r1, [axpb_n];
+    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %ntid.x;
+    mov.u32 %r4, %tid.x;
+    mad.lo.s32 %r5, %r2, %r3, %r4;
+    setp.ge.u32 %p1, %r5, %r1;
+    @%p1 bra $AXPB_DONE;
+    cvta.to.global.u64 %rd2, %rd1;
+    mul.wide.u32 %rd3, %r5, 4;
+    add.s64 %rd4, %rd2, %rd3;
+    ld.global.u32 %r6, [%rd4];
+    mad.lo.s32 %r7, %r6, %r8, %r9;
+    st.global.u32 [%rd4], %r7;
+$AXPB_DONE:
+    ret;
+}
+
+.visible .entry ticket(.param .u64 ticket_counter, .param .u64 ticket_out, .param .u32 ticket_n)
+{
+    .reg .pred %p<3>;
+    .reg .b32 %r<6>;
+    .reg .b64 %rd<7>;
+    mov.u32 %r1, %tid.x;
+    setp.ne.u32 %p1, %r1, 0;
+    @%p1 bra $TICKET_DONE;
+    ld.param.u64 %rd1, [ticket_counter];
+    ld.param.u64 %rd2, [ticket_out];
+    ld.param.u32 %r2, [ticket_n];
+    cvta.to.global.u64 %rd3, %rd1;
+    cvta.to.global.u64 %rd4, %rd2;
+    atom.global.add.u32 %r3, [%rd3], 1;
+    setp.ge.u32 %p2, %r3, %r2;
+    @%p2 bra $TICKET_DONE;
+    mov.u32 %r4, %ctaid.x;
+    add.u32 %r5, %r4, 1;
+    mul.wide.u32 %rd5, %r3, 4;
+    add.s64 %rd6, %rd4, %rd5;
+    st.global.u32 [%rd6], %r5;
+$TICKET_DONE:
+    ret;
+}
+"""
+
+BROKEN_PTX = r"""
+.version 8.0
+.target sm_80
+.address_size 64
+
+.visible .entry broken()
+{
+    .reg .b32 %r<2>;
+    mov.u32 %r1, %no_such_register;
+    ret;
+}
+"""
+
+N = 1000
+BLOCK = (128, 1, 1)
+GRID = ((N + 127) // 128, 1, 1)
+
+
+@pytest.fixture(scope="module")
+def module():
+    return Module.from_ptx(PTX)
+
+
+def test_device_info():
+    info = device_info()
+    assert info.name and info.compute_capability >= (8, 0)
+    assert info.multiprocessor_count > 0 and info.l2_cache_size > 0
+    assert info.max_shared_memory_per_block_optin > 48 * 1024
+
+
+def test_module_load_and_function_attributes(module):
+    add_one = module.function("add_one")
+    assert add_one.num_regs > 0
+    assert "registers" in module.info_log, module.info_log  # the verbose JIT log (spill checks)
+    with pytest.raises(CudaError, match=r"CUDA_ERROR_NOT_FOUND.*no kernel named 'missing'"):
+        module.function("missing")
+
+
+def test_bad_ptx_shows_the_jit_log():
+    with pytest.raises(CudaError) as caught:
+        Module.from_ptx(BROKEN_PTX)
+    message = str(caught.value)
+    assert message.startswith("cuModuleLoadDataEx failed: CUDA_ERROR_INVALID_PTX")
+    assert "JIT error log" in message, message
+
+
+def test_dynamic_shared_memory_opt_in(module):
+    add_one = module.function("add_one")
+    data = DeviceBuffer.from_numpy(np.zeros(N, np.int32))
+    add_one.launch(GRID, BLOCK, 100 * 1024, 0, [data, ctypes.c_uint32(N)])  # opts in by itself
+    assert (data.copy_to_numpy(np.empty(N, np.int32)) == 1).all()
+    too_much = device_info().max_shared_memory_per_block_optin + 1
+    with pytest.raises(ValueError, match="dynamic shared memory"):
+        add_one.set_max_dynamic_shared(too_much)
+
+
+def test_launch_on_numpy_array(module):
+    a = np.arange(N, dtype=np.int32)
+    tensor, _buffer = to_device(a, "a")
+    module.function("add_one").launch(GRID, BLOCK, 0, None, [tensor, ctypes.c_uint32(N)])
+    assert (from_device(tensor) == np.arange(1, N + 1)).all()
+    assert (a == np.arange(N)).all()  # the input was copied, not written
+
+
+def test_struct_by_value(module):
+    class Coef(ctypes.Structure):
+        _fields_ = [("a", ctypes.c_int32), ("b", ctypes.c_int32)]
+
+    tensor, _buffer = to_device(np.arange(N, dtype=np.int32), "a")
+    axpb = module.function("axpb")
+    axpb.launch(GRID, BLOCK, 0, 0, [tensor, Coef(3, -5), ctypes.c_uint32(N)])
+    axpb.launch(GRID, BLOCK, 0, 0, [tensor, np.array([2, 1], np.int32).tobytes(), ctypes.c_uint32(N)])
+    assert (from_device(tensor) == (np.arange(N) * 3 - 5) * 2 + 1).all()
+
+
+def test_bf16_round_trip_through_device():
+    values = np.array([1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5, np.inf], np.float32)
+    tensor, _buffer = to_device(values, "v", dtype="bfloat16")
+    assert tensor.dtype == "bfloat16" and tensor.kind == "numpy"
+    out = np.zeros(4, np.float32)
+    assert from_device(tensor, out) is out
+    assert out.tolist() == [1.0, 1.015625, -2.5, np.inf]
+
+
+def test_memset_d32_async_then_read_back():
+    buffer = DeviceBuffer(16 * 4)
+    memset_d32_async(buffer.ptr, 0, 16, 0)
+    memset_d32_async(buffer.ptr, 0xDEADBEEF, 10, 0)
+    host = buffer.copy_to_numpy(np.empty(16, np.uint32))
+    assert (host[:10] == 0xDEADBEEF).all() and (host[10:] == 0).all()
+
+
+def test_launch_on_torch_tensor(module):
+    torch = pytest.importorskip("torch")
+    x = torch.arange(N, dtype=torch.int32, device="cuda")
+    tensor = as_device_tensor(x, "x")
+    assert (tensor.ptr, tensor.shape, tensor.strides, tensor.dtype, tensor.kind) == (
+        x.data_ptr(),
+        (N,),
+        (1,),
+        "int32",
+        "torch",
+    )
+    add_one = module.function("add_one")
+    add_one.launch(GRID, BLOCK, 0, stream_handle(None, kind="torch"), [tensor, ctypes.c_uint32(N)])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    add_one.launch(GRID, BLOCK, 0, side, [tensor, ctypes.c_uint32(N)])  # a torch stream object
+    side.synchronize()
+    assert torch.equal(x.cpu(), torch.arange(2, N + 2, dtype=torch.int32))
+
+
+def test_torch_dtypes_kinds_and_errors():
+    torch = pytest.importorskip("torch")
+    q = torch.zeros(2, 3, 4, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    tensor = as_device_tensor(q, "q")
+    assert (tensor.dtype, tensor.shape, tensor.strides) == ("bfloat16", (2, 4, 3), (12, 1, 4))
+    with pytest.raises(TypeError, match=r"'k'.*torch.int64"):
+        as_device_tensor(torch.zeros(3, dtype=torch.int64, device="cuda"), "k")
+    out = empty_like_kind(q, (5, 6), "bfloat16")
+    assert out.dtype == torch.bfloat16 and out.device == q.device and out.shape == (5, 6)
+
+
+def test_cuda_array_interface_object():
+    torch = pytest.importorskip("torch")
+    x = torch.zeros(6, 4, dtype=torch.float32, device="cuda")[:, 1:]
+
+    class Wrapper:
+        __cuda_array_interface__ = x.__cuda_array_interface__
+
+    tensor = as_device_tensor(Wrapper(), "w")
+    assert (tensor.kind, tensor.ptr, tensor.strides, tensor.device) == (
+        "cai",
+        x.data_ptr(),
+        (4, 1),
+        x.device.index,
+    )
+
+
+def test_launch_on_cupy_array(module):
+    cupy = pytest.importorskip("cupy")
+    x = cupy.arange(N, dtype=cupy.int32)
+    tensor = as_device_tensor(x, "x")
+    assert tensor.kind == "cupy"
+    stream = stream_handle(None, kind="cupy")
+    module.function("add_one").launch(GRID, BLOCK, 0, stream, [tensor, ctypes.c_uint32(N)])
+    cupy.cuda.get_current_stream().synchronize()
+    assert (cupy.asnumpy(x) == np.arange(1, N + 1)).all()
+    assert isinstance(empty_like_kind(x, (3,), "float16"), cupy.ndarray)
+
+
+def test_queue_counter_one_per_stream():
+    torch = pytest.importorskip("torch")
+    side = torch.cuda.Stream()
+    default = queue_counter(0)
+    other = queue_counter(side)
+    assert default != other and abs(default - other) % 4 == 0
+    assert queue_counter(0) == default and queue_counter(side.cuda_stream) == other
+
+
+def test_cuda_graph_replay_resets_queue_counter(module):
+    torch = pytest.importorskip("torch")
+    add_one, ticket = module.function("add_one"), module.function("ticket")
+    blocks = 64
+    x = torch.zeros(N, dtype=torch.int32, device="cuda")
+    tickets = torch.zeros(blocks, dtype=torch.int32, device="cuda")
+
+    def step(stream: int) -> None:
+        counter = queue_counter(stream)
+        memset_d32_async(counter, 0, 1, stream)  # on the launch's own stream: captured too
+        ticket.launch(
+            (blocks, 1, 1), (32, 1, 1), 0, stream, [counter, tickets.data_ptr(), ctypes.c_uint32(blocks)]
+        )
+        add_one.launch(GRID, BLOCK, 0, stream, [x.data_ptr(), ctypes.c_uint32(N)])
+
+    side = torch.cuda.Stream()  # warm up off the default stream, as torch recommends
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(side.cuda_stream)
+    torch.cuda.current_stream().wait_stream(side)
+    x.zero_()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.cuda.current_stream().cuda_stream
+        step(captured)
+    for replay in range(1, 4):
+        tickets.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(x.cpu(), torch.full((N,), replay, dtype=torch.int32))
+        assert sorted(tickets.tolist()) == list(range(1, blocks + 1))  # every ticket once
+        count = np.empty(1, np.uint32)
+        memcpy_dtoh(count, queue_counter(captured))
+        assert count[0] == blocks
+
+
+def test_load_cubin(tmp_path):
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("ptxas not on PATH")
+    major, minor = device_info().compute_capability
+    (tmp_path / "k.ptx").write_text(PTX)
+    subprocess.run(
+        [ptxas, f"-arch=sm_{major}{minor}", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+        check=True,
+    )
+    add_one = Module.from_cubin((tmp_path / "k.cubin").read_bytes()).function("add_one")
+    data = DeviceBuffer.from_numpy(np.full(N, 41, np.int32))
+    add_one.launch(GRID, BLOCK, 0, 0, [data, ctypes.c_uint32(N)])
+    assert (data.copy_to_numpy(np.empty(N, np.int32)) == 42).all()
