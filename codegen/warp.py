@@ -157,6 +157,16 @@ def swizzle_chunk(builder: ir.IRBuilder, chunk: ir.Value, row: ir.Value) -> ir.V
     return builder.xor(chunk, builder.and_(row, i32(7)))
 
 
+def store(builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value, align: int | None = None):
+    """A store that tolerates llvmlite's typed view of a global's pointer (the module is
+    printed with opaque pointers either way)."""
+    from llvmlite.ir import instructions
+    st = instructions.StoreInstr(builder.block, value, ptr)
+    st.align = align
+    builder._insert(st)
+    return st
+
+
 def smem_ptr(builder: ir.IRBuilder, base: ir.Value, byte_offset: ir.Value) -> ir.Value:
     return builder.gep(base, [builder.zext(byte_offset, nvptx.i64)], inbounds=True,
                        source_etype=nvptx.i8)

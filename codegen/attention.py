@@ -1,0 +1,766 @@
+"""The attention kernel generator: a FlashAttention-2-class forward kernel in LLVM IR.
+
+Path: sm_80 and up (also built for sm_90a) with `cp.async` (global -> shared, 16 B, zero-fill
+for tails), `ldmatrix.x4` (`.trans` for V), `mma.sync.m16n8k16` (bf16/fp16 in, f32
+accumulate), an online softmax with `ex2.approx` (softmax scale folded with log2 e), P kept in
+registers as the A operand of P.V, and an epilogue that stages O through shared memory so the
+global stores are 16-byte and coalesced.
+
+Work split (FlashAttention-2): a CTA owns BM query rows of one (batch, head); each of its
+`num_warps` warps owns BM / num_warps consecutive rows (one or more 16-row m-tiles) and all
+BN columns of every KV tile, so softmax row statistics never leave the warp (a quad of lanes
+shares a row: `shfl.sync.bfly` 1 and 2). Shared memory holds Q (BM x D), one K and one V tile
+(BN x D), all with 16-byte chunks XOR-swizzled by row % 8. The KV pipeline is FA2's two-stage
+one: K(n) and V(n) sit in their own buffers; V(n) is fetched while S = Q K(n)^T is computed
+and K(next) while softmax and O += P V(n) run.
+
+Mask classification: the front end's `classify` hook decides per (query tile, KV tile) whether
+the tile is EMPTY (never visited: no loads, no math), FULL (no mask code) or PARTIAL (mask
+evaluated per element). Sequence tails are PARTIAL too (the bounds test is added here).
+
+`build_attention_module(config, hooks, target, work_loop)` builds the kernel around a work
+loop: the scheduler lowering (or `transient_work_loop`, one tile per CTA) calls
+`body(builder, seq)` per work tile and the body (`emit_tile`) computes that whole tile.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from llvmlite import ir
+
+from . import nvptx, warp
+from .nvptx import GLOBAL, SHARED, f32, i1, i32, i64
+from .target import Target, new_module
+
+KERNEL_NAME = "mha_fwd"
+SMEM_SYMBOL = "mha_fwd_smem"
+HEAD_DIMS = (64, 128, 256)
+NEG_INF = float("-inf")
+
+
+# ============================================================================ configuration
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Everything that selects a build (hashable; part of the cache key)."""
+
+    dtype: str = "bf16"        # "bf16" | "fp16"
+    head_dim: int = 128        # 64 | 128 | 256
+    block_m: int = 128         # query rows per CTA tile
+    block_n: int = 64          # KV rows per KV tile
+    num_warps: int = 4         # each warp owns block_m // num_warps query rows
+    stages: int = 2            # 2: FA2 pipeline (K and V buffers, each refilled under the other's GEMM)
+    gqa_group: int = 1         # Hq // Hkv, compile time
+    return_lse: bool = False
+    ragged: bool = False       # sequence lengths from cu_seqlens_q/k (else the dense seqlen_q/k)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def rows_per_warp(self) -> int:
+        return self.block_m // self.num_warps
+
+    @property
+    def m_tiles(self) -> int:
+        return self.rows_per_warp // 16
+
+    @property
+    def row_bytes(self) -> int:
+        return self.head_dim * warp.ELEMENT_BYTES
+
+    @property
+    def chunks_per_row(self) -> int:
+        return self.head_dim // 8
+
+    @property
+    def rows_per_pass(self) -> int:
+        """Rows one CTA-wide pass of 16-byte copies covers."""
+        return self.threads // self.chunks_per_row
+
+    def validate(self) -> "AttentionConfig":
+        problems = []
+        if self.dtype not in warp.DTYPES:
+            problems.append(f"dtype {self.dtype!r} not in {warp.DTYPES}")
+        if self.head_dim not in HEAD_DIMS:
+            problems.append(f"head_dim {self.head_dim} not in {HEAD_DIMS}")
+        if self.num_warps not in (1, 2, 4, 8):
+            problems.append(f"num_warps {self.num_warps} not in (1, 2, 4, 8)")
+        elif self.block_m % (16 * self.num_warps):
+            problems.append(f"block_m {self.block_m} is not a multiple of 16 * num_warps")
+        if self.block_n % 16 or self.block_n < 16:
+            problems.append(f"block_n {self.block_n} is not a positive multiple of 16")
+        if self.stages != 2:
+            problems.append(f"stages {self.stages}: only the 2-stage (FA2) K/V pipeline is built")
+        if self.gqa_group < 1:
+            problems.append("gqa_group must be >= 1")
+        if not problems:
+            rpp = self.rows_per_pass
+            if rpp < 8 or rpp % 8:
+                problems.append(f"{self.threads} threads cover {rpp} rows of head_dim "
+                                f"{self.head_dim} per copy pass (need a multiple of 8)")
+            elif self.block_m % rpp or self.block_n % rpp:
+                problems.append(f"block_m/block_n must be multiples of {rpp}")
+        if problems:
+            raise ValueError("invalid AttentionConfig: " + "; ".join(problems))
+        return self
+
+
+def default_config(dtype: str = "bf16", head_dim: int = 128, *, gqa_group: int = 1,
+                   return_lse: bool = False, ragged: bool = False,
+                   causal: bool = False) -> AttentionConfig:
+    """FlashAttention-2's own tile choices for sm_80+ (forward, no dropout)."""
+    if head_dim == 64:
+        bm, bn, nw = 128, 64, 4
+    elif head_dim == 128:
+        bm, bn, nw = 128, 64, 4
+    elif head_dim == 256:
+        bm, bn, nw = 128, 64, 8
+    else:
+        raise ValueError(f"head_dim {head_dim} not in {HEAD_DIMS}")
+    return AttentionConfig(dtype, head_dim, bm, bn, nw, 2, gqa_group, return_lse,
+                           ragged).validate()
+
+
+def shared_bytes(config: AttentionConfig) -> int:
+    """Dynamic shared memory per CTA: Q (BM x D) + K (BN x D) + V (BN x D), 16-bit elements.
+    The O tile of the epilogue reuses Q's space."""
+    return (config.block_m + 2 * config.block_n) * config.row_bytes
+
+
+def threads(config: AttentionConfig) -> int:
+    return config.threads
+
+
+def min_ctas_per_sm(config: AttentionConfig) -> int:
+    return max(1, min(2, 256 // config.threads))
+
+
+def kernel_name(config: AttentionConfig) -> str:
+    return KERNEL_NAME
+
+
+def transient_grid(config: AttentionConfig, batch: int, num_heads: int,
+                   max_seqlen_q: int) -> tuple[int, int, int]:
+    """The launch grid `transient_work_loop` expects: (q tiles, heads, batch)."""
+    return (max(1, -(-max_seqlen_q // config.block_m)), num_heads, batch)
+
+
+# ============================================================================ hooks
+@dataclass(frozen=True)
+class ExprHooks:
+    """Callables from the front end that emit the mask and score expressions.
+
+    mask(builder, b, h, q_idx, kv_idx, seqlen_q, seqlen_k) -> i1 (true = keep); None = no mask.
+    score(builder, s, b, h, q_idx, kv_idx) -> f32; `s` is the *scaled* score (q.k * scale);
+        None = identity.
+    classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k) -> (may_be_true: i1,
+        always_true: i1) over the inclusive index box; None = every tile may be true and is
+        full (for `mask=None`) or partial (with a mask).
+    All index arguments are i32 values: q_idx and kv_idx count from the start of the sequence.
+    """
+
+    mask: Callable | None = None
+    score: Callable | None = None
+    classify: Callable | None = None
+
+
+# ============================================================================ kernel parameters
+@dataclass(frozen=True)
+class KernelParam:
+    name: str
+    kind: str  # "ptr" (global address, 8 bytes), "i64", "i32", "f32"
+    meaning: str
+
+    @property
+    def llvm_type(self) -> ir.Type:
+        return {"ptr": nvptx.ptr(GLOBAL), "i64": i64, "i32": i32, "f32": f32}[self.kind]
+
+    @property
+    def ctype_size(self) -> int:
+        return {"ptr": 8, "i64": 8, "i32": 4, "f32": 4}[self.kind]
+
+
+KERNEL_PARAMS: tuple[KernelParam, ...] = (
+    KernelParam("q", "ptr", "queries, dtype elements; dense (B,Sq,Hq,D) / ragged (total_q,Hq,D); last dim contiguous, 16-byte aligned rows"),
+    KernelParam("k", "ptr", "keys, dense (B,Sk,Hkv,D) / ragged (total_k,Hkv,D)"),
+    KernelParam("v", "ptr", "values, same layout as k"),
+    KernelParam("o", "ptr", "output, same layout as q (written for valid rows only)"),
+    KernelParam("lse", "ptr", "float32 log-sum-exp (natural log) or null when return_lse is off; element (b,h,row) at b*lse_stride_batch + h*lse_stride_head + start_of_seq + row"),
+    KernelParam("cu_seqlens_q", "ptr", "int32 (B+1) query row offsets (ragged), else null"),
+    KernelParam("cu_seqlens_k", "ptr", "int32 (B+1) key row offsets (ragged), else null"),
+    KernelParam("q_stride_batch", "i64", "elements between batches of q (0 when ragged)"),
+    KernelParam("q_stride_row", "i64", "elements between rows (tokens) of q"),
+    KernelParam("q_stride_head", "i64", "elements between heads of q"),
+    KernelParam("k_stride_batch", "i64", "elements between batches of k (0 when ragged)"),
+    KernelParam("k_stride_row", "i64", "elements between rows of k"),
+    KernelParam("k_stride_head", "i64", "elements between heads of k"),
+    KernelParam("v_stride_batch", "i64", "elements between batches of v (0 when ragged)"),
+    KernelParam("v_stride_row", "i64", "elements between rows of v"),
+    KernelParam("v_stride_head", "i64", "elements between heads of v"),
+    KernelParam("o_stride_batch", "i64", "elements between batches of o (0 when ragged)"),
+    KernelParam("o_stride_row", "i64", "elements between rows of o"),
+    KernelParam("o_stride_head", "i64", "elements between heads of o"),
+    KernelParam("lse_stride_batch", "i64", "floats between batches of lse: Hq*Sq dense, 0 ragged"),
+    KernelParam("lse_stride_head", "i64", "floats between heads of lse: Sq dense, total_q ragged"),
+    KernelParam("batch", "i32", "number of sequences B"),
+    KernelParam("num_heads", "i32", "query heads Hq (= gqa_group * Hkv)"),
+    KernelParam("max_seqlen_q", "i32", "longest query sequence (dense: seqlen_q)"),
+    KernelParam("max_seqlen_k", "i32", "longest key sequence (dense: seqlen_k)"),
+    KernelParam("seqlen_q", "i32", "dense query length (ignored when ragged)"),
+    KernelParam("seqlen_k", "i32", "dense key length (ignored when ragged)"),
+    KernelParam("softmax_scale", "f32", "scale applied to q.k before the score hook / softmax"),
+    KernelParam("queue", "ptr", "u32 work-queue counter for the queued scheduler (may be null otherwise)"),
+    KernelParam("num_sms", "i32", "multiprocessors on the device (persistent grid size)"),
+)
+_PARAM_INDEX = {p.name: i for i, p in enumerate(KERNEL_PARAMS)}
+
+
+class KernelArgs:
+    """The kernel's parameters as IR values (attribute per KERNEL_PARAMS name), plus the
+    build's config; handed to the work loop."""
+
+    def __init__(self, fn: ir.Function, config: AttentionConfig):
+        self.function = fn
+        self.config = config
+        for p, arg in zip(KERNEL_PARAMS, fn.args):
+            setattr(self, p.name, arg)
+
+    def __getitem__(self, name: str) -> ir.Value:
+        return getattr(self, name)
+
+
+@dataclass
+class TileSeq:
+    """What `body(builder, seq)` receives (the scheduler's SeqInfo): i32 values."""
+
+    seq_len: ir.Value
+    start_of_seq: ir.Value
+    prompt_offset: ir.Value
+    head_idx: ir.Value
+    prompt_idx: ir.Value
+
+
+# ============================================================================ small IR helpers
+def _if_then(builder: ir.IRBuilder, cond: ir.Value, name: str):
+    """Context manager: `with _if_then(b, c, 'x'): ...` (no values flow out)."""
+    return builder.if_then(cond)
+
+
+def _min(builder, a, b):
+    return builder.select(builder.icmp_signed("<", a, b), a, b)
+
+
+def _fconst(x: float) -> ir.Constant:
+    return ir.Constant(f32, x)
+
+
+def _sext64(builder, v):
+    return builder.sext(v, i64)
+
+
+# ============================================================================ the kernel
+class _TileEmitter:
+    """Per-kernel state: thread-level values computed once in the entry block, and the
+    tile body."""
+
+    def __init__(self, config: AttentionConfig, hooks: ExprHooks, builder: ir.IRBuilder,
+                 args: KernelArgs, smem: ir.Value):
+        self.c = config
+        self.hooks = hooks
+        self.a = args
+        self.smem = smem
+        c = config
+        b = builder
+        self.et = warp.element_type(c.dtype)
+        self.RB = c.row_bytes
+        self.q_smem_off = 0
+        self.k_smem_off = c.block_m * self.RB
+        self.v_smem_off = (c.block_m + c.block_n) * self.RB
+
+        tid = nvptx.special_register(b, "thread_idx", "x")
+        self.tid = tid
+        self.lane = b.and_(tid, i32(31))
+        self.warp_id = b.lshr(tid, i32(5))
+        lane = self.lane
+        self.g = b.lshr(lane, i32(2))          # accumulator row within an 8-row group
+        self.t = b.and_(lane, i32(3))          # accumulator column pair
+        r8 = b.and_(lane, i32(7))              # ldmatrix: row within the 8x8 matrix
+        m_lo = b.and_(b.lshr(lane, i32(3)), i32(1))  # (lane // 8) % 2
+        m_hi = b.lshr(lane, i32(4))                  # lane // 16
+
+        # cp.async fill pattern: thread -> (row in pass, 16-byte chunk); chunk is fixed per thread
+        self.ld_row = b.udiv(tid, i32(c.chunks_per_row))
+        self.ld_chunk = b.urem(tid, i32(c.chunks_per_row))
+        self.ld_swz_off = b.add(b.mul(self.ld_row, i32(self.RB)),
+                                b.shl(warp.swizzle_chunk(b, self.ld_chunk, self.ld_row), i32(4)))
+        self.ld_chunk_elems64 = b.zext(b.shl(self.ld_chunk, i32(3)), i64)
+
+        # ldmatrix lane bases: offset(row, chunk) = row*RB + ((chunk ^ (row%8)) * 16);
+        # compile-time chunk c splits into (c*16 & 127) XORed in and (c*16 & ~127) added,
+        # so each operand needs four lane-dependent bases (keyed by the XOR value).
+        warp_row = b.mul(self.warp_id, i32(c.rows_per_warp))
+        q_row = b.add(warp_row, b.add(b.shl(m_lo, i32(3)), r8))
+        q_x = b.shl(b.xor(m_hi, r8), i32(4))
+        k_row = b.add(b.shl(m_hi, i32(3)), r8)
+        k_x = b.shl(b.xor(m_lo, r8), i32(4))
+        v_row = b.add(b.shl(m_lo, i32(3)), r8)
+        v_x = b.shl(b.xor(m_hi, r8), i32(4))
+        self.q_base = self._lane_bases(b, q_row, q_x, self.q_smem_off)
+        self.k_base = self._lane_bases(b, k_row, k_x, self.k_smem_off)
+        self.v_base = self._lane_bases(b, v_row, v_x, self.v_smem_off)
+
+        # epilogue: accumulator (row g / g+8 of m-tile i, chunk j, word t) -> swizzled smem
+        self.o_row0 = b.add(warp_row, self.g)
+        self.o_word = b.shl(self.t, i32(2))
+        self.o_x = b.shl(self.g, i32(4))       # (row % 8) * 16 for rows g and g+8
+
+    def _lane_bases(self, b, row, x16, region_off):
+        bases = {}
+        for lo in (0, 32, 64, 96):
+            if lo >= self.RB:
+                continue
+            off = b.add(b.add(b.mul(row, i32(self.RB)), b.xor(x16, i32(lo))), i32(region_off))
+            bases[lo] = warp.smem_ptr(b, self.smem, off)
+        return bases
+
+    def _ld_addr(self, b, bases, row_const: int, chunk_const: int):
+        """Shared address for an ldmatrix whose lane-relative (row, chunk) is offset by
+        compile-time (row_const (multiple of 8), chunk_const (even))."""
+        c16 = chunk_const * 16
+        lo, hi = c16 & 127, c16 & ~127
+        return b.gep(bases[lo], [i64(row_const * self.RB + hi)], inbounds=True,
+                     source_etype=nvptx.i8)
+
+    # ------------------------------------------------------------------ global -> shared
+    def _load_tile(self, b, gptr, row0_off64, stride_row64, rows_valid, rows: int, smem_off: int):
+        """cp.async `rows` x D elements starting at element offset row0_off64 (i64) into the
+        swizzled smem region at smem_off; rows >= rows_valid are zero-filled."""
+        c = self.c
+        rpp = c.rows_per_pass
+        base_off = b.add(b.add(row0_off64, b.mul(_sext64(b, self.ld_row), stride_row64)),
+                         self.ld_chunk_elems64)
+        step = b.mul(stride_row64, i64(rpp))
+        src_base = b.gep(gptr, [base_off], inbounds=True, source_etype=nvptx.i16)
+        dst_base = warp.smem_ptr(b, self.smem, b.add(self.ld_swz_off, i32(smem_off)))
+        for p in range(rows // rpp):
+            row = b.add(self.ld_row, i32(p * rpp))
+            valid = b.icmp_signed("<", row, rows_valid)
+            src = b.gep(src_base, [b.mul(step, i64(p))], inbounds=True, source_etype=nvptx.i16)
+            src = b.select(valid, src, gptr)
+            nbytes = b.select(valid, i32(16), i32(0))
+            dst = b.gep(dst_base, [i64(p * rpp * self.RB)], inbounds=True, source_etype=nvptx.i8)
+            warp.cp_async_16(b, dst, src, nbytes)
+
+    # ------------------------------------------------------------------ tile classification
+    def _classify(self, b, info, n):
+        """(may_be_true, always_true) for KV tile n, bounds included."""
+        c = self.c
+        kv_lo = b.mul(n, i32(c.block_n))
+        kv_end = b.add(kv_lo, i32(c.block_n))
+        in_bounds = b.icmp_signed("<=", kv_end, info["seqlen_k"])
+        if self.hooks.classify is None:
+            always = in_bounds if self.hooks.mask is None else ir.Constant(i1, 0)
+            return ir.Constant(i1, 1), always
+        kv_hi = b.sub(_min(b, kv_end, info["seqlen_k"]), i32(1))
+        may, always = self.hooks.classify(b, info["b"], info["h"], info["q_lo"], info["q_hi"],
+                                          kv_lo, kv_hi, info["seqlen_q"], info["seqlen_k"])
+        return may, b.and_(always, in_bounds)
+
+    def _next_nonempty(self, b, info, start):
+        """First KV tile index >= start that may hold an unmasked pair (or n_blocks)."""
+        if self.hooks.classify is None:
+            return start
+        fn = b.function
+        pre = b.block
+        hdr = fn.append_basic_block("skip.hdr")
+        chk = fn.append_basic_block("skip.chk")
+        nxt = fn.append_basic_block("skip.next")
+        done = fn.append_basic_block("skip.done")
+        b.branch(hdr)
+        b.position_at_end(hdr)
+        n = b.phi(i32, "skip.n")
+        n.add_incoming(start, pre)
+        b.cbranch(b.icmp_signed("<", n, info["n_blocks"]), chk, done)
+        b.position_at_end(chk)
+        may, _ = self._classify(b, info, n)
+        b.cbranch(may, done, nxt)
+        b.position_at_end(nxt)
+        n1 = b.add(n, i32(1))
+        n.add_incoming(n1, nxt)
+        b.branch(hdr)
+        b.position_at_end(done)
+        return n
+
+    # ------------------------------------------------------------------ the tile
+    def emit_tile(self, b: ir.IRBuilder, seq) -> None:
+        c, a = self.c, self.a
+        BM, BN, D = c.block_m, c.block_n, c.head_dim
+        MT, NT, DT = c.m_tiles, BN // 8, D // 8
+        dt = c.dtype
+
+        bidx, h = seq.prompt_idx, seq.head_idx
+        q0, seqlen_q, q_start = seq.prompt_offset, seq.seq_len, seq.start_of_seq
+        hk = b.udiv(h, i32(c.gqa_group)) if c.gqa_group > 1 else h
+        if c.ragged:
+            cu_k = a.cu_seqlens_k
+            k_start = b.load(b.gep(cu_k, [bidx], inbounds=True, source_etype=i32), typ=i32)
+            k_end = b.load(b.gep(cu_k, [b.add(bidx, i32(1))], inbounds=True, source_etype=i32),
+                           typ=i32)
+            seqlen_k = b.sub(k_end, k_start)
+        else:
+            k_start = i32(0)
+            seqlen_k = a.seqlen_k
+        rows_q = b.sub(seqlen_q, q0)
+        n_blocks = b.udiv(b.add(seqlen_k, i32(BN - 1)), i32(BN))
+        info = {"b": bidx, "h": h, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
+                "q_lo": q0, "q_hi": b.sub(_min(b, b.add(q0, i32(BM)), seqlen_q), i32(1)),
+                "n_blocks": n_blocks}
+
+        b64 = _sext64(b, bidx)
+        q_tile_off = b.add(b.add(b.mul(b64, a.q_stride_batch),
+                                 b.mul(_sext64(b, b.add(q_start, q0)), a.q_stride_row)),
+                           b.mul(_sext64(b, h), a.q_stride_head))
+        k_head_off = b.add(b.add(b.mul(b64, a.k_stride_batch),
+                                 b.mul(_sext64(b, k_start), a.k_stride_row)),
+                           b.mul(_sext64(b, hk), a.k_stride_head))
+        v_head_off = b.add(b.add(b.mul(b64, a.v_stride_batch),
+                                 b.mul(_sext64(b, k_start), a.v_stride_row)),
+                           b.mul(_sext64(b, hk), a.v_stride_head))
+
+        def load_kv(bb, n, which):
+            kv0 = bb.mul(n, i32(BN))
+            if which == "k":
+                off = bb.add(k_head_off, bb.mul(_sext64(bb, kv0), a.k_stride_row))
+                self._load_tile(bb, a.k, off, a.k_stride_row, bb.sub(seqlen_k, kv0), BN,
+                                self.k_smem_off)
+            else:
+                off = bb.add(v_head_off, bb.mul(_sext64(bb, kv0), a.v_stride_row))
+                self._load_tile(bb, a.v, off, a.v_stride_row, bb.sub(seqlen_k, kv0), BN,
+                                self.v_smem_off)
+
+        # ---- prologue: the previous tile's epilogue must be done with shared memory
+        nvptx.barrier_all(b)
+        self._load_tile(b, a.q, q_tile_off, a.q_stride_row, rows_q, BM, self.q_smem_off)
+        n_first = self._next_nonempty(b, info, i32(0))
+        with b.if_then(b.icmp_signed("<", n_first, n_blocks)):
+            load_kv(b, n_first, "k")
+        warp.cp_async_commit(b)
+
+        if self.hooks.score is None:
+            sl2 = b.fmul(a.softmax_scale, _fconst(warp.LOG2E))  # scores kept raw; scale folded
+        else:
+            sl2 = _fconst(warp.LOG2E)                            # hook output already scaled
+
+        # ---- KV loop (a real IR loop); loop-carried: n, O accumulators, row max m, row sum l
+        fn = b.function
+        pre = b.block
+        hdr = fn.append_basic_block("kv.hdr")
+        body = fn.append_basic_block("kv.body")
+        exit_ = fn.append_basic_block("kv.exit")
+        b.branch(hdr)
+        b.position_at_end(hdr)
+        n = b.phi(i32, "n")
+        n.add_incoming(n_first, pre)
+        acc_phi = [[[b.phi(f32) for _ in range(4)] for _ in range(DT)] for _ in range(MT)]
+        m_phi = [[b.phi(f32) for _ in range(2)] for _ in range(MT)]
+        l_phi = [[b.phi(f32) for _ in range(2)] for _ in range(MT)]
+        zero, ninf = _fconst(0.0), _fconst(NEG_INF)
+        for i in range(MT):
+            for j in range(DT):
+                for e in range(4):
+                    acc_phi[i][j][e].add_incoming(zero, pre)
+            for r in range(2):
+                m_phi[i][r].add_incoming(ninf, pre)
+                l_phi[i][r].add_incoming(zero, pre)
+        b.cbranch(b.icmp_signed("<", n, n_blocks), body, exit_)
+
+        b.position_at_end(body)
+        warp.cp_async_wait(b, 0)
+        nvptx.barrier_all(b)          # K(n) (and Q) landed; every warp is done with V(n-1)
+        load_kv(b, n, "v")
+        warp.cp_async_commit(b)
+
+        # S = Q K^T
+        S = [[[zero] * 4 for _ in range(NT)] for _ in range(MT)]
+        for kk in range(D // 16):
+            qa = [warp.ldmatrix_x4(b, self._ld_addr(b, self.q_base, i * 16, 2 * kk))
+                  for i in range(MT)]
+            for jp in range(NT // 2):
+                kb = warp.ldmatrix_x4(b, self._ld_addr(b, self.k_base, jp * 16, 2 * kk))
+                for i in range(MT):
+                    S[i][2 * jp] = warp.mma_m16n8k16(b, dt, qa[i], kb[0:2], S[i][2 * jp])
+                    S[i][2 * jp + 1] = warp.mma_m16n8k16(b, dt, qa[i], kb[2:4], S[i][2 * jp + 1])
+
+        kv_base = b.mul(n, i32(BN))
+
+        def q_idx_of(i, r):
+            return b.add(q0, b.add(self.o_row0, i32(i * 16 + r * 8)))
+
+        def kv_idx_of(j, e):
+            return b.add(kv_base, b.add(b.shl(self.t, i32(1)), i32(j * 8 + (e & 1))))
+
+        if self.hooks.score is not None:
+            scale = a.softmax_scale
+            S = [[[self.hooks.score(b, b.fmul(S[i][j][e], scale), bidx, h, q_idx_of(i, e >> 1),
+                                    kv_idx_of(j, e)) for e in range(4)]
+                  for j in range(NT)] for i in range(MT)]
+
+        # mask: only PARTIAL tiles (mask hook and/or the KV tail) run per-element code
+        _, always = self._classify(b, info, n)
+        pre_mask = b.block
+        mblk = fn.append_basic_block("kv.mask")
+        mdone = fn.append_basic_block("kv.masked")
+        b.cbranch(always, mdone, mblk)
+        b.position_at_end(mblk)
+        S_m = [[[None] * 4 for _ in range(NT)] for _ in range(MT)]
+        for i in range(MT):
+            for r in range(2):
+                qi = q_idx_of(i, r)
+                for j in range(NT):
+                    for e2 in range(2):
+                        e = 2 * r + e2
+                        kvi = kv_idx_of(j, e)
+                        keep = b.icmp_signed("<", kvi, seqlen_k)
+                        if self.hooks.mask is not None:
+                            keep = b.and_(keep, self.hooks.mask(b, bidx, h, qi, kvi,
+                                                                seqlen_q, seqlen_k))
+                        S_m[i][j][e] = b.select(keep, S[i][j][e], ninf)
+        mblk_end = b.block
+        b.branch(mdone)
+        b.position_at_end(mdone)
+        S2 = [[[None] * 4 for _ in range(NT)] for _ in range(MT)]
+        for i in range(MT):
+            for j in range(NT):
+                for e in range(4):
+                    p = b.phi(f32)
+                    p.add_incoming(S[i][j][e], pre_mask)
+                    p.add_incoming(S_m[i][j][e], mblk_end)
+                    S2[i][j][e] = p
+        S = S2
+
+        warp.cp_async_wait(b, 0)
+        nvptx.barrier_all(b)          # V(n) landed; every warp is done with K(n)
+        nn = self._next_nonempty(b, info, b.add(n, i32(1)))
+        with b.if_then(b.icmp_signed("<", nn, n_blocks)):
+            load_kv(b, nn, "k")
+        warp.cp_async_commit(b)
+
+        # online softmax (log2 domain), rescale O, P in registers
+        acc = [[[acc_phi[i][j][e] for e in range(4)] for j in range(DT)] for i in range(MT)]
+        m_new_all = [[None] * 2 for _ in range(MT)]
+        l_new_all = [[None] * 2 for _ in range(MT)]
+        P = [[[None] * 4 for _ in range(NT)] for _ in range(MT)]
+        for i in range(MT):
+            for r in range(2):
+                vals = [S[i][j][2 * r + e2] for j in range(NT) for e2 in range(2)]
+                mx = vals[0]
+                for v in vals[1:]:
+                    mx = warp.fmax(b, mx, v)
+                mx = warp.quad_allreduce(b, mx, warp.fmax)
+                m_old = m_phi[i][r]
+                m_new = warp.fmax(b, m_old, mx)
+                m_scaled = b.fmul(m_new, sl2)
+                m_scaled = b.select(b.fcmp_ordered("==", m_new, ninf), zero, m_scaled)
+                alpha = warp.ex2(b, b.fsub(b.fmul(m_old, sl2), m_scaled))
+                neg_ms = b.fneg(m_scaled)
+                psum = None
+                for j in range(NT):
+                    for e2 in range(2):
+                        e = 2 * r + e2
+                        p = warp.ex2(b, warp.fma(b, S[i][j][e], sl2, neg_ms))
+                        P[i][j][e] = p
+                        psum = p if psum is None else b.fadd(psum, p)
+                l_new_all[i][r] = b.fadd(b.fmul(l_phi[i][r], alpha), psum)
+                m_new_all[i][r] = m_new
+                for j in range(DT):
+                    for e2 in range(2):
+                        acc[i][j][2 * r + e2] = b.fmul(acc[i][j][2 * r + e2], alpha)
+
+        # O += P V
+        for s in range(BN // 16):
+            pa = [[warp.pack2(b, dt, P[i][2 * s][0], P[i][2 * s][1]),
+                   warp.pack2(b, dt, P[i][2 * s][2], P[i][2 * s][3]),
+                   warp.pack2(b, dt, P[i][2 * s + 1][0], P[i][2 * s + 1][1]),
+                   warp.pack2(b, dt, P[i][2 * s + 1][2], P[i][2 * s + 1][3])]
+                  for i in range(MT)]
+            for jp in range(DT // 2):
+                vb = warp.ldmatrix_x4(b, self._ld_addr(b, self.v_base, s * 16, 2 * jp),
+                                      trans=True)
+                for i in range(MT):
+                    acc[i][2 * jp] = warp.mma_m16n8k16(b, dt, pa[i], vb[0:2], acc[i][2 * jp])
+                    acc[i][2 * jp + 1] = warp.mma_m16n8k16(b, dt, pa[i], vb[2:4],
+                                                           acc[i][2 * jp + 1])
+
+        latch = b.block
+        n.add_incoming(nn, latch)
+        for i in range(MT):
+            for j in range(DT):
+                for e in range(4):
+                    acc_phi[i][j][e].add_incoming(acc[i][j][e], latch)
+            for r in range(2):
+                m_phi[i][r].add_incoming(m_new_all[i][r], latch)
+                l_phi[i][r].add_incoming(l_new_all[i][r], latch)
+        b.branch(hdr)
+
+        # ---- epilogue
+        b.position_at_end(exit_)
+        self._epilogue(b, info, acc_phi, m_phi, l_phi, sl2, q_start, q0, rows_q, bidx, h)
+
+    def _epilogue(self, b, info, acc, m, l, sl2, q_start, q0, rows_q, bidx, h):
+        c, a = self.c, self.a
+        MT, DT, BM = c.m_tiles, c.head_dim // 8, c.block_m
+        zero = _fconst(0.0)
+        inv = [[None] * 2 for _ in range(MT)]
+        lse = [[None] * 2 for _ in range(MT)]
+        for i in range(MT):
+            for r in range(2):
+                lt = warp.quad_allreduce(b, l[i][r], warp.fadd)
+                empty = b.fcmp_unordered("==", lt, zero)   # no key was kept (or NaN)
+                inv[i][r] = b.select(empty, zero, warp.rcp(b, lt))
+                if c.return_lse:
+                    val = b.fmul(b.fadd(b.fmul(m[i][r], sl2), warp.lg2(b, lt)),
+                                 _fconst(warp.LN2))
+                    lse[i][r] = b.select(empty, _fconst(NEG_INF), val)
+
+        # Q's shared memory is free once every cp.async landed and every warp left the loop
+        warp.cp_async_wait(b, 0)
+        nvptx.barrier_all(b)
+        for i in range(MT):
+            for r in range(2):
+                row = b.add(self.o_row0, i32(i * 16 + r * 8))
+                row_base = b.add(b.mul(row, i32(self.RB)), b.add(self.o_word, i32(self.q_smem_off)))
+                for j in range(DT):
+                    c16 = j * 16
+                    off = b.add(row_base, b.add(b.xor(self.o_x, i32(c16 & 127)), i32(c16 & ~127)))
+                    val = warp.pack2(b, c.dtype, b.fmul(acc[i][j][2 * r], inv[i][r]),
+                                     b.fmul(acc[i][j][2 * r + 1], inv[i][r]))
+                    warp.store(b, val, warp.smem_ptr(b, self.smem, off), align=4)
+        nvptx.barrier_all(b)
+
+        # coalesced 16-byte stores of the valid rows
+        rpp = c.rows_per_pass
+        o_off = b.add(b.add(b.mul(_sext64(b, bidx), a.o_stride_batch),
+                            b.mul(_sext64(b, b.add(q_start, q0)), a.o_stride_row)),
+                      b.mul(_sext64(b, h), a.o_stride_head))
+        o_off = b.add(b.add(o_off, b.mul(_sext64(b, self.ld_row), a.o_stride_row)),
+                      self.ld_chunk_elems64)
+        dst_base = b.gep(a.o, [o_off], inbounds=True, source_etype=nvptx.i16)
+        step = b.mul(a.o_stride_row, i64(rpp))
+        src_base = warp.smem_ptr(b, self.smem, b.add(self.ld_swz_off, i32(self.q_smem_off)))
+        v4 = ir.VectorType(i32, 4)
+        for p in range(BM // rpp):
+            row = b.add(self.ld_row, i32(p * rpp))
+            src = b.gep(src_base, [i64(p * rpp * self.RB)], inbounds=True, source_etype=nvptx.i8)
+            val = b.load(src, typ=v4, align=16)
+            with b.if_then(b.icmp_signed("<", row, rows_q)):
+                dst = b.gep(dst_base, [b.mul(step, i64(p))], inbounds=True,
+                            source_etype=nvptx.i16)
+                b.store(val, dst, align=16)
+
+        if c.return_lse:
+            lse_base = b.add(b.mul(_sext64(b, bidx), a.lse_stride_batch),
+                             b.add(b.mul(_sext64(b, h), a.lse_stride_head),
+                                   _sext64(b, b.add(q_start, q0))))
+            is_t0 = b.icmp_unsigned("==", self.t, i32(0))
+            for i in range(MT):
+                for r in range(2):
+                    row = b.add(self.o_row0, i32(i * 16 + r * 8))
+                    with b.if_then(b.and_(is_t0, b.icmp_signed("<", row, rows_q))):
+                        ptr = b.gep(a.lse, [b.add(lse_base, _sext64(b, row))], inbounds=True,
+                                    source_etype=f32)
+                        b.store(lse[i][r], ptr, align=4)
+
+
+# ============================================================================ work loops
+def transient_work_loop(builder: ir.IRBuilder, args: KernelArgs, body: Callable) -> None:
+    """Non-persistent: one tile per CTA, grid (q tiles, heads, batch) (see `transient_grid`).
+    Query tiles run last-first (the longest ones under a causal mask start first)."""
+    b = builder
+    c = args.config
+    x = nvptx.special_register(b, "block_idx", "x")
+    nx = nvptx.special_register(b, "grid_dim", "x")
+    head = nvptx.special_register(b, "block_idx", "y")
+    batch = nvptx.special_register(b, "block_idx", "z")
+    tile = b.sub(b.sub(nx, i32(1)), x)
+    if c.ragged:
+        cu = args.cu_seqlens_q
+        start = b.load(b.gep(cu, [batch], inbounds=True, source_etype=i32), typ=i32)
+        end = b.load(b.gep(cu, [b.add(batch, i32(1))], inbounds=True, source_etype=i32),
+                     typ=i32)
+        seq_len = b.sub(end, start)
+    else:
+        start = i32(0)
+        seq_len = args.seqlen_q
+    offset = b.mul(tile, i32(c.block_m))
+    with b.if_then(b.icmp_signed("<", offset, seq_len)):
+        body(b, TileSeq(seq_len=seq_len, start_of_seq=start, prompt_offset=offset,
+                        head_idx=head, prompt_idx=batch))
+
+
+# ============================================================================ module
+def _add_fn_attr(fn: ir.Function, text: str) -> None:
+    set.add(fn.attributes, text)  # llvmlite only knows enum attributes; NVVM's are strings
+
+
+def build_attention_module(config: AttentionConfig, hooks: ExprHooks | None, target: Target,
+                           work_loop: Callable = transient_work_loop) -> ir.Module:
+    """One module holding the kernel `kernel_name(config)` with KERNEL_PARAMS as its
+    parameters, `threads(config)` threads and `shared_bytes(config)` of dynamic shared memory
+    (the extern array SMEM_SYMBOL, 128-byte aligned)."""
+    config.validate()
+    hooks = hooks or ExprHooks()
+    module = new_module(f"mha_{config.dtype}_d{config.head_dim}", target)
+    fnty = ir.FunctionType(nvptx.void, [p.llvm_type for p in KERNEL_PARAMS])
+    fn = ir.Function(module, fnty, name=kernel_name(config))
+    nvptx.mark_kernel(fn)
+    _add_fn_attr(fn, f'"nvvm.maxntid"="{config.threads}"')
+    _add_fn_attr(fn, f'"nvvm.minctasm"="{min_ctas_per_sm(config)}"')
+    for p, arg in zip(KERNEL_PARAMS, fn.args):
+        arg.name = p.name
+        if p.kind == "ptr":
+            arg.add_attribute("noalias")
+            if p.name in ("q", "k", "v", "o"):
+                arg.attributes.align = 16
+            elif p.name in ("lse", "cu_seqlens_q", "cu_seqlens_k", "queue"):
+                arg.attributes.align = 4
+    smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
+    smem.linkage = "external"
+    smem.align = 128
+
+    builder = ir.IRBuilder(fn.append_basic_block("entry"))
+    args = KernelArgs(fn, config)
+    emitter = _TileEmitter(config, hooks, builder, args, smem)
+    work_loop(builder, args, emitter.emit_tile)
+    builder.ret_void()
+    return module
+
+
+def compile_ptx(config: AttentionConfig, hooks: ExprHooks | None, target: Target,
+                work_loop: Callable = transient_work_loop) -> str:
+    from .target import emit_ptx, optimize
+    return emit_ptx(optimize(build_attention_module(config, hooks, target, work_loop), target),
+                    target)
+
+
+# ============================================================================ stock hooks
+def causal_hooks(bottom_right: bool = False) -> ExprHooks:
+    """kv_idx <= q_idx (top-left, torch's is_causal) or kv_idx <= q_idx + seqlen_k - seqlen_q."""
+
+    def shift(b, sq, sk):
+        return b.sub(sk, sq) if bottom_right else i32(0)
+
+    def mask(b, bi, h, q, kv, sq, sk):
+        return b.icmp_signed("<=", kv, b.add(q, shift(b, sq, sk)))
+
+    def classify(b, bi, h, q_lo, q_hi, kv_lo, kv_hi, sq, sk):
+        d = shift(b, sq, sk)
+        return (b.icmp_signed("<=", kv_lo, b.add(q_hi, d)),
+                b.icmp_signed("<=", kv_hi, b.add(q_lo, d)))
+
+    return ExprHooks(mask=mask, score=None, classify=classify)
+
+
+NO_MASK = ExprHooks()

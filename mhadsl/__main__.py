@@ -1,0 +1,5 @@
+import sys
+
+from mhadsl.cli import main
+
+sys.exit(main())

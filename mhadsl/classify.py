@@ -1,0 +1,596 @@
+"""Static tile classification: is a mask empty, full or partial over a (query tile, KV tile) box?
+
+The mask expression is interpreted abstractly: every integer sub-expression becomes an interval
+`[lo, hi]`, every boolean a pair `(may, must)` = (may be true somewhere in the box, true
+everywhere in the box). EMPTY is `not may`, FULL is `must`, anything else PARTIAL. The reasoning
+is sound, never exact by accident: whatever it cannot bound becomes the full range of its type
+(an unknown bool is `(True, False)`), so an unknown mask is always PARTIAL.
+
+The analysis is written once against a small "ops" backend and *staged*: it never branches on
+a bound's value, only on the expression's shape and static types, and builds `select`s for
+every data-dependent choice. Two backends run it:
+
+- `_PyOps` generates straight-line Python over plain ints (constants fold as it goes) and
+  compiles it once per rule; the host simulator's cost model calls the result per tile.
+- `_IrOps` emits the same reasoning as llvmlite IR, so the GPU kernel can classify tiles at run
+  time, when the shapes are known.
+
+Bounds are computed in 64 bits (Python ints, or i64 in IR) from 32-bit inputs, so no single
+step overflows; a result that leaves its type's range (i32 or u32) may have wrapped in the
+kernel and becomes the full range.
+"""
+from __future__ import annotations
+
+import operator
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from llvmlite import ir
+
+from mhadsl import ast
+from mhadsl.check import CheckedProgram
+from mhadsl.types import BOOL, F32, I32, INT_LITERAL, U32, Ty, unify
+
+I32_MIN, I32_MAX = -2**31, 2**31 - 1
+U32_MAX = 2**32 - 1
+_BOUNDS = {I32: (I32_MIN, I32_MAX), U32: (0, U32_MAX)}
+_I64, _I1 = ir.IntType(64), ir.IntType(1)
+
+# Parameters of the staged classifier, in order; b and h come as intervals so "unknown" is
+# just the full range.
+_INPUTS = ("b_lo", "b_hi", "h_lo", "h_hi", "q_lo", "q_hi", "kv_lo", "kv_hi",
+           "seqlen_q", "seqlen_k")
+
+
+# ------------------------------------------------------------------ abstract values
+@dataclass(frozen=True)
+class _Int:
+    """An integer of type `ty` (I32 or U32) known to lie in [lo, hi] (backend values)."""
+
+    lo: Any
+    hi: Any
+    ty: Ty
+
+
+@dataclass(frozen=True)
+class _Bool:
+    may: Any  # backend bool: true somewhere in the box
+    must: Any  # backend bool: true everywhere in the box
+
+
+class _Float:
+    """An f32 value: the domain keeps no float bounds."""
+
+
+_FLOAT = _Float()
+# Integer-literal sub-expressions stay Python ints and fold exactly, as constants do.
+_Value = _Int | _Bool | _Float | int
+
+
+class _Unsupported(Exception):
+    """The rule has a shape the analysis does not model; its mask is unknown."""
+
+
+# ------------------------------------------------------------------ backends
+def _tdiv(a: int, b: int) -> int:
+    """C division: the quotient truncates toward zero."""
+    q = abs(a) // abs(b)
+    return q if (a < 0) == (b < 0) else -q
+
+
+def _trem(a: int, b: int) -> int:
+    return a - b * _tdiv(a, b)
+
+
+class _PyOps:
+    """Stages the analysis as Python source over ints; an operand is a constant or a name."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def _op(self, fold: Callable, fmt: str, *args):
+        if not any(isinstance(a, str) for a in args):
+            return fold(*args)
+        name = f"v{len(self.lines)}"
+        self.lines.append(f"    {name} = " + fmt.format(*map(str, args)))
+        return name
+
+    def const(self, v: int):
+        return v
+
+    def bconst(self, v: bool):
+        return v
+
+    def add(self, a, b):
+        return self._op(operator.add, "{} + {}", a, b)
+
+    def sub(self, a, b):
+        return self._op(operator.sub, "{} - {}", a, b)
+
+    def mul(self, a, b):
+        return self._op(operator.mul, "{} * {}", a, b)
+
+    def div(self, a, b):
+        return self._op(_tdiv, "_tdiv({}, {})", a, b)
+
+    def rem(self, a, b):
+        return self._op(_trem, "_trem({}, {})", a, b)
+
+    def shl(self, a, b):
+        return self._op(operator.lshift, "{} << {}", a, b)
+
+    def ashr(self, a, b):
+        return self._op(operator.rshift, "{} >> {}", a, b)
+
+    def lt(self, a, b):
+        return self._op(operator.lt, "{} < {}", a, b)
+
+    def le(self, a, b):
+        return self._op(operator.le, "{} <= {}", a, b)
+
+    def eq(self, a, b):
+        return self._op(operator.eq, "{} == {}", a, b)
+
+    def select(self, c, a, b):
+        if not isinstance(c, str):
+            return a if c else b
+        if a == b:
+            return a
+        return self._op(None, "{1} if {0} else {2}", c, a, b)
+
+    def band(self, x, y):
+        if not isinstance(x, str) or not isinstance(y, str):
+            const, other = (x, y) if not isinstance(x, str) else (y, x)
+            return other if const else False
+        return self._op(None, "{} and {}", x, y)
+
+    def bor(self, x, y):
+        if not isinstance(x, str) or not isinstance(y, str):
+            const, other = (x, y) if not isinstance(x, str) else (y, x)
+            return True if const else other
+        return self._op(None, "{} or {}", x, y)
+
+    def bnot(self, x):
+        return self._op(operator.not_, "not {}", x)
+
+
+class _IrOps:
+    """Emits the analysis as LLVM IR: bounds are i64, booleans i1."""
+
+    def __init__(self, builder: ir.IRBuilder):
+        self.b = builder
+
+    def const(self, v: int):
+        return ir.Constant(_I64, v)
+
+    def bconst(self, v: bool):
+        return ir.Constant(_I1, int(v))
+
+    def add(self, a, b):
+        return self.b.add(a, b)
+
+    def sub(self, a, b):
+        return self.b.sub(a, b)
+
+    def mul(self, a, b):
+        return self.b.mul(a, b)
+
+    def div(self, a, b):
+        return self.b.sdiv(a, b)
+
+    def rem(self, a, b):
+        return self.b.srem(a, b)
+
+    def shl(self, a, b):
+        return self.b.shl(a, b)
+
+    def ashr(self, a, b):
+        return self.b.ashr(a, b)
+
+    def lt(self, a, b):
+        return self.b.icmp_signed("<", a, b)
+
+    def le(self, a, b):
+        return self.b.icmp_signed("<=", a, b)
+
+    def eq(self, a, b):
+        return self.b.icmp_signed("==", a, b)
+
+    def select(self, c, a, b):
+        return self.b.select(c, a, b)
+
+    def band(self, x, y):
+        return self.b.and_(x, y)
+
+    def bor(self, x, y):
+        return self.b.or_(x, y)
+
+    def bnot(self, x):
+        return self.b.not_(x)
+
+
+# ------------------------------------------------------------------ the analysis
+_CMP = {"<": "<", "<=": "<=", ">": "<", ">=": "<="}  # > and >= swap their operands
+_MATH_F32 = ("exp", "exp2", "log", "log2", "tanh", "sqrt")
+
+
+class _Analysis:
+    """Abstract interpretation of one rule, generic over the backend `ops`."""
+
+    def __init__(self, ops, program: CheckedProgram):
+        self.o, self.types, self.refs = ops, program.types, program.refs
+
+    # ---- helpers over backend values
+    def min(self, a, b):
+        return self.o.select(self.o.lt(a, b), a, b)
+
+    def max(self, a, b):
+        return self.o.select(self.o.lt(a, b), b, a)
+
+    def hull(self, values: list, ty: Ty) -> _Int:
+        lo = hi = values[0]
+        for v in values[1:]:
+            lo, hi = self.min(lo, v), self.max(hi, v)
+        return self.norm(lo, hi, ty)
+
+    def full(self, ty: Ty) -> _Int:
+        lo, hi = _BOUNDS[ty]
+        return _Int(self.o.const(lo), self.o.const(hi), ty)
+
+    def norm(self, lo, hi, ty: Ty) -> _Int:
+        """Bounds that leave the type's range mean the kernel's value may have wrapped."""
+        tmin, tmax = _BOUNDS[ty]
+        o = self.o
+        ok = o.band(o.le(o.const(tmin), lo), o.le(hi, o.const(tmax)))
+        return _Int(o.select(ok, lo, o.const(tmin)), o.select(ok, hi, o.const(tmax)), ty)
+
+    def guard(self, ok, value: _Int) -> _Int:
+        """`value` where `ok`, else the full range."""
+        full = self.full(value.ty)
+        return _Int(self.o.select(ok, value.lo, full.lo), self.o.select(ok, value.hi, full.hi),
+                    value.ty)
+
+    def top(self, ty: Ty) -> _Value:
+        if ty == BOOL:
+            return _Bool(self.o.bconst(True), self.o.bconst(False))
+        if ty in _BOUNDS:
+            return self.full(ty)
+        if ty == F32:
+            return _FLOAT
+        raise _Unsupported(f"no unknown value of type {ty}")
+
+    def lift(self, v: _Value, ty: Ty) -> _Value:
+        """Convert an operand to the type its use needs (literals wrap, as the kernel's do)."""
+        if ty == F32:
+            return _FLOAT
+        if ty not in _BOUNDS or isinstance(v, (_Bool, _Float)):
+            return v
+        if isinstance(v, int):
+            c = self.o.const(_wrap(v, ty))
+            return _Int(c, c, ty)
+        if v.ty == ty:
+            return v
+        # i32 <-> u32 reinterprets the bits: only a range inside both types survives.
+        o = self.o
+        ok = o.band(o.le(o.const(0), v.lo), o.le(v.hi, o.const(I32_MAX)))
+        return self.guard(ok, _Int(v.lo, v.hi, ty))
+
+    # ---- rules and statements
+    def rule(self, rule: ast.Rule, env: dict) -> _Value:
+        return self.block(rule.body, env)
+
+    def block(self, stmts: tuple[ast.Stmt, ...], env: dict) -> _Value:
+        """Lets, returns and `if`s whose branches return: an `if` joins its two outcomes."""
+        for i, s in enumerate(stmts):
+            if isinstance(s, ast.Let):
+                env[s] = self.expr(s.value, env)
+            elif isinstance(s, ast.Return):
+                return self.expr(s.value, env)
+            elif isinstance(s, ast.If):
+                cond = self.expr(s.cond, env)
+                then = self.block(s.then, env)
+                rest = self.block(s.orelse + stmts[i + 1:], env)
+                return self.where(cond, then, rest)
+            else:
+                raise _Unsupported(f"{type(s).__name__} statements")
+        raise _Unsupported("a path that does not return")
+
+    # ---- expressions
+    def expr(self, e: ast.Expr, env: dict) -> _Value:
+        ty = self.types[e]
+        return self.lift(self._expr(e, env, ty), ty)
+
+    def _expr(self, e: ast.Expr, env: dict, ty: Ty) -> _Value:
+        o = self.o
+        if isinstance(e, ast.IntLit):
+            return e.value
+        if isinstance(e, ast.BoolLit):
+            c = o.bconst(e.value)
+            return _Bool(c, c)
+        if isinstance(e, ast.FloatLit):
+            return _FLOAT
+        if isinstance(e, ast.Name):
+            sym = self.refs.get(e)
+            if sym is not None and sym.kind in ("rule_param", "local") and sym.node in env:
+                return env[sym.node]
+            return self.top(ty)
+        if isinstance(e, ast.Unary):
+            v = self.expr(e.operand, env)
+            if e.op == "!":
+                return _Bool(o.bnot(v.must), o.bnot(v.may))
+            if isinstance(v, int):
+                return -v if e.op == "-" else ~v
+            if isinstance(v, _Float):
+                return _FLOAT
+            if e.op == "-":
+                return self.norm(o.sub(o.const(0), v.hi), o.sub(o.const(0), v.lo), ty)
+            ones = o.const(-1 if ty == I32 else U32_MAX)  # ~x = ones - x in either type
+            return _Int(o.sub(ones, v.hi), o.sub(ones, v.lo), ty)
+        if isinstance(e, ast.Binary):
+            return self.binary(e, env, ty)
+        if isinstance(e, ast.Call) and isinstance(e.func, ast.Name):
+            return self.call(e, e.func.id, env, ty)
+        return self.top(ty)
+
+    def binary(self, e: ast.Binary, env: dict, ty: Ty) -> _Value:
+        o = self.o
+        a, b = self.expr(e.left, env), self.expr(e.right, env)
+        if e.op == "&&":
+            return _Bool(o.band(a.may, b.may), o.band(a.must, b.must))
+        if e.op == "||":
+            return _Bool(o.bor(a.may, b.may), o.bor(a.must, b.must))
+        if ty == BOOL:
+            return self.compare(e.op, a, b, self.types[e.left], self.types[e.right])
+        if isinstance(a, int) and isinstance(b, int):
+            return _fold(e.op, a, b)
+        if ty == F32:
+            return _FLOAT
+        return self.arith(e.op, self.lift(a, ty), self.lift(b, ty), ty)
+
+    def compare(self, op: str, a: _Value, b: _Value, ta: Ty, tb: Ty) -> _Bool:
+        o = self.o
+        if ta == BOOL and tb == BOOL:  # == or != between booleans
+            both = o.band(a.must, b.must)
+            neither = o.band(o.bnot(a.may), o.bnot(b.may))
+            may_eq = o.bor(o.band(a.may, b.may), o.band(o.bnot(a.must), o.bnot(b.must)))
+            eq = _Bool(may_eq, o.bor(both, neither))
+            return eq if op == "==" else _Bool(o.bnot(eq.must), o.bnot(eq.may))
+        common = unify(ta, tb)
+        if common == INT_LITERAL:
+            c = o.bconst(_fold(op, a, b))
+            return _Bool(c, c)
+        if common not in _BOUNDS:
+            return self.top(BOOL)
+        a, b = self.lift(a, common), self.lift(b, common)
+        if op in ("==", "!="):
+            may = o.band(o.le(a.lo, b.hi), o.le(b.lo, a.hi))
+            must = o.band(o.band(o.eq(a.lo, a.hi), o.eq(b.lo, b.hi)), o.eq(a.lo, b.lo))
+            return _Bool(may, must) if op == "==" else _Bool(o.bnot(must), o.bnot(may))
+        if op in (">", ">="):
+            a, b = b, a
+        cmp = o.lt if _CMP[op] == "<" else o.le
+        return _Bool(cmp(a.lo, b.hi), cmp(a.hi, b.lo))
+
+    def arith(self, op: str, a: _Int, b: _Int, ty: Ty) -> _Int:
+        o = self.o
+        zero = o.const(0)
+        if op == "+":
+            return self.norm(o.add(a.lo, b.lo), o.add(a.hi, b.hi), ty)
+        if op == "-":
+            return self.norm(o.sub(a.lo, b.hi), o.sub(a.hi, b.lo), ty)
+        if op == "*":
+            if ty == U32:  # a u32 product may not fit the 64-bit bounds
+                return self.full(ty)
+            return self.hull([o.mul(x, y) for x in (a.lo, a.hi) for y in (b.lo, b.hi)], ty)
+        if op in ("/", "%"):
+            nonzero = o.bor(o.lt(zero, b.lo), o.lt(b.hi, zero))
+            # Divide by 1 where the divisor may be 0: LLVM's division by zero is undefined even
+            # in a result that is thrown away. The kernel's own result there is undefined too.
+            dlo = o.select(o.eq(b.lo, zero), o.const(1), b.lo)
+            dhi = o.select(o.eq(b.hi, zero), o.const(1), b.hi)
+            if op == "/":  # truncating division is monotone in each operand: corners bound it
+                corners = [o.div(x, y) for x in (a.lo, a.hi) for y in (dlo, dhi)]
+                return self.guard(nonzero, self.hull(corners, ty))
+            return self.guard(nonzero, self.remainder(a, b, dlo, ty))
+        if op in ("<<", ">>"):
+            in_range = o.band(o.le(zero, b.lo), o.le(b.hi, o.const(31)))
+            slo = o.select(in_range, b.lo, zero)
+            shi = o.select(in_range, b.hi, zero)
+            shift = o.shl if op == "<<" else o.ashr
+            corners = [shift(x, y) for x in (a.lo, a.hi) for y in (slo, shi)]
+            return self.guard(in_range, self.hull(corners, ty))
+        tmin, tmax = (o.const(v) for v in _BOUNDS[ty])
+        a_nonneg, b_nonneg = o.le(zero, a.lo), o.le(zero, b.lo)
+        both = o.band(a_nonneg, b_nonneg)
+        if op == "&":  # a nonnegative operand bounds the result from above and below
+            lo = o.select(o.bor(a_nonneg, b_nonneg), zero, tmin)
+            hi = self.min(o.select(a_nonneg, a.hi, tmax), o.select(b_nonneg, b.hi, tmax))
+            return _Int(lo, hi, ty)
+        # For nonnegative operands: max(a, b) <= a | b <= a + b and 0 <= a ^ b <= a + b.
+        lo = self.max(a.lo, b.lo) if op == "|" else zero
+        return self.guard(both, self.norm(lo, o.add(a.hi, b.hi), ty))
+
+    def remainder(self, a: _Int, b: _Int, dlo, ty: Ty) -> _Int:
+        """C remainder: the dividend's sign, magnitude below the divisor's."""
+        o = self.o
+        zero = o.const(0)
+        m = o.sub(o.select(o.lt(zero, b.lo), b.hi, o.sub(zero, b.lo)), o.const(1))
+        lo = o.select(o.le(zero, a.lo), zero, self.max(a.lo, o.sub(zero, m)))
+        hi = o.select(o.le(a.hi, zero), zero, self.min(a.hi, m))
+        # One divisor and one quotient across the range: the remainder is a - q*d, exactly.
+        q = o.div(a.lo, dlo)
+        exact = o.band(o.eq(b.lo, b.hi), o.eq(q, o.div(a.hi, dlo)))
+        qd = o.mul(q, dlo)
+        return _Int(o.select(exact, o.sub(a.lo, qd), lo), o.select(exact, o.sub(a.hi, qd), hi), ty)
+
+    def where(self, c: _Bool, a: _Value, b: _Value) -> _Value:
+        o = self.o
+        if isinstance(a, _Bool):
+            may = o.bor(o.band(c.may, a.may), o.band(o.bnot(c.must), b.may))
+            must = o.bor(o.bor(o.band(c.must, a.must), o.band(o.bnot(c.may), b.must)),
+                         o.band(a.must, b.must))
+            return _Bool(may, must)
+        if isinstance(a, _Float):
+            return _FLOAT
+        # Definitely a, definitely b, or either: the hull.
+        lo = o.select(c.must, a.lo, o.select(c.may, self.min(a.lo, b.lo), b.lo))
+        hi = o.select(c.must, a.hi, o.select(c.may, self.max(a.hi, b.hi), b.hi))
+        return _Int(lo, hi, a.ty)
+
+    def call(self, e: ast.Call, name: str, env: dict, ty: Ty) -> _Value:
+        o = self.o
+        if name == "where":
+            c = self.expr(e.args[0], env)
+            a, b = (self.expr(x, env) for x in e.args[1:])
+            if ty == INT_LITERAL:  # two literals under a condition known only at run time
+                ty = I32
+            return self.where(c, self.lift(a, ty), self.lift(b, ty))
+        args = [self.expr(x, env) for x in e.args]
+        if name in ("min", "max"):
+            a, b = args
+            if isinstance(a, int) and isinstance(b, int):
+                return min(a, b) if name == "min" else max(a, b)
+            if ty not in _BOUNDS:
+                return self.top(ty)
+            a, b = self.lift(a, ty), self.lift(b, ty)
+            pick = self.min if name == "min" else self.max
+            return _Int(pick(a.lo, b.lo), pick(a.hi, b.hi), ty)
+        if name == "abs" and ty == I32:
+            (v,) = args
+            if isinstance(v, int):
+                return abs(v)
+            zero = o.const(0)
+            lo = o.select(o.le(zero, v.lo), v.lo, o.select(o.le(v.hi, zero), o.sub(zero, v.hi),
+                                                           zero))
+            return self.norm(lo, self.max(o.sub(zero, v.lo), v.hi), ty)
+        if name in ("i32", "u32"):
+            (v,) = args
+            if isinstance(v, _Bool):
+                return _Int(o.select(v.must, o.const(1), o.const(0)),
+                            o.select(v.may, o.const(1), o.const(0)), ty)
+            if isinstance(v, _Float):
+                return self.full(ty)
+            return self.lift(v, ty)
+        if name == "f32" or name in _MATH_F32 or name == "abs":
+            return _FLOAT
+        return self.top(ty)  # a user fn: not inlined
+
+
+def _wrap(v: int, ty: Ty) -> int:
+    """A Python int as the kernel stores it in `ty`."""
+    v &= U32_MAX
+    return v - 2**32 if ty == I32 and v > I32_MAX else v
+
+
+def _fold(op: str, a: int, b: int) -> int | bool:
+    """Constant-fold two integer literals exactly, with C's truncating / and %."""
+    if op in ("/", "%") and b == 0:
+        raise _Unsupported("a constant division by zero")
+    return {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": _tdiv, "%": _trem,
+            "<<": operator.lshift, ">>": operator.rshift, "&": operator.and_,
+            "|": operator.or_, "^": operator.xor, "==": operator.eq, "!=": operator.ne,
+            "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}[op](a, b)
+
+
+def _inputs(analysis: _Analysis, b_lo, b_hi, h_lo, h_hi, q_lo, q_hi, kv_lo, kv_hi,
+            seqlen_q, seqlen_k) -> dict[str, _Int]:
+    """The environment of a mask rule, keyed by parameter role."""
+    return {"b": _Int(b_lo, b_hi, I32), "h": _Int(h_lo, h_hi, I32),
+            "q_idx": _Int(q_lo, q_hi, I32), "kv_idx": _Int(kv_lo, kv_hi, I32),
+            "seqlen_q": _Int(seqlen_q, seqlen_q, I32), "seqlen_k": _Int(seqlen_k, seqlen_k, I32)}
+
+
+def _analyse(analysis: _Analysis, rule: ast.Rule, env: dict) -> _Bool:
+    try:
+        result = analysis.rule(rule, env)
+    except _Unsupported:
+        return analysis.top(BOOL)
+    return result if isinstance(result, _Bool) else analysis.top(BOOL)
+
+
+# ------------------------------------------------------------------ public API
+_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _python_classifier(mask_rule: ast.Rule, program: CheckedProgram) -> Callable:
+    """The analysis staged as a Python function of `_INPUTS`; built once per rule."""
+    fn = _compiled.get(mask_rule)
+    if fn is None:
+        ops = _PyOps()
+        analysis = _Analysis(ops, program)
+        result = _analyse(analysis, mask_rule, _inputs(analysis, *_INPUTS))
+        source = (f"def classify({', '.join(_INPUTS)}):\n" + "\n".join(ops.lines)
+                  + f"\n    return bool({result.may}), bool({result.must})\n")
+        namespace = {"_tdiv": _tdiv, "_trem": _trem}
+        exec(compile(source, f"<mask classifier {mask_rule.span!r}>", "exec"), namespace)
+        fn = _compiled[mask_rule] = namespace["classify"]
+    return fn
+
+
+def _range(v: int | None) -> tuple[int, int]:
+    return (I32_MIN, I32_MAX) if v is None else (v, v)
+
+
+def classify_bounds(mask_rule: ast.Rule, program: CheckedProgram, *, b: int | None,
+                    h: int | None, q_lo: int, q_hi: int, kv_lo: int, kv_hi: int,
+                    seqlen_q: int, seqlen_k: int) -> tuple[bool, bool]:
+    """`(may_be_true, always_true)` of the mask over the box; `b`/`h` None means any value.
+
+    Ranges are inclusive and must be non-empty; all values are i32.
+    """
+    fn = _python_classifier(mask_rule, program)
+    return fn(*_range(b), *_range(h), q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k)
+
+
+def classify_tile(mask_rule: ast.Rule | None, program: CheckedProgram | None, *,
+                  b: int | None, h: int | None, q_lo: int, q_hi: int, kv_lo: int, kv_hi: int,
+                  seqlen_q: int, seqlen_k: int) -> str:
+    """"empty", "full" or "partial" for the box; no mask (None) is full."""
+    if mask_rule is None:
+        return "full"
+    may, must = classify_bounds(mask_rule, program, b=b, h=h, q_lo=q_lo, q_hi=q_hi,
+                                kv_lo=kv_lo, kv_hi=kv_hi, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    return "full" if must else "partial" if may else "empty"
+
+
+def emit_classify(builder: ir.IRBuilder, mask_rule: ast.Rule, program: CheckedProgram,
+                  b: ir.Value | None, h: ir.Value | None, q_lo: ir.Value, q_hi: ir.Value,
+                  kv_lo: ir.Value, kv_hi: ir.Value, seqlen_q: ir.Value,
+                  seqlen_k: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Emit the classification of one box at `builder`; i32 inputs, `(may_be_true,
+    always_true)` as i1. `b`/`h` None means any value."""
+    ops = _IrOps(builder)
+
+    def wide(v: ir.Value) -> ir.Value:
+        return builder.sext(v, _I64)
+
+    def interval(v: ir.Value | None) -> tuple[ir.Value, ir.Value]:
+        return tuple(map(ops.const, _range(None))) if v is None else (wide(v), wide(v))
+
+    analysis = _Analysis(ops, program)
+    env = _inputs(analysis, *interval(b), *interval(h), wide(q_lo), wide(q_hi), wide(kv_lo),
+                  wide(kv_hi), wide(seqlen_q), wide(seqlen_k))
+    result = _analyse(analysis, mask_rule, env)
+    return result.may, result.must
+
+
+def count_visited_kv_tiles(mask_rule: ast.Rule | None, program: CheckedProgram | None, *,
+                           q_tile: int, block_m: int, block_n: int, seqlen_q: int,
+                           seqlen_k: int, b: int = 0, h: int = 0) -> int:
+    """How many KV tiles a query tile must visit (the non-empty ones): the default cost."""
+    q_lo = q_tile * block_m
+    q_hi = min(q_lo + block_m, seqlen_q) - 1
+    if q_lo > q_hi or seqlen_k <= 0:
+        return 0
+    num_tiles = -(-seqlen_k // block_n)
+    if mask_rule is None:
+        return num_tiles
+    fn = _python_classifier(mask_rule, program)
+    count = 0
+    for j in range(num_tiles):
+        kv_lo = j * block_n
+        may, _ = fn(b, b, h, h, q_lo, q_hi, kv_lo, min(kv_lo + block_n, seqlen_k) - 1,
+                    seqlen_q, seqlen_k)
+        count += may
+    return count

@@ -1,0 +1,203 @@
+"""The `mhadsl` command line: check, compile, simulate.
+
+User mistakes print `file:line:col: error: ...` with the line and a caret and exit 1;
+nothing a user types should end in a Python traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+from mhadsl.codegen.assemble import AssemblerError, find_ptxas
+from mhadsl.codegen.scheduler import SchedulerSpec
+from mhadsl.codegen.target import GPU_ARCHS
+from mhadsl.diagnostics import MhaError
+from mhadsl.pipeline import CompileOptions, compile_stages, front_end
+from mhadsl.simulate import COST_MODELS, Batch, plot_timeline, simulate
+
+
+class UsageError(Exception):
+    """A bad command-line value: printed as `error: ...`, exit 1."""
+
+
+def read_source(path: str) -> tuple[str, Path]:
+    """A file's text, or a standard-library file named like `std/schedulers.mha`."""
+    file = Path(path)
+    if not file.exists() and path.startswith("std/"):
+        std = resources.files("mhadsl").joinpath(path)
+        if std.is_file():
+            return std.read_text(), Path.cwd()
+    try:
+        return file.read_text(), file.resolve().parent
+    except OSError as err:
+        raise UsageError(f"cannot read {path}: {err.strerror}") from None
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    failed = False
+    for path in args.files:
+        try:
+            text, base = read_source(path)
+            _, program = front_end(text, path, base)
+        except MhaError as err:
+            print(err.render(), file=sys.stderr)
+            failed = True
+            continue
+        print(f"{path}: ok ({len(program.schedulers)} schedulers, {len(program.fns)} fns, "
+              f"{len(program.attentions)} attention kernels)")
+    return 1 if failed else 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    text, base = read_source(args.file)
+    options = CompileOptions(arch=args.arch, tile_m=args.tile)
+    start = time.perf_counter()
+    comp = compile_stages(text, args.file, options, until="ptx", base_dir=base)
+    elapsed = time.perf_counter() - start
+    assembled = None
+    if args.emit == "cubin" or find_ptxas():
+        try:
+            comp = compile_stages(text, args.file, options, until="cubin", base_dir=base)
+            assembled = comp.artifacts["cubin"]
+        except AssemblerError as err:
+            raise UsageError(str(err)) from None
+    stage = {"llvm": "llvm", "ptx": "ptx", "cubin": "cubin"}[args.emit]
+    output = comp.text(stage)
+    if args.output:
+        mode = "wb" if isinstance(output, bytes) else "w"
+        with open(args.output, mode) as f:
+            f.write(output)
+    elif isinstance(output, bytes):
+        raise UsageError("--emit cubin writes binary: give -o FILE")
+    elif not args.quiet:
+        sys.stdout.write(output)
+    summary = sys.stderr if not args.output and not args.quiet else sys.stdout
+    print(f"{args.file}: compiled for {args.arch} in {elapsed * 1000:.0f} ms "
+          f"(to PTX, LLVM {'.'.join(map(str, options.target.cache_fields()['llvm'].split('.')))})",
+          file=summary)
+    if assembled is None:
+        print("  ptxas not found: no register/spill summary (pip install 'mhadsl[test]')",
+              file=summary)
+        return 0
+    for k in assembled.kernels.values():
+        print(f"  {k.name}: {k.registers} registers, {k.spills} bytes spilled, "
+              f"{k.shared_bytes} bytes shared, {k.stack_bytes} bytes stack", file=summary)
+    return 0
+
+
+def _parse_param(text: str) -> tuple[str, object]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise UsageError(f"--param takes NAME=VALUE, got {text!r}")
+    if value in ("true", "false"):
+        return name, value == "true"
+    try:
+        return name, int(value, 0)
+    except ValueError:
+        return name, value
+
+
+def _seqlens(args: argparse.Namespace) -> list[int]:
+    if args.seqlens:
+        try:
+            lens = [int(x) for x in args.seqlens.split(",") if x.strip()]
+        except ValueError:
+            raise UsageError(f"--seqlens takes comma-separated integers, got {args.seqlens!r}"
+                             ) from None
+    elif args.seqlen is not None:
+        lens = [args.seqlen] * args.batch
+    else:
+        raise UsageError("give --seqlen S (with --batch B) or --seqlens L1,L2,...")
+    if any(n < 0 for n in lens):
+        raise UsageError("sequence lengths must be >= 0")
+    return lens
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    text, base = read_source(args.file)
+    _, program = front_end(text, args.file, base)
+    if args.scheduler not in program.schedulers:
+        raise UsageError(f"no scheduler '{args.scheduler}' in {args.file} (it has: "
+                         f"{', '.join(program.schedulers) or 'none'})")
+    for name, value in (("--heads", args.heads), ("--tile", args.tile), ("--ctas", args.ctas)):
+        if value < 1:
+            raise UsageError(f"{name} must be at least 1")
+    params = tuple(_parse_param(p) for p in args.param)
+    spec = SchedulerSpec(args.scheduler, params, args.tile)
+    batch = Batch(_seqlens(args), args.heads, args.tile, ragged=args.seqlens is not None)
+    result = simulate(program, spec, batch, ctas=args.ctas, cost=args.cost,
+                      num_sms=args.num_sms)
+    if args.plot:
+        plot_timeline(result, args.plot)
+    if args.json:
+        print(json.dumps(result.summary()))
+    else:
+        print(f"scheduler {args.scheduler}: grid {result.grid}, {result.tiles} tiles on "
+              f"{args.ctas} CTAs")
+        print(f"  {result.message}")
+        print(f"  makespan {result.makespan:g}, lower bound {result.lower_bound:g}, "
+              f"efficiency {result.efficiency:.1%}")
+        loads = result.per_cta_load
+        if loads:
+            print(f"  per-CTA load: min {min(loads):g}, max {max(loads):g}")
+    return 0 if result.covered_exactly_once else 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mhadsl", description="Compile .mha attention kernels and tile schedulers.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("check", help="parse and check .mha files")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.set_defaults(run=cmd_check)
+
+    p = sub.add_parser("compile", help="compile a .mha file to LLVM IR, PTX or cubin")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("-o", "--output", metavar="OUT", help="write the artifact here")
+    p.add_argument("--emit", choices=("llvm", "ptx", "cubin"), default="ptx")
+    p.add_argument("--arch", choices=GPU_ARCHS, default="sm_90a")
+    p.add_argument("--tile", type=int, default=128, help="tile height for schedulers")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
+    p.set_defaults(run=cmd_compile)
+
+    p = sub.add_parser("simulate", help="simulate a scheduler on the host and prove coverage")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--scheduler", required=True, metavar="NAME")
+    p.add_argument("--batch", type=int, default=1, help="sequences (with --seqlen)")
+    p.add_argument("--seqlen", type=int, help="length of every sequence (dense)")
+    p.add_argument("--seqlens", help="ragged lengths, comma-separated, e.g. 8192,4096,0")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--tile", type=int, default=128, help="query tile height (BM)")
+    p.add_argument("--ctas", type=int, default=132, help="simulated multiprocessors")
+    p.add_argument("--num-sms", type=int, help="value of num_sms (default: --ctas)")
+    p.add_argument("--cost", choices=tuple(COST_MODELS), default="causal",
+                   help="tile cost: KV tiles visited under a causal mask, or all (uniform)")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                   help="bind a scheduler parameter, e.g. --param order=PROMPT_ROTATE")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="PNG", help="draw a per-CTA timeline")
+    p.set_defaults(run=cmd_simulate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except MhaError as err:
+        print(err.render(), file=sys.stderr)
+        return 1
+    except (UsageError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

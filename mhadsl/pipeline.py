@@ -1,0 +1,91 @@
+"""The compilation stages as one ordered table; every stage's artifact is kept.
+
+    parse -> check -> llvm -> llvm-opt -> ptx -> cubin
+
+`compile_stages` runs the table up to a stage and returns a `Compilation` whose
+`artifacts` hold each result in order, so `--emit llvm|ptx|cubin` is a lookup.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from mhadsl import ast
+from mhadsl.check import CheckedProgram, check_program
+from mhadsl.codegen import target as targets
+from mhadsl.codegen.assemble import Assembled, assemble
+from mhadsl.codegen.scheduler import SchedulerSpec, build_trace_kernel, lower_scheduler
+from mhadsl.parse import load_program
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Everything besides the source that changes the output (part of cache keys)."""
+
+    arch: str = "sm_90a"
+    ptx_version: int = targets.DEFAULT_PTX_VERSION
+    tile_m: int = 128  # tile height schedulers compiled on their own are specialised for
+
+    @property
+    def target(self) -> targets.Target:
+        return targets.gpu_target(self.arch, self.ptx_version)
+
+
+@dataclass
+class Compilation:
+    name: str
+    options: CompileOptions
+    artifacts: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def checked(self) -> CheckedProgram:
+        return self.artifacts["check"]
+
+    def text(self, stage: str) -> str | bytes:
+        """The artifact of a stage as a user dumps it."""
+        artifact = self.artifacts[stage]
+        if isinstance(artifact, Assembled):
+            return artifact.cubin
+        return artifact if isinstance(artifact, (str, bytes)) else str(artifact)
+
+
+def _lower(c: Compilation) -> str:
+    """One module: a trace kernel per scheduler (see codegen.scheduler)."""
+    target = c.options.target
+    module = targets.new_module(c.name, target)
+    for name in c.checked.schedulers:
+        lowered = lower_scheduler(module, c.checked, SchedulerSpec(name, (), c.options.tile_m),
+                                  target)
+        build_trace_kernel(module, lowered)
+    return str(module)
+
+
+STAGES: tuple[tuple[str, Callable[[Compilation], object]], ...] = (
+    ("llvm", _lower),
+    ("llvm-opt", lambda c: targets.optimize(c.artifacts["llvm"], c.options.target)),
+    ("ptx", lambda c: targets.emit_ptx(c.artifacts["llvm-opt"], c.options.target)),
+    ("cubin", lambda c: assemble(c.artifacts["ptx"], c.options.arch)),
+)
+STAGE_NAMES = ("parse", "check") + tuple(name for name, _ in STAGES)
+
+
+def front_end(text: str, name: str, base_dir: Path | None = None
+              ) -> tuple[list[ast.Module], CheckedProgram]:
+    """Parse (with imports) and check; raises `MhaError` listing every user error."""
+    modules = load_program(text, name, base_dir or Path.cwd())
+    return modules, check_program(modules)
+
+
+def compile_stages(text: str, name: str, options: CompileOptions, *, until: str = "ptx",
+                   base_dir: Path | None = None) -> Compilation:
+    if until not in STAGE_NAMES:
+        raise ValueError(f"unknown stage {until!r}; stages are {', '.join(STAGE_NAMES)}")
+    c = Compilation(name, options)
+    c.artifacts["parse"], c.artifacts["check"] = front_end(text, name, base_dir)
+    for stage, run in STAGES:
+        if STAGE_NAMES.index(stage) > STAGE_NAMES.index(until):
+            break
+        c.artifacts[stage] = run(c)
+    return c
+
