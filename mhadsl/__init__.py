@@ -1,2 +1,12 @@
 """mhadsl: a compiler for attention kernels and their tile schedulers."""
+from pathlib import Path as _Path
+
 __version__ = "0.1.0"
+
+# In a source checkout the subpackages mhadsl.codegen, mhadsl.runtime and mhadsl.grammar
+# are the sibling folders codegen/, runtime/ and grammar/ (pyproject maps them when
+# installing); let the import system find them there too, so running from the repo root
+# works whether or not the install was editable.
+_checkout = _Path(__file__).resolve().parent.parent
+if not (_Path(__file__).parent / "codegen").is_dir() and (_checkout / "codegen" / "nvptx.py").is_file():
+    __path__.append(str(_checkout))

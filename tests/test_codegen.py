@@ -1,0 +1,75 @@
+"""Lowering to LLVM IR, PTX emission and assembly with ptxas (sm_80 and sm_90a)."""
+import pytest
+
+from helpers import EXAMPLES, REPO, STD, checked
+from mhadsl.codegen.assemble import find_ptxas, parse_resources
+from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
+from mhadsl.codegen.target import HOST, gpu_target, new_module
+from mhadsl.pipeline import CompileOptions, compile_stages
+
+SOURCES = [("std/schedulers.mha", (REPO / "mhadsl/std/schedulers.mha").read_text(), REPO)] + \
+    [(str(p), p.read_text(), p.parent) for p in EXAMPLES]
+
+
+def test_ptxas_is_available():
+    assert find_ptxas(), "the test extra installs nvidia-cuda-nvcc, which ships ptxas"
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("name, text, base", SOURCES, ids=[s[0] for s in SOURCES])
+def test_every_file_assembles_without_spills(name, text, base, arch):
+    comp = compile_stages(text, name, CompileOptions(arch=arch), until="cubin", base_dir=base)
+    ptx = comp.artifacts["ptx"]
+    assert f".target {arch}" in ptx and ".version 8.5" in ptx
+    kernels = comp.artifacts["cubin"].kernels
+    assert set(kernels) == {f"trace_{s}" for s in comp.checked.schedulers}
+    for k in kernels.values():
+        assert k.spills == 0 and k.stack_bytes == 0, k
+    assert comp.artifacts["cubin"].cubin[:4] == b"\x7fELF"
+
+
+def test_every_stage_artifact_is_kept():
+    comp = compile_stages(STD, "t.mha", CompileOptions(), until="ptx", base_dir=REPO)
+    assert list(comp.artifacts) == ["parse", "check", "llvm", "llvm-opt", "ptx"]
+    assert 'define ptx_kernel void @"trace_Queued"' in comp.text("llvm")
+    assert "atom.global.add.u32" in comp.text("ptx")  # the queue counter
+    assert "bar.sync" in comp.text("ptx")  # advance's barrier(sync) with sync = ALL
+
+
+def test_golden_ir_fragments():
+    program = checked(STD)
+    module = new_module("g", gpu_target("sm_90a"))
+    lowered = lower_scheduler(module, program, SchedulerSpec("Persistent", (("num_ctas", 7),), 64),
+                              gpu_target("sm_90a"))
+    text = str(module)
+    # GPU rule functions are internal, always inlined, and read special registers.
+    assert 'define internal void @"Persistent.64.num_ctas=7initial_state"' in text
+    assert "alwaysinline" in text
+    assert "call i32 @\"llvm.nvvm.read.ptx.sreg.nctaid.x\"()" in text
+    assert lowered.may_advance is True
+    # the prompt offset is the query tile times the tile height
+    assert "mul i32" in text and ", 64" in text
+    host = new_module("h", HOST)
+    lower_scheduler(host, program, SchedulerSpec("Queued", (), 128), HOST)
+    host_text = str(host)
+    assert "llvm.nvvm" not in host_text  # the host reads block/grid ids from its env
+    assert "atomicrmw add" in host_text
+    assert "i64" in host_text  # while loops burn host fuel so a runaway loop ends
+
+
+def test_bad_scheduler_parameter_is_a_user_error():
+    from mhadsl.diagnostics import MhaError
+    with pytest.raises(MhaError, match="has no parameter 'nope'"):
+        lower_scheduler(new_module("x", HOST), checked(STD),
+                        SchedulerSpec("Queued", (("nope", 1),), 128), HOST)
+
+
+def test_parse_resources():
+    log = """ptxas info    : Compiling entry function 'k' for 'sm_90a'
+ptxas info    : Function properties for k
+    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 49152 bytes smem
+"""
+    (k,) = parse_resources(log).values()
+    assert (k.registers, k.spill_stores, k.spill_loads, k.stack_bytes, k.shared_bytes) == \
+        (255, 8, 4, 16, 49152)

@@ -1,0 +1,121 @@
+"""The host simulator proves coverage, catches wrong schedulers, and never hangs."""
+import random
+
+import pytest
+
+from helpers import EXAMPLES, REPO, STD, checked
+from mhadsl.codegen.scheduler import SchedulerSpec
+from mhadsl.pipeline import front_end
+from mhadsl.simulate import Batch, simulate
+
+MUST_SHOW = Batch([0, 1, 127, 128, 129, 3000, 8192], heads=5, tile=128, ragged=True)
+STD_CASES = [(name, order) for name in ("Transient", "Persistent", "Queued")
+             for order in ("DEFAULT", "PROMPT_ROTATE")] + [("LPT", None)]
+
+
+@pytest.mark.parametrize("name, order", STD_CASES)
+def test_std_schedulers_cover_every_tile_once(name, order):
+    spec = SchedulerSpec(name, (("order", order),) if order else (), 128)
+    result = simulate(checked(STD), spec, MUST_SHOW, ctas=7)
+    assert result.covered_exactly_once, result.message
+    assert result.tiles == 5 * sum(-(-n // 128) for n in MUST_SHOW.seqlens)
+    assert result.lower_bound <= result.makespan
+    assert 0 < result.efficiency <= 1
+
+
+@pytest.mark.parametrize("name, order", STD_CASES)
+def test_random_ragged_batches(name, order):
+    rng = random.Random(hash((name, order)) & 0xFFFF)
+    program = checked(STD)
+    for _ in range(4):
+        lens = [rng.choice([0, 1, rng.randrange(1, 5000)]) for _ in range(rng.randrange(1, 7))]
+        tile = rng.choice([32, 64, 128])
+        batch = Batch(lens, rng.randrange(1, 9), tile, ragged=True)
+        spec = SchedulerSpec(name, (("order", order),) if order else (), tile)
+        result = simulate(program, spec, batch, ctas=rng.randrange(1, 40))
+        assert result.covered_exactly_once, (lens, result.message)
+
+
+def test_examples_cover_every_tile_once():
+    for path in EXAMPLES:
+        _, program = front_end(path.read_text(), str(path), path.parent)
+        own = [n for n, d in program.schedulers.items() if str(path) in d.span.source.name]
+        assert own, path
+        for name in own:
+            result = simulate(program, SchedulerSpec(name, (), 128), MUST_SHOW, ctas=7)
+            assert result.covered_exactly_once, (path, name, result.message)
+
+
+def test_seed_mapping_vector():
+    """BRIEF §3: tile 32, 3 heads, 8 CTAs, one sequence of 100 tokens, static persistent."""
+    program = checked(STD)
+    batch = Batch([100], heads=3, tile=32, ragged=False)
+    default = simulate(program, SchedulerSpec("Persistent", (("num_ctas", 8),), 32), batch, ctas=8)
+    rotate = simulate(program, SchedulerSpec("Persistent", (("num_ctas", 8),
+                                                            ("order", "PROMPT_ROTATE")), 32),
+                      batch, ctas=8)
+    assert default.visits[0] == [(0, 0, 0), (0, 2, 0)]
+    assert default.visits[4] == [(0, 1, 0)]
+    assert rotate.visits[4] == [(96, 1, 0)]
+
+
+def persistent_variant(advance_body: str, extra: str = "") -> str:
+    return STD + f"""
+scheduler Wrong {{
+    may_advance = true
+    schedule = DEFAULT
+    grid_dim(batch_size, max_num_prompt_tiles) = (num_sms, 1, 1)
+    initial_state(slots, ts) = State(idx = block_idx.x, slots = slots, max_idx = ts.num_work())
+    get_current_work_info(ts, state) = ts.work_info(state.idx, schedule)
+    advance(ts, state, pipeline_idx) {{
+        {advance_body}
+        if state.idx >= state.max_idx {{ return none }}
+        return ts.seq_info(ts.work_info(state.idx, schedule))
+    }}
+    unsafe_seq_info(ts, state) = ts.seq_info(ts.work_info(state.idx, schedule))
+}}
+{extra}"""
+
+
+@pytest.mark.parametrize("body, problem", [
+    ("state.idx += grid_dim.x + 1", "missing"),             # skips tiles
+    ("state.idx += grid_dim.x - 1", "repeated"),            # CTAs overlap
+    ("if state.idx == 5 { state.idx = 5 } else { state.idx += grid_dim.x }", "terminated"),
+])
+def test_planted_wrong_scheduler_is_caught(body, problem):
+    program = checked(persistent_variant(body))
+    result = simulate(program, SchedulerSpec("Wrong", (), 128), MUST_SHOW, ctas=7)
+    assert result.covered_exactly_once is False
+    if problem == "terminated":
+        assert result.terminated is False and "does not terminate" in result.message
+    else:
+        assert getattr(result, problem), result.message
+
+
+def test_invalid_tile_is_caught():
+    text = persistent_variant("state.idx += grid_dim.x").replace(
+        "get_current_work_info(ts, state) = ts.work_info(state.idx, schedule)",
+        "get_current_work_info(ts, state) = WorkInfo(prompt_offset = 0, head_idx = 99, "
+        "prompt_idx = 0, is_valid = true)").replace(
+        "unsafe_seq_info(ts, state) = ts.seq_info(ts.work_info(state.idx, schedule))",
+        "unsafe_seq_info(ts, state) = SeqInfo(seq_len = 10, start_of_seq = 0, "
+        "prompt_offset = 0, head_idx = 99, prompt_idx = 0)")
+    result = simulate(checked(text), SchedulerSpec("Wrong", (), 128), MUST_SHOW, ctas=7)
+    assert not result.covered_exactly_once and (0, 99, 0) in result.invalid
+
+
+def test_endless_while_loop_is_reported_not_hung():
+    program = checked(persistent_variant("var i = 0\n while i < 10 { i = i * 1 }\n"
+                                         "state.idx += grid_dim.x"))
+    result = simulate(program, SchedulerSpec("Wrong", (), 128), MUST_SHOW, ctas=7)
+    assert not result.terminated and "never ends" in result.message
+
+
+def test_lpt_beats_static_stride_on_long_causal():
+    program = checked(STD)
+    batch = Batch([16384], heads=16, tile=128, ragged=False)
+    lpt = simulate(program, SchedulerSpec("LPT", (), 128), batch, ctas=132)
+    stride = simulate(program, SchedulerSpec("Persistent", (), 128), batch, ctas=132)
+    assert lpt.covered_exactly_once and stride.covered_exactly_once
+    assert lpt.makespan < stride.makespan
+    assert lpt.efficiency > 0.95
