@@ -138,7 +138,7 @@ def test_module_load_and_function_attributes(module):
     add_one = module.function("add_one")
     assert add_one.num_regs > 0
     assert "registers" in module.info_log, module.info_log  # the verbose JIT log (spill checks)
-    with pytest.raises(CudaError, match=r"CUDA_ERROR_NOT_FOUND.*no kernel named 'missing'"):
+    with pytest.raises(CudaError, match=r"(?s)CUDA_ERROR_NOT_FOUND.*no kernel named 'missing'"):
         module.function("missing")
 
 

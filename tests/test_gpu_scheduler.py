@@ -1,0 +1,91 @@
+"""The scheduler IR compiled for NVPTX visits the same tiles as on the host (needs a GPU)."""
+import ctypes
+
+import numpy as np
+import pytest
+
+from helpers import STD, checked
+from mhadsl.codegen.scheduler import TRACE_FIELDS, SchedulerSpec, build_trace_kernel, lower_scheduler
+from mhadsl.codegen.target import emit_ptx, gpu_target, new_module, optimize
+from mhadsl.simulate import Batch, HostScheduler, _Env, _TileSummary, simulate
+
+pytestmark = pytest.mark.gpu
+
+RAGGED = Batch([0, 1, 127, 128, 129, 3000, 8192], heads=5, tile=128, ragged=True)
+SEED = Batch([100], heads=3, tile=32, ragged=False)
+
+
+def gpu_trace(spec: SchedulerSpec, batch: Batch, num_sms: int, threads: int = 128):
+    """Run the trace kernel; returns {cta: [tiles in visit order]}."""
+    from mhadsl.runtime import driver
+
+    info = driver.device_info()
+    arch = "sm_90a" if info.compute_capability >= (9, 0) else "sm_80"
+    program = checked(STD)
+    target = gpu_target(arch)
+    module = new_module("trace", target)
+    lowered = lower_scheduler(module, program, spec, target)
+    kernel_name = build_trace_kernel(module, lowered).name
+    ptx = emit_ptx(optimize(module, target), target)
+
+    host = HostScheduler(program, spec)
+    grid_out = (ctypes.c_uint32 * 3)()
+    env = _Env(None, num_sms)
+    ts = _TileSummary(len(batch.seqlens), batch.max_num_prompt_tiles, max(batch.seqlens), batch.heads)
+    host.grid_dim(ctypes.byref(env), ctypes.byref(ts), ts.batch_size, ts.max_num_prompt_tiles, grid_out)
+    grid = tuple(grid_out)
+    n_ctas = grid[0] * grid[1] * grid[2]
+    max_steps = len(batch.valid_tiles()) * 2 + 4
+
+    offsets = np.array([0] + list(np.cumsum(batch.seqlens)), dtype=np.int32)
+    out = np.full(n_ctas * max_steps * TRACE_FIELDS, 0xFFFFFFFF, dtype=np.uint32)  # poison
+    d_out = driver.DeviceBuffer.from_numpy(out)
+    d_vl = driver.DeviceBuffer.from_numpy(offsets)
+    d_overflow = driver.DeviceBuffer.from_numpy(np.zeros(1, np.uint32))
+    counter = driver.queue_counter()
+    driver.memset_d32_async(counter, 0, 1)
+    fn = driver.Module.from_ptx(ptx).function(kernel_name)
+    u32 = ctypes.c_uint32
+    fn.launch(grid, (threads, 1, 1), 0, None,
+              [counter, u32(num_sms), u32(ts.batch_size), u32(ts.max_num_prompt_tiles),
+               u32(ts.max_seq_len), u32(batch.heads), d_vl.ptr if batch.ragged else 0,
+               d_out, u32(max_steps), d_overflow])
+    d_out.copy_to_numpy(out)
+    overflow = np.zeros(1, np.uint32)
+    d_overflow.copy_to_numpy(overflow)
+    assert overflow[0] == 0
+    steps = out.reshape(n_ctas, max_steps, TRACE_FIELDS)
+    visits = {}
+    for cta in range(n_ctas):
+        tiles = [tuple(int(v) for v in row[:3]) for row in steps[cta] if row[3] == 1]
+        if tiles:
+            visits[cta] = tiles
+    return visits
+
+
+@pytest.mark.parametrize("order", ["DEFAULT", "PROMPT_ROTATE"])
+def test_seed_vector_on_gpu(order):
+    spec = SchedulerSpec("Persistent", (("num_ctas", 8), ("order", order)), 32)
+    visits = gpu_trace(spec, SEED, num_sms=8)
+    assert visits[0] == [(0, 0, 0), (0, 2, 0)]
+    assert visits[4] == [(0, 1, 0) if order == "DEFAULT" else (96, 1, 0)]
+    host = simulate(checked(STD), spec, SEED, ctas=8)
+    assert visits == host.visits
+
+
+@pytest.mark.parametrize("name, order", [("Transient", "DEFAULT"), ("Persistent", "PROMPT_ROTATE")])
+def test_static_schedulers_match_host_order(name, order):
+    spec = SchedulerSpec(name, (("order", order),), 128)
+    visits = gpu_trace(spec, RAGGED, num_sms=7)
+    host = simulate(checked(STD), spec, RAGGED, ctas=7)
+    assert host.covered_exactly_once
+    assert visits == host.visits
+
+
+@pytest.mark.parametrize("name, args", [("Queued", (("order", "DEFAULT"),)), ("LPT", ())])
+@pytest.mark.parametrize("threads", [32, 256])
+def test_dynamic_schedulers_cover_every_tile_once_on_gpu(name, args, threads):
+    spec = SchedulerSpec(name, args, 128)
+    visits = gpu_trace(spec, RAGGED, num_sms=132, threads=threads)
+    done = [t for tiles in visits.values() for t in tiles]
+    assert sorted(done) == sorted(RAGGED.valid_tiles())
