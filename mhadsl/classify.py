@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from llvmlite import ir
 
@@ -324,9 +325,9 @@ class _Analysis:
             if isinstance(v, _Float):
                 return _FLOAT
             if e.op == "-":
-                return self.norm(o.sub(o.const(0), v.hi), o.sub(o.const(0), v.lo), ty)
-            ones = o.const(-1 if ty == I32 else U32_MAX)  # ~x = ones - x in either type
-            return _Int(o.sub(ones, v.hi), o.sub(ones, v.lo), ty)
+                return self.norm(o.sub(o.const(0), v.hi), o.sub(o.const(0), v.lo), v.ty)
+            ones = o.const(-1 if v.ty == I32 else U32_MAX)  # ~x = ones - x in either type
+            return _Int(o.sub(ones, v.hi), o.sub(ones, v.lo), v.ty)
         if isinstance(e, ast.Binary):
             return self.binary(e, env, ty)
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Name):
@@ -346,6 +347,7 @@ class _Analysis:
             return _fold(e.op, a, b)
         if ty == F32:
             return _FLOAT
+        ty = _int_ty(ty)
         return self.arith(e.op, self.lift(a, ty), self.lift(b, ty), ty)
 
     def compare(self, op: str, a: _Value, b: _Value, ta: Ty, tb: Ty) -> _Bool:
@@ -356,10 +358,10 @@ class _Analysis:
             may_eq = o.bor(o.band(a.may, b.may), o.band(o.bnot(a.must), o.bnot(b.must)))
             eq = _Bool(may_eq, o.bor(both, neither))
             return eq if op == "==" else _Bool(o.bnot(eq.must), o.bnot(eq.may))
-        common = unify(ta, tb)
-        if common == INT_LITERAL:
+        if isinstance(a, int) and isinstance(b, int):
             c = o.bconst(_fold(op, a, b))
             return _Bool(c, c)
+        common = _int_ty(unify(ta, tb))
         if common not in _BOUNDS:
             return self.top(BOOL)
         a, b = self.lift(a, common), self.lift(b, common)
@@ -443,17 +445,20 @@ class _Analysis:
         if name == "where":
             c = self.expr(e.args[0], env)
             a, b = (self.expr(x, env) for x in e.args[1:])
-            if ty == INT_LITERAL:  # two literals under a condition known only at run time
-                ty = I32
+            ty = _int_ty(ty)
             return self.where(c, self.lift(a, ty), self.lift(b, ty))
         args = [self.expr(x, env) for x in e.args]
-        if name in ("min", "max"):
+        if name in ("min", "max", "cdiv"):
             a, b = args
             if isinstance(a, int) and isinstance(b, int):
-                return min(a, b) if name == "min" else max(a, b)
+                return {"min": min, "max": max, "cdiv": _cdiv}[name](a, b)
+            ty = _int_ty(ty)
             if ty not in _BOUNDS:
                 return self.top(ty)
             a, b = self.lift(a, ty), self.lift(b, ty)
+            if name == "cdiv":  # (a + b - 1) / b, as the lowering computes it
+                one = _Int(o.const(1), o.const(1), ty)
+                return self.arith("/", self.arith("-", self.arith("+", a, b, ty), one, ty), b, ty)
             pick = self.min if name == "min" else self.max
             return _Int(pick(a.lo, b.lo), pick(a.hi, b.hi), ty)
         if name == "abs" and ty == I32:
@@ -477,6 +482,16 @@ class _Analysis:
         return self.top(ty)  # a user fn: not inlined
 
 
+def _int_ty(ty: Ty) -> Ty:
+    """Integer literals mixed with values known only at run time are i32, the attention
+    default."""
+    return I32 if ty == INT_LITERAL else ty
+
+
+def _cdiv(a: int, b: int) -> int:
+    return _fold("/", a + b - 1, b)
+
+
 def _wrap(v: int, ty: Ty) -> int:
     """A Python int as the kernel stores it in `ty`."""
     v &= U32_MAX
@@ -487,13 +502,15 @@ def _fold(op: str, a: int, b: int) -> int | bool:
     """Constant-fold two integer literals exactly, with C's truncating / and %."""
     if op in ("/", "%") and b == 0:
         raise _Unsupported("a constant division by zero")
+    if op in ("<<", ">>") and not 0 <= b < 64:
+        raise _Unsupported("a constant shift out of range")
     return {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": _tdiv, "%": _trem,
             "<<": operator.lshift, ">>": operator.rshift, "&": operator.and_,
             "|": operator.or_, "^": operator.xor, "==": operator.eq, "!=": operator.ne,
             "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}[op](a, b)
 
 
-def _inputs(analysis: _Analysis, b_lo, b_hi, h_lo, h_hi, q_lo, q_hi, kv_lo, kv_hi,
+def _inputs(b_lo, b_hi, h_lo, h_hi, q_lo, q_hi, kv_lo, kv_hi,
             seqlen_q, seqlen_k) -> dict[str, _Int]:
     """The environment of a mask rule, keyed by parameter role."""
     return {"b": _Int(b_lo, b_hi, I32), "h": _Int(h_lo, h_hi, I32),
@@ -519,7 +536,7 @@ def _python_classifier(mask_rule: ast.Rule, program: CheckedProgram) -> Callable
     if fn is None:
         ops = _PyOps()
         analysis = _Analysis(ops, program)
-        result = _analyse(analysis, mask_rule, _inputs(analysis, *_INPUTS))
+        result = _analyse(analysis, mask_rule, _inputs(*_INPUTS))
         source = (f"def classify({', '.join(_INPUTS)}):\n" + "\n".join(ops.lines)
                   + f"\n    return bool({result.may}), bool({result.must})\n")
         namespace = {"_tdiv": _tdiv, "_trem": _trem}
@@ -569,7 +586,7 @@ def emit_classify(builder: ir.IRBuilder, mask_rule: ast.Rule, program: CheckedPr
         return tuple(map(ops.const, _range(None))) if v is None else (wide(v), wide(v))
 
     analysis = _Analysis(ops, program)
-    env = _inputs(analysis, *interval(b), *interval(h), wide(q_lo), wide(q_hi), wide(kv_lo),
+    env = _inputs(*interval(b), *interval(h), wide(q_lo), wide(q_hi), wide(kv_lo),
                   wide(kv_hi), wide(seqlen_q), wide(seqlen_k))
     result = _analyse(analysis, mask_rule, env)
     return result.may, result.must

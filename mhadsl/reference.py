@@ -1,0 +1,340 @@
+"""The NumPy float64 reference: what an attention declaration computes, without a GPU.
+
+`evaluate_rule` runs a mask or score rule elementwise over NumPy arrays (broadcasting: pass
+`q_idx` as a column and `kv_idx` as a row). Integers keep the kernel's semantics: i32/u32 wrap
+modulo 2**32, `/` and `%` truncate toward zero as in C, and division by zero yields 0 as in the
+lowering. Integer literals fold exactly until they meet a typed value. Floats are float64 — this
+is the reference the f32 kernel is measured against. Block-form rules run with per-element
+control flow (a lane mask), so `if`, `while`, `var` and calls to `fn`s work too.
+
+`attention_reference` is softmax attention in FlashAttention's tensor layout with those rules
+applied: the score rule sees the scaled logit (FlexAttention's convention), the mask removes
+keys, rows with no key left give output 0 and LSE -inf.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import fields, is_dataclass
+
+import numpy as np
+
+from mhadsl import ast
+from mhadsl.check import CheckedProgram
+from mhadsl.types import BOOL, F32, I32, INT_LITERAL, TYPE_NAMES, U32, Ty, unify
+
+_ROLE_TYPES = {"s": F32, "b": I32, "h": I32, "q_idx": I32, "kv_idx": I32, "seqlen_q": I32,
+               "seqlen_k": I32}
+_MATH = {"exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
+         "sqrt": np.sqrt}
+_CMP = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le,
+        ">": operator.gt, ">=": operator.ge}
+_DTYPES = {BOOL: np.bool_, F32: np.float64, I32: np.int64, U32: np.int64}
+
+
+# ------------------------------------------------------------------ integer semantics
+def _wrap(x, ty: Ty):
+    """Integers as the kernel holds them in `ty` (stored in int64)."""
+    if isinstance(x, int):
+        x &= 0xFFFFFFFF
+    x = np.asarray(x).astype(np.int64) & 0xFFFFFFFF
+    return x if ty == U32 else (x ^ 0x80000000) - 0x80000000
+
+
+def _tdiv(a, b):
+    """C division (truncating), 0 where the divisor is 0."""
+    if isinstance(a, int) and isinstance(b, int):
+        q = abs(a) // abs(b) if b else 0
+        return q if (a < 0) == (b < 0) else -q
+    a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
+    safe = np.where(b == 0, 1, b)
+    q = np.abs(a) // np.abs(safe)
+    return np.where(b == 0, 0, np.where((a < 0) != (safe < 0), -q, q))
+
+
+def _trem(a, b):
+    """C remainder (the dividend's sign), 0 where the divisor is 0."""
+    r = a - b * _tdiv(a, b)
+    if isinstance(r, int):
+        return r if b else 0
+    return np.where(np.asarray(b) == 0, 0, r)
+
+
+# Shift amounts beyond the width are undefined in the kernel; the reference uses the low 5 bits.
+_INT_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": _tdiv, "%": _trem,
+            "<<": lambda a, s: a << (s & 31), ">>": lambda a, s: a >> (s & 31),
+            "&": operator.and_, "|": operator.or_, "^": operator.xor}
+_FLOAT_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+
+
+def _convert(v, src: Ty, dst: Ty):
+    """A value of type `src` as type `dst`: promotions, and the explicit casts."""
+    if src == dst or dst in (INT_LITERAL, BOOL):
+        return v
+    if dst == F32:
+        return np.asarray(v, dtype=np.float64)
+    if src == F32:  # fptosi / fptoui: truncate toward zero
+        return _wrap(np.trunc(v), dst)
+    return _wrap(v, dst)
+
+
+# ------------------------------------------------------------------ the evaluator
+class _Return:
+    """Where one body's lanes have returned, and with what."""
+
+    def __init__(self, shape: tuple[int, ...], ty: Ty):
+        self.ty = ty
+        self.value = np.zeros(shape, _DTYPES.get(ty, np.int64))
+        self.done = np.zeros(shape, bool)
+
+
+class _Evaluator:
+    """Evaluates rules and fns over arrays; statements run per lane under `self.live`."""
+
+    def __init__(self, program: CheckedProgram, shape: tuple[int, ...]):
+        self.program, self.types, self.refs = program, program.types, program.refs
+        self.shape = shape
+        self.live = np.ones(shape, bool)
+
+    def body(self, stmts: tuple[ast.Stmt, ...], env: dict, ret_ty: Ty) -> np.ndarray:
+        frame = _Return(self.shape, ret_ty)
+        self.block(stmts, env, self.live, frame)
+        return frame.value
+
+    def block(self, stmts, env: dict, active: np.ndarray, frame: _Return) -> None:
+        for s in stmts:
+            live = active & ~frame.done
+            if not live.any():
+                return
+            self.live = live
+            if isinstance(s, ast.Let):
+                env[s] = (self.expr(s.value, env), self.types[s.value])
+            elif isinstance(s, ast.Assign):
+                self.assign(s, env, live)
+            elif isinstance(s, ast.If):
+                cond = np.asarray(self.expr(s.cond, env), bool)
+                self.block(s.then, env, live & cond, frame)
+                self.block(s.orelse, env, live & ~cond, frame)
+            elif isinstance(s, ast.While):
+                while True:
+                    self.live = active & ~frame.done
+                    running = self.live & np.asarray(self.expr(s.cond, env), bool)
+                    if not running.any():
+                        break
+                    self.block(s.body, env, running, frame)
+            elif isinstance(s, ast.Return):
+                value = _convert(self.expr(s.value, env), self.types[s.value], frame.ty)
+                frame.value = np.where(live, value, frame.value)
+                frame.done = frame.done | live
+            # An expression statement is a call; calls here have no effects.
+
+    def assign(self, s: ast.Assign, env: dict, live: np.ndarray) -> None:
+        if not isinstance(s.target, ast.Name):
+            raise NotImplementedError("only local variables can be assigned in attention code")
+        sym = self.refs[s.target]
+        old = _convert(*env[sym.node], sym.ty)
+        new, new_ty = self.expr(s.value, env), self.types[s.value]
+        if s.op != "=":
+            common = unify(sym.ty, new_ty)
+            new = self.arith(s.op[:-1], _convert(old, sym.ty, common),
+                             _convert(new, new_ty, common), common)
+            new_ty = common
+        env[sym.node] = (np.where(live, _convert(new, new_ty, sym.ty), old), sym.ty)
+
+    # ---- expressions: each returns its value in the representation of its checked type
+    def expr(self, e: ast.Expr, env: dict):
+        ty = self.types[e]
+        if isinstance(e, (ast.IntLit, ast.BoolLit)):
+            return e.value
+        if isinstance(e, ast.FloatLit):
+            return np.float64(e.value)
+        if isinstance(e, ast.Name):
+            return self.name(e, env, ty)
+        if isinstance(e, ast.Unary):
+            v = _convert(self.expr(e.operand, env), self.types[e.operand], ty)
+            if e.op == "!":
+                return np.logical_not(v)
+            r = -v if e.op == "-" else ~v
+            return r if ty in (F32, INT_LITERAL) else _wrap(r, ty)
+        if isinstance(e, ast.Binary):
+            return self.binary(e, env, ty)
+        if isinstance(e, ast.Call) and isinstance(e.func, ast.Name):
+            return self.call(e, e.func.id, env, ty)
+        raise NotImplementedError(f"{type(e).__name__} has no meaning in attention code")
+
+    def name(self, e: ast.Name, env: dict, ty: Ty):
+        sym = self.refs[e]
+        if sym.kind not in ("rule_param", "fn_param", "local"):
+            raise NotImplementedError(f"'{e.id}' has no meaning in attention code")
+        if sym.node not in env:
+            raise ValueError(f"the rule needs a value for '{sym.node}'")
+        value, src = env[sym.node]
+        return _convert(value, src, ty)
+
+    def binary(self, e: ast.Binary, env: dict, ty: Ty):
+        a, b = self.expr(e.left, env), self.expr(e.right, env)
+        lt, rt = self.types[e.left], self.types[e.right]
+        if e.op == "&&":
+            return np.logical_and(a, b)
+        if e.op == "||":
+            return np.logical_or(a, b)
+        if ty == BOOL and e.op in _CMP:
+            common = unify(lt, rt)
+            return _CMP[e.op](_convert(a, lt, common), _convert(b, rt, common))
+        return self.arith(e.op, _convert(a, lt, ty), _convert(b, rt, ty), ty)
+
+    @staticmethod
+    def arith(op: str, a, b, ty: Ty):
+        if ty == F32:
+            return _FLOAT_OPS[op](a, b)
+        r = _INT_OPS[op](a, b)
+        return r if ty == INT_LITERAL else _wrap(r, ty)
+
+    def call(self, e: ast.Call, name: str, env: dict, ty: Ty):
+        args = [self.expr(a, env) for a in e.args]
+        types = [self.types[a] for a in e.args]
+        if name in self.program.fns:
+            return self.call_fn(self.program.fns[name], args, types)
+        if name == "where":
+            c, a, b = args
+            return np.where(c, _convert(a, types[1], ty), _convert(b, types[2], ty))
+        if name in ("min", "max", "cdiv"):
+            a, b = (_convert(v, t, ty) for v, t in zip(args, types))
+            if name == "cdiv":  # (a + b - 1) / b, as the lowering computes it
+                return self.arith("/", self.arith("-", self.arith("+", a, b, ty), 1, ty), b, ty)
+            if ty == F32:  # minnum/maxnum: a NaN loses to a number
+                return (np.fmin if name == "min" else np.fmax)(a, b)
+            if isinstance(a, int) and isinstance(b, int):
+                return min(a, b) if name == "min" else max(a, b)
+            return (np.minimum if name == "min" else np.maximum)(a, b)
+        if name in ("i32", "u32", "f32"):
+            return _convert(args[0], types[0], ty)
+        if name == "abs":
+            x = _convert(args[0], types[0], ty)
+            return np.abs(x) if ty == F32 else _wrap(np.abs(x), ty)
+        if name in _MATH:
+            return _MATH[name](_convert(args[0], types[0], F32))
+        raise NotImplementedError(f"'{name}' has no meaning in attention code")
+
+    def call_fn(self, fn: ast.FnDecl, args: list, types: list[Ty]):
+        env = {}
+        for p, v, t in zip(fn.params, args, types):
+            want = TYPE_NAMES[p.type.name]
+            env[p] = (_convert(v, t, want), want)
+        saved = self.live
+        result = self.body(fn.body, env, TYPE_NAMES[fn.ret.name])
+        self.live = saved
+        return result
+
+
+def rule_roles(rule: ast.Rule, program: CheckedProgram) -> set[str]:
+    """The parameter roles (q_idx, h, seqlen_k, ...) a rule's body actually reads."""
+    used: set[str] = set()
+
+    def walk(node) -> None:
+        if isinstance(node, ast.Name):
+            sym = program.refs.get(node)
+            if sym is not None and sym.kind == "rule_param":
+                used.add(sym.node)
+        if isinstance(node, tuple):
+            for item in node:
+                walk(item)
+        elif is_dataclass(node):
+            for f in fields(node):
+                if f.name != "span":
+                    walk(getattr(node, f.name))
+
+    walk(rule.body)
+    return used
+
+
+def evaluate_rule(rule: ast.Rule, program: CheckedProgram, **inputs) -> np.ndarray:
+    """Evaluate a mask (bool) or score (float64) rule elementwise.
+
+    `inputs` are the roles the rule reads — `s`, `b`, `h`, `q_idx`, `kv_idx`, `seqlen_q`,
+    `seqlen_k` — as scalars or arrays; they broadcast together and so does the result.
+    """
+    unknown = set(inputs) - set(_ROLE_TYPES)
+    if unknown:
+        raise TypeError(f"unknown rule inputs: {', '.join(sorted(unknown))}")
+    env = {}
+    for role, value in inputs.items():
+        ty = _ROLE_TYPES[role]
+        env[role] = (np.asarray(value, np.float64) if ty == F32 else _wrap(value, ty), ty)
+    shape = np.broadcast_shapes(*(np.shape(v) for v, _ in env.values()))
+    ret = BOOL if rule.name == "mask" else F32
+    with np.errstate(all="ignore"):  # wrapping products, 0/0 in floats: the values are defined
+        return _Evaluator(program, shape).body(rule.body, env, ret)
+
+
+# ------------------------------------------------------------------ attention
+def attention_reference(q, k, v, *, mask_rule: ast.Rule | None = None,
+                        score_rule: ast.Rule | None = None,
+                        program: CheckedProgram | None = None, scale: float | None = None,
+                        cu_seqlens_q=None, cu_seqlens_k=None, return_lse: bool = False):
+    """Softmax attention in float64, FlashAttention layout.
+
+    Dense: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D[v]). Ragged: q (total_q, Hq, D), k and v
+    (total_k, Hkv, D[v]) with `cu_seqlens_q`/`cu_seqlens_k` row offsets (B + 1 each). Query head
+    h reads KV head h // (Hq // Hkv). Scores are `scale * q.k` (default 1/sqrt(D)), then the
+    score rule, then the mask. Returns O in q's layout (last dim Dv), and with `return_lse` the
+    log-sum-exp, (B, Hq, Sq) dense or (Hq, total_q) ragged; a row with no key is 0 / -inf.
+    """
+    if (mask_rule is not None or score_rule is not None) and program is None:
+        raise ValueError("mask and score rules need the checked program they come from")
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    ragged = cu_seqlens_q is not None
+    want_ndim = 3 if ragged else 4
+    if q.ndim != want_ndim or k.ndim != want_ndim or v.ndim != want_ndim:
+        raise ValueError(f"{'ragged' if ragged else 'dense'} q, k, v must have {want_ndim} "
+                         f"dimensions, got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} do not fit together")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    group = hq // hkv
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+
+    out = np.zeros(q.shape[:-1] + v.shape[-1:])
+    if ragged:
+        cq, ck = (np.asarray(c, np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
+        if cq.shape != ck.shape or cq.ndim != 1 or len(cq) < 1:
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D of the same length B+1")
+        lse = np.full((hq, q.shape[0]), -np.inf)
+        seqs = [(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]],
+                 out[cq[i]:cq[i + 1]], lse[:, cq[i]:cq[i + 1]]) for i in range(len(cq) - 1)]
+    else:
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(f"q has batch {q.shape[0]}, k has {k.shape[0]}")
+        lse = np.full((q.shape[0], hq, q.shape[1]), -np.inf)
+        seqs = [(q[i], k[i], v[i], out[i], lse[i]) for i in range(q.shape[0])]
+
+    mask_per_head = mask_rule is not None and "h" in rule_roles(mask_rule, program)
+    for bi, (qb, kb, vb, ob, lb) in enumerate(seqs):
+        sq, sk = len(qb), len(kb)
+        idx = dict(b=bi, q_idx=np.arange(sq)[:, None], kv_idx=np.arange(sk)[None, :],
+                     seqlen_q=sq, seqlen_k=sk)
+        keep = None
+        for h in range(hq):
+            kh = h // group
+            s = scale * (qb[:, h] @ kb[:, kh].T)
+            if score_rule is not None:
+                s = evaluate_rule(score_rule, program, s=s, h=h, **idx)
+            if mask_rule is not None:
+                if keep is None or mask_per_head:  # most masks ignore h: evaluate them once
+                    keep = evaluate_rule(mask_rule, program, h=h, **idx)
+                s = np.where(keep, s, -np.inf)
+            ob[:, h], lb[h] = _softmax_rows(s, vb[:, kh])
+    return (out, lse) if return_lse else out
+
+
+def _softmax_rows(s: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """softmax(s) @ v and the log-sum-exp per row; a row without a finite score is 0, -inf."""
+    m = s.max(axis=1, initial=-np.inf)
+    dead = np.isneginf(m)
+    p = np.exp(s - np.where(dead, 0.0, m)[:, None])
+    total = np.where(dead, 1.0, p.sum(axis=1))
+    o = np.where(dead[:, None], 0.0, (p @ v) / total[:, None])
+    return o, np.where(dead, -np.inf, m + np.log(total))
