@@ -69,6 +69,8 @@ class _Dim3:
 class Builtins:
     """What target-dependent builtins lower to. Subclassed per target by the scheduler."""
 
+    gpu = False  # math through the GPU's approximations (see math_call)
+
     def value(self, lower: FunctionLowering, name: str) -> Value:
         raise NotImplementedError(name)
 
@@ -88,8 +90,10 @@ class FunctionLowering:
 
     def __init__(self, builder: ir.IRBuilder, program: CheckedProgram, builtins: Builtins,
                  bindings: dict[object, Value], *, tile_m: int = 0,
-                 param_values: dict[str, Callable[[], Value]] | None = None):
+                 param_values: dict[str, Callable[[], Value]] | None = None,
+                 default_int: Ty = U32):
         self.b = builder
+        self.default_int = default_int  # what integer literals are on their own (i32 in masks)
         self.program = program
         self.builtins = builtins
         # Symbol.node (a role string, Param, Let or Constant node) -> value or alloca
@@ -109,7 +113,8 @@ class FunctionLowering:
             return alloca(self.b, ty, name)
 
     def ty(self, e: ast.Expr) -> Ty:
-        return self.program.types[e]
+        ty = self.program.types[e]
+        return self.default_int if ty == INT_LITERAL else ty
 
     def signed(self, e: ast.Expr) -> bool:
         return self.ty(e) == I32
@@ -263,8 +268,7 @@ class FunctionLowering:
         if e.op in ("&&", "||"):
             return self.short_circuit(e)
         lt, rt = self.ty(e.left), self.ty(e.right)
-        common = F32 if F32 in (lt, rt) else (I32 if I32 in (lt, rt) else
-                                               (lt if lt not in (INT_LITERAL,) else rt))
+        common = F32 if F32 in (lt, rt) else (I32 if I32 in (lt, rt) else lt)
         left = self.coerce(self.expr(e.left), lt, common)
         right = self.coerce(self.expr(e.right), rt, common)
         return self.arith(e.op, left, right, common == I32, common)
@@ -388,7 +392,8 @@ class FunctionLowering:
         if name in ("min", "max"):
             a, b = (self.coerce(v, t, result) for v, t in zip(args, types))
             if result == F32:
-                return nvptx_math(self.b, "minnum" if name == "min" else "maxnum", [a, b])
+                return math_call(self.b, "minnum" if name == "min" else "maxnum", [a, b],
+                                 self.builtins.gpu)
             cmp = self.arith("<" if name == "min" else ">", a, b, result == I32, result)
             return self.b.select(cmp, a, b)
         if name == "cdiv":
@@ -403,11 +408,14 @@ class FunctionLowering:
         if name == "abs":
             x = args[0]
             if result == F32:
-                return nvptx_math(self.b, "fabs", [self.coerce(x, types[0], F32)])
+                return math_call(self.b, "fabs", [self.coerce(x, types[0], F32)],
+                                 self.builtins.gpu)
+            if result == U32:
+                return x
             neg = self.b.icmp_signed("<", x, i32(0))
             return self.b.select(neg, self.b.neg(x), x)
         x = self.coerce(args[0], types[0], F32)
-        return nvptx_math(self.b, name, [x])
+        return math_call(self.b, name, [x], self.builtins.gpu)
 
     def cast(self, v: ir.Value, src: Ty, dst: Ty) -> ir.Value:
         if src == BOOL:
@@ -433,7 +441,8 @@ class FunctionLowering:
             self.store_value(slot, a)
             bindings[p] = slot
         inner = FunctionLowering(self.b, self.program, self.builtins, bindings,
-                                 tile_m=self.tile_m, param_values=self.param_values)
+                                 tile_m=self.tile_m, param_values=self.param_values,
+                                 default_int=self.default_int)
         slot = inner.lower_body(fn.body, TYPE_NAMES[fn.ret.name])
         return self.load_value(slot)
 
@@ -509,13 +518,25 @@ class FunctionLowering:
         return seq_len, start
 
 
-def nvptx_math(builder: ir.IRBuilder, name: str, args: list[ir.Value]) -> ir.Value:
-    """f32 math through LLVM intrinsics (NVPTX and the host both lower them)."""
-    if name == "tanh":
-        # tanh(x) = 1 - 2 / (exp(2x) + 1): stays within one ulp-ish of libm for |x| < 88
-        e = nvptx_math(builder, "exp", [builder.fmul(args[0], f32(2.0))])
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
+_LLVM_MATH = {"exp": "llvm.exp.f32", "exp2": "llvm.exp2.f32", "log": "llvm.log.f32",
+              "log2": "llvm.log2.f32", "sqrt": "llvm.sqrt.f32", "fabs": "llvm.fabs.f32",
+              "minnum": "llvm.minnum.f32", "maxnum": "llvm.maxnum.f32"}
+
+
+def math_call(builder: ir.IRBuilder, name: str, args: list[ir.Value], gpu: bool) -> ir.Value:
+    """f32 math. The GPU uses the SFU approximations (NVPTX has no libm for exp/log/tanh);
+    the host uses LLVM's intrinsics, which call libm."""
+    x = args[0]
+    if gpu and name in ("exp", "exp2", "log", "log2", "tanh"):
+        if name in ("exp", "exp2"):
+            arg = builder.fmul(x, f32(LOG2E)) if name == "exp" else x
+            return nvptx.call(builder, "llvm.nvvm.ex2.approx.ftz.f", f32, [arg])
+        if name == "tanh":
+            return nvptx.call(builder, "llvm.nvvm.tanh.approx.f32", f32, [x])
+        lg = nvptx.call(builder, "llvm.nvvm.lg2.approx.ftz.f", f32, [x])
+        return builder.fmul(lg, f32(LN2)) if name == "log" else lg
+    if name == "tanh":  # tanh(x) = 1 - 2 / (exp(2x) + 1)
+        e = math_call(builder, "exp", [builder.fmul(x, f32(2.0))], gpu)
         return builder.fsub(f32(1.0), builder.fdiv(f32(2.0), builder.fadd(e, f32(1.0))))
-    llvm_name = {"exp": "llvm.exp.f32", "exp2": "llvm.exp2.f32", "log": "llvm.log.f32",
-                 "log2": "llvm.log2.f32", "sqrt": "llvm.sqrt.f32", "fabs": "llvm.fabs.f32",
-                 "minnum": "llvm.minnum.f32", "maxnum": "llvm.maxnum.f32"}[name]
-    return nvptx.call(builder, llvm_name, f32, args)
+    return nvptx.call(builder, _LLVM_MATH[name], f32, args)

@@ -70,6 +70,7 @@ def const_eval(e: ast.Expr, program: CheckedProgram, args: dict[str, object],
 class _TargetBuiltins(Builtins):
     def __init__(self, target: Target, producer: bool, sync: int, producer_threads: int):
         self.target = target
+        self.gpu = target.is_gpu
         self.producer, self.sync, self.producer_threads = producer, sync, producer_threads
         space = nvptx.SHARED if target.is_gpu else nvptx.GENERIC
         gspace = nvptx.GLOBAL if target.is_gpu else nvptx.GENERIC

@@ -1,6 +1,11 @@
 """The settings an `attention` declaration may fix, and their resolved, frozen form."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
+from mhadsl import ast
+from mhadsl.diagnostics import MhaError
 from mhadsl.types import BOOL, DTYPE, F32, SCHEDULER
 
 # name -> what the checker expects: a type, "int" (integer constant) or "int_pair".
@@ -16,3 +21,92 @@ ATTENTION_CONSTANTS: dict[str, object] = {
     "scale": F32,
     "return_lse": BOOL,
 }
+HEAD_DIMS = (64, 128, 256)
+DEFAULT_SCHEDULER = "LPT"  # longest causal tiles first, dynamic: the best default we measured
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """A checked attention declaration with defaults filled in (None: chosen per call)."""
+
+    name: str
+    dtype: str = "bf16"
+    head_dim: int = 128
+    block_m: int | None = None  # None: the per-arch default tile
+    block_n: int | None = None
+    warps: int | None = None
+    stages: int = 2
+    gqa: int | None = None  # Hq // Hkv fixed by the declaration, or taken from the tensors
+    kv_heads: int | None = None
+    scheduler: str = DEFAULT_SCHEDULER
+    scheduler_args: tuple[tuple[str, object], ...] = ()
+    scale: float | None = None  # None: 1 / sqrt(head_dim)
+    return_lse: bool = False
+    mask: ast.Rule | None = None
+    score: ast.Rule | None = None
+
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+
+def _number(e: ast.Expr) -> float:
+    if isinstance(e, ast.Unary) and e.op == "-":
+        return -_number(e.operand)
+    if isinstance(e, (ast.IntLit, ast.FloatLit)):
+        return e.value
+    if isinstance(e, ast.Binary) and e.op in "+-*/":
+        a, b = _number(e.left), _number(e.right)
+        return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else math.inf}[e.op]
+    if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id in ("sqrt",) \
+            and len(e.args) == 1:
+        return math.sqrt(_number(e.args[0]))
+    raise MhaError("this must be a constant number", e.span)
+
+
+def _scheduler_binding(e: ast.Expr) -> tuple[str, tuple[tuple[str, object], ...]]:
+    func, kwargs = (e.func, e.kwargs) if isinstance(e, ast.Call) else (e, ())
+    args = []
+    for kw in kwargs:
+        value = kw.value
+        if isinstance(value, ast.BoolLit):
+            args.append((kw.name, value.value))
+        elif isinstance(value, ast.IntLit):
+            args.append((kw.name, value.value))
+        elif isinstance(value, ast.Name):
+            args.append((kw.name, value.id))
+        else:
+            raise MhaError("scheduler arguments must be constants", value.span)
+    return func.id, tuple(args)
+
+
+def resolve_attention(decl: ast.AttentionDecl) -> AttentionOptions:
+    """Turn a checked declaration into options; raises MhaError for unsupported values."""
+    fields: dict[str, object] = {"name": decl.name}
+    for c in decl.constants:
+        v = c.value
+        if c.name == "dtype":
+            fields["dtype"] = v.id
+        elif c.name == "head_dim":
+            if v.value not in HEAD_DIMS:
+                raise MhaError(f"head_dim must be one of {', '.join(map(str, HEAD_DIMS))}", v.span)
+            fields["head_dim"] = v.value
+        elif c.name == "tile":
+            bm, bn = (i.value for i in v.items)
+            if bm % 16 or bn % 16 or not (16 <= bm <= 256 and 16 <= bn <= 256):
+                raise MhaError("tile sizes must be multiples of 16 between 16 and 256", v.span)
+            fields["block_m"], fields["block_n"] = bm, bn
+        elif c.name in ("warps", "stages", "gqa", "kv_heads"):
+            if v.value < 1:
+                raise MhaError(f"'{c.name}' must be at least 1", v.span)
+            fields[c.name] = v.value
+        elif c.name == "scheduler":
+            fields["scheduler"], fields["scheduler_args"] = _scheduler_binding(v)
+        elif c.name == "scale":
+            fields["scale"] = float(_number(v))
+        elif c.name == "return_lse":
+            fields["return_lse"] = v.value
+    if "gqa" in fields and "kv_heads" in fields:
+        raise MhaError("give either 'gqa' (the ratio) or 'kv_heads', not both", decl.span)
+    for rule in decl.rules:
+        fields[rule.name] = rule
+    return AttentionOptions(**fields)

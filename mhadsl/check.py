@@ -557,8 +557,8 @@ class Checker:
             return CASTS[name]
         if name in MATH_FUNCTIONS:
             (ty,) = self.call_args(e, (None,), scope, ctx, name) or (ERROR,)
-            if name == "abs" and ty in INTEGERS and ty != U32:
-                return I32 if ty == INT_LITERAL else ty
+            if name == "abs" and ty in INTEGERS:
+                return ty
             if ty not in NUMBERS + (ERROR,):
                 return self.error(e.span, f"'{name}' needs a number, not {ty}")
             return F32
