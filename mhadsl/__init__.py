@@ -1,4 +1,8 @@
-"""mhadsl: a compiler for attention kernels and their tile schedulers."""
+"""mhadsl: a compiler for attention kernels and their tile schedulers.
+
+    prog = mhadsl.compile("examples/causal.mha")     # a path, or source text
+    o = prog["causal_fwd"](q, k, v)
+"""
 from pathlib import Path as _Path
 
 __version__ = "0.1.0"
@@ -10,3 +14,9 @@ __version__ = "0.1.0"
 _checkout = _Path(__file__).resolve().parent.parent
 if not (_Path(__file__).parent / "codegen").is_dir() and (_checkout / "codegen" / "nvptx.py").is_file():
     __path__.append(str(_checkout))
+
+from mhadsl.diagnostics import MhaError  # noqa: E402
+from mhadsl.api import Kernel, Program, compile  # noqa: E402
+from mhadsl.reference import reference  # noqa: E402
+
+__all__ = ["MhaError", "Kernel", "Program", "compile", "reference", "__version__"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mhadsl import ast
-from mhadsl.attention_spec import ATTENTION_CONSTANTS
+from mhadsl.attention_spec import ATTENTION_CONSTANTS, HEAD_DIMS
 from mhadsl.diagnostics import DiagnosticSink, Span
 from mhadsl.types import (
     BOOL, COUNTER, DIM3, DTYPE, ERROR, F32, GRID, I32, INT_LITERAL, INTEGERS, MUTABLE_FIELDS,
@@ -257,13 +257,20 @@ class Checker:
             if not (isinstance(c.value, ast.Tuple) and len(c.value.items) == 2
                     and all(isinstance(i, ast.IntLit) for i in c.value.items)):
                 self.error(c.value.span, f"'{c.name}' must be a pair of integers, like (128, 64)")
+            elif any(i.value % 16 or not 16 <= i.value <= 256 for i in c.value.items):
+                self.error(c.value.span, "tile sizes must be multiples of 16 between 16 and 256")
         elif want == F32:
             if ty not in NUMBERS:
                 self.error(c.value.span, f"'{c.name}' must be a number")
         elif want == BOOL:
-            self.expect(ty, BOOL, c.value.span, f"'{c.name}'")
+            if not isinstance(c.value, ast.BoolLit):
+                self.error(c.value.span, f"'{c.name}' must be true or false")
         elif not isinstance(c.value, ast.IntLit):
             self.error(c.value.span, f"'{c.name}' must be an integer constant")
+        elif c.name == "head_dim" and c.value.value not in HEAD_DIMS:
+            self.error(c.value.span, f"head_dim must be one of {', '.join(map(str, HEAD_DIMS))}")
+        elif c.value.value < 1:
+            self.error(c.value.span, f"'{c.name}' must be at least 1")
 
     def check_scheduler_binding(self, value: ast.Expr) -> None:
         func, kwargs = value, ()

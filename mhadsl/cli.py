@@ -147,6 +147,55 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0 if result.covered_exactly_once else 3
 
 
+def _problem(args: argparse.Namespace, kernel) -> "Problem":
+    from mhadsl.bench import Problem
+    kv_heads = args.kv_heads or args.heads
+    if args.heads < 1 or kv_heads < 1:
+        raise UsageError("--heads and --kv-heads must be at least 1")
+    if args.seqlens:
+        return Problem(0, 0, 0, args.heads, kv_heads, kernel.options.head_dim,
+                       tuple(_seqlens(args)))
+    if args.seqlen is None:
+        raise UsageError("give --seqlen S (with --batch B) or --seqlens L1,L2,...")
+    return Problem(args.batch, args.seqlen, args.seqlen_k or args.seqlen, args.heads, kv_heads,
+                   kernel.options.head_dim)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import mhadsl
+    from mhadsl.bench import NoGpu, check, measure, require_gpu
+    program = mhadsl.compile(args.file)
+    if args.kernel not in program.attentions:
+        raise UsageError(f"no attention kernel '{args.kernel}' in {args.file} (it has: "
+                         f"{', '.join(program.attentions) or 'none'})")
+    kernel = program[args.kernel]
+    problem = _problem(args, kernel)
+    try:
+        torch = require_gpu()
+    except NoGpu as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    error, finite = check(torch, kernel, problem)
+    row = measure(torch, kernel, problem)
+    ok = finite and error < 1e-2
+    print(f"{kernel.name} on {problem.describe()}: relative error {error:.2e} "
+          f"({'ok' if ok else 'FAILED'}), {row.ms:.3f} ms, {row.tflops:.1f} TFLOP/s")
+    return 0 if ok else 3
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from mhadsl.bench import NoGpu, format_table, require_gpu, run_suite
+    try:
+        torch = require_gpu()
+    except NoGpu as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{torch.cuda.get_device_name()}, bf16 forward, TFLOP/s = 4*B*H*Sq*Sk*D over the "
+          f"pairs the mask keeps")
+    print(format_table(run_suite(torch)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mhadsl", description="Compile .mha attention kernels and tile schedulers.")
@@ -182,6 +231,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="draw a per-CTA timeline")
     p.set_defaults(run=cmd_simulate)
+
+    p = sub.add_parser("run", help="run an attention kernel on random inputs (needs a GPU)")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--kernel", required=True, metavar="NAME")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seqlen", type=int, help="query (and key) length, dense")
+    p.add_argument("--seqlen-k", type=int, help="key length when it differs (dense)")
+    p.add_argument("--seqlens", help="ragged lengths, comma-separated")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, help="key/value heads (GQA/MQA); default --heads")
+    p.set_defaults(run=cmd_run)
+
+    p = sub.add_parser("bench", help="time the standard shapes against torch SDPA (GPU)")
+    p.set_defaults(run=cmd_bench)
     return parser
 
 

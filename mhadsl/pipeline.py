@@ -18,6 +18,8 @@ from mhadsl.codegen.assemble import Assembled, assemble
 from mhadsl.codegen.scheduler import SchedulerSpec, build_trace_kernel, lower_scheduler
 from mhadsl.parse import load_program
 
+STD_SCHEDULERS = "std/schedulers.mha"
+
 
 @dataclass(frozen=True)
 class CompileOptions:
@@ -74,7 +76,18 @@ def front_end(text: str, name: str, base_dir: Path | None = None
               ) -> tuple[list[ast.Module], CheckedProgram]:
     """Parse (with imports) and check; raises `MhaError` listing every user error."""
     modules = load_program(text, name, base_dir or Path.cwd())
+    if _needs_default_scheduler(modules):
+        modules = load_program(f'import "{STD_SCHEDULERS}"', "<prelude>", Path.cwd())[:-1] \
+            + modules
     return modules, check_program(modules)
+
+
+def _needs_default_scheduler(modules: list[ast.Module]) -> bool:
+    """An attention declaration without `scheduler =` uses the standard library's default."""
+    loaded = {m.span.source.name for m in modules}
+    return STD_SCHEDULERS not in loaded and any(
+        isinstance(d, ast.AttentionDecl) and all(c.name != "scheduler" for c in d.constants)
+        for m in modules for d in m.decls)
 
 
 def compile_stages(text: str, name: str, options: CompileOptions, *, until: str = "ptx",

@@ -338,3 +338,28 @@ def _softmax_rows(s: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     total = np.where(dead, 1.0, p.sum(axis=1))
     o = np.where(dead[:, None], 0.0, (p @ v) / total[:, None])
     return o, np.where(dead, -np.inf, m + np.log(total))
+
+
+def _to_numpy(x):
+    """Any array the kernels accept (torch, CuPy, NumPy), as a host float64/int array."""
+    if x is None or isinstance(x, np.ndarray):
+        return x
+    if type(x).__module__.startswith("torch"):
+        return x.detach().float().cpu().numpy() if x.is_floating_point() else x.cpu().numpy()
+    if hasattr(x, "get"):  # CuPy
+        return x.get()
+    return np.asarray(x)
+
+
+def reference(kernel, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+              max_seqlen_k=None, scale: float | None = None, return_lse: bool | None = None,
+              **_ignored):
+    """What `kernel(q, k, v, ...)` computes, in NumPy float64 (same arguments)."""
+    opts = kernel.options
+    want_lse = opts.return_lse if return_lse is None else return_lse
+    return attention_reference(
+        _to_numpy(q), _to_numpy(k), _to_numpy(v), mask_rule=opts.mask, score_rule=opts.score,
+        program=kernel.program.checked,
+        scale=opts.softmax_scale() if scale is None else scale,
+        cu_seqlens_q=_to_numpy(cu_seqlens_q), cu_seqlens_k=_to_numpy(cu_seqlens_k),
+        return_lse=want_lse)

@@ -1,0 +1,416 @@
+"""The Python API: `mhadsl.compile(...)` -> `Program`; `program[name]` -> `Kernel`.
+
+    prog = mhadsl.compile("examples/causal.mha")      # a path, or source text
+    kern = prog["causal_fwd"]
+    o = kern(q, k, v)                                  # q (B,Sq,Hq,D), k/v (B,Sk,Hkv,D)
+    o, lse = kern(q, k, v, return_lse=True)
+    o = kern(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk)
+
+A kernel is built once per (declaration, dtype, head dim, GQA group, arch, layout): batch
+size and sequence lengths are run-time values, so new shapes reuse the build. Builds are
+kept in memory and in the on-disk cache. Every argument is checked before anything runs.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+import mhadsl
+from mhadsl.attention_spec import AttentionOptions, resolve_attention
+from mhadsl.check import CheckedProgram
+from mhadsl.codegen import attention
+from mhadsl.codegen.assemble import AssemblerError, assemble, find_ptxas
+from mhadsl.codegen.kernel import build_kernel_module
+from mhadsl.codegen.scheduler import SchedulerSpec
+from mhadsl.codegen.target import emit_ptx, gpu_target, optimize
+from mhadsl.pipeline import front_end
+
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def compile(source: str | os.PathLike, *, name: str | None = None) -> Program:  # noqa: A001
+    """Parse and check a `.mha` file (a path) or `.mha` source text."""
+    text, base, label = _read(source)
+    modules, checked = front_end(text, name or label, base)
+    return Program(text, name or label, checked)
+
+
+def _read(source: str | os.PathLike) -> tuple[str, Path, str]:
+    if isinstance(source, os.PathLike) or ("\n" not in source and source.endswith(".mha")):
+        path = Path(source)
+        try:
+            return path.read_text(), path.resolve().parent, str(path)
+        except OSError as err:
+            raise FileNotFoundError(f"cannot read {path}: {err.strerror}") from None
+    return str(source), Path.cwd(), "<string>"
+
+
+class Program:
+    """A checked `.mha` program: its schedulers and attention kernels."""
+
+    def __init__(self, text: str, name: str, checked: CheckedProgram):
+        self.text, self.name, self.checked = text, name, checked
+        self._kernels: dict[str, Kernel] = {}
+
+    @property
+    def schedulers(self) -> list[str]:
+        return list(self.checked.schedulers)
+
+    @property
+    def attentions(self) -> list[str]:
+        return list(self.checked.attentions)
+
+    def __getitem__(self, name: str) -> Kernel:
+        if name not in self.checked.attentions:
+            raise KeyError(f"no attention kernel named {name!r} in {self.name} (it has: "
+                           f"{', '.join(self.checked.attentions) or 'none'})")
+        if name not in self._kernels:
+            self._kernels[name] = Kernel(self, resolve_attention(self.checked.attentions[name]))
+        return self._kernels[name]
+
+
+@dataclass(frozen=True)
+class _Build:
+    function: object  # runtime.driver.Function
+    config: attention.AttentionConfig
+    module: object  # keeps the CUDA module loaded
+
+
+@dataclass
+class _Call:
+    """A validated call: device views of the tensors and the run-time sizes."""
+
+    q: object
+    k: object
+    v: object
+    cu_q: object | None
+    cu_k: object | None
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    total_q: int
+    ragged: bool
+
+
+class Kernel:
+    """One attention declaration, callable on tensors."""
+
+    def __init__(self, program: Program, options: AttentionOptions):
+        self.program, self.options = program, options
+        self._builds: dict[tuple, _Build] = {}
+        self.builds_compiled = 0  # how many times a kernel was generated (for tests)
+
+    @property
+    def name(self) -> str:
+        return self.options.name
+
+    # ---------------------------------------------------------------- builds
+    def config(self, *, gqa_group: int = 1, ragged: bool = False, return_lse: bool = False
+               ) -> attention.AttentionConfig:
+        o = self.options
+        base = attention.default_config(o.dtype, o.head_dim, gqa_group=gqa_group,
+                                        return_lse=return_lse, ragged=ragged)
+        overrides = {k: v for k, v in (("block_m", o.block_m), ("block_n", o.block_n),
+                                       ("num_warps", o.warps), ("stages", o.stages))
+                     if v is not None}
+        try:
+            return replace(base, **overrides).validate()
+        except ValueError as err:
+            raise mhadsl.MhaError(f"attention '{o.name}': {err}",
+                                  self.program.checked.attentions[o.name].span) from None
+
+    def scheduler_spec(self, config: attention.AttentionConfig) -> SchedulerSpec:
+        return SchedulerSpec(self.options.scheduler, self.options.scheduler_args, config.block_m)
+
+    def ptx(self, arch: str = "sm_90a", **config_args) -> str:
+        """The kernel's PTX for `arch` (see `config` for the build choices)."""
+        config = self.config(**config_args)
+        target = gpu_target(arch)
+        module = build_kernel_module(self.program.checked, self.options.mask,
+                                     self.options.score, self.scheduler_spec(config), config,
+                                     target)
+        self.builds_compiled += 1
+        return emit_ptx(optimize(module, target), target)
+
+    def _build(self, config: attention.AttentionConfig, arch: str) -> _Build:
+        key = (config, arch)
+        if key in self._builds:
+            return self._builds[key]
+        from mhadsl.runtime import cache, driver
+        target = gpu_target(arch)
+        cache_key = cache.cache_key(
+            source=self.program.text, program=self.program.name, kernel=self.name,
+            config={f.name: getattr(config, f.name) for f in fields(config)},
+            **target.cache_fields(), mhadsl=mhadsl.__version__)
+        store = cache.CompileCache()
+        artifacts = store.get(cache_key)
+        if artifacts is None:
+            ptx = self.ptx(arch, gqa_group=config.gqa_group, ragged=config.ragged,
+                           return_lse=config.return_lse)
+            artifacts = {"ptx": ptx.encode()}
+            if find_ptxas():
+                try:
+                    artifacts["cubin"] = assemble(ptx, arch).cubin
+                except AssemblerError:
+                    pass  # the driver JITs the PTX instead
+            store.put(cache_key, artifacts)
+        module = (driver.Module.from_cubin(artifacts["cubin"]) if "cubin" in artifacts
+                  else driver.Module.from_ptx(artifacts["ptx"]))
+        function = module.function(attention.kernel_name(config))
+        build = _Build(function, config, module)
+        self._builds[key] = build
+        return build
+
+    # ---------------------------------------------------------------- calls
+    def __call__(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                 max_seqlen_k=None, scale: float | None = None, out=None,
+                 return_lse: bool | None = None, stream=None):
+        from mhadsl.runtime import driver, tensors
+        want_lse = self.options.return_lse if return_lse is None else bool(return_lse)
+        call = self._validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        scale = self.options.softmax_scale() if scale is None else _check_scale(scale)
+        dtype = DTYPE_NAMES[self.options.dtype]
+        device = next((t.device for t in (call.q, call.k, call.v) if not t.on_host), None)
+        keep_alive = []
+
+        def on_device(t, name, want=dtype):
+            if not t.on_host:
+                return t
+            dev, buf = tensors.to_device(t.obj, name, dtype=want, device=device)
+            keep_alive.append(buf)
+            return dev
+
+        out_obj = out if out is not None else tensors.empty_like_kind(call.q.obj, call.q.shape,
+                                                                      dtype)
+        od = self._check_out(out_obj, call, dtype)
+        qd, kd, vd = on_device(call.q, "q"), on_device(call.k, "k"), on_device(call.v, "v")
+        cu_q = on_device(call.cu_q, "cu_seqlens_q", "int32") if call.ragged else None
+        cu_k = on_device(call.cu_k, "cu_seqlens_k", "int32") if call.ragged else None
+        out_dev = on_device(od, "out") if od.on_host else od
+        lse_shape = (call.heads, call.total_q) if call.ragged else \
+            (call.batch, call.heads, call.seqlen_q)
+        lse_obj = tensors.empty_like_kind(call.q.obj, lse_shape, "float32") if want_lse else None
+        lse_dev = None
+        if want_lse:
+            lse_dev = tensors.as_device_tensor(lse_obj, "lse")
+            if lse_dev.on_host:
+                lse_dev, buf = tensors.to_device(lse_obj, "lse", device=device)
+                keep_alive.append(buf)
+
+        handle = driver.stream_handle(stream, kind=call.q.kind, device=qd.device)
+        if call.batch and call.max_seqlen_q and call.heads:
+            self._launch(call, qd, kd, vd, out_dev, lse_dev, cu_q, cu_k, scale, want_lse,
+                         handle)
+        if od.on_host:
+            tensors.from_device(out_dev, out_obj, stream=handle)
+        if want_lse and lse_dev.kind == "numpy" and isinstance(lse_obj, np.ndarray) \
+                and lse_dev.ptr:
+            tensors.from_device(lse_dev, lse_obj, stream=handle)
+        return (out_obj, lse_obj) if want_lse else out_obj
+
+    def specialize(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                   max_seqlen_k=None, return_lse: bool | None = None
+                   ) -> attention.AttentionConfig:
+        """The build a call with these arguments runs (checks them; launches nothing)."""
+        call = self._validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        want_lse = self.options.return_lse if return_lse is None else bool(return_lse)
+        return self._config_for(call, want_lse)
+
+    def _config_for(self, call: _Call, want_lse: bool) -> attention.AttentionConfig:
+        return self.config(gqa_group=call.heads // call.kv_heads, ragged=call.ragged,
+                           return_lse=want_lse)
+
+    def _launch(self, call: _Call, q, k, v, o, lse, cu_q, cu_k, scale, want_lse, stream) -> None:
+        from mhadsl.runtime import driver
+        info = driver.device_info(q.device)
+        arch = "sm_90a" if info.compute_capability >= (9, 0) else "sm_80"
+        config = self._config_for(call, want_lse)
+        build = self._build(config, arch)
+        grid = self._grid(config, call, info.multiprocessor_count)
+        if 0 in grid:
+            return
+        counter = driver.queue_counter(stream, q.device)
+        driver.memset_d32_async(counter, 0, 1, stream, q.device)  # per launch, on its stream
+        i64, i32 = ctypes.c_int64, ctypes.c_int32
+        values = {
+            "q": q.ptr, "k": k.ptr, "v": v.ptr, "o": o.ptr, "lse": lse.ptr if lse else 0,
+            "cu_seqlens_q": cu_q.ptr if cu_q else 0, "cu_seqlens_k": cu_k.ptr if cu_k else 0,
+            "lse_stride_batch": i64(0 if call.ragged else call.heads * call.seqlen_q),
+            "lse_stride_head": i64(call.total_q if call.ragged else call.seqlen_q),
+            "batch": i32(call.batch), "num_heads": i32(call.heads),
+            "max_seqlen_q": i32(call.max_seqlen_q), "max_seqlen_k": i32(call.max_seqlen_k),
+            "seqlen_q": i32(call.seqlen_q), "seqlen_k": i32(call.seqlen_k),
+            "softmax_scale": ctypes.c_float(scale), "queue": counter,
+            "num_sms": i32(info.multiprocessor_count),
+        }
+        for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
+            batch_stride = 0 if call.ragged else t.strides[0]
+            values[f"{name}_stride_batch"] = i64(batch_stride)
+            values[f"{name}_stride_row"] = i64(t.strides[-3])
+            values[f"{name}_stride_head"] = i64(t.strides[-2])
+        args = [values[p.name] for p in attention.KERNEL_PARAMS]
+        build.function.launch(grid, (attention.threads(config), 1, 1),
+                              attention.shared_bytes(config), stream, args)
+
+    def _grid(self, config, call: _Call, num_sms: int) -> tuple[int, int, int]:
+        """The scheduler's own grid_dim rule, run on the host."""
+        from mhadsl.simulate import HostScheduler, _Env, _TileSummary
+        spec = self.scheduler_spec(config)
+        host = _host_schedulers.get((self.program.text, spec))
+        if host is None:
+            host = _host_schedulers[(self.program.text, spec)] = HostScheduler(
+                self.program.checked, spec)
+        tiles = -(-call.max_seqlen_q // config.block_m)
+        env = _Env(None, num_sms)
+        ts = _TileSummary(call.batch, tiles, call.max_seqlen_q, call.heads)
+        out = (ctypes.c_uint32 * 3)()
+        host.grid_dim(ctypes.byref(env), ctypes.byref(ts), call.batch, tiles, out)
+        return tuple(out)
+
+    # ---------------------------------------------------------------- checks
+    def _validate(self, q, k, v, cu_q, cu_k, max_q, max_k) -> _Call:
+        from mhadsl.runtime import tensors
+        o = self.options
+        dtype = DTYPE_NAMES[o.dtype]
+        views = {}
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            view = tensors.as_device_tensor(t, name)
+            if view.on_host:
+                if view.dtype == "int32":
+                    raise TypeError(f"tensor {name!r} has dtype int32; attention needs "
+                                    f"{dtype} (or float NumPy arrays, which are converted)")
+            elif view.dtype != dtype:
+                raise TypeError(f"tensor {name!r} has dtype {view.dtype}, but kernel "
+                                f"'{self.name}' is declared {o.dtype} ({dtype})")
+            views[name] = view
+        devices = {t.device for t in views.values() if not t.on_host}
+        if len(devices) > 1:
+            raise ValueError(f"q, k and v are on different devices: {sorted(devices)}")
+        ragged = cu_q is not None or cu_k is not None
+        if ragged and (cu_q is None or cu_k is None):
+            raise ValueError("ragged attention needs both cu_seqlens_q and cu_seqlens_k")
+        rank = 3 if ragged else 4
+        layout = "(total, heads, head_dim) with cu_seqlens" if ragged else \
+            "(batch, seqlen, heads, head_dim)"
+        for name, t in views.items():
+            if len(t.shape) != rank:
+                raise ValueError(f"tensor {name!r} has shape {t.shape}; expected rank {rank}: "
+                                 f"{layout}")
+            if t.shape[-1] != o.head_dim:
+                raise ValueError(f"tensor {name!r} has head dim {t.shape[-1]}, but kernel "
+                                 f"'{self.name}' is declared head_dim = {o.head_dim}")
+            if not t.on_host:
+                if t.strides[-1] != 1:
+                    raise ValueError(f"tensor {name!r}: the last dimension must be contiguous "
+                                     f"(stride 1), got strides {t.strides}")
+                if t.ptr % 16 or any(s % 8 for s in t.strides[:-1]):
+                    raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer "
+                                     f"and strides multiples of 8 elements), got strides "
+                                     f"{t.strides}")
+        qv, kv, vv = views["q"], views["k"], views["v"]
+        if kv.shape != vv.shape:
+            raise ValueError(f"k and v must have the same shape, got {kv.shape} and {vv.shape}")
+        heads, kv_heads = qv.shape[-2], kv.shape[-2]
+        if kv_heads == 0 or heads % kv_heads:
+            raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads "
+                             f"({kv_heads})")
+        if o.gqa is not None and heads != o.gqa * kv_heads:
+            raise ValueError(f"kernel '{self.name}' is declared gqa = {o.gqa}, but q has {heads} "
+                             f"heads and k/v {kv_heads}")
+        if o.kv_heads is not None and kv_heads != o.kv_heads:
+            raise ValueError(f"kernel '{self.name}' is declared kv_heads = {o.kv_heads}, but "
+                             f"k/v have {kv_heads}")
+        if not ragged:
+            if qv.shape[0] != kv.shape[0]:
+                raise ValueError(f"q has batch {qv.shape[0]} but k/v have {kv.shape[0]}")
+            batch, sq, sk = qv.shape[0], qv.shape[1], kv.shape[1]
+            if max(sq, sk) >= 2**31:
+                raise ValueError("sequence lengths must be below 2**31")
+            return _Call(qv, kv, vv, None, None, batch, heads, kv_heads, sq, sk, sq, sk, 0, False)
+        cq, lengths_q = self._offsets(cu_q, "cu_seqlens_q", qv.shape[0], max_q)
+        ck, lengths_k = self._offsets(cu_k, "cu_seqlens_k", kv.shape[0], max_k)
+        if cq.shape != ck.shape:
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch "
+                             f"+ 1), got {cq.shape[0]} and {ck.shape[0]}")
+        batch = cq.shape[0] - 1
+        max_q = self._max_len(lengths_q, max_q, "q")
+        max_k = self._max_len(lengths_k, max_k, "k")
+        return _Call(qv, kv, vv, cq, ck, batch, heads, kv_heads, 0, 0, max_q, max_k,
+                     qv.shape[0], True)
+
+    @staticmethod
+    def _offsets(obj, name: str, rows: int, given_max) -> tuple[object, np.ndarray | None]:
+        """Check a cu_seqlens tensor; returns its view and the sequence lengths when read.
+        Device values are read (a host sync) only when max_seqlen is not given, so a launch
+        given it never synchronises."""
+        from mhadsl.runtime import tensors
+        if isinstance(obj, np.ndarray) and obj.dtype != np.int32:
+            raise TypeError(f"{name} must be int32, got {obj.dtype}")
+        view = tensors.as_device_tensor(obj, name)
+        if view.dtype != "int32":
+            raise TypeError(f"{name} must be int32, got {view.dtype}")
+        if len(view.shape) != 1 or view.shape[0] < 1:
+            raise ValueError(f"{name} must be 1-D with batch + 1 entries, got shape {view.shape}")
+        if not view.on_host and view.strides != (1,):
+            raise ValueError(f"{name} must be contiguous")
+        if not (view.on_host or given_max is None):
+            return view, None
+        values = _host_values(view)
+        if values[0] < 0:
+            raise ValueError(f"{name} must start at 0 or above, got {values[0]}")
+        if np.any(np.diff(values) < 0):
+            raise ValueError(f"{name} must be non-decreasing, got {values.tolist()}")
+        if values[-1] > rows:
+            raise ValueError(f"{name} ends at {values[-1]}, beyond the {rows} rows of its "
+                             f"tensor")
+        return view, np.diff(values)
+
+    @staticmethod
+    def _max_len(lengths: np.ndarray | None, given, which: str) -> int:
+        if given is None:
+            return int(lengths.max()) if len(lengths) else 0
+        given = int(given)
+        if given < 0:
+            raise ValueError(f"max_seqlen_{which} must be >= 0")
+        if lengths is not None and len(lengths) and given < lengths.max():
+            raise ValueError(f"max_seqlen_{which} = {given} is below the longest sequence "
+                             f"({int(lengths.max())})")
+        return given
+
+    def _check_out(self, out, call: _Call, dtype: str):
+        from mhadsl.runtime import tensors
+        view = tensors.as_device_tensor(out, "out")
+        if tuple(view.shape) != tuple(call.q.shape):
+            raise ValueError(f"out has shape {view.shape}, expected {call.q.shape} (like q)")
+        if not view.on_host:
+            if view.dtype != dtype:
+                raise TypeError(f"out has dtype {view.dtype}, expected {dtype}")
+            if view.strides[-1] != 1 or view.ptr % 16 or any(s % 8 for s in view.strides[:-1]):
+                raise ValueError("out: the last dimension must be contiguous and rows 16-byte "
+                                 "aligned")
+        return view
+
+
+_host_schedulers: dict = {}
+
+
+def _check_scale(scale) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite number, got {scale!r}")
+    return float(scale)
+
+
+def _host_values(view) -> np.ndarray:
+    from mhadsl.runtime import tensors
+    if view.on_host:
+        return np.asarray(view.obj, dtype=np.int64)
+    return tensors.from_device(view).astype(np.int64)

@@ -1,0 +1,197 @@
+"""Run and time attention kernels next to torch SDPA's flash and cuDNN backends.
+
+Used by `mhadsl run`, `mhadsl bench` and `benchmarks/attention.py`. Needs a GPU and
+PyTorch (for random inputs, CUDA events and the torch baselines).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+
+from mhadsl.api import Kernel
+from mhadsl.reference import evaluate_rule, reference
+
+
+class NoGpu(RuntimeError):
+    """No usable NVIDIA GPU (or no PyTorch to drive it)."""
+
+
+def require_gpu():
+    """The torch module, once a CUDA GPU is known to be there."""
+    from mhadsl.runtime.driver import gpu_available
+    if not gpu_available():
+        raise NoGpu("no NVIDIA GPU found: `mhadsl run` and `mhadsl bench` need a GPU and its "
+                    "driver (the compiler, `check`, `compile` and `simulate` do not)")
+    try:
+        import torch
+    except ImportError:
+        raise NoGpu("`mhadsl run` and `mhadsl bench` use PyTorch for inputs and timing: "
+                    "pip install torch") from None
+    return torch
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One workload: dense when `seqlens` is None, else ragged with those lengths."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seqlens: tuple[int, ...] | None = None
+
+    def describe(self) -> str:
+        shape = (f"ragged {len(self.seqlens)} seqs, {sum(self.seqlens)} tokens" if self.seqlens
+                 else f"B{self.batch} S{self.seqlen_q}" + (f"/{self.seqlen_k}"
+                                                          if self.seqlen_k != self.seqlen_q else ""))
+        heads = f"H{self.heads}" + (f":{self.kv_heads}" if self.kv_heads != self.heads else "")
+        return f"{shape} {heads} D{self.head_dim}"
+
+
+def make_inputs(torch, kernel: Kernel, p: Problem, seed: int = 0) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dtype = torch.bfloat16 if kernel.options.dtype == "bf16" else torch.float16
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+    if p.seqlens is None:
+        return {"q": rand(p.batch, p.seqlen_q, p.heads, p.head_dim),
+                "k": rand(p.batch, p.seqlen_k, p.kv_heads, p.head_dim),
+                "v": rand(p.batch, p.seqlen_k, p.kv_heads, p.head_dim)}
+    offsets = np.concatenate([[0], np.cumsum(p.seqlens)]).astype(np.int32)
+    total = int(offsets[-1])
+    cu = torch.tensor(offsets, device="cuda")
+    return {"q": rand(total, p.heads, p.head_dim), "k": rand(total, p.kv_heads, p.head_dim),
+            "v": rand(total, p.kv_heads, p.head_dim), "cu_seqlens_q": cu, "cu_seqlens_k": cu,
+            "max_seqlen_q": max(p.seqlens, default=0), "max_seqlen_k": max(p.seqlens, default=0)}
+
+
+def allowed_pairs(kernel: Kernel, p: Problem) -> int:
+    """(query, key) pairs the mask keeps: what the FLOP count charges for."""
+    lengths = [(n, n) for n in p.seqlens] if p.seqlens else [(p.seqlen_q, p.seqlen_k)] * p.batch
+    rule = kernel.options.mask
+    if rule is None:
+        return sum(a * b for a, b in lengths)
+    total = 0
+    for b, (sq, sk) in enumerate(lengths):
+        if sq and sk:
+            keep = evaluate_rule(rule, kernel.program.checked, b=b, h=0,
+                                 q_idx=np.arange(sq)[:, None], kv_idx=np.arange(sk)[None, :],
+                                 seqlen_q=sq, seqlen_k=sk)
+            total += int(np.broadcast_to(keep, (sq, sk)).sum())
+    return total
+
+
+def time_ms(torch, fn, warmup: int = 5, reps: int = 20) -> float:
+    """Median milliseconds of `fn()` over `reps` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def check(torch, kernel: Kernel, p: Problem, seed: int = 0) -> tuple[float, bool]:
+    """Relative error ‖out − ref‖ / ‖ref‖ against the float64 reference, and NaN-free."""
+    args = make_inputs(torch, kernel, p, seed)
+    out = kernel(**args, out=torch.full_like(args["q"], float("nan")))
+    ref = reference(kernel, **args)
+    got = out.float().cpu().numpy().astype(np.float64)
+    denom = np.linalg.norm(ref) or 1.0
+    return float(np.linalg.norm(got - ref) / denom), bool(np.isfinite(got).all())
+
+
+def torch_baselines(torch, kernel: Kernel, p: Problem, args: dict) -> dict[str, float | None]:
+    """Milliseconds of torch SDPA's flash and cuDNN backends, where they express the mask."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    causal = _is_plain_causal(kernel)
+    if p.seqlens or kernel.options.score is not None or (kernel.options.mask and not causal):
+        return {"flash": None, "cudnn": None}
+    q, k, v = (args[n].transpose(1, 2) for n in ("q", "k", "v"))
+    results = {}
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                results[name] = time_ms(torch, lambda: sdpa(
+                    q, k, v, is_causal=causal, scale=kernel.options.softmax_scale(),
+                    enable_gqa=p.heads != p.kv_heads))
+        except RuntimeError:
+            results[name] = None  # this backend does not take the shape
+    return results
+
+
+def _is_plain_causal(kernel: Kernel) -> bool:
+    """Is the mask torch's is_causal (kv_idx <= q_idx, with Sq == Sk here)?"""
+    rule = kernel.options.mask
+    if rule is None:
+        return False
+    grid = np.arange(64)
+    keep = evaluate_rule(rule, kernel.program.checked, b=0, h=0, q_idx=grid[:, None],
+                         kv_idx=grid[None, :], seqlen_q=64, seqlen_k=64)
+    return bool(np.array_equal(np.broadcast_to(keep, (64, 64)), np.tril(np.ones((64, 64), bool))))
+
+
+@dataclass
+class Row:
+    kernel: str
+    problem: str
+    ms: float
+    tflops: float
+    flash: float | None
+    cudnn: float | None
+
+
+def measure(torch, kernel: Kernel, p: Problem) -> Row:
+    args = make_inputs(torch, kernel, p)
+    flops = 4.0 * p.head_dim * p.heads * allowed_pairs(kernel, p)
+    ms = time_ms(torch, lambda: kernel(**args))
+    base = torch_baselines(torch, kernel, p, args)
+
+    def tf(t):
+        return None if t is None else flops / (t * 1e-3) / 1e12
+    return Row(kernel.name, p.describe(), ms, tf(ms), tf(base["flash"]), tf(base["cudnn"]))
+
+
+def format_table(rows: list[Row]) -> str:
+    head = (f"| kernel | shape | ms | mhadsl TFLOP/s | torch flash | cuDNN | vs flash |\n"
+            f"|---|---|---|---|---|---|---|")
+
+    def f(x):
+        return "—" if x is None else f"{x:.0f}"
+    lines = [head] + [
+        f"| {r.kernel} | {r.problem} | {r.ms:.3f} | {r.tflops:.0f} | {f(r.flash)} | "
+        f"{f(r.cudnn)} | {'—' if r.flash is None else f'{r.tflops / r.flash:.2f}x'} |"
+        for r in rows]
+    return "\n".join(lines)
+
+
+# The shapes of BRIEF §7 (B, H, S, D, causal), as `mhadsl bench` runs them by default.
+SUITE_SOURCE = "\n".join(
+    f"attention {kind}_d{d} {{ dtype = bf16  head_dim = {d}"
+    + ("  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx" if kind == "causal" else "") + " }"
+    for d in (64, 128, 256) for kind in ("plain", "causal"))
+SUITE = [(4, 16, 4096, 128, False), (4, 16, 4096, 128, True), (1, 16, 16384, 128, False),
+         (4, 32, 4096, 64, False), (2, 16, 8192, 256, False)]
+
+
+def run_suite(torch) -> list[Row]:
+    import mhadsl
+    program = mhadsl.compile(SUITE_SOURCE, name="<bench suite>")
+    rows = []
+    for b, h, s, d, causal in SUITE:
+        kernel = program[f"{'causal' if causal else 'plain'}_d{d}"]
+        rows.append(measure(torch, kernel, Problem(b, s, s, h, h, d)))
+    return rows
