@@ -41,12 +41,11 @@ def _rule_hook(program: CheckedProgram, rule, roles: tuple[str, ...], result_ty)
 def expr_hooks(program: CheckedProgram, mask_rule, score_rule) -> attention.ExprHooks:
     mask = _rule_hook(program, mask_rule, MASK_ROLES, BOOL) if mask_rule else None
     score = _rule_hook(program, score_rule, SCORE_ROLES, F32) if score_rule else None
-    classify = None
-    if mask_rule is not None:
-        def classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k):
-            return emit_classify(builder, mask_rule, program, b, h, q_lo, q_hi, kv_lo, kv_hi,
-                                 seqlen_q, seqlen_k)
-    return attention.ExprHooks(mask=mask, score=score, classify=classify)
+    def classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k):
+        return emit_classify(builder, mask_rule, program, b, h, q_lo, q_hi, kv_lo, kv_hi,
+                             seqlen_q, seqlen_k)
+    return attention.ExprHooks(mask=mask, score=score,
+                               classify=classify if mask_rule is not None else None)
 
 
 def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Target):

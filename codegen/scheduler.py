@@ -26,9 +26,9 @@ from mhadsl.codegen.lower import (
 from mhadsl.codegen.nvptx import i1, i8, i32, i64
 from mhadsl.codegen.target import Target
 from mhadsl import ast
-from mhadsl.check import SCHEDULER_RULES, CheckedProgram
+from mhadsl.check import CheckedProgram
 from mhadsl.diagnostics import MhaError
-from mhadsl.types import BOOL, RECORD_FIELDS, SCHEDULE, SCHEDULES, SEQ_INFO, SYNCS, WORK_INFO
+from mhadsl.types import BOOL, RECORD_FIELDS, SCHEDULES, SEQ_INFO, SYNCS, WORK_INFO
 
 SLOT_COUNT = 2  # the work index rides a double-buffered pipeline (BRIEF §3)
 HOST_LOOP_FUEL = 1 << 20  # iterations a host `while` may run before the simulator gives up
@@ -156,7 +156,6 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
         builtins = _TargetBuiltins(target, producer, SYNCS.index(sync), producer_threads)
         rule = rules[rule_name]
         roles = program.rule_roles[rule]
-        env_t, ts_t, state_t = builtins.env_struct, builtins.ts_struct, builtins.state_struct
         slot_space = nvptx.SHARED if target.is_gpu else nvptx.GENERIC
         role_types = {"ts": nvptx.ptr(), "state": nvptx.ptr(), "slots": nvptx.ptr(slot_space),
                       "batch_size": i32, "max_num_prompt_tiles": i32, "pipeline_idx": i32}
@@ -178,8 +177,6 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
                 i1(int(isinstance(s.value, ast.NoneLit))), returned_none)
         result_ty = {"grid_dim": None, "advance": SEQ_INFO, "initial_state": None,
                      "get_current_work_info": WORK_INFO, "unsafe_seq_info": SEQ_INFO}[rule_name]
-        if rule_name == "grid_dim":
-            lower.ret_slot_override = True
         slot = _lower_rule_body(lower, rule, rule_name, result_ty, bindings["out"],
                                 builtins)
         if rule_name == "advance":
@@ -224,7 +221,7 @@ def _lower_rule_body(lower: FunctionLowering, rule: ast.Rule, rule_name: str, re
                      out: ir.Value, builtins: _TargetBuiltins):
     if rule_name == "grid_dim":
         # The result is a tuple; store its items into out[0..2] at the return.
-        values = lower.alloc_value_tuple = [lower.entry_alloca(i32) for _ in range(3)]
+        values = [lower.entry_alloca(i32) for _ in range(3)]
         for v in values:
             lower.b.store(i32(1), v)
         original = lower.stmt
@@ -405,11 +402,3 @@ def build_trace_kernel(module: ir.Module, sched: LoweredScheduler) -> ir.Functio
     b.ret_void()
     return fn
 
-
-def rule_names() -> tuple[str, ...]:
-    return tuple(SCHEDULER_RULES)
-
-
-__all__ = ["SchedulerSpec", "LoweredScheduler", "lower_scheduler", "emit_work_loop",
-           "emit_kernel_env", "build_trace_kernel", "shared_slots", "load_record",
-           "SCHEDULE", "SLOT_COUNT", "HOST_LOOP_FUEL", "TRACE_FIELDS", "i64"]

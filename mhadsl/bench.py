@@ -166,8 +166,8 @@ def measure(torch, kernel: Kernel, p: Problem) -> Row:
 
 
 def format_table(rows: list[Row]) -> str:
-    head = (f"| kernel | shape | ms | mhadsl TFLOP/s | torch flash | cuDNN | vs flash |\n"
-            f"|---|---|---|---|---|---|---|")
+    head = ("| kernel | shape | ms | mhadsl TFLOP/s | torch flash | cuDNN | vs flash |\n"
+            "|---|---|---|---|---|---|---|")
 
     def f(x):
         return "—" if x is None else f"{x:.0f}"

@@ -147,7 +147,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0 if result.covered_exactly_once else 3
 
 
-def _problem(args: argparse.Namespace, kernel) -> "Problem":
+def _problem(args: argparse.Namespace, kernel):
     from mhadsl.bench import Problem
     kv_heads = args.kv_heads or args.heads
     if args.heads < 1 or kv_heads < 1:
