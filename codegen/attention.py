@@ -38,6 +38,30 @@ KERNEL_NAME = "mha_fwd"
 SMEM_SYMBOL = "mha_fwd_smem"
 HEAD_DIMS = (64, 128, 256)
 NEG_INF = float("-inf")
+@dataclass(frozen=True)
+class Tuning:
+    """IR shape choices (same math) that move ptxas's register allocation and the schedule.
+
+    The defaults are the measured best (see benchmarks/ATTENTION_NOTES.md); spills are
+    chaotic under small IR changes, so `codegen.kernel` falls back to the next of `TUNINGS`
+    when ptxas reports spills for a build. Part of the build's identity.
+    """
+
+    mask_branch: bool = True       # PARTIAL tiles branch around the per-element mask
+    two_body: bool = False         # instead, FULL and PARTIAL tiles get separate iterations
+    k_after_softmax: bool = True   # issue K(next) after the softmax (S dead), not before it
+    pack_early: bool = False       # pack P to 16-bit right after ex2, not at the P.V operand
+    longest_first: bool = True     # transient loop: longest query tiles first when tiles can be empty
+    opaque_tid: bool = True        # persistent loops: recompute thread-level values per tile
+    opaque_env: bool = True        # persistent loops: rederive the scheduler's inputs per step
+
+
+# The search order: the measured best first, then shapes that differ in what stays live.
+TUNINGS = tuple(Tuning(**dict(zip(("opaque_env", "opaque_tid", "k_after_softmax"), flags)))
+                for flags in ((True, True, True), (False, True, True), (True, False, True),
+                              (False, False, True), (True, True, False), (False, True, False),
+                              (True, False, False), (False, False, False))) + (
+    Tuning(mask_branch=False), Tuning(two_body=True))
 
 
 # ============================================================================ configuration
@@ -225,6 +249,7 @@ class KernelArgs:
     def __init__(self, fn: ir.Function, config: AttentionConfig):
         self.function = fn
         self.config = config
+        self.persistent = False  # set by a work loop that runs many tiles per CTA
         for p, arg in zip(KERNEL_PARAMS, fn.args):
             setattr(self, p.name, arg)
 
@@ -244,11 +269,6 @@ class TileSeq:
 
 
 # ============================================================================ small IR helpers
-def _if_then(builder: ir.IRBuilder, cond: ir.Value, name: str):
-    """Context manager: `with _if_then(b, c, 'x'): ...` (no values flow out)."""
-    return builder.if_then(cond)
-
-
 def _min(builder, a, b):
     return builder.select(builder.icmp_signed("<", a, b), a, b)
 
@@ -267,8 +287,9 @@ class _TileEmitter:
     tile body."""
 
     def __init__(self, config: AttentionConfig, hooks: ExprHooks, builder: ir.IRBuilder,
-                 args: KernelArgs, smem: ir.Value):
+                 args: KernelArgs, smem: ir.Value, tuning: Tuning):
         self.c = config
+        self.tuning = tuning
         self.hooks = hooks
         self.a = args
         self.smem = smem
@@ -280,7 +301,12 @@ class _TileEmitter:
         self.k_smem_off = c.block_m * self.RB
         self.v_smem_off = (c.block_m + c.block_n) * self.RB
 
-        tid = nvptx.special_register(b, "thread_idx", "x")
+        if args.persistent and tuning.opaque_tid:
+            # Read through an opaque asm: in a persistent loop nothing derived from the
+            # thread index may be hoisted out and kept live across tiles (that spills).
+            tid = b.asm(ir.FunctionType(i32, []), "mov.u32 $0, %tid.x;", "=r", [], True)
+        else:
+            tid = nvptx.special_register(b, "thread_idx", "x")
         self.tid = tid
         self.lane = b.and_(tid, i32(31))
         self.warp_id = b.lshr(tid, i32(5))
@@ -291,12 +317,7 @@ class _TileEmitter:
         m_lo = b.and_(b.lshr(lane, i32(3)), i32(1))  # (lane // 8) % 2
         m_hi = b.lshr(lane, i32(4))                  # lane // 16
 
-        # cp.async fill pattern: thread -> (row in pass, 16-byte chunk); chunk is fixed per thread
-        self.ld_row = b.udiv(tid, i32(c.chunks_per_row))
-        self.ld_chunk = b.urem(tid, i32(c.chunks_per_row))
-        self.ld_swz_off = b.add(b.mul(self.ld_row, i32(self.RB)),
-                                b.shl(warp.swizzle_chunk(b, self.ld_chunk, self.ld_row), i32(4)))
-        self.ld_chunk_elems64 = b.zext(b.shl(self.ld_chunk, i32(3)), i64)
+        self._copy_lanes(b, tid)
 
         # ldmatrix lane bases: offset(row, chunk) = row*RB + ((chunk ^ (row%8)) * 16);
         # compile-time chunk c splits into (c*16 & 127) XORed in and (c*16 & ~127) added,
@@ -308,6 +329,7 @@ class _TileEmitter:
         k_x = b.shl(b.xor(m_lo, r8), i32(4))
         v_row = b.add(b.shl(m_lo, i32(3)), r8)
         v_x = b.shl(b.xor(m_hi, r8), i32(4))
+        # ldmatrix bases per operand: {lo: row*RB + (x16 ^ lo)} (see _ld_addr)
         self.q_base = self._lane_bases(b, q_row, q_x, self.q_smem_off)
         self.k_base = self._lane_bases(b, k_row, k_x, self.k_smem_off)
         self.v_base = self._lane_bases(b, v_row, v_x, self.v_smem_off)
@@ -317,42 +339,59 @@ class _TileEmitter:
         self.o_word = b.shl(self.t, i32(2))
         self.o_x = b.shl(self.g, i32(4))       # (row % 8) * 16 for rows g and g+8
 
+    def _copy_lanes(self, b, tid):
+        """cp.async fill pattern: thread -> (row in pass, 16-byte chunk); the chunk is fixed
+        per thread. Sets ld_row, ld_chunk, ld_swz_off (swizzled smem byte offset)."""
+        c = self.c
+        self.ld_row = b.udiv(tid, i32(c.chunks_per_row))
+        self.ld_chunk = b.urem(tid, i32(c.chunks_per_row))
+        self.ld_swz_off = b.add(b.mul(self.ld_row, i32(self.RB)),
+                                b.shl(warp.swizzle_chunk(b, self.ld_chunk, self.ld_row), i32(4)))
+        self.ld_chunk_elems64 = b.zext(b.shl(self.ld_chunk, i32(3)), i64)
+
     def _lane_bases(self, b, row, x16, region_off):
-        bases = {}
-        for lo in (0, 32, 64, 96):
-            if lo >= self.RB:
-                continue
-            off = b.add(b.add(b.mul(row, i32(self.RB)), b.xor(x16, i32(lo))), i32(region_off))
-            bases[lo] = warp.smem_ptr(b, self.smem, off)
-        return bases
+        """ldmatrix base pointers {lo: row*RB + (x16 ^ lo) + region} for lo in 0/32/64/96."""
+        row_off = b.add(b.mul(row, i32(self.RB)), i32(region_off))
+        return {lo: warp.smem_ptr(b, self.smem, b.add(row_off, b.xor(x16, i32(lo))))
+                for lo in (0, 32, 64, 96) if lo < self.RB}
 
     def _ld_addr(self, b, bases, row_const: int, chunk_const: int):
         """Shared address for an ldmatrix whose lane-relative (row, chunk) is offset by
-        compile-time (row_const (multiple of 8), chunk_const (even))."""
+        compile-time (row_const (multiple of 8), chunk_const (even)): the XOR part of the
+        chunk picks the base, the rest is an immediate."""
         c16 = chunk_const * 16
         lo, hi = c16 & 127, c16 & ~127
         return b.gep(bases[lo], [i64(row_const * self.RB + hi)], inbounds=True,
                      source_etype=nvptx.i8)
 
     # ------------------------------------------------------------------ global -> shared
-    def _load_tile(self, b, gptr, row0_off64, stride_row64, rows_valid, rows: int, smem_off: int):
-        """cp.async `rows` x D elements starting at element offset row0_off64 (i64) into the
-        swizzled smem region at smem_off; rows >= rows_valid are zero-filled."""
+    def _thread_off(self, b, stride_row64):
+        """This thread's element offset (i32) within a tile for the copy pattern: row ld_row,
+        chunk ld_chunk. ld_row < rows_per_pass <= 16, so it fits unless a row stride exceeds
+        2**27 elements; the rest of every address is formed in 64 bits."""
+        return b.add(b.mul(self.ld_row, b.trunc(stride_row64, i32)),
+                     b.shl(self.ld_chunk, i32(3)))
+
+    def _load_tile(self, b, gptr, tile_off64, thread_off, stride_row64, rows_valid, rows: int,
+                   smem_off: int):
+        """cp.async `rows` x D elements whose first row starts at element offset tile_off64
+        (i64, CTA-uniform) into the swizzled smem region at smem_off; thread_off is
+        `_thread_off`; rows >= rows_valid are zero-filled (nothing is read for them)."""
         c = self.c
         rpp = c.rows_per_pass
-        base_off = b.add(b.add(row0_off64, b.mul(_sext64(b, self.ld_row), stride_row64)),
-                         self.ld_chunk_elems64)
-        step = b.mul(stride_row64, i64(rpp))
-        src_base = b.gep(gptr, [base_off], inbounds=True, source_etype=nvptx.i16)
         dst_base = warp.smem_ptr(b, self.smem, b.add(self.ld_swz_off, i32(smem_off)))
+        tile_ptr = b.gep(gptr, [tile_off64], inbounds=True, source_etype=nvptx.i16)
         for p in range(rows // rpp):
             row = b.add(self.ld_row, i32(p * rpp))
             valid = b.icmp_signed("<", row, rows_valid)
-            src = b.gep(src_base, [b.mul(step, i64(p))], inbounds=True, source_etype=nvptx.i16)
-            src = b.select(valid, src, gptr)
+            pass_ptr = tile_ptr if p == 0 else b.gep(
+                tile_ptr, [b.mul(stride_row64, i64(p * rpp))], inbounds=True,
+                source_etype=nvptx.i16)
+            src = b.gep(pass_ptr, [b.sext(thread_off, i64)], inbounds=True,
+                        source_etype=nvptx.i16)
             nbytes = b.select(valid, i32(16), i32(0))
             dst = b.gep(dst_base, [i64(p * rpp * self.RB)], inbounds=True, source_etype=nvptx.i8)
-            warp.cp_async_16(b, dst, src, nbytes)
+            warp.cp_async_16(b, dst, b.select(valid, src, gptr), nbytes)
 
     # ------------------------------------------------------------------ tile classification
     def _classify(self, b, info, n):
@@ -430,20 +469,29 @@ class _TileEmitter:
                                  b.mul(_sext64(b, k_start), a.v_stride_row)),
                            b.mul(_sext64(b, hk), a.v_stride_head))
 
-        def load_kv(bb, n, which):
+        k_thr = self._thread_off(b, a.k_stride_row)
+        v_thr = self._thread_off(b, a.v_stride_row)
+
+        def load_kv(bb, n, which, fresh=False):
+            if fresh is True:   # in the KV loop: re-derive the lane offsets rather than keep them live
+                saved = (self.ld_row, self.ld_chunk, self.ld_swz_off, self.ld_chunk_elems64)
+                self._copy_lanes(bb, warp.fresh_thread_idx(bb))
+                thr = self._thread_off(bb, a.k_stride_row if which == "k" else a.v_stride_row)
+                load_kv(bb, n, which, thr)
+                self.ld_row, self.ld_chunk, self.ld_swz_off, self.ld_chunk_elems64 = saved
+                return
             kv0 = bb.mul(n, i32(BN))
-            if which == "k":
-                off = bb.add(k_head_off, bb.mul(_sext64(bb, kv0), a.k_stride_row))
-                self._load_tile(bb, a.k, off, a.k_stride_row, bb.sub(seqlen_k, kv0), BN,
-                                self.k_smem_off)
-            else:
-                off = bb.add(v_head_off, bb.mul(_sext64(bb, kv0), a.v_stride_row))
-                self._load_tile(bb, a.v, off, a.v_stride_row, bb.sub(seqlen_k, kv0), BN,
-                                self.v_smem_off)
+            gptr, stride, head, off = (
+                (a.k, a.k_stride_row, k_head_off, self.k_smem_off) if which == "k"
+                else (a.v, a.v_stride_row, v_head_off, self.v_smem_off))
+            thr = fresh if isinstance(fresh, ir.Value) else (k_thr if which == "k" else v_thr)
+            tile_off = bb.add(head, bb.mul(_sext64(bb, kv0), stride))
+            self._load_tile(bb, gptr, tile_off, thr, stride, bb.sub(seqlen_k, kv0), BN, off)
 
         # ---- prologue: the previous tile's epilogue must be done with shared memory
         nvptx.barrier_all(b)
-        self._load_tile(b, a.q, q_tile_off, a.q_stride_row, rows_q, BM, self.q_smem_off)
+        self._load_tile(b, a.q, q_tile_off, self._thread_off(b, a.q_stride_row),
+                        a.q_stride_row, rows_q, BM, self.q_smem_off)
         n_first = self._next_nonempty(b, info, i32(0))
         with b.if_then(b.icmp_signed("<", n_first, n_blocks)):
             load_kv(b, n_first, "k")
@@ -483,6 +531,44 @@ class _TileEmitter:
         load_kv(b, n, "v")
         warp.cp_async_commit(b)
 
+        # FULL tiles and PARTIAL tiles (mask hook and/or the KV tail) get their own copy of
+        # the iteration: the full one has no mask code, and neither needs a merge of S
+        _, always = self._classify(b, info, n)
+        if not self.tuning.two_body:
+            always = ir.Constant(i1, 0)   # one (masked) body only
+        full_blk = fn.append_basic_block("kv.full")
+        part_blk = fn.append_basic_block("kv.partial")
+        b.cbranch(always, full_blk, part_blk)
+        state = (acc_phi, m_phi, l_phi)
+        for blk, masked in ((full_blk, False), (part_blk, True)):
+            b.position_at_end(blk)
+            nn, acc, m_new, l_new = self._kv_iteration(b, info, state, n, masked, load_kv, sl2)
+            latch = b.block
+            n.add_incoming(nn, latch)
+            for i in range(MT):
+                for j in range(DT):
+                    for e in range(4):
+                        acc_phi[i][j][e].add_incoming(acc[i][j][e], latch)
+                for r in range(2):
+                    m_phi[i][r].add_incoming(m_new[i][r], latch)
+                    l_phi[i][r].add_incoming(l_new[i][r], latch)
+            b.branch(hdr)
+
+        # ---- epilogue
+        b.position_at_end(exit_)
+        self._epilogue(b, info, acc_phi, m_phi, l_phi, sl2, q_start, q0, rows_q, bidx, h)
+
+    def _kv_iteration(self, b, info, state, n, masked, load_kv, sl2):
+        """One KV tile: S = Q K(n)^T, [mask], prefetch K(next), online softmax, O += P V(n).
+        Returns (next tile, O accumulators, row max, row sum)."""
+        c, a, hooks = self.c, self.a, self.hooks
+        BN, D = c.block_n, c.head_dim
+        MT, NT, DT = c.m_tiles, BN // 8, D // 8
+        dt = c.dtype
+        acc_in, m_in, l_in = state
+        zero, ninf = _fconst(0.0), _fconst(NEG_INF)
+        bidx, h, q0 = info["b"], info["h"], info["q_lo"]
+
         # S = Q K^T
         S = [[[zero] * 4 for _ in range(NT)] for _ in range(MT)]
         for kk in range(D // 16):
@@ -502,54 +588,63 @@ class _TileEmitter:
         def kv_idx_of(j, e):
             return b.add(kv_base, b.add(b.shl(self.t, i32(1)), i32(j * 8 + (e & 1))))
 
-        if self.hooks.score is not None:
+        if hooks.score is not None:
             scale = a.softmax_scale
-            S = [[[self.hooks.score(b, b.fmul(S[i][j][e], scale), bidx, h, q_idx_of(i, e >> 1),
-                                    kv_idx_of(j, e)) for e in range(4)]
+            S = [[[hooks.score(b, b.fmul(S[i][j][e], scale), bidx, h, q_idx_of(i, e >> 1),
+                               kv_idx_of(j, e)) for e in range(4)]
                   for j in range(NT)] for i in range(MT)]
 
-        # mask: only PARTIAL tiles (mask hook and/or the KV tail) run per-element code
-        _, always = self._classify(b, info, n)
-        pre_mask = b.block
-        mblk = fn.append_basic_block("kv.mask")
-        mdone = fn.append_basic_block("kv.masked")
-        b.cbranch(always, mdone, mblk)
-        b.position_at_end(mblk)
-        S_m = [[[None] * 4 for _ in range(NT)] for _ in range(MT)]
-        for i in range(MT):
-            for r in range(2):
-                qi = q_idx_of(i, r)
+        if masked and self.tuning.mask_branch:
+            # one body: only PARTIAL tiles run the per-element mask (S merges in phis)
+            _, always = self._classify(b, info, n)
+            pre_mask = b.block
+            mblk = b.function.append_basic_block("kv.mask")
+            mdone = b.function.append_basic_block("kv.masked")
+            b.cbranch(always, mdone, mblk)
+            b.position_at_end(mblk)
+        if masked:
+            S_in = S
+            S = [[list(row) for row in mt] for mt in S]
+            for i in range(MT):
+                for r in range(2):
+                    qi = q_idx_of(i, r)
+                    for j in range(NT):
+                        for e2 in range(2):
+                            e = 2 * r + e2
+                            kvi = kv_idx_of(j, e)
+                            keep = b.icmp_signed("<", kvi, info["seqlen_k"])
+                            if hooks.mask is not None:
+                                keep = b.and_(keep, hooks.mask(b, bidx, h, qi, kvi,
+                                                               info["seqlen_q"], info["seqlen_k"]))
+                            S[i][j][e] = b.select(keep, S[i][j][e], ninf)
+        if masked and self.tuning.mask_branch:
+            mblk_end = b.block
+            b.branch(mdone)
+            b.position_at_end(mdone)
+            merged = [[[None] * 4 for _ in range(NT)] for _ in range(MT)]
+            for i in range(MT):
                 for j in range(NT):
-                    for e2 in range(2):
-                        e = 2 * r + e2
-                        kvi = kv_idx_of(j, e)
-                        keep = b.icmp_signed("<", kvi, seqlen_k)
-                        if self.hooks.mask is not None:
-                            keep = b.and_(keep, self.hooks.mask(b, bidx, h, qi, kvi,
-                                                                seqlen_q, seqlen_k))
-                        S_m[i][j][e] = b.select(keep, S[i][j][e], ninf)
-        mblk_end = b.block
-        b.branch(mdone)
-        b.position_at_end(mdone)
-        S2 = [[[None] * 4 for _ in range(NT)] for _ in range(MT)]
-        for i in range(MT):
-            for j in range(NT):
-                for e in range(4):
-                    p = b.phi(f32)
-                    p.add_incoming(S[i][j][e], pre_mask)
-                    p.add_incoming(S_m[i][j][e], mblk_end)
-                    S2[i][j][e] = p
-        S = S2
+                    for e in range(4):
+                        phi = b.phi(f32)
+                        phi.add_incoming(S_in[i][j][e], pre_mask)
+                        phi.add_incoming(S[i][j][e], mblk_end)
+                        merged[i][j][e] = phi
+            S = merged
 
-        warp.cp_async_wait(b, 0)
-        nvptx.barrier_all(b)          # V(n) landed; every warp is done with K(n)
-        nn = self._next_nonempty(b, info, b.add(n, i32(1)))
-        with b.if_then(b.icmp_signed("<", nn, n_blocks)):
-            load_kv(b, nn, "k")
-        warp.cp_async_commit(b)
+        def prefetch_k():
+            warp.cp_async_wait(b, 0)
+            nvptx.barrier_all(b)          # V(n) landed; every warp is done with K(n)
+            nn = self._next_nonempty(b, info, b.add(n, i32(1)))
+            with b.if_then(b.icmp_signed("<", nn, info["n_blocks"])):
+                load_kv(b, nn, "k")
+            warp.cp_async_commit(b)
+            return nn
+
+        if not self.tuning.k_after_softmax:
+            nn = prefetch_k()
 
         # online softmax (log2 domain), rescale O, P in registers
-        acc = [[[acc_phi[i][j][e] for e in range(4)] for j in range(DT)] for i in range(MT)]
+        acc = [[[acc_in[i][j][e] for e in range(4)] for j in range(DT)] for i in range(MT)]
         m_new_all = [[None] * 2 for _ in range(MT)]
         l_new_all = [[None] * 2 for _ in range(MT)]
         P = [[[None] * 4 for _ in range(NT)] for _ in range(MT)]
@@ -560,7 +655,7 @@ class _TileEmitter:
                 for v in vals[1:]:
                     mx = warp.fmax(b, mx, v)
                 mx = warp.quad_allreduce(b, mx, warp.fmax)
-                m_old = m_phi[i][r]
+                m_old = m_in[i][r]
                 m_new = warp.fmax(b, m_old, mx)
                 m_scaled = b.fmul(m_new, sl2)
                 m_scaled = b.select(b.fcmp_ordered("==", m_new, ninf), zero, m_scaled)
@@ -573,15 +668,24 @@ class _TileEmitter:
                         p = warp.ex2(b, warp.fma(b, S[i][j][e], sl2, neg_ms))
                         P[i][j][e] = p
                         psum = p if psum is None else b.fadd(psum, p)
-                l_new_all[i][r] = b.fadd(b.fmul(l_phi[i][r], alpha), psum)
+                l_new_all[i][r] = b.fadd(b.fmul(l_in[i][r], alpha), psum)
                 m_new_all[i][r] = m_new
                 for j in range(DT):
                     for e2 in range(2):
                         acc[i][j][2 * r + e2] = b.fmul(acc[i][j][2 * r + e2], alpha)
 
+        if self.tuning.pack_early:
+            P = [[[warp.pack2(b, dt, P[i][j][0], P[i][j][1]),
+                   warp.pack2(b, dt, P[i][j][2], P[i][j][3])] for j in range(NT)]
+                 for i in range(MT)]
+        if self.tuning.k_after_softmax:
+            nn = prefetch_k()
+
         # O += P V
         for s in range(BN // 16):
-            pa = [[warp.pack2(b, dt, P[i][2 * s][0], P[i][2 * s][1]),
+            pa = [[P[i][2 * s][0], P[i][2 * s][1], P[i][2 * s + 1][0], P[i][2 * s + 1][1]]
+                  for i in range(MT)] if self.tuning.pack_early else [
+                  [warp.pack2(b, dt, P[i][2 * s][0], P[i][2 * s][1]),
                    warp.pack2(b, dt, P[i][2 * s][2], P[i][2 * s][3]),
                    warp.pack2(b, dt, P[i][2 * s + 1][0], P[i][2 * s + 1][1]),
                    warp.pack2(b, dt, P[i][2 * s + 1][2], P[i][2 * s + 1][3])]
@@ -593,21 +697,7 @@ class _TileEmitter:
                     acc[i][2 * jp] = warp.mma_m16n8k16(b, dt, pa[i], vb[0:2], acc[i][2 * jp])
                     acc[i][2 * jp + 1] = warp.mma_m16n8k16(b, dt, pa[i], vb[2:4],
                                                            acc[i][2 * jp + 1])
-
-        latch = b.block
-        n.add_incoming(nn, latch)
-        for i in range(MT):
-            for j in range(DT):
-                for e in range(4):
-                    acc_phi[i][j][e].add_incoming(acc[i][j][e], latch)
-            for r in range(2):
-                m_phi[i][r].add_incoming(m_new_all[i][r], latch)
-                l_phi[i][r].add_incoming(l_new_all[i][r], latch)
-        b.branch(hdr)
-
-        # ---- epilogue
-        b.position_at_end(exit_)
-        self._epilogue(b, info, acc_phi, m_phi, l_phi, sl2, q_start, q0, rows_q, bidx, h)
+        return nn, acc, m_new_all, l_new_all
 
     def _epilogue(self, b, info, acc, m, l, sl2, q_start, q0, rows_q, bidx, h):
         c, a = self.c, self.a
@@ -684,6 +774,17 @@ def transient_work_loop(builder: ir.IRBuilder, args: KernelArgs, body: Callable)
     nx = nvptx.special_register(b, "grid_dim", "x")
     head = nvptx.special_register(b, "block_idx", "y")
     batch = nvptx.special_register(b, "block_idx", "z")
+    if getattr(args, "longest_first", False):
+        # masks that empty tiles make query tiles unequal: hand out the linear block index
+        # with the query tile slowest (longest first), so the short tiles fill the tail
+        ny = nvptx.special_register(b, "grid_dim", "y")
+        nz = nvptx.special_register(b, "grid_dim", "z")
+        lin = b.add(x, b.mul(nx, b.add(head, b.mul(ny, batch))))
+        per_tile = b.mul(ny, nz)
+        x = b.udiv(lin, per_tile)
+        rest = b.urem(lin, per_tile)
+        head = b.urem(rest, ny)
+        batch = b.udiv(rest, ny)
     tile = b.sub(b.sub(nx, i32(1)), x)
     if c.ragged:
         cu = args.cu_seqlens_q
@@ -706,7 +807,8 @@ def _add_fn_attr(fn: ir.Function, text: str) -> None:
 
 
 def build_attention_module(config: AttentionConfig, hooks: ExprHooks | None, target: Target,
-                           work_loop: Callable = transient_work_loop) -> ir.Module:
+                           work_loop: Callable = transient_work_loop,
+                           tuning: Tuning = Tuning()) -> ir.Module:
     """One module holding the kernel `kernel_name(config)` with KERNEL_PARAMS as its
     parameters, `threads(config)` threads and `shared_bytes(config)` of dynamic shared memory
     (the extern array SMEM_SYMBOL, 128-byte aligned)."""
@@ -732,8 +834,13 @@ def build_attention_module(config: AttentionConfig, hooks: ExprHooks | None, tar
 
     builder = ir.IRBuilder(fn.append_basic_block("entry"))
     args = KernelArgs(fn, config)
-    emitter = _TileEmitter(config, hooks, builder, args, smem)
-    work_loop(builder, args, emitter.emit_tile)
+    args.longest_first = hooks.classify is not None and tuning.longest_first
+    args.tuning = tuning
+    def tile(b: ir.IRBuilder, seq) -> None:
+        # Thread-level values are recomputed per tile (cheap ALU) rather than held across a
+        # persistent loop.
+        _TileEmitter(config, hooks, b, args, smem, tuning).emit_tile(b, seq)
+    work_loop(builder, args, tile)
     builder.ret_void()
     return module
 

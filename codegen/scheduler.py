@@ -284,18 +284,47 @@ class KernelEnv:
     slots: ir.Value
 
 
-def emit_kernel_env(builder: ir.IRBuilder, sched: LoweredScheduler, *, counter, num_sms,
-                    batch_size, max_num_prompt_tiles, max_seq_len, num_heads,
-                    valid_length, slots) -> KernelEnv:
-    """Fill the env and tile summary from kernel parameters (SROA makes them registers)."""
-    env = alloca(builder, sched.env_struct, "env")
-    builder.store(counter, builder.gep(env, [i32(0), i32(0)], source_etype=sched.env_struct))
-    builder.store(num_sms, builder.gep(env, [i32(0), i32(1)], source_etype=sched.env_struct))
-    ts = alloca(builder, sched.ts_struct, "ts")
-    for k, v in enumerate((batch_size, max_num_prompt_tiles, max_seq_len, num_heads,
-                           valid_length)):
-        builder.store(v, builder.gep(ts, [i32(0), i32(k)], source_etype=sched.ts_struct))
-    return KernelEnv(env, ts, slots)
+@dataclass
+class EnvParams:
+    """The kernel values the scheduler's env and tile summary are filled from."""
+
+    counter: ir.Value
+    num_sms: ir.Value
+    batch_size: ir.Value
+    max_num_prompt_tiles: ir.Value
+    max_seq_len: ir.Value
+    num_heads: ir.Value
+    valid_length: ir.Value
+
+
+def _entry_alloca(builder: ir.IRBuilder, ty: ir.Type, name: str) -> ir.AllocaInstr:
+    """Allocas go to the entry block, where SROA turns them into registers."""
+    entry = builder.function.entry_basic_block
+    with builder.goto_block(entry):
+        if entry.instructions:
+            builder.position_before(entry.instructions[0])
+        return alloca(builder, ty, name)
+
+
+def env_filler(builder: ir.IRBuilder, sched: LoweredScheduler, slots: ir.Value,
+               params: Callable[[ir.IRBuilder], EnvParams]) -> Callable[[ir.IRBuilder], KernelEnv]:
+    """A function that (re)fills the env and tile summary at the current point.
+
+    The work loop refills them before each scheduler step from `params(builder)`, so a
+    kernel can hand over values LLVM may not keep live across its tile body.
+    """
+    env = _entry_alloca(builder, sched.env_struct, "env")
+    ts = _entry_alloca(builder, sched.ts_struct, "ts")
+
+    def fill(b: ir.IRBuilder) -> KernelEnv:
+        p = params(b)
+        b.store(p.counter, b.gep(env, [i32(0), i32(0)], source_etype=sched.env_struct))
+        b.store(p.num_sms, b.gep(env, [i32(0), i32(1)], source_etype=sched.env_struct))
+        for k, v in enumerate((p.batch_size, p.max_num_prompt_tiles, p.max_seq_len,
+                               p.num_heads, p.valid_length)):
+            b.store(v, b.gep(ts, [i32(0), i32(k)], source_etype=sched.ts_struct))
+        return KernelEnv(env, ts, slots)
+    return fill
 
 
 def shared_slots(module: ir.Module) -> ir.GlobalVariable:
@@ -312,15 +341,18 @@ def shared_slots(module: ir.Module) -> ir.GlobalVariable:
     return slots
 
 
-def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv,
+def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
+                   fill_env: Callable[[ir.IRBuilder], KernelEnv],
                    body: Callable[[ir.IRBuilder, dict[str, ir.Value]], None], *,
                    producer: bool = True, sync: str = "ALL") -> None:
     """The persistent loop: initial_state, then body per valid tile, advance until none.
 
     Every thread of the CTA runs it (advance may hold a barrier); `body` gets the tile's
-    SeqInfo fields and is skipped for tiles past their sequence's end.
+    SeqInfo fields and is skipped for tiles past their sequence's end. The env is filled
+    (`fill_env`) before the first rules and again before each advance.
     """
     fns = sched.functions
+    kenv = fill_env(builder)
     args = (kenv.env, kenv.ts)
     state = alloca(builder, sched.state_struct, "state")
     info = alloca(builder, record_type(WORK_INFO), "work_info")
@@ -344,8 +376,10 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelE
     with builder.if_then(is_valid):
         body(builder, fields)
     if sched.may_advance:
+        kenv = fill_env(builder)
         p = builder.load(pipe, typ=i32)
-        more = builder.call(fns[sched.advance_name(producer, sync)], [*args, state, p, seq])
+        more = builder.call(fns[sched.advance_name(producer, sync)],
+                            [kenv.env, kenv.ts, state, p, seq])
         builder.store(builder.xor(p, i32(1)), pipe)
         builder.cbranch(more, loop_bb, exit_bb)
     else:
@@ -371,10 +405,8 @@ def build_trace_kernel(module: ir.Module, sched: LoweredScheduler) -> ir.Functio
     for a in (counter, vl, out, overflow):
         a.add_attribute("noalias")
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    slots = shared_slots(module)
-    kenv = emit_kernel_env(b, sched, counter=counter, num_sms=num_sms, batch_size=batch,
-                           max_num_prompt_tiles=tiles, max_seq_len=max_len, num_heads=heads,
-                           valid_length=vl, slots=slots)
+    fill_env = env_filler(b, sched, shared_slots(module),
+                          lambda _: EnvParams(counter, num_sms, batch, tiles, max_len, heads, vl))
     step = alloca(b, i32, "step")
     b.store(i32(0), step)
     tid = nvptx.special_register(b, "thread_idx", "x")
@@ -398,7 +430,7 @@ def build_trace_kernel(module: ir.Module, sched: LoweredScheduler) -> ir.Functio
                     bb.store(i32(1), overflow)
         bb.store(bb.add(s, i32(1)), step)
 
-    emit_work_loop(b, sched, kenv, record)
+    emit_work_loop(b, sched, fill_env, record)
     b.ret_void()
     return fn
 

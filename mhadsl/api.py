@@ -15,7 +15,9 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-from dataclasses import dataclass, fields, replace
+import dataclasses
+import json
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +26,9 @@ import mhadsl
 from mhadsl.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.check import CheckedProgram
 from mhadsl.codegen import attention
-from mhadsl.codegen.assemble import AssemblerError, assemble, find_ptxas
-from mhadsl.codegen.kernel import build_kernel_module
+from mhadsl.codegen.kernel import KernelBuild, build_configs, compile_kernel
 from mhadsl.codegen.scheduler import SchedulerSpec
-from mhadsl.codegen.target import emit_ptx, gpu_target, optimize
+from mhadsl.codegen.target import gpu_target
 from mhadsl.pipeline import front_end
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -116,30 +117,32 @@ class Kernel:
     # ---------------------------------------------------------------- builds
     def config(self, *, gqa_group: int = 1, ragged: bool = False, return_lse: bool = False
                ) -> attention.AttentionConfig:
-        o = self.options
-        base = attention.default_config(o.dtype, o.head_dim, gqa_group=gqa_group,
-                                        return_lse=return_lse, ragged=ragged)
-        overrides = {k: v for k, v in (("block_m", o.block_m), ("block_n", o.block_n),
-                                       ("num_warps", o.warps), ("stages", o.stages))
-                     if v is not None}
+        """The build a call of this layout selects (its key; see `build` for the tile)."""
+        return self._configs(gqa_group, ragged, return_lse)[0]
+
+    def _configs(self, gqa_group: int, ragged: bool, return_lse: bool
+                 ) -> tuple[attention.AttentionConfig, ...]:
         try:
-            return replace(base, **overrides).validate()
+            return build_configs(self.options, gqa_group=gqa_group, ragged=ragged,
+                                 return_lse=return_lse)
         except ValueError as err:
-            raise mhadsl.MhaError(f"attention '{o.name}': {err}",
-                                  self.program.checked.attentions[o.name].span) from None
+            raise mhadsl.MhaError(f"attention '{self.name}': {err}",
+                                  self.program.checked.attentions[self.name].span) from None
 
     def scheduler_spec(self, config: attention.AttentionConfig) -> SchedulerSpec:
         return SchedulerSpec(self.options.scheduler, self.options.scheduler_args, config.block_m)
 
-    def ptx(self, arch: str = "sm_90a", **config_args) -> str:
-        """The kernel's PTX for `arch` (see `config` for the build choices)."""
-        config = self.config(**config_args)
-        target = gpu_target(arch)
-        module = build_kernel_module(self.program.checked, self.options.mask,
-                                     self.options.score, self.scheduler_spec(config), config,
-                                     target)
+    def build(self, arch: str = "sm_90a", *, gqa_group: int = 1, ragged: bool = False,
+              return_lse: bool = False) -> KernelBuild:
+        """Generate the kernel for `arch`: LLVM IR, PTX and, with ptxas, the cubin and its
+        resources."""
+        configs = self._configs(gqa_group, ragged, return_lse)
         self.builds_compiled += 1
-        return emit_ptx(optimize(module, target), target)
+        return compile_kernel(self.program.checked, self.options.mask, self.options.score,
+                              self.scheduler_spec(configs[0]), configs, gpu_target(arch))
+
+    def ptx(self, arch: str = "sm_90a", **config_args) -> str:
+        return self.build(arch, **config_args).ptx
 
     def _build(self, config: attention.AttentionConfig, arch: str) -> _Build:
         key = (config, arch)
@@ -153,20 +156,19 @@ class Kernel:
             **target.cache_fields(), mhadsl=mhadsl.__version__)
         store = cache.CompileCache()
         artifacts = store.get(cache_key)
-        if artifacts is None:
-            ptx = self.ptx(arch, gqa_group=config.gqa_group, ragged=config.ragged,
-                           return_lse=config.return_lse)
-            artifacts = {"ptx": ptx.encode()}
-            if find_ptxas():
-                try:
-                    artifacts["cubin"] = assemble(ptx, arch).cubin
-                except AssemblerError:
-                    pass  # the driver JITs the PTX instead
+        if artifacts is None or "config" not in artifacts:
+            build = self.build(arch, gqa_group=config.gqa_group, ragged=config.ragged,
+                               return_lse=config.return_lse)
+            artifacts = {"ptx": build.ptx.encode(),
+                         "config": json.dumps(dataclasses.asdict(build.config)).encode()}
+            if build.assembled:  # else the driver JITs the PTX
+                artifacts["cubin"] = build.assembled.cubin
             store.put(cache_key, artifacts)
         module = (driver.Module.from_cubin(artifacts["cubin"]) if "cubin" in artifacts
                   else driver.Module.from_ptx(artifacts["ptx"]))
-        function = module.function(attention.kernel_name(config))
-        build = _Build(function, config, module)
+        chosen = attention.AttentionConfig(**json.loads(artifacts["config"]))
+        function = module.function(attention.kernel_name(chosen))
+        build = _Build(function, chosen, module)
         self._builds[key] = build
         return build
 
@@ -258,8 +260,8 @@ class Kernel:
             values[f"{name}_stride_row"] = i64(t.strides[-3])
             values[f"{name}_stride_head"] = i64(t.strides[-2])
         args = [values[p.name] for p in attention.KERNEL_PARAMS]
-        build.function.launch(grid, (attention.threads(config), 1, 1),
-                              attention.shared_bytes(config), stream, args)
+        build.function.launch(grid, (attention.threads(build.config), 1, 1),
+                              attention.shared_bytes(build.config), stream, args)
 
     def _grid(self, config, call: _Call, num_sms: int) -> tuple[int, int, int]:
         """The scheduler's own grid_dim rule, run on the host."""

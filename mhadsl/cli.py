@@ -52,41 +52,76 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+EXTENSIONS = {"llvm": ".ll", "ptx": ".ptx", "cubin": ".cubin"}
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     text, base = read_source(args.file)
     options = CompileOptions(arch=args.arch, tile_m=args.tile)
     start = time.perf_counter()
-    comp = compile_stages(text, args.file, options, until="ptx", base_dir=base)
+    until = "cubin" if args.emit == "cubin" or find_ptxas() else "ptx"
+    try:
+        comp = compile_stages(text, args.file, options, until=until, base_dir=base)
+    except AssemblerError as err:
+        raise UsageError(str(err)) from None
     elapsed = time.perf_counter() - start
-    assembled = None
-    if args.emit == "cubin" or find_ptxas():
-        try:
-            comp = compile_stages(text, args.file, options, until="cubin", base_dir=base)
-            assembled = comp.artifacts["cubin"]
-        except AssemblerError as err:
-            raise UsageError(str(err)) from None
-    stage = {"llvm": "llvm", "ptx": "ptx", "cubin": "cubin"}[args.emit]
-    output = comp.text(stage)
-    if args.output:
-        mode = "wb" if isinstance(output, bytes) else "w"
-        with open(args.output, mode) as f:
-            f.write(output)
-    elif isinstance(output, bytes):
-        raise UsageError("--emit cubin writes binary: give -o FILE")
-    elif not args.quiet:
-        sys.stdout.write(output)
+    units = _units(comp, args.emit)
+    if args.kernel:
+        if args.kernel not in comp.kernels:
+            raise UsageError(f"no attention kernel '{args.kernel}' in {args.file} (it has: "
+                             f"{', '.join(comp.kernels) or 'none'})")
+        units = {args.kernel: units[args.kernel]}
+    if not units:
+        raise UsageError(f"{args.file} declares no scheduler and no attention kernel")
+    if any(v is None for v in units.values()):
+        raise UsageError("--emit cubin needs ptxas: pip install 'mhadsl[test]'")
+    _write_units(units, args)
     summary = sys.stderr if not args.output and not args.quiet else sys.stdout
-    print(f"{args.file}: compiled for {args.arch} in {elapsed * 1000:.0f} ms "
-          f"(to PTX, LLVM {'.'.join(map(str, options.target.cache_fields()['llvm'].split('.')))})",
+    what = ", ".join(units)
+    print(f"{args.file}: compiled {what} for {args.arch} in {elapsed * 1000:.0f} ms",
           file=summary)
-    if assembled is None:
+    resources = [k for a in [comp.artifacts.get("cubin")] + [b.assembled for b in
+                                                              comp.kernels.values()]
+                 if a is not None for k in a.kernels.values()]
+    if until != "cubin":
         print("  ptxas not found: no register/spill summary (pip install 'mhadsl[test]')",
               file=summary)
-        return 0
-    for k in assembled.kernels.values():
+    for k in resources:
         print(f"  {k.name}: {k.registers} registers, {k.spills} bytes spilled, "
               f"{k.shared_bytes} bytes shared, {k.stack_bytes} bytes stack", file=summary)
     return 0
+
+
+def _units(comp, emit: str) -> dict[str, str | bytes | None]:
+    """What `--emit` writes: the scheduler trace kernels' module and each attention kernel."""
+    units: dict[str, str | bytes | None] = {}
+    if "llvm" in comp.artifacts:
+        units["schedulers"] = comp.text(emit) if emit in comp.artifacts else None
+    for name, build in comp.kernels.items():
+        units[name] = {"llvm": build.llvm, "ptx": build.ptx,
+                       "cubin": build.assembled.cubin if build.assembled else None}[emit]
+    return units
+
+
+def _write_units(units: dict, args: argparse.Namespace) -> None:
+    """One unit: to -o or stdout. Several: -o names a directory of NAME.ll/.ptx/.cubin."""
+    binary = args.emit == "cubin"
+    if args.output and len(units) == 1:
+        (data,) = units.values()
+        Path(args.output).write_bytes(data) if binary else Path(args.output).write_text(data)
+    elif args.output:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, data in units.items():
+            path = out / f"{name}{EXTENSIONS[args.emit]}"
+            path.write_bytes(data) if binary else path.write_text(data)
+    elif binary:
+        raise UsageError("--emit cubin writes binary: give -o FILE")
+    elif not args.quiet:
+        for name, data in units.items():
+            if len(units) > 1:
+                sys.stdout.write(f"// ===== {name}\n")
+            sys.stdout.write(data)
 
 
 def _parse_param(text: str) -> tuple[str, object]:
@@ -211,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--emit", choices=("llvm", "ptx", "cubin"), default="ptx")
     p.add_argument("--arch", choices=GPU_ARCHS, default="sm_90a")
     p.add_argument("--tile", type=int, default=128, help="tile height for schedulers")
+    p.add_argument("--kernel", metavar="NAME", help="emit only this attention kernel")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
     p.set_defaults(run=cmd_compile)
 

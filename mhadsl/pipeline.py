@@ -3,7 +3,9 @@
     parse -> check -> llvm -> llvm-opt -> ptx -> cubin
 
 `compile_stages` runs the table up to a stage and returns a `Compilation` whose
-`artifacts` hold each result in order, so `--emit llvm|ptx|cubin` is a lookup.
+`artifacts` hold each result in order, so `--emit llvm|ptx|cubin` is a lookup. The table
+builds one module of scheduler trace kernels; each attention declaration is its own unit
+(`kernels`), built by `codegen.kernel.compile_kernel` for the same arch.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from mhadsl import ast
 from mhadsl.check import CheckedProgram, check_program
 from mhadsl.codegen import target as targets
 from mhadsl.codegen.assemble import Assembled, assemble
+from mhadsl.attention_spec import resolve_attention
+from mhadsl.codegen.kernel import KernelBuild, build_configs, compile_kernel
 from mhadsl.codegen.scheduler import SchedulerSpec, build_trace_kernel, lower_scheduler
 from mhadsl.parse import load_program
 
@@ -39,6 +43,7 @@ class Compilation:
     name: str
     options: CompileOptions
     artifacts: dict[str, object] = field(default_factory=dict)
+    kernels: dict[str, KernelBuild] = field(default_factory=dict)  # attention declarations
 
     @property
     def checked(self) -> CheckedProgram:
@@ -96,9 +101,18 @@ def compile_stages(text: str, name: str, options: CompileOptions, *, until: str 
         raise ValueError(f"unknown stage {until!r}; stages are {', '.join(STAGE_NAMES)}")
     c = Compilation(name, options)
     c.artifacts["parse"], c.artifacts["check"] = front_end(text, name, base_dir)
-    for stage, run in STAGES:
-        if STAGE_NAMES.index(stage) > STAGE_NAMES.index(until):
-            break
-        c.artifacts[stage] = run(c)
+    if c.checked.schedulers:
+        for stage, run in STAGES:
+            if STAGE_NAMES.index(stage) > STAGE_NAMES.index(until):
+                break
+            c.artifacts[stage] = run(c)
+    if STAGE_NAMES.index(until) >= STAGE_NAMES.index("llvm"):
+        for name, decl in c.checked.attentions.items():
+            options = resolve_attention(decl)
+            configs = build_configs(options, gqa_group=options.gqa or 1,
+                                    return_lse=options.return_lse)
+            spec = SchedulerSpec(options.scheduler, options.scheduler_args, configs[0].block_m)
+            c.kernels[name] = compile_kernel(c.checked, options.mask, options.score, spec,
+                                             configs, c.options.target)
     return c
 

@@ -4,7 +4,6 @@ import pytest
 
 import mhadsl
 from helpers import EXAMPLES, REPO
-from mhadsl.codegen.assemble import assemble
 
 ATTENTION_EXAMPLES = [p for p in EXAMPLES if "attention " in p.read_text()]
 
@@ -26,9 +25,9 @@ def test_example_kernels_assemble_without_spills(path, arch):
     for kernel in kernels_of(path):
         gqa = kernel.options.gqa or 1
         for ragged in (False, True):
-            ptx = kernel.ptx(arch, gqa_group=gqa, ragged=ragged,
-                             return_lse=kernel.options.return_lse)
-            (res,) = assemble(ptx, arch).kernels.values()
+            build = kernel.build(arch, gqa_group=gqa, ragged=ragged,
+                                 return_lse=kernel.options.return_lse)
+            (res,) = build.assembled.kernels.values()
             assert res.spills == 0 and res.stack_bytes == 0, (kernel.name, ragged, res)
 
 
