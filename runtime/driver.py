@@ -388,7 +388,7 @@ class Function:
         self.module = module  # keeps the module loaded while the function is in use
         self.name = name
         self._handle = handle
-        self._dynamic_shared_limit = _DEFAULT_DYNAMIC_SHARED
+        self._dynamic_shared_limit: int | None = None  # known after the first launch
 
     @property
     def num_regs(self) -> int:
@@ -397,16 +397,22 @@ class Function:
         return call(cu.cuFuncGetAttribute, attribute, self._handle)
 
     def set_max_dynamic_shared(self, nbytes: int) -> None:
-        """Opt the kernel in to `nbytes` of dynamic shared memory (only needed above 48 KiB)."""
+        """Opt the kernel in to `nbytes` of dynamic shared memory (only needed when it and the
+        kernel's static shared memory pass 48 KiB together)."""
+        ensure_context(self.module.device)
+        if self._dynamic_shared_limit is None:
+            attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+            self._static_shared = call(cu.cuFuncGetAttribute, attribute, self._handle)
+            self._dynamic_shared_limit = _DEFAULT_DYNAMIC_SHARED - self._static_shared
         if nbytes <= self._dynamic_shared_limit:
             return
         info = device_info(self.module.device)
-        if nbytes > info.max_shared_memory_per_block_optin:
+        if nbytes + self._static_shared > info.max_shared_memory_per_block_optin:
             raise ValueError(
                 f"kernel {self.name!r} needs {nbytes} bytes of dynamic shared memory; "
-                f"{info.name} allows at most {info.max_shared_memory_per_block_optin} per block"
+                f"(and {self._static_shared} static); {info.name} allows at most "
+                f"{info.max_shared_memory_per_block_optin} per block"
             )
-        ensure_context(self.module.device)
         attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         call(cu.cuFuncSetAttribute, self._handle, attribute, nbytes)
         self._dynamic_shared_limit = nbytes
