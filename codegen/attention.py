@@ -238,6 +238,7 @@ KERNEL_PARAMS: tuple[KernelParam, ...] = (
     KernelParam("softmax_scale", "f32", "scale applied to q.k before the score hook / softmax"),
     KernelParam("queue", "ptr", "u32 work-queue counter for the queued scheduler (may be null otherwise)"),
     KernelParam("num_sms", "i32", "multiprocessors on the device (persistent grid size)"),
+    KernelParam("ctas_per_sm", "i32", "CTAs of this kernel that fit on one multiprocessor"),
 )
 _PARAM_INDEX = {p.name: i for i, p in enumerate(KERNEL_PARAMS)}
 

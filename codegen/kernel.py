@@ -67,6 +67,7 @@ def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Ta
             max_q = fence(b, args.max_seqlen_q)
             tiles = b.udiv(b.add(max_q, i32(spec.tile_m - 1)), i32(spec.tile_m))
             return EnvParams(fence(b, args.queue), fence(b, args.num_sms),
+                             fence(b, args.ctas_per_sm),
                              fence(b, args.batch), tiles, fence(b, args.seqlen_q),
                              fence(b, args.num_heads), fence(b, args.cu_seqlens_q))
 

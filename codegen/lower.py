@@ -28,7 +28,8 @@ LLVM_TYPES = {U32: i32, I32: i32, BOOL: i1, F32: f32, SCHEDULE: i32, SYNC: i32}
 # Memory layout of the structs the rules exchange, shared by the GPU kernels and the host.
 STATE_FIELDS = ("idx", "slots", "max_idx")
 TS_FIELDS = ("batch_size", "max_num_prompt_tiles", "max_seq_len", "num_heads", "valid_length")
-ENV_FIELDS = ("counter", "num_sms", "block_idx", "grid_dim", "thread_idx", "fuel")
+ENV_FIELDS = ("counter", "num_sms", "block_idx", "grid_dim", "thread_idx", "fuel",
+              "ctas_per_sm")
 
 
 def record_type(ty: Ty) -> ir.LiteralStructType:
@@ -47,7 +48,7 @@ def ts_type(global_space: int) -> ir.LiteralStructType:
 
 def env_type(global_space: int) -> ir.LiteralStructType:
     dim3 = ir.ArrayType(i32, 3)
-    return ir.LiteralStructType([nvptx.ptr(global_space), i32, dim3, dim3, dim3, i64])
+    return ir.LiteralStructType([nvptx.ptr(global_space), i32, dim3, dim3, dim3, i64, i32])
 
 
 def alloca(builder: ir.IRBuilder, ty: ir.Type, name: str = "") -> ir.AllocaInstr:

@@ -83,8 +83,8 @@ class _TargetBuiltins(Builtins):
         return lower.b.gep(lower.bindings["env"], idx, source_etype=self.env_struct)
 
     def value(self, lower: FunctionLowering, name: str):
-        if name == "num_sms":
-            return lower.b.load(self.env_field(lower, "num_sms"), typ=i32)
+        if name in ("num_sms", "ctas_per_sm"):
+            return lower.b.load(self.env_field(lower, name), typ=i32)
         if name == "num_heads":
             return lower.ts_field(lower.bindings["ts"], "num_heads")
         if name == "queue":
@@ -290,6 +290,7 @@ class EnvParams:
 
     counter: ir.Value
     num_sms: ir.Value
+    ctas_per_sm: ir.Value
     batch_size: ir.Value
     max_num_prompt_tiles: ir.Value
     max_seq_len: ir.Value
@@ -320,6 +321,8 @@ def env_filler(builder: ir.IRBuilder, sched: LoweredScheduler, slots: ir.Value,
         p = params(b)
         b.store(p.counter, b.gep(env, [i32(0), i32(0)], source_etype=sched.env_struct))
         b.store(p.num_sms, b.gep(env, [i32(0), i32(1)], source_etype=sched.env_struct))
+        b.store(p.ctas_per_sm, b.gep(env, [i32(0), i32(ENV_FIELDS.index("ctas_per_sm"))],
+                                     source_etype=sched.env_struct))
         for k, v in enumerate((p.batch_size, p.max_num_prompt_tiles, p.max_seq_len,
                                p.num_heads, p.valid_length)):
             b.store(v, b.gep(ts, [i32(0), i32(k)], source_etype=sched.ts_struct))
@@ -406,7 +409,8 @@ def build_trace_kernel(module: ir.Module, sched: LoweredScheduler) -> ir.Functio
         a.add_attribute("noalias")
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     fill_env = env_filler(b, sched, shared_slots(module),
-                          lambda _: EnvParams(counter, num_sms, batch, tiles, max_len, heads, vl))
+                          lambda _: EnvParams(counter, num_sms, i32(1), batch, tiles, max_len,
+                                              heads, vl))
     step = alloca(b, i32, "step")
     b.store(i32(0), step)
     tid = nvptx.special_register(b, "thread_idx", "x")

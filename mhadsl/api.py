@@ -237,7 +237,9 @@ class Kernel:
         arch = "sm_90a" if info.compute_capability >= (9, 0) else "sm_80"
         config = self._config_for(call, want_lse)
         build = self._build(config, arch)
-        grid = self._grid(config, call, info.multiprocessor_count)
+        ctas_per_sm = build.function.max_active_blocks(attention.threads(build.config),
+                                                       attention.shared_bytes(build.config))
+        grid = self._grid(config, call, info.multiprocessor_count, ctas_per_sm)
         if 0 in grid:
             return
         counter = driver.queue_counter(stream, q.device)
@@ -252,7 +254,7 @@ class Kernel:
             "max_seqlen_q": i32(call.max_seqlen_q), "max_seqlen_k": i32(call.max_seqlen_k),
             "seqlen_q": i32(call.seqlen_q), "seqlen_k": i32(call.seqlen_k),
             "softmax_scale": ctypes.c_float(scale), "queue": counter,
-            "num_sms": i32(info.multiprocessor_count),
+            "num_sms": i32(info.multiprocessor_count), "ctas_per_sm": i32(ctas_per_sm),
         }
         for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
             batch_stride = 0 if call.ragged else t.strides[0]
@@ -263,7 +265,8 @@ class Kernel:
         build.function.launch(grid, (attention.threads(build.config), 1, 1),
                               attention.shared_bytes(build.config), stream, args)
 
-    def _grid(self, config, call: _Call, num_sms: int) -> tuple[int, int, int]:
+    def _grid(self, config, call: _Call, num_sms: int, ctas_per_sm: int
+              ) -> tuple[int, int, int]:
         """The scheduler's own grid_dim rule, run on the host."""
         from mhadsl.simulate import HostScheduler, _Env, _TileSummary
         spec = self.scheduler_spec(config)
@@ -273,6 +276,7 @@ class Kernel:
                 self.program.checked, spec)
         tiles = -(-call.max_seqlen_q // config.block_m)
         env = _Env(None, num_sms)
+        env.ctas_per_sm = ctas_per_sm
         ts = _TileSummary(call.batch, tiles, call.max_seqlen_q, call.heads)
         out = (ctypes.c_uint32 * 3)()
         host.grid_dim(ctypes.byref(env), ctypes.byref(ts), call.batch, tiles, out)

@@ -54,6 +54,7 @@ ATTENTION_IMPLICIT = {"seqlen_q": I32, "seqlen_k": I32}
 # Builtin values: name -> (type, contexts where allowed, only inside these rules or None).
 BUILTIN_VALUES: dict[str, tuple[Ty, tuple[str, ...], tuple[str, ...] | None]] = {
     "num_sms": (U32, (HOST, DEVICE), None),
+    "ctas_per_sm": (U32, (HOST, DEVICE), None),
     "num_heads": (U32, (HOST, DEVICE), None),
     "tile_m": (U32, (HOST, DEVICE), None),
     "block_idx": (DIM3, (DEVICE,), None),

@@ -25,7 +25,8 @@ Tile = tuple[int, int, int]  # (prompt_offset, head_idx, prompt_idx)
 class _Env(ctypes.Structure):
     _fields_ = [("counter", ctypes.c_void_p), ("num_sms", ctypes.c_uint32),
                 ("block_idx", ctypes.c_uint32 * 3), ("grid_dim", ctypes.c_uint32 * 3),
-                ("thread_idx", ctypes.c_uint32 * 3), ("fuel", ctypes.c_int64)]
+                ("thread_idx", ctypes.c_uint32 * 3), ("fuel", ctypes.c_int64),
+                ("ctas_per_sm", ctypes.c_uint32)]
 
 
 class _TileSummary(ctypes.Structure):
@@ -176,6 +177,7 @@ def simulate(program: CheckedProgram, spec: SchedulerSpec, batch: Batch, *, ctas
                       max(batch.seqlens, default=0), batch.heads,
                       ctypes.cast(offsets, ctypes.c_void_p) if batch.ragged else None)
     env = _Env(ctypes.cast(ctypes.pointer(counter), ctypes.c_void_p).value, num_sms or ctas)
+    env.ctas_per_sm = 1  # each simulated multiprocessor runs one CTA at a time
     grid_out = (ctypes.c_uint32 * 3)()
     env.fuel = HOST_LOOP_FUEL
     sched.grid_dim(ctypes.byref(env), ctypes.byref(ts), ts.batch_size, ts.max_num_prompt_tiles,

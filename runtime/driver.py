@@ -389,12 +389,22 @@ class Function:
         self.name = name
         self._handle = handle
         self._dynamic_shared_limit: int | None = None  # known after the first launch
+        self._occupancy: dict[tuple[int, int], int] = {}
 
     @property
     def num_regs(self) -> int:
         ensure_context(self.module.device)
         attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS
         return call(cu.cuFuncGetAttribute, attribute, self._handle)
+
+    def max_active_blocks(self, threads: int, shared_bytes: int) -> int:
+        """How many CTAs of this kernel fit on one multiprocessor at once (at least 1)."""
+        self.set_max_dynamic_shared(shared_bytes)
+        key = (threads, shared_bytes)
+        if key not in self._occupancy:
+            self._occupancy[key] = call(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor,
+                                        self._handle, threads, shared_bytes)
+        return max(1, self._occupancy[key])
 
     def set_max_dynamic_shared(self, nbytes: int) -> None:
         """Opt the kernel in to `nbytes` of dynamic shared memory (only needed when it and the

@@ -31,7 +31,9 @@ def gpu_trace(spec: SchedulerSpec, batch: Batch, num_sms: int, threads: int = 12
     host = HostScheduler(program, spec)
     grid_out = (ctypes.c_uint32 * 3)()
     env = _Env(None, num_sms)
-    ts = _TileSummary(len(batch.seqlens), batch.max_num_prompt_tiles, max(batch.seqlens), batch.heads)
+    env.ctas_per_sm = 1
+    ts = _TileSummary(len(batch.seqlens), batch.max_num_prompt_tiles, max(batch.seqlens),
+                      batch.heads)
     host.grid_dim(ctypes.byref(env), ctypes.byref(ts), ts.batch_size, ts.max_num_prompt_tiles, grid_out)
     grid = tuple(grid_out)
     n_ctas = grid[0] * grid[1] * grid[2]
