@@ -24,15 +24,14 @@ loop: the scheduler lowering (or `transient_work_loop`, one tile per CTA) calls
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from llvmlite import ir
 
-from . import nvptx, warp
-from .nvptx import GLOBAL, SHARED, f32, i1, i32, i64
-from .target import Target, new_module
+from mhadsl.codegen import nvptx, warp
+from mhadsl.codegen.nvptx import GLOBAL, SHARED, f32, i1, i32, i64
+from mhadsl.codegen.target import Target, new_module
 
 KERNEL_NAME = "mha_fwd"
 SMEM_SYMBOL = "mha_fwd_smem"
@@ -278,6 +277,17 @@ def _fconst(x: float) -> ir.Constant:
     return ir.Constant(f32, x)
 
 
+def _sequence(b: ir.IRBuilder, ragged: bool, cu_seqlens: ir.Value, dense_len: ir.Value,
+              batch: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(first row, length) of sequence `batch`: from the row offsets, or (0, dense_len)."""
+    if not ragged:
+        return i32(0), dense_len
+    start = b.load(b.gep(cu_seqlens, [batch], inbounds=True, source_etype=i32), typ=i32)
+    end = b.load(b.gep(cu_seqlens, [b.add(batch, i32(1))], inbounds=True, source_etype=i32),
+                 typ=i32)
+    return start, b.sub(end, start)
+
+
 def _sext64(builder, v):
     return builder.sext(v, i64)
 
@@ -438,21 +448,12 @@ class _TileEmitter:
     def emit_tile(self, b: ir.IRBuilder, seq) -> None:
         c, a = self.c, self.a
         BM, BN, D = c.block_m, c.block_n, c.head_dim
-        MT, NT, DT = c.m_tiles, BN // 8, D // 8
-        dt = c.dtype
+        MT, DT = c.m_tiles, D // 8
 
         bidx, h = seq.prompt_idx, seq.head_idx
         q0, seqlen_q, q_start = seq.prompt_offset, seq.seq_len, seq.start_of_seq
         hk = b.udiv(h, i32(c.gqa_group)) if c.gqa_group > 1 else h
-        if c.ragged:
-            cu_k = a.cu_seqlens_k
-            k_start = b.load(b.gep(cu_k, [bidx], inbounds=True, source_etype=i32), typ=i32)
-            k_end = b.load(b.gep(cu_k, [b.add(bidx, i32(1))], inbounds=True, source_etype=i32),
-                           typ=i32)
-            seqlen_k = b.sub(k_end, k_start)
-        else:
-            k_start = i32(0)
-            seqlen_k = a.seqlen_k
+        k_start, seqlen_k = _sequence(b, c.ragged, a.cu_seqlens_k, a.seqlen_k, bidx)
         rows_q = b.sub(seqlen_q, q0)
         n_blocks = b.udiv(b.add(seqlen_k, i32(BN - 1)), i32(BN))
         info = {"b": bidx, "h": h, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
@@ -787,15 +788,7 @@ def transient_work_loop(builder: ir.IRBuilder, args: KernelArgs, body: Callable)
         head = b.urem(rest, ny)
         batch = b.udiv(rest, ny)
     tile = b.sub(b.sub(nx, i32(1)), x)
-    if c.ragged:
-        cu = args.cu_seqlens_q
-        start = b.load(b.gep(cu, [batch], inbounds=True, source_etype=i32), typ=i32)
-        end = b.load(b.gep(cu, [b.add(batch, i32(1))], inbounds=True, source_etype=i32),
-                     typ=i32)
-        seq_len = b.sub(end, start)
-    else:
-        start = i32(0)
-        seq_len = args.seqlen_q
+    start, seq_len = _sequence(b, c.ragged, args.cu_seqlens_q, args.seqlen_q, batch)
     offset = b.mul(tile, i32(c.block_m))
     with b.if_then(b.icmp_signed("<", offset, seq_len)):
         body(b, TileSeq(seq_len=seq_len, start_of_seq=start, prompt_offset=offset,
@@ -848,7 +841,7 @@ def build_attention_module(config: AttentionConfig, hooks: ExprHooks | None, tar
 
 def compile_ptx(config: AttentionConfig, hooks: ExprHooks | None, target: Target,
                 work_loop: Callable = transient_work_loop) -> str:
-    from .target import emit_ptx, optimize
+    from mhadsl.codegen.target import emit_ptx, optimize
     return emit_ptx(optimize(build_attention_module(config, hooks, target, work_loop), target),
                     target)
 

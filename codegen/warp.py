@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from . import nvptx
-from .nvptx import SHARED, GLOBAL, call, f32, i32, i1, void
+from mhadsl.codegen import nvptx
+from mhadsl.codegen.nvptx import call, f32, i32, void
 
 DTYPES = ("bf16", "fp16")
 ELEMENT_BYTES = 2

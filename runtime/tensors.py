@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .driver import DeviceBuffer, current_device, memcpy_dtoh, pointer_device, stream_handle
+from mhadsl.runtime.driver import DeviceBuffer, current_device, memcpy_dtoh, pointer_device, stream_handle
 
 DTYPES = ("bfloat16", "float16", "float32", "int32")
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}

@@ -86,3 +86,30 @@ def test_user_errors_exit_1_without_traceback(tmp_path, text, where):
 def test_bad_command_lines(args, message):
     out = mhadsl(*args)
     assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_compile_attention_example_writes_one_file_per_unit(tmp_path):
+    out = mhadsl("compile", "examples/causal.mha", "-o", str(tmp_path / "out"))
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["causal_fwd.ptx",
+                                                                    "schedulers.ptx"]
+    assert ".entry mha_fwd" in (tmp_path / "out" / "causal_fwd.ptx").read_text()
+    assert "causal_fwd (128x64 tile, 128 threads" in out.stdout
+    assert "0 bytes spilled" in out.stdout
+    one = mhadsl("compile", "examples/causal.mha", "--kernel", "causal_fwd", "--emit", "llvm",
+                 "-o", str(tmp_path / "k.ll"))
+    assert one.returncode == 0 and "define ptx_kernel void @\"mha_fwd\"" in \
+        (tmp_path / "k.ll").read_text()
+
+
+def test_run_without_gpu():
+    out = mhadsl("run", "examples/causal.mha", "--kernel", "causal_fwd", "--seqlen", "64",
+                 "--heads", "2")
+    no_gpu = "no NVIDIA GPU found" in out.stderr
+    if no_gpu:
+        assert out.returncode == 2
+        ok = mhadsl("run", "examples/causal.mha", "--kernel", "causal_fwd", "--seqlen", "64",
+                    "--heads", "2", "--no-gpu-ok")
+        assert ok.returncode == 0 and "skipped the run" in ok.stdout
+    else:
+        assert out.returncode == 0 and "relative error" in out.stdout
