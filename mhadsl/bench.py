@@ -6,6 +6,7 @@ PyTorch (for random inputs, CUDA events and the torch baselines).
 from __future__ import annotations
 
 import statistics
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,14 +120,16 @@ def torch_baselines(torch, kernel: Kernel, p: Problem, args: dict) -> dict[str, 
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     causal = _is_plain_causal(kernel)
-    if p.seqlens or kernel.options.score is not None or (kernel.options.mask and not causal):
+    if p.seqlens or kernel.options.score is not None or (kernel.options.mask and not causal) \
+            or (causal and p.seqlen_q != p.seqlen_k):  # torch's is_causal is top-left only
         return {"flash": None, "cudnn": None}
     q, k, v = (args[n].transpose(1, 2) for n in ("q", "k", "v"))
     results = {}
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
                           ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
-            with sdpa_kernel(backend):
+            with sdpa_kernel(backend), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch explains each backend it cannot use
                 results[name] = time_ms(torch, lambda: sdpa(
                     q, k, v, is_causal=causal, scale=kernel.options.softmax_scale(),
                     enable_gqa=p.heads != p.kv_heads))
