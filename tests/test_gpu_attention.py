@@ -201,3 +201,17 @@ def test_two_streams_at_once():
         ref = mhadsl.reference(kern, **args)
         got = out.float().cpu().numpy()
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_cupy_fp16_inputs_come_back_as_cupy():
+    cupy = pytest.importorskip("cupy")
+    kern = extra("lse_fp16")
+    rng = np.random.default_rng(2)
+    host = [rng.standard_normal((2, 130, 2, 128)).astype(np.float16) for _ in range(3)]
+    q, k, v = (cupy.asarray(a) for a in host)
+    out, lse = kern(q, k, v)
+    assert isinstance(out, cupy.ndarray) and isinstance(lse, cupy.ndarray)
+    ref, ref_lse = mhadsl.reference(kern, *host, return_lse=True)
+    got = cupy.asnumpy(out).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+    assert np.allclose(cupy.asnumpy(lse), ref_lse, atol=2e-2)
