@@ -142,10 +142,11 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
                        f"{', '.join(program.schedulers) or 'none'})")
     args = spec.arg_dict()
     params = {p.name: p for p in decl.params}
-    for name in args:
+    for name, value in args.items():
         if name not in params:
             raise MhaError(f"scheduler '{spec.name}' has no parameter '{name}' (it has: "
                            f"{', '.join(params) or 'none'})", decl.span)
+        _check_argument(spec.name, params[name], value)
     constants = {c.name: c for c in decl.constants}
     may_advance = bool(const_eval(constants["may_advance"].value, program, args, decl))
     rules = {r.name: r for r in decl.rules}
@@ -198,6 +199,20 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
     b0 = _TargetBuiltins(target, True, 0, producer_threads)
     return LoweredScheduler(spec, decl, may_advance, functions, b0.env_struct, b0.ts_struct,
                             b0.state_struct)
+
+
+def _check_argument(scheduler: str, param: ast.Param, value: object) -> None:
+    """A bound parameter must be a constant of the parameter's type."""
+    kind = param.type.name
+    ok = {"bool": isinstance(value, bool),
+          "Schedule": value in SCHEDULES,
+          "u32": isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32,
+          "i32": isinstance(value, int) and not isinstance(value, bool)
+          and -2**31 <= value < 2**31}.get(kind, False)
+    if not ok:
+        expected = {"Schedule": f"one of {', '.join(SCHEDULES)}"}.get(kind, f"a {kind}")
+        raise MhaError(f"parameter '{param.name}' of scheduler '{scheduler}' takes {expected}, "
+                       f"got {value!r}", param.span)
 
 
 def _param_thunks(lower: FunctionLowering, decl: ast.SchedulerDecl,

@@ -240,8 +240,10 @@ class Kernel:
         ctas_per_sm = build.function.max_active_blocks(attention.threads(build.config),
                                                        attention.shared_bytes(build.config))
         grid = self._grid(config, call, info.multiprocessor_count, ctas_per_sm)
-        if 0 in grid:
-            return
+        if 0 in grid or max(grid[1:]) > 65535 or grid[0] >= 2**31:
+            raise ValueError(f"scheduler '{self.options.scheduler}' asked for grid {grid} "
+                             f"for {call.batch} sequences x {call.heads} heads; every "
+                             f"dimension must be at least 1 (y and z at most 65535)")
         counter = driver.queue_counter(stream, q.device)
         driver.memset_d32_async(counter, 0, 1, stream, q.device)  # per launch, on its stream
         i64, i32 = ctypes.c_int64, ctypes.c_int32

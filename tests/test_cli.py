@@ -113,3 +113,13 @@ def test_run_without_gpu():
         assert ok.returncode == 0 and "skipped the run" in ok.stdout
     else:
         assert out.returncode == 0 and "relative error" in out.stdout
+
+
+def test_scheduler_parameter_of_the_wrong_type():
+    out = mhadsl("simulate", "std/schedulers.mha", "--scheduler", "Queued", "--seqlen", "9",
+                 "--param", "num_ctas=many")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "parameter 'num_ctas' of scheduler 'Queued' takes a u32, got 'many'" in out.stderr
+    out = mhadsl("simulate", "std/schedulers.mha", "--scheduler", "Queued", "--seqlen", "9",
+                 "--param", "order=SIDEWAYS")
+    assert "takes one of DEFAULT, PROMPT_ROTATE, got 'SIDEWAYS'" in out.stderr
