@@ -317,13 +317,7 @@ class Kernel:
                 raise ValueError(f"tensor {name!r} has head dim {t.shape[-1]}, but kernel "
                                  f"'{self.name}' is declared head_dim = {o.head_dim}")
             if not t.on_host:
-                if t.strides[-1] != 1:
-                    raise ValueError(f"tensor {name!r}: the last dimension must be contiguous "
-                                     f"(stride 1), got strides {t.strides}")
-                if t.ptr % 16 or any(s % 8 for s in t.strides[:-1]):
-                    raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer "
-                                     f"and strides multiples of 8 elements), got strides "
-                                     f"{t.strides}")
+                _check_rows(t, name)
         qv, kv, vv = views["q"], views["k"], views["v"]
         if kv.shape != vv.shape:
             raise ValueError(f"k and v must have the same shape, got {kv.shape} and {vv.shape}")
@@ -402,13 +396,21 @@ class Kernel:
         if not view.on_host:
             if view.dtype != dtype:
                 raise TypeError(f"out has dtype {view.dtype}, expected {dtype}")
-            if view.strides[-1] != 1 or view.ptr % 16 or any(s % 8 for s in view.strides[:-1]):
-                raise ValueError("out: the last dimension must be contiguous and rows 16-byte "
-                                 "aligned")
+            _check_rows(view, "out")
         return view
 
 
 _host_schedulers: dict = {}
+
+
+def _check_rows(t, name: str) -> None:
+    """The kernel copies rows in 16-byte pieces: a contiguous last dimension, aligned rows."""
+    if t.strides[-1] != 1:
+        raise ValueError(f"tensor {name!r}: the last dimension must be contiguous (stride 1), "
+                         f"got strides {t.strides}")
+    if t.ptr % 16 or any(s % 8 for s in t.strides[:-1]):
+        raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer and strides "
+                         f"multiples of 8 elements), got strides {t.strides}")
 
 
 def _check_scale(scale) -> float:
