@@ -270,19 +270,14 @@ class Kernel:
     def _grid(self, config, call: _Call, num_sms: int, ctas_per_sm: int
               ) -> tuple[int, int, int]:
         """The scheduler's own grid_dim rule, run on the host."""
-        from mhadsl.simulate import HostScheduler, _Env, _TileSummary
+        from mhadsl.simulate import HostScheduler
         spec = self.scheduler_spec(config)
         host = _host_schedulers.get((self.program.text, spec))
         if host is None:
             host = _host_schedulers[(self.program.text, spec)] = HostScheduler(
                 self.program.checked, spec)
         tiles = -(-call.max_seqlen_q // config.block_m)
-        env = _Env(None, num_sms)
-        env.ctas_per_sm = ctas_per_sm
-        ts = _TileSummary(call.batch, tiles, call.max_seqlen_q, call.heads)
-        out = (ctypes.c_uint32 * 3)()
-        host.grid_dim(ctypes.byref(env), ctypes.byref(ts), call.batch, tiles, out)
-        return tuple(out)
+        return host.grid(call.batch, tiles, call.max_seqlen_q, call.heads, num_sms, ctas_per_sm)
 
     # ---------------------------------------------------------------- checks
     def _validate(self, q, k, v, cu_q, cu_k, max_q, max_k) -> _Call:

@@ -83,6 +83,17 @@ class HostScheduler:
         self.unsafe_seq_info = fn("unsafe_seq_info", None, _P, _P, _P, _P)
         self.advance = fn(lowered.advance_name(True, "ALL"), ctypes.c_bool, _P, _P, _P, _U32, _P)
 
+    def grid(self, batch_size: int, max_num_prompt_tiles: int, max_seq_len: int,
+             num_heads: int, num_sms: int, ctas_per_sm: int = 1) -> tuple[int, int, int]:
+        """The launch grid from the scheduler's own `grid_dim` rule."""
+        env = _Env(None, num_sms)
+        env.ctas_per_sm = ctas_per_sm
+        env.fuel = HOST_LOOP_FUEL
+        ts = _TileSummary(batch_size, max_num_prompt_tiles, max_seq_len, num_heads)
+        out = (ctypes.c_uint32 * 3)()
+        self.grid_dim(ctypes.byref(env), ctypes.byref(ts), batch_size, max_num_prompt_tiles, out)
+        return (out[0], out[1], out[2])
+
 
 @dataclass
 class Batch:
@@ -178,11 +189,8 @@ def simulate(program: CheckedProgram, spec: SchedulerSpec, batch: Batch, *, ctas
                       ctypes.cast(offsets, ctypes.c_void_p) if batch.ragged else None)
     env = _Env(ctypes.cast(ctypes.pointer(counter), ctypes.c_void_p).value, num_sms or ctas)
     env.ctas_per_sm = 1  # each simulated multiprocessor runs one CTA at a time
-    grid_out = (ctypes.c_uint32 * 3)()
-    env.fuel = HOST_LOOP_FUEL
-    sched.grid_dim(ctypes.byref(env), ctypes.byref(ts), ts.batch_size, ts.max_num_prompt_tiles,
-                   grid_out)
-    grid = (grid_out[0], grid_out[1], grid_out[2])
+    grid = sched.grid(ts.batch_size, ts.max_num_prompt_tiles, ts.max_seq_len, ts.num_heads,
+                      env.num_sms)
     n_ctas = grid[0] * grid[1] * grid[2]
     valid = batch.valid_tiles()
     step_limit = max_steps or 8 * (len(valid) + n_ctas) * max(batch.heads, 1) + 10_000

@@ -7,7 +7,7 @@ import pytest
 from helpers import STD, checked
 from mhadsl.codegen.scheduler import TRACE_FIELDS, SchedulerSpec, build_trace_kernel, lower_scheduler
 from mhadsl.codegen.target import emit_ptx, gpu_target, new_module, optimize
-from mhadsl.simulate import Batch, HostScheduler, _Env, _TileSummary, simulate
+from mhadsl.simulate import Batch, HostScheduler, simulate
 
 pytestmark = pytest.mark.gpu
 
@@ -28,14 +28,8 @@ def gpu_trace(spec: SchedulerSpec, batch: Batch, num_sms: int, threads: int = 12
     kernel_name = build_trace_kernel(module, lowered).name
     ptx = emit_ptx(optimize(module, target), target)
 
-    host = HostScheduler(program, spec)
-    grid_out = (ctypes.c_uint32 * 3)()
-    env = _Env(None, num_sms)
-    env.ctas_per_sm = 1
-    ts = _TileSummary(len(batch.seqlens), batch.max_num_prompt_tiles, max(batch.seqlens),
-                      batch.heads)
-    host.grid_dim(ctypes.byref(env), ctypes.byref(ts), ts.batch_size, ts.max_num_prompt_tiles, grid_out)
-    grid = tuple(grid_out)
+    grid = HostScheduler(program, spec).grid(len(batch.seqlens), batch.max_num_prompt_tiles,
+                                             max(batch.seqlens), batch.heads, num_sms)
     n_ctas = grid[0] * grid[1] * grid[2]
     max_steps = len(batch.valid_tiles()) * 2 + 4
 
@@ -49,8 +43,8 @@ def gpu_trace(spec: SchedulerSpec, batch: Batch, num_sms: int, threads: int = 12
     fn = driver.Module.from_ptx(ptx).function(kernel_name)
     u32 = ctypes.c_uint32
     fn.launch(grid, (threads, 1, 1), 0, None,
-              [counter, u32(num_sms), u32(ts.batch_size), u32(ts.max_num_prompt_tiles),
-               u32(ts.max_seq_len), u32(batch.heads), d_vl.ptr if batch.ragged else 0,
+              [counter, u32(num_sms), u32(len(batch.seqlens)), u32(batch.max_num_prompt_tiles),
+               u32(max(batch.seqlens)), u32(batch.heads), d_vl.ptr if batch.ragged else 0,
                d_out, u32(max_steps), d_overflow])
     d_out.copy_to_numpy(out)
     overflow = np.zeros(1, np.uint32)
