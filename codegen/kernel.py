@@ -13,7 +13,7 @@ from llvmlite import ir
 
 from mhadsl.check import CheckedProgram
 from mhadsl.classify import emit_classify
-from mhadsl.codegen import attention
+from mhadsl.codegen.backends import sm80 as attention
 from mhadsl.codegen.lower import Builtins, FunctionLowering
 from mhadsl.codegen.nvptx import i32, i64
 from mhadsl.codegen.scheduler import (

@@ -25,7 +25,7 @@ import numpy as np
 import mhadsl
 from mhadsl.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.check import CheckedProgram
-from mhadsl.codegen import attention
+from mhadsl.codegen.backends import sm80 as attention
 from mhadsl.codegen.kernel import KernelBuild, build_configs, compile_kernel
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.codegen.target import gpu_target

@@ -12,7 +12,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from mhadsl.codegen import attention
+from mhadsl.codegen.backends import sm80 as attention
 from mhadsl.codegen.assemble import AssemblerError, find_ptxas
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.codegen.target import GPU_ARCHS

@@ -1,4 +1,4 @@
-"""CPU tests of the attention kernel generator (codegen/attention.py): every supported
+"""CPU tests of the attention kernel generator (codegen/backends/sm80.py): every supported
 configuration builds, emits PTX for sm_80 and sm_90a, and ptxas reports zero spills."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from llvmlite import ir
 
-from mhadsl.codegen import attention as A
+from mhadsl.codegen.backends import sm80 as A
 from mhadsl.codegen.target import emit_ptx, gpu_target, optimize
 
 PTXAS = shutil.which("ptxas")

@@ -1,0 +1,1 @@
+"""Attention kernel designs ("backends") behind one interface, and their registry."""
