@@ -16,6 +16,7 @@ from llvmlite import ir
 from mhadsl.codegen import nvptx
 from mhadsl.codegen.nvptx import f32, i1, i32, i64
 from mhadsl import ast
+from mhadsl.builtins import CASTS, SLOT_COUNT
 from mhadsl.check import CheckedProgram, Symbol
 from mhadsl.types import (
     BOOL, COUNTER, DIM3, F32, I32, INT_LITERAL, RECORD_FIELDS, SCHEDULE, SCHEDULES, SEQ_INFO,
@@ -104,6 +105,7 @@ class FunctionLowering:
         self.locals: dict[ast.Let, object] = {}
         self.ret_slot: object = None
         self.ret_block: ir.Block | None = None
+        self.ret_ty: Ty | None = None
 
     # ------------------------------------------------------------ helpers
     def entry_alloca(self, ty: ir.Type, name: str = "") -> ir.AllocaInstr:
@@ -126,7 +128,8 @@ class FunctionLowering:
     # ------------------------------------------------------------ bodies
     def lower_body(self, stmts, result_ty: Ty | None) -> object:
         """Lower a body whose `return`s store into a result slot; returns the slot."""
-        saved = self.ret_slot, self.ret_block
+        saved = self.ret_slot, self.ret_block, self.ret_ty
+        self.ret_ty = result_ty
         self.ret_slot = self.alloc_value(result_ty) if result_ty is not None else None
         self.ret_block = self.new_block("return")
         self.block(stmts)
@@ -134,7 +137,7 @@ class FunctionLowering:
             self.b.branch(self.ret_block)
         self.b.position_at_end(self.ret_block)
         slot = self.ret_slot
-        self.ret_slot, self.ret_block = saved
+        self.ret_slot, self.ret_block, self.ret_ty = saved
         return slot
 
     def alloc_value(self, ty: Ty) -> object:
@@ -165,7 +168,8 @@ class FunctionLowering:
 
     def stmt(self, s: ast.Stmt) -> None:
         if isinstance(s, ast.Let):
-            value = self.expr(s.value)
+            value = self.expr(s.value) if s.type is None else \
+                self.operand(s.value, TYPE_NAMES[s.type.name])
             slot = self.alloc_like(value)
             self.store_value(slot, value)
             self.locals[s] = slot
@@ -199,7 +203,7 @@ class FunctionLowering:
             self.b.position_at_end(end_bb)
         elif isinstance(s, ast.Return):
             if self.ret_slot is not None and not isinstance(s.value, ast.NoneLit):
-                self.store_value(self.ret_slot, self.expr(s.value))
+                self.store_value(self.ret_slot, self.operand(s.value, self.ret_ty))
             self.on_return(s)
             self.b.branch(self.ret_block)
         else:
@@ -216,7 +220,7 @@ class FunctionLowering:
 
     def assign(self, s: ast.Assign) -> None:
         target = s.target
-        value = self.expr(s.value)
+        value = self.operand(s.value, self.ty(target))
         if s.op != "=":
             current = self.expr(target)  # loads the old value
             value = self.arith(s.op[:-1], current, value, self.ty(s.value) == I32
@@ -233,8 +237,9 @@ class FunctionLowering:
 
     # ------------------------------------------------------------ expressions
     def expr(self, e: ast.Expr) -> Value:
-        if isinstance(e, ast.IntLit):
-            return i32(e.value & 0xFFFFFFFF)
+        literal = self.program.literals.get(e)
+        if literal is not None:  # folded exactly by the checker; it fits where it is used
+            return i1(literal) if isinstance(literal, bool) else i32(literal & 0xFFFFFFFF)
         if isinstance(e, ast.FloatLit):
             return f32(e.value)
         if isinstance(e, ast.BoolLit):
@@ -246,7 +251,7 @@ class FunctionLowering:
         if isinstance(e, ast.Index):
             return self.b.load(self.slot_pointer(e), typ=i32)
         if isinstance(e, ast.Unary):
-            v = self.coerce(self.expr(e.operand), self.ty(e.operand), self.ty(e))
+            v = self.operand(e.operand, self.ty(e))
             if e.op == "!":
                 return self.b.not_(v)
             if e.op == "~":
@@ -261,17 +266,25 @@ class FunctionLowering:
 
     def coerce(self, v: Value, src: Ty, dst: Ty) -> Value:
         """Integer to f32 promotion (the only implicit conversion)."""
-        if dst == F32 and src in (U32, I32, INT_LITERAL):
+        if src == INT_LITERAL:
+            src = self.default_int
+        if dst == F32 and src in (U32, I32):
             return self.b.uitofp(v, f32) if src == U32 else self.b.sitofp(v, f32)
         return v
+
+    def operand(self, e: ast.Expr, ty: Ty) -> Value:
+        """`e` lowered as a value of type `ty`; a literal meets f32 exactly."""
+        literal = self.program.literals.get(e)
+        if literal is not None and ty == F32:
+            return f32(float(literal))
+        return self.coerce(self.expr(e), self.ty(e), ty)
 
     def binary(self, e: ast.Binary) -> ir.Value:
         if e.op in ("&&", "||"):
             return self.short_circuit(e)
         lt, rt = self.ty(e.left), self.ty(e.right)
         common = F32 if F32 in (lt, rt) else (I32 if I32 in (lt, rt) else lt)
-        left = self.coerce(self.expr(e.left), lt, common)
-        right = self.coerce(self.expr(e.right), rt, common)
+        left, right = self.operand(e.left, common), self.operand(e.right, common)
         return self.arith(e.op, left, right, common == I32, common)
 
     def arith(self, op: str, a: ir.Value, b: ir.Value, signed: bool, ty: Ty) -> ir.Value:
@@ -283,16 +296,35 @@ class FunctionLowering:
         if op in ("==", "!=", "<", "<=", ">", ">="):
             return (B.icmp_signed if signed else B.icmp_unsigned)(op, a, b)
         if op in ("/", "%"):
-            # Division by zero is defined here (result 0) so a bad rule cannot trap the host.
+            # LLVM's division by zero and INT_MIN / -1 are undefined (a trap on the host).
+            # Dividing by 1 instead gives INT_MIN / -1 its wrapped result (INT_MIN, and 0 for
+            # %) for free; a zero divisor then selects 0 (mhadsl.builtins).
             zero = B.icmp_unsigned("==", b, b.type(0))
-            safe = B.select(zero, b.type(1), b)
+            bad = zero
+            if signed:
+                overflow = B.and_(B.icmp_signed("==", a, a.type(-2**31)),
+                                  B.icmp_signed("==", b, b.type(-1)))
+                bad = B.or_(zero, overflow)
+            safe = B.select(bad, b.type(1), b)
             q = (B.sdiv if signed else B.udiv)(a, safe) if op == "/" else \
                 (B.srem if signed else B.urem)(a, safe)
             return B.select(zero, b.type(0), q)
-        if op == ">>":
-            return B.ashr(a, b) if signed else B.lshr(a, b)
-        return {"+": B.add, "-": B.sub, "*": B.mul, "<<": B.shl, "&": B.and_, "|": B.or_,
+        if op in ("<<", ">>"):
+            return self.shift(op, a, b, signed)
+        return {"+": B.add, "-": B.sub, "*": B.mul, "&": B.and_, "|": B.or_,
                 "^": B.xor}[op](a, b)
+
+    def shift(self, op: str, a: ir.Value, count: ir.Value, signed: bool) -> ir.Value:
+        """Shifts by 32 or more are poison in LLVM; here they saturate (mhadsl.builtins):
+        0, or the sign fill for `>>` of an i32. The count is clamped before the shift so
+        no poison is ever made, on the host or the GPU."""
+        B = self.b
+        big = B.icmp_unsigned(">=", count, count.type(32))
+        safe = B.select(big, count.type(31), count)
+        if op == ">>" and signed:
+            return B.ashr(a, safe)  # shifting by 31 is the sign fill
+        shifted = B.shl(a, safe) if op == "<<" else B.lshr(a, safe)
+        return B.select(big, a.type(0), shifted)
 
     def short_circuit(self, e: ast.Binary) -> ir.Value:
         left = self.expr(e.left)
@@ -362,8 +394,10 @@ class FunctionLowering:
         return self.b.load(ptr, typ=self.builtins.ts_struct.elements[k])
 
     def slot_pointer(self, e: ast.Index) -> ir.Value:
+        """`slots[i]` is slot i modulo SLOT_COUNT: never outside the CTA's slots."""
         slots = self.expr(e.obj)
-        return self.b.gep(slots, [self.expr(e.index)], source_etype=i32)
+        index = self.b.urem(self.expr(e.index), i32(SLOT_COUNT))
+        return self.b.gep(slots, [index], source_etype=i32)
 
     # ------------------------------------------------------------ calls
     def call(self, e: ast.Call) -> Value:
@@ -372,7 +406,9 @@ class FunctionLowering:
             return self.ts_method(self.expr(func.obj), func.name, [self.expr(a) for a in e.args])
         name = func.id
         if name in self.program.fns:
-            return self.inline_fn(self.program.fns[name], [self.expr(a) for a in e.args])
+            fn = self.program.fns[name]
+            return self.inline_fn(fn, [self.operand(a, TYPE_NAMES[p.type.name])
+                                       for a, p in zip(e.args, fn.params)])
         if TYPE_NAMES.get(name) in RECORD_FIELDS:
             given = {kw.name: self.expr(kw.value) for kw in e.kwargs}
             if name == "State":
@@ -387,46 +423,44 @@ class FunctionLowering:
                 raise AssertionError("barrier needs a compile-time sync")
             self.builtins.barrier(self, sync.constant)
             return None
-        args = [self.expr(a) for a in e.args]
-        types = [self.ty(a) for a in e.args]
         result = self.ty(e)
         if name in ("min", "max"):
-            a, b = (self.coerce(v, t, result) for v, t in zip(args, types))
+            a, b = (self.operand(x, result) for x in e.args)
             if result == F32:
                 return math_call(self.b, "minnum" if name == "min" else "maxnum", [a, b],
                                  self.builtins.gpu)
             cmp = self.arith("<" if name == "min" else ">", a, b, result == I32, result)
             return self.b.select(cmp, a, b)
         if name == "cdiv":
-            a, b = args
+            a, b = (self.expr(x) for x in e.args)
             return self.arith("/", self.b.add(a, self.b.sub(b, i32(1))), b, result == I32, result)
         if name == "where":
-            c, a, b = args
-            return self.b.select(c, self.coerce(a, types[1], result),
-                                 self.coerce(b, types[2], result))
-        if name in ("u32", "i32", "f32"):
-            return self.cast(args[0], types[0], result)
+            c = self.expr(e.args[0])
+            return self.b.select(c, self.operand(e.args[1], result),
+                                 self.operand(e.args[2], result))
+        if name in CASTS:
+            return self.cast(e.args[0], result)
         if name == "abs":
-            x = args[0]
+            x = self.operand(e.args[0], result)
             if result == F32:
-                return math_call(self.b, "fabs", [self.coerce(x, types[0], F32)],
-                                 self.builtins.gpu)
+                return math_call(self.b, "fabs", [x], self.builtins.gpu)
             if result == U32:
                 return x
             neg = self.b.icmp_signed("<", x, i32(0))
             return self.b.select(neg, self.b.neg(x), x)
-        x = self.coerce(args[0], types[0], F32)
+        x = self.operand(e.args[0], F32)
         return math_call(self.b, name, [x], self.builtins.gpu)
 
-    def cast(self, v: ir.Value, src: Ty, dst: Ty) -> ir.Value:
+    def cast(self, arg: ast.Expr, dst: Ty) -> ir.Value:
+        """`u32(x)`, `i32(x)`, `f32(x)` (mhadsl.builtins): integers keep their bits, floats
+        truncate and saturate (LLVM's plain fptosi is poison out of range)."""
+        src = self.ty(arg)
         if src == BOOL:
-            v = self.b.zext(v, i32)
-            src = U32
-        if dst == F32:
-            return self.coerce(v, src, F32)
-        if src == F32:
-            return self.b.fptosi(v, i32) if dst == I32 else self.b.fptoui(v, i32)
-        return v
+            return self.coerce(self.b.zext(self.expr(arg), i32), U32, dst)
+        if src != F32 or dst == F32:
+            return self.operand(arg, dst)
+        kind = "fptosi" if dst == I32 else "fptoui"
+        return nvptx.call(self.b, f"llvm.{kind}.sat.i32.f32", i32, [self.expr(arg)])
 
     def make_state(self, given: dict[str, ir.Value]) -> ir.Value:
         ptr = self.entry_alloca(self.state_struct(), "state")

@@ -7,19 +7,22 @@ what each name refers to).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mhadsl import ast
 from mhadsl.attention_spec import ATTENTION_CONSTANTS, HEAD_DIMS
+from mhadsl.builtins import (
+    ARITH_FUNCTIONS, ATTENTION, BUILTIN_VALUES, CASTS, COMPARISONS, COMPILE_TIME_VALUES,
+    DEVICE, DEVICE_ONLY_FUNCTIONS, HOST, INT_RANGES, INTEGER_ONLY_OPS, LITERAL_LIMIT,
+    MATH_FUNCTIONS, SLOT_COUNT, LiteralError, fits, fold_call, fold_literal,
+)
 from mhadsl.diagnostics import DiagnosticSink, Span
 from mhadsl.types import (
     BOOL, COUNTER, DIM3, ERROR, F32, GRID, I32, INT_LITERAL, INTEGERS, MUTABLE_FIELDS,
-    NONE, NUMBERS, RECORD_FIELDS, RECORD_PROPERTIES, SCHEDULE, SCHEDULES, SEQ_INFO,
-    SLOTS, STATE, SYNC, SYNCS, TILE_SUMMARY, TILE_SUMMARY_FIELDS, TILE_SUMMARY_METHODS,
+    NONE, NUMBERS, RECORD_FIELDS, RECORD_PROPERTIES, SCHEDULE, SEQ_INFO,
+    SLOTS, STATE, SYNC, TILE_SUMMARY, TILE_SUMMARY_FIELDS, TILE_SUMMARY_METHODS,
     TYPE_NAMES, U32, VOID, WORK_INFO, Ty, unify,
 )
-
-HOST, DEVICE, ATTENTION = "host", "device", "attention"
 
 
 @dataclass(frozen=True)
@@ -51,24 +54,6 @@ ATTENTION_RESULTS = {"mask": BOOL, "score": F32}
 # Names every mask/score body sees besides its parameters.
 ATTENTION_IMPLICIT = {"seqlen_q": I32, "seqlen_k": I32}
 
-# Builtin values: name -> (type, contexts where allowed, only inside these rules or None).
-BUILTIN_VALUES: dict[str, tuple[Ty, tuple[str, ...], tuple[str, ...] | None]] = {
-    "num_sms": (U32, (HOST, DEVICE), None),
-    "ctas_per_sm": (U32, (HOST, DEVICE), None),
-    "num_heads": (U32, (HOST, DEVICE), None),
-    "tile_m": (U32, (HOST, DEVICE), None),
-    "block_idx": (DIM3, (DEVICE,), None),
-    "thread_idx": (DIM3, (DEVICE,), None),
-    "grid_dim": (DIM3, (DEVICE,), None),
-    "queue": (COUNTER, (DEVICE,), None),
-    "producer": (BOOL, (DEVICE,), ("advance",)),
-    "sync": (SYNC, (DEVICE,), ("advance",)),
-    **{s: (SCHEDULE, (HOST, DEVICE), None) for s in SCHEDULES},
-    **{s: (SYNC, (HOST, DEVICE), None) for s in SYNCS},
-}
-MATH_FUNCTIONS = ("exp", "exp2", "log", "log2", "tanh", "sqrt", "abs")
-DEVICE_ONLY_FUNCTIONS = ("atomic_add", "barrier")
-CASTS = {"u32": U32, "i32": I32, "f32": F32}
 DTYPES = ("bf16", "fp16")
 
 
@@ -92,6 +77,9 @@ class CheckedProgram:
     refs: dict[ast.Name, Symbol] = field(default_factory=dict)
     # For each rule: the role of each of its parameters ("ts", "state", ...).
     rule_roles: dict[ast.Rule, tuple[str, ...]] = field(default_factory=dict)
+    # The exact value of every expression made of integer literals alone (a bool for a
+    # comparison of two): they fold before they meet a type (mhadsl.builtins).
+    literals: dict[ast.Expr, int | bool] = field(default_factory=dict)
 
 
 class _Scope:
@@ -113,6 +101,8 @@ class _Context:
     rule: str  # rule or fn name, for messages and rule-only builtins
     returns: tuple[Ty, ...]
     default_int: Ty = U32
+    # Why threads of one CTA may be on different paths here (a barrier would hang), or None.
+    divergent: str | None = None
 
 
 class Checker:
@@ -170,8 +160,8 @@ class Checker:
         for p in sched.params:
             ty = self.check_type_ref(p.type)
             if p.default is not None:
-                self.expect(self.expr(p.default, scope, param_ctx), ty, p.default.span,
-                            f"default of parameter '{p.name}'")
+                self.expect_value(p.default, self.expr(p.default, scope, param_ctx), ty,
+                                  f"default of parameter '{p.name}'")
             self.declare(scope, p.span, Symbol("sched_param", p.name, ty, p))
         for c in sched.constants:
             if c.name not in SCHEDULER_CONSTANTS:
@@ -291,8 +281,8 @@ class Checker:
                 self.error(kw.span, f"scheduler '{sched.name}' has no parameter '{kw.name}'")
                 continue
             want = self.check_type_ref(params[kw.name].type)
-            self.expect(self.expr(kw.value, _Scope(), _Context(HOST, "scheduler", ())), want,
-                        kw.value.span, f"argument '{kw.name}'")
+            self.expect_value(kw.value, self.expr(kw.value, _Scope(), _Context(HOST, "scheduler", ())),
+                              want, f"argument '{kw.name}'")
 
     # ------------------------------------------------------------ statements
     def declare(self, scope: _Scope, span: Span, sym: Symbol) -> None:
@@ -321,10 +311,11 @@ class Checker:
             ty = self.expr(s.value, scope, ctx)
             if s.type is not None:
                 want = self.check_type_ref(s.type)
-                self.expect(ty, want, s.value.span, f"'{s.name}'")
+                self.expect_value(s.value, ty, want, f"'{s.name}'")
                 ty = want
             if ty == INT_LITERAL:
                 ty = ctx.default_int
+                self.fit(s.value, ty)
             if ty in (VOID, NONE):
                 ty = self.error(s.value.span, f"'{s.name}' cannot hold a value of type {ty}")
             self.declare(scope, s.span, Symbol("local", s.name, ty, s, s.mutable))
@@ -334,12 +325,19 @@ class Checker:
             return False
         if isinstance(s, ast.If):
             self.expect(self.expr(s.cond, scope, ctx), BOOL, s.cond.span, "if condition")
-            then = self.block(s.then, _Scope(scope), ctx)
-            orelse = self.block(s.orelse, _Scope(scope), ctx)
+            inner = self.branch_context(s.cond, "`if`", ctx)
+            then = self.block(s.then, _Scope(scope), inner)
+            other = self.branch_context(s.cond, "`if`", ctx)
+            orelse = self.block(s.orelse, _Scope(scope), other)
+            if inner.divergent and self.may_return(s.then) or \
+                    other.divergent and self.may_return(s.orelse):
+                # Some threads may have left the rule: what follows must not wait for them.
+                ctx.divergent = ctx.divergent or "after a `return` that only some threads " \
+                                                 "may take"
             return then and orelse
         if isinstance(s, ast.While):
             self.expect(self.expr(s.cond, scope, ctx), BOOL, s.cond.span, "while condition")
-            self.block(s.body, _Scope(scope), ctx)
+            self.block(s.body, _Scope(scope), self.branch_context(s.cond, "`while`", ctx))
             return False
         if isinstance(s, ast.Return):
             ty = self.expr(s.value, scope, ctx)
@@ -348,6 +346,10 @@ class Checker:
             if ty != ERROR and not any(self.compatible(ty, r) for r in ctx.returns):
                 self.error(s.value.span, f"'{ctx.rule}' returns "
                                          f"{' or '.join(map(str, ctx.returns))}, not {ty}")
+            elif ty == INT_LITERAL:
+                self.fit(s.value, next(r for r in ctx.returns if r in NUMBERS))
+            elif ty in INT_RANGES:
+                self.fit(s.value, ty)
             return True
         assert isinstance(s, ast.ExprStmt)
         if not isinstance(s.expr, ast.Call):
@@ -390,7 +392,7 @@ class Checker:
         value = self.expr(s.value, scope, ctx)
         if s.op != "=":
             value = self.binary_type(s.op[:-1], want, value, s.span)
-        self.expect(value, want, s.value.span, "assigned value")
+        self.expect_value(s.value, value, want, "assigned value")
 
     # ------------------------------------------------------------ expressions
     def compatible(self, got: Ty, want: Ty) -> bool:
@@ -400,6 +402,60 @@ class Checker:
         if not self.compatible(got, want):
             self.error(span, f"{what} must be {want}, not {got}")
 
+    def expect_value(self, e: ast.Expr, got: Ty, want: Ty, what: str) -> None:
+        """`expect`, and a literal that meets an integer type must fit it."""
+        self.expect(got, want, e.span, what)
+        if got == INT_LITERAL:
+            self.fit(e, want)
+
+    def fit(self, e: ast.Expr, ty: Ty) -> None:
+        value = self.out.literals.get(e)
+        if ty in INT_RANGES and isinstance(value, int) and not isinstance(value, bool) \
+                and not fits(value, ty):
+            lo, hi = INT_RANGES[ty]
+            self.error(e.span, f"integer constant {value} does not fit in {ty} ({lo} to "
+                               f"{hi}); {ty}(...) wraps it explicitly")
+
+    def fold(self, e: ast.Expr, value) -> Ty:
+        """Record the exact value of a literal expression (an error past 64 bits)."""
+        if isinstance(value, LiteralError):
+            return self.error(e.span, str(value))
+        self.out.literals[e] = value
+        return BOOL if isinstance(value, bool) else INT_LITERAL
+
+    def branch_context(self, cond: ast.Expr, what: str, ctx: _Context) -> _Context:
+        """The context inside a branch on `cond`: divergent unless `cond` is a compile-time
+        constant (the same in every thread)."""
+        if ctx.divergent or self.compile_time(cond):
+            return replace(ctx)
+        return replace(ctx, divergent=f"under an {what} whose condition may differ between "
+                                      f"threads")
+
+    def compile_time(self, e: ast.Expr) -> bool:
+        if e in self.out.literals or isinstance(e, ast.BoolLit):
+            return True
+        if isinstance(e, ast.Name):
+            sym = self.out.refs.get(e)
+            return sym is not None and (sym.kind in ("sched_param", "constant") or
+                                        sym.kind == "builtin" and sym.name in COMPILE_TIME_VALUES)
+        if isinstance(e, ast.Unary):
+            return self.compile_time(e.operand)
+        if isinstance(e, ast.Binary):
+            return self.compile_time(e.left) and self.compile_time(e.right)
+        return False
+
+    @staticmethod
+    def may_return(stmts) -> bool:
+        for s in stmts:
+            if isinstance(s, ast.Return):
+                return True
+            if isinstance(s, ast.If) and (Checker.may_return(s.then) or
+                                          Checker.may_return(s.orelse)):
+                return True
+            if isinstance(s, ast.While) and Checker.may_return(s.body):
+                return True
+        return False
+
     def expr(self, e: ast.Expr, scope: _Scope, ctx: _Context) -> Ty:
         ty = self._expr(e, scope, ctx)
         self.out.types[e] = ty
@@ -407,8 +463,9 @@ class Checker:
 
     def _expr(self, e: ast.Expr, scope: _Scope, ctx: _Context) -> Ty:
         if isinstance(e, ast.IntLit):
-            if e.value >= 2**32:
-                return self.error(e.span, "integer constant does not fit in 32 bits")
+            if e.value >= LITERAL_LIMIT:
+                return self.error(e.span, "integer constant does not fit in 64 bits")
+            self.out.literals[e] = e.value
             return INT_LITERAL
         if isinstance(e, ast.FloatLit):
             return F32
@@ -422,9 +479,13 @@ class Checker:
             return self.attr(e, scope, ctx)
         if isinstance(e, ast.Index):
             obj = self.expr(e.obj, scope, ctx)
-            self.expect(self.expr(e.index, scope, ctx), U32, e.index.span, "index")
+            self.expect_value(e.index, self.expr(e.index, scope, ctx), U32, "index")
             if obj not in (SLOTS, ERROR):
                 return self.error(e.span, f"cannot index a value of type {obj}")
+            index = self.out.literals.get(e.index)
+            if isinstance(index, int) and 0 <= index < 2**32 and index >= SLOT_COUNT:
+                self.error(e.index.span, f"slot index {index} is out of range: a CTA has "
+                                         f"{SLOT_COUNT} slots (0 to {SLOT_COUNT - 1})")
             return U32
         if isinstance(e, ast.Unary):
             ty = self.expr(e.operand, scope, ctx)
@@ -438,13 +499,29 @@ class Checker:
                 return self.error(e.span, f"operator '{e.op}' does not apply to {ty}")
             if e.op == "-" and ty == U32:
                 return self.error(e.span, "cannot negate an unsigned u32 value; use i32()")
+            if e.operand in self.out.literals:
+                value = self.out.literals[e.operand]
+                return self.fold(e, -value if e.op == "-" else ~value)
             return ty
         if isinstance(e, ast.Binary):
-            return self.binary_type(e.op, self.expr(e.left, scope, ctx),
-                                    self.expr(e.right, scope, ctx), e.span)
+            left, right = self.expr(e.left, scope, ctx), self.expr(e.right, scope, ctx)
+            ty = self.binary_type(e.op, left, right, e.span)
+            if ty == ERROR or e.op in ("&&", "||"):
+                return ty
+            if e.left in self.out.literals and e.right in self.out.literals:
+                try:
+                    value = fold_literal(e.op, self.out.literals[e.left],
+                                         self.out.literals[e.right])
+                except LiteralError as err:
+                    value = err
+                return self.fold(e, value)
+            common = unify(left, right)
+            for side in (e.left, e.right):  # a literal meets the other side's type
+                self.fit(side, ctx.default_int if common == INT_LITERAL else common)
+            return ty
         if isinstance(e, ast.Tuple):
             for item in e.items:
-                self.expect(self.expr(item, scope, ctx), U32, item.span, "grid dimension")
+                self.expect_value(item, self.expr(item, scope, ctx), U32, "grid dimension")
             if not 1 <= len(e.items) <= 3:
                 return self.error(e.span, "a grid has 1 to 3 dimensions")
             return GRID
@@ -463,9 +540,9 @@ class Checker:
         common = unify(left, right)
         if common is None or common not in NUMBERS:
             return self.error(span, f"operator '{op}' does not apply to {left} and {right}")
-        if op in ("<<", ">>", "&", "|", "^", "%") and common == F32:
+        if op in INTEGER_ONLY_OPS and common == F32:
             return self.error(span, f"operator '{op}' needs integers, not f32")
-        if op in ("==", "!=", "<", "<=", ">", ">="):
+        if op in COMPARISONS:
             return BOOL
         return common
 
@@ -541,15 +618,20 @@ class Checker:
         if name == "barrier":
             if e.args or e.kwargs:
                 self.call_args(e, (SYNC,), scope, ctx, name)
+            if ctx.divergent:
+                # Threads that skip a barrier leave the others waiting forever on the GPU.
+                self.error(e.span, f"barrier {ctx.divergent}: every thread of the CTA must "
+                                   f"reach it (a condition on producer or sync is fine)")
             return VOID
-        if name in ("min", "max", "cdiv", "where"):
-            n = 3 if name == "where" else 2
+        if name in ARITH_FUNCTIONS:
+            n = ARITH_FUNCTIONS[name]
             types = self.call_args(e, (None,) * n, scope, ctx, name)
             if len(types) != n:
                 return ERROR
+            operands = e.args
             if name == "where":
                 self.expect(types[0], BOOL, e.args[0].span, "condition of where")
-                types = types[1:]
+                types, operands = types[1:], operands[1:]
             common = unify(*types)
             if ERROR in types:
                 return ERROR
@@ -557,6 +639,10 @@ class Checker:
                 return self.error(e.span, f"'{name}' does not apply to {types[0]} and {types[1]}")
             if name == "cdiv" and common not in INTEGERS:
                 return self.error(e.span, "'cdiv' needs integers")
+            if name != "where" and all(a in self.out.literals for a in operands):
+                return self.fold(e, fold_call(name, [self.out.literals[a] for a in operands]))
+            for operand in operands:  # a literal where meets the context's integer type
+                self.fit(operand, ctx.default_int if common == INT_LITERAL else common)
             return common
         if name in CASTS:
             (ty,) = self.call_args(e, (None,), scope, ctx, name) or (ERROR,)
@@ -565,6 +651,8 @@ class Checker:
             return CASTS[name]
         if name in MATH_FUNCTIONS:
             (ty,) = self.call_args(e, (None,), scope, ctx, name) or (ERROR,)
+            if name == "abs" and e.args[0] in self.out.literals:
+                return self.fold(e, fold_call(name, [self.out.literals[e.args[0]]]))
             if name == "abs" and ty in INTEGERS:
                 return ty
             if ty not in NUMBERS + (ERROR,):
@@ -585,7 +673,7 @@ class Checker:
         for arg, want in zip(e.args, params):
             ty = self.expr(arg, scope, ctx)
             if want is not None:
-                self.expect(ty, want, arg.span, f"argument of '{name}'")
+                self.expect_value(arg, ty, want, f"argument of '{name}'")
             types.append(ty)
         return types
 
@@ -602,8 +690,8 @@ class Checker:
             if kw.name in given:
                 self.error(kw.span, f"field '{kw.name}' is given twice")
             given.add(kw.name)
-            self.expect(self.expr(kw.value, scope, ctx), fields[kw.name], kw.value.span,
-                        f"field '{kw.name}'")
+            self.expect_value(kw.value, self.expr(kw.value, scope, ctx), fields[kw.name],
+                              f"field '{kw.name}'")
         missing = [f for f in fields if f not in given]
         if missing:
             self.error(e.span, f"{record} is missing field{'s' if len(missing) > 1 else ''} "
