@@ -181,7 +181,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"{args.ctas} CTAs")
         print(f"  {result.message}")
         print(f"  makespan {result.makespan:g}, lower bound {result.lower_bound:g}, "
-              f"efficiency {result.efficiency:.1%}")
+              f"efficiency {'n/a' if result.efficiency is None else f'{result.efficiency:.1%}'}")
         loads = result.per_cta_load
         if loads:
             print(f"  per-CTA load: min {min(loads):g}, max {max(loads):g}")
