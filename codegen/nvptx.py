@@ -65,6 +65,12 @@ def barrier_named(builder: ir.IRBuilder, barrier_id: int, num_threads: int | ir.
     call(builder, "llvm.nvvm.barrier.cta.sync.aligned.count", void, [i32(barrier_id), count])
 
 
+def barrier_any(builder: ir.IRBuilder, pred: ir.Value) -> ir.Value:
+    """A CTA-wide barrier that returns (to every thread) whether `pred` held in any thread."""
+    return call(builder, "llvm.nvvm.barrier.cta.red.or.aligned.all", i1,
+                [i32(CTA_BARRIER), pred])
+
+
 # ----------------------------------------------------------------- kernels
 def mark_kernel(fn: ir.Function) -> None:
     """Kernels use the ptx_kernel calling convention (LLVM >= 20)."""

@@ -21,13 +21,15 @@ from llvmlite import ir
 
 from mhadsl.codegen import nvptx
 from mhadsl.codegen.lower import (
-    ENV_FIELDS, alloca, load, Builtins, FunctionLowering, env_type, record_type, state_type, ts_type,
+    ENV_FIELDS, TS_FIELDS, alloca, load, Builtins, FunctionLowering, env_type, record_type,
+    state_type, ts_type,
 )
 from mhadsl.codegen.nvptx import i1, i8, i32, i64
 from mhadsl.codegen.target import Target
 from mhadsl import ast
 from mhadsl.check import CheckedProgram
 from mhadsl.diagnostics import MhaError
+from mhadsl.runtime import faults
 from mhadsl.types import BOOL, RECORD_FIELDS, SCHEDULES, SEQ_INFO, SYNCS, WORK_INFO
 
 SLOT_COUNT = 2  # the work index rides a double-buffered pipeline (BRIEF §3)
@@ -68,10 +70,12 @@ def const_eval(e: ast.Expr, program: CheckedProgram, args: dict[str, object],
 
 
 class _TargetBuiltins(Builtins):
-    def __init__(self, target: Target, producer: bool, sync: int, producer_threads: int):
+    def __init__(self, target: Target, producer: bool, sync: int, producer_threads: int,
+                 rule: str = "initial_state", scheduler_id: int = 0):
         self.target = target
         self.gpu = target.is_gpu
         self.producer, self.sync, self.producer_threads = producer, sync, producer_threads
+        self.rule, self.scheduler_id = rule, scheduler_id  # named by a fault record
         space = nvptx.SHARED if target.is_gpu else nvptx.GENERIC
         gspace = nvptx.GLOBAL if target.is_gpu else nvptx.GENERIC
         self.state_struct = state_type(space)
@@ -108,13 +112,19 @@ class _TargetBuiltins(Builtins):
             nvptx.barrier_named(lower.b, nvptx.PRODUCER_BARRIER, self.producer_threads)
 
     def loop_fuel(self, lower: FunctionLowering):
-        if self.target.is_gpu:
-            return None
-        # Host only: every iteration burns fuel, so a loop that never ends returns instead
-        # and the simulator reports it.
+        # Every iteration burns fuel, so a loop that never ends stops: on the host the
+        # simulator reports it; on the GPU the iteration that empties the tank records a
+        # fault and the work loop (`emit_work_loop`, which fills the tank) ends the kernel.
         fuel_ptr = self.env_field(lower, "fuel")
         left = lower.b.sub(lower.b.load(fuel_ptr, typ=i64), i64(1))
         lower.b.store(left, fuel_ptr)
+        if self.target.is_gpu:
+            with lower.b.if_then(lower.b.icmp_signed("==", left, i64(0)), likely=False):
+                workspace = lower.b.load(self.env_field(lower, "counter"),
+                                         typ=self.env_struct.elements[0])
+                record_fault(lower.b, workspace, faults.fault_code(faults.ENDLESS_WHILE,
+                                                                   self.rule),
+                             self.scheduler_id)
         return lower.b.icmp_signed(">", left, i64(0))
 
 
@@ -127,6 +137,7 @@ class LoweredScheduler:
     env_struct: ir.LiteralStructType
     ts_struct: ir.LiteralStructType
     state_struct: ir.LiteralStructType
+    scheduler_id: int  # what a fault record names it by (`runtime.faults`)
 
     def advance_name(self, producer: bool, sync: str) -> str:
         return f"advance.{int(producer)}.{sync}"
@@ -153,8 +164,11 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
     prefix = f"{spec.name}.{spec.tile_m}." + ".".join(f"{k}={v}" for k, v in spec.args)
     functions: dict[str, ir.Function] = {}
 
+    sid = faults.scheduler_id(spec.name)
+
     def emit(rule_name: str, fn_name: str, producer: bool = True, sync: str = "ALL"):
-        builtins = _TargetBuiltins(target, producer, SYNCS.index(sync), producer_threads)
+        builtins = _TargetBuiltins(target, producer, SYNCS.index(sync), producer_threads,
+                                   rule_name, sid)
         rule = rules[rule_name]
         roles = program.rule_roles[rule]
         slot_space = nvptx.SHARED if target.is_gpu else nvptx.GENERIC
@@ -198,7 +212,7 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
         emit("advance", f"advance.{int(producer)}.{sync}", producer, sync)
     b0 = _TargetBuiltins(target, True, 0, producer_threads)
     return LoweredScheduler(spec, decl, may_advance, functions, b0.env_struct, b0.ts_struct,
-                            b0.state_struct)
+                            b0.state_struct, sid)
 
 
 def _check_argument(scheduler: str, param: ast.Param, value: object) -> None:
@@ -368,6 +382,12 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     Every thread of the CTA runs it (advance may hold a barrier); `body` gets the tile's
     SeqInfo fields and is skipped for tiles past their sequence's end. The env is filled
     (`fill_env`) before the first rules and again before each advance.
+
+    No scheduler can hang it: a CTA that takes more tiles than all the work of the launch
+    plus one, or a step whose `while` loops run out of fuel (`loop_fuel`), records a fault
+    in the workspace (`runtime.faults`), and a CTA-wide vote after each step ends the loop
+    for every thread at once (a fault seen by one thread alone must not strand the others
+    at a barrier). No `trap`: the CUDA context stays usable.
     """
     fns = sched.functions
     kenv = fill_env(builder)
@@ -376,17 +396,28 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     info = alloca(builder, record_type(WORK_INFO), "work_info")
     seq = alloca(builder, record_type(SEQ_INFO), "seq_info")
     pipe = alloca(builder, i32, "pipeline_idx")
+    taken = alloca(builder, i32, "tiles_taken")  # tiles after the first one
     builder.store(i32(0), pipe)
+    builder.store(i32(0), taken)
+    _refuel(builder, sched, kenv)
     builder.call(fns["initial_state"], [*args, kenv.slots, state])
     builder.call(fns["get_current_work_info"], [*args, state, info])
     valid = load_record(builder, info, WORK_INFO)["is_valid"]
+    entry_bb = builder.block
+    first_bb = builder.append_basic_block("first_tile")
+    start_bb = builder.append_basic_block("start")
     loop_bb = builder.append_basic_block("work")
     exit_bb = builder.append_basic_block("work_done")
-    first_bb = builder.append_basic_block("first_tile")
-    builder.cbranch(valid, first_bb, exit_bb)
+    builder.cbranch(valid, first_bb, start_bb)
     builder.position_at_end(first_bb)
     builder.call(fns["unsafe_seq_info"], [*args, state, seq])
-    builder.branch(loop_bb)
+    builder.branch(start_bb)
+    builder.position_at_end(start_bb)
+    has_work = builder.phi(i1)
+    has_work.add_incoming(i1(0), entry_bb)
+    has_work.add_incoming(i1(1), first_bb)
+    stop = nvptx.barrier_any(builder, _out_of_fuel(builder, sched, kenv))
+    builder.cbranch(builder.and_(has_work, builder.not_(stop)), loop_bb, exit_bb)
 
     builder.position_at_end(loop_bb)
     fields = load_record(builder, seq, SEQ_INFO)
@@ -395,14 +426,82 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
         body(builder, fields)
     if sched.may_advance:
         kenv = fill_env(builder)
+        _refuel(builder, sched, kenv)
         p = builder.load(pipe, typ=i32)
         more = builder.call(fns[sched.advance_name(producer, sync)],
                             [kenv.env, kenv.ts, state, p, seq])
         builder.store(builder.xor(p, i32(1)), pipe)
-        builder.cbranch(more, loop_bb, exit_bb)
+        n = builder.add(builder.load(taken, typ=i32), i32(1))
+        builder.store(n, taken)
+        too_many = builder.and_(more, builder.icmp_unsigned(
+            ">", builder.zext(n, i64), _num_work(builder, sched, kenv)))
+        with builder.if_then(too_many, likely=False):
+            record_fault(builder, _workspace(builder, sched, kenv),
+                         faults.fault_code(faults.TOO_MANY_TILES, "advance"),
+                         sched.scheduler_id)
+        stop = nvptx.barrier_any(builder, builder.or_(too_many,
+                                                      _out_of_fuel(builder, sched, kenv)))
+        builder.cbranch(builder.and_(more, builder.not_(stop)), loop_bb, exit_bb)
     else:
         builder.branch(exit_bb)
     builder.position_at_end(exit_bb)
+
+
+def _num_work(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv) -> ir.Value:
+    """ts.num_work() of the launch, in i64 (it cannot wrap)."""
+    def field(name: str) -> ir.Value:
+        ptr = builder.gep(kenv.ts, [i32(0), i32(TS_FIELDS.index(name))],
+                          source_etype=sched.ts_struct)
+        return builder.zext(builder.load(ptr, typ=i32), i64)
+    return builder.mul(builder.mul(field("max_num_prompt_tiles"), field("num_heads")),
+                       field("batch_size"))
+
+
+def _fuel_ptr(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv) -> ir.Value:
+    return builder.gep(kenv.env, [i32(0), i32(ENV_FIELDS.index("fuel"))],
+                       source_etype=sched.env_struct)
+
+
+def _refuel(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv) -> None:
+    """Fill the tank the `while` loops of the next scheduler step burn (faults.WHILE_SLACK)."""
+    ctas = builder.zext(builder.mul(builder.mul(
+        nvptx.special_register(builder, "grid_dim", "x"),
+        nvptx.special_register(builder, "grid_dim", "y")),
+        nvptx.special_register(builder, "grid_dim", "z")), i64)
+    work = builder.add(_num_work(builder, sched, kenv), ctas)
+    budget = builder.add(builder.mul(work, i64(faults.WHILE_SLACK)), i64(faults.WHILE_MIN))
+    builder.store(budget, _fuel_ptr(builder, sched, kenv))
+
+
+def _out_of_fuel(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv) -> ir.Value:
+    left = builder.load(_fuel_ptr(builder, sched, kenv), typ=i64)
+    return builder.icmp_signed("<=", left, i64(0))
+
+
+def _workspace(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv) -> ir.Value:
+    ptr = builder.gep(kenv.env, [i32(0), i32(ENV_FIELDS.index("counter"))],
+                      source_etype=sched.env_struct)
+    return builder.load(ptr, typ=sched.env_struct.elements[0])
+
+
+def linear_cta(builder: ir.IRBuilder) -> ir.Value:
+    """block_idx.x + grid_dim.x * (block_idx.y + grid_dim.y * block_idx.z)."""
+    def reg(group: str, axis: str) -> ir.Value:
+        return nvptx.special_register(builder, group, axis)
+    return builder.add(reg("block_idx", "x"), builder.mul(reg("grid_dim", "x"), builder.add(
+        reg("block_idx", "y"), builder.mul(reg("grid_dim", "y"), reg("block_idx", "z")))))
+
+
+def record_fault(builder: ir.IRBuilder, workspace: ir.Value, code: int,
+                 scheduler_id: int) -> None:
+    """Write the fault record (words 1..3 of the workspace, `runtime.faults`) unless one is
+    there already: the first fault wins until the runtime reports and clears it."""
+    def word(k: int) -> ir.Value:
+        return builder.gep(workspace, [i32(k)], source_etype=i32)
+    old = builder.cmpxchg(word(1), i32(0), i32(code), "monotonic", "monotonic")
+    with builder.if_then(builder.extract_value(old, 1)):
+        builder.store(i32(scheduler_id), word(2))
+        builder.store(linear_cta(builder), word(3))
 
 
 TRACE_FIELDS = 4  # per step: prompt_offset, head_idx, prompt_idx, 1 (0 past the last step)
@@ -411,8 +510,9 @@ TRACE_FIELDS = 4  # per step: prompt_offset, head_idx, prompt_idx, 1 (0 past the
 def build_trace_kernel(module: ir.Module, sched: LoweredScheduler) -> ir.Function:
     """A kernel that drives the scheduler over the whole grid and records every tile.
 
-    Params: (u32* counter, u32 num_sms, u32 batch, u32 max_tiles, u32 max_seq_len,
-    u32 num_heads, i32* valid_length or null, u32* out, u32 max_steps, u32* overflow).
+    Params: (u32* workspace, u32 num_sms, u32 batch, u32 max_tiles, u32 max_seq_len,
+    u32 num_heads, i32* valid_length or null, u32* out, u32 max_steps, u32* overflow);
+    the workspace is the queue counter and the fault record (`runtime.faults`).
     Thread 0 of CTA c writes step s at out[(c * max_steps + s) * 4 ...].
     """
     g = nvptx.ptr(nvptx.GLOBAL)
@@ -429,11 +529,7 @@ def build_trace_kernel(module: ir.Module, sched: LoweredScheduler) -> ir.Functio
     step = alloca(b, i32, "step")
     b.store(i32(0), step)
     tid = nvptx.special_register(b, "thread_idx", "x")
-    cta = nvptx.special_register(b, "block_idx", "x")
-    nx = nvptx.special_register(b, "grid_dim", "x")
-    ny = nvptx.special_register(b, "grid_dim", "y")
-    cta = b.add(cta, b.mul(nx, b.add(nvptx.special_register(b, "block_idx", "y"),
-                                     b.mul(ny, nvptx.special_register(b, "block_idx", "z")))))
+    cta = linear_cta(b)
 
     def record(bb: ir.IRBuilder, fields: dict[str, ir.Value]) -> None:
         s = bb.load(step, typ=i32)

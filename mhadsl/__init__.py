@@ -18,5 +18,15 @@ if not (_Path(__file__).parent / "codegen").is_dir() and (_checkout / "codegen" 
 from mhadsl.diagnostics import MhaError  # noqa: E402
 from mhadsl.api import Kernel, Program, compile  # noqa: E402
 from mhadsl.reference import reference  # noqa: E402
+from mhadsl.runtime.faults import SchedulerError  # noqa: E402
 
-__all__ = ["MhaError", "Kernel", "Program", "compile", "reference", "__version__"]
+
+def synchronize(device: int | None = None) -> None:
+    """Wait for every launch on the device (default: the current one) and raise
+    SchedulerError for a scheduler fault one of them recorded."""
+    from mhadsl.runtime import driver  # needs the CUDA driver library, so only when called
+    driver.synchronize(device)
+
+
+__all__ = ["MhaError", "SchedulerError", "Kernel", "Program", "compile", "reference",
+           "synchronize", "__version__"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 import os
 import dataclasses
 import json
@@ -176,12 +177,15 @@ class Kernel:
     def __call__(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                  max_seqlen_k=None, scale: float | None = None, out=None,
                  return_lse: bool | None = None, stream=None):
-        from mhadsl.runtime import driver, tensors
+        from mhadsl.runtime import driver, faults, tensors
+        faults.scheduler_id(self.options.scheduler)  # remembered, so a fault record names it
         want_lse = self.options.return_lse if return_lse is None else bool(return_lse)
         call = self._validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         scale = self.options.softmax_scale() if scale is None else _check_scale(scale)
         dtype = DTYPE_NAMES[self.options.dtype]
         device = next((t.device for t in (call.q, call.k, call.v) if not t.on_host), None)
+        handle = driver.stream_handle(stream, kind=call.q.kind,
+                                      device=device if call.q.on_host else call.q.device)
         keep_alive = []
 
         def on_device(t, name, want=dtype):
@@ -193,7 +197,7 @@ class Kernel:
 
         out_obj = out if out is not None else tensors.empty_like_kind(call.q.obj, call.q.shape,
                                                                       dtype)
-        od = self._check_out(out_obj, call, dtype)
+        od = self._check_out(out_obj, call, dtype, device)
         qd, kd, vd = on_device(call.q, "q"), on_device(call.k, "k"), on_device(call.v, "v")
         cu_q = on_device(call.cu_q, "cu_seqlens_q", "int32") if call.ragged else None
         cu_k = on_device(call.cu_k, "cu_seqlens_k", "int32") if call.ragged else None
@@ -208,7 +212,6 @@ class Kernel:
                 lse_dev, buf = tensors.to_device(lse_obj, "lse", device=device)
                 keep_alive.append(buf)
 
-        handle = driver.stream_handle(stream, kind=call.q.kind, device=qd.device)
         if call.batch and call.max_seqlen_q and call.heads:
             self._launch(call, qd, kd, vd, out_dev, lse_dev, cu_q, cu_k, scale, want_lse,
                          handle)
@@ -244,8 +247,8 @@ class Kernel:
             raise ValueError(f"scheduler '{self.options.scheduler}' asked for grid {grid} "
                              f"for {call.batch} sequences x {call.heads} heads; every "
                              f"dimension must be at least 1 (y and z at most 65535)")
-        counter = driver.queue_counter(stream, q.device)
-        driver.memset_d32_async(counter, 0, 1, stream, q.device)  # per launch, on its stream
+        # Reports an earlier launch's scheduler fault; zeroes the queue counter on the stream.
+        workspace = driver.begin_launch(stream, q.device)
         i64, i32 = ctypes.c_int64, ctypes.c_int32
         values = {
             "q": q.ptr, "k": k.ptr, "v": v.ptr, "o": o.ptr, "lse": lse.ptr if lse else 0,
@@ -255,7 +258,7 @@ class Kernel:
             "batch": i32(call.batch), "num_heads": i32(call.heads),
             "max_seqlen_q": i32(call.max_seqlen_q), "max_seqlen_k": i32(call.max_seqlen_k),
             "seqlen_q": i32(call.seqlen_q), "seqlen_k": i32(call.seqlen_k),
-            "softmax_scale": ctypes.c_float(scale), "queue": counter,
+            "softmax_scale": ctypes.c_float(scale), "queue": workspace,
             "num_sms": i32(info.multiprocessor_count), "ctas_per_sm": i32(ctas_per_sm),
         }
         for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
@@ -266,6 +269,7 @@ class Kernel:
         args = [values[p.name] for p in attention.KERNEL_PARAMS]
         build.function.launch(grid, (attention.threads(build.config), 1, 1),
                               attention.shared_bytes(build.config), stream, args)
+        driver.end_launch(stream, q.device)
 
     def _grid(self, config, call: _Call, num_sms: int, ctas_per_sm: int
               ) -> tuple[int, int, int]:
@@ -327,6 +331,9 @@ class Kernel:
             raise ValueError(f"kernel '{self.name}' is declared kv_heads = {o.kv_heads}, but "
                              f"k/v have {kv_heads}")
         if not ragged:
+            if max_q is not None or max_k is not None:
+                raise ValueError("max_seqlen_q/max_seqlen_k belong to ragged calls (with "
+                                 "cu_seqlens_q/k); a dense call takes its lengths from q and k")
             if qv.shape[0] != kv.shape[0]:
                 raise ValueError(f"q has batch {qv.shape[0]} but k/v have {kv.shape[0]}")
             batch, sq, sk = qv.shape[0], qv.shape[1], kv.shape[1]
@@ -338,6 +345,10 @@ class Kernel:
         if cq.shape != ck.shape:
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch "
                              f"+ 1), got {cq.shape[0]} and {ck.shape[0]}")
+        for name, view in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
+            if not view.on_host and devices and view.device not in devices:
+                raise ValueError(f"{name} is on device {view.device}, q/k/v on "
+                                 f"{devices.pop()}")
         batch = cq.shape[0] - 1
         max_q = self._max_len(lengths_q, max_q, "q")
         max_k = self._max_len(lengths_k, max_k, "k")
@@ -349,7 +360,7 @@ class Kernel:
         """Check a cu_seqlens tensor; returns its view and the sequence lengths when read.
         Device values are read (a host sync) only when max_seqlen is not given, so a launch
         given it never synchronises."""
-        from mhadsl.runtime import tensors
+        from mhadsl.runtime import driver, tensors
         if isinstance(obj, np.ndarray) and obj.dtype != np.int32:
             raise TypeError(f"{name} must be int32, got {obj.dtype}")
         view = tensors.as_device_tensor(obj, name)
@@ -359,7 +370,7 @@ class Kernel:
             raise ValueError(f"{name} must be 1-D with batch + 1 entries, got shape {view.shape}")
         if not view.on_host and view.strides != (1,):
             raise ValueError(f"{name} must be contiguous")
-        if not (view.on_host or given_max is None):
+        if not (view.on_host or given_max is None or driver.debug_mode()):
             return view, None
         values = _host_values(view)
         if values[0] < 0:
@@ -375,15 +386,18 @@ class Kernel:
     def _max_len(lengths: np.ndarray | None, given, which: str) -> int:
         if given is None:
             return int(lengths.max()) if len(lengths) else 0
-        given = int(given)
-        if given < 0:
-            raise ValueError(f"max_seqlen_{which} must be >= 0")
+        try:
+            given = operator.index(given)
+        except TypeError:
+            raise TypeError(f"max_seqlen_{which} must be an integer, got {given!r}") from None
+        if not 0 <= given < 2**31:
+            raise ValueError(f"max_seqlen_{which} must be in [0, 2**31), got {given}")
         if lengths is not None and len(lengths) and given < lengths.max():
             raise ValueError(f"max_seqlen_{which} = {given} is below the longest sequence "
                              f"({int(lengths.max())})")
         return given
 
-    def _check_out(self, out, call: _Call, dtype: str):
+    def _check_out(self, out, call: _Call, dtype: str, device: int | None):
         from mhadsl.runtime import tensors
         view = tensors.as_device_tensor(out, "out")
         if tuple(view.shape) != tuple(call.q.shape):
@@ -391,7 +405,16 @@ class Kernel:
         if not view.on_host:
             if view.dtype != dtype:
                 raise TypeError(f"out has dtype {view.dtype}, expected {dtype}")
+            if device is not None and view.device != device:
+                raise ValueError(f"out is on device {view.device}, q/k/v on {device}")
             _check_rows(view, "out")
+            if _self_overlapping(view):
+                raise ValueError(f"out has strides {view.strides} for shape {view.shape}: "
+                                 "its elements overlap, so the kernel's writes would collide")
+            for name, t in (("q", call.q), ("k", call.k), ("v", call.v)):
+                if not t.on_host and _share_memory(view, t):
+                    raise ValueError(f"out overlaps {name}: the kernel reads {name} while it "
+                                     "writes out; pass a separate output")
         return view
 
 
@@ -403,9 +426,43 @@ def _check_rows(t, name: str) -> None:
     if t.strides[-1] != 1:
         raise ValueError(f"tensor {name!r}: the last dimension must be contiguous (stride 1), "
                          f"got strides {t.strides}")
+    if t.ptr == 0 and 0 not in t.shape:
+        raise ValueError(f"tensor {name!r} has a null data pointer")
+    if any(s < 0 for s in t.strides):
+        raise ValueError(f"tensor {name!r} has negative strides {t.strides}; pass a copy "
+                         "with non-negative strides")
     if t.ptr % 16 or any(s % 8 for s in t.strides[:-1]):
         raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer and strides "
                          f"multiples of 8 elements), got strides {t.strides}")
+
+
+def _self_overlapping(t) -> bool:
+    """Whether two elements of `t` may share memory: sorted by stride, each dimension of
+    more than one element must step past the whole of the dimensions inside it."""
+    dims = sorted((s, n) for s, n in zip(t.strides, t.shape) if n > 1)
+    span = 1
+    for stride, extent in dims:
+        if stride < span:
+            return True
+        span = stride * extent
+    return False
+
+
+def _share_memory(a, b) -> bool:
+    """Whether device tensors `a` and `b` have an element in common (exact, by NumPy's
+    solver over their addresses and strides: packed QKV views side by side do not)."""
+    def alias(t):  # a NumPy view of t's addresses, never read
+        holder = type("Alias", (), {})()
+        holder.__array_interface__ = {
+            "shape": tuple(t.shape), "typestr": f"|V{t.itemsize}", "data": (t.ptr, True),
+            "strides": tuple(s * t.itemsize for s in t.strides), "version": 3}
+        return np.asarray(holder)
+    if 0 in a.shape or 0 in b.shape:
+        return False
+    try:
+        return bool(np.shares_memory(alias(a), alias(b), max_work=10**6))
+    except np.exceptions.TooHardError:
+        return True  # cannot tell: refuse rather than risk a kernel reading its own output
 
 
 def _check_scale(scale) -> float:

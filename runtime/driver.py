@@ -8,6 +8,7 @@ it, so CPU-only machines (no libcuda) can import mhadsl and run its CPU parts.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 import weakref
@@ -19,10 +20,11 @@ from typing import Any
 import numpy as np
 from cuda.bindings import driver as cu
 
+from mhadsl.runtime import faults
+
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
 _DEFAULT_DYNAMIC_SHARED = 48 * 1024  # what every kernel may use without opting in
 _JIT_LOG_BYTES = 1 << 16
-_COUNTER_SLOTS = 1024  # queue counters per slab (4 bytes each)
 
 
 class CudaError(RuntimeError):
@@ -267,30 +269,144 @@ def memset_d32_async(
     call(cu.cuMemsetD32Async, ptr, value, count, stream_handle(stream))
 
 
-_counter_lock = threading.Lock()
-_counter_slabs: dict[int, list[DeviceBuffer]] = {}
-_counters: dict[tuple[int, int], int] = {}
+class _PinnedBuffer:
+    """Page-locked host memory (cuMemHostAlloc), so async device-to-host copies land there."""
+
+    def __init__(self, nbytes: int, device: int) -> None:
+        ensure_context(device)
+        self.ptr = int(call(cu.cuMemHostAlloc, nbytes, 0))
+        ctypes.memset(self.ptr, 0, nbytes)
+        weakref.finalize(self, _free_host, self.ptr, device).atexit = False
 
 
-def queue_counter(stream: object = None, device: int | None = None) -> int:
-    """Device pointer to a 4-byte queue counter reserved for (`device`, `stream`).
+def _free_host(ptr: int, device: int) -> None:
+    ensure_context(device)
+    call(cu.cuMemFreeHost, ptr)
 
-    Streams never share a counter, so queued kernels running on two streams at once cannot
-    steal each other's work. The caller resets it with `memset_d32_async` before each launch.
-    Counters are carved from pre-allocated slabs, so a stream first seen during CUDA-graph
-    capture (where cuMemAlloc is illegal) still gets one, provided the device has handed out a
-    counter before the capture (a warm-up launch does that)."""
+
+class _Workspace:
+    """One stream's workspace (`runtime.faults`): the device words, a pinned copy of the fault
+    record and the event that says when that copy is complete."""
+
+    def __init__(self, ptr: int, record: ctypes.Array, device: int) -> None:
+        self.ptr, self.record, self.device = ptr, record, device
+        self.event: cu.CUevent | None = None
+        self.copy_pending = False  # a copy of the record is queued behind the last launch
+
+
+_workspace_lock = threading.Lock()
+_slabs: dict[int, list[tuple[DeviceBuffer, _PinnedBuffer]]] = {}
+_workspaces: dict[tuple[int, int], _Workspace] = {}
+_WORKSPACE_BYTES = 4 * faults.WORKSPACE_WORDS
+_SLAB_SLOTS = 1024  # workspaces per slab
+
+
+def _workspace(stream: object, device: int | None) -> _Workspace:
+    """The workspace reserved for (`device`, `stream`).
+
+    Streams never share one, so queued kernels running on two streams at once cannot steal
+    each other's work. Workspaces are carved from pre-allocated slabs (device memory and its
+    pinned twin), so a stream first seen during CUDA-graph capture (where allocation is
+    illegal) still gets one, provided the device has handed one out before the capture (a
+    warm-up launch does that)."""
     dev = ensure_context(device)
     key = (dev, stream_handle(stream))
-    with _counter_lock:
-        ptr = _counters.get(key)
-        if ptr is None:
-            used = sum(1 for d, _ in _counters if d == dev)
-            slabs = _counter_slabs.setdefault(dev, [])
-            if used == len(slabs) * _COUNTER_SLOTS:
-                slabs.append(DeviceBuffer(4 * _COUNTER_SLOTS, dev))
-            ptr = _counters[key] = slabs[-1].ptr + 4 * (used % _COUNTER_SLOTS)
-    return ptr
+    with _workspace_lock:
+        ws = _workspaces.get(key)
+        if ws is None:
+            used = sum(1 for d, _ in _workspaces if d == dev)
+            slabs = _slabs.setdefault(dev, [])
+            if used == len(slabs) * _SLAB_SLOTS:
+                words = DeviceBuffer(_WORKSPACE_BYTES * _SLAB_SLOTS, dev)
+                call(cu.cuMemsetD32, words.ptr, 0, faults.WORKSPACE_WORDS * _SLAB_SLOTS)
+                slabs.append((words, _PinnedBuffer(_WORKSPACE_BYTES * _SLAB_SLOTS, dev)))
+            words, pinned = slabs[-1]
+            offset = _WORKSPACE_BYTES * (used % _SLAB_SLOTS)
+            record = (ctypes.c_uint32 * faults.RECORD_WORDS).from_address(pinned.ptr + offset)
+            ws = _workspaces[key] = _Workspace(words.ptr + offset, record, dev)
+    return ws
+
+
+def queue_workspace(stream: object = None, device: int | None = None) -> int:
+    """Device pointer to the workspace of (`device`, `stream`): the u32 words a kernel's
+    `queue` parameter points to (word 0 the queue counter, then the fault record)."""
+    return _workspace(stream, device).ptr
+
+
+def _capturing(handle: int) -> bool:
+    """True while `handle` is being captured into a CUDA graph (or its status is unknown):
+    then nothing may be queried or copied, only captured."""
+    code, status = cu.cuStreamIsCapturing(handle)
+    return code != _SUCCESS or status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
+def _take_fault(ws: _Workspace, handle: int) -> None:
+    """Raise the fault the pinned copy holds, clearing it on the host and (ordered on the
+    stream) on the device first, so the launches after it start clean."""
+    code, sid, cta = tuple(ws.record)
+    if code:
+        ctypes.memset(ctypes.addressof(ws.record), 0, ctypes.sizeof(ws.record))
+        call(cu.cuMemsetD32Async, ws.ptr + 4, 0, faults.RECORD_WORDS, handle)
+        raise faults.SchedulerError(code, sid, cta)
+
+
+def begin_launch(stream: object = None, device: int | None = None) -> int:
+    """Before a kernel launch on `stream`: report a scheduler fault an earlier launch there
+    recorded, if that launch has finished (never waits for it); zero the queue counter, on
+    the stream (so CUDA-graph replay resets it too). Returns the workspace pointer."""
+    ws = _workspace(stream, device)
+    handle = stream_handle(stream)
+    with _workspace_lock:
+        if ws.copy_pending and not _capturing(handle):
+            status = cu.cuEventQuery(ws.event)[0]
+            if status != cu.CUresult.CUDA_ERROR_NOT_READY:
+                check((status,), "cuEventQuery")
+                ws.copy_pending = False
+                _take_fault(ws, handle)
+    memset_d32_async(ws.ptr, 0, 1, handle, ws.device)
+    return ws.ptr
+
+
+def end_launch(stream: object = None, device: int | None = None) -> None:
+    """After a kernel launch on `stream`: queue a copy of the fault record into pinned
+    memory and an event behind it, for `begin_launch` to look at. Under MHADSL_DEBUG=1, wait
+    for the launch and raise its fault now."""
+    ws = _workspace(stream, device)
+    handle = stream_handle(stream)
+    if _capturing(handle):
+        return  # a replay's faults are reported by synchronize()
+    with _workspace_lock:
+        if ws.event is None:
+            ws.event = call(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        call(cu.cuMemcpyDtoHAsync, ctypes.addressof(ws.record), ws.ptr + 4,
+             ctypes.sizeof(ws.record), handle)
+        call(cu.cuEventRecord, ws.event, handle)
+        ws.copy_pending = True
+        if debug_mode():
+            call(cu.cuEventSynchronize, ws.event)
+            ws.copy_pending = False
+            _take_fault(ws, handle)
+
+
+def debug_mode() -> bool:
+    """MHADSL_DEBUG=1: every launch waits and reports its scheduler fault at once, and ragged
+    offsets on the device are read and checked even when max_seqlen is given."""
+    return os.environ.get("MHADSL_DEBUG") == "1"
+
+
+def synchronize(device: int | None = None) -> None:
+    """Wait for all work on `device` (default: the current one), then raise SchedulerError
+    for a scheduler fault any launch there recorded (clearing it)."""
+    dev = ensure_context(device)
+    call(cu.cuCtxSynchronize)
+    with _workspace_lock:
+        for (d, _), ws in _workspaces.items():
+            if d != dev:
+                continue
+            ws.copy_pending = False
+            call(cu.cuMemcpyDtoH, ctypes.addressof(ws.record), ws.ptr + 4,
+                 ctypes.sizeof(ws.record))
+            _take_fault(ws, 0)
 
 
 # --- modules and launches ----------------------------------------------------------------------

@@ -1,10 +1,14 @@
 """Lowering to LLVM IR, PTX emission and assembly with ptxas (sm_80 and sm_90a)."""
+import ctypes
+import re
+
 import pytest
 
 from helpers import EXAMPLES, REPO, STD, checked
 from mhadsl.codegen.assemble import find_ptxas, parse_resources
-from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
-from mhadsl.codegen.target import HOST, gpu_target, new_module
+from mhadsl.codegen.scheduler import SchedulerSpec, build_trace_kernel, lower_scheduler
+from mhadsl.codegen.target import HOST, HostJit, emit_ptx, gpu_target, new_module, optimize
+from mhadsl.runtime import faults
 from mhadsl.pipeline import CompileOptions, compile_stages
 
 SOURCES = [("std/schedulers.mha", (REPO / "mhadsl/std/schedulers.mha").read_text(), REPO)] + \
@@ -54,7 +58,59 @@ def test_golden_ir_fragments():
     host_text = str(host)
     assert "llvm.nvvm" not in host_text  # the host reads block/grid ids from its env
     assert "atomicrmw add" in host_text
-    assert "i64" in host_text  # while loops burn host fuel so a runaway loop ends
+
+
+def spinning(initial_state_body: str, advance_body: str) -> str:
+    """A scheduler with the given initial_state and advance bodies."""
+    return STD + f"""scheduler Spin(num_ctas: u32 = 4) {{
+    may_advance = true
+    schedule = DEFAULT
+    grid_dim(batch_size, max_num_prompt_tiles) = (num_ctas, 1, 1)
+    initial_state(slots, ts) {{ {initial_state_body} }}
+    get_current_work_info(ts, state) = ts.work_info(state.idx, schedule)
+    advance(ts, state, pipeline_idx) {{ {advance_body} }}
+    unsafe_seq_info(ts, state) = ts.seq_info(ts.work_info(state.idx, schedule))
+}}
+"""
+
+
+def test_host_while_loops_burn_fuel():
+    """Each iteration of a host `while` burns a unit of the environment's fuel and the loop
+    stops when it runs out (the simulator then reports it): with 5 units, a loop that would
+    run a million times runs 4."""
+    from mhadsl.simulate import _Env, _State, _TileSummary
+    program = checked(spinning(
+        "var n = 0\n while n < 1000000 { n += 1 }\n"
+        "return State(idx = n, slots = slots, max_idx = 0)", "return none"))
+    module = new_module("fuel", HOST)
+    rule = lower_scheduler(module, program, SchedulerSpec("Spin"), HOST).functions[
+        "initial_state"]
+    jit = HostJit(module)
+    initial_state = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 4)(jit.address(rule.name))
+    env, ts, state, slots = _Env(), _TileSummary(), _State(), (ctypes.c_uint32 * 2)()
+    env.fuel = 5
+    initial_state(ctypes.byref(env), ctypes.byref(ts), slots, ctypes.byref(state))
+    assert (state.idx, env.fuel) == (4, 0)
+
+
+def test_gpu_work_loop_records_scheduler_faults_and_stops_every_thread():
+    """On the GPU the work loop bounds the tiles a CTA takes and each step's `while` fuel;
+    past either it writes the fault record (word 1 of the workspace: kind and rule, first
+    fault wins) and a CTA-wide vote ends the loop, without a trap."""
+    program = checked(spinning(
+        "return State(idx = block_idx.x, slots = slots, max_idx = ts.num_work())",
+        "var i = 0\n while i < state.max_idx { i += 1 }\n"
+        "state.idx += i\n return ts.seq_info(ts.work_info(state.idx, schedule))"))
+    target = gpu_target("sm_90a")
+    module = new_module("guard", target)
+    build_trace_kernel(module, lower_scheduler(module, program, SchedulerSpec("Spin"), target))
+    ptx = emit_ptx(optimize(module, target), target)
+    recorded = set(re.findall(r"atom\.\w+\.\w+\.global\.cas\.b32\s+%r\d+, \[%rd\d+\+4\], 0, "
+                              r"(\d+);", ptx))
+    assert recorded == {str(faults.fault_code(faults.TOO_MANY_TILES, "advance")),
+                        str(faults.fault_code(faults.ENDLESS_WHILE, "advance"))}
+    assert ptx.count("bar.red.or.pred") == 2  # after the first rules and after each advance
+    assert "trap" not in ptx
 
 
 def test_bad_scheduler_parameter_is_a_user_error():

@@ -38,14 +38,14 @@ def gpu_trace(spec: SchedulerSpec, batch: Batch, num_sms: int, threads: int = 12
     d_out = driver.DeviceBuffer.from_numpy(out)
     d_vl = driver.DeviceBuffer.from_numpy(offsets)
     d_overflow = driver.DeviceBuffer.from_numpy(np.zeros(1, np.uint32))
-    counter = driver.queue_counter()
-    driver.memset_d32_async(counter, 0, 1)
+    workspace = driver.begin_launch()
     fn = driver.Module.from_ptx(ptx).function(kernel_name)
     u32 = ctypes.c_uint32
     fn.launch(grid, (threads, 1, 1), 0, None,
-              [counter, u32(num_sms), u32(len(batch.seqlens)), u32(batch.max_num_prompt_tiles),
+              [workspace, u32(num_sms), u32(len(batch.seqlens)), u32(batch.max_num_prompt_tiles),
                u32(max(batch.seqlens)), u32(batch.heads), d_vl.ptr if batch.ragged else 0,
                d_out, u32(max_steps), d_overflow])
+    driver.end_launch()
     d_out.copy_to_numpy(out)
     overflow = np.zeros(1, np.uint32)
     d_overflow.copy_to_numpy(overflow)

@@ -1,5 +1,5 @@
 """mhadsl.runtime on a real GPU: module load, launch on torch/NumPy/CuPy data, memset, queue
-counters and CUDA-graph capture. Skipped (by conftest) without a GPU."""
+workspaces and CUDA-graph capture. Skipped (by conftest) without a GPU."""
 
 import ctypes
 import shutil
@@ -12,10 +12,12 @@ from mhadsl.runtime.driver import (
     CudaError,
     DeviceBuffer,
     Module,
+    begin_launch,
     device_info,
+    end_launch,
     memcpy_dtoh,
     memset_d32_async,
-    queue_counter,
+    queue_workspace,
     stream_handle,
 )
 from mhadsl.runtime.tensors import as_device_tensor, empty_like_kind, from_device, to_device
@@ -255,13 +257,13 @@ def test_launch_on_cupy_array(module):
     assert isinstance(empty_like_kind(x, (3,), "float16"), cupy.ndarray)
 
 
-def test_queue_counter_one_per_stream():
+def test_queue_workspace_one_per_stream():
     torch = pytest.importorskip("torch")
     side = torch.cuda.Stream()
-    default = queue_counter(0)
-    other = queue_counter(side)
-    assert default != other and abs(default - other) % 4 == 0
-    assert queue_counter(0) == default and queue_counter(side.cuda_stream) == other
+    default = queue_workspace(0)
+    other = queue_workspace(side)
+    assert abs(default - other) >= 16 and abs(default - other) % 16 == 0
+    assert queue_workspace(0) == default and queue_workspace(side.cuda_stream) == other
 
 
 def test_cuda_graph_replay_resets_queue_counter(module):
@@ -272,11 +274,11 @@ def test_cuda_graph_replay_resets_queue_counter(module):
     tickets = torch.zeros(blocks, dtype=torch.int32, device="cuda")
 
     def step(stream: int) -> None:
-        counter = queue_counter(stream)
-        memset_d32_async(counter, 0, 1, stream)  # on the launch's own stream: captured too
+        workspace = begin_launch(stream)  # zeroes the counter on the launch's stream: captured too
         ticket.launch(
-            (blocks, 1, 1), (32, 1, 1), 0, stream, [counter, tickets.data_ptr(), ctypes.c_uint32(blocks)]
+            (blocks, 1, 1), (32, 1, 1), 0, stream, [workspace, tickets.data_ptr(), ctypes.c_uint32(blocks)]
         )
+        end_launch(stream)  # under capture it queries and copies nothing
         add_one.launch(GRID, BLOCK, 0, stream, [x.data_ptr(), ctypes.c_uint32(N)])
 
     side = torch.cuda.Stream()  # warm up off the default stream, as torch recommends
@@ -297,7 +299,7 @@ def test_cuda_graph_replay_resets_queue_counter(module):
         assert torch.equal(x.cpu(), torch.full((N,), replay, dtype=torch.int32))
         assert sorted(tickets.tolist()) == list(range(1, blocks + 1))  # every ticket once
         count = np.empty(1, np.uint32)
-        memcpy_dtoh(count, queue_counter(captured))
+        memcpy_dtoh(count, queue_workspace(captured))
         assert count[0] == blocks
 
 

@@ -235,7 +235,7 @@ KERNEL_PARAMS: tuple[KernelParam, ...] = (
     KernelParam("seqlen_q", "i32", "dense query length (ignored when ragged)"),
     KernelParam("seqlen_k", "i32", "dense key length (ignored when ragged)"),
     KernelParam("softmax_scale", "f32", "scale applied to q.k before the score hook / softmax"),
-    KernelParam("queue", "ptr", "u32 work-queue counter for the queued scheduler (may be null otherwise)"),
+    KernelParam("queue", "ptr", "per-stream u32 workspace: the work-queue counter, then the scheduler fault record (runtime/faults.py); never null"),
     KernelParam("num_sms", "i32", "multiprocessors on the device (persistent grid size)"),
     KernelParam("ctas_per_sm", "i32", "CTAs of this kernel that fit on one multiprocessor"),
 )
