@@ -27,12 +27,12 @@ from mhadsl.codegen.lower import (
 from mhadsl.codegen.nvptx import i1, i8, i32, i64
 from mhadsl.codegen.target import Target
 from mhadsl import ast
+from mhadsl.builtins import SLOT_COUNT
 from mhadsl.check import CheckedProgram
 from mhadsl.diagnostics import MhaError
 from mhadsl.runtime import faults
 from mhadsl.types import BOOL, RECORD_FIELDS, SCHEDULES, SEQ_INFO, SYNCS, WORK_INFO
 
-SLOT_COUNT = 2  # the work index rides a double-buffered pipeline (BRIEF §3)
 HOST_LOOP_FUEL = 1 << 20  # iterations a host `while` may run before the simulator gives up
 
 
