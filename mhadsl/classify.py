@@ -30,12 +30,11 @@ from typing import Any
 from llvmlite import ir
 
 from mhadsl import ast
+from mhadsl.builtins import I32_MAX, I32_MIN, INT_RANGES, MATH_FUNCTIONS, U32_MAX, wrap
 from mhadsl.check import CheckedProgram
 from mhadsl.types import BOOL, F32, I32, INT_LITERAL, U32, Ty, unify
 
-I32_MIN, I32_MAX = -2**31, 2**31 - 1
-U32_MAX = 2**32 - 1
-_BOUNDS = {I32: (I32_MIN, I32_MAX), U32: (0, U32_MAX)}
+_BOUNDS = INT_RANGES
 _I64, _I1 = ir.IntType(64), ir.IntType(1)
 
 # Parameters of the staged classifier, in order; b and h come as intervals so "unknown" is
@@ -213,7 +212,6 @@ class _IrOps:
 
 # ------------------------------------------------------------------ the analysis
 _CMP = {"<": "<", "<=": "<=", ">": "<", ">=": "<="}  # > and >= swap their operands
-_MATH_F32 = ("exp", "exp2", "log", "log2", "tanh", "sqrt")
 
 
 class _Analysis:
@@ -221,6 +219,7 @@ class _Analysis:
 
     def __init__(self, ops, program: CheckedProgram):
         self.o, self.types, self.refs = ops, program.types, program.refs
+        self.literals = program.literals
 
     # ---- helpers over backend values
     def min(self, a, b):
@@ -268,7 +267,7 @@ class _Analysis:
         if ty not in _BOUNDS or isinstance(v, (_Bool, _Float)):
             return v
         if isinstance(v, int):
-            c = self.o.const(_wrap(v, ty))
+            c = self.o.const(wrap(v, ty))
             return _Int(c, c, ty)
         if v.ty == ty:
             return v
@@ -300,12 +299,14 @@ class _Analysis:
     # ---- expressions
     def expr(self, e: ast.Expr, env: dict) -> _Value:
         ty = self.types[e]
-        return self.lift(self._expr(e, env, ty), ty)
+        literal = self.literals.get(e)  # folded exactly by the checker
+        if isinstance(literal, bool):
+            c = self.o.bconst(literal)
+            return _Bool(c, c)
+        return self.lift(self._expr(e, env, ty) if literal is None else literal, ty)
 
     def _expr(self, e: ast.Expr, env: dict, ty: Ty) -> _Value:
         o = self.o
-        if isinstance(e, ast.IntLit):
-            return e.value
         if isinstance(e, ast.BoolLit):
             c = o.bconst(e.value)
             return _Bool(c, c)
@@ -320,8 +321,6 @@ class _Analysis:
             v = self.expr(e.operand, env)
             if e.op == "!":
                 return _Bool(o.bnot(v.must), o.bnot(v.may))
-            if isinstance(v, int):
-                return -v if e.op == "-" else ~v
             if isinstance(v, _Float):
                 return _FLOAT
             if e.op == "-":
@@ -343,8 +342,6 @@ class _Analysis:
             return _Bool(o.bor(a.may, b.may), o.bor(a.must, b.must))
         if ty == BOOL:
             return self.compare(e.op, a, b, self.types[e.left], self.types[e.right])
-        if isinstance(a, int) and isinstance(b, int):
-            return _fold(e.op, a, b)
         if ty == F32:
             return _FLOAT
         ty = _int_ty(ty)
@@ -358,9 +355,6 @@ class _Analysis:
             may_eq = o.bor(o.band(a.may, b.may), o.band(o.bnot(a.must), o.bnot(b.must)))
             eq = _Bool(may_eq, o.bor(both, neither))
             return eq if op == "==" else _Bool(o.bnot(eq.must), o.bnot(eq.may))
-        if isinstance(a, int) and isinstance(b, int):
-            c = o.bconst(_fold(op, a, b))
-            return _Bool(c, c)
         common = _int_ty(unify(ta, tb))
         if common not in _BOUNDS:
             return self.top(BOOL)
@@ -450,8 +444,6 @@ class _Analysis:
         args = [self.expr(x, env) for x in e.args]
         if name in ("min", "max", "cdiv"):
             a, b = args
-            if isinstance(a, int) and isinstance(b, int):
-                return {"min": min, "max": max, "cdiv": _cdiv}[name](a, b)
             ty = _int_ty(ty)
             if ty not in _BOUNDS:
                 return self.top(ty)
@@ -463,8 +455,6 @@ class _Analysis:
             return _Int(pick(a.lo, b.lo), pick(a.hi, b.hi), ty)
         if name == "abs" and ty == I32:
             (v,) = args
-            if isinstance(v, int):
-                return abs(v)
             zero = o.const(0)
             lo = o.select(o.le(zero, v.lo), v.lo, o.select(o.le(v.hi, zero), o.sub(zero, v.hi),
                                                            zero))
@@ -477,7 +467,7 @@ class _Analysis:
             if isinstance(v, _Float):
                 return self.full(ty)
             return self.lift(v, ty)
-        if name == "f32" or name in _MATH_F32 or name == "abs":
+        if name == "f32" or name in MATH_FUNCTIONS:
             return _FLOAT
         return self.top(ty)  # a user fn: not inlined
 
@@ -486,28 +476,6 @@ def _int_ty(ty: Ty) -> Ty:
     """Integer literals mixed with values known only at run time are i32, the attention
     default."""
     return I32 if ty == INT_LITERAL else ty
-
-
-def _cdiv(a: int, b: int) -> int:
-    return _fold("/", a + b - 1, b)
-
-
-def _wrap(v: int, ty: Ty) -> int:
-    """A Python int as the kernel stores it in `ty`."""
-    v &= U32_MAX
-    return v - 2**32 if ty == I32 and v > I32_MAX else v
-
-
-def _fold(op: str, a: int, b: int) -> int | bool:
-    """Constant-fold two integer literals exactly, with C's truncating / and %."""
-    if op in ("/", "%") and b == 0:
-        raise _Unsupported("a constant division by zero")
-    if op in ("<<", ">>") and not 0 <= b < 64:
-        raise _Unsupported("a constant shift out of range")
-    return {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": _tdiv, "%": _trem,
-            "<<": operator.lshift, ">>": operator.rshift, "&": operator.and_,
-            "|": operator.or_, "^": operator.xor, "==": operator.eq, "!=": operator.ne,
-            "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}[op](a, b)
 
 
 def _inputs(b_lo, b_hi, h_lo, h_hi, q_lo, q_hi, kv_lo, kv_hi,

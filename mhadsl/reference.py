@@ -1,9 +1,9 @@
 """The NumPy float64 reference: what an attention declaration computes, without a GPU.
 
 `evaluate_rule` runs a mask or score rule elementwise over NumPy arrays (broadcasting: pass
-`q_idx` as a column and `kv_idx` as a row). Integers keep the kernel's semantics: i32/u32 wrap
-modulo 2**32, `/` and `%` truncate toward zero as in C, and division by zero yields 0 as in the
-lowering. Integer literals fold exactly until they meet a typed value. Floats are float64 — this
+`q_idx` as a column and `kv_idx` as a row). Integers keep the kernel's semantics, written once in
+`mhadsl.builtins` (i32/u32 wrap modulo 2**32, C division with 0 for a zero divisor, saturating
+shifts and float-to-int casts); literal expressions take the checker's exact values. Floats are float64 — this
 is the reference the f32 kernel is measured against. Block-form rules run with per-element
 control flow (a lane mask), so `if`, `while`, `var` and calls to `fn`s work too.
 
@@ -19,51 +19,22 @@ from dataclasses import fields, is_dataclass
 import numpy as np
 
 from mhadsl import ast
+from mhadsl.builtins import MATH_F32, float_to_int, int_binary, wrap
 from mhadsl.check import CheckedProgram
 from mhadsl.types import BOOL, F32, I32, INT_LITERAL, TYPE_NAMES, U32, Ty, unify
 
 _ROLE_TYPES = {"s": F32, "b": I32, "h": I32, "q_idx": I32, "kv_idx": I32, "seqlen_q": I32,
                "seqlen_k": I32}
-_MATH = {"exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
-         "sqrt": np.sqrt}
 _CMP = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le,
         ">": operator.gt, ">=": operator.ge}
 _DTYPES = {BOOL: np.bool_, F32: np.float64, I32: np.int64, U32: np.int64}
-
-
-# ------------------------------------------------------------------ integer semantics
-def _wrap(x, ty: Ty):
-    """Integers as the kernel holds them in `ty` (stored in int64)."""
-    if isinstance(x, int):
-        x &= 0xFFFFFFFF
-    x = np.asarray(x).astype(np.int64) & 0xFFFFFFFF
-    return x if ty == U32 else (x ^ 0x80000000) - 0x80000000
-
-
-def _tdiv(a, b):
-    """C division (truncating), 0 where the divisor is 0."""
-    if isinstance(a, int) and isinstance(b, int):
-        q = abs(a) // abs(b) if b else 0
-        return q if (a < 0) == (b < 0) else -q
-    a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
-    safe = np.where(b == 0, 1, b)
-    q = np.abs(a) // np.abs(safe)
-    return np.where(b == 0, 0, np.where((a < 0) != (safe < 0), -q, q))
-
-
-def _trem(a, b):
-    """C remainder (the dividend's sign), 0 where the divisor is 0."""
-    r = a - b * _tdiv(a, b)
-    if isinstance(r, int):
-        return r if b else 0
-    return np.where(np.asarray(b) == 0, 0, r)
-
-
-# Shift amounts beyond the width are undefined in the kernel; the reference uses the low 5 bits.
-_INT_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": _tdiv, "%": _trem,
-            "<<": lambda a, s: a << (s & 31), ">>": lambda a, s: a >> (s & 31),
-            "&": operator.and_, "|": operator.or_, "^": operator.xor}
 _FLOAT_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+
+
+def _int_type(ty: Ty) -> Ty:
+    """A literal expression that is not a constant (a `where` of literals) computes in i32,
+    the attention default, as the lowering does."""
+    return I32 if ty == INT_LITERAL else ty
 
 
 def _convert(v, src: Ty, dst: Ty):
@@ -72,9 +43,9 @@ def _convert(v, src: Ty, dst: Ty):
         return v
     if dst == F32:
         return np.asarray(v, dtype=np.float64)
-    if src == F32:  # fptosi / fptoui: truncate toward zero
-        return _wrap(np.trunc(v), dst)
-    return _wrap(v, dst)
+    if src == F32:
+        return float_to_int(v, dst)
+    return wrap(np.asarray(v).astype(np.int64), dst)
 
 
 # ------------------------------------------------------------------ the evaluator
@@ -143,7 +114,10 @@ class _Evaluator:
     # ---- expressions: each returns its value in the representation of its checked type
     def expr(self, e: ast.Expr, env: dict):
         ty = self.types[e]
-        if isinstance(e, (ast.IntLit, ast.BoolLit)):
+        literal = self.program.literals.get(e)
+        if literal is not None:  # folded exactly by the checker
+            return literal
+        if isinstance(e, ast.BoolLit):
             return e.value
         if isinstance(e, ast.FloatLit):
             return np.float64(e.value)
@@ -154,7 +128,7 @@ class _Evaluator:
             if e.op == "!":
                 return np.logical_not(v)
             r = -v if e.op == "-" else ~v
-            return r if ty in (F32, INT_LITERAL) else _wrap(r, ty)
+            return r if ty == F32 else wrap(r, _int_type(ty))
         if isinstance(e, ast.Binary):
             return self.binary(e, env, ty)
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Name):
@@ -186,8 +160,7 @@ class _Evaluator:
     def arith(op: str, a, b, ty: Ty):
         if ty == F32:
             return _FLOAT_OPS[op](a, b)
-        r = _INT_OPS[op](a, b)
-        return r if ty == INT_LITERAL else _wrap(r, ty)
+        return int_binary(op, a, b, _int_type(ty))
 
     def call(self, e: ast.Call, name: str, env: dict, ty: Ty):
         args = [self.expr(a, env) for a in e.args]
@@ -210,9 +183,9 @@ class _Evaluator:
             return _convert(args[0], types[0], ty)
         if name == "abs":
             x = _convert(args[0], types[0], ty)
-            return np.abs(x) if ty == F32 else _wrap(np.abs(x), ty)
-        if name in _MATH:
-            return _MATH[name](_convert(args[0], types[0], F32))
+            return np.abs(x) if ty == F32 else wrap(np.abs(x), _int_type(ty))
+        if name in MATH_F32:
+            return MATH_F32[name](_convert(args[0], types[0], F32))
         raise NotImplementedError(f"'{name}' has no meaning in attention code")
 
     def call_fn(self, fn: ast.FnDecl, args: list, types: list[Ty]):
@@ -259,7 +232,8 @@ def evaluate_rule(rule: ast.Rule, program: CheckedProgram, **inputs) -> np.ndarr
     env = {}
     for role, value in inputs.items():
         ty = _ROLE_TYPES[role]
-        env[role] = (np.asarray(value, np.float64) if ty == F32 else _wrap(value, ty), ty)
+        env[role] = (np.asarray(value, np.float64) if ty == F32 else
+                     wrap(np.asarray(value).astype(np.int64), ty), ty)
     shape = np.broadcast_shapes(*(np.shape(v) for v, _ in env.values()))
     ret = BOOL if rule.name == "mask" else F32
     with np.errstate(all="ignore"):  # wrapping products, 0/0 in floats: the values are defined
