@@ -15,21 +15,19 @@ from __future__ import annotations
 import ctypes
 import math
 import operator
+import operator
 import os
-import dataclasses
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-import mhadsl
 from mhadsl.attention_spec import AttentionOptions, resolve_attention
+from mhadsl.build import KernelRequest, build_kernel, plan
 from mhadsl.check import CheckedProgram
-from mhadsl.codegen.backends import sm80 as attention
-from mhadsl.codegen.kernel import KernelBuild, build_configs, compile_kernel
+from mhadsl.codegen import backends
+from mhadsl.codegen.backends import Backend, DeviceTarget, KernelBuild, LaunchShape, Layout
 from mhadsl.codegen.scheduler import SchedulerSpec
-from mhadsl.codegen.target import gpu_target
 from mhadsl.pipeline import front_end
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -79,7 +77,9 @@ class Program:
 @dataclass(frozen=True)
 class _Build:
     function: object  # runtime.driver.Function
-    config: attention.AttentionConfig
+    config: object  # the backend's config
+    launch: LaunchShape
+    backend: Backend
     module: object  # keeps the CUDA module loaded
 
 
@@ -110,68 +110,53 @@ class Kernel:
         self.program, self.options = program, options
         self._builds: dict[tuple, _Build] = {}
         self.builds_compiled = 0  # how many times a kernel was generated (for tests)
+        self.backend: str | None = None  # force a kernel design ("sm80"); None: per device
 
     @property
     def name(self) -> str:
         return self.options.name
 
     # ---------------------------------------------------------------- builds
-    def config(self, *, gqa_group: int = 1, ragged: bool = False, return_lse: bool = False
-               ) -> attention.AttentionConfig:
+    def config(self, *, gqa_group: int = 1, ragged: bool = False, return_lse: bool = False,
+               arch: str = "sm_90a", backend: str | None = None):
         """The build a call of this layout selects (its key; see `build` for the tile)."""
-        return self._configs(gqa_group, ragged, return_lse)[0]
+        return self._configs(Layout(gqa_group, ragged, return_lse), arch, backend)[0]
 
-    def _configs(self, gqa_group: int, ragged: bool, return_lse: bool
-                 ) -> tuple[attention.AttentionConfig, ...]:
-        try:
-            return build_configs(self.options, gqa_group=gqa_group, ragged=ragged,
-                                 return_lse=return_lse)
-        except ValueError as err:
-            raise mhadsl.MhaError(f"attention '{self.name}': {err}",
-                                  self.program.checked.attentions[self.name].span) from None
+    def _configs(self, layout: Layout, arch: str, backend: str | None) -> tuple:
+        return plan(self.program.checked, self._request(layout, arch, backend)).configs
 
-    def scheduler_spec(self, config: attention.AttentionConfig) -> SchedulerSpec:
+    def _request(self, layout: Layout, arch: str, backend: str | None) -> KernelRequest:
+        return KernelRequest(self.name, arch, backend or self.backend, layout)
+
+    def scheduler_spec(self, config) -> SchedulerSpec:
         return SchedulerSpec(self.options.scheduler, self.options.scheduler_args, config.block_m)
 
     def build(self, arch: str = "sm_90a", *, gqa_group: int = 1, ragged: bool = False,
-              return_lse: bool = False) -> KernelBuild:
-        """Generate the kernel for `arch`: LLVM IR, PTX and, with ptxas, the cubin and its
-        resources."""
-        configs = self._configs(gqa_group, ragged, return_lse)
-        self.builds_compiled += 1
-        return compile_kernel(self.program.checked, self.options.mask, self.options.score,
-                              self.scheduler_spec(configs[0]), configs, gpu_target(arch))
+              return_lse: bool = False, backend: str | None = None) -> KernelBuild:
+        """The kernel for `arch` (from the on-disk cache when it holds it): LLVM IR, PTX
+        and, with ptxas, the cubin and its resources."""
+        build = build_kernel(self.program.checked,
+                             self._request(Layout(gqa_group, ragged, return_lse), arch, backend))
+        self.builds_compiled += not build.cached
+        return build
 
     def ptx(self, arch: str = "sm_90a", **config_args) -> str:
         return self.build(arch, **config_args).ptx
 
-    def _build(self, config: attention.AttentionConfig, arch: str) -> _Build:
-        key = (config, arch)
+    def _build(self, layout: Layout, target: DeviceTarget, backend: Backend) -> _Build:
+        key = (layout, target, backend.name)
         if key in self._builds:
             return self._builds[key]
-        from mhadsl.runtime import cache, driver
-        target = gpu_target(arch)
-        cache_key = cache.cache_key(
-            source=self.program.text, program=self.program.name, kernel=self.name,
-            config={f.name: getattr(config, f.name) for f in fields(config)},
-            **target.cache_fields(), mhadsl=mhadsl.__version__)
-        store = cache.CompileCache()
-        artifacts = store.get(cache_key)
-        if artifacts is None or "config" not in artifacts:
-            build = self.build(arch, gqa_group=config.gqa_group, ragged=config.ragged,
-                               return_lse=config.return_lse)
-            artifacts = {"ptx": build.ptx.encode(),
-                         "config": json.dumps(dataclasses.asdict(build.config)).encode()}
-            if build.assembled:  # else the driver JITs the PTX
-                artifacts["cubin"] = build.assembled.cubin
-            store.put(cache_key, artifacts)
-        module = (driver.Module.from_cubin(artifacts["cubin"]) if "cubin" in artifacts
-                  else driver.Module.from_ptx(artifacts["ptx"]))
-        chosen = attention.AttentionConfig(**json.loads(artifacts["config"]))
-        function = module.function(attention.kernel_name(chosen))
-        build = _Build(function, chosen, module)
-        self._builds[key] = build
-        return build
+        from mhadsl.runtime import driver
+        build = self.build(target.arch, gqa_group=layout.gqa_group, ragged=layout.ragged,
+                           return_lse=layout.return_lse, backend=backend.name)
+        module = (driver.Module.from_cubin(build.assembled.cubin)
+                  if target.load == "cubin" and build.assembled else
+                  driver.Module.from_ptx(build.ptx.encode()))
+        launch = backend.launch_shape(build.config)
+        self._builds[key] = _Build(module.function(launch.kernel_name), build.config, launch,
+                                   backend, module)
+        return self._builds[key]
 
     # ---------------------------------------------------------------- calls
     def __call__(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -223,26 +208,28 @@ class Kernel:
         return (out_obj, lse_obj) if want_lse else out_obj
 
     def specialize(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                   max_seqlen_k=None, return_lse: bool | None = None
-                   ) -> attention.AttentionConfig:
+                   max_seqlen_k=None, return_lse: bool | None = None):
         """The build a call with these arguments runs (checks them; launches nothing)."""
         call = self._validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         want_lse = self.options.return_lse if return_lse is None else bool(return_lse)
         return self._config_for(call, want_lse)
 
-    def _config_for(self, call: _Call, want_lse: bool) -> attention.AttentionConfig:
+    def _config_for(self, call: _Call, want_lse: bool):
         return self.config(gqa_group=call.heads // call.kv_heads, ragged=call.ragged,
                            return_lse=want_lse)
 
     def _launch(self, call: _Call, q, k, v, o, lse, cu_q, cu_k, scale, want_lse, stream) -> None:
         from mhadsl.runtime import driver
         info = driver.device_info(q.device)
-        arch = "sm_90a" if info.compute_capability >= (9, 0) else "sm_80"
-        config = self._config_for(call, want_lse)
-        build = self._build(config, arch)
-        ctas_per_sm = build.function.max_active_blocks(attention.threads(build.config),
-                                                       attention.shared_bytes(build.config))
-        grid = self._grid(config, call, info.multiprocessor_count, ctas_per_sm)
+        try:
+            backend, target = backends.select_backend(info.compute_capability, self.backend)
+        except ValueError as err:
+            raise RuntimeError(f"kernel '{self.name}': {err}") from None
+        layout = Layout(call.heads // call.kv_heads, call.ragged, want_lse)
+        build = self._build(layout, target, backend)
+        launch = build.launch
+        ctas_per_sm = build.function.max_active_blocks(launch.threads, launch.shared_bytes)
+        grid = self._grid(build.config, call, info.multiprocessor_count, ctas_per_sm)
         if 0 in grid or max(grid[1:]) > 65535 or grid[0] >= 2**31:
             raise ValueError(f"scheduler '{self.options.scheduler}' asked for grid {grid} "
                              f"for {call.batch} sequences x {call.heads} heads; every "
@@ -266,9 +253,8 @@ class Kernel:
             values[f"{name}_stride_batch"] = i64(batch_stride)
             values[f"{name}_stride_row"] = i64(t.strides[-3])
             values[f"{name}_stride_head"] = i64(t.strides[-2])
-        args = [values[p.name] for p in attention.KERNEL_PARAMS]
-        build.function.launch(grid, (attention.threads(build.config), 1, 1),
-                              attention.shared_bytes(build.config), stream, args)
+        args = [values[p.name] for p in build.backend.params]
+        build.function.launch(grid, (launch.threads, 1, 1), launch.shared_bytes, stream, args)
         driver.end_launch(stream, q.device)
 
     def _grid(self, config, call: _Call, num_sms: int, ctas_per_sm: int
@@ -345,6 +331,10 @@ class Kernel:
         if cq.shape != ck.shape:
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch "
                              f"+ 1), got {cq.shape[0]} and {ck.shape[0]}")
+        for name, view in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
+            if not view.on_host and devices and view.device not in devices:
+                raise ValueError(f"{name} is on device {view.device}, q/k/v on "
+                                 f"{devices.pop()}")
         for name, view in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
             if not view.on_host and devices and view.device not in devices:
                 raise ValueError(f"{name} is on device {view.device}, q/k/v on "
@@ -431,9 +421,43 @@ def _check_rows(t, name: str) -> None:
     if any(s < 0 for s in t.strides):
         raise ValueError(f"tensor {name!r} has negative strides {t.strides}; pass a copy "
                          "with non-negative strides")
+    if t.ptr == 0 and 0 not in t.shape:
+        raise ValueError(f"tensor {name!r} has a null data pointer")
+    if any(s < 0 for s in t.strides):
+        raise ValueError(f"tensor {name!r} has negative strides {t.strides}; pass a copy "
+                         "with non-negative strides")
     if t.ptr % 16 or any(s % 8 for s in t.strides[:-1]):
         raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer and strides "
                          f"multiples of 8 elements), got strides {t.strides}")
+
+
+def _self_overlapping(t) -> bool:
+    """Whether two elements of `t` may share memory: sorted by stride, each dimension of
+    more than one element must step past the whole of the dimensions inside it."""
+    dims = sorted((s, n) for s, n in zip(t.strides, t.shape) if n > 1)
+    span = 1
+    for stride, extent in dims:
+        if stride < span:
+            return True
+        span = stride * extent
+    return False
+
+
+def _share_memory(a, b) -> bool:
+    """Whether device tensors `a` and `b` have an element in common (exact, by NumPy's
+    solver over their addresses and strides: packed QKV views side by side do not)."""
+    def alias(t):  # a NumPy view of t's addresses, never read
+        holder = type("Alias", (), {})()
+        holder.__array_interface__ = {
+            "shape": tuple(t.shape), "typestr": f"|V{t.itemsize}", "data": (t.ptr, True),
+            "strides": tuple(s * t.itemsize for s in t.strides), "version": 3}
+        return np.asarray(holder)
+    if 0 in a.shape or 0 in b.shape:
+        return False
+    try:
+        return bool(np.shares_memory(alias(a), alias(b), max_work=10**6))
+    except np.exceptions.TooHardError:
+        return True  # cannot tell: refuse rather than risk a kernel reading its own output
 
 
 def _self_overlapping(t) -> bool:

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mhadsl import ast
-from mhadsl.diagnostics import MhaError
+from mhadsl.diagnostics import Diagnostic, MhaError
 from mhadsl.types import BOOL, DTYPE, F32, SCHEDULER
 
 # name -> what the checker expects: a type, "int" (integer constant) or "int_pair".
@@ -44,9 +44,22 @@ class AttentionOptions:
     return_lse: bool = False
     mask: ast.Rule | None = None
     score: ast.Rule | None = None
+    decl: ast.AttentionDecl | None = field(default=None, compare=False, repr=False)
 
     def softmax_scale(self) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def problem_span(self, settings: tuple[str, ...]):
+        """Where to report a problem caused by `settings`: the value of the first one the
+        declaration sets, else the declaration (its defaults are at fault)."""
+        values = {c.name: c.value.span for c in self.decl.constants}
+        return next((values[s] for s in settings if s in values), self.decl.span)
+
+    def backend_error(self, problems) -> MhaError:
+        """A backend's `Problem`s as diagnostics at the settings that cause them."""
+        return MhaError([Diagnostic(self.problem_span(p.settings),
+                                    f"attention '{self.name}': {p.message}")
+                         for p in problems])
 
 
 def _number(e: ast.Expr) -> float:
@@ -81,7 +94,7 @@ def _scheduler_binding(e: ast.Expr) -> tuple[str, tuple[tuple[str, object], ...]
 
 def resolve_attention(decl: ast.AttentionDecl) -> AttentionOptions:
     """Turn a checked declaration (the checker vetted every value) into options."""
-    fields: dict[str, object] = {"name": decl.name}
+    fields: dict[str, object] = {"name": decl.name, "decl": decl}
     for c in decl.constants:
         v = c.value
         if c.name == "dtype":

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from importlib import resources
 from pathlib import Path
 
-from mhadsl.codegen.backends import sm80 as attention
+from mhadsl.build import RequestError
+from mhadsl.codegen import backends
 from mhadsl.codegen.assemble import AssemblerError, find_ptxas
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.codegen.target import GPU_ARCHS
@@ -58,12 +60,14 @@ EXTENSIONS = {"llvm": ".ll", "ptx": ".ptx", "cubin": ".cubin"}
 
 def cmd_compile(args: argparse.Namespace) -> int:
     text, base = read_source(args.file)
+    if args.output:
+        _check_output_parent(Path(args.output))
     options = CompileOptions(arch=args.arch, tile_m=args.tile)
     start = time.perf_counter()
     until = "cubin" if args.emit == "cubin" or find_ptxas() else "ptx"
     try:
         comp = compile_stages(text, args.file, options, until=until, base_dir=base)
-    except AssemblerError as err:
+    except (AssemblerError, RequestError) as err:
         raise UsageError(str(err)) from None
     elapsed = time.perf_counter() - start
     units = _units(comp, args.emit)
@@ -87,11 +91,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
         return 0
     resources = [(k.name, k) for k in comp.artifacts["cubin"].kernels.values()] \
         if "cubin" in comp.artifacts else []
-    resources += [(f"{name} ({build.config.block_m}x{build.config.block_n} tile, "
-                   f"{attention.threads(build.config)} threads, "
-                   f"{attention.shared_bytes(build.config)} B dynamic shared)", k)
-                  for name, build in comp.kernels.items()
-                  for k in build.assembled.kernels.values()]
+    for name, build in comp.kernels.items():
+        launch = backends.backend(build.backend).launch_shape(build.config)
+        resources += [(f"{name} ({build.backend}, {build.config.block_m}x"
+                       f"{build.config.block_n} tile, {launch.threads} threads, "
+                       f"{launch.shared_bytes} B dynamic shared)", k)
+                      for k in build.assembled.kernels.values()]
     for name, k in resources:
         print(f"  {name}: {k.registers} registers, {k.spills} bytes spilled, "
               f"{k.shared_bytes} bytes shared, {k.stack_bytes} bytes stack", file=summary)
@@ -109,25 +114,53 @@ def _units(comp, emit: str) -> dict[str, str | bytes | None]:
     return units
 
 
+def _check_output_parent(out: Path) -> None:
+    """-o must name something in an existing folder (checked before compiling)."""
+    parent = out.parent
+    if out.is_dir() or parent.is_dir():
+        return
+    why = "is not a folder" if parent.exists() else "does not exist"
+    raise UsageError(f"cannot write {out}: {parent} {why}")
+
+
 def _write_units(units: dict, args: argparse.Namespace) -> None:
-    """One unit: to -o or stdout. Several: -o names a directory of NAME.ll/.ptx/.cubin."""
+    """Compiler convention: one unit goes to -o FILE (or into -o DIR when it is a folder);
+    several go into a folder as NAME.ll/.ptx/.cubin (created when -o names a new one
+    without an extension); without -o, text goes to stdout."""
     binary = args.emit == "cubin"
-    if args.output and len(units) == 1:
-        (data,) = units.values()
-        Path(args.output).write_bytes(data) if binary else Path(args.output).write_text(data)
-    elif args.output:
-        out = Path(args.output)
-        out.mkdir(parents=True, exist_ok=True)
-        for name, data in units.items():
-            path = out / f"{name}{EXTENSIONS[args.emit]}"
-            path.write_bytes(data) if binary else path.write_text(data)
-    elif binary:
-        raise UsageError("--emit cubin writes binary: give -o FILE")
-    elif not args.quiet:
-        for name, data in units.items():
-            if len(units) > 1:
-                sys.stdout.write(f"// ===== {name}\n")
-            sys.stdout.write(data)
+    extension = EXTENSIONS[args.emit]
+    if not args.output:
+        if binary:
+            raise UsageError("--emit cubin writes binary: give -o FILE")
+        if not args.quiet:
+            for name, data in units.items():
+                if len(units) > 1:
+                    sys.stdout.write(f"// ===== {name}\n")
+                sys.stdout.write(data)
+        return
+    out = Path(args.output)
+    if len(units) == 1:
+        ((name, data),) = units.items()
+        _write(out / f"{name}{extension}" if out.is_dir() else out, data)
+        return
+    names_a_folder = out.is_dir() or (not out.exists() and (
+        not out.suffix or args.output.endswith(("/", os.sep))))
+    if not names_a_folder:
+        raise UsageError(f"{args.file} compiles to {len(units)} units ({', '.join(units)}): "
+                         f"pick one with --kernel NAME, or give -o a folder (-o DIR/)")
+    try:
+        out.mkdir(exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot create folder {out}: {err.strerror}") from None
+    for name, data in units.items():
+        _write(out / f"{name}{extension}", data)
+
+
+def _write(path: Path, data: str | bytes) -> None:
+    try:
+        path.write_bytes(data) if isinstance(data, bytes) else path.write_text(data)
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror}") from None
 
 
 def _parse_param(text: str) -> tuple[str, object]:

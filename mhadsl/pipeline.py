@@ -5,7 +5,8 @@
 `compile_stages` runs the table up to a stage and returns a `Compilation` whose
 `artifacts` hold each result in order, so `--emit llvm|ptx|cubin` is a lookup. The table
 builds one module of scheduler trace kernels; each attention declaration is its own unit
-(`kernels`), built by `codegen.kernel.compile_kernel` for the same arch.
+(`kernels`), built for the same arch by `mhadsl.build` (the one build path of attention
+kernels, through the on-disk cache).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from mhadsl.check import CheckedProgram, check_program
 from mhadsl.codegen import target as targets
 from mhadsl.codegen.assemble import Assembled, assemble
 from mhadsl.attention_spec import resolve_attention
-from mhadsl.codegen.kernel import KernelBuild, build_configs, compile_kernel
+from mhadsl.build import KernelRequest, build_kernel
+from mhadsl.codegen.backends import KernelBuild, Layout
 from mhadsl.codegen.scheduler import SchedulerSpec, build_trace_kernel, lower_scheduler
 from mhadsl.parse import load_program
 
@@ -32,6 +34,7 @@ class CompileOptions:
     arch: str = "sm_90a"
     ptx_version: int = targets.DEFAULT_PTX_VERSION
     tile_m: int = 128  # tile height schedulers compiled on their own are specialised for
+    backend: str | None = None  # attention kernel design; None: the arch's first
 
     @property
     def target(self) -> targets.Target:
@@ -108,11 +111,9 @@ def compile_stages(text: str, name: str, options: CompileOptions, *, until: str 
             c.artifacts[stage] = run(c)
     if STAGE_NAMES.index(until) >= STAGE_NAMES.index("llvm"):
         for name, decl in c.checked.attentions.items():
-            options = resolve_attention(decl)
-            configs = build_configs(options, gqa_group=options.gqa or 1,
-                                    return_lse=options.return_lse)
-            spec = SchedulerSpec(options.scheduler, options.scheduler_args, configs[0].block_m)
-            c.kernels[name] = compile_kernel(c.checked, options.mask, options.score, spec,
-                                             configs, c.options.target)
+            declared = resolve_attention(decl)
+            layout = Layout(gqa_group=declared.gqa or 1, return_lse=declared.return_lse)
+            c.kernels[name] = build_kernel(c.checked, KernelRequest(
+                name, options.arch, options.backend, layout, options.ptx_version))
     return c
 

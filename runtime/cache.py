@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -55,9 +57,28 @@ def _canonical(value: object) -> object:
 
 def cache_key(**parts: object) -> str:
     """sha256 (hex) of a canonical JSON of everything that changes the compiler's output: the
-    source text, the options, the arch, the PTX and LLVM versions, the mhadsl version."""
+    source text, the options, the arch, the PTX and LLVM versions, the compiler's sources."""
     text = json.dumps([_FORMAT, parts], sort_keys=True, separators=(",", ":"), default=_canonical)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+COMPILER_PACKAGES = ("mhadsl", "mhadsl.codegen", "mhadsl.runtime", "mhadsl.grammar")
+_COMPILER_FILES = ("*.py", "*.lark", "*.mha")
+
+
+@functools.cache
+def compiler_hash() -> str:
+    """sha256 of every .py, .lark and .mha file of the installed compiler (its packages'
+    folders), so editing the compiler can never load a build of the old one. Computed
+    once per process."""
+    digest = hashlib.sha256()
+    for package in COMPILER_PACKAGES:
+        root = Path(importlib.import_module(package).__file__).parent
+        files = sorted(f for pattern in _COMPILER_FILES for f in root.rglob(pattern))
+        for file in files:
+            digest.update(f"{package}/{file.relative_to(root).as_posix()}\0".encode())
+            digest.update(hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()
 
 
 def _encode(artifacts: dict[str, bytes]) -> bytes:

@@ -1,1 +1,230 @@
-"""Attention kernel designs ("backends") behind one interface, and their registry."""
+"""Attention kernel designs ("backends") behind one interface, and their registry.
+
+A backend is one kernel design. It says
+- which GPU targets it builds for (`targets`) and what a declaration may ask of it
+  (`problems`: the one place its constraints live; `mhadsl check` asks it too),
+- its configurations for a declaration and a call's layout (`configs`, best first),
+- its kernel parameters (`params`) and launch shape (`launch_shape`),
+- and it builds its kernel (`build`) from the declaration's mask/score hooks and the
+  scheduler's work loop (`KernelSource`).
+
+Adding a design: a new module in this package defining `BACKEND`, and its name in `REGISTRY`
+(in preference order: the first registered backend that builds for a target wins).
+
+Targets follow the device's compute capability (`select_target`): `sm_90a` code runs only
+on 9.0, so 9.0 gets sm_90a cubins; 8.x gets sm_80 cubins; any later GPU (10.x, 12.x, ...)
+gets sm_80 PTX, which the driver compiles for itself when it loads the module.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+from llvmlite import ir
+
+from mhadsl.codegen import nvptx
+from mhadsl.codegen.assemble import Assembled
+from mhadsl.codegen.nvptx import GLOBAL, f32, i32, i64
+from mhadsl.codegen.target import Target
+
+REGISTRY = ("sm80",)  # module names in this package, preferred first
+
+# Dynamic shared memory one CTA may opt in to, per build target (CUDA's per-block limits
+# of the A100 and H100/H200 class; smaller 8.x parts have less and fail at launch).
+SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}
+
+
+# ============================================================================ targets
+@dataclass(frozen=True)
+class DeviceTarget:
+    """What to build for one device: the LLVM/ptxas arch, and what the runtime loads."""
+
+    arch: str  # "sm_80" | "sm_90a"
+    load: str  # "cubin" (ptxas output) or "ptx" (the driver JIT-compiles it)
+
+
+def select_target(compute_capability: tuple[int, int]) -> DeviceTarget:
+    major, _ = compute_capability
+    if tuple(compute_capability) == (9, 0):
+        return DeviceTarget("sm_90a", "cubin")  # sm_90a code runs on 9.0 only
+    if major == 8:
+        return DeviceTarget("sm_80", "cubin")  # SASS is compatible within a major version
+    if major >= 9:
+        return DeviceTarget("sm_80", "ptx")  # newer GPUs JIT sm_80 PTX
+    raise ValueError(f"compute capability {major}.{compute_capability[1]} is not supported: "
+                     "mhadsl kernels need 8.0 or newer")
+
+
+def backend(name: str) -> Backend:
+    """The registered backend called `name`."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; registered: "
+                         f"{', '.join(REGISTRY)}")
+    return importlib.import_module(f"{__name__}.{name}").BACKEND
+
+
+def backends() -> list[Backend]:
+    return [backend(name) for name in REGISTRY]
+
+
+def backend_for_arch(arch: str, requested: str | None = None) -> Backend:
+    """`requested` (it must build for `arch`), else the first backend that builds for it."""
+    if requested is not None:
+        chosen = backend(requested)
+        if arch not in chosen.targets:
+            raise ValueError(f"attention backend {requested!r} builds for "
+                             f"{', '.join(chosen.targets)}, not {arch}")
+        return chosen
+    for candidate in backends():
+        if arch in candidate.targets:
+            return candidate
+    raise ValueError(f"no attention backend builds for {arch}")
+
+
+def select_backend(compute_capability: tuple[int, int], requested: str | None = None
+                   ) -> tuple[Backend, DeviceTarget]:
+    """The design and target a device of this compute capability runs."""
+    target = select_target(compute_capability)
+    return backend_for_arch(target.arch, requested), target
+
+
+# ============================================================================ the interface
+@dataclass(frozen=True)
+class Layout:
+    """What a call fixes at build time (batch size and lengths are run-time values)."""
+
+    gqa_group: int = 1  # Hq // Hkv
+    ragged: bool = False  # lengths from cu_seqlens
+    return_lse: bool = False
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a backend cannot build a declaration: the settings at fault ("tile", "warps",
+    ...; reported at the first the declaration sets) and a message in their terms."""
+
+    settings: tuple[str, ...]
+    message: str
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    kernel_name: str
+    threads: int  # per CTA (x only)
+    shared_bytes: int  # dynamic shared memory per CTA
+
+
+@dataclass(frozen=True)
+class KernelParam:
+    name: str
+    kind: str  # "ptr" (global address, 8 bytes), "i64", "i32", "f32"
+    meaning: str
+
+    @property
+    def llvm_type(self) -> ir.Type:
+        return {"ptr": nvptx.ptr(GLOBAL), "i64": i64, "i32": i32, "f32": f32}[self.kind]
+
+
+@dataclass(frozen=True)
+class ExprHooks:
+    """Callables from the front end that emit the mask and score expressions.
+
+    mask(builder, b, h, q_idx, kv_idx, seqlen_q, seqlen_k) -> i1 (true = keep); None = no mask.
+    score(builder, s, b, h, q_idx, kv_idx) -> f32; `s` is the *scaled* score (q.k * scale);
+        None = identity.
+    classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k) -> (may_be_true: i1,
+        always_true: i1) over the inclusive index box; None = every tile may be true and is
+        full (for `mask=None`) or partial (with a mask).
+    All index arguments are i32 values: q_idx and kv_idx count from the start of the sequence.
+    """
+
+    mask: Callable | None = None
+    score: Callable | None = None
+    classify: Callable | None = None
+
+
+@dataclass
+class TileSeq:
+    """What a work loop hands the tile body per work tile (the scheduler's SeqInfo): i32."""
+
+    seq_len: ir.Value
+    start_of_seq: ir.Value
+    prompt_offset: ir.Value
+    head_idx: ir.Value
+    prompt_idx: ir.Value
+
+
+class KernelArgs:
+    """The kernel's parameters as IR values (an attribute per parameter name), handed to
+    the work loop with the build's config. The loop sets `persistent` when a CTA runs many
+    tiles; `opaque_env` asks it to rederive the scheduler's inputs per step."""
+
+    def __init__(self, fn: ir.Function, params: tuple[KernelParam, ...], config: object,
+                 opaque_env: bool = False):
+        self.function, self.config, self.opaque_env = fn, config, opaque_env
+        self.persistent = False
+        for p, arg in zip(params, fn.args):
+            setattr(self, p.name, arg)
+
+    def __getitem__(self, name: str) -> ir.Value:
+        return getattr(self, name)
+
+
+# work_loop(builder, args: KernelArgs, body) calls body(builder, TileSeq) once per work tile.
+WorkLoop = Callable[[ir.IRBuilder, KernelArgs, Callable], None]
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """What a declaration gives a backend: its hooks, and the scheduler's work loop for a
+    tile height (the config's `block_m`)."""
+
+    hooks: ExprHooks
+    work_loop: Callable[[int], WorkLoop]
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    backend: str
+    arch: str
+    llvm: str
+    ptx: str
+    assembled: Assembled | None  # None when no ptxas is at hand
+    config: object  # the backend's config the build settled on
+    cached: bool = False  # loaded from the on-disk cache rather than generated
+
+
+class Backend(ABC):
+    """One attention kernel design. Its configs are frozen dataclasses with at least
+    `block_m` (query rows per work tile: the scheduler's tile height)."""
+
+    name: str
+    targets: tuple[str, ...]  # arches it builds for
+    params: tuple[KernelParam, ...]  # the kernel's parameters, in order
+    config_type: type
+
+    @abstractmethod
+    def problems(self, options, arch: str) -> list[Problem]:
+        """Everything that keeps this design from running declaration `options`
+        (`AttentionOptions`) on `arch`; empty when it can."""
+
+    @abstractmethod
+    def configs(self, options, layout: Layout) -> tuple:
+        """The builds to try for the declaration and a call's layout, best first."""
+
+    @abstractmethod
+    def launch_shape(self, config) -> LaunchShape:
+        ...
+
+    @abstractmethod
+    def build(self, source: KernelSource, configs: tuple, target: Target) -> KernelBuild:
+        """LLVM IR, PTX and (with ptxas) the cubin, from the first config that works."""
+
+
+def declaration_problems(options) -> list[Problem]:
+    """Empty when some backend runs the declaration on some target; else the problems of
+    the (backend, target) pair that comes closest."""
+    found = [b.problems(options, arch) for b in backends() for arch in b.targets]
+    return [] if any(not p for p in found) else min(found, key=len)

@@ -24,18 +24,24 @@ loop: the scheduler lowering (or `transient_work_loop`, one tile per CTA) calls
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from llvmlite import ir
 
 from mhadsl.codegen import nvptx, warp
-from mhadsl.codegen.nvptx import GLOBAL, SHARED, f32, i1, i32, i64
-from mhadsl.codegen.target import Target, new_module
+from mhadsl.codegen.assemble import assemble, find_ptxas
+from mhadsl.codegen.backends import (
+    SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelParam, KernelSource,
+    LaunchShape, Layout, Problem, TileSeq,
+)
+from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
+from mhadsl.codegen.target import Target, emit_ptx, new_module, optimize
 
 KERNEL_NAME = "mha_fwd"
 SMEM_SYMBOL = "mha_fwd_smem"
 HEAD_DIMS = (64, 128, 256)
+MAX_REGISTERS = 255  # per thread
 NEG_INF = float("-inf")
 @dataclass(frozen=True)
 class Tuning:
@@ -103,31 +109,55 @@ class AttentionConfig:
         """Rows one CTA-wide pass of 16-byte copies covers."""
         return self.threads // self.chunks_per_row
 
-    def validate(self) -> "AttentionConfig":
-        problems = []
+    @property
+    def accumulators(self) -> int:
+        """f32 registers per thread that S = Q.K^T and O alone hold (4 per 16x8 tile)."""
+        return self.m_tiles * (self.block_n + self.head_dim) // 2
+
+    def problems(self) -> list[Problem]:
+        """What keeps this design from building the config, in the declaration's terms."""
+        found = []
         if self.dtype not in warp.DTYPES:
-            problems.append(f"dtype {self.dtype!r} not in {warp.DTYPES}")
+            found.append(Problem(("dtype",), f"dtype {self.dtype} is not one of "
+                                             f"{', '.join(warp.DTYPES)}"))
         if self.head_dim not in HEAD_DIMS:
-            problems.append(f"head_dim {self.head_dim} not in {HEAD_DIMS}")
+            found.append(Problem(("head_dim",), f"head_dim {self.head_dim} is not one of "
+                                                f"{', '.join(map(str, HEAD_DIMS))}"))
         if self.num_warps not in (1, 2, 4, 8):
-            problems.append(f"num_warps {self.num_warps} not in (1, 2, 4, 8)")
+            found.append(Problem(("warps",), f"warps = {self.num_warps}: the sm80 kernel runs "
+                                             "1, 2, 4 or 8 warps"))
         elif self.block_m % (16 * self.num_warps):
-            problems.append(f"block_m {self.block_m} is not a multiple of 16 * num_warps")
+            found.append(Problem(("tile", "warps"), (
+                f"a tile of {self.block_m} query rows does not split into 16-row pieces over "
+                f"{self.num_warps} warps (it must be a multiple of {16 * self.num_warps})")))
         if self.block_n % 16 or self.block_n < 16:
-            problems.append(f"block_n {self.block_n} is not a positive multiple of 16")
+            found.append(Problem(("tile",), f"the KV tile ({self.block_n}) must be a positive "
+                                            "multiple of 16"))
         if self.stages != 2:
-            problems.append(f"stages {self.stages}: only the 2-stage (FA2) K/V pipeline is built")
+            found.append(Problem(("stages",), f"stages = {self.stages}: the sm80 kernel has "
+                                              "the 2-stage (FlashAttention-2) K/V pipeline"))
         if self.gqa_group < 1:
-            problems.append("gqa_group must be >= 1")
-        if not problems:
+            found.append(Problem(("gqa",), "the query:KV head ratio must be at least 1"))
+        if not found:
             rpp = self.rows_per_pass
             if rpp < 8 or rpp % 8:
-                problems.append(f"{self.threads} threads cover {rpp} rows of head_dim "
-                                f"{self.head_dim} per copy pass (need a multiple of 8)")
+                found.append(Problem(("warps", "head_dim"), (
+                    f"{self.threads} threads copy {rpp} rows of head_dim {self.head_dim} per "
+                    "pass; the sm80 kernel needs a multiple of 8")))
             elif self.block_m % rpp or self.block_n % rpp:
-                problems.append(f"block_m/block_n must be multiples of {rpp}")
-        if problems:
-            raise ValueError("invalid AttentionConfig: " + "; ".join(problems))
+                found.append(Problem(("tile", "warps"), (
+                    f"both tile sizes must be multiples of {rpp}, the rows {self.threads} "
+                    f"threads copy per pass")))
+            elif self.accumulators > MAX_REGISTERS:
+                found.append(Problem(("tile", "warps", "head_dim"), (
+                    f"each thread would hold {self.accumulators} f32 accumulators, past the "
+                    f"{MAX_REGISTERS}-register limit (use fewer query rows per warp: a smaller "
+                    "tile or more warps)")))
+        return found
+
+    def validate(self) -> "AttentionConfig":
+        if found := self.problems():
+            raise ValueError("invalid AttentionConfig: " + "; ".join(p.message for p in found))
         return self
 
 
@@ -171,41 +201,7 @@ def transient_grid(config: AttentionConfig, batch: int, num_heads: int,
     return (max(1, -(-max_seqlen_q // config.block_m)), num_heads, batch)
 
 
-# ============================================================================ hooks
-@dataclass(frozen=True)
-class ExprHooks:
-    """Callables from the front end that emit the mask and score expressions.
-
-    mask(builder, b, h, q_idx, kv_idx, seqlen_q, seqlen_k) -> i1 (true = keep); None = no mask.
-    score(builder, s, b, h, q_idx, kv_idx) -> f32; `s` is the *scaled* score (q.k * scale);
-        None = identity.
-    classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k) -> (may_be_true: i1,
-        always_true: i1) over the inclusive index box; None = every tile may be true and is
-        full (for `mask=None`) or partial (with a mask).
-    All index arguments are i32 values: q_idx and kv_idx count from the start of the sequence.
-    """
-
-    mask: Callable | None = None
-    score: Callable | None = None
-    classify: Callable | None = None
-
-
 # ============================================================================ kernel parameters
-@dataclass(frozen=True)
-class KernelParam:
-    name: str
-    kind: str  # "ptr" (global address, 8 bytes), "i64", "i32", "f32"
-    meaning: str
-
-    @property
-    def llvm_type(self) -> ir.Type:
-        return {"ptr": nvptx.ptr(GLOBAL), "i64": i64, "i32": i32, "f32": f32}[self.kind]
-
-    @property
-    def ctype_size(self) -> int:
-        return {"ptr": 8, "i64": 8, "i32": 4, "f32": 4}[self.kind]
-
-
 KERNEL_PARAMS: tuple[KernelParam, ...] = (
     KernelParam("q", "ptr", "queries, dtype elements; dense (B,Sq,Hq,D) / ragged (total_q,Hq,D); last dim contiguous, 16-byte aligned rows"),
     KernelParam("k", "ptr", "keys, dense (B,Sk,Hkv,D) / ragged (total_k,Hkv,D)"),
@@ -239,33 +235,6 @@ KERNEL_PARAMS: tuple[KernelParam, ...] = (
     KernelParam("num_sms", "i32", "multiprocessors on the device (persistent grid size)"),
     KernelParam("ctas_per_sm", "i32", "CTAs of this kernel that fit on one multiprocessor"),
 )
-_PARAM_INDEX = {p.name: i for i, p in enumerate(KERNEL_PARAMS)}
-
-
-class KernelArgs:
-    """The kernel's parameters as IR values (attribute per KERNEL_PARAMS name), plus the
-    build's config; handed to the work loop."""
-
-    def __init__(self, fn: ir.Function, config: AttentionConfig):
-        self.function = fn
-        self.config = config
-        self.persistent = False  # set by a work loop that runs many tiles per CTA
-        for p, arg in zip(KERNEL_PARAMS, fn.args):
-            setattr(self, p.name, arg)
-
-    def __getitem__(self, name: str) -> ir.Value:
-        return getattr(self, name)
-
-
-@dataclass
-class TileSeq:
-    """What `body(builder, seq)` receives (the scheduler's SeqInfo): i32 values."""
-
-    seq_len: ir.Value
-    start_of_seq: ir.Value
-    prompt_offset: ir.Value
-    head_idx: ir.Value
-    prompt_idx: ir.Value
 
 
 # ============================================================================ small IR helpers
@@ -827,9 +796,8 @@ def build_attention_module(config: AttentionConfig, hooks: ExprHooks | None, tar
     smem.align = 128
 
     builder = ir.IRBuilder(fn.append_basic_block("entry"))
-    args = KernelArgs(fn, config)
+    args = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=tuning.opaque_env)
     args.longest_first = hooks.classify is not None and tuning.longest_first
-    args.tuning = tuning
     def tile(b: ir.IRBuilder, seq) -> None:
         # Thread-level values are recomputed per tile (cheap ALU) rather than held across a
         # persistent loop.
@@ -837,13 +805,6 @@ def build_attention_module(config: AttentionConfig, hooks: ExprHooks | None, tar
     work_loop(builder, args, tile)
     builder.ret_void()
     return module
-
-
-def compile_ptx(config: AttentionConfig, hooks: ExprHooks | None, target: Target,
-                work_loop: Callable = transient_work_loop) -> str:
-    from mhadsl.codegen.target import emit_ptx, optimize
-    return emit_ptx(optimize(build_attention_module(config, hooks, target, work_loop), target),
-                    target)
 
 
 # ============================================================================ stock hooks
@@ -865,3 +826,83 @@ def causal_hooks(bottom_right: bool = False) -> ExprHooks:
 
 
 NO_MASK = ExprHooks()
+
+
+# ============================================================================ the backend
+def declared_config(options, layout: Layout = Layout()) -> AttentionConfig:
+    """FlashAttention-2's default tile for the declaration's dtype and head dim, overridden
+    by what the declaration (`AttentionOptions`) fixes; not validated."""
+    base = default_config("bf16", options.head_dim if options.head_dim in HEAD_DIMS else 128)
+    overrides = {k: v for k, v in (("block_m", options.block_m), ("block_n", options.block_n),
+                                   ("num_warps", options.warps), ("stages", options.stages))
+                 if v is not None}
+    return replace(base, dtype=options.dtype, head_dim=options.head_dim,
+                   gqa_group=layout.gqa_group, return_lse=layout.return_lse,
+                   ragged=layout.ragged, **overrides)
+
+
+def build_configs(options, layout: Layout = Layout()) -> tuple[AttentionConfig, ...]:
+    """The builds to try, best first: the declared config; then, unless the declaration fixes
+    the tile, a 32-row KV tile, which leaves ptxas more registers."""
+    primary = declared_config(options, layout).validate()
+    narrow = replace(primary, block_n=32)
+    if options.block_n is not None or primary.block_n <= 32 or narrow.problems():
+        return (primary,)
+    return (primary, narrow)
+
+
+def compile_kernel(source: KernelSource, configs: tuple[AttentionConfig, ...],
+                   target: Target) -> KernelBuild:
+    """LLVM IR, PTX and (with ptxas) the cubin, spill-free if any candidate is. The IR shapes
+    in `TUNINGS` compute the same thing, but ptxas's allocation under the 255-register cap
+    is chaotic, so the first shape that assembles without spills wins; after them come the
+    fallback `configs` (a narrower KV tile), and with no spill-free candidate the one with
+    the fewest spills."""
+    have_ptxas = find_ptxas() is not None
+    candidates = [(c, t) for c in configs for t in TUNINGS]
+    best = None
+    for config, tuning in candidates if have_ptxas else candidates[:1]:
+        module = build_attention_module(config, source.hooks, target,
+                                        source.work_loop(config.block_m), tuning)
+        ptx = emit_ptx(optimize(module, target), target)
+        assembled = assemble(ptx, target.arch) if have_ptxas else None
+        build = KernelBuild(BACKEND.name, target.arch, str(module), ptx, assembled, config)
+        spills = sum(k.spills for k in assembled.kernels.values()) if assembled else 0
+        if best is None or spills < best[0]:
+            best = (spills, build)
+        if spills == 0:
+            break
+    return best[1]
+
+
+class SM80(Backend):
+    """FlashAttention-2 on cp.async, ldmatrix and mma.sync: every GPU from Ampere on."""
+
+    name = "sm80"
+    targets = ("sm_90a", "sm_80")  # the roomiest first: its problems are reported on ties
+    params = KERNEL_PARAMS
+    config_type = AttentionConfig
+
+    def problems(self, options, arch: str) -> list[Problem]:
+        config = declared_config(options)
+        found = config.problems()
+        limit = SHARED_MEMORY_LIMIT[arch]
+        if shared_bytes(config) > limit:
+            found.append(Problem(("tile", "head_dim"), (
+                f"the tile needs {shared_bytes(config) // 1024} KiB of shared memory (Q, K "
+                f"and V tiles of head_dim {config.head_dim}); {arch} allows "
+                f"{limit // 1024} KiB")))
+        return found
+
+    def configs(self, options, layout: Layout) -> tuple[AttentionConfig, ...]:
+        return build_configs(options, layout)
+
+    def launch_shape(self, config: AttentionConfig) -> LaunchShape:
+        return LaunchShape(kernel_name(config), threads(config), shared_bytes(config))
+
+    def build(self, source: KernelSource, configs: tuple[AttentionConfig, ...],
+              target: Target) -> KernelBuild:
+        return compile_kernel(source, configs, target)
+
+
+BACKEND = SM80()

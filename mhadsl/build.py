@@ -1,0 +1,130 @@
+"""The one build path of attention kernels: a checked program and a `KernelRequest` ->
+every stage's artifact (LLVM IR, PTX, cubin and its resources), through the on-disk cache.
+
+The CLI (`mhadsl compile`, through `pipeline.compile_stages`) and the Python API
+(`Kernel.build`, `Kernel._build`) both call `build_kernel`, so they share one cache and one
+place where a user's mistake becomes an error: a declaration the chosen backend cannot run
+is an `MhaError` at the setting at fault; an arch or backend that does not exist is a
+`RequestError`.
+
+The cache key covers everything that changes the output: the text of every file the
+program loaded (imports and the standard library included), the declaration's name, the
+backend, the call's layout, the target (arch, PTX ISA), LLVM's and llvmlite's versions,
+ptxas's version, and a hash of the compiler's own sources.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import subprocess
+from dataclasses import dataclass
+
+from mhadsl.attention_spec import AttentionOptions, resolve_attention
+from mhadsl.check import CheckedProgram
+from mhadsl.codegen import backends
+from mhadsl.codegen.assemble import Assembled, KernelResources, find_ptxas
+from mhadsl.codegen.backends import Backend, KernelBuild, Layout
+from mhadsl.codegen.kernel import kernel_source
+from mhadsl.codegen.target import DEFAULT_PTX_VERSION, Target, gpu_target
+from mhadsl.runtime import cache
+
+
+class RequestError(ValueError):
+    """A request no build can serve: an unknown arch, or a backend that does not exist or
+    does not build for the arch."""
+
+
+@dataclass(frozen=True)
+class KernelRequest:
+    kernel: str  # the attention declaration's name
+    arch: str = "sm_90a"
+    backend: str | None = None  # None: the first registered backend that builds for arch
+    layout: Layout = Layout()
+    ptx_version: int = DEFAULT_PTX_VERSION
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a request resolves to before anything is generated."""
+
+    options: AttentionOptions
+    backend: Backend
+    target: Target
+    configs: tuple  # the backend's configs to try, best first
+
+
+def plan(program: CheckedProgram, request: KernelRequest) -> Plan:
+    """Resolve a request; raises `MhaError` (at the declaration's setting at fault) when its
+    backend cannot run the declaration on the target, `RequestError` for a bad request."""
+    options = resolve_attention(program.attentions[request.kernel])
+    try:
+        target = gpu_target(request.arch, request.ptx_version)
+        backend = backends.backend_for_arch(request.arch, request.backend)
+    except ValueError as err:
+        raise RequestError(str(err)) from None
+    if problems := backend.problems(options, request.arch):
+        raise options.backend_error(problems)
+    return Plan(options, backend, target, backend.configs(options, request.layout))
+
+
+def build_kernel(program: CheckedProgram, request: KernelRequest,
+                 store: cache.CompileCache | None = None) -> KernelBuild:
+    """The kernel's artifacts: from the cache when an entry for exactly these inputs is
+    there and whole, else generated and stored (`store`: the default cache if None)."""
+    resolved = plan(program, request)
+    store = store if store is not None else cache.CompileCache()
+    key = cache_key(program, request, resolved)
+    entry = store.get(key)
+    loaded = _from_entry(entry, resolved.backend) if entry is not None else None
+    if loaded is not None:
+        return loaded
+    build = resolved.backend.build(kernel_source(program, resolved.options, resolved.target),
+                                   resolved.configs, resolved.target)
+    store.put(key, _to_entry(build))
+    return build
+
+
+def cache_key(program: CheckedProgram, request: KernelRequest, resolved: Plan) -> str:
+    return cache.cache_key(
+        what="attention kernel", sources=[s.text for s in program.sources],
+        kernel=request.kernel, backend=resolved.backend.name, layout=request.layout,
+        **resolved.target.cache_fields(), ptxas=_ptxas_version(),
+        compiler=cache.compiler_hash())
+
+
+@functools.cache
+def _ptxas_version() -> str | None:
+    """ptxas's version banner (its cubins are part of an entry), None without ptxas."""
+    ptxas = find_ptxas()
+    if ptxas is None:
+        return None
+    return subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
+
+
+def _to_entry(build: KernelBuild) -> dict[str, bytes]:
+    meta = {"backend": build.backend, "arch": build.arch,
+            "config": dataclasses.asdict(build.config)}
+    entry = {"llvm": build.llvm.encode(), "ptx": build.ptx.encode()}
+    if build.assembled is not None:
+        entry["cubin"] = build.assembled.cubin
+        meta["resources"] = {name: dataclasses.asdict(k)
+                             for name, k in build.assembled.kernels.items()}
+        meta["log"] = build.assembled.log
+    entry["meta"] = json.dumps(meta).encode()
+    return entry
+
+
+def _from_entry(entry: dict[str, bytes], backend: Backend) -> KernelBuild | None:
+    """The build an entry holds; None for one this code did not write (it is rebuilt)."""
+    try:
+        meta = json.loads(entry["meta"])
+        assembled = None
+        if "cubin" in entry:
+            resources = {name: KernelResources(**k) for name, k in meta["resources"].items()}
+            assembled = Assembled(entry["cubin"], resources, meta["log"])
+        return KernelBuild(meta["backend"], meta["arch"], entry["llvm"].decode(),
+                           entry["ptx"].decode(), assembled,
+                           backend.config_type(**meta["config"]), cached=True)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None

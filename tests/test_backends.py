@@ -1,0 +1,121 @@
+"""The backend interface: target and design per compute capability (faked, no GPU needed),
+and the backends' constraints as `check` diagnostics at the setting at fault."""
+import time
+from dataclasses import replace
+
+import pytest
+
+from helpers import STD, checked
+from mhadsl.attention_spec import resolve_attention
+from mhadsl.build import KernelRequest, RequestError, plan
+from mhadsl.codegen import backends
+from mhadsl.codegen.backends import DeviceTarget, Layout, select_backend, select_target
+from mhadsl.codegen.backends.sm80 import declared_config
+from mhadsl.diagnostics import MhaError
+
+
+@pytest.mark.parametrize("capability, target", [
+    ((9, 0), DeviceTarget("sm_90a", "cubin")),  # sm_90a code runs on 9.0 only
+    ((8, 0), DeviceTarget("sm_80", "cubin")),
+    ((8, 6), DeviceTarget("sm_80", "cubin")),
+    ((8, 9), DeviceTarget("sm_80", "cubin")),
+    ((10, 0), DeviceTarget("sm_80", "ptx")),  # Blackwell: the driver JITs sm_80 PTX
+    ((12, 0), DeviceTarget("sm_80", "ptx")),
+])
+def test_target_follows_the_compute_capability(capability, target):
+    assert select_target(capability) == target
+    backend, chosen = select_backend(capability)
+    assert chosen == target and target.arch in backend.targets
+
+
+def test_old_gpus_and_unknown_backends_are_refused():
+    with pytest.raises(ValueError, match="8.0 or newer"):
+        select_target((7, 5))
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        select_backend((9, 0), "nope")
+    backend, _ = select_backend((8, 6), "sm80")  # a call may force a design
+    assert backend.name == "sm80"
+
+
+def test_kernel_parameters_come_from_the_backend():
+    program = checked(STD + "attention a { head_dim = 64 }")
+    resolved = plan(program, KernelRequest("a", "sm_80"))
+    assert resolved.backend is backends.backend("sm80")
+    names = [p.name for p in resolved.backend.params]
+    assert len(names) == len(set(names)) and {"q", "k", "v", "o", "queue"} <= set(names)
+    shape = resolved.backend.launch_shape(resolved.configs[0])
+    assert (shape.threads, shape.shared_bytes) == (128, (128 + 2 * 64) * 64 * 2)
+
+
+def test_bad_request_is_a_request_error():
+    program = checked(STD + "attention a { head_dim = 64 }")
+    with pytest.raises(RequestError, match="unknown GPU arch"):
+        plan(program, KernelRequest("a", "sm_75"))
+    with pytest.raises(RequestError, match="unknown attention backend"):
+        plan(program, KernelRequest("a", "sm_80", backend="sm99"))
+
+
+def _check_error(settings: str) -> MhaError:
+    with pytest.raises(MhaError) as err:
+        checked(STD + "attention a {\n" + settings + "\n}\n")
+    return err.value
+
+
+@pytest.mark.parametrize("settings, line, column, message", [
+    ("    warps = 3", 3, 13, "runs 1, 2, 4 or 8 warps"),
+    ("    tile = (16, 16)", 3, 12, "16-row pieces over 4 warps"),
+    ("    tile = (16, 64)\n    warps = 8", 3, 12, "16-row pieces over 8 warps"),
+    ("    warps = 8\n    tile = (16, 64)", 4, 12, "16-row pieces over 8 warps"),  # at the tile
+    ("    stages = 3", 3, 14, "2-stage"),
+    ("    head_dim = 256\n    warps = 4", 4, 13, "multiple of 8"),
+    ("    head_dim = 256\n    tile = (256, 256)", 4, 12, "384 KiB of shared memory"),
+    ("    head_dim = 256\n    tile = (256, 256)", 4, 12, "512 f32 accumulators"),
+])
+def test_check_reports_what_the_backend_rejects(settings, line, column, message):
+    err = _check_error(settings)
+    found = [d for d in err.diagnostics if message in d.message]
+    assert found, err.render()
+    assert (found[0].span.line, found[0].span.column) == (line, column)
+
+
+def test_shared_memory_past_every_target_is_found_fast():
+    start = time.perf_counter()
+    err = _check_error("    head_dim = 256\n    tile = (256, 256)")
+    assert time.perf_counter() - start < 10  # a check, not a 48 s compile
+    assert "sm_90a allows 227 KiB" in err.render()
+
+
+def test_a_declaration_one_target_runs_is_checked_per_build():
+    """192 KiB of shared memory: fine on sm_90a (227 KiB), too much on sm_80 (163 KiB)."""
+    program = checked(STD + "attention a {\n    head_dim = 256\n    tile = (128, 128)\n}\n")
+    assert plan(program, KernelRequest("a", "sm_90a")).configs
+    with pytest.raises(MhaError, match="sm_80 allows 163 KiB") as err:
+        plan(program, KernelRequest("a", "sm_80"))
+    assert err.value.diagnostics[0].span.line == 4
+
+
+@pytest.fixture(scope="module")
+def default_options():
+    return resolve_attention(checked(STD + "attention a { }").attentions["a"])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("warps", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("block_m", [16, 64, 128, 192, 256])
+@pytest.mark.parametrize("block_n", [16, 32, 64, 128, 256])
+def test_what_the_backend_accepts_it_builds(default_options, head_dim, warps, block_m, block_n):
+    """The design's constraints and its configs agree: every config of a declaration it
+    accepts validates and fits the target's shared memory; one it refuses has no config."""
+    options = replace(default_options, head_dim=head_dim, warps=warps, block_m=block_m,
+                      block_n=block_n)
+    sm80 = backends.backend("sm80")
+    for arch in sm80.targets:
+        if sm80.problems(options, arch):
+            if not declared_config(options).problems():
+                continue  # only the target's shared memory is short
+            with pytest.raises(ValueError):
+                sm80.configs(options, Layout())
+            continue
+        for config in sm80.configs(options, Layout()):
+            config.validate()
+            assert sm80.launch_shape(config).shared_bytes <= backends.SHARED_MEMORY_LIMIT[arch]
