@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from mhadsl import ast
-from mhadsl.attention_spec import ATTENTION_CONSTANTS, HEAD_DIMS
+from mhadsl.attention_spec import ATTENTION_CONSTANTS, HEAD_DIMS, resolve_attention
+from mhadsl.codegen.backends import declaration_problems
 from mhadsl.builtins import (
     ARITH_FUNCTIONS, ATTENTION, BUILTIN_VALUES, CASTS, COMPARISONS, COMPILE_TIME_VALUES,
     DEVICE, DEVICE_ONLY_FUNCTIONS, HOST, INT_RANGES, INTEGER_ONLY_OPS, LITERAL_LIMIT,
     MATH_FUNCTIONS, SLOT_COUNT, LiteralError, fits, fold_call, fold_literal,
 )
-from mhadsl.diagnostics import DiagnosticSink, Span
+from mhadsl.diagnostics import DiagnosticSink, MhaError, Source, Span
 from mhadsl.types import (
     BOOL, COUNTER, DIM3, ERROR, F32, GRID, I32, INT_LITERAL, INTEGERS, MUTABLE_FIELDS,
     NONE, NUMBERS, RECORD_FIELDS, RECORD_PROPERTIES, SCHEDULE, SEQ_INFO,
@@ -77,6 +78,8 @@ class CheckedProgram:
     refs: dict[ast.Name, Symbol] = field(default_factory=dict)
     # For each rule: the role of each of its parameters ("ts", "state", ...).
     rule_roles: dict[ast.Rule, tuple[str, ...]] = field(default_factory=dict)
+    # Every file the program loaded (its text is part of every build's cache key).
+    sources: tuple[Source, ...] = ()
     # The exact value of every expression made of integer literals alone (a bool for a
     # comparison of two): they fold before they meet a type (mhadsl.builtins).
     literals: dict[ast.Expr, int | bool] = field(default_factory=dict)
@@ -119,6 +122,7 @@ class Checker:
 
     # ------------------------------------------------------------ declarations
     def check_modules(self, modules: list[ast.Module]) -> CheckedProgram:
+        self.out.sources = tuple(m.span.source for m in modules)
         seen: dict[str, ast.Decl] = {}
         for module in modules:
             for decl in module.decls:
@@ -208,6 +212,7 @@ class Checker:
         self.check_body(rule.body, scope, ctx, rule.span, f"rule '{rule.name}'")
 
     def check_attention(self, attn: ast.AttentionDecl) -> None:
+        errors_before = self.error_count()
         seen: set[str] = set()
         for c in attn.constants:
             if c.name in seen:
@@ -229,6 +234,25 @@ class Checker:
                 scope.names[name] = Symbol("rule_param", name, ty, name)
             self.check_rule(rule, params, (ATTENTION_RESULTS[rule.name],), ATTENTION, scope,
                             default_int=I32)
+        if self.error_count() == errors_before:
+            self.check_attention_backends(attn)
+
+    def error_count(self) -> int:
+        return len(self.sink.diagnostics) + self.sink.omitted
+
+    def check_attention_backends(self, attn: ast.AttentionDecl) -> None:
+        """Ask the kernel designs (the one place their limits live) whether any of them runs
+        the declaration on a target we build for; if none does, say why at the setting at
+        fault, so `check` rejects what a build would."""
+        try:
+            options = resolve_attention(attn)
+        except MhaError as err:
+            for d in err.diagnostics:
+                self.error(d.span, d.message)
+            return
+        if problems := declaration_problems(options):
+            for d in options.backend_error(problems).diagnostics:
+                self.error(d.span, d.message)
 
     def check_attention_constant(self, c: ast.Constant) -> None:
         if c.name not in ATTENTION_CONSTANTS:
