@@ -82,36 +82,55 @@ def test_config_validation():
     assert hash(cfg) == hash(A.default_config("bf16", 128))
 
 
-def test_kernel_params_match_function_signature():
+# The kernel's ABI as the runtime calls it (by name, in this order, each PTX parameter the
+# size of the ctypes value mhadsl/api.py passes). Written out, not derived from
+# KERNEL_PARAMS: reordering, retyping, adding or dropping a parameter must change it too.
+PTR, I64, I32, F32 = ".u64 .ptr", ".u64", ".u32", ".f32"
+KERNEL_ABI = [
+    ("q", PTR), ("k", PTR), ("v", PTR), ("o", PTR), ("lse", PTR), ("cu_seqlens_q", PTR),
+    ("cu_seqlens_k", PTR),
+    *((f"{t}_stride_{d}", I64) for t in "qkvo" for d in ("batch", "row", "head")),
+    ("lse_stride_batch", I64), ("lse_stride_head", I64),
+    ("batch", I32), ("num_heads", I32), ("max_seqlen_q", I32), ("max_seqlen_k", I32),
+    ("seqlen_q", I32), ("seqlen_k", I32), ("softmax_scale", F32), ("queue", PTR),
+    ("num_sms", I32), ("ctas_per_sm", I32),
+]
+
+
+def test_kernel_parameters_are_the_runtime_abi():
     cfg = A.default_config("bf16", 64)
-    module = A.build_attention_module(cfg, A.NO_MASK, gpu_target("sm_80"))
-    fn = module.get_global(A.kernel_name(cfg))
-    assert [a.name for a in fn.args] == [p.name for p in A.KERNEL_PARAMS]
-    assert [str(a.type) for a in fn.args] == [str(p.llvm_type) for p in A.KERNEL_PARAMS]
-    assert fn.calling_convention == "ptx_kernel"
-    text = str(module)
-    assert '"nvvm.maxntid"="128"' in text
-    names = {p.name for p in A.KERNEL_PARAMS}
-    assert {"q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "softmax_scale",
-            "queue", "num_sms", "max_seqlen_q", "max_seqlen_k"} <= names
+    ptx = _ptx(cfg, A.NO_MASK, "sm_80")
+    entry = ptx[ptx.index(f".entry {A.kernel_name(cfg)}("):]
+    declared = re.findall(r"\.param (\.\w+(?: \.ptr)?) [^\n]*_param_(\d+)",
+                          entry[:entry.index(")")])
+    assert [int(k) for _, k in declared] == list(range(len(KERNEL_ABI)))
+    assert [ptx_type for ptx_type, _ in declared] == [t for _, t in KERNEL_ABI]
+    assert [p.name for p in A.KERNEL_PARAMS] == [name for name, _ in KERNEL_ABI]
+    assert ".maxntid 128\n" in ptx  # the launcher's block: threads(config)
 
 
 def test_score_hook_and_custom_work_loop():
-    """A score hook (soft-capping-like) and a persistent-style work loop that calls the
-    tile body twice both build: the body must be re-entrant."""
+    """A score hook (soft-capping-like) and a persistent-style work loop that emits the tile
+    body once and twice: the body must be re-entrant, so the second emission is as whole as
+    the first (no one-time Q load, barrier or pipeline stage left to the first tile)."""
 
     def score(b, s, bi, h, q, kv):
         return b.fmul(s, ir.Constant(ir.FloatType(), 0.5))
 
-    def two_tiles(builder, args, body):
-        for tile in range(2):
-            body(builder, A.TileSeq(seq_len=args.seqlen_q, start_of_seq=ir.Constant(ir.IntType(32), 0),
-                                    prompt_offset=ir.Constant(ir.IntType(32), tile * args.config.block_m),
-                                    head_idx=ir.Constant(ir.IntType(32), 0),
-                                    prompt_idx=ir.Constant(ir.IntType(32), 0)))
+    def tiles(count):
+        def work_loop(builder, args, body):
+            for tile in range(count):
+                zero = ir.Constant(ir.IntType(32), 0)
+                offset = ir.Constant(ir.IntType(32), tile * args.config.block_m)
+                body(builder, A.TileSeq(seq_len=args.seqlen_q, start_of_seq=zero,
+                                        prompt_offset=offset, head_idx=zero, prompt_idx=zero))
+        return work_loop
 
     hooks = A.ExprHooks(mask=A.causal_hooks().mask, score=score, classify=None)
     cfg = A.default_config("bf16", 64, return_lse=True)
     target = gpu_target("sm_90a")
-    ptx = emit_ptx(optimize(A.build_attention_module(cfg, hooks, target, two_tiles), target), target)
-    assert ptx.count("bar.sync") >= 2
+    one, two = (emit_ptx(optimize(A.build_attention_module(cfg, hooks, target, tiles(n)),
+                                  target), target) for n in (1, 2))
+    for instruction in ("bar.sync", "cp.async.cg.shared.global", "ldmatrix.sync",
+                        "mma.sync.aligned", "ex2.approx"):
+        assert two.count(instruction) == 2 * one.count(instruction) > 0, instruction
