@@ -415,7 +415,8 @@ class Checker:
         value = self.expr(s.value, scope, ctx)
         if s.op != "=":
             value = self.binary_type(s.op[:-1], want, value, s.span)
-        self.expect_value(s.value, value, want, "assigned value")
+        self.expect(value, want, s.value.span, "assigned value")
+        self.fit(s.value, want)  # `x += 5000000000` too
 
     # ------------------------------------------------------------ expressions
     def compatible(self, got: Ty, want: Ty) -> bool:

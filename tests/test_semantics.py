@@ -1,0 +1,225 @@
+"""The language's integer semantics are defined, and the same in the host JIT (which the
+simulator runs), the GPU's IR and the NumPy reference (mhadsl.builtins)."""
+import ctypes
+import re
+
+import numpy as np
+import pytest
+
+from helpers import STD, checked
+from mhadsl.builtins import I32_MAX, I32_MIN, U32_MAX, float_to_int, int_binary
+from mhadsl.codegen.scheduler import SchedulerSpec, build_trace_kernel, lower_scheduler
+from mhadsl.codegen.target import gpu_target, new_module, optimize
+from mhadsl.diagnostics import MhaError
+from mhadsl.reference import evaluate_rule
+from mhadsl.simulate import Batch, HostScheduler, _Env, _TileSummary, simulate
+from mhadsl.types import I32, U32
+
+SCHEDULER = """
+scheduler Eval {{
+    may_advance = false
+    schedule = DEFAULT
+    grid_dim(batch_size, max_num_prompt_tiles) {{
+        let x = {ty}(batch_size)
+        let y = {ty}(max_num_prompt_tiles)
+        return (u32({expr}), 1, 1)
+    }}
+    initial_state(slots, ts) = State(idx = 0, slots = slots, max_idx = 0)
+    get_current_work_info(ts, state) = ts.work_info(state.idx, schedule)
+    advance(ts, state, pipeline_idx) = none
+    unsafe_seq_info(ts, state) = ts.seq_info(ts.work_info(state.idx, schedule))
+}}
+"""
+
+
+def host_jit(expr: str, ty: str):
+    """`expr` of x and y (both `ty`) compiled for the host, as the simulator runs rules."""
+    sched = HostScheduler(checked(SCHEDULER.format(ty=ty, expr=expr)), SchedulerSpec("Eval"))
+
+    def run(x: int, y: int) -> int:
+        env, ts, out = _Env(None, 1), _TileSummary(), (ctypes.c_uint32 * 3)()
+        env.fuel = 1000
+        sched.grid_dim(ctypes.byref(env), ctypes.byref(ts), x & U32_MAX, y & U32_MAX, out)
+        value = out[0]
+        return value - 2**32 if ty == "i32" and value > I32_MAX else value
+    return run
+
+
+EDGES = {
+    "+": [(I32_MAX, 1), (I32_MIN, -1), (U32_MAX, 1)],
+    "-": [(0, 1), (I32_MIN, 1)],
+    "*": [(2**31, 2), (65536, 65536), (-3, I32_MAX)],
+    "/": [(I32_MIN, -1), (7, 0), (-7, 2), (7, -2), (0, 0)],
+    "%": [(I32_MIN, -1), (-7, 0), (-7, 2), (7, -2)],
+    "<<": [(1, 31), (1, 32), (1, 40), (3, -1), (U32_MAX, 1)],
+    ">>": [(-8, 1), (-8, 32), (-8, 40), (8, 33), (-8, -1), (2**31, 31), (2**31, 32)],
+}
+
+
+@pytest.mark.parametrize("ty", [I32, U32])
+@pytest.mark.parametrize("op", EDGES)
+def test_host_jit_matches_the_python_meaning(op, ty):
+    run = host_jit(f"x {op} y", str(ty))
+    for x, y in EDGES[op]:
+        x, y = (int_binary("+", v, 0, ty) for v in (x, y))  # as the type holds them
+        assert run(x, y) == int_binary(op, x, y, ty), (x, op, y, ty)
+
+
+def test_the_python_meaning_is_the_documented_one():
+    assert int_binary("/", I32_MIN, -1, I32) == I32_MIN
+    assert int_binary("%", I32_MIN, -1, I32) == 0
+    assert int_binary("/", 5, 0, U32) == 0 and int_binary("%", 5, 0, I32) == 0
+    assert int_binary("<<", 1, 32, U32) == 0 and int_binary("<<", 1, 40, I32) == 0
+    assert int_binary(">>", -8, 40, I32) == -1 and int_binary(">>", 8, 40, I32) == 0
+    assert int_binary(">>", 2**31, 32, U32) == 0
+    assert int_binary("+", I32_MAX, 1, I32) == I32_MIN and int_binary("-", 0, 1, U32) == U32_MAX
+
+
+def test_reference_matches_the_python_meaning():
+    program = checked("""
+attention a {
+    score(s, b, h, q_idx, kv_idx) = f32((q_idx << kv_idx) + (q_idx >> kv_idx) + q_idx / kv_idx)
+}""")
+    rule = program.attentions["a"].rules[0]
+    xs = np.array([[I32_MIN], [-8], [7], [I32_MAX]])
+    ys = np.array([[-1, 0, 2, 31, 32, 40]])
+    got = evaluate_rule(rule, program, s=0.0, b=0, h=0, q_idx=xs, kv_idx=ys)
+    want = [[int_binary("+", int_binary("+", int_binary("<<", x, y, I32),
+                                        int_binary(">>", x, y, I32), I32),
+                        int_binary("/", x, y, I32), I32) for y in ys[0]] for x in xs[:, 0]]
+    assert (got == np.array(want, np.float64)).all()
+
+
+def test_float_to_int_saturates_the_same_on_the_host():
+    run = host_jit("i32(f32(x) * 1.0e10) + i32(f32(y) * -1.0e10) + i32(sqrt(f32(x) - 100.0))",
+                   "i32")
+    # +inf-ish saturates to I32_MAX, -inf-ish to I32_MIN, NaN (sqrt of a negative) to 0
+    assert run(5, 5) == int_binary("+", I32_MAX, I32_MIN, I32)
+    assert float_to_int(np.array([1e10, -1e10, np.nan, -2.5]), I32).tolist() == \
+        [I32_MAX, I32_MIN, 0, -2]
+    assert float_to_int(np.array([-5.0, 1e20]), U32).tolist() == [0, U32_MAX]
+
+
+def gpu_ir(body: str, optimized: bool = True) -> str:
+    from test_simulate import persistent_variant
+    program = checked(persistent_variant(body))
+    target = gpu_target("sm_80")
+    module = new_module("t", target)
+    lowered = lower_scheduler(module, program, SchedulerSpec("Wrong", (), 128), target)
+    build_trace_kernel(module, lowered)
+    return str(optimize(module, target)) if optimized else str(module)
+
+
+def test_gpu_ir_keeps_the_shift_guard():
+    """After O3 the GPU's IR still selects 0 for a count of 32 or more (PTX's shl.b32
+    itself clamps such counts to 32, so the backend may then fold the select away)."""
+    text = gpu_ir("state.idx += grid_dim.x << block_idx.y")
+    shl = re.search(r"(%[\w.]+) = shl i32 %[\w.]+, (%[\w.]+)\n", text)
+    assert shl, "no variable shift"
+    assert re.search(rf"icmp (samesign )?ugt i32 {re.escape(shl.group(2))}, 31", text)
+    assert re.search(rf"select i1 %[\w.]+, i32 0, i32 {re.escape(shl.group(1))}\b", text)
+
+
+def test_gpu_ir_guards_signed_division():
+    text = gpu_ir("state.idx += grid_dim.x + u32(i32(state.idx) / (i32(block_idx.z) - 1))")
+    assert "icmp eq i32" in text and re.search(r"sdiv i32 %[\w.]+, %[\w.]+", text)
+    assert re.search(r"icmp eq i32 %[\w.]+, -2147483648", text)  # the INT_MIN / -1 guard
+
+
+# ------------------------------------------------------------------ the issue's crash cases
+def persistent(body: str, extra_params: str = "") -> str:
+    from test_simulate import persistent_variant
+    text = persistent_variant(body)
+    return text.replace("scheduler Wrong {", f"scheduler Wrong({extra_params}) {{") \
+        if extra_params else text
+
+
+MUST_SHOW = Batch([0, 1, 127, 128, 129, 3000, 8192], heads=5, tile=128, ragged=True)
+
+
+def run(text: str, args=()) -> object:
+    return simulate(checked(text), SchedulerSpec("Wrong", args, 128), MUST_SHOW, ctas=7)
+
+
+def test_shift_by_40_is_defined_not_a_crash():
+    result = run(persistent("state.idx += grid_dim.x << 40"))  # adds 0: never ends
+    assert not result.terminated and "does not terminate" in result.message
+    assert result.efficiency is None
+
+
+def test_param_shift_by_32_is_defined():
+    text = persistent("state.idx += (grid_dim.x << s) + grid_dim.x", "s: u32 = 0")
+    assert run(text, (("s", 32),)).covered_exactly_once
+    assert run(text, (("s", 1),)).covered_exactly_once is False  # a real shift skips tiles
+
+
+def test_int_min_divided_by_minus_one_is_int_min():
+    body = ("let m = i32(2147483648)\n"
+            "state.idx += grid_dim.x + u32(m / (i32(pipeline_idx) * 0 - 1) - m)")
+    assert run(persistent(body)).covered_exactly_once
+
+
+def test_constant_slot_index_out_of_range_is_a_diagnostic():
+    with pytest.raises(MhaError, match=r"test.mha:\d+:\d+: error: slot index 1000000000 is "
+                                       r"out of range: a CTA has 2 slots"):
+        checked(persistent("state.slots[1000000000] = 7\nstate.idx += grid_dim.x"))
+
+
+def test_run_time_slot_index_wraps():
+    """`slots[pipeline_idx + 2]` is `slots[pipeline_idx]` on the host and the GPU alike."""
+    text = STD + """
+scheduler Wrong(num_ctas: u32 = 7) {
+    may_advance = true
+    schedule = DEFAULT
+    grid_dim(batch_size, max_num_prompt_tiles) = (num_ctas, 1, 1)
+    initial_state(slots, ts) = State(idx = block_idx.x, slots = slots, max_idx = ts.num_work())
+    get_current_work_info(ts, state) = ts.work_info(state.idx, schedule)
+    advance(ts, state, pipeline_idx) {
+        state.slots[pipeline_idx + 2] = state.idx + grid_dim.x
+        state.idx = state.slots[pipeline_idx]
+        if state.idx >= state.max_idx { return none }
+        return ts.seq_info(ts.work_info(state.idx, schedule))
+    }
+    unsafe_seq_info(ts, state) = ts.seq_info(ts.work_info(state.idx, schedule))
+}"""
+    assert run(text).covered_exactly_once
+    ir_text = gpu_ir("state.slots[pipeline_idx + 2] = 7\nstate.idx += grid_dim.x", False)
+    assert re.search(r'urem i32 %"?[\w.]+"?, 2\n', ir_text)  # the same lowering as the host's
+
+
+@pytest.mark.parametrize("source, message", [
+    ("let x: i32 = 3000000000", "integer constant 3000000000 does not fit in i32"),
+    ("let x = -1", "integer constant -1 does not fit in u32"),
+    ("state.idx += 5000000000", "integer constant 5000000000 does not fit in u32"),
+    ("let x = 1 << 70", "constant expression does not fit in 64 bits"),
+    ("let x = 1 << -1", "negative shift count"),
+    ("let x = 18446744073709551616", "integer constant does not fit in 64 bits"),
+])
+def test_literals_past_their_type_are_diagnostics(source, message):
+    with pytest.raises(MhaError, match=re.escape(message)):
+        checked(persistent(source + "\nstate.idx += grid_dim.x"))
+
+
+def test_literal_expressions_are_exact_then_wrap_only_when_cast():
+    run = host_jit("x + (1 << 40 >> 38) + u32(-1) + y", "u32")  # 4, then 0xFFFFFFFF wraps
+    assert run(10, 0) == 13
+    program = checked("attention a {\n mask(b, h, q_idx, kv_idx) = -1 < 1 && "
+                      "(1 << 40) / 1024 == 1073741824\n}")
+    assert evaluate_rule(program.attentions["a"].rules[0], program, q_idx=0, kv_idx=0)
+
+
+@pytest.mark.parametrize("advance, ok", [
+    ("if producer { barrier(sync) }", True),
+    ("if sync == ALL && !producer { barrier(sync) }", True),
+    ("if thread_idx.x == 0 { barrier(sync) }", False),
+    ("while state.idx < 3 { barrier(sync)\n state.idx += 1 }", False),
+    ("if state.idx > 99 { return none }\n barrier(sync)", False),
+    ("barrier(sync)\n if state.idx > 99 { return none }", True),
+])
+def test_barrier_only_where_every_thread_reaches_it(advance, ok):
+    text = persistent(advance + "\nstate.idx += grid_dim.x")
+    if ok:
+        checked(text)
+    else:
+        with pytest.raises(MhaError, match="every thread of the CTA must reach it"):
+            checked(text)
