@@ -5,6 +5,9 @@ Nodes compare and hash by identity (``eq=False``) so later stages can key side t
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from mhadsl.diagnostics import Span
@@ -210,3 +213,21 @@ class Module:
     span: Span
     imports: tuple[Import, ...]
     decls: tuple[Decl, ...]
+
+
+@functools.cache
+def _child_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name != "span")
+
+
+def children(node) -> Iterator:
+    """The AST nodes directly inside `node`, in source order (for walks without recursion)."""
+    for name in _child_fields(type(node)):
+        value = getattr(node, name)
+        if isinstance(value, tuple):
+            yield from value
+        elif isinstance(value, _NODES):
+            yield value
+
+
+_NODES = (Expr, Stmt, Keyword, TypeRef, Param, RuleParam, Rule, Constant, Decl, Import)

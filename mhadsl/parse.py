@@ -1,21 +1,33 @@
 """Parse driver: `.mha` text -> `ast.Module`, and import resolution.
 
 Lark runs in LALR mode with positions propagated; the tree is turned into frozen AST
-nodes by a Transformer applied after parsing. Syntax errors become `MhaError`s.
+nodes by a non-recursive Transformer applied after parsing. Syntax errors become
+`MhaError`s. Nothing here recurses on the input's nesting, and the AST's nesting is
+bounded (`MAX_EXPR_DEPTH`, `MAX_STMT_DEPTH`) so the recursive walkers of later stages
+(checker, lowering, simulator, reference) stay far from Python's recursion limit.
 """
 from __future__ import annotations
 
+import codecs
 import functools
+import gc
 from importlib import resources
 from pathlib import Path
 
-from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+from lark import Lark, Token, Transformer_NonRecursive, v_args
+from lark.exceptions import (
+    UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError,
+)
 
 from mhadsl import ast
 from mhadsl.diagnostics import Diagnostic, MhaError, Source, Span
 
 STD_PREFIX = "std/"
+# Operators and calls nested in one expression, and `if`/`while` blocks nested in one
+# body (an `else if` nests in its `else`). Far past any hand-written code, and low enough
+# that every later stage's recursive walk fits Python's default recursion limit.
+MAX_EXPR_DEPTH = 100
+MAX_STMT_DEPTH = 50
 
 # Terminal names as a user reads them in "expected ..." messages.
 _TOKEN_WORDS = {
@@ -40,7 +52,14 @@ _BINARY = {
 _UNARY = {"neg": "-", "not_": "!", "bitnot": "~"}
 
 
-class _ToAst(Transformer):
+@functools.cache
+def keywords() -> frozenset[str]:
+    """The language's reserved words (`if`, `let`, `true`, ...), read from the grammar."""
+    return frozenset(t.pattern.value for t in _parser().terminals
+                     if t.pattern.type == "str" and t.pattern.value.isidentifier())
+
+
+class _ToAst(Transformer_NonRecursive):
     """Builds AST nodes bottom-up; every node gets the span of its first token."""
 
     def __init__(self, source: Source):
@@ -62,9 +81,22 @@ class _ToAst(Transformer):
             return ast.Unary(self._span(meta), _UNARY[data], children[0])
         raise AssertionError(f"grammar rule without a builder: {data}")
 
+    def _declared_name(self, tok: Token) -> str:
+        """A name being declared; the contextual lexer reads a keyword as a name where
+        the keyword cannot stand, but a variable named `if` could never be used."""
+        if tok in keywords():
+            raise MhaError(f"'{tok}' is a keyword and cannot be used as a name", self._span(tok))
+        return str(tok)
+
     # --- atoms
     @v_args(inline=True, meta=True)
     def int_lit(self, meta, tok: Token):
+        # Nothing in the language is wider than 64 bits; longer digit strings are not even
+        # converted (Python refuses to convert over 4,300 decimal digits).
+        hex_digits = tok[2:].lstrip("0") if tok[:2].lower() == "0x" else None
+        digits = hex_digits if hex_digits is not None else tok.lstrip("0")
+        if len(digits) > (16 if hex_digits is not None else 20) or int(tok, 0) >= 2**64:
+            raise MhaError("integer constant does not fit in 64 bits", self._span(tok))
         return ast.IntLit(self._span(tok), int(tok, 0))
 
     @v_args(inline=True, meta=True)
@@ -114,11 +146,11 @@ class _ToAst(Transformer):
     # --- statements
     @v_args(inline=True, meta=True)
     def let_stmt(self, meta, name, typ, value):
-        return ast.Let(self._span(meta), str(name), typ, value, mutable=False)
+        return ast.Let(self._span(meta), self._declared_name(name), typ, value, mutable=False)
 
     @v_args(inline=True, meta=True)
     def var_stmt(self, meta, name, typ, value):
-        return ast.Let(self._span(meta), str(name), typ, value, mutable=True)
+        return ast.Let(self._span(meta), self._declared_name(name), typ, value, mutable=True)
 
     @v_args(inline=True, meta=True)
     def assign_stmt(self, meta, target, op, value):
@@ -156,14 +188,14 @@ class _ToAst(Transformer):
 
     @v_args(inline=True)
     def param(self, name: Token, typ, default):
-        return ast.Param(self._span(name), str(name), typ, default)
+        return ast.Param(self._span(name), self._declared_name(name), typ, default)
 
     def params(self, items):
         return tuple(p for p in items if p is not None)
 
     @v_args(inline=True)
     def rule_param(self, tok: Token):
-        return ast.RuleParam(self._span(tok), str(tok))
+        return ast.RuleParam(self._span(tok), self._declared_name(tok))
 
     @v_args(inline=True)
     def constant(self, name: Token, value):
@@ -186,20 +218,20 @@ class _ToAst(Transformer):
     def scheduler_decl(self, children):
         name, params, *members = children
         return ast.SchedulerDecl(
-            self._span(name), str(name), params or (),
+            self._span(name), self._declared_name(name), params or (),
             tuple(m for m in members if isinstance(m, ast.Constant)),
             tuple(m for m in members if isinstance(m, ast.Rule)))
 
     def attention_decl(self, children):
         name, *members = children
         return ast.AttentionDecl(
-            self._span(name), str(name),
+            self._span(name), self._declared_name(name),
             tuple(m for m in members if isinstance(m, ast.Constant)),
             tuple(m for m in members if isinstance(m, ast.Rule)))
 
     @v_args(inline=True)
     def fn_decl(self, name: Token, params, ret, body):
-        return ast.FnDecl(self._span(name), str(name), params, ret, body)
+        return ast.FnDecl(self._span(name), self._declared_name(name), params, ret, body)
 
     def start(self, items):
         return ast.Module(Span(self.source, 1, 1),
@@ -241,42 +273,113 @@ def _is_literal(terminal: str) -> bool:
 
 
 def parse_source(source: Source) -> ast.Module:
-    """Parse one file's text; raise `MhaError` on a syntax error."""
+    """Parse one file's text; raise `MhaError` on a syntax error or too deep nesting.
+
+    A leading byte-order mark is dropped.
+    """
+    if source.text.startswith("\ufeff"):
+        source = Source(source.name, source.text[1:])
+    # The tree is millions of objects for a big file and has no cycles: the cyclic
+    # garbage collector would only rescan it, over and over (twice the time).
+    collecting = gc.isenabled()
+    gc.disable()
     try:
-        tree = _parser().parse(source.text)
+        module = _ToAst(source).transform(_parser().parse(source.text))
     except UnexpectedInput as err:
         raise _syntax_error(source, err) from None
-    return _ToAst(source).transform(tree)
+    except VisitError as err:
+        if isinstance(err.orig_exc, MhaError):
+            raise err.orig_exc from None
+        raise
+    finally:
+        if collecting:
+            gc.enable()
+    _check_nesting(module)
+    return module
+
+
+def _check_nesting(module: ast.Module) -> None:
+    """Bound how deep statements and expressions nest, walking without recursion."""
+    stack = [(decl, 0, 0) for decl in module.decls]
+    while stack:
+        node, exprs, stmts = stack.pop()
+        if isinstance(node, ast.Expr):
+            exprs += 1
+            if exprs > MAX_EXPR_DEPTH:
+                raise MhaError(f"expression nested too deeply (limit {MAX_EXPR_DEPTH} "
+                               f"operators or calls inside each other)", node.span)
+        elif isinstance(node, ast.Stmt):
+            exprs, stmts = 0, stmts + 1
+            if stmts > MAX_STMT_DEPTH:
+                raise MhaError(f"statements nested too deeply (limit {MAX_STMT_DEPTH} blocks "
+                               f"inside each other; an 'else if' counts as one)", node.span)
+        # Reversed, so nodes come off the stack in source order: the first too deep is reported.
+        stack.extend(reversed([(child, exprs, stmts) for child in ast.children(node)]))
+
+
+def decode_source(name: str, data: bytes) -> Source:
+    """A file's bytes as a `Source`: UTF-8, with a leading byte-order mark dropped.
+
+    Bytes that are not UTF-8 are an `MhaError` pointing at the first of them.
+    """
+    data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        return Source(name, data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        line_start = data.rfind(b"\n", 0, err.start) + 1
+        shown = Source(name, data.decode("utf-8", errors="replace"))
+        span = Span(shown, data.count(b"\n", 0, err.start) + 1,
+                    len(data[line_start:err.start].decode("utf-8")) + 1)
+        raise MhaError(f"this file is not UTF-8 text: byte 0x{data[err.start]:02x} cannot be "
+                       f"decoded", span) from None
 
 
 def load_program(text: str, name: str, base_dir: Path) -> list[ast.Module]:
-    """Parse a file and, transitively, everything it imports (each file once)."""
+    """Parse a file and, transitively, everything it imports: each file once, after the
+    files it imports. An import cycle is an error naming the chain."""
     modules: list[ast.Module] = []
-    seen: set[str] = set()
-
-    def visit(source: Source, directory: Path | None) -> None:
-        module = parse_source(source)
-        for imp in module.imports:
-            key, loaded = _resolve_import(imp, directory)
-            if key not in seen:
-                seen.add(key)
-                visit(loaded, None if key.startswith(STD_PREFIX) else Path(key).parent)
-        modules.append(module)
-
-    seen.add(name)
-    visit(Source(name, text), base_dir)
+    loaded: set[str] = set()
+    top_key = name if name.startswith(STD_PREFIX) else str((base_dir / Path(name).name).resolve())
+    # The files being loaded (each importing the next), with their imports still to visit.
+    chain = [(top_key, parse_source(Source(name, text)), base_dir)]
+    pending = [iter(chain[0][1].imports)]
+    while chain:
+        key, module, directory = chain[-1]
+        imp = next(pending[-1], None)
+        if imp is None:
+            chain.pop(), pending.pop()
+            loaded.add(key)
+            modules.append(module)
+            continue
+        imp_key = _import_key(imp, directory)
+        if imp_key in loaded:
+            continue
+        keys = [k for k, _, _ in chain]
+        if imp_key in keys:
+            names = [m.span.source.name for _, m, _ in chain[keys.index(imp_key):]]
+            raise MhaError(f"import cycle: {' -> '.join(names + [names[0]])}", imp.span)
+        imported = parse_source(_read_import(imp, imp_key))
+        chain.append((imp_key, imported, None if imp_key.startswith(STD_PREFIX)
+                      else Path(imp_key).parent))
+        pending.append(iter(imported.imports))
     return modules
 
 
-def _resolve_import(imp: ast.Import, directory: Path | None) -> tuple[str, Source]:
+def _import_key(imp: ast.Import, directory: Path | None) -> str:
+    """What identifies an imported file: its standard-library name or resolved path."""
     if imp.path.startswith(STD_PREFIX):
-        file = resources.files("mhadsl").joinpath("std", imp.path[len(STD_PREFIX):])
+        return imp.path
+    return str(((directory or Path.cwd()) / imp.path).resolve())
+
+
+def _read_import(imp: ast.Import, key: str) -> Source:
+    if key.startswith(STD_PREFIX):
+        file = resources.files("mhadsl").joinpath("std", key[len(STD_PREFIX):])
         if not file.is_file():
             raise MhaError(f"no standard library file '{imp.path}'", imp.span)
-        return imp.path, Source(imp.path, file.read_text())
-    path = (directory or Path.cwd()) / imp.path
+        return decode_source(key, file.read_bytes())
     try:
-        text = path.read_text()
+        data = Path(key).read_bytes()
     except OSError as err:
         raise MhaError(f"cannot import '{imp.path}': {err.strerror}", imp.span) from None
-    return str(path.resolve()), Source(str(path), text)
+    return decode_source(key, data)
