@@ -7,25 +7,24 @@ event by event: whichever CTA finishes first takes the next index. The result pr
 every valid tile was processed exactly once and no invalid tile was, and reports the
 makespan against the lower bound max(total / ctas, longest tile).
 
-Speed: a CTA's first rules (initial_state, get_current_work_info, unsafe_seq_info) run in
-one JIT-compiled call (`start_ctas`), for the whole grid at once when CTAs never advance;
-each `advance` is one ctypes call on preallocated memory; coverage and costs are NumPy
-over tile ids. A batch of 10,000 ragged sequences (~1M work items) takes seconds.
+Speed: the event loop itself is JIT-compiled next to the rules (`_emit_event_loop`): it
+calls them directly, takes each tile's cost from a table of tile ids and logs every tile
+into one array; coverage, costs and the lower bound are NumPy over tile ids. A batch of
+10,000 ragged sequences (~1.1M work items) takes 1-5 s per standard scheduler.
 """
 from __future__ import annotations
 
 import ctypes
-import heapq
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 from llvmlite import ir
 
-from mhadsl.builtins import GRID_LIMITS
+from mhadsl.builtins import GRID_LIMITS, SLOT_COUNT
 from mhadsl.check import CheckedProgram
 from mhadsl.codegen import nvptx
-from mhadsl.codegen.lower import ENV_FIELDS, record_type
+from mhadsl.codegen.lower import ENV_FIELDS, alloca, record_type
 from mhadsl.codegen.nvptx import i8, i32, i64
 from mhadsl.codegen.scheduler import (
     HOST_LOOP_FUEL, LoweredScheduler, SchedulerSpec, lower_scheduler,
@@ -70,7 +69,6 @@ class _SeqInfo(ctypes.Structure):
                 ("prompt_idx", ctypes.c_uint32)]
 
 
-_SEQ_DTYPE = np.dtype([(name, np.uint32) for name, _ in _SeqInfo._fields_])
 _P = ctypes.c_void_p
 _U32 = ctypes.c_uint32
 _START = "mhadsl.sim.start_ctas"
@@ -134,6 +132,250 @@ def _emit_start_ctas(module: ir.Module, lowered: LoweredScheduler) -> None:
     b.ret(k)
 
 
+# The event loop's inputs: pointers (`_PTRS`) and integers (`_INTS`), each an i64 array.
+_PTRS = ("time", "ticket", "active", "linear", "pipe", "taken", "states", "slot_words", "seqs",
+         "info", "valid", "counts", "base", "lens", "cost", "log", "busy", "out")
+_INTS = ("n_slots", "n_ctas", "num_work", "step_limit", "n_seqs", "heads", "tile", "log_cap")
+_OUT = ("status", "steps", "log_n", "makespan_bits", "cta")  # i64s the loop reports
+LOG_COLUMNS = ("cta", "slot", "start", "duration", "offset", "head", "b")
+# Why the event loop stopped.
+DONE, ENDLESS_WHILE, TOO_MANY_TILES, STEP_LIMIT, LOG_FULL = range(5)
+_EVENTS = "mhadsl.sim.run_events"
+
+
+def _emit_event_loop(module: ir.Module, lowered: LoweredScheduler) -> None:
+    """`void run_events(env*, ts*, i64* ptrs, i64* ints)`: the persistent simulation.
+
+    Each slot (simulated multiprocessor) holds one CTA and its next event: the end time of
+    its current tile and a ticket (ties go to the older event). The loop takes the earliest
+    event, calls `advance` for that CTA, records the tile (its cost from the tile-id table),
+    and when a CTA is done starts the next CTA of the grid in its slot (`start_ctas`).
+    Results and the reason it stopped go to ptrs.out (`_OUT`).
+    """
+    p, f64 = nvptx.ptr(), ir.DoubleType()
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, [p, p, p, p]), _EVENTS)
+    env, ts, ptrs, ints = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    seq_t, state_t = record_type(SEQ_INFO), lowered.state_struct
+
+    def arg(table, names, name):
+        v = b.load(b.gep(table, [i32(names.index(name))], source_etype=i64), typ=i64)
+        return b.inttoptr(v, p) if table is ptrs else v
+
+    P = {n: arg(ptrs, _PTRS, n) for n in _PTRS}
+    N = {n: arg(ints, _INTS, n) for n in _INTS}
+    n_slots, n_ctas = (b.trunc(N[k], i32) for k in ("n_slots", "n_ctas"))
+
+    def at(name, index, ty):
+        return b.gep(P[name], [index], source_etype=ty)
+
+    def var(ty, init):
+        """A local in the entry block (where mem2reg finds it), set to `init` here."""
+        entry = fn.entry_basic_block
+        with b.goto_block(entry):
+            b.position_before(entry.instructions[0])
+            slot = alloca(b, ty)
+        b.store(init, slot)
+        return slot
+
+    next_cta, ticket, steps = var(i32, i32(0)), var(i64, i64(0)), var(i64, i64(0))
+    log_n, makespan = var(i64, i64(0)), var(f64, f64(0.0))
+    blocks = {n: fn.append_basic_block(n) for n in ("fill", "fill_start", "tile", "next",
+                                                   "scan", "scan_body", "pick", "stop")}
+    status, fail_cta = var(i64, i64(DONE)), var(i32, i32(0))
+    # `fill` and `tile` are shared code: where they go back to is `resume`.
+    cur_slot, now = var(i32, i32(0)), var(f64, f64(0.0))
+    init_slot = var(i32, i32(0))
+    resume = var(i32, i32(0))  # 0: initial fill loop, 1: main loop
+
+    def stop(code, cta=None):
+        b.store(i64(code), status)
+        if cta is not None:
+            b.store(cta, fail_cta)
+        b.branch(blocks["stop"])
+
+    def branch_if(cond, then_code, then_cta=None):
+        ok = fn.append_basic_block("ok")
+        bad = fn.append_basic_block("bad")
+        b.cbranch(cond, bad, ok)
+        b.position_at_end(bad)
+        stop(then_code, then_cta)
+        b.position_at_end(ok)
+
+    # ---- initial fill: slots 0 .. n_slots-1 in order, all at time 0
+    init_head = fn.append_basic_block("init")
+    b.branch(init_head)
+    b.position_at_end(init_head)
+    k = b.load(init_slot, typ=i32)
+    init_body = fn.append_basic_block("init_body")
+    b.cbranch(b.icmp_unsigned("<", k, n_slots), init_body, blocks["next"])
+    b.position_at_end(init_body)
+    b.store(k, cur_slot)
+    b.store(f64(0.0), now)
+    b.store(i32(0), resume)
+    b.branch(blocks["fill"])
+
+    # ---- fill(cur_slot, now): start grid CTAs in the slot until one has a first tile
+    b.position_at_end(blocks["fill"])
+    slot, linear = b.load(cur_slot, typ=i32), b.load(next_cta, typ=i32)
+    has_cta = b.icmp_unsigned("<", linear, n_ctas)
+    idle = fn.append_basic_block("idle")
+    b.cbranch(has_cta, blocks["fill_start"], idle)
+    b.position_at_end(idle)
+    b.store(i8(0), at("active", slot, i8))
+    b.branch(blocks["next"])
+    b.position_at_end(blocks["fill_start"])
+    b.store(b.add(linear, i32(1)), next_cta)
+    b.store(linear, at("linear", slot, i32))
+    b.store(i32(0), at("pipe", slot, i32))
+    b.store(i64(0), at("taken", slot, i64))
+    started = b.call(module.globals[_START], [
+        env, ts, linear, i32(1), at("slot_words", b.mul(slot, i32(SLOT_COUNT)), i32),
+        at("states", slot, state_t), P["info"], at("seqs", slot, seq_t), P["valid"]])
+    branch_if(b.icmp_unsigned("!=", started, i32(1)), ENDLESS_WHILE, linear)
+    first = b.icmp_unsigned("!=", b.load(P["valid"], typ=i8), i8(0))
+    no_tile = fn.append_basic_block("no_tile")
+    b.cbranch(first, blocks["tile"], no_tile)
+    b.position_at_end(no_tile)
+    t = b.load(now, typ=f64)
+    b.store(b.select(b.fcmp_ordered(">", t, b.load(makespan, typ=f64)), t,
+                     b.load(makespan, typ=f64)), makespan)
+    b.branch(blocks["fill"])
+
+    # ---- tile(cur_slot, now): record the slot's SeqInfo as a tile, schedule its end
+    b.position_at_end(blocks["tile"])
+    slot, t = b.load(cur_slot, typ=i32), b.load(now, typ=f64)
+    seq = at("seqs", slot, seq_t)
+    field = [b.load(b.gep(seq, [i32(0), i32(j)], source_etype=seq_t), typ=i32)
+             for j in range(5)]
+    seq_len, offset, head, batch = field[0], field[2], field[3], field[4]
+    duration = var(f64, f64(0.0))
+    with b.if_then(b.icmp_unsigned(">", seq_len, offset)):  # else the kernel skips it
+        n = b.load(log_n, typ=i64)
+        branch_if(b.icmp_signed(">=", n, N["log_cap"]), LOG_FULL)
+        b64, h64, o64 = (b.zext(v, i64) for v in (batch, head, offset))
+        in_batch = b.icmp_signed("<", b64, N["n_seqs"])
+        safe_b = b.select(in_batch, b64, i64(0))
+        count = b.load(at("counts", safe_b, i64), typ=i64)
+        valid = b.and_(in_batch, b.icmp_signed("<", h64, N["heads"]))
+        valid = b.and_(valid, b.icmp_signed("==", b.srem(o64, N["tile"]), i64(0)))
+        valid = b.and_(valid, b.icmp_signed("<", o64, b.load(at("lens", safe_b, i64),
+                                                                 typ=i64)))
+        tile_id = b.add(b.add(b.load(at("base", safe_b, i64), typ=i64), b.mul(h64, count)),
+                        b.sdiv(o64, N["tile"]))
+        with b.if_then(valid):
+            d = b.load(at("cost", tile_id, f64), typ=f64)
+            b.store(d, duration)
+            busy = at("busy", slot, f64)
+            b.store(b.fadd(b.load(busy, typ=f64), d), busy)
+        row = b.mul(n, i64(len(LOG_COLUMNS)))
+        cta = b.load(at("linear", slot, i32), typ=i32)
+        for j, v in enumerate((b.uitofp(cta, f64), b.uitofp(slot, f64), t,
+                               b.load(duration, typ=f64), b.uitofp(offset, f64),
+                               b.uitofp(head, f64), b.uitofp(batch, f64))):
+            b.store(v, at("log", b.add(row, i64(j)), f64))
+        b.store(b.add(n, i64(1)), log_n)
+    tk = b.add(b.load(ticket, typ=i64), i64(1))
+    b.store(tk, ticket)
+    b.store(b.fadd(t, b.load(duration, typ=f64)), at("time", slot, f64))
+    b.store(tk, at("ticket", slot, i64))
+    b.store(i8(1), at("active", slot, i8))
+    b.branch(blocks["next"])
+
+    # ---- next: back to the initial fill, or the earliest event
+    b.position_at_end(blocks["next"])
+    in_init = b.icmp_unsigned("==", b.load(resume, typ=i32), i32(0))
+    init_next = fn.append_basic_block("init_next")
+    b.cbranch(in_init, init_next, blocks["scan"])
+    b.position_at_end(init_next)
+    k = b.load(init_slot, typ=i32)
+    b.store(b.add(k, i32(1)), init_slot)
+    b.cbranch(b.icmp_unsigned("<", b.add(k, i32(1)), n_slots), init_head, blocks["scan"])
+    # (leaving the initial fill: from now on `next` goes to the scan)
+    b.position_at_end(blocks["scan"])
+    b.store(i32(1), resume)
+    best, best_t, best_k, s_var = var(i32, i32(-1)), var(f64, f64(0.0)), var(i64, i64(0)), \
+        var(i32, i32(0))
+    scan_head = fn.append_basic_block("scan_head")
+    b.branch(scan_head)
+    b.position_at_end(scan_head)
+    sk = b.load(s_var, typ=i32)
+    b.cbranch(b.icmp_unsigned("<", sk, n_slots), blocks["scan_body"], blocks["pick"])
+    b.position_at_end(blocks["scan_body"])
+    st, tk = b.load(at("time", sk, f64), typ=f64), b.load(at("ticket", sk, i64), typ=i64)
+    bt, bk = b.load(best_t, typ=f64), b.load(best_k, typ=i64)
+    earlier = b.or_(b.icmp_signed("<", b.load(best, typ=i32), i32(0)),
+                    b.or_(b.fcmp_ordered("<", st, bt),
+                          b.and_(b.fcmp_ordered("==", st, bt), b.icmp_signed("<", tk, bk))))
+    take = b.and_(b.icmp_unsigned("!=", b.load(at("active", sk, i8), typ=i8), i8(0)), earlier)
+    with b.if_then(take):
+        b.store(sk, best)
+        b.store(st, best_t)
+        b.store(tk, best_k)
+    b.store(b.add(sk, i32(1)), s_var)
+    b.branch(scan_head)
+
+    b.position_at_end(blocks["pick"])
+    slot = b.load(best, typ=i32)
+    have = fn.append_basic_block("have")
+    b.cbranch(b.icmp_signed("<", slot, i32(0)), blocks["stop"], have)
+    b.position_at_end(have)
+    n_steps = b.add(b.load(steps, typ=i64), i64(1))
+    b.store(n_steps, steps)
+    branch_if(b.icmp_signed(">", n_steps, N["step_limit"]), STEP_LIMIT)
+    t = b.load(best_t, typ=f64)
+    b.store(slot, cur_slot)
+    b.store(t, now)
+    finished = fn.append_basic_block("finished")
+    if lowered.may_advance:
+        _emit_advance(b, fn, lowered, env, ts, at, slot, N, branch_if, blocks["tile"], finished)
+    else:  # one tile per CTA: its slot goes to the next CTA of the grid
+        b.branch(finished)
+    b.position_at_end(finished)
+    m = b.load(makespan, typ=f64)
+    b.store(b.select(b.fcmp_ordered(">", t, m), t, m), makespan)
+    b.branch(blocks["fill"])
+
+    b.position_at_end(blocks["stop"])
+    out = P["out"]
+    for j, v in enumerate((b.load(status, typ=i64), b.load(steps, typ=i64),
+                           b.load(log_n, typ=i64), b.bitcast(b.load(makespan, typ=f64), i64),
+                           b.zext(b.load(fail_cta, typ=i32), i64))):
+        b.store(v, b.gep(out, [i32(j)], source_etype=i64))
+    b.ret_void()
+
+
+def _emit_advance(b: ir.IRBuilder, fn: ir.Function, lowered: LoweredScheduler, env, ts, at,
+                  slot, N, branch_if, tile_bb: ir.Block, finished_bb: ir.Block) -> None:
+    """Call `advance` for the CTA in `slot`: on to tile_bb with a SeqInfo, else finished_bb."""
+    state_t, seq_t = lowered.state_struct, record_type(SEQ_INFO)
+    linear = b.load(at("linear", slot, i32), typ=i32)
+    gx = b.load(b.gep(env, [i32(0), i32(ENV_FIELDS.index("grid_dim")), i32(0)],
+                      source_etype=lowered.env_struct), typ=i32)
+    gy = b.load(b.gep(env, [i32(0), i32(ENV_FIELDS.index("grid_dim")), i32(1)],
+                      source_etype=lowered.env_struct), typ=i32)
+    for axis, v in enumerate((b.urem(linear, gx), b.urem(b.udiv(linear, gx), gy),
+                              b.udiv(linear, b.mul(gx, gy)))):
+        b.store(v, b.gep(env, [i32(0), i32(ENV_FIELDS.index("block_idx")), i32(axis)],
+                         source_etype=lowered.env_struct))
+    fuel = b.gep(env, [i32(0), i32(ENV_FIELDS.index("fuel"))], source_etype=lowered.env_struct)
+    b.store(i64(HOST_LOOP_FUEL), fuel)
+    pipe = at("pipe", slot, i32)
+    p_idx = b.load(pipe, typ=i32)
+    more = b.call(lowered.functions[lowered.advance_name(True, "ALL")],
+                  [env, ts, at("states", slot, state_t), p_idx, at("seqs", slot, seq_t)])
+    branch_if(b.icmp_signed("<=", b.load(fuel, typ=i64), i64(0)), ENDLESS_WHILE, linear)
+    b.store(b.xor(p_idx, i32(1)), pipe)
+    advanced = fn.append_basic_block("advanced")
+    b.cbranch(more, advanced, finished_bb)
+    b.position_at_end(advanced)
+    taken = at("taken", slot, i64)
+    n_taken = b.add(b.load(taken, typ=i64), i64(1))
+    b.store(n_taken, taken)
+    branch_if(b.icmp_signed(">", n_taken, N["num_work"]), TOO_MANY_TILES, linear)  # the GPU's
+    b.branch(tile_bb)
+
+
 class HostScheduler:
     """A scheduler specialisation compiled for this CPU, callable rule by rule."""
 
@@ -141,6 +383,7 @@ class HostScheduler:
         module = new_module(f"host_{spec.name}", HOST)
         lowered = lower_scheduler(module, program, spec, HOST)
         _emit_start_ctas(module, lowered)
+        _emit_event_loop(module, lowered)
         self.may_advance = lowered.may_advance
         self.grid_rule = next(r for r in lowered.decl.rules if r.name == "grid_dim")
         self.llvm_ir = str(module)
@@ -151,7 +394,7 @@ class HostScheduler:
             return ctypes.CFUNCTYPE(restype, *argtypes)(self.jit.address(name))
 
         self.grid_dim = fn(names["grid_dim"], None, _P, _P, _U32, _U32, _P)
-        self.start_ctas = fn(_START, _U32, _P, _P, _U32, _U32, _P, _P, _P, _P, _P)
+        self.run_events = fn(_EVENTS, None, _P, _P, _P, _P)
         self.advance = fn(names[lowered.advance_name(True, "ALL")], ctypes.c_bool,
                           _P, _P, _P, _U32, _P)
 
@@ -332,27 +575,15 @@ class _Run:
         self.env_p, self.ts_p = ctypes.addressof(self.env), ctypes.addressof(self.ts)
         # Per simulated slot: the running CTA's state, shared slots and last SeqInfo.
         self.states = (_State * ctas)()
-        self.slot_words = (ctypes.c_uint32 * (2 * ctas))()
+        self.slot_words = (ctypes.c_uint32 * (SLOT_COUNT * ctas))()
         self.seqs = (_SeqInfo * ctas)()
         self.info = _WorkInfo()
         self.valid = ctypes.c_uint8()
-        self.busy = [0.0] * ctas
+        self.busy: list[float] = []
         self.makespan = 0.0
         # One row per processed tile (its SeqInfo valid): LOG_COLUMNS.
-        self.log: list[tuple] = []
-
-    def start_one(self, linear: int, slot: int) -> bool:
-        """Run CTA `linear`'s first rules in `slot`: True when it has a first tile."""
-        a = ctypes.addressof
-        started = self.sched.start_ctas(
-            self.env_p, self.ts_p, linear, 1, a(self.slot_words) + 8 * slot,
-            a(self.states[slot]), a(self.info), a(self.seqs[slot]), a(self.valid))
-        if started != 1:
-            raise _NoTermination("a `while` loop in the scheduler never ends")
-        return bool(self.valid.value)
-
-
-LOG_COLUMNS = ("cta", "slot", "start", "duration", "offset", "head", "b")
+        self.log = np.zeros((0, len(LOG_COLUMNS)))  # one row per processed tile
+        self.stopped = ""  # why the run ended early, when it did without failing
 
 
 def simulate(program: CheckedProgram, spec: SchedulerSpec, batch: Batch, *, ctas: int = 132,
@@ -380,11 +611,8 @@ def simulate(program: CheckedProgram, spec: SchedulerSpec, batch: Batch, *, ctas
     result = SimulationResult(spec.name, grid, ctas, False, True, 0.0, 0.0, None, 0.0,
                               ids.total)
     try:
-        if sched.may_advance:
-            _run_persistent(run, ids, costs, n_ctas, num_work,
-                            max_steps or 2 * (num_work + n_ctas) + 10_000)
-        else:
-            _run_transient(run, ids, costs, n_ctas)
+        _run_events(run, ids, costs, n_ctas, num_work,
+                    max_steps or 2 * (num_work + n_ctas) + 10_000)
     except _NoTermination as stop:
         result.terminated = False
         result.message = f"scheduler does not terminate: {stop}"
@@ -392,119 +620,46 @@ def simulate(program: CheckedProgram, spec: SchedulerSpec, batch: Batch, *, ctas
     return result
 
 
-def _run_transient(run: _Run, ids: _TileIds, costs: np.ndarray, n_ctas: int) -> None:
-    """CTAs that do one tile each: their first rules run in one batched call per chunk,
-    then list scheduling on the slots, in grid order."""
-    chunk = 1 << 16
-    seqs = np.zeros(min(n_ctas, chunk), _SEQ_DTYPE)
-    valid = np.zeros(min(n_ctas, chunk), np.uint8)
-    scratch = (ctypes.c_uint32 * 2)()
-    heap = [(0.0, k, k) for k in range(run.ctas)]  # (free at, tie-break, slot)
-    ticket = run.ctas
-    busy, log = run.busy, run.log
-    for first in range(0, n_ctas, chunk):
-        count = min(chunk, n_ctas - first)
-        started = run.sched.start_ctas(run.env_p, run.ts_p, first, count,
-                                       ctypes.addressof(scratch), ctypes.addressof(run.states[0]),
-                                       ctypes.addressof(run.info), seqs.ctypes.data,
-                                       valid.ctypes.data)
-        if started != count:
-            raise _NoTermination("a `while` loop in the scheduler never ends")
-        s = seqs[:count]
-        works = np.flatnonzero((valid[:count] != 0) & (s["seq_len"] > s["prompt_offset"]))
-        offset, head, b = (s[f][works].astype(np.int64) for f in
-                           ("prompt_offset", "head_idx", "prompt_idx"))
-        tile = ids.ids(offset, head, b)
-        durations = np.where(tile >= 0, costs[np.maximum(tile, 0)] if len(costs) else 0, 0.0)
-        for k, duration, o, h, bb in zip((works + first).tolist(), durations.tolist(),
-                                         offset.tolist(), head.tolist(), b.tolist()):
-            now, _, slot = heap[0]
-            log.append((k, slot, now, duration, o, h, bb))
-            if duration:  # a zero-length tile leaves the slot free at the same time
-                heapq.heapreplace(heap, (now + duration, ticket, slot))
-                ticket += 1
-                busy[slot] += duration
-                if now + duration > run.makespan:
-                    run.makespan = now + duration
-
-
-def _run_persistent(run: _Run, ids: _TileIds, costs: np.ndarray, n_ctas: int, num_work: int,
-                    step_limit: int) -> None:
-    """CTAs that advance: event by event, the CTA that finishes first takes the next step.
-
-    The hot loop: one ctypes call per step, SeqInfo read through a memoryview, the tile's
-    cost from the tile-id table."""
-    advance, env_p, ts_p, env = run.sched.advance, run.env_p, run.ts_p, run.env
-    seq_words = memoryview(run.seqs).cast("B").cast("I")  # 5 u32 per slot
-    state_p = [ctypes.addressof(s) for s in run.states]
-    seq_p = [ctypes.addressof(s) for s in run.seqs]
-    cost_list, lens, counts = costs.tolist(), ids.batch.seqlens, ids.counts.tolist()
-    base, heads, tile, n_seqs = ids.base.tolist(), ids.batch.heads, ids.batch.tile, len(lens)
-    linear_of, pipeline, taken = [0] * run.ctas, [0] * run.ctas, [0] * run.ctas
-    gx, gy = run.grid[0], run.grid[1]
-    busy, log = run.busy, run.log
-    free = list(range(run.ctas))[::-1]
-    events: list[tuple[float, int, int]] = []  # (time, tie-break, slot)
-    ticket = next_cta = steps = 0
-
-    def run_tile(slot: int, now: float) -> None:
-        nonlocal ticket
-        k = 5 * slot
-        seq_len, offset, head, b = seq_words[k], seq_words[k + 2], seq_words[k + 3], \
-            seq_words[k + 4]
-        duration = 0.0
-        if seq_len > offset:  # the kernel skips a tile past its sequence's end
-            if b < n_seqs and head < heads and offset % tile == 0 and offset < lens[b]:
-                duration = cost_list[base[b] + head * counts[b] + offset // tile]
-                busy[slot] += duration
-            log.append((linear_of[slot], slot, now, duration, offset, head, b))
-        ticket += 1
-        heapq.heappush(events, (now + duration, ticket, slot))
-
-    def fill(now: float) -> None:
-        """Start pending CTAs on free slots; one with no first tile frees its slot again."""
-        nonlocal next_cta
-        while free and next_cta < n_ctas:
-            slot = free.pop()
-            linear, next_cta = next_cta, next_cta + 1
-            linear_of[slot], pipeline[slot], taken[slot] = linear, 0, 0
-            if run.start_one(linear, slot):
-                run_tile(slot, now)
-            else:
-                free.append(slot)
-                run.makespan = max(run.makespan, now)
-
-    fill(0.0)
-    block_idx = env.block_idx
-    while events:
-        now, _, slot = heapq.heappop(events)
-        steps += 1
-        if steps > step_limit:
-            raise _NoTermination(f"more than {step_limit} advance steps for {num_work} work "
-                                 f"items")
-        linear = linear_of[slot]
-        block_idx[0], block_idx[1], block_idx[2] = \
-            linear % gx, (linear // gx) % gy, linear // (gx * gy)
-        env.fuel = HOST_LOOP_FUEL
-        more = advance(env_p, ts_p, state_p[slot], pipeline[slot], seq_p[slot])
-        if env.fuel <= 0:
-            raise _NoTermination("a `while` loop in the scheduler never ends")
-        pipeline[slot] ^= 1
-        if more:
-            taken[slot] += 1
-            if taken[slot] > num_work:  # the GPU's bound (emit_work_loop)
-                raise _NoTermination(f"CTA {linear} took more than all {num_work} work items "
-                                     f"plus one")
-            run_tile(slot, now)
-        else:
-            free.append(slot)
-            run.makespan = max(run.makespan, now)
-            fill(now)
+def _run_events(run: _Run, ids: _TileIds, costs: np.ndarray, n_ctas: int, num_work: int,
+                step_limit: int) -> None:
+    """The grid on the slots, event by event, in the JIT-compiled loop (`_emit_event_loop`)."""
+    n = run.ctas
+    arrays = {"time": np.zeros(n), "ticket": np.zeros(n, np.int64),
+              "active": np.zeros(n, np.uint8), "linear": np.zeros(n, np.int32),
+              "pipe": np.zeros(n, np.int32), "taken": np.zeros(n, np.int64),
+              "counts": ids.counts.astype(np.int64), "base": ids.base.astype(np.int64),
+              "lens": np.asarray(ids.batch.seqlens, np.int64), "cost": costs,
+              # A correct run records each tile once: one row more proves a repeat.
+              "log": np.zeros((ids.total + 1, len(LOG_COLUMNS))),
+              "busy": np.zeros(n), "out": np.zeros(len(_OUT), np.int64)}
+    a = ctypes.addressof
+    memory = {"states": a(run.states), "slot_words": a(run.slot_words), "seqs": a(run.seqs),
+              "info": a(run.info), "valid": a(run.valid)}
+    ptrs = np.array([memory[k] if k in memory else arrays[k].ctypes.data for k in _PTRS],
+                    np.uint64).view(np.int64)
+    ints = np.array([{"n_slots": n, "n_ctas": n_ctas, "num_work": num_work,
+                      "step_limit": step_limit, "n_seqs": len(ids.batch.seqlens),
+                      "heads": ids.batch.heads, "tile": ids.batch.tile,
+                      "log_cap": ids.total + 1}[k] for k in _INTS], np.int64)
+    run.sched.run_events(run.env_p, run.ts_p, ptrs.ctypes.data, ints.ctypes.data)
+    status, steps, log_n, makespan_bits, cta = arrays["out"].tolist()
+    run.log = arrays["log"][:log_n]
+    run.busy = arrays["busy"].tolist()
+    run.makespan = float(np.int64(makespan_bits).view(np.float64))
+    if status == ENDLESS_WHILE:
+        raise _NoTermination("a `while` loop in the scheduler never ends")
+    if status == TOO_MANY_TILES:
+        raise _NoTermination(f"CTA {cta} took more than all {num_work} work items plus one")
+    if status == STEP_LIMIT:
+        raise _NoTermination(f"more than {step_limit} advance steps for {num_work} work items")
+    if status == LOG_FULL:
+        run.stopped = (f"stopped after {log_n} tiles, more than the batch's {ids.total}: "
+                       f"some tile was processed twice")
 
 
 def _finish(result: SimulationResult, run: _Run, ids: _TileIds, costs: np.ndarray) -> None:
     """Coverage over tile ids, the lower bound, efficiency and the message."""
-    rows = np.array(run.log, np.float64).reshape(-1, len(LOG_COLUMNS))
+    rows = run.log
     trace = {name: rows[:, k] if name in ("start", "duration") else rows[:, k].astype(np.int64)
              for k, name in enumerate(LOG_COLUMNS)}
     visited = ids.ids(trace["offset"], trace["head"], trace["b"])
@@ -534,6 +689,8 @@ def _finish(result: SimulationResult, run: _Run, ids: _TileIds, costs: np.ndarra
                     ("repeated", result.repeated), ("invalid", result.invalid)) if v]
         result.message = ("every valid tile processed exactly once" if not problems
                           else "; ".join(problems) + " tiles")
+        if run.stopped:
+            result.message += f" ({run.stopped})"
 
 
 def plot_timeline(result: SimulationResult, path: str) -> None:

@@ -1,10 +1,13 @@
 """The host simulator proves coverage, catches wrong schedulers, and never hangs."""
 import random
+import re
+import time
 
 import pytest
 
 from helpers import EXAMPLES, STD, checked
 from mhadsl.codegen.scheduler import SchedulerSpec
+from mhadsl.diagnostics import MhaError
 from mhadsl.pipeline import front_end
 from mhadsl.simulate import Batch, simulate
 
@@ -121,3 +124,70 @@ def test_lpt_beats_static_stride_on_long_causal():
     assert lpt.covered_exactly_once and stride.covered_exactly_once
     assert lpt.makespan < stride.makespan
     assert lpt.efficiency > 0.95
+
+
+def grid_variant(grid: str) -> str:
+    return persistent_variant("state.idx += grid_dim.x").replace(
+        "grid_dim(batch_size, max_num_prompt_tiles) = (num_sms, 1, 1)",
+        f"grid_dim(batch_size, max_num_prompt_tiles) = {grid}")
+
+
+def test_many_idle_ctas_do_not_recurse():
+    """600 CTAs for 1 tile: 599 start with nothing to do (a RecursionError once)."""
+    result = simulate(checked(grid_variant("(600, 1, 1)")), SchedulerSpec("Wrong", (), 128),
+                      Batch([1], heads=1, tile=128, ragged=False), ctas=7)
+    assert result.covered_exactly_once and result.visits == {0: [(0, 0, 0)]}
+
+
+@pytest.mark.parametrize("grid, dim", [("(4000000000, 1, 1)", "x below 2^31"),
+                                       ("(1, 1, 70000)", "y, z at most 65535")])
+def test_grid_past_cuda_limits_is_an_error_at_grid_dim(grid, dim):
+    with pytest.raises(MhaError, match=rf"test.mha:\d+:5: error: grid_dim gives .* CUDA "
+                                       rf"allows .*{re.escape(dim)}") as err:
+        simulate(checked(grid_variant(grid)), SchedulerSpec("Wrong", (), 128), MUST_SHOW, ctas=7)
+    assert "grid_dim(batch_size" in str(err.value)  # the source line, with its caret
+
+
+def test_grid_past_the_simulator_cap_is_an_error():
+    with pytest.raises(MhaError, match="the simulator runs at most 16777216"):
+        simulate(checked(grid_variant("(2000000000, 1, 1)")), SchedulerSpec("Wrong", (), 128),
+                 MUST_SHOW, ctas=7)
+
+
+@pytest.mark.parametrize("seqlens, message", [
+    ([2**31], "between 0 and 2147483647"), ([2**32], "between 0 and 2147483647"),
+    ([-1], "between 0"), ([2**30, 2**30], "at most 2147483647 rows"),
+    ([2**30] * 4, "the simulator takes at most"),
+])
+def test_batches_past_the_limits_are_value_errors(seqlens, message):
+    with pytest.raises(ValueError, match=message):
+        Batch(seqlens, heads=64, tile=16, ragged=len(seqlens) == 2)
+
+
+def test_failed_runs_report_no_efficiency():
+    program = checked(persistent_variant("state.idx += grid_dim.x - 1"))  # repeats tiles
+    result = simulate(program, SchedulerSpec("Wrong", (), 128), MUST_SHOW, ctas=7)
+    assert not result.covered_exactly_once and result.efficiency is None
+    assert result.summary()["efficiency"] is None
+
+
+def test_a_repeating_scheduler_stops_when_it_has_done_more_than_all_tiles():
+    program = checked(persistent_variant("state.idx = state.idx"))  # the same tile forever
+    result = simulate(program, SchedulerSpec("Wrong", (), 128),
+                      Batch([1000], heads=1, tile=128, ragged=False), ctas=7)
+    assert not result.covered_exactly_once and result.repeated
+    assert "stopped after 9 tiles, more than the batch's 8" in result.message
+
+
+@pytest.mark.parametrize("name", ["Transient", "Persistent", "Queued", "LPT"])
+def test_ten_thousand_sequences_simulate_in_seconds(name):
+    """~1.1M work items; the Python event loop took 25-70 s, the compiled one 1-2 s."""
+    rng = random.Random(0)
+    batch = Batch([rng.randrange(0, 1700) for _ in range(10_000)], heads=16, tile=128,
+                  ragged=True)
+    start = time.perf_counter()
+    result = simulate(checked(STD), SchedulerSpec(name, (), 128), batch, ctas=132)
+    elapsed = time.perf_counter() - start
+    assert result.covered_exactly_once and result.tiles > 1_000_000
+    assert 0.9 < result.efficiency <= 1
+    assert elapsed < 20, f"{name}: {elapsed:.1f} s"
