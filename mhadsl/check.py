@@ -18,6 +18,7 @@ from mhadsl.builtins import (
     MATH_FUNCTIONS, SLOT_COUNT, LiteralError, fits, fold_call, fold_literal,
 )
 from mhadsl.diagnostics import DiagnosticSink, MhaError, Source, Span
+from mhadsl.parse import MAX_EXPR_DEPTH, MAX_STMT_DEPTH
 from mhadsl.types import (
     BOOL, COUNTER, DIM3, ERROR, F32, GRID, I32, INT_LITERAL, INTEGERS, MUTABLE_FIELDS,
     NONE, NUMBERS, RECORD_FIELDS, RECORD_PROPERTIES, SCHEDULE, SEQ_INFO,
@@ -56,6 +57,11 @@ ATTENTION_RESULTS = {"mask": BOOL, "score": F32}
 ATTENTION_IMPLICIT = {"seqlen_q": I32, "seqlen_k": I32}
 
 DTYPES = ("bf16", "fp16")
+# Fns are inlined where they are called, and lowered by a recursive walk: a body with its
+# calls inlined may nest about as deep as the parser lets one body nest, and its size is
+# bounded so that a chain of fns each calling the last twice cannot grow exponentially.
+MAX_INLINED_DEPTH = MAX_EXPR_DEPTH + MAX_STMT_DEPTH + 10
+MAX_INLINED_NODES = 20_000
 
 
 @dataclass(frozen=True)
@@ -142,7 +148,48 @@ class Checker:
             self.check_scheduler(sched)
         for attn in self.out.attentions.values():
             self.check_attention(attn)
+        self.check_inlining()
         return self.out
+
+    def check_inlining(self) -> None:
+        """Bound how deep and how big each body grows once the fns it calls are inlined."""
+        # fn -> (depth, nodes) with its calls inlined; None once reported (its callers are not).
+        inlined: dict[str, tuple[int, int] | None] = {}
+        for fn in self.out.fns.values():
+            inlined[fn.name] = self.inlined_size(fn.body, inlined, fn.span, f"fn '{fn.name}'")
+        for decl in (*self.out.schedulers.values(), *self.out.attentions.values()):
+            for part in ast.children(decl):
+                self.inlined_size((part,), inlined, part.span, f"'{part.name}'")
+
+    def inlined_size(self, roots, inlined: dict[str, tuple[int, int] | None], span: Span,
+                     what: str) -> tuple[int, int] | None:
+        """Walks without recursion; only calls to earlier fns inline (others are errors)."""
+        depth = nodes = 0
+        calls_reported = False
+        stack = [(root, 1) for root in roots]
+        while stack:
+            node, level = stack.pop()
+            nodes += 1
+            depth = max(depth, level)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id in inlined:
+                callee = inlined[node.func.id]
+                if callee is None:
+                    calls_reported = True
+                else:
+                    depth, nodes = max(depth, level + callee[0]), nodes + callee[1]
+            stack.extend((child, level + 1) for child in ast.children(node))
+        if calls_reported:
+            return None
+        if depth > MAX_INLINED_DEPTH:
+            self.error(span, f"{what} nests {depth} levels deep once the fns it calls are "
+                             f"inlined (limit {MAX_INLINED_DEPTH})")
+        elif nodes > MAX_INLINED_NODES:
+            self.error(span, f"{what} is too big: {nodes} expressions and statements once the "
+                             f"fns it calls are inlined (limit {MAX_INLINED_NODES})")
+        else:
+            return depth, nodes
+        return None
 
     def check_type_ref(self, ref: ast.TypeRef) -> Ty:
         ty = TYPE_NAMES.get(ref.name)

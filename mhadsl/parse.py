@@ -93,11 +93,11 @@ class _ToAst(Transformer_NonRecursive):
     def int_lit(self, meta, tok: Token):
         # Nothing in the language is wider than 64 bits; longer digit strings are not even
         # converted (Python refuses to convert over 4,300 decimal digits).
-        hex_digits = tok[2:].lstrip("0") if tok[:2].lower() == "0x" else None
-        digits = hex_digits if hex_digits is not None else tok.lstrip("0")
-        if len(digits) > (16 if hex_digits is not None else 20) or int(tok, 0) >= 2**64:
+        base = 16 if tok[:2].lower() == "0x" else 10
+        digits = (tok[2:] if base == 16 else tok).lstrip("0") or "0"
+        if len(digits) > (16 if base == 16 else 20) or int(digits, base) >= 2**64:
             raise MhaError("integer constant does not fit in 64 bits", self._span(tok))
-        return ast.IntLit(self._span(tok), int(tok, 0))
+        return ast.IntLit(self._span(tok), int(digits, base))
 
     @v_args(inline=True, meta=True)
     def float_lit(self, meta, tok: Token):

@@ -1,0 +1,329 @@
+"""Hostile .mha input: every case ends in diagnostics (file:line:col, the line, a caret)
+or a successful compile to PTX -- never a Python exception, a hang or a memory blow-up."""
+import os
+import re
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from mhadsl.check import check_program
+from mhadsl.diagnostics import MAX_ERRORS, MhaError
+from mhadsl.parse import MAX_EXPR_DEPTH, MAX_STMT_DEPTH, load_program
+from mhadsl.pipeline import CompileOptions, compile_stages, front_end
+
+STD = 'import "std/schedulers.mha"\n'
+
+
+def scheduler(advance: str = "", *, name: str = "S", max_idx: str = "ts.num_work()") -> str:
+    """A complete scheduler whose `advance` runs `advance`'s statements, then ends."""
+    return f"""scheduler {name} {{
+ may_advance = true
+ schedule = DEFAULT
+ grid_dim(b, t) = (1, 1, 1)
+ initial_state(slots, ts) = State(idx = block_idx.x, slots = slots, max_idx = {max_idx})
+ get_current_work_info(ts, state) = ts.work_info(state.idx, schedule)
+ advance(ts, state, p) {{
+ {advance}
+ return none }}
+ unsafe_seq_info(ts, state) = ts.seq_info(ts.work_info(state.idx, schedule))
+}}
+"""
+
+
+def attention(*lines: str) -> str:
+    return STD + "attention A {\n " + "\n ".join(lines) + "\n}\n"
+
+
+def outcome(text: str, tmp_path: Path, name: str = "h.mha") -> str:
+    """Compile to PTX: "ok", or the rendered diagnostics, each checked for its shape."""
+    (tmp_path / name).write_text(text)
+    try:
+        compile_stages(text, name, CompileOptions(), until="ptx", base_dir=tmp_path)
+    except MhaError as err:
+        for d in err.diagnostics:
+            rendered = d.render()
+            assert re.match(r"[^:\n]+:\d+:\d+: error: ", rendered), rendered
+            assert rendered.count("\n") == 2 and rendered.endswith("^"), rendered
+        return err.render()
+    return "ok"
+
+
+def error_of(text: str, tmp_path: Path, name: str = "h.mha") -> str:
+    result = outcome(text, tmp_path, name)
+    assert result != "ok", "expected a diagnostic"
+    return result
+
+
+def test_empty_file(tmp_path):
+    assert outcome("", tmp_path) == "ok"
+
+
+def test_only_comments(tmp_path):
+    assert outcome("// a comment\n/* a block\n   comment */\n// last, no newline", tmp_path) == "ok"
+
+
+def test_non_utf8_bytes_point_at_the_first_bad_byte(tmp_path):
+    (tmp_path / "bad.mha").write_bytes(b"// ok\nfn f() -> u32 { return 1 } // caf\xe9\n")
+    (tmp_path / "top.mha").write_text('import "bad.mha"\n')
+    with pytest.raises(MhaError) as info:
+        front_end('import "bad.mha"\n', "top.mha", tmp_path)
+    (d,) = info.value.diagnostics
+    assert d.render().startswith(f"{tmp_path / 'bad.mha'}:2:34: error: this file is not UTF-8 "
+                                 f"text: byte 0xe9 cannot be decoded")
+
+
+def test_nul_byte(tmp_path):
+    message = error_of("fn f() -> u32 { return 1 }\x00\n", tmp_path)
+    assert message.startswith("h.mha:1:27: error: syntax error: unexpected character '\\x00'")
+    assert "\x00" not in message  # shown as '?', so the caret lines up on a terminal
+
+
+def test_utf8_byte_order_mark_is_accepted(tmp_path):
+    assert outcome("\ufeff" + STD + scheduler(), tmp_path) == "ok"
+    (tmp_path / "bom.mha").write_bytes(b"\xef\xbb\xbf" + scheduler(name="B").encode())
+    assert outcome('import "bom.mha"\n', tmp_path) == "ok"
+
+
+def _repeat(make, size: int) -> str:
+    parts, total = [], 0
+    while total < size:
+        parts.append(make(len(parts)))
+        total += len(parts[-1])
+    return "".join(parts)
+
+
+def test_five_megabyte_file(tmp_path):
+    text = _repeat(lambda i: f"// line {i}: a long comment, as a generated file might hold\n"
+                             + (scheduler(name=f"S{i}") if i % 1000 == 0 else ""), 5_000_000)
+    (tmp_path / "big.mha").write_text(text)
+    start = time.perf_counter()
+    _, program = front_end(text, "big.mha")
+    assert len(program.schedulers) > 50
+    assert time.perf_counter() - start < 30  # a few seconds
+
+
+def _check_seconds(text: str) -> float:
+    start = time.perf_counter()
+    try:
+        front_end(text, "big.mha")
+    except MhaError as err:
+        err.render()
+    return time.perf_counter() - start
+
+
+def test_front_end_time_is_linear_in_the_input():
+    """4x the schedulers (distinct, then all duplicates) take about 4x the time, not 16x."""
+    for make in (lambda i: scheduler("state.idx += grid_dim.x", name=f"S{i}"),
+                 lambda i: scheduler(name="Same")):
+        small, large = _check_seconds(_repeat(make, 100_000)), _check_seconds(_repeat(make, 400_000))
+        assert large < 8 * small, (small, large)
+
+
+def test_many_duplicates_list_a_bounded_number_of_errors():
+    text = _repeat(lambda i: scheduler(name="Same"), 1_000_000)
+    modules = load_program(text, "dup.mha", Path.cwd())
+    tracemalloc.start()
+    with pytest.raises(MhaError) as info:
+        check_program(modules)
+    rendered = info.value.render()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    duplicates = text.count("scheduler Same") - 1
+    assert len(info.value.diagnostics) == MAX_ERRORS
+    assert rendered.endswith(f"... and {duplicates - MAX_ERRORS} more errors")
+    assert rendered.count("error: 'Same' is already declared") == MAX_ERRORS
+    # Rendering split the whole text into lines once per error: 1 GB for 5 MB.
+    assert peak < 50_000_000
+
+
+def test_two_thousand_deep_parentheses_are_one_expression(tmp_path):
+    assert outcome(STD + scheduler("state.idx += " + "(" * 2000 + "1" + ")" * 2000),
+                   tmp_path) == "ok"
+
+
+def test_deeply_nested_calls_are_a_diagnostic(tmp_path):
+    message = error_of(STD + scheduler("state.idx += " + "min(" * 2000 + "1" + ", 1)" * 2000),
+                       tmp_path)
+    # The 100th call: its name is the 101st level.
+    assert f"h.mha:9:{15 + 4 * (MAX_EXPR_DEPTH - 1)}: error: expression nested too deeply" in message
+
+
+def test_twenty_thousand_term_sum(tmp_path):
+    message = error_of(STD + scheduler("state.idx += " + " + ".join(["1"] * 20_000)), tmp_path)
+    assert message.startswith("h.mha:9:15: error: expression nested too deeply (limit 100")
+
+
+def test_integer_literal_past_64_bits(tmp_path):
+    for literal in ("18446744073709551616", "0x10000000000000000", "9" * 5000):
+        message = error_of(STD + scheduler(max_idx=literal), tmp_path)
+        assert message.startswith("h.mha:6:79: error: integer constant does not fit in 64 bits")
+    # Leading zeros are not digits of the value.
+    assert outcome(STD + scheduler(max_idx="0" * 5000 + "7"), tmp_path) == "ok"
+
+
+def test_shift_by_40(tmp_path):
+    for advance in ("state.idx += grid_dim.x << 40", "state.idx = state.idx >> 40",
+                    "let k = 40\n state.idx <<= k"):
+        outcome(STD + scheduler(advance), tmp_path)  # diagnostics or PTX, no crash
+
+
+def test_recursion_between_fns(tmp_path):
+    message = error_of("fn f(a: u32) -> u32 { return g(a) }\n"
+                       "fn g(a: u32) -> u32 { return f(a) }\n", tmp_path)
+    assert "h.mha:1:30: error: fn 'f' may only call fns declared before it" in message
+
+
+def test_fn_chains_that_inline_too_deep_or_too_big(tmp_path):
+    deep = "fn f0(a: u32) -> u32 { return a }\n" + "".join(
+        f"fn f{i}(a: u32) -> u32 {{ return f{i - 1}(a) + 1 }}\n" for i in range(1, 300))
+    message = error_of(deep, tmp_path)
+    assert "error: fn 'f53' nests 161 levels deep once the fns it calls are inlined (limit 160)" \
+        in message
+    assert message.count("error:") == 1  # the callers are not reported again
+    doubling = "fn f0(a: u32) -> u32 { return a }\n" + "".join(
+        f"fn f{i}(a: u32) -> u32 {{ return f{i - 1}(a) + f{i - 1}(a + 1) }}\n"
+        for i in range(1, 60))
+    message = error_of(doubling, tmp_path)
+    assert "is too big:" in message and message.count("error:") == 1
+
+
+def test_nesting_at_the_limits_compiles_through_every_stage(tmp_path):
+    """The limits leave room: the deepest accepted code still compiles and simulates."""
+    from mhadsl.codegen.scheduler import SchedulerSpec
+    from mhadsl.simulate import Batch, simulate
+    # grid_dim.x is two levels: an attribute of a name.
+    calls = "min(" * (MAX_EXPR_DEPTH - 2) + "grid_dim.x" + ", 9)" * (MAX_EXPR_DEPTH - 2)
+    blocks = MAX_STMT_DEPTH - 1
+    text = STD + scheduler("if state.idx < 5 {" * blocks + f"state.idx += {calls}" + "}" * blocks)
+    assert outcome(text, tmp_path) == "ok"
+    _, program = front_end(text, "h.mha")
+    result = simulate(program, SchedulerSpec("S", (), 128), Batch([300], 2, 128, ragged=False),
+                      ctas=2)
+    assert result.covered_exactly_once is not None
+    mask = "min(" * (MAX_EXPR_DEPTH - 3) + "q" + ", 1 + q)" * (MAX_EXPR_DEPTH - 3) + " >= k"
+    assert outcome(attention(f"mask(b, h, q, k) = {mask}"), tmp_path) == "ok"
+    deeper = STD + scheduler("if true {" * (blocks + 1) + "state.idx += 1" + "}" * (blocks + 1))
+    assert "statements nested too deeply" in error_of(deeper, tmp_path)
+
+
+def test_import_cycle_names_the_chain(tmp_path):
+    (tmp_path / "a.mha").write_text('import "b.mha"\nfn fa() -> u32 { return 1 }\n')
+    (tmp_path / "b.mha").write_text('import "c.mha"\nfn fb() -> u32 { return 2 }\n')
+    (tmp_path / "c.mha").write_text('import "a.mha"\nfn fc() -> u32 { return 3 }\n')
+    message = error_of((tmp_path / "a.mha").read_text(), tmp_path, "a.mha")
+    c = tmp_path / "c.mha"
+    assert message.startswith(f"{c}:1:8: error: import cycle: a.mha -> {tmp_path / 'b.mha'} "
+                              f"-> {c} -> a.mha")
+    assert "already declared" not in message
+    (tmp_path / "self.mha").write_text('import "self.mha"\n')
+    assert "import cycle: self.mha -> self.mha" in error_of('import "self.mha"\n', tmp_path,
+                                                            "self.mha")
+
+
+def test_an_import_shared_by_two_files_is_not_a_cycle(tmp_path):
+    (tmp_path / "common.mha").write_text("fn one() -> u32 { return 1 }\n")
+    (tmp_path / "left.mha").write_text('import "common.mha"\n')
+    (tmp_path / "right.mha").write_text('import "common.mha"\n')
+    assert outcome('import "left.mha"\nimport "right.mha"\n', tmp_path) == "ok"
+
+
+def test_missing_import(tmp_path):
+    message = error_of('import "nowhere.mha"\n', tmp_path)
+    assert message.startswith("h.mha:1:8: error: cannot import 'nowhere.mha': No such file")
+
+
+def test_import_of_a_folder(tmp_path):
+    (tmp_path / "folder.mha").mkdir()
+    message = error_of('import "folder.mha"\n', tmp_path)
+    assert message.startswith("h.mha:1:8: error: cannot import 'folder.mha': Is a directory")
+
+
+def test_unreadable_import(tmp_path, monkeypatch):
+    locked = tmp_path / "locked.mha"
+    locked.write_text("fn f() -> u32 { return 1 }\n")
+    locked.chmod(0)
+    if os.access(locked, os.R_OK):  # root reads anything: refuse it the way the OS would
+        real = Path.read_bytes
+
+        def read_bytes(path):
+            if path == locked:
+                raise PermissionError(13, "Permission denied", str(path))
+            return real(path)
+        monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    message = error_of('import "locked.mha"\n', tmp_path)
+    assert message.startswith("h.mha:1:8: error: cannot import 'locked.mha': Permission denied")
+
+
+def test_duplicate_rule(tmp_path):
+    text = STD + scheduler().replace(" get_current", " advance(ts, state, p) = none\n get_current")
+    assert "rule 'advance' is defined twice" in error_of(text, tmp_path)
+
+
+def test_missing_rule(tmp_path):
+    text = STD + re.sub(r" unsafe_seq_info.*\n", "", scheduler())
+    assert "scheduler 'S' is missing rule 'unsafe_seq_info'" in error_of(text, tmp_path)
+
+
+def test_unknown_scheduler(tmp_path):
+    message = error_of(attention("scheduler = Nope()"), tmp_path)
+    assert message.startswith("h.mha:3:14: error: scheduler must name a declared scheduler")
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("head_dim = 96", "head_dim must be one of 64, 128, 256"),
+    ("dtype = fp8", "dtype must be one of bf16, fp16"),
+    ("tile = (0, 0)", "tile sizes must be"),
+    ("tile = (7, 13)", "tile sizes must be"),
+])
+def test_bad_attention_settings(tmp_path, setting, message):
+    assert message in error_of(attention(setting), tmp_path)
+
+
+def test_mask_that_returns_i32(tmp_path):
+    assert "'mask' returns bool, not i32" in error_of(attention("mask(b, h, q, k) = q - k"),
+                                                       tmp_path)
+
+
+def test_score_that_uses_an_undefined_name(tmp_path):
+    message = error_of(attention("score(s, b, h, q, k) = s * nowhere"), tmp_path)
+    assert message.startswith("h.mha:3:29: error: unknown name 'nowhere'")
+
+
+def test_name_that_shadows_a_builtin(tmp_path):
+    message = error_of("fn f(num_sms: u32) -> u32 { return num_sms }\n", tmp_path)
+    assert "'num_sms' is a builtin name and cannot be redefined" in message
+    message = error_of(STD + scheduler("let block_idx = 3"), tmp_path)
+    assert "'block_idx' is a builtin name" in message
+
+
+@pytest.mark.parametrize("text, where", [
+    ("fn while(a: u32) -> u32 { return a }\n", "h.mha:1:4:"),
+    ("fn f(if: u32) -> u32 { return 1 }\n", "h.mha:1:6:"),
+    (STD + scheduler("let true = 1"), "h.mha:9:6:"),
+    ("scheduler return {}\n", "h.mha:1:11:"),
+])
+def test_keyword_used_as_a_name(tmp_path, text, where):
+    assert error_of(text, tmp_path).startswith(f"{where} error: '")
+    assert "is a keyword and cannot be used as a name" in error_of(text, tmp_path)
+
+
+def test_five_hundred_nested_ifs(tmp_path):
+    message = error_of(STD + scheduler("if true {" * 500 + "}" * 500), tmp_path)
+    column = 2 + len("if true {") * MAX_STMT_DEPTH
+    assert message.startswith(f"h.mha:9:{column}: error: statements nested too deeply")
+
+
+def test_else_if_chains_nest(tmp_path):
+    chain = " else ".join(f"if state.idx == {i} {{ state.idx += 1 }}" for i in range(300))
+    assert "statements nested too deeply" in error_of(STD + scheduler(chain), tmp_path)
+    short = " else ".join(f"if state.idx == {i} {{ state.idx += 1 }}" for i in range(40))
+    assert outcome(STD + scheduler(short), tmp_path) == "ok"
+
+
+def test_a_very_long_line_is_shown_as_a_window_around_the_error(tmp_path):
+    message = error_of("fn f() -> u32 { return 1 }" + " " * 100_000 + "$", tmp_path)
+    _, line, caret = message.splitlines()
+    assert len(line) < 200 and line.startswith("...") and caret.endswith("^")
+    assert line[len(caret) - 1] == "$"
