@@ -460,35 +460,6 @@ def _share_memory(a, b) -> bool:
         return True  # cannot tell: refuse rather than risk a kernel reading its own output
 
 
-def _self_overlapping(t) -> bool:
-    """Whether two elements of `t` may share memory: sorted by stride, each dimension of
-    more than one element must step past the whole of the dimensions inside it."""
-    dims = sorted((s, n) for s, n in zip(t.strides, t.shape) if n > 1)
-    span = 1
-    for stride, extent in dims:
-        if stride < span:
-            return True
-        span = stride * extent
-    return False
-
-
-def _share_memory(a, b) -> bool:
-    """Whether device tensors `a` and `b` have an element in common (exact, by NumPy's
-    solver over their addresses and strides: packed QKV views side by side do not)."""
-    def alias(t):  # a NumPy view of t's addresses, never read
-        holder = type("Alias", (), {})()
-        holder.__array_interface__ = {
-            "shape": tuple(t.shape), "typestr": f"|V{t.itemsize}", "data": (t.ptr, True),
-            "strides": tuple(s * t.itemsize for s in t.strides), "version": 3}
-        return np.asarray(holder)
-    if 0 in a.shape or 0 in b.shape:
-        return False
-    try:
-        return bool(np.shares_memory(alias(a), alias(b), max_work=10**6))
-    except np.exceptions.TooHardError:
-        return True  # cannot tell: refuse rather than risk a kernel reading its own output
-
-
 def _check_scale(scale) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite number, got {scale!r}")
