@@ -1,11 +1,13 @@
 """The `mhadsl` command line: check, compile, simulate.
 
-User mistakes print `file:line:col: error: ...` with the line and a caret and exit 1;
-nothing a user types should end in a Python traceback.
+Mistakes in a .mha file print `file:line:col: error: ...` with the line and a caret and
+exit 1; a bad command line prints one line `error: ...` and exits 2, before any work is
+done. Nothing a user types should end in a Python traceback.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -13,18 +15,23 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from mhadsl import __version__
 from mhadsl.build import RequestError
+from mhadsl.builtins import GRID_LIMITS
 from mhadsl.codegen import backends
 from mhadsl.codegen.assemble import AssemblerError, find_ptxas
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.codegen.target import GPU_ARCHS
 from mhadsl.diagnostics import MhaError
+from mhadsl.parse import decode_source
 from mhadsl.pipeline import CompileOptions, compile_stages, front_end
-from mhadsl.simulate import COST_MODELS, Batch, plot_timeline, simulate
+from mhadsl.simulate import (
+    COST_MODELS, MAX_SEQLEN, MAX_SIMULATED_CTAS, Batch, plot_timeline, simulate,
+)
 
 
 class UsageError(Exception):
-    """A bad command-line value: printed as `error: ...`, exit 1."""
+    """A bad command-line value: printed as `error: ...`, exit 2."""
 
 
 def read_source(path: str) -> tuple[str, Path]:
@@ -33,11 +40,12 @@ def read_source(path: str) -> tuple[str, Path]:
     if not file.exists() and path.startswith("std/"):
         std = resources.files("mhadsl").joinpath(path)
         if std.is_file():
-            return std.read_text(), Path.cwd()
+            return decode_source(path, std.read_bytes()).text, Path.cwd()
     try:
-        return file.read_text(), file.resolve().parent
+        data = file.read_bytes()
     except OSError as err:
         raise UsageError(f"cannot read {path}: {err.strerror}") from None
+    return decode_source(path, data).text, file.resolve().parent
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -186,8 +194,10 @@ def _seqlens(args: argparse.Namespace) -> list[int]:
         lens = [args.seqlen] * args.batch
     else:
         raise UsageError("give --seqlen S (with --batch B) or --seqlens L1,L2,...")
-    if any(n < 0 for n in lens):
-        raise UsageError("sequence lengths must be >= 0")
+    if not 1 <= len(lens) <= GRID_LIMITS[2]:
+        raise UsageError(f"--seqlens takes 1 to {GRID_LIMITS[2]} lengths, got {len(lens)}")
+    if any(not 0 <= n <= MAX_SEQLEN for n in lens):
+        raise UsageError(f"sequence lengths must be between 0 and {MAX_SEQLEN} (int32)")
     return lens
 
 
@@ -197,13 +207,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.scheduler not in program.schedulers:
         raise UsageError(f"no scheduler '{args.scheduler}' in {args.file} (it has: "
                          f"{', '.join(program.schedulers) or 'none'})")
-    for name, value in (("--heads", args.heads), ("--tile", args.tile), ("--ctas", args.ctas)):
-        if value < 1:
-            raise UsageError(f"{name} must be at least 1")
-    params = tuple(_parse_param(p) for p in args.param)
-    spec = SchedulerSpec(args.scheduler, params, args.tile)
-    batch = Batch(_seqlens(args), args.heads, args.tile, ragged=args.seqlens is not None)
-    result = simulate(program, spec, batch, ctas=args.ctas, cost=args.cost,
+    spec = SchedulerSpec(args.scheduler, args.params, args.tile)
+    result = simulate(program, spec, args.sequences, ctas=args.ctas, cost=args.cost,
                       num_sms=args.num_sms)
     if args.plot:
         plot_timeline(result, args.plot)
@@ -224,13 +229,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def _problem(args: argparse.Namespace, kernel):
     from mhadsl.bench import Problem
     kv_heads = args.kv_heads or args.heads
-    if args.heads < 1 or kv_heads < 1:
-        raise UsageError("--heads and --kv-heads must be at least 1")
     if args.seqlens:
         return Problem(0, 0, 0, args.heads, kv_heads, kernel.options.head_dim,
-                       tuple(_seqlens(args)))
-    if args.seqlen is None:
-        raise UsageError("give --seqlen S (with --batch B) or --seqlens L1,L2,...")
+                       tuple(args.lengths))
     return Problem(args.batch, args.seqlen, args.seqlen_k or args.seqlen, args.heads, kv_heads,
                    kernel.options.head_dim)
 
@@ -273,9 +274,64 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# Integer options: (flag, least, most). Past these a run would only wrap around, exceed a
+# CUDA grid limit, or run for minutes.
+INT_OPTIONS = {
+    "heads": ("--heads", 1, GRID_LIMITS[1]),
+    "kv_heads": ("--kv-heads", 1, GRID_LIMITS[1]),
+    "batch": ("--batch", 1, GRID_LIMITS[2]),
+    "tile": ("--tile", 16, 256),
+    "ctas": ("--ctas", 1, MAX_SIMULATED_CTAS),
+    "num_sms": ("--num-sms", 1, MAX_SIMULATED_CTAS),
+    "seqlen": ("--seqlen", 0, MAX_SEQLEN),
+    "seqlen_k": ("--seqlen-k", 0, MAX_SEQLEN),
+}
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Every command-line check, right after parsing and before any work; derived values
+    (`params`, `lengths`, `sequences`) are stored on `args`."""
+    for dest, (flag, least, most) in INT_OPTIONS.items():
+        value = getattr(args, dest, None)
+        if value is not None and not least <= value <= most:
+            raise UsageError(f"{flag} must be between {least} and {most}, got {value}")
+    if getattr(args, "tile", None) is not None and args.tile % 16:
+        raise UsageError(f"--tile must be a multiple of 16, got {args.tile}")
+    if args.command in ("simulate", "run"):
+        args.lengths = _seqlens(args)
+    if args.command == "simulate":
+        args.params = tuple(_parse_param(p) for p in args.param)
+        try:
+            args.sequences = Batch(args.lengths, args.heads, args.tile,
+                                   ragged=args.seqlens is not None)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        if args.plot:
+            _check_plot(Path(args.plot))
+
+
+def _check_plot(out: Path) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib: pip install 'mhadsl[plot]'")
+    if out.is_dir():
+        raise UsageError(f"cannot write --plot {out}: it is a folder")
+    if not out.parent.is_dir():
+        raise UsageError(f"cannot write --plot {out}: folder {out.parent} does not exist")
+    if not os.access(out.parent, os.W_OK):
+        raise UsageError(f"cannot write --plot {out}: folder {out.parent} is not writable")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Command-line mistakes are one line, `error: ...`, and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mhadsl", description="Compile .mha attention kernels and tile schedulers.")
+    parser.add_argument("--version", action="version", version=f"mhadsl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("check", help="parse and check .mha files")
@@ -331,11 +387,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        validate(args)
         return args.run(args)
     except MhaError as err:
         print(err.render(), file=sys.stderr)
         return 1
-    except (UsageError, RuntimeError) as err:
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except BrokenPipeError:

@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
+import mhadsl as mhadsl_package
 from helpers import EXAMPLES, REPO
+from mhadsl.cli import main
 
 
 def mhadsl(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
@@ -73,19 +75,83 @@ def test_user_errors_exit_1_without_traceback(tmp_path, text, where):
         assert "Traceback" not in out.stderr
 
 
+def run_main(args: list[str], capsys) -> tuple[int, str]:
+    """The CLI in this process (fast): its exit status and what it printed to stderr."""
+    try:
+        status = main(args)
+    except SystemExit as exit:  # argparse's own errors, and --version
+        status = exit.code
+    return status, capsys.readouterr().err
+
+
+SIM = ["simulate", "std/schedulers.mha", "--scheduler", "Queued"]
+
+
 @pytest.mark.parametrize("args, message", [
-    (["check", "nope.mha"], "error: cannot read nope.mha"),
-    (["simulate", "std/schedulers.mha", "--scheduler", "Nope", "--seqlen", "5"],
-     "error: no scheduler 'Nope'"),
-    (["simulate", "std/schedulers.mha", "--scheduler", "Queued"], "error: give --seqlen"),
-    (["simulate", "std/schedulers.mha", "--scheduler", "Queued", "--seqlens", "1,x"],
-     "error: --seqlens takes comma-separated integers"),
-    (["simulate", "std/schedulers.mha", "--scheduler", "Queued", "--seqlen", "9",
-      "--param", "bogus=1"], "has no parameter 'bogus'"),
+    (["check", "nope.mha"], "error: cannot read nope.mha: No such file or directory"),
+    (["check", "examples"], "error: cannot read examples: Is a directory"),
+    ([*SIM[:3], "Nope", "--seqlen", "5"], "error: no scheduler 'Nope'"),
+    (SIM, "error: give --seqlen"),
+    ([*SIM, "--seqlens", "1,x"], "error: --seqlens takes comma-separated integers, got '1,x'"),
+    ([*SIM, "--seqlens", "8,-1"], "error: sequence lengths must be between 0 and 2147483647"),
+    ([*SIM, "--seqlen", "2147483648"], "error: --seqlen must be between 0 and 2147483647"),
+    ([*SIM, "--seqlen", "4294967296"], "error: --seqlen must be between 0 and 2147483647"),
+    ([*SIM, "--seqlen", "9", "--heads", "0"], "error: --heads must be between 1 and 65535, got 0"),
+    ([*SIM, "--seqlen", "9", "--tile", "0"], "error: --tile must be between 16 and 256, got 0"),
+    ([*SIM, "--seqlen", "9", "--tile", "100"], "error: --tile must be a multiple of 16"),
+    ([*SIM, "--seqlen", "9", "--ctas", "0"], "error: --ctas must be between 1 and"),
+    ([*SIM, "--seqlen", "9", "--batch", "1000000"], "error: --batch must be between 1 and 65535"),
+    ([*SIM, "--seqlens", ",".join(["1"] * 70_000)], "error: --seqlens takes 1 to 65535 lengths"),
+    ([*SIM, "--seqlen", "2147483647"], "error: the batch has 268435456 tiles; the simulator"),
+    ([*SIM, "--seqlen", "9", "--heads", "many"], "error: argument --heads: invalid int value"),
+    ([*SIM, "--seqlen", "9", "--param", "order"], "error: --param takes NAME=VALUE"),
+    ([*SIM, "--seqlen", "9", "--plot", "no/such/folder/t.png"],
+     "error: cannot write --plot no/such/folder/t.png: folder no/such/folder does not exist"),
+    ([*SIM, "--seqlen", "9", "--plot", "examples"], "error: cannot write --plot examples: it is"),
+    (["compile", "std/schedulers.mha", "--arch", "sm_75"],
+     "error: argument --arch: invalid choice: 'sm_75'"),
+    (["compile", "std/schedulers.mha", "--tile", "0"], "error: --tile must be between 16 and 256"),
+    (["run", "examples/causal.mha", "--kernel", "causal_fwd", "--seqlen", "64", "--heads", "0"],
+     "error: --heads must be between 1 and 65535"),
+    ([], "error: the following arguments are required: COMMAND"),
 ])
-def test_bad_command_lines(args, message):
-    out = mhadsl(*args)
-    assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr
+def test_bad_command_lines_are_one_line_and_exit_2(args, message, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    status, err = run_main(args, capsys)
+    assert status == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_bad_arguments_are_found_before_any_work(tmp_path, capsys):
+    """The file is not even read: a bad --plot wins over a file that does not parse."""
+    (tmp_path / "broken.mha").write_text("scheduler {")
+    status, err = run_main(["simulate", str(tmp_path / "broken.mha"), "--scheduler", "S",
+                            "--seqlen", "9", "--plot", str(tmp_path / "missing" / "t.png")],
+                           capsys)
+    assert status == 2 and "folder" in err and "syntax error" not in err
+    status, err = run_main(["simulate", str(tmp_path / "broken.mha"), "--scheduler", "S",
+                            "--seqlen", "9"], capsys)
+    assert status == 1 and "syntax error" in err
+
+
+def test_mha_errors_in_a_command_line_value_exit_1(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    status, err = run_main([*SIM, "--seqlen", "9", "--param", "bogus=1"], capsys)
+    assert status == 1 and "has no parameter 'bogus'" in err
+
+
+def test_version():
+    out = mhadsl("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"mhadsl {mhadsl_package.__version__}"
+
+
+def test_file_that_is_not_utf8(tmp_path):
+    (tmp_path / "latin1.mha").write_bytes(b"// caf\xe9\nfn f() -> u32 { return 1 }\n")
+    for command in (["check", "latin1.mha"], ["simulate", "latin1.mha", "--scheduler", "S",
+                                               "--seqlen", "9"]):
+        out = mhadsl(*command, cwd=tmp_path)
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert out.stderr.startswith("latin1.mha:1:7: error: this file is not UTF-8 text: byte "
+                                     "0xe9 cannot be decoded"), out.stderr
 
 
 def test_compile_attention_example_writes_one_file_per_unit(tmp_path):
