@@ -28,6 +28,7 @@ from mhadsl.check import CheckedProgram
 from mhadsl.codegen import backends
 from mhadsl.codegen.backends import Backend, DeviceTarget, KernelBuild, LaunchShape, Layout
 from mhadsl.codegen.scheduler import SchedulerSpec
+from mhadsl.parse import decode_source
 from mhadsl.pipeline import front_end
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -44,9 +45,10 @@ def _read(source: str | os.PathLike) -> tuple[str, Path, str]:
     if isinstance(source, os.PathLike) or ("\n" not in source and source.endswith(".mha")):
         path = Path(source)
         try:
-            return path.read_text(), path.resolve().parent, str(path)
+            data = path.read_bytes()
         except OSError as err:
             raise FileNotFoundError(f"cannot read {path}: {err.strerror}") from None
+        return decode_source(str(path), data).text, path.resolve().parent, str(path)
     return str(source), Path.cwd(), "<string>"
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import mhadsl
 from mhadsl.check import check_program
 from mhadsl.diagnostics import MAX_ERRORS, MhaError
 from mhadsl.parse import MAX_EXPR_DEPTH, MAX_STMT_DEPTH, load_program
@@ -72,6 +73,8 @@ def test_non_utf8_bytes_point_at_the_first_bad_byte(tmp_path):
     (d,) = info.value.diagnostics
     assert d.render().startswith(f"{tmp_path / 'bad.mha'}:2:34: error: this file is not UTF-8 "
                                  f"text: byte 0xe9 cannot be decoded")
+    with pytest.raises(MhaError, match="bad.mha:2:34: error: this file is not UTF-8"):
+        mhadsl.compile(tmp_path / "bad.mha")  # the API reads files the same way
 
 
 def test_nul_byte(tmp_path):
