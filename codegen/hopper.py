@@ -30,13 +30,15 @@ of row r; the pattern repeats every 8 rows (1024 B), so tiles start 1024-byte al
   with `trans_b=True`; the k-th 16-row slice starts 16 * 128 = 2048 k bytes further, and
   the next 64 columns of N are `leading_bytes` further (the next TMA box).
 
-Serialisation (ptxas C7519). ptxas reports "wgmma.mma_async instructions are serialized"
-(with a reason) when it cannot prove the accumulator registers are left alone while a
-wgmma is in flight, and then inserts waits itself. The pattern that keeps the pipeline:
-`wgmma_fence` (also after any ordinary write to the accumulators or the A registers), a
-chain of `wgmma` whose results feed straight into the next, `wgmma_commit_group`,
-`wgmma_wait_group`, then `fence_operands` on the results before any other use. The tests
-record what ptxas says for each test kernel (benchmarks/HOPPER_NOTES.md).
+Serialisation (ptxas C7519). ptxas says "warpgroup.arrive is injected ... to allow use of
+registers in GMMA" when an ordinary instruction writes a wgmma's registers after the last
+`wgmma_fence`; the injected arrive serialises the pipeline. LLVM sinks pure arithmetic
+(zeroing or rescaling accumulators, packing P) to its first use, past the fence intrinsic,
+so: start a chain with `acc=None` (scale-d false: no zeroing at all), pass values written
+by ordinary instructions through `fence_operands` before `wgmma_fence`, feed each wgmma's
+results straight into the next, then `wgmma_commit_group`, `wgmma_wait_group` and
+`fence_operands` on the results before any other use. Zero-initialised accumulators
+without that fence do trigger C7519 (benchmarks/HOPPER_NOTES.md); the tests require none.
 """
 from __future__ import annotations
 
