@@ -255,6 +255,8 @@ class Kernel:
             values[f"{name}_stride_batch"] = i64(batch_stride)
             values[f"{name}_stride_row"] = i64(t.strides[-3])
             values[f"{name}_stride_head"] = i64(t.strides[-2])
+        values.update(build.backend.launch_args(build.config, {"q": q, "k": k, "v": v, "o": o},
+                                                call.ragged))
         args = [values[p.name] for p in build.backend.params]
         build.function.launch(grid, (launch.threads, 1, 1), launch.shared_bytes, stream, args)
         driver.end_launch(stream, q.device)

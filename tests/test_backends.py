@@ -66,7 +66,7 @@ def _check_error(settings: str) -> MhaError:
     ("    tile = (16, 16)", 3, 12, "16-row pieces over 4 warps"),
     ("    tile = (16, 64)\n    warps = 8", 3, 12, "16-row pieces over 8 warps"),
     ("    warps = 8\n    tile = (16, 64)", 4, 12, "16-row pieces over 8 warps"),  # at the tile
-    ("    stages = 3", 3, 14, "2-stage"),
+    ("    stages = 9", 3, 14, "2-stage"),  # sm90 runs 1 to 8
     ("    head_dim = 256\n    warps = 4", 4, 13, "multiple of 8"),
     ("    head_dim = 256\n    tile = (256, 256)", 4, 12, "384 KiB of shared memory"),
     ("    head_dim = 256\n    tile = (256, 256)", 4, 12, "512 f32 accumulators"),

@@ -29,7 +29,7 @@ from mhadsl.codegen.assemble import Assembled
 from mhadsl.codegen.nvptx import GLOBAL, f32, i32, i64
 from mhadsl.codegen.target import Target
 
-REGISTRY = ("sm80",)  # module names in this package, preferred first
+REGISTRY = ("sm80", "sm90")  # module names in this package, preferred first
 
 # Dynamic shared memory one CTA may opt in to, per build target (CUDA's per-block limits
 # of the A100 and H100/H200 class; smaller 8.x parts have less and fail at launch).
@@ -119,12 +119,13 @@ class LaunchShape:
 @dataclass(frozen=True)
 class KernelParam:
     name: str
-    kind: str  # "ptr" (global address, 8 bytes), "i64", "i32", "f32"
+    kind: str  # "ptr" (global address, 8 bytes), "i64", "i32", "f32", "tensor_map" (128 B)
     meaning: str
 
     @property
     def llvm_type(self) -> ir.Type:
-        return {"ptr": nvptx.ptr(GLOBAL), "i64": i64, "i32": i32, "f32": f32}[self.kind]
+        return {"ptr": nvptx.ptr(GLOBAL), "i64": i64, "i32": i32, "f32": f32,
+                "tensor_map": nvptx.ptr()}[self.kind]
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,11 @@ class Backend(ABC):
     @abstractmethod
     def launch_shape(self, config) -> LaunchShape:
         ...
+
+    def launch_args(self, config, tensors: dict, ragged: bool) -> dict:
+        """Launch arguments beyond the common ones (tensor maps, say), by parameter name,
+        for device views `tensors["q"]`, `["k"]`, `["v"]`, `["o"]`."""
+        return {}
 
     @abstractmethod
     def build(self, source: KernelSource, configs: tuple, target: Target) -> KernelBuild:

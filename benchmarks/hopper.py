@@ -1,0 +1,68 @@
+"""Benchmark: the sm90 (TMA + wgmma) and sm80 (FlashAttention-2) kernel designs of the same
+declarations side by side with torch SDPA's flash and cuDNN backends, in one process.
+
+    python benchmarks/hopper.py          # needs an H100/H200 (compute capability 9.0)
+
+Each row checks both designs against the float64 reference first (relative error), then
+times them (median of CUDA-event-timed runs, `mhadsl.bench.time_ms`).
+"""
+import datetime
+
+import mhadsl
+from mhadsl.bench import Problem, allowed_pairs, check, make_inputs, require_gpu, time_ms, \
+    torch_baselines
+
+SOURCE = """
+import "std/schedulers.mha"
+attention plain_d128 { dtype = bf16  head_dim = 128 }
+attention causal_d128 { dtype = bf16  head_dim = 128  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention plain_d64 { dtype = bf16  head_dim = 64 }
+attention causal_d64 { dtype = bf16  head_dim = 64  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention causal_lpt { dtype = bf16  head_dim = 128  scheduler = LPT()
+                       mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention gqa_causal { dtype = bf16  head_dim = 128  gqa = 4
+                       mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+"""
+WORKLOADS = [
+    ("plain_d128", Problem(4, 4096, 4096, 16, 16, 128)),
+    ("causal_d128", Problem(4, 4096, 4096, 16, 16, 128)),
+    ("causal_lpt", Problem(4, 4096, 4096, 16, 16, 128)),
+    ("plain_d128", Problem(1, 16384, 16384, 16, 16, 128)),
+    ("causal_d128", Problem(1, 16384, 16384, 16, 16, 128)),
+    ("plain_d64", Problem(4, 4096, 4096, 32, 32, 64)),
+    ("causal_d64", Problem(4, 4096, 4096, 32, 32, 64)),
+    ("gqa_causal", Problem(4, 4096, 4096, 32, 8, 128)),
+    ("causal_d128", Problem(0, 0, 0, 16, 16, 128, tuple([8192 >> i for i in range(8)] * 2))),
+]
+DESIGNS = ("sm80", "sm90")
+
+
+def main() -> None:
+    torch = require_gpu()
+    programs = {d: mhadsl.compile(SOURCE, name=f"<hopper {d}>") for d in DESIGNS}
+    print(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| kernel | shape | sm80 | sm90 | torch flash | cuDNN | sm90 / cuDNN | rel. error sm80, sm90 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, problem in WORKLOADS:
+        kernels = {}
+        for design in DESIGNS:
+            kernels[design] = programs[design][name]
+            kernels[design].backend = design
+        args = make_inputs(torch, kernels["sm90"], problem)
+        flops = 4.0 * problem.head_dim * problem.heads * allowed_pairs(kernels["sm90"], problem)
+        errors = [check(torch, kernels[d], Problem(1, 1000, 1000, problem.heads, problem.kv_heads,
+                                                   problem.head_dim))[0] for d in DESIGNS]
+        tflops = {d: flops / time_ms(torch, lambda k=kernels[d]: k(**args)) / 1e9 for d in DESIGNS}
+        base = torch_baselines(torch, kernels["sm90"], problem, args)
+        base = {k: None if v is None else flops / v / 1e9 for k, v in base.items()}
+
+        def f(x):
+            return "—" if x is None else f"{x:.0f}"
+        ratio = "—" if base["cudnn"] is None else f"{tflops['sm90'] / base['cudnn']:.2f}x"
+        print(f"| {name} | {problem.describe()} | {f(tflops['sm80'])} | "
+              f"{f(tflops['sm90'])} | {f(base['flash'])} | {f(base['cudnn'])} | {ratio} | "
+              f"{errors[0]:.1e}, {errors[1]:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,657 @@
+"""The Hopper (sm_90a) attention kernel: TMA + mbarrier + wgmma, warp-specialised.
+
+A CTA has three warpgroups (384 threads). Warpgroup 0 is the producer: after
+`setmaxnreg.dec` its first thread issues every copy, by the Tensor Memory Accelerator into
+128-byte-swizzled shared memory: Q (BM x D, once per work tile) and K and V (BN x D) into a
+ring of `stages` stages. Warpgroups 1 and 2 are the consumers (`setmaxnreg.inc`): each owns
+64 of the tile's BM = 128 query rows and, per KV tile, computes S = Q K^T by wgmma (both
+operands in shared memory), the online softmax in registers (ex2, log2 domain), and
+O += P V by wgmma with P straight from S's accumulators (the register A operand) and V as an
+MN-major B operand. Completion runs on mbarriers: `q_full`, and per stage `k_full` and
+`v_full` (the producer's expect_tx, the copies' bytes) and `kv_empty` (one arrival per
+consumer thread once its wgmma read the stage).
+
+Both roles run the scheduler's work loop, each in its own branch of the role if/else (so
+`setmaxnreg` takes effect): the loops take the same steps with the same CTA-wide barriers,
+and the Queued/LPT schedulers' atomic is taken by thread 0, the producer's. Each role
+counts the KV tiles it has gone through (`kv_count`) and the work tiles (`tile_count`), so
+stages and mbarrier phases carry over from one work tile to the next. KV tiles the
+declaration's `classify` hook proves empty are skipped by both roles alike (never loaded);
+partial tiles (the mask, or the sequence's tail) get the per-element mask.
+
+Tensor maps (4-D, outermost first): dense tensors as they are, (B, S, H, D); ragged ones as
+(1, total, H, D), so the kernel addresses row `start_of_seq + row` of batch 0. A box is
+(1, rows, 1, 64): 64 head-dim columns = 128 bytes, the swizzle's row. Rows past the tensor
+load as zeros; rows past a ragged sequence's end belong to the next sequence and are masked
+(keys) or never written (queries). O is written from registers, row by row, only for rows
+inside the sequence; LSE likewise.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from llvmlite import ir
+
+from mhadsl.codegen import hopper, nvptx, warp
+from mhadsl.codegen.assemble import assemble, find_ptxas
+from mhadsl.codegen.backends import (
+    SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelParam, KernelSource,
+    LaunchShape, Layout, Problem,
+)
+from mhadsl.codegen.backends.sm80 import KERNEL_PARAMS as SM80_PARAMS
+from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
+from mhadsl.codegen.target import Target, emit_ptx, new_module, optimize
+
+KERNEL_NAME = "mha_fwd_sm90"
+SMEM_SYMBOL = "mha_fwd_sm90_smem"
+HEAD_DIMS = (64, 128)
+THREADS = 3 * hopper.WARPGROUP_THREADS
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
+CONSUMER_THREADS = 2 * hopper.WARPGROUP_THREADS
+BOX_COLUMNS = 64  # head-dim columns per TMA box: 128 bytes, the swizzle's row
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class HopperConfig:
+    """Everything that selects a build (hashable; part of the cache key)."""
+
+    dtype: str = "bf16"
+    head_dim: int = 128
+    block_m: int = 128  # two consumer warpgroups of 64 rows
+    block_n: int = 128
+    stages: int = 2
+    gqa_group: int = 1
+    return_lse: bool = False
+    ragged: bool = False
+
+    @property
+    def boxes(self) -> int:
+        return self.head_dim // BOX_COLUMNS
+
+    @property
+    def q_bytes(self) -> int:
+        return self.block_m * self.head_dim * warp.ELEMENT_BYTES
+
+    @property
+    def kv_tile_bytes(self) -> int:
+        return self.block_n * self.head_dim * warp.ELEMENT_BYTES
+
+    def problems(self) -> list[Problem]:
+        found = []
+        if self.dtype not in warp.DTYPES:
+            found.append(Problem(("dtype",), f"dtype {self.dtype} is not one of "
+                                             f"{', '.join(warp.DTYPES)}"))
+        if self.head_dim not in HEAD_DIMS:
+            found.append(Problem(("head_dim",), f"head_dim {self.head_dim}: the sm90 kernel "
+                                                "runs head dims 64 and 128"))
+        if self.block_m != 128:
+            found.append(Problem(("tile",), f"a tile of {self.block_m} query rows: the sm90 "
+                                            "kernel's two consumer warpgroups take 128"))
+        if self.block_n % 16 or not 16 <= self.block_n <= 256:
+            found.append(Problem(("tile",), f"the KV tile ({self.block_n}) must be a multiple "
+                                            "of 16 from 16 to 256"))
+        if not 1 <= self.stages <= 8:
+            found.append(Problem(("stages",), f"stages = {self.stages}: 1 to 8 K/V stages"))
+        if self.gqa_group < 1:
+            found.append(Problem(("gqa",), "the query:KV head ratio must be at least 1"))
+        return found
+
+
+def shared_bytes(config: HopperConfig) -> int:
+    """Slack for rounding the base up to 1024 bytes, Q, the K/V ring, the mbarriers."""
+    return (hopper.SWIZZLE_ATOM_BYTES + config.q_bytes
+            + 2 * config.stages * config.kv_tile_bytes + _barrier_bytes(config))
+
+
+def _barrier_bytes(config: HopperConfig) -> int:
+    return (1 + 3 * config.stages) * hopper.MBARRIER_BYTES
+
+
+def default_stages(head_dim: int) -> int:
+    return 2 if head_dim == 128 else 3
+
+
+KERNEL_PARAMS: tuple[KernelParam, ...] = SM80_PARAMS + (
+    KernelParam("q_map", "tensor_map", "CUtensorMap over q as (B,Sq,Hq,D) (ragged: (1,total_q,Hq,D)), box (1,BM,1,64), 128-byte swizzle"),
+    KernelParam("k_map", "tensor_map", "CUtensorMap over k as (B,Sk,Hkv,D) (ragged: (1,total_k,Hkv,D)), box (1,BN,1,64)"),
+    KernelParam("v_map", "tensor_map", "CUtensorMap over v, as k_map"),
+)
+
+
+# ============================================================================ host side
+def tensor_map_args(config: HopperConfig, tensors: dict, ragged: bool) -> dict:
+    """The tensor-map launch arguments for device views q, k, v, o (`.ptr`, `.shape`,
+    `.strides` in elements, `.device`)."""
+    from mhadsl.runtime.tensormap import encode_tiled
+    rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n}
+    maps = {}
+    for name, rows_per_box in rows.items():
+        t = tensors[name]
+        if ragged:
+            shape = (1, t.shape[0], t.shape[1], t.shape[2])
+            strides = (max(t.shape[0], 1) * t.strides[0], *t.strides)
+        else:
+            shape, strides = tuple(t.shape), tuple(t.strides)
+        # the driver wants extents of at least 1 (an empty tensor is never read)
+        shape = tuple(max(int(n), 1) for n in shape)
+        strides = tuple(int(s) if s else 1 for s in strides[:-1]) + (1,)
+        # an empty tensor may have no address; the map is never read then
+        address = t.ptr or tensors["o"].ptr or hopper.SWIZZLE_ATOM_BYTES
+        maps[f"{name}_map"] = encode_tiled(
+            address, config.dtype, shape, strides, (1, rows_per_box, 1, BOX_COLUMNS),
+            device=t.device).kernel_arg()
+    return maps
+
+
+# ============================================================================ small IR helpers
+def _min(b, x, y):
+    return b.select(b.icmp_signed("<", x, y), x, y)
+
+
+def _fconst(x: float) -> ir.Constant:
+    return ir.Constant(f32, x)
+
+
+def _sequence(b, ragged, cu_seqlens, dense_len, batch):
+    """(first row, length) of sequence `batch`."""
+    if not ragged:
+        return i32(0), dense_len
+    start = b.load(b.gep(cu_seqlens, [batch], inbounds=True, source_etype=i32), typ=i32)
+    end = b.load(b.gep(cu_seqlens, [b.add(batch, i32(1))], inbounds=True, source_etype=i32),
+                 typ=i32)
+    return start, b.sub(end, start)
+
+
+def _thread_idx(b):
+    """%tid.x through an opaque asm, so nothing derived from it stays live across tiles."""
+    return b.asm(ir.FunctionType(i32, []), "mov.u32 $0, %tid.x;", "=r", [], True)
+
+
+def _counted(b, slot: ir.Value) -> tuple[ir.Value, Callable]:
+    """The value of an i32 counter (an alloca) and a function that bumps it."""
+    value = b.load(slot, typ=i32)
+    return value, lambda bb: bb.store(bb.add(value, i32(1)), slot)
+
+
+class _Layout:
+    """Shared-memory addresses: base rounded up to 1024 B, then Q, the K/V stages (K then V
+    per stage), the mbarriers."""
+
+    def __init__(self, config: HopperConfig, smem: ir.GlobalVariable):
+        self.c, self.smem = config, smem
+
+    def base(self, b) -> ir.Value:
+        raw = hopper.shared_address(b, self.smem)
+        pad = b.and_(b.sub(i32(0), raw), i32(hopper.SWIZZLE_ATOM_BYTES - 1))
+        return warp.smem_ptr(b, self.smem, pad)
+
+    def at(self, b, offset: ir.Value | int) -> ir.Value:
+        offset = i32(offset) if isinstance(offset, int) else offset
+        return warp.smem_ptr(b, self.base(b), offset)
+
+    def q_box(self, b, box: int, row: int | ir.Value = 0) -> ir.Value:
+        """Q's box `box` (64 columns), from row `row` (a 64-row warpgroup half)."""
+        off = i32(box * self.c.block_m * hopper.SWIZZLE_BYTES)
+        if isinstance(row, int):
+            return self.at(b, b.add(off, i32(row * hopper.SWIZZLE_BYTES)))
+        return self.at(b, b.add(off, b.mul(row, i32(hopper.SWIZZLE_BYTES))))
+
+    def kv_tile(self, b, which: str, stage: ir.Value, extra: int = 0) -> ir.Value:
+        c = self.c
+        off = c.q_bytes + (c.kv_tile_bytes if which == "v" else 0) + extra
+        return self.at(b, b.add(i32(off), b.mul(stage, i32(2 * c.kv_tile_bytes))))
+
+    def barrier(self, b, index: ir.Value | int) -> ir.Value:
+        c = self.c
+        start = c.q_bytes + 2 * c.stages * c.kv_tile_bytes
+        index = i32(index) if isinstance(index, int) else index
+        return self.at(b, b.add(i32(start), b.mul(index, i32(hopper.MBARRIER_BYTES))))
+
+    # barrier 0: q_full; then per stage k_full, v_full, kv_empty
+    def q_full(self, b):
+        return self.barrier(b, 0)
+
+    def k_full(self, b, stage):
+        return self.barrier(b, b.add(i32(1), stage))
+
+    def v_full(self, b, stage):
+        return self.barrier(b, b.add(i32(1 + self.c.stages), stage))
+
+    def kv_empty(self, b, stage):
+        return self.barrier(b, b.add(i32(1 + 2 * self.c.stages), stage))
+
+
+# ============================================================================ per work tile
+class _Tile:
+    """What both roles derive from a work tile (the scheduler's SeqInfo)."""
+
+    def __init__(self, b, c: HopperConfig, args: KernelArgs, hooks: ExprHooks, seq):
+        self.c, self.hooks = c, hooks
+        self.bidx, self.h, self.q0 = seq.prompt_idx, seq.head_idx, seq.prompt_offset
+        self.seqlen_q, self.q_start = seq.seq_len, seq.start_of_seq
+        self.hk = b.udiv(self.h, i32(c.gqa_group)) if c.gqa_group > 1 else self.h
+        self.k_start, self.seqlen_k = _sequence(b, c.ragged, args.cu_seqlens_k, args.seqlen_k,
+                                                self.bidx)
+        self.n_blocks = b.udiv(b.add(self.seqlen_k, i32(c.block_n - 1)), i32(c.block_n))
+        self.q_hi = b.sub(_min(b, b.add(self.q0, i32(c.block_m)), self.seqlen_q), i32(1))
+        # tensor-map coordinates: ragged tensors are batch 0 of a (1, total, H, D) map
+        self.map_batch = i32(0) if c.ragged else self.bidx
+
+    def classify(self, b, n) -> tuple[ir.Value, ir.Value]:
+        """(may_be_true, always_true) for KV tile n, the sequence's tail included."""
+        c = self.c
+        kv_lo = b.mul(n, i32(c.block_n))
+        kv_end = b.add(kv_lo, i32(c.block_n))
+        in_bounds = b.icmp_signed("<=", kv_end, self.seqlen_k)
+        if self.hooks.classify is None:
+            always = in_bounds if self.hooks.mask is None else ir.Constant(i1, 0)
+            return ir.Constant(i1, 1), always
+        kv_hi = b.sub(_min(b, kv_end, self.seqlen_k), i32(1))
+        may, always = self.hooks.classify(b, self.bidx, self.h, self.q0, self.q_hi, kv_lo,
+                                          kv_hi, self.seqlen_q, self.seqlen_k)
+        return may, b.and_(always, in_bounds)
+
+    def next_nonempty(self, b, start):
+        """First KV tile index >= start that may hold a kept pair (or n_blocks)."""
+        if self.hooks.classify is None:
+            return start
+        fn = b.function
+        pre = b.block
+        hdr, chk, nxt, done = (fn.append_basic_block(f"skip.{s}")
+                               for s in ("hdr", "chk", "next", "done"))
+        b.branch(hdr)
+        b.position_at_end(hdr)
+        n = b.phi(i32, "skip.n")
+        n.add_incoming(start, pre)
+        b.cbranch(b.icmp_signed("<", n, self.n_blocks), chk, done)
+        b.position_at_end(chk)
+        may, _ = self.classify(b, n)
+        b.cbranch(may, done, nxt)
+        b.position_at_end(nxt)
+        n.add_incoming(b.add(n, i32(1)), nxt)
+        b.branch(hdr)
+        b.position_at_end(done)
+        return n
+
+    def kv_loop(self, b, carried: list[ir.Value], step: Callable) -> list[ir.Value]:
+        """for n over the non-empty KV tiles: carried = step(b, n, carried); returns the
+        final values of `carried` (loop-carried phis)."""
+        fn = b.function
+        first = self.next_nonempty(b, i32(0))
+        pre = b.block
+        hdr, body, exit_ = (fn.append_basic_block(f"kv.{s}") for s in ("hdr", "body", "exit"))
+        b.branch(hdr)
+        b.position_at_end(hdr)
+        n = b.phi(i32, "n")
+        n.add_incoming(first, pre)
+        phis = []
+        for value in carried:
+            phi = b.phi(value.type)
+            phi.add_incoming(value, pre)
+            phis.append(phi)
+        b.cbranch(b.icmp_signed("<", n, self.n_blocks), body, exit_)
+        b.position_at_end(body)
+        out = step(b, n, phis)
+        nn = self.next_nonempty(b, b.add(n, i32(1)))
+        latch = b.block
+        n.add_incoming(nn, latch)
+        for phi, value in zip(phis, out):
+            phi.add_incoming(value, latch)
+        b.branch(hdr)
+        b.position_at_end(exit_)
+        return phis
+
+
+class _Kernel:
+    def __init__(self, config: HopperConfig, hooks: ExprHooks, fn: ir.Function,
+                 smem: ir.GlobalVariable):
+        self.c, self.hooks, self.fn = config, hooks, fn
+        self.mem = _Layout(config, smem)
+
+    # ------------------------------------------------------------------ producer
+    def producer_tile(self, b, args: KernelArgs, kv_count: ir.Value, seq) -> None:
+        c, mem = self.c, self.mem
+        with b.if_then(b.icmp_unsigned("==", _thread_idx(b), i32(0))):
+            t = _Tile(b, c, args, self.hooks, seq)
+            q_map, k_map, v_map = (hopper.tensor_map_address(b, args[n])
+                                   for n in ("q_map", "k_map", "v_map"))
+            q_full = mem.q_full(b)
+            hopper.mbarrier_arrive_expect_tx(b, q_full, c.q_bytes)
+            row = b.add(t.q_start, t.q0)
+            for box in range(c.boxes):
+                hopper.tma_load(b, mem.q_box(b, box), q_map,
+                                [t.map_batch, row, t.h, i32(box * BOX_COLUMNS)], q_full)
+
+            def load(bb, n, carried):
+                count, bump = _counted(bb, kv_count)
+                stage = bb.urem(count, i32(c.stages))
+                phase = bb.and_(bb.udiv(count, i32(c.stages)), i32(1))
+                hopper.mbarrier_wait(bb, mem.kv_empty(bb, stage), bb.xor(phase, i32(1)))
+                kv_row = bb.add(t.k_start, bb.mul(n, i32(c.block_n)))
+                for which, tmap, full in (("k", k_map, mem.k_full), ("v", v_map, mem.v_full)):
+                    bar = full(bb, stage)
+                    hopper.mbarrier_arrive_expect_tx(bb, bar, c.kv_tile_bytes)
+                    for box in range(c.boxes):
+                        dst = mem.kv_tile(bb, which, stage, box * c.block_n * hopper.SWIZZLE_BYTES)
+                        hopper.tma_load(bb, dst, tmap,
+                                        [t.map_batch, kv_row, t.hk, i32(box * BOX_COLUMNS)], bar)
+                bump(bb)
+                return []
+            t.kv_loop(b, [], load)
+
+    # ------------------------------------------------------------------ consumers
+    def consumer_tile(self, b, args: KernelArgs, kv_count: ir.Value, tile_count: ir.Value,
+                      seq) -> None:
+        c, mem, hooks = self.c, self.mem, self.hooks
+        D, BN = c.head_dim, c.block_n
+        t = _Tile(b, c, args, hooks, seq)
+        tid = _thread_idx(b)
+        group = b.sub(b.lshr(tid, i32(7)), i32(1))  # consumer warpgroup: rows 64 group..
+        thread = b.and_(tid, i32(hopper.WARPGROUP_THREADS - 1))
+        lane = b.and_(thread, i32(31))
+        # this thread's two rows within the tile (accumulator rows r = 0, 1)
+        row0 = b.add(b.shl(group, i32(6)),
+                     b.add(b.shl(b.lshr(thread, i32(5)), i32(4)), b.lshr(lane, i32(2))))
+        col0 = b.shl(b.and_(lane, i32(3)), i32(1))
+
+        tiles, bump_tiles = _counted(b, tile_count)
+        hopper.mbarrier_wait(b, mem.q_full(b), b.and_(tiles, i32(1)))
+        bump_tiles(b)
+
+        if hooks.score is None:
+            sl2 = b.fmul(args.softmax_scale, _fconst(warp.LOG2E))  # scale folded into ex2
+        else:
+            sl2 = _fconst(warp.LOG2E)
+
+        zero, ninf = _fconst(0.0), _fconst(NEG_INF)
+        o_init = hopper.fence_operands(b, [zero] * hopper.accumulator_count(D))
+        carried = o_init + [ninf, ninf, zero, zero]
+
+        def step(bb, n, state):
+            o, m_old, l_old = state[:-4], state[-4:-2], state[-2:]
+            count, bump = _counted(bb, kv_count)
+            stage = bb.urem(count, i32(c.stages))
+            phase = bb.and_(bb.udiv(count, i32(c.stages)), i32(1))
+            hopper.mbarrier_wait(bb, mem.k_full(bb, stage), phase)
+            # S = Q K^T
+            hopper.wgmma_fence(bb)
+            s = None
+            for k in range(D // 16):
+                box, offset = divmod(32 * k, hopper.SWIZZLE_BYTES)
+                q_tile = mem.q_box(bb, box, bb.shl(group, i32(6)))
+                a_desc = hopper.smem_descriptor(bb, warp.smem_ptr(bb, q_tile, i32(offset)))
+                b_desc = hopper.smem_descriptor(bb, mem.kv_tile(
+                    bb, "k", stage, box * BN * hopper.SWIZZLE_BYTES + offset))
+                s = hopper.wgmma(bb, c.dtype, BN, a_desc, b_desc, s)
+            hopper.wgmma_commit_group(bb)
+            hopper.wgmma_wait_group(bb, 0)
+            s = hopper.fence_operands(bb, s)
+            s = self._scores(bb, args, t, n, s, row0, col0)
+            # online softmax (log2 domain) over this thread's two rows
+            m_new, l_new, p = [None, None], [None, None], list(s)
+            alpha = [None, None]
+            for r in range(2):
+                mine = [j for j in range(len(s)) if (j // 2) % 2 == r]
+                mx = s[mine[0]]
+                for j in mine[1:]:
+                    mx = warp.fmax(bb, mx, s[j])
+                mx = warp.quad_allreduce(bb, mx, warp.fmax)
+                m_new[r] = warp.fmax(bb, m_old[r], mx)
+                m_scaled = bb.fmul(m_new[r], sl2)
+                m_scaled = bb.select(bb.fcmp_ordered("==", m_new[r], ninf), zero, m_scaled)
+                alpha[r] = warp.ex2(bb, bb.fsub(bb.fmul(m_old[r], sl2), m_scaled))
+                neg = bb.fneg(m_scaled)
+                total = None
+                for j in mine:
+                    p[j] = warp.ex2(bb, warp.fma(bb, s[j], sl2, neg))
+                    total = p[j] if total is None else bb.fadd(total, p[j])
+                l_new[r] = bb.fadd(bb.fmul(l_old[r], alpha[r]), total)
+            o = [bb.fmul(v, alpha[(j // 2) % 2]) for j, v in enumerate(o)]
+            frags = [hopper.a_fragment(bb, c.dtype, p, k) for k in range(BN // 16)]
+            flat = hopper.fence_operands(bb, o + [x for f in frags for x in f])
+            o, flat = flat[:len(o)], flat[len(o):]
+            frags = [flat[4 * k: 4 * k + 4] for k in range(BN // 16)]
+            # O += P V
+            hopper.mbarrier_wait(bb, mem.v_full(bb, stage), phase)
+            hopper.wgmma_fence(bb)
+            for k in range(BN // 16):
+                v_desc = hopper.smem_descriptor(
+                    bb, mem.kv_tile(bb, "v", stage, 16 * k * hopper.SWIZZLE_BYTES),
+                    leading_bytes=BN * hopper.SWIZZLE_BYTES)
+                o = hopper.wgmma(bb, c.dtype, D, frags[k], v_desc, o, trans_b=True)
+            hopper.wgmma_commit_group(bb)
+            hopper.wgmma_wait_group(bb, 0)
+            o = hopper.fence_operands(bb, o)
+            hopper.mbarrier_arrive(bb, mem.kv_empty(bb, stage))
+            bump(bb)
+            return o + m_new + l_new
+
+        final = t.kv_loop(b, carried, step)
+        self._epilogue(b, args, t, final[:-4], final[-4:-2], final[-2:], sl2, row0, col0)
+
+    def _scores(self, b, args, t: _Tile, n, s, row0, col0):
+        """The score hook, then the mask on partial tiles (a branch; S merges in phis)."""
+        hooks, c = self.hooks, self.c
+        kv_base = b.mul(n, i32(c.block_n))
+
+        def q_idx(j):
+            return b.add(t.q0, b.add(row0, i32(8 * ((j // 2) % 2))))
+
+        def kv_idx(j):
+            return b.add(kv_base, b.add(col0, i32(8 * (j // 4) + j % 2)))
+
+        if hooks.score is not None:
+            s = [hooks.score(b, b.fmul(v, args.softmax_scale), t.bidx, t.h, q_idx(j), kv_idx(j))
+                 for j, v in enumerate(s)]
+        _, always = t.classify(b, n)
+        before = b.block
+        masked_bb = b.function.append_basic_block("kv.mask")
+        merged_bb = b.function.append_basic_block("kv.masked")
+        b.cbranch(always, merged_bb, masked_bb)
+        b.position_at_end(masked_bb)
+        ninf = _fconst(NEG_INF)
+        masked = []
+        for j, v in enumerate(s):
+            keep = b.icmp_signed("<", kv_idx(j), t.seqlen_k)
+            if hooks.mask is not None:
+                keep = b.and_(keep, hooks.mask(b, t.bidx, t.h, q_idx(j), kv_idx(j),
+                                               t.seqlen_q, t.seqlen_k))
+            masked.append(b.select(keep, v, ninf))
+        masked_end = b.block
+        b.branch(merged_bb)
+        b.position_at_end(merged_bb)
+        out = []
+        for v, mv in zip(s, masked):
+            phi = b.phi(f32)
+            phi.add_incoming(v, before)
+            phi.add_incoming(mv, masked_end)
+            out.append(phi)
+        return out
+
+    def _epilogue(self, b, args, t: _Tile, o, m, l, sl2, row0, col0):
+        """O / l to global memory (rows inside the sequence only) and the LSE."""
+        c = self.c
+        zero = _fconst(0.0)
+        rows_q = b.sub(t.seqlen_q, t.q0)
+        lane_col = b.and_(_thread_idx(b), i32(3))
+        for r in range(2):
+            total = warp.quad_allreduce(b, l[r], warp.fadd)
+            empty = b.fcmp_unordered("==", total, zero)  # no key kept (or NaN)
+            inv = b.select(empty, zero, warp.rcp(b, total))
+            row = b.add(row0, i32(8 * r))
+            inside = b.icmp_signed("<", row, rows_q)
+            with b.if_then(inside):
+                seq_row = b.sext(b.add(t.q_start, b.add(t.q0, row)), i64)
+                base = b.add(b.add(b.mul(b.sext(t.bidx, i64), args.o_stride_batch),
+                                   b.mul(seq_row, args.o_stride_row)),
+                             b.mul(b.sext(t.h, i64), args.o_stride_head))
+                base = b.add(base, b.zext(col0, i64))
+                for jb in range(c.head_dim // 8):
+                    j = 4 * jb + 2 * r
+                    value = warp.pack2(b, c.dtype, b.fmul(o[j], inv), b.fmul(o[j + 1], inv))
+                    ptr = b.gep(args.o, [b.add(base, i64(8 * jb))], inbounds=True,
+                                source_etype=nvptx.i16)
+                    warp.store(b, value, ptr, align=4)
+                if c.return_lse:
+                    with b.if_then(b.icmp_unsigned("==", lane_col, i32(0))):
+                        val = b.fmul(b.fadd(b.fmul(m[r], sl2), warp.lg2(b, total)),
+                                     _fconst(warp.LN2))
+                        val = b.select(empty, _fconst(NEG_INF), val)
+                        off = b.add(b.add(b.mul(b.sext(t.bidx, i64), args.lse_stride_batch),
+                                          b.mul(b.sext(t.h, i64), args.lse_stride_head)),
+                                    b.sext(b.add(t.q_start, b.add(t.q0, row)), i64))
+                        b.store(val, b.gep(args.lse, [off], inbounds=True, source_etype=f32),
+                                align=4)
+
+
+# ============================================================================ module
+def _add_fn_attr(fn: ir.Function, text: str) -> None:
+    set.add(fn.attributes, text)  # llvmlite only knows enum attributes; NVVM's are strings
+
+
+def _rename_new_functions(module: ir.Module, before: set[str], suffix: str) -> None:
+    """Give the functions a work loop just emitted another name, so the second role's
+    loop can emit its own copies (shared-memory globals, such as the scheduler's index
+    slots, keep theirs: both roles must use the same ones)."""
+    for name in sorted(set(module.globals) - before):
+        fn = module.globals[name]
+        if isinstance(fn, ir.Function) and not fn.is_declaration:  # intrinsics keep theirs
+            del module.globals[name]
+            module.scope._useset.discard(name)  # llvmlite has no rename: free the old name
+            fn.name = name + suffix
+            module.globals[fn.name] = fn
+
+
+def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
+                 work_loop: Callable) -> ir.Module:
+    hooks = hooks or ExprHooks()
+    module = new_module(f"mha_sm90_{config.dtype}_d{config.head_dim}", target)
+    fnty = ir.FunctionType(nvptx.void, [p.llvm_type for p in KERNEL_PARAMS])
+    fn = ir.Function(module, fnty, name=KERNEL_NAME)
+    nvptx.mark_kernel(fn)
+    _add_fn_attr(fn, f'"nvvm.maxntid"="{THREADS}"')
+    _add_fn_attr(fn, '"nvvm.minctasm"="1"')  # a register cap at entry, as setmaxnreg needs
+    for p, arg in zip(KERNEL_PARAMS, fn.args):
+        arg.name = p.name
+        if p.kind == "tensor_map":
+            hopper.mark_tensor_map_param(arg)
+        elif p.kind == "ptr":
+            arg.add_attribute("noalias")
+            arg.attributes.align = 16 if p.name in ("q", "k", "v", "o") else 4
+    smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
+    smem.linkage = "external"
+    smem.align = 128  # rounded up to 1024 at run time (see _Layout.base)
+    kernel = _Kernel(config, hooks, fn, smem)
+    mem = kernel.mem
+
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    kv_count = b.alloca(i32, name="kv_count")
+    tile_count = b.alloca(i32, name="tile_count")
+    b.store(i32(0), kv_count)
+    b.store(i32(0), tile_count)
+    tid = nvptx.special_register(b, "thread_idx", "x")
+    params = dict(zip((p.name for p in KERNEL_PARAMS), fn.args))
+    with b.if_then(b.icmp_unsigned("==", tid, i32(0))):
+        for name in ("q_map", "k_map", "v_map"):
+            hopper.prefetch_tensor_map(b, hopper.tensor_map_address(b, params[name]))
+    with b.if_then(b.icmp_unsigned("==", tid, i32(0))):
+        hopper.mbarrier_init(b, mem.q_full(b), 1)
+        for stage in range(config.stages):
+            hopper.mbarrier_init(b, mem.k_full(b, i32(stage)), 1)
+            hopper.mbarrier_init(b, mem.v_full(b, i32(stage)), 1)
+            hopper.mbarrier_init(b, mem.kv_empty(b, i32(stage)), CONSUMER_THREADS)
+        hopper.fence_mbarrier_init(b)
+    nvptx.barrier_all(b)
+    is_producer = b.icmp_unsigned("<", tid, i32(hopper.WARPGROUP_THREADS))
+    with b.if_else(is_producer) as (producer, consumer):
+        with producer:
+            hopper.setmaxnreg(b, PRODUCER_REGISTERS, increase=False)
+            args = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True)
+            before = set(module.globals)
+            work_loop(b, args, lambda bb, seq: kernel.producer_tile(bb, args, kv_count, seq))
+            _rename_new_functions(module, before, ".producer")
+        with consumer:
+            hopper.setmaxnreg(b, CONSUMER_REGISTERS, increase=True)
+            cargs = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True)
+            work_loop(b, cargs, lambda bb, seq: kernel.consumer_tile(bb, cargs, kv_count,
+                                                                      tile_count, seq))
+    b.ret_void()
+    return module
+
+
+# ============================================================================ the backend
+def declared_config(options, layout: Layout = Layout()) -> HopperConfig:
+    """The default Hopper tile for the declaration, with what it fixes; not validated."""
+    d = options.head_dim
+    overrides = {k: v for k, v in (("block_m", options.block_m), ("block_n", options.block_n),
+                                   ("stages", options.stages)) if v is not None}
+    return replace(HopperConfig(options.dtype, d, stages=default_stages(d)),
+                   gqa_group=layout.gqa_group, return_lse=layout.return_lse,
+                   ragged=layout.ragged, **overrides)
+
+
+def compile_kernel(source: KernelSource, configs: tuple[HopperConfig, ...],
+                   target: Target) -> KernelBuild:
+    """The first config that assembles without spills (else the one with the fewest)."""
+    have_ptxas = find_ptxas() is not None
+    best = None
+    for config in configs if have_ptxas else configs[:1]:
+        module = build_module(config, source.hooks, target, source.work_loop(config.block_m))
+        ptx = emit_ptx(optimize(module, target), target)
+        assembled = assemble(ptx, target.arch) if have_ptxas else None
+        build = KernelBuild(BACKEND.name, target.arch, str(module), ptx, assembled, config)
+        spills = sum(k.spills for k in assembled.kernels.values()) if assembled else 0
+        if best is None or spills < best[0]:
+            best = (spills, build)
+        if spills == 0:
+            break
+    return best[1]
+
+
+class SM90(Backend):
+    """Warp-specialised TMA + wgmma kernel for Hopper (compute capability 9.0)."""
+
+    name = "sm90"
+    targets = ("sm_90a",)
+    params = KERNEL_PARAMS
+    config_type = HopperConfig
+
+    def problems(self, options, arch: str) -> list[Problem]:
+        config = declared_config(options)
+        found = config.problems()
+        if options.warps is not None and options.warps != THREADS // 32:
+            found.append(Problem(("warps",), f"warps = {options.warps}: the sm90 kernel runs "
+                                             f"{THREADS // 32} (a producer and two consumer "
+                                             "warpgroups)"))
+        if arch not in self.targets:
+            found.append(Problem((), f"the sm90 kernel builds for sm_90a, not {arch}"))
+        limit = SHARED_MEMORY_LIMIT.get(arch, 0)
+        if not found and shared_bytes(config) > limit:
+            found.append(Problem(("tile", "stages"), (
+                f"the tile needs {shared_bytes(config) // 1024} KiB of shared memory; {arch} "
+                f"allows {limit // 1024} KiB")))
+        return found
+
+    def configs(self, options, layout: Layout) -> tuple[HopperConfig, ...]:
+        primary = declared_config(options, layout)
+        narrow = replace(primary, block_n=64)
+        if options.block_n is not None or primary.block_n <= 64:
+            return (primary,)
+        return (primary, narrow)
+
+    def launch_shape(self, config: HopperConfig) -> LaunchShape:
+        return LaunchShape(KERNEL_NAME, THREADS, shared_bytes(config))
+
+    def launch_args(self, config: HopperConfig, tensors: dict, ragged: bool) -> dict:
+        return tensor_map_args(config, tensors, ragged)
+
+    def build(self, source: KernelSource, configs: tuple[HopperConfig, ...],
+              target: Target) -> KernelBuild:
+        return compile_kernel(source, configs, target)
+
+
+BACKEND = SM90()

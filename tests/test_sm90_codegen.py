@@ -1,0 +1,98 @@
+"""The Hopper backend ("sm90") on the CPU: every example lowers to sm_90a PTX with TMA and
+wgmma, assembles with ptxas without spills or wgmma serialisation (C7519), honours
+setmaxnreg; what it cannot run is reported by `problems` (selection falls back to sm80)."""
+import re
+import tempfile
+
+import pytest
+
+import mhadsl
+from helpers import REPO, STD, checked
+from mhadsl.attention_spec import resolve_attention
+from mhadsl.build import KernelRequest, build_kernel
+from mhadsl.codegen import backends
+from mhadsl.codegen.assemble import find_ptxas
+from mhadsl.codegen.backends import Layout, select_backend
+from mhadsl.codegen.backends.sm90 import BACKEND, KERNEL_NAME, HopperConfig, shared_bytes
+from mhadsl.runtime import cache
+
+needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
+EXAMPLES = [(f, n) for f in ("plain.mha", "causal.mha", "sliding_window.mha", "softcap.mha",
+                             "alibi.mha", "bottom_right_causal.mha", "gqa.mha")
+            for n in mhadsl.compile(REPO / "examples" / f).attentions]
+_store = {}
+
+
+def build(file: str, name: str, layout: Layout = Layout()):
+    if "cache" not in _store:
+        _store["cache"] = cache.CompileCache(tempfile.mkdtemp())
+    program = mhadsl.compile(REPO / "examples" / file)
+    return build_kernel(program.checked, KernelRequest(name, "sm_90a", "sm90", layout),
+                        _store["cache"])
+
+
+def ptx_isa(ptx: str) -> tuple[int, int]:
+    major, minor = re.search(r"^\.version (\d+)\.(\d+)", ptx, re.M).groups()
+    return int(major), int(minor)
+
+
+@needs_ptxas
+@pytest.mark.parametrize("file, name", EXAMPLES)
+@pytest.mark.parametrize("layout", [Layout(), Layout(2, True, True)], ids=["dense", "ragged"])
+def test_every_example_assembles_for_sm90a_without_spills(file, name, layout):
+    kb = build(file, name, layout)
+    assert kb.backend == "sm90" and ".target sm_90a" in kb.ptx
+    assert ptx_isa(kb.ptx) <= (9, 0)
+    for needed in ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.tensor.4d",
+                   "mbarrier.try_wait.parity", "setmaxnreg.dec.sync.aligned.u32 40",
+                   "setmaxnreg.inc.sync.aligned.u32 232"):
+        assert needed in " ".join(kb.ptx.split()), needed
+    assert ".extern .func" not in kb.ptx  # an unknown intrinsic name
+    resources = kb.assembled.kernels[KERNEL_NAME]
+    assert resources.spill_stores == resources.spill_loads == 0
+    assert "C7519" not in kb.assembled.log and "C7508" not in kb.assembled.log
+    assert resources.registers == 168  # the entry cap setmaxnreg needs (384 threads, 1 CTA/SM)
+
+
+@needs_ptxas
+def test_tensor_maps_are_grid_constant_parameters():
+    ptx = build("causal.mha", "causal_fwd").ptx
+    maps = re.findall(rf"\.param \.align \d+ \.b8 {KERNEL_NAME}_param_(\d+)\[128\]", ptx)
+    first = len(backends.backend("sm80").params)
+    assert [int(i) for i in maps] == [first, first + 1, first + 2]  # q_map, k_map, v_map
+
+
+def test_kernel_parameters_add_three_tensor_maps_to_sm80s():
+    names = [p.name for p in BACKEND.params]
+    sm80 = [p.name for p in backends.backend("sm80").params]
+    assert names == sm80 + ["q_map", "k_map", "v_map"]
+    shape = BACKEND.launch_shape(HopperConfig())
+    assert shape.threads == 384 and shape.shared_bytes == shared_bytes(HopperConfig())
+    assert shape.shared_bytes <= backends.SHARED_MEMORY_LIMIT["sm_90a"]
+
+
+@pytest.mark.parametrize("settings, fault", [
+    ("head_dim = 256", "head_dim 256"), ("head_dim = 64  warps = 4", "warps = 4"),
+    ("head_dim = 64  tile = (64, 64)", "64 query rows"),
+])
+def test_what_the_design_cannot_run_is_a_problem(settings, fault):
+    options = resolve_attention(checked(STD + f"attention a {{ {settings} }}").attentions["a"])
+    problems = BACKEND.problems(options, "sm_90a")
+    assert any(fault in p.message for p in problems), problems
+    assert not backends.backend("sm80").problems(options, "sm_90a") or "warps" in settings
+    assert BACKEND.problems(options, "sm_80")  # no sm_90a, no sm90 kernel
+
+
+def test_supported_declarations_have_no_problems():
+    for d in (64, 128):
+        options = resolve_attention(checked(STD + f"attention a {{ head_dim = {d} }}")
+                                    .attentions["a"])
+        assert BACKEND.problems(options, "sm_90a") == []
+
+
+def test_sm80_stays_the_default_design_on_hopper():
+    backend, target = select_backend((9, 0))
+    assert (backend.name, target.arch) == ("sm80", "sm_90a")
+    assert select_backend((9, 0), "sm90")[0] is BACKEND
+    with pytest.raises(ValueError, match="builds for sm_90a, not sm_80"):
+        select_backend((8, 0), "sm90")
