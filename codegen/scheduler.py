@@ -113,19 +113,20 @@ class _TargetBuiltins(Builtins):
 
     def loop_fuel(self, lower: FunctionLowering):
         # Every iteration burns fuel, so a loop that never ends stops: on the host the
-        # simulator reports it; on the GPU the iteration that empties the tank records a
-        # fault and the work loop (`emit_work_loop`, which fills the tank) ends the kernel.
+        # simulator reports it; on the GPU the iteration that empties the tank leaves the
+        # negated fault code in it, which the work loop (`emit_work_loop`, which fills the
+        # tank before each step) records where the step ends, the record's one place in a
+        # kernel (a second one costs the tile body spills: see `record_fault`).
+        b = lower.b
         fuel_ptr = self.env_field(lower, "fuel")
-        left = lower.b.sub(lower.b.load(fuel_ptr, typ=i64), i64(1))
-        lower.b.store(left, fuel_ptr)
+        fuel = b.load(fuel_ptr, typ=i64)
+        left = b.sub(fuel, i64(1))
         if self.target.is_gpu:
-            with lower.b.if_then(lower.b.icmp_signed("==", left, i64(0)), likely=False):
-                workspace = lower.b.load(self.env_field(lower, "counter"),
-                                         typ=self.env_struct.elements[0])
-                record_fault(lower.b, workspace, faults.fault_code(faults.ENDLESS_WHILE,
-                                                                   self.rule),
-                             self.scheduler_id)
-        return lower.b.icmp_signed(">", left, i64(0))
+            code = faults.fault_code(faults.ENDLESS_WHILE, self.rule)
+            left = b.select(b.icmp_signed(">", fuel, i64(1)), left,
+                            b.select(b.icmp_signed("==", fuel, i64(1)), i64(-code), fuel))
+        b.store(left, fuel_ptr)
+        return b.icmp_signed(">", left, i64(0))
 
 
 @dataclass
@@ -395,9 +396,9 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     state = alloca(builder, sched.state_struct, "state")
     info = alloca(builder, record_type(WORK_INFO), "work_info")
     seq = alloca(builder, record_type(SEQ_INFO), "seq_info")
-    pipe = alloca(builder, i32, "pipeline_idx")
-    taken = alloca(builder, i32, "tiles_taken")  # tiles after the first one
-    builder.store(i32(0), pipe)
+    # Advances so far; its low bit is the pipeline_idx of the next one. One counter, so
+    # the hang bound adds no register live across the tile body (which sits at the cap).
+    taken = alloca(builder, i32, "tiles_taken")
     builder.store(i32(0), taken)
     _refuel(builder, sched, kenv)
     builder.call(fns["initial_state"], [*args, kenv.slots, state])
@@ -405,18 +406,23 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     valid = load_record(builder, info, WORK_INFO)["is_valid"]
     entry_bb = builder.block
     first_bb = builder.append_basic_block("first_tile")
-    start_bb = builder.append_basic_block("start")
+    step_bb = builder.append_basic_block("step_done")
     loop_bb = builder.append_basic_block("work")
     exit_bb = builder.append_basic_block("work_done")
-    builder.cbranch(valid, first_bb, start_bb)
+    builder.cbranch(valid, first_bb, step_bb)
     builder.position_at_end(first_bb)
     builder.call(fns["unsafe_seq_info"], [*args, state, seq])
-    builder.branch(start_bb)
-    builder.position_at_end(start_bb)
+    builder.branch(step_bb)
+    # Every step (the first rules, each advance) ends here, so the fault record has one
+    # place in the kernel: a second copy cost spills in the tile body (see record_fault).
+    builder.position_at_end(step_bb)
     has_work = builder.phi(i1)
     has_work.add_incoming(i1(0), entry_bb)
     has_work.add_incoming(i1(1), first_bb)
-    stop = nvptx.barrier_any(builder, _out_of_fuel(builder, sched, kenv))
+    too_many = builder.phi(i1)
+    too_many.add_incoming(i1(0), entry_bb)
+    too_many.add_incoming(i1(0), first_bb)
+    stop = _stop_step(builder, sched, kenv, too_many)
     builder.cbranch(builder.and_(has_work, builder.not_(stop)), loop_bb, exit_bb)
 
     builder.position_at_end(loop_bb)
@@ -427,24 +433,34 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     if sched.may_advance:
         kenv = fill_env(builder)
         _refuel(builder, sched, kenv)
-        p = builder.load(pipe, typ=i32)
+        before = builder.load(taken, typ=i32)
         more = builder.call(fns[sched.advance_name(producer, sync)],
-                            [kenv.env, kenv.ts, state, p, seq])
-        builder.store(builder.xor(p, i32(1)), pipe)
-        n = builder.add(builder.load(taken, typ=i32), i32(1))
+                            [kenv.env, kenv.ts, state, builder.and_(before, i32(1)), seq])
+        n = builder.add(before, i32(1))
         builder.store(n, taken)
-        too_many = builder.and_(more, builder.icmp_unsigned(
-            ">", builder.zext(n, i64), _num_work(builder, sched, kenv)))
-        with builder.if_then(too_many, likely=False):
-            record_fault(builder, _workspace(builder, sched, kenv),
-                         faults.fault_code(faults.TOO_MANY_TILES, "advance"),
-                         sched.scheduler_id)
-        stop = nvptx.barrier_any(builder, builder.or_(too_many,
-                                                      _out_of_fuel(builder, sched, kenv)))
-        builder.cbranch(builder.and_(more, builder.not_(stop)), loop_bb, exit_bb)
+        has_work.add_incoming(more, builder.block)
+        too_many.add_incoming(builder.and_(more, builder.icmp_unsigned(
+            ">", builder.zext(n, i64), _num_work(builder, sched, kenv))), builder.block)
+        builder.branch(step_bb)
     else:
         builder.branch(exit_bb)
     builder.position_at_end(exit_bb)
+
+
+def _stop_step(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv,
+               too_many: ir.Value) -> ir.Value:
+    """Whether any thread of the CTA stops after this scheduler step (a CTA-wide vote); a
+    thread that stops records why first. `loop_fuel` left a tank it emptied holding the
+    negated fault code; a refilled one is positive."""
+    fuel = builder.load(_fuel_ptr(builder, sched, kenv), typ=i64)
+    emptied = builder.trunc(builder.select(builder.icmp_signed("<", fuel, i64(0)),
+                                           builder.neg(fuel), i64(0)), i32)
+    code = builder.select(too_many, i32(faults.fault_code(faults.TOO_MANY_TILES, "advance")),
+                          emptied)
+    faulted = builder.icmp_unsigned("!=", code, i32(0))
+    with builder.if_then(faulted, likely=False):
+        record_fault(builder, _workspace(builder, sched, kenv), code, sched.scheduler_id)
+    return nvptx.barrier_any(builder, faulted)
 
 
 def _num_work(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv) -> ir.Value:
@@ -463,19 +479,17 @@ def _fuel_ptr(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv) -
 
 
 def _refuel(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv) -> None:
-    """Fill the tank the `while` loops of the next scheduler step burn (faults.WHILE_SLACK)."""
-    ctas = builder.zext(builder.mul(builder.mul(
-        nvptx.special_register(builder, "grid_dim", "x"),
-        nvptx.special_register(builder, "grid_dim", "y")),
-        nvptx.special_register(builder, "grid_dim", "z")), i64)
+    """Fill the tank the `while` loops of the next scheduler step burn (faults.WHILE_SLACK).
+    The grid size is read through volatile asm: LLVM would hoist plain reads out of the
+    work loop and hold their product live across the tile body (measured: spills)."""
+    def grid_dim(axis: str) -> ir.Value:
+        return builder.asm(ir.FunctionType(i32, []), f"mov.u32 $0, %nctaid.{axis};", "=r", [],
+                           True)
+    ctas = builder.zext(builder.mul(builder.mul(grid_dim("x"), grid_dim("y")), grid_dim("z")),
+                        i64)
     work = builder.add(_num_work(builder, sched, kenv), ctas)
     budget = builder.add(builder.mul(work, i64(faults.WHILE_SLACK)), i64(faults.WHILE_MIN))
     builder.store(budget, _fuel_ptr(builder, sched, kenv))
-
-
-def _out_of_fuel(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv) -> ir.Value:
-    left = builder.load(_fuel_ptr(builder, sched, kenv), typ=i64)
-    return builder.icmp_signed("<=", left, i64(0))
 
 
 def _workspace(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv) -> ir.Value:
@@ -492,16 +506,38 @@ def linear_cta(builder: ir.IRBuilder) -> ir.Value:
         reg("block_idx", "y"), builder.mul(reg("grid_dim", "y"), reg("block_idx", "z")))))
 
 
-def record_fault(builder: ir.IRBuilder, workspace: ir.Value, code: int,
+def record_fault(builder: ir.IRBuilder, workspace: ir.Value, code: ir.Value,
                  scheduler_id: int) -> None:
     """Write the fault record (words 1..3 of the workspace, `runtime.faults`) unless one is
-    there already: the first fault wins until the runtime reports and clears it."""
+    there already: the first fault wins until the runtime reports and clears it.
+
+    The tile body sits at ptxas's 255-register cap, where its allocation moves with code
+    far from it. Measured on the examples' kernels: the record inlined, or a copy of it
+    on the work loop's exit path, or a second copy before the loop, each cost spills in
+    the tile body (a copy at the exit: causal d128 spilled 104 B, and at every IR shape);
+    one call, not inlined, where every step ends (`emit_work_loop`) costs none."""
+    builder.call(_fault_recorder(builder.module, workspace.type),
+                 [workspace, code, i32(scheduler_id)])
+
+
+def _fault_recorder(module: ir.Module, workspace_type: ir.Type) -> ir.Function:
+    name = "mhadsl.record_fault"
+    if name in module.globals:
+        return module.globals[name]
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, [workspace_type, i32, i32]), name)
+    fn.linkage = "internal"
+    fn.attributes.add("noinline")
+    workspace, code, scheduler_id = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+
     def word(k: int) -> ir.Value:
-        return builder.gep(workspace, [i32(k)], source_etype=i32)
-    old = builder.cmpxchg(word(1), i32(0), i32(code), "monotonic", "monotonic")
-    with builder.if_then(builder.extract_value(old, 1)):
-        builder.store(i32(scheduler_id), word(2))
-        builder.store(linear_cta(builder), word(3))
+        return b.gep(workspace, [i32(k)], source_etype=i32)
+    old = b.cmpxchg(word(1), i32(0), code, "monotonic", "monotonic")
+    with b.if_then(b.extract_value(old, 1)):
+        b.store(scheduler_id, word(2))
+        b.store(linear_cta(b), word(3))
+    b.ret_void()
+    return fn
 
 
 TRACE_FIELDS = 4  # per step: prompt_offset, head_idx, prompt_idx, 1 (0 past the last step)

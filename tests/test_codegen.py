@@ -105,11 +105,16 @@ def test_gpu_work_loop_records_scheduler_faults_and_stops_every_thread():
     module = new_module("guard", target)
     build_trace_kernel(module, lower_scheduler(module, program, SchedulerSpec("Spin"), target))
     ptx = emit_ptx(optimize(module, target), target)
-    recorded = set(re.findall(r"atom\.\w+\.\w+\.global\.cas\.b32\s+%r\d+, \[%rd\d+\+4\], 0, "
-                              r"(\d+);", ptx))
-    assert recorded == {str(faults.fault_code(faults.TOO_MANY_TILES, "advance")),
-                        str(faults.fault_code(faults.ENDLESS_WHILE, "advance"))}
-    assert ptx.count("bar.red.or.pred") == 2  # after the first rules and after each advance
+    kernel, recorder = ptx.split(".entry trace_Spin(")[1].split(".func mhadsl_$_record_fault(")
+    # The record: a compare-and-swap of word 1 (the code) in a function of its own, called
+    # from one place, where every step (the first rules, each advance) ends at one vote.
+    assert re.search(r"atom\.\w+\.\w+\.global\.cas\.b32\s+%r\d+, \[%rd\d+\+4\], 0, %r\d+;",
+                     recorder)
+    assert kernel.count("call.uni mhadsl_$_record_fault") == 1
+    assert kernel.count("bar.red.or.pred") == 1
+    # The codes it records: too many tiles, or the negated code `loop_fuel` left in the tank.
+    assert re.search(rf"\b{faults.fault_code(faults.TOO_MANY_TILES, 'advance')}\b", kernel)
+    assert re.search(rf"-{faults.fault_code(faults.ENDLESS_WHILE, 'advance')}\b", kernel)
     assert "trap" not in ptx
 
 
