@@ -224,7 +224,8 @@ class Kernel:
         from mhadsl.runtime import driver
         info = driver.device_info(q.device)
         try:
-            backend, target = backends.select_backend(info.compute_capability, self.backend)
+            backend, target = backends.select_backend(info.compute_capability, self.backend,
+                                                      self.options)
         except ValueError as err:
             raise RuntimeError(f"kernel '{self.name}': {err}") from None
         layout = Layout(call.heads // call.kv_heads, call.ragged, want_lse)

@@ -83,10 +83,21 @@ def backend_for_arch(arch: str, requested: str | None = None) -> Backend:
     raise ValueError(f"no attention backend builds for {arch}")
 
 
-def select_backend(compute_capability: tuple[int, int], requested: str | None = None
-                   ) -> tuple[Backend, DeviceTarget]:
-    """The design and target a device of this compute capability runs."""
+# The designs a device runs a declaration with when the call forces none, per target,
+# preferred first: the first that runs the declaration wins. sm90 passed the GPU matrix and
+# beat sm80 on the H200 (benchmarks/HOPPER_NOTES.md); D256, say, falls back to sm80.
+DEVICE_PREFERENCE = {"sm_90a": ("sm90", "sm80")}
+
+
+def select_backend(compute_capability: tuple[int, int], requested: str | None = None,
+                   options=None) -> tuple[Backend, DeviceTarget]:
+    """The design and target a device of this compute capability runs declaration
+    `options` (`AttentionOptions`) with; without `options`, the target's first backend."""
     target = select_target(compute_capability)
+    if requested is None and options is not None:
+        for name in DEVICE_PREFERENCE.get(target.arch, ()):
+            if not backend(name).problems(options, target.arch):
+                return backend(name), target
     return backend_for_arch(target.arch, requested), target
 
 

@@ -25,6 +25,12 @@ Tensor maps (4-D, outermost first): dense tensors as they are, (B, S, H, D); rag
 load as zeros; rows past a ragged sequence's end belong to the next sequence and are masked
 (keys) or never written (queries). O is written from registers, row by row, only for rows
 inside the sequence; LSE likewise.
+
+Not yet: head dim 256 (reported by `problems`, so a 9.0 device runs such a declaration with
+sm80), ping-pong between the consumer warpgroups, the next tile's loads under the current
+tile's epilogue (the work loop's CTA-wide barrier separates work tiles), a TMA store of O.
+A software-pipelined KV loop (S(n) issued before P(n-1) V(n-1), FlashAttention-3's
+intra-warpgroup overlap) was measured slower here (benchmarks/HOPPER_NOTES.md).
 """
 from __future__ import annotations
 
@@ -109,10 +115,6 @@ def shared_bytes(config: HopperConfig) -> int:
 
 def _barrier_bytes(config: HopperConfig) -> int:
     return (1 + 3 * config.stages) * hopper.MBARRIER_BYTES
-
-
-def default_stages(head_dim: int) -> int:
-    return 2 if head_dim == 128 else 3
 
 
 KERNEL_PARAMS: tuple[KernelParam, ...] = SM80_PARAMS + (
@@ -585,11 +587,11 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
 
 # ============================================================================ the backend
 def declared_config(options, layout: Layout = Layout()) -> HopperConfig:
-    """The default Hopper tile for the declaration, with what it fixes; not validated."""
-    d = options.head_dim
+    """The default Hopper tile for the declaration, with what it fixes (the stages always:
+    2 unless declared); not validated."""
     overrides = {k: v for k, v in (("block_m", options.block_m), ("block_n", options.block_n),
                                    ("stages", options.stages)) if v is not None}
-    return replace(HopperConfig(options.dtype, d, stages=default_stages(d)),
+    return replace(HopperConfig(options.dtype, options.head_dim),
                    gqa_group=layout.gqa_group, return_lse=layout.return_lse,
                    ragged=layout.ragged, **overrides)
 
