@@ -7,6 +7,7 @@ NVPTX asm printer; `HostJit` compiles the same rules for this CPU.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import llvmlite
@@ -89,7 +90,15 @@ def optimize(module: ir.Module | str, target: Target) -> llvm.ModuleRef:
 
 
 def emit_ptx(optimized: llvm.ModuleRef, target: Target) -> str:
-    return target_machine(target).emit_assembly(optimized)
+    # The NVPTX printer numbers call sequences ("// callseq 27") with a counter that runs on
+    # across compilations in a process; renumbering per module keeps the PTX reproducible.
+    ptx = target_machine(target).emit_assembly(optimized)
+    numbers: dict[str, str] = {}
+    return _CALLSEQ.sub(lambda m: f"callseq {numbers.setdefault(m[1], str(len(numbers)))}",
+                        ptx)
+
+
+_CALLSEQ = re.compile(r"callseq (\d+)")
 
 
 class HostJit:

@@ -215,7 +215,7 @@ def test_output_conventions(project, cache_dir, no_ptxas, capsys):
     assert compile_cli(capsys, main_mha, "--kernel", "a", "-o", project / "k.ptx")[0] == 0
     assert ".entry mha_fwd" in (project / "k.ptx").read_text()  # one unit to a file
     code, _, err = compile_cli(capsys, main_mha, "-o", project / "both.ptx")
-    assert code == 1 and not (project / "both.ptx").exists()
+    assert code == 2 and not (project / "both.ptx").exists()
     assert err.count("\n") == 1 and "--kernel" in err and "-o DIR/" in err
     assert compile_cli(capsys, main_mha, "-o", project / "units")[0] == 0
     assert sorted(p.name for p in (project / "units").iterdir()) == ["a.ptx", "schedulers.ptx"]
@@ -225,7 +225,7 @@ def test_output_conventions(project, cache_dir, no_ptxas, capsys):
                                         ("sched.mha/k.ptx", "is not a folder")])
 def test_output_in_no_folder_is_one_line(project, capsys, where, why):
     code, _, err = compile_cli(capsys, project / "main.mha", "-o", project / where)
-    assert code == 1 and err.count("\n") == 1 and why in err and "Traceback" not in err
+    assert code == 2 and err.count("\n") == 1 and why in err and "Traceback" not in err
 
 
 def test_compile_reports_backend_limits_like_check(tmp_path, capsys):

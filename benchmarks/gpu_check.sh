@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Everything this project verifies on a GPU, in one go (the HARDENING.md and BENCHMARKS.md
+# figures): the GPU test layer, compute-sanitizer over every standard scheduler, and the
+# benchmark table. Logs go to $1 (default gpu-check/).
+#     bash benchmarks/gpu_check.sh [LOG_DIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+logs=${1:-gpu-check}
+mkdir -p "$logs"
+export PYTHONUNBUFFERED=1
+status=0
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$logs/gpu.txt"
+python3 -m pytest -m gpu -q -rA -p no:cacheprovider -s tests 2>&1 | tee "$logs/gpu-tests.log" \
+    | grep -E "passed|failed|error|fault came back|FAILED" | tail -30 || status=1
+python3 benchmarks/sanitize.py --log-dir "$logs/sanitize" 2>&1 | tee "$logs/sanitize.log" \
+    | tail -8 || status=1
+python3 benchmarks/attention.py 2>&1 | tee "$logs/bench.log" | tail -16 || status=1
+exit $status
