@@ -39,7 +39,7 @@ class RequestError(ValueError):
 class KernelRequest:
     kernel: str  # the attention declaration's name
     arch: str = "sm_90a"
-    backend: str | None = None  # None: the first registered backend that builds for arch
+    backend: str | None = None  # None: the arch's preferred backend that runs the declaration
     layout: Layout = Layout()
     ptx_version: int = DEFAULT_PTX_VERSION
 
@@ -60,7 +60,7 @@ def plan(program: CheckedProgram, request: KernelRequest) -> Plan:
     options = resolve_attention(program.attentions[request.kernel])
     try:
         target = gpu_target(request.arch, request.ptx_version)
-        backend = backends.backend_for_arch(request.arch, request.backend)
+        backend = backends.backend_for_arch(request.arch, request.backend, options)
     except ValueError as err:
         raise RequestError(str(err)) from None
     if problems := backend.problems(options, request.arch):

@@ -69,24 +69,29 @@ def backends() -> list[Backend]:
     return [backend(name) for name in REGISTRY]
 
 
-def backend_for_arch(arch: str, requested: str | None = None) -> Backend:
-    """`requested` (it must build for `arch`), else the first backend that builds for it."""
+# The designs a target runs a declaration with when nothing forces one, preferred first: the
+# first that runs the declaration wins. sm90 passed the GPU matrix and beat sm80 on the H200
+# (benchmarks/HOPPER_NOTES.md); D256, say, falls back to sm80.
+PREFERENCE = {"sm_90a": ("sm90", "sm80")}
+
+
+def backend_for_arch(arch: str, requested: str | None = None, options=None) -> Backend:
+    """`requested` (it must build for `arch`), else the preferred backend for `arch` that
+    runs declaration `options` (`AttentionOptions`; any, without them), else the first
+    registered one that builds for `arch`. The CLI, the API and a device all choose here."""
     if requested is not None:
         chosen = backend(requested)
         if arch not in chosen.targets:
             raise ValueError(f"attention backend {requested!r} builds for "
                              f"{', '.join(chosen.targets)}, not {arch}")
         return chosen
+    for name in PREFERENCE.get(arch, ()):
+        if options is not None and not backend(name).problems(options, arch):
+            return backend(name)
     for candidate in backends():
         if arch in candidate.targets:
             return candidate
     raise ValueError(f"no attention backend builds for {arch}")
-
-
-# The designs a device runs a declaration with when the call forces none, per target,
-# preferred first: the first that runs the declaration wins. sm90 passed the GPU matrix and
-# beat sm80 on the H200 (benchmarks/HOPPER_NOTES.md); D256, say, falls back to sm80.
-DEVICE_PREFERENCE = {"sm_90a": ("sm90", "sm80")}
 
 
 def select_backend(compute_capability: tuple[int, int], requested: str | None = None,
@@ -94,11 +99,7 @@ def select_backend(compute_capability: tuple[int, int], requested: str | None = 
     """The design and target a device of this compute capability runs declaration
     `options` (`AttentionOptions`) with; without `options`, the target's first backend."""
     target = select_target(compute_capability)
-    if requested is None and options is not None:
-        for name in DEVICE_PREFERENCE.get(target.arch, ()):
-            if not backend(name).problems(options, target.arch):
-                return backend(name), target
-    return backend_for_arch(target.arch, requested), target
+    return backend_for_arch(target.arch, requested, options), target
 
 
 # ============================================================================ the interface
