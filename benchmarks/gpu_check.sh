@@ -10,9 +10,11 @@ mkdir -p "$logs"
 export PYTHONUNBUFFERED=1
 status=0
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$logs/gpu.txt"
-python3 -m pytest -m gpu -q -rA -p no:cacheprovider -s tests 2>&1 | tee "$logs/gpu-tests.log" \
+python3 -m pytest -m gpu -q -rA -p no:cacheprovider -n 8 tests 2>&1 | tee "$logs/gpu-tests.log" \
     | grep -E "passed|failed|error|fault came back|FAILED" | tail -30 || status=1
-python3 benchmarks/sanitize.py --log-dir "$logs/sanitize" 2>&1 | tee "$logs/sanitize.log" \
-    | tail -8 || status=1
+for backend in sm90 sm80; do
+    python3 benchmarks/sanitize.py --backend $backend --log-dir "$logs/sanitize-$backend" 2>&1 \
+        | tee "$logs/sanitize-$backend.log" | tail -4 || status=1
+done
 python3 benchmarks/attention.py 2>&1 | tee "$logs/bench.log" | tail -16 || status=1
 exit $status

@@ -3,6 +3,7 @@ by every standard scheduler, on a dense and a ragged batch (small shapes), and r
 each tool finds. Needs an NVIDIA GPU, torch and compute-sanitizer on PATH.
 
     python3 benchmarks/sanitize.py [--tools memcheck,racecheck,synccheck] [--log-dir DIR]
+                                   [--backend sm80|sm90]   (default: the device's choice)
 
 The kernels are built (and cached on disk) first, outside the sanitizer; then each tool runs
 this script's `--worker` mode, which launches the 8 cases and checks each output against
@@ -67,11 +68,21 @@ def sdpa_error(torch, args, out) -> float:
     return (num / max(den, 1e-30)) ** 0.5
 
 
-def worker() -> int:
+def kernels(backend: str | None):
+    """The attention kernel of each scheduler, on `backend` when one is forced."""
+    import mhadsl
+    program = mhadsl.compile(SOURCE, name="sanitize.mha")
+    if backend:
+        for name in program.attentions:
+            program[name].backend = backend
+    return program
+
+
+def worker(backend: str | None) -> int:
     import torch
 
     import mhadsl
-    program = mhadsl.compile(SOURCE, name="sanitize.mha")
+    program = kernels(backend)
     worst = 0.0
     for name, layout, args in cases(torch):
         out = program[name](**args)
@@ -98,10 +109,11 @@ def main() -> int:
     parser.add_argument("--tools", default=",".join(TOOLS))
     parser.add_argument("--log-dir", type=Path, default=Path("sanitize-logs"))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per tool")
+    parser.add_argument("--backend", help="force an attention backend (sm80, sm90)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker:
-        return worker()
+        return worker(opts.backend)
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:
         print("error: compute-sanitizer is not on PATH", file=sys.stderr)
@@ -109,7 +121,7 @@ def main() -> int:
     import torch
 
     import mhadsl
-    program = mhadsl.compile(SOURCE, name="sanitize.mha")
+    program = kernels(opts.backend)
     for name, _, args in cases(torch):  # build and cache every kernel outside the tools
         program[name](**args)
     mhadsl.synchronize()
@@ -119,7 +131,8 @@ def main() -> int:
         # Only the attention kernels; driver API errors are left out (cuda-python probes
         # cuGetProcAddress for entry points this driver lacks), the worker raises on ours.
         command = [sanitizer, "--tool", tool, "--kernel-name", "kns=mha_fwd",
-                   "--report-api-errors", "no", sys.executable, __file__, "--worker"]
+                   "--report-api-errors", "no", sys.executable, __file__, "--worker"] + (
+                       ["--backend", opts.backend] if opts.backend else [])
         start = time.perf_counter()
         try:
             run = subprocess.run(command, capture_output=True, text=True, timeout=opts.timeout)
