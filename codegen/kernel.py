@@ -54,7 +54,9 @@ def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Ta
                         ) -> WorkLoop:
     """The work loop a backend's kernel runs: the scheduler's rules, for `spec.tile_m`."""
     def work_loop(builder: ir.IRBuilder, args: KernelArgs, body) -> None:
-        lowered = lower_scheduler(builder.module, program, spec, target)
+        aligned = not args.divergent_roles
+        lowered = lower_scheduler(builder.module, program, spec, target,
+                                  aligned_barriers=aligned)
         args.persistent = lowered.may_advance
 
         def params(b: ir.IRBuilder) -> EnvParams:
@@ -70,7 +72,8 @@ def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Ta
                              fence(b, args.num_heads), fence(b, args.cu_seqlens_q))
 
         fill_env = env_filler(builder, lowered, shared_slots(builder.module), params)
-        emit_work_loop(builder, lowered, fill_env, lambda b, seq: body(b, TileSeq(**seq)))
+        emit_work_loop(builder, lowered, fill_env, lambda b, seq: body(b, TileSeq(**seq)),
+                       aligned=aligned)
     return work_loop
 
 

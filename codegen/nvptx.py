@@ -56,8 +56,12 @@ CTA_BARRIER = 0  # bar.sync 0: every thread of the CTA
 PRODUCER_BARRIER = 1  # a named barrier among the producer's threads
 
 
-def barrier_all(builder: ir.IRBuilder) -> None:
-    call(builder, "llvm.nvvm.barrier.cta.sync.aligned.all", void, [i32(CTA_BARRIER)])
+def barrier_all(builder: ir.IRBuilder, aligned: bool = True) -> None:
+    """A CTA-wide barrier. `aligned` (PTX `bar.sync`) promises every thread reaches this very
+    instruction; warp-specialised roles that meet from different branches need `aligned=False`
+    (`barrier.sync`), or compute-sanitizer's synccheck reports divergent threads."""
+    call(builder, f"llvm.nvvm.barrier.cta.sync{'.aligned' if aligned else ''}.all", void,
+         [i32(CTA_BARRIER)])
 
 
 def barrier_named(builder: ir.IRBuilder, barrier_id: int, num_threads: int | ir.Value) -> None:
@@ -65,10 +69,11 @@ def barrier_named(builder: ir.IRBuilder, barrier_id: int, num_threads: int | ir.
     call(builder, "llvm.nvvm.barrier.cta.sync.aligned.count", void, [i32(barrier_id), count])
 
 
-def barrier_any(builder: ir.IRBuilder, pred: ir.Value) -> ir.Value:
-    """A CTA-wide barrier that returns (to every thread) whether `pred` held in any thread."""
-    return call(builder, "llvm.nvvm.barrier.cta.red.or.aligned.all", i1,
-                [i32(CTA_BARRIER), pred])
+def barrier_any(builder: ir.IRBuilder, pred: ir.Value, aligned: bool = True) -> ir.Value:
+    """A CTA-wide barrier that returns (to every thread) whether `pred` held in any thread
+    (`aligned` as in `barrier_all`)."""
+    return call(builder, f"llvm.nvvm.barrier.cta.red.or{'.aligned' if aligned else ''}.all",
+                i1, [i32(CTA_BARRIER), pred])
 
 
 # ----------------------------------------------------------------- kernels

@@ -71,8 +71,10 @@ def const_eval(e: ast.Expr, program: CheckedProgram, args: dict[str, object],
 
 class _TargetBuiltins(Builtins):
     def __init__(self, target: Target, producer: bool, sync: int, producer_threads: int,
-                 rule: str = "initial_state", scheduler_id: int = 0):
+                 rule: str = "initial_state", scheduler_id: int = 0,
+                 aligned_barriers: bool = True):
         self.target = target
+        self.aligned_barriers = aligned_barriers  # see nvptx.barrier_all
         self.gpu = target.is_gpu
         self.producer, self.sync, self.producer_threads = producer, sync, producer_threads
         self.rule, self.scheduler_id = rule, scheduler_id  # named by a fault record
@@ -107,7 +109,7 @@ class _TargetBuiltins(Builtins):
         if not self.target.is_gpu or SYNCS[sync] == "NONE":
             return  # the host simulates one thread per CTA: nothing to wait for
         if SYNCS[sync] == "ALL" or self.producer_threads == 0:
-            nvptx.barrier_all(lower.b)
+            nvptx.barrier_all(lower.b, self.aligned_barriers)
         else:
             nvptx.barrier_named(lower.b, nvptx.PRODUCER_BARRIER, self.producer_threads)
 
@@ -146,7 +148,8 @@ class LoweredScheduler:
 
 def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerSpec,
                     target: Target, *, advance_variants=((True, "ALL"),),
-                    producer_threads: int = 0) -> LoweredScheduler:
+                    producer_threads: int = 0, aligned_barriers: bool = True
+                    ) -> LoweredScheduler:
     """Emit the rule functions of one scheduler specialisation into `module`."""
     decl = program.schedulers.get(spec.name)
     if decl is None:
@@ -169,7 +172,7 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
 
     def emit(rule_name: str, fn_name: str, producer: bool = True, sync: str = "ALL"):
         builtins = _TargetBuiltins(target, producer, SYNCS.index(sync), producer_threads,
-                                   rule_name, sid)
+                                   rule_name, sid, aligned_barriers)
         rule = rules[rule_name]
         roles = program.rule_roles[rule]
         slot_space = nvptx.SHARED if target.is_gpu else nvptx.GENERIC
@@ -377,7 +380,7 @@ def shared_slots(module: ir.Module) -> ir.GlobalVariable:
 def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
                    fill_env: Callable[[ir.IRBuilder], KernelEnv],
                    body: Callable[[ir.IRBuilder, dict[str, ir.Value]], None], *,
-                   producer: bool = True, sync: str = "ALL") -> None:
+                   producer: bool = True, sync: str = "ALL", aligned: bool = True) -> None:
     """The persistent loop: initial_state, then body per valid tile, advance until none.
 
     Every thread of the CTA runs it (advance may hold a barrier); `body` gets the tile's
@@ -422,7 +425,7 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     too_many = builder.phi(i1)
     too_many.add_incoming(i1(0), entry_bb)
     too_many.add_incoming(i1(0), first_bb)
-    stop = _stop_step(builder, sched, kenv, too_many)
+    stop = _stop_step(builder, sched, kenv, too_many, aligned)
     builder.cbranch(builder.and_(has_work, builder.not_(stop)), loop_bb, exit_bb)
 
     builder.position_at_end(loop_bb)
@@ -448,7 +451,7 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
 
 
 def _stop_step(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv,
-               too_many: ir.Value) -> ir.Value:
+               too_many: ir.Value, aligned: bool) -> ir.Value:
     """Whether any thread of the CTA stops after this scheduler step (a CTA-wide vote); a
     thread that stops records why first. `loop_fuel` left a tank it emptied holding the
     negated fault code; a refilled one is positive."""
@@ -460,7 +463,7 @@ def _stop_step(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv,
     faulted = builder.icmp_unsigned("!=", code, i32(0))
     with builder.if_then(faulted, likely=False):
         record_fault(builder, _workspace(builder, sched, kenv), code, sched.scheduler_id)
-    return nvptx.barrier_any(builder, faulted)
+    return nvptx.barrier_any(builder, faulted, aligned)
 
 
 def _num_work(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv) -> ir.Value:

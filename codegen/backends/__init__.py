@@ -70,9 +70,11 @@ def backends() -> list[Backend]:
 
 
 # The designs a target runs a declaration with when nothing forces one, preferred first: the
-# first that runs the declaration wins. sm90 passed the GPU matrix and beat sm80 on the H200
-# (benchmarks/HOPPER_NOTES.md); D256, say, falls back to sm80.
-PREFERENCE = {"sm_90a": ("sm90", "sm80")}
+# first that runs the declaration wins. sm90 passes the GPU matrix and runs 1.3-1.6x sm80 on
+# the H200, but compute-sanitizer's synccheck still reports a divergent CTA barrier in it
+# (benchmarks/HOPPER_NOTES.md), and sliding windows and tiny ragged sequences run slower:
+# until both are fixed sm_90a prefers sm80, and `backend="sm90"` opts in.
+PREFERENCE = {"sm_90a": ("sm80", "sm90")}
 
 
 def backend_for_arch(arch: str, requested: str | None = None, options=None) -> Backend:
@@ -172,11 +174,14 @@ class TileSeq:
 class KernelArgs:
     """The kernel's parameters as IR values (an attribute per parameter name), handed to
     the work loop with the build's config. The loop sets `persistent` when a CTA runs many
-    tiles; `opaque_env` asks it to rederive the scheduler's inputs per step."""
+    tiles; `opaque_env` asks it to rederive the scheduler's inputs per step; `divergent_roles`
+    says the kernel runs the loop once per role branch (warp specialisation), so its CTA-wide
+    barriers must not be `.aligned`."""
 
     def __init__(self, fn: ir.Function, params: tuple[KernelParam, ...], config: object,
-                 opaque_env: bool = False):
+                 opaque_env: bool = False, divergent_roles: bool = False):
         self.function, self.config, self.opaque_env = fn, config, opaque_env
+        self.divergent_roles = divergent_roles
         self.persistent = False
         for p, arg in zip(params, fn.args):
             setattr(self, p.name, arg)

@@ -572,13 +572,15 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
     with b.if_else(is_producer) as (producer, consumer):
         with producer:
             hopper.setmaxnreg(b, PRODUCER_REGISTERS, increase=False)
-            args = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True)
+            args = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
+                              divergent_roles=True)
             before = set(module.globals)
             work_loop(b, args, lambda bb, seq: kernel.producer_tile(bb, args, kv_count, seq))
             _rename_new_functions(module, before, ".producer")
         with consumer:
             hopper.setmaxnreg(b, CONSUMER_REGISTERS, increase=True)
-            cargs = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True)
+            cargs = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
+                               divergent_roles=True)
             work_loop(b, cargs, lambda bb, seq: kernel.consumer_tile(bb, cargs, kv_count,
                                                                       tile_count, seq))
     b.ret_void()
