@@ -16,6 +16,7 @@ from mhadsl import build
 from mhadsl.build import KernelRequest, build_kernel, cache_key, plan
 from mhadsl.cli import main
 from mhadsl.codegen import target as targets
+from mhadsl.codegen import backends
 from mhadsl.codegen.backends import Layout, sm80
 from mhadsl.runtime import cache
 
@@ -47,8 +48,8 @@ KERNEL = 'import "sched.mha"\nattention a {\n    head_dim = 64\n    scheduler = 
 CHILD = """
 import hashlib, sys
 import mhadsl, mhadsl.build
-from mhadsl.codegen.backends import sm80
-sm80.find_ptxas = mhadsl.build._ptxas_version = lambda: None
+from mhadsl.codegen import backends
+backends.find_ptxas = mhadsl.build._ptxas_version = lambda: None
 ptx = mhadsl.compile(sys.argv[1])["a"].build("sm_80").ptx
 print(hashlib.sha256(ptx.encode()).hexdigest())
 """
@@ -64,7 +65,7 @@ def cache_dir(tmp_path, monkeypatch):
 @pytest.fixture
 def no_ptxas(monkeypatch):
     """PTX only: one candidate per build instead of ptxas's spill search (speed)."""
-    monkeypatch.setattr(sm80, "find_ptxas", lambda: None)
+    monkeypatch.setattr(backends, "find_ptxas", lambda: None)
     monkeypatch.setattr(build, "_ptxas_version", lambda: None)
     monkeypatch.setattr("mhadsl.cli.find_ptxas", lambda: None)
 

@@ -25,9 +25,9 @@ from typing import Callable
 from llvmlite import ir
 
 from mhadsl.codegen import nvptx
-from mhadsl.codegen.assemble import Assembled
+from mhadsl.codegen.assemble import Assembled, assemble, find_ptxas
 from mhadsl.codegen.nvptx import GLOBAL, f32, i32, i64
-from mhadsl.codegen.target import Target
+from mhadsl.codegen.target import Target, emit_ptx, optimize
 
 REGISTRY = ("sm80", "sm90")  # module names in this package, preferred first
 
@@ -251,3 +251,23 @@ def declaration_problems(options) -> list[Problem]:
     the (backend, target) pair that comes closest."""
     found = [b.problems(options, arch) for b in backends() for arch in b.targets]
     return [] if any(not p for p in found) else min(found, key=len)
+
+
+def spill_free_build(backend: str, target: Target,
+                     candidates: list[tuple[object, Callable[[], ir.Module]]]) -> KernelBuild:
+    """The first candidate (config, module maker) that assembles without spills, else the
+    one with the fewest; ptxas's allocation near the register cap is chaotic, so backends
+    list equivalent IR shapes and fallback tiles. Without ptxas: the first, unassembled."""
+    have_ptxas = find_ptxas() is not None
+    best = None
+    for config, make_module in candidates if have_ptxas else candidates[:1]:
+        module = make_module()
+        ptx = emit_ptx(optimize(module, target), target)
+        assembled = assemble(ptx, target.arch) if have_ptxas else None
+        build = KernelBuild(backend, target.arch, str(module), ptx, assembled, config)
+        spills = sum(k.spills for k in assembled.kernels.values()) if assembled else 0
+        if best is None or spills < best[0]:
+            best = (spills, build)
+        if spills == 0:
+            break
+    return best[1]

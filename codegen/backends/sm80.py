@@ -30,13 +30,12 @@ from typing import Callable
 from llvmlite import ir
 
 from mhadsl.codegen import nvptx, warp
-from mhadsl.codegen.assemble import assemble, find_ptxas
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelParam, KernelSource,
-    LaunchShape, Layout, Problem, TileSeq,
+    LaunchShape, Layout, Problem, TileSeq, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
-from mhadsl.codegen.target import Target, emit_ptx, new_module, optimize
+from mhadsl.codegen.target import Target, new_module
 
 KERNEL_NAME = "mha_fwd"
 SMEM_SYMBOL = "mha_fwd_smem"
@@ -858,21 +857,10 @@ def compile_kernel(source: KernelSource, configs: tuple[AttentionConfig, ...],
     is chaotic, so the first shape that assembles without spills wins; after them come the
     fallback `configs` (a narrower KV tile), and with no spill-free candidate the one with
     the fewest spills."""
-    have_ptxas = find_ptxas() is not None
-    candidates = [(c, t) for c in configs for t in TUNINGS]
-    best = None
-    for config, tuning in candidates if have_ptxas else candidates[:1]:
-        module = build_attention_module(config, source.hooks, target,
-                                        source.work_loop(config.block_m), tuning)
-        ptx = emit_ptx(optimize(module, target), target)
-        assembled = assemble(ptx, target.arch) if have_ptxas else None
-        build = KernelBuild(BACKEND.name, target.arch, str(module), ptx, assembled, config)
-        spills = sum(k.spills for k in assembled.kernels.values()) if assembled else 0
-        if best is None or spills < best[0]:
-            best = (spills, build)
-        if spills == 0:
-            break
-    return best[1]
+    return spill_free_build(BACKEND.name, target, [
+        (c, lambda c=c, t=t: build_attention_module(c, source.hooks, target,
+                                                    source.work_loop(c.block_m), t))
+        for c in configs for t in TUNINGS])
 
 
 class SM80(Backend):

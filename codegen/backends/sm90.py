@@ -41,14 +41,13 @@ from typing import Callable
 from llvmlite import ir
 
 from mhadsl.codegen import hopper, nvptx, warp
-from mhadsl.codegen.assemble import assemble, find_ptxas
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelParam, KernelSource,
-    LaunchShape, Layout, Problem,
+    LaunchShape, Layout, Problem, spill_free_build,
 )
 from mhadsl.codegen.backends.sm80 import KERNEL_PARAMS as SM80_PARAMS
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
-from mhadsl.codegen.target import Target, emit_ptx, new_module, optimize
+from mhadsl.codegen.target import Target, new_module
 
 KERNEL_NAME = "mha_fwd_sm90"
 SMEM_SYMBOL = "mha_fwd_sm90_smem"
@@ -601,19 +600,9 @@ def declared_config(options, layout: Layout = Layout()) -> HopperConfig:
 def compile_kernel(source: KernelSource, configs: tuple[HopperConfig, ...],
                    target: Target) -> KernelBuild:
     """The first config that assembles without spills (else the one with the fewest)."""
-    have_ptxas = find_ptxas() is not None
-    best = None
-    for config in configs if have_ptxas else configs[:1]:
-        module = build_module(config, source.hooks, target, source.work_loop(config.block_m))
-        ptx = emit_ptx(optimize(module, target), target)
-        assembled = assemble(ptx, target.arch) if have_ptxas else None
-        build = KernelBuild(BACKEND.name, target.arch, str(module), ptx, assembled, config)
-        spills = sum(k.spills for k in assembled.kernels.values()) if assembled else 0
-        if best is None or spills < best[0]:
-            best = (spills, build)
-        if spills == 0:
-            break
-    return best[1]
+    return spill_free_build(BACKEND.name, target, [
+        (c, lambda c=c: build_module(c, source.hooks, target, source.work_loop(c.block_m)))
+        for c in configs])
 
 
 class SM90(Backend):
