@@ -24,7 +24,7 @@ from typing import Callable
 
 from llvmlite import ir
 
-from mhadsl.codegen import nvptx
+from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.assemble import Assembled, assemble, find_ptxas
 from mhadsl.codegen.nvptx import GLOBAL, f32, i32, i64
 from mhadsl.codegen.target import Target, emit_ptx, optimize
@@ -121,6 +121,17 @@ class Problem:
 
     settings: tuple[str, ...]
     message: str
+
+
+def common_problems(config) -> list[Problem]:
+    """The checks every design's config shares: the element type and the head ratio."""
+    found = []
+    if config.dtype not in warp.DTYPES:
+        found.append(Problem(("dtype",), f"dtype {config.dtype} is not one of "
+                                         f"{', '.join(warp.DTYPES)}"))
+    if config.gqa_group < 1:
+        found.append(Problem(("gqa",), "the query:KV head ratio must be at least 1"))
+    return found
 
 
 @dataclass(frozen=True)

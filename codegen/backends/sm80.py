@@ -32,7 +32,7 @@ from llvmlite import ir
 from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelParam, KernelSource,
-    LaunchShape, Layout, Problem, TileSeq, spill_free_build,
+    LaunchShape, Layout, Problem, TileSeq, common_problems, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
 from mhadsl.codegen.target import Target, new_module
@@ -115,10 +115,7 @@ class AttentionConfig:
 
     def problems(self) -> list[Problem]:
         """What keeps this design from building the config, in the declaration's terms."""
-        found = []
-        if self.dtype not in warp.DTYPES:
-            found.append(Problem(("dtype",), f"dtype {self.dtype} is not one of "
-                                             f"{', '.join(warp.DTYPES)}"))
+        found = common_problems(self)
         if self.head_dim not in HEAD_DIMS:
             found.append(Problem(("head_dim",), f"head_dim {self.head_dim} is not one of "
                                                 f"{', '.join(map(str, HEAD_DIMS))}"))
@@ -135,8 +132,6 @@ class AttentionConfig:
         if self.stages != 2:
             found.append(Problem(("stages",), f"stages = {self.stages}: the sm80 kernel has "
                                               "the 2-stage (FlashAttention-2) K/V pipeline"))
-        if self.gqa_group < 1:
-            found.append(Problem(("gqa",), "the query:KV head ratio must be at least 1"))
         if not found:
             rpp = self.rows_per_pass
             if rpp < 8 or rpp % 8:

@@ -43,7 +43,7 @@ from llvmlite import ir
 from mhadsl.codegen import hopper, nvptx, warp
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelParam, KernelSource,
-    LaunchShape, Layout, Problem, spill_free_build,
+    LaunchShape, Layout, Problem, common_problems, spill_free_build,
 )
 from mhadsl.codegen.backends.sm80 import KERNEL_PARAMS as SM80_PARAMS
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
@@ -86,10 +86,7 @@ class HopperConfig:
         return self.block_n * self.head_dim * warp.ELEMENT_BYTES
 
     def problems(self) -> list[Problem]:
-        found = []
-        if self.dtype not in warp.DTYPES:
-            found.append(Problem(("dtype",), f"dtype {self.dtype} is not one of "
-                                             f"{', '.join(warp.DTYPES)}"))
+        found = common_problems(self)
         if self.head_dim not in HEAD_DIMS:
             found.append(Problem(("head_dim",), f"head_dim {self.head_dim}: the sm90 kernel "
                                                 "runs head dims 64 and 128"))
@@ -101,8 +98,6 @@ class HopperConfig:
                                             "of 16 from 16 to 256"))
         if not 1 <= self.stages <= 8:
             found.append(Problem(("stages",), f"stages = {self.stages}: 1 to 8 K/V stages"))
-        if self.gqa_group < 1:
-            found.append(Problem(("gqa",), "the query:KV head ratio must be at least 1"))
         return found
 
 
