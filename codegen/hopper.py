@@ -94,16 +94,21 @@ def prefetch_tensor_map(builder: ir.IRBuilder, tensor_map: ir.Value) -> None:
     _asm(builder, void, "prefetch.tensormap [$0];", "l,~{memory}", [tensor_map])
 
 
+def _box_coords(coords: list[ir.Value], first: int) -> tuple[int, str]:
+    """A box copy's rank and its coordinate operands (`$first`, ...) as PTX lists them."""
+    rank = len(coords)
+    if not 2 <= rank <= 5:
+        raise ValueError(f"tensor copies have 2 to 5 dimensions, not {rank}")
+    return rank, ",".join(f"${first + i}" for i in range(rank))
+
+
 def tma_load(builder: ir.IRBuilder, dst: ir.Value, tensor_map: ir.Value,
              coords: list[ir.Value], barrier: ir.Value) -> None:
     """`cp.async.bulk.tensor.{2..5}d` global -> shared of one box of `tensor_map` at
     `coords` (i32 element indices, outermost first; out-of-bounds elements land as zero).
     Completion is counted on `barrier` in bytes: the full box's bytes, out of bounds or
     not, which the issuing thread announces with `mbarrier_arrive_expect_tx` first."""
-    rank = len(coords)
-    if not 2 <= rank <= 5:
-        raise ValueError(f"tensor copies have 2 to 5 dimensions, not {rank}")
-    inner_first = ",".join(f"${2 + i}" for i in range(rank))
+    rank, inner_first = _box_coords(coords, 2)
     text = (f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.tile"
             f".mbarrier::complete_tx::bytes [$0], [$1, {{{inner_first}}}], [${2 + rank}];")
     constraints = ",".join(["r", "l"] + ["r"] * rank + ["r", "~{memory}"])
@@ -117,10 +122,7 @@ def tma_store(builder: ir.IRBuilder, tensor_map: ir.Value, coords: list[ir.Value
     """`cp.async.bulk.tensor` shared -> global of one box (out-of-bounds parts are not
     written). The writers of `src` run `fence_proxy_async` and a barrier first; the issuing
     thread then runs `bulk_commit_group` and `bulk_wait_group_read` before `src` is reused."""
-    rank = len(coords)
-    if not 2 <= rank <= 5:
-        raise ValueError(f"tensor copies have 2 to 5 dimensions, not {rank}")
-    inner_first = ",".join(f"${1 + i}" for i in range(rank))
+    rank, inner_first = _box_coords(coords, 1)
     text = (f"cp.async.bulk.tensor.{rank}d.global.shared::cta.tile.bulk_group"
             f" [$0, {{{inner_first}}}], [${1 + rank}];")
     constraints = ",".join(["l"] + ["r"] * rank + ["r", "~{memory}"])
