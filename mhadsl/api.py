@@ -233,10 +233,10 @@ class Kernel:
         launch = build.launch
         ctas_per_sm = build.function.max_active_blocks(launch.threads, launch.shared_bytes)
         grid = self._grid(build.config, call, info.multiprocessor_count, ctas_per_sm)
-        if 0 in grid or max(grid[1:]) > 65535 or grid[0] >= 2**31:
+        if 0 in grid:  # (CUDA's upper limits are checked at the rule, by `_grid`)
             raise ValueError(f"scheduler '{self.options.scheduler}' asked for grid {grid} "
                              f"for {call.batch} sequences x {call.heads} heads; every "
-                             f"dimension must be at least 1 (y and z at most 65535)")
+                             f"dimension must be at least 1")
         # Reports an earlier launch's scheduler fault; zeroes the queue counter on the stream.
         workspace = driver.begin_launch(stream, q.device)
         i64, i32 = ctypes.c_int64, ctypes.c_int32
