@@ -111,6 +111,9 @@ class Kernel:
     def __init__(self, program: Program, options: AttentionOptions):
         self.program, self.options = program, options
         self._builds: dict[tuple, _Build] = {}
+        # (compute capability, forced backend) -> (backend, target): chosen once, not per
+        # call (the choice asks each design about the declaration)
+        self._designs: dict[tuple, tuple] = {}
         self.builds_compiled = 0  # how many times a kernel was generated (for tests)
         self.backend: str | None = None  # force a kernel design ("sm80"); None: per device
 
@@ -223,11 +226,13 @@ class Kernel:
     def _launch(self, call: _Call, q, k, v, o, lse, cu_q, cu_k, scale, want_lse, stream) -> None:
         from mhadsl.runtime import driver
         info = driver.device_info(q.device)
-        try:
-            backend, target = backends.select_backend(info.compute_capability, self.backend,
-                                                      self.options)
-        except ValueError as err:
-            raise RuntimeError(f"kernel '{self.name}': {err}") from None
+        design = (info.compute_capability, self.backend)
+        if design not in self._designs:
+            try:
+                self._designs[design] = backends.select_backend(*design, self.options)
+            except ValueError as err:
+                raise RuntimeError(f"kernel '{self.name}': {err}") from None
+        backend, target = self._designs[design]
         layout = Layout(call.heads // call.kv_heads, call.ragged, want_lse)
         build = self._build(layout, target, backend)
         launch = build.launch
@@ -340,10 +345,6 @@ class Kernel:
             if not view.on_host and devices and view.device not in devices:
                 raise ValueError(f"{name} is on device {view.device}, q/k/v on "
                                  f"{devices.pop()}")
-        for name, view in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
-            if not view.on_host and devices and view.device not in devices:
-                raise ValueError(f"{name} is on device {view.device}, q/k/v on "
-                                 f"{devices.pop()}")
         batch = cq.shape[0] - 1
         max_q = self._max_len(lengths_q, max_q, "q")
         max_k = self._max_len(lengths_k, max_k, "k")
@@ -426,11 +427,6 @@ def _check_rows(t, name: str) -> None:
     if any(s < 0 for s in t.strides):
         raise ValueError(f"tensor {name!r} has negative strides {t.strides}; pass a copy "
                          "with non-negative strides")
-    if t.ptr == 0 and 0 not in t.shape:
-        raise ValueError(f"tensor {name!r} has a null data pointer")
-    if any(s < 0 for s in t.strides):
-        raise ValueError(f"tensor {name!r} has negative strides {t.strides}; pass a copy "
-                         "with non-negative strides")
     if t.ptr % 16 or any(s % 8 for s in t.strides[:-1]):
         raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer and strides "
                          f"multiples of 8 elements), got strides {t.strides}")
@@ -457,8 +453,15 @@ def _share_memory(a, b) -> bool:
             "shape": tuple(t.shape), "typestr": f"|V{t.itemsize}", "data": (t.ptr, True),
             "strides": tuple(s * t.itemsize for s in t.strides), "version": 3}
         return np.asarray(holder)
+    def extent(t):  # [first byte, last byte] (strides are non-negative: _check_rows)
+        return t.ptr, t.ptr + sum((n - 1) * s for n, s in zip(t.shape, t.strides)) * t.itemsize \
+            + t.itemsize - 1
     if 0 in a.shape or 0 in b.shape:
         return False
+    (a_lo, a_hi), (b_lo, b_hi) = extent(a), extent(b)
+    if a_hi < b_lo or b_hi < a_lo:
+        return False  # separate allocations, the usual case: no NumPy views to build (a
+        # launch's host work bounds how fast short kernels run back to back)
     try:
         return bool(np.shares_memory(alias(a), alias(b), max_work=10**6))
     except np.exceptions.TooHardError:
