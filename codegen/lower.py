@@ -28,7 +28,8 @@ LLVM_TYPES = {U32: i32, I32: i32, BOOL: i1, F32: f32, SCHEDULE: i32, SYNC: i32}
 
 # Memory layout of the structs the rules exchange, shared by the GPU kernels and the host.
 STATE_FIELDS = ("idx", "slots", "max_idx")
-TS_FIELDS = ("batch_size", "max_num_prompt_tiles", "max_seq_len", "num_heads", "valid_length")
+TS_FIELDS = ("batch_size", "max_num_prompt_tiles", "max_seq_len", "num_heads", "valid_length",
+             "tile_index")
 ENV_FIELDS = ("counter", "num_sms", "block_idx", "grid_dim", "thread_idx", "fuel",
               "ctas_per_sm")
 
@@ -44,7 +45,8 @@ def state_type(slots_space: int) -> ir.LiteralStructType:
 
 
 def ts_type(global_space: int) -> ir.LiteralStructType:
-    return ir.LiteralStructType([i32, i32, i32, i32, nvptx.ptr(global_space)])
+    return ir.LiteralStructType([i32, i32, i32, i32, nvptx.ptr(global_space),
+                                 nvptx.ptr(global_space)])
 
 
 def env_type(global_space: int) -> ir.LiteralStructType:
@@ -501,9 +503,20 @@ class FunctionLowering:
             rotate = B.and_(B.icmp_unsigned("==", schedule, i32(SCHEDULES.index("PROMPT_ROTATE"))),
                             B.trunc(head, i1))
             q_tile = B.select(rotate, B.sub(B.sub(tiles, one), q_tile), q_tile)
+            # LONGEST_FIRST: the query tile slowest, from the last; then batch, head fastest.
+            longest = B.icmp_unsigned("==", schedule, i32(SCHEDULES.index("LONGEST_FIRST")))
+            per_level = self.umax(B.mul(heads, batch), one)
+            level, rest = B.udiv(idx, per_level), B.urem(idx, per_level)
+            q_tile = B.select(longest, B.sub(B.sub(tiles, one), level), q_tile)
+            head = B.select(longest, B.urem(rest, heads_nz), head)
+            seq = B.select(longest, B.udiv(rest, heads_nz), seq)
             valid = B.icmp_unsigned("<", idx, B.mul(B.mul(tiles, heads), batch))
             return {"prompt_offset": B.mul(q_tile, i32(self.tile_m)), "head_idx": head,
                     "prompt_idx": seq, "is_valid": valid}
+        if name == "num_valid_work":
+            return self.valid_tiles(ts, lambda index: B.mul(heads, index.total()))
+        if name == "valid_work_info":
+            return self.valid_work_info(ts, *args)
         if name == "seq_info":
             (wi,) = args
             seq_len, start = self.seq_extent(ts, wi["prompt_idx"])
@@ -521,6 +534,88 @@ class FunctionLowering:
 
     def umax(self, a: ir.Value, b: ir.Value) -> ir.Value:
         return self.b.select(self.b.icmp_unsigned(">", a, b), a, b)
+
+    def umin(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.b.select(self.b.icmp_unsigned("<", a, b), a, b)
+
+    def valid_tiles(self, ts: ir.Value, emit: Callable[[_TileIndex], object]) -> object:
+        """`emit(index)` for the launch's tile index: the one built on the device (ragged)
+        or the closed form of a dense launch (no tile index); the results are merged."""
+        B = self.b
+        index = self.ts_field(ts, "tile_index")
+        has_index = B.icmp_unsigned("!=", B.ptrtoint(index, i64), i64(0))
+        results = []
+        with B.if_else(has_index) as (ragged, dense):
+            with ragged:
+                results.append((emit(_RaggedIndex(self, ts, index)), B.block))
+            with dense:
+                results.append((emit(_DenseIndex(self, ts)), B.block))
+        return _merge(B, results)
+
+    def valid_work_info(self, ts: ir.Value, idx: ir.Value, schedule: ir.Value,
+                        heads_per_section: ir.Value) -> dict[str, ir.Value]:
+        """`ts.valid_work_info` (its meaning: `mhadsl.builtins.valid_work_order`)."""
+        B = self.b
+        one = i32(1)
+        heads = self.ts_field(ts, "num_heads")
+        whole = B.or_(B.icmp_unsigned("==", heads_per_section, i32(0)),
+                      B.icmp_unsigned(">", heads_per_section, heads))
+        section = self.umax(B.select(whole, heads, heads_per_section), one)
+
+        def emit(index: _TileIndex) -> dict[str, ir.Value]:
+            valid = B.icmp_unsigned("<", idx, B.mul(heads, index.total()))
+            found = []
+            entry = B.block
+            with B.if_then(valid):  # an index past the work reads nothing
+                per_section = self.umax(B.mul(section, index.total()), one)
+                first_head = B.mul(B.udiv(idx, per_section), section)
+                local = B.urem(idx, per_section)
+                width = self.umax(self.umin(section, B.sub(heads, first_head)), one)
+                longest = B.icmp_unsigned("==", schedule,
+                                          i32(SCHEDULES.index("LONGEST_FIRST")))
+                with B.if_else(longest) as (by_level, by_sequence):
+                    with by_level:
+                        found.append((self.longest_first(index, local, first_head, width),
+                                      B.block))
+                    with by_sequence:
+                        found.append((self.sequence_order(index, local, first_head, width,
+                                                          schedule), B.block))
+                q_tile, head, seq = _merge(B, found)
+                offset = B.mul(q_tile, i32(self.tile_m))
+                done = B.block
+            zero = i32(0)
+            return {"prompt_offset": _phi(B, [(offset, done), (zero, entry)]),
+                    "head_idx": _phi(B, [(head, done), (zero, entry)]),
+                    "prompt_idx": _phi(B, [(seq, done), (zero, entry)]),
+                    "is_valid": valid}
+        return self.valid_tiles(ts, emit)
+
+    def sequence_order(self, index: _TileIndex, local: ir.Value, first_head: ir.Value,
+                       width: ir.Value, schedule: ir.Value
+                       ) -> tuple[ir.Value, ir.Value, ir.Value]:
+        """DEFAULT / PROMPT_ROTATE within the section of `width` heads from `first_head`:
+        (q tile, head, b)."""
+        B = self.b
+        seq = index.find_sequence(local, width)
+        rest = B.sub(local, B.mul(index.prefix(seq), width))
+        count = self.umax(index.count(seq), i32(1))
+        head, q_tile = B.add(first_head, B.udiv(rest, count)), B.urem(rest, count)
+        rotate = B.and_(B.icmp_unsigned("==", schedule, i32(SCHEDULES.index("PROMPT_ROTATE"))),
+                        B.trunc(head, i1))
+        q_tile = B.select(rotate, B.sub(B.sub(count, i32(1)), q_tile), q_tile)
+        return q_tile, head, seq
+
+    def longest_first(self, index: _TileIndex, local: ir.Value, first_head: ir.Value,
+                      width: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
+        """LONGEST_FIRST within the section of `width` heads from `first_head`:
+        (q tile, head, b)."""
+        B = self.b
+        position, head = B.udiv(local, width), B.add(first_head, B.urem(local, width))
+        rank = index.find_block(position)  # levels that exactly ranks 0..rank reach
+        reach = B.add(rank, i32(1))
+        offset = B.sub(position, index.level(rank))
+        q_tile = B.sub(B.sub(index.count(index.ranked(rank)), i32(1)), B.udiv(offset, reach))
+        return q_tile, head, index.ranked(B.urem(offset, reach))
 
     def seq_extent(self, ts: ir.Value, batch_idx: ir.Value) -> tuple[ir.Value, ir.Value]:
         """(seq_len, start) of sequence `batch_idx`; (0, 0) when it is out of range.
@@ -551,6 +646,117 @@ class FunctionLowering:
         end.add_incoming(dense_len, dense_bb)
         seq_len = B.select(in_range, B.sub(end, start), i32(0))
         return seq_len, start
+
+
+class _TileIndex:
+    """The valid work of a launch, as `mhadsl.builtins.tile_index` lays it out: `prefix(b)`
+    (tiles of the sequences before b), `count(b)`, `ranked(r)` (the sequence of rank r, most
+    tiles first), `level(r)` (where LONGEST_FIRST's block of rank r starts), `total()`, and
+    the searches over them. Every index is in range for a valid work index."""
+
+    def __init__(self, lower: FunctionLowering, ts: ir.Value):
+        self.lower, self.b = lower, lower.b
+        self.batch = lower.ts_field(ts, "batch_size")
+        self.tiles = lower.ts_field(ts, "max_num_prompt_tiles")
+
+
+class _DenseIndex(_TileIndex):
+    """Every sequence has max_num_prompt_tiles tiles: closed forms, nothing to read."""
+
+    def total(self):
+        return self.b.mul(self.batch, self.tiles)
+
+    def prefix(self, seq):
+        return self.b.mul(seq, self.tiles)
+
+    def count(self, seq):
+        return self.tiles
+
+    def ranked(self, rank):
+        return rank
+
+    def level(self, rank):
+        return i32(0)
+
+    def find_sequence(self, local, width):
+        return self.b.udiv(local, self.lower.umax(self.b.mul(width, self.tiles), i32(1)))
+
+    def find_block(self, position):
+        return self.b.sub(self.batch, i32(1))  # all sequences reach every level
+
+
+class _RaggedIndex(_TileIndex):
+    """The tile index the device built from cu_seqlens before the launch."""
+
+    def __init__(self, lower: FunctionLowering, ts: ir.Value, words: ir.Value):
+        super().__init__(lower, ts)
+        self.words = words
+
+    def word(self, at: ir.Value) -> ir.Value:
+        return self.b.load(self.b.gep(self.words, [at], source_etype=i32), typ=i32)
+
+    def total(self):
+        return self.word(self.batch)
+
+    def prefix(self, seq):
+        return self.word(seq)
+
+    def count(self, seq):
+        return self.b.sub(self.word(self.b.add(seq, i32(1))), self.word(seq))
+
+    def ranked(self, rank):
+        return self.word(self.b.add(self.b.add(self.batch, i32(1)), rank))
+
+    def level(self, rank):
+        b = self.b
+        return self.word(b.add(b.add(b.mul(self.batch, i32(2)), i32(1)), rank))
+
+    def find_sequence(self, local, width):
+        return self.search(lambda seq: self.b.mul(self.prefix(seq), width), local)
+
+    def find_block(self, position):
+        return self.search(self.level, position)
+
+    def search(self, key: Callable[[ir.Value], ir.Value], target: ir.Value) -> ir.Value:
+        """The last r < batch_size with key(r) <= target (key ascending, key(0) <= target):
+        a binary search, ceil(log2(batch_size)) steps."""
+        b = self.b
+        entry = b.block
+        head, body, done = (b.append_basic_block(n) for n in ("search", "search_step",
+                                                              "search_done"))
+        b.branch(head)
+        b.position_at_end(head)
+        low, size = b.phi(i32), b.phi(i32)
+        low.add_incoming(i32(0), entry)
+        size.add_incoming(self.batch, entry)
+        b.cbranch(b.icmp_unsigned(">", size, i32(1)), body, done)
+        b.position_at_end(body)
+        half = b.lshr(size, i32(1))
+        middle = b.add(low, half)
+        low.add_incoming(b.select(b.icmp_unsigned("<=", key(middle), target), middle, low),
+                         b.block)
+        size.add_incoming(b.sub(size, half), b.block)
+        b.branch(head)
+        b.position_at_end(done)
+        return low
+
+
+def _phi(builder: ir.IRBuilder, incoming: list[tuple[ir.Value, ir.Block]]) -> ir.Value:
+    phi = builder.phi(incoming[0][0].type)
+    for value, block in incoming:
+        phi.add_incoming(value, block)
+    return phi
+
+
+def _merge(builder: ir.IRBuilder, results: list[tuple[object, ir.Block]]) -> object:
+    """One value (or tuple, or dict of values) from the branches that just joined."""
+    first = results[0][0]
+    if isinstance(first, dict):
+        return {k: _phi(builder, [(r[k], bb) for r, bb in results]) for k in first}
+    if isinstance(first, tuple):
+        return tuple(_phi(builder, [(r[k], bb) for r, bb in results])
+                     for k in range(len(first)))
+    return _phi(builder, results)
 
 
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453

@@ -47,9 +47,11 @@ TILE_SUMMARY_METHODS: dict[str, tuple[tuple[Ty, ...], Ty]] = {
     "seq_len": ((U32,), U32),
     "seq_start": ((U32,), U32),
     "num_prompt_tiles": ((U32,), U32),
+    "num_valid_work": ((), U32),
+    "valid_work_info": ((U32, SCHEDULE, U32), WORK_INFO),
 }
 
-SCHEDULES = ("DEFAULT", "PROMPT_ROTATE")
+SCHEDULES = ("DEFAULT", "PROMPT_ROTATE", "LONGEST_FIRST")
 SYNCS = ("NONE", "PRODUCER", "ALL")
 
 TYPE_NAMES = {"u32": U32, "i32": I32, "bool": BOOL, "f32": F32, "Schedule": SCHEDULE,
