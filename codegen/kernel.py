@@ -69,7 +69,8 @@ def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Ta
             return EnvParams(fence(b, args.queue), fence(b, args.num_sms),
                              fence(b, args.ctas_per_sm),
                              fence(b, args.batch), tiles, fence(b, args.seqlen_q),
-                             fence(b, args.num_heads), fence(b, args.cu_seqlens_q))
+                             fence(b, args.num_heads), fence(b, args.cu_seqlens_q),
+                             fence(b, args.tile_index))
 
         fill_env = env_filler(builder, lowered, shared_slots(builder.module), params)
         emit_work_loop(builder, lowered, fill_env, lambda b, seq: body(b, TileSeq(**seq)),

@@ -329,6 +329,7 @@ class EnvParams:
     max_seq_len: ir.Value
     num_heads: ir.Value
     valid_length: ir.Value
+    tile_index: ir.Value  # the ragged launch's tile index (`codegen.tile_index`), else null
 
 
 def _entry_alloca(builder: ir.IRBuilder, ty: ir.Type, name: str) -> ir.AllocaInstr:
@@ -357,7 +358,7 @@ def env_filler(builder: ir.IRBuilder, sched: LoweredScheduler, slots: ir.Value,
         b.store(p.ctas_per_sm, b.gep(env, [i32(0), i32(ENV_FIELDS.index("ctas_per_sm"))],
                                      source_etype=sched.env_struct))
         for k, v in enumerate((p.batch_size, p.max_num_prompt_tiles, p.max_seq_len,
-                               p.num_heads, p.valid_length)):
+                               p.num_heads, p.valid_length, p.tile_index)):
             b.store(v, b.gep(ts, [i32(0), i32(k)], source_etype=sched.ts_struct))
         return KernelEnv(env, ts, slots)
     return fill
@@ -550,21 +551,23 @@ def build_trace_kernel(module: ir.Module, sched: LoweredScheduler) -> ir.Functio
     """A kernel that drives the scheduler over the whole grid and records every tile.
 
     Params: (u32* workspace, u32 num_sms, u32 batch, u32 max_tiles, u32 max_seq_len,
-    u32 num_heads, i32* valid_length or null, u32* out, u32 max_steps, u32* overflow);
-    the workspace is the queue counter and the fault record (`runtime.faults`).
+    u32 num_heads, i32* valid_length or null, u32* out, u32 max_steps, u32* overflow,
+    u32* tile_index or null); the workspace is the queue counter and the fault record
+    (`runtime.faults`), the tile index what `codegen.tile_index` builds from valid_length.
     Thread 0 of CTA c writes step s at out[(c * max_steps + s) * 4 ...].
     """
     g = nvptx.ptr(nvptx.GLOBAL)
-    fnty = ir.FunctionType(nvptx.void, [g, i32, i32, i32, i32, i32, g, g, i32, g])
+    fnty = ir.FunctionType(nvptx.void, [g, i32, i32, i32, i32, i32, g, g, i32, g, g])
     fn = ir.Function(module, fnty, name=f"trace_{sched.spec.name}")
     nvptx.mark_kernel(fn)
-    counter, num_sms, batch, tiles, max_len, heads, vl, out, max_steps, overflow = fn.args
-    for a in (counter, vl, out, overflow):
+    counter, num_sms, batch, tiles, max_len, heads, vl, out, max_steps, overflow, index = \
+        fn.args
+    for a in (counter, vl, out, overflow, index):
         a.add_attribute("noalias")
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     fill_env = env_filler(b, sched, shared_slots(module),
                           lambda _: EnvParams(counter, num_sms, i32(1), batch, tiles, max_len,
-                                              heads, vl))
+                                              heads, vl, index))
     step = alloca(b, i32, "step")
     b.store(i32(0), step)
     tid = nvptx.special_register(b, "thread_idx", "x")

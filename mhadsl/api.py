@@ -224,7 +224,7 @@ class Kernel:
                            return_lse=want_lse)
 
     def _launch(self, call: _Call, q, k, v, o, lse, cu_q, cu_k, scale, want_lse, stream) -> None:
-        from mhadsl.runtime import driver
+        from mhadsl.runtime import driver, tile_index
         info = driver.device_info(q.device)
         design = (info.compute_capability, self.backend)
         if design not in self._designs:
@@ -244,6 +244,10 @@ class Kernel:
                              f"dimension must be at least 1")
         # Reports an earlier launch's scheduler fault; zeroes the queue counter on the stream.
         workspace = driver.begin_launch(stream, q.device)
+        # A ragged launch numbers only its valid tiles: the tile index, built on the device
+        # from cu_seqlens_q just before the kernel, on its stream (`runtime.tile_index`).
+        index = tile_index.prepare(cu_q.ptr, call.batch, build.config.block_m, stream,
+                                   q.device) if call.ragged else 0
         i64, i32 = ctypes.c_int64, ctypes.c_int32
         values = {
             "q": q.ptr, "k": k.ptr, "v": v.ptr, "o": o.ptr, "lse": lse.ptr if lse else 0,
@@ -255,6 +259,7 @@ class Kernel:
             "seqlen_q": i32(call.seqlen_q), "seqlen_k": i32(call.seqlen_k),
             "softmax_scale": ctypes.c_float(scale), "queue": workspace,
             "num_sms": i32(info.multiprocessor_count), "ctas_per_sm": i32(ctas_per_sm),
+            "tile_index": index,
         }
         for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
             batch_stride = 0 if call.ragged else t.strides[0]

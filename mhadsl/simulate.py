@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 from llvmlite import ir
 
-from mhadsl.builtins import GRID_LIMITS, SLOT_COUNT
+from mhadsl.builtins import GRID_LIMITS, SLOT_COUNT, tile_index
 from mhadsl.check import CheckedProgram
 from mhadsl.codegen import nvptx
 from mhadsl.codegen.lower import ENV_FIELDS, alloca, record_type
@@ -50,7 +50,7 @@ class _Env(ctypes.Structure):
 class _TileSummary(ctypes.Structure):
     _fields_ = [("batch_size", ctypes.c_uint32), ("max_num_prompt_tiles", ctypes.c_uint32),
                 ("max_seq_len", ctypes.c_uint32), ("num_heads", ctypes.c_uint32),
-                ("valid_length", ctypes.c_void_p)]
+                ("valid_length", ctypes.c_void_p), ("tile_index", ctypes.c_void_p)]
 
 
 class _State(ctypes.Structure):
@@ -566,9 +566,12 @@ class _Run:
         self.counter = ctypes.c_uint32(0)
         self.offsets = np.concatenate(([0], np.cumsum(batch.seqlens, dtype=np.int64))
                                       ).astype(np.int32)
+        # What the tile index kernel builds on the GPU before a ragged launch.
+        self.tile_index = tile_index(batch.tiles_per_seq)
         self.ts = _TileSummary(len(batch.seqlens), batch.max_num_prompt_tiles,
                                max(batch.seqlens, default=0), batch.heads,
-                               self.offsets.ctypes.data if batch.ragged else None)
+                               self.offsets.ctypes.data if batch.ragged else None,
+                               self.tile_index.ctypes.data if batch.ragged else None)
         self.env = _Env(ctypes.addressof(self.counter), num_sms)
         self.env.ctas_per_sm = 1  # each simulated multiprocessor runs one CTA at a time
         self.env.grid_dim[:] = grid

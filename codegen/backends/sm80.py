@@ -228,6 +228,7 @@ KERNEL_PARAMS: tuple[KernelParam, ...] = (
     KernelParam("queue", "ptr", "per-stream u32 workspace: the work-queue counter, then the scheduler fault record (runtime/faults.py); never null"),
     KernelParam("num_sms", "i32", "multiprocessors on the device (persistent grid size)"),
     KernelParam("ctas_per_sm", "i32", "CTAs of this kernel that fit on one multiprocessor"),
+    KernelParam("tile_index", "ptr", "u32 tile index of a ragged launch (codegen/tile_index.py: per-sequence tile prefix sums, longest-first ranks), built on the device from cu_seqlens_q before the launch; null when dense"),
 )
 
 
@@ -783,7 +784,7 @@ def build_attention_module(config: AttentionConfig, hooks: ExprHooks | None, tar
             arg.add_attribute("noalias")
             if p.name in ("q", "k", "v", "o"):
                 arg.attributes.align = 16
-            elif p.name in ("lse", "cu_seqlens_q", "cu_seqlens_k", "queue"):
+            elif p.name in ("lse", "cu_seqlens_q", "cu_seqlens_k", "queue", "tile_index"):
                 arg.attributes.align = 4
     smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
     smem.linkage = "external"
