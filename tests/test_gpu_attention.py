@@ -1,6 +1,9 @@
 """Attention kernels on the GPU against the float64 reference (fresh random inputs,
-poisoned outputs): dense and ragged, every mask/score example, GQA/MQA, head dims, every
-standard scheduler, CUDA graphs and concurrent streams."""
+poisoned outputs), once per kernel design: `sm80` (FlashAttention-2 on mma.sync, every GPU)
+and `sm90` (TMA + wgmma, compute capability 9.0 only; its ids skip elsewhere), each forced.
+Dense and ragged with sequence lengths 0, 1, 127, 129 and 3000, Sq != Sk, every mask/score
+example, GQA/MQA, head dims 64/128/256 (sm90: 64/128, 256 refused and left to sm80), fp16 and
+LSE, every standard scheduler and user-written ones, CUDA graphs and concurrent streams."""
 import numpy as np
 import pytest
 
@@ -17,29 +20,61 @@ SCHEDULED = "\n".join(
     f"mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }}"
     for name in ("Transient", "Persistent", "Queued", "LPT")
     for order in (("DEFAULT",) if name == "LPT" else ("DEFAULT", "PROMPT_ROTATE")))
-EXTRA = 'import "std/schedulers.mha"\n' + SCHEDULED + """
+EXTRA = f'import "std/schedulers.mha"\nimport "{REPO / "examples/queued_rotate.mha"}"\n' \
+    + SCHEDULED + """
+// A user scheduler: a few persistent CTAs stride through the work from its last index.
+scheduler Reversed(num_ctas: u32 = 5) {
+    may_advance = true
+    schedule = DEFAULT
+    grid_dim(batch_size, max_num_prompt_tiles) = (num_ctas, 1, 1)
+    initial_state(slots, ts) = State(idx = block_idx.x, slots = slots, max_idx = ts.num_work())
+    get_current_work_info(ts, state) = ts.work_info(state.max_idx - 1 - state.idx, schedule)
+    advance(ts, state, pipeline_idx) {
+        state.idx += grid_dim.x
+        if state.idx >= state.max_idx { return none }
+        return ts.seq_info(ts.work_info(state.max_idx - 1 - state.idx, schedule))
+    }
+    unsafe_seq_info(ts, state) = ts.seq_info(ts.work_info(state.max_idx - 1 - state.idx, schedule))
+}
+attention user_reversed { dtype = bf16  head_dim = 128  scheduler = Reversed()
+                          mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention user_queued { dtype = bf16  head_dim = 128  scheduler = MyQueued()
+                        mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention user_queued_3_ctas { dtype = bf16  head_dim = 128  scheduler = MyQueued(num_ctas = 3)
+                               mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 attention plain_d256 { dtype = bf16  head_dim = 256 }
 attention causal_d64 { dtype = bf16  head_dim = 64  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 attention lse_fp16 { dtype = fp16  head_dim = 128  return_lse = true
                      mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention plain_lse_d64 { dtype = bf16  head_dim = 64  return_lse = true }
 """
+SCHEDULER_KERNELS = [n for n in mhadsl.compile(EXTRA, name="x").attentions
+                     if n.split("_")[0] in ("transient", "persistent", "queued", "lpt", "user")]
 
 
-def kernel(file: str, name: str):
-    return mhadsl.compile(REPO / "examples" / file)[name]
+@pytest.fixture(params=["sm80", "sm90"])
+def backend(request):
+    """The kernel design every kernel of the test is forced to."""
+    if request.param == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 kernel runs on compute capability 9.0 only")
+    return request.param
 
 
-def extra(name: str):
-    return _extra()[name]
+def kernel(file: str, name: str, backend: str):
+    kern = mhadsl.compile(REPO / "examples" / file)[name]
+    kern.backend = backend
+    return kern
 
 
-_cache = {}
+_programs = {}
 
 
-def _extra():
-    if "p" not in _cache:
-        _cache["p"] = mhadsl.compile(EXTRA, name="extra.mha")
-    return _cache["p"]
+def extra(name: str, backend: str):
+    if backend not in _programs:  # one program per design: its kernels are forced to it
+        _programs[backend] = mhadsl.compile(EXTRA, name="extra.mha")
+    kern = _programs[backend][name]
+    kern.backend = backend
+    return kern
 
 
 def rand(*shape, dtype=torch.bfloat16, seed=None):
@@ -70,6 +105,8 @@ def assert_matches(kern, args, lse=False):
     result = kern(**args, out=out, return_lse=lse)
     got, got_lse = (result if lse else (result, None))
     assert got is out
+    if kern.backend:
+        assert_ran_on(kern, kern.backend)
     ref = mhadsl.reference(kern, **args, return_lse=lse)
     ref, ref_lse = (ref if lse else (ref, None))
     got = got.float().cpu().numpy().astype(np.float64)
@@ -84,6 +121,11 @@ def assert_matches(kern, args, lse=False):
         assert np.allclose(g[finite], ref_lse[finite], atol=2e-2, rtol=1e-3)
 
 
+def assert_ran_on(kern, design: str):
+    """Every build the kernel loaded is `design`'s (a launch never swaps designs quietly)."""
+    assert kern._builds and {b.backend.name for b in kern._builds.values()} == {design}
+
+
 def _covered_rows(args):
     if "cu_seqlens_q" not in args:
         return slice(None)
@@ -91,13 +133,13 @@ def _covered_rows(args):
 
 
 @pytest.mark.parametrize("file, name", [
-    ("plain.mha", "plain_fwd"), ("causal.mha", "causal_fwd"),
+    ("plain.mha", "plain_fwd"), ("plain.mha", "plain_fp16_d64"), ("causal.mha", "causal_fwd"),
     ("sliding_window.mha", "sliding_window_256"), ("softcap.mha", "softcap_causal"),
     ("alibi.mha", "alibi_causal"),
 ])
 @pytest.mark.parametrize("layout", ["dense", "ragged"])
-def test_examples_against_reference(file, name, layout):
-    kern = kernel(file, name)
+def test_examples_against_reference(file, name, layout, backend):
+    kern = kernel(file, name, backend)
     if layout == "dense":
         assert_matches(kern, dense(kern, 2, 129, 129, 4, 4))
         assert_matches(kern, dense(kern, 1, 3000, 3000, 2, 2))
@@ -105,78 +147,104 @@ def test_examples_against_reference(file, name, layout):
         assert_matches(kern, ragged(kern, RAGGED, RAGGED, 3, 3))
 
 
-def test_bottom_right_causal_with_longer_keys():
-    kern = kernel("bottom_right_causal.mha", "bottom_right_causal")
+def test_bottom_right_causal_with_longer_keys(backend):
+    kern = kernel("bottom_right_causal.mha", "bottom_right_causal", backend)
     assert_matches(kern, dense(kern, 2, 100, 300, 4, 4))
+    assert_matches(kern, dense(kern, 1, 700, 260, 2, 2))
     assert_matches(kern, ragged(kern, [5, 0, 127, 64], [300, 7, 129, 64], 2, 2))
 
 
 @pytest.mark.parametrize("hq, hkv", [(8, 2), (8, 1)])
-def test_gqa_and_mqa(hq, hkv):
-    kern = kernel("gqa.mha", "gqa_causal") if hkv == 2 else kernel("gqa.mha", "mqa")
+def test_gqa_and_mqa(hq, hkv, backend):
+    kern = kernel("gqa.mha", "gqa_causal" if hkv == 2 else "mqa", backend)
     if kern.options.gqa:
         hq = kern.options.gqa * hkv
     assert_matches(kern, dense(kern, 2, 257, 257, hq, hkv))
     assert_matches(kern, ragged(kern, RAGGED, RAGGED, hq, hkv))
 
 
-@pytest.mark.parametrize("name", ["plain_d256", "causal_d64", "lse_fp16"])
-def test_head_dims_fp16_and_lse(name):
-    kern = extra(name)
+@pytest.mark.parametrize("name", ["causal_d64", "lse_fp16", "plain_lse_d64"])
+def test_head_dims_fp16_and_lse(name, backend):
+    kern = extra(name, backend)
     lse = kern.options.return_lse
     assert_matches(kern, dense(kern, 2, 191, 191, 3, 3), lse=lse)
+    assert_matches(kern, dense(kern, 1, 300, 77, 2, 2), lse=lse)
     assert_matches(kern, ragged(kern, RAGGED, RAGGED, 2, 2), lse=lse)
 
 
-def test_fp16_d64_plain_example_with_lse():
-    kern = kernel("plain.mha", "plain_fp16_d64")
+def test_head_dim_256(backend, monkeypatch):
+    kern = extra("plain_d256", backend)
+    args = dense(kern, 2, 191, 191, 3, 3)
+    if backend == "sm80":
+        assert_matches(kern, args)
+        assert_matches(kern, ragged(kern, RAGGED, RAGGED, 2, 2))
+        return
+    with pytest.raises(mhadsl.MhaError, match="the sm90 kernel runs head dims 64 and 128"):
+        kern(**args)
+    # Where sm90 comes first, a declaration it cannot run falls back to sm80.
+    from mhadsl.codegen import backends
+    monkeypatch.setitem(backends.PREFERENCE, "sm_90a", ("sm90", "sm80"))
+    unforced = mhadsl.compile(EXTRA, name="fallback.mha")
+    assert backends.select_backend((9, 0), None, unforced["causal_d64"].options)[0].name == "sm90"
+    kern = unforced["plain_d256"]
+    assert_matches(kern, args)
+    assert_ran_on(kern, "sm80")
+
+
+def test_fp16_d64_plain_example_with_lse(backend):
+    kern = kernel("plain.mha", "plain_fp16_d64", backend)
     assert_matches(kern, dense(kern, 2, 300, 77, 4, 4), lse=True)
 
 
-@pytest.mark.parametrize("name", [n for n in mhadsl.compile(EXTRA, name="x").attentions
-                                  if n.split("_")[0] in ("transient", "persistent", "queued", "lpt")])
-def test_every_standard_scheduler(name):
-    kern = extra(name)
+@pytest.mark.parametrize("name", SCHEDULER_KERNELS)
+def test_every_standard_and_user_scheduler(name, backend):
+    kern = extra(name, backend)
     assert_matches(kern, dense(kern, 3, 700, 700, 5, 5))
     assert_matches(kern, ragged(kern, RAGGED, RAGGED, 3, 3))
 
 
-def test_zero_length_inputs():
-    kern = kernel("causal.mha", "causal_fwd")
-    empty = dense(kern, 0, 16, 16, 2, 2)
-    assert kern(**empty).shape == (0, 16, 2, 128)
+def test_zero_length_inputs(backend):
+    kern = kernel("causal.mha", "causal_fwd", backend)
+    assert kern(**dense(kern, 0, 16, 16, 2, 2)).shape == (0, 16, 2, 128)
+    assert kern(**dense(kern, 2, 0, 16, 2, 2)).shape == (2, 0, 2, 128)
     no_keys = dense(kern, 1, 16, 0, 2, 2)
     out = kern(**no_keys, out=torch.full_like(no_keys["q"], float("nan")))
     assert torch.all(out == 0)
+    assert_ran_on(kern, backend)
 
 
-def test_numpy_inputs_round_trip():
-    kern = kernel("causal.mha", "causal_fwd")
+def test_numpy_inputs_round_trip(backend):
+    kern = kernel("causal.mha", "causal_fwd", backend)
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((1, 65, 2, 128)).astype(np.float32) for _ in range(3))
     out = kern(q, k, v)
     assert isinstance(out, np.ndarray)
+    assert_ran_on(kern, backend)
     ref = mhadsl.reference(kern, q, k, v)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
 
 
-def test_one_build_for_five_shapes():
+def test_one_build_for_five_shapes(backend):
     kern = mhadsl.compile(EXTRA, name="builds.mha")["causal_d64"]
+    kern.backend = backend
     for b, s in [(1, 1), (2, 127), (3, 129), (1, 3000), (5, 64)]:
         assert_matches(kern, dense(kern, b, s, s, 2, 2))
     assert kern.builds_compiled <= 1  # 0 when the on-disk cache already held it
     assert len(kern._builds) == 1
 
 
-def test_cuda_graph_replay():
-    kern = kernel("causal.mha", "causal_fwd")
+def test_cuda_graph_replay(backend):
+    kern = kernel("causal.mha", "causal_fwd", backend)
     args = dense(kern, 2, 1000, 1000, 4, 4)
     out = torch.empty_like(args["q"])
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         kern(**args, out=out, stream=stream)  # warm-up: build, load, counter allocation
     stream.synchronize()
+    assert_ran_on(kern, backend)
     expected = out.clone()
+    ref = mhadsl.reference(kern, **args)
+    assert np.linalg.norm(expected.float().cpu().numpy() - ref) / np.linalg.norm(ref) < 1e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         kern(**args, out=out, stream=stream)
@@ -187,8 +255,8 @@ def test_cuda_graph_replay():
         assert torch.equal(out, expected)
 
 
-def test_two_streams_at_once():
-    kern = kernel("causal.mha", "causal_fwd")
+def test_two_streams_at_once(backend):
+    kern = kernel("causal.mha", "causal_fwd", backend)
     a, b = dense(kern, 2, 2000, 2000, 8, 8), dense(kern, 1, 3000, 3000, 8, 8)
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     torch.cuda.synchronize()
@@ -197,20 +265,22 @@ def test_two_streams_at_once():
     with torch.cuda.stream(s2):
         ob = kern(**b, stream=s2)
     torch.cuda.synchronize()
+    assert_ran_on(kern, backend)
     for args, out in ((a, oa), (b, ob)):
         ref = mhadsl.reference(kern, **args)
         got = out.float().cpu().numpy()
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
 
 
-def test_cupy_fp16_inputs_come_back_as_cupy():
+def test_cupy_fp16_inputs_come_back_as_cupy(backend):
     cupy = pytest.importorskip("cupy")
-    kern = extra("lse_fp16")
+    kern = extra("lse_fp16", backend)
     rng = np.random.default_rng(2)
     host = [rng.standard_normal((2, 130, 2, 128)).astype(np.float16) for _ in range(3)]
     q, k, v = (cupy.asarray(a) for a in host)
     out, lse = kern(q, k, v)
     assert isinstance(out, cupy.ndarray) and isinstance(lse, cupy.ndarray)
+    assert_ran_on(kern, backend)
     ref, ref_lse = mhadsl.reference(kern, *host, return_lse=True)
     got = cupy.asnumpy(out).astype(np.float64)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
