@@ -93,7 +93,7 @@ KERNEL_ABI = [
     ("lse_stride_batch", I64), ("lse_stride_head", I64),
     ("batch", I32), ("num_heads", I32), ("max_seqlen_q", I32), ("max_seqlen_k", I32),
     ("seqlen_q", I32), ("seqlen_k", I32), ("softmax_scale", F32), ("queue", PTR),
-    ("num_sms", I32), ("ctas_per_sm", I32),
+    ("num_sms", I32), ("ctas_per_sm", I32), ("tile_index", PTR),
 ]
 
 

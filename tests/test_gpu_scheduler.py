@@ -17,7 +17,7 @@ SEED = Batch([100], heads=3, tile=32, ragged=False)
 
 def gpu_trace(spec: SchedulerSpec, batch: Batch, num_sms: int, threads: int = 128):
     """Run the trace kernel; returns {cta: [tiles in visit order]}."""
-    from mhadsl.runtime import driver
+    from mhadsl.runtime import driver, tile_index
 
     info = driver.device_info()
     arch = "sm_90a" if info.compute_capability >= (9, 0) else "sm_80"
@@ -39,12 +39,13 @@ def gpu_trace(spec: SchedulerSpec, batch: Batch, num_sms: int, threads: int = 12
     d_vl = driver.DeviceBuffer.from_numpy(offsets)
     d_overflow = driver.DeviceBuffer.from_numpy(np.zeros(1, np.uint32))
     workspace = driver.begin_launch()
+    index = tile_index.prepare(d_vl.ptr, len(batch.seqlens), batch.tile) if batch.ragged else 0
     fn = driver.Module.from_ptx(ptx).function(kernel_name)
     u32 = ctypes.c_uint32
     fn.launch(grid, (threads, 1, 1), 0, None,
               [workspace, u32(num_sms), u32(len(batch.seqlens)), u32(batch.max_num_prompt_tiles),
                u32(max(batch.seqlens)), u32(batch.heads), d_vl.ptr if batch.ragged else 0,
-               d_out, u32(max_steps), d_overflow])
+               d_out, u32(max_steps), d_overflow, index])
     driver.end_launch()
     d_out.copy_to_numpy(out)
     overflow = np.zeros(1, np.uint32)
@@ -69,9 +70,11 @@ def test_seed_vector_on_gpu(order):
     assert visits == host.visits
 
 
-@pytest.mark.parametrize("name, order", [("Transient", "DEFAULT"), ("Persistent", "PROMPT_ROTATE")])
-def test_static_schedulers_match_host_order(name, order):
-    spec = SchedulerSpec(name, (("order", order),), 128)
+@pytest.mark.parametrize("name, args", [
+    ("Transient", (("order", "DEFAULT"),)), ("Persistent", (("order", "PROMPT_ROTATE"),)),
+    ("Persistent", (("order", "LONGEST_FIRST"), ("heads_per_section", 2)))])
+def test_static_schedulers_match_host_order(name, args):
+    spec = SchedulerSpec(name, args, 128)
     visits = gpu_trace(spec, RAGGED, num_sms=7)
     host = simulate(checked(STD), spec, RAGGED, ctas=7)
     assert host.covered_exactly_once

@@ -1,0 +1,182 @@
+"""Ragged work without waste: `ts.num_valid_work()` / `ts.valid_work_info(...)` number only
+the valid tiles, the std schedulers spend no index on a tile past a sequence's end, and the
+tile index the device builds has the meaning written once in `mhadsl.builtins`."""
+import ctypes
+import random
+
+import numpy as np
+import pytest
+
+from helpers import STD, checked
+from mhadsl.builtins import tile_counts, tile_index, tile_index_words, valid_work_order
+from mhadsl.codegen.assemble import assemble, find_ptxas
+from mhadsl.codegen.scheduler import SchedulerSpec
+from mhadsl.codegen.target import emit_ptx, gpu_target, new_module, optimize
+from mhadsl.codegen.tile_index import KERNEL_NAME, build_tile_index_kernel
+from mhadsl.simulate import Batch, HostScheduler, _Env, _SeqInfo, _State, _TileSummary, simulate
+
+ORDERS = ("DEFAULT", "PROMPT_ROTATE", "LONGEST_FIRST")
+MUST_SHOW = [0, 1, 127, 128, 129, 3000, 8192]
+SKEWED = [8192, 4096, 2048, 1024, 512, 256, 128, 64] * 2  # BENCHMARKS.md's ragged batch
+
+
+def test_tile_index_layout_by_hand():
+    # counts 2, 0, 3, 3: ranked 2, 3, 0, 1 (ties by batch index); LONGEST_FIRST's blocks:
+    # rank 0 alone reaches no level (3 = 3), ranks 0-1 reach level 2 (2 tiles),
+    # ranks 0-2 levels 0-1 (6 tiles), all four none.
+    assert tile_index([2, 0, 3, 3]).tolist() == [0, 2, 2, 5, 8,  2, 3, 0, 1,  0, 0, 2, 8, 8]
+    assert len(tile_index([])) == tile_index_words(0) == 2
+    assert tile_counts([0, 1, 128, 129, -5], 128).tolist() == [0, 1, 1, 2, 0]
+
+
+def test_the_definition_by_hand():
+    assert valid_work_order([2, 0, 1], 2, "DEFAULT") == [
+        (0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 2), (0, 1, 2)]
+    assert valid_work_order([2, 0, 1], 2, "PROMPT_ROTATE")[:4] == [
+        (0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0)]
+    assert valid_work_order([2, 0, 1], 2, "LONGEST_FIRST") == [
+        (1, 0, 0), (1, 1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 2), (0, 1, 2)]
+    assert valid_work_order([2, 0, 1], 2, "LONGEST_FIRST", heads_per_section=1) == [
+        (1, 0, 0), (0, 0, 0), (0, 0, 2), (1, 1, 0), (0, 1, 0), (0, 1, 2)]
+
+
+def stride_order(program, batch: Batch, order: str, section: int) -> list:
+    """The tiles one static persistent CTA visits: every valid index, in order."""
+    spec = SchedulerSpec("Persistent", (("num_ctas", 1), ("order", order),
+                                        ("heads_per_section", section)), batch.tile)
+    result = simulate(program, spec, batch, ctas=1)
+    assert result.covered_exactly_once, result.message
+    return result.visits.get(0, [])
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("ragged", [True, False])
+def test_valid_work_info_is_its_definition(order, ragged):
+    program = checked(STD)
+    lens = MUST_SHOW if ragged else [300] * 3
+    for heads, section in ((5, 0), (5, 1), (5, 2), (5, 5), (5, 9), (1, 0), (4, 3)):
+        batch = Batch(lens, heads=heads, tile=128, ragged=ragged)
+        want = [(q * 128, h, b) for q, h, b in
+                valid_work_order(tile_counts(lens, 128), heads, order, section)]
+        assert stride_order(program, batch, order, section) == want, (heads, section)
+
+
+DENSE_MAP = STD + """
+scheduler DenseMap(order: Schedule = DEFAULT) {
+    may_advance = true
+    schedule = order
+    grid_dim(batch_size, max_num_prompt_tiles) = (1, 1, 1)
+    initial_state(slots, ts) = State(idx = 0, slots = slots, max_idx = ts.num_work())
+    get_current_work_info(ts, state) = ts.work_info(state.idx, schedule)
+    advance(ts, state, pipeline_idx) {
+        state.idx += 1
+        if state.idx >= state.max_idx { return none }
+        return ts.seq_info(ts.work_info(state.idx, schedule))
+    }
+    unsafe_seq_info(ts, state) = ts.seq_info(ts.work_info(state.idx, schedule))
+}
+"""
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_dense_valid_orders_are_the_work_info_orders(order):
+    """On a dense batch the valid space is the whole space, in `ts.work_info`'s order
+    (LONGEST_FIRST: the query tile slowest from the last, then batch, head fastest)."""
+    program = checked(DENSE_MAP)
+    batch = Batch([300] * 3, heads=4, tile=128, ragged=False)
+    dense = simulate(program, SchedulerSpec("DenseMap", (("order", order),), 128), batch, ctas=1)
+    assert dense.visits[0] == stride_order(program, batch, order, 0)
+    if order == "LONGEST_FIRST":
+        assert dense.visits[0][:5] == [(256, 0, 0), (256, 1, 0), (256, 2, 0), (256, 3, 0),
+                                       (256, 0, 1)]
+
+
+def queue_steps(name: str, batch: Batch, args=()) -> tuple[list[bool], int]:
+    """Drive one CTA of a queued scheduler alone: whether each advance's SeqInfo is a valid
+    tile, and how many atomics it took from the queue in all."""
+    program = checked(STD)
+    sched = HostScheduler(program, SchedulerSpec(name, args, batch.tile))
+    counter = ctypes.c_uint32(0)
+    offsets = np.concatenate(([0], np.cumsum(batch.seqlens))).astype(np.int32)
+    index = tile_index(batch.tiles_per_seq)
+    env = _Env(ctypes.addressof(counter), 1)
+    env.grid_dim[:] = (1, 1, 1)
+    ts = _TileSummary(len(batch.seqlens), batch.max_num_prompt_tiles, max(batch.seqlens),
+                      batch.heads, offsets.ctypes.data, index.ctypes.data)
+    slots = (ctypes.c_uint32 * 2)()
+    state = _State(0, ctypes.addressof(slots), batch.num_tiles)
+    seq, valid = _SeqInfo(), []
+    for step in range(2 * batch.num_tiles + 2):
+        env.fuel = 1 << 20
+        if not sched.advance(ctypes.byref(env), ctypes.byref(ts), ctypes.byref(state),
+                             step % 2, ctypes.byref(seq)):
+            break
+        valid.append(seq.seq_len > seq.prompt_offset)
+    return valid, counter.value
+
+
+@pytest.mark.parametrize("name, args", [("Queued", ()), ("LPT", ()),
+                                        ("Queued", (("order", "PROMPT_ROTATE"),)),
+                                        ("LPT", (("heads_per_section", 4),))])
+@pytest.mark.parametrize("lens", [SKEWED, MUST_SHOW, [0, 0, 1]])
+def test_every_queue_atomic_is_a_valid_tile(name, args, lens):
+    """Three quarters of the skewed batch's dense indices lie past a sequence's end; the
+    queue now hands out none of them: one atomic per remaining tile, and one to stop."""
+    batch = Batch(lens, heads=16, tile=128, ragged=True)
+    valid, atomics = queue_steps(name, batch, args)
+    assert all(valid) and len(valid) == batch.num_tiles - 1  # index 0 was the CTA's first
+    assert atomics == batch.num_tiles
+    if lens is SKEWED:
+        assert batch.num_tiles * 4 == batch.max_num_prompt_tiles * 16 * len(lens)
+
+
+def test_longest_first_takes_the_last_tiles_of_the_longest_sequences_first():
+    batch = Batch(SKEWED, heads=16, tile=128, ragged=True)
+    order = stride_order(checked(STD), batch, "LONGEST_FIRST", 0)
+    assert order[:32] == [(63 * 128, h, b) for b in (0, 8) for h in range(16)]
+    levels = [offset for offset, _, _ in order]
+    assert levels == sorted(levels, reverse=True)  # costliest first under a causal mask
+    # one tile each (128 and 64 rows): ranked by batch index
+    assert order[-16 * 4:] == [(0, h, b) for b in (6, 7, 14, 15) for h in range(16)]
+
+
+@pytest.mark.parametrize("name", ["Persistent", "Queued", "LPT"])
+def test_ten_thousand_sequences_exactly_once(name):
+    rng = random.Random(10_000)
+    lens = [rng.choice([0, 1, 64, 127, 129, rng.randrange(1, 3000)]) for _ in range(10_000)]
+    batch = Batch(lens, heads=2, tile=128, ragged=True)
+    result = simulate(checked(STD), SchedulerSpec(name, (), 128), batch, ctas=132)
+    assert result.covered_exactly_once, result.message
+    assert result.tiles == batch.num_tiles
+
+
+@pytest.mark.parametrize("name", ["Persistent", "Queued", "LPT"])
+@pytest.mark.parametrize("section", [1, 3])
+def test_head_sections_cover_every_tile_once(name, section):
+    rng = random.Random(section)
+    program = checked(STD)
+    for _ in range(4):
+        lens = [rng.choice([0, 1, rng.randrange(1, 5000)]) for _ in range(rng.randrange(1, 9))]
+        batch = Batch(lens, heads=rng.randrange(1, 9), tile=rng.choice([64, 128]), ragged=True)
+        spec = SchedulerSpec(name, (("heads_per_section", section),), batch.tile)
+        result = simulate(program, spec, batch, ctas=rng.randrange(1, 40))
+        assert result.covered_exactly_once, (lens, result.message)
+
+
+def test_lpt_balances_the_skewed_batch():
+    batch = Batch(SKEWED, heads=16, tile=128, ragged=True)
+    program = checked(STD)
+    lpt = simulate(program, SchedulerSpec("LPT", (), 128), batch, ctas=132)
+    queued = simulate(program, SchedulerSpec("Queued", (), 128), batch, ctas=132)
+    assert lpt.covered_exactly_once and queued.covered_exactly_once
+    assert lpt.efficiency > 0.97 and lpt.makespan < queued.makespan
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_tile_index_kernel_assembles_without_spills(arch):
+    target = gpu_target(arch)
+    module = new_module("tile_index", target)
+    build_tile_index_kernel(module)
+    resources = assemble(emit_ptx(optimize(module, target), target), arch).kernels[KERNEL_NAME]
+    assert resources.spills == 0 and resources.stack_bytes == 0
