@@ -50,9 +50,10 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule) -> ExprHooks:
                      classify=classify if mask_rule is not None else None)
 
 
-def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Target
-                        ) -> WorkLoop:
-    """The work loop a backend's kernel runs: the scheduler's rules, for `spec.tile_m`."""
+def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Target,
+                        trace: bool = False) -> WorkLoop:
+    """The work loop a backend's kernel runs: the scheduler's rules, for `spec.tile_m`;
+    with `trace`, the loop's `args.trace_thread` records every work item (`mhadsl trace`)."""
     def work_loop(builder: ir.IRBuilder, args: KernelArgs, body) -> None:
         aligned = not args.divergent_roles
         lowered = lower_scheduler(builder.module, program, spec, target,
@@ -74,7 +75,7 @@ def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Ta
 
         fill_env = env_filler(builder, lowered, shared_slots(builder.module), params)
         emit_work_loop(builder, lowered, fill_env, lambda b, seq: body(b, TileSeq(**seq)),
-                       aligned=aligned)
+                       aligned=aligned, trace_thread=args.trace_thread if trace else None)
     return work_loop
 
 
@@ -88,9 +89,11 @@ def _opaque(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
     return builder.asm(ir.FunctionType(ty, [ty]), "", constraint, [value], True)
 
 
-def kernel_source(program: CheckedProgram, options, target: Target) -> KernelSource:
-    """The hooks and work loop of declaration `options` (`AttentionOptions`)."""
+def kernel_source(program: CheckedProgram, options, target: Target,
+                  trace: bool = False) -> KernelSource:
+    """The hooks and work loop of declaration `options` (`AttentionOptions`); `trace`
+    builds the loop that records every work item."""
     def work_loop(tile_m: int) -> WorkLoop:
         spec = SchedulerSpec(options.scheduler, options.scheduler_args, tile_m)
-        return scheduler_work_loop(program, spec, target)
+        return scheduler_work_loop(program, spec, target, trace)
     return KernelSource(expr_hooks(program, options.mask, options.score), work_loop)

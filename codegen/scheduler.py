@@ -30,7 +30,7 @@ from mhadsl import ast
 from mhadsl.builtins import SLOT_COUNT
 from mhadsl.check import CheckedProgram
 from mhadsl.diagnostics import MhaError
-from mhadsl.runtime import faults
+from mhadsl.runtime import faults, trace_records
 from mhadsl.types import BOOL, RECORD_FIELDS, SCHEDULES, SEQ_INFO, SYNCS, WORK_INFO
 
 HOST_LOOP_FUEL = 1 << 20  # iterations a host `while` may run before the simulator gives up
@@ -381,7 +381,8 @@ def shared_slots(module: ir.Module) -> ir.GlobalVariable:
 def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
                    fill_env: Callable[[ir.IRBuilder], KernelEnv],
                    body: Callable[[ir.IRBuilder, dict[str, ir.Value]], None], *,
-                   producer: bool = True, sync: str = "ALL", aligned: bool = True) -> None:
+                   producer: bool = True, sync: str = "ALL", aligned: bool = True,
+                   trace_thread: int | None = None) -> None:
     """The persistent loop: initial_state, then body per valid tile, advance until none.
 
     Every thread of the CTA runs it (advance may hold a barrier); `body` gets the tile's
@@ -393,6 +394,9 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     in the workspace (`runtime.faults`), and a CTA-wide vote after each step ends the loop
     for every thread at once (a fault seen by one thread alone must not strand the others
     at a barrier). No `trap`: the CUDA context stays usable.
+
+    With `trace_thread`, that thread records each tile it runs into the workspace's trace
+    buffer (`record_work_item`); other threads run exactly what they run untraced.
     """
     fns = sched.functions
     kenv = fill_env(builder)
@@ -433,7 +437,11 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     fields = load_record(builder, seq, SEQ_INFO)
     is_valid = builder.icmp_unsigned(">", fields["seq_len"], fields["prompt_offset"])
     with builder.if_then(is_valid):
-        body(builder, fields)
+        if trace_thread is None:
+            body(builder, fields)
+        else:
+            record_work_item(builder, _workspace(builder, sched, kenv), fields, trace_thread,
+                             lambda: body(builder, fields))
     if sched.may_advance:
         kenv = fill_env(builder)
         _refuel(builder, sched, kenv)
@@ -542,6 +550,72 @@ def _fault_recorder(module: ir.Module, workspace_type: ir.Type) -> ir.Function:
         b.store(linear_cta(b), word(3))
     b.ret_void()
     return fn
+
+
+def record_work_item(builder: ir.IRBuilder, workspace: ir.Value, fields: dict[str, ir.Value],
+                     thread: int, emit_body: Callable[[], None]) -> None:
+    """Emit `emit_body()` between the two halves of a work-item record (`runtime.
+    trace_records`), which thread `thread` of the CTA writes: before the body it claims a
+    record, writes the tile, CTA, SM and %globaltimer there and keeps the record's address
+    and start time in shared memory (so no register stays live across the tile body, which
+    sits at ptxas's register cap); after it, the duration."""
+    b = builder
+    module = b.module
+    scratch = _trace_scratch(module)
+    gptr = workspace.type
+
+    def word(base: ir.Value, k: ir.Value | int) -> ir.Value:
+        return b.gep(base, [i32(k) if isinstance(k, int) else k], source_etype=i32)
+
+    def timer() -> ir.Value:
+        return b.asm(ir.FunctionType(i64, []), "mov.u64 $0, %globaltimer;", "=l", [], True)
+
+    slot_ptr = b.gep(scratch, [i32(0), i32(0)], source_etype=_TRACE_SCRATCH)
+    start_ptr = b.gep(scratch, [i32(0), i32(1)], source_etype=_TRACE_SCRATCH)
+    records = nvptx.special_register(b, "thread_idx", "x")
+    me = b.icmp_unsigned("==", records, i32(thread))
+    with b.if_then(me):
+        k = b.atomic_rmw("add", word(workspace, trace_records.COUNT_WORD), i32(1), "monotonic")
+        fits = b.icmp_unsigned("<", k, b.load(word(workspace, trace_records.CAPACITY_WORD),
+                                               typ=i32))
+        at = b.add(i32(trace_records.HEADER_WORDS), b.mul(k, i32(trace_records.RECORD_WORDS)))
+        record = b.select(fits, word(workspace, at), ir.Constant(gptr, None))
+        smid = b.asm(ir.FunctionType(i32, []), "mov.u32 $0, %smid;", "=r", [], True)
+        start = timer()
+        with b.if_then(fits):
+            values = {"prompt_offset": fields["prompt_offset"], "head": fields["head_idx"],
+                      "batch": fields["prompt_idx"], "cta": linear_cta(b), "sm": smid,
+                      "start_lo": b.trunc(start, i32),
+                      "start_hi": b.trunc(b.lshr(start, i64(32)), i32)}
+            for name, v in values.items():
+                b.store(v, word(record, trace_records.RECORD_FIELDS.index(name)))
+        b.store(b.ptrtoint(record, i64), slot_ptr)
+        b.store(start, start_ptr)
+    emit_body()
+    records = nvptx.special_register(b, "thread_idx", "x")
+    with b.if_then(b.icmp_unsigned("==", records, i32(thread))):
+        end = timer()
+        address = b.load(slot_ptr, typ=i64)
+        with b.if_then(b.icmp_unsigned("!=", address, i64(0))):
+            duration = b.trunc(b.sub(end, b.load(start_ptr, typ=i64)), i32)
+            b.store(duration, word(b.inttoptr(address, gptr),
+                                   trace_records.RECORD_FIELDS.index("duration")))
+
+
+_TRACE_SCRATCH = ir.ArrayType(i64, 2)
+
+
+def _trace_scratch(module: ir.Module) -> ir.GlobalVariable:
+    """The recording thread's shared-memory scratch: its record's address, its start time."""
+    name = "mhadsl.trace_scratch"
+    if name in module.globals:
+        return module.globals[name]
+    scratch = ir.GlobalVariable(module, _TRACE_SCRATCH, name, addrspace=nvptx.SHARED)
+    scratch.linkage = "internal"
+    scratch.initializer = ir.Constant(_TRACE_SCRATCH, None)
+    scratch.align = 8
+    scratch.type = nvptx.ptr(nvptx.SHARED)  # opaque, as LLVM 22 prints pointers
+    return scratch
 
 
 TRACE_FIELDS = 4  # per step: prompt_offset, head_idx, prompt_idx, 1 (0 past the last step)

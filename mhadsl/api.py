@@ -116,6 +116,11 @@ class Kernel:
         self._designs: dict[tuple, tuple] = {}
         self.builds_compiled = 0  # how many times a kernel was generated (for tests)
         self.backend: str | None = None  # force a kernel design ("sm80"); None: per device
+        # `mhadsl.trace`: build the kernel that records its work items, and launch it on
+        # this workspace (`runtime.trace_records`; the tracer zeroes it) instead of the
+        # stream's.
+        self.trace = False
+        self.trace_workspace: int | None = None
 
     @property
     def name(self) -> str:
@@ -131,7 +136,9 @@ class Kernel:
         return plan(self.program.checked, self._request(layout, arch, backend)).configs
 
     def _request(self, layout: Layout, arch: str, backend: str | None) -> KernelRequest:
-        return KernelRequest(self.name, arch, backend or self.backend, layout)
+        return KernelRequest(self.name, arch, backend or self.backend, layout,
+                             scheduler=(self.options.scheduler, self.options.scheduler_args),
+                             trace=self.trace)
 
     def scheduler_spec(self, config) -> SchedulerSpec:
         return SchedulerSpec(self.options.scheduler, self.options.scheduler_args, config.block_m)
@@ -243,7 +250,8 @@ class Kernel:
                              f"for {call.batch} sequences x {call.heads} heads; every "
                              f"dimension must be at least 1")
         # Reports an earlier launch's scheduler fault; zeroes the queue counter on the stream.
-        workspace = driver.begin_launch(stream, q.device)
+        workspace = self.trace_workspace if self.trace else driver.begin_launch(stream,
+                                                                                q.device)
         # A ragged launch numbers only its valid tiles: the tile index, built on the device
         # from cu_seqlens_q just before the kernel, on its stream (`runtime.tile_index`).
         index = tile_index.prepare(cu_q.ptr, call.batch, build.config.block_m, stream,
@@ -270,7 +278,8 @@ class Kernel:
                                                 call.ragged))
         args = [values[p.name] for p in build.backend.params]
         build.function.launch(grid, (launch.threads, 1, 1), launch.shared_bytes, stream, args)
-        driver.end_launch(stream, q.device)
+        if not self.trace:  # the tracer reads its workspace's fault record itself
+            driver.end_launch(stream, q.device)
 
     def _grid(self, config, call: _Call, num_sms: int, ctas_per_sm: int
               ) -> tuple[int, int, int]:

@@ -42,6 +42,9 @@ class KernelRequest:
     backend: str | None = None  # None: the arch's preferred backend that runs the declaration
     layout: Layout = Layout()
     ptx_version: int = DEFAULT_PTX_VERSION
+    # (name, ((param, value), ...)) in place of the declaration's scheduler; None: its own
+    scheduler: tuple[str, tuple[tuple[str, object], ...]] | None = None
+    trace: bool = False  # record every work item (`mhadsl trace`, `runtime.trace_records`)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ def plan(program: CheckedProgram, request: KernelRequest) -> Plan:
     """Resolve a request; raises `MhaError` (at the declaration's setting at fault) when its
     backend cannot run the declaration on the target, `RequestError` for a bad request."""
     options = resolve_attention(program.attentions[request.kernel])
+    if request.scheduler is not None:
+        name, args = request.scheduler
+        options = dataclasses.replace(options, scheduler=name, scheduler_args=tuple(args))
     try:
         target = gpu_target(request.arch, request.ptx_version)
         backend = backends.backend_for_arch(request.arch, request.backend, options)
@@ -79,7 +85,8 @@ def build_kernel(program: CheckedProgram, request: KernelRequest,
     loaded = _from_entry(entry, resolved.backend) if entry is not None else None
     if loaded is not None:
         return loaded
-    build = resolved.backend.build(kernel_source(program, resolved.options, resolved.target),
+    build = resolved.backend.build(kernel_source(program, resolved.options, resolved.target,
+                                                 request.trace),
                                    resolved.configs, resolved.target)
     store.put(key, _to_entry(build))
     return build
@@ -89,6 +96,8 @@ def cache_key(program: CheckedProgram, request: KernelRequest, resolved: Plan) -
     return cache.cache_key(
         what="attention kernel", sources=[s.text for s in program.sources],
         kernel=request.kernel, backend=resolved.backend.name, layout=request.layout,
+        scheduler=[resolved.options.scheduler, list(resolved.options.scheduler_args)],
+        trace=request.trace,
         **resolved.target.cache_fields(), ptxas=_ptxas_version(),
         compiler=cache.compiler_hash())
 

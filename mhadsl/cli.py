@@ -1,4 +1,4 @@
-"""The `mhadsl` command line: check, compile, simulate.
+"""The `mhadsl` command line: check, compile, simulate, run, trace, bench.
 
 Mistakes in a .mha file print `file:line:col: error: ...` with the line and a caret and
 exit 1; a bad command line prints one line `error: ...` and exits 2, before any work is
@@ -207,9 +207,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.scheduler not in program.schedulers:
         raise UsageError(f"no scheduler '{args.scheduler}' in {args.file} (it has: "
                          f"{', '.join(program.schedulers) or 'none'})")
-    spec = SchedulerSpec(args.scheduler, args.params, args.tile)
-    result = simulate(program, spec, args.sequences, ctas=args.ctas, cost=args.cost,
-                      num_sms=args.num_sms)
+    cost, sequences = args.cost or "causal", args.sequences
+    if args.kernel:
+        cost = _kernel_costs(program, args.kernel, args.file)
+        sequences = Batch(args.lengths, args.heads, cost.block_m, ragged=sequences.ragged)
+        print(f"cost model of kernel {args.kernel} ({cost.block_m}x{cost.block_n} tile), "
+              f"constants from {cost.source}", file=sys.stderr)
+    spec = SchedulerSpec(args.scheduler, args.params, sequences.tile)
+    result = simulate(program, spec, sequences, ctas=args.ctas, cost=cost,
+                      num_sms=args.num_sms, ctas_per_sm=args.ctas_per_sm)
     if args.plot:
         plot_timeline(result, args.plot)
     if args.json:
@@ -218,12 +224,94 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"scheduler {args.scheduler}: grid {result.grid}, {result.tiles} tiles on "
               f"{args.ctas} CTAs")
         print(f"  {result.message}")
-        print(f"  makespan {result.makespan:g}, lower bound {result.lower_bound:g}, "
+        unit = "" if result.unit == "KV-tile iterations" else f" {result.unit}"
+        print(f"  makespan {result.makespan:g}{unit}, lower bound {result.lower_bound:g}{unit}, "
               f"efficiency {'n/a' if result.efficiency is None else f'{result.efficiency:.1%}'}")
         loads = result.per_cta_load
         if loads:
             print(f"  per-CTA load: min {min(loads):g}, max {max(loads):g}")
     return 0 if result.covered_exactly_once else 3
+
+
+def _kernel_costs(program, kernel: str, path: str):
+    """The cost model of attention `kernel` as the preferred sm_90a design builds it: its
+    declared mask and tile, with the constants calibrated for it (`mhadsl trace
+    --calibrate`, on any GPU), else the defaults."""
+    from mhadsl import costmodel
+    from mhadsl.build import KernelRequest, plan
+    if kernel not in program.attentions:
+        raise UsageError(f"no attention kernel '{kernel}' in {path} (it has: "
+                         f"{', '.join(program.attentions) or 'none'})")
+    resolved = plan(program, KernelRequest(kernel, "sm_90a"))
+    config = resolved.configs[0]
+    key = costmodel.kernel_key(program, kernel, resolved.backend.name, "sm_90a")
+    costs, source = costmodel.load(key)
+    return costmodel.KernelCostModel(costs, program, resolved.options.mask, config.block_m,
+                                     config.block_n, source)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from mhadsl import trace
+    from mhadsl.api import Program
+    from mhadsl.bench import NoGpu, require_gpu
+    text, base = read_source(args.file)
+    _, checked = front_end(text, args.file, base)
+    program = Program(text, args.file, checked)
+    if args.kernel not in program.attentions:
+        raise UsageError(f"no attention kernel '{args.kernel}' in {args.file} (it has: "
+                         f"{', '.join(program.attentions) or 'none'})")
+    if args.scheduler is not None and args.scheduler not in program.schedulers:
+        raise UsageError(f"no scheduler '{args.scheduler}' in {args.file} (it has: "
+                         f"{', '.join(program.schedulers) or 'none'})")
+    try:
+        require_gpu()
+    except NoGpu:
+        raise UsageError("`mhadsl trace` runs the kernel: it needs an NVIDIA GPU, its driver "
+                         "and PyTorch (`mhadsl simulate --kernel` predicts without)") from None
+    if args.calibrate:
+        costs, path, runs = trace.calibrate(program, args.kernel, backend=args.backend,
+                                            heads=args.heads)
+        print(f"calibrated {args.kernel} on {runs[0].gpu} ({runs[0].backend}) from "
+              f"{sum(len(r.records['start']) for r in runs)} work items of {len(runs)} runs:")
+        print("  " + ", ".join(f"{k} {v:.0f} ns" for k, v in vars(costs).items()))
+        print(f"  stored in {path}")
+    if args.lengths is None:
+        return 0
+    workload = trace.Workload(args.heads, args.batch, args.seqlen or 0,
+                              tuple(args.lengths) if args.seqlens else None)
+    run = trace.run_trace(program, args.kernel, workload, scheduler=args.scheduler,
+                          args=args.params, backend=args.backend)
+    model = trace.cost_model(program, args.kernel, block_m=run.block_m, block_n=run.block_n,
+                             backend=run.backend, arch=run.arch, gpu=run.gpu)
+    result = trace.predict(program, run, model)
+    comparison = trace.compare(run, result)
+    problems = [f"{len(v)} {k}" for k, v in (("missing", run.missing), ("repeated",
+                run.repeated), ("invalid", run.invalid)) if v]
+    print(f"{args.kernel} under {run.scheduler} on {workload.describe()}: grid {run.grid}, "
+          f"{run.ctas_per_sm} CTAs per SM x {run.num_sms} SMs ({run.gpu}, {run.backend})")
+    print(f"  trace: {len(run.records['start'])} work items, "
+          + ("every valid tile exactly once" if not problems else "; ".join(problems)
+             + " tiles"))
+    print(f"  kernel {run.ms_untraced:.3f} ms untraced ({run.tflops:.1f} TFLOP/s), "
+          f"{run.ms_traced:.3f} ms traced: recording costs {run.overhead:+.1%}")
+    print(f"  makespan efficiency: measured {comparison.measured.efficiency:.1%}, predicted "
+          f"{comparison.predicted.efficiency:.1%} (constants: {model.source})")
+    print("  where they differ:")
+    for note in comparison.differences:
+        print(f"    {note}")
+    if args.out:
+        trace.plot(run, comparison, args.out)
+        print(f"  wrote {args.out}")
+    if args.json:
+        _write(Path(args.json), json.dumps({
+            "kernel": args.kernel, "scheduler": run.scheduler, "workload": workload.describe(),
+            "gpu": run.gpu, "backend": run.backend, "grid": list(run.grid),
+            "ms_untraced": run.ms_untraced, "ms_traced": run.ms_traced,
+            "measured_efficiency": comparison.measured.efficiency,
+            "predicted_efficiency": comparison.predicted.efficiency,
+            "costs": vars(model.costs), "costs_from": model.source,
+            "records": {k: v.tolist() for k, v in run.records.items()}}))
+    return 0 if not problems and result.covered_exactly_once else 3
 
 
 def _problem(args: argparse.Namespace, kernel):
@@ -283,6 +371,7 @@ INT_OPTIONS = {
     "tile": ("--tile", 16, 256),
     "ctas": ("--ctas", 1, MAX_SIMULATED_CTAS),
     "num_sms": ("--num-sms", 1, MAX_SIMULATED_CTAS),
+    "ctas_per_sm": ("--ctas-per-sm", 1, 64),
     "seqlen": ("--seqlen", 0, MAX_SEQLEN),
     "seqlen_k": ("--seqlen-k", 0, MAX_SEQLEN),
 }
@@ -299,7 +388,22 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--tile must be a multiple of 16, got {args.tile}")
     if args.command in ("simulate", "run"):
         args.lengths = _seqlens(args)
+    if args.command == "trace":
+        args.params = tuple(_parse_param(p) for p in args.param)
+        args.lengths = (_seqlens(args) if args.seqlens or args.seqlen is not None
+                        else None)
+        if args.lengths is None and not args.calibrate:
+            raise UsageError("give --seqlen S (with --batch B) or --seqlens L1,L2,... "
+                             "(or --calibrate alone)")
+        if args.params and args.scheduler is None:
+            raise UsageError("--param binds a parameter of --scheduler: give --scheduler")
+        if args.out:
+            _check_plot(Path(args.out), "--out")
+        if args.json:
+            _check_output_parent(Path(args.json))
     if args.command == "simulate":
+        if args.kernel and args.cost:
+            raise UsageError("--kernel costs tiles as that kernel runs them: drop --cost")
         args.params = tuple(_parse_param(p) for p in args.param)
         try:
             args.sequences = Batch(args.lengths, args.heads, args.tile,
@@ -310,15 +414,15 @@ def validate(args: argparse.Namespace) -> None:
             _check_plot(Path(args.plot))
 
 
-def _check_plot(out: Path) -> None:
+def _check_plot(out: Path, flag: str = "--plot") -> None:
     if importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("--plot needs matplotlib: pip install 'mhadsl[plot]'")
+        raise UsageError(f"{flag} needs matplotlib: pip install 'mhadsl[plot]'")
     if out.is_dir():
-        raise UsageError(f"cannot write --plot {out}: it is a folder")
+        raise UsageError(f"cannot write {flag} {out}: it is a folder")
     if not out.parent.is_dir():
-        raise UsageError(f"cannot write --plot {out}: folder {out.parent} does not exist")
+        raise UsageError(f"cannot write {flag} {out}: folder {out.parent} does not exist")
     if not os.access(out.parent, os.W_OK):
-        raise UsageError(f"cannot write --plot {out}: folder {out.parent} is not writable")
+        raise UsageError(f"cannot write {flag} {out}: folder {out.parent} is not writable")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -358,8 +462,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tile", type=int, default=128, help="query tile height (BM)")
     p.add_argument("--ctas", type=int, default=132, help="simulated multiprocessors")
     p.add_argument("--num-sms", type=int, help="value of num_sms (default: --ctas)")
-    p.add_argument("--cost", choices=tuple(COST_MODELS), default="causal",
-                   help="tile cost: KV tiles visited under a causal mask, or all (uniform)")
+    p.add_argument("--ctas-per-sm", type=int, default=1,
+                   help="value of ctas_per_sm (an H200 runs two sm80 D128 CTAs per SM: "
+                        "--ctas 264 --num-sms 132 --ctas-per-sm 2)")
+    p.add_argument("--cost", choices=tuple(COST_MODELS),
+                   help="tile cost: KV tiles visited under a causal mask (default), or all "
+                        "(uniform)")
+    p.add_argument("--kernel", metavar="NAME",
+                   help="cost tiles as attention kernel NAME runs them (ns): its declared "
+                        "mask and tile, with its calibration (mhadsl trace --calibrate)")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                    help="bind a scheduler parameter, e.g. --param order=PROMPT_ROTATE")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -378,6 +489,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gpu-ok", action="store_true",
                    help="without a GPU, say so and exit 0 (else exit 2)")
     p.set_defaults(run=cmd_run)
+
+    p = sub.add_parser("trace", help="run a kernel recording every work item; draw the "
+                                     "measured timeline next to the simulator's (GPU)")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--kernel", required=True, metavar="NAME")
+    p.add_argument("--batch", type=int, default=1, help="sequences (with --seqlen)")
+    p.add_argument("--seqlen", type=int, help="length of every sequence (dense)")
+    p.add_argument("--seqlens", help="ragged lengths, comma-separated")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--scheduler", metavar="NAME", help="run it in place of the kernel's own")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                   help="bind a parameter of --scheduler, e.g. --param order=PROMPT_ROTATE")
+    p.add_argument("--backend", choices=backends.REGISTRY, help="force a kernel design")
+    p.add_argument("--out", metavar="PNG", help="draw measured and predicted timelines")
+    p.add_argument("--json", metavar="FILE", help="write the records and both efficiencies")
+    p.add_argument("--calibrate", action="store_true",
+                   help="first measure the kernel's cost constants on this GPU and store "
+                        "them for the simulator")
+    p.set_defaults(run=cmd_trace)
 
     p = sub.add_parser("bench", help="time the standard shapes against torch SDPA (GPU)")
     p.set_defaults(run=cmd_bench)

@@ -30,6 +30,7 @@ from mhadsl.codegen.scheduler import (
     HOST_LOOP_FUEL, LoweredScheduler, SchedulerSpec, lower_scheduler,
 )
 from mhadsl.codegen.target import HOST, HostJit, new_module
+from mhadsl.costmodel import KernelCostModel
 from mhadsl.diagnostics import MhaError
 from mhadsl.types import SEQ_INFO, WORK_INFO
 
@@ -134,7 +135,8 @@ def _emit_start_ctas(module: ir.Module, lowered: LoweredScheduler) -> None:
 
 # The event loop's inputs: pointers (`_PTRS`) and integers (`_INTS`), each an i64 array.
 _PTRS = ("time", "ticket", "active", "linear", "pipe", "taken", "states", "slot_words", "seqs",
-         "info", "valid", "counts", "base", "lens", "cost", "log", "busy", "out")
+         "info", "valid", "counts", "base", "lens", "cost", "log", "busy", "out", "step_costs")
+STEP_COSTS = ("advance", "queue_op", "cta_start")  # f64s at ptrs.step_costs (`Costs`)
 _INTS = ("n_slots", "n_ctas", "num_work", "step_limit", "n_seqs", "heads", "tile", "log_cap")
 _OUT = ("status", "steps", "log_n", "makespan_bits", "cta")  # i64s the loop reports
 LOG_COLUMNS = ("cta", "slot", "start", "duration", "offset", "head", "b")
@@ -150,7 +152,9 @@ def _emit_event_loop(module: ir.Module, lowered: LoweredScheduler) -> None:
     its current tile and a ticket (ties go to the older event). The loop takes the earliest
     event, calls `advance` for that CTA, records the tile (its cost from the tile-id table),
     and when a CTA is done starts the next CTA of the grid in its slot (`start_ctas`).
-    Results and the reason it stopped go to ptrs.out (`_OUT`).
+    Each advance that returns work delays the tile by the step costs (`STEP_COSTS`: the
+    step, and each atomic it made on the queue counter), and a CTA started after the first
+    wave by `cta_start`. Results and the reason it stopped go to ptrs.out (`_OUT`).
     """
     p, f64 = nvptx.ptr(), ir.DoubleType()
     fn = ir.Function(module, ir.FunctionType(nvptx.void, [p, p, p, p]), _EVENTS)
@@ -164,6 +168,8 @@ def _emit_event_loop(module: ir.Module, lowered: LoweredScheduler) -> None:
 
     P = {n: arg(ptrs, _PTRS, n) for n in _PTRS}
     N = {n: arg(ints, _INTS, n) for n in _INTS}
+    step_cost = {n: b.load(b.gep(P["step_costs"], [i32(k)], source_etype=f64), typ=f64)
+                 for k, n in enumerate(STEP_COSTS)}
     n_slots, n_ctas = (b.trunc(N[k], i32) for k in ("n_slots", "n_ctas"))
 
     def at(name, index, ty):
@@ -225,6 +231,9 @@ def _emit_event_loop(module: ir.Module, lowered: LoweredScheduler) -> None:
     b.store(i8(0), at("active", slot, i8))
     b.branch(blocks["next"])
     b.position_at_end(blocks["fill_start"])
+    after_first_wave = b.icmp_unsigned("!=", b.load(resume, typ=i32), i32(0))
+    t = b.load(now, typ=f64)
+    b.store(b.select(after_first_wave, b.fadd(t, step_cost["cta_start"]), t), now)
     b.store(b.add(linear, i32(1)), next_cta)
     b.store(linear, at("linear", slot, i32))
     b.store(i32(0), at("pipe", slot, i32))
@@ -328,7 +337,8 @@ def _emit_event_loop(module: ir.Module, lowered: LoweredScheduler) -> None:
     b.store(t, now)
     finished = fn.append_basic_block("finished")
     if lowered.may_advance:
-        _emit_advance(b, fn, lowered, env, ts, at, slot, N, branch_if, blocks["tile"], finished)
+        _emit_advance(b, fn, lowered, env, ts, at, slot, N, branch_if, blocks["tile"], finished,
+                      now, step_cost)
     else:  # one tile per CTA: its slot goes to the next CTA of the grid
         b.branch(finished)
     b.position_at_end(finished)
@@ -346,8 +356,10 @@ def _emit_event_loop(module: ir.Module, lowered: LoweredScheduler) -> None:
 
 
 def _emit_advance(b: ir.IRBuilder, fn: ir.Function, lowered: LoweredScheduler, env, ts, at,
-                  slot, N, branch_if, tile_bb: ir.Block, finished_bb: ir.Block) -> None:
-    """Call `advance` for the CTA in `slot`: on to tile_bb with a SeqInfo, else finished_bb."""
+                  slot, N, branch_if, tile_bb: ir.Block, finished_bb: ir.Block, now,
+                  step_cost: dict) -> None:
+    """Call `advance` for the CTA in `slot`: on to tile_bb with a SeqInfo (at `now` plus the
+    step's costs), else finished_bb."""
     state_t, seq_t = lowered.state_struct, record_type(SEQ_INFO)
     linear = b.load(at("linear", slot, i32), typ=i32)
     gx = b.load(b.gep(env, [i32(0), i32(ENV_FIELDS.index("grid_dim")), i32(0)],
@@ -362,6 +374,9 @@ def _emit_advance(b: ir.IRBuilder, fn: ir.Function, lowered: LoweredScheduler, e
     b.store(i64(HOST_LOOP_FUEL), fuel)
     pipe = at("pipe", slot, i32)
     p_idx = b.load(pipe, typ=i32)
+    counter = b.load(b.gep(env, [i32(0), i32(ENV_FIELDS.index("counter"))],
+                           source_etype=lowered.env_struct), typ=nvptx.ptr())
+    queue_before = b.load(counter, typ=i32)
     more = b.call(lowered.functions[lowered.advance_name(True, "ALL")],
                   [env, ts, at("states", slot, state_t), p_idx, at("seqs", slot, seq_t)])
     branch_if(b.icmp_signed("<=", b.load(fuel, typ=i64), i64(0)), ENDLESS_WHILE, linear)
@@ -373,6 +388,9 @@ def _emit_advance(b: ir.IRBuilder, fn: ir.Function, lowered: LoweredScheduler, e
     n_taken = b.add(b.load(taken, typ=i64), i64(1))
     b.store(n_taken, taken)
     branch_if(b.icmp_signed(">", n_taken, N["num_work"]), TOO_MANY_TILES, linear)  # the GPU's
+    atomics = b.uitofp(b.sub(b.load(counter, typ=i32), queue_before), ir.DoubleType())
+    delay = b.fadd(step_cost["advance"], b.fmul(atomics, step_cost["queue_op"]))
+    b.store(b.fadd(b.load(now, typ=ir.DoubleType()), delay), now)
     b.branch(tile_bb)
 
 
@@ -454,9 +472,11 @@ class Batch:
                 for h in range(self.heads) for q in range(n)}
 
 
-# The cost of a tile in KV-tile iterations (`_TileIds.costs`); a callable on a Tile also works.
+# The cost of a tile in KV-tile iterations (`_TileIds.costs`); a callable on a Tile, or a
+# kernel's calibrated `costmodel.KernelCostModel` (nanoseconds, its declared mask) also work.
 COST_MODELS = {"causal": "the KV tiles a causal query tile visits (Sq == Sk): the default",
                "uniform": "all KV tiles of its sequence (non-causal)"}
+Cost = str | Callable[[Tile], float] | KernelCostModel
 
 
 class _TileIds:
@@ -489,8 +509,10 @@ class _TileIds:
         counts = self.counts[b]
         return (rank % np.maximum(counts, 1)) * batch.tile, rank // np.maximum(counts, 1), b
 
-    def costs(self, cost: str | Callable[[Tile], float], block_n: int) -> np.ndarray:
+    def costs(self, cost: Cost, block_n: int) -> np.ndarray:
         offset, head, b = self.tiles()
+        if isinstance(cost, KernelCostModel):
+            return cost.item_costs(self.batch.seqlens, offset, head, b)
         lens = np.asarray(self.batch.seqlens, np.int64)[b]
         if cost == "causal":
             return -(-np.minimum(offset + self.batch.tile, lens) // block_n).astype(np.float64)
@@ -519,6 +541,7 @@ class SimulationResult:
     invalid: list[Tile] = field(default_factory=list)
     per_cta_load: list[float] = field(default_factory=list)
     message: str = ""
+    unit: str = "KV-tile iterations"  # of every time; "ns" under a KernelCostModel
     # Every processed tile in order: grid CTA, simulated slot, start, duration, tile.
     trace: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
@@ -561,7 +584,7 @@ class _Run:
     """One simulation's host memory and its record of processed tiles."""
 
     def __init__(self, sched: HostScheduler, batch: Batch, ctas: int, num_sms: int,
-                 grid: tuple[int, int, int]):
+                 grid: tuple[int, int, int], ctas_per_sm: int = 1):
         self.sched, self.ctas, self.grid = sched, ctas, grid
         self.counter = ctypes.c_uint32(0)
         self.offsets = np.concatenate(([0], np.cumsum(batch.seqlens, dtype=np.int64))
@@ -573,7 +596,7 @@ class _Run:
                                self.offsets.ctypes.data if batch.ragged else None,
                                self.tile_index.ctypes.data if batch.ragged else None)
         self.env = _Env(ctypes.addressof(self.counter), num_sms)
-        self.env.ctas_per_sm = 1  # each simulated multiprocessor runs one CTA at a time
+        self.env.ctas_per_sm = ctas_per_sm
         self.env.grid_dim[:] = grid
         self.env_p, self.ts_p = ctypes.addressof(self.env), ctypes.addressof(self.ts)
         # Per simulated slot: the running CTA's state, shared slots and last SeqInfo.
@@ -590,9 +613,12 @@ class _Run:
 
 
 def simulate(program: CheckedProgram, spec: SchedulerSpec, batch: Batch, *, ctas: int = 132,
-             cost: str | Callable[[Tile], float] = "causal", block_n: int | None = None,
-             num_sms: int | None = None, max_steps: int | None = None) -> SimulationResult:
-    """Run the scheduler over `batch` on `ctas` simulated multiprocessors.
+             cost: Cost = "causal", block_n: int | None = None,
+             num_sms: int | None = None, max_steps: int | None = None,
+             ctas_per_sm: int = 1) -> SimulationResult:
+    """Run the scheduler over `batch` on `ctas` simulated slots (each runs one CTA at a
+    time); `num_sms` and `ctas_per_sm` are the values the rules see (default: `ctas`, 1).
+    A `KernelCostModel` also charges its step costs (`STEP_COSTS`) between tiles.
 
     Not terminating means a `while` loop that runs HOST_LOOP_FUEL iterations in one rule
     call, a CTA that takes more tiles than all the work plus one (the GPU's own bound), or
@@ -604,17 +630,21 @@ def simulate(program: CheckedProgram, spec: SchedulerSpec, batch: Batch, *, ctas
     ids = _TileIds(batch)
     costs = ids.costs(cost, block_n or batch.tile)
     grid = sched.grid(len(batch.seqlens), batch.max_num_prompt_tiles,
-                      max(batch.seqlens, default=0), batch.heads, num_sms or ctas)
+                      max(batch.seqlens, default=0), batch.heads, num_sms or ctas, ctas_per_sm)
     n_ctas = grid[0] * grid[1] * grid[2]
     if n_ctas > MAX_SIMULATED_CTAS:
         raise MhaError(f"grid_dim gives {grid}: {n_ctas} CTAs; the simulator runs at most "
                        f"{MAX_SIMULATED_CTAS}", sched.grid_rule.span)
-    run = _Run(sched, batch, ctas, num_sms or ctas, grid)
+    run = _Run(sched, batch, ctas, num_sms or ctas, grid, ctas_per_sm)
     num_work = batch.max_num_prompt_tiles * batch.heads * len(batch.seqlens)
     result = SimulationResult(spec.name, grid, ctas, False, True, 0.0, 0.0, None, 0.0,
                               ids.total)
+    step_costs = np.zeros(len(STEP_COSTS))
+    if isinstance(cost, KernelCostModel):
+        result.unit = "ns"
+        step_costs[:] = [getattr(cost.costs, name) for name in STEP_COSTS]
     try:
-        _run_events(run, ids, costs, n_ctas, num_work,
+        _run_events(run, ids, costs, step_costs, n_ctas, num_work,
                     max_steps or 2 * (num_work + n_ctas) + 10_000)
     except _NoTermination as stop:
         result.terminated = False
@@ -623,8 +653,8 @@ def simulate(program: CheckedProgram, spec: SchedulerSpec, batch: Batch, *, ctas
     return result
 
 
-def _run_events(run: _Run, ids: _TileIds, costs: np.ndarray, n_ctas: int, num_work: int,
-                step_limit: int) -> None:
+def _run_events(run: _Run, ids: _TileIds, costs: np.ndarray, step_costs: np.ndarray,
+                n_ctas: int, num_work: int, step_limit: int) -> None:
     """The grid on the slots, event by event, in the JIT-compiled loop (`_emit_event_loop`)."""
     n = run.ctas
     arrays = {"time": np.zeros(n), "ticket": np.zeros(n, np.int64),
@@ -634,7 +664,8 @@ def _run_events(run: _Run, ids: _TileIds, costs: np.ndarray, n_ctas: int, num_wo
               "lens": np.asarray(ids.batch.seqlens, np.int64), "cost": costs,
               # A correct run records each tile once: one row more proves a repeat.
               "log": np.zeros((ids.total + 1, len(LOG_COLUMNS))),
-              "busy": np.zeros(n), "out": np.zeros(len(_OUT), np.int64)}
+              "busy": np.zeros(n), "out": np.zeros(len(_OUT), np.int64),
+              "step_costs": np.asarray(step_costs, np.float64)}
     a = ctypes.addressof
     memory = {"states": a(run.states), "slot_words": a(run.slot_words), "seqs": a(run.seqs),
               "info": a(run.info), "valid": a(run.valid)}
@@ -709,7 +740,7 @@ def plot_timeline(result: SimulationResult, path: str) -> None:
         ax.barh(slot, end - start, left=start, height=0.8,
                 color=plt.cm.tab20((head * 7 + seq) % 20), edgecolor="black", linewidth=0.2)
     ax.axvline(result.lower_bound, color="red", linestyle="--", label="lower bound")
-    ax.set_xlabel("time (KV-tile iterations)")
+    ax.set_xlabel(f"time ({result.unit})")
     ax.set_ylabel("CTA slot")
     efficiency = "n/a" if result.efficiency is None else f"{result.efficiency:.1%}"
     ax.set_title(f"{result.scheduler}: makespan {result.makespan:g}, efficiency {efficiency}")

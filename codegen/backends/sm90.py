@@ -567,14 +567,14 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
         with producer:
             hopper.setmaxnreg(b, PRODUCER_REGISTERS, increase=False)
             args = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
-                              divergent_roles=True)
+                              divergent_roles=True, trace_thread=None)  # consumers record
             before = set(module.globals)
             work_loop(b, args, lambda bb, seq: kernel.producer_tile(bb, args, kv_count, seq))
             _rename_new_functions(module, before, ".producer")
         with consumer:
             hopper.setmaxnreg(b, CONSUMER_REGISTERS, increase=True)
             cargs = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
-                               divergent_roles=True)
+                               divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS)
             work_loop(b, cargs, lambda bb, seq: kernel.consumer_tile(bb, cargs, kv_count,
                                                                       tile_count, seq))
     b.ret_void()

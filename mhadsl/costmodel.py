@@ -1,0 +1,244 @@
+"""The simulator's calibrated cost model: what a work item of one kernel costs on one GPU.
+
+A work item (one query tile of one head) costs
+
+    per_item + full_tile * (full KV tiles) + partial_tile * (partial KV tiles)
+
+where the KV tiles are classified exactly as the kernel classifies them (`mhadsl.classify`
+over the DECLARED mask, with the sequence's tail tile partial): empty tiles are skipped by
+the kernel and cost nothing. Between items a CTA pays `advance` for each scheduler step,
+plus `queue_op` for each atomic on the work queue that step made; a CTA that starts on a
+multiprocessor after another ended pays `cta_start`. All constants are nanoseconds.
+
+`mhadsl trace --calibrate` measures them for a kernel on a GPU (`fit`) and stores them under
+the compile cache's folder (`store`), keyed by the kernel's declaration, backend, arch and
+the GPU's name; the simulator (`mhadsl simulate --kernel`, `mhadsl trace`) loads them
+(`load`), and falls back to `DEFAULT_COSTS` (measured on an H200, sm80 design, causal D128).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mhadsl import ast
+from mhadsl.check import CheckedProgram
+from mhadsl.classify import _python_classifier
+from mhadsl.runtime import cache
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The constants, in nanoseconds."""
+
+    full_tile: float
+    partial_tile: float
+    per_item: float
+    advance: float = 0.0
+    queue_op: float = 0.0
+    cta_start: float = 0.0
+
+
+# Measured with `mhadsl trace --calibrate` on an H200 (sm80 design, causal bf16 D128, two
+# CTAs per multiprocessor): the figures a machine without a calibration simulates with.
+DEFAULT_COSTS = Costs(full_tile=3400.0, partial_tile=4400.0, per_item=5000.0, advance=200.0,
+                      queue_op=500.0, cta_start=1000.0)
+PARTIAL_RATIO = DEFAULT_COSTS.partial_tile / DEFAULT_COSTS.full_tile  # when a fit cannot tell
+
+
+@dataclass
+class KernelCostModel:
+    """Costs of one kernel: its constants and the declared mask that classifies its tiles.
+
+    `block_m`/`block_n` are the kernel's tile (BM, BN); `source` says where the constants
+    came from (a calibration file, or "defaults")."""
+
+    costs: Costs
+    program: CheckedProgram | None
+    mask: ast.Rule | None
+    block_m: int
+    block_n: int
+    source: str = "defaults"
+
+    def classes(self, seqlens: list[int], offset: np.ndarray, head: np.ndarray,
+                b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(full, partial) KV tiles of each tile (offset, head, b), as the kernel counts
+        them (query and key lengths equal: self-attention)."""
+        return tile_classes(self.program, self.mask, seqlens, offset, head, b, self.block_m,
+                            self.block_n)
+
+    def item_costs(self, seqlens: list[int], offset: np.ndarray, head: np.ndarray,
+                   b: np.ndarray) -> np.ndarray:
+        full, partial = self.classes(seqlens, offset, head, b)
+        c = self.costs
+        return c.per_item + c.full_tile * full + c.partial_tile * partial
+
+
+def _names_used(rule: ast.Rule) -> set[str]:
+    names, todo = set(), list(rule.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        todo.extend(ast.children(node))
+    return names
+
+
+def tile_classes(program: CheckedProgram | None, mask: ast.Rule | None, seqlens: list[int],
+                 offset: np.ndarray, head: np.ndarray, b: np.ndarray, block_m: int,
+                 block_n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Full and partial KV-tile counts of each query tile, from the kernel's own static
+    classification of the declared mask: a KV tile is skipped when the mask may keep no
+    pair of it, full when it keeps every pair and lies inside the sequence, else partial.
+    Memoised per distinct (length, query tile), and per batch and head only when the mask
+    reads them."""
+    lens = np.asarray(seqlens, np.int64)[np.asarray(b, np.int64)] if len(b) else \
+        np.zeros(0, np.int64)
+    offset = np.asarray(offset, np.int64)
+    full, partial = np.zeros(len(offset)), np.zeros(len(offset))
+    if mask is None:  # every KV tile is kept: full ones, and the tail tile partial
+        full[:] = lens // block_n
+        partial[:] = (lens % block_n) > 0
+        return full, partial
+    classify = _python_classifier(mask, program)
+    params = [p.name for p in mask.params]
+    used = _names_used(mask)
+    reads_b, reads_h = params[0] in used, params[1] in used
+    memo: dict[tuple, tuple[int, int]] = {}
+    for k, (n, q_lo, bb, hh) in enumerate(zip(lens.tolist(), offset.tolist(),
+                                              np.asarray(b).tolist(),
+                                              np.asarray(head).tolist())):
+        key = (n, q_lo, bb if reads_b else None, hh if reads_h else None)
+        counts = memo.get(key)
+        if counts is None:
+            counts = memo[key] = _classify_row(classify, key[2], key[3], n, q_lo, block_m,
+                                               block_n)
+        full[k], partial[k] = counts
+    return full, partial
+
+
+def _classify_row(classify, b: int | None, h: int | None, n: int, q_lo: int, block_m: int,
+                  block_n: int) -> tuple[int, int]:
+    q_hi = min(q_lo + block_m, n) - 1
+    if q_hi < q_lo:
+        return 0, 0
+    lo32, hi32 = -2**31, 2**31 - 1
+    b_lo, b_hi = (lo32, hi32) if b is None else (b, b)
+    h_lo, h_hi = (lo32, hi32) if h is None else (h, h)
+    full = partial = 0
+    for kv_lo in range(0, n, block_n):
+        kv_end = kv_lo + block_n
+        may, must = classify(b_lo, b_hi, h_lo, h_hi, q_lo, q_hi, kv_lo, min(kv_end, n) - 1,
+                             n, n)
+        if may:
+            if must and kv_end <= n:
+                full += 1
+            else:
+                partial += 1
+    return full, partial
+
+
+# ------------------------------------------------------------------ calibration
+def fit(full: np.ndarray, partial: np.ndarray, duration: np.ndarray,
+        step_gaps: np.ndarray | None = None, queue_gaps: np.ndarray | None = None,
+        cta_gaps: np.ndarray | None = None) -> Costs:
+    """Constants from measured work items: least squares of duration over (full, partial,
+    1), non-negative; when the partial counts cannot be told from the constant (a causal
+    mask gives every query tile the same diagonal), a partial tile is taken to cost
+    PARTIAL_RATIO full ones. `step_gaps` are the gaps between a CTA's items under a
+    scheduler without a queue, `queue_gaps` under one that takes one index from the queue
+    per step, `cta_gaps` between CTAs on one multiprocessor (medians: robust to stalls)."""
+    full, partial, duration = (np.asarray(x, np.float64) for x in (full, partial, duration))
+    if len(duration) == 0:
+        raise ValueError("calibration needs at least one traced work item")
+    design = np.stack([full, partial, np.ones_like(full)], axis=1)
+    if _explained(partial, design[:, [0, 2]]):
+        merged = np.stack([full + PARTIAL_RATIO * partial, np.ones_like(full)], axis=1)
+        f, c = _nonneg_lstsq(merged, duration)
+        p = PARTIAL_RATIO * f
+    else:
+        f, p, c = _nonneg_lstsq(design, duration)
+    advance = _median(step_gaps, DEFAULT_COSTS.advance)
+    queue = max(_median(queue_gaps, advance + DEFAULT_COSTS.queue_op) - advance, 0.0)
+    return Costs(float(f), float(p), float(c), advance, queue,
+                 _median(cta_gaps, DEFAULT_COSTS.cta_start))
+
+
+def _explained(column: np.ndarray, others: np.ndarray) -> bool:
+    """Whether `column` is (within a tenth of a tile, RMS) a linear mix of `others`."""
+    x, *_ = np.linalg.lstsq(others, column, rcond=None)
+    return float(np.sqrt(np.mean((others @ x - column) ** 2))) < 0.1
+
+
+def _median(values, default: float) -> float:
+    values = np.asarray([] if values is None else values, np.float64)
+    return float(np.median(values)) if len(values) else float(default)
+
+
+def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin |a x - y| over x >= 0, by trying every set of free columns (a has <= 3)."""
+    best, best_err = np.zeros(a.shape[1]), float(np.sum(y * y))
+    n = a.shape[1]
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        x, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+        if np.all(x >= 0):
+            full_x = np.zeros(n)
+            full_x[cols] = x
+            err = float(np.sum((a @ full_x - y) ** 2))
+            if err < best_err:
+                best, best_err = full_x, err
+    return best
+
+
+# ------------------------------------------------------------------ storage
+def calibration_dir() -> Path:
+    return cache.cache_dir() / "costs"
+
+
+def kernel_key(program: CheckedProgram, kernel: str, backend: str, arch: str) -> str:
+    """What the constants depend on besides the GPU: the kernel's declaration (every loaded
+    file's text), its design and arch. Not the scheduler (an item costs the same under any)
+    nor the compiler's own hash (an unrelated edit keeps a calibration)."""
+    return cache.cache_key(what="cost calibration", sources=[s.text for s in program.sources],
+                           kernel=kernel, backend=backend, arch=arch)
+
+
+def _slug(gpu: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-") or "gpu"
+
+
+def store(costs: Costs, key: str, gpu: str, meta: dict | None = None) -> Path:
+    """Write the constants for (kernel `key`, `gpu`); returns the file."""
+    folder = calibration_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{key}--{_slug(gpu)}.json"
+    temp = path.with_suffix(".tmp")
+    temp.write_text(json.dumps({"gpu": gpu, "costs": dataclasses.asdict(costs),
+                                **(meta or {})}, indent=1))
+    os.replace(temp, path)
+    return path
+
+
+def load(key: str, gpu: str | None = None) -> tuple[Costs, str]:
+    """The constants for kernel `key` on `gpu` (None: the newest calibration of the kernel
+    on any GPU) and where they came from; DEFAULT_COSTS and "defaults" when none is stored
+    or it cannot be read."""
+    folder = calibration_dir()
+    pattern = f"{key}--{_slug(gpu)}.json" if gpu else f"{key}--*.json"
+    try:
+        files = sorted(folder.glob(pattern), key=lambda f: f.stat().st_mtime, reverse=True)
+    except OSError:
+        files = []
+    for file in files:
+        try:
+            data = json.loads(file.read_text())
+            return Costs(**{k: float(v) for k, v in data["costs"].items()}), str(file)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return DEFAULT_COSTS, "defaults"

@@ -1,0 +1,402 @@
+"""`mhadsl trace`: run a kernel with per-work-item recording and compare it with the simulator.
+
+The traced build (`KernelRequest(trace=True)`) has one thread per CTA write, for every work
+item it runs, the tile, the CTA, the multiprocessor and the %globaltimer before and after
+the tile body (`runtime.trace_records`), into a workspace of its own; nothing else in the
+kernel changes, and the time it costs is measured (traced against untraced kernel time).
+The simulator runs the same scheduler on the same batch with the kernel's cost model
+(`mhadsl.costmodel`: the declared mask's tile classes and calibrated constants), and the
+two timelines are drawn one above the other, per multiprocessor, with the makespan
+efficiency of each.
+
+Needs a GPU and PyTorch (inputs and timing); the comparison, the fit and the drawing work
+on recorded data anywhere (`Timeline`, `costmodel.fit`, `plot`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mhadsl import costmodel
+from mhadsl.api import Kernel, Program
+from mhadsl.codegen.scheduler import SchedulerSpec
+from mhadsl.runtime import trace_records
+from mhadsl.simulate import Batch, SimulationResult, simulate
+
+# The calibration runs: one batch per layout, one scheduler per constant it measures.
+CALIBRATION_BATCHES = ((4, 4096, None), (0, 0, (8192, 4096, 2048, 1024, 512, 256, 128, 64) * 2))
+CALIBRATION_SCHEDULERS = (("Persistent", ()), ("LPT", ()), ("Transient", ()))
+
+
+@dataclass
+class Timeline:
+    """Work items on lanes (a multiprocessor's CTA slots, or the simulator's slots): columns
+    `lane`, `start`, `end` (ns from the first start) and the tile (`prompt_offset`, `head`,
+    `batch`); `slots` is how many CTAs run at once."""
+
+    columns: dict[str, np.ndarray]
+    slots: int
+
+    @property
+    def makespan(self) -> float:
+        c = self.columns
+        return float(c["end"].max() - c["start"].min()) if len(c["start"]) else 0.0
+
+    @property
+    def busy(self) -> float:
+        c = self.columns
+        return float((c["end"] - c["start"]).sum())
+
+    @property
+    def lower_bound(self) -> float:
+        """max(total work / slots, the longest item): no schedule finishes sooner."""
+        c = self.columns
+        longest = float((c["end"] - c["start"]).max()) if len(c["start"]) else 0.0
+        return max(self.busy / self.slots, longest)
+
+    @property
+    def efficiency(self) -> float:
+        return self.lower_bound / self.makespan if self.makespan else 1.0
+
+    @classmethod
+    def from_records(cls, records: dict[str, np.ndarray], num_sms: int, ctas_per_sm: int
+                     ) -> Timeline:
+        """Measured items onto lanes sm * ctas_per_sm + k: on each multiprocessor, an item
+        takes the lane that has been free longest (CTAs resident together get their own)."""
+        order = np.lexsort((records["start"], records["sm"]))
+        lane = np.zeros(len(order), np.int64)
+        free: dict[int, list[int]] = {}
+        for i in order.tolist():
+            sm = int(records["sm"][i])
+            ends = free.setdefault(sm, [])
+            start = int(records["start"][i])
+            idle = [k for k, e in enumerate(ends) if e <= start]
+            k = min(idle, key=lambda k: ends[k]) if idle else (
+                len(ends) if len(ends) < ctas_per_sm else int(np.argmin(ends)))
+            if k == len(ends):
+                ends.append(0)
+            ends[k] = int(records["end"][i])
+            lane[i] = sm * ctas_per_sm + k
+        t0 = records["start"].min() if len(records["start"]) else 0
+        columns = {"lane": lane, "start": (records["start"] - t0).astype(np.float64),
+                   "end": (records["end"] - t0).astype(np.float64),
+                   **{k: records[k] for k in ("prompt_offset", "head", "batch", "cta")}}
+        return cls(columns, max(num_sms * ctas_per_sm, 1))
+
+    @classmethod
+    def from_simulation(cls, result: SimulationResult) -> Timeline:
+        t = result.trace
+        keep = t["valid"]
+        start = t["start"][keep]
+        columns = {"lane": t["slot"][keep], "start": start, "end": start + t["duration"][keep],
+                   "prompt_offset": t["offset"][keep], "head": t["head"][keep],
+                   "batch": t["b"][keep], "cta": t["cta"][keep]}
+        return cls(columns, result.ctas)
+
+    def gaps(self) -> np.ndarray:
+        """Idle time between consecutive items of one CTA (its scheduler steps)."""
+        c = self.columns
+        order = np.lexsort((c["start"], c["cta"]))
+        same = c["cta"][order][1:] == c["cta"][order][:-1]
+        return (c["start"][order][1:] - c["end"][order][:-1])[same]
+
+    def lane_gaps(self) -> np.ndarray:
+        """Idle time between consecutive items of one lane run by different CTAs."""
+        c = self.columns
+        order = np.lexsort((c["start"], c["lane"]))
+        lane, cta = c["lane"][order], c["cta"][order]
+        turn = (lane[1:] == lane[:-1]) & (cta[1:] != cta[:-1])
+        return (c["start"][order][1:] - c["end"][order][:-1])[turn]
+
+
+def coverage(records: dict[str, np.ndarray], batch: Batch) -> tuple[list, list, list]:
+    """(missing, repeated, invalid) tiles of a trace against the batch's valid tiles."""
+    seen: dict[tuple, int] = {}
+    for tile in zip(records["prompt_offset"].tolist(), records["head"].tolist(),
+                    records["batch"].tolist()):
+        seen[tile] = seen.get(tile, 0) + 1
+    valid = batch.valid_tiles()
+    return (sorted(valid - seen.keys()), sorted(t for t, n in seen.items() if n > 1),
+            sorted(seen.keys() - valid))
+
+
+# ------------------------------------------------------------------ the GPU side
+@dataclass
+class Workload:
+    """One launch's shape: dense (`batch` x `seqlen`) or ragged (`seqlens`), `heads`."""
+
+    heads: int
+    batch: int = 0
+    seqlen: int = 0
+    seqlens: tuple[int, ...] | None = None
+
+    @property
+    def lengths(self) -> list[int]:
+        return list(self.seqlens) if self.seqlens is not None else [self.seqlen] * self.batch
+
+    def describe(self) -> str:
+        if self.seqlens is None:
+            return f"dense B{self.batch} S{self.seqlen} H{self.heads}"
+        return f"ragged {len(self.seqlens)} seqs, {sum(self.seqlens)} tokens, H{self.heads}"
+
+
+@dataclass
+class TraceRun:
+    """One traced launch and what was measured around it."""
+
+    kernel: str
+    scheduler: str
+    scheduler_args: tuple
+    workload: Workload
+    gpu: str
+    backend: str
+    arch: str
+    block_m: int
+    block_n: int
+    num_sms: int
+    ctas_per_sm: int
+    grid: tuple[int, int, int]
+    records: dict[str, np.ndarray]
+    written: int  # records the kernel tried to write (== len(records) unless it overflowed)
+    ms_untraced: float
+    ms_traced: float
+    flops: float
+    missing: list = field(default_factory=list)
+    repeated: list = field(default_factory=list)
+    invalid: list = field(default_factory=list)
+
+    @property
+    def overhead(self) -> float:
+        """Traced kernel time over untraced, minus 1."""
+        return self.ms_traced / self.ms_untraced - 1.0
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / (self.ms_untraced * 1e-3) / 1e12
+
+    @property
+    def batch(self) -> Batch:
+        return Batch(self.workload.lengths, self.workload.heads, self.block_m,
+                     ragged=self.workload.seqlens is not None)
+
+    def timeline(self) -> Timeline:
+        return Timeline.from_records(self.records, self.num_sms, self.ctas_per_sm)
+
+
+def scheduler_kernel(program: Program, kernel: str, scheduler: str | None = None,
+                     args: tuple = (), backend: str | None = None, trace: bool = False
+                     ) -> Kernel:
+    """A fresh `Kernel` of declaration `kernel`, run by `scheduler` (None: its own)."""
+    options = program[kernel].options
+    if scheduler is not None:
+        options = dataclasses.replace(options, scheduler=scheduler, scheduler_args=tuple(args))
+    k = Kernel(program, options)
+    k.backend, k.trace = backend, trace
+    return k
+
+
+def run_trace(program: Program, kernel: str, workload: Workload, *, scheduler: str | None = None,
+              args: tuple = (), backend: str | None = None, reps: int = 20) -> TraceRun:
+    """Trace one launch of `kernel` on random inputs of `workload` (needs a GPU and torch):
+    the untraced and traced kernel times (medians of `reps`), then the records of one more
+    traced launch, checked for coverage."""
+    import torch
+
+    from mhadsl.bench import Problem, allowed_pairs, make_inputs, time_ms
+    from mhadsl.runtime import driver, faults
+
+    plain = scheduler_kernel(program, kernel, scheduler, args, backend)
+    traced = scheduler_kernel(program, kernel, scheduler, args, backend, trace=True)
+    w = workload
+    problem = Problem(w.batch, w.seqlen, w.seqlen, w.heads, w.heads, plain.options.head_dim,
+                      w.seqlens)
+    inputs = make_inputs(torch, plain, problem)
+    info = driver.device_info()
+    tiles_bound = sum(-(-n // 16) for n in w.lengths) * w.heads  # any tile height >= 16
+    capacity = 2 * tiles_bound + 1024  # room to see a scheduler that repeats tiles
+    buffer = driver.DeviceBuffer(4 * trace_records.workspace_words(capacity))
+    traced.trace_workspace = buffer.ptr
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def traced_launch():
+        driver.memset_d32_async(buffer.ptr, 0, trace_records.HEADER_WORDS, stream)
+        driver.memset_d32_async(buffer.ptr + 4 * trace_records.CAPACITY_WORD, capacity, 1,
+                                stream)
+        traced(**inputs)
+
+    ms_untraced = time_ms(torch, lambda: plain(**inputs), reps=reps)
+    ms_traced = time_ms(torch, traced_launch, reps=reps)
+    traced_launch()
+    torch.cuda.synchronize()
+    words = np.zeros(trace_records.workspace_words(capacity), np.uint32)
+    buffer.copy_to_numpy(words)
+    code, sid, cta = (int(x) for x in words[1:1 + faults.RECORD_WORDS])
+    if code:
+        raise faults.SchedulerError(code, sid, cta)
+    records, written = trace_records.decode(words)
+    ((_, target, _), build), = traced._builds.items()
+    spec = traced.scheduler_spec(build.config)
+    ctas_per_sm = build.function.max_active_blocks(build.launch.threads,
+                                                   build.launch.shared_bytes)
+    grid = traced._grid(build.config, _GridCall(len(w.lengths), w.heads, max(w.lengths)),
+                        info.multiprocessor_count, ctas_per_sm)
+    run = TraceRun(kernel, spec.name, spec.args, workload, info.name, build.backend.name,
+                   target.arch, build.config.block_m, build.config.block_n,
+                   info.multiprocessor_count, ctas_per_sm, grid, records, written,
+                   ms_untraced, ms_traced,
+                   4.0 * allowed_pairs(plain, problem) * w.heads * plain.options.head_dim)
+    run.missing, run.repeated, run.invalid = coverage(records, run.batch)
+    return run
+
+
+@dataclass
+class _GridCall:
+    """What `Kernel._grid` reads of a call."""
+
+    batch: int
+    heads: int
+    max_seqlen_q: int
+
+
+# ------------------------------------------------------------------ prediction
+def cost_model(program: Program, kernel: str, *, block_m: int, block_n: int, backend: str,
+               arch: str, gpu: str | None) -> costmodel.KernelCostModel:
+    """The kernel's cost model: its declared mask, and the constants calibrated for it on
+    `gpu` (None: any GPU), else the defaults."""
+    options = program[kernel].options
+    key = costmodel.kernel_key(program.checked, kernel, backend, arch)
+    costs, source = costmodel.load(key, gpu)
+    return costmodel.KernelCostModel(costs, program.checked, options.mask, block_m, block_n,
+                                     source)
+
+
+def predict(program: Program, run: TraceRun, model: costmodel.KernelCostModel
+            ) -> SimulationResult:
+    """The simulator on the traced launch's batch, grid and multiprocessors."""
+    spec = SchedulerSpec(run.scheduler, tuple(run.scheduler_args), run.block_m)
+    return simulate(program.checked, spec, run.batch, ctas=run.num_sms * run.ctas_per_sm,
+                    num_sms=run.num_sms, ctas_per_sm=run.ctas_per_sm, cost=model)
+
+
+def calibrate(program: Program, kernel: str, *, backend: str | None = None, heads: int = 16,
+              reps: int = 5) -> tuple[costmodel.Costs, str, list[TraceRun]]:
+    """Measure the kernel's constants on this GPU from traced runs (`CALIBRATION_BATCHES`
+    under `CALIBRATION_SCHEDULERS`), store them where the simulator finds them; returns
+    them, the file and the runs."""
+    runs = [run_trace(program, kernel, Workload(heads, b, s, lens), scheduler=name, args=args,
+                      backend=backend, reps=reps)
+            for b, s, lens in CALIBRATION_BATCHES for name, args in CALIBRATION_SCHEDULERS]
+    costs = fit_runs(program, kernel, runs)
+    first = runs[0]
+    key = costmodel.kernel_key(program.checked, kernel, first.backend, first.arch)
+    path = costmodel.store(costs, key, first.gpu, {
+        "kernel": kernel, "backend": first.backend, "arch": first.arch,
+        "runs": [f"{r.scheduler} on {r.workload.describe()}" for r in runs]})
+    return costs, str(path), runs
+
+
+def fit_runs(program: Program, kernel: str, runs: list[TraceRun]) -> costmodel.Costs:
+    """`costmodel.fit` over traced runs: item durations against their tile classes; step
+    gaps of the schedulers without a queue (Persistent), with one (LPT, Queued); CTA
+    turnover of the one-tile-per-CTA scheduler (Transient)."""
+    options = program[kernel].options
+    full, partial, duration = [], [], []
+    step, queue, turnover = [], [], []
+    for r in runs:
+        f, p = costmodel.tile_classes(program.checked, options.mask, r.workload.lengths,
+                                      r.records["prompt_offset"], r.records["head"],
+                                      r.records["batch"], r.block_m, r.block_n)
+        full.append(f)
+        partial.append(p)
+        duration.append(r.records["duration"])
+        timeline = r.timeline()
+        if r.scheduler == "Transient":
+            turnover.append(timeline.lane_gaps())
+        elif r.scheduler in ("LPT", "Queued"):
+            queue.append(timeline.gaps())
+        else:
+            step.append(timeline.gaps())
+
+    def cat(parts):
+        return np.concatenate(parts) if parts else None
+    return costmodel.fit(cat(full), cat(partial), cat(duration), cat(step), cat(queue),
+                         cat(turnover))
+
+
+# ------------------------------------------------------------------ comparison
+@dataclass
+class Comparison:
+    measured: Timeline
+    predicted: Timeline
+    differences: list[str]
+
+
+def compare(run: TraceRun, result: SimulationResult, top: int = 3) -> Comparison:
+    """The two timelines and where they differ most: makespan, total work, the items whose
+    predicted duration is furthest from the measured one, and the idle tails."""
+    measured, predicted = run.timeline(), Timeline.from_simulation(result)
+    m, p = measured.columns, predicted.columns
+    notes = [f"makespan: measured {measured.makespan / 1e3:.1f} us, predicted "
+             f"{predicted.makespan / 1e3:.1f} us ({_rel(predicted.makespan, measured.makespan)})",
+             f"total work: measured {measured.busy / 1e3:.1f} us, predicted "
+             f"{predicted.busy / 1e3:.1f} us ({_rel(predicted.busy, measured.busy)})"]
+    pred_by_tile = {t: d for t, d in zip(zip(p["prompt_offset"].tolist(), p["head"].tolist(),
+                                             p["batch"].tolist()),
+                                         (p["end"] - p["start"]).tolist())}
+    errors = []
+    for t, d in zip(zip(m["prompt_offset"].tolist(), m["head"].tolist(), m["batch"].tolist()),
+                    (m["end"] - m["start"]).tolist()):
+        if t in pred_by_tile:
+            errors.append((abs(pred_by_tile[t] - d), t, d, pred_by_tile[t]))
+    for _, t, d, q in sorted(errors, reverse=True)[:top]:
+        notes.append(f"tile (offset {t[0]}, head {t[1]}, seq {t[2]}): measured {d / 1e3:.1f} us, "
+                     f"predicted {q / 1e3:.1f} us")
+    for name, tl in (("measured", measured), ("predicted", predicted)):
+        c = tl.columns
+        if len(c["lane"]):
+            finish = np.zeros(int(c["lane"].max()) + 1)
+            np.maximum.at(finish, c["lane"], c["end"])
+            tail = tl.makespan + c["start"].min() - finish
+            notes.append(f"{name} idle tail per lane: mean {tail.mean() / 1e3:.1f} us, "
+                         f"max {tail.max() / 1e3:.1f} us")
+    return Comparison(measured, predicted, notes)
+
+
+def _rel(a: float, b: float) -> str:
+    return f"{(a / b - 1) * 100:+.1f}%" if b else "n/a"
+
+
+def plot(run: TraceRun, comparison: Comparison, path: str, title: str | None = None) -> None:
+    """Measured (top) and predicted (bottom) per-lane timelines in one PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lanes = run.num_sms * run.ctas_per_sm
+    fig, axes = plt.subplots(2, 1, figsize=(13, max(5.0, lanes * 0.05)), sharex=True)
+    longest = max(run.batch.max_num_prompt_tiles, 1)
+    for ax, (name, tl) in zip(axes, (("measured", comparison.measured),
+                                     ("predicted", comparison.predicted))):
+        c = tl.columns
+        order = np.argsort(c["lane"], kind="stable")
+        lane, start, end = c["lane"][order], c["start"][order] / 1e3, c["end"][order] / 1e3
+        shade = plt.cm.viridis(c["prompt_offset"][order] / run.block_m / longest)
+        for k in np.unique(lane).tolist():
+            sel = lane == k
+            ax.broken_barh(list(zip(start[sel], end[sel] - start[sel])), (k - 0.4, 0.8),
+                           facecolors=shade[sel], edgecolor="black", linewidth=0.1)
+        ax.axvline(tl.lower_bound / 1e3 + c["start"].min() / 1e3, color="red", linestyle="--",
+                   label="lower bound")
+        ax.set_ylabel("SM x CTA slot" if name == "measured" else "simulated slot")
+        ax.set_title(f"{name}: makespan {tl.makespan / 1e3:.1f} us, efficiency "
+                     f"{tl.efficiency:.1%}")
+        ax.set_ylim(-1, lanes)
+        ax.legend(loc="upper right")
+    axes[1].set_xlabel("time (us); colour: query tile (dark = first)")
+    fig.suptitle(title or f"{run.kernel} under {run.scheduler} on {run.workload.describe()} "
+                 f"({run.gpu}, {run.backend})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,263 @@
+"""`mhadsl trace` and the calibrated cost model on the CPU: the recording exists only in a
+traced build (and costs no spills), the simulator costs tiles by the declared mask's
+classes and charges its step costs, the calibration fit recovers known constants, the
+timelines and their PNG come from records, and the CLI fails in one clean line."""
+import tempfile
+
+import numpy as np
+import pytest
+
+import mhadsl
+from helpers import REPO, STD, checked
+from mhadsl import costmodel, trace
+from mhadsl.build import KernelRequest, build_kernel
+from mhadsl.cli import main
+from mhadsl.codegen.assemble import find_ptxas
+from mhadsl.codegen.backends import Layout
+from mhadsl.codegen.scheduler import SchedulerSpec
+from mhadsl.reference import evaluate_rule
+from mhadsl.runtime import cache, trace_records
+from mhadsl.simulate import Batch, simulate
+
+needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
+COSTS = costmodel.Costs(full_tile=10.0, partial_tile=3.0, per_item=100.0)
+
+
+@pytest.mark.parametrize("arch, backend", [("sm_80", "sm80"), ("sm_90a", "sm90")])
+def test_recording_only_in_traced_builds_and_spill_free(arch, backend):
+    program = mhadsl.compile(REPO / "examples/causal.mha")
+    store = cache.CompileCache(tempfile.mkdtemp())
+    builds = {t: build_kernel(program.checked, KernelRequest("causal_fwd", arch, backend,
+                                                             Layout(), trace=t), store)
+              for t in (False, True)}
+    for marker in ("%globaltimer", "%smid", "trace_scratch"):
+        assert marker not in builds[False].ptx
+        assert marker in builds[True].ptx
+    # one start and one end per work item, in one role only (sm90: the consumers)
+    assert builds[True].ptx.count("%globaltimer") == 2
+    if find_ptxas() is not None:
+        assert [k.spills for k in builds[True].assembled.kernels.values()] == [0]
+
+
+def _brute_classes(program, mask, n, block_m, block_n):
+    """(full, partial) per query tile by evaluating the mask on every pair."""
+    keep = np.broadcast_to(evaluate_rule(mask, program, b=0, h=0,
+                                         q_idx=np.arange(n)[:, None],
+                                         kv_idx=np.arange(n)[None, :], seqlen_q=n,
+                                         seqlen_k=n), (n, n))
+    rows = []
+    for q in range(0, n, block_m):
+        full = partial = 0
+        for kv in range(0, n, block_n):
+            box = keep[q:q + block_m, kv:kv + block_n]
+            if box.all() and kv + block_n <= n:
+                full += 1
+            elif box.any() or (box.all() and kv + block_n > n):
+                partial += 1
+        rows.append((full, partial))
+    return rows
+
+
+@pytest.mark.parametrize("file, kernel", [("sliding_window.mha", "sliding_window_256"),
+                                          ("causal.mha", "causal_fwd")])
+def test_tile_classes_follow_the_declared_mask(file, kernel):
+    program = mhadsl.compile(REPO / "examples" / file)
+    mask = program[kernel].options.mask
+    n = 1000  # a tail KV tile too
+    batch = Batch([n], heads=1, tile=128, ragged=False)
+    offset = np.arange(0, n, 128)
+    full, partial = costmodel.tile_classes(program.checked, mask, [n], offset,
+                                           np.zeros_like(offset), np.zeros_like(offset), 128, 64)
+    assert list(zip(full.tolist(), partial.tolist())) == \
+        _brute_classes(program.checked, mask, n, 128, 64)
+    model = costmodel.KernelCostModel(COSTS, program.checked, mask, 128, 64)
+    result = simulate(program.checked, SchedulerSpec("LPT", (), 128), batch, ctas=4, cost=model)
+    assert result.covered_exactly_once and result.unit == "ns"
+    assert result.total_work == pytest.approx(float((100 + 10 * full + 3 * partial).sum()))
+
+
+def test_empty_tiles_cost_nothing():
+    """A sliding window's query tiles cost the same far down a long sequence (the tiles
+    outside the band are skipped); a causal mask's grow with the offset."""
+    def costs(file, kernel):
+        program = mhadsl.compile(REPO / "examples" / file)
+        model = costmodel.KernelCostModel(COSTS, program.checked,
+                                          program[kernel].options.mask, 128, 64)
+        offset = np.array([1024, 4096 - 128])
+        return model.item_costs([4096], offset, np.zeros(2, int), np.zeros(2, int)).tolist()
+    window = costs("sliding_window.mha", "sliding_window_256")
+    assert window[0] == window[1] == 100 + 10 * 2 + 3 * 4  # 2 full, 4 partial tiles
+    causal = costs("causal.mha", "causal_fwd")
+    assert causal[1] > causal[0]
+
+
+def test_no_mask_counts_full_tiles_and_the_tail():
+    full, partial = costmodel.tile_classes(None, None, [1000, 128], np.array([0, 0]),
+                                           np.zeros(2, int), np.array([0, 1]), 128, 64)
+    assert full.tolist() == [15, 2] and partial.tolist() == [1, 0]
+
+
+PROGRAM = checked(STD)
+
+
+# Ragged [512, 256], 2 heads, 128-row tiles, no mask: 12 valid tiles (the standard
+# schedulers run over valid tiles only), 8 of 100 + 8 x 10 ns of work and 4 of 100 + 4 x 10.
+# On one slot:
+@pytest.mark.parametrize("scheduler, steps", [
+    ("Persistent", lambda c: 11 * c.advance),  # every advance but the last
+    ("Queued", lambda c: 11 * (c.advance + c.queue_op)),  # each took one index
+    # the grid's 16 CTAs (4 query tiles x 2 heads x 2 sequences, seq 1's last two empty):
+    # each after the first starts on the slot the last one left
+    ("Transient", lambda c: 15 * c.cta_start)])
+def test_simulator_charges_step_costs(scheduler, steps):
+    costs = costmodel.Costs(full_tile=10.0, partial_tile=3.0, per_item=100.0, advance=7.0,
+                            queue_op=20.0, cta_start=50.0)
+    model = costmodel.KernelCostModel(costs, None, None, 128, 64)
+    batch = Batch([512, 256], heads=2, tile=128, ragged=True)
+    result = simulate(PROGRAM, SchedulerSpec(scheduler, (), 128), batch, ctas=1, cost=model)
+    assert result.covered_exactly_once
+    assert result.total_work == 8 * 180 + 4 * 140
+    assert result.makespan == pytest.approx(result.total_work + steps(costs))
+
+
+def test_fit_recovers_known_constants():
+    rng = np.random.default_rng(0)
+    full = rng.integers(0, 64, 500)
+    partial = rng.integers(0, 4, 500)
+    truth = costmodel.Costs(full_tile=3000.0, partial_tile=4200.0, per_item=5000.0,
+                            advance=150.0, queue_op=600.0, cta_start=900.0)
+    duration = truth.per_item + truth.full_tile * full + truth.partial_tile * partial
+    noise = rng.normal(0, 20, 500)
+    fitted = costmodel.fit(full, partial, duration + noise,
+                           step_gaps=np.full(50, 150.0), queue_gaps=np.full(50, 750.0),
+                           cta_gaps=np.r_[np.full(50, 900.0), 1e6])
+    for name, value in vars(truth).items():
+        assert getattr(fitted, name) == pytest.approx(value, rel=0.02), name
+
+
+def test_fit_when_partial_tiles_cannot_be_told_apart():
+    """Under a causal mask every query tile has the same diagonal: the fit then prices a
+    partial tile at PARTIAL_RATIO full ones and still predicts the durations."""
+    full = np.arange(0, 64)
+    partial = np.full(64, 2)
+    duration = 5000.0 + 3000.0 * full + 4000.0 * partial
+    fitted = costmodel.fit(full, partial, duration)
+    assert fitted.partial_tile == pytest.approx(costmodel.PARTIAL_RATIO * fitted.full_tile)
+    predicted = fitted.per_item + fitted.full_tile * full + fitted.partial_tile * partial
+    assert np.allclose(predicted, duration, rtol=1e-6)
+
+
+def test_calibration_is_stored_where_the_simulator_finds_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    program = mhadsl.compile(REPO / "examples/causal.mha")
+    key = costmodel.kernel_key(program.checked, "causal_fwd", "sm80", "sm_90a")
+    assert costmodel.load(key) == (costmodel.DEFAULT_COSTS, "defaults")
+    path = costmodel.store(COSTS, key, "NVIDIA H200")
+    assert costmodel.load(key, "NVIDIA H200") == (COSTS, str(path))
+    assert costmodel.load(key) == (COSTS, str(path))  # any GPU's, without one
+    assert costmodel.load(key, "NVIDIA A100")[1] == "defaults"
+    rc = main(["simulate", str(REPO / "examples/causal.mha"), "--kernel", "causal_fwd",
+               "--scheduler", "LPT", "--seqlens", "300,100", "--heads", "2", "--ctas", "2"])
+    out = capsys.readouterr()
+    assert rc == 0 and str(path) in out.err and " ns, efficiency" in out.out
+
+
+def test_decode_records():
+    words = np.zeros(trace_records.workspace_words(4), np.uint32)
+    words[trace_records.COUNT_WORD] = 5  # one more than fit: an overflow
+    words[trace_records.CAPACITY_WORD] = 4
+    for k in range(4):
+        at = trace_records.HEADER_WORDS + k * trace_records.RECORD_WORDS
+        start = (7 << 32) + 1000 * k
+        words[at:at + trace_records.RECORD_WORDS] = [128 * k, 1, 2, 10 + k, 3, 500, start & 0xFFFFFFFF,
+                                                     start >> 32]
+    records, written = trace_records.decode(words)
+    assert written == 5 and len(records["start"]) == 4
+    assert records["prompt_offset"].tolist() == [0, 128, 256, 384]
+    assert (records["end"] - records["start"]).tolist() == [500] * 4
+    assert records["start"][1] == (7 << 32) + 1000
+
+
+def test_lanes_keep_resident_ctas_apart():
+    records = {"sm": np.array([0, 0, 0, 1]), "start": np.array([0, 5, 12, 0]),
+               "end": np.array([10, 20, 30, 4]), "cta": np.arange(4),
+               **{k: np.zeros(4, int) for k in ("prompt_offset", "head", "batch")}}
+    tl = trace.Timeline.from_records(records, num_sms=2, ctas_per_sm=2)
+    assert tl.columns["lane"].tolist() == [0, 1, 0, 2]
+    assert tl.makespan == 30 and tl.slots == 4
+    assert tl.lower_bound == pytest.approx(max((10 + 15 + 18 + 4) / 4, 18))
+
+
+def _synthetic_run(program, scheduler="LPT", costs=costmodel.DEFAULT_COSTS,
+                   workload=trace.Workload(heads=4, seqlens=(2048, 1024, 300, 64))):
+    """A TraceRun whose 'measured' records are the simulator's own timeline."""
+    model = costmodel.KernelCostModel(costs, program.checked,
+                                      program["causal_fwd"].options.mask, 128, 64)
+    run = trace.TraceRun("causal_fwd", scheduler, (), workload, "test GPU", "sm80", "sm_90a",
+                         128, 64, 4, 2, (8, 1, 1), {}, 0, 1.0, 1.01, 1e9)
+    result = trace.predict(program, run, model)
+    t = result.trace
+    keep = t["valid"]
+    run.records = {"prompt_offset": t["offset"][keep], "head": t["head"][keep],
+                   "batch": t["b"][keep], "cta": t["cta"][keep], "sm": t["slot"][keep] // 2,
+                   "start": t["start"][keep].astype(np.int64),
+                   "end": (t["start"][keep] + t["duration"][keep]).astype(np.int64)}
+    run.records["duration"] = run.records["end"] - run.records["start"]
+    run.written = len(run.records["start"])
+    return run, result, model
+
+
+def test_comparison_and_png_from_a_synthetic_trace(tmp_path):
+    pytest.importorskip("matplotlib")
+    program = mhadsl.compile(REPO / "examples/causal.mha")
+    run, result, _ = _synthetic_run(program)
+    assert trace.coverage(run.records, run.batch) == ([], [], [])
+    comparison = trace.compare(run, result)
+    # the same items measured as simulated: the same efficiency by both definitions
+    assert comparison.measured.efficiency == pytest.approx(result.efficiency, abs=1e-3)
+    assert comparison.predicted.efficiency == pytest.approx(result.efficiency, abs=1e-9)
+    assert any(note.startswith("makespan: measured") for note in comparison.differences)
+    out = tmp_path / "trace.png"
+    trace.plot(run, comparison, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_calibration_fit_from_synthetic_runs():
+    """fit_runs reads each scheduler's gaps: Persistent's steps, LPT's queue, Transient's
+    CTA turnover, from records made with known constants."""
+    program = mhadsl.compile(REPO / "examples/causal.mha")
+    truth = costmodel.Costs(full_tile=2000.0, partial_tile=2000 * costmodel.PARTIAL_RATIO,
+                            per_item=4000.0, advance=300.0, queue_op=700.0, cta_start=1100.0)
+    dense = trace.Workload(heads=4, batch=2, seqlen=1024)  # no skipped indices: one step a gap
+    runs = [_synthetic_run(program, scheduler, truth, dense)[0]
+            for scheduler in ("Persistent", "LPT", "Transient")]
+    fitted = trace.fit_runs(program, "causal_fwd", runs)
+    for name in ("full_tile", "per_item", "advance", "queue_op", "cta_start"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.02), name
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kernel", "causal_fwd"], "give --seqlen S"),
+    (["--kernel", "nope", "--seqlen", "64"], "no attention kernel 'nope'"),
+    (["--kernel", "causal_fwd", "--seqlen", "64", "--scheduler", "Nope"], "no scheduler 'Nope'"),
+    (["--kernel", "causal_fwd", "--seqlen", "64", "--param", "order=PROMPT_ROTATE"],
+     "--param binds a parameter of --scheduler"),
+    (["--kernel", "causal_fwd", "--seqlen", "64", "--out", "/nonexistent/x.png"],
+     "folder /nonexistent does not exist"),
+])
+def test_trace_usage_errors_are_one_line(argv, message, capsys):
+    rc = main(["trace", str(REPO / "examples/causal.mha"), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_trace_without_gpu_is_one_line(capsys):
+    from mhadsl.runtime.driver import gpu_available
+    if gpu_available():
+        pytest.skip("a GPU is present")
+    rc = main(["trace", str(REPO / "examples/causal.mha"), "--kernel", "causal_fwd",
+               "--seqlen", "256"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: `mhadsl trace` runs the kernel") \
+        and err.count("\n") == 1
