@@ -54,6 +54,7 @@ def lane_id(builder: ir.IRBuilder) -> ir.Value:
 # ----------------------------------------------------------------- barriers
 CTA_BARRIER = 0  # bar.sync 0: every thread of the CTA
 PRODUCER_BARRIER = 1  # a named barrier among the producer's threads
+CONSUMER_TURN_BARRIERS = (2, 3)  # sm90: whose turn it is at the tensor cores (ping-pong)
 
 
 def barrier_all(builder: ir.IRBuilder, aligned: bool = True) -> None:
@@ -64,9 +65,22 @@ def barrier_all(builder: ir.IRBuilder, aligned: bool = True) -> None:
          [i32(CTA_BARRIER)])
 
 
-def barrier_named(builder: ir.IRBuilder, barrier_id: int, num_threads: int | ir.Value) -> None:
-    count = i32(num_threads) if isinstance(num_threads, int) else num_threads
-    call(builder, "llvm.nvvm.barrier.cta.sync.aligned.count", void, [i32(barrier_id), count])
+def _value(x: int | ir.Value) -> ir.Value:
+    return i32(x) if isinstance(x, int) else x
+
+
+def barrier_named(builder: ir.IRBuilder, barrier_id: int | ir.Value,
+                  num_threads: int | ir.Value) -> None:
+    """Wait at named barrier `barrier_id` until `num_threads` threads arrived (this one too)."""
+    call(builder, "llvm.nvvm.barrier.cta.sync.aligned.count", void,
+         [_value(barrier_id), _value(num_threads)])
+
+
+def barrier_arrive_named(builder: ir.IRBuilder, barrier_id: int | ir.Value,
+                         num_threads: int | ir.Value) -> None:
+    """Count this thread at named barrier `barrier_id` without waiting (`bar.arrive`)."""
+    call(builder, "llvm.nvvm.barrier.cta.arrive.aligned.count", void,
+         [_value(barrier_id), _value(num_threads)])
 
 
 def barrier_any(builder: ir.IRBuilder, pred: ir.Value, aligned: bool = True) -> ir.Value:

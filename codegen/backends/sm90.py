@@ -7,9 +7,13 @@ ring of `stages` stages. Warpgroups 1 and 2 are the consumers (`setmaxnreg.inc`)
 64 of the tile's BM = 128 query rows and, per KV tile, computes S = Q K^T by wgmma (both
 operands in shared memory), the online softmax in registers (ex2, log2 domain), and
 O += P V by wgmma with P straight from S's accumulators (the register A operand) and V as an
-MN-major B operand. Completion runs on mbarriers: `q_full`, and per stage `k_full` and
-`v_full` (the producer's expect_tx, the copies' bytes) and `kv_empty` (one arrival per
-consumer thread once its wgmma read the stage).
+MN-major B operand. As in FlashAttention-3, S of KV tile n is issued together with P V of
+tile n-1 and tile n's softmax runs under that P V (intra-warpgroup overlap), and the two
+consumer warpgroups take turns issuing their GEMMs (ping-pong, on two named barriers), so
+one's softmax also runs under the other's GEMMs. Completion runs on mbarriers: `q_full`,
+and per stage `full` and `empty` for K and for V apart (full: the producer's expect_tx, the
+copies' bytes; empty: one arrival per consumer thread once its wgmma read the buffer), so
+K of tile n+2 loads as soon as S of tile n is done, with two stages.
 
 Both roles run the scheduler's work loop, each in its own branch of the role if/else (so
 `setmaxnreg` takes effect): the loops take the same steps with the same CTA-wide barriers,
@@ -27,10 +31,10 @@ load as zeros; rows past a ragged sequence's end belong to the next sequence and
 inside the sequence; LSE likewise.
 
 Not yet: head dim 256 (reported by `problems`, so a 9.0 device runs such a declaration with
-sm80), ping-pong between the consumer warpgroups, the next tile's loads under the current
-tile's epilogue (the work loop's CTA-wide barrier separates work tiles), a TMA store of O.
-A software-pipelined KV loop (S(n) issued before P(n-1) V(n-1), FlashAttention-3's
-intra-warpgroup overlap) was measured slower here (benchmarks/HOPPER_NOTES.md).
+sm80), the next tile's loads under the current tile's epilogue (the work loop's CTA-wide
+barrier separates work tiles), a TMA store of O. Measured choices (HOPPER_NOTES.md): the
+overlap needs K and V released apart (with one `kv_empty` per stage it was slower than no
+overlap); BN = 176 (FlashAttention-3's non-causal tile) was slower here.
 """
 from __future__ import annotations
 
@@ -108,7 +112,7 @@ def shared_bytes(config: HopperConfig) -> int:
 
 
 def _barrier_bytes(config: HopperConfig) -> int:
-    return (1 + 3 * config.stages) * hopper.MBARRIER_BYTES
+    return (1 + 4 * config.stages) * hopper.MBARRIER_BYTES
 
 
 KERNEL_PARAMS: tuple[KernelParam, ...] = SM80_PARAMS + (
@@ -207,18 +211,15 @@ class _Layout:
         index = i32(index) if isinstance(index, int) else index
         return self.at(b, b.add(i32(start), b.mul(index, i32(hopper.MBARRIER_BYTES))))
 
-    # barrier 0: q_full; then per stage k_full, v_full, kv_empty
+    # barrier 0: q_full; then per stage k_full, v_full, k_empty, v_empty
     def q_full(self, b):
         return self.barrier(b, 0)
 
-    def k_full(self, b, stage):
-        return self.barrier(b, b.add(i32(1), stage))
+    def full(self, b, which: str, stage):
+        return self.barrier(b, b.add(i32(1 + "kv".index(which) * self.c.stages), stage))
 
-    def v_full(self, b, stage):
-        return self.barrier(b, b.add(i32(1 + self.c.stages), stage))
-
-    def kv_empty(self, b, stage):
-        return self.barrier(b, b.add(i32(1 + 2 * self.c.stages), stage))
+    def empty(self, b, which: str, stage):
+        return self.barrier(b, b.add(i32(1 + (2 + "kv".index(which)) * self.c.stages), stage))
 
 
 # ============================================================================ per work tile
@@ -273,11 +274,12 @@ class _Tile:
         b.position_at_end(done)
         return n
 
-    def kv_loop(self, b, carried: list[ir.Value], step: Callable) -> list[ir.Value]:
-        """for n over the non-empty KV tiles: carried = step(b, n, carried); returns the
-        final values of `carried` (loop-carried phis)."""
+    def kv_loop(self, b, carried: list[ir.Value], step: Callable,
+                start: ir.Value = i32(0)) -> list[ir.Value]:
+        """for n over the non-empty KV tiles from `start`: carried = step(b, n, carried);
+        returns the final values of `carried` (loop-carried phis)."""
         fn = b.function
-        first = self.next_nonempty(b, i32(0))
+        first = self.next_nonempty(b, start)
         pre = b.block
         hdr, body, exit_ = (fn.append_basic_block(f"kv.{s}") for s in ("hdr", "body", "exit"))
         b.branch(hdr)
@@ -300,6 +302,173 @@ class _Tile:
         b.branch(hdr)
         b.position_at_end(exit_)
         return phis
+
+
+class _ConsumerTile:
+    """One consumer warpgroup's KV loop over a work tile: S = Q K^T, the online softmax,
+    O += P V. The two consumer warpgroups take turns at the tensor cores (ping-pong: named
+    barriers `nvptx.CONSUMER_TURN_BARRIERS`), so one's softmax runs under the other's GEMMs."""
+
+    def __init__(self, kernel: "_Kernel", b, args, t: _Tile, group, row0, col0, sl2, kv_count):
+        self.k, self.c, self.mem, self.b = kernel, kernel.c, kernel.mem, b
+        self.args, self.t, self.group, self.row0, self.col0 = args, t, group, row0, col0
+        self.sl2, self.kv_count = sl2, kv_count
+
+    # -------------------------------------------------------------- building blocks
+    def stage(self, bb):
+        """(stage, phase, bump) of the next KV tile in the ring."""
+        count, bump = _counted(bb, self.kv_count)
+        stage = bb.urem(count, i32(self.c.stages))
+        return stage, bb.and_(bb.udiv(count, i32(self.c.stages)), i32(1)), bump
+
+    def take_turn(self, bb):
+        first = nvptx.CONSUMER_TURN_BARRIERS[0]
+        nvptx.barrier_named(bb, bb.add(i32(first), self.group), CONSUMER_THREADS)
+
+    def pass_turn(self, bb):
+        last = nvptx.CONSUMER_TURN_BARRIERS[1]
+        nvptx.barrier_arrive_named(bb, bb.sub(i32(last), self.group), CONSUMER_THREADS)
+
+    def issue_s(self, bb, stage):
+        """S = Q K^T of `stage`, committed (not waited for)."""
+        c, mem = self.c, self.mem
+        s = None
+        for k in range(c.head_dim // 16):
+            box, offset = divmod(32 * k, hopper.SWIZZLE_BYTES)
+            q_tile = mem.q_box(bb, box, bb.shl(self.group, i32(6)))
+            a_desc = hopper.smem_descriptor(bb, warp.smem_ptr(bb, q_tile, i32(offset)))
+            b_desc = hopper.smem_descriptor(bb, mem.kv_tile(
+                bb, "k", stage, box * c.block_n * hopper.SWIZZLE_BYTES + offset))
+            s = hopper.wgmma(bb, c.dtype, c.block_n, a_desc, b_desc, s)
+        hopper.wgmma_commit_group(bb)
+        return s
+
+    def issue_pv(self, bb, frags, o, stage):
+        """O += P V of `stage` (P: the flat list of A fragments), committed (not waited
+        for)."""
+        c, mem = self.c, self.mem
+        frags = [frags[4 * k: 4 * k + 4] for k in range(c.block_n // 16)]
+        for k in range(c.block_n // 16):
+            v_desc = hopper.smem_descriptor(
+                bb, mem.kv_tile(bb, "v", stage, 16 * k * hopper.SWIZZLE_BYTES),
+                leading_bytes=c.block_n * hopper.SWIZZLE_BYTES)
+            o = hopper.wgmma(bb, c.dtype, c.head_dim, frags[k], v_desc, o, trans_b=True)
+        hopper.wgmma_commit_group(bb)
+        return o
+
+    def softmax(self, bb, n, s, m_old, l_old):
+        """The score hook and mask on S of KV tile n, then the online softmax (log2
+        domain) over this thread's two rows: (P as A fragments, m, l, alpha)."""
+        s = self.k._scores(bb, self.args, self.t, n, s, self.row0, self.col0)
+        sl2, zero, ninf = self.sl2, _fconst(0.0), _fconst(NEG_INF)
+        m_new, l_new, alpha, p = [None, None], [None, None], [None, None], list(s)
+        for r in range(2):
+            mine = [j for j in range(len(s)) if (j // 2) % 2 == r]
+            mx = s[mine[0]]
+            for j in mine[1:]:
+                mx = warp.fmax(bb, mx, s[j])
+            mx = warp.quad_allreduce(bb, mx, warp.fmax)
+            m_new[r] = warp.fmax(bb, m_old[r], mx)
+            m_scaled = bb.fmul(m_new[r], sl2)
+            m_scaled = bb.select(bb.fcmp_ordered("==", m_new[r], ninf), zero, m_scaled)
+            alpha[r] = warp.ex2(bb, bb.fsub(bb.fmul(m_old[r], sl2), m_scaled))
+            neg = bb.fneg(m_scaled)
+            total = None
+            for j in mine:
+                p[j] = warp.ex2(bb, warp.fma(bb, s[j], sl2, neg))
+                total = p[j] if total is None else bb.fadd(total, p[j])
+            l_new[r] = bb.fadd(bb.fmul(l_old[r], alpha[r]), total)
+        frags = [x for k in range(self.c.block_n // 16)
+                 for x in hopper.a_fragment(bb, self.c.dtype, p, k)]
+        return frags, m_new, l_new, alpha
+
+    @staticmethod
+    def rescale(bb, o, alpha):
+        return [bb.fmul(v, alpha[(j // 2) % 2]) for j, v in enumerate(o)]
+
+    def start_values(self, bb):
+        zero, ninf = _fconst(0.0), _fconst(NEG_INF)
+        return hopper.fence_operands(bb, [zero] * hopper.accumulator_count(self.c.head_dim)), \
+            [ninf, ninf], [zero, zero]
+
+    def split(self, values):
+        """(o, m, l, P fragments, the rest) from a flat list of loop-carried values."""
+        n_o = hopper.accumulator_count(self.c.head_dim)
+        o, m, l = values[:n_o], values[n_o:n_o + 2], values[n_o + 2:n_o + 4]
+        n_p = self.c.block_n // 4
+        return o, m, l, values[n_o + 4:n_o + 4 + n_p], values[n_o + 4 + n_p:]
+
+    # -------------------------------------------------------------- the loops
+    def loop(self):
+        """The KV tiles with FlashAttention-3's intra-warpgroup overlap: S of KV tile n is
+        issued with P V of tile n-1, and the softmax of n runs while that P V is in flight
+        (the last tile's P V follows the loop)."""
+        b, mem, t = self.b, self.mem, self.t
+        o0, m0, l0 = self.start_values(b)
+        first = t.next_nonempty(b, i32(0))
+        entry = b.block
+        head_bb, done_bb = (b.function.append_basic_block(f"kv.{x}") for x in ("first", "done"))
+        b.cbranch(b.icmp_signed("<", first, t.n_blocks), head_bb, done_bb)
+
+        b.position_at_end(head_bb)  # the first KV tile: S and softmax alone
+        stage, phase, bump = self.stage(b)
+        hopper.mbarrier_wait(b, mem.full(b, "k", stage), phase)
+        self.take_turn(b)
+        hopper.wgmma_fence(b)
+        s = self.issue_s(b, stage)
+        self.pass_turn(b)
+        hopper.wgmma_wait_group(b, 0)
+        s = hopper.fence_operands(b, s)
+        hopper.mbarrier_arrive(b, mem.empty(b, "k", stage))
+        frags, m, l, _ = self.softmax(b, first, s, m0, l0)
+        bump(b)
+
+        def step(bb, n, state):
+            o, m_old, l_old, frags, (p_stage, p_phase) = self.split(state)
+            stage, phase, bump = self.stage(bb)
+            hopper.mbarrier_wait(bb, mem.full(bb, "k", stage), phase)
+            # V of the previous tile came with its K, long ago; waiting for it here keeps
+            # both GEMMs in one block (a wait between them gets C7519)
+            hopper.mbarrier_wait(bb, mem.full(bb, "v", p_stage), p_phase)
+            self.take_turn(bb)
+            flat = hopper.fence_operands(bb, o + frags)
+            o, frags = flat[:len(o)], flat[len(o):]
+            hopper.wgmma_fence(bb)
+            s = self.issue_s(bb, stage)
+            o = self.issue_pv(bb, frags, o, p_stage)
+            self.pass_turn(bb)
+            hopper.wgmma_wait_group(bb, 1)
+            s = hopper.fence_operands(bb, s)
+            hopper.mbarrier_arrive(bb, mem.empty(bb, "k", stage))
+            frags, m_new, l_new, alpha = self.softmax(bb, n, s, m_old, l_old)
+            hopper.wgmma_wait_group(bb, 0)
+            o = hopper.fence_operands(bb, o)
+            hopper.mbarrier_arrive(bb, mem.empty(bb, "v", p_stage))
+            bump(bb)
+            return self.rescale(bb, o, alpha) + m_new + l_new + frags + [stage, phase]
+
+        after = t.kv_loop(b, o0 + m + l + frags + [stage, phase], step,
+                          start=b.add(first, i32(1)))
+        o, m, l, frags, (p_stage, p_phase) = self.split(after)
+        hopper.mbarrier_wait(b, mem.full(b, "v", p_stage), p_phase)  # the last tile's P V
+        flat = hopper.fence_operands(b, o + frags)
+        o, frags = flat[:len(o)], flat[len(o):]
+        hopper.wgmma_fence(b)
+        o = self.issue_pv(b, frags, o, p_stage)
+        hopper.wgmma_wait_group(b, 0)
+        o = hopper.fence_operands(b, o)
+        hopper.mbarrier_arrive(b, mem.empty(b, "v", p_stage))
+        last = b.block
+        b.branch(done_bb)
+
+        b.position_at_end(done_bb)
+        merged = []
+        for start, end in zip(o0 + m0 + l0, o + m + l):
+            phi = b.phi(start.type)
+            phi.add_incoming(start, entry)
+            phi.add_incoming(end, last)
+            merged.append(phi)
+        return merged[:len(o)], merged[len(o):len(o) + 2], merged[len(o) + 2:]
 
 
 class _Kernel:
@@ -326,10 +495,10 @@ class _Kernel:
                 count, bump = _counted(bb, kv_count)
                 stage = bb.urem(count, i32(c.stages))
                 phase = bb.and_(bb.udiv(count, i32(c.stages)), i32(1))
-                hopper.mbarrier_wait(bb, mem.kv_empty(bb, stage), bb.xor(phase, i32(1)))
                 kv_row = bb.add(t.k_start, bb.mul(n, i32(c.block_n)))
-                for which, tmap, full in (("k", k_map, mem.k_full), ("v", v_map, mem.v_full)):
-                    bar = full(bb, stage)
+                for which, tmap in (("k", k_map), ("v", v_map)):
+                    hopper.mbarrier_wait(bb, mem.empty(bb, which, stage), bb.xor(phase, i32(1)))
+                    bar = mem.full(bb, which, stage)
                     hopper.mbarrier_arrive_expect_tx(bb, bar, c.kv_tile_bytes)
                     for box in range(c.boxes):
                         dst = mem.kv_tile(bb, which, stage, box * c.block_n * hopper.SWIZZLE_BYTES)
@@ -343,7 +512,6 @@ class _Kernel:
     def consumer_tile(self, b, args: KernelArgs, kv_count: ir.Value, tile_count: ir.Value,
                       seq) -> None:
         c, mem, hooks = self.c, self.mem, self.hooks
-        D, BN = c.head_dim, c.block_n
         t = _Tile(b, c, args, hooks, seq)
         tid = _thread_idx(b)
         group = b.sub(b.lshr(tid, i32(7)), i32(1))  # consumer warpgroup: rows 64 group..
@@ -362,72 +530,8 @@ class _Kernel:
             sl2 = b.fmul(args.softmax_scale, _fconst(warp.LOG2E))  # scale folded into ex2
         else:
             sl2 = _fconst(warp.LOG2E)
-
-        zero, ninf = _fconst(0.0), _fconst(NEG_INF)
-        o_init = hopper.fence_operands(b, [zero] * hopper.accumulator_count(D))
-        carried = o_init + [ninf, ninf, zero, zero]
-
-        def step(bb, n, state):
-            o, m_old, l_old = state[:-4], state[-4:-2], state[-2:]
-            count, bump = _counted(bb, kv_count)
-            stage = bb.urem(count, i32(c.stages))
-            phase = bb.and_(bb.udiv(count, i32(c.stages)), i32(1))
-            hopper.mbarrier_wait(bb, mem.k_full(bb, stage), phase)
-            # S = Q K^T
-            hopper.wgmma_fence(bb)
-            s = None
-            for k in range(D // 16):
-                box, offset = divmod(32 * k, hopper.SWIZZLE_BYTES)
-                q_tile = mem.q_box(bb, box, bb.shl(group, i32(6)))
-                a_desc = hopper.smem_descriptor(bb, warp.smem_ptr(bb, q_tile, i32(offset)))
-                b_desc = hopper.smem_descriptor(bb, mem.kv_tile(
-                    bb, "k", stage, box * BN * hopper.SWIZZLE_BYTES + offset))
-                s = hopper.wgmma(bb, c.dtype, BN, a_desc, b_desc, s)
-            hopper.wgmma_commit_group(bb)
-            hopper.wgmma_wait_group(bb, 0)
-            s = hopper.fence_operands(bb, s)
-            s = self._scores(bb, args, t, n, s, row0, col0)
-            # online softmax (log2 domain) over this thread's two rows
-            m_new, l_new, p = [None, None], [None, None], list(s)
-            alpha = [None, None]
-            for r in range(2):
-                mine = [j for j in range(len(s)) if (j // 2) % 2 == r]
-                mx = s[mine[0]]
-                for j in mine[1:]:
-                    mx = warp.fmax(bb, mx, s[j])
-                mx = warp.quad_allreduce(bb, mx, warp.fmax)
-                m_new[r] = warp.fmax(bb, m_old[r], mx)
-                m_scaled = bb.fmul(m_new[r], sl2)
-                m_scaled = bb.select(bb.fcmp_ordered("==", m_new[r], ninf), zero, m_scaled)
-                alpha[r] = warp.ex2(bb, bb.fsub(bb.fmul(m_old[r], sl2), m_scaled))
-                neg = bb.fneg(m_scaled)
-                total = None
-                for j in mine:
-                    p[j] = warp.ex2(bb, warp.fma(bb, s[j], sl2, neg))
-                    total = p[j] if total is None else bb.fadd(total, p[j])
-                l_new[r] = bb.fadd(bb.fmul(l_old[r], alpha[r]), total)
-            o = [bb.fmul(v, alpha[(j // 2) % 2]) for j, v in enumerate(o)]
-            frags = [hopper.a_fragment(bb, c.dtype, p, k) for k in range(BN // 16)]
-            flat = hopper.fence_operands(bb, o + [x for f in frags for x in f])
-            o, flat = flat[:len(o)], flat[len(o):]
-            frags = [flat[4 * k: 4 * k + 4] for k in range(BN // 16)]
-            # O += P V
-            hopper.mbarrier_wait(bb, mem.v_full(bb, stage), phase)
-            hopper.wgmma_fence(bb)
-            for k in range(BN // 16):
-                v_desc = hopper.smem_descriptor(
-                    bb, mem.kv_tile(bb, "v", stage, 16 * k * hopper.SWIZZLE_BYTES),
-                    leading_bytes=BN * hopper.SWIZZLE_BYTES)
-                o = hopper.wgmma(bb, c.dtype, D, frags[k], v_desc, o, trans_b=True)
-            hopper.wgmma_commit_group(bb)
-            hopper.wgmma_wait_group(bb, 0)
-            o = hopper.fence_operands(bb, o)
-            hopper.mbarrier_arrive(bb, mem.kv_empty(bb, stage))
-            bump(bb)
-            return o + m_new + l_new
-
-        final = t.kv_loop(b, carried, step)
-        self._epilogue(b, args, t, final[:-4], final[-4:-2], final[-2:], sl2, row0, col0)
+        o, m, l = _ConsumerTile(self, b, args, t, group, row0, col0, sl2, kv_count).loop()
+        self._epilogue(b, args, t, o, m, l, sl2, row0, col0)
 
     def _scores(self, b, args, t: _Tile, n, s, row0, col0):
         """The score hook, then the mask on partial tiles (a branch; S merges in phis)."""
@@ -557,9 +661,9 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
     with b.if_then(b.icmp_unsigned("==", tid, i32(0))):
         hopper.mbarrier_init(b, mem.q_full(b), 1)
         for stage in range(config.stages):
-            hopper.mbarrier_init(b, mem.k_full(b, i32(stage)), 1)
-            hopper.mbarrier_init(b, mem.v_full(b, i32(stage)), 1)
-            hopper.mbarrier_init(b, mem.kv_empty(b, i32(stage)), CONSUMER_THREADS)
+            for which in "kv":
+                hopper.mbarrier_init(b, mem.full(b, which, i32(stage)), 1)
+                hopper.mbarrier_init(b, mem.empty(b, which, i32(stage)), CONSUMER_THREADS)
         hopper.fence_mbarrier_init(b)
     nvptx.barrier_all(b)
     is_producer = b.icmp_unsigned("<", tid, i32(hopper.WARPGROUP_THREADS))
@@ -573,6 +677,11 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
             _rename_new_functions(module, before, ".producer")
         with consumer:
             hopper.setmaxnreg(b, CONSUMER_REGISTERS, increase=True)
+            # the first consumer warpgroup has the first turn at the tensor cores
+            first_group = b.icmp_unsigned("<", tid, i32(2 * hopper.WARPGROUP_THREADS))
+            with b.if_then(first_group):
+                nvptx.barrier_arrive_named(b, nvptx.CONSUMER_TURN_BARRIERS[0],
+                                           CONSUMER_THREADS)
             cargs = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
                                divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS)
             work_loop(b, cargs, lambda bb, seq: kernel.consumer_tile(bb, cargs, kv_count,
