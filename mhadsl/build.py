@@ -85,9 +85,13 @@ def build_kernel(program: CheckedProgram, request: KernelRequest,
     loaded = _from_entry(entry, resolved.backend) if entry is not None else None
     if loaded is not None:
         return loaded
+    configs = resolved.configs
+    if request.trace:  # record the kernel that runs untraced: its config (tile) exactly
+        configs = (build_kernel(program, dataclasses.replace(request, trace=False),
+                                store).config,)
     build = resolved.backend.build(kernel_source(program, resolved.options, resolved.target,
                                                  request.trace),
-                                   resolved.configs, resolved.target)
+                                   configs, resolved.target)
     store.put(key, _to_entry(build))
     return build
 

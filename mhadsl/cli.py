@@ -245,9 +245,10 @@ def _kernel_costs(program, kernel: str, path: str):
     resolved = plan(program, KernelRequest(kernel, "sm_90a"))
     config = resolved.configs[0]
     key = costmodel.kernel_key(program, kernel, resolved.backend.name, "sm_90a")
-    costs, source = costmodel.load(key)
-    return costmodel.KernelCostModel(costs, program, resolved.options.mask, config.block_m,
-                                     config.block_n, source)
+    costs, source = costmodel.load(key)  # at the tile width it was calibrated with
+    block_n = costs.block_n if source != "defaults" else config.block_n
+    return costmodel.KernelCostModel(costs.for_block_n(block_n), program,
+                                     resolved.options.mask, config.block_m, block_n, source)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -273,7 +274,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
                                             heads=args.heads)
         print(f"calibrated {args.kernel} on {runs[0].gpu} ({runs[0].backend}) from "
               f"{sum(len(r.records['start']) for r in runs)} work items of {len(runs)} runs:")
-        print("  " + ", ".join(f"{k} {v:.0f} ns" for k, v in vars(costs).items()))
+        for c in costs:
+            print(f"  {c.block_n}-key KV tiles: " + ", ".join(
+                f"{k} {v:.0f} ns" for k, v in vars(c).items() if k != "block_n"))
         print(f"  stored in {path}")
     if args.lengths is None:
         return 0

@@ -34,7 +34,7 @@ from mhadsl.runtime import cache
 
 @dataclass(frozen=True)
 class Costs:
-    """The constants, in nanoseconds."""
+    """The constants, in nanoseconds, for KV tiles `block_n` keys wide."""
 
     full_tile: float
     partial_tile: float
@@ -42,6 +42,13 @@ class Costs:
     advance: float = 0.0
     queue_op: float = 0.0
     cta_start: float = 0.0
+    block_n: int = 64
+
+    def for_block_n(self, block_n: int) -> Costs:
+        """The constants for another KV tile width: a tile's cost scales with its keys."""
+        scale = block_n / self.block_n
+        return dataclasses.replace(self, full_tile=self.full_tile * scale,
+                                   partial_tile=self.partial_tile * scale, block_n=block_n)
 
 
 # Measured with `mhadsl trace --calibrate` on an H200 (sm80 design, causal bf16 D128, two
@@ -146,13 +153,14 @@ def _classify_row(classify, b: int | None, h: int | None, n: int, q_lo: int, blo
 # ------------------------------------------------------------------ calibration
 def fit(full: np.ndarray, partial: np.ndarray, duration: np.ndarray,
         step_gaps: np.ndarray | None = None, queue_gaps: np.ndarray | None = None,
-        cta_gaps: np.ndarray | None = None) -> Costs:
+        cta_gaps: np.ndarray | None = None, block_n: int = 64) -> Costs:
     """Constants from measured work items: least squares of duration over (full, partial,
     1), non-negative; when the partial counts cannot be told from the constant (a causal
     mask gives every query tile the same diagonal), a partial tile is taken to cost
     PARTIAL_RATIO full ones. `step_gaps` are the gaps between a CTA's items under a
     scheduler without a queue, `queue_gaps` under one that takes one index from the queue
-    per step, `cta_gaps` between CTAs on one multiprocessor (medians: robust to stalls)."""
+    per step, `cta_gaps` between CTAs on one multiprocessor (medians: robust to stalls).
+    All items must come from builds with KV tiles `block_n` wide."""
     full, partial, duration = (np.asarray(x, np.float64) for x in (full, partial, duration))
     if len(duration) == 0:
         raise ValueError("calibration needs at least one traced work item")
@@ -166,7 +174,7 @@ def fit(full: np.ndarray, partial: np.ndarray, duration: np.ndarray,
     advance = _median(step_gaps, DEFAULT_COSTS.advance)
     queue = max(_median(queue_gaps, advance + DEFAULT_COSTS.queue_op) - advance, 0.0)
     return Costs(float(f), float(p), float(c), advance, queue,
-                 _median(cta_gaps, DEFAULT_COSTS.cta_start))
+                 _median(cta_gaps, DEFAULT_COSTS.cta_start), block_n)
 
 
 def _explained(column: np.ndarray, others: np.ndarray) -> bool:
@@ -213,22 +221,24 @@ def _slug(gpu: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-") or "gpu"
 
 
-def store(costs: Costs, key: str, gpu: str, meta: dict | None = None) -> Path:
-    """Write the constants for (kernel `key`, `gpu`); returns the file."""
+def store(costs: list[Costs], key: str, gpu: str, meta: dict | None = None) -> Path:
+    """Write the constants for (kernel `key`, `gpu`), one set per KV tile width the
+    calibration's builds used; returns the file."""
     folder = calibration_dir()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{key}--{_slug(gpu)}.json"
     temp = path.with_suffix(".tmp")
-    temp.write_text(json.dumps({"gpu": gpu, "costs": dataclasses.asdict(costs),
+    temp.write_text(json.dumps({"gpu": gpu, "costs": [dataclasses.asdict(c) for c in costs],
                                 **(meta or {})}, indent=1))
     os.replace(temp, path)
     return path
 
 
-def load(key: str, gpu: str | None = None) -> tuple[Costs, str]:
+def load(key: str, gpu: str | None = None, block_n: int | None = None) -> tuple[Costs, str]:
     """The constants for kernel `key` on `gpu` (None: the newest calibration of the kernel
-    on any GPU) and where they came from; DEFAULT_COSTS and "defaults" when none is stored
-    or it cannot be read."""
+    on any GPU) for KV tiles `block_n` wide (scaled from another width when the calibration
+    has none; None: the first it has) and where they came from; DEFAULT_COSTS and
+    "defaults" when none is stored or it cannot be read."""
     folder = calibration_dir()
     pattern = f"{key}--{_slug(gpu)}.json" if gpu else f"{key}--*.json"
     try:
@@ -238,7 +248,11 @@ def load(key: str, gpu: str | None = None) -> tuple[Costs, str]:
     for file in files:
         try:
             data = json.loads(file.read_text())
-            return Costs(**{k: float(v) for k, v in data["costs"].items()}), str(file)
-        except (OSError, ValueError, KeyError, TypeError):
+            sets = [Costs(**c) for c in data["costs"]]
+            exact = [c for c in sets if c.block_n == block_n]
+            chosen = exact[0] if exact else sets[0]
+            return (chosen if block_n is None else chosen.for_block_n(block_n)), str(file)
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
             continue
-    return DEFAULT_COSTS, "defaults"
+    default = DEFAULT_COSTS if block_n is None else DEFAULT_COSTS.for_block_n(block_n)
+    return default, "defaults"

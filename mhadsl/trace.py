@@ -267,7 +267,7 @@ def cost_model(program: Program, kernel: str, *, block_m: int, block_n: int, bac
     `gpu` (None: any GPU), else the defaults."""
     options = program[kernel].options
     key = costmodel.kernel_key(program.checked, kernel, backend, arch)
-    costs, source = costmodel.load(key, gpu)
+    costs, source = costmodel.load(key, gpu, block_n)
     return costmodel.KernelCostModel(costs, program.checked, options.mask, block_m, block_n,
                                      source)
 
@@ -281,10 +281,10 @@ def predict(program: Program, run: TraceRun, model: costmodel.KernelCostModel
 
 
 def calibrate(program: Program, kernel: str, *, backend: str | None = None, heads: int = 16,
-              reps: int = 5) -> tuple[costmodel.Costs, str, list[TraceRun]]:
+              reps: int = 5) -> tuple[list[costmodel.Costs], str, list[TraceRun]]:
     """Measure the kernel's constants on this GPU from traced runs (`CALIBRATION_BATCHES`
     under `CALIBRATION_SCHEDULERS`), store them where the simulator finds them; returns
-    them, the file and the runs."""
+    them (one set per KV tile width the builds chose), the file and the runs."""
     runs = [run_trace(program, kernel, Workload(heads, b, s, lens), scheduler=name, args=args,
                       backend=backend, reps=reps)
             for b, s, lens in CALIBRATION_BATCHES for name, args in CALIBRATION_SCHEDULERS]
@@ -297,20 +297,21 @@ def calibrate(program: Program, kernel: str, *, backend: str | None = None, head
     return costs, str(path), runs
 
 
-def fit_runs(program: Program, kernel: str, runs: list[TraceRun]) -> costmodel.Costs:
-    """`costmodel.fit` over traced runs: item durations against their tile classes; step
-    gaps of the schedulers without a queue (Persistent), with one (LPT, Queued); CTA
-    turnover of the one-tile-per-CTA scheduler (Transient)."""
+def fit_runs(program: Program, kernel: str, runs: list[TraceRun]) -> list[costmodel.Costs]:
+    """`costmodel.fit` over traced runs: item durations against their tile classes, per KV
+    tile width (the spill-free search may give schedulers different tiles); step gaps of
+    the schedulers without a queue (Persistent), with one (LPT, Queued); CTA turnover of the
+    one-tile-per-CTA scheduler (Transient)."""
     options = program[kernel].options
-    full, partial, duration = [], [], []
+    items: dict[int, tuple[list, list, list]] = {}
     step, queue, turnover = [], [], []
     for r in runs:
         f, p = costmodel.tile_classes(program.checked, options.mask, r.workload.lengths,
                                       r.records["prompt_offset"], r.records["head"],
                                       r.records["batch"], r.block_m, r.block_n)
-        full.append(f)
-        partial.append(p)
-        duration.append(r.records["duration"])
+        for column, values in zip(items.setdefault(r.block_n, ([], [], [])),
+                                  (f, p, r.records["duration"])):
+            column.append(values)
         timeline = r.timeline()
         if r.scheduler == "Transient":
             turnover.append(timeline.lane_gaps())
@@ -321,8 +322,9 @@ def fit_runs(program: Program, kernel: str, runs: list[TraceRun]) -> costmodel.C
 
     def cat(parts):
         return np.concatenate(parts) if parts else None
-    return costmodel.fit(cat(full), cat(partial), cat(duration), cat(step), cat(queue),
-                         cat(turnover))
+    return [costmodel.fit(*map(cat, columns), cat(step), cat(queue), cat(turnover),
+                          block_n=block_n)
+            for block_n, columns in sorted(items.items())]
 
 
 # ------------------------------------------------------------------ comparison

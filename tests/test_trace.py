@@ -10,7 +10,7 @@ import pytest
 import mhadsl
 from helpers import REPO, STD, checked
 from mhadsl import costmodel, trace
-from mhadsl.build import KernelRequest, build_kernel
+from mhadsl.build import KernelRequest, build_kernel, plan
 from mhadsl.cli import main
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import Layout
@@ -30,6 +30,7 @@ def test_recording_only_in_traced_builds_and_spill_free(arch, backend):
     builds = {t: build_kernel(program.checked, KernelRequest("causal_fwd", arch, backend,
                                                              Layout(), trace=t), store)
               for t in (False, True)}
+    assert builds[True].config == builds[False].config  # the tile that runs untraced
     for marker in ("%globaltimer", "%smid", "trace_scratch"):
         assert marker not in builds[False].ptx
         assert marker in builds[True].ptx
@@ -150,10 +151,13 @@ def test_fit_when_partial_tiles_cannot_be_told_apart():
 def test_calibration_is_stored_where_the_simulator_finds_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     program = mhadsl.compile(REPO / "examples/causal.mha")
-    key = costmodel.kernel_key(program.checked, "causal_fwd", "sm80", "sm_90a")
+    backend = plan(program.checked, KernelRequest("causal_fwd", "sm_90a")).backend.name
+    key = costmodel.kernel_key(program.checked, "causal_fwd", backend, "sm_90a")
     assert costmodel.load(key) == (costmodel.DEFAULT_COSTS, "defaults")
-    path = costmodel.store(COSTS, key, "NVIDIA H200")
+    path = costmodel.store([COSTS], key, "NVIDIA H200")
     assert costmodel.load(key, "NVIDIA H200") == (COSTS, str(path))
+    narrow, _ = costmodel.load(key, "NVIDIA H200", block_n=32)  # scaled by the tile's keys
+    assert (narrow.full_tile, narrow.partial_tile, narrow.per_item) == (5.0, 1.5, 100.0)
     assert costmodel.load(key) == (COSTS, str(path))  # any GPU's, without one
     assert costmodel.load(key, "NVIDIA A100")[1] == "defaults"
     rc = main(["simulate", str(REPO / "examples/causal.mha"), "--kernel", "causal_fwd",
@@ -231,7 +235,7 @@ def test_calibration_fit_from_synthetic_runs():
     dense = trace.Workload(heads=4, batch=2, seqlen=1024)  # no skipped indices: one step a gap
     runs = [_synthetic_run(program, scheduler, truth, dense)[0]
             for scheduler in ("Persistent", "LPT", "Transient")]
-    fitted = trace.fit_runs(program, "causal_fwd", runs)
+    (fitted,) = trace.fit_runs(program, "causal_fwd", runs)
     for name in ("full_tile", "per_item", "advance", "queue_op", "cta_start"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.02), name
 
