@@ -57,12 +57,22 @@ PRODUCER_BARRIER = 1  # a named barrier among the producer's threads
 CONSUMER_TURN_BARRIERS = (2, 3)  # sm90: whose turn it is at the tensor cores (ping-pong)
 
 
+def _cta_threads(builder: ir.IRBuilder) -> ir.Value:
+    ntid = [special_register(builder, "block_dim", axis) for axis in "xyz"]
+    return builder.mul(builder.mul(ntid[0], ntid[1]), ntid[2])
+
+
 def barrier_all(builder: ir.IRBuilder, aligned: bool = True) -> None:
-    """A CTA-wide barrier. `aligned` (PTX `bar.sync`) promises every thread reaches this very
-    instruction; warp-specialised roles that meet from different branches need `aligned=False`
-    (`barrier.sync`), or compute-sanitizer's synccheck reports divergent threads."""
-    call(builder, f"llvm.nvvm.barrier.cta.sync{'.aligned' if aligned else ''}.all", void,
-         [i32(CTA_BARRIER)])
+    """A CTA-wide barrier. `aligned` (PTX `bar.sync 0`) promises every thread reaches this
+    very instruction. Warp-specialised roles that meet from different branches use the
+    non-aligned form with the CTA's thread count spelled out (`barrier.sync 0, n`): without
+    the count it is `__syncthreads`, which compute-sanitizer's synccheck requires every
+    thread to reach at one site (it reports divergent threads)."""
+    if aligned:
+        call(builder, "llvm.nvvm.barrier.cta.sync.aligned.all", void, [i32(CTA_BARRIER)])
+    else:
+        call(builder, "llvm.nvvm.barrier.cta.sync.count", void,
+             [i32(CTA_BARRIER), _cta_threads(builder)])
 
 
 def _value(x: int | ir.Value) -> ir.Value:
@@ -86,8 +96,11 @@ def barrier_arrive_named(builder: ir.IRBuilder, barrier_id: int | ir.Value,
 def barrier_any(builder: ir.IRBuilder, pred: ir.Value, aligned: bool = True) -> ir.Value:
     """A CTA-wide barrier that returns (to every thread) whether `pred` held in any thread
     (`aligned` as in `barrier_all`)."""
-    return call(builder, f"llvm.nvvm.barrier.cta.red.or{'.aligned' if aligned else ''}.all",
-                i1, [i32(CTA_BARRIER), pred])
+    if aligned:
+        return call(builder, "llvm.nvvm.barrier.cta.red.or.aligned.all", i1,
+                    [i32(CTA_BARRIER), pred])
+    return call(builder, "llvm.nvvm.barrier.cta.red.or.count", i1,
+                [i32(CTA_BARRIER), _cta_threads(builder), pred])
 
 
 # ----------------------------------------------------------------- kernels

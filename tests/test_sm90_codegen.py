@@ -91,12 +91,13 @@ def test_supported_declarations_have_no_problems():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_hopper_devices_run_sm80_unless_sm90_is_asked_for(head_dim):
+def test_hopper_devices_run_sm90_where_it_runs_the_declaration(head_dim):
     options = resolve_attention(checked(STD + f"attention a {{ head_dim = {head_dim} }}")
                                 .attentions["a"])
     backend, target = select_backend((9, 0), options=options)
-    assert (backend.name, target.arch) == ("sm80", "sm_90a")  # PREFERENCE says why
-    assert select_backend((9, 0), "sm90", options)[0].name == "sm90"  # opt in
+    expected = "sm90" if head_dim in (64, 128) else "sm80"  # sm90 runs no head dim 256
+    assert (backend.name, target.arch) == (expected, "sm_90a")
+    assert select_backend((9, 0), "sm80", options)[0].name == "sm80"  # forced
     for other in ((8, 0), (8, 9), (10, 0), (12, 0)):
         assert select_backend(other, options=options)[0].name == "sm80"
     with pytest.raises(ValueError, match="builds for sm_90a, not sm_80"):

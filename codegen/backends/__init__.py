@@ -69,12 +69,11 @@ def backends() -> list[Backend]:
     return [backend(name) for name in REGISTRY]
 
 
-# The designs a target runs a declaration with when nothing forces one, preferred first: the
-# first that runs the declaration wins. sm90 passes the GPU matrix and runs 1.3-1.6x sm80 on
-# the H200, but compute-sanitizer's synccheck still reports a divergent CTA barrier in it
-# (benchmarks/HOPPER_NOTES.md), and sliding windows and tiny ragged sequences run slower:
-# until both are fixed sm_90a prefers sm80, and `backend="sm90"` opts in.
-PREFERENCE = {"sm_90a": ("sm80", "sm90")}
+# The designs a target runs a declaration with when nothing forces one, preferred first (the
+# first that runs the declaration wins): on compute capability 9.0 the Hopper design
+# (1.1-1.6x sm80 on the H200, BENCHMARKS.md), and sm80 for what it cannot run (head dim
+# 256, tiles it does not take); `backend="sm80"` forces the other.
+PREFERENCE = {"sm_90a": ("sm90", "sm80")}
 
 
 def backend_for_arch(arch: str, requested: str | None = None, options=None) -> Backend:

@@ -677,9 +677,11 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
             _rename_new_functions(module, before, ".producer")
         with consumer:
             hopper.setmaxnreg(b, CONSUMER_REGISTERS, increase=True)
-            # the first consumer warpgroup has the first turn at the tensor cores
-            first_group = b.icmp_unsigned("<", tid, i32(2 * hopper.WARPGROUP_THREADS))
-            with b.if_then(first_group):
+            # the first consumer warpgroup has the first turn at the tensor cores: the
+            # second passes it as if it had just had one (a warp that arrived at a barrier
+            # must not also wait at it in the same phase: synccheck's divergent barrier)
+            second_group = b.icmp_unsigned(">=", tid, i32(2 * hopper.WARPGROUP_THREADS))
+            with b.if_then(second_group):
                 nvptx.barrier_arrive_named(b, nvptx.CONSUMER_TURN_BARRIERS[0],
                                            CONSUMER_THREADS)
             cargs = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
