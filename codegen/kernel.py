@@ -67,11 +67,13 @@ def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Ta
             fence = _opaque if lowered.may_advance and args.opaque_env else (lambda _, v: v)
             max_q = fence(b, args.max_seqlen_q)
             tiles = b.udiv(b.add(max_q, i32(spec.tile_m - 1)), i32(spec.tile_m))
+            # A dense build has no tile index: the valid-work lookups fold to closed forms.
+            index = fence(b, args.tile_index) if args.config.ragged else \
+                ir.Constant(args.tile_index.type, None)
             return EnvParams(fence(b, args.queue), fence(b, args.num_sms),
                              fence(b, args.ctas_per_sm),
                              fence(b, args.batch), tiles, fence(b, args.seqlen_q),
-                             fence(b, args.num_heads), fence(b, args.cu_seqlens_q),
-                             fence(b, args.tile_index))
+                             fence(b, args.num_heads), fence(b, args.cu_seqlens_q), index)
 
         fill_env = env_filler(builder, lowered, shared_slots(builder.module), params)
         emit_work_loop(builder, lowered, fill_env, lambda b, seq: body(b, TileSeq(**seq)),
