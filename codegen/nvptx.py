@@ -80,16 +80,17 @@ def _value(x: int | ir.Value) -> ir.Value:
 
 
 def barrier_named(builder: ir.IRBuilder, barrier_id: int | ir.Value,
-                  num_threads: int | ir.Value) -> None:
-    """Wait at named barrier `barrier_id` until `num_threads` threads arrived (this one too)."""
-    call(builder, "llvm.nvvm.barrier.cta.sync.aligned.count", void,
+                  num_threads: int | ir.Value, aligned: bool = True) -> None:
+    """Wait at named barrier `barrier_id` until `num_threads` threads arrived (this one too);
+    `aligned=False` where its participants meet at different sites (as `barrier_all`)."""
+    call(builder, f"llvm.nvvm.barrier.cta.sync{'.aligned' if aligned else ''}.count", void,
          [_value(barrier_id), _value(num_threads)])
 
 
 def barrier_arrive_named(builder: ir.IRBuilder, barrier_id: int | ir.Value,
-                         num_threads: int | ir.Value) -> None:
+                         num_threads: int | ir.Value, aligned: bool = True) -> None:
     """Count this thread at named barrier `barrier_id` without waiting (`bar.arrive`)."""
-    call(builder, "llvm.nvvm.barrier.cta.arrive.aligned.count", void,
+    call(builder, f"llvm.nvvm.barrier.cta.arrive{'.aligned' if aligned else ''}.count", void,
          [_value(barrier_id), _value(num_threads)])
 
 

@@ -160,11 +160,11 @@ def test_compile_attention_example_writes_one_file_per_unit(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["causal_fwd.ptx",
                                                                     "schedulers.ptx"]
     assert ".entry mha_fwd" in (tmp_path / "out" / "causal_fwd.ptx").read_text()
-    assert "causal_fwd (sm80, 128x64 tile, 128 threads" in out.stdout
+    assert "causal_fwd (sm90, 128x128 tile, 384 threads" in out.stdout  # sm_90a's default
     assert "0 bytes spilled" in out.stdout
     one = mhadsl("compile", "examples/causal.mha", "--kernel", "causal_fwd", "--emit", "llvm",
                  "-o", str(tmp_path / "k.ll"))
-    assert one.returncode == 0 and "define ptx_kernel void @\"mha_fwd\"" in \
+    assert one.returncode == 0 and "define ptx_kernel void @\"mha_fwd_sm90\"" in \
         (tmp_path / "k.ll").read_text()
 
 

@@ -321,13 +321,17 @@ class _ConsumerTile:
         stage = bb.urem(count, i32(self.c.stages))
         return stage, bb.and_(bb.udiv(count, i32(self.c.stages)), i32(1)), bump
 
+    # The turns' barriers are not .aligned: each phase's waiting and arriving warps meet
+    # from different sites (the first tile's, the loop's, the kernel's start).
     def take_turn(self, bb):
         first = nvptx.CONSUMER_TURN_BARRIERS[0]
-        nvptx.barrier_named(bb, bb.add(i32(first), self.group), CONSUMER_THREADS)
+        nvptx.barrier_named(bb, bb.add(i32(first), self.group), CONSUMER_THREADS,
+                            aligned=False)
 
     def pass_turn(self, bb):
         last = nvptx.CONSUMER_TURN_BARRIERS[1]
-        nvptx.barrier_arrive_named(bb, bb.sub(i32(last), self.group), CONSUMER_THREADS)
+        nvptx.barrier_arrive_named(bb, bb.sub(i32(last), self.group), CONSUMER_THREADS,
+                                   aligned=False)
 
     def issue_s(self, bb, stage):
         """S = Q K^T of `stage`, committed (not waited for)."""
@@ -683,7 +687,7 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
             second_group = b.icmp_unsigned(">=", tid, i32(2 * hopper.WARPGROUP_THREADS))
             with b.if_then(second_group):
                 nvptx.barrier_arrive_named(b, nvptx.CONSUMER_TURN_BARRIERS[0],
-                                           CONSUMER_THREADS)
+                                           CONSUMER_THREADS, aligned=False)
             cargs = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
                                divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS)
             work_loop(b, cargs, lambda bb, seq: kernel.consumer_tile(bb, cargs, kv_count,
