@@ -1,6 +1,7 @@
 """Traced against predicted makespan efficiency for the standard schedulers (needs a GPU).
 
     python benchmarks/trace_table.py OUT_DIR [--jobs 16]
+    python benchmarks/trace_table.py OUT_DIR --repredict RUN_DIR     # no GPU
 
 Builds every kernel it needs first, in parallel (the on-disk cache then serves them),
 calibrates the causal and the unmasked kernel on this GPU (`mhadsl trace --calibrate`),
@@ -8,16 +9,20 @@ then for six workloads (causal H16 D128: dense B4 S4096; ragged 8192..64 twice; 
 + 64 x 128; 16 x 2048; 1024 x 96; and unmasked dense B4 S4096) traces each standard
 scheduler, predicts it with the calibrated simulator, and writes OUT_DIR/trace_table.md and
 .json (efficiencies, makespans, TFLOP/s, recording overhead, ranking agreement) and the
-skewed batch's timelines under Transient and LPT (trace_skewed_*.png).
+skewed batch's timelines under Transient and LPT (trace_skewed_*.png). `--repredict`
+recomputes the predicted columns of an earlier run's table with this simulator.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEDULERS = (("Transient", ()), ("Persistent", ()), ("Persistent", (("order", "PROMPT_ROTATE"),)),
@@ -85,15 +90,13 @@ def inversions(a: list[float], b: list[float]) -> int:
     return sum((a[i] - a[j]) * (b[i] - b[j]) < 0 for i in range(n) for j in range(i + 1, n))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    parser.add_argument("--jobs", type=int, default=16)
-    opts = parser.parse_args()
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
-    prebuild(opts.jobs)
+def scheduler_label(name: str, args: tuple) -> str:
+    return name + "".join(f"({k}={v})" for k, v in args)
 
+
+def measure(out: Path, jobs: int) -> tuple[list[dict], dict]:
+    """Calibrate, then trace and predict every (workload, scheduler) on this GPU."""
+    prebuild(jobs)
     import mhadsl
     from mhadsl import trace
     programs = {path: mhadsl.compile(path) for path, _ in (CAUSAL, PLAIN)}
@@ -121,8 +124,8 @@ def main() -> int:
                                      gpu=run.gpu)
             result = trace.predict(program, run, model)
             cmp = trace.compare(run, result)
-            sched = name + "".join(f"({k}={v})" for k, v in args)
-            row = {"workload": label, "scheduler": sched, "ms": run.ms_untraced,
+            row = {"workload": label, "scheduler": scheduler_label(name, args),
+                   "ms": run.ms_untraced,
                    "ms_traced": run.ms_traced, "tflops": run.tflops, "overhead": run.overhead,
                    "measured_eff": cmp.measured.efficiency,
                    "predicted_eff": cmp.predicted.efficiency,
@@ -131,12 +134,81 @@ def main() -> int:
                    "covered": not (run.missing or run.repeated or run.invalid)
                    and run.written == len(run.records["start"]) and result.covered_exactly_once,
                    "grid": list(run.grid), "ctas_per_sm": run.ctas_per_sm,
+                   "num_sms": run.num_sms,
                    "tile": f"{run.backend} {run.block_m}x{run.block_n}",
                    "differences": cmp.differences}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "differences"}), flush=True)
             if lens == SKEWED and name in ("Transient", "LPT"):
                 trace.plot(run, cmp, str(out / f"trace_skewed_{name.lower()}.png"))
+    return rows, calibrations
+
+
+def repredict(source: Path) -> tuple[list[dict], dict]:
+    """The traced columns of an earlier run (its trace_table.json), the predicted ones
+    recomputed here, on the CPU, by this simulator from that run's calibration; a constant
+    the calibration lacks (`empty_cta`) is fitted as `trace.fit_runs` does, to the traced
+    efficiency of that run's rows for the calibration batches under Transient."""
+    import mhadsl
+    from mhadsl import costmodel, trace
+    data = json.loads((source / "trace_table.json").read_text())
+    calibrations = data["calibrations"]
+    by_label = {label: (path, kernel, batch, seqlen, lens)
+                for label, (path, kernel), batch, seqlen, lens in WORKLOADS}
+    schedulers = {scheduler_label(name, args): (name, args) for name, args in SCHEDULERS}
+    rows = data["rows"]
+
+    def setting(row):
+        path, kernel, batch, seqlen, lens = by_label[row["workload"]]
+        name, args = schedulers[row["scheduler"]]
+        block_m, block_n = map(int, row["tile"].split()[-1].split("x"))
+        sets = [costmodel.Costs(**c) for c in calibrations[kernel]["costs"]]
+        costs = next((c for c in sets if c.block_n == block_n), sets[0]).for_block_n(block_n)
+        run = trace.TraceRun(kernel, name, args, trace.Workload(HEADS, batch, seqlen, lens),
+                             "", row["tile"].split()[0], "sm_90a", block_m, block_n,
+                             row.get("num_sms", 132), row["ctas_per_sm"],  # 132: the H200's
+                             tuple(row["grid"]), {}, 0, 0.0, 0.0, 0.0)
+        return mhadsl.compile(path), kernel, run, costs
+
+    empty: dict[str, list[float]] = {}
+    calibration_batches = {b for b in trace.CALIBRATION_BATCHES}
+    for row in rows:
+        program, kernel, run, costs = setting(row)
+        w = run.workload
+        if row["scheduler"] == "Transient" and (w.batch, w.seqlen, w.seqlens) in \
+                calibration_batches and costs.empty_cta == 0:
+            fitted = trace.fit_empty_cta(program, kernel, run, costs, row["measured_eff"])
+            if fitted is not None:
+                empty.setdefault(kernel, []).append(fitted)
+    for kernel, values in empty.items():
+        calibrations[kernel]["empty_cta_refitted"] = float(np.median(values))
+    for row in rows:
+        program, kernel, run, costs = setting(row)
+        costs = dataclasses.replace(
+            costs, empty_cta=calibrations[kernel].get("empty_cta_refitted", costs.empty_cta))
+        model = costmodel.KernelCostModel(costs, program.checked,
+                                          program[kernel].options.mask, run.block_m,
+                                          run.block_n)
+        predicted = trace.Timeline.from_simulation(trace.predict(program, run, model))
+        row["predicted_eff"] = predicted.efficiency
+        row["predicted_makespan_us"] = predicted.makespan / 1e3
+    return rows, calibrations
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--jobs", type=int, default=16)
+    parser.add_argument("--repredict", metavar="DIR",
+                        help="no GPU: take DIR/trace_table.json's traced columns and "
+                             "recompute the predicted ones with this simulator")
+    opts = parser.parse_args()
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if opts.repredict:
+        rows, calibrations = repredict(Path(opts.repredict))
+    else:
+        rows, calibrations = measure(out, opts.jobs)
 
     lines = ["| workload | scheduler | tile | ms | TFLOP/s | recording | traced eff | "
              "predicted eff | diff (pts) | traced makespan us | predicted makespan us | "

@@ -8,7 +8,8 @@ where the KV tiles are classified exactly as the kernel classifies them (`mhadsl
 over the DECLARED mask, with the sequence's tail tile partial): empty tiles are skipped by
 the kernel and cost nothing. Between items a CTA pays `advance` for each scheduler step,
 plus `queue_op` for each atomic on the work queue that step made; a CTA that starts on a
-multiprocessor after another ended pays `cta_start`. All constants are nanoseconds.
+multiprocessor after another ended pays `cta_start`, or `empty_cta` when it has no tile
+(a grid's CTAs past a ragged sequence's end). All constants are nanoseconds.
 
 `mhadsl trace --calibrate` measures them for a kernel on a GPU (`fit`) and stores them under
 the compile cache's folder (`store`), keyed by the kernel's declaration, backend, arch and
@@ -42,6 +43,7 @@ class Costs:
     advance: float = 0.0
     queue_op: float = 0.0
     cta_start: float = 0.0
+    empty_cta: float = 0.0
     block_n: int = 64
 
     def for_block_n(self, block_n: int) -> Costs:
@@ -51,10 +53,11 @@ class Costs:
                                    partial_tile=self.partial_tile * scale, block_n=block_n)
 
 
-# Measured with `mhadsl trace --calibrate` on an H200 (sm80 design, causal bf16 D128, two
-# CTAs per multiprocessor): the figures a machine without a calibration simulates with.
-DEFAULT_COSTS = Costs(full_tile=3400.0, partial_tile=4400.0, per_item=5000.0, advance=200.0,
-                      queue_op=500.0, cta_start=1000.0)
+# Measured with `mhadsl trace --calibrate` on an H200 (sm90 design, causal bf16 D128,
+# 128x128 tiles, one CTA per multiprocessor; docs/TRACE.md): the figures a machine without
+# a calibration simulates with (scaled to the kernel's KV tile width).
+DEFAULT_COSTS = Costs(full_tile=1573.0, partial_tile=2036.0, per_item=2745.0, advance=2208.0,
+                      queue_op=0.0, cta_start=1856.0, empty_cta=722.0, block_n=128)
 PARTIAL_RATIO = DEFAULT_COSTS.partial_tile / DEFAULT_COSTS.full_tile  # when a fit cannot tell
 
 
@@ -174,7 +177,7 @@ def fit(full: np.ndarray, partial: np.ndarray, duration: np.ndarray,
     advance = _median(step_gaps, DEFAULT_COSTS.advance)
     queue = max(_median(queue_gaps, advance + DEFAULT_COSTS.queue_op) - advance, 0.0)
     return Costs(float(f), float(p), float(c), advance, queue,
-                 _median(cta_gaps, DEFAULT_COSTS.cta_start), block_n)
+                 _median(cta_gaps, DEFAULT_COSTS.cta_start), block_n=block_n)
 
 
 def _explained(column: np.ndarray, others: np.ndarray) -> bool:

@@ -136,7 +136,7 @@ def _emit_start_ctas(module: ir.Module, lowered: LoweredScheduler) -> None:
 # The event loop's inputs: pointers (`_PTRS`) and integers (`_INTS`), each an i64 array.
 _PTRS = ("time", "ticket", "active", "linear", "pipe", "taken", "states", "slot_words", "seqs",
          "info", "valid", "counts", "base", "lens", "cost", "log", "busy", "out", "step_costs")
-STEP_COSTS = ("advance", "queue_op", "cta_start")  # f64s at ptrs.step_costs (`Costs`)
+STEP_COSTS = ("advance", "queue_op", "cta_start", "empty_cta")  # f64s at ptrs.step_costs
 _INTS = ("n_slots", "n_ctas", "num_work", "step_limit", "n_seqs", "heads", "tile", "log_cap")
 _OUT = ("status", "steps", "log_n", "makespan_bits", "cta")  # i64s the loop reports
 LOG_COLUMNS = ("cta", "slot", "start", "duration", "offset", "head", "b")
@@ -154,7 +154,8 @@ def _emit_event_loop(module: ir.Module, lowered: LoweredScheduler) -> None:
     and when a CTA is done starts the next CTA of the grid in its slot (`start_ctas`).
     Each advance that returns work delays the tile by the step costs (`STEP_COSTS`: the
     step, and each atomic it made on the queue counter), and a CTA started after the first
-    wave by `cta_start`. Results and the reason it stopped go to ptrs.out (`_OUT`).
+    wave with a real first tile by `cta_start`. Results and the reason it stopped go to
+    ptrs.out (`_OUT`).
     """
     p, f64 = nvptx.ptr(), ir.DoubleType()
     fn = ir.Function(module, ir.FunctionType(nvptx.void, [p, p, p, p]), _EVENTS)
@@ -231,9 +232,6 @@ def _emit_event_loop(module: ir.Module, lowered: LoweredScheduler) -> None:
     b.store(i8(0), at("active", slot, i8))
     b.branch(blocks["next"])
     b.position_at_end(blocks["fill_start"])
-    after_first_wave = b.icmp_unsigned("!=", b.load(resume, typ=i32), i32(0))
-    t = b.load(now, typ=f64)
-    b.store(b.select(after_first_wave, b.fadd(t, step_cost["cta_start"]), t), now)
     b.store(b.add(linear, i32(1)), next_cta)
     b.store(linear, at("linear", slot, i32))
     b.store(i32(0), at("pipe", slot, i32))
@@ -243,9 +241,25 @@ def _emit_event_loop(module: ir.Module, lowered: LoweredScheduler) -> None:
         at("states", slot, state_t), P["info"], at("seqs", slot, seq_t), P["valid"]])
     branch_if(b.icmp_unsigned("!=", started, i32(1)), ENDLESS_WHILE, linear)
     first = b.icmp_unsigned("!=", b.load(P["valid"], typ=i8), i8(0))
-    no_tile = fn.append_basic_block("no_tile")
-    b.cbranch(first, blocks["tile"], no_tile)
+    # After the first wave a CTA takes over its slot from the last: `cta_start` when it
+    # has a tile, `empty_cta` when its first one lies past its sequence's end (or it has
+    # none at all); the GPU retires those much faster.
+    after_first_wave = b.icmp_unsigned("!=", b.load(resume, typ=i32), i32(0))
+    no_tile, first_tile = fn.append_basic_block("no_tile"), fn.append_basic_block("first_tile")
+    b.cbranch(first, first_tile, no_tile)
+
+    def start_cost(real: ir.Value) -> None:
+        t = b.load(now, typ=f64)
+        cost = b.select(real, step_cost["cta_start"], step_cost["empty_cta"])
+        b.store(b.select(after_first_wave, b.fadd(t, cost), t), now)
+    b.position_at_end(first_tile)
+    seq = at("seqs", slot, record_type(SEQ_INFO))
+    seq_len, offset = (b.load(b.gep(seq, [i32(0), i32(j)], source_etype=record_type(SEQ_INFO)),
+                              typ=i32) for j in (0, 2))
+    start_cost(b.icmp_unsigned(">", seq_len, offset))
+    b.branch(blocks["tile"])
     b.position_at_end(no_tile)
+    start_cost(ir.Constant(ir.IntType(1), 0))
     t = b.load(now, typ=f64)
     b.store(b.select(b.fcmp_ordered(">", t, b.load(makespan, typ=f64)), t,
                      b.load(makespan, typ=f64)), makespan)

@@ -322,9 +322,36 @@ def fit_runs(program: Program, kernel: str, runs: list[TraceRun]) -> list[costmo
 
     def cat(parts):
         return np.concatenate(parts) if parts else None
-    return [costmodel.fit(*map(cat, columns), cat(step), cat(queue), cat(turnover),
-                          block_n=block_n)
-            for block_n, columns in sorted(items.items())]
+    fitted = [costmodel.fit(*map(cat, columns), cat(step), cat(queue), cat(turnover),
+                            block_n=block_n)
+              for block_n, columns in sorted(items.items())]
+    # CTAs without a tile leave no record: their cost is what makes the simulated
+    # efficiency of the runs that have many match the traced one
+    empty = [fit_empty_cta(program, kernel, r, next(c for c in fitted if c.block_n == r.block_n),
+                           r.timeline().efficiency) for r in runs]
+    empty = [e for e in empty if e is not None]
+    if not empty:
+        return fitted
+    return [dataclasses.replace(c, empty_cta=float(np.median(empty))) for c in fitted]
+
+
+def fit_empty_cta(program: Program, kernel: str, run: TraceRun, costs: costmodel.Costs,
+                  target: float) -> float | None:
+    """The `empty_cta` (between 0 and 4 x `cta_start`) at which the simulator predicts
+    efficiency `target` for `run`'s launch; None when its grid has too few CTAs without a
+    tile for that cost to matter."""
+    def efficiency(empty: float) -> float:
+        model = costmodel.KernelCostModel(dataclasses.replace(costs, empty_cta=empty),
+                                          program.checked, program[kernel].options.mask,
+                                          run.block_m, run.block_n)
+        return Timeline.from_simulation(predict(program, run, model)).efficiency
+    lo, hi = 0.0, 4.0 * max(costs.cta_start, 1.0)
+    if efficiency(lo) - efficiency(hi) < 0.01:
+        return None
+    for _ in range(16):  # efficiency falls as empty CTAs cost more
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if efficiency(mid) > target else (lo, mid)
+    return (lo + hi) / 2
 
 
 # ------------------------------------------------------------------ comparison

@@ -2,6 +2,7 @@
 traced build (and costs no spills), the simulator costs tiles by the declared mask's
 classes and charges its step costs, the calibration fit recovers known constants, the
 timelines and their PNG come from records, and the CLI fails in one clean line."""
+import dataclasses
 import tempfile
 
 import numpy as np
@@ -107,12 +108,12 @@ PROGRAM = checked(STD)
 @pytest.mark.parametrize("scheduler, steps", [
     ("Persistent", lambda c: 11 * c.advance),  # every advance but the last
     ("Queued", lambda c: 11 * (c.advance + c.queue_op)),  # each took one index
-    # the grid's 16 CTAs (4 query tiles x 2 heads x 2 sequences, seq 1's last two empty):
-    # each after the first starts on the slot the last one left
-    ("Transient", lambda c: 15 * c.cta_start)])
+    # the grid's 16 CTAs (4 query tiles x 2 heads x 2 sequences): each after the first
+    # pays to start, less the 4 past seq 1's end
+    ("Transient", lambda c: 11 * c.cta_start + 4 * c.empty_cta)])
 def test_simulator_charges_step_costs(scheduler, steps):
     costs = costmodel.Costs(full_tile=10.0, partial_tile=3.0, per_item=100.0, advance=7.0,
-                            queue_op=20.0, cta_start=50.0)
+                            queue_op=20.0, cta_start=50.0, empty_cta=3.0)
     model = costmodel.KernelCostModel(costs, None, None, 128, 64)
     batch = Batch([512, 256], heads=2, tile=128, ragged=True)
     result = simulate(PROGRAM, SchedulerSpec(scheduler, (), 128), batch, ctas=1, cost=model)
@@ -238,6 +239,22 @@ def test_calibration_fit_from_synthetic_runs():
     (fitted,) = trace.fit_runs(program, "causal_fwd", runs)
     for name in ("full_tile", "per_item", "advance", "queue_op", "cta_start"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.02), name
+
+
+def test_empty_cta_cost_is_fitted_from_efficiency():
+    """CTAs without a tile leave no record; their cost is found from the efficiency of a
+    launch that has many (a transient grid over a skewed ragged batch)."""
+    program = mhadsl.compile(REPO / "examples/causal.mha")
+    truth = dataclasses.replace(costmodel.DEFAULT_COSTS, empty_cta=700.0)
+    skewed = trace.Workload(heads=2, seqlens=(4096, 1024, 256, 64, 64, 64))
+    run, result, _ = _synthetic_run(program, "Transient", truth, skewed)
+    target = trace.Timeline.from_simulation(result).efficiency
+    fitted = trace.fit_empty_cta(program, "causal_fwd", run,
+                                 dataclasses.replace(truth, empty_cta=0.0), target)
+    assert fitted == pytest.approx(700.0, rel=0.05)
+    dense = trace.Workload(heads=2, batch=2, seqlen=1024)  # no CTA without a tile
+    run, result, _ = _synthetic_run(program, "Transient", truth, dense)
+    assert trace.fit_empty_cta(program, "causal_fwd", run, truth, 0.9) is None
 
 
 @pytest.mark.parametrize("argv, message", [
