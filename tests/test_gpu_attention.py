@@ -2,8 +2,7 @@
 poisoned outputs), once per kernel design: `sm80` (FlashAttention-2 on mma.sync, every GPU)
 and `sm90` (TMA + wgmma, compute capability 9.0 only; its ids skip elsewhere), each forced.
 Dense and ragged with sequence lengths 0, 1, 127, 129 and 3000, Sq != Sk, every mask/score
-example, GQA/MQA, head dims 64/128/256 (sm90: 64/128, 256 refused and left to sm80), fp16 and
-LSE, every standard scheduler and user-written ones, CUDA graphs and concurrent streams."""
+example, GQA/MQA, head dims 64/128/256, fp16 and LSE, every standard scheduler and user-written ones, CUDA graphs and concurrent streams."""
 import numpy as np
 import pytest
 
@@ -43,6 +42,9 @@ attention user_queued { dtype = bf16  head_dim = 128  scheduler = MyQueued()
 attention user_queued_3_ctas { dtype = bf16  head_dim = 128  scheduler = MyQueued(num_ctas = 3)
                                mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 attention plain_d256 { dtype = bf16  head_dim = 256 }
+attention causal_lse_d256 { dtype = fp16  head_dim = 256  return_lse = true
+                            mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention tile_64_rows { dtype = bf16  head_dim = 128  tile = (64, 64) }
 attention causal_d64 { dtype = bf16  head_dim = 64  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 attention lse_fp16 { dtype = fp16  head_dim = 128  return_lse = true
                      mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
@@ -172,23 +174,26 @@ def test_head_dims_fp16_and_lse(name, backend):
     assert_matches(kern, ragged(kern, RAGGED, RAGGED, 2, 2), lse=lse)
 
 
-def test_head_dim_256(backend, monkeypatch):
-    kern = extra("plain_d256", backend)
+@pytest.mark.parametrize("name", ["plain_d256", "causal_lse_d256"])
+def test_head_dim_256(name, backend):
+    kern = extra(name, backend)
+    lse = kern.options.return_lse
+    assert_matches(kern, dense(kern, 2, 191, 191, 3, 3), lse=lse)
+    assert_matches(kern, dense(kern, 1, 300, 77, 2, 2), lse=lse)
+    assert_matches(kern, ragged(kern, RAGGED, RAGGED, 2, 2), lse=lse)
+
+
+def test_what_sm90_cannot_run_falls_back_to_sm80(backend):
+    kern = extra("tile_64_rows", backend)
     args = dense(kern, 2, 191, 191, 3, 3)
     if backend == "sm80":
         assert_matches(kern, args)
-        assert_matches(kern, ragged(kern, RAGGED, RAGGED, 2, 2))
         return
-    with pytest.raises(mhadsl.MhaError, match="the sm90 kernel runs head dims 64 and 128"):
+    with pytest.raises(mhadsl.MhaError, match="two consumer warpgroups take 128"):
         kern(**args)
-    # Where sm90 comes first, a declaration it cannot run falls back to sm80.
-    from mhadsl.codegen import backends
-    monkeypatch.setitem(backends.PREFERENCE, "sm_90a", ("sm90", "sm80"))
-    unforced = mhadsl.compile(EXTRA, name="fallback.mha")
-    assert backends.select_backend((9, 0), None, unforced["causal_d64"].options)[0].name == "sm90"
-    kern = unforced["plain_d256"]
-    assert_matches(kern, args)
-    assert_ran_on(kern, "sm80")
+    unforced = mhadsl.compile(EXTRA, name="fallback.mha")["tile_64_rows"]
+    assert_matches(unforced, args)
+    assert_ran_on(unforced, "sm80")
 
 
 def test_fp16_d64_plain_example_with_lse(backend):

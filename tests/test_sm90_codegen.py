@@ -72,7 +72,7 @@ def test_kernel_parameters_add_three_tensor_maps_to_sm80s():
 
 
 @pytest.mark.parametrize("settings, fault", [
-    ("head_dim = 256", "head_dim 256"), ("head_dim = 64  warps = 4", "warps = 4"),
+    ("head_dim = 64  warps = 4", "warps = 4"),
     ("head_dim = 64  tile = (64, 64)", "64 query rows"),
 ])
 def test_what_the_design_cannot_run_is_a_problem(settings, fault):
@@ -84,7 +84,7 @@ def test_what_the_design_cannot_run_is_a_problem(settings, fault):
 
 
 def test_supported_declarations_have_no_problems():
-    for d in (64, 128):
+    for d in (64, 128, 256):
         options = resolve_attention(checked(STD + f"attention a {{ head_dim = {d} }}")
                                     .attentions["a"])
         assert BACKEND.problems(options, "sm_90a") == []
@@ -95,8 +95,7 @@ def test_hopper_devices_run_sm90_where_it_runs_the_declaration(head_dim):
     options = resolve_attention(checked(STD + f"attention a {{ head_dim = {head_dim} }}")
                                 .attentions["a"])
     backend, target = select_backend((9, 0), options=options)
-    expected = "sm90" if head_dim in (64, 128) else "sm80"  # sm90 runs no head dim 256
-    assert (backend.name, target.arch) == (expected, "sm_90a")
+    assert (backend.name, target.arch) == ("sm90", "sm_90a")
     assert select_backend((9, 0), "sm80", options)[0].name == "sm80"  # forced
     for other in ((8, 0), (8, 9), (10, 0), (12, 0)):
         assert select_backend(other, options=options)[0].name == "sm80"

@@ -30,9 +30,9 @@ load as zeros; rows past a ragged sequence's end belong to the next sequence and
 (keys) or never written (queries). O is written from registers, row by row, only for rows
 inside the sequence; LSE likewise.
 
-Not yet: head dim 256 (reported by `problems`, so a 9.0 device runs such a declaration with
-sm80), the next tile's loads under the current tile's epilogue (the work loop's CTA-wide
-barrier separates work tiles), a TMA store of O. Measured choices (HOPPER_NOTES.md): the
+Head dim 256 keeps 128 O accumulators per thread, so its KV tile is 48 keys (32 where 48
+spills). Not yet: the next tile's loads under the current tile's epilogue (the work loop's
+CTA-wide barrier separates work tiles), a TMA store of O. Measured choices (HOPPER_NOTES.md): the
 overlap needs K and V released apart (with one `kv_empty` per stage it was slower than no
 overlap); BN = 176 (FlashAttention-3's non-causal tile) was slower here.
 """
@@ -55,7 +55,7 @@ from mhadsl.codegen.target import Target, new_module
 
 KERNEL_NAME = "mha_fwd_sm90"
 SMEM_SYMBOL = "mha_fwd_sm90_smem"
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 THREADS = 3 * hopper.WARPGROUP_THREADS
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
@@ -93,7 +93,7 @@ class HopperConfig:
         found = common_problems(self)
         if self.head_dim not in HEAD_DIMS:
             found.append(Problem(("head_dim",), f"head_dim {self.head_dim}: the sm90 kernel "
-                                                "runs head dims 64 and 128"))
+                                                "runs head dims 64, 128 and 256"))
         if self.block_m != 128:
             found.append(Problem(("tile",), f"a tile of {self.block_m} query rows: the sm90 "
                                             "kernel's two consumer warpgroups take 128"))
@@ -697,11 +697,19 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
 
 
 # ============================================================================ the backend
+# The KV tile widths the build tries, widest first, until one assembles without spills. Head
+# dim 256 holds 128 O accumulators per thread, which leaves room for a 48-key S tile at most
+# (measured with ptxas: 64 spills; 48 spills without a mask).
+NARROWER_KV_TILES = {128: (128, 64), 48: (48, 32)}
+
+
 def declared_config(options, layout: Layout = Layout()) -> HopperConfig:
     """The default Hopper tile for the declaration, with what it fixes (the stages always:
     2 unless declared); not validated."""
+    default_n = 48 if options.head_dim == 256 else 128
     overrides = {k: v for k, v in (("block_m", options.block_m), ("block_n", options.block_n),
                                    ("stages", options.stages)) if v is not None}
+    overrides.setdefault("block_n", default_n)
     return replace(HopperConfig(options.dtype, options.head_dim),
                    gqa_group=layout.gqa_group, return_lse=layout.return_lse,
                    ragged=layout.ragged, **overrides)
@@ -741,10 +749,9 @@ class SM90(Backend):
 
     def configs(self, options, layout: Layout) -> tuple[HopperConfig, ...]:
         primary = declared_config(options, layout)
-        narrow = replace(primary, block_n=64)
-        if options.block_n is not None or primary.block_n <= 64:
+        if options.block_n is not None:
             return (primary,)
-        return (primary, narrow)
+        return tuple(replace(primary, block_n=n) for n in NARROWER_KV_TILES[primary.block_n])
 
     def launch_shape(self, config: HopperConfig) -> LaunchShape:
         return LaunchShape(KERNEL_NAME, THREADS, shared_bytes(config))
