@@ -22,6 +22,10 @@ attention causal_lpt { dtype = bf16  head_dim = 128  scheduler = LPT()
                        mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 attention gqa_causal { dtype = bf16  head_dim = 128  gqa = 4
                        mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention plain_d256 { dtype = bf16  head_dim = 256 }
+attention causal_d256 { dtype = bf16  head_dim = 256  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention window { dtype = bf16  head_dim = 128
+                   mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx && q_idx - kv_idx < 256 }
 """
 WORKLOADS = [
     ("plain_d128", Problem(4, 4096, 4096, 16, 16, 128)),
@@ -32,16 +36,35 @@ WORKLOADS = [
     ("plain_d64", Problem(4, 4096, 4096, 32, 32, 64)),
     ("causal_d64", Problem(4, 4096, 4096, 32, 32, 64)),
     ("gqa_causal", Problem(4, 4096, 4096, 32, 8, 128)),
+    ("plain_d256", Problem(2, 8192, 8192, 16, 16, 256)),
+    ("causal_d256", Problem(2, 8192, 8192, 16, 16, 256)),
+    ("window", Problem(4, 4096, 4096, 16, 16, 128)),
     ("causal_d128", Problem(0, 0, 0, 16, 16, 128, tuple([8192 >> i for i in range(8)] * 2))),
+    ("causal_d128", Problem(0, 0, 0, 16, 16, 128, (2048,) * 16)),
+    ("causal_d128", Problem(0, 0, 0, 16, 16, 128, (96,) * 1024)),
 ]
 DESIGNS = ("sm80", "sm90")
+
+
+def varlen_flash_ms(torch, args: dict, causal: bool) -> float | None:
+    """torch's packed-varlen flash kernel on the same ragged batch (cum_seq_q/k)."""
+    def run():
+        return torch.ops.aten._flash_attention_forward(
+            args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"],
+            args["max_seqlen_q"], args["max_seqlen_k"], 0.0, causal, False)
+    try:
+        return time_ms(torch, run)
+    except (RuntimeError, TypeError) as err:
+        print(f"(varlen flash unavailable: {err})")
+        return None
 
 
 def main() -> None:
     torch = require_gpu()
     programs = {d: mhadsl.compile(SOURCE, name=f"<hopper {d}>") for d in DESIGNS}
     print(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| kernel | shape | sm80 | sm90 | torch flash | cuDNN | sm90 / cuDNN | rel. error sm80, sm90 |")
+    print("| kernel | shape | sm80 | sm90 | torch flash (ragged: varlen) | cuDNN | sm90 / cuDNN "
+          "| rel. error sm80, sm90 |")
     print("|---|---|---|---|---|---|---|---|")
     for name, problem in WORKLOADS:
         kernels = {}
@@ -54,6 +77,8 @@ def main() -> None:
                                                    problem.head_dim))[0] for d in DESIGNS]
         tflops = {d: flops / time_ms(torch, lambda k=kernels[d]: k(**args)) / 1e9 for d in DESIGNS}
         base = torch_baselines(torch, kernels["sm90"], problem, args)
+        if problem.seqlens:  # torch's packed-varlen flash kernel stands in for the flash column
+            base["flash"] = varlen_flash_ms(torch, args, causal=name.startswith("causal"))
         base = {k: None if v is None else flops / v / 1e9 for k, v in base.items()}
 
         def f(x):
