@@ -435,6 +435,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+def _batch_arguments(p: argparse.ArgumentParser) -> None:
+    """The batch a scheduler is simulated or a kernel traced on: dense or ragged."""
+    p.add_argument("--batch", type=int, default=1, help="sequences (with --seqlen)")
+    p.add_argument("--seqlen", type=int, help="length of every sequence (dense)")
+    p.add_argument("--seqlens", help="ragged lengths, comma-separated, e.g. 8192,4096,0")
+    p.add_argument("--heads", type=int, default=16)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="mhadsl", description="Compile .mha attention kernels and tile schedulers.")
@@ -458,10 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="simulate a scheduler on the host and prove coverage")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--scheduler", required=True, metavar="NAME")
-    p.add_argument("--batch", type=int, default=1, help="sequences (with --seqlen)")
-    p.add_argument("--seqlen", type=int, help="length of every sequence (dense)")
-    p.add_argument("--seqlens", help="ragged lengths, comma-separated, e.g. 8192,4096,0")
-    p.add_argument("--heads", type=int, default=16)
+    _batch_arguments(p)
     p.add_argument("--tile", type=int, default=128, help="query tile height (BM)")
     p.add_argument("--ctas", type=int, default=132, help="simulated multiprocessors")
     p.add_argument("--num-sms", type=int, help="value of num_sms (default: --ctas)")
@@ -497,10 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "measured timeline next to the simulator's (GPU)")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--kernel", required=True, metavar="NAME")
-    p.add_argument("--batch", type=int, default=1, help="sequences (with --seqlen)")
-    p.add_argument("--seqlen", type=int, help="length of every sequence (dense)")
-    p.add_argument("--seqlens", help="ragged lengths, comma-separated")
-    p.add_argument("--heads", type=int, default=16)
+    _batch_arguments(p)
     p.add_argument("--scheduler", metavar="NAME", help="run it in place of the kernel's own")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                    help="bind a parameter of --scheduler, e.g. --param order=PROMPT_ROTATE")

@@ -165,17 +165,9 @@ def test_gqa_and_mqa(hq, hkv, backend):
     assert_matches(kern, ragged(kern, RAGGED, RAGGED, hq, hkv))
 
 
-@pytest.mark.parametrize("name", ["causal_d64", "lse_fp16", "plain_lse_d64"])
+@pytest.mark.parametrize("name", ["causal_d64", "lse_fp16", "plain_lse_d64", "plain_d256",
+                                  "causal_lse_d256"])
 def test_head_dims_fp16_and_lse(name, backend):
-    kern = extra(name, backend)
-    lse = kern.options.return_lse
-    assert_matches(kern, dense(kern, 2, 191, 191, 3, 3), lse=lse)
-    assert_matches(kern, dense(kern, 1, 300, 77, 2, 2), lse=lse)
-    assert_matches(kern, ragged(kern, RAGGED, RAGGED, 2, 2), lse=lse)
-
-
-@pytest.mark.parametrize("name", ["plain_d256", "causal_lse_d256"])
-def test_head_dim_256(name, backend):
     kern = extra(name, backend)
     lse = kern.options.return_lse
     assert_matches(kern, dense(kern, 2, 191, 191, 3, 3), lse=lse)
