@@ -572,9 +572,10 @@ def record_work_item(builder: ir.IRBuilder, workspace: ir.Value, fields: dict[st
 
     slot_ptr = b.gep(scratch, [i32(0), i32(0)], source_etype=_TRACE_SCRATCH)
     start_ptr = b.gep(scratch, [i32(0), i32(1)], source_etype=_TRACE_SCRATCH)
-    records = nvptx.special_register(b, "thread_idx", "x")
-    me = b.icmp_unsigned("==", records, i32(thread))
-    with b.if_then(me):
+    def is_recorder() -> ir.Value:
+        return b.icmp_unsigned("==", nvptx.special_register(b, "thread_idx", "x"), i32(thread))
+
+    with b.if_then(is_recorder()):
         k = b.atomic_rmw("add", word(workspace, trace_records.COUNT_WORD), i32(1), "monotonic")
         fits = b.icmp_unsigned("<", k, b.load(word(workspace, trace_records.CAPACITY_WORD),
                                                typ=i32))
@@ -592,8 +593,7 @@ def record_work_item(builder: ir.IRBuilder, workspace: ir.Value, fields: dict[st
         b.store(b.ptrtoint(record, i64), slot_ptr)
         b.store(start, start_ptr)
     emit_body()
-    records = nvptx.special_register(b, "thread_idx", "x")
-    with b.if_then(b.icmp_unsigned("==", records, i32(thread))):
+    with b.if_then(is_recorder()):
         end = timer()
         address = b.load(slot_ptr, typ=i64)
         with b.if_then(b.icmp_unsigned("!=", address, i64(0))):
