@@ -50,7 +50,10 @@ def test_example_kernels_assemble_without_spills_at_their_primary_tile(path, arc
 
 def test_default_scale_scheduler_and_options():
     (plain, fp16) = kernels_of(REPO / "examples/plain.mha")
-    assert plain.options.scheduler == "LPT" and plain.options.dtype == "bf16"
+    assert plain.options.scheduler == "Queued" and plain.options.dtype == "bf16"  # no mask
+    masked = mhadsl.compile('import "std/schedulers.mha"\nattention c {\n'
+                            '    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx\n}\n')["c"]
+    assert masked.options.scheduler == "LPT"  # a mask: the longest tiles first
     assert plain.options.softmax_scale() == pytest.approx(128 ** -0.5)
     assert fp16.options.softmax_scale() == 0.125 and fp16.options.return_lse
     assert fp16.options.scheduler == "Persistent"
