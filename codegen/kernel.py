@@ -16,7 +16,8 @@ from mhadsl.codegen.backends import ExprHooks, KernelArgs, KernelSource, TileSeq
 from mhadsl.codegen.lower import Builtins, FunctionLowering
 from mhadsl.codegen.nvptx import i32, i64
 from mhadsl.codegen.scheduler import (
-    EnvParams, SchedulerSpec, emit_work_loop, env_filler, lower_scheduler, shared_slots,
+    EnvParams, SchedulerSpec, emit_work_loop, env_filler, lower_scheduler, runs_apart,
+    shared_slots,
 )
 from mhadsl.codegen.target import Target
 from mhadsl.types import BOOL, F32, I32
@@ -56,7 +57,15 @@ def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Ta
     with `trace`, the loop's `args.trace_thread` records every work item (`mhadsl trace`)."""
     def work_loop(builder: ir.IRBuilder, args: KernelArgs, body) -> None:
         aligned = not args.divergent_roles
+        handoff = args.handoff
+        decl = program.schedulers.get(spec.name)  # (lower_scheduler reports a missing one)
+        if handoff is not None and (decl is None or not runs_apart(program, decl)):
+            handoff = None  # its roles step together
+        variants = ((True, "ALL"),) if handoff is None else \
+            ((True, "PRODUCER"),) if handoff.role == "producer" else ((False, "NONE"),)
         lowered = lower_scheduler(builder.module, program, spec, target,
+                                  advance_variants=variants,
+                                  producer_threads=handoff.producer_threads if handoff else 0,
                                   aligned_barriers=aligned)
         args.persistent = lowered.may_advance
 
@@ -77,7 +86,8 @@ def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Ta
 
         fill_env = env_filler(builder, lowered, shared_slots(builder.module), params)
         emit_work_loop(builder, lowered, fill_env, lambda b, seq: body(b, TileSeq(**seq)),
-                       aligned=aligned, trace_thread=args.trace_thread if trace else None)
+                       aligned=aligned, trace_thread=args.trace_thread if trace else None,
+                       handoff=handoff)
     return work_loop
 
 

@@ -378,11 +378,81 @@ def shared_slots(module: ir.Module) -> ir.GlobalVariable:
     return slots
 
 
+@dataclass(frozen=True)
+class Handoff:
+    """Warp-specialised roles whose work loops run apart (one side of the handoff each).
+
+    The producer's loop takes each next work index (`advance` with producer = true, its
+    barrier among the producer's threads), then publishes the step on mbarrier `full[p]`
+    (p = the step's pipeline_idx); the consumers' loop waits there and then runs its own
+    `advance` (producer = false, no barrier), which reads the index from slot p, and frees the
+    slot on `empty[p]`. With two slots the producer runs up to one work tile ahead: it loads
+    the next tile while the consumers finish this one. A producer that faults records it,
+    raises the stop flag and publishes; the consumers stop at that step. Only schedulers
+    whose `advance` has no `while` run apart (`runs_apart`): a consumer loop can then not
+    fault alone and strand the producer at a full pipeline. Others run in lock-step."""
+
+    role: str  # "producer" or "consumer"
+    producer_threads: int
+    consumer_threads: int
+
+
+_HANDOFF_WORDS = ir.ArrayType(i64, 5)  # mbarriers full[0..1], empty[0..1]; the stop flag
+
+
+def _handoff_state(module: ir.Module) -> ir.GlobalVariable:
+    name = "mhadsl.sched_handoff"
+    if name in module.globals:
+        return module.globals[name]
+    state = ir.GlobalVariable(module, _HANDOFF_WORDS, name, addrspace=nvptx.SHARED)
+    state.linkage = "internal"
+    state.initializer = ir.Constant(_HANDOFF_WORDS, None)
+    state.align = 8
+    state.type = nvptx.ptr(nvptx.SHARED)  # opaque, as LLVM 22 prints pointers
+    return state
+
+
+def _handoff_word(builder: ir.IRBuilder, k: int | ir.Value) -> ir.Value:
+    k = i32(k) if isinstance(k, int) else k
+    return builder.gep(_handoff_state(builder.module), [i32(0), k], source_etype=_HANDOFF_WORDS)
+
+
+def _handoff_barrier(builder: ir.IRBuilder, which: str, step: ir.Value) -> ir.Value:
+    first = {"full": 0, "empty": 2}[which]
+    return _handoff_word(builder, builder.add(i32(first), builder.and_(step, i32(1))))
+
+
+def init_handoff(builder: ir.IRBuilder, producer_threads: int, consumer_threads: int) -> None:
+    """Thread 0 initialises the handoff's mbarriers and stop flag; the kernel then fences the
+    mbarrier init and runs a CTA barrier before the roles split (as for its own)."""
+    from mhadsl.codegen import hopper
+    for k in range(2):
+        hopper.mbarrier_init(builder, _handoff_word(builder, k), producer_threads)
+        hopper.mbarrier_init(builder, _handoff_word(builder, 2 + k), consumer_threads)
+    builder.store(i64(0), _handoff_word(builder, 4))
+
+
+def runs_apart(program: CheckedProgram, decl: ast.SchedulerDecl) -> bool:
+    """Whether the scheduler's roles may run apart (`Handoff`): no `while` in its advance
+    nor in the functions it calls."""
+    stack, seen = [next(r for r in decl.rules if r.name == "advance")], set()
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.While):
+            return False
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in program.fns and node.func.id not in seen:
+            seen.add(node.func.id)
+            stack.append(program.fns[node.func.id])
+        stack.extend(ast.children(node))
+    return True
+
+
 def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
                    fill_env: Callable[[ir.IRBuilder], KernelEnv],
                    body: Callable[[ir.IRBuilder, dict[str, ir.Value]], None], *,
                    producer: bool = True, sync: str = "ALL", aligned: bool = True,
-                   trace_thread: int | None = None) -> None:
+                   trace_thread: int | None = None, handoff: Handoff | None = None) -> None:
     """The persistent loop: initial_state, then body per valid tile, advance until none.
 
     Every thread of the CTA runs it (advance may hold a barrier); `body` gets the tile's
@@ -397,6 +467,10 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
 
     With `trace_thread`, that thread records each tile it runs into the workspace's trace
     buffer (`record_work_item`); other threads run exactly what they run untraced.
+
+    With `handoff`, this is one role's loop of a warp-specialised kernel whose roles run
+    apart (`Handoff`): after the first step (whose vote all roles take together) the steps
+    synchronise through the handoff's mbarriers, not CTA-wide.
     """
     fns = sched.functions
     kenv = fill_env(builder)
@@ -442,7 +516,9 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
         else:
             record_work_item(builder, _workspace(builder, sched, kenv), fields, trace_thread,
                              lambda: body(builder, fields))
-    if sched.may_advance:
+    if sched.may_advance and handoff is not None:
+        _handoff_step(builder, sched, fill_env, state, seq, taken, handoff, loop_bb, exit_bb)
+    elif sched.may_advance:
         kenv = fill_env(builder)
         _refuel(builder, sched, kenv)
         before = builder.load(taken, typ=i32)
@@ -457,6 +533,47 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     else:
         builder.branch(exit_bb)
     builder.position_at_end(exit_bb)
+
+
+def _handoff_step(builder: ir.IRBuilder, sched: LoweredScheduler, fill_env, state, seq,
+                  taken, handoff: Handoff, loop_bb, exit_bb) -> None:
+    """One role's scheduler step of loops that run apart (`Handoff`); continues at
+    `loop_bb` with the next tile, else at `exit_bb`."""
+    from mhadsl.codegen import hopper
+    b = builder
+    kenv = fill_env(b)
+    _refuel(b, sched, kenv)
+    step = b.load(taken, typ=i32)
+    use_parity = b.and_(b.lshr(step, i32(1)), i32(1))  # the slot's use count, mod 2
+    n = b.add(step, i32(1))
+    stop_flag = _handoff_word(b, 4)
+    if handoff.role == "producer":
+        hopper.mbarrier_wait(b, _handoff_barrier(b, "empty", step), b.xor(use_parity, i32(1)))
+        more = b.call(sched.functions[sched.advance_name(True, "PRODUCER")],
+                      [kenv.env, kenv.ts, state, b.and_(step, i32(1)), seq])
+        b.store(n, taken)
+        too_many = b.and_(more, b.icmp_unsigned(">", b.zext(n, i64),
+                                                _num_work(b, sched, kenv)))
+        fuel = b.load(_fuel_ptr(b, sched, kenv), typ=i64)
+        emptied = b.trunc(b.select(b.icmp_signed("<", fuel, i64(0)), b.neg(fuel), i64(0)), i32)
+        code = b.select(too_many, i32(faults.fault_code(faults.TOO_MANY_TILES, "advance")),
+                        emptied)
+        faulted = b.icmp_unsigned("!=", code, i32(0))
+        with b.if_then(faulted, likely=False):
+            record_fault(b, _workspace(b, sched, kenv), code, sched.scheduler_id)
+            b.store(i64(1), stop_flag)
+        hopper.mbarrier_arrive(b, _handoff_barrier(b, "full", step))
+        b.cbranch(b.and_(more, b.not_(faulted)), loop_bb, exit_bb)
+        return
+    hopper.mbarrier_wait(b, _handoff_barrier(b, "full", step), use_parity)
+    go_on = b.function.append_basic_block("handoff_go_on")
+    b.cbranch(b.icmp_unsigned("==", b.load(stop_flag, typ=i64), i64(0)), go_on, exit_bb)
+    b.position_at_end(go_on)
+    more = b.call(sched.functions[sched.advance_name(False, "NONE")],
+                  [kenv.env, kenv.ts, state, b.and_(step, i32(1)), seq])
+    b.store(n, taken)
+    hopper.mbarrier_arrive(b, _handoff_barrier(b, "empty", step))
+    b.cbranch(more, loop_bb, exit_bb)
 
 
 def _stop_step(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv,

@@ -101,3 +101,29 @@ def test_hopper_devices_run_sm90_where_it_runs_the_declaration(head_dim):
         assert select_backend(other, options=options)[0].name == "sm80"
     with pytest.raises(ValueError, match="builds for sm_90a, not sm_80"):
         select_backend((8, 0), "sm90")
+
+
+@needs_ptxas
+def test_roles_run_apart_where_the_scheduler_lets_them():
+    """Queued's advance has no `while`: after the first step the producer and the consumers
+    step through the handoff's mbarriers, with no CTA-wide barrier (so the producer can load
+    the next work tile while the consumers finish this one). examples/queued_rotate.mha's
+    MyQueued loops in its advance: its roles step together, CTA-wide."""
+    from mhadsl.codegen.scheduler import runs_apart
+    program = mhadsl.compile(f'import "std/schedulers.mha"\nimport "{REPO}/examples/'
+                             'queued_rotate.mha"\n').checked
+    assert [n for n, d in program.schedulers.items() if not runs_apart(program, d)] == \
+        ["MyQueued"]
+
+    def cta_barriers(scheduler: str) -> list[str]:
+        source = (f'import "std/schedulers.mha"\nimport "{REPO}/examples/queued_rotate.mha"\n'
+                  f"attention a {{ head_dim = 64  scheduler = {scheduler}() }}\n")
+        kb = build_kernel(checked(source), KernelRequest("a", "sm_90a", "sm90"),
+                          cache.CompileCache(tempfile.mkdtemp()))
+        assert kb.assembled.kernels[KERNEL_NAME].spill_stores == 0
+        return re.findall(r"^\s*(barrier\.sync\s+0|barrier\.red\.or\.pred\s+%p\d+, 0)",
+                          kb.ptx, re.M)
+
+    apart, together = cta_barriers("Queued"), cta_barriers("MyQueued")
+    assert len(apart) == 2  # the first step's vote, once per role
+    assert len(together) > len(apart)  # each step's barrier and vote, per role

@@ -186,15 +186,16 @@ class KernelArgs:
     the work loop with the build's config. The loop sets `persistent` when a CTA runs many
     tiles; `opaque_env` asks it to rederive the scheduler's inputs per step; `divergent_roles`
     says the kernel runs the loop once per role branch (warp specialisation), so its CTA-wide
-    barriers must not be `.aligned`. In a traced build (`mhadsl trace`) thread
-    `trace_thread` records the loop's work items; None: this loop records none (another
-    role's loop does)."""
+    barriers must not be `.aligned`; `handoff` (`codegen.scheduler.Handoff`), which side of
+    the handoff this role's loop is where the scheduler lets the roles run apart. In a
+    traced build (`mhadsl trace`) thread `trace_thread` records the loop's work items; None:
+    this loop records none (another role's loop does)."""
 
     def __init__(self, fn: ir.Function, params: tuple[KernelParam, ...], config: object,
                  opaque_env: bool = False, divergent_roles: bool = False,
-                 trace_thread: int | None = 0):
+                 trace_thread: int | None = 0, handoff=None):
         self.function, self.config, self.opaque_env = fn, config, opaque_env
-        self.divergent_roles = divergent_roles
+        self.divergent_roles, self.handoff = divergent_roles, handoff
         self.trace_thread = trace_thread
         self.persistent = False
         for p, arg in zip(params, fn.args):

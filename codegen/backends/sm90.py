@@ -51,6 +51,7 @@ from mhadsl.codegen.backends import (
 )
 from mhadsl.codegen.backends.sm80 import KERNEL_PARAMS as SM80_PARAMS
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
+from mhadsl.codegen.scheduler import Handoff, init_handoff
 from mhadsl.codegen.target import Target, new_module
 
 KERNEL_NAME = "mha_fwd_sm90"
@@ -60,6 +61,7 @@ THREADS = 3 * hopper.WARPGROUP_THREADS
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 CONSUMER_THREADS = 2 * hopper.WARPGROUP_THREADS
+ROLE_THREADS = (hopper.WARPGROUP_THREADS, CONSUMER_THREADS)  # producer, consumers
 BOX_COLUMNS = 64  # head-dim columns per TMA box: 128 bytes, the swizzle's row
 NEG_INF = float("-inf")
 
@@ -112,7 +114,7 @@ def shared_bytes(config: HopperConfig) -> int:
 
 
 def _barrier_bytes(config: HopperConfig) -> int:
-    return (1 + 4 * config.stages) * hopper.MBARRIER_BYTES
+    return (2 + 4 * config.stages) * hopper.MBARRIER_BYTES
 
 
 KERNEL_PARAMS: tuple[KernelParam, ...] = SM80_PARAMS + (
@@ -211,9 +213,12 @@ class _Layout:
         index = i32(index) if isinstance(index, int) else index
         return self.at(b, b.add(i32(start), b.mul(index, i32(hopper.MBARRIER_BYTES))))
 
-    # barrier 0: q_full; then per stage k_full, v_full, k_empty, v_empty
+    # barrier 0: q_full; then per stage k_full, v_full, k_empty, v_empty; then q_empty
     def q_full(self, b):
         return self.barrier(b, 0)
+
+    def q_empty(self, b):
+        return self.barrier(b, 1 + 4 * self.c.stages)
 
     def full(self, b, which: str, stage):
         return self.barrier(b, b.add(i32(1 + "kv".index(which) * self.c.stages), stage))
@@ -482,12 +487,18 @@ class _Kernel:
         self.mem = _Layout(config, smem)
 
     # ------------------------------------------------------------------ producer
-    def producer_tile(self, b, args: KernelArgs, kv_count: ir.Value, seq) -> None:
+    def producer_tile(self, b, args: KernelArgs, kv_count: ir.Value, tile_count: ir.Value,
+                      seq) -> None:
         c, mem = self.c, self.mem
         with b.if_then(b.icmp_unsigned("==", _thread_idx(b), i32(0))):
             t = _Tile(b, c, args, self.hooks, seq)
             q_map, k_map, v_map = (hopper.tensor_map_address(b, args[n])
                                    for n in ("q_map", "k_map", "v_map"))
+            # the consumers' last S of the previous work tile has read Q (the producer may be
+            # a work tile ahead of them: `scheduler.Handoff`)
+            loaded, bump_loaded = _counted(b, tile_count)
+            hopper.mbarrier_wait(b, mem.q_empty(b), b.xor(b.and_(loaded, i32(1)), i32(1)))
+            bump_loaded(b)
             q_full = mem.q_full(b)
             hopper.mbarrier_arrive_expect_tx(b, q_full, c.q_bytes)
             row = b.add(t.q_start, t.q0)
@@ -535,6 +546,7 @@ class _Kernel:
         else:
             sl2 = _fconst(warp.LOG2E)
         o, m, l = _ConsumerTile(self, b, args, t, group, row0, col0, sl2, kv_count).loop()
+        hopper.mbarrier_arrive(b, mem.q_empty(b))  # every S of this tile is done
         self._epilogue(b, args, t, o, m, l, sl2, row0, col0)
 
     def _scores(self, b, args, t: _Tile, n, s, row0, col0):
@@ -664,6 +676,8 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
             hopper.prefetch_tensor_map(b, hopper.tensor_map_address(b, params[name]))
     with b.if_then(b.icmp_unsigned("==", tid, i32(0))):
         hopper.mbarrier_init(b, mem.q_full(b), 1)
+        hopper.mbarrier_init(b, mem.q_empty(b), CONSUMER_THREADS)
+        init_handoff(b, *ROLE_THREADS)
         for stage in range(config.stages):
             for which in "kv":
                 hopper.mbarrier_init(b, mem.full(b, which, i32(stage)), 1)
@@ -675,9 +689,11 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
         with producer:
             hopper.setmaxnreg(b, PRODUCER_REGISTERS, increase=False)
             args = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
-                              divergent_roles=True, trace_thread=None)  # consumers record
+                              divergent_roles=True, trace_thread=None,  # consumers record
+                              handoff=Handoff("producer", *ROLE_THREADS))
             before = set(module.globals)
-            work_loop(b, args, lambda bb, seq: kernel.producer_tile(bb, args, kv_count, seq))
+            work_loop(b, args, lambda bb, seq: kernel.producer_tile(bb, args, kv_count,
+                                                                     tile_count, seq))
             _rename_new_functions(module, before, ".producer")
         with consumer:
             hopper.setmaxnreg(b, CONSUMER_REGISTERS, increase=True)
@@ -689,7 +705,8 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
                 nvptx.barrier_arrive_named(b, nvptx.CONSUMER_TURN_BARRIERS[0],
                                            CONSUMER_THREADS, aligned=False)
             cargs = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
-                               divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS)
+                               divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS,
+                               handoff=Handoff("consumer", *ROLE_THREADS))
             work_loop(b, cargs, lambda bb, seq: kernel.consumer_tile(bb, cargs, kv_count,
                                                                       tile_count, seq))
     b.ret_void()
