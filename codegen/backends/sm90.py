@@ -309,6 +309,15 @@ class _Tile:
         return phis
 
 
+def _per_group(b, group: ir.Value, emit: Callable[[int], None]) -> None:
+    """emit(0) in the first consumer warpgroup, emit(1) in the second (uniform branches)."""
+    with b.if_else(b.icmp_unsigned("==", group, i32(0))) as (first, second):
+        with first:
+            emit(0)
+        with second:
+            emit(1)
+
+
 class _ConsumerTile:
     """One consumer warpgroup's KV loop over a work tile: S = Q K^T, the online softmax,
     O += P V. The two consumer warpgroups take turns at the tensor cores (ping-pong: named
@@ -328,15 +337,15 @@ class _ConsumerTile:
 
     # The turns' barriers are not .aligned: each phase's waiting and arriving warps meet
     # from different sites (the first tile's, the loop's, the kernel's start).
+    # Each warpgroup names its barriers by constants, at its own site (one instruction with
+    # a register ID, run by both warpgroups, is what synccheck flagged).
     def take_turn(self, bb):
-        first = nvptx.CONSUMER_TURN_BARRIERS[0]
-        nvptx.barrier_named(bb, bb.add(i32(first), self.group), CONSUMER_THREADS,
-                            aligned=False)
+        _per_group(bb, self.group, lambda g: nvptx.barrier_named(
+            bb, nvptx.CONSUMER_TURN_BARRIERS[g], CONSUMER_THREADS, aligned=False))
 
     def pass_turn(self, bb):
-        last = nvptx.CONSUMER_TURN_BARRIERS[1]
-        nvptx.barrier_arrive_named(bb, bb.sub(i32(last), self.group), CONSUMER_THREADS,
-                                   aligned=False)
+        _per_group(bb, self.group, lambda g: nvptx.barrier_arrive_named(
+            bb, nvptx.CONSUMER_TURN_BARRIERS[1 - g], CONSUMER_THREADS, aligned=False))
 
     def issue_s(self, bb, stage):
         """S = Q K^T of `stage`, committed (not waited for)."""
@@ -709,6 +718,12 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
                                handoff=Handoff("consumer", *ROLE_THREADS))
             work_loop(b, cargs, lambda bb, seq: kernel.consumer_tile(bb, cargs, kv_count,
                                                                       tile_count, seq))
+            # the turn the second warpgroup passed last (or at the start) is taken, so no
+            # barrier phase is left half-full when the CTA exits
+            with b.if_then(b.icmp_unsigned("<", _thread_idx(b),
+                                           i32(2 * hopper.WARPGROUP_THREADS))):
+                nvptx.barrier_named(b, nvptx.CONSUMER_TURN_BARRIERS[0], CONSUMER_THREADS,
+                                    aligned=False)
     b.ret_void()
     return module
 
