@@ -55,6 +55,7 @@ def lane_id(builder: ir.IRBuilder) -> ir.Value:
 CTA_BARRIER = 0  # bar.sync 0: every thread of the CTA
 PRODUCER_BARRIER = 1  # a named barrier among the producer's threads
 CONSUMER_TURN_BARRIERS = (2, 3)  # sm90: whose turn it is at the tensor cores (ping-pong)
+CONSUMER_EPILOGUE_BARRIER = 4  # sm90: the consumers around O's staging tile
 
 
 def _cta_threads(builder: ir.IRBuilder) -> ir.Value:

@@ -59,13 +59,13 @@ def test_tensor_maps_are_grid_constant_parameters():
     ptx = build("causal.mha", "causal_fwd").ptx
     maps = re.findall(rf"\.param \.align \d+ \.b8 {KERNEL_NAME}_param_(\d+)\[128\]", ptx)
     first = len(backends.backend("sm80").params)
-    assert [int(i) for i in maps] == [first, first + 1, first + 2]  # q_map, k_map, v_map
+    assert [int(i) for i in maps] == [first + k for k in range(4)]  # q, k, v, o maps
 
 
-def test_kernel_parameters_add_three_tensor_maps_to_sm80s():
+def test_kernel_parameters_add_four_tensor_maps_to_sm80s():
     names = [p.name for p in BACKEND.params]
     sm80 = [p.name for p in backends.backend("sm80").params]
-    assert names == sm80 + ["q_map", "k_map", "v_map"]
+    assert names == sm80 + ["q_map", "k_map", "v_map", "o_map"]
     shape = BACKEND.launch_shape(HopperConfig())
     assert shape.threads == 384 and shape.shared_bytes == shared_bytes(HopperConfig())
     assert shape.shared_bytes <= backends.SHARED_MEMORY_LIMIT["sm_90a"]
@@ -127,3 +127,14 @@ def test_roles_run_apart_where_the_scheduler_lets_them():
     apart, together = cta_barriers("Queued"), cta_barriers("MyQueued")
     assert len(apart) == 2  # the first step's vote, once per role
     assert len(together) > len(apart)  # each step's barrier and vote, per role
+
+
+@needs_ptxas
+@pytest.mark.parametrize("layout, stores", [(Layout(), "by TMA"), (Layout(2, True, True), "from registers")])
+def test_dense_builds_store_o_by_tma_ragged_ones_from_registers(layout, stores):
+    """A dense tile's rows past the tensor's end are outside the map, so a TMA store may
+    write whole boxes; a ragged tile's would fall into the next sequence."""
+    ptx = " ".join(build("causal.mha", "causal_fwd", layout).ptx.split())
+    tma_store = "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group" in ptx
+    assert tma_store == (stores == "by TMA")
+    assert ("cp.async.bulk.wait_group.read 0" in ptx) == tma_store

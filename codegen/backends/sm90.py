@@ -108,8 +108,9 @@ class HopperConfig:
 
 
 def shared_bytes(config: HopperConfig) -> int:
-    """Slack for rounding the base up to 1024 bytes, Q, the K/V ring, the mbarriers."""
-    return (hopper.SWIZZLE_ATOM_BYTES + config.q_bytes
+    """Slack for rounding the base up to 1024 bytes, Q, the K/V ring, O (the TMA store's
+    source; as Q), the mbarriers."""
+    return (hopper.SWIZZLE_ATOM_BYTES + 2 * config.q_bytes
             + 2 * config.stages * config.kv_tile_bytes + _barrier_bytes(config))
 
 
@@ -121,6 +122,7 @@ KERNEL_PARAMS: tuple[KernelParam, ...] = SM80_PARAMS + (
     KernelParam("q_map", "tensor_map", "CUtensorMap over q as (B,Sq,Hq,D) (ragged: (1,total_q,Hq,D)), box (1,BM,1,64), 128-byte swizzle"),
     KernelParam("k_map", "tensor_map", "CUtensorMap over k as (B,Sk,Hkv,D) (ragged: (1,total_k,Hkv,D)), box (1,BN,1,64)"),
     KernelParam("v_map", "tensor_map", "CUtensorMap over v, as k_map"),
+    KernelParam("o_map", "tensor_map", "CUtensorMap over o, as q_map (a dense build stores O by it)"),
 )
 
 
@@ -129,7 +131,7 @@ def tensor_map_args(config: HopperConfig, tensors: dict, ragged: bool) -> dict:
     """The tensor-map launch arguments for device views q, k, v, o (`.ptr`, `.shape`,
     `.strides` in elements, `.device`)."""
     from mhadsl.runtime.tensormap import encode_tiled
-    rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n}
+    rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n, "o": config.block_m}
     maps = {}
     for name, rows_per_box in rows.items():
         t = tensors[name]
@@ -181,7 +183,7 @@ def _counted(b, slot: ir.Value) -> tuple[ir.Value, Callable]:
 
 class _Layout:
     """Shared-memory addresses: base rounded up to 1024 B, then Q, the K/V stages (K then V
-    per stage), the mbarriers."""
+    per stage), O's staging tile, the mbarriers."""
 
     def __init__(self, config: HopperConfig, smem: ir.GlobalVariable):
         self.c, self.smem = config, smem
@@ -207,9 +209,15 @@ class _Layout:
         off = c.q_bytes + (c.kv_tile_bytes if which == "v" else 0) + extra
         return self.at(b, b.add(i32(off), b.mul(stage, i32(2 * c.kv_tile_bytes))))
 
+    def o_box(self, b, box: int) -> ir.Value:
+        """O's staging box `box` (64 columns, BM rows, swizzled as Q's), after the ring."""
+        c = self.c
+        return self.at(b, c.q_bytes + 2 * c.stages * c.kv_tile_bytes
+                       + box * c.block_m * hopper.SWIZZLE_BYTES)
+
     def barrier(self, b, index: ir.Value | int) -> ir.Value:
         c = self.c
-        start = c.q_bytes + 2 * c.stages * c.kv_tile_bytes
+        start = 2 * c.q_bytes + 2 * c.stages * c.kv_tile_bytes
         index = i32(index) if isinstance(index, int) else index
         return self.at(b, b.add(i32(start), b.mul(index, i32(hopper.MBARRIER_BYTES))))
 
@@ -597,30 +605,71 @@ class _Kernel:
             out.append(phi)
         return out
 
+    def _store_o_by_tma(self, b, args, t: _Tile, o, invs, row0, col0):
+        """O / l into the staging tile (128-byte swizzle, as TMA reads it), then one TMA
+        store per 64-column box by the first consumer thread, which first waits until its
+        previous store has read the tile (`bulk_wait_group_read`)."""
+        c, mem = self.c, self.mem
+        storer = b.icmp_unsigned("==", _thread_idx(b), i32(hopper.WARPGROUP_THREADS))
+        with b.if_then(storer):
+            hopper.bulk_wait_group_read(b, 0)
+        nvptx.barrier_named(b, nvptx.CONSUMER_EPILOGUE_BARRIER, CONSUMER_THREADS)
+        for r in range(2):
+            row = b.add(row0, i32(8 * r))
+            swizzle = b.and_(row, i32(7))
+            for jb in range(c.head_dim // 8):
+                box, chunk = divmod(jb, hopper.SWIZZLE_BYTES // 16)
+                j = 4 * jb + 2 * r
+                value = warp.pack2(b, c.dtype, b.fmul(o[j], invs[r]), b.fmul(o[j + 1], invs[r]))
+                offset = b.add(b.mul(row, i32(hopper.SWIZZLE_BYTES)),
+                               b.add(b.shl(b.xor(i32(chunk), swizzle), i32(4)),
+                                     b.shl(col0, i32(1))))
+                warp.store(b, value, warp.smem_ptr(b, mem.o_box(b, box), offset), align=4)
+        hopper.fence_proxy_async(b)
+        nvptx.barrier_named(b, nvptx.CONSUMER_EPILOGUE_BARRIER, CONSUMER_THREADS)
+        with b.if_then(storer):
+            o_map = hopper.tensor_map_address(b, args["o_map"])
+            for box in range(c.boxes):
+                hopper.tma_store(b, o_map, [t.map_batch, b.add(t.q_start, t.q0), t.h,
+                                            i32(box * BOX_COLUMNS)], mem.o_box(b, box))
+            hopper.bulk_commit_group(b)
+
+    def _store_o_row(self, b, args, t: _Tile, o, inv, r, row, col0):
+        """This thread's part of O / l's row `row` (accumulator row r), from registers."""
+        c = self.c
+        seq_row = b.sext(b.add(t.q_start, b.add(t.q0, row)), i64)
+        base = b.add(b.add(b.mul(b.sext(t.bidx, i64), args.o_stride_batch),
+                           b.mul(seq_row, args.o_stride_row)),
+                     b.mul(b.sext(t.h, i64), args.o_stride_head))
+        base = b.add(base, b.zext(col0, i64))
+        for jb in range(c.head_dim // 8):
+            j = 4 * jb + 2 * r
+            value = warp.pack2(b, c.dtype, b.fmul(o[j], inv), b.fmul(o[j + 1], inv))
+            ptr = b.gep(args.o, [b.add(base, i64(8 * jb))], inbounds=True,
+                        source_etype=nvptx.i16)
+            warp.store(b, value, ptr, align=4)
+
     def _epilogue(self, b, args, t: _Tile, o, m, l, sl2, row0, col0):
-        """O / l to global memory (rows inside the sequence only) and the LSE."""
+        """O / l to global memory (rows inside the sequence only) and the LSE. A dense build
+        stages O in shared memory and stores it by TMA (rows past the tensor are not
+        written), so the consumers hand the store to the copy engine and go on; a ragged
+        one stores from registers (a box would cross into the next sequence's rows)."""
         c = self.c
         zero = _fconst(0.0)
         rows_q = b.sub(t.seqlen_q, t.q0)
         lane_col = b.and_(_thread_idx(b), i32(3))
+        totals = [warp.quad_allreduce(b, l[r], warp.fadd) for r in range(2)]
+        empties = [b.fcmp_unordered("==", total, zero) for total in totals]  # no key kept
+        invs = [b.select(e, zero, warp.rcp(b, total)) for e, total in zip(empties, totals)]
+        if not c.ragged:
+            self._store_o_by_tma(b, args, t, o, invs, row0, col0)
         for r in range(2):
-            total = warp.quad_allreduce(b, l[r], warp.fadd)
-            empty = b.fcmp_unordered("==", total, zero)  # no key kept (or NaN)
-            inv = b.select(empty, zero, warp.rcp(b, total))
+            total, empty, inv = totals[r], empties[r], invs[r]
             row = b.add(row0, i32(8 * r))
             inside = b.icmp_signed("<", row, rows_q)
             with b.if_then(inside):
-                seq_row = b.sext(b.add(t.q_start, b.add(t.q0, row)), i64)
-                base = b.add(b.add(b.mul(b.sext(t.bidx, i64), args.o_stride_batch),
-                                   b.mul(seq_row, args.o_stride_row)),
-                             b.mul(b.sext(t.h, i64), args.o_stride_head))
-                base = b.add(base, b.zext(col0, i64))
-                for jb in range(c.head_dim // 8):
-                    j = 4 * jb + 2 * r
-                    value = warp.pack2(b, c.dtype, b.fmul(o[j], inv), b.fmul(o[j + 1], inv))
-                    ptr = b.gep(args.o, [b.add(base, i64(8 * jb))], inbounds=True,
-                                source_etype=nvptx.i16)
-                    warp.store(b, value, ptr, align=4)
+                if c.ragged:
+                    self._store_o_row(b, args, t, o, inv, r, row, col0)
                 if c.return_lse:
                     with b.if_then(b.icmp_unsigned("==", lane_col, i32(0))):
                         val = b.fmul(b.fadd(b.fmul(m[r], sl2), warp.lg2(b, total)),
@@ -718,6 +767,9 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
                                handoff=Handoff("consumer", *ROLE_THREADS))
             work_loop(b, cargs, lambda bb, seq: kernel.consumer_tile(bb, cargs, kv_count,
                                                                       tile_count, seq))
+            if not config.ragged:  # the last O store has read its tile before the CTA exits
+                with b.if_then(b.icmp_unsigned("==", tid, i32(hopper.WARPGROUP_THREADS))):
+                    hopper.bulk_wait_group_read(b, 0)
             # the turn the second warpgroup passed last (or at the start) is taken, so no
             # barrier phase is left half-full when the CTA exits
             with b.if_then(b.icmp_unsigned("<", _thread_idx(b),
