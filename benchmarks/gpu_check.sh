@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything this project verifies on a GPU, in one go (the HARDENING.md and BENCHMARKS.md
 # figures): the GPU test layer, compute-sanitizer over every standard scheduler, and the
-# benchmark table. Logs go to $1 (default gpu-check/).
+# benchmark tables (both designs side by side, then the default design's). Logs go to $1
+# (default gpu-check/).
 #     bash benchmarks/gpu_check.sh [LOG_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,5 +17,6 @@ for backend in sm90 sm80; do
     python3 benchmarks/sanitize.py --backend $backend --log-dir "$logs/sanitize-$backend" 2>&1 \
         | tee "$logs/sanitize-$backend.log" | tail -4 || status=1
 done
+python3 benchmarks/hopper.py 2>&1 | tee "$logs/hopper.log" | tail -18 || status=1
 python3 benchmarks/attention.py 2>&1 | tee "$logs/bench.log" | tail -16 || status=1
 exit $status

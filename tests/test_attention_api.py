@@ -23,11 +23,11 @@ def test_examples_cover_the_promised_variants():
 # fallback tile. Any other build that falls back is a regression: a slower kernel and a build
 # that tries all the shapes twice. On sm_90a these are ragged builds of the sm80 design, which
 # a 9.0 device runs only when forced (its default there is sm90): the valid-tile index's
-# lookups (binary search over cu_seqlens' tile prefix sums) moved four of them onto the
-# fallback and softcap_causal off it (the dense sliding window too).
+# lookups (binary search over cu_seqlens' tile prefix sums) under LPT moved two of them onto
+# the fallback and softcap_causal off it (the dense sliding window too).
 NARROW_TILE_BUILDS = {(name, "sm_90a", True) for name in (
-    "causal_fwd", "gqa_causal", "mqa", "bottom_right_causal", "plain_fwd",
-    "sliding_window_256")} | {("sliding_window_256", "sm_90a", False)}
+    "causal_fwd", "gqa_causal", "bottom_right_causal", "sliding_window_256")} | {
+    ("sliding_window_256", "sm_90a", False)}
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
