@@ -111,7 +111,10 @@ class _TargetBuiltins(Builtins):
         if SYNCS[sync] == "ALL" or self.producer_threads == 0:
             nvptx.barrier_all(lower.b, self.aligned_barriers)
         else:
-            nvptx.barrier_named(lower.b, nvptx.PRODUCER_BARRIER, self.producer_threads)
+            # not .aligned where the roles diverge: the producer's first thread may come
+            # from its loads while the rest of its warp waits here
+            nvptx.barrier_named(lower.b, nvptx.PRODUCER_BARRIER, self.producer_threads,
+                                aligned=self.aligned_barriers)
 
     def loop_fuel(self, lower: FunctionLowering):
         # Every iteration burns fuel, so a loop that never ends stops: on the host the
