@@ -44,6 +44,11 @@ BFLOAT = _BFloatType()
 HALF = ir.HalfType()
 
 
+def fconst(x: float) -> ir.Constant:
+    """An f32 constant."""
+    return ir.Constant(f32, x)
+
+
 def element_type(dtype: str) -> ir.Type:
     if dtype == "bf16":
         return BFLOAT

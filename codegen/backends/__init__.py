@@ -268,6 +268,17 @@ def declaration_problems(options) -> list[Problem]:
     return [] if any(not p for p in found) else min(found, key=len)
 
 
+def sequence_rows(b: ir.IRBuilder, ragged: bool, cu_seqlens: ir.Value, dense_len: ir.Value,
+                  batch: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(first row, length) of sequence `batch`: from the row offsets, or (0, dense_len)."""
+    if not ragged:
+        return i32(0), dense_len
+    start = b.load(b.gep(cu_seqlens, [batch], inbounds=True, source_etype=i32), typ=i32)
+    end = b.load(b.gep(cu_seqlens, [b.add(batch, i32(1))], inbounds=True, source_etype=i32),
+                 typ=i32)
+    return start, b.sub(end, start)
+
+
 def spill_free_build(backend: str, target: Target,
                      candidates: list[tuple[object, Callable[[], ir.Module]]]) -> KernelBuild:
     """The first candidate (config, module maker) that assembles without spills, else the

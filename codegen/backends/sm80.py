@@ -32,7 +32,7 @@ from llvmlite import ir
 from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelParam, KernelSource,
-    LaunchShape, Layout, Problem, TileSeq, common_problems, spill_free_build,
+    LaunchShape, Layout, Problem, TileSeq, common_problems, sequence_rows, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
 from mhadsl.codegen.target import Target, new_module
@@ -237,21 +237,6 @@ def _min(builder, a, b):
     return builder.select(builder.icmp_signed("<", a, b), a, b)
 
 
-def _fconst(x: float) -> ir.Constant:
-    return ir.Constant(f32, x)
-
-
-def _sequence(b: ir.IRBuilder, ragged: bool, cu_seqlens: ir.Value, dense_len: ir.Value,
-              batch: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """(first row, length) of sequence `batch`: from the row offsets, or (0, dense_len)."""
-    if not ragged:
-        return i32(0), dense_len
-    start = b.load(b.gep(cu_seqlens, [batch], inbounds=True, source_etype=i32), typ=i32)
-    end = b.load(b.gep(cu_seqlens, [b.add(batch, i32(1))], inbounds=True, source_etype=i32),
-                 typ=i32)
-    return start, b.sub(end, start)
-
-
 def _sext64(builder, v):
     return builder.sext(v, i64)
 
@@ -417,7 +402,7 @@ class _TileEmitter:
         bidx, h = seq.prompt_idx, seq.head_idx
         q0, seqlen_q, q_start = seq.prompt_offset, seq.seq_len, seq.start_of_seq
         hk = b.udiv(h, i32(c.gqa_group)) if c.gqa_group > 1 else h
-        k_start, seqlen_k = _sequence(b, c.ragged, a.cu_seqlens_k, a.seqlen_k, bidx)
+        k_start, seqlen_k = sequence_rows(b, c.ragged, a.cu_seqlens_k, a.seqlen_k, bidx)
         rows_q = b.sub(seqlen_q, q0)
         n_blocks = b.udiv(b.add(seqlen_k, i32(BN - 1)), i32(BN))
         info = {"b": bidx, "h": h, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
@@ -464,9 +449,9 @@ class _TileEmitter:
         warp.cp_async_commit(b)
 
         if self.hooks.score is None:
-            sl2 = b.fmul(a.softmax_scale, _fconst(warp.LOG2E))  # scores kept raw; scale folded
+            sl2 = b.fmul(a.softmax_scale, warp.fconst(warp.LOG2E))  # scores kept raw; scale folded
         else:
-            sl2 = _fconst(warp.LOG2E)                            # hook output already scaled
+            sl2 = warp.fconst(warp.LOG2E)                            # hook output already scaled
 
         # ---- KV loop (a real IR loop); loop-carried: n, O accumulators, row max m, row sum l
         fn = b.function
@@ -481,7 +466,7 @@ class _TileEmitter:
         acc_phi = [[[b.phi(f32) for _ in range(4)] for _ in range(DT)] for _ in range(MT)]
         m_phi = [[b.phi(f32) for _ in range(2)] for _ in range(MT)]
         l_phi = [[b.phi(f32) for _ in range(2)] for _ in range(MT)]
-        zero, ninf = _fconst(0.0), _fconst(NEG_INF)
+        zero, ninf = warp.fconst(0.0), warp.fconst(NEG_INF)
         for i in range(MT):
             for j in range(DT):
                 for e in range(4):
@@ -532,7 +517,7 @@ class _TileEmitter:
         MT, NT, DT = c.m_tiles, BN // 8, D // 8
         dt = c.dtype
         acc_in, m_in, l_in = state
-        zero, ninf = _fconst(0.0), _fconst(NEG_INF)
+        zero, ninf = warp.fconst(0.0), warp.fconst(NEG_INF)
         bidx, h, q0 = info["b"], info["h"], info["q_lo"]
 
         # S = Q K^T
@@ -668,7 +653,7 @@ class _TileEmitter:
     def _epilogue(self, b, info, acc, m, l, sl2, q_start, q0, rows_q, bidx, h):
         c, a = self.c, self.a
         MT, DT, BM = c.m_tiles, c.head_dim // 8, c.block_m
-        zero = _fconst(0.0)
+        zero = warp.fconst(0.0)
         inv = [[None] * 2 for _ in range(MT)]
         lse = [[None] * 2 for _ in range(MT)]
         for i in range(MT):
@@ -678,8 +663,8 @@ class _TileEmitter:
                 inv[i][r] = b.select(empty, zero, warp.rcp(b, lt))
                 if c.return_lse:
                     val = b.fmul(b.fadd(b.fmul(m[i][r], sl2), warp.lg2(b, lt)),
-                                 _fconst(warp.LN2))
-                    lse[i][r] = b.select(empty, _fconst(NEG_INF), val)
+                                 warp.fconst(warp.LN2))
+                    lse[i][r] = b.select(empty, warp.fconst(NEG_INF), val)
 
         # Q's shared memory is free once every cp.async landed and every warp left the loop
         warp.cp_async_wait(b, 0)
@@ -752,7 +737,7 @@ def transient_work_loop(builder: ir.IRBuilder, args: KernelArgs, body: Callable)
         head = b.urem(rest, ny)
         batch = b.udiv(rest, ny)
     tile = b.sub(b.sub(nx, i32(1)), x)
-    start, seq_len = _sequence(b, c.ragged, args.cu_seqlens_q, args.seqlen_q, batch)
+    start, seq_len = sequence_rows(b, c.ragged, args.cu_seqlens_q, args.seqlen_q, batch)
     offset = b.mul(tile, i32(c.block_m))
     with b.if_then(b.icmp_signed("<", offset, seq_len)):
         body(b, TileSeq(seq_len=seq_len, start_of_seq=start, prompt_offset=offset,

@@ -47,7 +47,7 @@ from llvmlite import ir
 from mhadsl.codegen import hopper, nvptx, warp
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelParam, KernelSource,
-    LaunchShape, Layout, Problem, common_problems, spill_free_build,
+    LaunchShape, Layout, Problem, common_problems, sequence_rows, spill_free_build,
 )
 from mhadsl.codegen.backends.sm80 import KERNEL_PARAMS as SM80_PARAMS
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
@@ -156,20 +156,6 @@ def _min(b, x, y):
     return b.select(b.icmp_signed("<", x, y), x, y)
 
 
-def _fconst(x: float) -> ir.Constant:
-    return ir.Constant(f32, x)
-
-
-def _sequence(b, ragged, cu_seqlens, dense_len, batch):
-    """(first row, length) of sequence `batch`."""
-    if not ragged:
-        return i32(0), dense_len
-    start = b.load(b.gep(cu_seqlens, [batch], inbounds=True, source_etype=i32), typ=i32)
-    end = b.load(b.gep(cu_seqlens, [b.add(batch, i32(1))], inbounds=True, source_etype=i32),
-                 typ=i32)
-    return start, b.sub(end, start)
-
-
 def _thread_idx(b):
     """%tid.x through an opaque asm, so nothing derived from it stays live across tiles."""
     return b.asm(ir.FunctionType(i32, []), "mov.u32 $0, %tid.x;", "=r", [], True)
@@ -244,7 +230,7 @@ class _Tile:
         self.bidx, self.h, self.q0 = seq.prompt_idx, seq.head_idx, seq.prompt_offset
         self.seqlen_q, self.q_start = seq.seq_len, seq.start_of_seq
         self.hk = b.udiv(self.h, i32(c.gqa_group)) if c.gqa_group > 1 else self.h
-        self.k_start, self.seqlen_k = _sequence(b, c.ragged, args.cu_seqlens_k, args.seqlen_k,
+        self.k_start, self.seqlen_k = sequence_rows(b, c.ragged, args.cu_seqlens_k, args.seqlen_k,
                                                 self.bidx)
         self.n_blocks = b.udiv(b.add(self.seqlen_k, i32(c.block_n - 1)), i32(c.block_n))
         self.q_hi = b.sub(_min(b, b.add(self.q0, i32(c.block_m)), self.seqlen_q), i32(1))
@@ -386,7 +372,7 @@ class _ConsumerTile:
         """The score hook and mask on S of KV tile n, then the online softmax (log2
         domain) over this thread's two rows: (P as A fragments, m, l, alpha)."""
         s = self.k._scores(bb, self.args, self.t, n, s, self.row0, self.col0)
-        sl2, zero, ninf = self.sl2, _fconst(0.0), _fconst(NEG_INF)
+        sl2, zero, ninf = self.sl2, warp.fconst(0.0), warp.fconst(NEG_INF)
         m_new, l_new, alpha, p = [None, None], [None, None], [None, None], list(s)
         for r in range(2):
             mine = [j for j in range(len(s)) if (j // 2) % 2 == r]
@@ -413,7 +399,7 @@ class _ConsumerTile:
         return [bb.fmul(v, alpha[(j // 2) % 2]) for j, v in enumerate(o)]
 
     def start_values(self, bb):
-        zero, ninf = _fconst(0.0), _fconst(NEG_INF)
+        zero, ninf = warp.fconst(0.0), warp.fconst(NEG_INF)
         return hopper.fence_operands(bb, [zero] * hopper.accumulator_count(self.c.head_dim)), \
             [ninf, ninf], [zero, zero]
 
@@ -559,9 +545,9 @@ class _Kernel:
         bump_tiles(b)
 
         if hooks.score is None:
-            sl2 = b.fmul(args.softmax_scale, _fconst(warp.LOG2E))  # scale folded into ex2
+            sl2 = b.fmul(args.softmax_scale, warp.fconst(warp.LOG2E))  # scale folded into ex2
         else:
-            sl2 = _fconst(warp.LOG2E)
+            sl2 = warp.fconst(warp.LOG2E)
         o, m, l = _ConsumerTile(self, b, args, t, group, row0, col0, sl2, kv_count).loop()
         hopper.mbarrier_arrive(b, mem.q_empty(b))  # every S of this tile is done
         self._epilogue(b, args, t, o, m, l, sl2, row0, col0)
@@ -586,7 +572,7 @@ class _Kernel:
         merged_bb = b.function.append_basic_block("kv.masked")
         b.cbranch(always, merged_bb, masked_bb)
         b.position_at_end(masked_bb)
-        ninf = _fconst(NEG_INF)
+        ninf = warp.fconst(NEG_INF)
         masked = []
         for j, v in enumerate(s):
             keep = b.icmp_signed("<", kv_idx(j), t.seqlen_k)
@@ -655,7 +641,7 @@ class _Kernel:
         written), so the consumers hand the store to the copy engine and go on; a ragged
         one stores from registers (a box would cross into the next sequence's rows)."""
         c = self.c
-        zero = _fconst(0.0)
+        zero = warp.fconst(0.0)
         rows_q = b.sub(t.seqlen_q, t.q0)
         lane_col = b.and_(_thread_idx(b), i32(3))
         totals = [warp.quad_allreduce(b, l[r], warp.fadd) for r in range(2)]
@@ -673,8 +659,8 @@ class _Kernel:
                 if c.return_lse:
                     with b.if_then(b.icmp_unsigned("==", lane_col, i32(0))):
                         val = b.fmul(b.fadd(b.fmul(m[r], sl2), warp.lg2(b, total)),
-                                     _fconst(warp.LN2))
-                        val = b.select(empty, _fconst(NEG_INF), val)
+                                     warp.fconst(warp.LN2))
+                        val = b.select(empty, warp.fconst(NEG_INF), val)
                         off = b.add(b.add(b.mul(b.sext(t.bidx, i64), args.lse_stride_batch),
                                           b.mul(b.sext(t.h, i64), args.lse_stride_head)),
                                     b.sext(b.add(t.q_start, b.add(t.q0, row)), i64))
