@@ -8,11 +8,11 @@ meaning are `mhadsl.builtins.tile_index`'s: TILE_INDEX_WORDS(B) u32 words.
 
     mhadsl_tile_index(i32* cu_seqlens, u32 batch, u32 tile_m, u32* index)
 
-Thread b (one per sequence) counts its sequence's query tiles and, in one pass over all
-sequences, the tiles before it (its prefix), its rank (sequences with more tiles, or as
-many and a lower batch index, come first) and the tiles of the sequences ranked before it.
-That is O(B) per thread and O(B^2) in all, with no synchronisation between threads: a few
-microseconds for hundreds of sequences, about a hundred for ten thousand.
+Warp b (one per sequence) counts its sequence's query tiles and, in one pass over all
+sequences (lane l takes l, l + 32, ...; then a warp sum), the tiles before it (its prefix),
+its rank (sequences with more tiles, or as many and a lower batch index, come first) and the
+tiles of the sequences ranked before it. That is O(B) per sequence and O(B^2) in all, with
+no synchronisation between warps.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from mhadsl.codegen import nvptx
 from mhadsl.codegen.nvptx import i32
 
 KERNEL_NAME = "mhadsl_tile_index"
-THREADS = 256  # per CTA; the grid covers the batch
+THREADS = 256  # per CTA; the grid covers the batch with a warp per sequence
 
 
 def build_tile_index_kernel(module: ir.Module) -> ir.Function:
@@ -45,55 +45,64 @@ def build_tile_index_kernel(module: ir.Module) -> ir.Function:
     def word(k: ir.Value) -> ir.Value:
         return b.gep(index, [k], source_etype=i32)
 
-    me = b.add(b.mul(nvptx.special_register(b, "block_idx", "x"),
-                     nvptx.special_register(b, "block_dim", "x")),
-               nvptx.special_register(b, "thread_idx", "x"))
+    thread = b.add(b.mul(nvptx.special_register(b, "block_idx", "x"),
+                         nvptx.special_register(b, "block_dim", "x")),
+                   nvptx.special_register(b, "thread_idx", "x"))
+    me, lane = b.udiv(thread, i32(32)), b.urem(thread, i32(32))  # a warp per sequence
     work = fn.append_basic_block("sequence")
     finish = fn.append_basic_block("finish")
-    b.cbranch(b.icmp_unsigned("<", me, batch), work, finish)
+    b.cbranch(b.icmp_unsigned("<", me, batch), work, finish)  # the same in a whole warp
 
     b.position_at_end(work)
     mine = tiles(row(me), row(b.add(me, i32(1))))
-    first_row = row(i32(0))
     entry = b.block
     head, body, done = (fn.append_basic_block(n) for n in ("scan", "scan_step", "scan_done"))
     b.branch(head)
     b.position_at_end(head)
-    names = ("j", "start", "total", "prefix", "rank", "before")
-    phis = {n: b.phi(i32, name=n) for n in names}
-    initial = {"j": i32(0), "start": first_row, "total": i32(0), "prefix": i32(0),
-               "rank": i32(0), "before": i32(0)}
-    for n in names:
-        phis[n].add_incoming(initial[n], entry)
-    b.cbranch(b.icmp_unsigned("<", phis["j"], batch), body, done)
+    sums = ("total", "prefix", "rank", "before")
+    j = b.phi(i32, name="j")
+    j.add_incoming(lane, entry)
+    phis = {n: b.phi(i32, name=n) for n in sums}
+    for phi in phis.values():
+        phi.add_incoming(i32(0), entry)
+    b.cbranch(b.icmp_unsigned("<", j, batch), body, done)
 
-    b.position_at_end(body)
-    j = phis["j"]
-    end = row(b.add(j, i32(1)))
-    theirs = tiles(phis["start"], end)
+    b.position_at_end(body)  # lane l takes sequences l, l + 32, ...
+    theirs = tiles(row(j), row(b.add(j, i32(1))))
     earlier = b.icmp_unsigned("<", j, me)
     ahead = b.or_(b.icmp_unsigned(">", theirs, mine),
                   b.and_(b.icmp_unsigned("==", theirs, mine), earlier))
-    step = {"j": b.add(j, i32(1)), "start": end, "total": b.add(phis["total"], theirs),
+    step = {"total": b.add(phis["total"], theirs),
             "prefix": b.add(phis["prefix"], b.select(earlier, theirs, i32(0))),
             "rank": b.add(phis["rank"], b.zext(ahead, i32)),
             "before": b.add(phis["before"], b.select(ahead, theirs, i32(0)))}
-    for n in names:
+    j.add_incoming(b.add(j, i32(32)), body)
+    for n in sums:
         phis[n].add_incoming(step[n], body)
     b.branch(head)
 
     b.position_at_end(done)
-    rank = phis["rank"]
-    b.store(phis["prefix"], word(me))
-    ranked_at = b.add(batch, i32(1))
-    level_at = b.add(b.mul(batch, i32(2)), i32(1))
-    b.store(me, word(b.add(ranked_at, rank)))
-    b.store(b.sub(phis["before"], b.mul(rank, mine)), word(b.add(level_at, rank)))
-    with b.if_then(b.icmp_unsigned("==", me, i32(0))):  # the two totals
-        b.store(phis["total"], word(batch))
-        b.store(phis["total"], word(b.add(level_at, batch)))
+    total, prefix, rank, before = (_warp_sum(b, phis[n]) for n in sums)
+    with b.if_then(b.icmp_unsigned("==", lane, i32(0))):
+        b.store(prefix, word(me))
+        ranked_at = b.add(batch, i32(1))
+        level_at = b.add(b.mul(batch, i32(2)), i32(1))
+        b.store(me, word(b.add(ranked_at, rank)))
+        b.store(b.sub(before, b.mul(rank, mine)), word(b.add(level_at, rank)))
+        with b.if_then(b.icmp_unsigned("==", me, i32(0))):  # the two totals
+            b.store(total, word(batch))
+            b.store(total, word(b.add(level_at, batch)))
     b.branch(finish)
 
     b.position_at_end(finish)
     b.ret_void()
     return fn
+
+
+def _warp_sum(b: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """The sum of `value` over the 32 lanes of the warp (every lane gets it)."""
+    for mask in (16, 8, 4, 2, 1):
+        other = nvptx.call(b, "llvm.nvvm.shfl.sync.bfly.i32", i32,
+                           [i32(0xFFFFFFFF), value, i32(mask), i32(31)])
+        value = b.add(value, other)
+    return value

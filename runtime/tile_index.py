@@ -72,6 +72,6 @@ def prepare(cu_seqlens: int, batch: int, tile_m: int, stream: object = None,
     kernel = _kernel(dev)
     if batch:
         u32 = ctypes.c_uint32
-        kernel.launch((-(-batch // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
+        kernel.launch((-(-batch * 32 // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
                       [cu_seqlens, u32(batch), u32(tile_m), index])
     return index
