@@ -1,6 +1,6 @@
 """Traced against predicted makespan efficiency for the standard schedulers (needs a GPU).
 
-    python benchmarks/trace_table.py OUT_DIR [--jobs 16]
+    python benchmarks/trace_table.py OUT_DIR [--jobs 16] [--backend sm80|sm90]
     python benchmarks/trace_table.py OUT_DIR --repredict RUN_DIR     # no GPU
 
 Builds every kernel it needs first, in parallel (the on-disk cache then serves them),
@@ -56,11 +56,16 @@ def _build(job) -> str:
            f"{time.perf_counter() - start:.1f} s"
 
 
-def default_backend(path: str, kernel: str) -> str:
-    """The design an H200 runs the declaration with when nothing forces one."""
+FORCED_BACKEND: str | None = None  # --backend
+
+
+def design(path: str, kernel: str) -> str:
+    """The design the table measures: --backend, else the one an H200 runs the declaration
+    with when nothing forces one."""
     import mhadsl
     from mhadsl.codegen import backends
-    return backends.backend_for_arch("sm_90a", None, mhadsl.compile(path)[kernel].options).name
+    return backends.backend_for_arch("sm_90a", FORCED_BACKEND,
+                                     mhadsl.compile(path)[kernel].options).name
 
 
 def prebuild(jobs: int) -> None:
@@ -70,13 +75,13 @@ def prebuild(jobs: int) -> None:
         for name, args in SCHEDULERS:
             for trace in (False, True):
                 todo.add((path, kernel, (name, args), lens is not None, trace,
-                          default_backend(path, kernel)))
+                          design(path, kernel)))
     for path, kernel in (CAUSAL, PLAIN):
         for name, args in CALIBRATION_SCHEDULERS:
             for ragged in (False, True):
                 for trace in (False, True):
                     todo.add((path, kernel, (name, args), ragged, trace,
-                              default_backend(path, kernel)))
+                              design(path, kernel)))
     start = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         for line in pool.imap_unordered(_build, sorted(todo)):
@@ -103,7 +108,7 @@ def measure(out: Path, jobs: int) -> tuple[list[dict], dict]:
     calibrations = {}
     for path, kernel in (CAUSAL, PLAIN):
         costs, file, runs = trace.calibrate(programs[path], kernel, heads=HEADS,
-                                            backend=default_backend(path, kernel))
+                                            backend=design(path, kernel))
         calibrations[kernel] = {"costs": [vars(c) for c in costs], "file": file,
                                 "runs": [(r.scheduler, r.workload.describe(), r.block_n)
                                          for r in runs]}
@@ -118,7 +123,7 @@ def measure(out: Path, jobs: int) -> tuple[list[dict], dict]:
         for name, args in SCHEDULERS:
             workload = trace.Workload(HEADS, batch, seqlen, lens)
             run = trace.run_trace(program, kernel, workload, scheduler=name, args=args,
-                                  backend=default_backend(path, kernel))
+                                  backend=design(path, kernel))
             model = trace.cost_model(program, kernel, block_m=run.block_m,
                                      block_n=run.block_n, backend=run.backend, arch=run.arch,
                                      gpu=run.gpu)
@@ -202,7 +207,10 @@ def main() -> int:
     parser.add_argument("--repredict", metavar="DIR",
                         help="no GPU: take DIR/trace_table.json's traced columns and "
                              "recompute the predicted ones with this simulator")
+    parser.add_argument("--backend", help="force a kernel design (sm80, sm90)")
     opts = parser.parse_args()
+    global FORCED_BACKEND
+    FORCED_BACKEND = opts.backend
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     if opts.repredict:

@@ -391,7 +391,9 @@ class Handoff:
     `advance` (producer = false, no barrier), which reads the index from slot p, and frees the
     slot on `empty[p]`. With two slots the producer runs up to one work tile ahead: it loads
     the next tile while the consumers finish this one. A producer that faults records it,
-    raises the stop flag and publishes; the consumers stop at that step. Only schedulers
+    writes the step it stopped at (plus one) into the stop word and publishes; the consumers
+    stop at that step, and not earlier: the producer's threads other than the loader may
+    fault a step ahead of the step the consumers are taking. Only schedulers
     whose `advance` has no `while` run apart (`runs_apart`): a consumer loop can then not
     fault alone and strand the producer at a full pipeline. Others run in lock-step."""
 
@@ -400,7 +402,7 @@ class Handoff:
     consumer_threads: int
 
 
-_HANDOFF_WORDS = ir.ArrayType(i64, 5)  # mbarriers full[0..1], empty[0..1]; the stop flag
+_HANDOFF_WORDS = ir.ArrayType(i64, 5)  # mbarriers full[0..1], empty[0..1]; the stop word
 
 
 def _handoff_state(module: ir.Module) -> ir.GlobalVariable:
@@ -426,7 +428,7 @@ def _handoff_barrier(builder: ir.IRBuilder, which: str, step: ir.Value) -> ir.Va
 
 
 def init_handoff(builder: ir.IRBuilder, producer_threads: int, consumer_threads: int) -> None:
-    """Thread 0 initialises the handoff's mbarriers and stop flag; the kernel then fences the
+    """Thread 0 initialises the handoff's mbarriers and stop word; the kernel then fences the
     mbarrier init and runs a CTA barrier before the roles split (as for its own)."""
     from mhadsl.codegen import hopper
     for k in range(2):
@@ -549,7 +551,7 @@ def _handoff_step(builder: ir.IRBuilder, sched: LoweredScheduler, fill_env, stat
     step = b.load(taken, typ=i32)
     use_parity = b.and_(b.lshr(step, i32(1)), i32(1))  # the slot's use count, mod 2
     n = b.add(step, i32(1))
-    stop_flag = _handoff_word(b, 4)
+    stop_word = _handoff_word(b, 4)  # 0, or the step a producer thread stopped at, plus one
     if handoff.role == "producer":
         hopper.mbarrier_wait(b, _handoff_barrier(b, "empty", step), b.xor(use_parity, i32(1)))
         more = b.call(sched.functions[sched.advance_name(True, "PRODUCER")],
@@ -564,13 +566,15 @@ def _handoff_step(builder: ir.IRBuilder, sched: LoweredScheduler, fill_env, stat
         faulted = b.icmp_unsigned("!=", code, i32(0))
         with b.if_then(faulted, likely=False):
             record_fault(b, _workspace(b, sched, kenv), code, sched.scheduler_id)
-            b.store(i64(1), stop_flag)
+            b.store(b.zext(n, i64), stop_word)
         hopper.mbarrier_arrive(b, _handoff_barrier(b, "full", step))
         b.cbranch(b.and_(more, b.not_(faulted)), loop_bb, exit_bb)
         return
     hopper.mbarrier_wait(b, _handoff_barrier(b, "full", step), use_parity)
     go_on = b.function.append_basic_block("handoff_go_on")
-    b.cbranch(b.icmp_unsigned("==", b.load(stop_flag, typ=i64), i64(0)), go_on, exit_bb)
+    # the stop word may already hold a later step than this one (see `Handoff`)
+    stopped = b.icmp_unsigned("==", b.load(stop_word, typ=i64), b.zext(n, i64))
+    b.cbranch(stopped, exit_bb, go_on)
     b.position_at_end(go_on)
     more = b.call(sched.functions[sched.advance_name(False, "NONE")],
                   [kenv.env, kenv.ts, state, b.and_(step, i32(1)), seq])
