@@ -14,7 +14,7 @@ multiprocessor after another ended pays `cta_start`, or `empty_cta` when it has 
 `mhadsl trace --calibrate` measures them for a kernel on a GPU (`fit`) and stores them under
 the compile cache's folder (`store`), keyed by the kernel's declaration, backend, arch and
 the GPU's name; the simulator (`mhadsl simulate --kernel`, `mhadsl trace`) loads them
-(`load`), and falls back to `DEFAULT_COSTS` (measured on an H200, sm80 design, causal D128).
+(`load`), and falls back to `DEFAULT_COSTS` (measured on an H200, sm90 design, causal D128).
 """
 from __future__ import annotations
 
@@ -53,11 +53,12 @@ class Costs:
                                    partial_tile=self.partial_tile * scale, block_n=block_n)
 
 
-# Measured with `mhadsl trace --calibrate` on an H200 (sm90 design, causal bf16 D128,
-# 128x128 tiles, one CTA per multiprocessor; docs/TRACE.md): the figures a machine without
-# a calibration simulates with (scaled to the kernel's KV tile width).
-DEFAULT_COSTS = Costs(full_tile=1573.0, partial_tile=2036.0, per_item=2745.0, advance=2208.0,
-                      queue_op=0.0, cta_start=1856.0, empty_cta=722.0, block_n=128)
+# Measured with `mhadsl trace --calibrate` on an H200 (sm90 design with the producer a work
+# tile ahead, causal bf16 D128, 128x128 tiles, one CTA per multiprocessor; docs/TRACE.md):
+# the figures a machine without a calibration simulates with (scaled to the kernel's KV
+# tile width).
+DEFAULT_COSTS = Costs(full_tile=1618.0, partial_tile=2095.0, per_item=1729.0, advance=2688.0,
+                      queue_op=0.0, cta_start=2400.0, empty_cta=842.0, block_n=128)
 PARTIAL_RATIO = DEFAULT_COSTS.partial_tile / DEFAULT_COSTS.full_tile  # when a fit cannot tell
 
 
