@@ -18,6 +18,19 @@ def ptr(addrspace: int = GENERIC) -> ir.PointerType:
     return ir.PointerType(addrspace=addrspace)
 
 
+def shared_array(module: ir.Module, name: str, ty: ir.ArrayType) -> ir.GlobalVariable:
+    """The module's statically allocated, zero-initialised shared-memory array `name`
+    (created on first use; 8-byte aligned)."""
+    if name in module.globals:
+        return module.globals[name]
+    array = ir.GlobalVariable(module, ty, name, addrspace=SHARED)
+    array.linkage = "internal"
+    array.initializer = ir.Constant(ty, None)
+    array.align = 8
+    array.type = ptr(SHARED)  # opaque, as LLVM 22 prints pointers
+    return array
+
+
 def intrinsic(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
     """Declare (once) and return an intrinsic or external function."""
     existing = module.globals.get(name)

@@ -369,16 +369,7 @@ def env_filler(builder: ir.IRBuilder, sched: LoweredScheduler, slots: ir.Value,
 
 def shared_slots(module: ir.Module) -> ir.GlobalVariable:
     """The CTA's shared-memory work-index slots (one per pipeline stage)."""
-    name = "mhadsl.sched_slots"
-    if name in module.globals:
-        return module.globals[name]
-    slots = ir.GlobalVariable(module, ir.ArrayType(i32, SLOT_COUNT), name,
-                              addrspace=nvptx.SHARED)
-    slots.linkage = "internal"
-    slots.initializer = ir.Constant(ir.ArrayType(i32, SLOT_COUNT), None)
-    slots.align = 8
-    slots.type = nvptx.ptr(nvptx.SHARED)  # opaque, as LLVM 22 prints pointers
-    return slots
+    return nvptx.shared_array(module, "mhadsl.sched_slots", ir.ArrayType(i32, SLOT_COUNT))
 
 
 @dataclass(frozen=True)
@@ -406,15 +397,7 @@ _HANDOFF_WORDS = ir.ArrayType(i64, 5)  # mbarriers full[0..1], empty[0..1]; the 
 
 
 def _handoff_state(module: ir.Module) -> ir.GlobalVariable:
-    name = "mhadsl.sched_handoff"
-    if name in module.globals:
-        return module.globals[name]
-    state = ir.GlobalVariable(module, _HANDOFF_WORDS, name, addrspace=nvptx.SHARED)
-    state.linkage = "internal"
-    state.initializer = ir.Constant(_HANDOFF_WORDS, None)
-    state.align = 8
-    state.type = nvptx.ptr(nvptx.SHARED)  # opaque, as LLVM 22 prints pointers
-    return state
+    return nvptx.shared_array(module, "mhadsl.sched_handoff", _HANDOFF_WORDS)
 
 
 def _handoff_word(builder: ir.IRBuilder, k: int | ir.Value) -> ir.Value:
@@ -731,15 +714,7 @@ _TRACE_SCRATCH = ir.ArrayType(i64, 2)
 
 def _trace_scratch(module: ir.Module) -> ir.GlobalVariable:
     """The recording thread's shared-memory scratch: its record's address, its start time."""
-    name = "mhadsl.trace_scratch"
-    if name in module.globals:
-        return module.globals[name]
-    scratch = ir.GlobalVariable(module, _TRACE_SCRATCH, name, addrspace=nvptx.SHARED)
-    scratch.linkage = "internal"
-    scratch.initializer = ir.Constant(_TRACE_SCRATCH, None)
-    scratch.align = 8
-    scratch.type = nvptx.ptr(nvptx.SHARED)  # opaque, as LLVM 22 prints pointers
-    return scratch
+    return nvptx.shared_array(module, "mhadsl.trace_scratch", _TRACE_SCRATCH)
 
 
 TRACE_FIELDS = 4  # per step: prompt_offset, head_idx, prompt_idx, 1 (0 past the last step)
