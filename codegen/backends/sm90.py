@@ -16,25 +16,30 @@ copies' bytes; empty: one arrival per consumer thread once its wgmma read the bu
 K of tile n+2 loads as soon as S of tile n is done, with two stages.
 
 Both roles run the scheduler's work loop, each in its own branch of the role if/else (so
-`setmaxnreg` takes effect): the loops take the same steps with the same CTA-wide barriers,
-and the Queued/LPT schedulers' atomic is taken by thread 0, the producer's. Each role
-counts the KV tiles it has gone through (`kv_count`) and the work tiles (`tile_count`), so
-stages and mbarrier phases carry over from one work tile to the next. KV tiles the
-declaration's `classify` hook proves empty are skipped by both roles alike (never loaded);
-partial tiles (the mask, or the sequence's tail) get the per-element mask.
+`setmaxnreg` takes effect). Where the scheduler lets them (`scheduler.runs_apart`: no `while`
+in `advance`), the roles run apart after the first step: the producer takes each next work
+index and publishes it through the pipeline slot on an mbarrier handoff
+(`scheduler.Handoff`), so it loads the next work tile (Q once the consumers' last S has read
+the current one: `q_empty`) while the consumers finish this one; other schedulers take
+every step together, on CTA-wide barriers. Each role counts the KV tiles it has gone through
+(`kv_count`) and the work tiles (`tile_count`), so stages and mbarrier phases carry over from
+one work tile to the next. KV tiles the declaration's `classify` hook proves empty are
+skipped by both roles alike (never loaded); partial tiles (the mask, or the sequence's tail)
+get the per-element mask.
 
 Tensor maps (4-D, outermost first): dense tensors as they are, (B, S, H, D); ragged ones as
 (1, total, H, D), so the kernel addresses row `start_of_seq + row` of batch 0. A box is
 (1, rows, 1, 64): 64 head-dim columns = 128 bytes, the swizzle's row. Rows past the tensor
 load as zeros; rows past a ragged sequence's end belong to the next sequence and are masked
-(keys) or never written (queries). O is written from registers, row by row, only for rows
-inside the sequence; LSE likewise.
+(keys) or never written (queries). A dense build stages O in shared memory and stores it by
+TMA (rows past the tensor are not written); a ragged one writes O from registers, row by
+row, only for rows inside the sequence (a box would cross into the next sequence); LSE from
+registers.
 
 Head dim 256 keeps 128 O accumulators per thread, so its KV tile is 48 keys (32 where 48
-spills). Not yet: the next tile's loads under the current tile's epilogue (the work loop's
-CTA-wide barrier separates work tiles), a TMA store of O. Measured choices (HOPPER_NOTES.md): the
-overlap needs K and V released apart (with one `kv_empty` per stage it was slower than no
-overlap); BN = 176 (FlashAttention-3's non-causal tile) was slower here.
+spills). Measured choices (HOPPER_NOTES.md): the overlap needs K and V released apart (with
+one `kv_empty` per stage it was slower than no overlap); BN = 176 (FlashAttention-3's
+non-causal tile) was slower here.
 """
 from __future__ import annotations
 
