@@ -425,11 +425,20 @@ class _ConsumerTile:
             [ninf, ninf], [zero, zero]
 
     def split(self, values):
-        """(o, m, l, P fragments, the rest) from a flat list of loop-carried values."""
+        """(o, m, l, P fragments, alpha, the rest) from a flat list of loop-carried values."""
         n_o = hopper.accumulator_count(self.c.head_dim)
         o, m, l = values[:n_o], values[n_o:n_o + 2], values[n_o + 2:n_o + 4]
         n_p = self.c.block_n // 4
-        return o, m, l, values[n_o + 4:n_o + 4 + n_p], values[n_o + 4 + n_p:]
+        p_end = n_o + 4 + n_p
+        return o, m, l, values[n_o + 4:p_end], values[p_end:p_end + 2], values[p_end + 2:]
+
+    def rescale_and_issue_pv(self, bb, o, alpha, frags, stage):
+        """O *= alpha (the last softmax's correction), then O += P V of `stage`: the rescale
+        runs under the S GEMM just issued (FlashAttention-3's order), not after the P V
+        wait; the rescaled accumulators go through the wgmma fence again."""
+        o = hopper.fence_operands(bb, self.rescale(bb, o, alpha))
+        hopper.wgmma_fence(bb)
+        return self.issue_pv(bb, frags, o, stage)
 
     # -------------------------------------------------------------- the loops
     def loop(self):
@@ -453,11 +462,11 @@ class _ConsumerTile:
         hopper.wgmma_wait_group(b, 0)
         s = hopper.fence_operands(b, s)
         hopper.mbarrier_arrive(b, mem.empty(b, "k", stage))
-        frags, m, l, _ = self.softmax(b, first, s, m0, l0)
+        frags, m, l, alpha = self.softmax(b, first, s, m0, l0)
         bump(b)
 
         def step(bb, n, state):
-            o, m_old, l_old, frags, (p_stage, p_phase) = self.split(state)
+            o, m_old, l_old, frags, alpha, (p_stage, p_phase) = self.split(state)
             stage, phase, bump = self.stage(bb)
             hopper.mbarrier_wait(bb, mem.full(bb, "k", stage), phase)
             # V of the previous tile came with its K, long ago; waiting for it here keeps
@@ -468,7 +477,7 @@ class _ConsumerTile:
             o, frags = flat[:len(o)], flat[len(o):]
             hopper.wgmma_fence(bb)
             s = self.issue_s(bb, stage)
-            o = self.issue_pv(bb, frags, o, p_stage)
+            o = self.rescale_and_issue_pv(bb, o, alpha, frags, p_stage)
             self.pass_turn(bb)
             hopper.wgmma_wait_group(bb, 1)
             s = hopper.fence_operands(bb, s)
@@ -478,16 +487,15 @@ class _ConsumerTile:
             o = hopper.fence_operands(bb, o)
             hopper.mbarrier_arrive(bb, mem.empty(bb, "v", p_stage))
             bump(bb)
-            return self.rescale(bb, o, alpha) + m_new + l_new + frags + [stage, phase]
+            return o + m_new + l_new + frags + alpha + [stage, phase]
 
-        after = t.kv_loop(b, o0 + m + l + frags + [stage, phase], step,
+        after = t.kv_loop(b, o0 + m + l + frags + alpha + [stage, phase], step,
                           start=b.add(first, i32(1)))
-        o, m, l, frags, (p_stage, p_phase) = self.split(after)
+        o, m, l, frags, alpha, (p_stage, p_phase) = self.split(after)
         hopper.mbarrier_wait(b, mem.full(b, "v", p_stage), p_phase)  # the last tile's P V
         flat = hopper.fence_operands(b, o + frags)
         o, frags = flat[:len(o)], flat[len(o):]
-        hopper.wgmma_fence(b)
-        o = self.issue_pv(b, frags, o, p_stage)
+        o = self.rescale_and_issue_pv(b, o, alpha, frags, p_stage)
         hopper.wgmma_wait_group(b, 0)
         o = hopper.fence_operands(b, o)
         hopper.mbarrier_arrive(b, mem.empty(b, "v", p_stage))
