@@ -68,6 +68,7 @@ CONSUMER_REGISTERS = 232
 CONSUMER_THREADS = 2 * hopper.WARPGROUP_THREADS
 ROLE_THREADS = (hopper.WARPGROUP_THREADS, CONSUMER_THREADS)  # producer, consumers
 BOX_COLUMNS = 64  # head-dim columns per TMA box: 128 bytes, the swizzle's row
+SWIZZLE_SLACK = hopper.SWIZZLE_ATOM_BYTES  # for rounding the dynamic base up to 1024 bytes
 NEG_INF = float("-inf")
 
 
@@ -96,6 +97,17 @@ class HopperConfig:
     def kv_tile_bytes(self) -> int:
         return self.block_n * self.head_dim * warp.ELEMENT_BYTES
 
+    @property
+    def o_over_v(self) -> bool:
+        """Whether a dense build stages O over V's ring instead of in its own tile: only
+        where its own tile would not fit in shared memory (FlashAttention-3 does the same);
+        the producer then loads a work tile's first V once the previous tile's O store has
+        read the staging tile. Ragged builds store O from registers and stage nothing."""
+        own = SWIZZLE_SLACK + 2 * self.q_bytes + 2 * self.stages * self.kv_tile_bytes \
+            + _barrier_bytes(self)
+        return (not self.ragged and own > SHARED_MEMORY_LIMIT["sm_90a"]
+                and self.stages * self.kv_tile_bytes >= self.q_bytes)
+
     def problems(self) -> list[Problem]:
         found = common_problems(self)
         if self.head_dim not in HEAD_DIMS:
@@ -113,14 +125,18 @@ class HopperConfig:
 
 
 def shared_bytes(config: HopperConfig) -> int:
-    """Slack for rounding the base up to 1024 bytes, Q, the K/V ring, O (the TMA store's
-    source; as Q), the mbarriers."""
-    return (hopper.SWIZZLE_ATOM_BYTES + 2 * config.q_bytes
-            + 2 * config.stages * config.kv_tile_bytes + _barrier_bytes(config))
+    """Slack for rounding the base up to 1024 bytes, Q, the K ring, the V ring, O's own
+    staging tile (dense builds, unless O is staged over V's ring), the mbarriers."""
+    return (SWIZZLE_SLACK + config.q_bytes + 2 * config.stages * config.kv_tile_bytes
+            + _own_o_bytes(config) + _barrier_bytes(config))
+
+
+def _own_o_bytes(config: HopperConfig) -> int:
+    return 0 if config.ragged or config.o_over_v else config.q_bytes
 
 
 def _barrier_bytes(config: HopperConfig) -> int:
-    return (2 + 4 * config.stages) * hopper.MBARRIER_BYTES
+    return (3 + 4 * config.stages) * hopper.MBARRIER_BYTES
 
 
 KERNEL_PARAMS: tuple[KernelParam, ...] = SM80_PARAMS + (
@@ -173,8 +189,8 @@ def _counted(b, slot: ir.Value) -> tuple[ir.Value, Callable]:
 
 
 class _Layout:
-    """Shared-memory addresses: base rounded up to 1024 B, then Q, the K/V stages (K then V
-    per stage), O's staging tile, the mbarriers."""
+    """Shared-memory addresses: base rounded up to 1024 B, then Q, the K ring, the V ring,
+    O's own staging tile (where it has one: `HopperConfig.o_over_v`), the mbarriers."""
 
     def __init__(self, config: HopperConfig, smem: ir.GlobalVariable):
         self.c, self.smem = config, smem
@@ -197,27 +213,32 @@ class _Layout:
 
     def kv_tile(self, b, which: str, stage: ir.Value, extra: int = 0) -> ir.Value:
         c = self.c
-        off = c.q_bytes + (c.kv_tile_bytes if which == "v" else 0) + extra
-        return self.at(b, b.add(i32(off), b.mul(stage, i32(2 * c.kv_tile_bytes))))
+        off = c.q_bytes + (c.stages * c.kv_tile_bytes if which == "v" else 0) + extra
+        return self.at(b, b.add(i32(off), b.mul(stage, i32(c.kv_tile_bytes))))
 
     def o_box(self, b, box: int) -> ir.Value:
-        """O's staging box `box` (64 columns, BM rows, swizzled as Q's), after the ring."""
+        """O's staging box `box` (64 columns, BM rows, swizzled as Q's): over V's ring, or
+        its own tile after it."""
         c = self.c
-        return self.at(b, c.q_bytes + 2 * c.stages * c.kv_tile_bytes
-                       + box * c.block_m * hopper.SWIZZLE_BYTES)
+        ring = c.q_bytes + c.stages * c.kv_tile_bytes * (1 if c.o_over_v else 2)
+        return self.at(b, ring + box * c.block_m * hopper.SWIZZLE_BYTES)
 
     def barrier(self, b, index: ir.Value | int) -> ir.Value:
         c = self.c
-        start = 2 * c.q_bytes + 2 * c.stages * c.kv_tile_bytes
+        start = c.q_bytes + 2 * c.stages * c.kv_tile_bytes + _own_o_bytes(c)
         index = i32(index) if isinstance(index, int) else index
         return self.at(b, b.add(i32(start), b.mul(index, i32(hopper.MBARRIER_BYTES))))
 
-    # barrier 0: q_full; then per stage k_full, v_full, k_empty, v_empty; then q_empty
+    # barrier 0: q_full; then per stage k_full, v_full, k_empty, v_empty; then q_empty,
+    # o_free (O's staging tile read by its store: `HopperConfig.o_over_v`)
     def q_full(self, b):
         return self.barrier(b, 0)
 
     def q_empty(self, b):
         return self.barrier(b, 1 + 4 * self.c.stages)
+
+    def o_free(self, b):
+        return self.barrier(b, 2 + 4 * self.c.stages)
 
     def full(self, b, which: str, stage):
         return self.barrier(b, b.add(i32(1 + "kv".index(which) * self.c.stages), stage))
@@ -409,11 +430,20 @@ class _ConsumerTile:
             [ninf, ninf], [zero, zero]
 
     def split(self, values):
-        """(o, m, l, P fragments, the rest) from a flat list of loop-carried values."""
+        """(o, m, l, P fragments, alpha, the rest) from a flat list of loop-carried values."""
         n_o = hopper.accumulator_count(self.c.head_dim)
         o, m, l = values[:n_o], values[n_o:n_o + 2], values[n_o + 2:n_o + 4]
         n_p = self.c.block_n // 4
-        return o, m, l, values[n_o + 4:n_o + 4 + n_p], values[n_o + 4 + n_p:]
+        p_end = n_o + 4 + n_p
+        return o, m, l, values[n_o + 4:p_end], values[p_end:p_end + 2], values[p_end + 2:]
+
+    def rescale_and_issue_pv(self, bb, o, alpha, frags, stage):
+        """O *= alpha (the last softmax's correction), then O += P V of `stage`: the rescale
+        runs under the S GEMM just issued (FlashAttention-3's order), not after the P V
+        wait; the rescaled accumulators go through the wgmma fence again."""
+        o = hopper.fence_operands(bb, self.rescale(bb, o, alpha))
+        hopper.wgmma_fence(bb)
+        return self.issue_pv(bb, frags, o, stage)
 
     # -------------------------------------------------------------- the loops
     def loop(self):
@@ -437,11 +467,11 @@ class _ConsumerTile:
         hopper.wgmma_wait_group(b, 0)
         s = hopper.fence_operands(b, s)
         hopper.mbarrier_arrive(b, mem.empty(b, "k", stage))
-        frags, m, l, _ = self.softmax(b, first, s, m0, l0)
+        frags, m, l, alpha = self.softmax(b, first, s, m0, l0)
         bump(b)
 
         def step(bb, n, state):
-            o, m_old, l_old, frags, (p_stage, p_phase) = self.split(state)
+            o, m_old, l_old, frags, alpha, (p_stage, p_phase) = self.split(state)
             stage, phase, bump = self.stage(bb)
             hopper.mbarrier_wait(bb, mem.full(bb, "k", stage), phase)
             # V of the previous tile came with its K, long ago; waiting for it here keeps
@@ -452,7 +482,7 @@ class _ConsumerTile:
             o, frags = flat[:len(o)], flat[len(o):]
             hopper.wgmma_fence(bb)
             s = self.issue_s(bb, stage)
-            o = self.issue_pv(bb, frags, o, p_stage)
+            o = self.rescale_and_issue_pv(bb, o, alpha, frags, p_stage)
             self.pass_turn(bb)
             hopper.wgmma_wait_group(bb, 1)
             s = hopper.fence_operands(bb, s)
@@ -462,16 +492,15 @@ class _ConsumerTile:
             o = hopper.fence_operands(bb, o)
             hopper.mbarrier_arrive(bb, mem.empty(bb, "v", p_stage))
             bump(bb)
-            return self.rescale(bb, o, alpha) + m_new + l_new + frags + [stage, phase]
+            return o + m_new + l_new + frags + alpha + [stage, phase]
 
-        after = t.kv_loop(b, o0 + m + l + frags + [stage, phase], step,
+        after = t.kv_loop(b, o0 + m + l + frags + alpha + [stage, phase], step,
                           start=b.add(first, i32(1)))
-        o, m, l, frags, (p_stage, p_phase) = self.split(after)
+        o, m, l, frags, alpha, (p_stage, p_phase) = self.split(after)
         hopper.mbarrier_wait(b, mem.full(b, "v", p_stage), p_phase)  # the last tile's P V
         flat = hopper.fence_operands(b, o + frags)
         o, frags = flat[:len(o)], flat[len(o):]
-        hopper.wgmma_fence(b)
-        o = self.issue_pv(b, frags, o, p_stage)
+        o = self.rescale_and_issue_pv(b, o, alpha, frags, p_stage)
         hopper.wgmma_wait_group(b, 0)
         o = hopper.fence_operands(b, o)
         hopper.mbarrier_arrive(b, mem.empty(b, "v", p_stage))
@@ -505,7 +534,8 @@ class _Kernel:
             # the consumers' last S of the previous work tile has read Q (the producer may be
             # a work tile ahead of them: `scheduler.Handoff`)
             loaded, bump_loaded = _counted(b, tile_count)
-            hopper.mbarrier_wait(b, mem.q_empty(b), b.xor(b.and_(loaded, i32(1)), i32(1)))
+            previous_parity = b.xor(b.and_(loaded, i32(1)), i32(1))
+            hopper.mbarrier_wait(b, mem.q_empty(b), previous_parity)
             bump_loaded(b)
             q_full = mem.q_full(b)
             hopper.mbarrier_arrive_expect_tx(b, q_full, c.q_bytes)
@@ -520,6 +550,9 @@ class _Kernel:
                 phase = bb.and_(bb.udiv(count, i32(c.stages)), i32(1))
                 kv_row = bb.add(t.k_start, bb.mul(n, i32(c.block_n)))
                 for which, tmap in (("k", k_map), ("v", v_map)):
+                    # the previous tile's O has left V's ring (at once after the first V)
+                    if which == "v" and c.o_over_v:
+                        hopper.mbarrier_wait(bb, mem.o_free(bb), previous_parity)
                     hopper.mbarrier_wait(bb, mem.empty(bb, which, stage), bb.xor(phase, i32(1)))
                     bar = mem.full(bb, which, stage)
                     hopper.mbarrier_arrive_expect_tx(bb, bar, c.kv_tile_bytes)
@@ -624,6 +657,9 @@ class _Kernel:
                 hopper.tma_store(b, o_map, [t.map_batch, b.add(t.q_start, t.q0), t.h,
                                             i32(box * BOX_COLUMNS)], mem.o_box(b, box))
             hopper.bulk_commit_group(b)
+            if c.o_over_v:  # V's ring is the producer's again once the store has read it
+                hopper.bulk_wait_group_read(b, 0)
+                hopper.mbarrier_arrive(b, mem.o_free(b))
 
     def _store_o_row(self, b, args, t: _Tile, o, inv, r, row, col0):
         """This thread's part of O / l's row `row` (accumulator row r), from registers."""
@@ -726,6 +762,7 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
     with b.if_then(b.icmp_unsigned("==", tid, i32(0))):
         hopper.mbarrier_init(b, mem.q_full(b), 1)
         hopper.mbarrier_init(b, mem.q_empty(b), CONSUMER_THREADS)
+        hopper.mbarrier_init(b, mem.o_free(b), 1)
         init_handoff(b, *ROLE_THREADS)
         for stage in range(config.stages):
             for which in "kv":
@@ -773,15 +810,16 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
 
 # ============================================================================ the backend
 # The KV tile widths the build tries, widest first, until one assembles without spills. Head
-# dim 256 holds 128 O accumulators per thread, which leaves room for a 48-key S tile at most
-# (measured with ptxas: 64 spills; 48 spills without a mask).
-NARROWER_KV_TILES = {128: (128, 64), 48: (48, 32)}
+# dim 256 holds 128 O accumulators per thread, which leaves room for a 64-key S tile in a
+# dense build (O staged over V's ring, which then fits in shared memory) and 48 keys in a
+# ragged one (measured with ptxas at the 40/232 register split).
+NARROWER_KV_TILES = {128: (128, 64), 64: (64, 48, 32)}
 
 
 def declared_config(options, layout: Layout = Layout()) -> HopperConfig:
     """The default Hopper tile for the declaration, with what it fixes (the stages always:
     2 unless declared); not validated."""
-    default_n = 48 if options.head_dim == 256 else 128
+    default_n = 64 if options.head_dim == 256 else 128
     overrides = {k: v for k, v in (("block_m", options.block_m), ("block_n", options.block_n),
                                    ("stages", options.stages)) if v is not None}
     overrides.setdefault("block_n", default_n)
