@@ -166,3 +166,25 @@ def test_d256_dense_builds_take_the_widest_spill_free_kv_tile(mask, keys, over_v
     # with O over V's ring also right after the store, for the producer's next V
     waits = " ".join(kb.ptx.split()).count("cp.async.bulk.wait_group.read 0")
     assert waits == (3 if over_v else 2)
+
+
+@needs_ptxas
+def test_a_192_row_tile_runs_three_consumer_warpgroups_round_the_ring():
+    program = mhadsl.compile(STD + "attention a { dtype = bf16  head_dim = 64  tile = (192, 128) }")
+    assert BACKEND.problems(program["a"].options, "sm_90a") == []
+    too_wide = HopperConfig(head_dim=128, block_m=192).problems()
+    assert any("head dim 64 only" in p.message for p in too_wide), too_wide
+    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()),
+                      cache.CompileCache(tempfile.mkdtemp()))
+    assert BACKEND.launch_shape(kb.config).threads == 512
+    ptx = " ".join(kb.ptx.split())
+    for needed in (".maxntid 512", "setmaxnreg.dec.sync.aligned.u32 32",
+                   "setmaxnreg.inc.sync.aligned.u32 160"):
+        assert needed in ptx, needed
+    # each warpgroup waits at its own turn barrier and passes the turn to the next one's
+    waits = set(re.findall(r"barrier\.sync (\d+), 256;", ptx))
+    passes = set(re.findall(r"barrier\.arrive (\d+), 256;", ptx))
+    assert waits >= {"2", "3", "4"} and passes == {"2", "3", "4"}
+    resources = kb.assembled.kernels[KERNEL_NAME]
+    assert resources.spill_stores == resources.spill_loads == 0
+    assert resources.registers == 128  # the entry cap: 512 threads, one CTA per SM

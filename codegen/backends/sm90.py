@@ -1,19 +1,21 @@
 """The Hopper (sm_90a) attention kernel: TMA + mbarrier + wgmma, warp-specialised.
 
-A CTA has three warpgroups (384 threads). Warpgroup 0 is the producer: after
+A CTA has a producer warpgroup and two consumer warpgroups (384 threads; three consumers,
+512 threads, for a 192-row tile at head dim 64). Warpgroup 0 is the producer: after
 `setmaxnreg.dec` its first thread issues every copy, by the Tensor Memory Accelerator into
 128-byte-swizzled shared memory: Q (BM x D, once per work tile) and K and V (BN x D) into a
-ring of `stages` stages. Warpgroups 1 and 2 are the consumers (`setmaxnreg.inc`): each owns
-64 of the tile's BM = 128 query rows and, per KV tile, computes S = Q K^T by wgmma (both
+ring of `stages` stages. The other warpgroups are the consumers (`setmaxnreg.inc`): each
+owns 64 of the tile's BM query rows and, per KV tile, computes S = Q K^T by wgmma (both
 operands in shared memory), the online softmax in registers (ex2, log2 domain), and
 O += P V by wgmma with P straight from S's accumulators (the register A operand) and V as an
 MN-major B operand. As in FlashAttention-3, S of KV tile n is issued together with P V of
-tile n-1 and tile n's softmax runs under that P V (intra-warpgroup overlap), and the two
-consumer warpgroups take turns issuing their GEMMs (ping-pong, on two named barriers), so
-one's softmax also runs under the other's GEMMs. Completion runs on mbarriers: `q_full`,
-and per stage `full` and `empty` for K and for V apart (full: the producer's expect_tx, the
-copies' bytes; empty: one arrival per consumer thread once its wgmma read the buffer), so
-K of tile n+2 loads as soon as S of tile n is done, with two stages.
+tile n-1 and tile n's softmax runs under that P V (intra-warpgroup overlap), and the
+consumer warpgroups take turns issuing their GEMMs (ping-pong, on one named barrier per
+warpgroup), so one's softmax also runs under the others' GEMMs. Completion runs on
+mbarriers: `q_full`, and per stage `full` and `empty` for K and for V apart (full: the
+producer's expect_tx, the copies' bytes; empty: one arrival per consumer thread once its
+wgmma read the buffer), so K of tile n+2 loads as soon as S of tile n is done, with two
+stages.
 
 Both roles run the scheduler's work loop, each in its own branch of the role if/else (so
 `setmaxnreg` takes effect). Where the scheduler lets them (`scheduler.runs_apart`: no `while`
@@ -62,11 +64,12 @@ from mhadsl.codegen.target import Target, new_module
 KERNEL_NAME = "mha_fwd_sm90"
 SMEM_SYMBOL = "mha_fwd_sm90_smem"
 HEAD_DIMS = (64, 128, 256)
-THREADS = 3 * hopper.WARPGROUP_THREADS
-PRODUCER_REGISTERS = 40
-CONSUMER_REGISTERS = 232
-CONSUMER_THREADS = 2 * hopper.WARPGROUP_THREADS
-ROLE_THREADS = (hopper.WARPGROUP_THREADS, CONSUMER_THREADS)  # producer, consumers
+GROUP_ROWS = 64  # query rows per consumer warpgroup (wgmma's M)
+# (producer, consumer) registers per thread by consumer warpgroups: all 64K registers of the
+# SM, one CTA per SM (the producer keeps what its copies and the scheduler need)
+REGISTERS = {2: (40, 232), 3: (32, 160)}
+# a turn at the tensor cores: the warpgroup that waits and the one that passed it
+TURN_THREADS = 2 * hopper.WARPGROUP_THREADS
 BOX_COLUMNS = 64  # head-dim columns per TMA box: 128 bytes, the swizzle's row
 SWIZZLE_SLACK = hopper.SWIZZLE_ATOM_BYTES  # for rounding the dynamic base up to 1024 bytes
 NEG_INF = float("-inf")
@@ -78,12 +81,24 @@ class HopperConfig:
 
     dtype: str = "bf16"
     head_dim: int = 128
-    block_m: int = 128  # two consumer warpgroups of 64 rows
+    block_m: int = 128  # 64 rows per consumer warpgroup: two (or three, head dim 64)
     block_n: int = 128
     stages: int = 2
     gqa_group: int = 1
     return_lse: bool = False
     ragged: bool = False
+
+    @property
+    def consumer_groups(self) -> int:
+        return self.block_m // GROUP_ROWS
+
+    @property
+    def consumer_threads(self) -> int:
+        return self.consumer_groups * hopper.WARPGROUP_THREADS
+
+    @property
+    def threads(self) -> int:
+        return hopper.WARPGROUP_THREADS + self.consumer_threads
 
     @property
     def boxes(self) -> int:
@@ -113,9 +128,14 @@ class HopperConfig:
         if self.head_dim not in HEAD_DIMS:
             found.append(Problem(("head_dim",), f"head_dim {self.head_dim}: the sm90 kernel "
                                                 "runs head dims 64, 128 and 256"))
-        if self.block_m != 128:
+        if self.block_m not in (128, 192):
             found.append(Problem(("tile",), f"a tile of {self.block_m} query rows: the sm90 "
-                                            "kernel's two consumer warpgroups take 128"))
+                                            "kernel's two or three consumer warpgroups take "
+                                            "128 or 192"))
+        elif self.block_m == 192 and self.head_dim != 64:
+            found.append(Problem(("tile",), f"a tile of 192 query rows at head dim "
+                                            f"{self.head_dim}: three consumer warpgroups have "
+                                            "the registers for head dim 64 only"))
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             found.append(Problem(("tile",), f"the KV tile ({self.block_n}) must be a multiple "
                                             "of 16 from 16 to 256"))
@@ -329,19 +349,25 @@ class _Tile:
         return phis
 
 
-def _per_group(b, group: ir.Value, emit: Callable[[int], None]) -> None:
-    """emit(0) in the first consumer warpgroup, emit(1) in the second (uniform branches)."""
-    with b.if_else(b.icmp_unsigned("==", group, i32(0))) as (first, second):
-        with first:
-            emit(0)
-        with second:
-            emit(1)
+def _per_group(b, group: ir.Value, groups: int, emit: Callable[[int], None],
+               first: int = 0) -> None:
+    """emit(g) in consumer warpgroup g, for g from `first` to groups - 1 (uniform
+    branches)."""
+    if first == groups - 1:
+        emit(first)
+        return
+    with b.if_else(b.icmp_unsigned("==", group, i32(first))) as (this, rest):
+        with this:
+            emit(first)
+        with rest:
+            _per_group(b, group, groups, emit, first + 1)
 
 
 class _ConsumerTile:
     """One consumer warpgroup's KV loop over a work tile: S = Q K^T, the online softmax,
-    O += P V. The two consumer warpgroups take turns at the tensor cores (ping-pong: named
-    barriers `nvptx.CONSUMER_TURN_BARRIERS`), so one's softmax runs under the other's GEMMs."""
+    O += P V. The consumer warpgroups take turns at the tensor cores, round the ring (named
+    barriers `nvptx.CONSUMER_TURN_BARRIERS`: g waits at its own, then passes the turn to
+    g + 1's), so one's softmax runs under the others' GEMMs (ping-pong with two)."""
 
     def __init__(self, kernel: "_Kernel", b, args, t: _Tile, group, row0, col0, sl2, kv_count):
         self.k, self.c, self.mem, self.b = kernel, kernel.c, kernel.mem, b
@@ -360,12 +386,13 @@ class _ConsumerTile:
     # Each warpgroup names its barriers by constants, at its own site (one instruction with
     # a register ID, run by both warpgroups, is what synccheck flagged).
     def take_turn(self, bb):
-        _per_group(bb, self.group, lambda g: nvptx.barrier_named(
-            bb, nvptx.CONSUMER_TURN_BARRIERS[g], CONSUMER_THREADS, aligned=False))
+        _per_group(bb, self.group, self.c.consumer_groups, lambda g: nvptx.barrier_named(
+            bb, nvptx.CONSUMER_TURN_BARRIERS[g], TURN_THREADS, aligned=False))
 
     def pass_turn(self, bb):
-        _per_group(bb, self.group, lambda g: nvptx.barrier_arrive_named(
-            bb, nvptx.CONSUMER_TURN_BARRIERS[1 - g], CONSUMER_THREADS, aligned=False))
+        groups = self.c.consumer_groups
+        _per_group(bb, self.group, groups, lambda g: nvptx.barrier_arrive_named(
+            bb, nvptx.CONSUMER_TURN_BARRIERS[(g + 1) % groups], TURN_THREADS, aligned=False))
 
     def issue_s(self, bb, stage):
         """S = Q K^T of `stage`, committed (not waited for)."""
@@ -637,7 +664,7 @@ class _Kernel:
         storer = b.icmp_unsigned("==", _thread_idx(b), i32(hopper.WARPGROUP_THREADS))
         with b.if_then(storer):
             hopper.bulk_wait_group_read(b, 0)
-        nvptx.barrier_named(b, nvptx.CONSUMER_EPILOGUE_BARRIER, CONSUMER_THREADS)
+        nvptx.barrier_named(b, nvptx.CONSUMER_EPILOGUE_BARRIER, c.consumer_threads)
         for r in range(2):
             row = b.add(row0, i32(8 * r))
             swizzle = b.and_(row, i32(7))
@@ -650,7 +677,7 @@ class _Kernel:
                                      b.shl(col0, i32(1))))
                 warp.store(b, value, warp.smem_ptr(b, mem.o_box(b, box), offset), align=4)
         hopper.fence_proxy_async(b)
-        nvptx.barrier_named(b, nvptx.CONSUMER_EPILOGUE_BARRIER, CONSUMER_THREADS)
+        nvptx.barrier_named(b, nvptx.CONSUMER_EPILOGUE_BARRIER, c.consumer_threads)
         with b.if_then(storer):
             o_map = hopper.tensor_map_address(b, args["o_map"])
             for box in range(c.boxes):
@@ -730,11 +757,13 @@ def _rename_new_functions(module: ir.Module, before: set[str], suffix: str) -> N
 def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
                  work_loop: Callable) -> ir.Module:
     hooks = hooks or ExprHooks()
+    role_threads = (hopper.WARPGROUP_THREADS, config.consumer_threads)  # producer, consumers
+    producer_registers, consumer_registers = REGISTERS[config.consumer_groups]
     module = new_module(f"mha_sm90_{config.dtype}_d{config.head_dim}", target)
     fnty = ir.FunctionType(nvptx.void, [p.llvm_type for p in KERNEL_PARAMS])
     fn = ir.Function(module, fnty, name=KERNEL_NAME)
     nvptx.mark_kernel(fn)
-    _add_fn_attr(fn, f'"nvvm.maxntid"="{THREADS}"')
+    _add_fn_attr(fn, f'"nvvm.maxntid"="{config.threads}"')
     _add_fn_attr(fn, '"nvvm.minctasm"="1"')  # a register cap at entry, as setmaxnreg needs
     for p, arg in zip(KERNEL_PARAMS, fn.args):
         arg.name = p.name
@@ -761,48 +790,50 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
             hopper.prefetch_tensor_map(b, hopper.tensor_map_address(b, params[name]))
     with b.if_then(b.icmp_unsigned("==", tid, i32(0))):
         hopper.mbarrier_init(b, mem.q_full(b), 1)
-        hopper.mbarrier_init(b, mem.q_empty(b), CONSUMER_THREADS)
+        hopper.mbarrier_init(b, mem.q_empty(b), config.consumer_threads)
         hopper.mbarrier_init(b, mem.o_free(b), 1)
-        init_handoff(b, *ROLE_THREADS)
+        init_handoff(b, *role_threads)
         for stage in range(config.stages):
             for which in "kv":
                 hopper.mbarrier_init(b, mem.full(b, which, i32(stage)), 1)
-                hopper.mbarrier_init(b, mem.empty(b, which, i32(stage)), CONSUMER_THREADS)
+                hopper.mbarrier_init(b, mem.empty(b, which, i32(stage)),
+                                     config.consumer_threads)
         hopper.fence_mbarrier_init(b)
     nvptx.barrier_all(b)
     is_producer = b.icmp_unsigned("<", tid, i32(hopper.WARPGROUP_THREADS))
     with b.if_else(is_producer) as (producer, consumer):
         with producer:
-            hopper.setmaxnreg(b, PRODUCER_REGISTERS, increase=False)
+            hopper.setmaxnreg(b, producer_registers, increase=False)
             args = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
                               divergent_roles=True, trace_thread=None,  # consumers record
-                              handoff=Handoff("producer", *ROLE_THREADS))
+                              handoff=Handoff("producer", *role_threads))
             before = set(module.globals)
             work_loop(b, args, lambda bb, seq: kernel.producer_tile(bb, args, kv_count,
                                                                      tile_count, seq))
             _rename_new_functions(module, before, ".producer")
         with consumer:
-            hopper.setmaxnreg(b, CONSUMER_REGISTERS, increase=True)
+            hopper.setmaxnreg(b, consumer_registers, increase=True)
             # the first consumer warpgroup has the first turn at the tensor cores: the
-            # second passes it as if it had just had one (a warp that arrived at a barrier
+            # last passes it as if it had just had one (a warp that arrived at a barrier
             # must not also wait at it in the same phase: synccheck's divergent barrier)
-            second_group = b.icmp_unsigned(">=", tid, i32(2 * hopper.WARPGROUP_THREADS))
-            with b.if_then(second_group):
-                nvptx.barrier_arrive_named(b, nvptx.CONSUMER_TURN_BARRIERS[0],
-                                           CONSUMER_THREADS, aligned=False)
+            last_group = b.icmp_unsigned(">=", tid, i32(config.consumer_groups
+                                                        * hopper.WARPGROUP_THREADS))
+            with b.if_then(last_group):
+                nvptx.barrier_arrive_named(b, nvptx.CONSUMER_TURN_BARRIERS[0], TURN_THREADS,
+                                           aligned=False)
             cargs = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
                                divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS,
-                               handoff=Handoff("consumer", *ROLE_THREADS))
+                               handoff=Handoff("consumer", *role_threads))
             work_loop(b, cargs, lambda bb, seq: kernel.consumer_tile(bb, cargs, kv_count,
                                                                       tile_count, seq))
             if not config.ragged:  # the last O store has read its tile before the CTA exits
                 with b.if_then(b.icmp_unsigned("==", tid, i32(hopper.WARPGROUP_THREADS))):
                     hopper.bulk_wait_group_read(b, 0)
-            # the turn the second warpgroup passed last (or at the start) is taken, so no
+            # the turn the last warpgroup passed last (or at the start) is taken, so no
             # barrier phase is left half-full when the CTA exits
             with b.if_then(b.icmp_unsigned("<", _thread_idx(b),
                                            i32(2 * hopper.WARPGROUP_THREADS))):
-                nvptx.barrier_named(b, nvptx.CONSUMER_TURN_BARRIERS[0], CONSUMER_THREADS,
+                nvptx.barrier_named(b, nvptx.CONSUMER_TURN_BARRIERS[0], TURN_THREADS,
                                     aligned=False)
     b.ret_void()
     return module
@@ -847,10 +878,10 @@ class SM90(Backend):
     def problems(self, options, arch: str) -> list[Problem]:
         config = declared_config(options)
         found = config.problems()
-        if options.warps is not None and options.warps != THREADS // 32:
-            found.append(Problem(("warps",), f"warps = {options.warps}: the sm90 kernel runs "
-                                             f"{THREADS // 32} (a producer and two consumer "
-                                             "warpgroups)"))
+        if options.warps is not None and options.warps != config.threads // 32:
+            found.append(Problem(("warps",), (
+                f"warps = {options.warps}: the sm90 kernel runs {config.threads // 32} at "
+                f"this tile (a producer and {config.consumer_groups} consumer warpgroups)")))
         if arch not in self.targets:
             found.append(Problem((), f"the sm90 kernel builds for sm_90a, not {arch}"))
         limit = SHARED_MEMORY_LIMIT.get(arch, 0)
@@ -867,7 +898,7 @@ class SM90(Backend):
         return tuple(replace(primary, block_n=n) for n in NARROWER_KV_TILES[primary.block_n])
 
     def launch_shape(self, config: HopperConfig) -> LaunchShape:
-        return LaunchShape(KERNEL_NAME, THREADS, shared_bytes(config))
+        return LaunchShape(KERNEL_NAME, config.threads, shared_bytes(config))
 
     def launch_args(self, config: HopperConfig, tensors: dict, ragged: bool) -> dict:
         return tensor_map_args(config, tensors, ragged)
