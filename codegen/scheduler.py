@@ -385,8 +385,9 @@ class Handoff:
     writes the step it stopped at (plus one) into the stop word and publishes; the consumers
     stop at that step, and not earlier: the producer's threads other than the loader may
     fault a step ahead of the step the consumers are taking. Only schedulers
-    whose `advance` has no `while` run apart (`runs_apart`): a consumer loop can then not
-    fault alone and strand the producer at a full pipeline. Others run in lock-step."""
+    whose `advance` has no `while` (a consumer loop can then not fault alone and strand the
+    producer at a full pipeline) and touches no slot but `slots[pipeline_idx]` run apart
+    (`runs_apart`). Others run in lock-step."""
 
     role: str  # "producer" or "consumer"
     producer_threads: int
@@ -422,17 +423,26 @@ def init_handoff(builder: ir.IRBuilder, producer_threads: int, consumer_threads:
 
 def runs_apart(program: CheckedProgram, decl: ast.SchedulerDecl) -> bool:
     """Whether the scheduler's roles may run apart (`Handoff`): no `while` in its advance
-    nor in the functions it calls."""
-    stack, seen = [next(r for r in decl.rules if r.name == "advance")], set()
+    nor in the functions it calls, and no slot but this step's, `slots[pipeline_idx]`, in
+    its advance: running apart, the producer writes the next step's slot while the
+    consumers read this step's, so a step that touches any other slot could race."""
+    advance = next(r for r in decl.rules if r.name == "advance")
+    this_step = advance.params[2].name
+    stack, seen = [(advance, False)], set()
     while stack:
-        node = stack.pop()
+        node, in_fn = stack.pop()
         if isinstance(node, ast.While):
+            return False
+        if isinstance(node, ast.Index) and (in_fn or not (
+                isinstance(node.index, ast.Name) and node.index.id == this_step)):
+            return False
+        if isinstance(node, ast.Let) and node.name == this_step:  # shadowed
             return False
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
                 and node.func.id in program.fns and node.func.id not in seen:
             seen.add(node.func.id)
-            stack.append(program.fns[node.func.id])
-        stack.extend(ast.children(node))
+            stack.append((program.fns[node.func.id], True))
+        stack.extend((child, in_fn) for child in ast.children(node))
     return True
 
 

@@ -129,6 +129,34 @@ def test_roles_run_apart_where_the_scheduler_lets_them():
     assert len(together) > len(apart)  # each step's barrier and vote, per role
 
 
+@pytest.mark.parametrize("body, apart", [
+    ("state.slots[pipeline_idx] = state.idx + grid_dim.x\n"
+     "state.idx = state.slots[pipeline_idx]", True),
+    ("state.slots[0] = state.idx + grid_dim.x\nstate.idx = state.slots[0]", False),
+    ("state.slots[pipeline_idx + 1] = 7\nstate.idx += grid_dim.x", False),
+    ("let pipeline_idx = 0\nstate.idx = state.slots[pipeline_idx]", False),
+], ids=["this step's slot", "slot 0", "the other slot", "shadowed"])
+def test_roles_run_apart_only_on_this_steps_slot(body, apart):
+    """Running apart, the producer writes the next step's slot while the consumers read
+    this step's: an advance that touches any other slot keeps the roles in lock-step."""
+    from mhadsl.codegen.scheduler import runs_apart
+    program = checked(STD + f"""
+scheduler S(num_ctas: u32 = 7) {{
+    may_advance = true
+    schedule = DEFAULT
+    grid_dim(batch_size, max_num_prompt_tiles) = (num_ctas, 1, 1)
+    initial_state(slots, ts) = State(idx = block_idx.x, slots = slots, max_idx = ts.num_work())
+    get_current_work_info(ts, state) = ts.work_info(state.idx, schedule)
+    advance(ts, state, pipeline_idx) {{
+        {body}
+        if state.idx >= state.max_idx {{ return none }}
+        return ts.seq_info(ts.work_info(state.idx, schedule))
+    }}
+    unsafe_seq_info(ts, state) = ts.seq_info(ts.work_info(state.idx, schedule))
+}}""")
+    assert runs_apart(program, program.schedulers["S"]) == apart
+
+
 @needs_ptxas
 @pytest.mark.parametrize("layout, stores", [(Layout(), "by TMA"), (Layout(2, True, True), "from registers")])
 def test_dense_builds_store_o_by_tma_ragged_ones_from_registers(layout, stores):

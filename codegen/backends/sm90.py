@@ -19,7 +19,7 @@ stages.
 
 Both roles run the scheduler's work loop, each in its own branch of the role if/else (so
 `setmaxnreg` takes effect). Where the scheduler lets them (`scheduler.runs_apart`: no `while`
-in `advance`), the roles run apart after the first step: the producer takes each next work
+in `advance`, no slot but this step's), the roles run apart after the first step: the producer takes each next work
 index and publishes it through the pipeline slot on an mbarrier handoff
 (`scheduler.Handoff`), so it loads the next work tile (Q once the consumers' last S has read
 the current one: `q_empty`) while the consumers finish this one; other schedulers take
