@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project verifies on a GPU, in one go (the HARDENING.md and BENCHMARKS.md
 # figures): the GPU test layer, compute-sanitizer over every standard scheduler, and the
-# benchmark tables (both designs side by side, then the default design's). Logs go to $1
+# benchmark tables (both designs side by side, the default design's, tile variants). Logs go to $1
 # (default gpu-check/).
 #     bash benchmarks/gpu_check.sh [LOG_DIR]
 set -uo pipefail
@@ -11,12 +11,16 @@ mkdir -p "$logs"
 export PYTHONUNBUFFERED=1
 status=0
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$logs/gpu.txt"
-python3 -m pytest -m gpu -q -rA -p no:cacheprovider -n 8 tests 2>&1 | tee "$logs/gpu-tests.log" \
-    | grep -E "passed|failed|error|fault came back|FAILED" | tail -30 || status=1
+# a hung kernel must not take the whole run: each test's Python stack is dumped after 120 s
+# (the hung one names itself) and the layer stops after 400 s
+timeout 400 python3 -m pytest -m gpu -q -rA -p no:cacheprovider -n 8 \
+    -o faulthandler_timeout=120 tests 2>&1 | tee "$logs/gpu-tests.log" \
+    | grep -E "passed|failed|error|fault came back|FAILED|Timeout" | tail -30 || status=1
 for backend in sm90 sm80; do
     python3 benchmarks/sanitize.py --backend $backend --log-dir "$logs/sanitize-$backend" 2>&1 \
         | tee "$logs/sanitize-$backend.log" | tail -4 || status=1
 done
 python3 benchmarks/hopper.py 2>&1 | tee "$logs/hopper.log" | tail -18 || status=1
 python3 benchmarks/attention.py 2>&1 | tee "$logs/bench.log" | tail -16 || status=1
+python3 benchmarks/tiles.py 2>&1 | tee "$logs/tiles.log" | tail -18 || status=1
 exit $status
