@@ -552,14 +552,8 @@ def _handoff_step(builder: ir.IRBuilder, sched: LoweredScheduler, fill_env, stat
         b.store(n, taken)
         too_many = b.and_(more, b.icmp_unsigned(">", b.zext(n, i64),
                                                 _num_work(b, sched, kenv)))
-        fuel = b.load(_fuel_ptr(b, sched, kenv), typ=i64)
-        emptied = b.trunc(b.select(b.icmp_signed("<", fuel, i64(0)), b.neg(fuel), i64(0)), i32)
-        code = b.select(too_many, i32(faults.fault_code(faults.TOO_MANY_TILES, "advance")),
-                        emptied)
-        faulted = b.icmp_unsigned("!=", code, i32(0))
-        with b.if_then(faulted, likely=False):
-            record_fault(b, _workspace(b, sched, kenv), code, sched.scheduler_id)
-            b.store(b.zext(n, i64), stop_word)
+        faulted = _record_step_fault(b, sched, kenv, too_many,
+                                     then=lambda: b.store(b.zext(n, i64), stop_word))
         hopper.mbarrier_arrive(b, _handoff_barrier(b, "full", step))
         b.cbranch(b.and_(more, b.not_(faulted)), loop_bb, exit_bb)
         return
@@ -579,8 +573,16 @@ def _handoff_step(builder: ir.IRBuilder, sched: LoweredScheduler, fill_env, stat
 def _stop_step(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv,
                too_many: ir.Value, aligned: bool) -> ir.Value:
     """Whether any thread of the CTA stops after this scheduler step (a CTA-wide vote); a
-    thread that stops records why first. `loop_fuel` left a tank it emptied holding the
-    negated fault code; a refilled one is positive."""
+    thread that stops records why first."""
+    faulted = _record_step_fault(builder, sched, kenv, too_many)
+    return nvptx.barrier_any(builder, faulted, aligned)
+
+
+def _record_step_fault(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv,
+                       too_many: ir.Value, then: Callable[[], None] | None = None) -> ir.Value:
+    """Whether this thread faulted in this scheduler step (too many tiles, or a `while` out
+    of fuel); if so it records the fault and runs `then`. `loop_fuel` left a tank it emptied
+    holding the negated fault code; a refilled one is positive."""
     fuel = builder.load(_fuel_ptr(builder, sched, kenv), typ=i64)
     emptied = builder.trunc(builder.select(builder.icmp_signed("<", fuel, i64(0)),
                                            builder.neg(fuel), i64(0)), i32)
@@ -589,7 +591,9 @@ def _stop_step(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv,
     faulted = builder.icmp_unsigned("!=", code, i32(0))
     with builder.if_then(faulted, likely=False):
         record_fault(builder, _workspace(builder, sched, kenv), code, sched.scheduler_id)
-    return nvptx.barrier_any(builder, faulted, aligned)
+        if then is not None:
+            then()
+    return faulted
 
 
 def _num_work(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv) -> ir.Value:

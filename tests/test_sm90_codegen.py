@@ -140,21 +140,9 @@ def test_roles_run_apart_only_on_this_steps_slot(body, apart):
     """Running apart, the producer writes the next step's slot while the consumers read
     this step's: an advance that touches any other slot keeps the roles in lock-step."""
     from mhadsl.codegen.scheduler import runs_apart
-    program = checked(STD + f"""
-scheduler S(num_ctas: u32 = 7) {{
-    may_advance = true
-    schedule = DEFAULT
-    grid_dim(batch_size, max_num_prompt_tiles) = (num_ctas, 1, 1)
-    initial_state(slots, ts) = State(idx = block_idx.x, slots = slots, max_idx = ts.num_work())
-    get_current_work_info(ts, state) = ts.work_info(state.idx, schedule)
-    advance(ts, state, pipeline_idx) {{
-        {body}
-        if state.idx >= state.max_idx {{ return none }}
-        return ts.seq_info(ts.work_info(state.idx, schedule))
-    }}
-    unsafe_seq_info(ts, state) = ts.seq_info(ts.work_info(state.idx, schedule))
-}}""")
-    assert runs_apart(program, program.schedulers["S"]) == apart
+    from test_simulate import persistent_variant
+    program = checked(persistent_variant(body))
+    assert runs_apart(program, program.schedulers["Wrong"]) == apart
 
 
 @needs_ptxas
