@@ -67,8 +67,9 @@ def lane_id(builder: ir.IRBuilder) -> ir.Value:
 # ----------------------------------------------------------------- barriers
 CTA_BARRIER = 0  # bar.sync 0: every thread of the CTA
 PRODUCER_BARRIER = 1  # a named barrier among the producer's threads
-CONSUMER_TURN_BARRIERS = (2, 3)  # sm90: whose turn it is at the tensor cores (ping-pong)
-CONSUMER_EPILOGUE_BARRIER = 4  # sm90: the consumers around O's staging tile
+CONSUMER_TURN_BARRIERS = (2, 3, 4)  # sm90: which consumer warpgroup's turn it is at the
+# tensor cores (ping-pong with two warpgroups, round the ring with three)
+CONSUMER_EPILOGUE_BARRIER = 5  # sm90: the consumers around O's staging tile
 
 
 def _cta_threads(builder: ir.IRBuilder) -> ir.Value:

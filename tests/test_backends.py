@@ -68,8 +68,8 @@ def _check_error(settings: str) -> MhaError:
     ("    warps = 8\n    tile = (16, 64)", 4, 12, "16-row pieces over 8 warps"),  # at the tile
     ("    stages = 9", 3, 14, "2-stage"),  # sm90 runs 1 to 8
     ("    head_dim = 256\n    warps = 4", 4, 13, "multiple of 8"),
-    ("    head_dim = 256\n    tile = (128, 256)", 4, 12, "641 KiB of shared memory"),
-    ("    head_dim = 256\n    tile = (256, 256)", 4, 12, "two consumer warpgroups take 128"),
+    ("    head_dim = 256\n    tile = (128, 256)", 4, 12, "577 KiB of shared memory"),
+    ("    head_dim = 256\n    tile = (256, 256)", 4, 12, "two or three consumer warpgroups take 128 or 192"),
 ])
 def test_check_reports_what_the_backend_rejects(settings, line, column, message):
     err = _check_error(settings)

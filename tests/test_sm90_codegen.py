@@ -154,3 +154,53 @@ def test_dense_builds_store_o_by_tma_ragged_ones_from_registers(layout, stores):
     tma_store = "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group" in ptx
     assert tma_store == (stores == "by TMA")
     assert ("cp.async.bulk.wait_group.read 0" in ptx) == tma_store
+
+
+def test_o_is_staged_over_vs_ring_only_where_its_own_tile_would_not_fit():
+    limit = backends.SHARED_MEMORY_LIMIT["sm_90a"]
+    d256 = HopperConfig(head_dim=256, block_n=64)
+    assert d256.o_over_v and shared_bytes(d256) <= limit  # own tile: 257 KiB
+    assert not HopperConfig(head_dim=256, block_n=48).o_over_v  # V's ring holds 96 rows
+    assert not HopperConfig().o_over_v  # D128: O has its own tile, as it fits
+    assert HopperConfig(stages=3).o_over_v and shared_bytes(HopperConfig(stages=3)) <= limit
+    ragged = HopperConfig(head_dim=256, block_n=64, ragged=True)
+    assert not ragged.o_over_v  # stores from registers: no staging tile at all
+    assert shared_bytes(ragged) == shared_bytes(d256)
+
+
+@needs_ptxas
+@pytest.mark.parametrize("mask, keys, over_v", [("", 64, True), (
+    "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx", 48, False)], ids=["plain", "causal"])
+def test_d256_dense_builds_take_the_widest_spill_free_kv_tile(mask, keys, over_v):
+    program = mhadsl.compile(f'{STD}\nattention a {{ dtype = bf16  head_dim = 256 {mask} }}')
+    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()),
+                      cache.CompileCache(tempfile.mkdtemp()))
+    assert (kb.config.block_n, kb.config.o_over_v) == (keys, over_v)
+    resources = kb.assembled.kernels[KERNEL_NAME]
+    assert resources.spill_stores == resources.spill_loads == 0
+    # the store's read is awaited before the next tile's epilogue and the CTA's exit, and
+    # with O over V's ring also right after the store, for the producer's next V
+    waits = " ".join(kb.ptx.split()).count("cp.async.bulk.wait_group.read 0")
+    assert waits == (3 if over_v else 2)
+
+
+@needs_ptxas
+def test_a_192_row_tile_runs_three_consumer_warpgroups_round_the_ring():
+    program = mhadsl.compile(STD + "attention a { dtype = bf16  head_dim = 64  tile = (192, 128) }")
+    assert BACKEND.problems(program["a"].options, "sm_90a") == []
+    too_wide = HopperConfig(head_dim=128, block_m=192).problems()
+    assert any("head dim 64 only" in p.message for p in too_wide), too_wide
+    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()),
+                      cache.CompileCache(tempfile.mkdtemp()))
+    assert BACKEND.launch_shape(kb.config).threads == 512
+    ptx = " ".join(kb.ptx.split())
+    for needed in (".maxntid 512", "setmaxnreg.dec.sync.aligned.u32 32",
+                   "setmaxnreg.inc.sync.aligned.u32 160"):
+        assert needed in ptx, needed
+    # each warpgroup waits at its own turn barrier and passes the turn to the next one's
+    waits = set(re.findall(r"barrier\.sync (\d+), 256;", ptx))
+    passes = set(re.findall(r"barrier\.arrive (\d+), 256;", ptx))
+    assert waits >= {"2", "3", "4"} and passes == {"2", "3", "4"}
+    resources = kb.assembled.kernels[KERNEL_NAME]
+    assert resources.spill_stores == resources.spill_loads == 0
+    assert resources.registers == 128  # the entry cap: 512 threads, one CTA per SM

@@ -1,19 +1,21 @@
 """The Hopper (sm_90a) attention kernel: TMA + mbarrier + wgmma, warp-specialised.
 
-A CTA has three warpgroups (384 threads). Warpgroup 0 is the producer: after
+A CTA has a producer warpgroup and two consumer warpgroups (384 threads; three consumers,
+512 threads, for a 192-row tile at head dim 64). Warpgroup 0 is the producer: after
 `setmaxnreg.dec` its first thread issues every copy, by the Tensor Memory Accelerator into
 128-byte-swizzled shared memory: Q (BM x D, once per work tile) and K and V (BN x D) into a
-ring of `stages` stages. Warpgroups 1 and 2 are the consumers (`setmaxnreg.inc`): each owns
-64 of the tile's BM = 128 query rows and, per KV tile, computes S = Q K^T by wgmma (both
+ring of `stages` stages. The other warpgroups are the consumers (`setmaxnreg.inc`): each
+owns 64 of the tile's BM query rows and, per KV tile, computes S = Q K^T by wgmma (both
 operands in shared memory), the online softmax in registers (ex2, log2 domain), and
 O += P V by wgmma with P straight from S's accumulators (the register A operand) and V as an
 MN-major B operand. As in FlashAttention-3, S of KV tile n is issued together with P V of
-tile n-1 and tile n's softmax runs under that P V (intra-warpgroup overlap), and the two
-consumer warpgroups take turns issuing their GEMMs (ping-pong, on two named barriers), so
-one's softmax also runs under the other's GEMMs. Completion runs on mbarriers: `q_full`,
-and per stage `full` and `empty` for K and for V apart (full: the producer's expect_tx, the
-copies' bytes; empty: one arrival per consumer thread once its wgmma read the buffer), so
-K of tile n+2 loads as soon as S of tile n is done, with two stages.
+tile n-1 and tile n's softmax runs under that P V (intra-warpgroup overlap), and the
+consumer warpgroups take turns issuing their GEMMs (ping-pong, on one named barrier per
+warpgroup), so one's softmax also runs under the others' GEMMs. Completion runs on
+mbarriers: `q_full`, and per stage `full` and `empty` for K and for V apart (full: the
+producer's expect_tx, the copies' bytes; empty: one arrival per consumer thread once its
+wgmma read the buffer), so K of tile n+2 loads as soon as S of tile n is done, with two
+stages.
 
 Both roles run the scheduler's work loop, each in its own branch of the role if/else (so
 `setmaxnreg` takes effect). Where the scheduler lets them (`scheduler.runs_apart`: no `while`
@@ -62,12 +64,14 @@ from mhadsl.codegen.target import Target, new_module
 KERNEL_NAME = "mha_fwd_sm90"
 SMEM_SYMBOL = "mha_fwd_sm90_smem"
 HEAD_DIMS = (64, 128, 256)
-THREADS = 3 * hopper.WARPGROUP_THREADS
-PRODUCER_REGISTERS = 40
-CONSUMER_REGISTERS = 232
-CONSUMER_THREADS = 2 * hopper.WARPGROUP_THREADS
-ROLE_THREADS = (hopper.WARPGROUP_THREADS, CONSUMER_THREADS)  # producer, consumers
+GROUP_ROWS = 64  # query rows per consumer warpgroup (wgmma's M)
+# (producer, consumer) registers per thread by consumer warpgroups: all 64K registers of the
+# SM, one CTA per SM (the producer keeps what its copies and the scheduler need)
+REGISTERS = {2: (40, 232), 3: (32, 160)}
+# a turn at the tensor cores: the warpgroup that waits and the one that passed it
+TURN_THREADS = 2 * hopper.WARPGROUP_THREADS
 BOX_COLUMNS = 64  # head-dim columns per TMA box: 128 bytes, the swizzle's row
+SWIZZLE_SLACK = hopper.SWIZZLE_ATOM_BYTES  # for rounding the dynamic base up to 1024 bytes
 NEG_INF = float("-inf")
 
 
@@ -77,12 +81,24 @@ class HopperConfig:
 
     dtype: str = "bf16"
     head_dim: int = 128
-    block_m: int = 128  # two consumer warpgroups of 64 rows
+    block_m: int = 128  # 64 rows per consumer warpgroup: two (or three, head dim 64)
     block_n: int = 128
     stages: int = 2
     gqa_group: int = 1
     return_lse: bool = False
     ragged: bool = False
+
+    @property
+    def consumer_groups(self) -> int:
+        return self.block_m // GROUP_ROWS
+
+    @property
+    def consumer_threads(self) -> int:
+        return self.consumer_groups * hopper.WARPGROUP_THREADS
+
+    @property
+    def threads(self) -> int:
+        return hopper.WARPGROUP_THREADS + self.consumer_threads
 
     @property
     def boxes(self) -> int:
@@ -96,14 +112,30 @@ class HopperConfig:
     def kv_tile_bytes(self) -> int:
         return self.block_n * self.head_dim * warp.ELEMENT_BYTES
 
+    @property
+    def o_over_v(self) -> bool:
+        """Whether a dense build stages O over V's ring instead of in its own tile: only
+        where its own tile would not fit in shared memory (FlashAttention-3 does the same);
+        the producer then loads a work tile's first V once the previous tile's O store has
+        read the staging tile. Ragged builds store O from registers and stage nothing."""
+        own = SWIZZLE_SLACK + 2 * self.q_bytes + 2 * self.stages * self.kv_tile_bytes \
+            + _barrier_bytes(self)
+        return (not self.ragged and own > SHARED_MEMORY_LIMIT["sm_90a"]
+                and self.stages * self.kv_tile_bytes >= self.q_bytes)
+
     def problems(self) -> list[Problem]:
         found = common_problems(self)
         if self.head_dim not in HEAD_DIMS:
             found.append(Problem(("head_dim",), f"head_dim {self.head_dim}: the sm90 kernel "
                                                 "runs head dims 64, 128 and 256"))
-        if self.block_m != 128:
+        if self.block_m not in (128, 192):
             found.append(Problem(("tile",), f"a tile of {self.block_m} query rows: the sm90 "
-                                            "kernel's two consumer warpgroups take 128"))
+                                            "kernel's two or three consumer warpgroups take "
+                                            "128 or 192"))
+        elif self.block_m == 192 and self.head_dim != 64:
+            found.append(Problem(("tile",), f"a tile of 192 query rows at head dim "
+                                            f"{self.head_dim}: three consumer warpgroups have "
+                                            "the registers for head dim 64 only"))
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             found.append(Problem(("tile",), f"the KV tile ({self.block_n}) must be a multiple "
                                             "of 16 from 16 to 256"))
@@ -113,14 +145,18 @@ class HopperConfig:
 
 
 def shared_bytes(config: HopperConfig) -> int:
-    """Slack for rounding the base up to 1024 bytes, Q, the K/V ring, O (the TMA store's
-    source; as Q), the mbarriers."""
-    return (hopper.SWIZZLE_ATOM_BYTES + 2 * config.q_bytes
-            + 2 * config.stages * config.kv_tile_bytes + _barrier_bytes(config))
+    """Slack for rounding the base up to 1024 bytes, Q, the K ring, the V ring, O's own
+    staging tile (dense builds, unless O is staged over V's ring), the mbarriers."""
+    return (SWIZZLE_SLACK + config.q_bytes + 2 * config.stages * config.kv_tile_bytes
+            + _own_o_bytes(config) + _barrier_bytes(config))
+
+
+def _own_o_bytes(config: HopperConfig) -> int:
+    return 0 if config.ragged or config.o_over_v else config.q_bytes
 
 
 def _barrier_bytes(config: HopperConfig) -> int:
-    return (2 + 4 * config.stages) * hopper.MBARRIER_BYTES
+    return (3 + 4 * config.stages) * hopper.MBARRIER_BYTES
 
 
 KERNEL_PARAMS: tuple[KernelParam, ...] = SM80_PARAMS + (
@@ -173,8 +209,8 @@ def _counted(b, slot: ir.Value) -> tuple[ir.Value, Callable]:
 
 
 class _Layout:
-    """Shared-memory addresses: base rounded up to 1024 B, then Q, the K/V stages (K then V
-    per stage), O's staging tile, the mbarriers."""
+    """Shared-memory addresses: base rounded up to 1024 B, then Q, the K ring, the V ring,
+    O's own staging tile (where it has one: `HopperConfig.o_over_v`), the mbarriers."""
 
     def __init__(self, config: HopperConfig, smem: ir.GlobalVariable):
         self.c, self.smem = config, smem
@@ -197,27 +233,32 @@ class _Layout:
 
     def kv_tile(self, b, which: str, stage: ir.Value, extra: int = 0) -> ir.Value:
         c = self.c
-        off = c.q_bytes + (c.kv_tile_bytes if which == "v" else 0) + extra
-        return self.at(b, b.add(i32(off), b.mul(stage, i32(2 * c.kv_tile_bytes))))
+        off = c.q_bytes + (c.stages * c.kv_tile_bytes if which == "v" else 0) + extra
+        return self.at(b, b.add(i32(off), b.mul(stage, i32(c.kv_tile_bytes))))
 
     def o_box(self, b, box: int) -> ir.Value:
-        """O's staging box `box` (64 columns, BM rows, swizzled as Q's), after the ring."""
+        """O's staging box `box` (64 columns, BM rows, swizzled as Q's): over V's ring, or
+        its own tile after it."""
         c = self.c
-        return self.at(b, c.q_bytes + 2 * c.stages * c.kv_tile_bytes
-                       + box * c.block_m * hopper.SWIZZLE_BYTES)
+        ring = c.q_bytes + c.stages * c.kv_tile_bytes * (1 if c.o_over_v else 2)
+        return self.at(b, ring + box * c.block_m * hopper.SWIZZLE_BYTES)
 
     def barrier(self, b, index: ir.Value | int) -> ir.Value:
         c = self.c
-        start = 2 * c.q_bytes + 2 * c.stages * c.kv_tile_bytes
+        start = c.q_bytes + 2 * c.stages * c.kv_tile_bytes + _own_o_bytes(c)
         index = i32(index) if isinstance(index, int) else index
         return self.at(b, b.add(i32(start), b.mul(index, i32(hopper.MBARRIER_BYTES))))
 
-    # barrier 0: q_full; then per stage k_full, v_full, k_empty, v_empty; then q_empty
+    # barrier 0: q_full; then per stage k_full, v_full, k_empty, v_empty; then q_empty,
+    # o_free (O's staging tile read by its store: `HopperConfig.o_over_v`)
     def q_full(self, b):
         return self.barrier(b, 0)
 
     def q_empty(self, b):
         return self.barrier(b, 1 + 4 * self.c.stages)
+
+    def o_free(self, b):
+        return self.barrier(b, 2 + 4 * self.c.stages)
 
     def full(self, b, which: str, stage):
         return self.barrier(b, b.add(i32(1 + "kv".index(which) * self.c.stages), stage))
@@ -308,19 +349,25 @@ class _Tile:
         return phis
 
 
-def _per_group(b, group: ir.Value, emit: Callable[[int], None]) -> None:
-    """emit(0) in the first consumer warpgroup, emit(1) in the second (uniform branches)."""
-    with b.if_else(b.icmp_unsigned("==", group, i32(0))) as (first, second):
-        with first:
-            emit(0)
-        with second:
-            emit(1)
+def _per_group(b, group: ir.Value, groups: int, emit: Callable[[int], None],
+               first: int = 0) -> None:
+    """emit(g) in consumer warpgroup g, for g from `first` to groups - 1 (uniform
+    branches)."""
+    if first == groups - 1:
+        emit(first)
+        return
+    with b.if_else(b.icmp_unsigned("==", group, i32(first))) as (this, rest):
+        with this:
+            emit(first)
+        with rest:
+            _per_group(b, group, groups, emit, first + 1)
 
 
 class _ConsumerTile:
     """One consumer warpgroup's KV loop over a work tile: S = Q K^T, the online softmax,
-    O += P V. The two consumer warpgroups take turns at the tensor cores (ping-pong: named
-    barriers `nvptx.CONSUMER_TURN_BARRIERS`), so one's softmax runs under the other's GEMMs."""
+    O += P V. The consumer warpgroups take turns at the tensor cores, round the ring (named
+    barriers `nvptx.CONSUMER_TURN_BARRIERS`: g waits at its own, then passes the turn to
+    g + 1's), so one's softmax runs under the others' GEMMs (ping-pong with two)."""
 
     def __init__(self, kernel: "_Kernel", b, args, t: _Tile, group, row0, col0, sl2, kv_count):
         self.k, self.c, self.mem, self.b = kernel, kernel.c, kernel.mem, b
@@ -339,12 +386,13 @@ class _ConsumerTile:
     # Each warpgroup names its barriers by constants, at its own site (one instruction with
     # a register ID, run by both warpgroups, is what synccheck flagged).
     def take_turn(self, bb):
-        _per_group(bb, self.group, lambda g: nvptx.barrier_named(
-            bb, nvptx.CONSUMER_TURN_BARRIERS[g], CONSUMER_THREADS, aligned=False))
+        _per_group(bb, self.group, self.c.consumer_groups, lambda g: nvptx.barrier_named(
+            bb, nvptx.CONSUMER_TURN_BARRIERS[g], TURN_THREADS, aligned=False))
 
     def pass_turn(self, bb):
-        _per_group(bb, self.group, lambda g: nvptx.barrier_arrive_named(
-            bb, nvptx.CONSUMER_TURN_BARRIERS[1 - g], CONSUMER_THREADS, aligned=False))
+        groups = self.c.consumer_groups
+        _per_group(bb, self.group, groups, lambda g: nvptx.barrier_arrive_named(
+            bb, nvptx.CONSUMER_TURN_BARRIERS[(g + 1) % groups], TURN_THREADS, aligned=False))
 
     def issue_s(self, bb, stage):
         """S = Q K^T of `stage`, committed (not waited for)."""
@@ -409,11 +457,20 @@ class _ConsumerTile:
             [ninf, ninf], [zero, zero]
 
     def split(self, values):
-        """(o, m, l, P fragments, the rest) from a flat list of loop-carried values."""
+        """(o, m, l, P fragments, alpha, the rest) from a flat list of loop-carried values."""
         n_o = hopper.accumulator_count(self.c.head_dim)
         o, m, l = values[:n_o], values[n_o:n_o + 2], values[n_o + 2:n_o + 4]
         n_p = self.c.block_n // 4
-        return o, m, l, values[n_o + 4:n_o + 4 + n_p], values[n_o + 4 + n_p:]
+        p_end = n_o + 4 + n_p
+        return o, m, l, values[n_o + 4:p_end], values[p_end:p_end + 2], values[p_end + 2:]
+
+    def rescale_and_issue_pv(self, bb, o, alpha, frags, stage):
+        """O *= alpha (the last softmax's correction), then O += P V of `stage`: the rescale
+        runs under the S GEMM just issued (FlashAttention-3's order), not after the P V
+        wait; the rescaled accumulators go through the wgmma fence again."""
+        o = hopper.fence_operands(bb, self.rescale(bb, o, alpha))
+        hopper.wgmma_fence(bb)
+        return self.issue_pv(bb, frags, o, stage)
 
     # -------------------------------------------------------------- the loops
     def loop(self):
@@ -437,11 +494,11 @@ class _ConsumerTile:
         hopper.wgmma_wait_group(b, 0)
         s = hopper.fence_operands(b, s)
         hopper.mbarrier_arrive(b, mem.empty(b, "k", stage))
-        frags, m, l, _ = self.softmax(b, first, s, m0, l0)
+        frags, m, l, alpha = self.softmax(b, first, s, m0, l0)
         bump(b)
 
         def step(bb, n, state):
-            o, m_old, l_old, frags, (p_stage, p_phase) = self.split(state)
+            o, m_old, l_old, frags, alpha, (p_stage, p_phase) = self.split(state)
             stage, phase, bump = self.stage(bb)
             hopper.mbarrier_wait(bb, mem.full(bb, "k", stage), phase)
             # V of the previous tile came with its K, long ago; waiting for it here keeps
@@ -452,7 +509,7 @@ class _ConsumerTile:
             o, frags = flat[:len(o)], flat[len(o):]
             hopper.wgmma_fence(bb)
             s = self.issue_s(bb, stage)
-            o = self.issue_pv(bb, frags, o, p_stage)
+            o = self.rescale_and_issue_pv(bb, o, alpha, frags, p_stage)
             self.pass_turn(bb)
             hopper.wgmma_wait_group(bb, 1)
             s = hopper.fence_operands(bb, s)
@@ -462,16 +519,15 @@ class _ConsumerTile:
             o = hopper.fence_operands(bb, o)
             hopper.mbarrier_arrive(bb, mem.empty(bb, "v", p_stage))
             bump(bb)
-            return self.rescale(bb, o, alpha) + m_new + l_new + frags + [stage, phase]
+            return o + m_new + l_new + frags + alpha + [stage, phase]
 
-        after = t.kv_loop(b, o0 + m + l + frags + [stage, phase], step,
+        after = t.kv_loop(b, o0 + m + l + frags + alpha + [stage, phase], step,
                           start=b.add(first, i32(1)))
-        o, m, l, frags, (p_stage, p_phase) = self.split(after)
+        o, m, l, frags, alpha, (p_stage, p_phase) = self.split(after)
         hopper.mbarrier_wait(b, mem.full(b, "v", p_stage), p_phase)  # the last tile's P V
         flat = hopper.fence_operands(b, o + frags)
         o, frags = flat[:len(o)], flat[len(o):]
-        hopper.wgmma_fence(b)
-        o = self.issue_pv(b, frags, o, p_stage)
+        o = self.rescale_and_issue_pv(b, o, alpha, frags, p_stage)
         hopper.wgmma_wait_group(b, 0)
         o = hopper.fence_operands(b, o)
         hopper.mbarrier_arrive(b, mem.empty(b, "v", p_stage))
@@ -505,7 +561,8 @@ class _Kernel:
             # the consumers' last S of the previous work tile has read Q (the producer may be
             # a work tile ahead of them: `scheduler.Handoff`)
             loaded, bump_loaded = _counted(b, tile_count)
-            hopper.mbarrier_wait(b, mem.q_empty(b), b.xor(b.and_(loaded, i32(1)), i32(1)))
+            previous_parity = b.xor(b.and_(loaded, i32(1)), i32(1))
+            hopper.mbarrier_wait(b, mem.q_empty(b), previous_parity)
             bump_loaded(b)
             q_full = mem.q_full(b)
             hopper.mbarrier_arrive_expect_tx(b, q_full, c.q_bytes)
@@ -520,6 +577,9 @@ class _Kernel:
                 phase = bb.and_(bb.udiv(count, i32(c.stages)), i32(1))
                 kv_row = bb.add(t.k_start, bb.mul(n, i32(c.block_n)))
                 for which, tmap in (("k", k_map), ("v", v_map)):
+                    # the previous tile's O has left V's ring (at once after the first V)
+                    if which == "v" and c.o_over_v:
+                        hopper.mbarrier_wait(bb, mem.o_free(bb), previous_parity)
                     hopper.mbarrier_wait(bb, mem.empty(bb, which, stage), bb.xor(phase, i32(1)))
                     bar = mem.full(bb, which, stage)
                     hopper.mbarrier_arrive_expect_tx(bb, bar, c.kv_tile_bytes)
@@ -604,7 +664,7 @@ class _Kernel:
         storer = b.icmp_unsigned("==", _thread_idx(b), i32(hopper.WARPGROUP_THREADS))
         with b.if_then(storer):
             hopper.bulk_wait_group_read(b, 0)
-        nvptx.barrier_named(b, nvptx.CONSUMER_EPILOGUE_BARRIER, CONSUMER_THREADS)
+        nvptx.barrier_named(b, nvptx.CONSUMER_EPILOGUE_BARRIER, c.consumer_threads)
         for r in range(2):
             row = b.add(row0, i32(8 * r))
             swizzle = b.and_(row, i32(7))
@@ -617,13 +677,16 @@ class _Kernel:
                                      b.shl(col0, i32(1))))
                 warp.store(b, value, warp.smem_ptr(b, mem.o_box(b, box), offset), align=4)
         hopper.fence_proxy_async(b)
-        nvptx.barrier_named(b, nvptx.CONSUMER_EPILOGUE_BARRIER, CONSUMER_THREADS)
+        nvptx.barrier_named(b, nvptx.CONSUMER_EPILOGUE_BARRIER, c.consumer_threads)
         with b.if_then(storer):
             o_map = hopper.tensor_map_address(b, args["o_map"])
             for box in range(c.boxes):
                 hopper.tma_store(b, o_map, [t.map_batch, b.add(t.q_start, t.q0), t.h,
                                             i32(box * BOX_COLUMNS)], mem.o_box(b, box))
             hopper.bulk_commit_group(b)
+            if c.o_over_v:  # V's ring is the producer's again once the store has read it
+                hopper.bulk_wait_group_read(b, 0)
+                hopper.mbarrier_arrive(b, mem.o_free(b))
 
     def _store_o_row(self, b, args, t: _Tile, o, inv, r, row, col0):
         """This thread's part of O / l's row `row` (accumulator row r), from registers."""
@@ -694,11 +757,13 @@ def _rename_new_functions(module: ir.Module, before: set[str], suffix: str) -> N
 def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
                  work_loop: Callable) -> ir.Module:
     hooks = hooks or ExprHooks()
+    role_threads = (hopper.WARPGROUP_THREADS, config.consumer_threads)  # producer, consumers
+    producer_registers, consumer_registers = REGISTERS[config.consumer_groups]
     module = new_module(f"mha_sm90_{config.dtype}_d{config.head_dim}", target)
     fnty = ir.FunctionType(nvptx.void, [p.llvm_type for p in KERNEL_PARAMS])
     fn = ir.Function(module, fnty, name=KERNEL_NAME)
     nvptx.mark_kernel(fn)
-    _add_fn_attr(fn, f'"nvvm.maxntid"="{THREADS}"')
+    _add_fn_attr(fn, f'"nvvm.maxntid"="{config.threads}"')
     _add_fn_attr(fn, '"nvvm.minctasm"="1"')  # a register cap at entry, as setmaxnreg needs
     for p, arg in zip(KERNEL_PARAMS, fn.args):
         arg.name = p.name
@@ -725,47 +790,50 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
             hopper.prefetch_tensor_map(b, hopper.tensor_map_address(b, params[name]))
     with b.if_then(b.icmp_unsigned("==", tid, i32(0))):
         hopper.mbarrier_init(b, mem.q_full(b), 1)
-        hopper.mbarrier_init(b, mem.q_empty(b), CONSUMER_THREADS)
-        init_handoff(b, *ROLE_THREADS)
+        hopper.mbarrier_init(b, mem.q_empty(b), config.consumer_threads)
+        hopper.mbarrier_init(b, mem.o_free(b), 1)
+        init_handoff(b, *role_threads)
         for stage in range(config.stages):
             for which in "kv":
                 hopper.mbarrier_init(b, mem.full(b, which, i32(stage)), 1)
-                hopper.mbarrier_init(b, mem.empty(b, which, i32(stage)), CONSUMER_THREADS)
+                hopper.mbarrier_init(b, mem.empty(b, which, i32(stage)),
+                                     config.consumer_threads)
         hopper.fence_mbarrier_init(b)
     nvptx.barrier_all(b)
     is_producer = b.icmp_unsigned("<", tid, i32(hopper.WARPGROUP_THREADS))
     with b.if_else(is_producer) as (producer, consumer):
         with producer:
-            hopper.setmaxnreg(b, PRODUCER_REGISTERS, increase=False)
+            hopper.setmaxnreg(b, producer_registers, increase=False)
             args = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
                               divergent_roles=True, trace_thread=None,  # consumers record
-                              handoff=Handoff("producer", *ROLE_THREADS))
+                              handoff=Handoff("producer", *role_threads))
             before = set(module.globals)
             work_loop(b, args, lambda bb, seq: kernel.producer_tile(bb, args, kv_count,
                                                                      tile_count, seq))
             _rename_new_functions(module, before, ".producer")
         with consumer:
-            hopper.setmaxnreg(b, CONSUMER_REGISTERS, increase=True)
+            hopper.setmaxnreg(b, consumer_registers, increase=True)
             # the first consumer warpgroup has the first turn at the tensor cores: the
-            # second passes it as if it had just had one (a warp that arrived at a barrier
+            # last passes it as if it had just had one (a warp that arrived at a barrier
             # must not also wait at it in the same phase: synccheck's divergent barrier)
-            second_group = b.icmp_unsigned(">=", tid, i32(2 * hopper.WARPGROUP_THREADS))
-            with b.if_then(second_group):
-                nvptx.barrier_arrive_named(b, nvptx.CONSUMER_TURN_BARRIERS[0],
-                                           CONSUMER_THREADS, aligned=False)
+            last_group = b.icmp_unsigned(">=", tid, i32(config.consumer_groups
+                                                        * hopper.WARPGROUP_THREADS))
+            with b.if_then(last_group):
+                nvptx.barrier_arrive_named(b, nvptx.CONSUMER_TURN_BARRIERS[0], TURN_THREADS,
+                                           aligned=False)
             cargs = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
                                divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS,
-                               handoff=Handoff("consumer", *ROLE_THREADS))
+                               handoff=Handoff("consumer", *role_threads))
             work_loop(b, cargs, lambda bb, seq: kernel.consumer_tile(bb, cargs, kv_count,
                                                                       tile_count, seq))
             if not config.ragged:  # the last O store has read its tile before the CTA exits
                 with b.if_then(b.icmp_unsigned("==", tid, i32(hopper.WARPGROUP_THREADS))):
                     hopper.bulk_wait_group_read(b, 0)
-            # the turn the second warpgroup passed last (or at the start) is taken, so no
+            # the turn the last warpgroup passed last (or at the start) is taken, so no
             # barrier phase is left half-full when the CTA exits
             with b.if_then(b.icmp_unsigned("<", _thread_idx(b),
                                            i32(2 * hopper.WARPGROUP_THREADS))):
-                nvptx.barrier_named(b, nvptx.CONSUMER_TURN_BARRIERS[0], CONSUMER_THREADS,
+                nvptx.barrier_named(b, nvptx.CONSUMER_TURN_BARRIERS[0], TURN_THREADS,
                                     aligned=False)
     b.ret_void()
     return module
@@ -773,15 +841,16 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
 
 # ============================================================================ the backend
 # The KV tile widths the build tries, widest first, until one assembles without spills. Head
-# dim 256 holds 128 O accumulators per thread, which leaves room for a 48-key S tile at most
-# (measured with ptxas: 64 spills; 48 spills without a mask).
-NARROWER_KV_TILES = {128: (128, 64), 48: (48, 32)}
+# dim 256 holds 128 O accumulators per thread, which leaves room for a 64-key S tile in a
+# dense build (O staged over V's ring, which then fits in shared memory) and 48 keys in a
+# ragged one (measured with ptxas at the 40/232 register split).
+NARROWER_KV_TILES = {128: (128, 64), 64: (64, 48, 32)}
 
 
 def declared_config(options, layout: Layout = Layout()) -> HopperConfig:
     """The default Hopper tile for the declaration, with what it fixes (the stages always:
     2 unless declared); not validated."""
-    default_n = 48 if options.head_dim == 256 else 128
+    default_n = 64 if options.head_dim == 256 else 128
     overrides = {k: v for k, v in (("block_m", options.block_m), ("block_n", options.block_n),
                                    ("stages", options.stages)) if v is not None}
     overrides.setdefault("block_n", default_n)
@@ -809,10 +878,10 @@ class SM90(Backend):
     def problems(self, options, arch: str) -> list[Problem]:
         config = declared_config(options)
         found = config.problems()
-        if options.warps is not None and options.warps != THREADS // 32:
-            found.append(Problem(("warps",), f"warps = {options.warps}: the sm90 kernel runs "
-                                             f"{THREADS // 32} (a producer and two consumer "
-                                             "warpgroups)"))
+        if options.warps is not None and options.warps != config.threads // 32:
+            found.append(Problem(("warps",), (
+                f"warps = {options.warps}: the sm90 kernel runs {config.threads // 32} at "
+                f"this tile (a producer and {config.consumer_groups} consumer warpgroups)")))
         if arch not in self.targets:
             found.append(Problem((), f"the sm90 kernel builds for sm_90a, not {arch}"))
         limit = SHARED_MEMORY_LIMIT.get(arch, 0)
@@ -829,7 +898,7 @@ class SM90(Backend):
         return tuple(replace(primary, block_n=n) for n in NARROWER_KV_TILES[primary.block_n])
 
     def launch_shape(self, config: HopperConfig) -> LaunchShape:
-        return LaunchShape(KERNEL_NAME, THREADS, shared_bytes(config))
+        return LaunchShape(KERNEL_NAME, config.threads, shared_bytes(config))
 
     def launch_args(self, config: HopperConfig, tensors: dict, ragged: bool) -> dict:
         return tensor_map_args(config, tensors, ragged)
