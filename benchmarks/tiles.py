@@ -17,11 +17,11 @@ CAUSAL = "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx"
 D128, D64, D256 = (Problem(4, 4096, 4096, 16, 16, 128), Problem(4, 4096, 4096, 32, 32, 64),
                    Problem(2, 8192, 8192, 16, 16, 256))
 VARIANTS = [  # (problem, causal, KV tile or (rows, KV tile) or None, stages or None)
-    (D128, False, None, None), (D128, False, 128, 3), (D128, False, 160, 2),
+    (D128, False, None, None), (D128, False, 128, 3), (D128, False, 160, 2), (D128, False, 176, 2),
     (D128, True, None, None), (D128, True, 128, 3),
     (D64, False, None, None), (D64, False, 128, 3), (D64, False, 192, 2),
     (D64, True, None, None), (D64, True, 192, 2),
-    (D64, False, (192, 128), 2), (D64, True, (192, 112), 2),  # three consumer warpgroups
+    (D64, False, (128, 128), 2), (D64, True, (128, 128), 2),  # two consumer warpgroups
     (D256, False, None, None), (D256, False, 48, 2), (D256, True, None, None),
 ]
 
