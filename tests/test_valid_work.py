@@ -163,13 +163,39 @@ def test_head_sections_cover_every_tile_once(name, section):
         assert result.covered_exactly_once, (lens, result.message)
 
 
+@pytest.mark.parametrize("lens, ragged, section", [
+    ([4096] * 4, False, 2),    # 16384 key rows per head: two heads fill 32768
+    ([1024] * 8, False, 4),    # 8192 per head: four
+    (SKEWED, True, 1),         # 32768 per head (tiles rounded up): one
+    ([96] * 300, True, 1),     # more than the budget alone: still one
+])
+def test_lpt_sizes_its_head_sections_by_l2(lens, ragged, section):
+    """LPT's default sections hold as many heads as 32768 key rows of K and V allow (the
+    rows of a head: its valid query tiles'); an explicit heads_per_section overrides it."""
+    program = checked(STD)
+    batch = Batch(lens, heads=16, tile=128, ragged=ragged)
+    counts = tile_counts(lens, 128)
+    for args, want in (((), section), ((("heads_per_section", 16),), 16),
+                       ((("l2_rows", 1 << 20),), 16)):
+        spec = SchedulerSpec("LPT", (("num_ctas", 1),) + args, 128)
+        result = simulate(program, spec, batch, ctas=1)
+        assert result.covered_exactly_once, result.message
+        expected = [(q * 128, h, b) for q, h, b in
+                    valid_work_order(counts, 16, "LONGEST_FIRST", want)]
+        assert result.visits[0] == expected, (args, want)
+
+
 def test_lpt_balances_the_skewed_batch():
     batch = Batch(SKEWED, heads=16, tile=128, ragged=True)
     program = checked(STD)
-    lpt = simulate(program, SchedulerSpec("LPT", (), 128), batch, ctas=132)
+    whole = simulate(program, SchedulerSpec("LPT", (("heads_per_section", 16),), 128), batch,
+                     ctas=132)
     queued = simulate(program, SchedulerSpec("Queued", (), 128), batch, ctas=132)
-    assert lpt.covered_exactly_once and queued.covered_exactly_once
-    assert lpt.efficiency > 0.97 and lpt.makespan < queued.makespan
+    assert whole.covered_exactly_once and queued.covered_exactly_once
+    assert whole.efficiency > 0.99 and whole.makespan < queued.makespan
+    # L2-sized sections (one head each here) give up a little balance for L2's sake
+    sections = simulate(program, SchedulerSpec("LPT", (), 128), batch, ctas=132)
+    assert sections.covered_exactly_once and sections.efficiency > 0.97
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
