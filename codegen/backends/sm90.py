@@ -38,10 +38,12 @@ TMA (rows past the tensor are not written); a ragged one writes O from registers
 row, only for rows inside the sequence (a box would cross into the next sequence); LSE from
 registers.
 
-Head dim 256 keeps 128 O accumulators per thread, so its KV tile is 48 keys (32 where 48
-spills). Measured choices (HOPPER_NOTES.md): the overlap needs K and V released apart (with
-one `kv_empty` per stage it was slower than no overlap); BN = 176 (FlashAttention-3's
-non-causal tile) was slower here.
+The tile a declaration without `tile` gets is the first spill-free one of its head dim's
+`DEFAULT_TILES`: 192 x 128 (three consumers) or 192 x 112 at head dim 64, 128 x 128 at 128,
+and at 256 (128 O accumulators per thread) 64 keys in a dense build (O staged over V's ring)
+or 48. Measured choices (HOPPER_NOTES.md): the overlap needs K and V released apart (with
+one `kv_empty` per stage it was slower than no overlap); BN = 160 or 176 (FlashAttention-3's
+non-causal tile) ran as fast as 128, not faster.
 """
 from __future__ import annotations
 
