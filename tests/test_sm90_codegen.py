@@ -152,7 +152,8 @@ def test_roles_run_apart_only_on_this_steps_slot(body, apart):
 
 
 @needs_ptxas
-@pytest.mark.parametrize("layout, stores", [(Layout(), "by TMA"), (Layout(2, True, True), "from registers")])
+@pytest.mark.parametrize("layout, stores", [(Layout(), "by TMA"),
+                                            (Layout(2, True, True), "from registers")])
 def test_dense_builds_store_o_by_tma_ragged_ones_from_registers(layout, stores):
     """A dense tile's rows past the tensor's end are outside the map, so a TMA store may
     write whole boxes; a ragged tile's would fall into the next sequence."""

@@ -19,8 +19,9 @@ stages.
 
 Both roles run the scheduler's work loop, each in its own branch of the role if/else (so
 `setmaxnreg` takes effect). Where the scheduler lets them (`scheduler.runs_apart`: no `while`
-in `advance`, no slot but this step's), the roles run apart after the first step: the producer takes each next work
-index and publishes it through the pipeline slot on an mbarrier handoff
+in `advance`, no slot but this step's), the roles run apart after the first step: the
+producer takes each next work index and publishes it through the pipeline slot on an
+mbarrier handoff
 (`scheduler.Handoff`), so it loads the next work tile (Q once the consumers' last S has read
 the current one: `q_empty`) while the consumers finish this one; other schedulers take
 every step together, on CTA-wide barriers. Each role counts the KV tiles it has gone through
@@ -120,8 +121,7 @@ class HopperConfig:
         where its own tile would not fit in shared memory (FlashAttention-3 does the same);
         the producer then loads a work tile's first V once the previous tile's O store has
         read the staging tile. Ragged builds store O from registers and stage nothing."""
-        own = SWIZZLE_SLACK + 2 * self.q_bytes + 2 * self.stages * self.kv_tile_bytes \
-            + _barrier_bytes(self)
+        own = _layout_bytes(self, own_o_bytes=self.q_bytes)
         return (not self.ragged and own > SHARED_MEMORY_LIMIT["sm_90a"]
                 and self.stages * self.kv_tile_bytes >= self.q_bytes)
 
@@ -149,8 +149,12 @@ class HopperConfig:
 def shared_bytes(config: HopperConfig) -> int:
     """Slack for rounding the base up to 1024 bytes, Q, the K ring, the V ring, O's own
     staging tile (dense builds, unless O is staged over V's ring), the mbarriers."""
+    return _layout_bytes(config, _own_o_bytes(config))
+
+
+def _layout_bytes(config: HopperConfig, own_o_bytes: int) -> int:
     return (SWIZZLE_SLACK + config.q_bytes + 2 * config.stages * config.kv_tile_bytes
-            + _own_o_bytes(config) + _barrier_bytes(config))
+            + own_o_bytes + _barrier_bytes(config))
 
 
 def _own_o_bytes(config: HopperConfig) -> int:
