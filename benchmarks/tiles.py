@@ -22,7 +22,9 @@ VARIANTS = [  # (problem, causal, KV tile or (rows, KV tile) or None, stages or 
     (D64, False, None, None), (D64, False, 128, 3), (D64, False, 192, 2),
     (D64, True, None, None), (D64, True, 192, 2),
     (D64, False, (128, 128), 2), (D64, True, (128, 128), 2),  # two consumer warpgroups
-    (D256, False, None, None), (D256, False, 48, 2), (D256, True, None, None),
+    (D64, True, (192, 128), 2),
+    (D256, False, None, None), (D256, False, 64, 2), (D256, False, 48, 2),
+    (D256, True, None, None), (D256, True, 48, 2),
 ]
 
 

@@ -207,6 +207,22 @@ def smem_descriptor(builder: ir.IRBuilder, tile: ir.Value, stride_bytes: int = S
     return builder.or_(builder.zext(start, i64), i64(fixed))
 
 
+def smem_descriptors(builder: ir.IRBuilder, tile: ir.Value, offsets: list[int],
+                     stride_bytes: int = SWIZZLE_ATOM_BYTES, leading_bytes: int = 16
+                     ) -> list[ir.Value]:
+    """The descriptors of the operands at `tile` + each of `offsets` (bytes, multiples of
+    16): one base descriptor, taken through a volatile move where it is used, plus each
+    offset / 16 in the address field (no carry: shared addresses stay below 256 KiB). So
+    LLVM cannot hoist a loop-invariant operand's descriptors out of the loop, where each
+    would hold two registers for the whole loop (at head dim 256, 32 of them for Q alone)."""
+    base = _asm(builder, i64, "mov.b64 $0, $1;", "=l,l",
+                [smem_descriptor(builder, tile, stride_bytes, leading_bytes)])
+    for offset in offsets:
+        if offset % 16:
+            raise ValueError(f"offset {offset}: a multiple of 16")
+    return [builder.add(base, i64(offset >> 4)) for offset in offsets]
+
+
 def wgmma_fence(builder: ir.IRBuilder) -> None:
     """Before the first wgmma, and whenever accumulator or A registers were written by
     other instructions since the last one."""

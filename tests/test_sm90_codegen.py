@@ -176,8 +176,8 @@ def test_o_is_staged_over_vs_ring_only_where_its_own_tile_would_not_fit():
 
 
 @needs_ptxas
-@pytest.mark.parametrize("mask, keys, over_v", [("", 64, True), (
-    "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx", 48, False)], ids=["plain", "causal"])
+@pytest.mark.parametrize("mask, keys, over_v", [("", 80, True), (
+    "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx", 64, True)], ids=["plain", "causal"])
 def test_d256_dense_builds_take_the_widest_spill_free_kv_tile(mask, keys, over_v):
     program = mhadsl.compile(f'{STD}\nattention a {{ dtype = bf16  head_dim = 256 {mask} }}')
     kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()),

@@ -40,9 +40,11 @@ row, only for rows inside the sequence (a box would cross into the next sequence
 registers.
 
 The tile a declaration without `tile` gets is the first spill-free one of its head dim's
-`DEFAULT_TILES`: 192 x 128 (three consumers) or 192 x 112 at head dim 64, 128 x 128 at 128,
-and at 256 (128 O accumulators per thread) 64 keys in a dense build (O staged over V's ring)
-or 48. Measured choices (HOPPER_NOTES.md): the overlap needs K and V released apart (with
+`DEFAULT_TILES`: 192 x 128 (three consumers) at head dim 64, 128 x 128 at 128, and at 256
+(128 O accumulators per thread) 80 keys, or 64 under a mask (O staged over V's ring in a dense
+build). The wgmma descriptors are taken from one base per operand inside the loop
+(`hopper.smem_descriptors`): hoisted, Q's alone held 32 registers at head dim 256, and causal
+builds spilled at 64 keys. Measured choices (HOPPER_NOTES.md): the overlap needs K and V released apart (with
 one `kv_empty` per stage it was slower than no overlap); BN = 160 or 176 (FlashAttention-3's
 non-causal tile) ran as fast as 128, not faster.
 """
@@ -403,13 +405,15 @@ class _ConsumerTile:
     def issue_s(self, bb, stage):
         """S = Q K^T of `stage`, committed (not waited for)."""
         c, mem = self.c, self.mem
+        steps = [divmod(32 * k, hopper.SWIZZLE_BYTES) for k in range(c.head_dim // 16)]
+        a_descs = hopper.smem_descriptors(
+            bb, mem.q_box(bb, 0, bb.shl(self.group, i32(6))),
+            [box * c.block_m * hopper.SWIZZLE_BYTES + offset for box, offset in steps])
+        b_descs = hopper.smem_descriptors(
+            bb, mem.kv_tile(bb, "k", stage),
+            [box * c.block_n * hopper.SWIZZLE_BYTES + offset for box, offset in steps])
         s = None
-        for k in range(c.head_dim // 16):
-            box, offset = divmod(32 * k, hopper.SWIZZLE_BYTES)
-            q_tile = mem.q_box(bb, box, bb.shl(self.group, i32(6)))
-            a_desc = hopper.smem_descriptor(bb, warp.smem_ptr(bb, q_tile, i32(offset)))
-            b_desc = hopper.smem_descriptor(bb, mem.kv_tile(
-                bb, "k", stage, box * c.block_n * hopper.SWIZZLE_BYTES + offset))
+        for a_desc, b_desc in zip(a_descs, b_descs):
             s = hopper.wgmma(bb, c.dtype, c.block_n, a_desc, b_desc, s)
         hopper.wgmma_commit_group(bb)
         return s
@@ -419,10 +423,11 @@ class _ConsumerTile:
         for)."""
         c, mem = self.c, self.mem
         frags = [frags[4 * k: 4 * k + 4] for k in range(c.block_n // 16)]
-        for k in range(c.block_n // 16):
-            v_desc = hopper.smem_descriptor(
-                bb, mem.kv_tile(bb, "v", stage, 16 * k * hopper.SWIZZLE_BYTES),
-                leading_bytes=c.block_n * hopper.SWIZZLE_BYTES)
+        v_descs = hopper.smem_descriptors(
+            bb, mem.kv_tile(bb, "v", stage),
+            [16 * k * hopper.SWIZZLE_BYTES for k in range(c.block_n // 16)],
+            leading_bytes=c.block_n * hopper.SWIZZLE_BYTES)
+        for k, v_desc in enumerate(v_descs):
             o = hopper.wgmma(bb, c.dtype, c.head_dim, frags[k], v_desc, o, trans_b=True)
         hopper.wgmma_commit_group(bb)
         return o
@@ -849,13 +854,15 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
 # The tiles (query rows, KV keys) a declaration without `tile` tries, best first, until one
 # assembles without spills. Head dim 64 runs three consumer warpgroups on 192 rows where that
 # stays spill-free (measured on the H200: 1.11x the 128-row tile plain, 1.02x causal at 112
-# keys); a ragged build's O store from registers leaves no room for them at 160 registers.
-# Head dim 256 holds 128 O accumulators per thread, which leaves room for a 64-key S tile in a
-# dense build (O staged over V's ring, which then fits in shared memory) and 48 keys in a
-# ragged one (measured with ptxas at the 40/232 register split).
+# keys); a plain ragged build's O store from registers leaves no room for them at 160
+# registers. Head dim 256 holds 128 O accumulators per thread, which leaves room for an 80-key
+# S tile (64 under a mask: 80 spills in the masked path), measured with ptxas at the 40/232
+# register split; a dense build then stages O over V's ring, as its own tile would not fit.
+# On the H200 (B2 S8192 H16, two runs): plain 80 keys 674-679 TFLOP/s against 645-650 at 64,
+# causal 64 keys 671-679 against 553-588 at 48.
 DEFAULT_TILES = {64: ((192, 128), (192, 112), (128, 128), (128, 64)),
                  128: ((128, 128), (128, 64)),
-                 256: ((128, 64), (128, 48), (128, 32))}
+                 256: ((128, 80), (128, 64), (128, 48), (128, 32))}
 
 
 def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, ...]:
