@@ -88,6 +88,12 @@ class Builtins:
         """An i1 that is true while a `while` loop may go on (None: no bound)."""
         return None
 
+    def memoized(self, lower: FunctionLowering, name: str, key: list[ir.Value],
+                 compute: Callable[[], dict[str, ir.Value]]) -> dict[str, ir.Value]:
+        """The values of pure builtin `name` at `key`, as `compute()` emits them (a target
+        may take them from where another thread published them instead)."""
+        return compute()
+
 
 class FunctionLowering:
     """Lowers one body into the current function of `builder`."""
@@ -555,6 +561,12 @@ class FunctionLowering:
     def valid_work_info(self, ts: ir.Value, idx: ir.Value, schedule: ir.Value,
                         heads_per_section: ir.Value) -> dict[str, ir.Value]:
         """`ts.valid_work_info` (its meaning: `mhadsl.builtins.valid_work_order`)."""
+        return self.builtins.memoized(
+            self, "valid_work_info", [idx, schedule, heads_per_section],
+            lambda: self._valid_work_info(ts, idx, schedule, heads_per_section))
+
+    def _valid_work_info(self, ts: ir.Value, idx: ir.Value, schedule: ir.Value,
+                         heads_per_section: ir.Value) -> dict[str, ir.Value]:
         B = self.b
         one = i32(1)
         heads = self.ts_field(ts, "num_heads")
@@ -623,6 +635,11 @@ class FunctionLowering:
         Ragged batches read the row offsets; the indices are clamped so an invalid work
         item never reads past the offsets array.
         """
+        extent = self.builtins.memoized(self, "seq_extent", [batch_idx],
+                                        lambda: self._seq_extent(ts, batch_idx))
+        return extent["seq_len"], extent["start"]
+
+    def _seq_extent(self, ts: ir.Value, batch_idx: ir.Value) -> dict[str, ir.Value]:
         B = self.b
         batch = self.ts_field(ts, "batch_size")
         in_range = B.icmp_unsigned("<", batch_idx, batch)
@@ -645,7 +662,7 @@ class FunctionLowering:
         end.add_incoming(end_r, ragged_bb)
         end.add_incoming(dense_len, dense_bb)
         seq_len = B.select(in_range, B.sub(end, start), i32(0))
-        return seq_len, start
+        return {"seq_len": seq_len, "start": start}
 
 
 class _TileIndex:

@@ -72,8 +72,9 @@ def const_eval(e: ast.Expr, program: CheckedProgram, args: dict[str, object],
 class _TargetBuiltins(Builtins):
     def __init__(self, target: Target, producer: bool, sync: int, producer_threads: int,
                  rule: str = "initial_state", scheduler_id: int = 0,
-                 aligned_barriers: bool = True):
+                 aligned_barriers: bool = True, memo: str | None = None):
         self.target = target
+        self.memo = memo  # "publish", "reuse" or None: this step's decoding (`memoized`)
         self.aligned_barriers = aligned_barriers  # see nvptx.barrier_all
         self.gpu = target.is_gpu
         self.producer, self.sync, self.producer_threads = producer, sync, producer_threads
@@ -116,6 +117,51 @@ class _TargetBuiltins(Builtins):
             nvptx.barrier_named(lower.b, nvptx.PRODUCER_BARRIER, self.producer_threads,
                                 aligned=self.aligned_barriers)
 
+    def memoized(self, lower: FunctionLowering, name: str, key: list[ir.Value],
+                 compute: Callable[[], dict[str, ir.Value]]) -> dict[str, ir.Value]:
+        """The handoff's memo of this step's decoding (`_MEMO_ENTRIES`): in the producer's
+        advance its first thread publishes the key and values; a consumer's advance takes
+        them where its key is the same, else computes its own."""
+        slot = lower.bindings.get("pipeline_idx")
+        if self.memo is None or slot is None:
+            return compute()
+        b = lower.b
+        word = _memo_words(b, name, slot)
+        keys = len(key)
+        if self.memo == "publish":
+            values = compute()
+            first = b.icmp_unsigned("==", nvptx.special_register(b, "thread_idx", "x"), i32(0))
+            with b.if_then(first):
+                for k, v in enumerate(key + [b.zext(x, i32) if x.type == i1 else x
+                                             for x in values.values()]):
+                    b.store(v, word(1 + k))
+                b.store(i32(1), word(0))  # the entry holds a key
+            return values
+        hit = b.icmp_unsigned("!=", b.load(word(0), typ=i32), i32(0))
+        for k, v in enumerate(key):
+            hit = b.and_(hit, b.icmp_unsigned("==", b.load(word(1 + k), typ=i32), v))
+        hit_bb, miss_bb, done_bb = (b.append_basic_block(f"memo.{name}.{x}")
+                                    for x in ("hit", "miss", "done"))
+        b.cbranch(hit, hit_bb, miss_bb)
+        b.position_at_end(miss_bb)
+        computed = compute()
+        miss_end = b.block
+        b.branch(done_bb)
+        b.position_at_end(hit_bb)
+        published = {}
+        for k, (field, v) in enumerate(computed.items()):
+            stored = b.load(word(1 + keys + k), typ=i32)
+            published[field] = b.trunc(stored, i1) if v.type == i1 else stored
+        b.branch(done_bb)
+        b.position_at_end(done_bb)
+        merged = {}
+        for field, v in computed.items():
+            phi = b.phi(v.type)
+            phi.add_incoming(v, miss_end)
+            phi.add_incoming(published[field], hit_bb)
+            merged[field] = phi
+        return merged
+
     def loop_fuel(self, lower: FunctionLowering):
         # Every iteration burns fuel, so a loop that never ends stops: on the host the
         # simulator reports it; on the GPU the iteration that empties the tank leaves the
@@ -151,9 +197,10 @@ class LoweredScheduler:
 
 def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerSpec,
                     target: Target, *, advance_variants=((True, "ALL"),),
-                    producer_threads: int = 0, aligned_barriers: bool = True
-                    ) -> LoweredScheduler:
-    """Emit the rule functions of one scheduler specialisation into `module`."""
+                    producer_threads: int = 0, aligned_barriers: bool = True,
+                    handoff: bool = False) -> LoweredScheduler:
+    """Emit the rule functions of one scheduler specialisation into `module` (`handoff`:
+    for one role of loops that run apart, whose advance shares the producer's decoding)."""
     decl = program.schedulers.get(spec.name)
     if decl is None:
         raise MhaError(f"no scheduler named '{spec.name}' (declared: "
@@ -174,8 +221,10 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
     sid = faults.scheduler_id(spec.name)
 
     def emit(rule_name: str, fn_name: str, producer: bool = True, sync: str = "ALL"):
+        memo = ("publish" if producer else "reuse") if handoff and rule_name == "advance" \
+            else None
         builtins = _TargetBuiltins(target, producer, SYNCS.index(sync), producer_threads,
-                                   rule_name, sid, aligned_barriers)
+                                   rule_name, sid, aligned_barriers, memo)
         rule = rules[rule_name]
         roles = program.rule_roles[rule]
         slot_space = nvptx.SHARED if target.is_gpu else nvptx.GENERIC
@@ -411,14 +460,42 @@ def _handoff_barrier(builder: ir.IRBuilder, which: str, step: ir.Value) -> ir.Va
     return _handoff_word(builder, builder.add(i32(first), builder.and_(step, i32(1))))
 
 
+# The handoff's memo: per pipeline slot and pure builtin, the producer's decoding of its
+# step (`_TargetBuiltins.memoized`): a flag, the key words, the value words. The builtins are
+# functions of the launch alone, so a consumer that asks for the same key may take the
+# producer's values: on a ragged batch of short sequences, decoding a work index (a binary
+# search over the tile index, then the sequence's offsets) took a quarter of a consumer's time
+# per tile. Published before the producer's arrival on `full[p]`, read before the consumers'
+# on `empty[p]`, so no entry changes while it is read (as the slot itself).
+_MEMO_ENTRIES = {"valid_work_info": (3, 4), "seq_extent": (1, 2)}  # key, value words
+
+
+def _memo_array(module: ir.Module, name: str) -> tuple[ir.GlobalVariable, ir.ArrayType]:
+    keys, values = _MEMO_ENTRIES[name]
+    ty = ir.ArrayType(i32, 2 * (1 + keys + values))
+    return nvptx.shared_array(module, f"mhadsl.memo.{name}", ty), ty
+
+
+def _memo_words(builder: ir.IRBuilder, name: str, slot: ir.Value) -> Callable[[int], ir.Value]:
+    """word(k): the k-th word of `name`'s memo entry in pipeline slot `slot`."""
+    array, ty = _memo_array(builder.module, name)
+    keys, values = _MEMO_ENTRIES[name]
+    first = builder.mul(builder.and_(slot, i32(1)), i32(1 + keys + values))
+    return lambda k: builder.gep(array, [i32(0), builder.add(first, i32(k))], source_etype=ty)
+
+
 def init_handoff(builder: ir.IRBuilder, producer_threads: int, consumer_threads: int) -> None:
-    """Thread 0 initialises the handoff's mbarriers and stop word; the kernel then fences the
-    mbarrier init and runs a CTA barrier before the roles split (as for its own)."""
+    """Thread 0 initialises the handoff's mbarriers, stop word and memo flags; the kernel
+    then fences the mbarrier init and runs a CTA barrier before the roles split (as for its
+    own)."""
     from mhadsl.codegen import hopper
     for k in range(2):
         hopper.mbarrier_init(builder, _handoff_word(builder, k), producer_threads)
         hopper.mbarrier_init(builder, _handoff_word(builder, 2 + k), consumer_threads)
     builder.store(i64(0), _handoff_word(builder, 4))
+    for name in _MEMO_ENTRIES:
+        for slot in range(2):
+            builder.store(i32(0), _memo_words(builder, name, i32(slot))(0))
 
 
 def runs_apart(program: CheckedProgram, decl: ast.SchedulerDecl) -> bool:

@@ -135,6 +135,29 @@ def test_roles_run_apart_where_the_scheduler_lets_them():
     assert len(together) > len(apart)  # each step's barrier and vote, per role
 
 
+@needs_ptxas
+def test_consumers_take_the_producers_decoding_where_roles_run_apart():
+    """Running apart, the producer's advance publishes its decoding of each step (the valid
+    work item: a binary search over the tile index; the sequence's offsets) in the handoff's
+    memo, and the consumers' advance reads it back where the key matches instead of
+    decoding again. Lock-step roles (MyQueued) never read it, so LLVM drops it whole."""
+    def memo_uses(scheduler: str) -> dict[str, int]:
+        source = (f'import "std/schedulers.mha"\nimport "{REPO}/examples/queued_rotate.mha"\n'
+                  f"attention a {{ head_dim = 64  scheduler = {scheduler}() }}\n")
+        kb = build_kernel(checked(source), KernelRequest("a", "sm_90a", "sm90",
+                                                         Layout(2, True, True)),
+                          cache.CompileCache(tempfile.mkdtemp()))
+        assert kb.assembled.kernels[KERNEL_NAME].spill_stores == 0
+        lines = [line for line in kb.ptx.splitlines() if "mhadsl_$_memo_$_" in line]
+        return {op: sum(line.split()[0].startswith(op) for line in lines)
+                for op in ("st.shared", "ld.shared", "mov")}
+
+    apart, together = memo_uses("Queued"), memo_uses("MyQueued")
+    assert together == {"st.shared": 0, "ld.shared": 0, "mov": 0}, together
+    # both entries' flags cleared at the start, then addressed by pipeline slot
+    assert apart == {"st.shared": 4, "ld.shared": 0, "mov": 2}, apart
+
+
 @pytest.mark.parametrize("body, apart", [
     ("state.slots[pipeline_idx] = state.idx + grid_dim.x\n"
      "state.idx = state.slots[pipeline_idx]", True),
