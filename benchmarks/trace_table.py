@@ -8,8 +8,9 @@ calibrates the causal and the unmasked kernel on this GPU (`mhadsl trace --calib
 then for six workloads (causal H16 D128: dense B4 S4096; ragged 8192..64 twice; one 16384
 + 64 x 128; 16 x 2048; 1024 x 96; and unmasked dense B4 S4096) traces each standard
 scheduler, predicts it with the calibrated simulator, and writes OUT_DIR/trace_table.md and
-.json (efficiencies, makespans, TFLOP/s, recording overhead, ranking agreement) and the
-skewed batch's timelines under Transient and LPT (trace_skewed_*.png). `--repredict`
+.json (efficiencies, makespans, TFLOP/s, recording overhead, ranking agreement; then each
+scheduler's and the declaration's default's TFLOP/s, untraced, the median of interleaved
+rounds, with the default against the best) and the skewed batch's timelines under Transient and LPT (trace_skewed_*.png). `--repredict`
 recomputes the predicted columns of an earlier run's table with this simulator.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ WORKLOADS = (
     ("dense B4 S4096 non-causal", PLAIN, 4, 4096, None),
 )
 HEADS = 16
+ROUNDS = 5  # interleaved timing rounds of the untraced kernels per workload (`timing_rounds`)
 
 
 def _build(job) -> str:
@@ -99,7 +101,7 @@ def scheduler_label(name: str, args: tuple) -> str:
     return name + "".join(f"({k}={v})" for k, v in args)
 
 
-def measure(out: Path, jobs: int) -> tuple[list[dict], dict]:
+def measure(out: Path, jobs: int) -> tuple[list[dict], dict, list[dict]]:
     """Calibrate, then trace and predict every (workload, scheduler) on this GPU."""
     prebuild(jobs)
     import mhadsl
@@ -117,7 +119,7 @@ def measure(out: Path, jobs: int) -> tuple[list[dict], dict]:
                                                       vars(c).items()), flush=True)
         Path(out / f"calibration_{kernel}.json").write_text(Path(file).read_text())
 
-    rows = []
+    rows, defaults = [], []
     for label, (path, kernel), batch, seqlen, lens in WORKLOADS:
         program = programs[path]
         for name, args in SCHEDULERS:
@@ -146,10 +148,40 @@ def measure(out: Path, jobs: int) -> tuple[list[dict], dict]:
             print(json.dumps({k: v for k, v in row.items() if k != "differences"}), flush=True)
             if lens == SKEWED and name in ("Transient", "LPT"):
                 trace.plot(run, cmp, str(out / f"trace_skewed_{name.lower()}.png"))
-    return rows, calibrations
+        group = rows[-len(SCHEDULERS):]
+        rounds = timing_rounds(program, path, kernel, workload, run.flops)
+        for row, (name, args) in zip(group, SCHEDULERS):
+            row["tflops_rounds"] = rounds[scheduler_label(name, args)]
+        defaults.append({"workload": label, "scheduler": program[kernel].options.scheduler,
+                         "tflops_rounds": rounds["default"]})
+    return rows, calibrations, defaults
 
 
-def repredict(source: Path) -> tuple[list[dict], dict]:
+def timing_rounds(program, path: str, kernel: str, workload, flops: float
+                  ) -> dict[str, list[float]]:
+    """TFLOP/s of each standard scheduler's kernel and of the declaration's default, untraced,
+    in ROUNDS rounds that take them in turn (the spread between two runs of one schedule is
+    wider than the differences being ranked, so each gets the same moments of the GPU)."""
+    import torch
+
+    from mhadsl import trace
+    from mhadsl.bench import Problem, make_inputs, time_ms
+    kernels = {scheduler_label(name, args): trace.scheduler_kernel(
+        program, kernel, name, args, design(path, kernel)) for name, args in SCHEDULERS}
+    kernels["default"] = trace.scheduler_kernel(program, kernel, backend=design(path, kernel))
+    w = workload
+    problem = Problem(w.batch, w.seqlen, w.seqlen, w.heads, w.heads,
+                      kernels["default"].options.head_dim, w.seqlens)
+    inputs = make_inputs(torch, kernels["default"], problem)
+    rounds = {label: [] for label in kernels}
+    for _ in range(ROUNDS):
+        for label, k in kernels.items():
+            rounds[label].append(flops / (time_ms(torch, lambda: k(**inputs), reps=10)
+                                          * 1e-3) / 1e12)
+    return rounds
+
+
+def repredict(source: Path) -> tuple[list[dict], dict, list[dict]]:
     """The traced columns of an earlier run (its trace_table.json), the predicted ones
     recomputed here, on the CPU, by this simulator from that run's calibration; a constant
     the calibration lacks (`empty_cta`) is fitted as `trace.fit_runs` does, to the traced
@@ -197,7 +229,27 @@ def repredict(source: Path) -> tuple[list[dict], dict]:
         predicted = trace.Timeline.from_simulation(trace.predict(program, run, model))
         row["predicted_eff"] = predicted.efficiency
         row["predicted_makespan_us"] = predicted.makespan / 1e3
-    return rows, calibrations
+    return rows, calibrations, data.get("defaults", [])
+
+
+def default_against_best(rows: list[dict], defaults: list[dict]) -> list[str]:
+    """The table of the interleaved timing rounds: each scheduler's median TFLOP/s, and the
+    declaration's default against the best of them and against Transient."""
+    if not defaults:
+        return []
+    names = [scheduler_label(name, args) for name, args in SCHEDULERS]
+    lines = [f"\nUntraced TFLOP/s, median of {ROUNDS} interleaved rounds:\n",
+             "| workload | " + " | ".join(names) + " | default | default / best | "
+             "default / Transient |", "|---|" + "---|" * (len(names) + 3)]
+    for d in defaults:
+        group = {r["scheduler"]: float(np.median(r["tflops_rounds"])) for r in rows
+                 if r["workload"] == d["workload"]}
+        best = max(group.values())
+        default = float(np.median(d["tflops_rounds"]))
+        lines.append(f"| {d['workload']} | " + " | ".join(f"{group[n]:.0f}" for n in names)
+                     + f" | {default:.0f} ({d['scheduler']}) | {default / best:.3f} | "
+                     f"{default / group['Transient']:.3f} |")
+    return lines
 
 
 def main() -> int:
@@ -214,9 +266,9 @@ def main() -> int:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     if opts.repredict:
-        rows, calibrations = repredict(Path(opts.repredict))
+        rows, calibrations, defaults = repredict(Path(opts.repredict))
     else:
-        rows, calibrations = measure(out, opts.jobs)
+        rows, calibrations, defaults = measure(out, opts.jobs)
 
     lines = ["| workload | scheduler | tile | ms | TFLOP/s | recording | traced eff | "
              "predicted eff | diff (pts) | traced makespan us | predicted makespan us | "
@@ -248,9 +300,10 @@ def main() -> int:
                     group, key=lambda r: r[key], reverse=best_first))
             lines.append(f"- {label}: {swaps} inversions; traced {order(measured_key)}; "
                          f"predicted {order(predicted_key)}")
+    lines += default_against_best(rows, defaults)
     (out / "trace_table.md").write_text("\n".join(lines) + "\n")
-    (out / "trace_table.json").write_text(json.dumps({"rows": rows,
-                                                      "calibrations": calibrations}, indent=1))
+    (out / "trace_table.json").write_text(json.dumps({"rows": rows, "calibrations": calibrations,
+                                                      "defaults": defaults}, indent=1))
     print("\n".join(lines))
     return 0
 
