@@ -42,6 +42,7 @@ WORKLOADS = [
     ("causal_d128", Problem(0, 0, 0, 16, 16, 128, tuple([8192 >> i for i in range(8)] * 2))),
     ("causal_d128", Problem(0, 0, 0, 16, 16, 128, (2048,) * 16)),
     ("causal_d128", Problem(0, 0, 0, 16, 16, 128, (96,) * 1024)),
+    ("causal_d128", Problem(0, 0, 0, 16, 16, 128, (128,) * 768)),
 ]
 DESIGNS = ("sm80", "sm90")
 
