@@ -19,7 +19,38 @@ SOURCE = 'import "std/schedulers.mha"\n' + "\n".join(
                           ("queued_longest", "Queued(order = LONGEST_FIRST, heads_per_section = 1)"),
                           ("lpt", "LPT()"), ("lpt_sections", "LPT(heads_per_section = 2)"),
                           ("persistent", "Persistent(num_ctas = 37)")))
-KERNELS = ("queued", "queued_rotate", "queued_longest", "lpt", "lpt_sections", "persistent")
+# Queued, whose advance decodes a second index after this step's: on sm90 the producer
+# publishes that one last, so the consumers' lookup of this step's misses the handoff's memo
+# and decodes it itself (`scheduler._TargetBuiltins.memoized`).
+SOURCE += """
+scheduler PeekQueued() {
+    may_advance = true
+    schedule = DEFAULT
+    grid_dim(batch_size, max_num_prompt_tiles) =
+        (max(min(num_sms * ctas_per_sm, max_num_prompt_tiles * num_heads * batch_size), 1), 1, 1)
+    initial_state(slots, ts) =
+        State(idx = block_idx.x, slots = slots, max_idx = ts.num_valid_work())
+    get_current_work_info(ts, state) = ts.valid_work_info(state.idx, schedule, 0)
+    advance(ts, state, pipeline_idx) {
+        if producer && thread_idx.x == 0 {
+            state.slots[pipeline_idx] = atomic_add(queue, 1) + grid_dim.x
+        }
+        barrier(sync)
+        state.idx = state.slots[pipeline_idx]
+        if state.idx >= state.max_idx {
+            return none
+        }
+        let info = ts.valid_work_info(state.idx, schedule, 0)
+        let last = ts.valid_work_info(state.max_idx - 1, schedule, 0)
+        return ts.seq_info(info)
+    }
+    unsafe_seq_info(ts, state) = ts.seq_info(ts.valid_work_info(state.idx, schedule, 0))
+}
+attention queued_peek { dtype = bf16  head_dim = 128  scheduler = PeekQueued()
+    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+"""
+KERNELS = ("queued", "queued_rotate", "queued_longest", "lpt", "lpt_sections", "persistent",
+           "queued_peek")
 
 
 @pytest.fixture(params=["sm80", "sm90"])
