@@ -166,12 +166,13 @@ def test_head_sections_cover_every_tile_once(name, section):
 @pytest.mark.parametrize("lens, ragged, section", [
     ([4096] * 4, False, 2),    # 16384 key rows per head: two heads fill 32768
     ([1024] * 8, False, 4),    # 8192 per head: four
-    (SKEWED, True, 1),         # 32768 per head (tiles rounded up): one
-    ([96] * 300, True, 1),     # more than the budget alone: still one
+    (SKEWED, True, 2),         # 32768 per head (tiles rounded up): one, raised to two
+    ([96] * 300, True, 2),     # more than the budget alone: two all the same
 ])
 def test_lpt_sizes_its_head_sections_by_l2(lens, ragged, section):
     """LPT's default sections hold as many heads as 32768 key rows of K and V allow (the
-    rows of a head: its valid query tiles'); an explicit heads_per_section overrides it."""
+    rows of a head: its valid query tiles'), at least two; an explicit heads_per_section
+    overrides it."""
     program = checked(STD)
     batch = Batch(lens, heads=16, tile=128, ragged=ragged)
     counts = tile_counts(lens, 128)
@@ -193,9 +194,13 @@ def test_lpt_balances_the_skewed_batch():
     queued = simulate(program, SchedulerSpec("Queued", (), 128), batch, ctas=132)
     assert whole.covered_exactly_once and queued.covered_exactly_once
     assert whole.efficiency > 0.99 and whole.makespan < queued.makespan
-    # L2-sized sections (one head each here) give up a little balance for L2's sake
+    # L2-sized sections give up a little balance for L2's sake; one head each (all the L2
+    # budget holds here) would leave the last section's 64-tile items a tail
     sections = simulate(program, SchedulerSpec("LPT", (), 128), batch, ctas=132)
+    one_head = simulate(program, SchedulerSpec("LPT", (("heads_per_section", 1),), 128),
+                        batch, ctas=132)
     assert sections.covered_exactly_once and sections.efficiency > 0.97
+    assert sections.makespan < one_head.makespan
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
