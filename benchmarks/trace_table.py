@@ -10,13 +10,15 @@ then for six workloads (causal H16 D128: dense B4 S4096; ragged 8192..64 twice; 
 scheduler, predicts it with the calibrated simulator, and writes OUT_DIR/trace_table.md and
 .json (efficiencies, makespans, TFLOP/s, recording overhead, ranking agreement; then each
 scheduler's and the declaration's default's TFLOP/s, untraced, the median of interleaved
-rounds, with the default against the best) and the skewed batch's timelines under Transient and LPT (trace_skewed_*.png). `--repredict`
-recomputes the predicted columns of an earlier run's table with this simulator.
+rounds, with the default against the best) and the skewed batch's timelines under Transient
+and LPT (trace_skewed_*.png). `--repredict` recomputes the predicted columns of an earlier
+run's table with this simulator.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import multiprocessing
 import sys
@@ -61,6 +63,7 @@ def _build(job) -> str:
 FORCED_BACKEND: str | None = None  # --backend
 
 
+@functools.cache  # FORCED_BACKEND is set once, before the first call
 def design(path: str, kernel: str) -> str:
     """The design the table measures: --backend, else the one an H200 runs the declaration
     with when nothing forces one."""

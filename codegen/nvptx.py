@@ -19,8 +19,9 @@ def ptr(addrspace: int = GENERIC) -> ir.PointerType:
 
 
 def shared_array(module: ir.Module, name: str, ty: ir.ArrayType) -> ir.GlobalVariable:
-    """The module's statically allocated, zero-initialised shared-memory array `name`
-    (created on first use; 8-byte aligned)."""
+    """The module's statically allocated shared-memory array `name` (created on first use;
+    8-byte aligned). Its IR initializer is zero, but shared memory starts undefined on the
+    GPU: a kernel writes every word before it reads it (as `init_handoff` does)."""
     if name in module.globals:
         return module.globals[name]
     array = ir.GlobalVariable(module, ty, name, addrspace=SHARED)

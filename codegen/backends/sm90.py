@@ -21,10 +21,10 @@ Both roles run the scheduler's work loop, each in its own branch of the role if/
 `setmaxnreg` takes effect). Where the scheduler lets them (`scheduler.runs_apart`: no `while`
 in `advance`, no slot but this step's), the roles run apart after the first step: the
 producer takes each next work index and publishes it through the pipeline slot on an
-mbarrier handoff
-(`scheduler.Handoff`), so it loads the next work tile (Q once the consumers' last S has read
-the current one: `q_empty`) while the consumers finish this one; other schedulers take
-every step together, on CTA-wide barriers. Each role counts the KV tiles it has gone through
+mbarrier handoff (`scheduler.Handoff`), with its decoding of the index for the consumers to
+reuse, so it loads the next work tile (Q once the consumers' last S has read the current
+one: `q_empty`) while the consumers finish this one; other schedulers take every step
+together, on CTA-wide barriers. Each role counts the KV tiles it has gone through
 (`kv_count`) and the work tiles (`tile_count`), so stages and mbarrier phases carry over from
 one work tile to the next. KV tiles the declaration's `classify` hook proves empty are
 skipped by both roles alike (never loaded); partial tiles (the mask, or the sequence's tail)
@@ -44,9 +44,9 @@ The tile a declaration without `tile` gets is the first spill-free one of its he
 (128 O accumulators per thread) 80 keys, or 64 under a mask (O staged over V's ring in a dense
 build). The wgmma descriptors are taken from one base per operand inside the loop
 (`hopper.smem_descriptors`): hoisted, Q's alone held 32 registers at head dim 256, and causal
-builds spilled at 64 keys. Measured choices (HOPPER_NOTES.md): the overlap needs K and V released apart (with
-one `kv_empty` per stage it was slower than no overlap); BN = 160 or 176 (FlashAttention-3's
-non-causal tile) ran as fast as 128, not faster.
+builds spilled at 64 keys. Measured choices (HOPPER_NOTES.md): the overlap needs K and V
+released apart (with one `kv_empty` per stage it was slower than no overlap); BN = 160 or
+176 (FlashAttention-3's non-causal tile) ran as fast as 128, not faster.
 """
 from __future__ import annotations
 
