@@ -234,3 +234,51 @@ def test_a_192_row_tile_runs_three_consumer_warpgroups_round_the_ring():
     resources = kb.assembled.kernels[KERNEL_NAME]
     assert resources.spill_stores == resources.spill_loads == 0
     assert resources.registers == 128  # the entry cap: 512 threads, one CTA per SM
+
+
+@needs_ptxas
+@pytest.mark.parametrize("file, name, head_dim", [
+    ("plain.mha", "plain_fwd", 128), ("causal.mha", "causal_fwd", 128),
+    ("gqa.mha", "gqa_causal", 128)])
+@pytest.mark.parametrize("layout", [Layout(), Layout(2, True, True)], ids=["dense", "ragged"])
+def test_head_dim_128_takes_q_from_registers(file, name, head_dim, layout):
+    """S = Q K^T reads Q from registers (8 ldmatrix.x4 per work tile, one per 16 columns)
+    and K from shared memory; Q's tile is released right after the loads, before any S."""
+    kb = build(file, name, layout)
+    assert kb.config.head_dim == head_dim and kb.config.q_in_registers
+    ptx = " ".join(kb.ptx.split())
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == head_dim // 16
+    # S's wgmmas: {A: four registers}, K's descriptor; P V's: {P's four registers}, V's
+    register_a = re.findall(r"m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}"
+                            r", %rd\d+, d, 1,1,(\d)", ptx)
+    assert {trans_b for _, trans_b in register_a} == {"0", "1"}  # S (K-major K) and P V
+    last_load = ptx.rindex("ldmatrix")
+    release = ptx.index("mbarrier.arrive.shared::cta.b64", last_load)
+    assert last_load < release < ptx.index("wgmma.mma_async", last_load)
+    assert ptx.index("wgmma.mma_async") > last_load  # no GEMM before Q's loads
+
+
+def test_q_in_registers_is_tried_first_only_where_it_can_fit():
+    """Head dim 128 lists every tile with Q in registers, then each from shared memory (for
+    a declaration whose tiles all spill so); 64 and 256 never hold Q's fragments."""
+    for head_dim, expect in ((64, [False]), (128, [True, False]), (256, [False])):
+        program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = {head_dim} }}")
+        configs = BACKEND.configs(program["a"].options, Layout())
+        tiles = list(dict.fromkeys((c.block_m, c.block_n) for c in configs))
+        assert [c.q_in_registers for c in configs] == [q for q in expect for _ in tiles]
+
+
+@needs_ptxas
+@pytest.mark.parametrize("mask, layout, keys", [
+    ("", Layout(), 144), ("", Layout(2, False, True), 144), ("", Layout(1, True), 128),
+    ("mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx", Layout(), 128)],
+    ids=["plain", "plain-gqa-lse", "plain-ragged", "causal"])
+def test_unmasked_dense_head_dim_128_takes_144_keys(mask, layout, keys):
+    """No mask to evaluate, a dense build: the wider KV tile, spill-free with Q in registers;
+    a mask or a ragged batch (their partial tiles) keeps 128."""
+    program = mhadsl.compile(f'{STD}\nattention a {{ dtype = bf16  head_dim = 128 {mask} }}')
+    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", layout),
+                      cache.CompileCache(tempfile.mkdtemp()))
+    assert (kb.config.block_n, kb.config.q_in_registers) == (keys, True)
+    resources = kb.assembled.kernels[KERNEL_NAME]
+    assert resources.spill_stores == resources.spill_loads == 0

@@ -5,8 +5,9 @@ A CTA has a producer warpgroup and two consumer warpgroups (384 threads; three c
 `setmaxnreg.dec` its first thread issues every copy, by the Tensor Memory Accelerator into
 128-byte-swizzled shared memory: Q (BM x D, once per work tile) and K and V (BN x D) into a
 ring of `stages` stages. The other warpgroups are the consumers (`setmaxnreg.inc`): each
-owns 64 of the tile's BM query rows and, per KV tile, computes S = Q K^T by wgmma (both
-operands in shared memory), the online softmax in registers (ex2, log2 domain), and
+owns 64 of the tile's BM query rows and, per KV tile, computes S = Q K^T by wgmma (K in
+shared memory; Q too, or at head dim 128 in registers, loaded by ldmatrix once per work tile:
+`Q_IN_REGISTERS_HEAD_DIMS`), the online softmax in registers (ex2, log2 domain), and
 O += P V by wgmma with P straight from S's accumulators (the register A operand) and V as an
 MN-major B operand. As in FlashAttention-3, S of KV tile n is issued together with P V of
 tile n-1 and tile n's softmax runs under that P V (intra-warpgroup overlap), and the
@@ -23,7 +24,7 @@ in `advance`, no slot but this step's), the roles run apart after the first step
 producer takes each next work index and publishes it through the pipeline slot on an
 mbarrier handoff (`scheduler.Handoff`), with its decoding of the index for the consumers to
 reuse, so it loads the next work tile (Q once the consumers' last S has read the current
-one: `q_empty`) while the consumers finish this one; other schedulers take every step
+one, or their ldmatrix: `q_empty`) while the consumers finish this one; other schedulers take every step
 together, on CTA-wide barriers. Each role counts the KV tiles it has gone through
 (`kv_count`) and the work tiles (`tile_count`), so stages and mbarrier phases carry over from
 one work tile to the next. KV tiles the declaration's `classify` hook proves empty are
@@ -92,6 +93,7 @@ class HopperConfig:
     gqa_group: int = 1
     return_lse: bool = False
     ragged: bool = False
+    q_in_registers: bool = False  # S = Q K^T with Q's A fragments in registers
 
     @property
     def consumer_groups(self) -> int:
@@ -377,10 +379,12 @@ class _ConsumerTile:
     barriers `nvptx.CONSUMER_TURN_BARRIERS`: g waits at its own, then passes the turn to
     g + 1's), so one's softmax runs under the others' GEMMs (ping-pong with two)."""
 
-    def __init__(self, kernel: "_Kernel", b, args, t: _Tile, group, row0, col0, sl2, kv_count):
+    def __init__(self, kernel: "_Kernel", b, args, t: _Tile, group, row0, col0, sl2, kv_count,
+                 q_frags: list | None):
         self.k, self.c, self.mem, self.b = kernel, kernel.c, kernel.mem, b
         self.args, self.t, self.group, self.row0, self.col0 = args, t, group, row0, col0
         self.sl2, self.kv_count = sl2, kv_count
+        self.q_frags = q_frags  # Q's A fragments (`HopperConfig.q_in_registers`), else None
 
     # -------------------------------------------------------------- building blocks
     def stage(self, bb):
@@ -406,15 +410,15 @@ class _ConsumerTile:
         """S = Q K^T of `stage`, committed (not waited for)."""
         c, mem = self.c, self.mem
         steps = [divmod(32 * k, hopper.SWIZZLE_BYTES) for k in range(c.head_dim // 16)]
-        a_descs = hopper.smem_descriptors(
+        q_operands = self.q_frags or hopper.smem_descriptors(
             bb, mem.q_box(bb, 0, bb.shl(self.group, i32(6))),
             [box * c.block_m * hopper.SWIZZLE_BYTES + offset for box, offset in steps])
-        b_descs = hopper.smem_descriptors(
+        k_descs = hopper.smem_descriptors(
             bb, mem.kv_tile(bb, "k", stage),
             [box * c.block_n * hopper.SWIZZLE_BYTES + offset for box, offset in steps])
         s = None
-        for a_desc, b_desc in zip(a_descs, b_descs):
-            s = hopper.wgmma(bb, c.dtype, c.block_n, a_desc, b_desc, s)
+        for q_operand, k_desc in zip(q_operands, k_descs):
+            s = hopper.wgmma(bb, c.dtype, c.block_n, q_operand, k_desc, s)
         hopper.wgmma_commit_group(bb)
         return s
 
@@ -624,9 +628,33 @@ class _Kernel:
             sl2 = b.fmul(args.softmax_scale, warp.fconst(warp.LOG2E))  # scale folded into ex2
         else:
             sl2 = warp.fconst(warp.LOG2E)
-        o, m, l = _ConsumerTile(self, b, args, t, group, row0, col0, sl2, kv_count).loop()
-        hopper.mbarrier_arrive(b, mem.q_empty(b))  # every S of this tile is done
+        q_frags = None
+        if c.q_in_registers:  # Q's tile may take the next work tile's rows at once
+            q_frags = self._q_fragments(b, group, thread)
+            hopper.mbarrier_arrive(b, mem.q_empty(b))
+        o, m, l = _ConsumerTile(self, b, args, t, group, row0, col0, sl2, kv_count,
+                                q_frags).loop()
+        if not c.q_in_registers:
+            hopper.mbarrier_arrive(b, mem.q_empty(b))  # every S of this tile is done
         self._epilogue(b, args, t, o, m, l, sl2, row0, col0)
+
+    def _q_fragments(self, b, group, thread) -> list[list[ir.Value]]:
+        """The warpgroup's 64 Q rows as wgmma A fragments, one per 16 head-dim columns, by
+        ldmatrix from the swizzled tile: lane l gives the address of row l % 8 of 8 x 8
+        matrix l // 8 (rows +8 for matrices 1 and 3, columns +8 for 2 and 3), so the four
+        registers are the fragment's a0..a3."""
+        lane = b.and_(thread, i32(31))
+        matrix = b.lshr(lane, i32(3))
+        warp_row = b.add(b.shl(group, i32(6)), b.shl(b.lshr(thread, i32(5)), i32(4)))
+        row = b.add(warp_row, b.add(b.shl(b.and_(matrix, i32(1)), i32(3)), b.and_(lane, i32(7))))
+        frags = []
+        for k in range(self.c.head_dim // 16):
+            box, first_chunk = divmod(2 * k, hopper.SWIZZLE_BYTES // 16)
+            chunk = b.add(i32(first_chunk), b.lshr(matrix, i32(1)))
+            offset = b.shl(warp.swizzle_chunk(b, chunk, row), i32(4))
+            frags.append(warp.ldmatrix_x4(b, warp.smem_ptr(b, self.mem.q_box(b, box, row),
+                                                           offset)))
+        return frags
 
     def _scores(self, b, args, t: _Tile, n, s, row0, col0):
         """The score hook, then the mask on partial tiles (a branch; S merges in phis)."""
@@ -863,6 +891,22 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
 DEFAULT_TILES = {64: ((192, 128), (192, 112), (128, 128), (128, 64)),
                  128: ((128, 128), (128, 64)),
                  256: ((128, 80), (128, 64), (128, 48), (128, 32))}
+# Tried first by a dense declaration without a mask: a wider KV tile, fewer softmax and
+# barrier rounds per key. At head dim 128, 144 keys with Q in registers (160 and 176 spill),
+# on the H200 (two interleaved runs each): plain B1 S16384 618-619 -> 635-637 TFLOP/s, B4
+# S4096 665-669 -> 670 (its last KV tile is 64 keys of 144). Under a causal mask it was slower
+# (B4 S4096 575-596 -> 532-579; GQA 611 -> 590; ragged 16 x 2048 501 -> 466).
+UNMASKED_DENSE_TILES = {128: ((128, 144),)}
+
+
+# The head dims whose S GEMM takes Q from registers (loaded once per work tile), every tile
+# tried so before any with Q from shared memory: it takes Q's reads off shared memory,
+# which the S GEMM shares with K's reads and the copies in flight, and frees Q's tile for the
+# next work tile's rows at once. On the H200 at head dim 128 (two interleaved runs each): plain
+# B4 S4096 646-647 -> 668-670 TFLOP/s, causal 584-585 -> 594-597, GQA 591-599 -> 609-612,
+# ragged 1024 x 96 63 -> 70-71. Head dim 64's three consumer warpgroups (160 registers) and
+# head dim 256's 128 O accumulators spill with Q's fragments held.
+Q_IN_REGISTERS_HEAD_DIMS = (128,)
 
 
 def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, ...]:
@@ -872,12 +916,16 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
     if options.block_m is not None:
         tiles = ((options.block_m, options.block_n),)
     else:
-        tiles = tuple((m, n) for m, n in DEFAULT_TILES.get(options.head_dim, DEFAULT_TILES[128])
-                      if not (layout.ragged and m > 2 * GROUP_ROWS))
+        tiles = DEFAULT_TILES.get(options.head_dim, DEFAULT_TILES[128])
+        if options.mask is None and not layout.ragged:
+            tiles = UNMASKED_DENSE_TILES.get(options.head_dim, ()) + tiles
+        tiles = tuple((m, n) for m, n in tiles if not (layout.ragged and m > 2 * GROUP_ROWS))
     base = replace(HopperConfig(options.dtype, options.head_dim), gqa_group=layout.gqa_group,
                    return_lse=layout.return_lse, ragged=layout.ragged,
                    stages=options.stages or HopperConfig.stages)
-    return tuple(replace(base, block_m=m, block_n=n) for m, n in tiles)
+    q_choices = (True, False) if options.head_dim in Q_IN_REGISTERS_HEAD_DIMS else (False,)
+    return tuple(replace(base, block_m=m, block_n=n, q_in_registers=q)
+                 for q in q_choices for m, n in tiles)
 
 
 def compile_kernel(source: KernelSource, configs: tuple[HopperConfig, ...],
