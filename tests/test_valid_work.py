@@ -167,12 +167,13 @@ def test_head_sections_cover_every_tile_once(name, section):
     ([4096] * 4, False, 2),    # 16384 key rows per head: two heads fill 32768
     ([1024] * 8, False, 4),    # 8192 per head: four
     (SKEWED, True, 2),         # 32768 per head (tiles rounded up): one, raised to two
-    ([96] * 300, True, 2),     # more than the budget alone: two all the same
+    ([96] * 300, True, 16),    # one head's rows alone exceed it: one section of all
+    ([96] * 256, True, 2),     # exactly the budget: two
 ])
 def test_lpt_sizes_its_head_sections_by_l2(lens, ragged, section):
     """LPT's default sections hold as many heads as 32768 key rows of K and V allow (the
-    rows of a head: its valid query tiles'), at least two; an explicit heads_per_section
-    overrides it."""
+    rows of a head: its valid query tiles'), at least two, or all heads where not even one
+    head's fit; an explicit heads_per_section overrides it."""
     program = checked(STD)
     batch = Batch(lens, heads=16, tile=128, ragged=ragged)
     counts = tile_counts(lens, 128)
