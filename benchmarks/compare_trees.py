@@ -1,0 +1,81 @@
+"""Benchmark: the sm90 rows of hopper.py under several source trees of mhadsl, side by side.
+
+    python benchmarks/compare_trees.py ROUNDS TREE [TREE ...]     # needs an H100/H200
+
+Each TREE is a checkout of this repository (e.g. `git worktree add /tmp/base main`). For
+each of ROUNDS rounds, each tree in turn is installed (`pip install -e TREE`, no
+dependencies) and hopper.py's workloads are timed in a fresh process with its own compile
+cache, so the variants get the GPU in turn rather than one after another (the GPU's speed
+drifts over a call by more than the differences being compared). The first round also
+checks each kernel against the float64 reference. cuDNN is timed in every process: its
+spread is the noise floor. Prints one row per workload: each tree's TFLOP/s per round.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+WORKER = r'''
+import json, sys
+import mhadsl
+from mhadsl.bench import Problem, allowed_pairs, check, make_inputs, require_gpu, time_ms, \
+    torch_baselines
+sys.path.insert(0, "benchmarks")
+from hopper import SOURCE, WORKLOADS
+torch = require_gpu()
+program = mhadsl.compile(SOURCE, name="<compare_trees>")
+rows = []
+for name, p in WORKLOADS:
+    k = program[name]
+    k.backend = "sm90"
+    err = 0.0
+    if sys.argv[1] == "check":
+        for small in (Problem(1, 1000, 1000, p.heads, p.kv_heads, p.head_dim),
+                      Problem(0, 0, 0, p.heads, p.kv_heads, p.head_dim, (0, 1, 127, 129, 3000))):
+            err = max(err, check(torch, k, small)[0])
+    args = make_inputs(torch, k, p)
+    flops = 4.0 * p.head_dim * p.heads * allowed_pairs(k, p)
+    cudnn = torch_baselines(torch, k, p, args)["cudnn"]
+    rows.append({"workload": f"{name} {p.describe()}", "err": err,
+                 "tflops": flops / time_ms(torch, lambda: k(**args), reps=50) / 1e9,
+                 "cudnn": None if cudnn is None else flops / cudnn / 1e9})
+print("JSON" + json.dumps(rows))
+'''
+
+
+def run_tree(tree: str, cache_dir: str, check: bool) -> list[dict]:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--no-build-isolation", "-e", tree], check=True, capture_output=True)
+    done = subprocess.run([sys.executable, "-c", WORKER, "check" if check else "time"],
+                          env=dict(os.environ, MHADSL_CACHE_DIR=cache_dir),
+                          capture_output=True, text=True, cwd=tree)
+    for line in done.stdout.splitlines():
+        if line.startswith("JSON"):
+            return json.loads(line[4:])
+    raise SystemExit(f"{tree}: no result\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+
+
+def main() -> None:
+    if len(sys.argv) < 3:
+        raise SystemExit(__doc__)
+    rounds, trees = int(sys.argv[1]), sys.argv[2:]
+    caches = {tree: tempfile.mkdtemp() for tree in trees}
+    results = {tree: [] for tree in trees}
+    for r in range(rounds):
+        for tree in trees:
+            results[tree].append(run_tree(tree, caches[tree], check=r == 0))
+            print(f"{tree}: round {r + 1} of {rounds}", file=sys.stderr, flush=True)
+    print("| workload | " + " | ".join(trees) + " | cuDNN (each process) |")
+    print("|---|" + "---|" * (len(trees) + 1))
+    for j, row in enumerate(results[trees[0]][0]):
+        cells = [" / ".join(f"{run[j]['tflops']:.0f}" for run in results[tree])
+                 + f" (error {max(run[j]['err'] for run in results[tree]):.0e})"
+                 for tree in trees]
+        cudnn = " ".join("—" if run[j]["cudnn"] is None else f"{run[j]['cudnn']:.0f}"
+                         for tree in trees for run in results[tree])
+        print(f"| {row['workload']} | " + " | ".join(cells) + f" | {cudnn} |")
+
+
+if __name__ == "__main__":
+    main()
