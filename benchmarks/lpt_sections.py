@@ -1,9 +1,9 @@
-"""Benchmark: LPT's head sections against the other dynamic orders, causal H16 D128.
+"""Benchmark: LPT's head sections against the other dynamic orders, causal D128.
 
-    python benchmarks/lpt_sections.py [--backend sm90]     # needs a GPU
+    python benchmarks/lpt_sections.py [--backend sm90] [--only GQA]     # needs a GPU
 
-Times `LPT()` (the default sections), `LPT(heads_per_section = 16)` (one section),
-`LPT(heads_per_section = 4)`, Queued and Persistent with PROMPT_ROTATE on the same inputs,
+Times `LPT()` (the default sections), `LPT(heads_per_section = 16, 4, 2)`, Queued and
+Persistent with PROMPT_ROTATE on the same inputs (H16, and GQA 32:8),
 in five rounds that take the kernels in turn, and prints each one's median TFLOP/s and LPT's
 against the best: the measurement behind `section_heads` in std/schedulers.mha.
 """
@@ -14,7 +14,7 @@ import mhadsl
 from mhadsl.bench import Problem, allowed_pairs, make_inputs, require_gpu, time_ms
 
 SCHEDULERS = {"Queued": "Queued()", "LPT": "LPT()", "LPT16": "LPT(heads_per_section = 16)",
-              "LPT4": "LPT(heads_per_section = 4)",
+              "LPT4": "LPT(heads_per_section = 4)", "LPT2": "LPT(heads_per_section = 2)",
               "PROMPT_ROTATE": "Persistent(order = PROMPT_ROTATE)"}
 WORKLOADS = [
     ("dense B4 S4096", Problem(4, 4096, 4096, 16, 16, 128)),
@@ -25,6 +25,10 @@ WORKLOADS = [
     ("ragged 1024x96", Problem(0, 0, 0, 16, 16, 128, (96,) * 1024)),
     ("ragged 768x128", Problem(0, 0, 0, 16, 16, 128, (128,) * 768)),
     ("ragged 256x384", Problem(0, 0, 0, 16, 16, 128, (384,) * 256)),
+    ("GQA 32:8 dense B4 S4096", Problem(4, 4096, 4096, 32, 8, 128)),
+    ("GQA 32:8 dense B1 S16384", Problem(1, 16384, 16384, 32, 8, 128)),
+    ("GQA 32:8 ragged 8192..64 x2",
+     Problem(0, 0, 0, 32, 8, 128, tuple(8192 >> i for i in range(8)) * 2)),
 ]
 ROUNDS = 5
 
@@ -32,6 +36,7 @@ ROUNDS = 5
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", help="force a kernel design (sm80, sm90)")
+    parser.add_argument("--only", default="", help="the workloads whose name has this text")
     opts = parser.parse_args()
     torch = require_gpu()
     source = 'import "std/schedulers.mha"\n' + "\n".join(
@@ -45,6 +50,8 @@ def main() -> None:
     print("| workload | " + " | ".join(SCHEDULERS) + " | LPT / best |")
     print("|---|" + "---|" * (len(SCHEDULERS) + 1))
     for name, p in WORKLOADS:
+        if opts.only not in name:
+            continue
         args = make_inputs(torch, kernels["LPT"], p)
         flops = 4.0 * p.head_dim * p.heads * allowed_pairs(kernels["LPT"], p)
         rounds = {label: [] for label in kernels}

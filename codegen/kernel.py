@@ -105,7 +105,7 @@ def kernel_source(program: CheckedProgram, options, target: Target,
                   trace: bool = False) -> KernelSource:
     """The hooks and work loop of declaration `options` (`AttentionOptions`); `trace`
     builds the loop that records every work item."""
-    def work_loop(tile_m: int) -> WorkLoop:
-        spec = SchedulerSpec(options.scheduler, options.scheduler_args, tile_m)
+    def work_loop(tile_m: int, gqa_group: int) -> WorkLoop:
+        spec = SchedulerSpec(options.scheduler, options.scheduler_args, tile_m, gqa_group)
         return scheduler_work_loop(program, spec, target, trace)
     return KernelSource(expr_hooks(program, options.mask, options.score), work_loop)

@@ -99,7 +99,7 @@ class FunctionLowering:
     """Lowers one body into the current function of `builder`."""
 
     def __init__(self, builder: ir.IRBuilder, program: CheckedProgram, builtins: Builtins,
-                 bindings: dict[object, Value], *, tile_m: int = 0,
+                 bindings: dict[object, Value], *, tile_m: int = 0, gqa_group: int = 1,
                  param_values: dict[str, Callable[[], Value]] | None = None,
                  default_int: Ty = U32):
         self.b = builder
@@ -109,6 +109,7 @@ class FunctionLowering:
         # Symbol.node (a role string, Param, Let or Constant node) -> value or alloca
         self.bindings = bindings
         self.tile_m = tile_m
+        self.gqa_group = gqa_group
         self.param_values = param_values or {}
         self.locals: dict[ast.Let, object] = {}
         self.ret_slot: object = None
@@ -361,8 +362,8 @@ class FunctionLowering:
                 return i32(SCHEDULES.index(sym.name))
             if sym.name in SYNCS:
                 return i32(SYNCS.index(sym.name))
-            if sym.name == "tile_m":
-                return i32(self.tile_m)
+            if sym.name in ("tile_m", "gqa_group"):  # constants of the build
+                return i32(getattr(self, sym.name))
             if sym.ty == DIM3:
                 return _Dim3(sym.name)
             return self.builtins.value(self, sym.name)
@@ -484,7 +485,8 @@ class FunctionLowering:
             self.store_value(slot, a)
             bindings[p] = slot
         inner = FunctionLowering(self.b, self.program, self.builtins, bindings,
-                                 tile_m=self.tile_m, param_values=self.param_values,
+                                 tile_m=self.tile_m, gqa_group=self.gqa_group,
+                                 param_values=self.param_values,
                                  default_int=self.default_int)
         slot = inner.lower_body(fn.body, TYPE_NAMES[fn.ret.name])
         return self.load_value(slot)

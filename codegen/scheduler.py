@@ -38,7 +38,8 @@ HOST_LOOP_FUEL = 1 << 20  # iterations a host `while` may run before the simulat
 
 @dataclass(frozen=True)
 class SchedulerSpec:
-    """One specialisation of a scheduler: its name, bound parameters and the tile height.
+    """One specialisation of a scheduler: its name, bound parameters, the tile height
+    (`tile_m`) and the query heads per K/V head (`gqa_group`), both constants of the build.
 
     `args` maps parameter names to Python values (int, bool, or a Schedule name).
     """
@@ -46,6 +47,7 @@ class SchedulerSpec:
     name: str
     args: tuple[tuple[str, object], ...] = ()
     tile_m: int = 128
+    gqa_group: int = 1
 
     def arg_dict(self) -> dict[str, object]:
         return dict(self.args)
@@ -215,7 +217,8 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
     constants = {c.name: c for c in decl.constants}
     may_advance = bool(const_eval(constants["may_advance"].value, program, args, decl))
     rules = {r.name: r for r in decl.rules}
-    prefix = f"{spec.name}.{spec.tile_m}." + ".".join(f"{k}={v}" for k, v in spec.args)
+    prefix = f"{spec.name}.{spec.tile_m}.{spec.gqa_group}." + ".".join(
+        f"{k}={v}" for k, v in spec.args)
     functions: dict[str, ir.Function] = {}
 
     sid = faults.scheduler_id(spec.name)
@@ -239,7 +242,8 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
             fn.attributes.add("alwaysinline")
         builder = ir.IRBuilder(fn.append_basic_block("entry"))
         bindings = dict(zip(arg_roles, fn.args))
-        lower = FunctionLowering(builder, program, builtins, bindings, tile_m=spec.tile_m)
+        lower = FunctionLowering(builder, program, builtins, bindings, tile_m=spec.tile_m,
+                                 gqa_group=spec.gqa_group)
         lower.param_values = _param_thunks(lower, decl, args)
         returned_none = lower.entry_alloca(i1, "is_none") if rule_name == "advance" else None
         if returned_none is not None:

@@ -141,7 +141,8 @@ class Kernel:
                              trace=self.trace)
 
     def scheduler_spec(self, config) -> SchedulerSpec:
-        return SchedulerSpec(self.options.scheduler, self.options.scheduler_args, config.block_m)
+        return SchedulerSpec(self.options.scheduler, self.options.scheduler_args, config.block_m,
+                             config.gqa_group)
 
     def build(self, arch: str = "sm_90a", *, gqa_group: int = 1, ragged: bool = False,
               return_lse: bool = False, backend: str | None = None) -> KernelBuild:

@@ -37,6 +37,7 @@ BUILTIN_VALUES: dict[str, tuple[Ty, tuple[str, ...], tuple[str, ...] | None]] = 
     "ctas_per_sm": (U32, (HOST, DEVICE), None),
     "num_heads": (U32, (HOST, DEVICE), None),
     "tile_m": (U32, (HOST, DEVICE), None),
+    "gqa_group": (U32, (HOST, DEVICE), None),
     "block_idx": (DIM3, (DEVICE,), None),
     "thread_idx": (DIM3, (DEVICE,), None),
     "grid_dim": (DIM3, (DEVICE,), None),

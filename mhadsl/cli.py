@@ -213,7 +213,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sequences = Batch(args.lengths, args.heads, cost.block_m, ragged=sequences.ragged)
         print(f"cost model of kernel {args.kernel} ({cost.block_m}x{cost.block_n} tile), "
               f"constants from {cost.source}", file=sys.stderr)
-    spec = SchedulerSpec(args.scheduler, args.params, sequences.tile)
+    spec = SchedulerSpec(args.scheduler, args.params, sequences.tile, args.gqa)
     result = simulate(program, spec, sequences, ctas=args.ctas, cost=cost,
                       num_sms=args.num_sms, ctas_per_sm=args.ctas_per_sm)
     if args.plot:
@@ -375,6 +375,7 @@ INT_OPTIONS = {
     "ctas": ("--ctas", 1, MAX_SIMULATED_CTAS),
     "num_sms": ("--num-sms", 1, MAX_SIMULATED_CTAS),
     "ctas_per_sm": ("--ctas-per-sm", 1, 64),
+    "gqa": ("--gqa", 1, 1 << 16),
     "seqlen": ("--seqlen", 0, MAX_SEQLEN),
     "seqlen_k": ("--seqlen-k", 0, MAX_SEQLEN),
 }
@@ -407,6 +408,8 @@ def validate(args: argparse.Namespace) -> None:
     if args.command == "simulate":
         if args.kernel and args.cost:
             raise UsageError("--kernel costs tiles as that kernel runs them: drop --cost")
+        if args.heads % args.gqa:
+            raise UsageError(f"--gqa {args.gqa} must divide --heads {args.heads}")
         args.params = tuple(_parse_param(p) for p in args.param)
         try:
             args.sequences = Batch(args.lengths, args.heads, args.tile,
@@ -468,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", required=True, metavar="NAME")
     _batch_arguments(p)
     p.add_argument("--tile", type=int, default=128, help="query tile height (BM)")
+    p.add_argument("--gqa", type=int, default=1,
+                   help="query heads per K/V head (the value of gqa_group; divides --heads)")
     p.add_argument("--ctas", type=int, default=132, help="simulated multiprocessors")
     p.add_argument("--num-sms", type=int, help="value of num_sms (default: --ctas)")
     p.add_argument("--ctas-per-sm", type=int, default=1,

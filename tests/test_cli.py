@@ -100,6 +100,8 @@ SIM = ["simulate", "std/schedulers.mha", "--scheduler", "Queued"]
     ([*SIM, "--seqlen", "9", "--tile", "0"], "error: --tile must be between 16 and 256, got 0"),
     ([*SIM, "--seqlen", "9", "--tile", "100"], "error: --tile must be a multiple of 16"),
     ([*SIM, "--seqlen", "9", "--ctas", "0"], "error: --ctas must be between 1 and"),
+    ([*SIM, "--seqlen", "9", "--gqa", "0"], "error: --gqa must be between 1 and 65536, got 0"),
+    ([*SIM, "--seqlen", "9", "--gqa", "3"], "error: --gqa 3 must divide --heads 16"),
     ([*SIM, "--seqlen", "9", "--batch", "1000000"], "error: --batch must be between 1 and 65535"),
     ([*SIM, "--seqlens", ",".join(["1"] * 70_000)], "error: --seqlens takes 1 to 65535 lengths"),
     ([*SIM, "--seqlen", "2147483647"], "error: the batch has 268435456 tiles; the simulator"),

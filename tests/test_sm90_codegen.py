@@ -282,3 +282,17 @@ def test_unmasked_dense_head_dim_128_takes_144_keys(mask, layout, keys):
     assert (kb.config.block_n, kb.config.q_in_registers) == (keys, True)
     resources = kb.assembled.kernels[KERNEL_NAME]
     assert resources.spill_stores == resources.spill_loads == 0
+
+
+@pytest.mark.parametrize("backend", ["sm80", "sm90"])
+def test_the_scheduler_is_built_for_the_launchs_gqa_group(backend):
+    """`gqa_group` is a constant of the build (its Layout), as `tile_m` is: the scheduler's
+    functions are specialised for it, and LPT's sections count K/V heads with it."""
+    program = mhadsl.compile(REPO / "examples" / "causal.mha")
+    names = {}
+    for group in (1, 4):
+        kb = build_kernel(program.checked, KernelRequest("causal_fwd", "sm_90a", backend,
+                                                         Layout(group)), cache.CompileCache(
+                                                             tempfile.mkdtemp()))
+        names[group] = set(re.findall(r'@"(LPT\.\d+\.\d+\.)', kb.llvm))
+    assert names == {1: {"LPT.128.1."}, 4: {"LPT.128.4."}}

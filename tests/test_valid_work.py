@@ -187,6 +187,26 @@ def test_lpt_sizes_its_head_sections_by_l2(lens, ragged, section):
         assert result.visits[0] == expected, (args, want)
 
 
+@pytest.mark.parametrize("lens, ragged, group, section", [
+    ([4096] * 4, False, 1, 2),   # two heads' K and V fill the budget
+    ([4096] * 4, False, 4, 8),   # ... two K/V heads: eight query heads read them
+    ([4096] * 4, False, 16, 16),  # MQA: one K/V head for all, capped at the heads there are
+    (SKEWED, True, 4, 4),        # one K/V head's rows fit: its four query heads
+    ([96] * 300, True, 4, 16),   # not even one fits: all heads, as without GQA
+])
+def test_lpt_sections_count_kv_heads_under_gqa(lens, ragged, group, section):
+    """Under GQA a section's K and V are its K/V heads' (`gqa_group` query heads each), so
+    the L2 budget holds `gqa_group` times the query heads."""
+    program = checked(STD)
+    batch = Batch(lens, heads=16, tile=128, ragged=ragged)
+    spec = SchedulerSpec("LPT", (("num_ctas", 1),), 128, gqa_group=group)
+    result = simulate(program, spec, batch, ctas=1)
+    assert result.covered_exactly_once, result.message
+    expected = [(q * 128, h, b) for q, h, b in
+                valid_work_order(tile_counts(lens, 128), 16, "LONGEST_FIRST", section)]
+    assert result.visits[0] == expected
+
+
 def test_lpt_balances_the_skewed_batch():
     batch = Batch(SKEWED, heads=16, tile=128, ragged=True)
     program = checked(STD)

@@ -212,10 +212,10 @@ WorkLoop = Callable[[ir.IRBuilder, KernelArgs, Callable], None]
 @dataclass(frozen=True)
 class KernelSource:
     """What a declaration gives a backend: its hooks, and the scheduler's work loop for a
-    tile height (the config's `block_m`)."""
+    tile height and GQA group (the config's `block_m` and `gqa_group`)."""
 
     hooks: ExprHooks
-    work_loop: Callable[[int], WorkLoop]
+    work_loop: Callable[[int, int], WorkLoop]
 
 
 @dataclass(frozen=True)

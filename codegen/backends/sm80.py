@@ -840,7 +840,7 @@ def compile_kernel(source: KernelSource, configs: tuple[AttentionConfig, ...],
     the fewest spills."""
     return spill_free_build(BACKEND.name, target, [
         (c, lambda c=c, t=t: build_attention_module(c, source.hooks, target,
-                                                    source.work_loop(c.block_m), t))
+                                                    source.work_loop(c.block_m, c.gqa_group), t))
         for c in configs for t in TUNINGS])
 
 

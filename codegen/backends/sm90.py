@@ -932,7 +932,7 @@ def compile_kernel(source: KernelSource, configs: tuple[HopperConfig, ...],
                    target: Target) -> KernelBuild:
     """The first config that assembles without spills (else the one with the fewest)."""
     return spill_free_build(BACKEND.name, target, [
-        (c, lambda c=c: build_module(c, source.hooks, target, source.work_loop(c.block_m)))
+        (c, lambda c=c: build_module(c, source.hooks, target, source.work_loop(c.block_m, c.gqa_group)))
         for c in configs])
 
 
