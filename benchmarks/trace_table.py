@@ -129,9 +129,7 @@ def measure(out: Path, jobs: int) -> tuple[list[dict], dict, list[dict]]:
             workload = trace.Workload(HEADS, batch, seqlen, lens)
             run = trace.run_trace(program, kernel, workload, scheduler=name, args=args,
                                   backend=design(path, kernel))
-            model = trace.cost_model(program, kernel, block_m=run.block_m,
-                                     block_n=run.block_n, backend=run.backend, arch=run.arch,
-                                     gpu=run.gpu)
+            model = trace.cost_model(program, run)
             result = trace.predict(program, run, model)
             cmp = trace.compare(run, result)
             row = {"workload": label, "scheduler": scheduler_label(name, args),
@@ -217,7 +215,7 @@ def repredict(source: Path) -> tuple[list[dict], dict, list[dict]]:
         w = run.workload
         if row["scheduler"] == "Transient" and (w.batch, w.seqlen, w.seqlens) in \
                 calibration_batches and costs.empty_cta == 0:
-            fitted = trace.fit_empty_cta(program, kernel, run, costs, row["measured_eff"])
+            fitted = trace.fit_empty_cta(program, run, costs, row["measured_eff"])
             if fitted is not None:
                 empty.setdefault(kernel, []).append(fitted)
     for kernel, values in empty.items():
@@ -226,9 +224,7 @@ def repredict(source: Path) -> tuple[list[dict], dict, list[dict]]:
         program, kernel, run, costs = setting(row)
         costs = dataclasses.replace(
             costs, empty_cta=calibrations[kernel].get("empty_cta_refitted", costs.empty_cta))
-        model = costmodel.KernelCostModel(costs, program.checked,
-                                          program[kernel].options.mask, run.block_m,
-                                          run.block_n)
+        model = trace.cost_model(program, run, costs)
         predicted = trace.Timeline.from_simulation(trace.predict(program, run, model))
         row["predicted_eff"] = predicted.efficiency
         row["predicted_makespan_us"] = predicted.makespan / 1e3

@@ -248,7 +248,8 @@ def _kernel_costs(program, kernel: str, path: str):
     costs, source = costmodel.load(key)  # at the tile width it was calibrated with
     block_n = costs.block_n if source != "defaults" else config.block_n
     return costmodel.KernelCostModel(costs.for_block_n(block_n), program,
-                                     resolved.options.mask, config.block_m, block_n, source)
+                                     resolved.options.mask, config.block_m, block_n, source,
+                                     resolved.backend.producer_ahead)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -284,8 +285,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
                               tuple(args.lengths) if args.seqlens else None)
     run = trace.run_trace(program, args.kernel, workload, scheduler=args.scheduler,
                           args=args.params, backend=args.backend)
-    model = trace.cost_model(program, args.kernel, block_m=run.block_m, block_n=run.block_n,
-                             backend=run.backend, arch=run.arch, gpu=run.gpu)
+    model = trace.cost_model(program, run)
     result = trace.predict(program, run, model)
     comparison = trace.compare(run, result)
     problems = [f"{len(v)} {k}" for k, v in (("missing", run.missing), ("repeated",

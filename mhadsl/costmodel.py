@@ -67,7 +67,9 @@ class KernelCostModel:
     """Costs of one kernel: its constants and the declared mask that classifies its tiles.
 
     `block_m`/`block_n` are the kernel's tile (BM, BN); `source` says where the constants
-    came from (a calibration file, or "defaults")."""
+    came from (a calibration file, or "defaults"); `producer_ahead`: the kernel design's
+    producer takes each work index a tile ahead (`Backend.producer_ahead`), so where the
+    scheduler's roles run apart a queue atomic costs the consumers nothing."""
 
     costs: Costs
     program: CheckedProgram | None
@@ -75,6 +77,7 @@ class KernelCostModel:
     block_m: int
     block_n: int
     source: str = "defaults"
+    producer_ahead: bool = False
 
     def classes(self, seqlens: list[int], offset: np.ndarray, head: np.ndarray,
                 b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

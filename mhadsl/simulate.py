@@ -27,7 +27,7 @@ from mhadsl.codegen import nvptx
 from mhadsl.codegen.lower import ENV_FIELDS, alloca, record_type
 from mhadsl.codegen.nvptx import i8, i32, i64
 from mhadsl.codegen.scheduler import (
-    HOST_LOOP_FUEL, LoweredScheduler, SchedulerSpec, lower_scheduler,
+    HOST_LOOP_FUEL, LoweredScheduler, SchedulerSpec, lower_scheduler, runs_apart,
 )
 from mhadsl.codegen.target import HOST, HostJit, new_module
 from mhadsl.costmodel import KernelCostModel
@@ -417,6 +417,7 @@ class HostScheduler:
         _emit_start_ctas(module, lowered)
         _emit_event_loop(module, lowered)
         self.may_advance = lowered.may_advance
+        self.runs_apart = runs_apart(program, lowered.decl)
         self.grid_rule = next(r for r in lowered.decl.rules if r.name == "grid_dim")
         self.llvm_ir = str(module)
         self.jit = HostJit(module)
@@ -657,6 +658,8 @@ def simulate(program: CheckedProgram, spec: SchedulerSpec, batch: Batch, *, ctas
     if isinstance(cost, KernelCostModel):
         result.unit = "ns"
         step_costs[:] = [getattr(cost.costs, name) for name in STEP_COSTS]
+        if cost.producer_ahead and sched.runs_apart:  # the atomic is a work tile ahead
+            step_costs[STEP_COSTS.index("queue_op")] = 0.0
     try:
         _run_events(run, ids, costs, step_costs, n_ctas, num_work,
                     max_steps or 2 * (num_work + n_ctas) + 10_000)

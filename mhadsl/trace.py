@@ -21,6 +21,7 @@ import numpy as np
 
 from mhadsl import costmodel
 from mhadsl.api import Kernel, Program
+from mhadsl.codegen import backends
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.runtime import trace_records
 from mhadsl.simulate import Batch, SimulationResult, simulate
@@ -261,15 +262,17 @@ class _GridCall:
 
 
 # ------------------------------------------------------------------ prediction
-def cost_model(program: Program, kernel: str, *, block_m: int, block_n: int, backend: str,
-               arch: str, gpu: str | None) -> costmodel.KernelCostModel:
-    """The kernel's cost model: its declared mask, and the constants calibrated for it on
-    `gpu` (None: any GPU), else the defaults."""
-    options = program[kernel].options
-    key = costmodel.kernel_key(program.checked, kernel, backend, arch)
-    costs, source = costmodel.load(key, gpu, block_n)
-    return costmodel.KernelCostModel(costs, program.checked, options.mask, block_m, block_n,
-                                     source)
+def cost_model(program: Program, run: TraceRun, costs: costmodel.Costs | None = None
+               ) -> costmodel.KernelCostModel:
+    """The cost model of `run`'s kernel as it ran: its declared mask, tile and design, with
+    `costs`, else the constants calibrated for it on the run's GPU, else the defaults."""
+    source = "given"
+    if costs is None:
+        key = costmodel.kernel_key(program.checked, run.kernel, run.backend, run.arch)
+        costs, source = costmodel.load(key, run.gpu, run.block_n)
+    return costmodel.KernelCostModel(costs, program.checked, program[run.kernel].options.mask,
+                                     run.block_m, run.block_n, source,
+                                     backends.backend(run.backend).producer_ahead)
 
 
 def predict(program: Program, run: TraceRun, model: costmodel.KernelCostModel
@@ -327,7 +330,7 @@ def fit_runs(program: Program, kernel: str, runs: list[TraceRun]) -> list[costmo
               for block_n, columns in sorted(items.items())]
     # CTAs without a tile leave no record: their cost is what makes the simulated
     # efficiency of the runs that have many match the traced one
-    empty = [fit_empty_cta(program, kernel, r, next(c for c in fitted if c.block_n == r.block_n),
+    empty = [fit_empty_cta(program, r, next(c for c in fitted if c.block_n == r.block_n),
                            r.timeline().efficiency) for r in runs]
     empty = [e for e in empty if e is not None]
     if not empty:
@@ -335,15 +338,13 @@ def fit_runs(program: Program, kernel: str, runs: list[TraceRun]) -> list[costmo
     return [dataclasses.replace(c, empty_cta=float(np.median(empty))) for c in fitted]
 
 
-def fit_empty_cta(program: Program, kernel: str, run: TraceRun, costs: costmodel.Costs,
+def fit_empty_cta(program: Program, run: TraceRun, costs: costmodel.Costs,
                   target: float) -> float | None:
     """The `empty_cta` (between 0 and 4 x `cta_start`) at which the simulator predicts
     efficiency `target` for `run`'s launch; None when its grid has too few CTAs without a
     tile for that cost to matter."""
     def efficiency(empty: float) -> float:
-        model = costmodel.KernelCostModel(dataclasses.replace(costs, empty_cta=empty),
-                                          program.checked, program[kernel].options.mask,
-                                          run.block_m, run.block_n)
+        model = cost_model(program, run, dataclasses.replace(costs, empty_cta=empty))
         return Timeline.from_simulation(predict(program, run, model)).efficiency
     lo, hi = 0.0, 4.0 * max(costs.cta_start, 1.0)
     if efficiency(lo) - efficiency(hi) < 0.01:

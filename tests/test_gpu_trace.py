@@ -40,8 +40,7 @@ def test_trace_records_every_valid_tile_once(program, scheduler, args, workload)
 def test_trace_prediction_is_comparable(program):
     run = trace.run_trace(program, "causal_fwd", trace.Workload(heads=4, batch=2, seqlen=2048),
                           scheduler="LPT", reps=3)
-    model = trace.cost_model(program, "causal_fwd", block_m=run.block_m, block_n=run.block_n,
-                             backend=run.backend, arch=run.arch, gpu=run.gpu)
+    model = trace.cost_model(program, run)
     result = trace.predict(program, run, model)
     assert result.covered_exactly_once
     comparison = trace.compare(run, result)

@@ -249,12 +249,12 @@ def test_empty_cta_cost_is_fitted_from_efficiency():
     skewed = trace.Workload(heads=2, seqlens=(4096, 1024, 256, 64, 64, 64))
     run, result, _ = _synthetic_run(program, "Transient", truth, skewed)
     target = trace.Timeline.from_simulation(result).efficiency
-    fitted = trace.fit_empty_cta(program, "causal_fwd", run,
-                                 dataclasses.replace(truth, empty_cta=0.0), target)
+    fitted = trace.fit_empty_cta(program, run, dataclasses.replace(truth, empty_cta=0.0),
+                                 target)
     assert fitted == pytest.approx(700.0, rel=0.05)
     dense = trace.Workload(heads=2, batch=2, seqlen=1024)  # no CTA without a tile
     run, result, _ = _synthetic_run(program, "Transient", truth, dense)
-    assert trace.fit_empty_cta(program, "causal_fwd", run, truth, 0.9) is None
+    assert trace.fit_empty_cta(program, run, truth, 0.9) is None
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -282,3 +282,28 @@ def test_trace_without_gpu_is_one_line(capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: `mhadsl trace` runs the kernel") \
         and err.count("\n") == 1
+
+
+def test_a_producer_ahead_takes_the_queue_atomics_off_the_path_where_roles_run_apart():
+    """sm90's producer takes each next index a work tile ahead of its consumers
+    (`Backend.producer_ahead`), where the scheduler lets the roles run apart: the simulator
+    charges a queue atomic nothing there, its full cost where the design steps its roles
+    together (sm80) or the scheduler keeps them in step (MyQueued: a `while` in advance)."""
+    from mhadsl.codegen.backends import backend
+    assert backend("sm90").producer_ahead and not backend("sm80").producer_ahead
+    program = mhadsl.compile(f'import "std/schedulers.mha"\nimport "{REPO}/examples/'
+                             'queued_rotate.mha"\nattention a { head_dim = 128 '
+                             'mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }\n')
+    costs = dataclasses.replace(costmodel.DEFAULT_COSTS, queue_op=5000.0)
+    batch = Batch([2048, 1024, 300, 64], 4, 128, ragged=True)
+
+    def makespan(scheduler: str, ahead: bool) -> float:
+        model = costmodel.KernelCostModel(costs, program.checked, program["a"].options.mask,
+                                          128, 128, producer_ahead=ahead)
+        result = simulate(program.checked, SchedulerSpec(scheduler), batch, ctas=8, cost=model)
+        assert result.covered_exactly_once
+        return result.makespan
+
+    assert makespan("Queued", True) < makespan("Queued", False)
+    assert makespan("MyQueued", True) == makespan("MyQueued", False)  # lock-step roles
+    assert makespan("Persistent", True) == makespan("Persistent", False)  # no atomics

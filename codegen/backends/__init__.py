@@ -237,6 +237,10 @@ class Backend(ABC):
     targets: tuple[str, ...]  # arches it builds for
     params: tuple[KernelParam, ...]  # the kernel's parameters, in order
     config_type: type
+    # whether a producer takes each next work index a work tile ahead of the consumers,
+    # where the scheduler lets its roles run apart (`scheduler.runs_apart`): its queue
+    # atomics are then off the consumers' path (the simulator charges them nothing)
+    producer_ahead: bool = False
 
     @abstractmethod
     def problems(self, options, arch: str) -> list[Problem]:

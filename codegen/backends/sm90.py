@@ -944,6 +944,7 @@ class SM90(Backend):
     targets = ("sm_90a",)
     params = KERNEL_PARAMS
     config_type = HopperConfig
+    producer_ahead = True  # `scheduler.Handoff`
 
     def problems(self, options, arch: str) -> list[Problem]:
         config = declared_configs(options)[0]
