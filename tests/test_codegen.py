@@ -47,7 +47,7 @@ def test_golden_ir_fragments():
                               gpu_target("sm_90a"))
     text = str(module)
     # GPU rule functions are internal, always inlined, and read special registers.
-    assert 'define internal void @"Persistent.64.num_ctas=7initial_state"' in text
+    assert 'define internal void @"Persistent.64.1.num_ctas=7initial_state"' in text
     assert "alwaysinline" in text
     assert "call i32 @\"llvm.nvvm.read.ptx.sreg.nctaid.x\"()" in text
     assert lowered.may_advance is True
