@@ -307,3 +307,22 @@ def test_a_producer_ahead_takes_the_queue_atomics_off_the_path_where_roles_run_a
     assert makespan("Queued", True) < makespan("Queued", False)
     assert makespan("MyQueued", True) == makespan("MyQueued", False)  # lock-step roles
     assert makespan("Persistent", True) == makespan("Persistent", False)  # no atomics
+
+
+@pytest.mark.parametrize("design", ["sm80", "sm90"])
+def test_a_runs_cost_model_is_its_kernels_as_it_ran(design, tmp_path, monkeypatch):
+    """`trace.cost_model` gives the run's kernel its calibration on the run's GPU (else the
+    defaults), its tile and its design's producer (sm90's is a work tile ahead)."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    program = mhadsl.compile(REPO / "examples/causal.mha")
+    run = trace.TraceRun("causal_fwd", "LPT", (), trace.Workload(heads=2, batch=1, seqlen=512),
+                         "NVIDIA H200", design, "sm_90a", 128, 96, 4, 1, (4, 1, 1), {}, 0,
+                         1.0, 1.0, 1e9)
+    model = trace.cost_model(program, run)
+    assert (model.costs, model.source) == (costmodel.DEFAULT_COSTS.for_block_n(96), "defaults")
+    assert (model.block_m, model.block_n, model.producer_ahead) == (128, 96, design == "sm90")
+    key = costmodel.kernel_key(program.checked, "causal_fwd", design, "sm_90a")
+    path = costmodel.store([dataclasses.replace(COSTS, block_n=96)], key, "NVIDIA H200")
+    assert trace.cost_model(program, run).source == str(path)
+    given = trace.cost_model(program, run, COSTS)
+    assert (given.costs, given.source) == (COSTS, "given")
