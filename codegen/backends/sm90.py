@@ -23,9 +23,9 @@ Both roles run the scheduler's work loop, each in its own branch of the role if/
 in `advance`, no slot but this step's), the roles run apart after the first step: the
 producer takes each next work index and publishes it through the pipeline slot on an
 mbarrier handoff (`scheduler.Handoff`), with its decoding of the index for the consumers to
-reuse, so it loads the next work tile (Q once the consumers' last S has read the current
-one, or their ldmatrix: `q_empty`) while the consumers finish this one; other schedulers take every step
-together, on CTA-wide barriers. Each role counts the KV tiles it has gone through
+reuse, so it loads the next work tile (Q once the consumers' last S, or their ldmatrix, has
+read the current one: `q_empty`) while the consumers finish this one; other schedulers take
+every step together, on CTA-wide barriers. Each role counts the KV tiles it has gone through
 (`kv_count`) and the work tiles (`tile_count`), so stages and mbarrier phases carry over from
 one work tile to the next. KV tiles the declaration's `classify` hook proves empty are
 skipped by both roles alike (never loaded); partial tiles (the mask, or the sequence's tail)
@@ -933,7 +933,8 @@ def compile_kernel(source: KernelSource, configs: tuple[HopperConfig, ...],
                    target: Target) -> KernelBuild:
     """The first config that assembles without spills (else the one with the fewest)."""
     return spill_free_build(BACKEND.name, target, [
-        (c, lambda c=c: build_module(c, source.hooks, target, source.work_loop(c.block_m, c.gqa_group)))
+        (c, lambda c=c: build_module(c, source.hooks, target,
+                                     source.work_loop(c.block_m, c.gqa_group)))
         for c in configs])
 
 
