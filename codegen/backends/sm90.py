@@ -912,8 +912,10 @@ Q_IN_REGISTERS_HEAD_DIMS = (128,)
 
 def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, ...]:
     """The builds the declaration allows, best first: its tile if it declares one, else the
-    default tiles of its head dim (any other head dim: the first, for `check` to reject); the
-    stages are 2 unless declared. Not validated."""
+    default tiles of its head dim (any other head dim: the first, for `check` to reject;
+    `UNMASKED_DENSE_TILES` first for a dense build without a mask), every one with Q in
+    registers before any with Q in shared memory (`Q_IN_REGISTERS_HEAD_DIMS`); the stages
+    are 2 unless declared. Not validated."""
     if options.block_m is not None:
         tiles = ((options.block_m, options.block_n),)
     else:
