@@ -19,8 +19,8 @@ import tempfile
 WORKER = r'''
 import json, sys
 import mhadsl
-from mhadsl.bench import Problem, allowed_pairs, check, make_inputs, require_gpu, time_ms, \
-    torch_baselines
+from mhadsl.bench import Problem, allowed_pairs, check, make_inputs, require_gpu, \
+    time_side_by_side, torch_baseline_fns
 sys.path.insert(0, "benchmarks")
 from hopper import SOURCE, WORKLOADS
 torch = require_gpu()
@@ -36,10 +36,11 @@ for name, p in WORKLOADS:
             err = max(err, check(torch, k, small)[0])
     args = make_inputs(torch, k, p)
     flops = 4.0 * p.head_dim * p.heads * allowed_pairs(k, p)
-    cudnn = torch_baselines(torch, k, p, args)["cudnn"]
+    times = time_side_by_side(torch, {"ours": lambda: k(**args),
+                                      "cudnn": torch_baseline_fns(torch, k, p, args)["cudnn"]})
     rows.append({"workload": f"{name} {p.describe()}", "err": err,
-                 "tflops": flops / time_ms(torch, lambda: k(**args), reps=50) / 1e9,
-                 "cudnn": None if cudnn is None else flops / cudnn / 1e9})
+                 "tflops": flops / times["ours"].ms / 1e9,
+                 "cudnn": None if times["cudnn"] is None else flops / times["cudnn"].ms / 1e9})
 print("JSON" + json.dumps(rows))
 '''
 

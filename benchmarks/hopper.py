@@ -4,13 +4,14 @@ declarations side by side with torch SDPA's flash and cuDNN backends, in one pro
     python benchmarks/hopper.py          # needs an H100/H200 (compute capability 9.0)
 
 Each row checks both designs against the float64 reference first (relative error), then
-times them (median of CUDA-event-timed runs, `mhadsl.bench.time_ms`).
+times them and torch's kernels in turn, round after round (`mhadsl.bench.time_side_by_side`:
+the median of CUDA-event-timed runs), so every column of a row meets the same GPU.
 """
 import datetime
 
 import mhadsl
-from mhadsl.bench import Problem, allowed_pairs, check, make_inputs, require_gpu, time_ms, \
-    torch_baselines
+from mhadsl.bench import Problem, allowed_pairs, check, make_inputs, require_gpu, \
+    time_side_by_side, torch_baseline_fns
 
 SOURCE = """
 import "std/schedulers.mha"
@@ -47,14 +48,15 @@ WORKLOADS = [
 DESIGNS = ("sm80", "sm90")
 
 
-def varlen_flash_ms(torch, args: dict, causal: bool) -> float | None:
+def varlen_flash_fn(torch, args: dict, causal: bool):
     """torch's packed-varlen flash kernel on the same ragged batch (cum_seq_q/k)."""
     def run():
         return torch.ops.aten._flash_attention_forward(
             args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"],
             args["max_seqlen_q"], args["max_seqlen_k"], 0.0, causal, False)
     try:
-        return time_ms(torch, run)
+        run()
+        return run
     except (RuntimeError, TypeError) as err:
         print(f"(varlen flash unavailable: {err})")
         return None
@@ -64,8 +66,8 @@ def main() -> None:
     torch = require_gpu()
     programs = {d: mhadsl.compile(SOURCE, name=f"<hopper {d}>") for d in DESIGNS}
     print(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| kernel | shape | sm80 | sm90 | torch flash (ragged: varlen) | cuDNN | sm90 / cuDNN "
-          "| rel. error sm80, sm90 |")
+    print("| kernel | shape | sm80 | sm90 | torch flash (ragged: varlen) | cuDNN "
+          "| sm90 / cuDNN (rounds) | rel. error sm80, sm90 |")
     print("|---|---|---|---|---|---|---|---|")
     for name, problem in WORKLOADS:
         kernels = {}
@@ -76,17 +78,22 @@ def main() -> None:
         flops = 4.0 * problem.head_dim * problem.heads * allowed_pairs(kernels["sm90"], problem)
         errors = [check(torch, kernels[d], Problem(1, 1000, 1000, problem.heads, problem.kv_heads,
                                                    problem.head_dim))[0] for d in DESIGNS]
-        tflops = {d: flops / time_ms(torch, lambda k=kernels[d]: k(**args)) / 1e9 for d in DESIGNS}
-        base = torch_baselines(torch, kernels["sm90"], problem, args)
+        fns = {d: lambda k=kernels[d]: k(**args) for d in DESIGNS}
+        fns.update(torch_baseline_fns(torch, kernels["sm90"], problem, args))
         if problem.seqlens:  # torch's packed-varlen flash kernel stands in for the flash column
-            base["flash"] = varlen_flash_ms(torch, args, causal=name.startswith("causal"))
-        base = {k: None if v is None else flops / v / 1e9 for k, v in base.items()}
+            fns["flash"] = varlen_flash_fn(torch, args, causal=name.startswith("causal"))
+        times = time_side_by_side(torch, fns)
+        tflops = {d: None if t is None else flops / t.ms / 1e9 for d, t in times.items()}
 
         def f(x):
             return "—" if x is None else f"{x:.0f}"
-        ratio = "—" if base["cudnn"] is None else f"{tflops['sm90'] / base['cudnn']:.2f}x"
+        ratio = "—"
+        if times["cudnn"] is not None:  # and the lowest and highest of the rounds' ratios
+            rounds = [c / s for s, c in zip(times["sm90"].round_ms, times["cudnn"].round_ms)]
+            ratio = (f"{tflops['sm90'] / tflops['cudnn']:.2f}x "
+                     f"({min(rounds):.2f}–{max(rounds):.2f})")
         print(f"| {name} | {problem.describe()} | {f(tflops['sm80'])} | "
-              f"{f(tflops['sm90'])} | {f(base['flash'])} | {f(base['cudnn'])} | {ratio} | "
+              f"{f(tflops['sm90'])} | {f(tflops['flash'])} | {f(tflops['cudnn'])} | {ratio} | "
               f"{errors[0]:.1e}, {errors[1]:.1e} |", flush=True)
 
 

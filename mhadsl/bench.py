@@ -92,6 +92,35 @@ def time_ms(torch, fn, warmup: int = 5, reps: int = 30) -> float:
     """Median milliseconds of `fn()` over `reps` back-to-back runs, each between two CUDA
     events; the host queues them all before waiting, so launch overhead overlaps the GPU
     work as in a real model (as triton.testing.do_bench does)."""
+    return statistics.median(_timed_runs(torch, fn, warmup, reps))
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds of one function timed by `time_side_by_side`."""
+
+    ms: float  # the median over every run of every round
+    round_ms: tuple[float, ...]  # each round's median, in round order
+
+
+def time_side_by_side(torch, fns: dict, rounds: int = 5, warmup: int = 3,
+                      reps: int = 10) -> dict[str, Timing | None]:
+    """Each of `fns` (name -> callable, or None: not timed) over `rounds` rounds of `reps`
+    runs. Each round times every function in turn, starting from a different one each round,
+    so all of them meet the GPU's clock and temperature as they drift over a run (on the
+    H200 a row timed once moved by up to 10 % between runs)."""
+    names = [name for name, fn in fns.items() if fn is not None]
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            samples[name].append(_timed_runs(torch, fns[name], warmup, reps))
+    return {name: Timing(statistics.median(x for runs in samples[name] for x in runs),
+                         tuple(statistics.median(runs) for runs in samples[name]))
+            if name in samples else None for name in fns}
+
+
+def _timed_runs(torch, fn, warmup: int, reps: int) -> list[float]:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -102,7 +131,7 @@ def time_ms(torch, fn, warmup: int = 5, reps: int = 30) -> float:
         fn()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
+    return [start.elapsed_time(end) for start, end in events]
 
 
 def check(torch, kernel: Kernel, p: Problem, seed: int = 0) -> tuple[float, bool]:
@@ -117,6 +146,13 @@ def check(torch, kernel: Kernel, p: Problem, seed: int = 0) -> tuple[float, bool
 
 def torch_baselines(torch, kernel: Kernel, p: Problem, args: dict) -> dict[str, float | None]:
     """Milliseconds of torch SDPA's flash and cuDNN backends, where they express the mask."""
+    return {name: None if fn is None else time_ms(torch, fn)
+            for name, fn in torch_baseline_fns(torch, kernel, p, args).items()}
+
+
+def torch_baseline_fns(torch, kernel: Kernel, p: Problem, args: dict) -> dict:
+    """torch SDPA's flash and cuDNN backends on the same inputs, as callables (None where a
+    backend cannot express the mask or take the shape), for `time_side_by_side`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     causal = _is_plain_causal(kernel)
@@ -124,18 +160,20 @@ def torch_baselines(torch, kernel: Kernel, p: Problem, args: dict) -> dict[str, 
             or (causal and p.seqlen_q != p.seqlen_k):  # torch's is_causal is top-left only
         return {"flash": None, "cudnn": None}
     q, k, v = (args[n].transpose(1, 2) for n in ("q", "k", "v"))
-    results = {}
+    fns = {}
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
                           ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        try:
+        def run(backend=backend):
             with sdpa_kernel(backend), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch explains each backend it cannot use
-                results[name] = time_ms(torch, lambda: sdpa(
-                    q, k, v, is_causal=causal, scale=kernel.options.softmax_scale(),
-                    enable_gqa=p.heads != p.kv_heads))
+                return sdpa(q, k, v, is_causal=causal, scale=kernel.options.softmax_scale(),
+                            enable_gqa=p.heads != p.kv_heads)
+        try:
+            run()
+            fns[name] = run
         except RuntimeError:
-            results[name] = None  # this backend does not take the shape
-    return results
+            fns[name] = None  # this backend does not take the shape
+    return fns
 
 
 def _is_plain_causal(kernel: Kernel) -> bool:
@@ -163,12 +201,13 @@ class Row:
 def measure(torch, kernel: Kernel, p: Problem) -> Row:
     args = make_inputs(torch, kernel, p)
     flops = 4.0 * p.head_dim * p.heads * allowed_pairs(kernel, p)
-    ms = time_ms(torch, lambda: kernel(**args))
-    base = torch_baselines(torch, kernel, p, args)
+    times = time_side_by_side(torch, {"mhadsl": lambda: kernel(**args),
+                                      **torch_baseline_fns(torch, kernel, p, args)})
 
     def tf(t):
-        return None if t is None else flops / (t * 1e-3) / 1e12
-    return Row(kernel.name, p.describe(), ms, tf(ms), tf(base["flash"]), tf(base["cudnn"]))
+        return None if t is None else flops / (t.ms * 1e-3) / 1e12
+    return Row(kernel.name, p.describe(), times["mhadsl"].ms, tf(times["mhadsl"]),
+               tf(times["flash"]), tf(times["cudnn"]))
 
 
 def format_table(rows: list[Row]) -> str:

@@ -1,0 +1,66 @@
+"""mhadsl.bench's timing, on the CPU: a stand-in for torch whose CUDA events read a clock
+that the timed functions advance."""
+from types import SimpleNamespace
+
+import pytest
+
+from mhadsl.bench import time_ms, time_side_by_side
+
+
+class FakeGpu:
+    """torch.cuda with events on a simulated clock (milliseconds)."""
+
+    def __init__(self):
+        self.clock = 0.0
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self):
+                self.at = gpu.clock
+
+            def elapsed_time(self, end):
+                return end.at - self.at
+
+        self.cuda = SimpleNamespace(Event=Event, synchronize=lambda: None)
+
+    def kernel(self, ms, log=None, name=None):
+        def run():
+            self.clock += ms() if callable(ms) else ms
+            if log is not None:
+                log.append(name)
+        return run
+
+
+def test_time_ms_is_the_median_of_the_timed_runs():
+    gpu = FakeGpu()
+    durations = iter([9.0] * 5 + [1.0, 2.0, 3.0, 100.0, 4.0])  # 5 warm-up runs, then timed
+    assert time_ms(gpu, gpu.kernel(lambda: next(durations)), warmup=5, reps=5) == 3.0
+
+
+def test_side_by_side_times_each_function_in_turn_from_a_new_first_each_round():
+    gpu = FakeGpu()
+    log = []
+    fns = {"a": gpu.kernel(1.0, log, "a"), "b": gpu.kernel(2.0, log, "b"), "none": None,
+           "c": gpu.kernel(3.0, log, "c")}
+    times = time_side_by_side(gpu, fns, rounds=3, warmup=1, reps=2)
+    assert times["none"] is None
+    assert {n: t.ms for n, t in times.items() if t} == {"a": 1.0, "b": 2.0, "c": 3.0}
+    assert all(len(t.round_ms) == 3 for t in times.values() if t)
+    blocks = [log[i] for i in range(0, len(log), 3)]  # each function runs 1 + 2 times a turn
+    assert blocks == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
+def test_side_by_side_ratios_follow_a_drifting_gpu():
+    """The GPU slows down over the run: timed one after the other, the second function
+    would look slower; timed in turn, each round's ratio is the true one."""
+    gpu = FakeGpu()
+    slowdown = lambda: 1.0 + gpu.clock / 1000.0  # noqa: E731
+    fns = {"ours": gpu.kernel(lambda: 1.0 * slowdown()),
+           "theirs": gpu.kernel(lambda: 1.0 * slowdown())}
+    times = time_side_by_side(gpu, fns, rounds=8, warmup=0, reps=10)
+    for ours, theirs in zip(times["ours"].round_ms, times["theirs"].round_ms):
+        assert ours == pytest.approx(theirs, rel=0.02)
+    assert times["ours"].ms == pytest.approx(times["theirs"].ms, rel=0.02)
