@@ -1,14 +1,16 @@
 """Benchmark: the sm90 rows of hopper.py under several source trees of mhadsl, side by side.
 
-    python benchmarks/compare_trees.py ROUNDS TREE [TREE ...]     # needs an H100/H200
+    python benchmarks/compare_trees.py [--only TEXT] ROUNDS TREE [TREE ...]   # H100/H200
 
 Each TREE is a checkout of this repository (e.g. `git worktree add /tmp/base main`). For
 each of ROUNDS rounds, each tree in turn is installed (`pip install -e TREE`, no
 dependencies) and hopper.py's workloads are timed in a fresh process with its own compile
 cache, so the variants get the GPU in turn rather than one after another (the GPU's speed
 drifts over a call by more than the differences being compared). The first round also
-checks each kernel against the float64 reference. cuDNN is timed in every process: its
-spread is the noise floor. Prints one row per workload: each tree's TFLOP/s per round.
+checks each kernel against the float64 reference. cuDNN is timed in every process, in turn
+with the kernel (`time_side_by_side`): its spread is the noise floor. Prints one row per
+workload (those whose name and shape contain TEXT, with --only): each tree's TFLOP/s per
+round.
 """
 import json
 import os
@@ -27,6 +29,8 @@ torch = require_gpu()
 program = mhadsl.compile(SOURCE, name="<compare_trees>")
 rows = []
 for name, p in WORKLOADS:
+    if sys.argv[2] not in f"{name} {p.describe()}":
+        continue
     k = program[name]
     k.backend = "sm90"
     err = 0.0
@@ -45,10 +49,10 @@ print("JSON" + json.dumps(rows))
 '''
 
 
-def run_tree(tree: str, cache_dir: str, check: bool) -> list[dict]:
+def run_tree(tree: str, cache_dir: str, check: bool, only: str) -> list[dict]:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                     "--no-build-isolation", "-e", tree], check=True, capture_output=True)
-    done = subprocess.run([sys.executable, "-c", WORKER, "check" if check else "time"],
+    done = subprocess.run([sys.executable, "-c", WORKER, "check" if check else "time", only],
                           env=dict(os.environ, MHADSL_CACHE_DIR=cache_dir),
                           capture_output=True, text=True, cwd=tree)
     for line in done.stdout.splitlines():
@@ -58,14 +62,18 @@ def run_tree(tree: str, cache_dir: str, check: bool) -> list[dict]:
 
 
 def main() -> None:
-    if len(sys.argv) < 3:
+    args = sys.argv[1:]
+    only = ""
+    if args[:1] == ["--only"] and len(args) > 1:
+        only, args = args[1], args[2:]
+    if len(args) < 2:
         raise SystemExit(__doc__)
-    rounds, trees = int(sys.argv[1]), sys.argv[2:]
+    rounds, trees = int(args[0]), args[1:]
     caches = {tree: tempfile.mkdtemp() for tree in trees}
     results = {tree: [] for tree in trees}
     for r in range(rounds):
         for tree in trees:
-            results[tree].append(run_tree(tree, caches[tree], check=r == 0))
+            results[tree].append(run_tree(tree, caches[tree], check=r == 0, only=only))
             print(f"{tree}: round {r + 1} of {rounds}", file=sys.stderr, flush=True)
     print("| workload | " + " | ".join(trees) + " | cuDNN (each process) |")
     print("|---|" + "---|" * (len(trees) + 1))
