@@ -90,7 +90,7 @@ def main() -> None:
         ratio = "—"
         if times["cudnn"] is not None:  # and the lowest and highest of the rounds' ratios
             rounds = [c / s for s, c in zip(times["sm90"].round_ms, times["cudnn"].round_ms)]
-            ratio = (f"{tflops['sm90'] / tflops['cudnn']:.2f}x "
+            ratio = (f"{tflops['sm90'] / tflops['cudnn']:.3f}x "
                      f"({min(rounds):.2f}–{max(rounds):.2f})")
         print(f"| {name} | {problem.describe()} | {f(tflops['sm80'])} | "
               f"{f(tflops['sm90'])} | {f(tflops['flash'])} | {f(tflops['cudnn'])} | {ratio} | "
