@@ -283,6 +283,29 @@ def sequence_rows(b: ir.IRBuilder, ragged: bool, cu_seqlens: ir.Value, dense_len
     return start, b.sub(end, start)
 
 
+def first_nonempty(b: ir.IRBuilder, start: ir.Value, n_blocks: ir.Value,
+                   may_hold: Callable[[ir.IRBuilder, ir.Value], ir.Value]) -> ir.Value:
+    """The first KV tile index n >= `start` for which `may_hold(b, n)` (the `classify`
+    hook's "may hold a kept pair"), or `n_blocks`: how every design skips the KV tiles a
+    declaration's mask proves empty (never loaded, never computed)."""
+    fn = b.function
+    pre = b.block
+    hdr, chk, nxt, done = (fn.append_basic_block(f"skip.{s}")
+                           for s in ("hdr", "chk", "next", "done"))
+    b.branch(hdr)
+    b.position_at_end(hdr)
+    n = b.phi(i32, "skip.n")
+    n.add_incoming(start, pre)
+    b.cbranch(b.icmp_signed("<", n, n_blocks), chk, done)
+    b.position_at_end(chk)
+    b.cbranch(may_hold(b, n), done, nxt)
+    b.position_at_end(nxt)
+    n.add_incoming(b.add(n, i32(1)), nxt)
+    b.branch(hdr)
+    b.position_at_end(done)
+    return n
+
+
 def spill_free_build(backend: str, target: Target,
                      candidates: list[tuple[object, Callable[[], ir.Module]]]) -> KernelBuild:
     """The first candidate (config, module maker) that assembles without spills, else the

@@ -32,7 +32,8 @@ from llvmlite import ir
 from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelParam, KernelSource,
-    LaunchShape, Layout, Problem, TileSeq, common_problems, sequence_rows, spill_free_build,
+    LaunchShape, Layout, Problem, TileSeq, common_problems, first_nonempty, sequence_rows,
+    spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
 from mhadsl.codegen.target import Target, new_module
@@ -372,26 +373,8 @@ class _TileEmitter:
         """First KV tile index >= start that may hold an unmasked pair (or n_blocks)."""
         if self.hooks.classify is None:
             return start
-        fn = b.function
-        pre = b.block
-        hdr = fn.append_basic_block("skip.hdr")
-        chk = fn.append_basic_block("skip.chk")
-        nxt = fn.append_basic_block("skip.next")
-        done = fn.append_basic_block("skip.done")
-        b.branch(hdr)
-        b.position_at_end(hdr)
-        n = b.phi(i32, "skip.n")
-        n.add_incoming(start, pre)
-        b.cbranch(b.icmp_signed("<", n, info["n_blocks"]), chk, done)
-        b.position_at_end(chk)
-        may, _ = self._classify(b, info, n)
-        b.cbranch(may, done, nxt)
-        b.position_at_end(nxt)
-        n1 = b.add(n, i32(1))
-        n.add_incoming(n1, nxt)
-        b.branch(hdr)
-        b.position_at_end(done)
-        return n
+        return first_nonempty(b, start, info["n_blocks"],
+                              lambda bb, n: self._classify(bb, info, n)[0])
 
     # ------------------------------------------------------------------ the tile
     def emit_tile(self, b: ir.IRBuilder, seq) -> None:

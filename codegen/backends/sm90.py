@@ -61,7 +61,8 @@ from llvmlite import ir
 from mhadsl.codegen import hopper, nvptx, warp
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelParam, KernelSource,
-    LaunchShape, Layout, Problem, common_problems, sequence_rows, spill_free_build,
+    LaunchShape, Layout, Problem, common_problems, first_nonempty, sequence_rows,
+    spill_free_build,
 )
 from mhadsl.codegen.backends.sm80 import KERNEL_PARAMS as SM80_PARAMS
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
@@ -312,23 +313,7 @@ class _Tile:
         """First KV tile index >= start that may hold a kept pair (or n_blocks)."""
         if self.hooks.classify is None:
             return start
-        fn = b.function
-        pre = b.block
-        hdr, chk, nxt, done = (fn.append_basic_block(f"skip.{s}")
-                               for s in ("hdr", "chk", "next", "done"))
-        b.branch(hdr)
-        b.position_at_end(hdr)
-        n = b.phi(i32, "skip.n")
-        n.add_incoming(start, pre)
-        b.cbranch(b.icmp_signed("<", n, self.n_blocks), chk, done)
-        b.position_at_end(chk)
-        may, _ = self.classify(b, n)
-        b.cbranch(may, done, nxt)
-        b.position_at_end(nxt)
-        n.add_incoming(b.add(n, i32(1)), nxt)
-        b.branch(hdr)
-        b.position_at_end(done)
-        return n
+        return first_nonempty(b, start, self.n_blocks, lambda bb, n: self.classify(bb, n)[0])
 
     def kv_loop(self, b, carried: list[ir.Value], step: Callable,
                 start: ir.Value = i32(0)) -> list[ir.Value]:
