@@ -9,7 +9,10 @@ A backend is one kernel design. It says
   scheduler's work loop (`KernelSource`).
 
 Adding a design: a new module in this package defining `BACKEND`, and its name in `REGISTRY`
-(in preference order: the first registered backend that builds for a target wins).
+(in preference order: the first registered backend that builds for a target wins). What
+every design derives alike lives here: a work tile's rows, heads and KV tiles and the KV
+tiles its mask proves empty (`WorkTile`), a sequence's rows (`sequence_rows`), the choice
+of a spill-free build (`spill_free_build`).
 
 Targets follow the device's compute capability (`select_target`): `sm_90a` code runs only
 on 9.0, so 9.0 gets sm_90a cubins; 8.x gets sm_80 cubins; any later GPU (10.x, 12.x, ...)
@@ -26,7 +29,7 @@ from llvmlite import ir
 
 from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.assemble import Assembled, assemble, find_ptxas
-from mhadsl.codegen.nvptx import GLOBAL, f32, i32, i64
+from mhadsl.codegen.nvptx import GLOBAL, f32, i1, i32, i64
 from mhadsl.codegen.target import Target, emit_ptx, optimize
 
 REGISTRY = ("sm80", "sm90")  # module names in this package, preferred first
@@ -283,27 +286,69 @@ def sequence_rows(b: ir.IRBuilder, ragged: bool, cu_seqlens: ir.Value, dense_len
     return start, b.sub(end, start)
 
 
-def first_nonempty(b: ir.IRBuilder, start: ir.Value, n_blocks: ir.Value,
-                   may_hold: Callable[[ir.IRBuilder, ir.Value], ir.Value]) -> ir.Value:
-    """The first KV tile index n >= `start` for which `may_hold(b, n)` (the `classify`
-    hook's "may hold a kept pair"), or `n_blocks`: how every design skips the KV tiles a
-    declaration's mask proves empty (never loaded, never computed)."""
-    fn = b.function
-    pre = b.block
-    hdr, chk, nxt, done = (fn.append_basic_block(f"skip.{s}")
-                           for s in ("hdr", "chk", "next", "done"))
-    b.branch(hdr)
-    b.position_at_end(hdr)
-    n = b.phi(i32, "skip.n")
-    n.add_incoming(start, pre)
-    b.cbranch(b.icmp_signed("<", n, n_blocks), chk, done)
-    b.position_at_end(chk)
-    b.cbranch(may_hold(b, n), done, nxt)
-    b.position_at_end(nxt)
-    n.add_incoming(b.add(n, i32(1)), nxt)
-    b.branch(hdr)
-    b.position_at_end(done)
-    return n
+def last_index(b: ir.IRBuilder, first: ir.Value, size: int, length: ir.Value) -> ir.Value:
+    """The last index of the tile [first, first + size) that lies below `length`."""
+    end = b.add(first, i32(size))
+    return b.sub(b.select(b.icmp_signed("<", end, length), end, length), i32(1))
+
+
+class WorkTile:
+    """What every design derives from the scheduler's SeqInfo (`TileSeq`) for one work tile:
+    its sequence (`bidx`), query head (`h`) and K/V head (`hk`), its query rows from `q0` to
+    `q_hi`, the sequence's first rows in Q (`q_start`) and K/V (`k_start`), its lengths and
+    its number of KV tiles; and which KV tiles the declaration's mask proves empty. `config`
+    is the design's build config (block_m, block_n, gqa_group, ragged)."""
+
+    def __init__(self, b: ir.IRBuilder, config, args: KernelArgs, hooks: ExprHooks,
+                 seq: TileSeq):
+        self.c, self.hooks = config, hooks
+        self.bidx, self.h, self.q0 = seq.prompt_idx, seq.head_idx, seq.prompt_offset
+        self.seqlen_q, self.q_start = seq.seq_len, seq.start_of_seq
+        self.hk = b.udiv(self.h, i32(config.gqa_group)) if config.gqa_group > 1 else self.h
+        self.k_start, self.seqlen_k = sequence_rows(b, config.ragged, args.cu_seqlens_k,
+                                                    args.seqlen_k, self.bidx)
+        self.n_blocks = b.udiv(b.add(self.seqlen_k, i32(config.block_n - 1)),
+                               i32(config.block_n))
+        self.q_hi = last_index(b, self.q0, config.block_m, self.seqlen_q)
+
+    def classify(self, b: ir.IRBuilder, n: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """(may hold a kept pair, every pair kept) for KV tile n, the sequence's tail
+        included (a tile past `seqlen_k` is never all kept)."""
+        block_n = self.c.block_n
+        kv_lo = b.mul(n, i32(block_n))
+        kv_end = b.add(kv_lo, i32(block_n))
+        in_bounds = b.icmp_signed("<=", kv_end, self.seqlen_k)
+        if self.hooks.classify is None:
+            always = in_bounds if self.hooks.mask is None else ir.Constant(i1, 0)
+            return ir.Constant(i1, 1), always
+        kv_hi = last_index(b, kv_lo, block_n, self.seqlen_k)
+        may, always = self.hooks.classify(b, self.bidx, self.h, self.q0, self.q_hi, kv_lo,
+                                          kv_hi, self.seqlen_q, self.seqlen_k)
+        return may, b.and_(always, in_bounds)
+
+    def next_nonempty(self, b: ir.IRBuilder, start: ir.Value) -> ir.Value:
+        """The first KV tile index n >= `start` that may hold a kept pair, or `n_blocks`:
+        how every design skips the KV tiles the mask proves empty (never loaded, never
+        computed)."""
+        if self.hooks.classify is None:
+            return start
+        fn = b.function
+        pre = b.block
+        hdr, chk, nxt, done = (fn.append_basic_block(f"skip.{s}")
+                               for s in ("hdr", "chk", "next", "done"))
+        b.branch(hdr)
+        b.position_at_end(hdr)
+        n = b.phi(i32, "skip.n")
+        n.add_incoming(start, pre)
+        b.cbranch(b.icmp_signed("<", n, self.n_blocks), chk, done)
+        b.position_at_end(chk)
+        may, _ = self.classify(b, n)
+        b.cbranch(may, done, nxt)
+        b.position_at_end(nxt)
+        n.add_incoming(b.add(n, i32(1)), nxt)
+        b.branch(hdr)
+        b.position_at_end(done)
+        return n
 
 
 def spill_free_build(backend: str, target: Target,

@@ -32,7 +32,7 @@ from llvmlite import ir
 from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelParam, KernelSource,
-    LaunchShape, Layout, Problem, TileSeq, common_problems, first_nonempty, sequence_rows,
+    LaunchShape, Layout, Problem, TileSeq, WorkTile, common_problems, sequence_rows,
     spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
@@ -234,10 +234,6 @@ KERNEL_PARAMS: tuple[KernelParam, ...] = (
 
 
 # ============================================================================ small IR helpers
-def _min(builder, a, b):
-    return builder.select(builder.icmp_signed("<", a, b), a, b)
-
-
 def _sext64(builder, v):
     return builder.sext(v, i64)
 
@@ -354,43 +350,16 @@ class _TileEmitter:
             dst = b.gep(dst_base, [i64(p * rpp * self.RB)], inbounds=True, source_etype=nvptx.i8)
             warp.cp_async_16(b, dst, b.select(valid, src, gptr), nbytes)
 
-    # ------------------------------------------------------------------ tile classification
-    def _classify(self, b, info, n):
-        """(may_be_true, always_true) for KV tile n, bounds included."""
-        c = self.c
-        kv_lo = b.mul(n, i32(c.block_n))
-        kv_end = b.add(kv_lo, i32(c.block_n))
-        in_bounds = b.icmp_signed("<=", kv_end, info["seqlen_k"])
-        if self.hooks.classify is None:
-            always = in_bounds if self.hooks.mask is None else ir.Constant(i1, 0)
-            return ir.Constant(i1, 1), always
-        kv_hi = b.sub(_min(b, kv_end, info["seqlen_k"]), i32(1))
-        may, always = self.hooks.classify(b, info["b"], info["h"], info["q_lo"], info["q_hi"],
-                                          kv_lo, kv_hi, info["seqlen_q"], info["seqlen_k"])
-        return may, b.and_(always, in_bounds)
-
-    def _next_nonempty(self, b, info, start):
-        """First KV tile index >= start that may hold an unmasked pair (or n_blocks)."""
-        if self.hooks.classify is None:
-            return start
-        return first_nonempty(b, start, info["n_blocks"],
-                              lambda bb, n: self._classify(bb, info, n)[0])
-
     # ------------------------------------------------------------------ the tile
     def emit_tile(self, b: ir.IRBuilder, seq) -> None:
         c, a = self.c, self.a
         BM, BN, D = c.block_m, c.block_n, c.head_dim
         MT, DT = c.m_tiles, D // 8
 
-        bidx, h = seq.prompt_idx, seq.head_idx
-        q0, seqlen_q, q_start = seq.prompt_offset, seq.seq_len, seq.start_of_seq
-        hk = b.udiv(h, i32(c.gqa_group)) if c.gqa_group > 1 else h
-        k_start, seqlen_k = sequence_rows(b, c.ragged, a.cu_seqlens_k, a.seqlen_k, bidx)
-        rows_q = b.sub(seqlen_q, q0)
-        n_blocks = b.udiv(b.add(seqlen_k, i32(BN - 1)), i32(BN))
-        info = {"b": bidx, "h": h, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
-                "q_lo": q0, "q_hi": b.sub(_min(b, b.add(q0, i32(BM)), seqlen_q), i32(1)),
-                "n_blocks": n_blocks}
+        t = WorkTile(b, c, a, self.hooks, seq)
+        bidx, h, hk, q0, q_start, k_start = t.bidx, t.h, t.hk, t.q0, t.q_start, t.k_start
+        seqlen_k, n_blocks = t.seqlen_k, t.n_blocks
+        rows_q = b.sub(t.seqlen_q, q0)
 
         b64 = _sext64(b, bidx)
         q_tile_off = b.add(b.add(b.mul(b64, a.q_stride_batch),
@@ -426,7 +395,7 @@ class _TileEmitter:
         nvptx.barrier_all(b)
         self._load_tile(b, a.q, q_tile_off, self._thread_off(b, a.q_stride_row),
                         a.q_stride_row, rows_q, BM, self.q_smem_off)
-        n_first = self._next_nonempty(b, info, i32(0))
+        n_first = t.next_nonempty(b, i32(0))
         with b.if_then(b.icmp_signed("<", n_first, n_blocks)):
             load_kv(b, n_first, "k")
         warp.cp_async_commit(b)
@@ -467,7 +436,7 @@ class _TileEmitter:
 
         # FULL tiles and PARTIAL tiles (mask hook and/or the KV tail) get their own copy of
         # the iteration: the full one has no mask code, and neither needs a merge of S
-        _, always = self._classify(b, info, n)
+        _, always = t.classify(b, n)
         if not self.tuning.two_body:
             always = ir.Constant(i1, 0)   # one (masked) body only
         full_blk = fn.append_basic_block("kv.full")
@@ -476,7 +445,7 @@ class _TileEmitter:
         state = (acc_phi, m_phi, l_phi)
         for blk, masked in ((full_blk, False), (part_blk, True)):
             b.position_at_end(blk)
-            nn, acc, m_new, l_new = self._kv_iteration(b, info, state, n, masked, load_kv, sl2)
+            nn, acc, m_new, l_new = self._kv_iteration(b, t, state, n, masked, load_kv, sl2)
             latch = b.block
             n.add_incoming(nn, latch)
             for i in range(MT):
@@ -490,9 +459,9 @@ class _TileEmitter:
 
         # ---- epilogue
         b.position_at_end(exit_)
-        self._epilogue(b, info, acc_phi, m_phi, l_phi, sl2, q_start, q0, rows_q, bidx, h)
+        self._epilogue(b, t, acc_phi, m_phi, l_phi, sl2, rows_q)
 
-    def _kv_iteration(self, b, info, state, n, masked, load_kv, sl2):
+    def _kv_iteration(self, b, t: WorkTile, state, n, masked, load_kv, sl2):
         """One KV tile: S = Q K(n)^T, [mask], prefetch K(next), online softmax, O += P V(n).
         Returns (next tile, O accumulators, row max, row sum)."""
         c, a, hooks = self.c, self.a, self.hooks
@@ -501,7 +470,7 @@ class _TileEmitter:
         dt = c.dtype
         acc_in, m_in, l_in = state
         zero, ninf = warp.fconst(0.0), warp.fconst(NEG_INF)
-        bidx, h, q0 = info["b"], info["h"], info["q_lo"]
+        bidx, h, q0 = t.bidx, t.h, t.q0
 
         # S = Q K^T
         S = [[[zero] * 4 for _ in range(NT)] for _ in range(MT)]
@@ -530,7 +499,7 @@ class _TileEmitter:
 
         if masked and self.tuning.mask_branch:
             # one body: only PARTIAL tiles run the per-element mask (S merges in phis)
-            _, always = self._classify(b, info, n)
+            _, always = t.classify(b, n)
             pre_mask = b.block
             mblk = b.function.append_basic_block("kv.mask")
             mdone = b.function.append_basic_block("kv.masked")
@@ -546,10 +515,10 @@ class _TileEmitter:
                         for e2 in range(2):
                             e = 2 * r + e2
                             kvi = kv_idx_of(j, e)
-                            keep = b.icmp_signed("<", kvi, info["seqlen_k"])
+                            keep = b.icmp_signed("<", kvi, t.seqlen_k)
                             if hooks.mask is not None:
                                 keep = b.and_(keep, hooks.mask(b, bidx, h, qi, kvi,
-                                                               info["seqlen_q"], info["seqlen_k"]))
+                                                               t.seqlen_q, t.seqlen_k))
                             S[i][j][e] = b.select(keep, S[i][j][e], ninf)
         if masked and self.tuning.mask_branch:
             mblk_end = b.block
@@ -568,8 +537,8 @@ class _TileEmitter:
         def prefetch_k():
             warp.cp_async_wait(b, 0)
             nvptx.barrier_all(b)          # V(n) landed; every warp is done with K(n)
-            nn = self._next_nonempty(b, info, b.add(n, i32(1)))
-            with b.if_then(b.icmp_signed("<", nn, info["n_blocks"])):
+            nn = t.next_nonempty(b, b.add(n, i32(1)))
+            with b.if_then(b.icmp_signed("<", nn, t.n_blocks)):
                 load_kv(b, nn, "k")
             warp.cp_async_commit(b)
             return nn
@@ -633,7 +602,8 @@ class _TileEmitter:
                                                            acc[i][2 * jp + 1])
         return nn, acc, m_new_all, l_new_all
 
-    def _epilogue(self, b, info, acc, m, l, sl2, q_start, q0, rows_q, bidx, h):
+    def _epilogue(self, b, t: WorkTile, acc, m, l, sl2, rows_q):
+        q_start, q0, bidx, h = t.q_start, t.q0, t.bidx, t.h
         c, a = self.c, self.a
         MT, DT, BM = c.m_tiles, c.head_dim // 8, c.block_m
         zero = warp.fconst(0.0)

@@ -61,8 +61,7 @@ from llvmlite import ir
 from mhadsl.codegen import hopper, nvptx, warp
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelParam, KernelSource,
-    LaunchShape, Layout, Problem, common_problems, first_nonempty, sequence_rows,
-    spill_free_build,
+    LaunchShape, Layout, Problem, WorkTile, common_problems, spill_free_build,
 )
 from mhadsl.codegen.backends.sm80 import KERNEL_PARAMS as SM80_PARAMS
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
@@ -205,10 +204,6 @@ def tensor_map_args(config: HopperConfig, tensors: dict, ragged: bool) -> dict:
 
 
 # ============================================================================ small IR helpers
-def _min(b, x, y):
-    return b.select(b.icmp_signed("<", x, y), x, y)
-
-
 def _thread_idx(b):
     """%tid.x through an opaque asm, so nothing derived from it stays live across tiles."""
     return b.asm(ir.FunctionType(i32, []), "mov.u32 $0, %tid.x;", "=r", [], True)
@@ -280,40 +275,13 @@ class _Layout:
 
 
 # ============================================================================ per work tile
-class _Tile:
-    """What both roles derive from a work tile (the scheduler's SeqInfo)."""
+class _Tile(WorkTile):
+    """A work tile (`WorkTile`), with its tensor-map batch and the KV loop both roles run."""
 
     def __init__(self, b, c: HopperConfig, args: KernelArgs, hooks: ExprHooks, seq):
-        self.c, self.hooks = c, hooks
-        self.bidx, self.h, self.q0 = seq.prompt_idx, seq.head_idx, seq.prompt_offset
-        self.seqlen_q, self.q_start = seq.seq_len, seq.start_of_seq
-        self.hk = b.udiv(self.h, i32(c.gqa_group)) if c.gqa_group > 1 else self.h
-        self.k_start, self.seqlen_k = sequence_rows(b, c.ragged, args.cu_seqlens_k, args.seqlen_k,
-                                                self.bidx)
-        self.n_blocks = b.udiv(b.add(self.seqlen_k, i32(c.block_n - 1)), i32(c.block_n))
-        self.q_hi = b.sub(_min(b, b.add(self.q0, i32(c.block_m)), self.seqlen_q), i32(1))
+        super().__init__(b, c, args, hooks, seq)
         # tensor-map coordinates: ragged tensors are batch 0 of a (1, total, H, D) map
         self.map_batch = i32(0) if c.ragged else self.bidx
-
-    def classify(self, b, n) -> tuple[ir.Value, ir.Value]:
-        """(may_be_true, always_true) for KV tile n, the sequence's tail included."""
-        c = self.c
-        kv_lo = b.mul(n, i32(c.block_n))
-        kv_end = b.add(kv_lo, i32(c.block_n))
-        in_bounds = b.icmp_signed("<=", kv_end, self.seqlen_k)
-        if self.hooks.classify is None:
-            always = in_bounds if self.hooks.mask is None else ir.Constant(i1, 0)
-            return ir.Constant(i1, 1), always
-        kv_hi = b.sub(_min(b, kv_end, self.seqlen_k), i32(1))
-        may, always = self.hooks.classify(b, self.bidx, self.h, self.q0, self.q_hi, kv_lo,
-                                          kv_hi, self.seqlen_q, self.seqlen_k)
-        return may, b.and_(always, in_bounds)
-
-    def next_nonempty(self, b, start):
-        """First KV tile index >= start that may hold a kept pair (or n_blocks)."""
-        if self.hooks.classify is None:
-            return start
-        return first_nonempty(b, start, self.n_blocks, lambda bb, n: self.classify(bb, n)[0])
 
     def kv_loop(self, b, carried: list[ir.Value], step: Callable,
                 start: ir.Value = i32(0)) -> list[ir.Value]:
