@@ -23,6 +23,7 @@ ELEMENT_BYTES = 2
 FULL_MASK = 0xFFFFFFFF
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+NEG_INF = float("-inf")  # the score of a pair the mask drops
 
 
 class _BFloatType(ir.Type):
@@ -125,6 +126,23 @@ def quad_allreduce(builder: ir.IRBuilder, value: ir.Value, op) -> ir.Value:
     for m in (1, 2):
         value = op(builder, value, shfl_bfly(builder, value, m))
     return value
+
+
+def row_sum(builder: ir.IRBuilder, partial: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """The online softmax's final row sum from this thread's `partial` (summed over the
+    row's quad): (sum, no key kept (sum 0 or NaN), 1 / sum or 0 where none was kept)."""
+    total = quad_allreduce(builder, partial, fadd)
+    empty = builder.fcmp_unordered("==", total, fconst(0.0))
+    return total, empty, builder.select(empty, fconst(0.0), rcp(builder, total))
+
+
+def row_lse(builder: ir.IRBuilder, row_max: ir.Value, scale_log2: ir.Value, total: ir.Value,
+            empty: ir.Value) -> ir.Value:
+    """The row's log-sum-exp (natural log) from its running max (raw scores; `scale_log2`
+    takes them to the log2 domain) and final sum; -inf where no key was kept."""
+    value = builder.fmul(builder.fadd(builder.fmul(row_max, scale_log2), lg2(builder, total)),
+                         fconst(LN2))
+    return builder.select(empty, fconst(NEG_INF), value)
 
 
 def fmax(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:

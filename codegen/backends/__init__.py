@@ -326,6 +326,22 @@ class WorkTile:
                                           kv_hi, self.seqlen_q, self.seqlen_k)
         return may, b.and_(always, in_bounds)
 
+    def scored(self, b: ir.IRBuilder, scaled: ir.Value, q_idx: ir.Value,
+               kv_idx: ir.Value) -> ir.Value:
+        """The declaration's score hook on the scaled score (q.k * scale) of the pair
+        (q_idx, kv_idx)."""
+        return self.hooks.score(b, scaled, self.bidx, self.h, q_idx, kv_idx)
+
+    def masked(self, b: ir.IRBuilder, s: ir.Value, q_idx: ir.Value,
+               kv_idx: ir.Value) -> ir.Value:
+        """`s` where the pair (q_idx, kv_idx) is kept (inside the K/V sequence and the
+        mask), else -inf."""
+        keep = b.icmp_signed("<", kv_idx, self.seqlen_k)
+        if self.hooks.mask is not None:
+            keep = b.and_(keep, self.hooks.mask(b, self.bidx, self.h, q_idx, kv_idx,
+                                                self.seqlen_q, self.seqlen_k))
+        return b.select(keep, s, warp.fconst(warp.NEG_INF))
+
     def next_nonempty(self, b: ir.IRBuilder, start: ir.Value) -> ir.Value:
         """The first KV tile index n >= `start` that may hold a kept pair, or `n_blocks`:
         how every design skips the KV tiles the mask proves empty (never loaded, never

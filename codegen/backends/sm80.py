@@ -42,7 +42,6 @@ KERNEL_NAME = "mha_fwd"
 SMEM_SYMBOL = "mha_fwd_smem"
 HEAD_DIMS = (64, 128, 256)
 MAX_REGISTERS = 255  # per thread
-NEG_INF = float("-inf")
 @dataclass(frozen=True)
 class Tuning:
     """IR shape choices (same math) that move ptxas's register allocation and the schedule.
@@ -418,7 +417,7 @@ class _TileEmitter:
         acc_phi = [[[b.phi(f32) for _ in range(4)] for _ in range(DT)] for _ in range(MT)]
         m_phi = [[b.phi(f32) for _ in range(2)] for _ in range(MT)]
         l_phi = [[b.phi(f32) for _ in range(2)] for _ in range(MT)]
-        zero, ninf = warp.fconst(0.0), warp.fconst(NEG_INF)
+        zero, ninf = warp.fconst(0.0), warp.fconst(warp.NEG_INF)
         for i in range(MT):
             for j in range(DT):
                 for e in range(4):
@@ -469,8 +468,8 @@ class _TileEmitter:
         MT, NT, DT = c.m_tiles, BN // 8, D // 8
         dt = c.dtype
         acc_in, m_in, l_in = state
-        zero, ninf = warp.fconst(0.0), warp.fconst(NEG_INF)
-        bidx, h, q0 = t.bidx, t.h, t.q0
+        zero, ninf = warp.fconst(0.0), warp.fconst(warp.NEG_INF)
+        q0 = t.q0
 
         # S = Q K^T
         S = [[[zero] * 4 for _ in range(NT)] for _ in range(MT)]
@@ -492,9 +491,8 @@ class _TileEmitter:
             return b.add(kv_base, b.add(b.shl(self.t, i32(1)), i32(j * 8 + (e & 1))))
 
         if hooks.score is not None:
-            scale = a.softmax_scale
-            S = [[[hooks.score(b, b.fmul(S[i][j][e], scale), bidx, h, q_idx_of(i, e >> 1),
-                               kv_idx_of(j, e)) for e in range(4)]
+            S = [[[t.scored(b, b.fmul(S[i][j][e], a.softmax_scale), q_idx_of(i, e >> 1),
+                            kv_idx_of(j, e)) for e in range(4)]
                   for j in range(NT)] for i in range(MT)]
 
         if masked and self.tuning.mask_branch:
@@ -514,12 +512,7 @@ class _TileEmitter:
                     for j in range(NT):
                         for e2 in range(2):
                             e = 2 * r + e2
-                            kvi = kv_idx_of(j, e)
-                            keep = b.icmp_signed("<", kvi, t.seqlen_k)
-                            if hooks.mask is not None:
-                                keep = b.and_(keep, hooks.mask(b, bidx, h, qi, kvi,
-                                                               t.seqlen_q, t.seqlen_k))
-                            S[i][j][e] = b.select(keep, S[i][j][e], ninf)
+                            S[i][j][e] = t.masked(b, S[i][j][e], qi, kv_idx_of(j, e))
         if masked and self.tuning.mask_branch:
             mblk_end = b.block
             b.branch(mdone)
@@ -606,18 +599,13 @@ class _TileEmitter:
         q_start, q0, bidx, h = t.q_start, t.q0, t.bidx, t.h
         c, a = self.c, self.a
         MT, DT, BM = c.m_tiles, c.head_dim // 8, c.block_m
-        zero = warp.fconst(0.0)
         inv = [[None] * 2 for _ in range(MT)]
         lse = [[None] * 2 for _ in range(MT)]
         for i in range(MT):
             for r in range(2):
-                lt = warp.quad_allreduce(b, l[i][r], warp.fadd)
-                empty = b.fcmp_unordered("==", lt, zero)   # no key was kept (or NaN)
-                inv[i][r] = b.select(empty, zero, warp.rcp(b, lt))
+                total, empty, inv[i][r] = warp.row_sum(b, l[i][r])
                 if c.return_lse:
-                    val = b.fmul(b.fadd(b.fmul(m[i][r], sl2), warp.lg2(b, lt)),
-                                 warp.fconst(warp.LN2))
-                    lse[i][r] = b.select(empty, warp.fconst(NEG_INF), val)
+                    lse[i][r] = warp.row_lse(b, m[i][r], sl2, total, empty)
 
         # Q's shared memory is free once every cp.async landed and every warp left the loop
         warp.cp_async_wait(b, 0)

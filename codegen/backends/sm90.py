@@ -79,7 +79,6 @@ REGISTERS = {2: (40, 232), 3: (32, 160)}
 TURN_THREADS = 2 * hopper.WARPGROUP_THREADS
 BOX_COLUMNS = 64  # head-dim columns per TMA box: 128 bytes, the swizzle's row
 SWIZZLE_SLACK = hopper.SWIZZLE_ATOM_BYTES  # for rounding the dynamic base up to 1024 bytes
-NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -394,7 +393,7 @@ class _ConsumerTile:
         """The score hook and mask on S of KV tile n, then the online softmax (log2
         domain) over this thread's two rows: (P as A fragments, m, l, alpha)."""
         s = self.k._scores(bb, self.args, self.t, n, s, self.row0, self.col0)
-        sl2, zero, ninf = self.sl2, warp.fconst(0.0), warp.fconst(NEG_INF)
+        sl2, zero, ninf = self.sl2, warp.fconst(0.0), warp.fconst(warp.NEG_INF)
         m_new, l_new, alpha, p = [None, None], [None, None], [None, None], list(s)
         for r in range(2):
             mine = [j for j in range(len(s)) if (j // 2) % 2 == r]
@@ -421,7 +420,7 @@ class _ConsumerTile:
         return [bb.fmul(v, alpha[(j // 2) % 2]) for j, v in enumerate(o)]
 
     def start_values(self, bb):
-        zero, ninf = warp.fconst(0.0), warp.fconst(NEG_INF)
+        zero, ninf = warp.fconst(0.0), warp.fconst(warp.NEG_INF)
         return hopper.fence_operands(bb, [zero] * hopper.accumulator_count(self.c.head_dim)), \
             [ninf, ninf], [zero, zero]
 
@@ -622,7 +621,7 @@ class _Kernel:
             return b.add(kv_base, b.add(col0, i32(8 * (j // 4) + j % 2)))
 
         if hooks.score is not None:
-            s = [hooks.score(b, b.fmul(v, args.softmax_scale), t.bidx, t.h, q_idx(j), kv_idx(j))
+            s = [t.scored(b, b.fmul(v, args.softmax_scale), q_idx(j), kv_idx(j))
                  for j, v in enumerate(s)]
         _, always = t.classify(b, n)
         before = b.block
@@ -630,14 +629,7 @@ class _Kernel:
         merged_bb = b.function.append_basic_block("kv.masked")
         b.cbranch(always, merged_bb, masked_bb)
         b.position_at_end(masked_bb)
-        ninf = warp.fconst(NEG_INF)
-        masked = []
-        for j, v in enumerate(s):
-            keep = b.icmp_signed("<", kv_idx(j), t.seqlen_k)
-            if hooks.mask is not None:
-                keep = b.and_(keep, hooks.mask(b, t.bidx, t.h, q_idx(j), kv_idx(j),
-                                               t.seqlen_q, t.seqlen_k))
-            masked.append(b.select(keep, v, ninf))
+        masked = [t.masked(b, v, q_idx(j), kv_idx(j)) for j, v in enumerate(s)]
         masked_end = b.block
         b.branch(merged_bb)
         b.position_at_end(merged_bb)
@@ -702,12 +694,9 @@ class _Kernel:
         written), so the consumers hand the store to the copy engine and go on; a ragged
         one stores from registers (a box would cross into the next sequence's rows)."""
         c = self.c
-        zero = warp.fconst(0.0)
         rows_q = b.sub(t.seqlen_q, t.q0)
         lane_col = b.and_(_thread_idx(b), i32(3))
-        totals = [warp.quad_allreduce(b, l[r], warp.fadd) for r in range(2)]
-        empties = [b.fcmp_unordered("==", total, zero) for total in totals]  # no key kept
-        invs = [b.select(e, zero, warp.rcp(b, total)) for e, total in zip(empties, totals)]
+        totals, empties, invs = zip(*(warp.row_sum(b, l[r]) for r in range(2)))
         if not c.ragged:
             self._store_o_by_tma(b, args, t, o, invs, row0, col0)
         for r in range(2):
@@ -719,9 +708,7 @@ class _Kernel:
                     self._store_o_row(b, args, t, o, inv, r, row, col0)
                 if c.return_lse:
                     with b.if_then(b.icmp_unsigned("==", lane_col, i32(0))):
-                        val = b.fmul(b.fadd(b.fmul(m[r], sl2), warp.lg2(b, total)),
-                                     warp.fconst(warp.LN2))
-                        val = b.select(empty, warp.fconst(NEG_INF), val)
+                        val = warp.row_lse(b, m[r], sl2, total, empty)
                         off = b.add(b.add(b.mul(b.sext(t.bidx, i64), args.lse_stride_batch),
                                           b.mul(b.sext(t.h, i64), args.lse_stride_head)),
                                     b.sext(b.add(t.q_start, b.add(t.q0, row)), i64))
