@@ -128,6 +128,29 @@ def quad_allreduce(builder: ir.IRBuilder, value: ir.Value, op) -> ir.Value:
     return value
 
 
+def online_softmax_row(builder: ir.IRBuilder, scores: list[ir.Value], m_old: ir.Value,
+                       l_old: ir.Value, scale_log2: ir.Value):
+    """One KV tile's step of the online softmax for one row, in the log2 domain, over this
+    thread's `scores` of the row (its quad holds the rest): (P, the new running max, the new
+    running sum of this thread's part, alpha = the factor the row's O and sum are rescaled
+    by). A row with no kept score so far (max -inf) gets P = 0 and alpha = 1, not NaN."""
+    mx = scores[0]
+    for v in scores[1:]:
+        mx = fmax(builder, mx, v)
+    mx = quad_allreduce(builder, mx, fmax)
+    m_new = fmax(builder, m_old, mx)
+    m_scaled = builder.fmul(m_new, scale_log2)
+    m_scaled = builder.select(builder.fcmp_ordered("==", m_new, fconst(NEG_INF)), fconst(0.0),
+                              m_scaled)
+    alpha = ex2(builder, builder.fsub(builder.fmul(m_old, scale_log2), m_scaled))
+    neg = builder.fneg(m_scaled)
+    p, total = [], None
+    for v in scores:
+        p.append(ex2(builder, fma(builder, v, scale_log2, neg)))
+        total = p[-1] if total is None else builder.fadd(total, p[-1])
+    return p, m_new, builder.fadd(builder.fmul(l_old, alpha), total), alpha
+
+
 def row_sum(builder: ir.IRBuilder, partial: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
     """The online softmax's final row sum from this thread's `partial` (summed over the
     row's quad): (sum, no key kept (sum 0 or NaN), 1 / sum or 0 where none was kept)."""

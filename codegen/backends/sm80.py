@@ -468,7 +468,7 @@ class _TileEmitter:
         MT, NT, DT = c.m_tiles, BN // 8, D // 8
         dt = c.dtype
         acc_in, m_in, l_in = state
-        zero, ninf = warp.fconst(0.0), warp.fconst(warp.NEG_INF)
+        zero = warp.fconst(0.0)
         q0 = t.q0
 
         # S = Q K^T
@@ -546,26 +546,11 @@ class _TileEmitter:
         P = [[[None] * 4 for _ in range(NT)] for _ in range(MT)]
         for i in range(MT):
             for r in range(2):
-                vals = [S[i][j][2 * r + e2] for j in range(NT) for e2 in range(2)]
-                mx = vals[0]
-                for v in vals[1:]:
-                    mx = warp.fmax(b, mx, v)
-                mx = warp.quad_allreduce(b, mx, warp.fmax)
-                m_old = m_in[i][r]
-                m_new = warp.fmax(b, m_old, mx)
-                m_scaled = b.fmul(m_new, sl2)
-                m_scaled = b.select(b.fcmp_ordered("==", m_new, ninf), zero, m_scaled)
-                alpha = warp.ex2(b, b.fsub(b.fmul(m_old, sl2), m_scaled))
-                neg_ms = b.fneg(m_scaled)
-                psum = None
-                for j in range(NT):
-                    for e2 in range(2):
-                        e = 2 * r + e2
-                        p = warp.ex2(b, warp.fma(b, S[i][j][e], sl2, neg_ms))
-                        P[i][j][e] = p
-                        psum = p if psum is None else b.fadd(psum, p)
-                l_new_all[i][r] = b.fadd(b.fmul(l_in[i][r], alpha), psum)
-                m_new_all[i][r] = m_new
+                row = [(j, 2 * r + e2) for j in range(NT) for e2 in range(2)]
+                p, m_new_all[i][r], l_new_all[i][r], alpha = warp.online_softmax_row(
+                    b, [S[i][j][e] for j, e in row], m_in[i][r], l_in[i][r], sl2)
+                for (j, e), value in zip(row, p):
+                    P[i][j][e] = value
                 for j in range(DT):
                     for e2 in range(2):
                         acc[i][j][2 * r + e2] = b.fmul(acc[i][j][2 * r + e2], alpha)

@@ -393,24 +393,13 @@ class _ConsumerTile:
         """The score hook and mask on S of KV tile n, then the online softmax (log2
         domain) over this thread's two rows: (P as A fragments, m, l, alpha)."""
         s = self.k._scores(bb, self.args, self.t, n, s, self.row0, self.col0)
-        sl2, zero, ninf = self.sl2, warp.fconst(0.0), warp.fconst(warp.NEG_INF)
         m_new, l_new, alpha, p = [None, None], [None, None], [None, None], list(s)
         for r in range(2):
             mine = [j for j in range(len(s)) if (j // 2) % 2 == r]
-            mx = s[mine[0]]
-            for j in mine[1:]:
-                mx = warp.fmax(bb, mx, s[j])
-            mx = warp.quad_allreduce(bb, mx, warp.fmax)
-            m_new[r] = warp.fmax(bb, m_old[r], mx)
-            m_scaled = bb.fmul(m_new[r], sl2)
-            m_scaled = bb.select(bb.fcmp_ordered("==", m_new[r], ninf), zero, m_scaled)
-            alpha[r] = warp.ex2(bb, bb.fsub(bb.fmul(m_old[r], sl2), m_scaled))
-            neg = bb.fneg(m_scaled)
-            total = None
-            for j in mine:
-                p[j] = warp.ex2(bb, warp.fma(bb, s[j], sl2, neg))
-                total = p[j] if total is None else bb.fadd(total, p[j])
-            l_new[r] = bb.fadd(bb.fmul(l_old[r], alpha[r]), total)
+            row_p, m_new[r], l_new[r], alpha[r] = warp.online_softmax_row(
+                bb, [s[j] for j in mine], m_old[r], l_old[r], self.sl2)
+            for j, value in zip(mine, row_p):
+                p[j] = value
         frags = [x for k in range(self.c.block_n // 16)
                  for x in hopper.a_fragment(bb, self.c.dtype, p, k)]
         return frags, m_new, l_new, alpha
