@@ -326,6 +326,14 @@ class WorkTile:
                                           kv_hi, self.seqlen_q, self.seqlen_k)
         return may, b.and_(always, in_bounds)
 
+    def scale_log2(self, b: ir.IRBuilder, softmax_scale: ir.Value) -> ir.Value:
+        """What the softmax multiplies a score by for the log2 domain (ex2): the softmax
+        scale times log2(e) on raw scores; log2(e) alone after a score hook (whose input
+        was scaled, `scored`)."""
+        if self.hooks.score is None:
+            return b.fmul(softmax_scale, warp.fconst(warp.LOG2E))
+        return warp.fconst(warp.LOG2E)
+
     def scored(self, b: ir.IRBuilder, scaled: ir.Value, q_idx: ir.Value,
                kv_idx: ir.Value) -> ir.Value:
         """The declaration's score hook on the scaled score (q.k * scale) of the pair

@@ -399,10 +399,7 @@ class _TileEmitter:
             load_kv(b, n_first, "k")
         warp.cp_async_commit(b)
 
-        if self.hooks.score is None:
-            sl2 = b.fmul(a.softmax_scale, warp.fconst(warp.LOG2E))  # scores kept raw; scale folded
-        else:
-            sl2 = warp.fconst(warp.LOG2E)                            # hook output already scaled
+        sl2 = t.scale_log2(b, a.softmax_scale)
 
         # ---- KV loop (a real IR loop); loop-carried: n, O accumulators, row max m, row sum l
         fn = b.function

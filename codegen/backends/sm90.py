@@ -566,10 +566,7 @@ class _Kernel:
         hopper.mbarrier_wait(b, mem.q_full(b), b.and_(tiles, i32(1)))
         bump_tiles(b)
 
-        if hooks.score is None:
-            sl2 = b.fmul(args.softmax_scale, warp.fconst(warp.LOG2E))  # scale folded into ex2
-        else:
-            sl2 = warp.fconst(warp.LOG2E)
+        sl2 = t.scale_log2(b, args.softmax_scale)
         q_frags = None
         if c.q_in_registers:  # Q's tile may take the next work tile's rows at once
             q_frags = self._q_fragments(b, group, thread)
