@@ -3,15 +3,14 @@
     python benchmarks/lpt_sections.py [--backend sm90] [--only GQA]     # needs a GPU
 
 Times `LPT()` (the default sections), `LPT(heads_per_section = 16, 4, 2)`, Queued and
-Persistent with PROMPT_ROTATE on the same inputs (H16, and GQA 32:8),
-in five rounds that take the kernels in turn, and prints each one's median TFLOP/s and LPT's
-against the best: the measurement behind `section_heads` in std/schedulers.mha.
+Persistent with PROMPT_ROTATE on the same inputs (H16, and GQA 32:8), in five rounds that
+take the kernels in turn (`time_side_by_side`), and prints each one's median TFLOP/s and
+LPT's against the best: the measurement behind `section_heads` in std/schedulers.mha.
 """
 import argparse
-import statistics
 
 import mhadsl
-from mhadsl.bench import Problem, allowed_pairs, make_inputs, require_gpu, time_ms
+from mhadsl.bench import Problem, allowed_pairs, make_inputs, require_gpu, time_side_by_side
 
 SCHEDULERS = {"Queued": "Queued()", "LPT": "LPT()", "LPT16": "LPT(heads_per_section = 16)",
               "LPT4": "LPT(heads_per_section = 4)", "LPT2": "LPT(heads_per_section = 2)",
@@ -54,11 +53,9 @@ def main() -> None:
             continue
         args = make_inputs(torch, kernels["LPT"], p)
         flops = 4.0 * p.head_dim * p.heads * allowed_pairs(kernels["LPT"], p)
-        rounds = {label: [] for label in kernels}
-        for _ in range(ROUNDS):
-            for label, k in kernels.items():
-                rounds[label].append(flops / time_ms(torch, lambda: k(**args), reps=10) / 1e9)
-        median = {label: statistics.median(v) for label, v in rounds.items()}
+        times = time_side_by_side(torch, {label: (lambda k=k: k(**args))
+                                          for label, k in kernels.items()}, rounds=ROUNDS)
+        median = {label: flops / t.ms / 1e9 for label, t in times.items()}
         print(f"| {name} | " + " | ".join(f"{median[label]:.0f}" for label in SCHEDULERS)
               + f" | {median['LPT'] / max(median.values()):.3f} |", flush=True)
 

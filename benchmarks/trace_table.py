@@ -166,7 +166,7 @@ def timing_rounds(program, path: str, kernel: str, workload, flops: float
     import torch
 
     from mhadsl import trace
-    from mhadsl.bench import Problem, make_inputs, time_ms
+    from mhadsl.bench import Problem, make_inputs, time_side_by_side
     kernels = {scheduler_label(name, args): trace.scheduler_kernel(
         program, kernel, name, args, design(path, kernel)) for name, args in SCHEDULERS}
     kernels["default"] = trace.scheduler_kernel(program, kernel, backend=design(path, kernel))
@@ -174,12 +174,10 @@ def timing_rounds(program, path: str, kernel: str, workload, flops: float
     problem = Problem(w.batch, w.seqlen, w.seqlen, w.heads, w.heads,
                       kernels["default"].options.head_dim, w.seqlens)
     inputs = make_inputs(torch, kernels["default"], problem)
-    rounds = {label: [] for label in kernels}
-    for _ in range(ROUNDS):
-        for label, k in kernels.items():
-            rounds[label].append(flops / (time_ms(torch, lambda: k(**inputs), reps=10)
-                                          * 1e-3) / 1e12)
-    return rounds
+    times = time_side_by_side(torch, {label: (lambda k=k: k(**inputs))
+                                      for label, k in kernels.items()}, rounds=ROUNDS)
+    return {label: [flops / (ms * 1e-3) / 1e12 for ms in t.round_ms]
+            for label, t in times.items()}
 
 
 def repredict(source: Path) -> tuple[list[dict], dict, list[dict]]:
