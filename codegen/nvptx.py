@@ -68,9 +68,7 @@ def lane_id(builder: ir.IRBuilder) -> ir.Value:
 # ----------------------------------------------------------------- barriers
 CTA_BARRIER = 0  # bar.sync 0: every thread of the CTA
 PRODUCER_BARRIER = 1  # a named barrier among the producer's threads
-CONSUMER_TURN_BARRIERS = (2, 3, 4)  # sm90: which consumer warpgroup's turn it is at the
-# tensor cores (ping-pong with two warpgroups, round the ring with three)
-CONSUMER_EPILOGUE_BARRIER = 5  # sm90: the consumers around O's staging tile
+CONSUMER_EPILOGUE_BARRIER = 2  # sm90: the consumers around O's staging tile
 
 
 def _cta_threads(builder: ir.IRBuilder) -> ir.Value:
@@ -100,13 +98,6 @@ def barrier_named(builder: ir.IRBuilder, barrier_id: int | ir.Value,
     """Wait at named barrier `barrier_id` until `num_threads` threads arrived (this one too);
     `aligned=False` where its participants meet at different sites (as `barrier_all`)."""
     call(builder, f"llvm.nvvm.barrier.cta.sync{'.aligned' if aligned else ''}.count", void,
-         [_value(barrier_id), _value(num_threads)])
-
-
-def barrier_arrive_named(builder: ir.IRBuilder, barrier_id: int | ir.Value,
-                         num_threads: int | ir.Value, aligned: bool = True) -> None:
-    """Count this thread at named barrier `barrier_id` without waiting (`bar.arrive`)."""
-    call(builder, f"llvm.nvvm.barrier.cta.arrive{'.aligned' if aligned else ''}.count", void,
          [_value(barrier_id), _value(num_threads)])
 
 

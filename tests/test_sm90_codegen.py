@@ -56,7 +56,7 @@ def test_every_example_assembles_for_sm90a_without_spills(file, name, layout):
     # the entry cap setmaxnreg needs: the SM's 64K registers over the CTA's threads, 1 CTA/SM
     assert resources.registers == 65536 // kb.config.threads // 8 * 8
     # head dim 64 runs three consumer warpgroups on 192 rows where that stays spill-free
-    three = kb.config.head_dim == 64 and not layout.ragged and name != "alibi_causal"
+    three = kb.config.head_dim == 64 and not layout.ragged
     assert kb.config.block_m == (192 if three else 128)
 
 
@@ -200,7 +200,7 @@ def test_o_is_staged_over_vs_ring_only_where_its_own_tile_would_not_fit():
 
 @needs_ptxas
 @pytest.mark.parametrize("mask, keys, over_v", [("", 80, True), (
-    "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx", 64, True)], ids=["plain", "causal"])
+    "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx", 80, True)], ids=["plain", "causal"])
 def test_d256_dense_builds_take_the_widest_spill_free_kv_tile(mask, keys, over_v):
     program = mhadsl.compile(f'{STD}\nattention a {{ dtype = bf16  head_dim = 256 {mask} }}')
     kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()),
@@ -215,7 +215,7 @@ def test_d256_dense_builds_take_the_widest_spill_free_kv_tile(mask, keys, over_v
 
 
 @needs_ptxas
-def test_a_192_row_tile_runs_three_consumer_warpgroups_round_the_ring():
+def test_a_192_row_tile_runs_three_consumer_warpgroups():
     program = mhadsl.compile(STD + "attention a { dtype = bf16  head_dim = 64  tile = (192, 128) }")
     assert BACKEND.problems(program["a"].options, "sm_90a") == []
     too_wide = HopperConfig(head_dim=128, block_m=192).problems()
@@ -227,10 +227,6 @@ def test_a_192_row_tile_runs_three_consumer_warpgroups_round_the_ring():
     for needed in (".maxntid 512", "setmaxnreg.dec.sync.aligned.u32 32",
                    "setmaxnreg.inc.sync.aligned.u32 160"):
         assert needed in ptx, needed
-    # each warpgroup waits at its own turn barrier and passes the turn to the next one's
-    waits = set(re.findall(r"barrier\.sync (\d+), 256;", ptx))
-    passes = set(re.findall(r"barrier\.arrive (\d+), 256;", ptx))
-    assert waits >= {"2", "3", "4"} and passes == {"2", "3", "4"}
     resources = kb.assembled.kernels[KERNEL_NAME]
     assert resources.spill_stores == resources.spill_loads == 0
     assert resources.registers == 128  # the entry cap: 512 threads, one CTA per SM

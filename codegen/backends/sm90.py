@@ -10,9 +10,10 @@ shared memory; Q too, or at head dim 128 in registers, loaded by ldmatrix once p
 `Q_IN_REGISTERS_HEAD_DIMS`), the online softmax in registers (ex2, log2 domain), and
 O += P V by wgmma with P straight from S's accumulators (the register A operand) and V as an
 MN-major B operand. As in FlashAttention-3, S of KV tile n is issued together with P V of
-tile n-1 and tile n's softmax runs under that P V (intra-warpgroup overlap), and the
-consumer warpgroups take turns issuing their GEMMs (ping-pong, on one named barrier per
-warpgroup), so one's softmax also runs under the others' GEMMs. Completion runs on
+tile n-1; the softmax of n follows that P V's wait (held under the P V it measured slower),
+and the consumer warpgroups issue their GEMMs as they come, with no turns (FlashAttention-3's
+ping-pong measured slower too: HOPPER_NOTES, version 8), so one warpgroup's softmax runs
+under the others' GEMMs. Completion runs on
 mbarriers: `q_full`, and per stage `full` and `empty` for K and for V apart (full: the
 producer's expect_tx, the copies' bytes; empty: one arrival per consumer thread once its
 wgmma read the buffer), so K of tile n+2 loads as soon as S of tile n is done, with two
@@ -43,8 +44,7 @@ registers.
 The tile a declaration without `tile` gets is the first spill-free one of its head dim's
 `DEFAULT_TILES`: 192 x 128 (three consumers) at head dim 64, 128 x 128 at 128 (128 x 144
 first for a dense build without a mask: `UNMASKED_DENSE_TILES`), and at 256 (128 O
-accumulators per thread) 80 keys, or 64 under a mask (O staged over V's ring in a dense
-build). The wgmma descriptors are taken from one base per operand inside the loop
+accumulators per thread) 80 keys (O staged over V's ring in a dense build). The wgmma descriptors are taken from one base per operand inside the loop
 (`hopper.smem_descriptors`): hoisted, Q's alone held 32 registers at head dim 256, and causal
 builds spilled at 64 keys. Measured choices (HOPPER_NOTES.md): the overlap needs K and V
 released apart (with one `kv_empty` per stage it was slower than no overlap); with Q from
@@ -52,7 +52,6 @@ shared memory, BN = 160 or 176 (FlashAttention-3's non-causal tile) ran as fast 
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -64,7 +63,7 @@ from mhadsl.codegen.backends import (
     LaunchShape, Layout, Problem, WorkTile, common_problems, spill_free_build,
 )
 from mhadsl.codegen.backends.sm80 import KERNEL_PARAMS as SM80_PARAMS
-from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
+from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.scheduler import Handoff, init_handoff
 from mhadsl.codegen.target import Target, new_module
 
@@ -75,8 +74,6 @@ GROUP_ROWS = 64  # query rows per consumer warpgroup (wgmma's M)
 # (producer, consumer) registers per thread by consumer warpgroups: all 64K registers of the
 # SM, one CTA per SM (the producer keeps what its copies and the scheduler need)
 REGISTERS = {2: (40, 232), 3: (32, 160)}
-# a turn at the tensor cores: the warpgroup that waits and the one that passed it
-TURN_THREADS = 2 * hopper.WARPGROUP_THREADS
 BOX_COLUMNS = 64  # head-dim columns per TMA box: 128 bytes, the swizzle's row
 SWIZZLE_SLACK = hopper.SWIZZLE_ATOM_BYTES  # for rounding the dynamic base up to 1024 bytes
 
@@ -312,25 +309,9 @@ class _Tile(WorkTile):
         return phis
 
 
-def _per_group(b, group: ir.Value, groups: int, emit: Callable[[int], None],
-               first: int = 0) -> None:
-    """emit(g) in consumer warpgroup g, for g from `first` to groups - 1 (uniform
-    branches)."""
-    if first == groups - 1:
-        emit(first)
-        return
-    with b.if_else(b.icmp_unsigned("==", group, i32(first))) as (this, rest):
-        with this:
-            emit(first)
-        with rest:
-            _per_group(b, group, groups, emit, first + 1)
-
-
 class _ConsumerTile:
     """One consumer warpgroup's KV loop over a work tile: S = Q K^T, the online softmax,
-    O += P V. The consumer warpgroups take turns at the tensor cores, round the ring (named
-    barriers `nvptx.CONSUMER_TURN_BARRIERS`: g waits at its own, then passes the turn to
-    g + 1's), so one's softmax runs under the others' GEMMs (ping-pong with two)."""
+    O += P V."""
 
     def __init__(self, kernel: "_Kernel", b, args, t: _Tile, group, row0, col0, sl2, kv_count,
                  q_frags: list | None):
@@ -345,19 +326,6 @@ class _ConsumerTile:
         count, bump = _counted(bb, self.kv_count)
         stage = bb.urem(count, i32(self.c.stages))
         return stage, bb.and_(bb.udiv(count, i32(self.c.stages)), i32(1)), bump
-
-    # The turns' barriers are not .aligned: each phase's waiting and arriving warps meet
-    # from different sites (the first tile's, the loop's, the kernel's start).
-    # Each warpgroup names its barriers by constants, at its own site (one instruction with
-    # a register ID, run by both warpgroups, is what synccheck flagged).
-    def take_turn(self, bb):
-        _per_group(bb, self.group, self.c.consumer_groups, lambda g: nvptx.barrier_named(
-            bb, nvptx.CONSUMER_TURN_BARRIERS[g], TURN_THREADS, aligned=False))
-
-    def pass_turn(self, bb):
-        groups = self.c.consumer_groups
-        _per_group(bb, self.group, groups, lambda g: nvptx.barrier_arrive_named(
-            bb, nvptx.CONSUMER_TURN_BARRIERS[(g + 1) % groups], TURN_THREADS, aligned=False))
 
     def issue_s(self, bb, stage):
         """S = Q K^T of `stage`, committed (not waited for)."""
@@ -431,9 +399,9 @@ class _ConsumerTile:
 
     # -------------------------------------------------------------- the loops
     def loop(self):
-        """The KV tiles with FlashAttention-3's intra-warpgroup overlap: S of KV tile n is
-        issued with P V of tile n-1, and the softmax of n runs while that P V is in flight
-        (the last tile's P V follows the loop)."""
+        """The KV tiles, FlashAttention-3's order: S of KV tile n is issued with P V of
+        tile n-1, so S(n) and P V(n-1) run back to back on the tensor cores (the last tile's
+        P V follows the loop)."""
         b, mem, t = self.b, self.mem, self.t
         o0, m0, l0 = self.start_values(b)
         first = t.next_nonempty(b, i32(0))
@@ -444,10 +412,8 @@ class _ConsumerTile:
         b.position_at_end(head_bb)  # the first KV tile: S and softmax alone
         stage, phase, bump = self.stage(b)
         hopper.mbarrier_wait(b, mem.full(b, "k", stage), phase)
-        self.take_turn(b)
         hopper.wgmma_fence(b)
         s = self.issue_s(b, stage)
-        self.pass_turn(b)
         hopper.wgmma_wait_group(b, 0)
         s = hopper.fence_operands(b, s)
         hopper.mbarrier_arrive(b, mem.empty(b, "k", stage))
@@ -461,13 +427,11 @@ class _ConsumerTile:
             # V of the previous tile came with its K, long ago; waiting for it here keeps
             # both GEMMs in one block (a wait between them gets C7519)
             hopper.mbarrier_wait(bb, mem.full(bb, "v", p_stage), p_phase)
-            self.take_turn(bb)
             flat = hopper.fence_operands(bb, o + frags)
             o, frags = flat[:len(o)], flat[len(o):]
             hopper.wgmma_fence(bb)
             s = self.issue_s(bb, stage)
             o = self.rescale_and_issue_pv(bb, o, alpha, frags, p_stage)
-            self.pass_turn(bb)
             hopper.wgmma_wait_group(bb, 1)
             s = hopper.fence_operands(bb, s)
             hopper.mbarrier_arrive(bb, mem.empty(bb, "k", stage))
@@ -779,14 +743,6 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
             _rename_new_functions(module, before, ".producer")
         with consumer:
             hopper.setmaxnreg(b, consumer_registers, increase=True)
-            # the first consumer warpgroup has the first turn at the tensor cores: the
-            # last passes it as if it had just had one (a warp that arrived at a barrier
-            # must not also wait at it in the same phase: synccheck's divergent barrier)
-            last_group = b.icmp_unsigned(">=", tid, i32(config.consumer_groups
-                                                        * hopper.WARPGROUP_THREADS))
-            with b.if_then(last_group):
-                nvptx.barrier_arrive_named(b, nvptx.CONSUMER_TURN_BARRIERS[0], TURN_THREADS,
-                                           aligned=False)
             cargs = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
                                divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS,
                                handoff=Handoff("consumer", *role_threads))
@@ -795,12 +751,6 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
             if not config.ragged:  # the last O store has read its tile before the CTA exits
                 with b.if_then(b.icmp_unsigned("==", tid, i32(hopper.WARPGROUP_THREADS))):
                     hopper.bulk_wait_group_read(b, 0)
-            # the turn the last warpgroup passed last (or at the start) is taken, so no
-            # barrier phase is left half-full when the CTA exits
-            with b.if_then(b.icmp_unsigned("<", _thread_idx(b),
-                                           i32(2 * hopper.WARPGROUP_THREADS))):
-                nvptx.barrier_named(b, nvptx.CONSUMER_TURN_BARRIERS[0], TURN_THREADS,
-                                    aligned=False)
     b.ret_void()
     return module
 
@@ -811,10 +761,11 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
 # stays spill-free (measured on the H200: 1.11x the 128-row tile plain, 1.02x causal at 112
 # keys); a plain ragged build's O store from registers leaves no room for them at 160
 # registers. Head dim 256 holds 128 O accumulators per thread, which leaves room for an 80-key
-# S tile (64 under a mask: 80 spills in the masked path), measured with ptxas at the 40/232
-# register split; a dense build then stages O over V's ring, as its own tile would not fit.
-# On the H200 (B2 S8192 H16, two runs): plain 80 keys 674-679 TFLOP/s against 645-650 at 64,
-# causal 64 keys 671-679 against 553-588 at 48.
+# S tile, measured with ptxas at the 40/232 register split (under a mask only since the
+# consumers stopped taking turns; before, 80 spilled in the masked path); a dense build then
+# stages O over V's ring, as its own tile would not fit. On the H200 (B2 S8192 H16, two runs
+# each): plain 80 keys 674-679 TFLOP/s against 645-650 at 64; causal 80 keys 671-677
+# against 64 keys' 614-623 (with turns) and 553-588 at 48.
 DEFAULT_TILES = {64: ((192, 128), (192, 112), (128, 128), (128, 64)),
                  128: ((128, 128), (128, 64)),
                  256: ((128, 80), (128, 64), (128, 48), (128, 32))}
