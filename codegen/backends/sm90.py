@@ -46,9 +46,10 @@ The tile a declaration without `tile` gets is the first spill-free one of its he
 first for a dense build without a mask: `UNMASKED_DENSE_TILES`), and at 256 (128 O
 accumulators per thread) 80 keys (O staged over V's ring in a dense build). The wgmma
 descriptors are taken from one base per operand inside the loop (`hopper.smem_descriptors`):
-hoisted, Q's alone held 32 registers at head dim 256, and causal builds spilled at 64 keys. Measured choices (HOPPER_NOTES.md): the overlap needs K and V
-released apart (with one `kv_empty` per stage it was slower than no overlap); with Q from
-shared memory, BN = 160 or 176 (FlashAttention-3's non-causal tile) ran as fast as 128.
+hoisted, Q's alone held 32 registers at head dim 256, and causal builds spilled at 64 keys.
+Measured choices (HOPPER_NOTES.md): the overlap of S and P V needs K and V released apart
+(with one `kv_empty` per stage it was slower than no overlap); with Q from shared memory,
+BN = 160 or 176 (FlashAttention-3's non-causal tile) ran as fast as 128.
 """
 from __future__ import annotations
 
