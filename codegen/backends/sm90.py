@@ -762,7 +762,7 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
 # stays spill-free (measured on the H200: 1.11x the 128-row tile plain, 1.02x causal at 112
 # keys); a plain ragged build's O store from registers leaves no room for them at 160
 # registers. Head dim 256 holds 128 O accumulators per thread, which leaves room for an 80-key
-# S tile, measured with ptxas at the 40/232 register split (under a mask only since the
+# S tile, measured with ptxas at the 40/232 register split (under a mask too since the
 # consumers stopped taking turns; before, 80 spilled in the masked path); a dense build then
 # stages O over V's ring, as its own tile would not fit. On the H200 (B2 S8192 H16, two runs
 # each): plain 80 keys 674-679 TFLOP/s against 645-650 at 64; causal 80 keys 671-677
