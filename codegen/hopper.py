@@ -238,6 +238,22 @@ def wgmma_wait_group(builder: ir.IRBuilder, pending: int = 0) -> None:
     call(builder, "llvm.nvvm.wgmma.wait_group.sync.aligned", void, [i64(pending)])
 
 
+def hold_next_wait_below(builder: ir.IRBuilder, values: list[ir.Value]) -> None:
+    """Keep the next `wgmma_wait_group` below the arithmetic that computes `values` (f32),
+    so that it runs under the wgmmas in flight. ptxas hoists a wgmma wait up to the
+    previous memory operation, never above one; this is a shared-memory store of `values`
+    that depends on them but never runs (%smid < %nsmid always; ptxas cannot know).
+    HOPPER_NOTES, version 8."""
+    count = len(values)
+    vector = f".v{count}" if count > 1 else ""
+    registers = ", ".join(f"${i}" for i in range(count))
+    _asm(builder, void,
+         "{.reg .pred never; .reg .u32 sm, sms; mov.u32 sm, %smid; mov.u32 sms, %nsmid; "
+         "setp.ge.u32 never, sm, sms; "
+         f"@never st.shared{vector}.f32 [sm], {{{registers}}};}}",
+         ",".join(["f"] * count) + ",~{memory}", values)
+
+
 def fence_operands(builder: ir.IRBuilder, values: list[ir.Value]) -> list[ir.Value]:
     """`values` through one empty volatile asm: LLVM cannot move their uses above it (use
     after `wgmma_wait_group`) nor their definitions below it."""

@@ -292,3 +292,25 @@ def test_the_scheduler_is_built_for_the_launchs_gqa_group(backend):
                                                              tempfile.mkdtemp()))
         names[group] = set(re.findall(r'@"(LPT\.\d+\.\d+\.)', kb.llvm))
     assert names == {1: {"LPT.128.1."}, 4: {"LPT.128.4."}}
+
+
+@needs_ptxas
+@pytest.mark.parametrize("mask, held", [
+    ("", False), ("mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx", True)],
+    ids=["plain", "causal"])
+def test_masked_builds_hold_the_softmax_under_p_v(mask, held):
+    """Between S's wait and P V's wait in the KV loop: the exponentials and the store that
+    never runs (`hopper.hold_next_wait_below`) in a masked build; nothing in an unmasked
+    one, where LLVM sinks the softmax below P V's wait."""
+    program = mhadsl.compile(f'{STD}\nattention a {{ dtype = bf16  head_dim = 128 {mask} }}')
+    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()),
+                      cache.CompileCache(tempfile.mkdtemp()))
+    assert kb.config.softmax_under_pv == held
+    ptx = " ".join(kb.ptx.split())
+    loop = ptx[ptx.index("wgmma.wait_group.sync.aligned 1;"):]
+    loop = loop[:loop.index("wgmma.wait_group.sync.aligned 0;")]
+    assert ("@never st.shared.v2.f32" in loop) == held
+    assert (loop.count("ex2.approx") >= 64) == held
+    resources = kb.assembled.kernels[KERNEL_NAME]
+    assert resources.spill_stores == resources.spill_loads == 0
+    assert not re.search(r"C75\d\d", kb.assembled.log), kb.assembled.log

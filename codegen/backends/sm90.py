@@ -92,6 +92,9 @@ class HopperConfig:
     return_lse: bool = False
     ragged: bool = False
     q_in_registers: bool = False  # S = Q K^T with Q's A fragments in registers
+    # the softmax of KV tile n held under P V of n-1 (`hopper.hold_next_wait_below`): masked
+    # builds only, where it measured 1-4 % faster; unmasked ones lost 7 % (HOPPER_NOTES v8)
+    softmax_under_pv: bool = False
 
     @property
     def consumer_groups(self) -> int:
@@ -360,7 +363,7 @@ class _ConsumerTile:
 
     def softmax(self, bb, n, s, m_old, l_old):
         """The score hook and mask on S of KV tile n, then the online softmax (log2
-        domain) over this thread's two rows: (P as A fragments, m, l, alpha)."""
+        domain) over this thread's two rows: (P in f32, m, l, alpha)."""
         s = self.k._scores(bb, self.args, self.t, n, s, self.row0, self.col0)
         m_new, l_new, alpha, p = [None, None], [None, None], [None, None], list(s)
         for r in range(2):
@@ -369,9 +372,11 @@ class _ConsumerTile:
                 bb, [s[j] for j in mine], m_old[r], l_old[r], self.sl2)
             for j, value in zip(mine, row_p):
                 p[j] = value
-        frags = [x for k in range(self.c.block_n // 16)
-                 for x in hopper.a_fragment(bb, self.c.dtype, p, k)]
-        return frags, m_new, l_new, alpha
+        return p, m_new, l_new, alpha
+
+    def pack(self, bb, p):
+        """P (f32) as the A fragments of P V, four per 16 keys."""
+        return [x for k in range(len(p) // 8) for x in hopper.a_fragment(bb, self.c.dtype, p, k)]
 
     @staticmethod
     def rescale(bb, o, alpha):
@@ -418,7 +423,8 @@ class _ConsumerTile:
         hopper.wgmma_wait_group(b, 0)
         s = hopper.fence_operands(b, s)
         hopper.mbarrier_arrive(b, mem.empty(b, "k", stage))
-        frags, m, l, alpha = self.softmax(b, first, s, m0, l0)
+        p, m, l, alpha = self.softmax(b, first, s, m0, l0)
+        frags = self.pack(b, p)
         bump(b)
 
         def step(bb, n, state):
@@ -436,9 +442,14 @@ class _ConsumerTile:
             hopper.wgmma_wait_group(bb, 1)
             s = hopper.fence_operands(bb, s)
             hopper.mbarrier_arrive(bb, mem.empty(bb, "k", stage))
-            frags, m_new, l_new, alpha = self.softmax(bb, n, s, m_old, l_old)
+            p, m_new, l_new, alpha = self.softmax(bb, n, s, m_old, l_old)
+            if self.c.softmax_under_pv:  # else LLVM and ptxas put it after the wait
+                hopper.hold_next_wait_below(bb, l_new)
             hopper.wgmma_wait_group(bb, 0)
-            o = hopper.fence_operands(bb, o)
+            # P is packed after the wait: packing it while the last P's fragments are in
+            # flight serialises the wgmmas (C7513)
+            flat = hopper.fence_operands(bb, o + p)
+            o, frags = flat[:len(o)], self.pack(bb, flat[len(o):])
             hopper.mbarrier_arrive(bb, mem.empty(bb, "v", p_stage))
             bump(bb)
             return o + m_new + l_new + frags + alpha + [stage, phase]
@@ -805,7 +816,8 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
                    return_lse=layout.return_lse, ragged=layout.ragged,
                    stages=options.stages or HopperConfig.stages)
     q_choices = (True, False) if options.head_dim in Q_IN_REGISTERS_HEAD_DIMS else (False,)
-    return tuple(replace(base, block_m=m, block_n=n, q_in_registers=q)
+    return tuple(replace(base, block_m=m, block_n=n, q_in_registers=q,
+                         softmax_under_pv=options.mask is not None)
                  for q in q_choices for m, n in tiles)
 
 
