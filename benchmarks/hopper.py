@@ -1,11 +1,15 @@
 """Benchmark: the sm90 (TMA + wgmma) and sm80 (FlashAttention-2) kernel designs of the same
-declarations side by side with torch SDPA's flash and cuDNN backends, in one process.
+declarations side by side with torch SDPA's flash and cuDNN backends and FlexAttention, in
+one process.
 
     python benchmarks/hopper.py          # needs an H100/H200 (compute capability 9.0)
 
 Each row checks both designs against the float64 reference first (relative error), then
 times them and torch's kernels in turn, round after round (`mhadsl.bench.time_side_by_side`:
 the median of CUDA-event-timed runs), so every column of a row meets the same GPU.
+FlexAttention (torch.compile'd, its block mask built before timing) gets each declaration's
+mask written as a `mask_mod` here (`FLEX_MASKS`), a ragged batch as one sequence of
+documents; its output is checked against the sm90 kernel's before it is timed.
 """
 import datetime
 
@@ -46,6 +50,14 @@ WORKLOADS = [
     ("causal_d128", Problem(0, 0, 0, 16, 16, 128, (128,) * 768)),
 ]
 DESIGNS = ("sm80", "sm90")
+# Each declaration's mask as FlexAttention's mask_mod (None: no mask).
+FLEX_MASKS = {
+    "plain_d128": None, "plain_d64": None, "plain_d256": None,
+    "causal_d128": lambda b, h, q, kv: kv <= q, "causal_d64": lambda b, h, q, kv: kv <= q,
+    "causal_lpt": lambda b, h, q, kv: kv <= q, "causal_d256": lambda b, h, q, kv: kv <= q,
+    "gqa_causal": lambda b, h, q, kv: kv <= q,
+    "window": lambda b, h, q, kv: (kv <= q) & (q - kv < 256),
+}
 
 
 def varlen_flash_fn(torch, args: dict, causal: bool):
@@ -62,13 +74,49 @@ def varlen_flash_fn(torch, args: dict, causal: bool):
         return None
 
 
+def flex_fn(torch, kernel, name: str, problem: Problem, args: dict, expected):
+    """FlexAttention on the same inputs and mask (a ragged batch: one sequence of documents,
+    the mask within a document); None where it cannot run or disagrees with `expected`
+    (the sm90 kernel's output)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    mask = FLEX_MASKS[name]
+    if problem.seqlens:  # (total, H, D) -> (1, H, total, D); both sides share the offsets
+        q, k, v = (args[n].unsqueeze(0).transpose(1, 2) for n in ("q", "k", "v"))
+        lengths = torch.tensor(problem.seqlens, device="cuda")
+        doc = torch.repeat_interleave(torch.arange(len(problem.seqlens), device="cuda"), lengths)
+        within, mask = mask, lambda b, h, qi, kv: (doc[qi] == doc[kv]) & within(b, h, qi, kv)
+    else:
+        q, k, v = (args[n].transpose(1, 2) for n in ("q", "k", "v"))
+    for limit in ("recompile_limit", "cache_size_limit"):  # one compile per row, never eager
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 256)
+    try:  # create_block_mask compiled: it never materialises the (total x total) mask
+        block_mask = None if mask is None else torch.compile(create_block_mask)(
+            mask, None, None, q.shape[2], k.shape[2], device="cuda")
+        compiled = torch.compile(flex_attention, dynamic=False)
+
+        def run():
+            return compiled(q, k, v, block_mask=block_mask, scale=kernel.options.softmax_scale(),
+                            enable_gqa=problem.heads != problem.kv_heads)
+        out = run().transpose(1, 2).reshape(expected.shape).float()
+    except Exception as err:  # noqa: BLE001 - inductor raises many types; the column is optional
+        print(f"(FlexAttention unavailable for {name} {problem.describe()}: "
+              f"{type(err).__name__})")
+        return None
+    error = float((out - expected.float()).norm() / expected.float().norm())
+    if error > 2e-2:
+        print(f"(FlexAttention disagrees with sm90 on {name}: relative difference {error:.1e})")
+        return None
+    return run
+
+
 def main() -> None:
     torch = require_gpu()
     programs = {d: mhadsl.compile(SOURCE, name=f"<hopper {d}>") for d in DESIGNS}
     print(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| kernel | shape | sm80 | sm90 | torch flash (ragged: varlen) | cuDNN "
+    print("| kernel | shape | sm80 | sm90 | torch flash (ragged: varlen) | cuDNN | FlexAttention "
           "| sm90 / cuDNN (rounds) | rel. error sm80, sm90 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, problem in WORKLOADS:
         kernels = {}
         for design in DESIGNS:
@@ -82,6 +130,7 @@ def main() -> None:
         fns.update(torch_baseline_fns(torch, kernels["sm90"], problem, args))
         if problem.seqlens:  # torch's packed-varlen flash kernel stands in for the flash column
             fns["flash"] = varlen_flash_fn(torch, args, causal=name.startswith("causal"))
+        fns["flex"] = flex_fn(torch, kernels["sm90"], name, problem, args, fns["sm90"]())
         times = time_side_by_side(torch, fns)
         tflops = {d: None if t is None else flops / t.ms / 1e9 for d, t in times.items()}
 
@@ -93,7 +142,8 @@ def main() -> None:
             ratio = (f"{tflops['sm90'] / tflops['cudnn']:.3f}x "
                      f"({min(rounds):.2f}–{max(rounds):.2f})")
         print(f"| {name} | {problem.describe()} | {f(tflops['sm80'])} | "
-              f"{f(tflops['sm90'])} | {f(tflops['flash'])} | {f(tflops['cudnn'])} | {ratio} | "
+              f"{f(tflops['sm90'])} | {f(tflops['flash'])} | {f(tflops['cudnn'])} | "
+              f"{f(tflops['flex'])} | {ratio} | "
               f"{errors[0]:.1e}, {errors[1]:.1e} |", flush=True)
 
 
