@@ -8,12 +8,14 @@ driver's rules up front, so a bad request is a ValueError that names the rule in
 CUDA_ERROR_INVALID_VALUE.
 
 The map is 128 opaque bytes passed by value to a `grid_constant` kernel parameter:
-`TensorMap.kernel_arg()` is the launch argument (the bytes at `CUtensorMap.getPtr()`).
+`TensorMap.kernel_arg()` is the launch argument (the bytes at `CUtensorMap.getPtr()`);
+`launch_arg` is the same, remembered for the next launch over the same tensors.
 Out-of-bounds elements of a box load as zero and are not written by a store.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -149,3 +151,15 @@ def encode_tiled(address: int, dtype: str, shape: Sequence[int], strides: Sequen
         f"{layout}",
     )
     return TensorMap(handle, layout)
+
+
+@functools.lru_cache(maxsize=256)
+def launch_arg(address: int, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...],
+               box: tuple[int, ...], swizzle: int = 128, device: int | None = None
+               ) -> ctypes.Array:
+    """`encode_tiled(...).kernel_arg()`, remembered. A map is a function of these values
+    alone (it holds the address, not the data), and encoding an sm90 launch's four maps was a
+    third of its host time, which a kernel shorter than its launch waits for (BENCHMARKS.md,
+    the window row). The driver copies the bytes at each launch and nothing writes them, so
+    launches share one copy. A bad request raises every time: errors are not remembered."""
+    return encode_tiled(address, dtype, shape, strides, box, swizzle, device=device).kernel_arg()

@@ -22,9 +22,10 @@ from test_hostile_tensors import SOURCE, FakeDevice, dense, qkv_and_out_interlea
 def kernel(monkeypatch):
     """The kernel on a stand-in 9.0 device; `kernel.launches` counts launches,
     `kernel.calls` the planning and overlap checks the host ran, `kernel.targets` the
-    targets of the builds it loaded."""
+    targets of the builds it loaded, `kernel.encoded` the addresses of the tensor maps it
+    encoded."""
     kern = mhadsl.compile(SOURCE)["h64"]
-    kern.launches, kern.calls, kern.targets = 0, Counter(), []
+    kern.launches, kern.calls, kern.targets, kern.encoded = 0, Counter(), [], []
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -49,12 +50,16 @@ def kernel(monkeypatch):
         compute_capability=(9, 0), multiprocessor_count=132))
     monkeypatch.setattr(driver, "begin_launch", lambda stream, device: 1 << 20)
     monkeypatch.setattr(driver, "end_launch", lambda stream, device: None)
-    # the sm90 design's tensor maps: their host-side layout checks, without the driver's encoder
-    monkeypatch.setattr(tensormap, "encode_tiled", lambda *args, device=None, **kwargs:
-                        SimpleNamespace(layout=tensormap.tiled_layout(*args, **kwargs),
-                                        kernel_arg=lambda: None))
+    def encode(*args, device=None, **kwargs):  # host-side layout checks, no driver encoder
+        kern.encoded.append(args[0])
+        return SimpleNamespace(layout=tensormap.tiled_layout(*args, **kwargs),
+                               kernel_arg=lambda: None)
+
+    monkeypatch.setattr(tensormap, "encode_tiled", encode)
     monkeypatch.setattr(kern, "_build", build)
-    return kern
+    tensormap.launch_arg.cache_clear()  # no map from another test, none left for the next
+    yield kern
+    tensormap.launch_arg.cache_clear()
 
 
 def test_repeated_launches_choose_the_design_once_and_skip_numpy_for_separate_tensors(kernel):
@@ -62,6 +67,17 @@ def test_repeated_launches_choose_the_design_once_and_skip_numpy_for_separate_te
         kernel(**dense())
     assert kernel.launches == 3
     assert kernel.calls == Counter(select_backend=1)  # once per kernel and device, not per call
+
+
+def test_launches_over_the_same_tensors_encode_their_tensor_maps_once(kernel):
+    args = dense()
+    for _ in range(3):
+        kernel(**args)
+    assert kernel.launches == 3
+    assert sorted(kernel.encoded) == sorted(args[n].ptr for n in ("q", "k", "v", "out"))
+    new_q = FakeDevice(args["q"].shape)
+    kernel(**dict(args, q=new_q))  # only the new tensor's map is encoded
+    assert kernel.launches == 4 and kernel.encoded[4:] == [new_q.ptr]
 
 
 def test_out_beside_q_k_v_in_one_buffer_still_gets_the_exact_overlap_check(kernel):

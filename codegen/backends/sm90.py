@@ -182,7 +182,7 @@ KERNEL_PARAMS: tuple[KernelParam, ...] = SM80_PARAMS + (
 def tensor_map_args(config: HopperConfig, tensors: dict, ragged: bool) -> dict:
     """The tensor-map launch arguments for device views q, k, v, o (`.ptr`, `.shape`,
     `.strides` in elements, `.device`)."""
-    from mhadsl.runtime.tensormap import encode_tiled
+    from mhadsl.runtime.tensormap import launch_arg
     rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n, "o": config.block_m}
     maps = {}
     for name, rows_per_box in rows.items():
@@ -197,9 +197,8 @@ def tensor_map_args(config: HopperConfig, tensors: dict, ragged: bool) -> dict:
         strides = tuple(int(s) if s else 1 for s in strides[:-1]) + (1,)
         # an empty tensor may have no address; the map is never read then
         address = t.ptr or tensors["o"].ptr or hopper.SWIZZLE_ATOM_BYTES
-        maps[f"{name}_map"] = encode_tiled(
-            address, config.dtype, shape, strides, (1, rows_per_box, 1, BOX_COLUMNS),
-            device=t.device).kernel_arg()
+        maps[f"{name}_map"] = launch_arg(address, config.dtype, shape, strides,
+                                         (1, rows_per_box, 1, BOX_COLUMNS), device=t.device)
     return maps
 
 
