@@ -65,6 +65,15 @@ def lane_id(builder: ir.IRBuilder) -> ir.Value:
     return call(builder, "llvm.nvvm.read.ptx.sreg.laneid", i32, [])
 
 
+def opaque_special_register(builder: ir.IRBuilder, name: str, ty: ir.IntType = i32) -> ir.Value:
+    """`%name` read by a volatile asm, which LLVM neither hoists nor rematerialises: in a
+    persistent loop nothing derived from %tid.x stays live across tiles (that spills), and
+    %smid and %globaltimer are read exactly where the trace records them."""
+    constraint = "=l" if ty.width == 64 else "=r"
+    return builder.asm(ir.FunctionType(ty, []), f"mov.u{ty.width} $0, %{name};", constraint,
+                       [], True)
+
+
 # ----------------------------------------------------------------- barriers
 CTA_BARRIER = 0  # bar.sync 0: every thread of the CTA
 PRODUCER_BARRIER = 1  # a named barrier among the producer's threads

@@ -770,7 +770,7 @@ def record_work_item(builder: ir.IRBuilder, workspace: ir.Value, fields: dict[st
         return b.gep(base, [i32(k) if isinstance(k, int) else k], source_etype=i32)
 
     def timer() -> ir.Value:
-        return b.asm(ir.FunctionType(i64, []), "mov.u64 $0, %globaltimer;", "=l", [], True)
+        return nvptx.opaque_special_register(b, "globaltimer", i64)
 
     slot_ptr = b.gep(scratch, [i32(0), i32(0)], source_etype=_TRACE_SCRATCH)
     start_ptr = b.gep(scratch, [i32(0), i32(1)], source_etype=_TRACE_SCRATCH)
@@ -783,7 +783,7 @@ def record_work_item(builder: ir.IRBuilder, workspace: ir.Value, fields: dict[st
                                                typ=i32))
         at = b.add(i32(trace_records.HEADER_WORDS), b.mul(k, i32(trace_records.RECORD_WORDS)))
         record = b.select(fits, word(workspace, at), ir.Constant(gptr, None))
-        smid = b.asm(ir.FunctionType(i32, []), "mov.u32 $0, %smid;", "=r", [], True)
+        smid = nvptx.opaque_special_register(b, "smid")
         start = timer()
         with b.if_then(fits):
             values = {"prompt_offset": fields["prompt_offset"], "head": fields["head_idx"],

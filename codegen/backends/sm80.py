@@ -260,7 +260,7 @@ class _TileEmitter:
         if args.persistent and tuning.opaque_tid:
             # Read through an opaque asm: in a persistent loop nothing derived from the
             # thread index may be hoisted out and kept live across tiles (that spills).
-            tid = b.asm(ir.FunctionType(i32, []), "mov.u32 $0, %tid.x;", "=r", [], True)
+            tid = nvptx.opaque_special_register(b, "tid.x")
         else:
             tid = nvptx.special_register(b, "thread_idx", "x")
         self.tid = tid

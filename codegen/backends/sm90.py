@@ -205,7 +205,7 @@ def tensor_map_args(config: HopperConfig, tensors: dict, ragged: bool) -> dict:
 # ============================================================================ small IR helpers
 def _thread_idx(b):
     """%tid.x through an opaque asm, so nothing derived from it stays live across tiles."""
-    return b.asm(ir.FunctionType(i32, []), "mov.u32 $0, %tid.x;", "=r", [], True)
+    return nvptx.opaque_special_register(b, "tid.x")
 
 
 def _counted(b, slot: ir.Value) -> tuple[ir.Value, Callable]:
