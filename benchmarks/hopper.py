@@ -50,13 +50,18 @@ WORKLOADS = [
     ("causal_d128", Problem(0, 0, 0, 16, 16, 128, (128,) * 768)),
 ]
 DESIGNS = ("sm80", "sm90")
+
+
+def _causal(b, h, q, kv):
+    return kv <= q
+
+
 # Each declaration's mask as FlexAttention's mask_mod (None: no mask).
 FLEX_MASKS = {
     "plain_d128": None, "plain_d64": None, "plain_d256": None,
-    "causal_d128": lambda b, h, q, kv: kv <= q, "causal_d64": lambda b, h, q, kv: kv <= q,
-    "causal_lpt": lambda b, h, q, kv: kv <= q, "causal_d256": lambda b, h, q, kv: kv <= q,
-    "gqa_causal": lambda b, h, q, kv: kv <= q,
-    "window": lambda b, h, q, kv: (kv <= q) & (q - kv < 256),
+    "causal_d128": _causal, "causal_d64": _causal, "causal_lpt": _causal,
+    "causal_d256": _causal, "gqa_causal": _causal,
+    "window": lambda b, h, q, kv: _causal(b, h, q, kv) & (q - kv < 256),
 }
 
 
