@@ -10,11 +10,12 @@ shared memory; Q too, or at head dim 128 in registers, loaded by ldmatrix once p
 `Q_IN_REGISTERS_HEAD_DIMS`), the online softmax in registers (ex2, log2 domain), and
 O += P V by wgmma with P straight from S's accumulators (the register A operand) and V as an
 MN-major B operand. As in FlashAttention-3, S of KV tile n is issued together with P V of
-tile n-1; the softmax of n follows that P V's wait (held under the P V it measured slower),
-and the consumer warpgroups issue their GEMMs as they come, with no turns (FlashAttention-3's
-ping-pong measured slower too: HOPPER_NOTES, version 8), so one warpgroup's softmax runs
-under the others' GEMMs. Completion runs on
-mbarriers: `q_full`, and per stage `full` and `empty` for K and for V apart (full: the
+tile n-1. In a build with a mask the softmax of n runs under that P V (`softmax_under_pv`:
+a store that never runs keeps ptxas from hoisting P V's wait above it); without a mask it
+follows the wait (held, it measured 7 % slower there). The consumer warpgroups issue their
+GEMMs as they come, with no turns (FlashAttention-3's ping-pong measured slower:
+HOPPER_NOTES, version 8), so one warpgroup's softmax runs under the others' GEMMs.
+Completion runs on mbarriers: `q_full`, and per stage `full` and `empty` for K and for V apart (full: the
 producer's expect_tx, the copies' bytes; empty: one arrival per consumer thread once its
 wgmma read the buffer), so K of tile n+2 loads as soon as S of tile n is done, with two
 stages.
@@ -93,7 +94,8 @@ class HopperConfig:
     ragged: bool = False
     q_in_registers: bool = False  # S = Q K^T with Q's A fragments in registers
     # the softmax of KV tile n held under P V of n-1 (`hopper.hold_next_wait_below`): masked
-    # builds only, where it measured 1-4 % faster; unmasked ones lost 7 % (HOPPER_NOTES v8)
+    # builds only, where it measured 2-5 % faster (causal D64 and D128); unmasked ones lost
+    # 7 % (HOPPER_NOTES versions 8 and 9)
     softmax_under_pv: bool = False
 
     @property
