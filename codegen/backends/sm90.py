@@ -15,10 +15,10 @@ a store that never runs keeps ptxas from hoisting P V's wait above it); without 
 follows the wait (held, it measured 7 % slower there). The consumer warpgroups issue their
 GEMMs as they come, with no turns (FlashAttention-3's ping-pong measured slower:
 HOPPER_NOTES, version 8), so one warpgroup's softmax runs under the others' GEMMs.
-Completion runs on mbarriers: `q_full`, and per stage `full` and `empty` for K and for V apart (full: the
-producer's expect_tx, the copies' bytes; empty: one arrival per consumer thread once its
-wgmma read the buffer), so K of tile n+2 loads as soon as S of tile n is done, with two
-stages.
+Completion runs on mbarriers: `q_full`, and per stage `full` and `empty` for K and for V
+apart (full: the producer's expect_tx, the copies' bytes; empty: one arrival per consumer
+thread once its wgmma read the buffer), so K of tile n+2 loads as soon as S of tile n is
+done, with two stages.
 
 Both roles run the scheduler's work loop, each in its own branch of the role if/else (so
 `setmaxnreg` takes effect). Where the scheduler lets them (`scheduler.runs_apart`: no `while`
