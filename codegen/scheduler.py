@@ -30,7 +30,7 @@ from mhadsl import ast
 from mhadsl.builtins import SLOT_COUNT
 from mhadsl.check import CheckedProgram
 from mhadsl.diagnostics import MhaError
-from mhadsl.runtime import faults, trace_records
+from mhadsl.codegen import abi
 from mhadsl.types import BOOL, RECORD_FIELDS, SCHEDULES, SEQ_INFO, SYNCS, WORK_INFO
 
 HOST_LOOP_FUEL = 1 << 20  # iterations a host `while` may run before the simulator gives up
@@ -175,7 +175,7 @@ class _TargetBuiltins(Builtins):
         fuel = b.load(fuel_ptr, typ=i64)
         left = b.sub(fuel, i64(1))
         if self.target.is_gpu:
-            code = faults.fault_code(faults.ENDLESS_WHILE, self.rule)
+            code = abi.fault_code(abi.ENDLESS_WHILE, self.rule)
             left = b.select(b.icmp_signed(">", fuel, i64(1)), left,
                             b.select(b.icmp_signed("==", fuel, i64(1)), i64(-code), fuel))
         b.store(left, fuel_ptr)
@@ -191,7 +191,7 @@ class LoweredScheduler:
     env_struct: ir.LiteralStructType
     ts_struct: ir.LiteralStructType
     state_struct: ir.LiteralStructType
-    scheduler_id: int  # what a fault record names it by (`runtime.faults`)
+    scheduler_id: int  # what a fault record names it by (`abi.scheduler_id`)
 
     def advance_name(self, producer: bool, sync: str) -> str:
         return f"advance.{int(producer)}.{sync}"
@@ -221,7 +221,7 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
         f"{k}={v}" for k, v in spec.args)
     functions: dict[str, ir.Function] = {}
 
-    sid = faults.scheduler_id(spec.name)
+    sid = abi.scheduler_id(spec.name)
 
     def emit(rule_name: str, fn_name: str, producer: bool = True, sync: str = "ALL"):
         memo = ("publish" if producer else "reuse") if handoff and rule_name == "advance" \
@@ -540,7 +540,7 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
 
     No scheduler can hang it: a CTA that takes more tiles than all the work of the launch
     plus one, or a step whose `while` loops run out of fuel (`loop_fuel`), records a fault
-    in the workspace (`runtime.faults`), and a CTA-wide vote after each step ends the loop
+    in the workspace (`codegen.abi`), and a CTA-wide vote after each step ends the loop
     for every thread at once (a fault seen by one thread alone must not strand the others
     at a barrier). No `trap`: the CUDA context stays usable.
 
@@ -667,7 +667,7 @@ def _record_step_fault(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: Ker
     fuel = builder.load(_fuel_ptr(builder, sched, kenv), typ=i64)
     emptied = builder.trunc(builder.select(builder.icmp_signed("<", fuel, i64(0)),
                                            builder.neg(fuel), i64(0)), i32)
-    code = builder.select(too_many, i32(faults.fault_code(faults.TOO_MANY_TILES, "advance")),
+    code = builder.select(too_many, i32(abi.fault_code(abi.TOO_MANY_TILES, "advance")),
                           emptied)
     faulted = builder.icmp_unsigned("!=", code, i32(0))
     with builder.if_then(faulted, likely=False):
@@ -693,7 +693,7 @@ def _fuel_ptr(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv) -
 
 
 def _refuel(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv) -> None:
-    """Fill the tank the `while` loops of the next scheduler step burn (faults.WHILE_SLACK).
+    """Fill the tank the `while` loops of the next scheduler step burn (abi.WHILE_SLACK).
     The grid size is read through volatile asm: LLVM would hoist plain reads out of the
     work loop and hold their product live across the tile body (measured: spills)."""
     def grid_dim(axis: str) -> ir.Value:
@@ -702,7 +702,7 @@ def _refuel(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv) -> 
     ctas = builder.zext(builder.mul(builder.mul(grid_dim("x"), grid_dim("y")), grid_dim("z")),
                         i64)
     work = builder.add(_num_work(builder, sched, kenv), ctas)
-    budget = builder.add(builder.mul(work, i64(faults.WHILE_SLACK)), i64(faults.WHILE_MIN))
+    budget = builder.add(builder.mul(work, i64(abi.WHILE_SLACK)), i64(abi.WHILE_MIN))
     builder.store(budget, _fuel_ptr(builder, sched, kenv))
 
 
@@ -722,7 +722,7 @@ def linear_cta(builder: ir.IRBuilder) -> ir.Value:
 
 def record_fault(builder: ir.IRBuilder, workspace: ir.Value, code: ir.Value,
                  scheduler_id: int) -> None:
-    """Write the fault record (words 1..3 of the workspace, `runtime.faults`) unless one is
+    """Write the fault record (`abi.RECORD_WORD` on, and the host's copy) unless one is
     there already: the first fault wins until the runtime reports and clears it.
 
     The tile body sits at ptxas's 255-register cap, where its allocation moves with code
@@ -743,21 +743,74 @@ def _fault_recorder(module: ir.Module, workspace_type: ir.Type) -> ir.Function:
     fn.attributes.add("noinline")
     workspace, code, scheduler_id = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-
-    def word(k: int) -> ir.Value:
-        return b.gep(workspace, [i32(k)], source_etype=i32)
-    old = b.cmpxchg(word(1), i32(0), code, "monotonic", "monotonic")
+    old = b.cmpxchg(_word(b, workspace, abi.RECORD_WORD), i32(0), code, "monotonic",
+                    "monotonic")
     with b.if_then(b.extract_value(old, 1)):
-        b.store(scheduler_id, word(2))
-        b.store(linear_cta(b), word(3))
+        record = (code, scheduler_id, linear_cta(b))
+        for k, value in enumerate(record[1:], 1):
+            b.store(value, _word(b, workspace, abi.RECORD_WORD + k))
+        # The host's copy (in mapped host memory), code last, so that a host that sees the
+        # code sees the rest: a launch reads it without a copy or a wait (`runtime.driver`).
+        host = b.load(_word(b, workspace, abi.HOST_RECORD_WORD), typ=i64)
+        with b.if_then(b.icmp_unsigned("!=", host, i64(0))):
+            for k, order in ((1, "relaxed"), (2, "relaxed"), (0, "release")):
+                b.asm(ir.FunctionType(nvptx.void, [i64, i32]),
+                      f"st.{order}.sys.global.u32 [$0+{4 * k}], $1;", "l,r",
+                      [host, record[k]], True)
+    b.ret_void()
+    return fn
+
+
+def _word(builder: ir.IRBuilder, words: ir.Value, k: int) -> ir.Value:
+    return builder.gep(words, [i32(k)], source_etype=i32)
+
+
+def count_exit(builder: ir.IRBuilder, workspace: ir.Value) -> None:
+    """Where every thread of a kernel ends: the last thread of the launch out resets the
+    queue counter (and this count), so the next launch on the workspace, a CUDA-graph replay
+    too, starts from 0 with no memset from the host. A call, not inlined, like the fault
+    record: inlined, it cost the sm80 tile body spills (ragged bottom-right causal)."""
+    builder.call(_exit_counter(builder.module, workspace.type), [workspace])
+
+
+def _exit_counter(module: ir.Module, workspace_type: ir.Type) -> ir.Function:
+    """Each group of a warp's threads that arrive together adds its size with one atomic,
+    after a fence (its queue atomics come before it), so a warp that reconverges costs one."""
+    name = "mhadsl.count_exit"
+    if name in module.globals:
+        return module.globals[name]
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, [workspace_type]), name)
+    fn.linkage = "internal"
+    fn.attributes.add("noinline")
+    workspace, = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    mask = b.asm(ir.FunctionType(i32, []), "activemask.b32 $0;", "=r", [], True)
+    b.asm(ir.FunctionType(nvptx.void, [i32]), "bar.warp.sync $0;", "r", [mask], True)
+    popc = b.module.declare_intrinsic("llvm.ctpop", [i32])
+    below = b.sub(b.shl(i32(1), nvptx.lane_id(b)), i32(1))  # the lanes below this one
+    with b.if_then(b.icmp_unsigned("==", b.and_(mask, below), i32(0))):  # the first lane
+        arrived = b.zext(b.call(popc, [mask]), i64)
+        dims = [nvptx.special_register(b, group, axis)
+                for group in ("grid_dim", "block_dim") for axis in "xyz"]
+        threads = b.zext(dims[0], i64)
+        for d in dims[1:]:
+            threads = b.mul(threads, b.zext(d, i64))
+        exited = _word(b, workspace, abi.EXITED_WORD)
+        fence = ir.FunctionType(nvptx.void, [])
+        b.asm(fence, "fence.acq_rel.gpu;", "", [], True)  # (LLVM drops an atomic's ordering)
+        before = b.atomic_rmw("add", exited, arrived, "monotonic")
+        with b.if_then(b.icmp_unsigned("==", b.add(before, arrived), threads)):
+            b.asm(fence, "fence.acq_rel.gpu;", "", [], True)
+            b.atomic_rmw("xchg", _word(b, workspace, abi.COUNTER_WORD), i32(0), "monotonic")
+            b.atomic_rmw("xchg", exited, i64(0), "monotonic")
     b.ret_void()
     return fn
 
 
 def record_work_item(builder: ir.IRBuilder, workspace: ir.Value, fields: dict[str, ir.Value],
                      thread: int, emit_body: Callable[[], None]) -> None:
-    """Emit `emit_body()` between the two halves of a work-item record (`runtime.
-    trace_records`), which thread `thread` of the CTA writes: before the body it claims a
+    """Emit `emit_body()` between the two halves of a work-item record (`abi.TRACE_FIELDS`,
+    decoded by `runtime.trace_records`), which thread `thread` of the CTA writes: before the body it claims a
     record, writes the tile, CTA, SM and %globaltimer there and keeps the record's address
     and start time in shared memory (so no register stays live across the tile body, which
     sits at ptxas's register cap); after it, the duration."""
@@ -778,10 +831,10 @@ def record_work_item(builder: ir.IRBuilder, workspace: ir.Value, fields: dict[st
         return b.icmp_unsigned("==", nvptx.special_register(b, "thread_idx", "x"), i32(thread))
 
     with b.if_then(is_recorder()):
-        k = b.atomic_rmw("add", word(workspace, trace_records.COUNT_WORD), i32(1), "monotonic")
-        fits = b.icmp_unsigned("<", k, b.load(word(workspace, trace_records.CAPACITY_WORD),
+        k = b.atomic_rmw("add", word(workspace, abi.TRACE_COUNT_WORD), i32(1), "monotonic")
+        fits = b.icmp_unsigned("<", k, b.load(word(workspace, abi.TRACE_CAPACITY_WORD),
                                                typ=i32))
-        at = b.add(i32(trace_records.HEADER_WORDS), b.mul(k, i32(trace_records.RECORD_WORDS)))
+        at = b.add(i32(abi.TRACE_HEADER_WORDS), b.mul(k, i32(abi.TRACE_RECORD_WORDS)))
         record = b.select(fits, word(workspace, at), ir.Constant(gptr, None))
         smid = nvptx.opaque_special_register(b, "smid")
         start = timer()
@@ -791,7 +844,7 @@ def record_work_item(builder: ir.IRBuilder, workspace: ir.Value, fields: dict[st
                       "start_lo": b.trunc(start, i32),
                       "start_hi": b.trunc(b.lshr(start, i64(32)), i32)}
             for name, v in values.items():
-                b.store(v, word(record, trace_records.RECORD_FIELDS.index(name)))
+                b.store(v, word(record, abi.TRACE_FIELDS.index(name)))
         b.store(b.ptrtoint(record, i64), slot_ptr)
         b.store(start, start_ptr)
     emit_body()
@@ -801,7 +854,7 @@ def record_work_item(builder: ir.IRBuilder, workspace: ir.Value, fields: dict[st
         with b.if_then(b.icmp_unsigned("!=", address, i64(0))):
             duration = b.trunc(b.sub(end, b.load(start_ptr, typ=i64)), i32)
             b.store(duration, word(b.inttoptr(address, gptr),
-                                   trace_records.RECORD_FIELDS.index("duration")))
+                                   abi.TRACE_FIELDS.index("duration")))
 
 
 _TRACE_SCRATCH = ir.ArrayType(i64, 2)
@@ -820,8 +873,8 @@ def build_trace_kernel(module: ir.Module, sched: LoweredScheduler) -> ir.Functio
 
     Params: (u32* workspace, u32 num_sms, u32 batch, u32 max_tiles, u32 max_seq_len,
     u32 num_heads, i32* valid_length or null, u32* out, u32 max_steps, u32* overflow,
-    u32* tile_index or null); the workspace is the queue counter and the fault record
-    (`runtime.faults`), the tile index what `codegen.tile_index` builds from valid_length.
+    u32* tile_index or null); the workspace is the stream's (`codegen.abi`), the tile index
+    what `codegen.tile_index` builds from valid_length.
     Thread 0 of CTA c writes step s at out[(c * max_steps + s) * 4 ...].
     """
     g = nvptx.ptr(nvptx.GLOBAL)
@@ -856,6 +909,7 @@ def build_trace_kernel(module: ir.Module, sched: LoweredScheduler) -> ir.Functio
         bb.store(bb.add(s, i32(1)), step)
 
     emit_work_loop(b, sched, fill_env, record)
+    count_exit(b, counter)
     b.ret_void()
     return fn
 

@@ -12,11 +12,10 @@ kept in memory and in the on-disk cache. Every argument is checked before anythi
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import operator
-import operator
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,6 +114,11 @@ class Kernel:
         # call (the choice asks each design about the declaration)
         self._designs: dict[tuple, tuple] = {}
         self.builds_compiled = 0  # how many times a kernel was generated (for tests)
+        # launch plans by call signature: of validated calls, and of torch calls' tensors
+        self._plans: dict[tuple, _Planned] = {}
+        self._torch_plans: dict[tuple, _Planned] = {}
+        from mhadsl.runtime import faults
+        faults.scheduler_id(options.scheduler)  # remembered, so a fault record names it
         self.backend: str | None = None  # force a kernel design ("sm80"); None: per device
         # `mhadsl.trace`: build the kernel that records its work items, and launch it on
         # this workspace (`runtime.trace_records`; the tracer zeroes it) instead of the
@@ -175,10 +179,23 @@ class Kernel:
     def __call__(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                  max_seqlen_k=None, scale: float | None = None, out=None,
                  return_lse: bool | None = None, stream=None):
-        from mhadsl.runtime import driver, faults, tensors
-        faults.scheduler_id(self.options.scheduler)  # remembered, so a fault record names it
+        key = _torch_signature(q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+        if key is not None:  # torch tensors: a signature seen before runs its plan
+            key = (key, *((type(x), x) for x in (max_seqlen_q, max_seqlen_k, scale,
+                                                   return_lse)))
+            planned = self._torch_plans.get(key)
+            if planned is not None:
+                return self._run_torch(planned, q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+                                       stream)
+        return self._call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          scale, out, return_lse, stream, key)
+
+    def _call(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, stream,
+              torch_key):
+        """Any call: every check, then the plan of its signature (made once)."""
+        from mhadsl.runtime import driver, tensors
         want_lse = self.options.return_lse if return_lse is None else bool(return_lse)
-        call = self._validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        call = self._validate(q, k, v, cu_q, cu_k, max_q, max_k)
         scale = self.options.softmax_scale() if scale is None else _check_scale(scale)
         dtype = DTYPE_NAMES[self.options.dtype]
         device = next((t.device for t in (call.q, call.k, call.v) if not t.on_host), None)
@@ -197,12 +214,11 @@ class Kernel:
                                                                       dtype)
         od = self._check_out(out_obj, call, dtype, device)
         qd, kd, vd = on_device(call.q, "q"), on_device(call.k, "k"), on_device(call.v, "v")
-        cu_q = on_device(call.cu_q, "cu_seqlens_q", "int32") if call.ragged else None
-        cu_k = on_device(call.cu_k, "cu_seqlens_k", "int32") if call.ragged else None
+        cu_qd = on_device(call.cu_q, "cu_seqlens_q", "int32") if call.ragged else None
+        cu_kd = on_device(call.cu_k, "cu_seqlens_k", "int32") if call.ragged else None
         out_dev = on_device(od, "out") if od.on_host else od
-        lse_shape = (call.heads, call.total_q) if call.ragged else \
-            (call.batch, call.heads, call.seqlen_q)
-        lse_obj = tensors.empty_like_kind(call.q.obj, lse_shape, "float32") if want_lse else None
+        lse_obj = tensors.empty_like_kind(call.q.obj, _lse_shape(call), "float32") \
+            if want_lse else None
         lse_dev = None
         if want_lse:
             lse_dev = tensors.as_device_tensor(lse_obj, "lse")
@@ -210,15 +226,41 @@ class Kernel:
                 lse_dev, buf = tensors.to_device(lse_obj, "lse", device=device)
                 keep_alive.append(buf)
 
-        if call.batch and call.max_seqlen_q and call.heads:
-            self._launch(call, qd, kd, vd, out_dev, lse_dev, cu_q, cu_k, scale, want_lse,
-                         handle)
+        views = {"q": qd, "k": kd, "v": vd, "o": out_dev, "lse": lse_dev,
+                 "cu_seqlens_q": cu_qd, "cu_seqlens_k": cu_kd}
+        if _launches(call):
+            # a torch call's signature fixes all its checks but those of its addresses, unless
+            # they read lengths on the device
+            reusable = torch_key is not None and not self.trace and not (
+                call.ragged and (max_q is None or driver.debug_mode()))
+            self._launch(call, views, scale, want_lse, handle, torch_key if reusable else None)
         if od.on_host:
             tensors.from_device(out_dev, out_obj, stream=handle)
         if want_lse and lse_dev.kind == "numpy" and isinstance(lse_obj, np.ndarray) \
                 and lse_dev.ptr:
             tensors.from_device(lse_dev, lse_obj, stream=handle)
         return (out_obj, lse_obj) if want_lse else out_obj
+
+    def _run_torch(self, planned: _Planned, q, k, v, out, cu_q, cu_k, stream):
+        """A call whose signature has a plan: only what depends on its addresses is checked
+        (alignment, and whether out overlaps q, k or v), then the plan launches."""
+        torch = sys.modules["torch"]
+        if out is None:
+            out = torch.empty(planned.call.q.shape, dtype=q.dtype, device=q.device)
+        addresses = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(),
+                     "o": out.data_ptr()}
+        planned.check_addresses(addresses)
+        lse = None
+        if planned.want_lse:
+            lse = torch.empty(planned.lse_shape, dtype=torch.float32, device=q.device)
+            addresses["lse"] = lse.data_ptr()
+        if cu_q is not None:
+            addresses["cu_seqlens_q"], addresses["cu_seqlens_k"] = cu_q.data_ptr(), \
+                cu_k.data_ptr()
+        handle = _torch_stream(torch, q.get_device()) if stream is None else \
+            _stream_handle(stream)
+        self._launch_plan(planned, addresses, handle)
+        return (out, lse) if planned.want_lse else out
 
     def specialize(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                    max_seqlen_k=None, return_lse: bool | None = None):
@@ -231,56 +273,68 @@ class Kernel:
         return self.config(gqa_group=call.heads // call.kv_heads, ragged=call.ragged,
                            return_lse=want_lse)
 
-    def _launch(self, call: _Call, q, k, v, o, lse, cu_q, cu_k, scale, want_lse, stream) -> None:
-        from mhadsl.runtime import driver, tile_index
-        info = driver.device_info(q.device)
+    def _launch(self, call: _Call, views: dict, scale: float, want_lse: bool, stream: int,
+                torch_key: tuple | None) -> None:
+        """Launch a validated call on device views of its tensors, by its signature's plan
+        (remembered for `torch_key`'s calls)."""
+        planned = self._planned(call, views, scale, want_lse)
+        if torch_key is not None:
+            self._torch_plans[torch_key] = planned
+        self._launch_plan(planned, {n: t.ptr for n, t in views.items() if t}, stream)
+
+    def _launch_plan(self, planned: _Planned, addresses: dict, stream: int) -> None:
+        planned.plan.launch(addresses, stream,
+                            workspace=self.trace_workspace if self.trace else None)
+
+    def _design(self, device: int) -> tuple[Backend, DeviceTarget]:
+        """The design and target for `device` (asked once per kernel and device)."""
+        from mhadsl.runtime import driver
+        info = driver.device_info(device)
         design = (info.compute_capability, self.backend)
         if design not in self._designs:
             try:
                 self._designs[design] = backends.select_backend(*design, self.options)
             except ValueError as err:
                 raise RuntimeError(f"kernel '{self.name}': {err}") from None
-        backend, target = self._designs[design]
-        layout = Layout(call.heads // call.kv_heads, call.ragged, want_lse)
-        build = self._build(layout, target, backend)
+        return self._designs[design]
+
+    def _planned(self, call: _Call, views: dict, scale: float, want_lse: bool) -> _Planned:
+        """The plan of a validated call's signature: made on its first call, then reused."""
+        from mhadsl.runtime import driver
+        from mhadsl.runtime.launch import LaunchPlan, TensorShape
+        shapes = {n: TensorShape(tuple(t.shape), tuple(t.strides), t.dtype) if t else None
+                  for n, t in views.items()}
+        device = views["q"].device
+        key = (device, tuple(shapes.items()), call.batch, call.heads, call.kv_heads,
+               call.seqlen_q, call.seqlen_k, call.max_seqlen_q, call.max_seqlen_k,
+               call.total_q, call.ragged, scale, want_lse, self.backend, self.trace)
+        planned = self._plans.get(key)
+        if planned is not None:
+            return planned
+        backend, target = self._design(device)
+        build = self._build(Layout(call.heads // call.kv_heads, call.ragged, want_lse), target,
+                            backend)
         launch = build.launch
+        info = driver.device_info(device)
         ctas_per_sm = build.function.max_active_blocks(launch.threads, launch.shared_bytes)
         grid = self._grid(build.config, call, info.multiprocessor_count, ctas_per_sm)
         if 0 in grid:  # (CUDA's upper limits are checked at the rule, by `_grid`)
             raise ValueError(f"scheduler '{self.options.scheduler}' asked for grid {grid} "
                              f"for {call.batch} sequences x {call.heads} heads; every "
                              f"dimension must be at least 1")
-        # Reports an earlier launch's scheduler fault; zeroes the queue counter on the stream.
-        workspace = self.trace_workspace if self.trace else driver.begin_launch(stream,
-                                                                                q.device)
-        # A ragged launch numbers only its valid tiles: the tile index, built on the device
-        # from cu_seqlens_q just before the kernel, on its stream (`runtime.tile_index`).
-        index = tile_index.prepare(cu_q.ptr, call.batch, build.config.block_m, stream,
-                                   q.device) if call.ragged else 0
-        i64, i32 = ctypes.c_int64, ctypes.c_int32
         values = {
-            "q": q.ptr, "k": k.ptr, "v": v.ptr, "o": o.ptr, "lse": lse.ptr if lse else 0,
-            "cu_seqlens_q": cu_q.ptr if cu_q else 0, "cu_seqlens_k": cu_k.ptr if cu_k else 0,
-            "lse_stride_batch": i64(0 if call.ragged else call.heads * call.seqlen_q),
-            "lse_stride_head": i64(call.total_q if call.ragged else call.seqlen_q),
-            "batch": i32(call.batch), "num_heads": i32(call.heads),
-            "max_seqlen_q": i32(call.max_seqlen_q), "max_seqlen_k": i32(call.max_seqlen_k),
-            "seqlen_q": i32(call.seqlen_q), "seqlen_k": i32(call.seqlen_k),
-            "softmax_scale": ctypes.c_float(scale), "queue": workspace,
-            "num_sms": i32(info.multiprocessor_count), "ctas_per_sm": i32(ctas_per_sm),
-            "tile_index": index,
+            "lse_stride_batch": 0 if call.ragged else call.heads * call.seqlen_q,
+            "lse_stride_head": call.total_q if call.ragged else call.seqlen_q,
+            "batch": call.batch, "num_heads": call.heads, "max_seqlen_q": call.max_seqlen_q,
+            "max_seqlen_k": call.max_seqlen_k, "seqlen_q": call.seqlen_q,
+            "seqlen_k": call.seqlen_k, "softmax_scale": scale,
+            "num_sms": info.multiprocessor_count, "ctas_per_sm": ctas_per_sm,
         }
-        for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
-            batch_stride = 0 if call.ragged else t.strides[0]
-            values[f"{name}_stride_batch"] = i64(batch_stride)
-            values[f"{name}_stride_row"] = i64(t.strides[-3])
-            values[f"{name}_stride_head"] = i64(t.strides[-2])
-        values.update(build.backend.launch_args(build.config, {"q": q, "k": k, "v": v, "o": o},
-                                                call.ragged))
-        args = [values[p.name] for p in build.backend.params]
-        build.function.launch(grid, (launch.threads, 1, 1), launch.shared_bytes, stream, args)
-        if not self.trace:  # the tracer reads its workspace's fault record itself
-            driver.end_launch(stream, q.device)
+        plan = LaunchPlan(build.function, grid, launch.threads, launch.shared_bytes,
+                          backend.abi, build.config, device, shapes, values, call.ragged,
+                          call.batch)
+        planned = self._plans[key] = _Planned(plan, call, want_lse, shapes)
+        return planned
 
     def _grid(self, config, call: _Call, num_sms: int, ctas_per_sm: int
               ) -> tuple[int, int, int]:
@@ -430,6 +484,84 @@ class Kernel:
 
 
 _host_schedulers: dict = {}
+
+
+class _Planned:
+    """A call signature's launch plan (`runtime.launch`) and the validated call it was made
+    from; what its calls still check depends on their addresses alone."""
+
+    def __init__(self, plan, call: _Call, want_lse: bool, shapes: dict):
+        self.plan, self.call, self.want_lse, self.shapes = plan, call, want_lse, shapes
+        self.lse_shape = _lse_shape(call)
+        self.spans = {n: _span(shapes[n]) for n in "qkvo"}  # first to last byte, inclusive
+        self.empty = {n: 0 in shapes[n].shape for n in "qkvo"}
+
+    def check_addresses(self, addresses: dict) -> None:
+        """The checks of `_validate` and `_check_out` that depend on the addresses."""
+        for name in "qkvo":
+            ptr = addresses[name]
+            if ptr == 0 and not self.empty[name]:
+                raise ValueError(f"tensor {name!r} has a null data pointer")
+            if ptr % 16:
+                raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer and "
+                                 f"strides multiples of 8 elements), got a pointer at "
+                                 f"{ptr:#x}")
+        o_lo = addresses["o"]
+        o_hi = o_lo + self.spans["o"]
+        for name in "qkv":
+            lo = addresses[name]
+            if lo <= o_hi and o_lo <= lo + self.spans[name] and not self.empty["o"] \
+                    and _share_memory(self._view("o", o_lo), self._view(name, lo)):
+                raise ValueError(f"out overlaps {name}: the kernel reads {name} while it "
+                                 "writes out; pass a separate output")
+
+    def _view(self, name: str, ptr: int):
+        from mhadsl.runtime.tensors import DeviceTensor
+        t = self.shapes[name]
+        return DeviceTensor(ptr, t.shape, t.strides, t.dtype, self.plan.device, "torch", None)
+
+
+def _span(t) -> int:
+    """Bytes from a tensor's first element to its last (non-negative strides)."""
+    itemsize = 4 if t.dtype in ("float32", "int32") else 2
+    return sum((n - 1) * s for n, s in zip(t.shape, t.strides) if n) * itemsize + itemsize - 1
+
+
+def _lse_shape(call: _Call) -> tuple[int, ...]:
+    return (call.heads, call.total_q) if call.ragged else (call.batch, call.heads, call.seqlen_q)
+
+
+def _launches(call: _Call) -> bool:
+    """Whether a call has any work (an empty batch, query or head count launches nothing)."""
+    return bool(call.batch and call.max_seqlen_q and call.heads)
+
+
+def _torch_signature(*tensors) -> tuple | None:
+    """What a call's torch tensors fix of its checks and its launch (everything but their
+    addresses); None unless every tensor given is a torch tensor."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    signature = []
+    for t in tensors:
+        if t is None:
+            signature.append(None)
+        elif isinstance(t, torch.Tensor):
+            signature.append((t.dtype, t.shape, t.stride(), t.device))
+        else:
+            return None
+    return tuple(signature)
+
+
+def _torch_stream(torch, device: int) -> int:
+    """torch's current stream on `device`, as a raw handle (its C accessor is the cheap way)."""
+    current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return current(device) if current else torch.cuda.current_stream(device).cuda_stream
+
+
+def _stream_handle(stream) -> int:
+    from mhadsl.runtime import driver
+    return driver.stream_handle(stream)
 
 
 def _check_rows(t, name: str) -> None:

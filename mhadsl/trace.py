@@ -21,7 +21,7 @@ import numpy as np
 
 from mhadsl import costmodel
 from mhadsl.api import Kernel, Program
-from mhadsl.codegen import backends
+from mhadsl.codegen import abi, backends
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.runtime import trace_records
 from mhadsl.simulate import Batch, SimulationResult, simulate
@@ -233,7 +233,7 @@ def run_trace(program: Program, kernel: str, workload: Workload, *, scheduler: s
     torch.cuda.synchronize()
     words = np.zeros(trace_records.workspace_words(capacity), np.uint32)
     buffer.copy_to_numpy(words)
-    code, sid, cta = (int(x) for x in words[1:1 + faults.RECORD_WORDS])
+    code, sid, cta = (int(x) for x in words[abi.RECORD_WORD:abi.RECORD_WORD + abi.RECORD_WORDS])
     if code:
         raise faults.SchedulerError(code, sid, cta)
     records, written = trace_records.decode(words)

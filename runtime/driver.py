@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from cuda.bindings import driver as cu
 
+from mhadsl.codegen import abi
 from mhadsl.runtime import faults
 
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
@@ -270,11 +271,12 @@ def memset_d32_async(
 
 
 class _PinnedBuffer:
-    """Page-locked host memory (cuMemHostAlloc), so async device-to-host copies land there."""
+    """Page-locked host memory (cuMemHostAlloc) that kernels can write too (mapped)."""
 
     def __init__(self, nbytes: int, device: int) -> None:
         ensure_context(device)
-        self.ptr = int(call(cu.cuMemHostAlloc, nbytes, 0))
+        self.ptr = int(call(cu.cuMemHostAlloc, nbytes, cu.CU_MEMHOSTALLOC_DEVICEMAP))
+        self.device_ptr = int(call(cu.cuMemHostGetDevicePointer, self.ptr, 0))
         ctypes.memset(self.ptr, 0, nbytes)
         weakref.finalize(self, _free_host, self.ptr, device).atexit = False
 
@@ -285,52 +287,66 @@ def _free_host(ptr: int, device: int) -> None:
 
 
 class _Workspace:
-    """One stream's workspace (`runtime.faults`): the device words, a pinned copy of the fault
-    record and the event that says when that copy is complete."""
+    """One stream's workspace (`codegen.abi`): the device words, and the host's copy of the
+    fault record, which the faulting kernel writes itself."""
 
     def __init__(self, ptr: int, record: ctypes.Array, device: int) -> None:
         self.ptr, self.record, self.device = ptr, record, device
-        self.event: cu.CUevent | None = None
-        self.copy_pending = False  # a copy of the record is queued behind the last launch
 
 
 _workspace_lock = threading.Lock()
 _slabs: dict[int, list[tuple[DeviceBuffer, _PinnedBuffer]]] = {}
 _workspaces: dict[tuple[int, int], _Workspace] = {}
-_WORKSPACE_BYTES = 4 * faults.WORKSPACE_WORDS
+_WORKSPACE_BYTES = 4 * abi.WORKSPACE_WORDS
+_RECORD_BYTES = 16  # the host's copy of one record (abi.RECORD_WORDS words, padded)
 _SLAB_SLOTS = 1024  # workspaces per slab
 
 
-def _workspace(stream: object, device: int | None) -> _Workspace:
-    """The workspace reserved for (`device`, `stream`).
+def workspace(stream: int, device: int) -> _Workspace:
+    """The workspace of (`device`, raw `stream` handle), after raising a scheduler fault that
+    a launch there recorded (it need not have finished: its kernel wrote the host's copy).
 
     Streams never share one, so queued kernels running on two streams at once cannot steal
     each other's work. Workspaces are carved from pre-allocated slabs (device memory and its
     pinned twin), so a stream first seen during CUDA-graph capture (where allocation is
     illegal) still gets one, provided the device has handed one out before the capture (a
     warm-up launch does that)."""
-    dev = ensure_context(device)
-    key = (dev, stream_handle(stream))
-    with _workspace_lock:
-        ws = _workspaces.get(key)
-        if ws is None:
-            used = sum(1 for d, _ in _workspaces if d == dev)
-            slabs = _slabs.setdefault(dev, [])
-            if used == len(slabs) * _SLAB_SLOTS:
-                words = DeviceBuffer(_WORKSPACE_BYTES * _SLAB_SLOTS, dev)
-                call(cu.cuMemsetD32, words.ptr, 0, faults.WORKSPACE_WORDS * _SLAB_SLOTS)
-                slabs.append((words, _PinnedBuffer(_WORKSPACE_BYTES * _SLAB_SLOTS, dev)))
-            words, pinned = slabs[-1]
-            offset = _WORKSPACE_BYTES * (used % _SLAB_SLOTS)
-            record = (ctypes.c_uint32 * faults.RECORD_WORDS).from_address(pinned.ptr + offset)
-            ws = _workspaces[key] = _Workspace(words.ptr + offset, record, dev)
+    ws = _workspaces.get((device, stream))
+    if ws is None:
+        ws = _new_workspace(stream, device)
+    if ws.record[0]:
+        _take_fault(ws, stream)
     return ws
+
+
+def _new_workspace(stream: int, device: int) -> _Workspace:
+    with _workspace_lock:
+        key = (device, stream)
+        if key in _workspaces:
+            return _workspaces[key]
+        ensure_context(device)
+        used = sum(1 for d, _ in _workspaces if d == device)
+        slabs = _slabs.setdefault(device, [])
+        if used == len(slabs) * _SLAB_SLOTS:
+            words = DeviceBuffer(_WORKSPACE_BYTES * _SLAB_SLOTS, device)
+            call(cu.cuMemsetD32, words.ptr, 0, abi.WORKSPACE_WORDS * _SLAB_SLOTS)
+            slabs.append((words, _PinnedBuffer(_RECORD_BYTES * _SLAB_SLOTS, device)))
+        words, pinned = slabs[-1]
+        slot = used % _SLAB_SLOTS
+        ptr = words.ptr + _WORKSPACE_BYTES * slot
+        host = pinned.ptr + _RECORD_BYTES * slot
+        address = ctypes.c_uint64(pinned.device_ptr + _RECORD_BYTES * slot)
+        call(cu.cuMemcpyHtoD, ptr + 4 * abi.HOST_RECORD_WORD, ctypes.addressof(address), 8)
+        record = (ctypes.c_uint32 * abi.RECORD_WORDS).from_address(host)
+        ws = _workspaces[key] = _Workspace(ptr, record, device)
+        return ws
 
 
 def queue_workspace(stream: object = None, device: int | None = None) -> int:
     """Device pointer to the workspace of (`device`, `stream`): the u32 words a kernel's
-    `queue` parameter points to (word 0 the queue counter, then the fault record)."""
-    return _workspace(stream, device).ptr
+    `queue` parameter points to (`codegen.abi`)."""
+    dev = ensure_context(device)
+    return workspace(stream_handle(stream), dev).ptr
 
 
 def _capturing(handle: int) -> bool:
@@ -341,51 +357,25 @@ def _capturing(handle: int) -> bool:
 
 
 def _take_fault(ws: _Workspace, handle: int) -> None:
-    """Raise the fault the pinned copy holds, clearing it on the host and (ordered on the
-    stream) on the device first, so the launches after it start clean."""
-    code, sid, cta = tuple(ws.record)
-    if code:
-        ctypes.memset(ctypes.addressof(ws.record), 0, ctypes.sizeof(ws.record))
-        call(cu.cuMemsetD32Async, ws.ptr + 4, 0, faults.RECORD_WORDS, handle)
-        raise faults.SchedulerError(code, sid, cta)
-
-
-def begin_launch(stream: object = None, device: int | None = None) -> int:
-    """Before a kernel launch on `stream`: report a scheduler fault an earlier launch there
-    recorded, if that launch has finished (never waits for it); zero the queue counter, on
-    the stream (so CUDA-graph replay resets it too). Returns the workspace pointer."""
-    ws = _workspace(stream, device)
-    handle = stream_handle(stream)
-    with _workspace_lock:
-        if ws.copy_pending and not _capturing(handle):
-            status = cu.cuEventQuery(ws.event)[0]
-            if status != cu.CUresult.CUDA_ERROR_NOT_READY:
-                check((status,), "cuEventQuery")
-                ws.copy_pending = False
-                _take_fault(ws, handle)
-    memset_d32_async(ws.ptr, 0, 1, handle, ws.device)
-    return ws.ptr
-
-
-def end_launch(stream: object = None, device: int | None = None) -> None:
-    """After a kernel launch on `stream`: queue a copy of the fault record into pinned
-    memory and an event behind it, for `begin_launch` to look at. Under MHADSL_DEBUG=1, wait
-    for the launch and raise its fault now."""
-    ws = _workspace(stream, device)
-    handle = stream_handle(stream)
+    """Raise the fault the host's copy holds, clearing it on the host and (ordered on stream
+    `handle`, after the launch that recorded it) on the device first, so the launches after
+    it start clean. Under capture the fault waits for the next launch outside it."""
     if _capturing(handle):
-        return  # a replay's faults are reported by synchronize()
+        return
     with _workspace_lock:
-        if ws.event is None:
-            ws.event = call(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-        call(cu.cuMemcpyDtoHAsync, ctypes.addressof(ws.record), ws.ptr + 4,
-             ctypes.sizeof(ws.record), handle)
-        call(cu.cuEventRecord, ws.event, handle)
-        ws.copy_pending = True
-        if debug_mode():
-            call(cu.cuEventSynchronize, ws.event)
-            ws.copy_pending = False
-            _take_fault(ws, handle)
+        code, sid, cta = tuple(ws.record)
+        if not code:
+            return  # another thread reported it
+        ctypes.memset(ctypes.addressof(ws.record), 0, ctypes.sizeof(ws.record))
+        call(cu.cuMemsetD32Async, ws.ptr + 4 * abi.RECORD_WORD, 0, abi.RECORD_WORDS, handle)
+    raise faults.SchedulerError(code, sid, cta)
+
+
+def wait_for_fault(stream: int, device: int) -> None:
+    """MHADSL_DEBUG=1 after a launch: wait for it and raise its scheduler fault now."""
+    if not _capturing(stream):
+        call(cu.cuStreamSynchronize, stream)
+        workspace(stream, device)
 
 
 def debug_mode() -> bool:
@@ -399,14 +389,9 @@ def synchronize(device: int | None = None) -> None:
     for a scheduler fault any launch there recorded (clearing it)."""
     dev = ensure_context(device)
     call(cu.cuCtxSynchronize)
-    with _workspace_lock:
-        for (d, _), ws in _workspaces.items():
-            if d != dev:
-                continue
-            ws.copy_pending = False
-            call(cu.cuMemcpyDtoH, ctypes.addressof(ws.record), ws.ptr + 4,
-                 ctypes.sizeof(ws.record))
-            _take_fault(ws, 0)
+    for (d, _), ws in list(_workspaces.items()):
+        if d == dev and ws.record[0]:
+            _take_fault(ws, 0)  # everything has finished: the legacy stream clears it
 
 
 # --- modules and launches ----------------------------------------------------------------------
@@ -574,3 +559,10 @@ class Function:
             ctypes.addressof(pointers),
             0,
         )
+
+    def launch_packed(self, grid: tuple[int, int, int], threads: int, shared_bytes: int,
+                      stream: int, params: int) -> None:
+        """Launch on raw `stream` with `params`, the address of a `void*[]` of the kernel's
+        parameters (`runtime.launch.ParamBlock`): one driver call, nothing else."""
+        check(cu.cuLaunchKernel(self._handle, *grid, threads, 1, 1, shared_bytes, stream,
+                                params, 0), "cuLaunchKernel")

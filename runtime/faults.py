@@ -1,42 +1,21 @@
-"""The scheduler fault record: what a kernel writes when a scheduler would have hung it.
+"""The scheduler fault a kernel records when a scheduler would have hung it, as an error.
 
-Every kernel's `queue` parameter points to a per-stream workspace of `WORKSPACE_WORDS` u32:
-
-    word 0   the queue counter (zeroed on the launch's stream before every launch)
-    word 1   fault code: kind << 8 | rule index (0: no fault)
-    word 2   id of the scheduler (`scheduler_id`)
-    word 3   the CTA (linear block index) that stopped
-
-The record is not zeroed per launch: the first fault wins until the runtime reports it and
-clears it. The code generator writes it (`codegen.scheduler`), the driver reads it; this
-module, plain Python, is the one place both take the layout from.
+The record's layout in the per-stream workspace is the kernel ABI's (`codegen.abi`): the
+first fault wins until the runtime reports it and clears it (`runtime.driver`).
 """
 from __future__ import annotations
 
-import zlib
-
-WORKSPACE_WORDS = 4
-RECORD_WORDS = 3  # words 1..3
-TOO_MANY_TILES = 1  # advance kept returning work past all the work of the launch, plus one
-ENDLESS_WHILE = 2  # a `while` ran past its bound
-RULES = ("grid_dim", "initial_state", "get_current_work_info", "advance", "unsafe_seq_info")
-# The `while` loops of one scheduler step (the first rules, or one advance) may run
-# WHILE_SLACK * (ts.num_work() + CTAs) + WHILE_MIN iterations together: a correct rule
-# (skipping tiles, scanning sequences or heads) stays far below it.
-WHILE_SLACK, WHILE_MIN = 4, 1024
+from mhadsl.codegen import abi
+from mhadsl.codegen.abi import ENDLESS_WHILE, RULES, TOO_MANY_TILES, WHILE_MIN, WHILE_SLACK
 
 _names: dict[int, str] = {}
 
 
 def scheduler_id(name: str) -> int:
     """The id a kernel records for scheduler `name` (remembered, so a fault can name it)."""
-    sid = zlib.crc32(name.encode()) or 1
+    sid = abi.scheduler_id(name)
     _names[sid] = name
     return sid
-
-
-def fault_code(kind: int, rule: str) -> int:
-    return kind << 8 | RULES.index(rule)
 
 
 class SchedulerError(RuntimeError):

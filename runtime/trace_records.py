@@ -1,13 +1,8 @@
 """The work-item record a traced kernel writes (`mhadsl trace`), and its decoding.
 
 A traced build (`KernelRequest(trace=True)`) reaches its record buffer through the same
-workspace pointer as the queue counter (`runtime.faults`), so it takes no new kernel
-parameter and the untraced kernel is unchanged. The traced launch's workspace is larger:
-
-    words 0 .. WORKSPACE_WORDS-1    the usual workspace (queue counter, fault record)
-    word  COUNT_WORD                 records written so far (atomic; may pass the capacity)
-    word  CAPACITY_WORD              how many records fit
-    words HEADER_WORDS + k * RECORD_WORDS ...   record k (RECORD_FIELDS, u32 each)
+workspace pointer as the queue counter, so it takes no new kernel parameter and the untraced
+kernel is unchanged; the layout is the kernel ABI's (`codegen.abi`).
 
 One thread per CTA (the recording role's first) writes one record per work item it runs:
 the tile, where it ran and when (%globaltimer, nanoseconds) it started and ended.
@@ -16,14 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from mhadsl.runtime import faults
-
-COUNT_WORD = faults.WORKSPACE_WORDS
-CAPACITY_WORD = COUNT_WORD + 1
-HEADER_WORDS = -(-(CAPACITY_WORD + 1) // 8) * 8  # records start 32-byte aligned
-RECORD_FIELDS = ("prompt_offset", "head", "batch", "cta", "sm", "duration", "start_lo",
-                 "start_hi")
-RECORD_WORDS = len(RECORD_FIELDS)
+from mhadsl.codegen.abi import TRACE_CAPACITY_WORD as CAPACITY_WORD
+from mhadsl.codegen.abi import TRACE_COUNT_WORD as COUNT_WORD
+from mhadsl.codegen.abi import TRACE_FIELDS as RECORD_FIELDS
+from mhadsl.codegen.abi import TRACE_HEADER_WORDS as HEADER_WORDS
+from mhadsl.codegen.abi import TRACE_RECORD_WORDS as RECORD_WORDS
 
 
 def workspace_words(capacity: int) -> int:

@@ -26,8 +26,7 @@ def test_examples_cover_the_promised_variants():
 # lookups (binary search over cu_seqlens' tile prefix sums) under LPT moved two of them onto
 # the fallback and softcap_causal off it (the dense sliding window too).
 NARROW_TILE_BUILDS = {(name, "sm_90a", True) for name in (
-    "causal_fwd", "gqa_causal", "bottom_right_causal", "sliding_window_256")} | {
-    ("sliding_window_256", "sm_90a", False)}
+    "causal_fwd", "gqa_causal")}
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])

@@ -83,8 +83,8 @@ def test_config_validation():
 
 
 # The kernel's ABI as the runtime calls it (by name, in this order, each PTX parameter the
-# size of the ctypes value mhadsl/api.py passes). Written out, not derived from
-# KERNEL_PARAMS: reordering, retyping, adding or dropping a parameter must change it too.
+# size of the value the host packs: tests/test_abi.py). Written out, not derived from
+# the ABI: reordering, retyping, adding or dropping a parameter must change it too.
 PTR, I64, I32, F32 = ".u64 .ptr", ".u64", ".u32", ".f32"
 KERNEL_ABI = [
     ("q", PTR), ("k", PTR), ("v", PTR), ("o", PTR), ("lse", PTR), ("cu_seqlens_q", PTR),
@@ -105,7 +105,7 @@ def test_kernel_parameters_are_the_runtime_abi():
                           entry[:entry.index(")")])
     assert [int(k) for _, k in declared] == list(range(len(KERNEL_ABI)))
     assert [ptx_type for ptx_type, _ in declared] == [t for _, t in KERNEL_ABI]
-    assert [p.name for p in A.KERNEL_PARAMS] == [name for name, _ in KERNEL_ABI]
+    assert [p.name for p in A.ABI] == [name for name, _ in KERNEL_ABI]
     assert ".maxntid 128\n" in ptx  # the launcher's block: threads(config)
 
 

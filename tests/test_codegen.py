@@ -8,7 +8,7 @@ from helpers import EXAMPLES, REPO, STD, checked
 from mhadsl.codegen.assemble import find_ptxas, parse_resources
 from mhadsl.codegen.scheduler import SchedulerSpec, build_trace_kernel, lower_scheduler
 from mhadsl.codegen.target import HOST, HostJit, emit_ptx, gpu_target, new_module, optimize
-from mhadsl.runtime import faults
+from mhadsl.codegen import abi
 from mhadsl.pipeline import CompileOptions, compile_stages
 
 SOURCES = [("std/schedulers.mha", (REPO / "mhadsl/std/schedulers.mha").read_text(), REPO)] + \
@@ -95,8 +95,9 @@ def test_host_while_loops_burn_fuel():
 
 def test_gpu_work_loop_records_scheduler_faults_and_stops_every_thread():
     """On the GPU the work loop bounds the tiles a CTA takes and each step's `while` fuel;
-    past either it writes the fault record (word 1 of the workspace: kind and rule, first
-    fault wins) and a CTA-wide vote ends the loop, without a trap."""
+    past either it writes the fault record (`abi.RECORD_WORD` of the workspace: kind and
+    rule, first fault wins; then the host's copy, code last) and a CTA-wide vote ends the
+    loop, without a trap. The last thread out resets the queue counter."""
     program = checked(spinning(
         "return State(idx = block_idx.x, slots = slots, max_idx = ts.num_work())",
         "var i = 0\n while i < state.max_idx { i += 1 }\n"
@@ -106,15 +107,24 @@ def test_gpu_work_loop_records_scheduler_faults_and_stops_every_thread():
     build_trace_kernel(module, lower_scheduler(module, program, SchedulerSpec("Spin"), target))
     ptx = emit_ptx(optimize(module, target), target)
     kernel, recorder = ptx.split(".entry trace_Spin(")[1].split(".func mhadsl_$_record_fault(")
-    # The record: a compare-and-swap of word 1 (the code) in a function of its own, called
-    # from one place, where every step (the first rules, each advance) ends at one vote.
-    assert re.search(r"atom\.\w+\.\w+\.global\.cas\.b32\s+%r\d+, \[%rd\d+\+4\], 0, %r\d+;",
-                     recorder)
+    recorder, exit_counter = recorder.split(".func mhadsl_$_count_exit(")
+    # The record: a compare-and-swap of its first word (the code) in a function of its own,
+    # called from one place, where every step (the first rules, each advance) ends at one vote.
+    assert re.search(rf"atom\.\w+\.\w+\.global\.cas\.b32\s+%r\d+, \[%rd\d+\+{4 * abi.RECORD_WORD}\], "
+                     r"0, %r\d+;", recorder)
+    host_copy = re.findall(r"st\.(\w+)\.sys\.global\.u32 \[%rd\d+\+(\d+)\]", recorder)
+    assert host_copy == [("relaxed", "4"), ("relaxed", "8"), ("release", "0")]
+    # The end: threads counted out (u64), the last resets the counter and the count.
+    assert kernel.count("call.uni mhadsl_$_count_exit") == 1
+    exits = re.search(rf"atom\.global\.add\.u64\s+%rd\d+, \[(%rd\d+)\+{4 * abi.EXITED_WORD}\]",
+                      exit_counter)
+    assert exits and re.search(rf"atom\.global\.exch\.b32\s+%r\d+, \[{exits.group(1)}\], 0;",
+                               exit_counter.split(exits.group(0))[1])
     assert kernel.count("call.uni mhadsl_$_record_fault") == 1
     assert kernel.count("bar.red.or.pred") == 1
     # The codes it records: too many tiles, or the negated code `loop_fuel` left in the tank.
-    assert re.search(rf"\b{faults.fault_code(faults.TOO_MANY_TILES, 'advance')}\b", kernel)
-    assert re.search(rf"-{faults.fault_code(faults.ENDLESS_WHILE, 'advance')}\b", kernel)
+    assert re.search(rf"\b{abi.fault_code(abi.TOO_MANY_TILES, 'advance')}\b", kernel)
+    assert re.search(rf"-{abi.fault_code(abi.ENDLESS_WHILE, 'advance')}\b", kernel)
     assert "trap" not in ptx
 
 

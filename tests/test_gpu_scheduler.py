@@ -38,7 +38,7 @@ def gpu_trace(spec: SchedulerSpec, batch: Batch, num_sms: int, threads: int = 12
     d_out = driver.DeviceBuffer.from_numpy(out)
     d_vl = driver.DeviceBuffer.from_numpy(offsets)
     d_overflow = driver.DeviceBuffer.from_numpy(np.zeros(1, np.uint32))
-    workspace = driver.begin_launch()
+    workspace = driver.queue_workspace()
     index = tile_index.prepare(d_vl.ptr, len(batch.seqlens), batch.tile) if batch.ragged else 0
     fn = driver.Module.from_ptx(ptx).function(kernel_name)
     u32 = ctypes.c_uint32
@@ -46,7 +46,6 @@ def gpu_trace(spec: SchedulerSpec, batch: Batch, num_sms: int, threads: int = 12
               [workspace, u32(num_sms), u32(len(batch.seqlens)), u32(batch.max_num_prompt_tiles),
                u32(max(batch.seqlens)), u32(batch.heads), d_vl.ptr if batch.ragged else 0,
                d_out, u32(max_steps), d_overflow, index])
-    driver.end_launch()
     d_out.copy_to_numpy(out)
     overflow = np.zeros(1, np.uint32)
     d_overflow.copy_to_numpy(overflow)

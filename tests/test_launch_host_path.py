@@ -5,6 +5,7 @@ sliding window (B4 S4096 H16 D128, 0.2 ms on the H200) measured 0.49 ms per call
 call chose its kernel design again and built NumPy views of out, q, k and v to prove they
 share no memory (BENCHMARKS.md, 68 against 163 TFLOP/s; the kernel itself was unchanged).
 """
+import ctypes
 from collections import Counter
 from types import SimpleNamespace
 
@@ -18,6 +19,16 @@ from mhadsl.runtime import driver, tensormap, tensors
 from test_hostile_tensors import SOURCE, FakeDevice, dense, qkv_and_out_interleaved
 
 
+WORKSPACE = 1 << 20  # the stand-in stream workspace's address
+
+
+def _fake_map(layout) -> ctypes.Array:
+    """128 bytes that say what was asked of the encoder: address, box, dims (u64 each)."""
+    words = [layout.address, *layout.box, *layout.dims]
+    return (ctypes.c_ubyte * 128).from_buffer_copy(
+        b"".join(w.to_bytes(8, "little") for w in words).ljust(128, b"\0"))
+
+
 @pytest.fixture
 def kernel(monkeypatch):
     """The kernel on a stand-in 9.0 device; `kernel.launches` counts launches,
@@ -25,7 +36,7 @@ def kernel(monkeypatch):
     targets of the builds it loaded, `kernel.encoded` the addresses of the tensor maps it
     encoded."""
     kern = mhadsl.compile(SOURCE)["h64"]
-    kern.launches, kern.calls, kern.targets, kern.encoded = 0, Counter(), [], []
+    kern.launches, kern.calls, kern.targets, kern.encoded, kern.blocks = 0, Counter(), [], [], []
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -33,13 +44,17 @@ def kernel(monkeypatch):
             return fn(*args, **kwargs)
         return wrapper
 
-    def launch(*args):
+    def launch(grid, threads, shared_bytes, stream, params):
         kern.launches += 1
+        kern.blocks.append(ctypes.string_at(ctypes.cast(params, ctypes.POINTER(
+            ctypes.c_void_p))[0], kern.abi.size))  # the parameter block as launched
 
     def build(layout, target, backend):
         kern.targets.append(target.arch)
+        kern.abi = backend.abi
         config = backend.configs(kern.options, layout)[0]
-        function = SimpleNamespace(max_active_blocks=lambda *a: 2, launch=launch)
+        function = SimpleNamespace(max_active_blocks=lambda *a: 2, launch_packed=launch,
+                                   set_max_dynamic_shared=lambda nbytes: None)
         return _Build(function, config, backend.launch_shape(config), backend, None)
 
     monkeypatch.setattr(backends, "select_backend", counted("select_backend",
@@ -48,12 +63,13 @@ def kernel(monkeypatch):
     monkeypatch.setattr(tensors, "pointer_device", lambda ptr: ptr >> 40)
     monkeypatch.setattr(driver, "device_info", lambda device: SimpleNamespace(
         compute_capability=(9, 0), multiprocessor_count=132))
-    monkeypatch.setattr(driver, "begin_launch", lambda stream, device: 1 << 20)
-    monkeypatch.setattr(driver, "end_launch", lambda stream, device: None)
+    monkeypatch.setattr(driver, "workspace", lambda stream, device: SimpleNamespace(
+        ptr=WORKSPACE))
+    monkeypatch.setattr(driver, "ensure_context", lambda device=None: device)
     def encode(*args, device=None, **kwargs):  # host-side layout checks, no driver encoder
         kern.encoded.append(args[0])
-        return SimpleNamespace(layout=tensormap.tiled_layout(*args, **kwargs),
-                               kernel_arg=lambda: None)
+        layout = tensormap.tiled_layout(*args, **kwargs)
+        return SimpleNamespace(layout=layout, kernel_arg=lambda: _fake_map(layout))
 
     monkeypatch.setattr(tensormap, "encode_tiled", encode)
     monkeypatch.setattr(kern, "_build", build)
@@ -94,11 +110,16 @@ def test_the_design_is_chosen_again_for_another_device_or_a_forced_backend(kerne
                                                                            monkeypatch):
     kernel(**dense())
     monkeypatch.setattr(driver, "device_info", lambda device: SimpleNamespace(
-        compute_capability=(8, 0), multiprocessor_count=108))
-    kernel(**dense())
+        compute_capability=(9, 0) if device == 0 else (8, 0), multiprocessor_count=108))
+    kernel(**on_device_1(dense()))
     assert kernel.targets == ["sm_90a", "sm_80"]
     kernel.backend = "sm90"  # Hopper only: refused on this device, at every call
     for _ in range(2):
         with pytest.raises(RuntimeError, match="builds for sm_90a, not sm_80"):
-            kernel(**dense())
+            kernel(**on_device_1(dense()))
     assert kernel.launches == 2 and kernel.calls["select_backend"] == 4
+
+
+def on_device_1(args: dict) -> dict:
+    return {n: FakeDevice(t.shape, device=1) if isinstance(t, FakeDevice) else t
+            for n, t in args.items()}

@@ -64,13 +64,13 @@ def test_every_example_assembles_for_sm90a_without_spills(file, name, layout):
 def test_tensor_maps_are_grid_constant_parameters():
     ptx = build("causal.mha", "causal_fwd").ptx
     maps = re.findall(rf"\.param \.align \d+ \.b8 {KERNEL_NAME}_param_(\d+)\[128\]", ptx)
-    first = len(backends.backend("sm80").params)
+    first = len(backends.backend("sm80").abi.params)
     assert [int(i) for i in maps] == [first + k for k in range(4)]  # q, k, v, o maps
 
 
 def test_kernel_parameters_add_four_tensor_maps_to_sm80s():
-    names = [p.name for p in BACKEND.params]
-    sm80 = [p.name for p in backends.backend("sm80").params]
+    names = [p.name for p in BACKEND.abi.params]
+    sm80 = [p.name for p in backends.backend("sm80").abi.params]
     assert names == sm80 + ["q_map", "k_map", "v_map", "o_map"]
     shape = BACKEND.launch_shape(HopperConfig())
     assert shape.threads == 384 and shape.shared_bytes == shared_bytes(HopperConfig())

@@ -4,7 +4,7 @@ A backend is one kernel design. It says
 - which GPU targets it builds for (`targets`) and what a declaration may ask of it
   (`problems`: the one place its constraints live; `mhadsl check` asks it too),
 - its configurations for a declaration and a call's layout (`configs`, best first),
-- its kernel parameters (`params`) and launch shape (`launch_shape`),
+- its kernel parameters (`abi`, `codegen.abi`) and launch shape (`launch_shape`),
 - and it builds its kernel (`build`) from the declaration's mask/score hooks and the
   scheduler's work loop (`KernelSource`).
 
@@ -28,6 +28,7 @@ from typing import Callable
 from llvmlite import ir
 
 from mhadsl.codegen import nvptx, warp
+from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
 from mhadsl.codegen.assemble import Assembled, assemble, find_ptxas
 from mhadsl.codegen.nvptx import GLOBAL, f32, i1, i32, i64
 from mhadsl.codegen.target import Target, emit_ptx, optimize
@@ -143,16 +144,32 @@ class LaunchShape:
     shared_bytes: int  # dynamic shared memory per CTA
 
 
-@dataclass(frozen=True)
-class KernelParam:
-    name: str
-    kind: str  # "ptr" (global address, 8 bytes), "i64", "i32", "f32", "tensor_map" (128 B)
-    meaning: str
-
-    @property
-    def llvm_type(self) -> ir.Type:
-        return {"ptr": nvptx.ptr(GLOBAL), "i64": i64, "i32": i32, "f32": f32,
-                "tensor_map": nvptx.ptr()}[self.kind]
+# The parameters of every forward attention kernel, in order (a design adds its own after
+# them: `abi.KernelABI`).
+FORWARD_PARAMS: tuple[Param, ...] = (
+    Param("q", "ptr", Pointer("q"), "queries, dtype elements; dense (B,Sq,Hq,D) / ragged (total_q,Hq,D); last dim contiguous, 16-byte aligned rows", align=16),
+    Param("k", "ptr", Pointer("k"), "keys, dense (B,Sk,Hkv,D) / ragged (total_k,Hkv,D)", align=16),
+    Param("v", "ptr", Pointer("v"), "values, same layout as k", align=16),
+    Param("o", "ptr", Pointer("o"), "output, same layout as q (written for valid rows only)", align=16),
+    Param("lse", "ptr", Pointer("lse"), "float32 log-sum-exp (natural log) or null when return_lse is off; element (b,h,row) at b*lse_stride_batch + h*lse_stride_head + start_of_seq + row", align=4),
+    Param("cu_seqlens_q", "ptr", Pointer("cu_seqlens_q"), "int32 (B+1) query row offsets (ragged), else null", align=4),
+    Param("cu_seqlens_k", "ptr", Pointer("cu_seqlens_k"), "int32 (B+1) key row offsets (ragged), else null", align=4),
+    *(Param(f"{t}_stride_{axis}", "i64", Stride(t, axis), f"elements from one {axis} of {t} to the next" + (" (0 when ragged)" if axis == "batch" else ""))
+      for t in "qkvo" for axis in ("batch", "row", "head")),
+    Param("lse_stride_batch", "i64", CallValue("lse_stride_batch"), "floats between batches of lse: Hq*Sq dense, 0 ragged"),
+    Param("lse_stride_head", "i64", CallValue("lse_stride_head"), "floats between heads of lse: Sq dense, total_q ragged"),
+    Param("batch", "i32", CallValue("batch"), "number of sequences B"),
+    Param("num_heads", "i32", CallValue("num_heads"), "query heads Hq (= gqa_group * Hkv)"),
+    Param("max_seqlen_q", "i32", CallValue("max_seqlen_q"), "longest query sequence (dense: seqlen_q)"),
+    Param("max_seqlen_k", "i32", CallValue("max_seqlen_k"), "longest key sequence (dense: seqlen_k)"),
+    Param("seqlen_q", "i32", CallValue("seqlen_q"), "dense query length (ignored when ragged)"),
+    Param("seqlen_k", "i32", CallValue("seqlen_k"), "dense key length (ignored when ragged)"),
+    Param("softmax_scale", "f32", CallValue("softmax_scale"), "scale applied to q.k before the score hook / softmax"),
+    Param("queue", "ptr", Workspace("queue"), "per-stream u32 workspace: the work-queue counter, then the scheduler fault record (codegen/abi.py); never null", align=4),
+    Param("num_sms", "i32", CallValue("num_sms"), "multiprocessors on the device (persistent grid size)"),
+    Param("ctas_per_sm", "i32", CallValue("ctas_per_sm"), "CTAs of this kernel that fit on one multiprocessor"),
+    Param("tile_index", "ptr", Workspace("tile_index"), "u32 tile index of a ragged launch (codegen/tile_index.py: per-sequence tile prefix sums, longest-first ranks), built on the device from cu_seqlens_q before the launch; null when dense", align=4),
+)
 
 
 @dataclass(frozen=True)
@@ -194,14 +211,14 @@ class KernelArgs:
     traced build (`mhadsl trace`) thread `trace_thread` records the loop's work items; None:
     this loop records none (another role's loop does)."""
 
-    def __init__(self, fn: ir.Function, params: tuple[KernelParam, ...], config: object,
+    def __init__(self, fn: ir.Function, abi: KernelABI, config: object,
                  opaque_env: bool = False, divergent_roles: bool = False,
                  trace_thread: int | None = 0, handoff=None):
         self.function, self.config, self.opaque_env = fn, config, opaque_env
         self.divergent_roles, self.handoff = divergent_roles, handoff
         self.trace_thread = trace_thread
         self.persistent = False
-        for p, arg in zip(params, fn.args):
+        for p, arg in zip(abi, fn.args):
             setattr(self, p.name, arg)
 
     def __getitem__(self, name: str) -> ir.Value:
@@ -238,7 +255,7 @@ class Backend(ABC):
 
     name: str
     targets: tuple[str, ...]  # arches it builds for
-    params: tuple[KernelParam, ...]  # the kernel's parameters, in order
+    abi: KernelABI  # the kernel's parameters, in order, for the kernel and the host alike
     config_type: type
     # whether a producer takes each next work index a work tile ahead of the consumers,
     # where the scheduler lets its roles run apart (`scheduler.runs_apart`): its queue
@@ -257,11 +274,6 @@ class Backend(ABC):
     @abstractmethod
     def launch_shape(self, config) -> LaunchShape:
         ...
-
-    def launch_args(self, config, tensors: dict, ragged: bool) -> dict:
-        """Launch arguments beyond the common ones (tensor maps, say), by parameter name,
-        for device views `tensors["q"]`, `["k"]`, `["v"]`, `["o"]`."""
-        return {}
 
     @abstractmethod
     def build(self, source: KernelSource, configs: tuple, target: Target) -> KernelBuild:

@@ -30,12 +30,14 @@ from typing import Callable
 from llvmlite import ir
 
 from mhadsl.codegen import nvptx, warp
+from mhadsl.codegen.abi import KernelABI
 from mhadsl.codegen.backends import (
-    SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelParam, KernelSource,
+    FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
     LaunchShape, Layout, Problem, TileSeq, WorkTile, common_problems, sequence_rows,
     spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
+from mhadsl.codegen.scheduler import count_exit
 from mhadsl.codegen.target import Target, new_module
 
 KERNEL_NAME = "mha_fwd"
@@ -196,40 +198,7 @@ def transient_grid(config: AttentionConfig, batch: int, num_heads: int,
 
 
 # ============================================================================ kernel parameters
-KERNEL_PARAMS: tuple[KernelParam, ...] = (
-    KernelParam("q", "ptr", "queries, dtype elements; dense (B,Sq,Hq,D) / ragged (total_q,Hq,D); last dim contiguous, 16-byte aligned rows"),
-    KernelParam("k", "ptr", "keys, dense (B,Sk,Hkv,D) / ragged (total_k,Hkv,D)"),
-    KernelParam("v", "ptr", "values, same layout as k"),
-    KernelParam("o", "ptr", "output, same layout as q (written for valid rows only)"),
-    KernelParam("lse", "ptr", "float32 log-sum-exp (natural log) or null when return_lse is off; element (b,h,row) at b*lse_stride_batch + h*lse_stride_head + start_of_seq + row"),
-    KernelParam("cu_seqlens_q", "ptr", "int32 (B+1) query row offsets (ragged), else null"),
-    KernelParam("cu_seqlens_k", "ptr", "int32 (B+1) key row offsets (ragged), else null"),
-    KernelParam("q_stride_batch", "i64", "elements between batches of q (0 when ragged)"),
-    KernelParam("q_stride_row", "i64", "elements between rows (tokens) of q"),
-    KernelParam("q_stride_head", "i64", "elements between heads of q"),
-    KernelParam("k_stride_batch", "i64", "elements between batches of k (0 when ragged)"),
-    KernelParam("k_stride_row", "i64", "elements between rows of k"),
-    KernelParam("k_stride_head", "i64", "elements between heads of k"),
-    KernelParam("v_stride_batch", "i64", "elements between batches of v (0 when ragged)"),
-    KernelParam("v_stride_row", "i64", "elements between rows of v"),
-    KernelParam("v_stride_head", "i64", "elements between heads of v"),
-    KernelParam("o_stride_batch", "i64", "elements between batches of o (0 when ragged)"),
-    KernelParam("o_stride_row", "i64", "elements between rows of o"),
-    KernelParam("o_stride_head", "i64", "elements between heads of o"),
-    KernelParam("lse_stride_batch", "i64", "floats between batches of lse: Hq*Sq dense, 0 ragged"),
-    KernelParam("lse_stride_head", "i64", "floats between heads of lse: Sq dense, total_q ragged"),
-    KernelParam("batch", "i32", "number of sequences B"),
-    KernelParam("num_heads", "i32", "query heads Hq (= gqa_group * Hkv)"),
-    KernelParam("max_seqlen_q", "i32", "longest query sequence (dense: seqlen_q)"),
-    KernelParam("max_seqlen_k", "i32", "longest key sequence (dense: seqlen_k)"),
-    KernelParam("seqlen_q", "i32", "dense query length (ignored when ragged)"),
-    KernelParam("seqlen_k", "i32", "dense key length (ignored when ragged)"),
-    KernelParam("softmax_scale", "f32", "scale applied to q.k before the score hook / softmax"),
-    KernelParam("queue", "ptr", "per-stream u32 workspace: the work-queue counter, then the scheduler fault record (runtime/faults.py); never null"),
-    KernelParam("num_sms", "i32", "multiprocessors on the device (persistent grid size)"),
-    KernelParam("ctas_per_sm", "i32", "CTAs of this kernel that fit on one multiprocessor"),
-    KernelParam("tile_index", "ptr", "u32 tile index of a ragged launch (codegen/tile_index.py: per-sequence tile prefix sums, longest-first ranks), built on the device from cu_seqlens_q before the launch; null when dense"),
-)
+ABI = KernelABI(*FORWARD_PARAMS)
 
 
 # ============================================================================ small IR helpers
@@ -675,37 +644,31 @@ def _add_fn_attr(fn: ir.Function, text: str) -> None:
 def build_attention_module(config: AttentionConfig, hooks: ExprHooks | None, target: Target,
                            work_loop: Callable = transient_work_loop,
                            tuning: Tuning = Tuning()) -> ir.Module:
-    """One module holding the kernel `kernel_name(config)` with KERNEL_PARAMS as its
+    """One module holding the kernel `kernel_name(config)` with ABI as its
     parameters, `threads(config)` threads and `shared_bytes(config)` of dynamic shared memory
     (the extern array SMEM_SYMBOL, 128-byte aligned)."""
     config.validate()
     hooks = hooks or ExprHooks()
     module = new_module(f"mha_{config.dtype}_d{config.head_dim}", target)
-    fnty = ir.FunctionType(nvptx.void, [p.llvm_type for p in KERNEL_PARAMS])
-    fn = ir.Function(module, fnty, name=kernel_name(config))
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, ABI.llvm_types()),
+                     name=kernel_name(config))
     nvptx.mark_kernel(fn)
     _add_fn_attr(fn, f'"nvvm.maxntid"="{config.threads}"')
     _add_fn_attr(fn, f'"nvvm.minctasm"="{min_ctas_per_sm(config)}"')
-    for p, arg in zip(KERNEL_PARAMS, fn.args):
-        arg.name = p.name
-        if p.kind == "ptr":
-            arg.add_attribute("noalias")
-            if p.name in ("q", "k", "v", "o"):
-                arg.attributes.align = 16
-            elif p.name in ("lse", "cu_seqlens_q", "cu_seqlens_k", "queue", "tile_index"):
-                arg.attributes.align = 4
+    ABI.declare(fn)
     smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
     smem.linkage = "external"
     smem.align = 128
 
     builder = ir.IRBuilder(fn.append_basic_block("entry"))
-    args = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=tuning.opaque_env)
+    args = KernelArgs(fn, ABI, config, opaque_env=tuning.opaque_env)
     args.longest_first = hooks.classify is not None and tuning.longest_first
     def tile(b: ir.IRBuilder, seq) -> None:
         # Thread-level values are recomputed per tile (cheap ALU) rather than held across a
         # persistent loop.
         _TileEmitter(config, hooks, b, args, smem, tuning).emit_tile(b, seq)
     work_loop(builder, args, tile)
+    count_exit(builder, args.queue)
     builder.ret_void()
     return module
 
@@ -772,7 +735,7 @@ class SM80(Backend):
 
     name = "sm80"
     targets = ("sm_90a", "sm_80")  # the roomiest first: its problems are reported on ties
-    params = KERNEL_PARAMS
+    abi = ABI
     config_type = AttentionConfig
 
     def problems(self, options, arch: str) -> list[Problem]:

@@ -60,13 +60,13 @@ from typing import Callable
 from llvmlite import ir
 
 from mhadsl.codegen import hopper, nvptx, warp
+from mhadsl.codegen.abi import KernelABI, Param, TensorMap
 from mhadsl.codegen.backends import (
-    SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelParam, KernelSource,
+    FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
     LaunchShape, Layout, Problem, WorkTile, common_problems, spill_free_build,
 )
-from mhadsl.codegen.backends.sm80 import KERNEL_PARAMS as SM80_PARAMS
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
-from mhadsl.codegen.scheduler import Handoff, init_handoff
+from mhadsl.codegen.scheduler import Handoff, count_exit, init_handoff
 from mhadsl.codegen.target import Target, new_module
 
 KERNEL_NAME = "mha_fwd_sm90"
@@ -172,36 +172,21 @@ def _barrier_bytes(config: HopperConfig) -> int:
     return (3 + 4 * config.stages) * hopper.MBARRIER_BYTES
 
 
-KERNEL_PARAMS: tuple[KernelParam, ...] = SM80_PARAMS + (
-    KernelParam("q_map", "tensor_map", "CUtensorMap over q as (B,Sq,Hq,D) (ragged: (1,total_q,Hq,D)), box (1,BM,1,64), 128-byte swizzle"),
-    KernelParam("k_map", "tensor_map", "CUtensorMap over k as (B,Sk,Hkv,D) (ragged: (1,total_k,Hkv,D)), box (1,BN,1,64)"),
-    KernelParam("v_map", "tensor_map", "CUtensorMap over v, as k_map"),
-    KernelParam("o_map", "tensor_map", "CUtensorMap over o, as q_map (a dense build stores O by it)"),
-)
+# The box of each map is read from here by the kernel (its copies and the bytes its barriers
+# expect) and by the host (the map it encodes).
+ABI = KernelABI(*FORWARD_PARAMS, *(
+    Param(f"{t}_map", "tensor_map", TensorMap(t, rows, BOX_COLUMNS), meaning)
+    for t, rows, meaning in (
+        ("q", "block_m", "CUtensorMap over q as (B,Sq,Hq,D) (ragged: (1,total_q,Hq,D)), box (1,BM,1,64), 128-byte swizzle"),
+        ("k", "block_n", "CUtensorMap over k as (B,Sk,Hkv,D) (ragged: (1,total_k,Hkv,D)), box (1,BN,1,64)"),
+        ("v", "block_n", "CUtensorMap over v, as k_map"),
+        ("o", "block_m", "CUtensorMap over o, as q_map (a dense build stores O by it)"))))
 
 
-# ============================================================================ host side
-def tensor_map_args(config: HopperConfig, tensors: dict, ragged: bool) -> dict:
-    """The tensor-map launch arguments for device views q, k, v, o (`.ptr`, `.shape`,
-    `.strides` in elements, `.device`)."""
-    from mhadsl.runtime.tensormap import launch_arg
-    rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n, "o": config.block_m}
-    maps = {}
-    for name, rows_per_box in rows.items():
-        t = tensors[name]
-        if ragged:
-            shape = (1, t.shape[0], t.shape[1], t.shape[2])
-            strides = (max(t.shape[0], 1) * t.strides[0], *t.strides)
-        else:
-            shape, strides = tuple(t.shape), tuple(t.strides)
-        # the driver wants extents of at least 1 (an empty tensor is never read)
-        shape = tuple(max(int(n), 1) for n in shape)
-        strides = tuple(int(s) if s else 1 for s in strides[:-1]) + (1,)
-        # an empty tensor may have no address; the map is never read then
-        address = t.ptr or tensors["o"].ptr or hopper.SWIZZLE_ATOM_BYTES
-        maps[f"{name}_map"] = launch_arg(address, config.dtype, shape, strides,
-                                         (1, rows_per_box, 1, BOX_COLUMNS), device=t.device)
-    return maps
+def _copy_bytes(tensor_map: str, config: HopperConfig) -> int:
+    """Bytes a tile's copies by `tensor_map` move: its box (from the ABI, as the host encodes
+    it) once per 64 columns."""
+    return ABI[tensor_map].binding.box_bytes(config) * config.boxes
 
 
 # ============================================================================ small IR helpers
@@ -499,7 +484,7 @@ class _Kernel:
             hopper.mbarrier_wait(b, mem.q_empty(b), previous_parity)
             bump_loaded(b)
             q_full = mem.q_full(b)
-            hopper.mbarrier_arrive_expect_tx(b, q_full, c.q_bytes)
+            hopper.mbarrier_arrive_expect_tx(b, q_full, _copy_bytes("q_map", c))
             row = b.add(t.q_start, t.q0)
             for box in range(c.boxes):
                 hopper.tma_load(b, mem.q_box(b, box), q_map,
@@ -516,7 +501,7 @@ class _Kernel:
                         hopper.mbarrier_wait(bb, mem.o_free(bb), previous_parity)
                     hopper.mbarrier_wait(bb, mem.empty(bb, which, stage), bb.xor(phase, i32(1)))
                     bar = mem.full(bb, which, stage)
-                    hopper.mbarrier_arrive_expect_tx(bb, bar, c.kv_tile_bytes)
+                    hopper.mbarrier_arrive_expect_tx(bb, bar, _copy_bytes(f"{which}_map", c))
                     for box in range(c.boxes):
                         dst = mem.kv_tile(bb, which, stage, box * c.block_n * hopper.SWIZZLE_BYTES)
                         hopper.tma_load(bb, dst, tmap,
@@ -703,18 +688,11 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
     role_threads = (hopper.WARPGROUP_THREADS, config.consumer_threads)  # producer, consumers
     producer_registers, consumer_registers = REGISTERS[config.consumer_groups]
     module = new_module(f"mha_sm90_{config.dtype}_d{config.head_dim}", target)
-    fnty = ir.FunctionType(nvptx.void, [p.llvm_type for p in KERNEL_PARAMS])
-    fn = ir.Function(module, fnty, name=KERNEL_NAME)
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, ABI.llvm_types()), name=KERNEL_NAME)
     nvptx.mark_kernel(fn)
     _add_fn_attr(fn, f'"nvvm.maxntid"="{config.threads}"')
     _add_fn_attr(fn, '"nvvm.minctasm"="1"')  # a register cap at entry, as setmaxnreg needs
-    for p, arg in zip(KERNEL_PARAMS, fn.args):
-        arg.name = p.name
-        if p.kind == "tensor_map":
-            hopper.mark_tensor_map_param(arg)
-        elif p.kind == "ptr":
-            arg.add_attribute("noalias")
-            arg.attributes.align = 16 if p.name in ("q", "k", "v", "o") else 4
+    params = ABI.declare(fn)
     smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
     smem.linkage = "external"
     smem.align = 128  # rounded up to 1024 at run time (see _Layout.base)
@@ -727,7 +705,6 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
     b.store(i32(0), kv_count)
     b.store(i32(0), tile_count)
     tid = nvptx.special_register(b, "thread_idx", "x")
-    params = dict(zip((p.name for p in KERNEL_PARAMS), fn.args))
     with b.if_then(b.icmp_unsigned("==", tid, i32(0))):
         for name in ("q_map", "k_map", "v_map"):
             hopper.prefetch_tensor_map(b, hopper.tensor_map_address(b, params[name]))
@@ -747,7 +724,7 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
     with b.if_else(is_producer) as (producer, consumer):
         with producer:
             hopper.setmaxnreg(b, producer_registers, increase=False)
-            args = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
+            args = KernelArgs(fn, ABI, config, opaque_env=True,
                               divergent_roles=True, trace_thread=None,  # consumers record
                               handoff=Handoff("producer", *role_threads))
             before = set(module.globals)
@@ -756,7 +733,7 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
             _rename_new_functions(module, before, ".producer")
         with consumer:
             hopper.setmaxnreg(b, consumer_registers, increase=True)
-            cargs = KernelArgs(fn, KERNEL_PARAMS, config, opaque_env=True,
+            cargs = KernelArgs(fn, ABI, config, opaque_env=True,
                                divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS,
                                handoff=Handoff("consumer", *role_threads))
             work_loop(b, cargs, lambda bb, seq: kernel.consumer_tile(bb, cargs, kv_count,
@@ -764,6 +741,7 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
             if not config.ragged:  # the last O store has read its tile before the CTA exits
                 with b.if_then(b.icmp_unsigned("==", tid, i32(hopper.WARPGROUP_THREADS))):
                     hopper.bulk_wait_group_read(b, 0)
+    count_exit(b, params["queue"])
     b.ret_void()
     return module
 
@@ -836,7 +814,7 @@ class SM90(Backend):
 
     name = "sm90"
     targets = ("sm_90a",)
-    params = KERNEL_PARAMS
+    abi = ABI
     config_type = HopperConfig
     producer_ahead = True  # `scheduler.Handoff`
 
@@ -861,9 +839,6 @@ class SM90(Backend):
 
     def launch_shape(self, config: HopperConfig) -> LaunchShape:
         return LaunchShape(KERNEL_NAME, config.threads, shared_bytes(config))
-
-    def launch_args(self, config: HopperConfig, tensors: dict, ragged: bool) -> dict:
-        return tensor_map_args(config, tensors, ragged)
 
     def build(self, source: KernelSource, configs: tuple[HopperConfig, ...],
               target: Target) -> KernelBuild:

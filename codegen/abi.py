@@ -1,0 +1,182 @@
+"""The kernel ABI: what a kernel takes, declared once for both of its sides.
+
+A design lists its parameters once, in order (`KernelABI`). Each `Param` has a kind (the
+one type the kernel declares and the host packs), a binding (where the host takes the value
+from) and a meaning. From that one list come the kernel's LLVM signature (`declare`: types,
+names, pointer alignment, by-value tensor maps) and the host's parameter block (`layout`:
+each parameter's offset in the block a launch passes, by CUDA's rule that a parameter sits
+at a multiple of its alignment). A new design or a new argument goes here and nowhere else.
+
+Bindings, by when the host knows the value:
+- per call signature (planned once, `runtime.launch`): `Stride`, `CallValue`;
+- per call: `Pointer` (a tensor's address), `Workspace` (the stream's), `TensorMap` (over a
+  tensor's address; its box is read from here by the kernel's copies and the host's map alike).
+
+The workspace every kernel's `queue` parameter points to (one per device and stream) is laid
+out here too, since the kernel writes it and the host reads it:
+
+    word 0      the queue counter: the last thread out of a launch resets it to 0
+    word 2..3   u64: threads of the launch that have finished (back to 0 with the counter)
+    word 4..6   the fault record: code (kind << 8 | rule; 0: none), scheduler id, CTA
+    word 8..9   u64: address of the host's copy of the fault record (0: none), which the
+                faulting thread writes too, so the host sees a fault without a copy
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from mhadsl.codegen import nvptx
+from mhadsl.codegen.nvptx import GLOBAL, f32, i32, i64
+
+# ============================================================================ parameters
+KIND_BYTES = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4, "tensor_map": 128}
+KIND_ALIGN = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4, "tensor_map": 64}
+TENSOR_MAP_BYTES = KIND_BYTES["tensor_map"]
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """The device address of a call's tensor ("q", "k", "v", "o", "lse", "cu_seqlens_q",
+    "cu_seqlens_k"), or 0 when the call has none."""
+    tensor: str
+
+
+@dataclass(frozen=True)
+class Stride:
+    """Elements between consecutive `axis` ("batch", "row", "head") of a call's tensor; a
+    ragged tensor's batch stride is 0."""
+    tensor: str
+    axis: str
+
+
+@dataclass(frozen=True)
+class CallValue:
+    """A number fixed by the call's signature: its sizes, strides of the LSE, the softmax
+    scale, the device's multiprocessors and the kernel's CTAs per multiprocessor."""
+    name: str
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """A per-stream device buffer: "queue" (the workspace above) or "tile_index"."""
+    name: str
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """A TMA tensor map over a call's tensor, seen as (batch, rows, heads, head_dim) (ragged:
+    (1, total rows, heads, head_dim)), whose box is one head's `rows` (a config attribute)
+    by `columns` of head_dim, `swizzle`-byte swizzled."""
+    tensor: str
+    rows: str
+    columns: int
+    swizzle: int = 128
+
+    def box(self, config) -> tuple[int, int, int, int]:
+        """The box, outermost first, for a build of `config`."""
+        return 1, getattr(config, self.rows), 1, self.columns
+
+    def box_bytes(self, config, itemsize: int = 2) -> int:
+        """Bytes one copy of the box moves (what the kernel's barrier expects)."""
+        _, rows, _, columns = self.box(config)
+        return rows * columns * itemsize
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: str  # "ptr" (a global address), "i64", "i32", "f32", "tensor_map" (128 B by value)
+    binding: Pointer | Stride | CallValue | Workspace | TensorMap
+    meaning: str
+    align: int = 0  # a pointer's alignment in bytes, which the kernel may assume
+
+    @property
+    def llvm_type(self) -> ir.Type:
+        return {"ptr": nvptx.ptr(GLOBAL), "i64": i64, "i32": i32, "f32": f32,
+                "tensor_map": nvptx.ptr()}[self.kind]
+
+
+class KernelABI:
+    """A kernel's parameters in order, and both sides made from them."""
+
+    def __init__(self, *params: Param):
+        names = [p.name for p in params]
+        assert len(set(names)) == len(names), "parameter names must be unique"
+        self.params = params
+        self.offsets, offset = {}, 0
+        for p in params:  # CUDA's parameter layout: each at a multiple of its alignment
+            offset = -(-offset // KIND_ALIGN[p.kind]) * KIND_ALIGN[p.kind]
+            self.offsets[p.name] = offset
+            offset += KIND_BYTES[p.kind]
+        self.size = offset
+
+    def __iter__(self):
+        return iter(self.params)
+
+    def __getitem__(self, name: str) -> Param:
+        return next(p for p in self.params if p.name == name)
+
+    def __add__(self, more: tuple[Param, ...]) -> KernelABI:
+        return KernelABI(*self.params, *more)
+
+    def llvm_types(self) -> list[ir.Type]:
+        return [p.llvm_type for p in self.params]
+
+    def declare(self, fn: ir.Function) -> dict[str, ir.Argument]:
+        """Name the kernel's arguments and give them what the ABI promises: pointers are
+        `noalias` with their alignment, tensor maps come by value (`grid_constant`)."""
+        from mhadsl.codegen import hopper  # only designs with tensor maps need it
+        for p, arg in zip(self.params, fn.args):
+            arg.name = p.name
+            if p.kind == "tensor_map":
+                hopper.mark_tensor_map_param(arg)
+            elif p.kind == "ptr":
+                arg.add_attribute("noalias")
+                if p.align:
+                    arg.attributes.align = p.align
+        return {p.name: arg for p, arg in zip(self.params, fn.args)}
+
+    def tensor_maps(self) -> tuple[Param, ...]:
+        return tuple(p for p in self.params if p.kind == "tensor_map")
+
+
+# ============================================================================ the workspace
+COUNTER_WORD = 0
+EXITED_WORD = 2  # u64
+RECORD_WORD = 4  # the fault record's first word (its code)
+RECORD_WORDS = 3  # code, scheduler id, CTA
+HOST_RECORD_WORD = 8  # u64: the host copy's address
+WORKSPACE_WORDS = 10
+
+TOO_MANY_TILES = 1  # advance kept returning work past all the work of the launch, plus one
+ENDLESS_WHILE = 2  # a `while` ran past its bound
+RULES = ("grid_dim", "initial_state", "get_current_work_info", "advance", "unsafe_seq_info")
+# The `while` loops of one scheduler step (the first rules, or one advance) may run
+# WHILE_SLACK * (ts.num_work() + CTAs) + WHILE_MIN iterations together: a correct rule
+# (skipping tiles, scanning sequences or heads) stays far below it.
+WHILE_SLACK, WHILE_MIN = 4, 1024
+
+
+def scheduler_id(name: str) -> int:
+    """The id a kernel records for scheduler `name`."""
+    return zlib.crc32(name.encode()) or 1
+
+
+def fault_code(kind: int, rule: str) -> int:
+    return kind << 8 | RULES.index(rule)
+
+
+# A traced build (`mhadsl trace`) reaches its record buffer through the same workspace
+# pointer; its workspace is larger:
+#     word TRACE_COUNT_WORD                 records written so far (atomic; may pass capacity)
+#     word TRACE_CAPACITY_WORD              how many records fit
+#     words TRACE_HEADER_WORDS + k * TRACE_RECORD_WORDS ...   record k (TRACE_FIELDS, u32)
+TRACE_COUNT_WORD = WORKSPACE_WORDS
+TRACE_CAPACITY_WORD = TRACE_COUNT_WORD + 1
+TRACE_HEADER_WORDS = -(-(TRACE_CAPACITY_WORD + 1) // 8) * 8  # records start 32-byte aligned
+TRACE_FIELDS = ("prompt_offset", "head", "batch", "cta", "sm", "duration", "start_lo",
+                "start_hi")
+TRACE_RECORD_WORDS = len(TRACE_FIELDS)

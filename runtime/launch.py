@@ -1,0 +1,142 @@
+"""Launch plans: everything about a launch that a call's signature fixes, made once.
+
+A `LaunchPlan` holds a kernel's parameter block laid out by its ABI (`codegen.abi`) with
+every value the signature fixes already packed (strides, sizes, the scale, the device's
+multiprocessors), and the grid. A call then only patches what depends on its pointers and
+its stream (tensor addresses, the stream's workspace, tensor maps over the addresses) and
+launches: one `cuLaunchKernel` on the prebuilt block.
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from mhadsl.codegen.abi import (
+    CallValue, KernelABI, Pointer, Stride, TensorMap, Workspace,
+)
+from mhadsl.runtime import driver, tensormap, tile_index
+
+_FORMATS = {"ptr": "<Q", "i64": "<q", "i32": "<i", "f32": "<f"}
+_AXES = {"batch": 0, "row": -3, "head": -2}  # of a (B, S, H, D) or ragged (T, H, D) tensor
+
+
+@dataclass(frozen=True)
+class TensorShape:
+    """What a plan knows of a call's tensor: everything but its address."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # elements
+    dtype: str
+
+
+class ParamBlock:
+    """A kernel's parameters as one block of bytes at the ABI's offsets, and the `void*[]` of
+    their addresses that cuLaunchKernel takes."""
+
+    def __init__(self, abi: KernelABI):
+        self.abi = abi
+        self.data = (ctypes.c_ubyte * max(abi.size, 1))()
+        self.base = ctypes.addressof(self.data)
+        self.pointers = (ctypes.c_void_p * len(abi.params))(
+            *(self.base + abi.offsets[p.name] for p in abi))
+        self.address = ctypes.addressof(self.pointers)
+
+    def pack(self, name: str, value: int | float) -> None:
+        """Pack scalar or pointer parameter `name` as the kernel declares it."""
+        struct.pack_into(_FORMATS[self.abi[name].kind], self.data, self.abi.offsets[name], value)
+
+    def pointer_slot(self, name: str) -> ctypes.c_uint64:
+        """A view of pointer parameter `name`'s 8 bytes, for patching per call."""
+        assert self.abi[name].kind == "ptr"
+        return ctypes.c_uint64.from_buffer(self.data, self.abi.offsets[name])
+
+
+def signature_value(binding, tensors: Mapping[str, TensorShape | None], values: Mapping,
+                    ragged: bool):
+    """The value of a parameter the call's signature fixes (`Stride`, `CallValue`)."""
+    if isinstance(binding, Stride):
+        t = tensors[binding.tensor]
+        return 0 if ragged and binding.axis == "batch" else t.strides[_AXES[binding.axis]]
+    return values[binding.name]
+
+
+def map_request(binding: TensorMap, t: TensorShape, config, ragged: bool) -> tuple:
+    """(shape, strides, box) of the tensor map over `t`, outermost first, in elements: a
+    ragged (T, H, D) tensor is seen as (1, T, H, D); empty extents count as 1 (the driver
+    wants at least 1; such a map is never read)."""
+    if ragged:
+        shape = (1, *t.shape)
+        strides = (max(t.shape[0], 1) * t.strides[0], *t.strides)
+    else:
+        shape, strides = t.shape, t.strides
+    shape = tuple(max(int(n), 1) for n in shape)
+    strides = tuple(int(s) if s else 1 for s in strides[:-1]) + (1,)
+    return shape, strides, binding.box(config)
+
+
+class LaunchPlan:
+    """One kernel launch for one call signature (see the module's docstring).
+
+    `launch(addresses, stream)` takes the device addresses of the call's tensors by name
+    (`Pointer` bindings; absent ones are null) and a raw stream handle; `workspace` replaces
+    the stream's (a traced launch records into its own)."""
+
+    def __init__(self, function, grid: tuple[int, int, int], threads: int,
+                 shared_bytes: int, abi: KernelABI, config, device: int,
+                 tensors: Mapping[str, TensorShape | None], values: Mapping, ragged: bool,
+                 batch: int = 0):
+        self.function, self.grid, self.threads = function, grid, threads
+        self.shared_bytes, self.device, self.ragged, self.batch = shared_bytes, device, \
+            ragged, batch
+        self.block_m = config.block_m
+        self.block = ParamBlock(abi)
+        self._pointers: list[tuple[str, ctypes.c_uint64]] = []
+        self._workspaces: dict[str, ctypes.c_uint64] = {}
+        self._maps: list[tuple[str, int, str, tuple, tuple, tuple, int]] = []
+        for p in abi:
+            b = p.binding
+            if isinstance(b, Pointer):
+                self._pointers.append((b.tensor, self.block.pointer_slot(p.name)))
+            elif isinstance(b, Workspace):
+                self._workspaces[b.name] = self.block.pointer_slot(p.name)
+            elif isinstance(b, TensorMap):
+                shape, strides, box = map_request(b, tensors[b.tensor], config, ragged)
+                self._maps.append((b.tensor, abi.offsets[p.name], tensors[b.tensor].dtype,
+                                   shape, strides, box, b.swizzle))
+            else:
+                self.block.pack(p.name, signature_value(b, tensors, values, ragged))
+        self.function.set_max_dynamic_shared(shared_bytes)
+        self._lock = threading.Lock()  # the block is shared: one patch-and-launch at a time
+        self._last: tuple | None = None  # the addresses the block's maps were made for
+
+    def launch(self, addresses: Mapping[str, int], stream: int,
+               workspace: int | None = None) -> None:
+        driver.ensure_context(self.device)
+        ws = driver.workspace(stream, self.device)  # raises a fault a launch recorded there
+        with self._lock:
+            self._patch(addresses)
+            self._workspaces["queue"].value = ws.ptr if workspace is None else workspace
+            if self.ragged:
+                self._workspaces["tile_index"].value = tile_index.prepare(
+                    addresses["cu_seqlens_q"], self.batch, self.block_m, stream, self.device)
+            self.function.launch_packed(self.grid, self.threads, self.shared_bytes, stream,
+                                        self.block.address)
+        if driver.debug_mode():
+            driver.wait_for_fault(stream, self.device)
+
+    def _patch(self, addresses: Mapping[str, int]) -> None:
+        for tensor, slot in self._pointers:
+            slot.value = addresses.get(tensor, 0)
+        key = tuple(addresses.get(m[0], 0) for m in self._maps)
+        if key == self._last:
+            return
+        for (tensor, offset, dtype, shape, strides, box, swizzle), address in zip(self._maps,
+                                                                                  key):
+            # an empty tensor may have no address; its map is never read then
+            arg = tensormap.launch_arg(address or addresses["o"] or 128, dtype, shape, strides,
+                                       box, swizzle, device=self.device)
+            ctypes.memmove(self.block.base + offset, arg, ctypes.sizeof(arg))
+        self._last = key
