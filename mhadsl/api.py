@@ -175,6 +175,12 @@ class Kernel:
                                    backend, module)
         return self._builds[key]
 
+    def torch_op(self):
+        """This kernel as a PyTorch operator returning (out, lse), which torch.compile traces
+        without a graph break (`mhadsl.torch_op`)."""
+        from mhadsl.torch_op import torch_op
+        return torch_op(self)
+
     # ---------------------------------------------------------------- calls
     def __call__(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                  max_seqlen_k=None, scale: float | None = None, out=None,

@@ -327,17 +327,18 @@ def _new_workspace(stream: int, device: int) -> _Workspace:
         ensure_context(device)
         used = sum(1 for d, _ in _workspaces if d == device)
         slabs = _slabs.setdefault(device, [])
-        if used == len(slabs) * _SLAB_SLOTS:
-            words = DeviceBuffer(_WORKSPACE_BYTES * _SLAB_SLOTS, device)
-            call(cu.cuMemsetD32, words.ptr, 0, abi.WORKSPACE_WORDS * _SLAB_SLOTS)
-            slabs.append((words, _PinnedBuffer(_RECORD_BYTES * _SLAB_SLOTS, device)))
+        if used == len(slabs) * _SLAB_SLOTS:  # a new slab, each workspace's words set up
+            pinned = _PinnedBuffer(_RECORD_BYTES * _SLAB_SLOTS, device)
+            init = np.zeros((_SLAB_SLOTS, abi.WORKSPACE_WORDS), np.uint32)
+            init[:, abi.HOST_RECORD_WORD:abi.HOST_RECORD_WORD + 2] = np.arange(
+                pinned.device_ptr, pinned.device_ptr + _RECORD_BYTES * _SLAB_SLOTS,
+                _RECORD_BYTES, dtype=np.uint64).view(np.uint32).reshape(-1, 2)
+            slabs.append((DeviceBuffer.from_numpy(init, device=device), pinned))
         words, pinned = slabs[-1]
         slot = used % _SLAB_SLOTS
         ptr = words.ptr + _WORKSPACE_BYTES * slot
-        host = pinned.ptr + _RECORD_BYTES * slot
-        address = ctypes.c_uint64(pinned.device_ptr + _RECORD_BYTES * slot)
-        call(cu.cuMemcpyHtoD, ptr + 4 * abi.HOST_RECORD_WORD, ctypes.addressof(address), 8)
-        record = (ctypes.c_uint32 * abi.RECORD_WORDS).from_address(host)
+        record = (ctypes.c_uint32 * abi.RECORD_WORDS).from_address(
+            pinned.ptr + _RECORD_BYTES * slot)
         ws = _workspaces[key] = _Workspace(ptr, record, device)
         return ws
 

@@ -1,0 +1,128 @@
+"""The launch path on the GPU: plans per call signature with torch tensors, the kernel's own
+reset of the queue counter (graph replays, many launches), and the torch operator under
+torch.compile (fullgraph, reduce-overhead, dynamic lengths)."""
+import pytest
+
+import mhadsl
+from mhadsl.runtime import launch
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+SOURCE = '''import "std/schedulers.mha"
+attention queued { dtype = bf16  head_dim = 64  scheduler = Queued()
+                   mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention plain { dtype = bf16  head_dim = 64 }
+'''
+D = 64
+
+
+@pytest.fixture(scope="module")
+def program():
+    return mhadsl.compile(SOURCE)
+
+
+def rand(*shape):
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+
+def reference(q, k, v, causal):
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    return sdpa(*(t.transpose(1, 2).float() for t in (q, k, v)),
+                is_causal=causal).transpose(1, 2)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def test_a_torch_signature_is_planned_once_and_its_calls_stay_correct(program, monkeypatch):
+    kern = program["queued"]
+    made = []
+    init = launch.LaunchPlan.__init__
+    monkeypatch.setattr(launch.LaunchPlan, "__init__",
+                        lambda self, *a, **kw: (made.append(1), init(self, *a, **kw))[1])
+    for step in range(6):  # fresh tensors each call: new addresses, the same signature
+        q, k, v = rand(2, 300, 4, D), rand(2, 300, 4, D), rand(2, 300, 4, D)
+        out = kern(q, k, v)
+        assert rel_err(out, reference(q, k, v, True)) < 1e-2, step
+    assert len(made) == 1
+    kern(rand(2, 301, 4, D), rand(2, 301, 4, D), rand(2, 301, 4, D))
+    assert len(made) == 2  # a new length is a new signature
+    q, k, v = rand(2, 300, 4, D), rand(2, 300, 4, D), rand(2, 300, 4, D)
+    kern(q, k, v, out=torch.empty_like(q))  # plans calls given an output
+    made.clear()
+    with pytest.raises(ValueError, match="out overlaps q"):  # the same signature: its plan
+        kern(q, k, v, out=q)
+    misaligned = rand(2 * 300 * 4 * D + 4)[4:].view(2, 300, 4, D)  # 8 bytes in
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        kern(misaligned, k, v)
+    assert made == []  # both were planned calls, checked per address
+    mhadsl.synchronize()
+
+
+def test_the_kernel_resets_the_queue_counter_for_the_next_launch_and_replay(program):
+    """No memset between launches: a counter left behind would skip the next launch's tiles."""
+    kern = program["queued"]
+    q, k, v = rand(3, 777, 4, D), rand(3, 777, 4, D), rand(3, 777, 4, D)
+    ref = reference(q, k, v, True)
+    outs = [kern(q, k, v) for _ in range(50)]
+    for out in outs:
+        assert rel_err(out, ref) < 1e-2
+    out = torch.full_like(q, float("nan"))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        kern(q, k, v, out=out)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            kern(q, k, v, out=out)
+    for _ in range(5):
+        new_q = rand(3, 777, 4, D)
+        q.copy_(new_q)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, reference(new_q, k, v, True)) < 1e-2
+    mhadsl.synchronize()
+
+
+class Block(torch.nn.Module):
+    def __init__(self, attention):
+        super().__init__()
+        self.attention = attention
+        self.inp = torch.nn.Linear(D * 4, 3 * D * 4, device="cuda", dtype=torch.bfloat16)
+        self.outp = torch.nn.Linear(D * 4, D * 4, device="cuda", dtype=torch.bfloat16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.inp(x).view(b, s, 3, 4, D).unbind(2)
+        out, _ = self.attention(q.contiguous(), k.contiguous(), v.contiguous())
+        return self.outp(out.reshape(b, s, 4 * D))
+
+
+def test_torch_compile_fullgraph_matches_eager_and_does_not_rebuild(program):
+    kern = program["queued"]
+    block = Block(kern.torch_op())
+    compiled = torch.compile(block, fullgraph=True, dynamic=True)
+    builds = kern.builds_compiled
+    with torch.no_grad():
+        for s in (128, 200, 333, 512, 640):
+            x = torch.randn(2, s, 4 * D, device="cuda", dtype=torch.bfloat16)
+            torch._dynamo.mark_dynamic(x, 1)
+            eager, got = block(x), compiled(x)
+            assert rel_err(got, eager.float()) < 1e-2, s
+    assert kern.builds_compiled == builds  # five lengths, no rebuild
+    explain = torch._dynamo.explain(block)(x)
+    assert explain.graph_break_count == 0
+
+
+def test_torch_compile_reduce_overhead_replays_new_inputs(program):
+    block = Block(program["plain"].torch_op())
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for step in range(5):
+            x = torch.randn(2, 256, 4 * D, device="cuda", dtype=torch.bfloat16)
+            got = compiled(x).clone()
+            assert rel_err(got, block(x).float()) < 1e-2, step
+    mhadsl.synchronize()
