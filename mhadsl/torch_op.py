@@ -13,7 +13,6 @@ the kernel itself, so replays need no host work), and a dynamic sequence length 
 kernel's build (builds depend on the layout, not the lengths). The backward pass attaches its
 autograd here.
 """
-from __future__ import annotations
 
 import hashlib
 
