@@ -187,8 +187,9 @@ class Kernel:
                  return_lse: bool | None = None, stream=None):
         key = _torch_signature(q, k, v, out, cu_seqlens_q, cu_seqlens_k)
         if key is not None:  # torch tensors: a signature seen before runs its plan
-            key = (key, *((type(x), x) for x in (max_seqlen_q, max_seqlen_k, scale,
-                                                   return_lse)))
+            options = (max_seqlen_q, max_seqlen_k, scale, return_lse)
+            if options != _NO_OPTIONS:  # (typed: 3.0 == 3, True == 1, yet one is refused)
+                key = (key, tuple((type(x), x) for x in options))
             planned = self._torch_plans.get(key)
             if planned is not None:
                 return self._run_torch(planned, q, k, v, out, cu_seqlens_q, cu_seqlens_k,
@@ -252,13 +253,13 @@ class Kernel:
         (alignment, and whether out overlaps q, k or v), then the plan launches."""
         torch = sys.modules["torch"]
         if out is None:
-            out = torch.empty(planned.call.q.shape, dtype=q.dtype, device=q.device)
+            out = q.new_empty(planned.out_shape)
         addresses = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(),
                      "o": out.data_ptr()}
         planned.check_addresses(addresses)
         lse = None
         if planned.want_lse:
-            lse = torch.empty(planned.lse_shape, dtype=torch.float32, device=q.device)
+            lse = q.new_empty(planned.lse_shape, dtype=torch.float32)
             addresses["lse"] = lse.data_ptr()
         if cu_q is not None:
             addresses["cu_seqlens_q"], addresses["cu_seqlens_k"] = cu_q.data_ptr(), \
@@ -490,6 +491,7 @@ class Kernel:
 
 
 _host_schedulers: dict = {}
+_NO_OPTIONS = (None, None, None, None)
 
 
 class _Planned:
@@ -497,8 +499,9 @@ class _Planned:
     from; what its calls still check depends on their addresses alone."""
 
     def __init__(self, plan, call: _Call, want_lse: bool, shapes: dict):
-        self.plan, self.call, self.want_lse, self.shapes = plan, call, want_lse, shapes
-        self.lse_shape = _lse_shape(call)
+        # sizes only: a plan must not keep a call's tensors alive (a CUDA-graph pool's, say)
+        self.plan, self.want_lse, self.shapes = plan, want_lse, shapes
+        self.out_shape, self.lse_shape = tuple(call.q.shape), _lse_shape(call)
         self.spans = {n: _span(shapes[n]) for n in "qkvo"}  # first to last byte, inclusive
         self.empty = {n: 0 in shapes[n].shape for n in "qkvo"}
 
@@ -553,7 +556,7 @@ def _torch_signature(*tensors) -> tuple | None:
         if t is None:
             signature.append(None)
         elif isinstance(t, torch.Tensor):
-            signature.append((t.dtype, t.shape, t.stride(), t.device))
+            signature.append((t.dtype, t.shape, t.stride(), t.get_device()))  # -1: the CPU
         else:
             return None
     return tuple(signature)

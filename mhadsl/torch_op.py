@@ -5,7 +5,7 @@
     out, lse = attn(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq,
                     max_seqlen_k=mk)                           # lse (Hq, total_q)
 
-Each kernel is one `torch.library.custom_op` (`mhadsl::<kernel>_<hash>`) with a fake
+Each kernel is one operator of the `mhadsl` library (`mhadsl::<kernel>_<hash>`) with a fake
 implementation that gives the outputs' shapes without running anything, so
 `torch.compile(fullgraph=True)` traces through it without a graph break; under
 `mode="reduce-overhead"` its launch is captured into CUDA graphs (the queue counter is reset by
@@ -16,36 +16,43 @@ autograd here.
 
 import hashlib
 
+SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+          "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None) "
+          "-> (Tensor, Tensor)")
+_library = None
 _ops: dict[str, object] = {}
 
 
 def torch_op(kernel):
-    """The operator for `kernel` (`mhadsl.api.Kernel`), registered once per process."""
+    """The operator for `kernel` (`mhadsl.api.Kernel`), registered once per process. Defined
+    through `torch.library.Library` rather than the `custom_op` decorator, whose Python
+    wrappers cost 40 us a call on the H200 host."""
+    global _library
     import torch
-    from torch import Tensor
 
     digest = hashlib.sha256(f"{kernel.program.text}\0{kernel.name}".encode()).hexdigest()[:12]
-    name = f"mhadsl::{kernel.name}_{digest}"
+    name = f"{kernel.name}_{digest}"
     if name in _ops:
         return _ops[name]
+    if _library is None:
+        _library = torch.library.Library("mhadsl", "FRAGMENT")
+    _library.define(name + SCHEMA)
 
-    @torch.library.custom_op(name, mutates_args=(), device_types="cuda")
-    def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None = None,
-                  cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
-                  max_seqlen_k: int | None = None,
-                  scale: float | None = None) -> tuple[Tensor, Tensor]:
+    def attention(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                  max_seqlen_k=None, scale=None):
         return kernel(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale,
                       return_lse=True)
 
-    @attention.register_fake
-    def _(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-          max_seqlen_k=None, scale=None):
+    def fake(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+             max_seqlen_k=None, scale=None):
         if cu_seqlens_q is None:
             lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
         else:
             lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-        return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+        return q.new_empty(q.shape), lse
 
-    _ops[name] = attention
-    return attention
+    _library.impl(name, attention, "CUDA")
+    torch.library.register_fake(f"mhadsl::{name}", fake, lib=_library)
+    _ops[name] = getattr(torch.ops.mhadsl, name).default
+    return _ops[name]

@@ -128,9 +128,10 @@ class LaunchPlan:
             driver.wait_for_fault(stream, self.device)
 
     def _patch(self, addresses: Mapping[str, int]) -> None:
+        get = addresses.get
         for tensor, slot in self._pointers:
-            slot.value = addresses.get(tensor, 0)
-        key = tuple(addresses.get(m[0], 0) for m in self._maps)
+            slot.value = get(tensor, 0)
+        key = tuple([get(m[0], 0) for m in self._maps])
         if key == self._last:
             return
         for (tensor, offset, dtype, shape, strides, box, swizzle), address in zip(self._maps,
