@@ -248,13 +248,13 @@ def test_unreadable_import(tmp_path, monkeypatch):
     locked.write_text("fn f() -> u32 { return 1 }\n")
     locked.chmod(0)
     if os.access(locked, os.R_OK):  # root reads anything: refuse it the way the OS would
-        real = Path.read_bytes
+        real = os.open
 
-        def read_bytes(path):
-            if path == locked:
+        def open_file(path, *args, **kwargs):
+            if Path(path) == locked:
                 raise PermissionError(13, "Permission denied", str(path))
-            return real(path)
-        monkeypatch.setattr(Path, "read_bytes", read_bytes)
+            return real(path, *args, **kwargs)
+        monkeypatch.setattr(os, "open", open_file)
     message = error_of('import "locked.mha"\n', tmp_path)
     assert message.startswith("h.mha:1:8: error: cannot import 'locked.mha': Permission denied")
 
