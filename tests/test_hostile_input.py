@@ -469,7 +469,6 @@ def test_a_file_that_is_not_mha_source_is_never_quoted(tmp_path, capsys, monkeyp
     ("examples", IsADirectoryError, "cannot read examples: Is a directory"),
     ("examples/", IsADirectoryError, "cannot read examples: Is a directory"),
     ("x.txt", FileNotFoundError, "cannot read x.txt: No such file or directory"),
-    ("nowhere/x.mha", FileNotFoundError, "cannot read nowhere/x.mha: No such file"),
     ("README.md", OSError, "cannot read README.md: not a .mha file"),
     ("", ValueError, r"empty \.mha source"),
     (" \n\t", ValueError, r"empty \.mha source"),
@@ -479,13 +478,6 @@ def test_compile_takes_source_text_or_the_path_of_a_mha_file(source, error, mess
     monkeypatch.chdir(REPO)
     with pytest.raises(error, match=message):
         mhadsl.compile(source)
-
-
-def test_compile_still_takes_text_and_paths():
-    assert mhadsl.compile(STD).schedulers
-    assert mhadsl.compile("examples/causal.mha" if Path("examples/causal.mha").exists()
-                          else str(REPO / "examples" / "causal.mha")).attentions
-    assert mhadsl.compile(REPO / "examples" / "causal.mha").attentions
 
 
 @pytest.mark.parametrize("init", ["no driver library", "no device"])
