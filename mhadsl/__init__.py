@@ -36,5 +36,5 @@ def synchronize(device: int | None = None) -> None:
     driver.synchronize(device)
 
 
-__all__ = ["MhaError", "SchedulerError", "CudaError", "NoGpuError", "Kernel", "Program", "compile", "reference",
-           "synchronize", "__version__"]
+__all__ = ["MhaError", "SchedulerError", "CudaError", "NoGpuError", "Kernel", "Program",
+           "compile", "reference", "synchronize", "__version__"]
