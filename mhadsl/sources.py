@@ -2,9 +2,9 @@
 a source file, and the way the compile cache reads its entries.
 
 Only regular files are read, and only up to a size limit: a path that names a FIFO or a
-device such as /dev/zero is refused after `fstat` and before any read (it is opened with
-O_NONBLOCK, so opening a FIFO does not wait for a writer), and at most limit + 1 bytes are
-read, so memory stays bounded whatever the file is.
+device such as /dev/zero is refused after `stat`, before it is opened, and again after
+`fstat` of what was opened (with O_NONBLOCK, so a FIFO put there meanwhile does not wait for
+a writer); at most limit + 1 bytes are read, so memory stays bounded whatever the file is.
 """
 from __future__ import annotations
 
@@ -22,16 +22,12 @@ SOURCE_SUFFIX = ".mha"
 def read_regular_file(path: str | os.PathLike, limit: int) -> bytes:
     """The bytes of a regular file of at most `limit` bytes; anything else is an `OSError`
     whose `strerror` says why."""
+    _require_regular(os.stat(path).st_mode, path)  # opening some devices does something
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        mode = os.fstat(descriptor).st_mode
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        if not stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, "not a regular file (a device, FIFO or socket)",
-                          str(path))
+        _require_regular(os.fstat(descriptor).st_mode, path)  # it may have been replaced
         with open(descriptor, "rb", closefd=False) as file:
-            data = file.read(limit + 1)  # the size fstat gave may grow while we read
+            data = file.read(limit + 1)  # one byte past the limit tells a file over it
     finally:
         os.close(descriptor)
     if len(data) > limit:
@@ -39,12 +35,19 @@ def read_regular_file(path: str | os.PathLike, limit: int) -> bytes:
     return data
 
 
+def _require_regular(mode: int, path: str | os.PathLike) -> None:
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if not stat.S_ISREG(mode):
+        raise OSError(errno.EINVAL, "not a regular file (a device, FIFO or socket)", str(path))
+
+
 def read_source_file(path: str | os.PathLike, name: str | None = None) -> Source:
     """A `.mha` file's text as a `Source` reported as `name` (default: the path).
 
     Raises `OSError` (its `strerror` says why) for anything but a regular file named
     `*.mha` of at most `MAX_SOURCE_BYTES`, and `MhaError` for bytes that are not UTF-8.
-    Only `.mha` files are read, so no diagnostic ever quotes another kind of file.
+    Only `.mha` files are accepted, so no diagnostic ever quotes another kind of file.
     """
     data = read_regular_file(path, MAX_SOURCE_BYTES)
     if not os.fspath(path).endswith(SOURCE_SUFFIX):
