@@ -21,6 +21,14 @@ from mhadsl.reference import reference  # noqa: E402
 from mhadsl.runtime.faults import SchedulerError  # noqa: E402
 
 
+def __getattr__(name: str):
+    # The runtime's error types, without loading the CUDA driver bindings at import.
+    if name in ("CudaError", "NoGpuError"):
+        from mhadsl.runtime import driver
+        return getattr(driver, name)
+    raise AttributeError(f"module 'mhadsl' has no attribute {name!r}")
+
+
 def synchronize(device: int | None = None) -> None:
     """Wait for every launch on the device (default: the current one) and raise
     SchedulerError for a scheduler fault one of them recorded."""
@@ -28,5 +36,5 @@ def synchronize(device: int | None = None) -> None:
     driver.synchronize(device)
 
 
-__all__ = ["MhaError", "SchedulerError", "Kernel", "Program", "compile", "reference",
-           "synchronize", "__version__"]
+__all__ = ["MhaError", "SchedulerError", "CudaError", "NoGpuError", "Kernel", "Program",
+           "compile", "reference", "synchronize", "__version__"]

@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 import operator
 import os
+import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,28 +29,51 @@ from mhadsl.check import CheckedProgram
 from mhadsl.codegen import backends
 from mhadsl.codegen.backends import Backend, DeviceTarget, KernelBuild, LaunchShape, Layout
 from mhadsl.codegen.scheduler import SchedulerSpec
-from mhadsl.parse import decode_source
 from mhadsl.pipeline import front_end
+from mhadsl.sources import read_source_file
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
-def compile(source: str | os.PathLike, *, name: str | None = None) -> Program:  # noqa: A001
-    """Parse and check a `.mha` file (a path) or `.mha` source text."""
+def compile(source: str | os.PathLike, *, name: str | None = None,  # noqa: A001
+            include_dirs: Sequence[str | os.PathLike] = ()) -> Program:
+    """Parse and check a `.mha` file (a path) or `.mha` source text.
+
+    Imports are found in the importing file's folder (the current folder for source text),
+    then in `include_dirs`; an import outside them is an error.
+    """
     text, base, label = _read(source)
-    modules, checked = front_end(text, name or label, base)
+    modules, checked = front_end(text, name or label, base, include_dirs)
     return Program(text, name or label, checked)
 
 
 def _read(source: str | os.PathLike) -> tuple[str, Path, str]:
-    if isinstance(source, os.PathLike) or ("\n" not in source and source.endswith(".mha")):
+    """(text, folder imports are found in, name) of a path or of source text."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        raise TypeError("mhadsl.compile() takes .mha source text (str) or a path, not bytes: "
+                        "decode them (data.decode()) or pass the file's path")
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"mhadsl.compile() takes .mha source text (str) or a path (str or "
+                        f"os.PathLike), not {type(source).__name__}")
+    if isinstance(source, os.PathLike) or _looks_like_a_path(source):
         path = Path(source)
         try:
-            data = path.read_bytes()
-        except OSError as err:
-            raise FileNotFoundError(f"cannot read {path}: {err.strerror}") from None
-        return decode_source(str(path), data).text, path.resolve().parent, str(path)
-    return str(source), Path.cwd(), "<string>"
+            return read_source_file(path).text, path.resolve().parent, str(path)
+        except OSError as err:  # same class (FileNotFoundError, IsADirectoryError, ...)
+            raise type(err)(f"cannot read {path}: {err.strerror}") from None
+    if not source.strip():
+        raise ValueError("empty .mha source: mhadsl.compile() takes .mha source text or the "
+                         "path of a .mha file")
+    return source, Path.cwd(), "<string>"
+
+
+def _looks_like_a_path(text: str) -> bool:
+    """A string meant as a path, not as source: one line without braces (every declaration
+    has them) that names something on disk, ends in a file suffix, or ends with a slash."""
+    if "\n" in text or "{" in text:
+        return False
+    return (text.endswith(("/", os.sep)) or re.search(r"\.\w+$", text) is not None
+            or os.path.exists(text))
 
 
 class Program:

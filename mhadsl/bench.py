@@ -15,21 +15,20 @@ from mhadsl.api import Kernel
 from mhadsl.reference import evaluate_rule, reference
 
 
-class NoGpu(RuntimeError):
-    """No usable NVIDIA GPU (or no PyTorch to drive it)."""
+class NoTorch(RuntimeError):
+    """PyTorch, which makes the inputs and times the runs, is not installed."""
 
 
 def require_gpu():
-    """The torch module, once a CUDA GPU is known to be there."""
-    from mhadsl.runtime.driver import gpu_available
-    if not gpu_available():
-        raise NoGpu("no NVIDIA GPU found: `mhadsl run` and `mhadsl bench` need a GPU and its "
-                    "driver (the compiler, `check`, `compile` and `simulate` do not)")
+    """The torch module, once a CUDA GPU is known to be there (else `NoGpuError`, the
+    runtime's own)."""
+    from mhadsl.runtime.driver import require_device
+    require_device()
     try:
         import torch
     except ImportError:
-        raise NoGpu("`mhadsl run` and `mhadsl bench` use PyTorch for inputs and timing: "
-                    "pip install torch") from None
+        raise NoTorch("`mhadsl run` and `mhadsl bench` use PyTorch for inputs and timing: "
+                      "pip install torch") from None
     return torch
 
 

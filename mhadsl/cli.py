@@ -12,7 +12,6 @@ import json
 import os
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 from mhadsl import __version__
@@ -23,11 +22,12 @@ from mhadsl.codegen.assemble import AssemblerError, find_ptxas
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.codegen.target import GPU_ARCHS
 from mhadsl.diagnostics import MhaError
-from mhadsl.parse import decode_source
+from mhadsl.parse import STD_PREFIX, std_file
 from mhadsl.pipeline import CompileOptions, compile_stages, front_end
 from mhadsl.simulate import (
     COST_MODELS, MAX_SEQLEN, MAX_SIMULATED_CTAS, Batch, plot_timeline, simulate,
 )
+from mhadsl.sources import read_source_file
 
 
 class UsageError(Exception):
@@ -35,17 +35,15 @@ class UsageError(Exception):
 
 
 def read_source(path: str) -> tuple[str, Path]:
-    """A file's text, or a standard-library file named like `std/schedulers.mha`."""
+    """A .mha file's text and folder; a standard-library file named like
+    `std/schedulers.mha` when there is no such file here."""
     file = Path(path)
-    if not file.exists() and path.startswith("std/"):
-        std = resources.files("mhadsl").joinpath(path)
-        if std.is_file():
-            return decode_source(path, std.read_bytes()).text, Path.cwd()
+    if not file.exists() and path.startswith(STD_PREFIX):
+        file = std_file(path) or file
     try:
-        data = file.read_bytes()
+        return read_source_file(file, path).text, file.resolve().parent
     except OSError as err:
         raise UsageError(f"cannot read {path}: {err.strerror}") from None
-    return decode_source(path, data).text, file.resolve().parent
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -53,7 +51,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             text, base = read_source(path)
-            _, program = front_end(text, path, base)
+            _, program = front_end(text, path, base, args.include)
         except MhaError as err:
             print(err.render(), file=sys.stderr)
             failed = True
@@ -74,7 +72,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     until = "cubin" if args.emit == "cubin" or find_ptxas() else "ptx"
     try:
-        comp = compile_stages(text, args.file, options, until=until, base_dir=base)
+        comp = compile_stages(text, args.file, options, until=until, base_dir=base,
+                              include_dirs=args.include)
     except (AssemblerError, RequestError) as err:
         raise UsageError(str(err)) from None
     elapsed = time.perf_counter() - start
@@ -203,7 +202,7 @@ def _seqlens(args: argparse.Namespace) -> list[int]:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     text, base = read_source(args.file)
-    _, program = front_end(text, args.file, base)
+    _, program = front_end(text, args.file, base, args.include)
     if args.scheduler not in program.schedulers:
         raise UsageError(f"no scheduler '{args.scheduler}' in {args.file} (it has: "
                          f"{', '.join(program.schedulers) or 'none'})")
@@ -217,7 +216,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     result = simulate(program, spec, sequences, ctas=args.ctas, cost=cost,
                       num_sms=args.num_sms, ctas_per_sm=args.ctas_per_sm)
     if args.plot:
-        plot_timeline(result, args.plot)
+        _save_plot(lambda: plot_timeline(result, args.plot), args.plot, "--plot")
     if args.json:
         print(json.dumps(result.summary()))
     else:
@@ -252,13 +251,28 @@ def _kernel_costs(program, kernel: str, path: str):
                                      resolved.backend.producer_ahead)
 
 
+def _save_plot(draw, path: str, flag: str) -> None:
+    """Run `draw`, which writes the image: the checks before any work cannot foresee
+    every refusal (/proc takes no new files, even from root)."""
+    try:
+        draw()
+    except OSError as err:
+        raise UsageError(f"cannot write {flag} {path}: {err.strerror or err}") from None
+
+
+def _load_program(args: argparse.Namespace):
+    """The checked program of FILE, as the Python API holds it."""
+    from mhadsl.api import Program
+    text, base = read_source(args.file)
+    _, checked = front_end(text, args.file, base, args.include)
+    return Program(text, args.file, checked)
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from mhadsl import trace
-    from mhadsl.api import Program
-    from mhadsl.bench import NoGpu, require_gpu
-    text, base = read_source(args.file)
-    _, checked = front_end(text, args.file, base)
-    program = Program(text, args.file, checked)
+    from mhadsl.bench import NoTorch, require_gpu
+    from mhadsl.runtime.driver import NoGpuError
+    program = _load_program(args)
     if args.kernel not in program.attentions:
         raise UsageError(f"no attention kernel '{args.kernel}' in {args.file} (it has: "
                          f"{', '.join(program.attentions) or 'none'})")
@@ -267,9 +281,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
                          f"{', '.join(program.schedulers) or 'none'})")
     try:
         require_gpu()
-    except NoGpu:
-        raise UsageError("`mhadsl trace` runs the kernel: it needs an NVIDIA GPU, its driver "
-                         "and PyTorch (`mhadsl simulate --kernel` predicts without)") from None
+    except (NoGpuError, NoTorch) as err:
+        raise UsageError(f"{err}: `mhadsl trace` runs the kernel (`mhadsl simulate --kernel` "
+                         f"predicts without)") from None
     if args.calibrate:
         costs, path, runs = trace.calibrate(program, args.kernel, backend=args.backend,
                                             heads=args.heads)
@@ -303,7 +317,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     for note in comparison.differences:
         print(f"    {note}")
     if args.out:
-        trace.plot(run, comparison, args.out)
+        _save_plot(lambda: trace.plot(run, comparison, args.out), args.out, "--out")
         print(f"  wrote {args.out}")
     if args.json:
         _write(Path(args.json), json.dumps({
@@ -328,9 +342,9 @@ def _problem(args: argparse.Namespace, kernel):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import mhadsl
-    from mhadsl.bench import NoGpu, check, measure, require_gpu
-    program = mhadsl.compile(args.file)
+    from mhadsl.bench import NoTorch, check, measure, require_gpu
+    from mhadsl.runtime.driver import NoGpuError
+    program = _load_program(args)
     if args.kernel not in program.attentions:
         raise UsageError(f"no attention kernel '{args.kernel}' in {args.file} (it has: "
                          f"{', '.join(program.attentions) or 'none'})")
@@ -338,7 +352,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     problem = _problem(args, kernel)
     try:
         torch = require_gpu()
-    except NoGpu as err:
+    except (NoGpuError, NoTorch) as err:
         if args.no_gpu_ok:
             print(f"{err}; skipped the run")
             return 0
@@ -353,10 +367,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from mhadsl.bench import NoGpu, format_table, require_gpu, run_suite
+    from mhadsl.bench import NoTorch, format_table, require_gpu, run_suite
+    from mhadsl.runtime.driver import NoGpuError
     try:
         torch = require_gpu()
-    except NoGpu as err:
+    except (NoGpuError, NoTorch) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"{torch.cuda.get_device_name()}, bf16 forward, TFLOP/s = 4*B*H*Sq*Sk*D over the "
@@ -384,6 +399,9 @@ INT_OPTIONS = {
 def validate(args: argparse.Namespace) -> None:
     """Every command-line check, right after parsing and before any work; derived values
     (`params`, `lengths`, `sequences`) are stored on `args`."""
+    for folder in getattr(args, "include", ()):
+        if not Path(folder).is_dir():
+            raise UsageError(f"-I {folder}: no such folder")
     for dest, (flag, least, most) in INT_OPTIONS.items():
         value = getattr(args, dest, None)
         if value is not None and not least <= value <= most:
@@ -425,6 +443,8 @@ def _check_plot(out: Path, flag: str = "--plot") -> None:
         raise UsageError(f"{flag} needs matplotlib: pip install 'mhadsl[plot]'")
     if out.is_dir():
         raise UsageError(f"cannot write {flag} {out}: it is a folder")
+    if out.exists() and not out.is_file():  # writing a FIFO would wait for a reader
+        raise UsageError(f"cannot write {flag} {out}: it is not a regular file")
     if not out.parent.is_dir():
         raise UsageError(f"cannot write {flag} {out}: folder {out.parent} does not exist")
     if not os.access(out.parent, os.W_OK):
@@ -436,6 +456,12 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _include_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-I", dest="include", action="append", default=[], metavar="DIR",
+                   help="a folder imports may also come from (searched after the importing "
+                        "file's folder; repeatable)")
 
 
 def _batch_arguments(p: argparse.ArgumentParser) -> None:
@@ -454,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="parse and check .mha files")
     p.add_argument("files", nargs="+", metavar="FILE")
+    _include_argument(p)
     p.set_defaults(run=cmd_check)
 
     p = sub.add_parser("compile", help="compile a .mha file to LLVM IR, PTX or cubin")
@@ -464,6 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tile", type=int, default=128, help="tile height for schedulers")
     p.add_argument("--kernel", metavar="NAME", help="emit only this attention kernel")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
+    _include_argument(p)
     p.set_defaults(run=cmd_compile)
 
     p = sub.add_parser("simulate", help="simulate a scheduler on the host and prove coverage")
@@ -488,6 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bind a scheduler parameter, e.g. --param order=PROMPT_ROTATE")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="draw a per-CTA timeline")
+    _include_argument(p)
     p.set_defaults(run=cmd_simulate)
 
     p = sub.add_parser("run", help="run an attention kernel on random inputs (needs a GPU)")
@@ -501,6 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, help="key/value heads (GQA/MQA); default --heads")
     p.add_argument("--no-gpu-ok", action="store_true",
                    help="without a GPU, say so and exit 0 (else exit 2)")
+    _include_argument(p)
     p.set_defaults(run=cmd_run)
 
     p = sub.add_parser("trace", help="run a kernel recording every work item; draw the "
@@ -517,6 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="first measure the kernel's cost constants on this GPU and store "
                         "them for the simulator")
+    _include_argument(p)
     p.set_defaults(run=cmd_trace)
 
     p = sub.add_parser("bench", help="time the standard shapes against torch SDPA (GPU)")

@@ -31,6 +31,7 @@ from mhadsl import ast
 from mhadsl.check import CheckedProgram
 from mhadsl.classify import _python_classifier
 from mhadsl.runtime import cache
+from mhadsl.sources import read_regular_file
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,9 @@ def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ storage
+MAX_CALIBRATION_BYTES = 1 << 20  # a few constants per tile width: a kilobyte
+
+
 def calibration_dir() -> Path:
     return cache.cache_dir() / "costs"
 
@@ -254,12 +258,13 @@ def load(key: str, gpu: str | None = None, block_n: int | None = None) -> tuple[
         files = []
     for file in files:
         try:
-            data = json.loads(file.read_text())
+            # a FIFO or a device in the cache folder is skipped, not waited on
+            data = json.loads(read_regular_file(file, MAX_CALIBRATION_BYTES))
             sets = [Costs(**c) for c in data["costs"]]
             exact = [c for c in sets if c.block_n == block_n]
             chosen = exact[0] if exact else sets[0]
             return (chosen if block_n is None else chosen.for_block_n(block_n)), str(file)
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
+        except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
             continue
     default = DEFAULT_COSTS if block_n is None else DEFAULT_COSTS.for_block_n(block_n)
     return default, "defaults"

@@ -16,10 +16,12 @@ MAX_ERRORS = 50
 
 @dataclass(frozen=True)
 class Source:
-    """A `.mha` text and the name it is reported under."""
+    """A `.mha` text and the name it is reported under. A diagnostic in a source that is not
+    `quoted` shows only its position, not the line."""
 
     name: str
     text: str
+    quoted: bool = True
 
     @functools.cached_property
     def _line_starts(self) -> list[int]:
@@ -65,6 +67,9 @@ class Diagnostic:
     def render(self) -> str:
         if self.span is None:
             return f"error: {self.message}"
+        where = f"{self.span.source.name}:{self.span.line}:{self.span.column}: error: "
+        if not self.span.source.quoted:
+            return where + self.message
         # One character per column, so the caret lines up: tabs become one space and
         # characters a terminal would not show (NUL, escapes) become '?'.
         text = "".join(c if c.isprintable() else " " if c == "\t" else "?"
@@ -77,8 +82,7 @@ class Diagnostic:
             text = ("..." if start else "") + shown + ("..." if start + len(shown) < len(text)
                                                       else "")
             column += (3 if start else 0) - start
-        return (f"{self.span.source.name}:{self.span.line}:{self.span.column}: error: "
-                f"{self.message}\n{text}\n{' ' * column}^")
+        return f"{where}{self.message}\n{text}\n{' ' * column}^"
 
 
 class MhaError(Exception):

@@ -8,9 +8,10 @@ bounded (`MAX_EXPR_DEPTH`, `MAX_STMT_DEPTH`) so the recursive walkers of later s
 """
 from __future__ import annotations
 
-import codecs
 import functools
 import gc
+import os
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -21,8 +22,10 @@ from lark.exceptions import (
 
 from mhadsl import ast
 from mhadsl.diagnostics import Diagnostic, MhaError, Source, Span
+from mhadsl.sources import read_source_file
 
 STD_PREFIX = "std/"
+STD_DIR = Path(__file__).resolve().parent / "std"
 # Operators and calls nested in one expression, and `if`/`while` blocks nested in one
 # body (an `else if` nests in its `else`). Far past any hand-written code, and low enough
 # that every later stage's recursive walk fits Python's default recursion limit.
@@ -317,29 +320,18 @@ def _check_nesting(module: ast.Module) -> None:
         stack.extend(reversed([(child, exprs, stmts) for child in ast.children(node)]))
 
 
-def decode_source(name: str, data: bytes) -> Source:
-    """A file's bytes as a `Source`: UTF-8, with a leading byte-order mark dropped.
-
-    Bytes that are not UTF-8 are an `MhaError` pointing at the first of them.
-    """
-    data = data.removeprefix(codecs.BOM_UTF8)
-    try:
-        return Source(name, data.decode("utf-8"))
-    except UnicodeDecodeError as err:
-        line_start = data.rfind(b"\n", 0, err.start) + 1
-        shown = Source(name, data.decode("utf-8", errors="replace"))
-        span = Span(shown, data.count(b"\n", 0, err.start) + 1,
-                    len(data[line_start:err.start].decode("utf-8")) + 1)
-        raise MhaError(f"this file is not UTF-8 text: byte 0x{data[err.start]:02x} cannot be "
-                       f"decoded", span) from None
-
-
-def load_program(text: str, name: str, base_dir: Path) -> list[ast.Module]:
+def load_program(text: str, name: str, base_dir: Path,
+                 include_dirs: Sequence[str | os.PathLike] = ()) -> list[ast.Module]:
     """Parse a file and, transitively, everything it imports: each file once, after the
-    files it imports. An import cycle is an error naming the chain."""
+    files it imports. An import cycle is an error naming the chain.
+
+    An import names a file of the standard library (`std/...`), or a file inside the
+    importing file's folder or one of `include_dirs`, searched in that order.
+    """
+    include_dirs = tuple(_real_path(d) for d in include_dirs)
     modules: list[ast.Module] = []
     loaded: set[str] = set()
-    top_key = name if name.startswith(STD_PREFIX) else str((base_dir / Path(name).name).resolve())
+    top_key = name if name.startswith(STD_PREFIX) else str(_real_path(base_dir / Path(name).name))
     # The files being loaded (each importing the next), with their imports still to visit.
     chain = [(top_key, parse_source(Source(name, text)), base_dir)]
     pending = [iter(chain[0][1].imports)]
@@ -351,35 +343,51 @@ def load_program(text: str, name: str, base_dir: Path) -> list[ast.Module]:
             loaded.add(key)
             modules.append(module)
             continue
-        imp_key = _import_key(imp, directory)
+        imp_key, file = _resolve_import(imp, directory, include_dirs)
         if imp_key in loaded:
             continue
         keys = [k for k, _, _ in chain]
         if imp_key in keys:
             names = [m.span.source.name for _, m, _ in chain[keys.index(imp_key):]]
             raise MhaError(f"import cycle: {' -> '.join(names + [names[0]])}", imp.span)
-        imported = parse_source(_read_import(imp, imp_key))
-        chain.append((imp_key, imported, None if imp_key.startswith(STD_PREFIX)
-                      else Path(imp_key).parent))
+        try:
+            imported = parse_source(read_source_file(file, imp_key))
+        except OSError as err:
+            raise MhaError(f"cannot import '{imp.path}': {err.strerror}", imp.span) from None
+        chain.append((imp_key, imported, file.parent))
         pending.append(iter(imported.imports))
     return modules
 
 
-def _import_key(imp: ast.Import, directory: Path | None) -> str:
-    """What identifies an imported file: its standard-library name or resolved path."""
+def _real_path(path: str | os.PathLike) -> Path:
+    """The path with every symbolic link resolved (a loop of links is left as it is)."""
+    return Path(os.path.realpath(path))
+
+
+def std_file(name: str) -> Path | None:
+    """The file of standard-library name `std/...`; None when it would lie outside the
+    standard library's folder (a name with `..`)."""
+    file = _real_path(STD_DIR / name[len(STD_PREFIX):])
+    return file if file.is_relative_to(STD_DIR) else None
+
+
+def _resolve_import(imp: ast.Import, directory: Path, include_dirs: tuple[Path, ...]
+                    ) -> tuple[str, Path]:
+    """What identifies an imported file (its standard-library name or resolved path), and
+    the file. A path that leads out of the folders an import may read is an `MhaError`:
+    symbolic links are resolved first, so neither `..` nor a link escapes."""
+    if "\0" in imp.path:
+        raise MhaError("cannot import a path with a NUL character", imp.span)
     if imp.path.startswith(STD_PREFIX):
-        return imp.path
-    return str(((directory or Path.cwd()) / imp.path).resolve())
-
-
-def _read_import(imp: ast.Import, key: str) -> Source:
-    if key.startswith(STD_PREFIX):
-        file = resources.files("mhadsl").joinpath("std", key[len(STD_PREFIX):])
-        if not file.is_file():
+        file = std_file(imp.path)
+        if file is None or not file.is_file():
             raise MhaError(f"no standard library file '{imp.path}'", imp.span)
-        return decode_source(key, file.read_bytes())
-    try:
-        data = Path(key).read_bytes()
-    except OSError as err:
-        raise MhaError(f"cannot import '{imp.path}': {err.strerror}", imp.span) from None
-    return decode_source(key, data)
+        return STD_PREFIX + file.relative_to(STD_DIR).as_posix(), file
+    folders = (_real_path(directory), *include_dirs)
+    candidates = [_real_path(folder / imp.path) for folder in folders]
+    file = next((c for c in candidates if c.exists()), candidates[0])
+    if not any(file.is_relative_to(folder) for folder in folders):
+        raise MhaError(f"cannot import '{imp.path}': it is outside the importing file's folder "
+                       f"and the include folders (add one with -I DIR, or include_dirs= in "
+                       f"mhadsl.compile)", imp.span)
+    return str(file), file

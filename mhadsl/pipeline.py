@@ -10,6 +10,8 @@ kernels, through the on-disk cache).
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -80,10 +82,12 @@ STAGES: tuple[tuple[str, Callable[[Compilation], object]], ...] = (
 STAGE_NAMES = ("parse", "check") + tuple(name for name, _ in STAGES)
 
 
-def front_end(text: str, name: str, base_dir: Path | None = None
+def front_end(text: str, name: str, base_dir: Path | None = None,
+              include_dirs: Sequence[str | os.PathLike] = ()
               ) -> tuple[list[ast.Module], CheckedProgram]:
-    """Parse (with imports) and check; raises `MhaError` listing every user error."""
-    modules = load_program(text, name, base_dir or Path.cwd())
+    """Parse (with imports; see `load_program` for where they are found) and check; raises
+    `MhaError` listing every user error."""
+    modules = load_program(text, name, base_dir or Path.cwd(), include_dirs)
     if _needs_default_scheduler(modules):
         modules = load_program(f'import "{STD_SCHEDULERS}"', "<prelude>", Path.cwd())[:-1] \
             + modules
@@ -99,11 +103,12 @@ def _needs_default_scheduler(modules: list[ast.Module]) -> bool:
 
 
 def compile_stages(text: str, name: str, options: CompileOptions, *, until: str = "ptx",
-                   base_dir: Path | None = None) -> Compilation:
+                   base_dir: Path | None = None,
+                   include_dirs: Sequence[str | os.PathLike] = ()) -> Compilation:
     if until not in STAGE_NAMES:
         raise ValueError(f"unknown stage {until!r}; stages are {', '.join(STAGE_NAMES)}")
     c = Compilation(name, options)
-    c.artifacts["parse"], c.artifacts["check"] = front_end(text, name, base_dir)
+    c.artifacts["parse"], c.artifacts["check"] = front_end(text, name, base_dir, include_dirs)
     if c.checked.schedulers:
         for stage, run in STAGES:
             if STAGE_NAMES.index(stage) > STAGE_NAMES.index(until):

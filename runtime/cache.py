@@ -21,10 +21,13 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from mhadsl.sources import read_regular_file
+
 _FORMAT = 1  # part of every key: bump when the compiler's output for the same inputs changes shape
 _MAGIC = b"MHADSLC1"  # file format tag; the digest of the rest follows it
 _DIGEST = hashlib.sha256().digest_size
 _KEY = re.compile(r"[0-9a-f]{64}")
+MAX_ENTRY_BYTES = 256 << 20  # an entry holds one kernel's LLVM IR, PTX and cubin: megabytes
 _warned: set[Path] = set()
 
 
@@ -89,7 +92,8 @@ def _encode(artifacts: dict[str, bytes]) -> bytes:
 
 
 def _decode(data: bytes) -> dict[str, bytes] | None:
-    """The artifacts, or None when the entry is not one this code wrote whole."""
+    """The artifacts, or None when the entry is not one this code wrote whole. A matching
+    digest proves nothing about a file someone else wrote, so the header is checked too."""
     start = len(_MAGIC) + _DIGEST
     if not data.startswith(_MAGIC) or len(data) < start + 4:
         return None
@@ -98,8 +102,18 @@ def _decode(data: bytes) -> dict[str, bytes] | None:
         return None
     (header_size,) = struct.unpack_from("<I", body)
     offset = 4 + header_size
+    try:
+        header = json.loads(body[4:offset])
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+        return None
+    if not (isinstance(header, list) and all(
+            isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+            and type(item[1]) is int and item[1] >= 0 for item in header)):
+        return None
+    if offset + sum(size for _, size in header) != len(body):
+        return None
     artifacts = {}
-    for name, size in json.loads(body[4:offset]):
+    for name, size in header:
         artifacts[name] = body[offset : offset + size]
         offset += size
     return artifacts
@@ -134,8 +148,8 @@ class CompileCache:
 
     def get(self, key: str) -> dict[str, bytes] | None:
         path = self._path(key)
-        try:
-            data = path.read_bytes()
+        try:  # a FIFO or a link to /dev/zero in its place is a miss, not a hang
+            data = read_regular_file(path, MAX_ENTRY_BYTES)
         except OSError:
             return None
         artifacts = _decode(data)

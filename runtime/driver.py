@@ -43,6 +43,16 @@ class CudaError(RuntimeError):
         super().__init__(text + (f"\n{detail}" if detail else ""))
 
 
+class NoGpuError(CudaError):
+    """No usable NVIDIA GPU: no driver library, no device, or a driver that cannot start.
+    The API and the CLI say it in the same words."""
+
+    def __init__(self, call: str, code: cu.CUresult | None, error_name: str, description: str,
+                 detail: str = "") -> None:
+        super().__init__(call, code, error_name, description, detail)
+        self.args = (f"no NVIDIA GPU found ({self.args[0]})",)
+
+
 def _describe(code: cu.CUresult) -> tuple[str, str]:
     """(error name, error string) from the driver, or the enum's own name without libcuda."""
     try:
@@ -89,16 +99,24 @@ def _init() -> None:
         try:
             result = cu.cuInit(0)
         except RuntimeError as exc:  # cuda-bindings raises (not returns) when libcuda is missing
-            raise CudaError("cuInit", None, "CUDA driver library not found", str(exc)) from exc
-        check(result, "cuInit")
+            raise NoGpuError("cuInit", None, "CUDA driver library not found", "") from exc
+        if result[0] != _SUCCESS:
+            raise NoGpuError("cuInit", result[0], *_describe(result[0]))
         _initialised = True
+
+
+def require_device() -> None:
+    """Raise `NoGpuError` unless a CUDA driver and at least one device are present."""
+    _init()
+    if call(cu.cuDeviceGetCount) == 0:
+        raise NoGpuError("cuDeviceGetCount", None, "no CUDA device", "")
 
 
 def gpu_available() -> bool:
     """True when a CUDA driver and at least one device are present; never raises."""
     try:
-        _init()
-        return call(cu.cuDeviceGetCount) > 0
+        require_device()
+        return True
     except Exception:
         return False
 

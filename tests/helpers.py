@@ -1,5 +1,8 @@
 """Small helpers shared by the tests."""
+import threading
 from pathlib import Path
+
+import pytest
 
 from mhadsl.check import CheckedProgram
 from mhadsl.pipeline import front_end
@@ -11,3 +14,16 @@ STD = 'import "std/schedulers.mha"\n'
 
 def checked(text: str, name: str = "test.mha") -> CheckedProgram:
     return front_end(text, name, REPO)[1]
+
+
+def finishes_within(seconds: float, work):
+    """`work()`'s result, or a test failure when it has not returned after `seconds` (it
+    is left running on a daemon thread: a read that blocks for good cannot be interrupted)."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(work()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"still running after {seconds} s")
+    assert result, "it raised (see the thread's traceback above)"
+    return result[0]

@@ -3,6 +3,7 @@ entries that survive concurrent writers, truncation and tampering, an unwritable
 and `mhadsl compile`'s use of both (the -o convention, errors without tracebacks)."""
 import hashlib
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,7 @@ import warnings
 import pytest
 
 import mhadsl
-from helpers import REPO, STD, checked
+from helpers import REPO, STD, checked, finishes_within
 from mhadsl import build
 from mhadsl.build import KernelRequest, build_kernel, cache_key, plan
 from mhadsl.cli import main
@@ -247,3 +248,43 @@ def test_a_build_for_a_target_the_declaration_does_not_fit(tmp_path, cache_dir, 
         """))
     code, _, err = compile_cli(capsys, fits_sm90, "--arch", "sm_80", "--kernel", "a")
     assert code == 1 and ":4:12: error:" in err and "sm_80 allows 163 KiB" in err
+
+
+def _forged(header: bytes, payload: bytes = b"") -> bytes:
+    """An entry in the cache's format with a valid digest: one not written by the cache."""
+    body = struct.pack("<I", len(header)) + header + payload
+    return cache._MAGIC + hashlib.sha256(body).digest() + body
+
+
+MALFORMED = {
+    "a FIFO": lambda entry: os.mkfifo(entry),
+    "a link to /dev/zero": lambda entry: entry.symlink_to("/dev/zero"),
+    "header not JSON": lambda entry: entry.write_bytes(_forged(b"\xff{", b"ptx")),
+    "header an object": lambda entry: entry.write_bytes(_forged(b'{"ptx": 3}', b"ptx")),
+    "header nested deep": lambda entry: entry.write_bytes(_forged(b"[" * 100_000)),
+    "negative size": lambda entry: entry.write_bytes(_forged(b'[["ptx", -3]]', b"ptx")),
+    "size past the end": lambda entry: entry.write_bytes(_forged(b'[["ptx", 99]]', b"ptx")),
+    "name not a string": lambda entry: entry.write_bytes(_forged(b'[[1, 3]]', b"ptx")),
+}
+
+
+@pytest.mark.parametrize("make", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_entry_is_a_miss_never_a_hang_or_traceback(tmp_path, make):
+    store = cache.CompileCache(tmp_path)
+    key = cache.cache_key(what="malformed entry")
+    entry = store._path(key)
+    entry.parent.mkdir(parents=True)
+    make(entry)
+    assert finishes_within(5, lambda: store.get(key)) is None
+    store.put(key, {"ptx": b"whole"})  # replaces it
+    assert store.get(key) == {"ptx": b"whole"}
+
+
+def test_a_build_whose_entry_is_a_fifo_rebuilds(project, cache_dir, no_ptxas):
+    kernel = mhadsl.compile(project / "main.mha")["a"]
+    good = kernel.build("sm_80")
+    (entry,) = entries(cache_dir)
+    entry.unlink()
+    os.mkfifo(entry)
+    rebuilt = finishes_within(60, lambda: kernel.build("sm_80"))
+    assert not rebuilt.cached and rebuilt.ptx == good.ptx

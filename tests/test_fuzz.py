@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from helpers import EXAMPLES, REPO
 from mhadsl.diagnostics import MhaError
-from mhadsl.parse import decode_source
+from mhadsl.sources import decode_source
 from mhadsl.pipeline import CompileOptions, compile_stages, front_end
 
 RUNS = collections.Counter()  # generator -> inputs run

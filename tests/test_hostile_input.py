@@ -2,6 +2,9 @@
 or a successful compile to PTX -- never a Python exception, a hang or a memory blow-up."""
 import os
 import re
+import resource
+import subprocess
+import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -9,10 +12,13 @@ from pathlib import Path
 import pytest
 
 import mhadsl
+from helpers import REPO
 from mhadsl.check import check_program
+from mhadsl.cli import main as cli_main
 from mhadsl.diagnostics import MAX_ERRORS, MhaError
 from mhadsl.parse import MAX_EXPR_DEPTH, MAX_STMT_DEPTH, load_program
 from mhadsl.pipeline import CompileOptions, compile_stages, front_end
+from mhadsl.sources import MAX_SOURCE_BYTES
 
 STD = 'import "std/schedulers.mha"\n'
 
@@ -248,13 +254,13 @@ def test_unreadable_import(tmp_path, monkeypatch):
     locked.write_text("fn f() -> u32 { return 1 }\n")
     locked.chmod(0)
     if os.access(locked, os.R_OK):  # root reads anything: refuse it the way the OS would
-        real = Path.read_bytes
+        real = os.open
 
-        def read_bytes(path):
-            if path == locked:
+        def open_file(path, *args, **kwargs):
+            if Path(path) == locked:
                 raise PermissionError(13, "Permission denied", str(path))
-            return real(path)
-        monkeypatch.setattr(Path, "read_bytes", read_bytes)
+            return real(path, *args, **kwargs)
+        monkeypatch.setattr(os, "open", open_file)
     message = error_of('import "locked.mha"\n', tmp_path)
     assert message.startswith("h.mha:1:8: error: cannot import 'locked.mha': Permission denied")
 
@@ -330,3 +336,179 @@ def test_a_very_long_line_is_shown_as_a_window_around_the_error(tmp_path):
     _, line, caret = message.splitlines()
     assert len(line) < 200 and line.startswith("...") and caret.endswith("^")
     assert line[len(caret) - 1] == "$"
+
+
+# --- Issue 19: untrusted files. A source is read only from a regular .mha file of at most
+# 16 MB; an import stays inside the importing file's folder, the standard library and the
+# include folders; the compile cache reads the same way (tests/test_build.py).
+
+def run_bounded(args: list[str], cwd: Path) -> tuple[str, float, float]:
+    """`mhadsl ARGS` in a child process limited to 1 GB of address space (so a read without
+    bound fails there instead of taking the machine down): its stderr, seconds and peak
+    resident memory in MB. A child still running after 20 s fails the test."""
+    def limit_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")  # each thread reserves address space
+    start = time.monotonic()
+    child = subprocess.Popen([sys.executable, "-m", "mhadsl", *args], cwd=cwd, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=limit_memory)
+    while True:  # wait4, not wait: it gives the child's own peak memory
+        pid, _, usage = os.wait4(child.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() - start > 20:
+            child.kill()
+            child.wait()
+            pytest.fail(f"mhadsl {' '.join(args)} still running after 20 s")
+        time.sleep(0.01)
+    child.returncode = 0  # reaped by wait4 already
+    return child.stderr.read(), time.monotonic() - start, usage.ru_maxrss / 1024
+
+
+@pytest.fixture(scope="module")
+def startup_seconds(tmp_path_factory) -> float:
+    """How long `mhadsl check` of a one-line file takes: Python's and the compiler's start."""
+    folder = tmp_path_factory.mktemp("startup")
+    (folder / "one.mha").write_text("fn one() -> u32 { return 1 }\n")
+    return run_bounded(["check", "one.mha"], folder)[1]
+
+
+@pytest.mark.parametrize("args, first_line", [
+    (["check", "/dev/zero"],
+     "error: cannot read /dev/zero: not a regular file (a device, FIFO or socket)"),
+    (["check", "fifo.mha"],
+     "error: cannot read fifo.mha: not a regular file (a device, FIFO or socket)"),
+    (["check", "zero.mha"],
+     "zero.mha:1:8: error: cannot import '/dev/zero': it is outside the importing file's "
+     "folder and the include folders"),
+    (["check", "-I", "/dev", "urandom.mha"],
+     "urandom.mha:1:8: error: cannot import '/dev/urandom': not a regular file"),
+    (["check", "imports_fifo.mha"],
+     "imports_fifo.mha:1:8: error: cannot import 'fifo.mha': not a regular file"),
+])
+def test_special_files_end_in_one_diagnostic_fast_in_bounded_memory(tmp_path, startup_seconds,
+                                                                   args, first_line):
+    os.mkfifo(tmp_path / "fifo.mha")
+    (tmp_path / "zero.mha").write_text('import "/dev/zero"\n')
+    (tmp_path / "urandom.mha").write_text('import "/dev/urandom"\n')
+    (tmp_path / "imports_fifo.mha").write_text('import "fifo.mha"\n')
+    stderr, seconds, megabytes = run_bounded(args, tmp_path)
+    assert "Traceback" not in stderr
+    lines = stderr.splitlines()
+    assert lines[0].startswith(first_line), stderr
+    assert len(lines) == (1 if first_line.startswith("error:") else 3), stderr  # line, caret
+    assert seconds < startup_seconds + 1, (seconds, startup_seconds)
+    assert megabytes < 200, megabytes
+
+
+def test_a_source_past_16_megabytes_is_refused_unread(tmp_path):
+    with open(tmp_path / "big.mha", "wb") as big:
+        big.truncate(MAX_SOURCE_BYTES + 1)  # sparse: no disk space taken
+    message = error_of('import "big.mha"\n', tmp_path)
+    assert message.startswith("h.mha:1:8: error: cannot import 'big.mha': larger than 16 MB")
+
+
+def test_imports_outside_the_allowed_folders_are_refused(tmp_path):
+    project, outside = tmp_path / "project", tmp_path / "outside"
+    project.mkdir(), outside.mkdir()
+    (outside / "secret.mha").write_text("fn secret() -> u32 { return 1 }\n")
+    (project / "link.mha").symlink_to(outside / "secret.mha")
+    escaping = '../../../../../../../../etc/shadow', '/etc/passwd', '../outside/secret.mha', \
+        'link.mha', str(outside / "secret.mha")
+    for path in escaping:
+        message = error_of(f'import "{path}"\n', project)
+        assert message.startswith(f"h.mha:1:8: error: cannot import '{path}': it is outside "
+                                  f"the importing file's folder and the include folders"), \
+            message
+        assert message.endswith("\n       ^") and "root:" not in message
+    message = error_of('import "std/../../mhadsl/cli.py"\n', project)
+    assert message.startswith("h.mha:1:8: error: no standard library file "
+                              "'std/../../mhadsl/cli.py'")
+
+
+def test_include_dirs_are_where_imports_may_also_come_from(tmp_path, capsys):
+    project, lib = tmp_path / "project", tmp_path / "lib"
+    project.mkdir(), lib.mkdir()
+    (lib / "common.mha").write_text("fn common() -> u32 { return 1 }\n")
+    for text in ('import "common.mha"\n', 'import "../lib/common.mha"\n',
+                 f'import "{lib / "common.mha"}"\n'):
+        (project / "main.mha").write_text(text)
+        with pytest.raises(MhaError, match="outside the importing file's folder|No such file"):
+            mhadsl.compile(project / "main.mha")
+        assert mhadsl.compile(project / "main.mha", include_dirs=[lib]).checked.fns
+        assert cli_main(["check", "-I", str(lib), str(project / "main.mha")]) == 0
+    assert "main.mha: ok (0 schedulers, 1 fns" in capsys.readouterr().out
+    assert cli_main(["check", "-I", str(tmp_path / "nope"), str(project / "main.mha")]) == 2
+    assert capsys.readouterr().err == f"error: -I {tmp_path / 'nope'}: no such folder\n"
+
+
+def test_a_file_that_is_not_mha_source_is_never_quoted(tmp_path, capsys, monkeypatch):
+    (tmp_path / "notes.txt").write_text("secret words\n")
+    (tmp_path / "binary.mha").write_bytes(b"secret \xff\xfe\x00 words\n")
+    message = error_of('import "notes.txt"\n', tmp_path)
+    assert message.startswith("h.mha:1:8: error: cannot import 'notes.txt': not a .mha file")
+    with pytest.raises(MhaError) as info:
+        front_end('import "binary.mha"\n', "h.mha", tmp_path)
+    assert info.value.render() == (f"{tmp_path / 'binary.mha'}:1:8: error: this file is not "
+                                   f"UTF-8 text: byte 0xff cannot be decoded")  # no line
+    monkeypatch.chdir(tmp_path)
+    for name in ("notes.txt", "binary.mha"):
+        assert cli_main(["check", name]) in (1, 2)
+        err = capsys.readouterr().err
+        assert "secret" not in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("source, error, message", [
+    (None, TypeError, r"compile\(\) takes \.mha source text \(str\) or a path \(str or "
+                      r"os\.PathLike\), not NoneType"),
+    (123, TypeError, r"takes \.mha source text .* not int"),
+    (b"attention a {}", TypeError, r"not bytes: decode them \(data\.decode\(\)\) or pass the "
+                                   r"file's path"),
+    ("examples", IsADirectoryError, "cannot read examples: Is a directory"),
+    ("examples/", IsADirectoryError, "cannot read examples: Is a directory"),
+    ("x.txt", FileNotFoundError, "cannot read x.txt: No such file or directory"),
+    ("README.md", OSError, "cannot read README.md: not a .mha file"),
+    ("", ValueError, r"empty \.mha source"),
+    (" \n\t", ValueError, r"empty \.mha source"),
+])
+def test_compile_takes_source_text_or_the_path_of_a_mha_file(source, error, message,
+                                                            monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(error, match=message):
+        mhadsl.compile(source)
+
+
+@pytest.mark.parametrize("init", ["no driver library", "no device"])
+def test_no_gpu_is_one_error_with_one_wording_in_the_api_and_the_cli(init, monkeypatch, capsys):
+    from mhadsl.runtime import driver
+
+    def no_library(flags):
+        raise RuntimeError('"cuda" is an NVIDIA driver library and can only be found via '
+                           'system search.')
+    monkeypatch.setattr(driver, "_initialised", False)
+    monkeypatch.setattr(driver, "_primary", {})
+    monkeypatch.setattr(driver.cu, "cuInit", no_library if init == "no driver library" else
+                        lambda flags: (driver.cu.CUresult.CUDA_ERROR_NO_DEVICE,))
+    with pytest.raises(mhadsl.NoGpuError, match=r"^no NVIDIA GPU found \(cuInit failed: ") \
+            as caught:
+        mhadsl.synchronize()
+    assert isinstance(caught.value, mhadsl.CudaError) and "\n" not in str(caught.value)
+    monkeypatch.chdir(REPO)
+    assert cli_main(["run", "examples/causal.mha", "--kernel", "causal_fwd", "--seqlen",
+                     "64"]) == 2
+    assert capsys.readouterr().err == f"error: {caught.value}\n"
+
+
+@pytest.mark.parametrize("target, message", [
+    ("/proc/x.png", "error: cannot write --plot /proc/x.png: "),
+    ("fifo.png", "error: cannot write --plot fifo.png: it is not a regular file"),
+])
+def test_plot_to_a_path_that_takes_no_image_is_one_line(target, message, tmp_path):
+    pytest.importorskip("matplotlib")
+    os.mkfifo(tmp_path / "fifo.png")
+    (tmp_path / "s.mha").write_text(STD)
+    stderr = run_bounded(["simulate", "s.mha", "--scheduler", "Queued", "--seqlen", "9",
+                          "--plot", target], tmp_path)[0]
+    assert stderr.startswith(message) and stderr.count("\n") == 1, stderr
