@@ -291,7 +291,8 @@ class Kernel:
                 cu_k.data_ptr()
         handle = _torch_stream(torch, q.get_device()) if stream is None else \
             _stream_handle(stream)
-        self._launch_plan(planned, addresses, handle)
+        planned.plan.launch(addresses, handle,
+                            workspace=self.trace_workspace if self.trace else None)
         return (out, lse) if planned.want_lse else out
 
     def specialize(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -312,10 +313,7 @@ class Kernel:
         planned = self._planned(call, views, scale, want_lse)
         if torch_key is not None:
             self._torch_plans[torch_key] = planned
-        self._launch_plan(planned, {n: t.ptr for n, t in views.items() if t}, stream)
-
-    def _launch_plan(self, planned: _Planned, addresses: dict, stream: int) -> None:
-        planned.plan.launch(addresses, stream,
+        planned.plan.launch({n: t.ptr for n, t in views.items() if t}, stream,
                             workspace=self.trace_workspace if self.trace else None)
 
     def _design(self, device: int) -> tuple[Backend, DeviceTarget]:

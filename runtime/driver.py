@@ -593,5 +593,26 @@ class Function:
                       stream: int, params: int) -> None:
         """Launch on raw `stream` with `params`, the address of a `void*[]` of the kernel's
         parameters (`runtime.launch.ParamBlock`): one driver call, nothing else."""
-        check(cu.cuLaunchKernel(self._handle, *grid, threads, 1, 1, shared_bytes, stream,
-                                params, 0), "cuLaunchKernel")
+        launch = _raw_launch()
+        if launch is None:
+            check(cu.cuLaunchKernel(self._handle, *grid, threads, 1, 1, shared_bytes, stream,
+                                    params, 0), "cuLaunchKernel")
+            return
+        code = launch(int(self._handle), *grid, threads, 1, 1, shared_bytes, stream, params,
+                      None)
+        if code:
+            check((cu.CUresult(code),), "cuLaunchKernel")
+
+
+@cache
+def _raw_launch() -> Callable | None:
+    """libcuda's own cuLaunchKernel through ctypes (None where it cannot be loaded so): the
+    cuda-python wrapper converts its eleven arguments on every call, 1.5 us of a launch."""
+    try:
+        launch = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1").cuLaunchKernel
+    except (OSError, AttributeError):
+        return None
+    launch.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p]
+    launch.restype = ctypes.c_int
+    return launch
