@@ -278,7 +278,8 @@ class Kernel:
         (alignment, and whether out overlaps q, k or v), then the plan launches."""
         torch = sys.modules["torch"]
         if out is None:
-            out = q.new_empty(planned.out_shape)
+            # (empty_like keeps q's strides: where q is contiguous, so is the output planned)
+            out = torch.empty_like(q) if planned.q_contiguous else q.new_empty(planned.out_shape)
         addresses = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(),
                      "o": out.data_ptr()}
         planned.check_addresses(addresses)
@@ -525,6 +526,8 @@ class _Planned:
         # sizes only: a plan must not keep a call's tensors alive (a CUDA-graph pool's, say)
         self.plan, self.want_lse, self.shapes = plan, want_lse, shapes
         self.out_shape, self.lse_shape = tuple(call.q.shape), _lse_shape(call)
+        from mhadsl.runtime.tensors import contiguous_strides
+        self.q_contiguous = shapes["q"].strides == contiguous_strides(shapes["q"].shape)
         self.spans = {n: _span(shapes[n]) for n in "qkvo"}  # first to last byte, inclusive
         self.empty = {n: 0 in shapes[n].shape for n in "qkvo"}
 

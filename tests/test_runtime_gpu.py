@@ -13,10 +13,7 @@ from mhadsl.runtime.driver import (
     CudaError,
     DeviceBuffer,
     Module,
-    begin_launch,
     device_info,
-    end_launch,
-    memcpy_dtoh,
     memset_d32_async,
     queue_workspace,
     stream_handle,
@@ -26,8 +23,7 @@ from mhadsl.runtime.tensors import as_device_tensor, empty_like_kind, from_devic
 pytestmark = pytest.mark.gpu
 
 # Hand-written PTX: add_one(int* data, u32 n); axpb(int* data, {int a, b} by value, u32 n):
-# data = data * a + b; ticket(u32* counter, int* out, u32 n): thread 0 of each block takes a
-# ticket t from the counter and writes out[t] = block + 1.
+# data = data * a + b.
 PTX = r"""
 .version 8.0
 .target sm_80
@@ -78,31 +74,6 @@ $ADD_DONE:
     mad.lo.s32 %r7, %r6, %r8, %r9;
     st.global.u32 [%rd4], %r7;
 $AXPB_DONE:
-    ret;
-}
-
-.visible .entry ticket(.param .u64 ticket_counter, .param .u64 ticket_out, .param .u32 ticket_n)
-{
-    .reg .pred %p<3>;
-    .reg .b32 %r<6>;
-    .reg .b64 %rd<7>;
-    mov.u32 %r1, %tid.x;
-    setp.ne.u32 %p1, %r1, 0;
-    @%p1 bra $TICKET_DONE;
-    ld.param.u64 %rd1, [ticket_counter];
-    ld.param.u64 %rd2, [ticket_out];
-    ld.param.u32 %r2, [ticket_n];
-    cvta.to.global.u64 %rd3, %rd1;
-    cvta.to.global.u64 %rd4, %rd2;
-    atom.global.add.u32 %r3, [%rd3], 1;
-    setp.ge.u32 %p2, %r3, %r2;
-    @%p2 bra $TICKET_DONE;
-    mov.u32 %r4, %ctaid.x;
-    add.u32 %r5, %r4, 1;
-    mul.wide.u32 %rd5, %r3, 4;
-    add.s64 %rd6, %rd4, %rd5;
-    st.global.u32 [%rd6], %r5;
-$TICKET_DONE:
     ret;
 }
 """
@@ -268,43 +239,6 @@ def test_queue_workspace_one_per_stream():
     other = queue_workspace(side)
     assert abs(default - other) >= 16 and abs(default - other) % 16 == 0
     assert queue_workspace(0) == default and queue_workspace(side.cuda_stream) == other
-
-
-def test_cuda_graph_replay_resets_queue_counter(module):
-    torch = pytest.importorskip("torch")
-    add_one, ticket = module.function("add_one"), module.function("ticket")
-    blocks = 64
-    x = torch.zeros(N, dtype=torch.int32, device="cuda")
-    tickets = torch.zeros(blocks, dtype=torch.int32, device="cuda")
-
-    def step(stream: int) -> None:
-        workspace = begin_launch(stream)  # zeroes the counter on the launch's stream: captured too
-        ticket.launch(
-            (blocks, 1, 1), (32, 1, 1), 0, stream, [workspace, tickets.data_ptr(), ctypes.c_uint32(blocks)]
-        )
-        end_launch(stream)  # under capture it queries and copies nothing
-        add_one.launch(GRID, BLOCK, 0, stream, [x.data_ptr(), ctypes.c_uint32(N)])
-
-    side = torch.cuda.Stream()  # warm up off the default stream, as torch recommends
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(side.cuda_stream)
-    torch.cuda.current_stream().wait_stream(side)
-    x.zero_()
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = torch.cuda.current_stream().cuda_stream
-        step(captured)
-    for replay in range(1, 4):
-        tickets.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(x.cpu(), torch.full((N,), replay, dtype=torch.int32))
-        assert sorted(tickets.tolist()) == list(range(1, blocks + 1))  # every ticket once
-        count = np.empty(1, np.uint32)
-        memcpy_dtoh(count, queue_workspace(captured))
-        assert count[0] == blocks
 
 
 def test_load_cubin(tmp_path):
