@@ -149,7 +149,7 @@ EXITED_WORD = 2  # u64
 RECORD_WORD = 4  # the fault record's first word (its code)
 RECORD_WORDS = 3  # code, scheduler id, CTA
 HOST_RECORD_WORD = 8  # u64: the host copy's address
-WORKSPACE_WORDS = 10
+WORKSPACE_WORDS = 16  # 64 bytes: streams' counters never share a 64-byte sector
 
 TOO_MANY_TILES = 1  # advance kept returning work past all the work of the launch, plus one
 ENDLESS_WHILE = 2  # a `while` ran past its bound
