@@ -15,7 +15,8 @@ import pytest
 import mhadsl
 from mhadsl.api import _Build
 from mhadsl.codegen import backends
-from mhadsl.runtime import driver, tensormap, tensors
+from mhadsl.codegen import abi
+from mhadsl.runtime import driver, faults, tensormap, tensors
 from test_hostile_tensors import SOURCE, FakeDevice, dense, qkv_and_out_interleaved
 
 
@@ -123,3 +124,56 @@ def test_the_design_is_chosen_again_for_another_device_or_a_forced_backend(kerne
 def on_device_1(args: dict) -> dict:
     return {n: FakeDevice(t.shape, device=1) if isinstance(t, FakeDevice) else t
             for n, t in args.items()}
+
+
+class Tripwire:
+    """A stand-in for cuda-python's driver module: any driver call it is asked for fails the
+    test, except those named in `allowed`, which are recorded."""
+
+    def __init__(self, allowed=()):
+        self.allowed, self.called = allowed, []
+
+    def __getattr__(self, name):
+        if name not in self.allowed:
+            raise AssertionError(f"a planned launch called the driver: {name}")
+        return lambda *args: (self.called.append(name), (driver._SUCCESS, 0))[1]
+
+
+@pytest.fixture
+def stream_workspace(kernel, monkeypatch):
+    """The real `driver.workspace` lookup over one stand-in workspace of stream 0, device 0,
+    whose host-side fault record the test can write (as a faulting kernel would)."""
+    record = (ctypes.c_uint32 * abi.RECORD_WORDS)()
+    monkeypatch.setitem(driver._workspaces, (0, 0), driver._Workspace(WORKSPACE, record, 0))
+    monkeypatch.setattr(driver, "workspace", WORKSPACE_LOOKUP)
+    return record
+
+
+WORKSPACE_LOOKUP = driver.workspace
+
+
+def test_a_planned_launch_calls_the_driver_for_the_launch_alone(kernel, stream_workspace,
+                                                                monkeypatch):
+    args = dense()
+    kernel(**args)  # the plan: design, build, grid, tensor maps
+    monkeypatch.setattr(driver, "cu", Tripwire())
+    for _ in range(3):  # no memset of the counter, no copy of the record, no event
+        kernel(**args)
+    assert kernel.launches == 4
+
+
+def test_a_fault_the_kernel_wrote_is_raised_at_the_next_launch_and_cleared(
+        kernel, stream_workspace, monkeypatch):
+    kernel(**dense())
+    stream_workspace[:] = [abi.fault_code(abi.TOO_MANY_TILES, "advance"),
+                           faults.scheduler_id("Queued"), 7]
+    tripwire = Tripwire(allowed=("cuStreamIsCapturing", "cuMemsetD32Async"))
+    monkeypatch.setattr(driver, "cu", tripwire)
+    monkeypatch.setattr(driver, "_capturing", lambda handle: False)
+    with pytest.raises(mhadsl.SchedulerError, match="'Queued': rule 'advance' never returned"
+                                                   r".*\(CTA 7\)"):
+        kernel(**dense())
+    assert kernel.launches == 1 and list(stream_workspace) == [0, 0, 0]
+    assert tripwire.called == ["cuMemsetD32Async"]  # the device's record, on the stream
+    kernel(**dense())
+    assert kernel.launches == 2
