@@ -58,6 +58,8 @@ def test_a_torch_signature_is_planned_once_and_its_calls_stay_correct(program, m
     with pytest.raises(ValueError, match="16-byte aligned"):
         kern(misaligned, k, v)
     assert made == []  # both were planned calls, checked per address
+    with pytest.raises(TypeError, match="declared bf16"):  # another dtype: not this plan
+        kern(q.half(), k.half(), v.half())
     mhadsl.synchronize()
 
 
