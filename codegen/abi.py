@@ -34,7 +34,6 @@ from mhadsl.codegen.nvptx import GLOBAL, f32, i32, i64
 # ============================================================================ parameters
 KIND_BYTES = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4, "tensor_map": 128}
 KIND_ALIGN = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4, "tensor_map": 64}
-TENSOR_MAP_BYTES = KIND_BYTES["tensor_map"]
 
 
 @dataclass(frozen=True)
@@ -118,9 +117,6 @@ class KernelABI:
 
     def __getitem__(self, name: str) -> Param:
         return next(p for p in self.params if p.name == name)
-
-    def __add__(self, more: tuple[Param, ...]) -> KernelABI:
-        return KernelABI(*self.params, *more)
 
     def llvm_types(self) -> list[ir.Type]:
         return [p.llvm_type for p in self.params]
