@@ -212,9 +212,10 @@ class Kernel:
                  return_lse: bool | None = None, stream=None):
         key = _torch_signature(q, k, v, out, cu_seqlens_q, cu_seqlens_k)
         if key is not None:  # torch tensors: a signature seen before runs its plan
-            options = (max_seqlen_q, max_seqlen_k, scale, return_lse)
-            if options != _NO_OPTIONS:  # (typed: 3.0 == 3, True == 1, yet one is refused)
-                key = (key, tuple((type(x), x) for x in options))
+            if (max_seqlen_q, max_seqlen_k, scale, return_lse) != _NO_OPTIONS:
+                # typed: 3.0 == 3 and True == 1, yet one of each is refused
+                key = (key, type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k,
+                       type(scale), scale, type(return_lse), return_lse)
             planned = self._torch_plans.get(key)
             if planned is not None:
                 return self._run_torch(planned, q, k, v, out, cu_seqlens_q, cu_seqlens_k,
