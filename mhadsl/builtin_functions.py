@@ -8,19 +8,20 @@
 - `interval(analysis, args, arg_types, ty)`: its abstract value over a tile, for the mask
   classifier (`mhadsl.classify`);
 - `numpy(args, arg_types, ty)`: its value in the float64 reference (`mhadsl.reference`);
-- `derivative(d, args, dargs)`: its derivative, for `mhadsl.derivative` (None: not
-  differentiable).
+- `derivative(d, *args)`: its derivative with respect to the score, for
+  `mhadsl.derivative` (None: not differentiable).
 
 Each meaning is written against the walker that uses it (the checker, the `FunctionLowering`,
 the interval analysis, the derivative builder), passed as the first argument, so this module
 imports none of them. `ty` is the call's checked type and `arg_types` its arguments'.
 
-A derivative is written in forward mode: given the arguments and the derivatives `dargs` of
-the arguments with respect to the score (expressions the builder `d` makes and simplifies),
-it returns the derivative of the call. At a kink it is one-sided, as PyTorch's autograd is:
-`abs` has derivative 0 at 0, `max(a, b)` follows `a` when a >= b, `min(a, b)` follows `a`
-when a <= b, and `where(c, a, b)` follows the branch it takes (the condition is not
-differentiated). The casts to integers and `cdiv` have integer values: no derivative.
+A derivative is written in forward mode, by the chain rule: from the arguments and their
+own derivatives `d.of(arg)` it makes the call's derivative, in expressions the builder `d`
+makes and simplifies. At a kink it takes one side, so the backward pass never sees a
+NaN there: `abs` has derivative 0 at 0 (PyTorch's convention), `max(a, b)` follows `a`
+when a >= b and `min(a, b)` follows `a` when a <= b (so `max(s, 0)` has derivative 1 at
+0), and `where(c, a, b)` follows the branch it takes (the condition is not differentiated).
+The casts to integers and `cdiv` have integer values: no derivative.
 """
 from __future__ import annotations
 
@@ -260,48 +261,48 @@ def _numpy_f32(fn: Callable) -> Callable:
 
 
 # ------------------------------------------------------------------ derivatives
-def _d_exp(d, args, dargs):
-    return d.mul(d.call("exp", args[0]), dargs[0])
+def _d_exp(d, x):
+    return d.mul(d.call("exp", x), d.of(x))
 
 
-def _d_exp2(d, args, dargs):
-    return d.mul(d.mul(d.const(LN2), d.call("exp2", args[0])), dargs[0])
+def _d_exp2(d, x):
+    return d.mul(d.mul(d.const(LN2), d.call("exp2", x)), d.of(x))
 
 
-def _d_log(d, args, dargs):
-    return d.div(dargs[0], args[0])
+def _d_log(d, x):
+    return d.div(d.of(x), x)
 
 
-def _d_log2(d, args, dargs):
-    return d.div(dargs[0], d.mul(args[0], d.const(LN2)))
+def _d_log2(d, x):
+    return d.div(d.of(x), d.mul(x, d.const(LN2)))
 
 
-def _d_tanh(d, args, dargs):
-    t = d.call("tanh", args[0])
-    return d.mul(d.sub(d.const(1.0), d.mul(t, t)), dargs[0])
+def _d_tanh(d, x):
+    t = d.call("tanh", x)
+    return d.mul(d.sub(d.const(1.0), d.mul(t, t)), d.of(x))
 
 
-def _d_sqrt(d, args, dargs):
-    return d.div(dargs[0], d.mul(d.const(2.0), d.call("sqrt", args[0])))
+def _d_sqrt(d, x):
+    return d.div(d.of(x), d.mul(d.const(2.0), d.call("sqrt", x)))
 
 
-def _d_abs(d, args, dargs):  # sign(x) dx, 0 at x = 0
-    (x,), (dx,) = args, dargs
+def _d_abs(d, x):  # sign(x) dx, 0 at x = 0
+    dx = d.of(x)
     return d.where(d.compare(">", x, d.const(0.0)), dx,
                    d.where(d.compare("<", x, d.const(0.0)), d.neg(dx), d.const(0.0)))
 
 
 def _d_pick(cmp: str) -> Callable:
     """min / max follow the operand they return; `a` on a tie."""
-    return lambda d, args, dargs: d.where(d.compare(cmp, *args), *dargs)
+    return lambda d, a, b: d.where(d.compare(cmp, a, b), d.of(a), d.of(b))
 
 
-def _d_where(d, args, dargs):
-    return d.where(args[0], dargs[1], dargs[2])
+def _d_where(d, c, a, b):  # the condition is not differentiated
+    return d.where(c, d.of(a), d.of(b))
 
 
-def _d_identity(d, args, dargs):
-    return dargs[0]
+def _d_identity(d, x):
+    return d.of(x)
 
 
 def _math(lower_x: Callable, fn: Callable, derivative: Callable) -> Builtin:

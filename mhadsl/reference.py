@@ -22,6 +22,7 @@ from mhadsl import ast
 from mhadsl.builtin_functions import FUNCTIONS
 from mhadsl.builtins import attention_type, convert, int_binary, wrap
 from mhadsl.check import CheckedProgram
+from mhadsl.derivative import differentiate_score
 from mhadsl.types import BOOL, F32, I32, TYPE_NAMES, U32, Ty, unify
 
 _ROLE_TYPES = {"s": F32, "b": I32, "h": I32, "q_idx": I32, "kv_idx": I32, "seqlen_q": I32,
@@ -205,6 +206,13 @@ def evaluate_rule(rule: ast.Rule, program: CheckedProgram, **inputs) -> np.ndarr
     ret = BOOL if rule.name == "mask" else F32
     with np.errstate(all="ignore"):  # wrapping products, 0/0 in floats: the values are defined
         return _Evaluator(program, shape).body(rule.body, env, ret)
+
+
+def evaluate_score_derivative(rule: ast.Rule, program: CheckedProgram, **inputs) -> np.ndarray:
+    """d score / d s of a score rule, elementwise (float64; the same inputs as
+    `evaluate_rule`): the rule `mhadsl.derivative` derives, evaluated."""
+    derivative, derived = differentiate_score(rule, program)
+    return evaluate_rule(derivative, derived, **inputs)
 
 
 # ------------------------------------------------------------------ attention
