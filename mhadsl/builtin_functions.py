@@ -17,11 +17,11 @@ imports none of them. `ty` is the call's checked type and `arg_types` its argume
 
 A derivative is written in forward mode, by the chain rule: from the arguments and their
 own derivatives `d.of(arg)` it makes the call's derivative, in expressions the builder `d`
-makes and simplifies. At a kink it takes one side, so the backward pass never sees a
-NaN there: `abs` has derivative 0 at 0 (PyTorch's convention), `max(a, b)` follows `a`
-when a >= b and `min(a, b)` follows `a` when a <= b (so `max(s, 0)` has derivative 1 at
-0), and `where(c, a, b)` follows the branch it takes (the condition is not differentiated).
-The casts to integers and `cdiv` have integer values: no derivative.
+makes and simplifies. At a kink it takes one side: `abs` has derivative 0 at 0 (PyTorch's
+convention), `max(a, b)` follows `a` when a >= b and `min(a, b)` follows `a` when a <= b
+(so `max(s, 0)` has derivative 1 at 0), and `where(c, a, b)` follows the branch it takes
+(the condition is not differentiated). The casts to integers and `cdiv` have integer
+values: no derivative.
 """
 from __future__ import annotations
 
