@@ -1,16 +1,23 @@
 """d score / d s (mhadsl.derivative) against central finite differences, on CPU."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
+from llvmlite import ir
 
 from helpers import EXAMPLES, checked
 from mhadsl import ast
 from mhadsl.builtin_functions import FUNCTIONS
+from mhadsl.codegen.kernel import SCORE_ROLES
+from mhadsl.codegen.lower import Builtins, FunctionLowering
+from mhadsl.codegen.nvptx import f32, i32
+from mhadsl.codegen.target import HOST, HostJit, new_module
 from mhadsl.derivative import differentiate_score
 from mhadsl.diagnostics import MhaError
 from mhadsl.reference import evaluate_rule, evaluate_score_derivative
-from mhadsl.types import BOOL, F32
+from mhadsl.types import BOOL, F32, I32
 
 RNG = np.random.default_rng(22)
 N = 400  # random points per case
@@ -169,3 +176,31 @@ def test_assignment_is_not_supported_yet():
     rule, program = score_rule("{ var x = s\n x = x * 2.0\n return x }")
     with pytest.raises(MhaError, match="through an assignment"):
         differentiate_score(rule, program)
+
+
+# ------------------------------------------------------------------ the lowering compiles it
+def host_function(rule, program):
+    """`rule` lowered through the LLVM lowering and compiled for the host (f32, libm math),
+    as a Python callable of (s, b, h, q_idx, kv_idx); it keeps its JIT alive."""
+    module = new_module("score", HOST)
+    fn = ir.Function(module, ir.FunctionType(f32, [f32] + [i32] * 4), "score")
+    builder = ir.IRBuilder(fn.append_basic_block())
+    lower = FunctionLowering(builder, program, Builtins(), dict(zip(SCORE_ROLES, fn.args)),
+                             default_int=I32)
+    builder.ret(lower.load_value(lower.lower_body(rule.body, F32)))
+    jit = HostJit(module)
+    call = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_float, *[ctypes.c_int32] * 4)(
+        jit.address("score"))
+    return lambda *args: (jit, call(*args))[1]
+
+
+@pytest.mark.parametrize("expr", COMPOSITES[:3] + COMPOSITES[4:5] + COMPOSITES[-1:])
+def test_lowered_derivative_matches_the_reference(expr):
+    rule, program = score_rule(expr)
+    derivative, derived = differentiate_score(rule, program)
+    run = host_function(derivative, derived)
+    for s, h, q, kv in zip(RNG.uniform(-6, 6, 50), RNG.integers(0, 8, 50),
+                           RNG.integers(0, 20, 50), RNG.integers(0, 20, 50)):
+        s = float(np.float32(s))
+        want = evaluate_rule(derivative, derived, s=s, b=0, h=h, q_idx=q, kv_idx=kv)
+        assert run(s, 0, h, q, kv) == pytest.approx(float(want), rel=1e-4, abs=1e-6)
