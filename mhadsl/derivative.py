@@ -176,11 +176,7 @@ class _Differentiator:
         return self.node(ast.Binary(self.span, "+", a, b))
 
     def sub(self, a: ast.Expr, b: ast.Expr) -> ast.Expr:
-        if self.value_of(b) == 0.0:
-            return self.as_f32(a)
-        if self.value_of(a) == 0.0:
-            return self.neg(b)
-        return self.node(ast.Binary(self.span, "-", a, b))
+        return self.add(a, self.neg(b))  # exactly a - b in floating point
 
     def neg(self, a: ast.Expr) -> ast.Expr:
         if self.value_of(a) is not None:
