@@ -444,6 +444,7 @@ class _Analysis:
 
     @staticmethod
     def interval(lo, hi, ty: Ty) -> _Int:
+        """[lo, hi] of type `ty`, for the builtins' interval rules."""
         return _Int(lo, hi, ty)
 
 
