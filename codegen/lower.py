@@ -16,7 +16,8 @@ from llvmlite import ir
 from mhadsl.codegen import nvptx
 from mhadsl.codegen.nvptx import f32, i1, i32, i64
 from mhadsl import ast
-from mhadsl.builtins import CASTS, SLOT_COUNT
+from mhadsl.builtin_functions import FUNCTIONS
+from mhadsl.builtins import SLOT_COUNT
 from mhadsl.check import CheckedProgram, Symbol
 from mhadsl.types import (
     BOOL, COUNTER, DIM3, F32, I32, INT_LITERAL, RECORD_FIELDS, SCHEDULE, SCHEDULES, SEQ_INFO,
@@ -73,7 +74,7 @@ class _Dim3:
 class Builtins:
     """What target-dependent builtins lower to. Subclassed per target by the scheduler."""
 
-    gpu = False  # math through the GPU's approximations (see math_call)
+    gpu = False  # f32 math through the GPU's approximations (mhadsl.builtin_functions)
 
     def value(self, lower: FunctionLowering, name: str) -> Value:
         raise NotImplementedError(name)
@@ -432,33 +433,16 @@ class FunctionLowering:
                 raise AssertionError("barrier needs a compile-time sync")
             self.builtins.barrier(self, sync.constant)
             return None
-        result = self.ty(e)
-        if name in ("min", "max"):
-            a, b = (self.operand(x, result) for x in e.args)
-            if result == F32:
-                return math_call(self.b, "minnum" if name == "min" else "maxnum", [a, b],
-                                 self.builtins.gpu)
-            cmp = self.arith("<" if name == "min" else ">", a, b, result == I32, result)
-            return self.b.select(cmp, a, b)
-        if name == "cdiv":
-            a, b = (self.expr(x) for x in e.args)
-            return self.arith("/", self.b.add(a, self.b.sub(b, i32(1))), b, result == I32, result)
-        if name == "where":
-            c = self.expr(e.args[0])
-            return self.b.select(c, self.operand(e.args[1], result),
-                                 self.operand(e.args[2], result))
-        if name in CASTS:
-            return self.cast(e.args[0], result)
-        if name == "abs":
-            x = self.operand(e.args[0], result)
-            if result == F32:
-                return math_call(self.b, "fabs", [x], self.builtins.gpu)
-            if result == U32:
-                return x
-            neg = self.b.icmp_signed("<", x, i32(0))
-            return self.b.select(neg, self.b.neg(x), x)
-        x = self.operand(e.args[0], F32)
-        return math_call(self.b, name, [x], self.builtins.gpu)
+        return FUNCTIONS[name].lower(self, e.args, self.ty(e))
+
+    @property
+    def gpu(self) -> bool:
+        """Whether f32 math lowers to the GPU's approximations (see mhadsl.builtin_functions)."""
+        return self.builtins.gpu
+
+    def intrinsic(self, name: str, *args: ir.Value) -> ir.Value:
+        """A call to the f32 intrinsic `name`."""
+        return nvptx.call(self.b, name, f32, list(args))
 
     def cast(self, arg: ast.Expr, dst: Ty) -> ir.Value:
         """`u32(x)`, `i32(x)`, `f32(x)` (mhadsl.builtins): integers keep their bits, floats
@@ -776,27 +760,3 @@ def _merge(builder: ir.IRBuilder, results: list[tuple[object, ir.Block]]) -> obj
         return tuple(_phi(builder, [(r[k], bb) for r, bb in results])
                      for k in range(len(first)))
     return _phi(builder, results)
-
-
-LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
-_LLVM_MATH = {"exp": "llvm.exp.f32", "exp2": "llvm.exp2.f32", "log": "llvm.log.f32",
-              "log2": "llvm.log2.f32", "sqrt": "llvm.sqrt.f32", "fabs": "llvm.fabs.f32",
-              "minnum": "llvm.minnum.f32", "maxnum": "llvm.maxnum.f32"}
-
-
-def math_call(builder: ir.IRBuilder, name: str, args: list[ir.Value], gpu: bool) -> ir.Value:
-    """f32 math. The GPU uses the SFU approximations (NVPTX has no libm for exp/log/tanh);
-    the host uses LLVM's intrinsics, which call libm."""
-    x = args[0]
-    if gpu and name in ("exp", "exp2", "log", "log2", "tanh"):
-        if name in ("exp", "exp2"):
-            arg = builder.fmul(x, f32(LOG2E)) if name == "exp" else x
-            return nvptx.call(builder, "llvm.nvvm.ex2.approx.ftz.f", f32, [arg])
-        if name == "tanh":
-            return nvptx.call(builder, "llvm.nvvm.tanh.approx.f32", f32, [x])
-        lg = nvptx.call(builder, "llvm.nvvm.lg2.approx.ftz.f", f32, [x])
-        return builder.fmul(lg, f32(LN2)) if name == "log" else lg
-    if name == "tanh":  # tanh(x) = 1 - 2 / (exp(2x) + 1)
-        e = math_call(builder, "exp", [builder.fmul(x, f32(2.0))], gpu)
-        return builder.fsub(f32(1.0), builder.fdiv(f32(2.0), builder.fadd(e, f32(1.0))))
-    return nvptx.call(builder, _LLVM_MATH[name], f32, args)

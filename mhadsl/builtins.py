@@ -24,7 +24,7 @@ import operator
 import numpy as np
 
 from mhadsl.types import (
-    BOOL, COUNTER, DIM3, F32, I32, SCHEDULE, SCHEDULES, SYNC, SYNCS, U32, Ty,
+    BOOL, COUNTER, DIM3, F32, I32, INT_LITERAL, SCHEDULE, SCHEDULES, SYNC, SYNCS, U32, Ty,
 )
 
 # Where code runs: host-side rules (grid_dim, parameter defaults), device rules and fns,
@@ -51,15 +51,9 @@ BUILTIN_VALUES: dict[str, tuple[Ty, tuple[str, ...], tuple[str, ...] | None]] = 
 # compiled: a condition made of them alone may guard a barrier.
 COMPILE_TIME_VALUES = ("producer", "sync", *SCHEDULES, *SYNCS)
 
-# f32 -> f32 math: name -> its NumPy meaning (the reference); the lowering maps the same
-# names to LLVM intrinsics (host) or the GPU's approximations.
-MATH_F32 = {"exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
-            "sqrt": np.sqrt}
-MATH_FUNCTIONS = (*MATH_F32, "abs")  # abs keeps an integer type
-# Two-operand (three for where) arithmetic over a common type.
-ARITH_FUNCTIONS = {"min": 2, "max": 2, "cdiv": 2, "where": 3}
+# The builtin functions of expressions (exp, min, where, i32, ...) and all their meanings
+# are in mhadsl.builtin_functions; these two act on the device only.
 DEVICE_ONLY_FUNCTIONS = ("atomic_add", "barrier")
-CASTS = {"u32": U32, "i32": I32, "f32": F32}
 
 COMPARISONS = ("==", "!=", "<", "<=", ">", ">=")
 INTEGER_ONLY_OPS = ("<<", ">>", "&", "|", "^", "%")
@@ -80,7 +74,7 @@ def wrap(x, ty: Ty):
     return x if ty == U32 else (x ^ 0x80000000) - 0x80000000
 
 
-def _tdiv(a, b):
+def tdiv(a, b):
     """C division of exact integers (truncating), 0 where the divisor is 0."""
     if isinstance(a, int) and isinstance(b, int):
         q = abs(a) // abs(b) if b else 0
@@ -93,7 +87,7 @@ def _tdiv(a, b):
 
 def _trem(a, b):
     """C remainder (the dividend's sign), 0 where the divisor is 0."""
-    r = a - b * _tdiv(a, b)
+    r = a - b * tdiv(a, b)
     if isinstance(r, int):
         return r if b else 0
     return np.where(np.asarray(b) == 0, 0, r)
@@ -112,7 +106,7 @@ def _shift(op: str, a, count, ty: Ty):
 
 
 _EXACT = {"+": operator.add, "-": operator.sub, "*": operator.mul, "&": operator.and_,
-          "|": operator.or_, "^": operator.xor, "/": _tdiv, "%": _trem}
+          "|": operator.or_, "^": operator.xor, "/": tdiv, "%": _trem}
 
 
 def int_binary(op: str, a, b, ty: Ty):
@@ -146,14 +140,6 @@ def fold_literal(op: str, a: int, b: int) -> int | bool:
     return check_literal(_EXACT[op](a, b))
 
 
-def fold_call(name: str, args: list[int]) -> int:
-    """min / max / cdiv / abs of exact literal values."""
-    if name == "cdiv":
-        a, b = args
-        return _tdiv(a + b - 1, b)
-    return {"min": min, "max": max, "abs": abs}[name](*args)
-
-
 def check_literal(value: int) -> int:
     if abs(value) >= LITERAL_LIMIT:
         raise LiteralError("constant expression does not fit in 64 bits")
@@ -170,6 +156,24 @@ def float_to_int(x, ty: Ty):
     lo, hi = INT_RANGES[ty]
     x = np.nan_to_num(np.trunc(np.asarray(x, np.float64)), nan=0.0)
     return np.clip(x, lo, hi).astype(np.int64)
+
+
+def attention_type(ty: Ty) -> Ty:
+    """The type a value typed "integer literal" computes in when it is not a constant (a
+    `where` of literals): i32, the attention default, as the lowering does."""
+    return I32 if ty == INT_LITERAL else ty
+
+
+def convert(v, src: Ty, dst: Ty):
+    """A reference value of type `src` as type `dst` (float64 for f32, int64 for integers):
+    the promotions, and the explicit casts."""
+    if src == dst or dst in (INT_LITERAL, BOOL):
+        return v
+    if dst == F32:
+        return np.asarray(v, dtype=np.float64)
+    if src == F32:
+        return float_to_int(v, dst)
+    return wrap(np.asarray(v).astype(np.int64), dst)
 
 
 # ------------------------------------------------------------------ the valid work of a launch

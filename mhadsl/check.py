@@ -12,10 +12,11 @@ from dataclasses import dataclass, field, replace
 from mhadsl import ast
 from mhadsl.attention_spec import ATTENTION_CONSTANTS, HEAD_DIMS, resolve_attention
 from mhadsl.codegen.backends import declaration_problems
+from mhadsl.builtin_functions import FUNCTIONS
 from mhadsl.builtins import (
-    ARITH_FUNCTIONS, ATTENTION, BUILTIN_VALUES, CASTS, COMPARISONS, COMPILE_TIME_VALUES,
-    DEVICE, DEVICE_ONLY_FUNCTIONS, HOST, INT_RANGES, INTEGER_ONLY_OPS, LITERAL_LIMIT,
-    MATH_FUNCTIONS, SLOT_COUNT, LiteralError, fits, fold_call, fold_literal,
+    ATTENTION, BUILTIN_VALUES, COMPARISONS, COMPILE_TIME_VALUES, DEVICE, DEVICE_ONLY_FUNCTIONS,
+    HOST, INT_RANGES, INTEGER_ONLY_OPS, LITERAL_LIMIT, SLOT_COUNT, LiteralError, fits,
+    fold_literal,
 )
 from mhadsl.diagnostics import DiagnosticSink, MhaError, Source, Span
 from mhadsl.parse import MAX_EXPR_DEPTH, MAX_STMT_DEPTH
@@ -694,41 +695,10 @@ class Checker:
                 self.error(e.span, f"barrier {ctx.divergent}: every thread of the CTA must "
                                    f"reach it (a condition on producer or sync is fine)")
             return VOID
-        if name in ARITH_FUNCTIONS:
-            n = ARITH_FUNCTIONS[name]
-            types = self.call_args(e, (None,) * n, scope, ctx, name)
-            if len(types) != n:
-                return ERROR
-            operands = e.args
-            if name == "where":
-                self.expect(types[0], BOOL, e.args[0].span, "condition of where")
-                types, operands = types[1:], operands[1:]
-            common = unify(*types)
-            if ERROR in types:
-                return ERROR
-            if common is None or (common not in NUMBERS and name != "where"):
-                return self.error(e.span, f"'{name}' does not apply to {types[0]} and {types[1]}")
-            if name == "cdiv" and common not in INTEGERS:
-                return self.error(e.span, "'cdiv' needs integers")
-            if name != "where" and all(a in self.out.literals for a in operands):
-                return self.fold(e, fold_call(name, [self.out.literals[a] for a in operands]))
-            for operand in operands:  # a literal where meets the context's integer type
-                self.fit(operand, ctx.default_int if common == INT_LITERAL else common)
-            return common
-        if name in CASTS:
-            (ty,) = self.call_args(e, (None,), scope, ctx, name) or (ERROR,)
-            if ty not in NUMBERS + (BOOL, ERROR):
-                return self.error(e.span, f"cannot convert {ty} to {name}")
-            return CASTS[name]
-        if name in MATH_FUNCTIONS:
-            (ty,) = self.call_args(e, (None,), scope, ctx, name) or (ERROR,)
-            if name == "abs" and e.args[0] in self.out.literals:
-                return self.fold(e, fold_call(name, [self.out.literals[e.args[0]]]))
-            if name == "abs" and ty in INTEGERS:
-                return ty
-            if ty not in NUMBERS + (ERROR,):
-                return self.error(e.span, f"'{name}' needs a number, not {ty}")
-            return F32
+        builtin = FUNCTIONS.get(name)
+        if builtin is not None:
+            types = self.call_args(e, (None,) * builtin.arity, scope, ctx, name)
+            return builtin.type_rule(self, e, types, ctx) if types else ERROR
         if scope.lookup(name) is not None or name in BUILTIN_VALUES:
             return self.error(func.span, f"'{name}' is not a function")
         return self.error(func.span, f"unknown function '{name}'")

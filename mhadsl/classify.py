@@ -30,9 +30,10 @@ from typing import Any
 from llvmlite import ir
 
 from mhadsl import ast
-from mhadsl.builtins import I32_MAX, I32_MIN, INT_RANGES, MATH_FUNCTIONS, U32_MAX, wrap
+from mhadsl.builtin_functions import FUNCTIONS
+from mhadsl.builtins import I32_MAX, I32_MIN, INT_RANGES, U32_MAX, attention_type, wrap
 from mhadsl.check import CheckedProgram
-from mhadsl.types import BOOL, F32, I32, INT_LITERAL, U32, Ty, unify
+from mhadsl.types import BOOL, F32, I32, U32, Ty, unify
 
 _BOUNDS = INT_RANGES
 _I64, _I1 = ir.IntType(64), ir.IntType(1)
@@ -344,7 +345,7 @@ class _Analysis:
             return self.compare(e.op, a, b, self.types[e.left], self.types[e.right])
         if ty == F32:
             return _FLOAT
-        ty = _int_ty(ty)
+        ty = attention_type(ty)
         return self.arith(e.op, self.lift(a, ty), self.lift(b, ty), ty)
 
     def compare(self, op: str, a: _Value, b: _Value, ta: Ty, tb: Ty) -> _Bool:
@@ -355,7 +356,7 @@ class _Analysis:
             may_eq = o.bor(o.band(a.may, b.may), o.band(o.bnot(a.must), o.bnot(b.must)))
             eq = _Bool(may_eq, o.bor(both, neither))
             return eq if op == "==" else _Bool(o.bnot(eq.must), o.bnot(eq.may))
-        common = _int_ty(unify(ta, tb))
+        common = attention_type(unify(ta, tb))
         if common not in _BOUNDS:
             return self.top(BOOL)
         a, b = self.lift(a, common), self.lift(b, common)
@@ -435,47 +436,16 @@ class _Analysis:
         return _Int(lo, hi, a.ty)
 
     def call(self, e: ast.Call, name: str, env: dict, ty: Ty) -> _Value:
-        o = self.o
-        if name == "where":
-            c = self.expr(e.args[0], env)
-            a, b = (self.expr(x, env) for x in e.args[1:])
-            ty = _int_ty(ty)
-            return self.where(c, self.lift(a, ty), self.lift(b, ty))
         args = [self.expr(x, env) for x in e.args]
-        if name in ("min", "max", "cdiv"):
-            a, b = args
-            ty = _int_ty(ty)
-            if ty not in _BOUNDS:
-                return self.top(ty)
-            a, b = self.lift(a, ty), self.lift(b, ty)
-            if name == "cdiv":  # (a + b - 1) / b, as the lowering computes it
-                one = _Int(o.const(1), o.const(1), ty)
-                return self.arith("/", self.arith("-", self.arith("+", a, b, ty), one, ty), b, ty)
-            pick = self.min if name == "min" else self.max
-            return _Int(pick(a.lo, b.lo), pick(a.hi, b.hi), ty)
-        if name == "abs" and ty == I32:
-            (v,) = args
-            zero = o.const(0)
-            lo = o.select(o.le(zero, v.lo), v.lo, o.select(o.le(v.hi, zero), o.sub(zero, v.hi),
-                                                           zero))
-            return self.norm(lo, self.max(o.sub(zero, v.lo), v.hi), ty)
-        if name in ("i32", "u32"):
-            (v,) = args
-            if isinstance(v, _Bool):
-                return _Int(o.select(v.must, o.const(1), o.const(0)),
-                            o.select(v.may, o.const(1), o.const(0)), ty)
-            if isinstance(v, _Float):
-                return self.full(ty)
-            return self.lift(v, ty)
-        if name == "f32" or name in MATH_FUNCTIONS:
-            return _FLOAT
-        return self.top(ty)  # a user fn: not inlined
+        builtin = FUNCTIONS.get(name)
+        if builtin is None:
+            return self.top(ty)  # a user fn: not inlined
+        return builtin.interval(self, args, [self.types[x] for x in e.args], ty)
 
-
-def _int_ty(ty: Ty) -> Ty:
-    """Integer literals mixed with values known only at run time are i32, the attention
-    default."""
-    return I32 if ty == INT_LITERAL else ty
+    @staticmethod
+    def interval(lo, hi, ty: Ty) -> _Int:
+        """[lo, hi] of type `ty`, for the builtins' interval rules."""
+        return _Int(lo, hi, ty)
 
 
 def _inputs(b_lo, b_hi, h_lo, h_hi, q_lo, q_hi, kv_lo, kv_hi,

@@ -19,9 +19,11 @@ from dataclasses import fields, is_dataclass
 import numpy as np
 
 from mhadsl import ast
-from mhadsl.builtins import MATH_F32, float_to_int, int_binary, wrap
+from mhadsl.builtin_functions import FUNCTIONS
+from mhadsl.builtins import attention_type, convert, int_binary, wrap
 from mhadsl.check import CheckedProgram
-from mhadsl.types import BOOL, F32, I32, INT_LITERAL, TYPE_NAMES, U32, Ty, unify
+from mhadsl.derivative import differentiate_score
+from mhadsl.types import BOOL, F32, I32, TYPE_NAMES, U32, Ty, unify
 
 _ROLE_TYPES = {"s": F32, "b": I32, "h": I32, "q_idx": I32, "kv_idx": I32, "seqlen_q": I32,
                "seqlen_k": I32}
@@ -29,23 +31,6 @@ _CMP = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.l
         ">": operator.gt, ">=": operator.ge}
 _DTYPES = {BOOL: np.bool_, F32: np.float64, I32: np.int64, U32: np.int64}
 _FLOAT_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
-
-
-def _int_type(ty: Ty) -> Ty:
-    """A literal expression that is not a constant (a `where` of literals) computes in i32,
-    the attention default, as the lowering does."""
-    return I32 if ty == INT_LITERAL else ty
-
-
-def _convert(v, src: Ty, dst: Ty):
-    """A value of type `src` as type `dst`: promotions, and the explicit casts."""
-    if src == dst or dst in (INT_LITERAL, BOOL):
-        return v
-    if dst == F32:
-        return np.asarray(v, dtype=np.float64)
-    if src == F32:
-        return float_to_int(v, dst)
-    return wrap(np.asarray(v).astype(np.int64), dst)
 
 
 # ------------------------------------------------------------------ the evaluator
@@ -93,7 +78,7 @@ class _Evaluator:
                         break
                     self.block(s.body, env, running, frame)
             elif isinstance(s, ast.Return):
-                value = _convert(self.expr(s.value, env), self.types[s.value], frame.ty)
+                value = convert(self.expr(s.value, env), self.types[s.value], frame.ty)
                 frame.value = np.where(live, value, frame.value)
                 frame.done = frame.done | live
             # An expression statement is a call; calls here have no effects.
@@ -102,14 +87,14 @@ class _Evaluator:
         if not isinstance(s.target, ast.Name):
             raise NotImplementedError("only local variables can be assigned in attention code")
         sym = self.refs[s.target]
-        old = _convert(*env[sym.node], sym.ty)
+        old = convert(*env[sym.node], sym.ty)
         new, new_ty = self.expr(s.value, env), self.types[s.value]
         if s.op != "=":
             common = unify(sym.ty, new_ty)
-            new = self.arith(s.op[:-1], _convert(old, sym.ty, common),
-                             _convert(new, new_ty, common), common)
+            new = self.arith(s.op[:-1], convert(old, sym.ty, common),
+                             convert(new, new_ty, common), common)
             new_ty = common
-        env[sym.node] = (np.where(live, _convert(new, new_ty, sym.ty), old), sym.ty)
+        env[sym.node] = (np.where(live, convert(new, new_ty, sym.ty), old), sym.ty)
 
     # ---- expressions: each returns its value in the representation of its checked type
     def expr(self, e: ast.Expr, env: dict):
@@ -124,11 +109,11 @@ class _Evaluator:
         if isinstance(e, ast.Name):
             return self.name(e, env, ty)
         if isinstance(e, ast.Unary):
-            v = _convert(self.expr(e.operand, env), self.types[e.operand], ty)
+            v = convert(self.expr(e.operand, env), self.types[e.operand], ty)
             if e.op == "!":
                 return np.logical_not(v)
             r = -v if e.op == "-" else ~v
-            return r if ty == F32 else wrap(r, _int_type(ty))
+            return r if ty == F32 else wrap(r, attention_type(ty))
         if isinstance(e, ast.Binary):
             return self.binary(e, env, ty)
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Name):
@@ -142,7 +127,7 @@ class _Evaluator:
         if sym.node not in env:
             raise ValueError(f"the rule needs a value for '{sym.node}'")
         value, src = env[sym.node]
-        return _convert(value, src, ty)
+        return convert(value, src, ty)
 
     def binary(self, e: ast.Binary, env: dict, ty: Ty):
         a, b = self.expr(e.left, env), self.expr(e.right, env)
@@ -153,46 +138,29 @@ class _Evaluator:
             return np.logical_or(a, b)
         if ty == BOOL and e.op in _CMP:
             common = unify(lt, rt)
-            return _CMP[e.op](_convert(a, lt, common), _convert(b, rt, common))
-        return self.arith(e.op, _convert(a, lt, ty), _convert(b, rt, ty), ty)
+            return _CMP[e.op](convert(a, lt, common), convert(b, rt, common))
+        return self.arith(e.op, convert(a, lt, ty), convert(b, rt, ty), ty)
 
     @staticmethod
     def arith(op: str, a, b, ty: Ty):
         if ty == F32:
             return _FLOAT_OPS[op](a, b)
-        return int_binary(op, a, b, _int_type(ty))
+        return int_binary(op, a, b, attention_type(ty))
 
     def call(self, e: ast.Call, name: str, env: dict, ty: Ty):
         args = [self.expr(a, env) for a in e.args]
         types = [self.types[a] for a in e.args]
         if name in self.program.fns:
             return self.call_fn(self.program.fns[name], args, types)
-        if name == "where":
-            c, a, b = args
-            return np.where(c, _convert(a, types[1], ty), _convert(b, types[2], ty))
-        if name in ("min", "max", "cdiv"):
-            a, b = (_convert(v, t, ty) for v, t in zip(args, types))
-            if name == "cdiv":  # (a + b - 1) / b, as the lowering computes it
-                return self.arith("/", self.arith("-", self.arith("+", a, b, ty), 1, ty), b, ty)
-            if ty == F32:  # minnum/maxnum: a NaN loses to a number
-                return (np.fmin if name == "min" else np.fmax)(a, b)
-            if isinstance(a, int) and isinstance(b, int):
-                return min(a, b) if name == "min" else max(a, b)
-            return (np.minimum if name == "min" else np.maximum)(a, b)
-        if name in ("i32", "u32", "f32"):
-            return _convert(args[0], types[0], ty)
-        if name == "abs":
-            x = _convert(args[0], types[0], ty)
-            return np.abs(x) if ty == F32 else wrap(np.abs(x), _int_type(ty))
-        if name in MATH_F32:
-            return MATH_F32[name](_convert(args[0], types[0], F32))
+        if name in FUNCTIONS:
+            return FUNCTIONS[name].numpy(args, types, ty)
         raise NotImplementedError(f"'{name}' has no meaning in attention code")
 
     def call_fn(self, fn: ast.FnDecl, args: list, types: list[Ty]):
         env = {}
         for p, v, t in zip(fn.params, args, types):
             want = TYPE_NAMES[p.type.name]
-            env[p] = (_convert(v, t, want), want)
+            env[p] = (convert(v, t, want), want)
         saved = self.live
         result = self.body(fn.body, env, TYPE_NAMES[fn.ret.name])
         self.live = saved
@@ -238,6 +206,13 @@ def evaluate_rule(rule: ast.Rule, program: CheckedProgram, **inputs) -> np.ndarr
     ret = BOOL if rule.name == "mask" else F32
     with np.errstate(all="ignore"):  # wrapping products, 0/0 in floats: the values are defined
         return _Evaluator(program, shape).body(rule.body, env, ret)
+
+
+def evaluate_score_derivative(rule: ast.Rule, program: CheckedProgram, **inputs) -> np.ndarray:
+    """d score / d s of a score rule, elementwise (float64; the same inputs as
+    `evaluate_rule`): the rule `mhadsl.derivative` derives, evaluated."""
+    derivative, derived = differentiate_score(rule, program)
+    return evaluate_rule(derivative, derived, **inputs)
 
 
 # ------------------------------------------------------------------ attention

@@ -1,0 +1,211 @@
+"""Symbolic differentiation of a score rule with respect to the score `s`.
+
+`differentiate_score` turns a checked `score(s, b, h, q_idx, kv_idx)` rule into the rule
+that computes d score / d s, made of ordinary checked AST: the reference evaluates it and
+the lowering compiles it like any score rule. It works in forward mode: every expression
+`e` that depends on `s` gets an expression for de/ds, by the sum, product and quotient
+rules and, for a builtin call, the builtin's own derivative (`mhadsl.builtin_functions`,
+where the one-sided conventions at kinks are written down). Expressions that do not depend
+on `s` have derivative 0, so integer index arithmetic is never differentiated; results are
+simplified as they are built (0 * x, 1 * x, x + 0, ...), so `score = s` gives 1.
+
+What cannot be differentiated is an error at its place in the source: `s` turned into an
+integer or a bool (`i32(s)`, `s > 0` feeding arithmetic; `where` and `if` conditions are
+fine), or flowing through a fn call, an assignment or a loop (not supported yet).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mhadsl import ast
+from mhadsl.builtin_functions import FUNCTIONS
+from mhadsl.check import CheckedProgram, Symbol
+from mhadsl.diagnostics import DiagnosticSink
+from mhadsl.types import BOOL, F32, TYPE_NAMES, Ty
+
+
+def differentiate_score(rule: ast.Rule, program: CheckedProgram
+                        ) -> tuple[ast.Rule, CheckedProgram]:
+    """The rule computing d score / d s, and `program` extended with its new expressions'
+    types and names. Raises `MhaError` for what cannot be differentiated."""
+    d = _Differentiator(rule, program)
+    body = d.block(rule.body)
+    d.sink.raise_if_any()
+    derived = replace(program, types={**program.types, **d.types},
+                      refs={**program.refs, **d.refs})
+    return ast.Rule(rule.span, rule.name, rule.params, body), derived
+
+
+class _Differentiator:
+    """Builds derivative expressions (the `d` the builtins' derivative rules are written
+    against) and simplifies them as it goes."""
+
+    def __init__(self, rule: ast.Rule, program: CheckedProgram):
+        self.program, self.span = program, rule.span
+        self.types: dict[ast.Expr, Ty] = {}  # of the expressions made here
+        self.refs: dict[ast.Name, Symbol] = {}
+        self.sink = DiagnosticSink()
+        self.dependent: dict[ast.Expr, bool] = {}
+        self.local_derivatives: dict[ast.Let, ast.Let] = {}  # of the f32 locals that depend on s
+
+    # ---- statements
+    def block(self, stmts: tuple[ast.Stmt, ...]) -> tuple[ast.Stmt, ...]:
+        out: list[ast.Stmt] = []
+        for s in stmts:
+            if isinstance(s, ast.Let):
+                out.append(s)
+                # An integer or bool local is differentiated only if arithmetic uses it.
+                local_type = TYPE_NAMES[s.type.name] if s.type else self.type(s.value)
+                if self.depends(s.value) and local_type == F32:
+                    derivative = ast.Let(s.span, f"d{s.name}/ds", None, self.of(s.value), False)
+                    out.append(derivative)
+                    self.local_derivatives[s] = derivative
+            elif isinstance(s, ast.If):
+                out.append(ast.If(s.span, s.cond, self.block(s.then), self.block(s.orelse)))
+            elif isinstance(s, ast.Return):
+                out.append(ast.Return(s.span, self.of(s.value)))
+            elif isinstance(s, (ast.Assign, ast.While)):
+                what = "an assignment" if isinstance(s, ast.Assign) else "a while loop"
+                self.sink.error(s.span, f"cannot differentiate the score through {what} "
+                                        f"(not supported yet)")
+            else:
+                out.append(s)  # a call for nothing: attention code has no effects
+        return tuple(out)
+
+    # ---- what depends on s
+    def depends(self, e) -> bool:
+        if e not in self.dependent:
+            self.dependent[e] = self._depends(e)
+        return self.dependent[e]
+
+    def _depends(self, e) -> bool:
+        if isinstance(e, ast.Name):
+            sym = self.program.refs.get(e)
+            if sym is None:
+                return False
+            if sym.kind == "local":
+                return self.depends(sym.node.value)
+            return sym.kind == "rule_param" and sym.node == "s"
+        return any(self.depends(child) for child in ast.children(e))
+
+    def type(self, e: ast.Expr) -> Ty:
+        return self.types.get(e) or self.program.types[e]
+
+    # ---- derivatives
+    def of(self, e: ast.Expr) -> ast.Expr:
+        """de/ds as an f32 expression."""
+        if not self.depends(e):
+            return self.const(0.0)
+        if self.type(e) != F32:
+            return self.not_differentiable(e)
+        if isinstance(e, ast.Name):
+            sym = self.program.refs[e]
+            if sym.kind == "rule_param":
+                return self.const(1.0)
+            return self.name(self.local_derivatives[sym.node])
+        if isinstance(e, ast.Unary):  # only "-" applies to f32
+            return self.neg(self.of(e.operand))
+        if isinstance(e, ast.Binary):
+            return self.binary(e)
+        assert isinstance(e, ast.Call) and isinstance(e.func, ast.Name)
+        builtin = FUNCTIONS.get(e.func.id)
+        if builtin is None:
+            self.sink.error(e.span, f"cannot differentiate the score through fn "
+                                    f"'{e.func.id}' (not supported yet)")
+            return self.const(0.0)
+        return builtin.derivative(self, *e.args)
+
+    def binary(self, e: ast.Binary) -> ast.Expr:
+        a, b = e.left, e.right
+        da, db = self.of(a), self.of(b)
+        if e.op in ("+", "-"):
+            return self.add(da, db) if e.op == "+" else self.sub(da, db)
+        if e.op == "*":
+            return self.add(self.mul(da, b), self.mul(a, db))
+        assert e.op == "/"
+        return self.sub(self.div(da, b), self.div(self.mul(a, db), self.mul(b, b)))
+
+    def not_differentiable(self, e: ast.Expr) -> ast.Expr:
+        """Report where `s` becomes an integer or a bool inside `e`."""
+        at = self.culprit(e)
+        what = {ast.Call: lambda: f"'{at.func.id}'", ast.Binary: lambda: f"'{at.op}'",
+                ast.Unary: lambda: f"'{at.op}'"}.get(type(at), lambda: "this")()
+        kind = "a bool" if self.type(at) == BOOL else "an integer"
+        self.sink.error(at.span, f"cannot differentiate the score with respect to s: {what} "
+                                 f"makes {kind} of a value computed from s")
+        return self.const(0.0)
+
+    def culprit(self, e: ast.Expr) -> ast.Expr:
+        """The innermost non-f32 expression in `e` with an f32 operand that depends on s."""
+        if isinstance(e, ast.Name):
+            sym = self.program.refs[e]
+            return self.culprit(sym.node.value) if sym.kind == "local" else e
+        for child in ast.children(e):
+            if self.depends(child):
+                return e if self.type(child) == F32 else self.culprit(child)
+        return e
+
+    # ---- the expressions the derivative is made of (also used by builtins' rules)
+    def node(self, e: ast.Expr, ty: Ty = F32) -> ast.Expr:
+        self.types[e] = ty
+        return e
+
+    def const(self, value: float) -> ast.Expr:
+        return self.node(ast.FloatLit(self.span, value))
+
+    def name(self, let: ast.Let) -> ast.Expr:
+        e = self.node(ast.Name(let.span, let.name))
+        self.refs[e] = Symbol("local", let.name, F32, let)
+        return e
+
+    def value_of(self, e: ast.Expr) -> float | None:
+        return e.value if isinstance(e, ast.FloatLit) else None
+
+    def as_f32(self, e: ast.Expr) -> ast.Expr:
+        """`e` as an f32 value: a derivative that is an integer factor (d(s * q_idx)) must
+        still compute in f32 where it meets another integer."""
+        if self.type(e) == F32:
+            return e
+        return self.node(ast.Call(e.span, ast.Name(e.span, "f32"), (e,), ()))
+
+    def add(self, a: ast.Expr, b: ast.Expr) -> ast.Expr:
+        if self.value_of(a) == 0.0:
+            return self.as_f32(b)
+        if self.value_of(b) == 0.0:
+            return self.as_f32(a)
+        return self.node(ast.Binary(self.span, "+", a, b))
+
+    def sub(self, a: ast.Expr, b: ast.Expr) -> ast.Expr:
+        return self.add(a, self.neg(b))  # exactly a - b in floating point
+
+    def neg(self, a: ast.Expr) -> ast.Expr:
+        if self.value_of(a) is not None:
+            return self.const(-a.value)
+        return self.node(ast.Unary(self.span, "-", self.as_f32(a)))
+
+    def mul(self, a: ast.Expr, b: ast.Expr) -> ast.Expr:
+        if 0.0 in (self.value_of(a), self.value_of(b)):
+            return self.const(0.0)
+        if self.value_of(a) == 1.0:
+            return self.as_f32(b)
+        if self.value_of(b) == 1.0:
+            return self.as_f32(a)
+        return self.node(ast.Binary(self.span, "*", self.as_f32(a), b))
+
+    def div(self, a: ast.Expr, b: ast.Expr) -> ast.Expr:
+        if self.value_of(a) == 0.0:
+            return self.const(0.0)
+        if self.value_of(b) == 1.0:
+            return self.as_f32(a)
+        return self.node(ast.Binary(self.span, "/", self.as_f32(a), b))
+
+    def compare(self, op: str, a: ast.Expr, b: ast.Expr) -> ast.Expr:
+        return self.node(ast.Binary(self.span, op, a, b), BOOL)
+
+    def call(self, name: str, *args: ast.Expr) -> ast.Expr:
+        return self.node(ast.Call(self.span, ast.Name(self.span, name), args, ()))
+
+    def where(self, cond: ast.Expr, a: ast.Expr, b: ast.Expr) -> ast.Expr:
+        if self.value_of(a) is not None and self.value_of(a) == self.value_of(b):
+            return a
+        return self.call("where", cond, a, b)
