@@ -1,6 +1,6 @@
 """Benchmark: mhadsl attention kernels next to torch SDPA's flash and cuDNN backends.
 
-    python benchmarks/attention.py            # BRIEF §7 shapes + masked/ragged workloads
+    python benchmarks/attention.py            # BENCHMARKS.md's headline shapes + masked/ragged workloads
 
 Same process, same inputs, median of timed runs after warm-up (CUDA events); TFLOP/s count
 4*D*H per (query, key) pair the mask keeps. Prints a Markdown table for BENCHMARKS.md.

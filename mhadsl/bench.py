@@ -28,7 +28,7 @@ def require_gpu():
         import torch
     except ImportError:
         raise NoTorch("`mhadsl run` and `mhadsl bench` use PyTorch for inputs and timing: "
-                      "pip install torch") from None
+                      'pip install "mhadsl[torch]"') from None
     return torch
 
 
@@ -222,7 +222,7 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-# The shapes of BRIEF §7 (B, H, S, D, causal), as `mhadsl bench` runs them by default.
+# BENCHMARKS.md's headline shapes (B, H, S, D, causal): what `mhadsl bench` runs by default.
 SUITE_SOURCE = "\n".join(
     f"attention {kind}_d{d} {{ dtype = bf16  head_dim = {d}"
     + ("  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx" if kind == "causal" else "") + " }"

@@ -2,7 +2,6 @@
 wgmma, assembles with ptxas without spills or wgmma serialisation (C7519), honours
 setmaxnreg; what it cannot run is reported by `problems` (selection falls back to sm80)."""
 import re
-import tempfile
 
 import pytest
 
@@ -15,21 +14,16 @@ from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import Layout, select_backend
 from mhadsl.codegen.backends.sm90 import BACKEND, KERNEL_NAME, REGISTERS, HopperConfig, \
     shared_bytes
-from mhadsl.runtime import cache
 
 needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
 EXAMPLES = [(f, n) for f in ("plain.mha", "causal.mha", "sliding_window.mha", "softcap.mha",
                              "alibi.mha", "bottom_right_causal.mha", "gqa.mha")
             for n in mhadsl.compile(REPO / "examples" / f).attentions]
-_store = {}
 
 
 def build(file: str, name: str, layout: Layout = Layout()):
-    if "cache" not in _store:
-        _store["cache"] = cache.CompileCache(tempfile.mkdtemp())
     program = mhadsl.compile(REPO / "examples" / file)
-    return build_kernel(program.checked, KernelRequest(name, "sm_90a", "sm90", layout),
-                        _store["cache"])
+    return build_kernel(program.checked, KernelRequest(name, "sm_90a", "sm90", layout))
 
 
 def ptx_isa(ptx: str) -> tuple[int, int]:
@@ -124,8 +118,7 @@ def test_roles_run_apart_where_the_scheduler_lets_them():
     def cta_barriers(scheduler: str) -> list[str]:
         source = (f'import "std/schedulers.mha"\nimport "{REPO}/examples/queued_rotate.mha"\n'
                   f"attention a {{ head_dim = 64  scheduler = {scheduler}() }}\n")
-        kb = build_kernel(checked(source), KernelRequest("a", "sm_90a", "sm90"),
-                          cache.CompileCache(tempfile.mkdtemp()))
+        kb = build_kernel(checked(source), KernelRequest("a", "sm_90a", "sm90"))
         assert kb.assembled.kernels[KERNEL_NAME].spill_stores == 0
         return re.findall(r"^\s*(barrier\.sync\s+0|barrier\.red\.or\.pred\s+%p\d+, 0)",
                           kb.ptx, re.M)
@@ -145,8 +138,7 @@ def test_consumers_take_the_producers_decoding_where_roles_run_apart():
         source = (f'import "std/schedulers.mha"\nimport "{REPO}/examples/queued_rotate.mha"\n'
                   f"attention a {{ head_dim = 64  scheduler = {scheduler}() }}\n")
         kb = build_kernel(checked(source), KernelRequest("a", "sm_90a", "sm90",
-                                                         Layout(2, True, True)),
-                          cache.CompileCache(tempfile.mkdtemp()))
+                                                         Layout(2, True, True)))
         assert kb.assembled.kernels[KERNEL_NAME].spill_stores == 0
         lines = [line for line in kb.ptx.splitlines() if "mhadsl_$_memo_$_" in line]
         return {op: sum(line.split()[0].startswith(op) for line in lines)
@@ -203,8 +195,7 @@ def test_o_is_staged_over_vs_ring_only_where_its_own_tile_would_not_fit():
     "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx", 80, True)], ids=["plain", "causal"])
 def test_d256_dense_builds_take_the_widest_spill_free_kv_tile(mask, keys, over_v):
     program = mhadsl.compile(f'{STD}\nattention a {{ dtype = bf16  head_dim = 256 {mask} }}')
-    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()),
-                      cache.CompileCache(tempfile.mkdtemp()))
+    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()))
     assert (kb.config.block_n, kb.config.o_over_v) == (keys, over_v)
     resources = kb.assembled.kernels[KERNEL_NAME]
     assert resources.spill_stores == resources.spill_loads == 0
@@ -220,8 +211,7 @@ def test_a_192_row_tile_runs_three_consumer_warpgroups():
     assert BACKEND.problems(program["a"].options, "sm_90a") == []
     too_wide = HopperConfig(head_dim=128, block_m=192).problems()
     assert any("head dim 64 only" in p.message for p in too_wide), too_wide
-    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()),
-                      cache.CompileCache(tempfile.mkdtemp()))
+    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()))
     assert BACKEND.launch_shape(kb.config).threads == 512
     ptx = " ".join(kb.ptx.split())
     for needed in (".maxntid 512", "setmaxnreg.dec.sync.aligned.u32 32",
@@ -273,8 +263,7 @@ def test_unmasked_dense_head_dim_128_takes_144_keys(mask, layout, keys):
     """No mask to evaluate, a dense build: the wider KV tile, spill-free with Q in registers;
     a mask or a ragged batch (their partial tiles) keeps 128."""
     program = mhadsl.compile(f'{STD}\nattention a {{ dtype = bf16  head_dim = 128 {mask} }}')
-    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", layout),
-                      cache.CompileCache(tempfile.mkdtemp()))
+    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", layout))
     assert (kb.config.block_n, kb.config.q_in_registers) == (keys, True)
     resources = kb.assembled.kernels[KERNEL_NAME]
     assert resources.spill_stores == resources.spill_loads == 0
@@ -288,8 +277,7 @@ def test_the_scheduler_is_built_for_the_launchs_gqa_group(backend):
     names = {}
     for group in (1, 4):
         kb = build_kernel(program.checked, KernelRequest("causal_fwd", "sm_90a", backend,
-                                                         Layout(group)), cache.CompileCache(
-                                                             tempfile.mkdtemp()))
+                                                         Layout(group)))
         names[group] = set(re.findall(r'@"(LPT\.\d+\.\d+\.)', kb.llvm))
     assert names == {1: {"LPT.128.1."}, 4: {"LPT.128.4."}}
 
@@ -303,8 +291,7 @@ def test_masked_builds_hold_the_softmax_under_p_v(mask, held):
     never runs (`hopper.hold_next_wait_below`) in a masked build; nothing in an unmasked
     one, where LLVM sinks the softmax below P V's wait."""
     program = mhadsl.compile(f'{STD}\nattention a {{ dtype = bf16  head_dim = 128 {mask} }}')
-    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()),
-                      cache.CompileCache(tempfile.mkdtemp()))
+    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()))
     assert kb.config.softmax_under_pv == held
     ptx = " ".join(kb.ptx.split())
     loop = ptx[ptx.index("wgmma.wait_group.sync.aligned 1;"):]

@@ -5,7 +5,6 @@ timelines and their PNG come from records, and the CLI fails in one clean line."
 import dataclasses
 import os
 import re
-import tempfile
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.reference import evaluate_rule
-from mhadsl.runtime import cache, trace_records
+from mhadsl.runtime import trace_records
 from mhadsl.simulate import Batch, simulate
 
 needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
@@ -29,9 +28,8 @@ COSTS = costmodel.Costs(full_tile=10.0, partial_tile=3.0, per_item=100.0)
 @pytest.mark.parametrize("arch, backend", [("sm_80", "sm80"), ("sm_90a", "sm90")])
 def test_recording_only_in_traced_builds_and_spill_free(arch, backend):
     program = mhadsl.compile(REPO / "examples/causal.mha")
-    store = cache.CompileCache(tempfile.mkdtemp())
     builds = {t: build_kernel(program.checked, KernelRequest("causal_fwd", arch, backend,
-                                                             Layout(), trace=t), store)
+                                                             Layout(), trace=t))
               for t in (False, True)}
     assert builds[True].config == builds[False].config  # the tile that runs untraced
     # the recording's reads (the SM id into a register: a masked sm90 build also names
