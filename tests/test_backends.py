@@ -41,7 +41,7 @@ def test_kernel_parameters_come_from_the_backend():
     program = checked(STD + "attention a { head_dim = 64 }")
     resolved = plan(program, KernelRequest("a", "sm_80"))
     assert resolved.backend is backends.backend("sm80")
-    names = [p.name for p in resolved.backend.params]
+    names = [p.name for p in resolved.backend.abi]
     assert len(names) == len(set(names)) and {"q", "k", "v", "o", "queue"} <= set(names)
     shape = resolved.backend.launch_shape(resolved.configs[0])
     assert (shape.threads, shape.shared_bytes) == (128, (128 + 2 * 64) * 64 * 2)
