@@ -13,8 +13,6 @@ kept in memory and in the on-disk cache. Every argument is checked before anythi
 from __future__ import annotations
 
 import ctypes
-import math
-import operator
 import operator
 import os
 from dataclasses import dataclass
@@ -22,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mhadsl.attention_spec import AttentionOptions, resolve_attention
+from mhadsl.attention_spec import AttentionOptions, resolve_attention, scale_problem
 from mhadsl.build import KernelRequest, build_kernel, plan
 from mhadsl.check import CheckedProgram
 from mhadsl.codegen import backends
@@ -484,8 +482,8 @@ def _share_memory(a, b) -> bool:
 
 
 def _check_scale(scale) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite number, got {scale!r}")
+    if problem := scale_problem(scale):
+        raise TypeError(problem)
     return float(scale)
 
 

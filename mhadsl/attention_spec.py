@@ -68,17 +68,26 @@ class AttentionOptions:
                          for p in problems])
 
 
-def _number(e: ast.Expr) -> float:
+def scale_problem(scale) -> str | None:
+    """The one rule for a softmax scale, declared (`check`) or given at the call (the API)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        return f"scale must be a finite number, got {scale!r}"
+    return None
+
+
+def constant_number(e: ast.Expr) -> float:
+    """The value of a constant number setting (`scale = 1.0 / sqrt(128.0)`)."""
     if isinstance(e, ast.Unary) and e.op == "-":
-        return -_number(e.operand)
+        return -constant_number(e.operand)
     if isinstance(e, (ast.IntLit, ast.FloatLit)):
         return e.value
     if isinstance(e, ast.Binary) and e.op in "+-*/":
-        a, b = _number(e.left), _number(e.right)
+        a, b = constant_number(e.left), constant_number(e.right)
         return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else math.inf}[e.op]
     if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id in ("sqrt",) \
             and len(e.args) == 1:
-        return math.sqrt(_number(e.args[0]))
+        value = constant_number(e.args[0])
+        return math.sqrt(value) if value >= 0 else math.nan
     raise MhaError("this must be a constant number", e.span)
 
 
@@ -114,7 +123,7 @@ def resolve_attention(decl: ast.AttentionDecl) -> AttentionOptions:
         elif c.name == "scheduler":
             fields["scheduler"], fields["scheduler_args"] = _scheduler_binding(v)
         elif c.name == "scale":
-            fields["scale"] = float(_number(v))
+            fields["scale"] = float(constant_number(v))
         elif c.name == "return_lse":
             fields["return_lse"] = v.value
     if "gqa" in fields and "kv_heads" in fields:

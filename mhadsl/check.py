@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from mhadsl import ast
-from mhadsl.attention_spec import ATTENTION_CONSTANTS, HEAD_DIMS, resolve_attention
+from mhadsl.attention_spec import (
+    ATTENTION_CONSTANTS, HEAD_DIMS, constant_number, resolve_attention, scale_problem,
+)
 from mhadsl.codegen.backends import declaration_problems
 from mhadsl.builtins import (
     ARITH_FUNCTIONS, ATTENTION, BUILTIN_VALUES, CASTS, COMPARISONS, COMPILE_TIME_VALUES,
-    DEVICE, DEVICE_ONLY_FUNCTIONS, HOST, INT_RANGES, INTEGER_ONLY_OPS, LITERAL_LIMIT,
-    MATH_FUNCTIONS, SLOT_COUNT, LiteralError, fits, fold_call, fold_literal,
+    DEVICE, DEVICE_ONLY_FUNCTIONS, FLOAT_OPS, HOST, INT_RANGES, INTEGER_ONLY_OPS, LITERAL_LIMIT,
+    MATH_FUNCTIONS, SLOT_COUNT, LiteralError, finite_f32, fits, fold_call, fold_literal,
 )
 from mhadsl.diagnostics import DiagnosticSink, MhaError, Source, Span
 from mhadsl.parse import MAX_EXPR_DEPTH, MAX_STMT_DEPTH
@@ -122,6 +124,8 @@ class Checker:
         self.out = CheckedProgram()
         self.checked_fns: set[str] = set()  # a fn may only call fns checked before it
         self.errors = 0  # found so far (the sink may keep fewer)
+        # The value of every f32 expression of literals alone: checked to stay finite.
+        self.float_constants: dict[ast.Expr, float] = {}
 
     def error(self, span: Span, message: str) -> Ty:
         self.errors += 1
@@ -312,6 +316,7 @@ class Checker:
             if not (isinstance(c.value, ast.Name) and c.value.id in DTYPES):
                 self.error(c.value.span, f"dtype must be one of {', '.join(DTYPES)}")
             return
+        errors_before = self.errors
         ty = self.expr(c.value, _Scope(), _Context(HOST, c.name, (), I32))
         want = ATTENTION_CONSTANTS[c.name]
         if want == "int_pair":
@@ -323,6 +328,8 @@ class Checker:
         elif want == F32:
             if ty not in NUMBERS:
                 self.error(c.value.span, f"'{c.name}' must be a number")
+            elif c.name == "scale" and self.errors == errors_before:
+                self.check_scale(c.value)
         elif want == BOOL:
             if not isinstance(c.value, ast.BoolLit):
                 self.error(c.value.span, f"'{c.name}' must be true or false")
@@ -332,6 +339,14 @@ class Checker:
             self.error(c.value.span, f"head_dim must be one of {', '.join(map(str, HEAD_DIMS))}")
         elif c.value.value < 1:
             self.error(c.value.span, f"'{c.name}' must be at least 1")
+
+    def check_scale(self, value: ast.Expr) -> None:
+        try:
+            problem = scale_problem(constant_number(value))
+        except MhaError as err:
+            problem = err.diagnostics[0].message
+        if problem:
+            self.error(value.span, problem)
 
     def check_scheduler_binding(self, value: ast.Expr) -> None:
         func, kwargs = value, ()
@@ -494,6 +509,26 @@ class Checker:
         self.out.literals[e] = value
         return BOOL if isinstance(value, bool) else INT_LITERAL
 
+    def fold_float(self, e: ast.Binary) -> Ty:
+        """An f32 operation: a constant divisor must not be 0, and an operation of two
+        constants must stay finite (a kernel would compute inf or NaN everywhere)."""
+        a, b = self.constant_value(e.left), self.constant_value(e.right)
+        if e.op == "/" and b == 0:
+            return self.error(e.span, "division by zero: dividing by a constant 0 gives "
+                                      "inf or NaN")
+        if a is not None and b is not None:
+            value = FLOAT_OPS[e.op](a, b)
+            if not finite_f32(value):
+                return self.error(e.span, f"constant expression is not a finite f32 value "
+                                          f"({value:g})")
+            self.float_constants[e] = value
+        return F32
+
+    def constant_value(self, e: ast.Expr) -> float | None:
+        """The value of an expression of literals alone (int or float), else None."""
+        value = self.float_constants.get(e, self.out.literals.get(e))
+        return None if isinstance(value, bool) else value
+
     def branch_context(self, cond: ast.Expr, what: str, ctx: _Context) -> _Context:
         """The context inside a branch on `cond`: divergent unless `cond` is a compile-time
         constant (the same in every thread)."""
@@ -539,6 +574,10 @@ class Checker:
             self.out.literals[e] = e.value
             return INT_LITERAL
         if isinstance(e, ast.FloatLit):
+            if not finite_f32(e.value):
+                return self.error(e.span, f"float constant {_text(e.span)} is not a finite f32 "
+                                          f"value (the largest is about 3.4e38)")
+            self.float_constants[e] = e.value
             return F32
         if isinstance(e, ast.BoolLit):
             return BOOL
@@ -573,6 +612,8 @@ class Checker:
             if e.operand in self.out.literals:
                 value = self.out.literals[e.operand]
                 return self.fold(e, -value if e.op == "-" else ~value)
+            if e.operand in self.float_constants:
+                self.float_constants[e] = -self.float_constants[e.operand]
             return ty
         if isinstance(e, ast.Binary):
             left, right = self.expr(e.left, scope, ctx), self.expr(e.right, scope, ctx)
@@ -586,6 +627,8 @@ class Checker:
                 except LiteralError as err:
                     value = err
                 return self.fold(e, value)
+            if ty == F32 and e.op in FLOAT_OPS:
+                return self.fold_float(e)
             common = unify(left, right)
             for side in (e.left, e.right):  # a literal meets the other side's type
                 self.fit(side, ctx.default_int if common == INT_LITERAL else common)
@@ -768,6 +811,11 @@ class Checker:
             self.error(e.span, f"{record} is missing field{'s' if len(missing) > 1 else ''} "
                                f"{', '.join(missing)}")
         return record
+
+
+def _text(span: Span) -> str:
+    """The source text of a one-token span."""
+    return span.source.line(span.line)[span.column - 1:span.end_column - 1]
 
 
 def check_program(modules: list[ast.Module]) -> CheckedProgram:

@@ -22,7 +22,7 @@ from mhadsl.attention_spec import resolve_attention
 from mhadsl.build import KernelRequest, build_kernel
 from mhadsl.codegen.backends import KernelBuild, Layout
 from mhadsl.codegen.scheduler import SchedulerSpec, build_trace_kernel, lower_scheduler
-from mhadsl.parse import load_program
+from mhadsl.parse import load_program, no_cyclic_gc
 
 STD_SCHEDULERS = "std/schedulers.mha"
 
@@ -64,11 +64,12 @@ def _lower(c: Compilation) -> str:
     """One module: a trace kernel per scheduler (see codegen.scheduler)."""
     target = c.options.target
     module = targets.new_module(c.name, target)
-    for name in c.checked.schedulers:
-        lowered = lower_scheduler(module, c.checked, SchedulerSpec(name, (), c.options.tile_m),
-                                  target)
-        build_trace_kernel(module, lowered)
-    return str(module)
+    with no_cyclic_gc():
+        for name in c.checked.schedulers:
+            lowered = lower_scheduler(module, c.checked,
+                                      SchedulerSpec(name, (), c.options.tile_m), target)
+            build_trace_kernel(module, lowered)
+        return str(module)
 
 
 STAGES: tuple[tuple[str, Callable[[Compilation], object]], ...] = (

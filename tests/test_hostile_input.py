@@ -330,3 +330,29 @@ def test_a_very_long_line_is_shown_as_a_window_around_the_error(tmp_path):
     _, line, caret = message.splitlines()
     assert len(line) < 200 and line.startswith("...") and caret.endswith("^")
     assert line[len(caret) - 1] == "$"
+
+
+# ---------------------------------------------------------------- issue 19: constants
+@pytest.mark.parametrize("line, where, message", [
+    ("score(s, b, h, q, k) = s * 1e400", "h.mha:3:29:", "float constant 1e400 is not a finite f32"),
+    ("score(s, b, h, q, k) = s * 1e39", "h.mha:3:29:", "float constant 1e39 is not a finite f32"),
+    ("score(s, b, h, q, k) = s / 0.0", "h.mha:3:25:", "division by zero"),
+    ("score(s, b, h, q, k) = s / (1.0 - 1.0)", "h.mha:3:25:", "division by zero"),
+    ("score(s, b, h, q, k) = s + 0.0 / 0.0", "h.mha:3:29:", "division by zero"),
+    ("score(s, b, h, q, k) = s + 3e38 * 10.0", "h.mha:3:29:",
+     "constant expression is not a finite f32 value"),
+    ("scale = -1e400", "h.mha:3:11:", "float constant 1e400 is not a finite f32"),
+    ("scale = 0.0 / 0.0", "h.mha:3:10:", "division by zero"),
+])
+def test_float_constants_that_are_not_finite(tmp_path, line, where, message):
+    assert error_of(attention(line), tmp_path).startswith(f"{where} error: {message}")
+
+
+def test_declared_and_call_time_scale_follow_one_rule(tmp_path):
+    from mhadsl.api import _check_scale
+    declared = error_of(attention("scale = sqrt(-1.0)"), tmp_path)
+    assert declared.startswith("h.mha:3:10: error: scale must be a finite number, got nan")
+    with pytest.raises(TypeError, match="^scale must be a finite number, got nan$"):
+        _check_scale(float("nan"))
+    assert outcome(attention("scale = 0.5 * 0.25", "score(s, b, h, q, k) = s / 2.0"),
+                   tmp_path) == "ok"
