@@ -330,15 +330,8 @@ class Kernel:
         if kv.shape != vv.shape:
             raise ValueError(f"k and v must have the same shape, got {kv.shape} and {vv.shape}")
         heads, kv_heads = qv.shape[-2], kv.shape[-2]
-        if kv_heads == 0 or heads % kv_heads:
-            raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads "
-                             f"({kv_heads})")
-        if o.gqa is not None and heads != o.gqa * kv_heads:
-            raise ValueError(f"kernel '{self.name}' is declared gqa = {o.gqa}, but q has {heads} "
-                             f"heads and k/v {kv_heads}")
-        if o.kv_heads is not None and kv_heads != o.kv_heads:
-            raise ValueError(f"kernel '{self.name}' is declared kv_heads = {o.kv_heads}, but "
-                             f"k/v have {kv_heads}")
+        if problem := o.heads_problem(heads, kv_heads):
+            raise ValueError(problem)
         if not ragged:
             if max_q is not None or max_k is not None:
                 raise ValueError("max_seqlen_q/max_seqlen_k belong to ragged calls (with "

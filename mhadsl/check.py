@@ -182,7 +182,8 @@ class Checker:
                     calls_reported = True
                 else:
                     depth, nodes = max(depth, level + callee[0]), nodes + callee[1]
-            stack.extend((child, level + 1) for child in ast.children(node))
+            stack.extend((child, level + 1 - ast.continues_chain(node, child))
+                         for child in ast.children(node))
         if calls_reported:
             return None
         if depth > MAX_INLINED_DEPTH:
@@ -547,7 +548,8 @@ class Checker:
         if isinstance(e, ast.Unary):
             return self.compile_time(e.operand)
         if isinstance(e, ast.Binary):
-            return self.compile_time(e.left) and self.compile_time(e.right)
+            first, ops = ast.left_chain(e)
+            return self.compile_time(first) and all(self.compile_time(op.right) for op in ops)
         return False
 
     @staticmethod
@@ -563,6 +565,12 @@ class Checker:
         return False
 
     def expr(self, e: ast.Expr, scope: _Scope, ctx: _Context) -> Ty:
+        if isinstance(e, ast.Binary):  # a chain of operators, in a loop
+            first, ops = ast.left_chain(e)
+            ty = self.expr(first, scope, ctx)
+            for op in ops:
+                ty = self.out.types[op] = self.binary(op, ty, scope, ctx)
+            return ty
         ty = self._expr(e, scope, ctx)
         self.out.types[e] = ty
         return ty
@@ -615,32 +623,36 @@ class Checker:
             if e.operand in self.float_constants:
                 self.float_constants[e] = -self.float_constants[e.operand]
             return ty
-        if isinstance(e, ast.Binary):
-            left, right = self.expr(e.left, scope, ctx), self.expr(e.right, scope, ctx)
-            ty = self.binary_type(e.op, left, right, e.span)
-            if ty == ERROR or e.op in ("&&", "||"):
-                return ty
-            if e.left in self.out.literals and e.right in self.out.literals:
-                try:
-                    value = fold_literal(e.op, self.out.literals[e.left],
-                                         self.out.literals[e.right])
-                except LiteralError as err:
-                    value = err
-                return self.fold(e, value)
-            if ty == F32 and e.op in FLOAT_OPS:
-                return self.fold_float(e)
-            common = unify(left, right)
-            for side in (e.left, e.right):  # a literal meets the other side's type
-                self.fit(side, ctx.default_int if common == INT_LITERAL else common)
-            return ty
         if isinstance(e, ast.Tuple):
             for item in e.items:
                 self.expect_value(item, self.expr(item, scope, ctx), U32, "grid dimension")
+                if self.out.literals.get(item) == 0 and ctx.rule == "grid_dim":
+                    self.error(item.span, "grid dimension 0: CUDA launches at least one CTA "
+                                          "along each axis")
             if not 1 <= len(e.items) <= 3:
                 return self.error(e.span, "a grid has 1 to 3 dimensions")
             return GRID
         assert isinstance(e, ast.Call)
         return self.call(e, scope, ctx)
+
+    def binary(self, e: ast.Binary, left: Ty, scope: _Scope, ctx: _Context) -> Ty:
+        """One operator of a chain, its left operand already checked (of type `left`)."""
+        right = self.expr(e.right, scope, ctx)
+        ty = self.binary_type(e.op, left, right, e.span)
+        if ty == ERROR or e.op in ("&&", "||"):
+            return ty
+        if e.left in self.out.literals and e.right in self.out.literals:
+            try:
+                value = fold_literal(e.op, self.out.literals[e.left], self.out.literals[e.right])
+            except LiteralError as err:
+                value = err
+            return self.fold(e, value)
+        if ty == F32 and e.op in FLOAT_OPS:
+            return self.fold_float(e)
+        common = unify(left, right)
+        for side in (e.left, e.right):  # a literal meets the other side's type
+            self.fit(side, ctx.default_int if common == INT_LITERAL else common)
+        return ty
 
     def binary_type(self, op: str, left: Ty, right: Ty, span: Span) -> Ty:
         if ERROR in (left, right):

@@ -4,7 +4,9 @@ Lark runs in LALR mode with positions propagated; the tree is turned into frozen
 nodes by a non-recursive Transformer applied after parsing. Syntax errors become
 `MhaError`s. Nothing here recurses on the input's nesting, and the AST's nesting is
 bounded (`MAX_EXPR_DEPTH`, `MAX_STMT_DEPTH`) so the recursive walkers of later stages
-(checker, lowering, simulator, reference) stay far from Python's recursion limit.
+(checker, lowering, simulator, reference) stay far from Python's recursion limit. A flat
+chain of operators (`a + b - c + ...`) is not nesting: the walkers loop over it
+(`ast.left_chain`), so its length is not limited.
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ from mhadsl import ast
 from mhadsl.diagnostics import Diagnostic, MhaError, Source, Span
 
 STD_PREFIX = "std/"
-# Operators and calls nested in one expression, and `if`/`while` blocks nested in one
-# body (an `else if` nests in its `else`). Far past any hand-written code, and low enough
+# Operators and calls nested in one expression (a flat chain `a + b + c` is one level),
+# and `if`/`while` blocks nested in one body (an `else if` nests in its `else`). Far past any hand-written code, and low enough
 # that every later stage's recursive walk fits Python's default recursion limit.
 MAX_EXPR_DEPTH = 100
 MAX_STMT_DEPTH = 50
@@ -324,7 +326,8 @@ def _check_nesting(module: ast.Module) -> None:
                 raise MhaError(f"statements nested too deeply (limit {MAX_STMT_DEPTH} blocks "
                                f"inside each other; an 'else if' counts as one)", node.span)
         # Reversed, so nodes come off the stack in source order: the first too deep is reported.
-        stack.extend(reversed([(child, exprs, stmts) for child in ast.children(node)]))
+        stack.extend(reversed([(child, exprs - ast.continues_chain(node, child), stmts)
+                               for child in ast.children(node)]))
 
 
 def decode_source(name: str, data: bytes) -> Source:
