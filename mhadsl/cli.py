@@ -81,7 +81,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     until = "cubin" if args.emit == "cubin" or find_ptxas() else "ptx"
     try:
-        comp = compile_stages(text, args.file, options, until=until, base_dir=base)
+        comp = compile_stages(text, args.file, options, until=until, base_dir=base,
+                              progress=lambda stage: print(f"{args.file}: {stage}...",
+                                                           file=sys.stderr, flush=True))
     except (AssemblerError, RequestError) as err:
         raise UsageError(str(err)) from None
     elapsed = time.perf_counter() - start

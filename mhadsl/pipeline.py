@@ -25,6 +25,9 @@ from mhadsl.codegen.scheduler import SchedulerSpec, build_trace_kernel, lower_sc
 from mhadsl.parse import load_program, no_cyclic_gc
 
 STD_SCHEDULERS = "std/schedulers.mha"
+# From this many schedulers on, a compile takes long enough (about 30 ms of LLVM and
+# ptxas per scheduler) that `progress` is told of each stage.
+MANY_SCHEDULERS = 100
 
 
 @dataclass(frozen=True)
@@ -100,15 +103,19 @@ def _needs_default_scheduler(modules: list[ast.Module]) -> bool:
 
 
 def compile_stages(text: str, name: str, options: CompileOptions, *, until: str = "ptx",
-                   base_dir: Path | None = None) -> Compilation:
+                   base_dir: Path | None = None,
+                   progress: Callable[[str], None] | None = None) -> Compilation:
     if until not in STAGE_NAMES:
         raise ValueError(f"unknown stage {until!r}; stages are {', '.join(STAGE_NAMES)}")
     c = Compilation(name, options)
     c.artifacts["parse"], c.artifacts["check"] = front_end(text, name, base_dir)
+    many = len(c.checked.schedulers) >= MANY_SCHEDULERS
     if c.checked.schedulers:
         for stage, run in STAGES:
             if STAGE_NAMES.index(stage) > STAGE_NAMES.index(until):
                 break
+            if progress and many:
+                progress(f"{stage} of {len(c.checked.schedulers)} schedulers")
             c.artifacts[stage] = run(c)
     if STAGE_NAMES.index(until) >= STAGE_NAMES.index("llvm"):
         for name, decl in c.checked.attentions.items():

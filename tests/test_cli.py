@@ -264,3 +264,13 @@ def test_check_goes_on_past_a_missing_file(tmp_path, capsys, monkeypatch):
     assert status == 2  # as for a missing file alone
     assert f"error: cannot read {tmp_path / 'missing.mha'}: No such file or directory" in out.err
     assert "examples/plain.mha: ok" in out.out and "examples/causal.mha: ok" in out.out
+
+
+def test_compile_of_many_schedulers_shows_progress(tmp_path, capsys, monkeypatch):
+    from mhadsl import pipeline
+    monkeypatch.setattr(pipeline, "MANY_SCHEDULERS", 4)
+    assert main(["compile", "std/schedulers.mha", "--emit", "llvm", "-o",
+                 str(tmp_path / "s.ll")]) == 0
+    err = capsys.readouterr().err
+    assert "std/schedulers.mha: llvm of 4 schedulers...\n" in err
+    assert "std/schedulers.mha: ptx of 4 schedulers...\n" in err
