@@ -186,7 +186,7 @@ def test_flat_five_thousand_term_chains_go_through_every_stage(tmp_path):
 
 
 def test_deep_nesting_is_still_limited(tmp_path):
-    message = error_of(STD + scheduler("state.idx += " + " + (1" * 200 + ")" * 200), tmp_path)
+    message = error_of(STD + scheduler("state.idx += " + "1 + (" * 200 + "1" + ")" * 200), tmp_path)
     assert "error: expression nested too deeply (limit 100" in message
 
 
