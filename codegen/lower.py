@@ -290,12 +290,21 @@ class FunctionLowering:
         return self.coerce(self.expr(e), self.ty(e), ty)
 
     def binary(self, e: ast.Binary) -> ir.Value:
+        """A chain of operators (`ast.left_chain`), in a loop."""
+        _, ops = ast.left_chain(e, self.program.literals)
+        value = None  # the chain so far: the left operand of the next operator
+        for op in ops:
+            value = self.binary_step(op, value)
+        return value
+
+    def binary_step(self, e: ast.Binary, left: ir.Value | None) -> ir.Value:
+        """One operator; `left` is its left operand already lowered (None: lower it)."""
         if e.op in ("&&", "||"):
-            return self.short_circuit(e)
+            return self.short_circuit(e, self.expr(e.left) if left is None else left)
         lt, rt = self.ty(e.left), self.ty(e.right)
         common = F32 if F32 in (lt, rt) else (I32 if I32 in (lt, rt) else lt)
-        left, right = self.operand(e.left, common), self.operand(e.right, common)
-        return self.arith(e.op, left, right, common == I32, common)
+        left = self.operand(e.left, common) if left is None else self.coerce(left, lt, common)
+        return self.arith(e.op, left, self.operand(e.right, common), common == I32, common)
 
     def arith(self, op: str, a: ir.Value, b: ir.Value, signed: bool, ty: Ty) -> ir.Value:
         B = self.b
@@ -336,8 +345,7 @@ class FunctionLowering:
         shifted = B.shl(a, safe) if op == "<<" else B.lshr(a, safe)
         return B.select(big, a.type(0), shifted)
 
-    def short_circuit(self, e: ast.Binary) -> ir.Value:
-        left = self.expr(e.left)
+    def short_circuit(self, e: ast.Binary, left: ir.Value) -> ir.Value:
         left_bb = self.b.block
         rhs_bb, end_bb = self.new_block("rhs"), self.new_block("sc_end")
         if e.op == "&&":

@@ -12,7 +12,6 @@ kept in memory and in the on-disk cache. Every argument is checked before anythi
 """
 from __future__ import annotations
 
-import math
 import operator
 import os
 import re
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mhadsl.attention_spec import AttentionOptions, resolve_attention
+from mhadsl.attention_spec import AttentionOptions, resolve_attention, scale_problem
 from mhadsl.build import KernelRequest, build_kernel, plan
 from mhadsl.check import CheckedProgram
 from mhadsl.codegen import backends
@@ -418,15 +417,8 @@ class Kernel:
         if kv.shape != vv.shape:
             raise ValueError(f"k and v must have the same shape, got {kv.shape} and {vv.shape}")
         heads, kv_heads = qv.shape[-2], kv.shape[-2]
-        if kv_heads == 0 or heads % kv_heads:
-            raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads "
-                             f"({kv_heads})")
-        if o.gqa is not None and heads != o.gqa * kv_heads:
-            raise ValueError(f"kernel '{self.name}' is declared gqa = {o.gqa}, but q has {heads} "
-                             f"heads and k/v {kv_heads}")
-        if o.kv_heads is not None and kv_heads != o.kv_heads:
-            raise ValueError(f"kernel '{self.name}' is declared kv_heads = {o.kv_heads}, but "
-                             f"k/v have {kv_heads}")
+        if problem := o.heads_problem(heads, kv_heads):
+            raise ValueError(problem)
         if not ragged:
             if max_q is not None or max_k is not None:
                 raise ValueError("max_seqlen_q/max_seqlen_k belong to ragged calls (with "
@@ -652,8 +644,8 @@ def _share_memory(a, b) -> bool:
 
 
 def _check_scale(scale) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite number, got {scale!r}")
+    if problem := scale_problem(scale):
+        raise TypeError(problem)
     return float(scale)
 
 

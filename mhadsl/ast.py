@@ -85,6 +85,27 @@ class Binary(Expr):
     right: Expr
 
 
+def left_chain(e: Binary, stop=()) -> tuple[Expr, list[Binary]]:
+    """`((a + b) * c) - d` as its first operand `a` and its operators, innermost first.
+
+    Operators of one precedence parse left-nested, so a flat 5,000-term sum is a chain
+    5,000 deep on its left: walkers loop over the chain instead of recursing into it, and
+    only other nesting counts against the depth limit (`continues_chain`). Nodes in
+    `stop` (constants the checker folded) end the chain as operands.
+    """
+    ops = []
+    while isinstance(e, Binary) and e not in stop:
+        ops.append(e)
+        e = e.left
+    ops.reverse()
+    return e, ops
+
+
+def continues_chain(parent, child) -> bool:
+    """Whether `child` is the next link of `parent`'s `left_chain` (no deeper nesting)."""
+    return isinstance(parent, Binary) and isinstance(child, Binary) and child is parent.left
+
+
 @node
 class Tuple(Expr):
     items: tuple[Expr, ...]

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from mhadsl import ast
+from mhadsl.builtins import FLOAT_OPS
 from mhadsl.diagnostics import Diagnostic, MhaError
 from mhadsl.types import BOOL, DTYPE, F32, SCHEDULER
 
@@ -55,6 +56,19 @@ class AttentionOptions:
     def softmax_scale(self) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
 
+    def heads_problem(self, heads: int, kv_heads: int) -> str | None:
+        """Why the kernel cannot run `heads` query heads on `kv_heads` K/V heads, if it
+        cannot (the kernel's call and `mhadsl.reference` say the same)."""
+        if kv_heads == 0 or heads % kv_heads:
+            return f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})"
+        if self.gqa is not None and heads != self.gqa * kv_heads:
+            return (f"kernel '{self.name}' is declared gqa = {self.gqa}, but q has {heads} "
+                    f"heads and k/v {kv_heads}")
+        if self.kv_heads is not None and kv_heads != self.kv_heads:
+            return f"kernel '{self.name}' is declared kv_heads = {self.kv_heads}, but k/v have " \
+                   f"{kv_heads}"
+        return None
+
     def problem_span(self, settings: tuple[str, ...]):
         """Where to report a problem caused by `settings`: the value of the first one the
         declaration sets, else the declaration (its defaults are at fault)."""
@@ -68,17 +82,30 @@ class AttentionOptions:
                          for p in problems])
 
 
-def _number(e: ast.Expr) -> float:
+def scale_problem(scale) -> str | None:
+    """The one rule for a softmax scale, declared (`check`) or given at the call (the API)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        return f"scale must be a finite number, got {scale!r}"
+    return None
+
+
+def constant_number(e: ast.Expr) -> float:
+    """The value of a constant number setting (`scale = 1.0 / sqrt(128.0)`)."""
     if isinstance(e, ast.Unary) and e.op == "-":
-        return -_number(e.operand)
+        return -constant_number(e.operand)
     if isinstance(e, (ast.IntLit, ast.FloatLit)):
         return e.value
-    if isinstance(e, ast.Binary) and e.op in "+-*/":
-        a, b = _number(e.left), _number(e.right)
-        return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else math.inf}[e.op]
+    if isinstance(e, ast.Binary):
+        first, ops = ast.left_chain(e)  # a loop: a long sum is not deep
+        if all(op.op in FLOAT_OPS for op in ops):
+            value = constant_number(first)
+            for op in ops:  # the checker has refused a division by a constant 0
+                value = FLOAT_OPS[op.op](value, constant_number(op.right))
+            return value
     if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id in ("sqrt",) \
             and len(e.args) == 1:
-        return math.sqrt(_number(e.args[0]))
+        value = constant_number(e.args[0])
+        return math.sqrt(value) if value >= 0 else math.nan
     raise MhaError("this must be a constant number", e.span)
 
 
@@ -114,7 +141,7 @@ def resolve_attention(decl: ast.AttentionDecl) -> AttentionOptions:
         elif c.name == "scheduler":
             fields["scheduler"], fields["scheduler_args"] = _scheduler_binding(v)
         elif c.name == "scale":
-            fields["scale"] = float(_number(v))
+            fields["scale"] = float(constant_number(v))
         elif c.name == "return_lse":
             fields["return_lse"] = v.value
     if "gqa" in fields and "kv_heads" in fields:

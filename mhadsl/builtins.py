@@ -19,6 +19,7 @@ Integer semantics (the same on the host, the GPU and in the reference; README "S
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import numpy as np
@@ -65,6 +66,9 @@ GRID_LIMITS = (2**31 - 1, 65535, 65535)
 I32_MIN, I32_MAX, U32_MAX = -2**31, 2**31 - 1, 2**32 - 1
 INT_RANGES = {I32: (I32_MIN, I32_MAX), U32: (0, U32_MAX)}
 LITERAL_LIMIT = 2**64  # literal expressions beyond this magnitude are an error
+# The smallest magnitude that rounds to infinity in f32 (FLT_MAX plus half an ulp).
+F32_OVERFLOW = 2.0**128 * (1 - 2.0**-25)
+FLOAT_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 
 # ------------------------------------------------------------------ integer semantics
@@ -144,6 +148,11 @@ def check_literal(value: int) -> int:
     if abs(value) >= LITERAL_LIMIT:
         raise LiteralError("constant expression does not fit in 64 bits")
     return value
+
+
+def finite_f32(value: float) -> bool:
+    """Whether a float constant stays a finite number once it is an f32."""
+    return math.isfinite(value) and abs(value) < F32_OVERFLOW
 
 
 def fits(value: int, ty: Ty) -> bool:

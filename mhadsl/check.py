@@ -10,13 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from mhadsl import ast
-from mhadsl.attention_spec import ATTENTION_CONSTANTS, HEAD_DIMS, resolve_attention
+from mhadsl.attention_spec import (
+    ATTENTION_CONSTANTS, HEAD_DIMS, constant_number, resolve_attention, scale_problem,
+)
 from mhadsl.codegen.backends import declaration_problems
 from mhadsl.builtin_functions import FUNCTIONS
 from mhadsl.builtins import (
     ATTENTION, BUILTIN_VALUES, COMPARISONS, COMPILE_TIME_VALUES, DEVICE, DEVICE_ONLY_FUNCTIONS,
-    HOST, INT_RANGES, INTEGER_ONLY_OPS, LITERAL_LIMIT, SLOT_COUNT, LiteralError, fits,
-    fold_literal,
+    FLOAT_OPS, HOST, INT_RANGES, INTEGER_ONLY_OPS, LITERAL_LIMIT, SLOT_COUNT, LiteralError,
+    finite_f32, fits, fold_literal,
 )
 from mhadsl.diagnostics import DiagnosticSink, MhaError, Source, Span
 from mhadsl.parse import MAX_EXPR_DEPTH, MAX_STMT_DEPTH
@@ -123,6 +125,8 @@ class Checker:
         self.out = CheckedProgram()
         self.checked_fns: set[str] = set()  # a fn may only call fns checked before it
         self.errors = 0  # found so far (the sink may keep fewer)
+        # The value of every f32 expression of literals alone: checked to stay finite.
+        self.float_constants: dict[ast.Expr, float] = {}
 
     def error(self, span: Span, message: str) -> Ty:
         self.errors += 1
@@ -179,7 +183,8 @@ class Checker:
                     calls_reported = True
                 else:
                     depth, nodes = max(depth, level + callee[0]), nodes + callee[1]
-            stack.extend((child, level + 1) for child in ast.children(node))
+            stack.extend((child, level + 1 - ast.continues_chain(node, child))
+                         for child in ast.children(node))
         if calls_reported:
             return None
         if depth > MAX_INLINED_DEPTH:
@@ -313,6 +318,7 @@ class Checker:
             if not (isinstance(c.value, ast.Name) and c.value.id in DTYPES):
                 self.error(c.value.span, f"dtype must be one of {', '.join(DTYPES)}")
             return
+        errors_before = self.errors
         ty = self.expr(c.value, _Scope(), _Context(HOST, c.name, (), I32))
         want = ATTENTION_CONSTANTS[c.name]
         if want == "int_pair":
@@ -324,6 +330,8 @@ class Checker:
         elif want == F32:
             if ty not in NUMBERS:
                 self.error(c.value.span, f"'{c.name}' must be a number")
+            elif c.name == "scale" and self.errors == errors_before:
+                self.check_scale(c.value)
         elif want == BOOL:
             if not isinstance(c.value, ast.BoolLit):
                 self.error(c.value.span, f"'{c.name}' must be true or false")
@@ -333,6 +341,14 @@ class Checker:
             self.error(c.value.span, f"head_dim must be one of {', '.join(map(str, HEAD_DIMS))}")
         elif c.value.value < 1:
             self.error(c.value.span, f"'{c.name}' must be at least 1")
+
+    def check_scale(self, value: ast.Expr) -> None:
+        try:
+            problem = scale_problem(constant_number(value))
+        except MhaError as err:
+            problem = err.diagnostics[0].message
+        if problem:
+            self.error(value.span, problem)
 
     def check_scheduler_binding(self, value: ast.Expr) -> None:
         func, kwargs = value, ()
@@ -495,6 +511,26 @@ class Checker:
         self.out.literals[e] = value
         return BOOL if isinstance(value, bool) else INT_LITERAL
 
+    def fold_float(self, e: ast.Binary) -> Ty:
+        """An f32 operation: a constant divisor must not be 0, and an operation of two
+        constants must stay finite (a kernel would compute inf or NaN everywhere)."""
+        a, b = self.constant_value(e.left), self.constant_value(e.right)
+        if e.op == "/" and b == 0:
+            return self.error(e.span, "division by zero: dividing by a constant 0 gives "
+                                      "inf or NaN")
+        if a is not None and b is not None:
+            value = FLOAT_OPS[e.op](a, b)
+            if not finite_f32(value):
+                return self.error(e.span, f"constant expression is not a finite f32 value "
+                                          f"({value:g})")
+            self.float_constants[e] = value
+        return F32
+
+    def constant_value(self, e: ast.Expr) -> float | None:
+        """The value of an expression of literals alone (int or float), else None."""
+        value = self.float_constants.get(e, self.out.literals.get(e))
+        return None if isinstance(value, bool) else value
+
     def branch_context(self, cond: ast.Expr, what: str, ctx: _Context) -> _Context:
         """The context inside a branch on `cond`: divergent unless `cond` is a compile-time
         constant (the same in every thread)."""
@@ -513,7 +549,8 @@ class Checker:
         if isinstance(e, ast.Unary):
             return self.compile_time(e.operand)
         if isinstance(e, ast.Binary):
-            return self.compile_time(e.left) and self.compile_time(e.right)
+            first, ops = ast.left_chain(e)
+            return self.compile_time(first) and all(self.compile_time(op.right) for op in ops)
         return False
 
     @staticmethod
@@ -529,6 +566,12 @@ class Checker:
         return False
 
     def expr(self, e: ast.Expr, scope: _Scope, ctx: _Context) -> Ty:
+        if isinstance(e, ast.Binary):  # a chain of operators, in a loop
+            first, ops = ast.left_chain(e)
+            ty = self.expr(first, scope, ctx)
+            for op in ops:
+                ty = self.out.types[op] = self.binary(op, ty, scope, ctx)
+            return ty
         ty = self._expr(e, scope, ctx)
         self.out.types[e] = ty
         return ty
@@ -540,6 +583,10 @@ class Checker:
             self.out.literals[e] = e.value
             return INT_LITERAL
         if isinstance(e, ast.FloatLit):
+            if not finite_f32(e.value):
+                return self.error(e.span, f"float constant {_text(e.span)} is not a finite f32 "
+                                          f"value (the largest is about 3.4e38)")
+            self.float_constants[e] = e.value
             return F32
         if isinstance(e, ast.BoolLit):
             return BOOL
@@ -574,31 +621,39 @@ class Checker:
             if e.operand in self.out.literals:
                 value = self.out.literals[e.operand]
                 return self.fold(e, -value if e.op == "-" else ~value)
-            return ty
-        if isinstance(e, ast.Binary):
-            left, right = self.expr(e.left, scope, ctx), self.expr(e.right, scope, ctx)
-            ty = self.binary_type(e.op, left, right, e.span)
-            if ty == ERROR or e.op in ("&&", "||"):
-                return ty
-            if e.left in self.out.literals and e.right in self.out.literals:
-                try:
-                    value = fold_literal(e.op, self.out.literals[e.left],
-                                         self.out.literals[e.right])
-                except LiteralError as err:
-                    value = err
-                return self.fold(e, value)
-            common = unify(left, right)
-            for side in (e.left, e.right):  # a literal meets the other side's type
-                self.fit(side, ctx.default_int if common == INT_LITERAL else common)
+            if e.operand in self.float_constants:
+                self.float_constants[e] = -self.float_constants[e.operand]
             return ty
         if isinstance(e, ast.Tuple):
             for item in e.items:
                 self.expect_value(item, self.expr(item, scope, ctx), U32, "grid dimension")
+                if self.out.literals.get(item) == 0 and ctx.rule == "grid_dim":
+                    self.error(item.span, "grid dimension 0: CUDA launches at least one CTA "
+                                          "along each axis")
             if not 1 <= len(e.items) <= 3:
                 return self.error(e.span, "a grid has 1 to 3 dimensions")
             return GRID
         assert isinstance(e, ast.Call)
         return self.call(e, scope, ctx)
+
+    def binary(self, e: ast.Binary, left: Ty, scope: _Scope, ctx: _Context) -> Ty:
+        """One operator of a chain, its left operand already checked (of type `left`)."""
+        right = self.expr(e.right, scope, ctx)
+        ty = self.binary_type(e.op, left, right, e.span)
+        if ty == ERROR or e.op in ("&&", "||"):
+            return ty
+        if e.left in self.out.literals and e.right in self.out.literals:
+            try:
+                value = fold_literal(e.op, self.out.literals[e.left], self.out.literals[e.right])
+            except LiteralError as err:
+                value = err
+            return self.fold(e, value)
+        if ty == F32 and e.op in FLOAT_OPS:
+            return self.fold_float(e)
+        common = unify(left, right)
+        for side in (e.left, e.right):  # a literal meets the other side's type
+            self.fit(side, ctx.default_int if common == INT_LITERAL else common)
+        return ty
 
     def binary_type(self, op: str, left: Ty, right: Ty, span: Span) -> Ty:
         if ERROR in (left, right):
@@ -738,6 +793,11 @@ class Checker:
             self.error(e.span, f"{record} is missing field{'s' if len(missing) > 1 else ''} "
                                f"{', '.join(missing)}")
         return record
+
+
+def _text(span: Span) -> str:
+    """The source text of a one-token span."""
+    return span.source.line(span.line)[span.column - 1:span.end_column - 1]
 
 
 def check_program(modules: list[ast.Module]) -> CheckedProgram:

@@ -335,8 +335,16 @@ class _Analysis:
         return self.top(ty)
 
     def binary(self, e: ast.Binary, env: dict, ty: Ty) -> _Value:
+        """A chain of operators (`ast.left_chain`), in a loop."""
+        first, ops = ast.left_chain(e, self.literals)
+        value = self.expr(first, env)
+        for op in ops:
+            value = self.lift(self.binary_step(op, value, self.expr(op.right, env),
+                                               self.types[op]), self.types[op])
+        return value
+
+    def binary_step(self, e: ast.Binary, a: _Value, b: _Value, ty: Ty) -> _Value:
         o = self.o
-        a, b = self.expr(e.left, env), self.expr(e.right, env)
         if e.op == "&&":
             return _Bool(o.band(a.may, b.may), o.band(a.must, b.must))
         if e.op == "||":

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from mhadsl import __version__
+from mhadsl.attention_spec import resolve_attention
 from mhadsl.build import RequestError
 from mhadsl.builtins import GRID_LIMITS
 from mhadsl.codegen import backends
@@ -47,18 +48,24 @@ def read_source(path: str) -> tuple[str, Path]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    failed = False
+    """Every file is checked, whatever happened to the ones before it: exit 2 when one
+    could not be read, else 1 when one has errors."""
+    failed = unreadable = False
     for path in args.files:
         try:
             text, base = read_source(path)
             _, program = front_end(text, path, base, args.include)
+        except UsageError as err:
+            print(f"error: {err}", file=sys.stderr)
+            unreadable = True
+            continue
         except MhaError as err:
             print(err.render(), file=sys.stderr)
             failed = True
             continue
         print(f"{path}: ok ({len(program.schedulers)} schedulers, {len(program.fns)} fns, "
               f"{len(program.attentions)} attention kernels)")
-    return 1 if failed else 0
+    return 2 if unreadable else 1 if failed else 0
 
 
 EXTENSIONS = {"llvm": ".ll", "ptx": ".ptx", "cubin": ".cubin"}
@@ -73,7 +80,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     until = "cubin" if args.emit == "cubin" or find_ptxas() else "ptx"
     try:
         comp = compile_stages(text, args.file, options, until=until, base_dir=base,
-                              include_dirs=args.include)
+                              include_dirs=args.include,
+                              progress=lambda stage: print(f"{args.file}: {stage}...",
+                                                           file=sys.stderr, flush=True))
     except (AssemblerError, RequestError) as err:
         raise UsageError(str(err)) from None
     elapsed = time.perf_counter() - start
@@ -184,13 +193,17 @@ def _parse_param(text: str) -> tuple[str, object]:
 
 def _seqlens(args: argparse.Namespace) -> list[int]:
     if args.seqlens:
+        if args.seqlen is not None:
+            raise UsageError("give --seqlen or --seqlens, not both")
+        if args.batch is not None:
+            raise UsageError(f"--seqlens gives the batch: drop --batch {args.batch}")
         try:
             lens = [int(x) for x in args.seqlens.split(",") if x.strip()]
         except ValueError:
             raise UsageError(f"--seqlens takes comma-separated integers, got {args.seqlens!r}"
                              ) from None
     elif args.seqlen is not None:
-        lens = [args.seqlen] * args.batch
+        lens = [args.seqlen] * (args.batch or 1)
     else:
         raise UsageError("give --seqlen S (with --batch B) or --seqlens L1,L2,...")
     if not 1 <= len(lens) <= GRID_LIMITS[2]:
@@ -206,13 +219,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.scheduler not in program.schedulers:
         raise UsageError(f"no scheduler '{args.scheduler}' in {args.file} (it has: "
                          f"{', '.join(program.schedulers) or 'none'})")
-    cost, sequences = args.cost or "causal", args.sequences
+    cost, sequences, gqa = args.cost or "causal", args.sequences, args.gqa or 1
     if args.kernel:
         cost = _kernel_costs(program, args.kernel, args.file)
         sequences = Batch(args.lengths, args.heads, cost.block_m, ragged=sequences.ragged)
+        gqa, declared = _kernel_gqa(program, args)
         print(f"cost model of kernel {args.kernel} ({cost.block_m}x{cost.block_n} tile), "
-              f"constants from {cost.source}", file=sys.stderr)
-    spec = SchedulerSpec(args.scheduler, args.params, sequences.tile, args.gqa)
+              f"constants from {cost.source}" + (f"; {gqa} query heads per K/V head "
+                                                 f"({declared})" if declared else ""),
+              file=sys.stderr)
+    spec = SchedulerSpec(args.scheduler, args.params, sequences.tile, gqa)
     result = simulate(program, spec, sequences, ctas=args.ctas, cost=cost,
                       num_sms=args.num_sms, ctas_per_sm=args.ctas_per_sm)
     if args.plot:
@@ -224,12 +240,33 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"{args.ctas} CTAs")
         print(f"  {result.message}")
         unit = "" if result.unit == "KV-tile iterations" else f" {result.unit}"
-        print(f"  makespan {result.makespan:g}{unit}, lower bound {result.lower_bound:g}{unit}, "
+        makespan = "stopped" if result.makespan is None else f"{result.makespan:g}{unit}"
+        print(f"  makespan {makespan}, lower bound {result.lower_bound:g}{unit}, "
               f"efficiency {'n/a' if result.efficiency is None else f'{result.efficiency:.1%}'}")
         loads = result.per_cta_load
         if loads:
             print(f"  per-CTA load: min {min(loads):g}, max {max(loads):g}")
+        if loads and result.makespan is not None and result.makespan > max(loads):
+            print("  (per-CTA load counts tile time only; the makespan also holds the "
+                  "scheduler's steps between tiles: advances, queue atomics, CTA starts)")
     return 0 if result.covered_exactly_once else 3
+
+
+def _kernel_gqa(program, args: argparse.Namespace) -> tuple[int, str]:
+    """Query heads per K/V head as kernel `args.kernel` declares them (`gqa` or `kv_heads`),
+    with the declaration in words ("" when it declares neither); a contradicting --gqa or
+    a --heads the kernel cannot run is an error."""
+    options = resolve_attention(program.attentions[args.kernel])
+    if options.gqa is None and options.kv_heads is None:
+        return args.gqa or 1, ""
+    setting = f"gqa = {options.gqa}" if options.gqa else f"kv_heads = {options.kv_heads}"
+    if args.heads % (options.gqa or options.kv_heads):
+        raise UsageError(f"--heads {args.heads} is not a multiple of kernel {args.kernel}'s "
+                         f"{setting}")
+    gqa = options.gqa or args.heads // options.kv_heads
+    if args.gqa is not None and args.gqa != gqa:
+        raise UsageError(f"--gqa {args.gqa} contradicts kernel {args.kernel}'s {setting}")
+    return gqa, f"declared {setting}"
 
 
 def _kernel_costs(program, kernel: str, path: str):
@@ -410,10 +447,12 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--tile must be a multiple of 16, got {args.tile}")
     if args.command in ("simulate", "run"):
         args.lengths = _seqlens(args)
+        args.batch = len(args.lengths)
     if args.command == "trace":
         args.params = tuple(_parse_param(p) for p in args.param)
         args.lengths = (_seqlens(args) if args.seqlens or args.seqlen is not None
                         else None)
+        args.batch = len(args.lengths or ())
         if args.lengths is None and not args.calibrate:
             raise UsageError("give --seqlen S (with --batch B) or --seqlens L1,L2,... "
                              "(or --calibrate alone)")
@@ -426,7 +465,7 @@ def validate(args: argparse.Namespace) -> None:
     if args.command == "simulate":
         if args.kernel and args.cost:
             raise UsageError("--kernel costs tiles as that kernel runs them: drop --cost")
-        if args.heads % args.gqa:
+        if args.gqa and args.heads % args.gqa:
             raise UsageError(f"--gqa {args.gqa} must divide --heads {args.heads}")
         args.params = tuple(_parse_param(p) for p in args.param)
         try:
@@ -466,7 +505,7 @@ def _include_argument(p: argparse.ArgumentParser) -> None:
 
 def _batch_arguments(p: argparse.ArgumentParser) -> None:
     """The batch a scheduler is simulated or a kernel traced on: dense or ragged."""
-    p.add_argument("--batch", type=int, default=1, help="sequences (with --seqlen)")
+    p.add_argument("--batch", type=int, help="sequences (with --seqlen; default 1)")
     p.add_argument("--seqlen", type=int, help="length of every sequence (dense)")
     p.add_argument("--seqlens", help="ragged lengths, comma-separated, e.g. 8192,4096,0")
     p.add_argument("--heads", type=int, default=16)
@@ -499,8 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", required=True, metavar="NAME")
     _batch_arguments(p)
     p.add_argument("--tile", type=int, default=128, help="query tile height (BM)")
-    p.add_argument("--gqa", type=int, default=1,
-                   help="query heads per K/V head (the value of gqa_group; divides --heads)")
+    p.add_argument("--gqa", type=int,
+                   help="query heads per K/V head (the value of gqa_group; divides --heads; "
+                        "default 1, or the declared ratio of --kernel)")
     p.add_argument("--ctas", type=int, default=132, help="simulated multiprocessors")
     p.add_argument("--num-sms", type=int, help="value of num_sms (default: --ctas)")
     p.add_argument("--ctas-per-sm", type=int, default=1,
@@ -522,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run an attention kernel on random inputs (needs a GPU)")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--kernel", required=True, metavar="NAME")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, help="sequences (with --seqlen; default 1)")
     p.add_argument("--seqlen", type=int, help="query (and key) length, dense")
     p.add_argument("--seqlen-k", type=int, help="key length when it differs (dense)")
     p.add_argument("--seqlens", help="ragged lengths, comma-separated")

@@ -24,9 +24,12 @@ from mhadsl.attention_spec import resolve_attention
 from mhadsl.build import KernelRequest, build_kernel
 from mhadsl.codegen.backends import KernelBuild, Layout
 from mhadsl.codegen.scheduler import SchedulerSpec, build_trace_kernel, lower_scheduler
-from mhadsl.parse import load_program
+from mhadsl.parse import load_program, no_cyclic_gc
 
 STD_SCHEDULERS = "std/schedulers.mha"
+# From this many schedulers on, a compile takes long enough (about 30 ms of LLVM and
+# ptxas per scheduler) that `progress` is told of each stage.
+MANY_SCHEDULERS = 100
 
 
 @dataclass(frozen=True)
@@ -66,11 +69,12 @@ def _lower(c: Compilation) -> str:
     """One module: a trace kernel per scheduler (see codegen.scheduler)."""
     target = c.options.target
     module = targets.new_module(c.name, target)
-    for name in c.checked.schedulers:
-        lowered = lower_scheduler(module, c.checked, SchedulerSpec(name, (), c.options.tile_m),
-                                  target)
-        build_trace_kernel(module, lowered)
-    return str(module)
+    with no_cyclic_gc():
+        for name in c.checked.schedulers:
+            lowered = lower_scheduler(module, c.checked,
+                                      SchedulerSpec(name, (), c.options.tile_m), target)
+            build_trace_kernel(module, lowered)
+        return str(module)
 
 
 STAGES: tuple[tuple[str, Callable[[Compilation], object]], ...] = (
@@ -104,15 +108,19 @@ def _needs_default_scheduler(modules: list[ast.Module]) -> bool:
 
 def compile_stages(text: str, name: str, options: CompileOptions, *, until: str = "ptx",
                    base_dir: Path | None = None,
-                   include_dirs: Sequence[str | os.PathLike] = ()) -> Compilation:
+                   include_dirs: Sequence[str | os.PathLike] = (),
+                   progress: Callable[[str], None] | None = None) -> Compilation:
     if until not in STAGE_NAMES:
         raise ValueError(f"unknown stage {until!r}; stages are {', '.join(STAGE_NAMES)}")
     c = Compilation(name, options)
     c.artifacts["parse"], c.artifacts["check"] = front_end(text, name, base_dir, include_dirs)
+    many = len(c.checked.schedulers) >= MANY_SCHEDULERS
     if c.checked.schedulers:
         for stage, run in STAGES:
             if STAGE_NAMES.index(stage) > STAGE_NAMES.index(until):
                 break
+            if progress and many:
+                progress(f"{stage} of {len(c.checked.schedulers)} schedulers")
             c.artifacts[stage] = run(c)
     if STAGE_NAMES.index(until) >= STAGE_NAMES.index("llvm"):
         for name, decl in c.checked.attentions.items():

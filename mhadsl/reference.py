@@ -14,7 +14,6 @@ keys, rows with no key left give output 0 and LSE -inf.
 from __future__ import annotations
 
 import operator
-from dataclasses import fields, is_dataclass
 
 import numpy as np
 
@@ -130,7 +129,14 @@ class _Evaluator:
         return convert(value, src, ty)
 
     def binary(self, e: ast.Binary, env: dict, ty: Ty):
-        a, b = self.expr(e.left, env), self.expr(e.right, env)
+        """A chain of operators (`ast.left_chain`), in a loop."""
+        first, ops = ast.left_chain(e, self.program.literals)
+        value = self.expr(first, env)
+        for op in ops:
+            value = self.binary_step(op, value, self.expr(op.right, env), self.types[op])
+        return value
+
+    def binary_step(self, e: ast.Binary, a, b, ty: Ty):
         lt, rt = self.types[e.left], self.types[e.right]
         if e.op == "&&":
             return np.logical_and(a, b)
@@ -170,21 +176,14 @@ class _Evaluator:
 def rule_roles(rule: ast.Rule, program: CheckedProgram) -> set[str]:
     """The parameter roles (q_idx, h, seqlen_k, ...) a rule's body actually reads."""
     used: set[str] = set()
-
-    def walk(node) -> None:
+    todo = list(rule.body)
+    while todo:  # without recursion: a long flat chain is as deep as it is long
+        node = todo.pop()
         if isinstance(node, ast.Name):
             sym = program.refs.get(node)
             if sym is not None and sym.kind == "rule_param":
                 used.add(sym.node)
-        if isinstance(node, tuple):
-            for item in node:
-                walk(item)
-        elif is_dataclass(node):
-            for f in fields(node):
-                if f.name != "span":
-                    walk(getattr(node, f.name))
-
-    walk(rule.body)
+        todo.extend(ast.children(node))
     return used
 
 
@@ -305,6 +304,8 @@ def reference(kernel, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
               **_ignored):
     """What `kernel(q, k, v, ...)` computes, in NumPy float64 (same arguments)."""
     opts = kernel.options
+    if problem := opts.heads_problem(np.shape(q)[-2], np.shape(k)[-2]):
+        raise ValueError(problem)
     want_lse = opts.return_lse if return_lse is None else return_lse
     return attention_reference(
         _to_numpy(q), _to_numpy(k), _to_numpy(v), mask_rule=opts.mask, score_rule=opts.score,

@@ -442,6 +442,11 @@ class HostScheduler:
         out = (ctypes.c_uint32 * 3)()
         self.grid_dim(ctypes.byref(env), ctypes.byref(ts), batch_size, max_num_prompt_tiles, out)
         grid = (out[0], out[1], out[2])
+        if 0 in grid and max_num_prompt_tiles:  # with no work nothing is launched
+            raise MhaError(f"grid_dim gives {grid}: no CTAs; CUDA launches at least one CTA "
+                           f"along each axis ({batch_size} sequences of up to "
+                           f"{max_num_prompt_tiles} tiles x {num_heads} heads)",
+                           self.grid_rule.span)
         if any(g > limit for g, limit in zip(grid, GRID_LIMITS)):
             raise MhaError(f"grid_dim gives {grid} for {batch_size} sequences of up to "
                            f"{max_num_prompt_tiles} tiles x {num_heads} heads; CUDA allows "
@@ -545,8 +550,8 @@ class SimulationResult:
     grid: tuple[int, int, int]
     ctas: int
     covered_exactly_once: bool
-    terminated: bool
-    makespan: float
+    terminated: bool  # False when a rule never ended or the simulator stopped the run
+    makespan: float | None  # None for a run that did not terminate: it measures nothing
     lower_bound: float
     efficiency: float | None  # lower_bound / makespan; None when coverage failed
     total_work: float
@@ -624,7 +629,7 @@ class _Run:
         self.makespan = 0.0
         # One row per processed tile (its SeqInfo valid): LOG_COLUMNS.
         self.log = np.zeros((0, len(LOG_COLUMNS)))  # one row per processed tile
-        self.stopped = ""  # why the run ended early, when it did without failing
+        self.stopped = ""  # why the simulator stopped the run, when no rule failed
 
 
 def simulate(program: CheckedProgram, spec: SchedulerSpec, batch: Batch, *, ctas: int = 132,
@@ -727,9 +732,10 @@ def _finish(result: SimulationResult, run: _Run, ids: _TileIds, costs: np.ndarra
     bad = visited < 0
     result.invalid = sorted(set(zip(trace["offset"][bad].tolist(), trace["head"][bad].tolist(),
                                     trace["b"][bad].tolist())))
+    result.terminated = result.terminated and not run.stopped
     result.covered_exactly_once = (result.terminated and not result.missing
                                    and not result.repeated and not result.invalid)
-    result.makespan = run.makespan
+    result.makespan = run.makespan if result.terminated else None
     result.total_work = float(costs.sum())
     result.lower_bound = max(result.total_work / run.ctas, float(costs.max(initial=0.0)))
     if result.covered_exactly_once:  # a wrong run's makespan measures nothing
@@ -760,7 +766,8 @@ def plot_timeline(result: SimulationResult, path: str) -> None:
     ax.set_xlabel(f"time ({result.unit})")
     ax.set_ylabel("CTA slot")
     efficiency = "n/a" if result.efficiency is None else f"{result.efficiency:.1%}"
-    ax.set_title(f"{result.scheduler}: makespan {result.makespan:g}, efficiency {efficiency}")
+    makespan = "stopped" if result.makespan is None else f"{result.makespan:g}"
+    ax.set_title(f"{result.scheduler}: makespan {makespan}, efficiency {efficiency}")
     ax.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -191,3 +191,86 @@ def test_scheduler_parameter_of_the_wrong_type():
     out = mhadsl("simulate", "std/schedulers.mha", "--scheduler", "Queued", "--seqlen", "9",
                  "--param", "order=SIDEWAYS")
     assert "takes one of DEFAULT, PROMPT_ROTATE, LONGEST_FIRST, got 'SIDEWAYS'" in out.stderr
+
+
+# ---------------------------------------------------------------- issue 19
+WRONG_ADVANCE = """import "std/schedulers.mha"
+scheduler Forever {
+    may_advance = true
+    schedule = DEFAULT
+    grid_dim(batch_size, max_num_prompt_tiles) = (4, 1, 1)
+    initial_state(slots, ts) = State(idx = block_idx.x, slots = slots, max_idx = ts.num_work())
+    get_current_work_info(ts, state) = ts.work_info(state.idx, schedule)
+    advance(ts, state, pipeline_idx) {
+        state.idx = (state.idx + grid_dim.x) % ts.num_work()
+        return ts.seq_info(ts.work_info(state.idx, schedule))
+    }
+    unsafe_seq_info(ts, state) = ts.seq_info(ts.work_info(state.idx, schedule))
+}
+"""
+
+
+def test_simulate_says_a_stopped_run_stopped(tmp_path, capsys):
+    (tmp_path / "f.mha").write_text(WRONG_ADVANCE)
+    args = ["simulate", str(tmp_path / "f.mha"), "--scheduler", "Forever", "--seqlen", "3000"]
+    assert main(args) == 3
+    text = capsys.readouterr().out
+    assert "makespan stopped" in text and "makespan 0" not in text, text
+    main([*args, "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["terminated"] is False and summary["makespan"] is None
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--seqlens", "5,6", "--batch", "3"], "error: --seqlens gives the batch: drop --batch"),
+    (["--seqlens", "5,6", "--seqlen", "9"], "error: give --seqlen or --seqlens, not both"),
+])
+def test_contradictory_batch_flags(extra, message, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    status, err = run_main([*SIM, *extra], capsys)
+    assert status == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
+GQA_SIM = ["simulate", "examples/gqa.mha", "--scheduler", "LPT", "--seqlen", "300",
+           "--ctas", "4"]
+
+
+def test_simulate_kernel_takes_the_kernels_gqa(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    status, err = run_main([*GQA_SIM, "--kernel", "gqa_causal"], capsys)
+    assert status == 0 and "4 query heads per K/V head (declared gqa = 4)" in err, err
+    status, err = run_main([*GQA_SIM, "--kernel", "gqa_causal", "--heads", "6"], capsys)
+    assert status == 2 and err == "error: --heads 6 is not a multiple of kernel gqa_causal's " \
+                                  "gqa = 4\n", err
+    status, err = run_main([*GQA_SIM, "--kernel", "gqa_causal", "--gqa", "2"], capsys)
+    assert status == 2 and err == "error: --gqa 2 contradicts kernel gqa_causal's gqa = 4\n", err
+    status, err = run_main([*GQA_SIM, "--kernel", "mqa", "--heads", "8"], capsys)
+    assert status == 0 and "8 query heads per K/V head (declared kv_heads = 1)" in err, err
+
+
+def test_simulate_kernel_says_why_the_makespan_passes_the_largest_load(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    main([*GQA_SIM, "--kernel", "gqa_causal"])
+    text = capsys.readouterr().out
+    assert "per-CTA load counts tile time only; the makespan also holds the scheduler's " \
+           "steps" in text, text
+
+
+def test_check_goes_on_past_a_missing_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    status = main(["check", "examples/plain.mha", str(tmp_path / "missing.mha"),
+                   "examples/causal.mha"])
+    out = capsys.readouterr()
+    assert status == 2  # as for a missing file alone
+    assert f"error: cannot read {tmp_path / 'missing.mha'}: No such file or directory" in out.err
+    assert "examples/plain.mha: ok" in out.out and "examples/causal.mha: ok" in out.out
+
+
+def test_compile_of_many_schedulers_shows_progress(tmp_path, capsys, monkeypatch):
+    from mhadsl import pipeline
+    monkeypatch.setattr(pipeline, "MANY_SCHEDULERS", 4)
+    assert main(["compile", "std/schedulers.mha", "--emit", "llvm", "-o",
+                 str(tmp_path / "s.ll")]) == 0
+    err = capsys.readouterr().err
+    assert "std/schedulers.mha: llvm of 4 schedulers...\n" in err
+    assert "std/schedulers.mha: ptx of 4 schedulers...\n" in err

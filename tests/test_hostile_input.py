@@ -159,9 +159,41 @@ def test_deeply_nested_calls_are_a_diagnostic(tmp_path):
     assert f"h.mha:9:{15 + 4 * (MAX_EXPR_DEPTH - 1)}: error: expression nested too deeply" in message
 
 
-def test_twenty_thousand_term_sum(tmp_path):
-    message = error_of(STD + scheduler("state.idx += " + " + ".join(["1"] * 20_000)), tmp_path)
-    assert message.startswith("h.mha:9:15: error: expression nested too deeply (limit 100")
+def test_flat_five_thousand_term_chains_go_through_every_stage(tmp_path):
+    """A flat chain is not nesting (issue 19): check, LLVM IR, the host simulator, the
+    mask's classification and the reference all loop over it. (A kernel built with such a
+    mask or score is left to LLVM: see HARDENING.md.)"""
+    import numpy as np
+    from mhadsl.classify import classify_tile
+    from mhadsl.codegen.scheduler import SchedulerSpec
+    from mhadsl.reference import attention_reference
+    from mhadsl.simulate import Batch, simulate
+    terms = 5_000
+    # Each adds 0 (or nothing) to a correct rule; the bodies stay under MAX_INLINED_NODES.
+    sched = STD + scheduler("state.idx += grid_dim.x" + " + p - p" * (terms // 2))
+    compiled = compile_stages(sched, "h.mha", CompileOptions(), until="llvm")
+    assert compiled.artifacts["llvm"].count(" = sub i32 ") >= terms // 2
+    result = simulate(compiled.checked, SchedulerSpec("S", (), 128),
+                      Batch([300], 2, 128, False), ctas=1)
+    assert result.terminated and len(result.missing) == result.tiles - 1  # one tile per CTA
+    mask = f"kv_idx * {terms} <= " + " + ".join(["q_idx"] * terms) + " && (" + \
+        " && ".join(["kv_idx <= q_idx"] * 1000) + ")"
+    score = " + ".join(["s"] * terms) + f" - {terms - 1}.0 * s"
+    _, program = front_end(attention(f"mask(b, h, q_idx, kv_idx) = {mask}",
+                                     f"score(s, b, h, q_idx, kv_idx) = {score}"), "h.mha")
+    rules = {r.name: r for r in program.attentions["A"].rules}
+    assert classify_tile(rules["mask"], program, b=0, h=0, q_lo=0, q_hi=127, kv_lo=128,
+                         kv_hi=191, seqlen_q=512, seqlen_k=512) == "empty"
+    q = np.random.default_rng(0).standard_normal((1, 8, 1, 64))
+    out = attention_reference(q, q, q, mask_rule=rules["mask"], score_rule=rules["score"],
+                              program=program)
+    assert np.allclose(out, attention_reference(q, q, q, mask_rule=rules["mask"],
+                                                program=program))
+
+
+def test_deep_nesting_is_still_limited(tmp_path):
+    message = error_of(STD + scheduler("state.idx += " + "1 + (" * 200 + "1" + ")" * 200), tmp_path)
+    assert "error: expression nested too deeply (limit 100" in message
 
 
 def test_integer_literal_past_64_bits(tmp_path):
@@ -511,3 +543,35 @@ def test_plot_to_a_path_that_takes_no_image_is_one_line(target, message, tmp_pat
     stderr = run_bounded(["simulate", "s.mha", "--scheduler", "Queued", "--seqlen", "9",
                           "--plot", target], tmp_path)[0]
     assert stderr.startswith(message) and stderr.count("\n") == 1, stderr
+
+# ---------------------------------------------------------------- issue 19: constants
+@pytest.mark.parametrize("line, where, message", [
+    ("score(s, b, h, q, k) = s * 1e400", "h.mha:3:29:", "float constant 1e400 is not a finite f32"),
+    ("score(s, b, h, q, k) = s * 1e39", "h.mha:3:29:", "float constant 1e39 is not a finite f32"),
+    ("score(s, b, h, q, k) = s / 0.0", "h.mha:3:25:", "division by zero"),
+    ("score(s, b, h, q, k) = s / (1.0 - 1.0)", "h.mha:3:25:", "division by zero"),
+    ("score(s, b, h, q, k) = s + 0.0 / 0.0", "h.mha:3:29:", "division by zero"),
+    ("score(s, b, h, q, k) = s + 3e38 * 10.0", "h.mha:3:29:",
+     "constant expression is not a finite f32 value"),
+    ("scale = -1e400", "h.mha:3:11:", "float constant 1e400 is not a finite f32"),
+    ("scale = 0.0 / 0.0", "h.mha:3:10:", "division by zero"),
+])
+def test_float_constants_that_are_not_finite(tmp_path, line, where, message):
+    assert error_of(attention(line), tmp_path).startswith(f"{where} error: {message}")
+
+
+def test_declared_and_call_time_scale_follow_one_rule(tmp_path):
+    from mhadsl.api import _check_scale
+    declared = error_of(attention("scale = sqrt(-1.0)"), tmp_path)
+    assert declared.startswith("h.mha:3:10: error: scale must be a finite number, got nan")
+    with pytest.raises(TypeError, match="^scale must be a finite number, got nan$"):
+        _check_scale(float("nan"))
+    assert outcome(attention("scale = 0.5 * 0.25", "score(s, b, h, q, k) = s / 2.0"),
+                   tmp_path) == "ok"
+
+
+def test_a_constant_grid_with_a_zero_dimension(tmp_path):
+    """CUDA refuses a launch with a zero grid dimension."""
+    text = STD + scheduler().replace("grid_dim(b, t) = (1, 1, 1)", "grid_dim(b, t) = (0, 1, 1)")
+    assert error_of(text, tmp_path).startswith(
+        "h.mha:5:20: error: grid dimension 0: CUDA launches at least one CTA along each axis")

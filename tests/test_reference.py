@@ -248,3 +248,20 @@ def test_rule_roles():
         BOTTOM_RIGHT + "  score(s, b, h, q_idx, kv_idx) = s * f32(h)")
     assert rule_roles(mask_rule, program) == {"q_idx", "kv_idx", "seqlen_q", "seqlen_k"}
     assert rule_roles(score_rule, program) == {"s", "h"}
+
+
+def test_reference_refuses_a_head_count_the_kernel_refuses():
+    """Issue 19: the same check, in the same words, as the kernel's own call."""
+    import mhadsl
+    from helpers import REPO
+    program = mhadsl.compile(REPO / "examples/gqa.mha")
+    q, kv = np.zeros((1, 4, 6, 128), np.float32), np.zeros((1, 4, 2, 128), np.float32)
+    for kernel, message in ((program["gqa_causal"], "kernel 'gqa_causal' is declared gqa = 4, "
+                                                    "but q has 6 heads and k/v 2"),
+                            (program["mqa"], "kernel 'mqa' is declared kv_heads = 1, but k/v "
+                                             "have 2")):
+        with pytest.raises(ValueError) as called:
+            kernel(q, kv, kv)
+        with pytest.raises(ValueError) as referenced:
+            mhadsl.reference(kernel, q, kv, kv)
+        assert str(called.value) == str(referenced.value) == message

@@ -191,3 +191,22 @@ def test_ten_thousand_sequences_simulate_in_seconds(name):
     assert result.covered_exactly_once and result.tiles > 1_000_000
     assert 0.9 < result.efficiency <= 1
     assert elapsed < 20, f"{name}: {elapsed:.1f} s"
+
+
+# ---------------------------------------------------------------- issue 19: the simulator
+def test_a_run_stopped_early_is_not_terminated_and_has_no_makespan():
+    """An advance that never returns none, on several CTAs: the log fills and the run is
+    stopped; it did not terminate, and a stopped run has no makespan."""
+    program = checked(persistent_variant("state.idx = (state.idx + grid_dim.x) % ts.num_work()"))
+    result = simulate(program, SchedulerSpec("Wrong", (), 128), MUST_SHOW, ctas=7)
+    assert result.terminated is False and result.makespan is None
+    assert "stopped after" in result.message and result.summary()["terminated"] is False
+    assert result.summary()["makespan"] is None and result.efficiency is None
+
+
+def test_a_grid_of_zero_ctas_is_an_error_at_grid_dim():
+    text = persistent_variant("state.idx += grid_dim.x").replace(
+        "= (num_sms, 1, 1)", "= (batch_size - 1, 1, 1)")
+    with pytest.raises(MhaError, match=r"test.mha:\d+:\d+: error: grid_dim gives \(0, 1, 1\): "
+                                       r"no CTAs; CUDA launches at least one"):
+        simulate(checked(text), SchedulerSpec("Wrong", (), 128), Batch([9], 2, 128, False))
