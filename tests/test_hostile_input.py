@@ -194,14 +194,14 @@ def test_flat_five_thousand_term_chains_go_through_every_stage(tmp_path, monkeyp
 
 
 def test_a_kernels_mask_past_its_size_limit_is_a_located_diagnostic(tmp_path):
-    """LLVM's optimiser ran for minutes, and once crashed, on a 5,000-term mask; the kernel
-    evaluates it for every element of its register tiles."""
-    mask = "kv_idx <= " + " + ".join(["q_idx"] * 1200)
+    """LLVM's optimiser grows faster than a mask (15 s at 300 terms, 95 s at 900, minutes and
+    once a crash at 5,000); the kernel evaluates it for every element of its register tiles."""
+    mask = "kv_idx <= " + " + ".join(["q_idx"] * 400)
     message = error_of(attention(f"mask(b, h, q_idx, kv_idx) = {mask}"), tmp_path)
     assert re.search(r":\d+:\d+: error: 'mask' is too big: \d+ expressions and statements "
-                     r"once the fns it calls are inlined \(limit 2000: the kernel", message)
-    assert outcome(attention("mask(b, h, q_idx, kv_idx) = kv_idx <= "
-                             + " + ".join(["q_idx"] * 900)), tmp_path) == "ok"
+                     r"once the fns it calls are inlined \(limit 600: the kernel", message)
+    front_end(attention("mask(b, h, q_idx, kv_idx) = kv_idx <= "
+                        + " + ".join(["q_idx"] * 250)), "h.mha")  # checks
 
 
 def test_deep_nesting_is_still_limited(tmp_path):
