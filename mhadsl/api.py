@@ -143,16 +143,34 @@ class Kernel:
         self._torch_plans: dict[tuple, _Planned] = {}
         from mhadsl.runtime import faults
         faults.scheduler_id(options.scheduler)  # remembered, so a fault record names it
-        self.backend: str | None = None  # force a kernel design ("sm80"); None: per device
-        # `mhadsl.trace`: build the kernel that records its work items, and launch it on
-        # this workspace (`runtime.trace_records`; the tracer zeroes it) instead of the
-        # stream's.
-        self.trace = False
+        self._backend: str | None = None
+        self._trace = False
         self.trace_workspace: int | None = None
 
     @property
     def name(self) -> str:
         return self.options.name
+
+    @property
+    def backend(self) -> str | None:
+        """A forced kernel design ("sm80"); None: the device's choice."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str | None) -> None:
+        self._backend = name
+        self._torch_plans.clear()  # their key does not hold it
+
+    @property
+    def trace(self) -> bool:
+        """`mhadsl.trace`: build the kernel that records its work items, and launch it on
+        `trace_workspace` (`runtime.trace_records`; the tracer zeroes it), not the stream's."""
+        return self._trace
+
+    @trace.setter
+    def trace(self, on: bool) -> None:
+        self._trace = on
+        self._torch_plans.clear()
 
     # ---------------------------------------------------------------- builds
     def config(self, *, gqa_group: int = 1, ragged: bool = False, return_lse: bool = False,

@@ -177,3 +177,16 @@ def test_a_fault_the_kernel_wrote_is_raised_at_the_next_launch_and_cleared(
     assert tripwire.called == ["cuMemsetD32Async"]  # the device's record, on the stream
     kernel(**dense())
     assert kernel.launches == 2
+
+
+def test_forcing_a_design_or_tracing_forgets_the_plans_of_torch_calls(kernel):
+    """A torch call's plan is looked up by its tensors alone: a forced design or a traced
+    build must not be served the plan made before it."""
+    kernel(**dense())
+    for setting, value in (("backend", "sm80"), ("trace", True)):
+        kernel._torch_plans[("a torch signature",)] = next(iter(kernel._plans.values()))
+        setattr(kernel, setting, value)
+        assert kernel._torch_plans == {}, setting
+    kernel.trace = False
+    kernel(**dense())
+    assert kernel.targets == ["sm_90a", "sm_90a"] and kernel.launches == 2
