@@ -19,19 +19,26 @@ from __future__ import annotations
 from llvmlite import ir
 
 from mhadsl.codegen import nvptx
+from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Workspace
 from mhadsl.codegen.nvptx import i32
 
 KERNEL_NAME = "mhadsl_tile_index"
 THREADS = 256  # per CTA; the grid covers the batch with a warp per sequence
+ABI = KernelABI(
+    Param("cu_seqlens", "ptr", Pointer("cu_seqlens_q"), "int32 (B+1) query row offsets",
+          align=4),
+    Param("batch", "i32", CallValue("batch"), "sequences B"),
+    Param("tile_m", "i32", CallValue("tile_m"), "query rows per work tile"),
+    Param("index", "ptr", Workspace("tile_index"), "the u32 index it writes "
+          "(mhadsl.builtins.tile_index_words(B) words)", align=4),
+)
 
 
 def build_tile_index_kernel(module: ir.Module) -> ir.Function:
-    g = nvptx.ptr(nvptx.GLOBAL)
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, [g, i32, i32, g]), name=KERNEL_NAME)
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, ABI.llvm_types()), name=KERNEL_NAME)
     nvptx.mark_kernel(fn)
+    ABI.declare(fn)
     cu_seqlens, batch, tile_m, index = fn.args
-    for arg in (cu_seqlens, index):
-        arg.add_attribute("noalias")
     b = ir.IRBuilder(fn.append_basic_block("entry"))
 
     def row(k: ir.Value) -> ir.Value:

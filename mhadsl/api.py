@@ -380,8 +380,7 @@ class Kernel:
             "num_sms": info.multiprocessor_count, "ctas_per_sm": ctas_per_sm,
         }
         plan = LaunchPlan(build.function, grid, launch.threads, launch.shared_bytes,
-                          backend.abi, build.config, device, shapes, values, call.ragged,
-                          call.batch)
+                          backend.abi, build.config, device, shapes, values, call.ragged)
         planned = self._plans[key] = _Planned(plan, call, want_lse, shapes)
         return planned
 

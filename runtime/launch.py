@@ -80,28 +80,32 @@ def map_request(binding: TensorMap, t: TensorShape, config, ragged: bool) -> tup
 class LaunchPlan:
     """One kernel launch for one call signature (see the module's docstring).
 
-    `launch(addresses, stream)` takes the device addresses of the call's tensors by name
-    (`Pointer` bindings; absent ones are null) and a raw stream handle; `workspace` replaces
-    the stream's (a traced launch records into its own)."""
+    `launch(addresses, stream)` takes device addresses by name (of the call's tensors, and
+    of workspaces other than the stream's queue; absent ones are null) and a raw stream
+    handle; `workspace` replaces the stream's (a traced launch records into its own)."""
 
     def __init__(self, function, grid: tuple[int, int, int], threads: int,
                  shared_bytes: int, abi: KernelABI, config, device: int,
-                 tensors: Mapping[str, TensorShape | None], values: Mapping, ragged: bool,
-                 batch: int = 0):
+                 tensors: Mapping[str, TensorShape | None], values: Mapping,
+                 ragged: bool = False):
         self.function, self.grid, self.threads = function, grid, threads
-        self.shared_bytes, self.device, self.ragged, self.batch = shared_bytes, device, \
-            ragged, batch
-        self.block_m = config.block_m
+        self.shared_bytes, self.device = shared_bytes, device
         self.block = ParamBlock(abi)
+        # a ragged launch's tile index, built on the device by a kernel of its own just before
+        self._index_plan = tile_index.plan(values["batch"], config.block_m, device) \
+            if ragged else None
+        self._batch = values["batch"] if ragged else 0
+        # (tensor or workspace name, the slot of its address)
         self._pointers: list[tuple[str, ctypes.c_uint64]] = []
-        self._workspaces: dict[str, ctypes.c_uint64] = {}
+        self._queue: ctypes.c_uint64 | None = None
         self._maps: list[tuple[str, int, str, tuple, tuple, tuple, int]] = []
         for p in abi:
             b = p.binding
-            if isinstance(b, Pointer):
-                self._pointers.append((b.tensor, self.block.pointer_slot(p.name)))
-            elif isinstance(b, Workspace):
-                self._workspaces[b.name] = self.block.pointer_slot(p.name)
+            if isinstance(b, Workspace) and b.name == "queue":
+                self._queue = self.block.pointer_slot(p.name)
+            elif isinstance(b, (Pointer, Workspace)):
+                self._pointers.append((b.tensor if isinstance(b, Pointer) else b.name,
+                                       self.block.pointer_slot(p.name)))
             elif isinstance(b, TensorMap):
                 shape, strides, box = map_request(b, tensors[b.tensor], config, ragged)
                 self._maps.append((b.tensor, abi.offsets[p.name], tensors[b.tensor].dtype,
@@ -115,13 +119,18 @@ class LaunchPlan:
     def launch(self, addresses: Mapping[str, int], stream: int,
                workspace: int | None = None) -> None:
         driver.ensure_context(self.device)
-        ws = driver.workspace(stream, self.device)  # raises a fault a launch recorded there
+        if self._queue is not None and workspace is None:
+            # (raises a fault that a launch recorded in the stream's workspace)
+            workspace = driver.workspace(stream, self.device).ptr
+        if self._index_plan is not None:
+            index = tile_index.buffer(self._batch, stream, self.device)
+            self._index_plan.launch({"cu_seqlens_q": addresses["cu_seqlens_q"],
+                                     "tile_index": index}, stream)
+            addresses = {**addresses, "tile_index": index}
         with self._lock:
             self._patch(addresses)
-            self._workspaces["queue"].value = ws.ptr if workspace is None else workspace
-            if self.ragged:
-                self._workspaces["tile_index"].value = tile_index.prepare(
-                    addresses["cu_seqlens_q"], self.batch, self.block_m, stream, self.device)
+            if self._queue is not None:
+                self._queue.value = workspace
             self.function.launch_packed(self.grid, self.threads, self.shared_bytes, stream,
                                         self.block.address)
         if driver.debug_mode():

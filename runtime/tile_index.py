@@ -14,13 +14,13 @@ as many sequences once before capturing (the warm-up launch graphs need anyway).
 """
 from __future__ import annotations
 
-import ctypes
+import functools
 import threading
 
 from mhadsl.builtins import tile_index_words
 from mhadsl.codegen.target import emit_ptx, gpu_target, new_module, optimize
-from mhadsl.codegen.tile_index import KERNEL_NAME, THREADS, build_tile_index_kernel
-from mhadsl.runtime import driver
+from mhadsl.codegen.tile_index import ABI, KERNEL_NAME, THREADS, build_tile_index_kernel
+from mhadsl.runtime import driver, launch
 
 _lock = threading.Lock()
 _ptx: str | None = None
@@ -62,6 +62,13 @@ def buffer(batch: int, stream: object = None, device: int | None = None) -> int:
         return held[-1].ptr
 
 
+@functools.lru_cache(maxsize=256)
+def plan(batch: int, tile_m: int, device: int) -> launch.LaunchPlan:
+    """The tile index kernel's launch for `batch` sequences and tiles of `tile_m` rows."""
+    return launch.LaunchPlan(_kernel(device), (-(-batch * 32 // THREADS), 1, 1), THREADS, 0,
+                             ABI, None, device, {}, {"batch": batch, "tile_m": tile_m})
+
+
 def prepare(cu_seqlens: int, batch: int, tile_m: int, stream: object = None,
             device: int | None = None) -> int:
     """Queue the tile index kernel for `batch` sequences (row offsets at device pointer
@@ -69,9 +76,7 @@ def prepare(cu_seqlens: int, batch: int, tile_m: int, stream: object = None,
     index's device pointer, for the attention kernel queued next on the same stream."""
     dev = driver.ensure_context(device)
     index = buffer(batch, stream, dev)
-    kernel = _kernel(dev)
     if batch:
-        u32 = ctypes.c_uint32
-        kernel.launch((-(-batch * 32 // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
-                      [cu_seqlens, u32(batch), u32(tile_m), index])
+        plan(batch, tile_m, dev).launch({"cu_seqlens_q": cu_seqlens, "tile_index": index},
+                                        driver.stream_handle(stream))
     return index

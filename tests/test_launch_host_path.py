@@ -6,6 +6,7 @@ call chose its kernel design again and built NumPy views of out, q, k and v to p
 share no memory (BENCHMARKS.md, 68 against 163 TFLOP/s; the kernel itself was unchanged).
 """
 import ctypes
+import struct
 from collections import Counter
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ from mhadsl.api import _Build
 from mhadsl.codegen import backends
 from mhadsl.codegen import abi
 from mhadsl.runtime import driver, faults, tensormap, tensors
-from test_hostile_tensors import SOURCE, FakeDevice, dense, qkv_and_out_interleaved
+from test_hostile_tensors import SOURCE, FakeDevice, dense, qkv_and_out_interleaved, ragged
 
 
 WORKSPACE = 1 << 20  # the stand-in stream workspace's address
@@ -190,3 +191,29 @@ def test_forcing_a_design_or_tracing_forgets_the_plans_of_torch_calls(kernel):
     kernel.trace = False
     kernel(**dense())
     assert kernel.targets == ["sm_90a", "sm_90a"] and kernel.launches == 2
+
+
+def test_a_ragged_launch_builds_its_tile_index_first_by_the_index_kernels_abi(kernel,
+                                                                            monkeypatch):
+    from mhadsl.codegen import tile_index as index_kernel
+    from mhadsl.runtime import tile_index
+    index_launches = []
+
+    def launch_index(grid, threads, shared_bytes, stream, params):
+        index_launches.append((grid, ctypes.string_at(ctypes.cast(params, ctypes.POINTER(
+            ctypes.c_void_p))[0], index_kernel.ABI.size)))
+    fake = SimpleNamespace(launch_packed=launch_index, set_max_dynamic_shared=lambda n: None)
+    monkeypatch.setattr(tile_index, "_kernel", lambda device: fake)
+    monkeypatch.setattr(tile_index, "buffer", lambda batch, stream, device: 0xABC000)
+    tile_index.plan.cache_clear()
+    args = ragged((5, 0, 9), (7, 1, 2))
+    args["cu_seqlens_q"], args["cu_seqlens_k"] = (FakeDevice((4,), "<i4") for _ in range(2))
+    kernel(**args, max_seqlen_q=9, max_seqlen_k=7)
+    tile_index.plan.cache_clear()
+    (grid, block), = index_launches
+    assert grid == (1, 1, 1)  # a warp per sequence
+    cu, batch, tile_m, index = struct.unpack("<QiiQ", block)
+    assert (cu, batch, index) == (args["cu_seqlens_q"].ptr, 3, 0xABC000)
+    assert tile_m == kernel.config(gqa_group=2, ragged=True).block_m
+    offset = kernel.abi.offsets["tile_index"]
+    assert struct.unpack_from("<Q", kernel.blocks[-1], offset)[0] == 0xABC000
