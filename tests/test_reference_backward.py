@@ -33,6 +33,11 @@ attention user_score {
     head_dim = 64
     score(s, b, h, q_idx, kv_idx) = where(q_idx >= kv_idx, max(s, -0.5) + exp(0.3 * s), 2.0 * s)
 }
+attention undefined_where_masked {
+    head_dim = 64
+    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx
+    score(s, b, h, q_idx, kv_idx) = s * sqrt(f32(q_idx - kv_idx) + 1.0)
+}
 attention gqa_causal {
     head_dim = 64
     gqa      = 2
@@ -111,6 +116,8 @@ CASES = {
     "alibi": ("alibi", (1, 4, 5, 2, 2), 1.0),
     "softcap": ("softcap", (1, 4, 5, 2, 2), 12.0),  # scores near the cap: tanh bends
     "user_score": ("user_score", (1, 5, 5, 2, 2), 2.0),
+    # The score and its derivative are NaN on the masked keys (sqrt of a negative).
+    "undefined_where_masked": ("undefined_where_masked", (1, 5, 5, 2, 2), 1.0),
     "gqa": ("gqa_causal", (1, 5, 5, 4, 2), 1.0),
     "mqa": ("mqa_softcap", (2, 3, 4, 2, 1), 12.0),
 }
