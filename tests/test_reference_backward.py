@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import mhadsl
-from mhadsl.reference import reference, reference_backward
+from mhadsl import reference, reference_backward
 
 SOURCE = """
 attention plain { head_dim = 64 }
