@@ -266,17 +266,19 @@ def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = 
     derivative = None if score_rule is None else differentiate_score(score_rule, program)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     for head in problem.heads():
-        qh, kh = q[head.q_rows][:, head.h], k[head.k_rows][:, head.kh]
-        vh, doh = v[head.k_rows][:, head.kh], dout[head.q_rows][:, head.h]
+        q_head, k_head = q[head.q_rows][:, head.h], k[head.k_rows][:, head.kh]
+        v_head, dout_head = v[head.k_rows][:, head.kh], dout[head.q_rows][:, head.h]
         p = head.p
-        dv[head.k_rows][:, head.kh] += p.T @ doh
-        delta = np.sum(doh * (p @ vh), axis=1)  # D = rowsum(dO ∘ O)
-        ds = p * (doh @ vh.T - delta[:, None])  # dZ
-        if derivative is not None:
-            # Where P is 0 (masked keys) the gradient is 0, even if score' is not finite there.
-            ds *= np.where(p > 0, evaluate_rule(*derivative, s=head.s, **head.rule_inputs), 0.0)
-        dq[head.q_rows][:, head.h] = problem.scale * ds @ kh
-        dk[head.k_rows][:, head.kh] += problem.scale * ds.T @ qh
+        dv[head.k_rows][:, head.kh] += p.T @ dout_head
+        delta = np.sum(dout_head * (p @ v_head), axis=1)  # D = rowsum(dO ∘ O)
+        dz = p * (dout_head @ v_head.T - delta[:, None])
+        if derivative is None:
+            ds = dz
+        else:  # where P is 0 (masked keys) so is dS, even where score' is not finite
+            score_slope = evaluate_rule(*derivative, s=head.s, **head.rule_inputs)
+            ds = dz * np.where(p > 0, score_slope, 0.0)
+        dq[head.q_rows][:, head.h] = problem.scale * ds @ k_head
+        dk[head.k_rows][:, head.kh] += problem.scale * ds.T @ q_head
     return dq, dk, dv
 
 
