@@ -9,11 +9,15 @@ control flow (a lane mask), so `if`, `while`, `var` and calls to `fn`s work too.
 
 `attention_reference` is softmax attention in FlashAttention's tensor layout with those rules
 applied: the score rule sees the scaled logit (FlexAttention's convention), the mask removes
-keys, rows with no key left give output 0 and LSE -inf.
+keys, rows with no key left give output 0 and LSE -inf. `attention_reference_backward` is its
+gradient as FlashAttention's backward defines it, through the score rule's derivative
+(`mhadsl.derivative`). `reference` and `reference_backward` take a kernel and its call's
+arguments.
 """
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -227,65 +231,137 @@ def attention_reference(q, k, v, *, mask_rule: ast.Rule | None = None,
     score rule, then the mask. Returns O in q's layout (last dim Dv), and with `return_lse` the
     log-sum-exp, (B, Hq, Sq) dense or (Hq, total_q) ragged; a row with no key is 0 / -inf.
     """
-    if (mask_rule is not None or score_rule is not None) and program is None:
-        raise ValueError("mask and score rules need the checked program they come from")
-    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
-        raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    ragged = cu_seqlens_q is not None
-    want_ndim = 3 if ragged else 4
-    if q.ndim != want_ndim or k.ndim != want_ndim or v.ndim != want_ndim:
-        raise ValueError(f"{'ragged' if ragged else 'dense'} q, k, v must have {want_ndim} "
-                         f"dimensions, got {q.shape}, {k.shape}, {v.shape}")
-    if k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} do not fit together")
-    hq, hkv = q.shape[-2], k.shape[-2]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
-    group = hq // hkv
-    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
-
-    out = np.zeros(q.shape[:-1] + v.shape[-1:])
-    if ragged:
-        cq, ck = (np.asarray(c, np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
-        if cq.shape != ck.shape or cq.ndim != 1 or len(cq) < 1:
-            raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D of the same length B+1")
-        lse = np.full((hq, q.shape[0]), -np.inf)
-        seqs = [(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]],
-                 out[cq[i]:cq[i + 1]], lse[:, cq[i]:cq[i + 1]]) for i in range(len(cq) - 1)]
-    else:
-        if k.shape[0] != q.shape[0]:
-            raise ValueError(f"q has batch {q.shape[0]}, k has {k.shape[0]}")
-        lse = np.full((q.shape[0], hq, q.shape[1]), -np.inf)
-        seqs = [(q[i], k[i], v[i], out[i], lse[i]) for i in range(q.shape[0])]
-
-    mask_per_head = mask_rule is not None and "h" in rule_roles(mask_rule, program)
-    for bi, (qb, kb, vb, ob, lb) in enumerate(seqs):
-        sq, sk = len(qb), len(kb)
-        idx = dict(b=bi, q_idx=np.arange(sq)[:, None], kv_idx=np.arange(sk)[None, :],
-                     seqlen_q=sq, seqlen_k=sk)
-        keep = None
-        for h in range(hq):
-            kh = h // group
-            s = scale * (qb[:, h] @ kb[:, kh].T)
-            if score_rule is not None:
-                s = evaluate_rule(score_rule, program, s=s, h=h, **idx)
-            if mask_rule is not None:
-                if keep is None or mask_per_head:  # most masks ignore h: evaluate them once
-                    keep = evaluate_rule(mask_rule, program, h=h, **idx)
-                s = np.where(keep, s, -np.inf)
-            ob[:, h], lb[h] = _softmax_rows(s, vb[:, kh])
-    return (out, lse) if return_lse else out
+    problem = _Problem(q, k, v, mask_rule, score_rule, program, scale, cu_seqlens_q,
+                       cu_seqlens_k)
+    out = np.zeros(problem.q.shape[:-1] + problem.v.shape[-1:])
+    lse = np.full(problem.q.shape[:-1], -np.inf)  # in q's layout; moved to (..., Hq, rows) below
+    for head in problem.heads():
+        out[head.q_rows][:, head.h] = head.p @ problem.v[head.k_rows][:, head.kh]
+        lse[head.q_rows][:, head.h] = head.lse
+    return (out, np.moveaxis(lse, -1, -2)) if return_lse else out
 
 
-def _softmax_rows(s: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """softmax(s) @ v and the log-sum-exp per row; a row without a finite score is 0, -inf."""
-    m = s.max(axis=1, initial=-np.inf)
+def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = None,
+                                 score_rule: ast.Rule | None = None,
+                                 program: CheckedProgram | None = None,
+                                 scale: float | None = None, cu_seqlens_q=None,
+                                 cu_seqlens_k=None):
+    """The gradients (dq, dk, dv) of `attention_reference` for the output gradient `dout`,
+    in float64 and the layouts of q, k and v (same arguments; `dout` in the output's layout).
+
+    As FlashAttention's backward defines them, per sequence and query head: P the softmax of
+    the scores (0 where masked), O = P V, dV = Pᵀ dO, dP = dO Vᵀ, D = rowsum(dO ∘ O),
+    dZ = P ∘ (dP - D), dS = dZ ∘ score'(S) (S = scale·Q Kᵀ, score' from `mhadsl.derivative`),
+    dQ = scale·dS K, dK = scale·dSᵀ Q. A KV head's dK and dV sum over its query heads; rows
+    and sequences with no key get zero gradients.
+    """
+    problem = _Problem(q, k, v, mask_rule, score_rule, program, scale, cu_seqlens_q,
+                       cu_seqlens_k)
+    q, k, v = problem.q, problem.k, problem.v
+    dout = np.asarray(dout, dtype=np.float64)
+    if dout.shape != q.shape[:-1] + v.shape[-1:]:
+        raise ValueError(f"dout {dout.shape} does not have the output's shape "
+                         f"{q.shape[:-1] + v.shape[-1:]}")
+    # Differentiated once; evaluated per sequence and head.
+    derivative = None if score_rule is None else differentiate_score(score_rule, program)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for head in problem.heads():
+        q_head, k_head = q[head.q_rows][:, head.h], k[head.k_rows][:, head.kh]
+        v_head, dout_head = v[head.k_rows][:, head.kh], dout[head.q_rows][:, head.h]
+        p = head.p
+        dv[head.k_rows][:, head.kh] += p.T @ dout_head
+        delta = np.sum(dout_head * (p @ v_head), axis=1)  # D = rowsum(dO ∘ O)
+        dz = p * (dout_head @ v_head.T - delta[:, None])
+        if derivative is None:
+            ds = dz
+        else:  # where P is 0 (masked keys) so is dS, even where score' is not finite
+            score_slope = evaluate_rule(*derivative, s=head.s, **head.rule_inputs)
+            ds = dz * np.where(p > 0, score_slope, 0.0)
+        dq[head.q_rows][:, head.h] = problem.scale * ds @ k_head
+        dk[head.k_rows][:, head.kh] += problem.scale * ds.T @ q_head
+    return dq, dk, dv
+
+
+class _Head(NamedTuple):
+    """One query head of one sequence: where its rows are, its scaled logits and softmax."""
+    q_rows: int | slice  # q[q_rows] is the sequence's (Sq, Hq, D) queries, dense or ragged
+    k_rows: int | slice
+    h: int
+    kh: int  # the KV head it reads
+    s: np.ndarray  # scale * q.k, (Sq, Sk)
+    p: np.ndarray  # the softmax of the scored, masked logits; 0 where masked
+    lse: np.ndarray  # (Sq,)
+    rule_inputs: dict  # b, h, q_idx, kv_idx, seqlen_q, seqlen_k
+
+
+class _Problem:
+    """Checked attention inputs as float64, and the walk over their sequences and heads that
+    the forward and backward references share."""
+
+    def __init__(self, q, k, v, mask_rule, score_rule, program, scale, cu_seqlens_q,
+                 cu_seqlens_k):
+        if (mask_rule is not None or score_rule is not None) and program is None:
+            raise ValueError("mask and score rules need the checked program they come from")
+        if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+            raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
+        q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+        ragged = cu_seqlens_q is not None
+        want_ndim = 3 if ragged else 4
+        if q.ndim != want_ndim or k.ndim != want_ndim or v.ndim != want_ndim:
+            raise ValueError(f"{'ragged' if ragged else 'dense'} q, k, v must have {want_ndim} "
+                             f"dimensions, got {q.shape}, {k.shape}, {v.shape}")
+        if k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1]:
+            raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} do not fit together")
+        hq, hkv = q.shape[-2], k.shape[-2]
+        if hq % hkv:
+            raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+        if ragged:
+            cq, ck = (np.asarray(c, np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
+            if cq.shape != ck.shape or cq.ndim != 1 or len(cq) < 1:
+                raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D of the same "
+                                 "length B+1")
+            self.sequences = [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1]))
+                              for i in range(len(cq) - 1)]
+        else:
+            if k.shape[0] != q.shape[0]:
+                raise ValueError(f"q has batch {q.shape[0]}, k has {k.shape[0]}")
+            self.sequences = [(i, i) for i in range(q.shape[0])]
+        self.q, self.k, self.v = q, k, v
+        self.group = hq // hkv
+        self.scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+        self.mask_rule, self.score_rule, self.program = mask_rule, score_rule, program
+
+    def heads(self):
+        """Yields a `_Head` per sequence and query head, one (Sq, Sk) matrix at a time (a
+        loop over heads rather than a batched einsum keeps long sequences' memory small)."""
+        mask_rule, score_rule, program = self.mask_rule, self.score_rule, self.program
+        mask_per_head = mask_rule is not None and "h" in rule_roles(mask_rule, program)
+        for b, (q_rows, k_rows) in enumerate(self.sequences):
+            qb, kb = self.q[q_rows], self.k[k_rows]
+            sq, sk = len(qb), len(kb)
+            idx = dict(b=b, q_idx=np.arange(sq)[:, None], kv_idx=np.arange(sk)[None, :],
+                       seqlen_q=sq, seqlen_k=sk)
+            keep = None
+            for h in range(qb.shape[1]):
+                kh = h // self.group
+                s = self.scale * (qb[:, h] @ kb[:, kh].T)
+                z = s if score_rule is None else evaluate_rule(score_rule, program, s=s, h=h,
+                                                               **idx)
+                if mask_rule is not None:
+                    if keep is None or mask_per_head:  # most masks ignore h: evaluate them once
+                        keep = evaluate_rule(mask_rule, program, h=h, **idx)
+                    z = np.where(keep, z, -np.inf)
+                p, lse = _softmax_rows(z)
+                yield _Head(q_rows, k_rows, h, kh, s, p, lse, {**idx, "h": h})
+
+
+def _softmax_rows(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """softmax(z) and the log-sum-exp per row; a row without a finite score is 0, -inf."""
+    m = z.max(axis=1, initial=-np.inf)
     dead = np.isneginf(m)
-    p = np.exp(s - np.where(dead, 0.0, m)[:, None])
-    total = np.where(dead, 1.0, p.sum(axis=1))
-    o = np.where(dead[:, None], 0.0, (p @ v) / total[:, None])
-    return o, np.where(dead, -np.inf, m + np.log(total))
+    e = np.exp(z - np.where(dead, 0.0, m)[:, None])
+    total = np.where(dead, 1.0, e.sum(axis=1))
+    return e / total[:, None], np.where(dead, -np.inf, m + np.log(total))
 
 
 def _to_numpy(x):
@@ -303,13 +379,32 @@ def reference(kernel, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
               max_seqlen_k=None, scale: float | None = None, return_lse: bool | None = None,
               **_ignored):
     """What `kernel(q, k, v, ...)` computes, in NumPy float64 (same arguments)."""
-    opts = kernel.options
-    if problem := opts.heads_problem(np.shape(q)[-2], np.shape(k)[-2]):
+    want_lse = kernel.options.return_lse if return_lse is None else return_lse
+    return attention_reference(*_kernel_inputs(kernel, q, k, v), return_lse=want_lse,
+                               **_kernel_rules(kernel, scale, cu_seqlens_q, cu_seqlens_k))
+
+
+def reference_backward(kernel, q, k, v, dout, *, cu_seqlens_q=None, cu_seqlens_k=None,
+                       max_seqlen_q=None, max_seqlen_k=None, scale: float | None = None):
+    """The gradients (dq, dk, dv) of what `kernel(q, k, v, ...)` computes, for the output
+    gradient `dout`, in NumPy float64 and the layouts of q, k, v
+    (`attention_reference_backward`)."""
+    return attention_reference_backward(
+        *_kernel_inputs(kernel, q, k, v, dout),
+        **_kernel_rules(kernel, scale, cu_seqlens_q, cu_seqlens_k))
+
+
+def _kernel_inputs(kernel, *tensors) -> list:
+    """The tensors as NumPy, once the kernel's head-count check passed (q and k first)."""
+    q, k = tensors[:2]
+    if problem := kernel.options.heads_problem(np.shape(q)[-2], np.shape(k)[-2]):
         raise ValueError(problem)
-    want_lse = opts.return_lse if return_lse is None else return_lse
-    return attention_reference(
-        _to_numpy(q), _to_numpy(k), _to_numpy(v), mask_rule=opts.mask, score_rule=opts.score,
-        program=kernel.program.checked,
-        scale=opts.softmax_scale() if scale is None else scale,
-        cu_seqlens_q=_to_numpy(cu_seqlens_q), cu_seqlens_k=_to_numpy(cu_seqlens_k),
-        return_lse=want_lse)
+    return [_to_numpy(x) for x in tensors]
+
+
+def _kernel_rules(kernel, scale, cu_seqlens_q, cu_seqlens_k) -> dict:
+    """The reference's keyword arguments for a kernel's call: its rules, scale and offsets."""
+    opts = kernel.options
+    return dict(mask_rule=opts.mask, score_rule=opts.score, program=kernel.program.checked,
+                scale=opts.softmax_scale() if scale is None else scale,
+                cu_seqlens_q=_to_numpy(cu_seqlens_q), cu_seqlens_k=_to_numpy(cu_seqlens_k))
