@@ -14,9 +14,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mhadsl.codegen.abi import (
-    CallValue, KernelABI, Pointer, Stride, TensorMap, Workspace,
-)
+from mhadsl.codegen.abi import KernelABI, Pointer, Stride, TensorMap, Workspace
 from mhadsl.runtime import driver, tensormap, tile_index
 
 _FORMATS = {"ptr": "<Q", "i64": "<q", "i32": "<i", "f32": "<f"}

@@ -27,10 +27,10 @@ from typing import Callable
 
 from llvmlite import ir
 
-from mhadsl.codegen import nvptx, warp
+from mhadsl.codegen import warp
 from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
 from mhadsl.codegen.assemble import Assembled, assemble, find_ptxas
-from mhadsl.codegen.nvptx import GLOBAL, f32, i1, i32, i64
+from mhadsl.codegen.nvptx import i1, i32
 from mhadsl.codegen.target import Target, emit_ptx, optimize
 
 REGISTRY = ("sm80", "sm90")  # module names in this package, preferred first
