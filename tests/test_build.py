@@ -14,7 +14,7 @@ import pytest
 import mhadsl
 from helpers import REPO, STD, checked, finishes_within
 from mhadsl import build
-from mhadsl.build import KernelRequest, build_kernel, cache_key, plan
+from mhadsl.build import KernelRequest, cache_key, plan
 from mhadsl.cli import main
 from mhadsl.codegen import target as targets
 from mhadsl.codegen import backends

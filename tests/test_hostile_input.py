@@ -2,7 +2,6 @@
 or a successful compile to PTX -- never a Python exception, a hang or a memory blow-up."""
 import os
 import re
-import resource
 import subprocess
 import sys
 import time
