@@ -122,7 +122,8 @@ def _check_cache_seqlens(seqlens: np.ndarray, capacity: int) -> None:
                          f"positions per sequence")
 
 
-def _check_query_rows(cu_q: np.ndarray, total_q: int | None, seqlens: np.ndarray | None):
+def _check_query_rows(cu_q: np.ndarray, total_q: int | None,
+                      seqlens: np.ndarray | None) -> None:
     """Ragged offsets as the kernel's call checks them (`total_q` rows; None: dense, made
     here), and no sequence with more query rows than cached keys."""
     lengths_q = np.diff(cu_q)
@@ -140,7 +141,8 @@ def _check_query_rows(cu_q: np.ndarray, total_q: int | None, seqlens: np.ndarray
                          f"cache_seqlens must count them too")
 
 
-def _check_pages(pages: np.ndarray, seqlens: np.ndarray, page_size: int, num_pages: int):
+def _check_pages(pages: np.ndarray, seqlens: np.ndarray, page_size: int,
+                 num_pages: int) -> None:
     """The page-table entries a sequence uses (those holding its first cache_seqlens
     positions) must name pages of the cache; the rest are never read."""
     pages_used = -(-seqlens // page_size)

@@ -8,7 +8,8 @@ import pytest
 import mhadsl
 from mhadsl import reference, reference_decode
 
-BOTTOM_RIGHT = "mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q"
+BOTTOM_RIGHT = ("mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = "
+                "kv_idx <= q_idx + seqlen_k - seqlen_q")
 SOURCE = f"""
 attention plain {{ head_dim = 64 }}
 attention decode {{ head_dim = 64  {BOTTOM_RIGHT} }}
@@ -284,3 +285,18 @@ def test_ragged_argument_errors(program, name):
     reference_decode(program["gqa"], **ragged_call(np.random.default_rng(8)))
     with pytest.raises(error, match=message):
         reference_decode(program["gqa"], **change(ragged_call(np.random.default_rng(8))))
+
+
+def test_unread_index_values_are_left_unchecked(program):
+    """The decode kernels' call reads device-side index values only under MHADSL_DEBUG=1:
+    without them the shapes and dtypes are still checked, the values are not."""
+    from mhadsl.paged import check_decode_call
+    call = dict(good_call(np.random.default_rng(9)), cache_seqlens=np.array([99, -1], np.int32),
+                page_table=np.full((2, 2), 7, np.int32))
+    checked = check_decode_call(program["gqa"].options, **call, read=lambda t: None)
+    assert (checked.batch, checked.page_size, checked.cache_seqlens) == (2, 16, None)
+    with pytest.raises(TypeError, match="page_table must be int32"):
+        check_decode_call(program["gqa"].options, **dict(call, page_table=np.zeros((2, 2))),
+                          read=lambda t: None)
+    with pytest.raises(ValueError, match="cache_seqlens must not be negative"):
+        check_decode_call(program["gqa"].options, **call)
