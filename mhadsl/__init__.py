@@ -17,7 +17,7 @@ if not (_Path(__file__).parent / "codegen").is_dir() and (_checkout / "codegen" 
 
 from mhadsl.diagnostics import MhaError  # noqa: E402
 from mhadsl.api import Kernel, Program, compile  # noqa: E402
-from mhadsl.reference import reference, reference_backward  # noqa: E402
+from mhadsl.reference import reference, reference_backward, reference_decode  # noqa: E402
 from mhadsl.runtime.faults import SchedulerError  # noqa: E402
 
 
@@ -37,4 +37,5 @@ def synchronize(device: int | None = None) -> None:
 
 
 __all__ = ["MhaError", "SchedulerError", "CudaError", "NoGpuError", "Kernel", "Program",
-           "compile", "reference", "reference_backward", "synchronize", "__version__"]
+           "compile", "reference", "reference_backward", "reference_decode",
+           "synchronize", "__version__"]

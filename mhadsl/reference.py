@@ -12,7 +12,7 @@ applied: the score rule sees the scaled logit (FlexAttention's convention), the 
 keys, rows with no key left give output 0 and LSE -inf. `attention_reference_backward` is its
 gradient as FlashAttention's backward defines it, through the score rule's derivative
 (`mhadsl.derivative`). `reference` and `reference_backward` take a kernel and its call's
-arguments.
+arguments; `reference_decode` takes a decode call's, against a (paged) KV cache.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from mhadsl.builtin_functions import FUNCTIONS
 from mhadsl.builtins import attention_type, convert, int_binary, wrap
 from mhadsl.check import CheckedProgram
 from mhadsl.derivative import differentiate_score
+from mhadsl.paged import check_decode_call
 from mhadsl.types import BOOL, F32, I32, TYPE_NAMES, U32, Ty, unify
 
 _ROLE_TYPES = {"s": F32, "b": I32, "h": I32, "q_idx": I32, "kv_idx": I32, "seqlen_q": I32,
@@ -392,6 +393,47 @@ def reference_backward(kernel, q, k, v, dout, *, cu_seqlens_q=None, cu_seqlens_k
     return attention_reference_backward(
         *_kernel_inputs(kernel, q, k, v, dout),
         **_kernel_rules(kernel, scale, cu_seqlens_q, cu_seqlens_k))
+
+
+def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None,
+                     cu_seqlens_q=None, max_seqlen_q=None, scale: float | None = None,
+                     return_lse: bool | None = None):
+    """What the decode call `kernel(q, k_cache, v_cache, cache_seqlens=..., ...)` of issue 21
+    computes, in NumPy float64: attention of the query rows over their sequence's cached keys.
+
+    The layouts and argument checks are `mhadsl.paged`'s (the kernels' call will share them):
+    q dense (B, Sq, Hq, D) with Sq 1..16, or ragged (total_q, Hq, D) with `cu_seqlens_q`;
+    k_cache/v_cache paged (num_pages, page_size, Hkv, D) through the int32 `page_table`
+    (B, max_pages), or contiguous (B, max_cache_len, Hkv, D); sequence b's keys are its first
+    `cache_seqlens[b]` positions. Its Sq_b query rows are the last Sq_b of those positions: the
+    rules see q_idx 0..Sq_b-1, seqlen_q = Sq_b and seqlen_k = cache_seqlens[b]. The mask is
+    the declaration's, as it is: one without a mask sees every cached key, so decode kernels
+    declare the bottom-right causal mask `kv_idx <= q_idx + seqlen_k - seqlen_q` (row i then
+    sees positions up to seqlen_k - Sq_b + i). All index values are checked here (they are
+    on the host); the kernels' call will check device-side ones only under MHADSL_DEBUG=1.
+    Returns O in q's layout and, with `return_lse` (default: the declaration's), the LSE:
+    (B, Hq, Sq) dense, (Hq, total_q) ragged. `max_seqlen_q` is the call's, unused here.
+    """
+    q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q = (
+        _to_numpy(x) for x in (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q))
+    call = check_decode_call(kernel.options, q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                             page_table=page_table, cu_seqlens_q=cu_seqlens_q)
+    # Each sequence's keys gathered into one ragged K/V; dense q goes ragged too (B*Sq rows).
+    cu_k = np.concatenate([[0], np.cumsum(call.cache_seqlens)])
+    sequence = np.repeat(np.arange(call.batch), call.cache_seqlens)
+    position = np.arange(cu_k[-1]) - cu_k[sequence]
+    if page_table is None:
+        where = (sequence, position)
+    else:
+        where = (page_table[sequence, position // call.page_size], position % call.page_size)
+    out, lse = attention_reference(q.reshape(-1, *q.shape[-2:]), k_cache[where], v_cache[where],
+                                   return_lse=True,
+                                   **_kernel_rules(kernel, scale, call.cu_seqlens_q, cu_k))
+    if cu_seqlens_q is None:  # back to the dense layouts
+        out = out.reshape(q.shape)
+        lse = np.moveaxis(lse.reshape(-1, *q.shape[:2]), 0, 1)
+    want_lse = kernel.options.return_lse if return_lse is None else return_lse
+    return (out, lse) if want_lse else out
 
 
 def _kernel_inputs(kernel, *tensors) -> list:
