@@ -135,9 +135,6 @@ class KernelABI:
                     arg.attributes.align = p.align
         return {p.name: arg for p, arg in zip(self.params, fn.args)}
 
-    def tensor_maps(self) -> tuple[Param, ...]:
-        return tuple(p for p in self.params if p.kind == "tensor_map")
-
 
 # ============================================================================ the workspace
 COUNTER_WORD = 0

@@ -761,8 +761,9 @@ def _fault_recorder(module: ir.Module, workspace_type: ir.Type) -> ir.Function:
     return fn
 
 
-def _word(builder: ir.IRBuilder, words: ir.Value, k: int) -> ir.Value:
-    return builder.gep(words, [i32(k)], source_etype=i32)
+def _word(builder: ir.IRBuilder, words: ir.Value, k: int | ir.Value) -> ir.Value:
+    """The address of u32 word `k` of `words` (the workspace, or a record in it)."""
+    return builder.gep(words, [i32(k) if isinstance(k, int) else k], source_etype=i32)
 
 
 def count_exit(builder: ir.IRBuilder, workspace: ir.Value) -> None:
@@ -810,17 +811,14 @@ def _exit_counter(module: ir.Module, workspace_type: ir.Type) -> ir.Function:
 def record_work_item(builder: ir.IRBuilder, workspace: ir.Value, fields: dict[str, ir.Value],
                      thread: int, emit_body: Callable[[], None]) -> None:
     """Emit `emit_body()` between the two halves of a work-item record (`abi.TRACE_FIELDS`,
-    decoded by `runtime.trace_records`), which thread `thread` of the CTA writes: before the body it claims a
-    record, writes the tile, CTA, SM and %globaltimer there and keeps the record's address
-    and start time in shared memory (so no register stays live across the tile body, which
-    sits at ptxas's register cap); after it, the duration."""
+    decoded by `runtime.trace_records`), which thread `thread` of the CTA writes: before the
+    body it claims a record, writes the tile, CTA, SM and %globaltimer there and keeps the
+    record's address and start time in shared memory (so no register stays live across the
+    tile body, which sits at ptxas's register cap); after it, the duration."""
     b = builder
     module = b.module
     scratch = _trace_scratch(module)
     gptr = workspace.type
-
-    def word(base: ir.Value, k: ir.Value | int) -> ir.Value:
-        return b.gep(base, [i32(k) if isinstance(k, int) else k], source_etype=i32)
 
     def timer() -> ir.Value:
         return nvptx.opaque_special_register(b, "globaltimer", i64)
@@ -831,11 +829,11 @@ def record_work_item(builder: ir.IRBuilder, workspace: ir.Value, fields: dict[st
         return b.icmp_unsigned("==", nvptx.special_register(b, "thread_idx", "x"), i32(thread))
 
     with b.if_then(is_recorder()):
-        k = b.atomic_rmw("add", word(workspace, abi.TRACE_COUNT_WORD), i32(1), "monotonic")
-        fits = b.icmp_unsigned("<", k, b.load(word(workspace, abi.TRACE_CAPACITY_WORD),
+        k = b.atomic_rmw("add", _word(b, workspace, abi.TRACE_COUNT_WORD), i32(1), "monotonic")
+        fits = b.icmp_unsigned("<", k, b.load(_word(b, workspace, abi.TRACE_CAPACITY_WORD),
                                                typ=i32))
         at = b.add(i32(abi.TRACE_HEADER_WORDS), b.mul(k, i32(abi.TRACE_RECORD_WORDS)))
-        record = b.select(fits, word(workspace, at), ir.Constant(gptr, None))
+        record = b.select(fits, _word(b, workspace, at), ir.Constant(gptr, None))
         smid = nvptx.opaque_special_register(b, "smid")
         start = timer()
         with b.if_then(fits):
@@ -844,7 +842,7 @@ def record_work_item(builder: ir.IRBuilder, workspace: ir.Value, fields: dict[st
                       "start_lo": b.trunc(start, i32),
                       "start_hi": b.trunc(b.lshr(start, i64(32)), i32)}
             for name, v in values.items():
-                b.store(v, word(record, abi.TRACE_FIELDS.index(name)))
+                b.store(v, _word(b, record, abi.TRACE_FIELDS.index(name)))
         b.store(b.ptrtoint(record, i64), slot_ptr)
         b.store(start, start_ptr)
     emit_body()
@@ -853,7 +851,7 @@ def record_work_item(builder: ir.IRBuilder, workspace: ir.Value, fields: dict[st
         address = b.load(slot_ptr, typ=i64)
         with b.if_then(b.icmp_unsigned("!=", address, i64(0))):
             duration = b.trunc(b.sub(end, b.load(start_ptr, typ=i64)), i32)
-            b.store(duration, word(b.inttoptr(address, gptr),
+            b.store(duration, _word(b, b.inttoptr(address, gptr),
                                    abi.TRACE_FIELDS.index("duration")))
 
 

@@ -536,9 +536,10 @@ class _Planned:
         # sizes only: a plan must not keep a call's tensors alive (a CUDA-graph pool's, say)
         self.plan, self.want_lse, self.shapes = plan, want_lse, shapes
         self.out_shape, self.lse_shape = tuple(call.q.shape), _lse_shape(call)
-        from mhadsl.runtime.tensors import contiguous_strides
+        from mhadsl.runtime.tensors import ITEMSIZE, contiguous_strides
         self.q_contiguous = shapes["q"].strides == contiguous_strides(shapes["q"].shape)
-        self.spans = {n: _span(shapes[n]) for n in "qkvo"}  # first to last byte, inclusive
+        self.spans = {n: _span(shapes[n].shape, shapes[n].strides, ITEMSIZE[shapes[n].dtype])
+                      for n in "qkvo"}  # first to last byte, inclusive
         self.empty = {n: 0 in shapes[n].shape for n in "qkvo"}
 
     def check_addresses(self, addresses: dict) -> None:
@@ -566,10 +567,9 @@ class _Planned:
         return DeviceTensor(ptr, t.shape, t.strides, t.dtype, self.plan.device, "torch", None)
 
 
-def _span(t) -> int:
-    """Bytes from a tensor's first element to its last (non-negative strides)."""
-    itemsize = 4 if t.dtype in ("float32", "int32") else 2
-    return sum((n - 1) * s for n, s in zip(t.shape, t.strides) if n) * itemsize + itemsize - 1
+def _span(shape, strides, itemsize: int) -> int:
+    """Bytes from a non-empty tensor's first element to its last (non-negative strides)."""
+    return sum((n - 1) * s for n, s in zip(shape, strides)) * itemsize + itemsize - 1
 
 
 def _lse_shape(call: _Call) -> tuple[int, ...]:
@@ -646,8 +646,7 @@ def _share_memory(a, b) -> bool:
             "strides": tuple(s * t.itemsize for s in t.strides), "version": 3}
         return np.asarray(holder)
     def extent(t):  # [first byte, last byte] (strides are non-negative: _check_rows)
-        return t.ptr, t.ptr + sum((n - 1) * s for n, s in zip(t.shape, t.strides)) * t.itemsize \
-            + t.itemsize - 1
+        return t.ptr, t.ptr + _span(t.shape, t.strides, t.itemsize)
     if 0 in a.shape or 0 in b.shape:
         return False
     (a_lo, a_hi), (b_lo, b_hi) = extent(a), extent(b)

@@ -311,8 +311,8 @@ class _Workspace:
     """One stream's workspace (`codegen.abi`): the device words, and the host's copy of the
     fault record, which the faulting kernel writes itself."""
 
-    def __init__(self, ptr: int, record: ctypes.Array, device: int) -> None:
-        self.ptr, self.record, self.device = ptr, record, device
+    def __init__(self, ptr: int, record: ctypes.Array) -> None:
+        self.ptr, self.record = ptr, record
 
 
 _workspace_lock = threading.Lock()
@@ -360,7 +360,7 @@ def _new_workspace(stream: int, device: int) -> _Workspace:
         ptr = words.ptr + _WORKSPACE_BYTES * slot
         record = (ctypes.c_uint32 * abi.RECORD_WORDS).from_address(
             pinned.ptr + _RECORD_BYTES * slot)
-        ws = _workspaces[key] = _Workspace(ptr, record, device)
+        ws = _workspaces[key] = _Workspace(ptr, record)
         return ws
 
 

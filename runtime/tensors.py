@@ -16,7 +16,7 @@ import numpy as np
 from mhadsl.runtime.driver import DeviceBuffer, current_device, memcpy_dtoh, pointer_device, stream_handle
 
 DTYPES = ("bfloat16", "float16", "float32", "int32")
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}
 _NUMPY_DTYPES = {
     np.dtype(np.float16): "float16",
     np.dtype(np.float32): "float32",
@@ -45,7 +45,7 @@ class DeviceTensor:
 
     @property
     def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
+        return ITEMSIZE[self.dtype]
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -116,7 +116,7 @@ def _from_cuda_array_interface(obj: object, name: str) -> DeviceTensor:
     if byte_strides is None:  # the interface's way of saying C-contiguous
         strides = contiguous_strides(shape)
     else:
-        strides = _element_strides(tuple(byte_strides), _ITEMSIZE[dtype], name)
+        strides = _element_strides(tuple(byte_strides), ITEMSIZE[dtype], name)
     kind = "cupy" if type(obj).__module__.startswith("cupy") else "cai"
     if kind == "cupy":
         device = obj.device.id

@@ -145,7 +145,7 @@ def stream_workspace(kernel, monkeypatch):
     """The real `driver.workspace` lookup over one stand-in workspace of stream 0, device 0,
     whose host-side fault record the test can write (as a faulting kernel would)."""
     record = (ctypes.c_uint32 * abi.RECORD_WORDS)()
-    monkeypatch.setitem(driver._workspaces, (0, 0), driver._Workspace(WORKSPACE, record, 0))
+    monkeypatch.setitem(driver._workspaces, (0, 0), driver._Workspace(WORKSPACE, record))
     monkeypatch.setattr(driver, "workspace", WORKSPACE_LOOKUP)
     return record
 
