@@ -61,19 +61,35 @@ class _DecodePlan:
     empty: bool  # nothing to launch
 
     def split_workspace(self, stream: int) -> dict[str, int]:
+        """The stream's partial outputs and split counters (made on its first launch)."""
         if not self.split_bytes[0]:
             return {}
         buffers = self.workspaces.get(stream)
         if buffers is None:
-            from mhadsl.runtime import driver
-            buffers = tuple(driver.DeviceBuffer(n, self.device) for n in self.split_bytes)
-            # the counters start at 0; each launch leaves them at 0 (the last split resets)
-            driver.memset_d32_async(buffers[2].ptr, 0, self.split_bytes[2] // 4,
-                                    device=self.device)
-            driver.synchronize(self.device)
-            self.workspaces[stream] = buffers
-        return {"partial_o": buffers[0].ptr, "partial_lse": buffers[1].ptr,
-                "split_counters": buffers[2].ptr}
+            buffers = self.workspaces[stream] = _split_buffers(self.split_bytes, self.device)
+        return dict(zip(("partial_o", "partial_lse", "split_counters"),
+                        (_address(x) for x in buffers)))
+
+
+def _split_buffers(nbytes: tuple[int, int, int], device: int) -> tuple:
+    """Partial O, partial LSE and zeroed split counters (each launch leaves them at 0: the
+    last split of a group resets its counter). With torch at hand they come from torch's
+    allocator on the current stream, so a first launch inside CUDA-graph capture allocates
+    from the graph's pool and the graph zeroes the counters it replays with."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return tuple(torch.empty(n, dtype=torch.uint8, device=f"cuda:{device}")
+                     for n in nbytes[:2]) + (
+            torch.zeros(nbytes[2], dtype=torch.uint8, device=f"cuda:{device}"),)
+    from mhadsl.runtime import driver
+    buffers = tuple(driver.DeviceBuffer(n, device) for n in nbytes)
+    driver.memset_d32_async(buffers[2].ptr, 0, nbytes[2] // 4, device=device)
+    driver.synchronize(device)
+    return buffers
+
+
+def _address(buffer) -> int:
+    return buffer.data_ptr() if hasattr(buffer, "data_ptr") else buffer.ptr
 
 
 def decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None, cu_seqlens_q=None,

@@ -49,6 +49,8 @@ HEAD_DIMS = (64, 128, 256)
 MAX_ROWS = 128  # packed rows per work tile
 RAGGED_ROWS = 64  # packed rows per tile of a ragged (chunked-prefill) call
 SHARED_BUDGET = 160 * 1024  # what one CTA may use on every target (sm_80 allows 163 KiB)
+MAX_STAGES = 4  # KV tiles in flight per CTA
+PAGE_LOOKAHEAD = 2  # iterations between reading a tile's page entries and its copies
 
 
 # ============================================================================ configuration
@@ -151,7 +153,7 @@ def decode_config(options, layout: Layout) -> DecodeConfig:
     room = SHARED_BUDGET - 16 - base.rows * base.row_bytes
     return DecodeConfig(options.dtype, options.head_dim, layout.gqa_group, cache.query_rows,
                         cache.page_size, layout.return_lse, block_n,
-                        max(2, min(4, room // base.stage_bytes)))
+                        max(2, min(MAX_STAGES, room // base.stage_bytes)))
 
 
 # ============================================================================ kernel parameters
@@ -483,29 +485,36 @@ class _Emitter:
         # prologue: the first S-1 tiles in flight, one commit group each (empty ones too,
         # so the wait counts stay uniform)
         ld = n_first = t.next_nonempty(b, t.n_begin)
-        pages = self._fetch_pages(b, t, ld)
         for s in range(S - 1):
             with b.if_then(b.icmp_signed("<", ld, t.n_end)):
-                self._load_kv(b, t, ld, i32(s * c.stage_bytes), pages)
+                self._load_kv(b, t, ld, i32(s * c.stage_bytes), self._fetch_pages(b, t, ld))
             warp.cp_async_commit(b)
             ld = t.next_nonempty(b, b.add(ld, i32(1)))
-            pages = self._fetch_pages(b, t, ld)
+        # the next PAGE_LOOKAHEAD tiles to load and their pages: a page entry is read that
+        # many iterations before its tile's copies need it
+        ahead = [ld]
+        for _ in range(PAGE_LOOKAHEAD - 1):
+            ahead.append(t.next_nonempty(b, b.add(ahead[-1], i32(1))))
+        ahead_pages = [self._fetch_pages(b, t, x) for x in ahead]
 
         fn = b.function
         pre = b.block
         hdr, body, done = (fn.append_basic_block(f"kv.{s}") for s in ("hdr", "body", "done"))
         b.branch(hdr)
         b.position_at_end(hdr)
-        n, ld_phi, it = b.phi(i32, "n"), b.phi(i32, "ld"), b.phi(i32, "it")
-        page_phis = [b.phi(i32) for _ in pages]
+        n, it = b.phi(i32, "n"), b.phi(i32, "it")
+        ld_phis = [b.phi(i32, "ld") for _ in ahead]
+        page_phis = [[b.phi(i32) for _ in pages] for pages in ahead_pages]
         acc = [[b.phi(f32) for _ in range(4)] for _ in range(DT)]
         m = [b.phi(f32) for _ in range(2)]
         l = [b.phi(f32) for _ in range(2)]
         n.add_incoming(n_first, pre)
-        ld_phi.add_incoming(ld, pre)
         it.add_incoming(i32(0), pre)
-        for p, v in zip(page_phis, pages):
-            p.add_incoming(v, pre)
+        for phi, v in zip(ld_phis, ahead):
+            phi.add_incoming(v, pre)
+        for phis, pages in zip(page_phis, ahead_pages):
+            for phi, v in zip(phis, pages):
+                phi.add_incoming(v, pre)
         for row in acc:
             for x in row:
                 x.add_incoming(zero, pre)
@@ -518,20 +527,23 @@ class _Emitter:
         warp.cp_async_wait(b, S - 2)
         nvptx.barrier_all(b)  # tile `it` landed; every warp is done with tile it - 1's stage
         issue_slot = b.urem(b.add(it, i32(S - 1)), i32(S))
-        with b.if_then(b.icmp_signed("<", ld_phi, t.n_end)):
-            self._load_kv(b, t, ld_phi, b.mul(issue_slot, i32(c.stage_bytes)), page_phis)
+        with b.if_then(b.icmp_signed("<", ld_phis[0], t.n_end)):
+            self._load_kv(b, t, ld_phis[0], b.mul(issue_slot, i32(c.stage_bytes)),
+                          page_phis[0])
         warp.cp_async_commit(b)
-        ld_next = t.next_nonempty(b, b.add(ld_phi, i32(1)))
-        pages_next = self._fetch_pages(b, t, ld_next)  # in flight while this tile computes
+        ld_new = t.next_nonempty(b, b.add(ld_phis[-1], i32(1)))
+        pages_new = self._fetch_pages(b, t, ld_new)  # in flight while tiles compute
         stage = b.add(b.mul(b.urem(it, i32(S)), i32(c.stage_bytes)), i32(self.kv_off))
         acc_new, m_new, l_new = self._kv_tile(b, t, n, stage, acc, m, l, sl2)
         n_next = t.next_nonempty(b, b.add(n, i32(1)))
         latch = b.block
         n.add_incoming(n_next, latch)
-        ld_phi.add_incoming(ld_next, latch)
         it.add_incoming(b.add(it, i32(1)), latch)
-        for p, v in zip(page_phis, pages_next):
-            p.add_incoming(v, latch)
+        for phi, v in zip(ld_phis, [*ld_phis[1:], ld_new]):
+            phi.add_incoming(v, latch)
+        for phis, pages in zip(page_phis, [*page_phis[1:], pages_new]):
+            for phi, v in zip(phis, pages):
+                phi.add_incoming(v, latch)
         for j in range(DT):
             for e in range(4):
                 acc[j][e].add_incoming(acc_new[j][e], latch)
