@@ -32,9 +32,10 @@ MIN_SPLIT_TILES = 4  # KV tiles a split covers at least (shorter ones cost more 
 
 
 def default_splits(groups: int, slots: int, capacity: int, block_n: int) -> int:
-    """KV splits per (sequence, K/V head, query-row tile) group, FA3's rule: none when the
-    groups alone fill 80 % of the GPU's CTA slots; else the fewest splits whose wave
-    efficiency is within 85 % of the best, each split at least MIN_SPLIT_TILES KV tiles."""
+    """KV splits per (sequence, K/V head, query-row tile) group, FA3's rule over `slots`
+    (the multiprocessors: one split streaming per multiprocessor measured best): none when
+    the groups alone fill 80 % of them; else the fewest splits whose wave efficiency is
+    within 85 % of the best, each split at least MIN_SPLIT_TILES KV tiles."""
     most = max(1, min(MAX_SPLITS, capacity // (MIN_SPLIT_TILES * block_n)))
     if groups >= 0.8 * slots or most == 1:
         return 1
@@ -257,8 +258,8 @@ def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_
     q_rows = max_q if ragged else rows_per_seq
     q_tiles = max(1, -(-q_rows * group // config.rows))
     groups = call.batch * kv_heads * q_tiles
-    splits = num_splits or default_splits(groups, info.multiprocessor_count * ctas_per_sm,
-                                          capacity, config.block_n)
+    splits = num_splits or default_splits(groups, info.multiprocessor_count, capacity,
+                                          config.block_n)
     chunk = -(-max(capacity, 1) // splits)
     chunk = -(-chunk // config.block_n) * config.block_n
     splits = -(-max(capacity, 1) // chunk)  # none left empty by the rounding

@@ -49,7 +49,9 @@ HEAD_DIMS = (64, 128, 256)
 MAX_ROWS = 128  # packed rows per work tile
 RAGGED_ROWS = 64  # packed rows per tile of a ragged (chunked-prefill) call
 SHARED_BUDGET = 160 * 1024  # what one CTA may use on every target (sm_80 allows 163 KiB)
-MAX_STAGES = 4  # KV tiles in flight per CTA
+# KV tiles in flight per CTA: three leave room for two CTAs per multiprocessor on sm_90a,
+# which measured faster than one CTA with four (BENCHMARKS.md, decode)
+MAX_STAGES = 3
 PAGE_LOOKAHEAD = 2  # iterations between reading a tile's page entries and its copies
 
 
@@ -144,10 +146,10 @@ class DecodeConfig:
 
 
 def decode_config(options, layout: Layout) -> DecodeConfig:
-    """The decode build for a declaration and a cache call's layout: 64-row KV tiles
-    (32 at head dim 256), as many stages in flight as shared memory holds, up to 4."""
+    """The decode build for a declaration and a cache call's layout: 64-row KV tiles, as
+    many stages in flight as shared memory holds, up to MAX_STAGES."""
     cache = layout.cache
-    block_n = 32 if options.head_dim == 256 else 64
+    block_n = 64
     base = DecodeConfig(options.dtype, options.head_dim, layout.gqa_group, cache.query_rows,
                         cache.page_size, layout.return_lse, block_n, 1)
     room = SHARED_BUDGET - 16 - base.rows * base.row_bytes
