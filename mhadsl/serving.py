@@ -48,6 +48,13 @@ def default_splits(groups: int, slots: int, capacity: int, block_n: int) -> int:
     return next(s for s in range(1, most + 1) if efficiency(s) >= 0.85 * best)
 
 
+def decode_work(batch: int, kv_heads: int, work_tiles: int):
+    """The work space a decode launch hands its scheduler, as a simulator batch: per
+    (sequence, K/V head) `work_tiles` prompt tiles of height 1 (query-row tile x KV split)."""
+    from mhadsl.simulate import Batch
+    return Batch([work_tiles] * batch, kv_heads, 1, ragged=False)
+
+
 @dataclass
 class _DecodePlan:
     """A decode signature's launch plan and what its calls need beyond it."""
