@@ -52,6 +52,7 @@ SHARED_BUDGET = 160 * 1024  # what one CTA may use on every target (sm_80 allows
 # KV tiles in flight per CTA: three leave room for two CTAs per multiprocessor on sm_90a,
 # which measured faster than one CTA with four (BENCHMARKS.md, decode)
 MAX_STAGES = 3
+BLOCK_N = 64  # KV rows per KV tile
 PAGE_LOOKAHEAD = 2  # iterations between reading a tile's page entries and its copies
 
 
@@ -149,7 +150,7 @@ def decode_config(options, layout: Layout) -> DecodeConfig:
     """The decode build for a declaration and a cache call's layout: 64-row KV tiles, as
     many stages in flight as shared memory holds, up to MAX_STAGES."""
     cache = layout.cache
-    block_n = 64
+    block_n = BLOCK_N
     base = DecodeConfig(options.dtype, options.head_dim, layout.gqa_group, cache.query_rows,
                         cache.page_size, layout.return_lse, block_n, 1)
     room = SHARED_BUDGET - 16 - base.rows * base.row_bytes
