@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mhadsl.codegen.backends import CacheLayout, Layout
+from mhadsl.codegen.backends.decode import packed_rows
 from mhadsl.paged import MAX_DECODE_ROWS, check_decode_call
 
 MAX_SPLITS = 128
@@ -46,6 +47,13 @@ def default_splits(groups: int, slots: int, capacity: int, block_n: int) -> int:
 
     best = max(efficiency(s) for s in range(1, most + 1))
     return next(s for s in range(1, most + 1) if efficiency(s) >= 0.85 * best)
+
+
+def kv_tile(rows: int, groups: int, num_sms: int) -> int:
+    """The KV tile for a call's shape: 32 rows (small CTAs, four per multiprocessor) where
+    16-row work tiles are many enough to give most multiprocessors two; else 64 (two CTAs
+    per multiprocessor, each with more bytes in flight). Measured: BENCHMARKS.md, decode."""
+    return 32 if rows == 16 and groups >= 1.5 * num_sms else 64
 
 
 def decode_work(batch: int, kv_heads: int, work_tiles: int):
@@ -253,18 +261,20 @@ def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_
     heads, kv_heads = q.shape[-2], k_cache.shape[-2]
     group = heads // kv_heads
     rows_per_seq = 0 if ragged else q.shape[1]
-    layout = Layout(group, False, want_lse, CacheLayout(rows_per_seq, call.page_size or 0))
     device = q.device
+    info = driver.device_info(device)
+    q_rows = max_q if ragged else rows_per_seq
+    rows = packed_rows(rows_per_seq, group)
+    q_tiles = max(1, -(-q_rows * group // rows))
+    groups = call.batch * kv_heads * q_tiles
+    layout = Layout(group, False, want_lse, CacheLayout(
+        rows_per_seq, call.page_size or 0, kv_tile(rows, groups, info.multiprocessor_count)))
     backend, target = kernel._design(device, layout.workload)
     build = kernel._build(layout, target, backend)
     config, launch = build.config, build.launch
-    info = driver.device_info(device)
     ctas_per_sm = build.function.max_active_blocks(launch.threads, launch.shared_bytes)
     capacity = k_cache.shape[1] if call.page_size is None else \
         dev["page_table"].shape[1] * call.page_size
-    q_rows = max_q if ragged else rows_per_seq
-    q_tiles = max(1, -(-q_rows * group // config.rows))
-    groups = call.batch * kv_heads * q_tiles
     splits = num_splits or default_splits(groups, info.multiprocessor_count, capacity,
                                           config.block_n)
     chunk = -(-max(capacity, 1) // splits)

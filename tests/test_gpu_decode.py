@@ -17,6 +17,7 @@ SOURCE = f"""
 import "std/schedulers.mha"
 attention causal {{ dtype = bf16  head_dim = 128  return_lse = true  {CAUSAL} }}
 attention causal_d64 {{ dtype = bf16  head_dim = 64  {CAUSAL} }}
+attention causal_d256 {{ dtype = bf16  head_dim = 256  {CAUSAL} }}
 attention causal_fp16 {{ dtype = fp16  head_dim = 128  return_lse = true  {CAUSAL} }}
 attention persistent {{ dtype = bf16  head_dim = 128  scheduler = Persistent()  {CAUSAL} }}
 attention window {{ dtype = bf16  head_dim = 128
@@ -101,7 +102,7 @@ def test_gqa_and_query_rows(group, sq):
     check(kern, queries(3, sq, 2 * group, 128), k, v, seqlens, table, lse=True)
 
 
-@pytest.mark.parametrize("name", ["causal_d64", "causal_fp16"])
+@pytest.mark.parametrize("name", ["causal_d64", "causal_d256", "causal_fp16"])
 def test_head_dims_and_fp16(name):
     kern = PROGRAM[name]
     d = kern.options.head_dim
@@ -132,6 +133,19 @@ def test_ragged_query_rows():
     for splits in (1, 3):
         check(kern, q, k, v, seqlens, table, cu_q=cu, max_q=max(lengths_q), lse=True,
               num_splits=splits)
+
+
+def test_small_kv_tiles_of_many_groups():
+    """Enough 16-row work tiles for two per multiprocessor: the planner's 32-row KV tile
+    (two-warp CTAs, whose copy passes keep the swizzle phase), contiguous and paged."""
+    kern = PROGRAM["causal"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = 2 * sms // 2  # x 2 K/V heads: two groups per multiprocessor
+    for page_size in (None, 16):
+        k, v, seqlens, table = cache([100 + 37 * i for i in range(batch)], 2, 128,
+                                     page_size=page_size)
+        check(kern, queries(batch, 1, 16, 128), k, v, seqlens, table, lse=True)
+        assert list(kern._decode_plans.values())[-1].plan.threads == 64
 
 
 def test_long_single_sequence_splits():

@@ -29,7 +29,7 @@ the last positions of the cache, so `kv_idx <= q_idx + seqlen_k - seqlen_q` is c
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llvmlite import ir
 
@@ -45,18 +45,24 @@ from mhadsl.codegen.target import Target, new_module
 
 KERNEL_NAME = "mha_decode"
 SMEM_SYMBOL = "mha_decode_smem"
-HEAD_DIMS = (64, 128)  # 256: its build computes wrong results on the H200 (not found yet)
+HEAD_DIMS = (64, 128, 256)
 MAX_ROWS = 128  # packed rows per work tile
 RAGGED_ROWS = 64  # packed rows per tile of a ragged (chunked-prefill) call
 SHARED_BUDGET = 160 * 1024  # what one CTA may use on every target (sm_80 allows 163 KiB)
 # KV tiles in flight per CTA: three leave room for two CTAs per multiprocessor on sm_90a,
 # which measured faster than one CTA with four (BENCHMARKS.md, decode)
 MAX_STAGES = 3
-BLOCK_N = 64  # KV rows per KV tile
-PAGE_LOOKAHEAD = 2  # iterations between reading a tile's page entries and its copies
 
 
 # ============================================================================ configuration
+def packed_rows(query_rows: int, gqa_group: int) -> int:
+    """Packed rows per work tile (a multiple of 16) for `query_rows` per sequence (0:
+    ragged) and the query heads of a K/V head."""
+    if query_rows == 0:
+        return RAGGED_ROWS
+    return min(MAX_ROWS, -(-query_rows * gqa_group // 16) * 16)
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Everything that selects a decode build (hashable; part of the cache key)."""
@@ -69,6 +75,7 @@ class DecodeConfig:
     return_lse: bool = False
     block_n: int = 64  # KV rows per KV tile
     stages: int = 4  # K/V tiles in flight (cp.async groups)
+    page_lookahead: int = 2  # iterations between reading a tile's page entries and its copies
 
     # the scheduler's tile height: a work tile is one (query-row tile, split) pair
     block_m = 1
@@ -76,10 +83,7 @@ class DecodeConfig:
 
     @property
     def rows(self) -> int:
-        """Packed rows per work tile (a multiple of 16)."""
-        if self.query_rows == 0:
-            return RAGGED_ROWS
-        return min(MAX_ROWS, -(-self.query_rows * self.gqa_group // 16) * 16)
+        return packed_rows(self.query_rows, self.gqa_group)
 
     @property
     def warps_m(self) -> int:
@@ -147,10 +151,10 @@ class DecodeConfig:
 
 
 def decode_config(options, layout: Layout) -> DecodeConfig:
-    """The decode build for a declaration and a cache call's layout: 64-row KV tiles, as
-    many stages in flight as shared memory holds, up to MAX_STAGES."""
+    """The decode build for a declaration and a cache call's layout: its KV tile, as many
+    stages in flight as shared memory holds, up to MAX_STAGES."""
     cache = layout.cache
-    block_n = BLOCK_N
+    block_n = cache.block_n
     base = DecodeConfig(options.dtype, options.head_dim, layout.gqa_group, cache.query_rows,
                         cache.page_size, layout.return_lse, block_n, 1)
     room = SHARED_BUDGET - 16 - base.rows * base.row_bytes
@@ -375,9 +379,20 @@ class _Emitter:
         cpr = c.head_dim // 8
         self.ld_row = b.udiv(tid, i32(cpr))
         self.ld_chunk = b.urem(tid, i32(cpr))
-        self.ld_swz = b.add(b.mul(self.ld_row, i32(self.RB)),
-                            b.shl(warp.swizzle_chunk(b, self.ld_chunk, self.ld_row), i32(4)))
+        # the swizzle follows the row's low 3 bits: where a pass is not a multiple of 8 rows
+        # its phase (pass rows mod 8) picks the base
+        self.ld_swz = {}
+        for phase in sorted({p * c.rows_per_pass % 8 for p in range(c.block_n)}):
+            row = b.add(self.ld_row, i32(phase))
+            self.ld_swz[phase] = b.add(b.mul(self.ld_row, i32(self.RB)),
+                                       b.shl(warp.swizzle_chunk(b, self.ld_chunk, row), i32(4)))
         self.ld_elem = b.zext(b.shl(self.ld_chunk, i32(3)), i64)
+
+    def _copy_dst(self, b, p: int, base: int | ir.Value) -> ir.Value:
+        """Shared byte offset of this thread's 16 bytes in copy pass p of a tile at `base`."""
+        rows = p * self.c.rows_per_pass
+        return b.add(self.ld_swz[rows % 8], b.add(base, i32(rows * self.RB)) if
+                     isinstance(base, ir.Value) else i32(base + rows * self.RB))
 
     def _lane_offsets(self, b, row, x16):
         row_off = b.mul(row, i32(self.RB))
@@ -438,7 +453,7 @@ class _Emitter:
                 ("v", a.v_cache, a.v_stride_page, a.v_stride_row, a.v_stride_head,
                  c.block_n * self.RB)):
             head = b.add(b.mul(_i64(b, t.hk), s_head), self.ld_elem)
-            dst0 = b.add(b.add(slot_off, self.ld_swz), i32(self.kv_off + region))
+            tile_base = b.add(slot_off, i32(self.kv_off + region))
             for p, key in enumerate(keys):
                 row = b.add(self.ld_row, i32(p * rpp))
                 pos = b.add(base, row)
@@ -448,7 +463,7 @@ class _Emitter:
                             head)
                 valid = b.icmp_signed("<", pos, t.kv_end)
                 src = b.gep(gptr, [off], source_etype=nvptx.i16)
-                dst = warp.smem_ptr(b, self.smem, b.add(dst0, i32(p * rpp * self.RB)))
+                dst = warp.smem_ptr(b, self.smem, self._copy_dst(b, p, tile_base))
                 warp.cp_async_16(b, dst, b.select(valid, src, gptr),
                                  b.select(valid, i32(16), i32(0)))
 
@@ -464,8 +479,7 @@ class _Emitter:
             off = b.add(seq, b.add(b.mul(_i64(b, b.udiv(packed, i32(G))), a.q_stride_row),
                                    b.mul(_i64(b, t.head_of(b, packed)), a.q_stride_head)))
             src = b.gep(a.q, [b.add(off, self.ld_elem)], source_etype=nvptx.i16)
-            dst = warp.smem_ptr(b, self.smem, b.add(self.ld_swz, i32(p * c.rows_per_pass
-                                                                      * self.RB)))
+            dst = warp.smem_ptr(b, self.smem, self._copy_dst(b, p, 0))
             warp.cp_async_16(b, dst, b.select(valid, src, a.q), b.select(valid, i32(16), i32(0)))
 
     # ------------------------------------------------------------------ the tile
@@ -493,10 +507,10 @@ class _Emitter:
                 self._load_kv(b, t, ld, i32(s * c.stage_bytes), self._fetch_pages(b, t, ld))
             warp.cp_async_commit(b)
             ld = t.next_nonempty(b, b.add(ld, i32(1)))
-        # the next PAGE_LOOKAHEAD tiles to load and their pages: a page entry is read that
+        # the next page_lookahead tiles to load and their pages: a page entry is read that
         # many iterations before its tile's copies need it
         ahead = [ld]
-        for _ in range(PAGE_LOOKAHEAD - 1):
+        for _ in range(c.page_lookahead - 1):
             ahead.append(t.next_nonempty(b, b.add(ahead[-1], i32(1))))
         ahead_pages = [self._fetch_pages(b, t, x) for x in ahead]
 
@@ -883,7 +897,10 @@ class Decode(Backend):
         return decode_config(options, layout).problems()
 
     def configs(self, options, layout: Layout) -> tuple[DecodeConfig, ...]:
-        return (decode_config(options, layout),)
+        """The config, then (should ptxas spill) one that reads page entries one tile
+        ahead instead of two, which holds fewer registers across the KV loop."""
+        config = decode_config(options, layout)
+        return (config, replace(config, page_lookahead=1))
 
     def launch_shape(self, config: DecodeConfig) -> LaunchShape:
         return LaunchShape(KERNEL_NAME, config.threads, config.shared_bytes)
