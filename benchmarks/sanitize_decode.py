@@ -11,7 +11,6 @@ Exit status 0 when every tool ran and found no error.
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,9 @@ import sys
 import numpy as np
 
 import mhadsl
+
+sys.path.insert(0, "benchmarks")
+from sanitize import summary  # noqa: E402  (one reading of the tools' summaries)
 
 SOURCE = """
 import "std/schedulers.mha"
@@ -88,13 +90,12 @@ def main() -> int:
     for tool in args.tools.split(","):
         run = subprocess.run([sanitizer, "--tool", tool, sys.executable, __file__, "--worker"],
                              capture_output=True, text=True)
-        found = re.search(r"ERROR SUMMARY: (\d+) error", run.stdout + run.stderr)
-        errors = int(found.group(1)) if found else None
+        errors = summary(tool, run.stdout + run.stderr)
         print(f"{tool}: {'no summary' if errors is None else f'{errors} errors'}, "
               f"exit {run.returncode}")
         failed |= errors != 0 or run.returncode != 0
         if errors:
-            print((run.stdout + run.stderr)[-3000:])
+            print((run.stdout + run.stderr)[:3000])
     return int(failed)
 
 

@@ -52,6 +52,9 @@ SHARED_BUDGET = 160 * 1024  # what one CTA may use on every target (sm_80 allows
 # KV tiles in flight per CTA: three leave room for two CTAs per multiprocessor on sm_90a,
 # which measured faster than one CTA with four (BENCHMARKS.md, decode)
 MAX_STAGES = 3
+# how far ahead of its copies a tile's page entries are read, in KV rows: a page-table read
+# (L2, under a saturated memory system) takes about as long as streaming that many rows
+PAGE_LOOKAHEAD_ROWS = 128
 
 
 # ============================================================================ configuration
@@ -75,7 +78,7 @@ class DecodeConfig:
     return_lse: bool = False
     block_n: int = 64  # KV rows per KV tile
     stages: int = 4  # K/V tiles in flight (cp.async groups)
-    page_lookahead: int = 2  # iterations between reading a tile's page entries and its copies
+    page_lookahead: int = 2  # KV tiles between reading a tile's page entries and its copies
 
     # the scheduler's tile height: a work tile is one (query-row tile, split) pair
     block_m = 1
@@ -160,7 +163,8 @@ def decode_config(options, layout: Layout) -> DecodeConfig:
     room = SHARED_BUDGET - 16 - base.rows * base.row_bytes
     return DecodeConfig(options.dtype, options.head_dim, layout.gqa_group, cache.query_rows,
                         cache.page_size, layout.return_lse, block_n,
-                        max(2, min(MAX_STAGES, room // base.stage_bytes)))
+                        max(2, min(MAX_STAGES, room // base.stage_bytes)),
+                        max(1, PAGE_LOOKAHEAD_ROWS // block_n))
 
 
 # ============================================================================ kernel parameters
@@ -420,12 +424,12 @@ class _Emitter:
 
     def _fetch_pages(self, b, t: _DecodeTile, n: ir.Value) -> list[ir.Value]:
         """The pages of KV tile n (one per distinct `_page_keys` entry), from the page table;
-        a contiguous cache's "page" is the sequence. Past the split (nothing will be loaded)
-        the entries read are the sequence's cache length, which any memory holds."""
+        a contiguous cache's "page" is the sequence. An entry whose row lies past the split
+        (its copies load nothing) reads the sequence's cache length instead, so no read
+        goes past the table."""
         c, a = self.c, self.a
         if c.page_size == 0:
             return [t.bidx]
-        live = b.icmp_signed("<", n, t.n_end)
         base = b.mul(n, i32(c.block_n))
         seq_pages = b.gep(a.page_table, [b.mul(_i64(b, t.bidx), a.page_table_stride)],
                           source_etype=i32)
@@ -434,8 +438,9 @@ class _Emitter:
         for key in dict.fromkeys(self._page_keys()):
             row = b.add(self.ld_row, i32(key[1] * c.rows_per_pass)) if isinstance(key, tuple) \
                 else i32(key * c.page_size)
-            entry = b.gep(seq_pages, [b.lshr(b.add(base, row), i32(c.page_shift))],
-                          source_etype=i32)
+            pos = b.add(base, row)
+            entry = b.gep(seq_pages, [b.lshr(pos, i32(c.page_shift))], source_etype=i32)
+            live = b.icmp_signed("<", pos, t.kv_end)
             pages.append(b.load(b.select(live, entry, fallback), typ=i32))
         return pages
 
