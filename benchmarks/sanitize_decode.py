@@ -88,8 +88,10 @@ def main() -> int:
         return 1
     failed = 0
     for tool in args.tools.split(","):
-        run = subprocess.run([sanitizer, "--tool", tool, sys.executable, __file__, "--worker"],
-                             capture_output=True, text=True)
+        # (cuda-python's driver probing fails API calls on purpose: not the kernel's errors)
+        run = subprocess.run([sanitizer, "--tool", tool, "--kernel-name", "kns=mha_decode",
+                              "--report-api-errors", "no", sys.executable, __file__,
+                              "--worker"], capture_output=True, text=True)
         errors = summary(tool, run.stdout + run.stderr)
         print(f"{tool}: {'no summary' if errors is None else f'{errors} errors'}, "
               f"exit {run.returncode}")
