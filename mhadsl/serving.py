@@ -75,6 +75,29 @@ class _DecodePlan:
     workspaces: dict  # stream -> (DeviceBuffer, ...) of the split workspace
     num_splits: int
     empty: bool  # nothing to launch
+    shapes: dict  # name -> TensorShape of the call's tensors
+
+    def check_addresses(self, addresses: dict) -> None:
+        """The checks of a first call that depend on the tensors' addresses: 16-byte
+        aligned rows, and an output that shares no element with q or the cache."""
+        from mhadsl.api import _share_memory, _span
+        from mhadsl.runtime.tensors import ITEMSIZE, DeviceTensor
+        for name in ("q", "k_cache", "v_cache", "o"):
+            if addresses[name] % 16:
+                raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer and "
+                                 f"strides multiples of 8 elements), got a pointer at "
+                                 f"{addresses[name]:#x}")
+
+        def view(name):
+            t = self.shapes[name]
+            return DeviceTensor(addresses[name], t.shape, t.strides, t.dtype, self.device,
+                                "torch", None), _span(t.shape, t.strides, ITEMSIZE[t.dtype])
+        (o, o_span) = view("o")
+        for name in ("q", "k_cache", "v_cache"):
+            x, span = view(name)
+            if x.ptr <= o.ptr + o_span and o.ptr <= x.ptr + span and _share_memory(o, x):
+                raise ValueError(f"out overlaps {name}: the kernel reads {name} while it "
+                                 "writes out; pass a separate output")
 
     def split_workspace(self, stream: int) -> dict[str, int]:
         """The stream's partial outputs and split counters (made on its first launch)."""
@@ -118,7 +141,7 @@ def decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None, cu_se
                      max_seqlen_q, scale, want_lse, num_splits)
     planned = kernel._decode_plans.get(key) if key is not None else None
     if planned is not None and not driver.debug_mode():
-        return _run_torch(kernel, planned, q, k_cache, v_cache, cache_seqlens, page_table,
+        return _run_torch(planned, q, k_cache, v_cache, cache_seqlens, page_table,
                           cu_seqlens_q, out, stream)
     return _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
                  max_seqlen_q, scale, out, want_lse, stream, num_splits, key)
@@ -307,7 +330,8 @@ def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_
         if partial_rows else (0, 0, 0)
     lse_shape = tuple(dev["lse"].shape) if want_lse else None
     empty = not (call.batch and heads and (q_rows if ragged else rows_per_seq))
-    return _DecodePlan(plan, tuple(q.shape), lse_shape, split_bytes, device, {}, splits, empty)
+    return _DecodePlan(plan, tuple(q.shape), lse_shape, split_bytes, device, {}, splits, empty,
+                       shapes)
 
 
 # ---------------------------------------------------------------------- torch fast path
@@ -327,8 +351,10 @@ def _torch_key(*args) -> tuple | None:
     return (*key, *((type(x), x) for x in args[7:]))
 
 
-def _run_torch(kernel, planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_table,
-               cu_q, out, stream):
+def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_table, cu_q,
+               out, stream):
+    """A call of a planned torch signature: only what its addresses decide is checked
+    (alignment, and out overlapping what the kernel reads), then the plan launches."""
     from mhadsl.api import _stream_handle, _torch_stream
     torch = sys.modules["torch"]
     if out is None:
@@ -340,17 +366,14 @@ def _run_torch(kernel, planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens,
         addresses["page_table"] = page_table.data_ptr()
     if cu_q is not None:
         addresses["cu_seqlens_q"] = cu_q.data_ptr()
-    for name in ("q", "k_cache", "v_cache", "o"):
-        if addresses[name] % 16:
-            raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned, got a pointer "
-                             f"at {addresses[name]:#x}")
-    if out.data_ptr() in (addresses["q"], addresses["k_cache"], addresses["v_cache"]):
-        raise ValueError("out overlaps an input: pass a separate output")
+    planned.check_addresses(addresses)
     lse = None
     if planned.lse_shape is not None:
         lse = q.new_empty(planned.lse_shape, dtype=torch.float32)
         addresses["lse"] = lse.data_ptr()
     handle = _torch_stream(torch, q.get_device()) if stream is None else _stream_handle(stream)
+    if planned.split_bytes[0]:
+        addresses.update(planned.split_workspace(handle))
     if not planned.empty:
-        planned.plan.launch({**addresses, **planned.split_workspace(handle)}, handle)
+        planned.plan.launch(addresses, handle)
     return (out, lse) if planned.lse_shape is not None else out
