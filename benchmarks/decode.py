@@ -14,11 +14,14 @@ mhadsl bottom-right causal.
 """
 import argparse
 import datetime
+import sys
 
 import numpy as np
 
 import mhadsl
 from mhadsl.bench import require_gpu, time_side_by_side
+
+sys.path.insert(0, "benchmarks")
 
 SOURCE = """
 import "std/schedulers.mha"
@@ -160,7 +163,7 @@ def ragged_row(torch, kern):
 def host_time(torch, kern, calls: int = 2000):
     """Host time per decode call (a tiny paged decode queued back to back, then one
     synchronize), beside SDPA's cuDNN backend (chosen once) on the same query and cache."""
-    import time
+    from launch_overhead import host_us
     from torch.nn.attention import SDPBackend, sdpa_kernel
     q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(8, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -171,13 +174,7 @@ def host_time(torch, kern, calls: int = 2000):
     qt = q.transpose(1, 2)
 
     def per_call(fn):
-        fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / calls * 1e6
+        return host_us(torch, fn, calls)
 
     def sdpa():
         return torch.nn.functional.scaled_dot_product_attention(qt, kc, vc, enable_gqa=True)

@@ -258,22 +258,12 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
 
 def _max_rows(given, call) -> int:
     """A ragged call's longest query sequence: given, or read from cu_seqlens_q."""
-    import operator
-    if given is None:
-        if call.cu_seqlens_q is None:
-            raise ValueError("a ragged decode call with cu_seqlens_q on the device needs "
-                             "max_seqlen_q (reading it would synchronise with the device)")
-        lengths = np.diff(call.cu_seqlens_q)
-        return int(lengths.max()) if len(lengths) else 0
-    try:
-        given = operator.index(given)
-    except TypeError:
-        raise TypeError(f"max_seqlen_q must be an integer, got {given!r}") from None
-    if not 0 <= given < 2**31:
-        raise ValueError(f"max_seqlen_q must be in [0, 2**31), got {given}")
-    if call.cu_seqlens_q is not None and call.batch and given < np.diff(call.cu_seqlens_q).max():
-        raise ValueError(f"max_seqlen_q = {given} is below the longest query sequence")
-    return given
+    from mhadsl.api import Kernel
+    if given is None and call.cu_seqlens_q is None:
+        raise ValueError("a ragged decode call with cu_seqlens_q on the device needs "
+                         "max_seqlen_q (reading it would synchronise with the device)")
+    lengths = None if call.cu_seqlens_q is None else np.diff(call.cu_seqlens_q)
+    return Kernel._max_len(lengths, given, "q")
 
 
 def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_lse: bool,

@@ -390,23 +390,29 @@ class WorkTile:
         computed)."""
         if self.hooks.classify is None:
             return start
-        fn = b.function
-        pre = b.block
-        hdr, chk, nxt, done = (fn.append_basic_block(f"skip.{s}")
-                               for s in ("hdr", "chk", "next", "done"))
-        b.branch(hdr)
-        b.position_at_end(hdr)
-        n = b.phi(i32, "skip.n")
-        n.add_incoming(start, pre)
-        b.cbranch(b.icmp_signed("<", n, self.n_blocks), chk, done)
-        b.position_at_end(chk)
-        may, _ = self.classify(b, n)
-        b.cbranch(may, done, nxt)
-        b.position_at_end(nxt)
-        n.add_incoming(b.add(n, i32(1)), nxt)
-        b.branch(hdr)
-        b.position_at_end(done)
-        return n
+        return first_kept_tile(b, start, self.n_blocks, lambda bb, n: self.classify(bb, n)[0])
+
+
+def first_kept_tile(b: ir.IRBuilder, start: ir.Value, end: ir.Value,
+                    may_hold: Callable[[ir.IRBuilder, ir.Value], ir.Value]) -> ir.Value:
+    """The first KV tile n in [start, end) for which `may_hold(b, n)` (i1) says it may hold a
+    kept pair, else `end`: a loop in the IR."""
+    fn = b.function
+    pre = b.block
+    hdr, chk, nxt, done = (fn.append_basic_block(f"skip.{s}")
+                           for s in ("hdr", "chk", "next", "done"))
+    b.branch(hdr)
+    b.position_at_end(hdr)
+    n = b.phi(i32, "skip.n")
+    n.add_incoming(start, pre)
+    b.cbranch(b.icmp_signed("<", n, end), chk, done)
+    b.position_at_end(chk)
+    b.cbranch(may_hold(b, n), done, nxt)
+    b.position_at_end(nxt)
+    n.add_incoming(b.add(n, i32(1)), nxt)
+    b.branch(hdr)
+    b.position_at_end(done)
+    return n
 
 
 def spill_free_build(backend: str, target: Target,

@@ -37,7 +37,7 @@ from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
 from mhadsl.codegen.backends import (
     Backend, CacheLayout, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape, Layout,
-    Problem, TileSeq, common_problems, last_index, spill_free_build,
+    Problem, TileSeq, common_problems, first_kept_tile, last_index, spill_free_build,
 )
 from mhadsl.codegen.nvptx import GLOBAL, SHARED, f32, i1, i32, i64
 from mhadsl.codegen.scheduler import count_exit
@@ -331,23 +331,7 @@ class _DecodeTile:
         """The first KV tile >= start of the split that may hold a kept pair, else n_end."""
         if self.hooks.classify is None:
             return start
-        fn = b.function
-        pre = b.block
-        hdr, chk, nxt, done = (fn.append_basic_block(f"skip.{s}")
-                               for s in ("hdr", "chk", "next", "done"))
-        b.branch(hdr)
-        b.position_at_end(hdr)
-        n = b.phi(i32, "skip.n")
-        n.add_incoming(start, pre)
-        b.cbranch(b.icmp_signed("<", n, self.n_end), chk, done)
-        b.position_at_end(chk)
-        may, _ = self.classify(b, n)
-        b.cbranch(may, done, nxt)
-        b.position_at_end(nxt)
-        n.add_incoming(b.add(n, i32(1)), nxt)
-        b.branch(hdr)
-        b.position_at_end(done)
-        return n
+        return first_kept_tile(b, start, self.n_end, lambda bb, n: self.classify(bb, n)[0])
 
 
 class _Emitter:
