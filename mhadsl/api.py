@@ -31,6 +31,7 @@ from mhadsl.codegen.backends import (
 )
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.pipeline import front_end
+from mhadsl.serving import decode
 from mhadsl.sources import read_source_file
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -247,7 +248,6 @@ class Kernel:
                 raise ValueError("cu_seqlens_k/max_seqlen_k belong to calls with k and v; a "
                                  "call against a KV cache takes its lengths from "
                                  "cache_seqlens")
-            from mhadsl.serving import decode
             return decode(self, q, k, v, cache_seqlens=cache_seqlens, page_table=page_table,
                           cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, scale=scale,
                           out=out, return_lse=return_lse, stream=stream,

@@ -29,6 +29,7 @@ from mhadsl.codegen.backends.decode import packed_rows
 from mhadsl.paged import MAX_DECODE_ROWS, check_decode_call
 
 MAX_SPLITS = 128
+_READ_AND_WRITTEN = ("q", "k_cache", "v_cache", "o")
 MIN_SPLIT_TILES = 4  # KV tiles a split covers at least (shorter ones cost more than they gain)
 
 
@@ -76,28 +77,33 @@ class _DecodePlan:
     num_splits: int
     empty: bool  # nothing to launch
     shapes: dict  # name -> TensorShape of the call's tensors
+    spans: dict  # name -> bytes from the first element of q, the cache and out to the last
 
     def check_addresses(self, addresses: dict) -> None:
         """The checks of a first call that depend on the tensors' addresses: 16-byte
-        aligned rows, and an output that shares no element with q or the cache."""
-        from mhadsl.api import _share_memory, _span
-        from mhadsl.runtime.tensors import ITEMSIZE, DeviceTensor
-        for name in ("q", "k_cache", "v_cache", "o"):
-            if addresses[name] % 16:
-                raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer and "
-                                 f"strides multiples of 8 elements), got a pointer at "
-                                 f"{addresses[name]:#x}")
-
-        def view(name):
-            t = self.shapes[name]
-            return DeviceTensor(addresses[name], t.shape, t.strides, t.dtype, self.device,
-                                "torch", None), _span(t.shape, t.strides, ITEMSIZE[t.dtype])
-        (o, o_span) = view("o")
-        for name in ("q", "k_cache", "v_cache"):
-            x, span = view(name)
-            if x.ptr <= o.ptr + o_span and o.ptr <= x.ptr + span and _share_memory(o, x):
+        aligned rows, and an output that shares no element with q or the cache (exact,
+        where their byte ranges meet)."""
+        q, k, v, o = (addresses[n] for n in _READ_AND_WRITTEN)
+        if (q | k | v | o) & 15:
+            name = next(n for n in _READ_AND_WRITTEN if addresses[n] & 15)
+            raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer and "
+                             f"strides multiples of 8 elements), got a pointer at "
+                             f"{addresses[name]:#x}")
+        o_end = o + self.spans["o"]
+        for name, lo in (("q", q), ("k_cache", k), ("v_cache", v)):
+            if lo <= o_end and o <= lo + self.spans[name] and self._overlap(addresses, name):
                 raise ValueError(f"out overlaps {name}: the kernel reads {name} while it "
                                  "writes out; pass a separate output")
+
+    def _overlap(self, addresses: dict, name: str) -> bool:
+        from mhadsl.api import _share_memory
+        from mhadsl.runtime.tensors import DeviceTensor
+
+        def view(n):
+            t = self.shapes[n]
+            return DeviceTensor(addresses[n], t.shape, t.strides, t.dtype, self.device,
+                                "torch", None)
+        return _share_memory(view("o"), view(name))
 
     def split_workspace(self, stream: int) -> dict[str, int]:
         """The stream's partial outputs and split counters (made on its first launch)."""
@@ -320,8 +326,12 @@ def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_
         if partial_rows else (0, 0, 0)
     lse_shape = tuple(dev["lse"].shape) if want_lse else None
     empty = not (call.batch and heads and (q_rows if ragged else rows_per_seq))
+    from mhadsl.api import _span
+    from mhadsl.runtime.tensors import ITEMSIZE
+    spans = {n: _span(t.shape, t.strides, ITEMSIZE[t.dtype]) if 0 not in t.shape else -1
+             for n, t in shapes.items() if n in _READ_AND_WRITTEN}
     return _DecodePlan(plan, tuple(q.shape), lse_shape, split_bytes, device, {}, splits, empty,
-                       shapes)
+                       shapes, spans)
 
 
 # ---------------------------------------------------------------------- torch fast path
