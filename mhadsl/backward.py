@@ -16,14 +16,11 @@ import weakref
 from mhadsl.build import _from_entry, _ptxas_version, _to_entry
 from mhadsl.codegen.backends import KernelBuild, Layout, select_target
 from mhadsl.codegen.backends.backward import (
-    ABI, DESIGN, MAIN, POSTPROCESS, PREPROCESS, grids, launch_shapes,
+    ABI, DESIGN, KERNELS, grids, launch_shapes,
 )
 from mhadsl.codegen.kernel import backward_hooks
 from mhadsl.codegen.target import gpu_target
 from mhadsl.runtime import cache
-
-KERNELS = (PREPROCESS, MAIN, POSTPROCESS)  # in launch order
-
 
 def backward_build(kernel, arch: str = "sm_90a", *, gqa_group: int = 1,
                    ragged: bool = False) -> KernelBuild:
@@ -75,6 +72,8 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
     from mhadsl.api import DTYPE_NAMES, _check_rows, _check_scale, _lse_shape
     from mhadsl.runtime import tensors
     call = kernel._validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if problems := DESIGN.problems(kernel.options, "sm_80"):  # (the same on either target)
+        raise kernel.options.backend_error(problems)
     scale = kernel.options.softmax_scale() if scale is None else _check_scale(scale)
     dtype = DTYPE_NAMES[kernel.options.dtype]
     for name, t in (("out", out), ("dout", dout)):
@@ -102,8 +101,6 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
     if len(devices) > 1:
         raise ValueError(f"the backward's tensors are on different devices: "
                          f"{sorted(map(str, devices))}")
-    if problem := DESIGN.problems(kernel.options, "sm_80"):
-        raise kernel.options.backend_error(problem)
     return _run(kernel, torch, call, q, k, v, out, lse.contiguous(), dout, cu_seqlens_q,
                 cu_seqlens_k, scale)
 

@@ -36,6 +36,7 @@ from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
 from mhadsl.codegen.target import Target, new_module
 
 PREPROCESS, MAIN, POSTPROCESS = "mha_bwd_preprocess", "mha_bwd", "mha_bwd_postprocess"
+KERNELS = (PREPROCESS, MAIN, POSTPROCESS)  # in launch order
 SMEM_SYMBOL = "mha_bwd_smem"
 HEAD_DIMS = (64, 128)  # 256 would hold 2 x 128 f32 dK/dV accumulators per thread: past 255
 MAX_REGISTERS = 255
@@ -55,6 +56,7 @@ class BackwardConfig:
     num_warps: int = 4
     gqa_group: int = 1
     ragged: bool = False
+    dq_passes: int = 1  # dQ = dS K in this many column passes (fewer live accumulators)
 
     @property
     def threads(self) -> int:
@@ -97,11 +99,11 @@ class BackwardConfig:
             found.append(Problem(("tile", "warps"), (
                 f"the K/V tile ({self.block_n}) must split into 16-row pieces over "
                 f"{self.num_warps} warps")))
-        columns = self.dq_columns
+        columns = self.dq_columns // self.dq_passes
         if columns < 16 or columns & (columns - 1):
             found.append(Problem(("warps", "head_dim"), (
                 f"dQ's {self.head_dim} columns must split into power-of-two pieces of at "
-                f"least 16 over {self.num_warps} warps")))
+                f"least 16 over {self.num_warps} warps and {self.dq_passes} passes")))
         if self.accumulators > MAX_REGISTERS:
             found.append(Problem(("tile", "warps"), (
                 f"each thread would hold {self.accumulators} f32 accumulators")))
@@ -238,11 +240,26 @@ def _unpack8(b, dtype: str, vec: ir.Value) -> list[ir.Value]:
     return [b.extract_element(wide, i32(i)) for i in range(8)]
 
 
-def _unpack_bf16_pairs(b, pairs: list[ir.Value]) -> list[ir.Value]:
-    """i32s of two bf16 each (low half first) -> their f32 values, in order."""
+def _ldmatrix(b, address: ir.Value, trans: bool = False) -> list[ir.Value]:
+    """`ldmatrix.x4[.trans]` from a 32-bit shared address (`warp.ldmatrix_x4` takes a
+    64-bit pointer); volatile, so it never moves across the barriers that order it after
+    the tile's copies."""
+    shape = "x4.trans" if trans else "x4"
+    res = b.asm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32]),
+                f"ldmatrix.sync.aligned.m8n8.{shape}.shared.b16 {{$0,$1,$2,$3}}, [$4];",
+                "=r,=r,=r,=r,r", [address], True)
+    return [b.extract_value(res, i) for i in range(4)]
+
+
+def _unpack_pairs(b, dtype: str, pairs: list[ir.Value]) -> list[ir.Value]:
+    """i32s of two 16-bit values each (low half first) -> their f32 values, in order."""
     out = []
     for x in pairs:
-        out += [b.bitcast(b.shl(x, i32(16)), f32), b.bitcast(b.and_(x, i32(-65536)), f32)]
+        if dtype == "bf16":  # bf16 is f32's upper half
+            out += [b.bitcast(b.shl(x, i32(16)), f32), b.bitcast(b.and_(x, i32(-65536)), f32)]
+        else:
+            wide = b.fpext(b.bitcast(x, ir.VectorType(warp.HALF, 2)), ir.VectorType(f32, 2))
+            out += [b.extract_element(wide, i32(e)) for e in range(2)]
     return out
 
 
@@ -375,20 +392,21 @@ class _MainKernel:
 
     # ------------------------------------------------------------------ shared memory
     def _bases(self, b, row, chunk, region_off: int, row_bytes: int):
-        """ldmatrix lane addresses {lo: region + row*row_bytes + ((chunk ^ row%8)*16 ^ lo)}
-        for the XOR part lo of a compile-time chunk offset (see `_at`). `row` is a multiple
-        of 8 plus r8, and a compile-time chunk offset never carries into `chunk`'s bits."""
+        """(row_bytes, the lane's 32-bit shared address of (row, chunk) in the swizzled
+        region): one register per operand, where 64-bit pointers per XOR variant would
+        take eight. `row` is a multiple of 8 plus r8."""
         x16 = b.shl(warp.swizzle_chunk(b, chunk, row), i32(4))
-        row_off = b.add(b.mul(row, i32(row_bytes)), i32(region_off))
-        return row_bytes, {lo: warp.smem_ptr(b, self.smem, b.add(row_off, b.xor(x16, i32(lo))))
-                           for lo in (0, 32, 64, 96) if lo < row_bytes}
+        region = b.add(b.ptrtoint(self.smem, i32), i32(region_off))
+        return row_bytes, b.add(b.add(region, b.mul(row, i32(row_bytes))), x16)
 
     def _at(self, b, bases, row: int, chunk: int):
-        """The lane's ldmatrix address, `row` rows (a multiple of 8) and `chunk` 16-byte
-        chunks (even) further."""
-        row_bytes, by_lo = bases
+        """The lane's ldmatrix address `row` rows (a multiple of 8) and `chunk` 16-byte
+        chunks (even) further: the chunk's low 3 bits XOR into the swizzled chunk (rows
+        and regions are 128-byte multiples, so the XOR touches the chunk alone), the rest
+        adds (a compile-time chunk never carries into the lane's chunk bits)."""
+        row_bytes, base = bases
         c16 = chunk * 16
-        return _gep(b, by_lo[c16 & 127], i64(row * row_bytes + (c16 & ~127)), nvptx.i8)
+        return b.add(b.xor(base, i32(c16 & 127)), i32(row * row_bytes + (c16 & ~127)))
 
     def _load_tile(self, b, tensor: str, first_row_off, rows_valid, rows: int, smem_off: int):
         """cp.async `rows` rows of `tensor` from element offset first_row_off (i64) into the
@@ -421,9 +439,9 @@ class _MainKernel:
         zero = warp.fconst(0.0)
         acc = [[[zero] * 4 for _ in range(NT)] for _ in range(MT)]
         for kk in range(k_depth // 16):
-            fa = [warp.ldmatrix_x4(b, self._at(b, a_bases, i * 16, 2 * kk)) for i in range(MT)]
+            fa = [_ldmatrix(b, self._at(b, a_bases, i * 16, 2 * kk)) for i in range(MT)]
             for jp in range(NT // 2):
-                fb = warp.ldmatrix_x4(b, self._at(b, b_bases, jp * 16, 2 * kk))
+                fb = _ldmatrix(b, self._at(b, b_bases, jp * 16, 2 * kk))
                 for i in range(MT):
                     acc[i][2 * jp] = warp.mma_m16n8k16(b, dt, fa[i], fb[0:2], acc[i][2 * jp])
                     acc[i][2 * jp + 1] = warp.mma_m16n8k16(b, dt, fa[i], fb[2:4],
@@ -449,7 +467,7 @@ class _MainKernel:
         for s in range(c.block_m // 16):
             fa = [t[s] for t in packed]
             for jp in range(c.head_dim // 16):
-                fb = warp.ldmatrix_x4(b, self._at(b, bt_bases, s * 16, 2 * jp), trans=True)
+                fb = _ldmatrix(b, self._at(b, bt_bases, s * 16, 2 * jp), trans=True)
                 for i, a_frag in enumerate(fa):
                     acc[i][2 * jp] = warp.mma_m16n8k16(b, dt, a_frag, fb[0:2], acc[i][2 * jp])
                     acc[i][2 * jp + 1] = warp.mma_m16n8k16(b, dt, a_frag, fb[2:4],
@@ -594,22 +612,26 @@ class _MainKernel:
             else:
                 p = warp.ex2(b, warp.fma(b, s, log2_scale, neg_lse[j][e & 1]))
             P[i][j][e] = p
+        # P and G = P * dscore/ds stay 16-bit until dS (P as dV's operand, G in bf16 for
+        # its range): the f32 tiles die here, so registers suffice beside dK and dV
         if hooks.score is None:
             P = self._masked(b, h, q0, [P], elements, q_idx, kv_idx)[0]
-            packed_p, G = self._pack(b, P), P
+            G = None
         else:
             P, G = self._masked(b, h, q0, [P, G], elements, q_idx, kv_idx)
-            # both 16-bit until dS: P as dV's operand, G = P * dscore/ds in bf16 (its range),
-            # so the f32 tiles die here and registers suffice beside dK and dV
-            packed_p = self._pack(b, P)
             G = [[[warp.pack2(b, "bf16", t[2 * e2], t[2 * e2 + 1]) for e2 in range(2)]
                   for t in mt] for mt in G]
+        packed_p = self._pack(b, P)
 
         dv = self._mma_registers(b, packed_p, "dout", dv)
         dP = self._mma_rows(b, "v", "dout", c.block_m, c.head_dim)
         delta = column_values(self.delta_off)
-        if hooks.score is not None:
-            G = [[_unpack_bf16_pairs(b, t) for t in mt] for mt in G]
+        if G is None:  # P's 16-bit values, from the A operands they are in
+            G = [[_unpack_pairs(b, c.dtype, [frags[j // 2][2 * (j % 2)],
+                                             frags[j // 2][2 * (j % 2) + 1]])
+                  for j in range(NQ)] for frags in packed_p]
+        else:
+            G = [[_unpack_pairs(b, "bf16", t) for t in mt] for mt in G]
         dS = [[[b.fmul(G[i][j][e], b.fsub(dP[i][j][e], delta[j][e & 1])) for e in range(4)]
                for j in range(NQ)] for i in range(MT)]
         dk = self._mma_registers(b, self._pack(b, dS), "q", dk)
@@ -657,20 +679,29 @@ class _MainKernel:
 
     def _dq(self, b, h, q_row, rows_valid):
         """dQ (block_m x this warp's dq_columns) = dS K, added into the fp32 accumulator
-        with one atomic per element (rows past the sequence skipped)."""
+        with one atomic per element (rows past the sequence skipped); in `dq_passes` passes
+        over the columns, each holding only its part of the product."""
+        c = self.c
+        width = c.dq_columns // c.dq_passes
+        for p in range(c.dq_passes):
+            self._dq_pass(b, h, q_row, rows_valid, p * width, width)
+
+    def _dq_pass(self, b, h, q_row, rows_valid, first: int, width: int):
         c, a, dt = self.c, self.a, self.c.dtype
-        MQ, ND = c.block_m // 16, c.dq_columns // 8
+        MQ, ND = c.block_m // 16, width // 8
         zero = warp.fconst(0.0)
         acc = [[[zero] * 4 for _ in range(ND)] for _ in range(MQ)]
         lanes = self._lanes(b)
         ds_bases = self._bases(b, lanes.b_row, lanes.m_lo, self.ds_off, self.DSB)
-        k_bases = self._bases(b, lanes.a_row, b.add(b.mul(lanes.warp_id, i32(ND)), lanes.m_hi),
-                              self.k_off, self.RB)
+        warp_chunk = b.mul(lanes.warp_id, i32(c.dq_columns // 8))
+        k_bases = self._bases(b, lanes.a_row, b.add(warp_chunk, lanes.m_hi), self.k_off,
+                              self.RB)
         for s in range(c.block_n // 16):
-            fa = [warp.ldmatrix_x4(b, self._at(b, ds_bases, s * 16, 2 * m), trans=True)
+            fa = [_ldmatrix(b, self._at(b, ds_bases, s * 16, 2 * m), trans=True)
                   for m in range(MQ)]
             for jp in range(ND // 2):
-                fb = warp.ldmatrix_x4(b, self._at(b, k_bases, s * 16, 2 * jp), trans=True)
+                fb = _ldmatrix(b, self._at(b, k_bases, s * 16, first // 8 + 2 * jp),
+                                      trans=True)
                 for m in range(MQ):
                     acc[m][2 * jp] = warp.mma_m16n8k16(b, dt, fa[m], fb[0:2], acc[m][2 * jp])
                     acc[m][2 * jp + 1] = warp.mma_m16n8k16(b, dt, fa[m], fb[2:4],
@@ -686,7 +717,7 @@ class _MainKernel:
                     base = _gep(b, a.dq_accum, b.add(off, b.zext(col0, i64)), f32)
                     for j in range(ND):
                         for e2 in range(2):
-                            ptr = _gep(b, base, i64(8 * j + e2), f32)
+                            ptr = _gep(b, base, i64(first + 8 * j + e2), f32)
                             b.atomic_rmw("fadd", ptr, acc[m][j][2 * r + e2], "monotonic")
 
     def _store_dkdv(self, b, hk, kv_row, dk_flat, dv_flat):
@@ -766,12 +797,14 @@ class BackwardDesign:
         return found
 
     def build(self, hooks: ExprHooks, config: BackwardConfig, target: Target) -> KernelBuild:
-        """LLVM IR, PTX and (with ptxas) the cubin; a 4-warp K/V tile of 64 rows, else (when
-        ptxas reports spills) the same work over 8 warps of 128 rows."""
-        wide = replace(config, block_n=128, num_warps=8)
+        """LLVM IR, PTX and (with ptxas) the cubin: the first of `config`, then the same with
+        dQ in two column passes, then the same work over 8 warps of 128 K/V rows, that
+        ptxas assembles without spills (its allocation at the 255-register cap is chaotic)."""
+        candidates = (config, replace(config, dq_passes=2),
+                      replace(config, block_n=128, num_warps=8))
         return spill_free_build(self.name, target, [
             (c, lambda c=c: build_backward_module(c, hooks, target))
-            for c in (config, wide) if not c.problems()])
+            for c in candidates if not c.problems()])
 
 
 DESIGN = BackwardDesign()
