@@ -17,7 +17,8 @@ Work split of `mha_bwd` (4 warps): each warp owns block_n / num_warps K/V rows a
 its rows of the transposed tiles S^T = K Q^T and dP^T = V dO^T, so P^T and dS^T are already
 the A operands of dV += P^T dO and dK += dS^T Q (no transposes through shared memory). dS^T
 goes to shared memory once (16-bit) for dQ = dS K, which the warps split by head-dim
-columns. Every shared tile has its 16-byte chunks XOR-swizzled by row % 8, as in sm80.
+columns. Every shared tile with 128-byte multiples for rows has its 16-byte chunks
+XOR-swizzled by row % 8, as in sm80 (dS^T of a 32-row query step has 64-byte rows: plain).
 One CTA per (K/V tile, K/V head, batch); grids are `grids()`'s.
 """
 from __future__ import annotations
@@ -92,9 +93,9 @@ class BackwardConfig:
                 f"the backward pass runs head_dim {', '.join(map(str, HEAD_DIMS))}, not "
                 f"{self.head_dim}")))
             return found
-        if self.block_m != 64:
-            found.append(Problem(("tile",), "the backward pass steps 64 query rows at a time "
-                                            "(dS^T rows are one 128-byte swizzle span)"))
+        if self.block_m not in (32, 64):
+            found.append(Problem(("tile",), "the backward pass steps 32 or 64 query rows at "
+                                            "a time"))
         if self.block_n % (16 * self.num_warps) or self.block_n % self.rows_per_pass:
             found.append(Problem(("tile", "warps"), (
                 f"the K/V tile ({self.block_n}) must split into 16-row pieces over "
@@ -392,12 +393,13 @@ class _MainKernel:
 
     # ------------------------------------------------------------------ shared memory
     def _bases(self, b, row, chunk, region_off: int, row_bytes: int):
-        """(row_bytes, the lane's 32-bit shared address of (row, chunk) in the swizzled
-        region): one register per operand, where 64-bit pointers per XOR variant would
-        take eight. `row` is a multiple of 8 plus r8."""
-        x16 = b.shl(warp.swizzle_chunk(b, chunk, row), i32(4))
+        """(row_bytes, the lane's 32-bit shared address of (row, chunk) in the region,
+        swizzled where rows are 128-byte multiples): one register per operand, where 64-bit
+        pointers per XOR variant would take eight. `row` is a multiple of 8 plus r8."""
+        if row_bytes % 128 == 0:
+            chunk = warp.swizzle_chunk(b, chunk, row)
         region = b.add(b.ptrtoint(self.smem, i32), i32(region_off))
-        return row_bytes, b.add(b.add(region, b.mul(row, i32(row_bytes))), x16)
+        return row_bytes, b.add(b.add(region, b.mul(row, i32(row_bytes))), b.shl(chunk, i32(4)))
 
     def _at(self, b, bases, row: int, chunk: int):
         """The lane's ldmatrix address `row` rows (a multiple of 8) and `chunk` 16-byte
@@ -406,6 +408,8 @@ class _MainKernel:
         adds (a compile-time chunk never carries into the lane's chunk bits)."""
         row_bytes, base = bases
         c16 = chunk * 16
+        if row_bytes % 128:  # a plain region
+            return b.add(base, i32(row * row_bytes + c16))
         return b.add(b.xor(base, i32(c16 & 127)), i32(row * row_bytes + (c16 & ~127)))
 
     def _load_tile(self, b, tensor: str, first_row_off, rows_valid, rows: int, smem_off: int):
@@ -644,7 +648,8 @@ class _MainKernel:
                 base = b.add(b.mul(row, i32(self.DSB)), b.add(b.shl(lanes.t, i32(2)),
                                                                i32(self.ds_off)))
                 for j in range(NQ):
-                    off = b.add(base, b.shl(b.xor(lanes.g, i32(j)), i32(4)))
+                    chunk = b.xor(lanes.g, i32(j)) if self.DSB % 128 == 0 else i32(j)
+                    off = b.add(base, b.shl(chunk, i32(4)))
                     val = warp.pack2(b, c.dtype, dS[i][j][2 * r], dS[i][j][2 * r + 1])
                     warp.store(b, val, warp.smem_ptr(b, self.smem, off), align=4)
         nvptx.barrier_all(b)
@@ -797,10 +802,12 @@ class BackwardDesign:
         return found
 
     def build(self, hooks: ExprHooks, config: BackwardConfig, target: Target) -> KernelBuild:
-        """LLVM IR, PTX and (with ptxas) the cubin: the first of `config`, then the same with
-        dQ in two column passes, then the same work over 8 warps of 128 K/V rows, that
-        ptxas assembles without spills (its allocation at the 255-register cap is chaotic)."""
-        candidates = (config, replace(config, dq_passes=2),
+        """LLVM IR, PTX and (with ptxas) the cubin: the first of `config`, then variants
+        with fewer live values (dQ in two column passes, 32-row query steps, both), then the
+        same work over 8 warps of 128 K/V rows, that ptxas assembles without spills (its
+        allocation at the 255-register cap is chaotic)."""
+        candidates = (config, replace(config, dq_passes=2), replace(config, block_m=32),
+                      replace(config, block_m=32, dq_passes=2),
                       replace(config, block_n=128, num_warps=8))
         return spill_free_build(self.name, target, [
             (c, lambda c=c: build_backward_module(c, hooks, target))
