@@ -106,9 +106,11 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
 
 
 def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale):
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    # (ragged: rows outside every sequence get no gradient from the kernels, so zeros)
+    alloc = torch.zeros if call.ragged else torch.empty
+    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
+    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
+    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
     if not (call.batch and call.heads):  # no CTA to launch (empty sequences launch)
         return dq.zero_(), dk.zero_(), dv.zero_()
     dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
