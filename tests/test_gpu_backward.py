@@ -42,11 +42,14 @@ def ragged(kern, lens_q, lens_k, hq, hkv):
                 cu_seqlens_k=offsets[1])
 
 
-def assert_close(name, got, want):
+def assert_close(name, got, want, dout):
+    """Relative error below 1e-2; where the exact gradient vanishes (one key: P = 1, so
+    dS = 0 and dQ = dK = 0), relative to a hundredth of dO's norm instead."""
     got = got.float().cpu().numpy().astype(np.float64)
     assert np.isfinite(got).all(), f"{name}: NaN or inf"
-    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-    assert err < 1e-2, (name, err)
+    floor = 1e-2 * np.linalg.norm(dout.float().cpu().numpy())
+    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), floor)
+    assert err < 1e-2, (name, err, got.shape)
 
 
 def assert_gradients(kern, args):
@@ -57,7 +60,7 @@ def assert_gradients(kern, args):
     ref = mhadsl.reference_backward(kern, args["q"], args["k"], args["v"], dout, **offsets)
     for name, got, want, like in zip(("dq", "dk", "dv"), grads, ref, "qkv"):
         assert got.shape == args[like].shape and got.dtype == args[like].dtype
-        assert_close(name, got, want)
+        assert_close(name, got, want, dout)
 
 
 @pytest.mark.parametrize("file, name", [
@@ -105,7 +108,7 @@ def test_torch_op_backward():
     out.backward(dout)
     ref = mhadsl.reference_backward(kern, q, k, v, dout)
     for name, t, want in zip(("dq", "dk", "dv"), (q, k, v), ref):
-        assert_close(name, t.grad, want)
+        assert_close(name, t.grad, want, dout)
 
 
 def test_torch_op_backward_ragged():
@@ -119,7 +122,7 @@ def test_torch_op_backward_ragged():
     ref = mhadsl.reference_backward(kern, q, k, v, dout, cu_seqlens_q=args["cu_seqlens_q"],
                                     cu_seqlens_k=args["cu_seqlens_k"])
     for name, t, want in zip(("dq", "dk", "dv"), (q, k, v), ref):
-        assert_close(name, t.grad, want)
+        assert_close(name, t.grad, want, dout)
 
 
 def test_torch_compile_forward_and_backward():

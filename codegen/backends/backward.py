@@ -752,7 +752,9 @@ class _MainKernel:
 def _kernel(module: ir.Module, name: str, threads: int) -> tuple[ir.Function, ir.IRBuilder]:
     fn = ir.Function(module, ir.FunctionType(nvptx.void, ABI.llvm_types()), name=name)
     nvptx.mark_kernel(fn)
-    set.add(fn.attributes, f'"nvvm.maxntid"="{threads}"')  # NVVM's attributes are strings
+    # NVVM's attributes are strings; one CTA per SM at least lets ptxas use 255 registers
+    set.add(fn.attributes, f'"nvvm.maxntid"="{threads}"')
+    set.add(fn.attributes, '"nvvm.minctasm"="1"')
     ABI.declare(fn)
     return fn, ir.IRBuilder(fn.append_basic_block("entry"))
 
