@@ -140,3 +140,30 @@ def test_torch_compile_forward_and_backward():
         grads.append([t.grad.float() for t in (q, k, v)])
     for eager, compiled in zip(*grads):
         assert torch.allclose(eager, compiled, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("variant", [dict(dq_passes=2), dict(block_m=32),
+                                     dict(block_m=32, dq_passes=2),
+                                     dict(block_n=128, num_warps=8)],
+                         ids=["dq-passes-2", "block-m-32", "block-m-32-dq-passes-2", "8-warps"])
+def test_every_fallback_build_is_correct(variant, monkeypatch, tmp_path):
+    """The builds `BackwardDesign.build` falls back to when ptxas spills, each forced."""
+    from dataclasses import replace
+
+    from mhadsl.backward import _state
+    from mhadsl.codegen.backends import spill_free_build
+    from mhadsl.codegen.backends.backward import DESIGN, build_backward_module
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))  # forced builds stay out of the cache
+
+    def forced(hooks, config, target):
+        config = replace(config, **variant)
+        return spill_free_build(DESIGN.name, target, [
+            (config, lambda: build_backward_module(config, hooks, target))])
+    monkeypatch.setattr(DESIGN, "build", forced)
+    for file, name, hq, hkv in (("gqa.mha", "gqa_causal", 8, 2),
+                                ("softcap.mha", "softcap_causal", 2, 2)):
+        kern = kernel(file, name)
+        assert_gradients(kern, dense(kern, 2, 200, 200, hq, hkv))
+        assert_gradients(kern, ragged(kern, [129, 0, 300], [129, 64, 300], hq, hkv))
+        configs = {config for _functions, config, _module in _state(kern).modules.values()}
+        assert configs and all(replace(c, **variant) == c for c in configs)
