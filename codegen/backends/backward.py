@@ -116,12 +116,17 @@ class BackwardConfig:
         return self
 
 
+def stage_bytes(config: BackwardConfig) -> int:
+    """One stage of a query step's inputs: Q, dO (block_m rows), the LSE and delta (block_m
+    floats each); a multiple of 128 bytes."""
+    return 2 * config.block_m * config.row_bytes + 8 * config.block_m
+
+
 def shared_bytes(config: BackwardConfig) -> int:
-    """K, V (block_n rows), Q, dO (block_m rows), dS^T (block_n x block_m, 16-bit), and the
-    step's -LSE*log2(e) and delta (block_m floats each)."""
+    """K, V (block_n rows), two stages (the step's and the next one's, `stage_bytes`), and
+    dS^T (block_n x block_m, 16-bit)."""
     c = config
-    return (2 * c.block_n + 2 * c.block_m) * c.row_bytes + c.block_n * c.block_m * 2 \
-        + 2 * c.block_m * 4
+    return 2 * c.block_n * c.row_bytes + 2 * stage_bytes(c) + c.block_n * c.block_m * 2
 
 
 def launch_shapes(config: BackwardConfig) -> dict[str, LaunchShape]:
@@ -188,6 +193,11 @@ def _lse_offset(b, args, bidx, head, row):
     of all rows when ragged)."""
     return b.add(b.add(b.mul(_sext64(b, bidx), args.lse_stride_batch),
                        b.mul(_sext64(b, head), args.lse_stride_head)), _sext64(b, row))
+
+
+def _i32(x) -> ir.Value:
+    """An i32 value of `x`, a Python int or already a value."""
+    return x if isinstance(x, ir.Value) else i32(x)
 
 
 def _gep(b, base, offset, etype):
@@ -372,18 +382,18 @@ class _MainKernel:
     """`mha_bwd`: the shared-memory layout, and the K/V tile's loop over query tiles."""
 
     def __init__(self, b, config: BackwardConfig, hooks: ExprHooks, args: KernelArgs,
-                 smem: ir.Value):
+                 smem: ir.Value, target_arch: str):
         c = self.c = config
         self.hooks, self.a, self.smem = hooks, args, smem
         self.RB, self.DSB = c.row_bytes, c.block_m * 2  # row bytes of the D-wide and dS^T tiles
         self.k_off = 0
         self.v_off = c.block_n * self.RB
-        self.q_off = 2 * c.block_n * self.RB
-        self.do_off = self.q_off + c.block_m * self.RB
-        self.ds_off = self.do_off + c.block_m * self.RB
-        self.lse_off = self.ds_off + c.block_n * self.DSB
-        self.delta_off = self.lse_off + 4 * c.block_m
-        self.offsets = {"k": self.k_off, "v": self.v_off, "q": self.q_off, "dout": self.do_off}
+        # a stage: Q, dO, LSE, delta at these offsets from its start
+        self.stage0, self.stage_bytes = 2 * c.block_n * self.RB, stage_bytes(c)
+        self.in_stage = {"q": 0, "dout": c.block_m * self.RB, "lse": 2 * c.block_m * self.RB,
+                         "delta": 2 * c.block_m * self.RB + 4 * c.block_m}
+        self.ds_off = self.stage0 + 2 * self.stage_bytes
+        self.vector_red = target_arch == "sm_90a"  # red.global.add.v2.f32 is sm_90's
 
     def _lanes(self, b) -> _Lanes:
         """This thread's lane values, derived afresh where a phase needs them: through an
@@ -398,7 +408,7 @@ class _MainKernel:
         pointers per XOR variant would take eight. `row` is a multiple of 8 plus r8."""
         if row_bytes % 128 == 0:
             chunk = warp.swizzle_chunk(b, chunk, row)
-        region = b.add(b.ptrtoint(self.smem, i32), i32(region_off))
+        region = b.add(b.ptrtoint(self.smem, i32), _i32(region_off))
         return row_bytes, b.add(b.add(region, b.mul(row, i32(row_bytes))), b.shl(chunk, i32(4)))
 
     def _at(self, b, bases, row: int, chunk: int):
@@ -421,7 +431,7 @@ class _MainKernel:
         lanes = self._lanes(b)
         thread_off = b.add(first_row_off, b.add(b.mul(_sext64(b, lanes.ld_row), stride),
                                                 b.zext(b.shl(lanes.ld_chunk, i32(3)), i64)))
-        dst = warp.smem_ptr(b, self.smem, b.add(lanes.ld_swz, i32(smem_off)))
+        dst = warp.smem_ptr(b, self.smem, b.add(lanes.ld_swz, _i32(smem_off)))
         for p in range(rows // rpp):
             valid = b.icmp_signed("<", b.add(lanes.ld_row, i32(p * rpp)), rows_valid)
             src = _gep(b, a[tensor], b.add(thread_off, b.mul(stride, i64(p * rpp))), nvptx.i16)
@@ -430,15 +440,15 @@ class _MainKernel:
                              b.select(valid, i32(16), i32(0)))
 
     # ------------------------------------------------------------------ tile products
-    def _mma_rows(self, b, a_tile: str, b_tile: str, n_cols: int, k_depth: int):
-        """A B^T over k_depth for this warp's K/V m-tiles: A rows from shared tile `a_tile`
-        (the warp's own K/V rows), B rows from `b_tile` (n_cols query rows), both
-        k-contiguous. Returns [m-tile][n-tile][4]."""
+    def _mma_rows(self, b, a_tile, b_tile, n_cols: int, k_depth: int):
+        """A B^T over k_depth for this warp's K/V m-tiles: A rows from the shared tile at
+        offset `a_tile` (the warp's own K/V rows), B rows from the one at `b_tile` (n_cols
+        query rows), both k-contiguous. Returns [m-tile][n-tile][4]."""
         c, dt = self.c, self.c.dtype
         lanes = self._lanes(b)
         a_bases = self._bases(b, b.add(lanes.warp_kv_row, lanes.a_row), lanes.m_hi,
-                              self.offsets[a_tile], self.RB)
-        b_bases = self._bases(b, lanes.b_row, lanes.m_lo, self.offsets[b_tile], self.RB)
+                              a_tile, self.RB)
+        b_bases = self._bases(b, lanes.b_row, lanes.m_lo, b_tile, self.RB)
         MT, NT = c.kv_tiles_per_warp, n_cols // 8
         zero = warp.fconst(0.0)
         acc = [[[zero] * 4 for _ in range(NT)] for _ in range(MT)]
@@ -462,12 +472,12 @@ class _MainKernel:
                   warp.pack2(b, dt, t[2 * s + 1][2], t[2 * s + 1][3])]
                  for s in range(len(t) // 2)] for t in tiles]
 
-    def _mma_registers(self, b, packed, bt_tile: str, acc):
-        """acc += T B for this warp: T packed by `_pack`, B = shared tile `bt_tile`
-        (block_m x head_dim), transposed by ldmatrix."""
+    def _mma_registers(self, b, packed, bt_tile, acc):
+        """acc += T B for this warp: T packed by `_pack`, B = the shared tile at offset
+        `bt_tile` (block_m x head_dim), transposed by ldmatrix."""
         c, dt = self.c, self.c.dtype
         lanes = self._lanes(b)
-        bt_bases = self._bases(b, lanes.a_row, lanes.m_hi, self.offsets[bt_tile], self.RB)
+        bt_bases = self._bases(b, lanes.a_row, lanes.m_hi, bt_tile, self.RB)
         for s in range(c.block_m // 16):
             fa = [t[s] for t in packed]
             for jp in range(c.head_dim // 16):
@@ -511,17 +521,29 @@ class _MainKernel:
             init = [zero] * (2 * count)
 
             def body(b, s, carried):
-                h, q0 = step_of(b, s)
+                # the next step's inputs go to the other stage while this one computes
+                stage = carried[-1]
+                nxt = self._next_step(b, b.add(s, i32(1)), steps, step_of)
+                nvptx.barrier_all(b)  # every warp is done with the other stage and dS
+                with b.if_then(b.icmp_signed("<", nxt, steps)):
+                    self._issue(b, *step_of(b, nxt), b.sub(i32(1), stage))
+                warp.cp_async_commit(b)
+                warp.cp_async_wait(b, 1)  # this step's group (and K, V) landed
+                nvptx.barrier_all(b)
                 dk = [[list(carried[(i * DT + j) * 4:(i * DT + j + 1) * 4]) for j in range(DT)]
                       for i in range(MT)]
                 dv = [[list(carried[count + (i * DT + j) * 4:count + (i * DT + j + 1) * 4])
                        for j in range(DT)] for i in range(MT)]
-                dk, dv = self._step(b, h, q0, dk, dv)
+                dk, dv = self._step(b, *step_of(b, s), stage, dk, dv)
                 flat = [x for acc in (dk, dv) for tile in acc for frag in tile for x in frag]
-                return self._next_step(b, b.add(s, i32(1)), steps, step_of), flat
+                return nxt, flat + [b.sub(i32(1), stage)]
 
-            final = _loop(b, self._next_step(b, i32(0), steps, step_of), steps, init, body)
-            self._store_dkdv(b, hk, kv_row, final[:count], final[count:])
+            first = self._next_step(b, i32(0), steps, step_of)
+            with b.if_then(b.icmp_signed("<", first, steps)):
+                self._issue(b, *step_of(b, first), i32(0))
+            warp.cp_async_commit(b)
+            final = _loop(b, first, steps, init + [i32(0)], body)
+            self._store_dkdv(b, hk, kv_row, final[:count], final[count:2 * count])
 
     def _classify(self, b, h, q0):
         """(may hold a kept pair, every pair kept) for the query tile at q0 of head h and
@@ -551,42 +573,44 @@ class _MainKernel:
         (found,) = _loop(b, start, steps, [steps], scan)
         return found
 
-    def _step(self, b, h, q0, dk, dv):
-        """One query tile of head h: dV, dK updated, dQ added into the accumulator."""
-        c, a, hooks = self.c, self.a, self.hooks
-        MT, NQ = c.kv_tiles_per_warp, c.block_m // 8
-        nvptx.barrier_all(b)  # every warp is done with the last step's Q, dO and dS
+    def _issue(self, b, h, q0, stage):
+        """cp.async the query tile at q0 of head h (Q, dO, and the LSE and delta of its
+        rows; rows past the sequence zero-filled) into `stage` (i32 0 or 1)."""
+        c, a = self.c, self.a
+        base = b.add(i32(self.stage0), b.mul(stage, i32(self.stage_bytes)))
         q_row = b.add(self.q_start, q0)
         rows_valid = b.sub(self.seqlen_q, q0)
-        for tensor, off in (("q", self.q_off), ("dout", self.do_off)):
+        for tensor in ("q", "dout"):
             self._load_tile(b, tensor, _row_offset(b, a, c.ragged, tensor, self.bidx, q_row, h),
-                            rows_valid, c.block_m, off)
-        warp.cp_async_commit(b)
-        # the step's -LSE*log2(e) (-inf where the row has no kept key or is past the end)
-        # and delta, into shared memory
+                            rows_valid, c.block_m, b.add(base, i32(self.in_stage[tensor])))
         tid = self._lanes(b).tid
         with b.if_then(b.icmp_unsigned("<", tid, i32(c.block_m))):
             valid = b.icmp_signed("<", tid, rows_valid)
             off = _lse_offset(b, a, self.bidx, h, b.add(q_row, b.select(valid, tid, i32(0))))
-            lse = b.load(_gep(b, a.lse, off, f32), typ=f32, align=4)
-            delta = b.load(_gep(b, a.delta, off, f32), typ=f32, align=4)
-            ninf = warp.fconst(warp.NEG_INF)
-            none = b.or_(b.not_(valid), b.fcmp_ordered("==", lse, ninf))
-            neg = b.select(none, ninf, b.fmul(lse, warp.fconst(-warp.LOG2E)))
-            slot = b.shl(tid, i32(2))
-            warp.store(b, neg, warp.smem_ptr(b, self.smem, b.add(slot, i32(self.lse_off))), 4)
-            warp.store(b, b.select(valid, delta, warp.fconst(0.0)),
-                       warp.smem_ptr(b, self.smem, b.add(slot, i32(self.delta_off))), 4)
-        warp.cp_async_wait(b, 0)
-        nvptx.barrier_all(b)
+            for name in ("lse", "delta"):
+                dst = b.add(base, b.add(b.shl(tid, i32(2)), i32(self.in_stage[name])))
+                nvptx.call(b, "llvm.nvvm.cp.async.ca.shared.global.4.s", nvptx.void,
+                           [warp.smem_ptr(b, self.smem, dst), _gep(b, a[name], off, f32),
+                            b.select(valid, i32(4), i32(0))])
+
+    def _step(self, b, h, q0, stage, dk, dv):
+        """One query tile of head h, its inputs in `stage`: dV, dK updated, dQ added into
+        the accumulator."""
+        c, a, hooks = self.c, self.a, self.hooks
+        MT, NQ = c.kv_tiles_per_warp, c.block_m // 8
+        q_row = b.add(self.q_start, q0)
+        rows_valid = b.sub(self.seqlen_q, q0)
+        base = b.add(i32(self.stage0), b.mul(stage, i32(self.stage_bytes)))
+        q_tile, do_tile = (b.add(base, i32(self.in_stage[n])) for n in ("q", "dout"))
 
         lanes = self._lanes(b)
 
-        def column_values(off):  # this thread's query columns' values: [n-tile][e & 1]
+        def column_values(name):  # this thread's query columns' values: [n-tile][e & 1]
             v2 = ir.VectorType(f32, 2)
             out = []
+            first = b.add(b.add(base, i32(self.in_stage[name])), b.shl(lanes.t, i32(3)))
             for j in range(NQ):
-                byte = b.add(b.shl(lanes.t, i32(3)), i32(off + 32 * j))
+                byte = b.add(first, i32(32 * j))
                 pair = b.load(warp.smem_ptr(b, self.smem, byte), typ=v2, align=8)
                 out.append([b.extract_element(pair, i32(e)) for e in range(2)])
             return out
@@ -599,8 +623,14 @@ class _MainKernel:
                                          b.add(lanes.g, i32(16 * i + 8 * (e >> 1)))))
 
         # S^T = K Q^T, then P^T (and G = P^T * dscore/ds with a score rule)
-        S = self._mma_rows(b, "k", "q", c.block_m, c.head_dim)
-        neg_lse = column_values(self.lse_off)
+        S = self._mma_rows(b, self.k_off, q_tile, c.block_m, c.head_dim)
+        # -LSE*log2(e) per column; -inf (P = 0) for rows without a kept key or past the end
+        ninf = warp.fconst(warp.NEG_INF)
+        neg_lse = [[b.select(b.or_(b.icmp_signed(">=", q_idx(j, e), self.seqlen_q),
+                                   b.fcmp_ordered("==", lse, ninf)),
+                             ninf, b.fmul(lse, warp.fconst(-warp.LOG2E)))
+                    for e, lse in enumerate(pair)]
+                   for j, pair in enumerate(column_values("lse"))]
         elements = [(i, j, e) for i in range(MT) for j in range(NQ) for e in range(4)]
         P = [[[None] * 4 for _ in range(NQ)] for _ in range(MT)]
         G = [[[None] * 4 for _ in range(NQ)] for _ in range(MT)]
@@ -627,9 +657,9 @@ class _MainKernel:
                   for t in mt] for mt in G]
         packed_p = self._pack(b, P)
 
-        dv = self._mma_registers(b, packed_p, "dout", dv)
-        dP = self._mma_rows(b, "v", "dout", c.block_m, c.head_dim)
-        delta = column_values(self.delta_off)
+        dv = self._mma_registers(b, packed_p, do_tile, dv)
+        dP = self._mma_rows(b, self.v_off, do_tile, c.block_m, c.head_dim)
+        delta = column_values("delta")
         if G is None:  # P's 16-bit values, from the A operands they are in
             G = [[_unpack_pairs(b, c.dtype, [frags[j // 2][2 * (j % 2)],
                                              frags[j // 2][2 * (j % 2) + 1]])
@@ -638,18 +668,18 @@ class _MainKernel:
             G = [[_unpack_pairs(b, "bf16", t) for t in mt] for mt in G]
         dS = [[[b.fmul(G[i][j][e], b.fsub(dP[i][j][e], delta[j][e & 1])) for e in range(4)]
                for j in range(NQ)] for i in range(MT)]
-        dk = self._mma_registers(b, self._pack(b, dS), "q", dk)
+        dk = self._mma_registers(b, self._pack(b, dS), q_tile, dk)
 
         # dS^T (16-bit) to shared memory, then dQ = dS K into the accumulator
         lanes = self._lanes(b)
         for i in range(MT):
             for r in range(2):
                 row = b.add(lanes.warp_kv_row, b.add(lanes.g, i32(16 * i + 8 * r)))
-                base = b.add(b.mul(row, i32(self.DSB)), b.add(b.shl(lanes.t, i32(2)),
-                                                               i32(self.ds_off)))
+                row_base = b.add(b.mul(row, i32(self.DSB)), b.add(b.shl(lanes.t, i32(2)),
+                                                                   i32(self.ds_off)))
                 for j in range(NQ):
                     chunk = b.xor(lanes.g, i32(j)) if self.DSB % 128 == 0 else i32(j)
-                    off = b.add(base, b.shl(chunk, i32(4)))
+                    off = b.add(row_base, b.shl(chunk, i32(4)))
                     val = warp.pack2(b, c.dtype, dS[i][j][2 * r], dS[i][j][2 * r + 1])
                     warp.store(b, val, warp.smem_ptr(b, self.smem, off), align=4)
         nvptx.barrier_all(b)
@@ -721,9 +751,16 @@ class _MainKernel:
                                       b.add(q_row, row), h)
                     base = _gep(b, a.dq_accum, b.add(off, b.zext(col0, i64)), f32)
                     for j in range(ND):
-                        for e2 in range(2):
-                            ptr = _gep(b, base, i64(first + 8 * j + e2), f32)
-                            b.atomic_rmw("fadd", ptr, acc[m][j][2 * r + e2], "monotonic")
+                        pair = acc[m][j][2 * r:2 * r + 2]
+                        ptr = _gep(b, base, i64(first + 8 * j), f32)
+                        if self.vector_red:
+                            b.asm(ir.FunctionType(nvptx.void, [i64, f32, f32]),
+                                  "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f",
+                                  [b.ptrtoint(ptr, i64), *pair], True)
+                        else:
+                            for e2, x in enumerate(pair):
+                                b.atomic_rmw("fadd", _gep(b, ptr, i64(e2), f32), x,
+                                             "monotonic")
 
     def _store_dkdv(self, b, hk, kv_row, dk_flat, dv_flat):
         """dK * scale and dV, in the input dtype, for the K/V rows inside the sequence."""
@@ -775,7 +812,7 @@ def build_backward_module(config: BackwardConfig, hooks: ExprHooks | None,
         emit(b, config, KernelArgs(fn, ABI, config))
         b.ret_void()
     fn, b = _kernel(module, MAIN, config.threads)
-    _MainKernel(b, config, hooks, KernelArgs(fn, ABI, config), smem).emit(b)
+    _MainKernel(b, config, hooks, KernelArgs(fn, ABI, config), smem, target.arch).emit(b)
     b.ret_void()
     return module
 
