@@ -35,8 +35,8 @@ def test_every_example_backward_assembles_without_spills(path, name, layout, arc
                         "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
                         "ldmatrix.sync.aligned.m8n8.x4.shared.b16", "cp.async.cg.shared.global",
                         "ex2.approx", "cp.async.ca.shared.global",
-                        # dQ's reduction: two columns at a time where the arch has it
-                        "red.global.add.v2.f32" if arch == "sm_90a" else "atom.global.add.f32"):
+                        # dQ's reduction: four columns at a time where the arch has it
+                        "red.global.add.v4.f32" if arch == "sm_90a" else "atom.global.add.f32"):
         assert instruction in build.ptx, instruction
     assert set(build.assembled.kernels) == set(KERNELS)
     for resources in build.assembled.kernels.values():

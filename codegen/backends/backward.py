@@ -393,7 +393,7 @@ class _MainKernel:
         self.in_stage = {"q": 0, "dout": c.block_m * self.RB, "lse": 2 * c.block_m * self.RB,
                          "delta": 2 * c.block_m * self.RB + 4 * c.block_m}
         self.ds_off = self.stage0 + 2 * self.stage_bytes
-        self.vector_red = target_arch == "sm_90a"  # red.global.add.v2.f32 is sm_90's
+        self.vector_red = target_arch == "sm_90a"  # red.global.add.v4.f32 is sm_90's
 
     def _lanes(self, b) -> _Lanes:
         """This thread's lane values, derived afresh where a phase needs them: through an
@@ -742,7 +742,11 @@ class _MainKernel:
                     acc[m][2 * jp + 1] = warp.mma_m16n8k16(b, dt, fa[m], fb[2:4],
                                                            acc[m][2 * jp + 1])
         lanes = self._lanes(b)
-        col0 = b.add(b.mul(lanes.warp_id, i32(c.dq_columns)), b.shl(lanes.t, i32(1)))
+        warp_col = b.add(b.mul(lanes.warp_id, i32(c.dq_columns)), i32(first))
+        if self.vector_red:
+            self._red_v4(b, h, q_row, rows_valid, lanes, warp_col, acc)
+            return
+        col0 = b.add(warp_col, b.shl(lanes.t, i32(1)))
         for m in range(MQ):
             for r in range(2):
                 row = b.add(lanes.g, i32(16 * m + 8 * r))
@@ -751,16 +755,34 @@ class _MainKernel:
                                       b.add(q_row, row), h)
                     base = _gep(b, a.dq_accum, b.add(off, b.zext(col0, i64)), f32)
                     for j in range(ND):
-                        pair = acc[m][j][2 * r:2 * r + 2]
-                        ptr = _gep(b, base, i64(first + 8 * j), f32)
-                        if self.vector_red:
-                            b.asm(ir.FunctionType(nvptx.void, [i64, f32, f32]),
-                                  "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f",
-                                  [b.ptrtoint(ptr, i64), *pair], True)
-                        else:
-                            for e2, x in enumerate(pair):
-                                b.atomic_rmw("fadd", _gep(b, ptr, i64(e2), f32), x,
-                                             "monotonic")
+                        for e2 in range(2):
+                            b.atomic_rmw("fadd", _gep(b, base, i64(8 * j + e2), f32),
+                                         acc[m][j][2 * r + e2], "monotonic")
+
+    def _red_v4(self, b, h, q_row, rows_valid, lanes, warp_col, acc):
+        """The dQ tile added four columns at a time (`red.global.add.v4.f32`, sm_90): lanes
+        t and t^1 swap half their accumulators, so the even one holds row g's columns
+        4(t/2)..+3 and the odd one row g+8's."""
+        c, a = self.c, self.a
+        odd = b.and_(lanes.t, i32(1))
+        is_odd = b.icmp_unsigned("!=", odd, i32(0))
+        col = b.add(warp_col, b.shl(b.lshr(lanes.t, i32(1)), i32(2)))
+        for m, tiles in enumerate(acc):
+            row = b.add(lanes.g, b.add(b.shl(odd, i32(3)), i32(16 * m)))
+            exchanged = []
+            for c0, c1, c2, c3 in tiles:  # (shuffles outside the branch: every lane takes part)
+                sent = [b.select(is_odd, x, y) for x, y in ((c0, c2), (c1, c3))]
+                got = [warp.shfl_bfly(b, x, 1) for x in sent]
+                exchanged.append([b.select(is_odd, got[0], c0), b.select(is_odd, got[1], c1),
+                                  b.select(is_odd, c2, got[0]), b.select(is_odd, c3, got[1])])
+            with b.if_then(b.icmp_signed("<", row, rows_valid)):
+                off = _row_offset(b, a, c.ragged, "dq_accum", self.bidx, b.add(q_row, row), h)
+                base = _gep(b, a.dq_accum, b.add(off, b.zext(col, i64)), f32)
+                for j, values in enumerate(exchanged):
+                    address = b.ptrtoint(_gep(b, base, i64(8 * j), f32), i64)
+                    b.asm(ir.FunctionType(nvptx.void, [i64] + [f32] * 4),
+                          "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f",
+                          [address, *values], True)
 
     def _store_dkdv(self, b, hk, kv_row, dk_flat, dv_flat):
         """dK * scale and dV, in the input dtype, for the K/V rows inside the sequence."""
