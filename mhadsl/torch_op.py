@@ -93,6 +93,8 @@ def _register_autograd(kernel, name: str) -> None:
         ctx.lengths = (max_q, max_k, scale)
 
     def backward(ctx, grad_out, _grad_lse):
+        if grad_out is None:  # only the LSE was used
+            return (None,) * 8
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         max_q, max_k, scale = ctx.lengths
         dq, dk, dv = backward_op(q, k, v, out, lse, grad_out.contiguous(), cu_q, cu_k, max_q,

@@ -17,9 +17,12 @@ Work split of `mha_bwd` (4 warps): each warp owns block_n / num_warps K/V rows a
 its rows of the transposed tiles S^T = K Q^T and dP^T = V dO^T, so P^T and dS^T are already
 the A operands of dV += P^T dO and dK += dS^T Q (no transposes through shared memory). dS^T
 goes to shared memory once (16-bit) for dQ = dS K, which the warps split by head-dim
-columns. Every shared tile with 128-byte multiples for rows has its 16-byte chunks
-XOR-swizzled by row % 8, as in sm80 (dS^T of a 32-row query step has 64-byte rows: plain).
-One CTA per (K/V tile, K/V head, batch); grids are `grids()`'s.
+columns and add into the accumulator (`red.global.add.v4.f32` on sm_90a, four columns per
+lane after a swap with the neighbouring lane; scalar atomics on sm_80). Each step's Q, dO,
+LSE and delta are fetched by cp.async into one of two stages while the other computes. Every
+shared tile with 128-byte multiples for rows has its 16-byte chunks XOR-swizzled by row % 8,
+as in sm80 (dS^T of a 32-row query step has 64-byte rows: plain). One CTA per (K/V tile,
+K/V head, batch); grids are `grids()`'s.
 """
 from __future__ import annotations
 
@@ -363,12 +366,11 @@ class _Lanes:
         self.g = b.lshr(lane, i32(2))  # accumulator row within an 8-row group
         self.t = b.and_(lane, i32(3))  # accumulator column pair
         r8 = b.and_(lane, i32(7))
-        m_lo = b.and_(b.lshr(lane, i32(3)), i32(1))
-        self.m_hi = b.lshr(lane, i32(4))
-        self.m_lo = m_lo
+        self.m_lo = b.and_(b.lshr(lane, i32(3)), i32(1))  # ldmatrix: (lane // 8) % 2
+        self.m_hi = b.lshr(lane, i32(4))  # lane // 16
         # ldmatrix lane rows: `a_row` (chunk m_hi) for A operands and transposed B operands,
         # `b_row` (chunk m_lo) for B operands and transposed A operands
-        self.a_row = b.add(b.shl(m_lo, i32(3)), r8)
+        self.a_row = b.add(b.shl(self.m_lo, i32(3)), r8)
         self.b_row = b.add(b.shl(self.m_hi, i32(3)), r8)
         self.warp_kv_row = b.mul(self.warp_id, i32(config.block_n // config.num_warps))
         chunks = config.head_dim // 8
@@ -491,7 +493,7 @@ class _MainKernel:
     # ------------------------------------------------------------------ the kernel body
     def emit(self, b):
         c, a = self.c, self.a
-        MT, NQ, DT = c.kv_tiles_per_warp, c.block_m // 8, c.head_dim // 8
+        MT, DT = c.kv_tiles_per_warp, c.head_dim // 8
         n = nvptx.special_register(b, "block_idx", "x")
         hk = nvptx.special_register(b, "block_idx", "y")
         bidx = nvptx.special_register(b, "block_idx", "z")
