@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from llvmlite import ir
 
+from mhadsl import ast
 from mhadsl.check import CheckedProgram
 from mhadsl.classify import emit_classify
 from mhadsl.derivative import differentiate_score
@@ -51,7 +52,19 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule) -> ExprHooks:
         return emit_classify(builder, mask_rule, program, b, h, q_lo, q_hi, kv_lo, kv_hi,
                              seqlen_q, seqlen_k)
     return ExprHooks(mask=mask, score=score,
-                     classify=classify if mask_rule is not None else None)
+                     classify=classify if mask_rule is not None else None,
+                     mask_uses_head=mask_rule is not None and _reads(mask_rule, "h"))
+
+
+def _reads(rule, name: str) -> bool:
+    """Whether the rule's body reads its parameter `name`."""
+    stack = list(rule.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Name) and node.id == name:
+            return True
+        stack.extend(ast.children(node))
+    return False
 
 
 def backward_hooks(program: CheckedProgram, mask_rule, score_rule) -> ExprHooks:

@@ -26,7 +26,9 @@ from mhadsl.attention_spec import AttentionOptions, resolve_attention, scale_pro
 from mhadsl.build import KernelRequest, build_kernel, plan
 from mhadsl.check import CheckedProgram
 from mhadsl.codegen import backends
-from mhadsl.codegen.backends import Backend, DeviceTarget, KernelBuild, LaunchShape, Layout
+from mhadsl.codegen.backends import (
+    Backend, CacheLayout, DeviceTarget, KernelBuild, LaunchShape, Layout,
+)
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.pipeline import front_end
 from mhadsl.sources import read_source_file
@@ -141,6 +143,7 @@ class Kernel:
         # launch plans by call signature: of validated calls, and of torch calls' tensors
         self._plans: dict[tuple, _Planned] = {}
         self._torch_plans: dict[tuple, _Planned] = {}
+        self._decode_plans: dict[tuple, object] = {}  # (mhadsl.serving) by torch signature
         from mhadsl.runtime import faults
         faults.scheduler_id(options.scheduler)  # remembered, so a fault record names it
         self._backend: str | None = None
@@ -160,6 +163,7 @@ class Kernel:
     def backend(self, name: str | None) -> None:
         self._backend = name
         self._torch_plans.clear()  # their key does not hold it
+        self._decode_plans.clear()
 
     @property
     def trace(self) -> bool:
@@ -171,12 +175,14 @@ class Kernel:
     def trace(self, on: bool) -> None:
         self._trace = on
         self._torch_plans.clear()
+        self._decode_plans.clear()
 
     # ---------------------------------------------------------------- builds
     def config(self, *, gqa_group: int = 1, ragged: bool = False, return_lse: bool = False,
-               arch: str = "sm_90a", backend: str | None = None):
+               arch: str = "sm_90a", backend: str | None = None,
+               cache: CacheLayout | None = None):
         """The build a call of this layout selects (its key; see `build` for the tile)."""
-        return self._configs(Layout(gqa_group, ragged, return_lse), arch, backend)[0]
+        return self._configs(Layout(gqa_group, ragged, return_lse, cache), arch, backend)[0]
 
     def _configs(self, layout: Layout, arch: str, backend: str | None) -> tuple:
         return plan(self.program.checked, self._request(layout, arch, backend)).configs
@@ -191,11 +197,14 @@ class Kernel:
                              config.gqa_group)
 
     def build(self, arch: str = "sm_90a", *, gqa_group: int = 1, ragged: bool = False,
-              return_lse: bool = False, backend: str | None = None) -> KernelBuild:
+              return_lse: bool = False, backend: str | None = None,
+              cache: CacheLayout | None = None) -> KernelBuild:
         """The kernel for `arch` (from the on-disk cache when it holds it): LLVM IR, PTX
-        and, with ptxas, the cubin and its resources."""
+        and, with ptxas, the cubin and its resources. With `cache`, the decode kernel of
+        calls against a KV cache of that layout."""
         build = build_kernel(self.program.checked,
-                             self._request(Layout(gqa_group, ragged, return_lse), arch, backend))
+                             self._request(Layout(gqa_group, ragged, return_lse, cache), arch,
+                                           backend))
         self.builds_compiled += not build.cached
         return build
 
@@ -208,7 +217,8 @@ class Kernel:
             return self._builds[key]
         from mhadsl.runtime import driver
         build = self.build(target.arch, gqa_group=layout.gqa_group, ragged=layout.ragged,
-                           return_lse=layout.return_lse, backend=backend.name)
+                           return_lse=layout.return_lse, backend=backend.name,
+                           cache=layout.cache)
         module = (driver.Module.from_cubin(build.assembled.cubin)
                   if target.load == "cubin" and build.assembled else
                   driver.Module.from_ptx(build.ptx.encode()))
@@ -242,7 +252,22 @@ class Kernel:
     # ---------------------------------------------------------------- calls
     def __call__(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                  max_seqlen_k=None, scale: float | None = None, out=None,
-                 return_lse: bool | None = None, stream=None):
+                 return_lse: bool | None = None, stream=None, cache_seqlens=None,
+                 page_table=None, num_splits: int | None = None):
+        if cache_seqlens is not None or page_table is not None or num_splits is not None:
+            # k and v are a KV cache (`mhadsl.serving`)
+            if cache_seqlens is None:
+                raise ValueError("a call against a KV cache needs cache_seqlens (int32, one "
+                                 "length per sequence)")
+            if cu_seqlens_k is not None or max_seqlen_k is not None:
+                raise ValueError("cu_seqlens_k/max_seqlen_k belong to calls with k and v; a "
+                                 "call against a KV cache takes its lengths from "
+                                 "cache_seqlens")
+            from mhadsl.serving import decode
+            return decode(self, q, k, v, cache_seqlens=cache_seqlens, page_table=page_table,
+                          cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, scale=scale,
+                          out=out, return_lse=return_lse, stream=stream,
+                          num_splits=num_splits)
         key = _torch_signature(q, k, v, out, cu_seqlens_q, cu_seqlens_k)
         if key is not None:  # torch tensors: a signature seen before runs its plan
             if (max_seqlen_q, max_seqlen_k, scale, return_lse) != _NO_OPTIONS:
@@ -351,17 +376,18 @@ class Kernel:
         planned.plan.launch({n: t.ptr for n, t in views.items() if t}, stream,
                             workspace=self.trace_workspace if self.trace else None)
 
-    def _design(self, device: int) -> tuple[Backend, DeviceTarget]:
-        """The design and target for `device` (asked once per kernel and device)."""
+    def _design(self, device: int, workload: str = "prefill") -> tuple[Backend, DeviceTarget]:
+        """The design and target for `device` (asked once per kernel, device and workload)."""
         from mhadsl.runtime import driver
         info = driver.device_info(device)
         design = (info.compute_capability, self.backend)
-        if design not in self._designs:
+        if (design, workload) not in self._designs:
             try:
-                self._designs[design] = backends.select_backend(*design, self.options)
+                self._designs[design, workload] = backends.select_backend(
+                    *design, self.options, workload)
             except ValueError as err:
                 raise RuntimeError(f"kernel '{self.name}': {err}") from None
-        return self._designs[design]
+        return self._designs[design, workload]
 
     def _planned(self, call: _Call, views: dict, scale: float, want_lse: bool) -> _Planned:
         """The plan of a validated call's signature: made on its first call, then reused."""
@@ -403,14 +429,19 @@ class Kernel:
     def _grid(self, config, call: _Call, num_sms: int, ctas_per_sm: int
               ) -> tuple[int, int, int]:
         """The scheduler's own grid_dim rule, run on the host."""
+        tiles = -(-call.max_seqlen_q // config.block_m)
+        return self._host_scheduler(config).grid(call.batch, tiles, call.max_seqlen_q,
+                                                 call.heads, num_sms, ctas_per_sm)
+
+    def _host_scheduler(self, config):
+        """The scheduler's rules compiled for the host, for a build's config."""
         from mhadsl.simulate import HostScheduler
         spec = self.scheduler_spec(config)
         host = _host_schedulers.get((self.program.text, spec))
         if host is None:
             host = _host_schedulers[(self.program.text, spec)] = HostScheduler(
                 self.program.checked, spec)
-        tiles = -(-call.max_seqlen_q // config.block_m)
-        return host.grid(call.batch, tiles, call.max_seqlen_q, call.heads, num_sms, ctas_per_sm)
+        return host
 
     # ---------------------------------------------------------------- checks
     def _validate(self, q, k, v, cu_q, cu_k, max_q, max_k) -> _Call:

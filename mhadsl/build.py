@@ -66,7 +66,8 @@ def plan(program: CheckedProgram, request: KernelRequest) -> Plan:
         options = dataclasses.replace(options, scheduler=name, scheduler_args=tuple(args))
     try:
         target = gpu_target(request.arch, request.ptx_version)
-        backend = backends.backend_for_arch(request.arch, request.backend, options)
+        backend = backends.backend_for_arch(request.arch, request.backend, options,
+                                           request.layout.workload)
     except ValueError as err:
         raise RequestError(str(err)) from None
     if problems := backend.problems(options, request.arch):

@@ -228,6 +228,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"constants from {cost.source}" + (f"; {gqa} query heads per K/V head "
                                                  f"({declared})" if declared else ""),
               file=sys.stderr)
+    if args.kv_splits:
+        from mhadsl.serving import decode_work
+        sequences, cost = decode_work(len(args.lengths), args.heads, args.kv_splits), "uniform"
+        print(f"decode work space: {len(args.lengths)} sequences x {args.heads} K/V heads x "
+              f"{args.kv_splits} KV splits (a work tile packs a K/V head's query heads)",
+              file=sys.stderr)
     spec = SchedulerSpec(args.scheduler, args.params, sequences.tile, gqa)
     result = simulate(program, spec, sequences, ctas=args.ctas, cost=cost,
                       num_sms=args.num_sms, ctas_per_sm=args.ctas_per_sm)
@@ -465,6 +471,8 @@ def validate(args: argparse.Namespace) -> None:
     if args.command == "simulate":
         if args.kernel and args.cost:
             raise UsageError("--kernel costs tiles as that kernel runs them: drop --cost")
+        if args.kv_splits is not None and (args.kernel or not 1 <= args.kv_splits <= 128):
+            raise UsageError("--kv-splits takes 1 to 128 splits, without --kernel")
         if args.gqa and args.heads % args.gqa:
             raise UsageError(f"--gqa {args.gqa} must divide --heads {args.heads}")
         args.params = tuple(_parse_param(p) for p in args.param)
@@ -556,6 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bind a scheduler parameter, e.g. --param order=PROMPT_ROTATE")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="draw a per-CTA timeline")
+    p.add_argument("--kv-splits", type=int, metavar="N",
+                   help="simulate a decode launch: --heads K/V heads, N KV splits per "
+                        "(sequence, K/V head); the lengths give the batch size")
     _include_argument(p)
     p.set_defaults(run=cmd_simulate)
 

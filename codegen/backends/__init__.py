@@ -33,7 +33,7 @@ from mhadsl.codegen.assemble import Assembled, assemble, find_ptxas
 from mhadsl.codegen.nvptx import i1, i32
 from mhadsl.codegen.target import Target, emit_ptx, optimize
 
-REGISTRY = ("sm80", "sm90")  # module names in this package, preferred first
+REGISTRY = ("sm80", "sm90", "decode")  # module names in this package, preferred first
 
 # Dynamic shared memory one CTA may opt in to, per build target (CUDA's per-block limits
 # of the A100 and H100/H200 class; smaller 8.x parts have less and fail at launch).
@@ -69,8 +69,10 @@ def backend(name: str) -> Backend:
     return importlib.import_module(f"{__name__}.{name}").BACKEND
 
 
-def backends() -> list[Backend]:
-    return [backend(name) for name in REGISTRY]
+def backends(workload: str = "prefill") -> list[Backend]:
+    """The registered designs of a workload ("prefill": a call with K and V; "decode": a
+    call against a KV cache)."""
+    return [b for b in map(backend, REGISTRY) if b.workload == workload]
 
 
 # The designs a target runs a declaration with when nothing forces one, preferred first (the
@@ -80,34 +82,47 @@ def backends() -> list[Backend]:
 PREFERENCE = {"sm_90a": ("sm90", "sm80")}
 
 
-def backend_for_arch(arch: str, requested: str | None = None, options=None) -> Backend:
+def backend_for_arch(arch: str, requested: str | None = None, options=None,
+                     workload: str = "prefill") -> Backend:
     """`requested` (it must build for `arch`), else the preferred backend for `arch` that
     runs declaration `options` (`AttentionOptions`; any, without them), else the first
-    registered one that builds for `arch`. The CLI, the API and a device all choose here."""
+    registered one of the workload that builds for `arch`. The CLI, the API and a device all
+    choose here."""
+    if requested is not None and backend(requested).workload != workload:
+        requested = None  # a forced prefill design does not change how a cache call runs
     if requested is not None:
         chosen = backend(requested)
         if arch not in chosen.targets:
             raise ValueError(f"attention backend {requested!r} builds for "
                              f"{', '.join(chosen.targets)}, not {arch}")
         return chosen
-    for name in PREFERENCE.get(arch, ()):
+    for name in PREFERENCE.get(arch, ()) if workload == "prefill" else ():
         if options is not None and not backend(name).problems(options, arch):
             return backend(name)
-    for candidate in backends():
+    for candidate in backends(workload):
         if arch in candidate.targets:
             return candidate
     raise ValueError(f"no attention backend builds for {arch}")
 
 
 def select_backend(compute_capability: tuple[int, int], requested: str | None = None,
-                   options=None) -> tuple[Backend, DeviceTarget]:
+                   options=None, workload: str = "prefill") -> tuple[Backend, DeviceTarget]:
     """The design and target a device of this compute capability runs declaration
     `options` (`AttentionOptions`) with; without `options`, the target's first backend."""
     target = select_target(compute_capability)
-    return backend_for_arch(target.arch, requested, options), target
+    return backend_for_arch(target.arch, requested, options, workload), target
 
 
 # ============================================================================ the interface
+@dataclass(frozen=True)
+class CacheLayout:
+    """What a call against a KV cache fixes at build time."""
+
+    query_rows: int = 1  # query rows per sequence (dense q); 0: ragged q (cu_seqlens_q)
+    page_size: int = 0  # 0: a contiguous cache
+    block_n: int = 64  # KV rows per KV tile, which the call's planner picks for its shape
+
+
 @dataclass(frozen=True)
 class Layout:
     """What a call fixes at build time (batch size and lengths are run-time values)."""
@@ -115,6 +130,11 @@ class Layout:
     gqa_group: int = 1  # Hq // Hkv
     ragged: bool = False  # lengths from cu_seqlens
     return_lse: bool = False
+    cache: CacheLayout | None = None  # a decode call's cache (None: q, k, v)
+
+    @property
+    def workload(self) -> str:
+        return "prefill" if self.cache is None else "decode"
 
 
 @dataclass(frozen=True)
@@ -190,6 +210,7 @@ class ExprHooks:
     mask: Callable | None = None
     score: Callable | None = None
     classify: Callable | None = None
+    mask_uses_head: bool = False  # the mask reads `h` (its tile classes differ per head)
     derivative: Callable | None = None
 
 
@@ -257,6 +278,7 @@ class Backend(ABC):
     `block_m` (query rows per work tile: the scheduler's tile height)."""
 
     name: str
+    workload: str = "prefill"  # which calls it runs (`Layout.workload`)
     targets: tuple[str, ...]  # arches it builds for
     abi: KernelABI  # the kernel's parameters, in order, for the kernel and the host alike
     config_type: type
@@ -371,23 +393,29 @@ class WorkTile:
         computed)."""
         if self.hooks.classify is None:
             return start
-        fn = b.function
-        pre = b.block
-        hdr, chk, nxt, done = (fn.append_basic_block(f"skip.{s}")
-                               for s in ("hdr", "chk", "next", "done"))
-        b.branch(hdr)
-        b.position_at_end(hdr)
-        n = b.phi(i32, "skip.n")
-        n.add_incoming(start, pre)
-        b.cbranch(b.icmp_signed("<", n, self.n_blocks), chk, done)
-        b.position_at_end(chk)
-        may, _ = self.classify(b, n)
-        b.cbranch(may, done, nxt)
-        b.position_at_end(nxt)
-        n.add_incoming(b.add(n, i32(1)), nxt)
-        b.branch(hdr)
-        b.position_at_end(done)
-        return n
+        return first_kept_tile(b, start, self.n_blocks, lambda bb, n: self.classify(bb, n)[0])
+
+
+def first_kept_tile(b: ir.IRBuilder, start: ir.Value, end: ir.Value,
+                    may_hold: Callable[[ir.IRBuilder, ir.Value], ir.Value]) -> ir.Value:
+    """The first KV tile n in [start, end) for which `may_hold(b, n)` (i1) says it may hold a
+    kept pair, else `end`: a loop in the IR."""
+    fn = b.function
+    pre = b.block
+    hdr, chk, nxt, done = (fn.append_basic_block(f"skip.{s}")
+                           for s in ("hdr", "chk", "next", "done"))
+    b.branch(hdr)
+    b.position_at_end(hdr)
+    n = b.phi(i32, "skip.n")
+    n.add_incoming(start, pre)
+    b.cbranch(b.icmp_signed("<", n, end), chk, done)
+    b.position_at_end(chk)
+    b.cbranch(may_hold(b, n), done, nxt)
+    b.position_at_end(nxt)
+    n.add_incoming(b.add(n, i32(1)), nxt)
+    b.branch(hdr)
+    b.position_at_end(done)
+    return n
 
 
 def spill_free_build(backend: str, target: Target,

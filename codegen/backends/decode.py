@@ -1,0 +1,905 @@
+"""The decode design: a few query rows per sequence against a (paged) KV cache.
+
+Decoding reads the whole KV cache once per step and computes little with it, so this design
+is built around the copy: `cp.async` (16 B, any address, which a page gather needs) keeps
+`stages` K/V tiles in flight per CTA, and `mma.sync` does the little math. It builds for
+sm_80 and sm_90a alike.
+
+The work tile (what the scheduler hands out, `TileSeq`) is decode's own:
+- **GQA packing**: a tile's rows are the query heads that share one K/V head times the query
+  rows (packed row r = query row r // group, head hk * group + r % group), so each K/V tile
+  is read once per group, not once per query head. The scheduler's heads are K/V heads.
+- **Split-KV**: the scheduler's "prompt tiles" are (query-row tile, KV split) pairs, split
+  fastest, with a tile height of 1: prompt_offset = q_tile * num_splits + split. Split s of a
+  sequence covers cache positions [s * kv_chunk, (s + 1) * kv_chunk). With one split the
+  tile writes O; with more, each split writes its fp32 partial O and LSE to the workspace,
+  and the last split of a group to finish (a counter per group, which that split resets to
+  0, so CUDA-graph replays need no host work) merges them into O and the LSE.
+- **Paged KV**: position p of sequence b lives in page `page_table[b, p // page_size]`, row
+  p % page_size; a contiguous cache is the same with page b and no page size. The page
+  entries a tile needs are read one tile ahead, while the tile before it computes.
+
+Within a CTA, warp w owns 16 packed rows (w % warps_m) and a slice of each KV tile's columns
+(w // warps_m); warps that share rows merge their softmax states through shared memory at the
+end (FlashDecoding's split within the CTA, which keeps all warps busy on 16 rows).
+
+The mask and score rules see cache positions: q_idx is the row's index among its sequence's
+query rows, seqlen_q the sequence's query rows and seqlen_k its cache length (the rows are
+the last positions of the cache, so `kv_idx <= q_idx + seqlen_k - seqlen_q` is causal).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from llvmlite import ir
+
+from mhadsl.codegen import nvptx, warp
+from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
+from mhadsl.codegen.backends import (
+    Backend, CacheLayout, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape, Layout,
+    Problem, TileSeq, common_problems, first_kept_tile, last_index, spill_free_build,
+)
+from mhadsl.codegen.nvptx import GLOBAL, SHARED, f32, i1, i32, i64
+from mhadsl.codegen.scheduler import count_exit
+from mhadsl.codegen.target import Target, new_module
+
+KERNEL_NAME = "mha_decode"
+SMEM_SYMBOL = "mha_decode_smem"
+HEAD_DIMS = (64, 128, 256)
+MAX_ROWS = 128  # packed rows per work tile
+RAGGED_ROWS = 64  # packed rows per tile of a ragged (chunked-prefill) call
+SHARED_BUDGET = 160 * 1024  # what one CTA may use on every target (sm_80 allows 163 KiB)
+# KV tiles in flight per CTA: three leave room for two CTAs per multiprocessor on sm_90a,
+# which measured faster than one CTA with four (BENCHMARKS.md, decode)
+MAX_STAGES = 3
+# how far ahead of its copies a tile's page entries are read, in KV rows: a page-table read
+# (L2, under a saturated memory system) takes about as long as streaming that many rows
+PAGE_LOOKAHEAD_ROWS = 128
+
+
+# ============================================================================ configuration
+def packed_rows(query_rows: int, gqa_group: int) -> int:
+    """Packed rows per work tile (a multiple of 16) for `query_rows` per sequence (0:
+    ragged) and the query heads of a K/V head."""
+    if query_rows == 0:
+        return RAGGED_ROWS
+    return min(MAX_ROWS, -(-query_rows * gqa_group // 16) * 16)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Everything that selects a decode build (hashable; part of the cache key)."""
+
+    dtype: str = "bf16"
+    head_dim: int = 128
+    gqa_group: int = 1
+    query_rows: int = 1  # query rows per sequence (dense); 0: ragged, from cu_seqlens_q
+    page_size: int = 0  # 0: a contiguous cache
+    return_lse: bool = False
+    block_n: int = 64  # KV rows per KV tile
+    stages: int = 4  # K/V tiles in flight (cp.async groups)
+    page_lookahead: int = 2  # KV tiles between reading a tile's page entries and its copies
+
+    # the scheduler's tile height: a work tile is one (query-row tile, split) pair
+    block_m = 1
+    ragged = False  # the scheduler's work space is dense (empty splits exit at once)
+
+    @property
+    def rows(self) -> int:
+        return packed_rows(self.query_rows, self.gqa_group)
+
+    @property
+    def warps_m(self) -> int:
+        return self.rows // 16
+
+    @property
+    def num_warps(self) -> int:
+        """Four, or as many as the rows need; warps that share rows split the KV tile's
+        columns, 16 at least each."""
+        return max(self.warps_m, min(4, self.warps_m * self.block_n // 16))
+
+    @property
+    def warps_n(self) -> int:
+        return self.num_warps // self.warps_m
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def warp_cols(self) -> int:
+        """KV columns of a tile each warp computes."""
+        return self.block_n // self.warps_n
+
+    @property
+    def row_bytes(self) -> int:
+        return self.head_dim * warp.ELEMENT_BYTES
+
+    @property
+    def rows_per_pass(self) -> int:
+        """Rows one CTA-wide pass of 16-byte copies covers."""
+        return self.threads // (self.head_dim // 8)
+
+    @property
+    def stage_bytes(self) -> int:
+        return 2 * self.block_n * self.row_bytes
+
+    @property
+    def merge_bytes(self) -> int:
+        """The cross-warp merge: per warp, 16 rows of O, max and sum (fp32)."""
+        return self.num_warps * 16 * (self.head_dim + 2) * 4 if self.warps_n > 1 else 0
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.rows * self.row_bytes + max(self.stages * self.stage_bytes,
+                                                self.merge_bytes) + 16
+
+    def problems(self) -> list[Problem]:
+        found = common_problems(self)
+        if self.head_dim not in HEAD_DIMS:
+            found.append(Problem(("head_dim",), f"decode supports head_dim "
+                                                f"{', '.join(map(str, HEAD_DIMS))}, got "
+                                                f"{self.head_dim}"))
+        elif self.warp_cols < 16 or self.block_n % self.rows_per_pass:
+            found.append(Problem(("tile",), f"a KV tile of {self.block_n} rows is too small "
+                                            f"for {self.num_warps} warps"))
+        elif self.shared_bytes > SHARED_BUDGET:
+            found.append(Problem(("head_dim",), "the decode tiles need more shared memory "
+                                                "than a CTA has"))
+        return found
+
+    @property
+    def page_shift(self) -> int:
+        return self.page_size.bit_length() - 1
+
+
+def decode_config(options, layout: Layout) -> DecodeConfig:
+    """The decode build for a declaration and a cache call's layout: its KV tile, as many
+    stages in flight as shared memory holds, up to MAX_STAGES."""
+    cache = layout.cache
+    block_n = cache.block_n
+    base = DecodeConfig(options.dtype, options.head_dim, layout.gqa_group, cache.query_rows,
+                        cache.page_size, layout.return_lse, block_n, 1)
+    room = SHARED_BUDGET - 16 - base.rows * base.row_bytes
+    return DecodeConfig(options.dtype, options.head_dim, layout.gqa_group, cache.query_rows,
+                        cache.page_size, layout.return_lse, block_n,
+                        max(2, min(MAX_STAGES, room // base.stage_bytes)),
+                        max(1, PAGE_LOOKAHEAD_ROWS // block_n))
+
+
+# ============================================================================ kernel parameters
+ABI = KernelABI(
+    Param("q", "ptr", Pointer("q"), "queries: dense (B, Sq, Hq, D) / ragged (total_q, Hq, D); 16-byte aligned rows", align=16),
+    Param("k_cache", "ptr", Pointer("k_cache"), "keys: paged (num_pages, page_size, Hkv, D) / contiguous (B, capacity, Hkv, D)", align=16),
+    Param("v_cache", "ptr", Pointer("v_cache"), "values, the layout of k_cache", align=16),
+    Param("o", "ptr", Pointer("o"), "output, the layout of q", align=16),
+    Param("lse", "ptr", Pointer("lse"), "float32 log-sum-exp (natural log), or null: element (b, h, row) at b*lse_stride_batch + h*lse_stride_head + first_row_of_b + row", align=4),
+    Param("cache_seqlens", "ptr", Pointer("cache_seqlens"), "int32 (B): positions of each sequence's cache that hold keys", align=4),
+    Param("page_table", "ptr", Pointer("page_table"), "int32 (B, max_pages) page of each page-size run of positions; null: contiguous", align=4),
+    Param("query_offsets", "ptr", Pointer("cu_seqlens_q"), "int32 (B+1) query row offsets (ragged q: cu_seqlens_q), else null", align=4),
+    Param("q_stride_batch", "i64", CallValue("q_stride_batch"), "elements between sequences of q (0 ragged)"),
+    Param("q_stride_row", "i64", Stride("q", "row"), "elements between query rows of q"),
+    Param("q_stride_head", "i64", Stride("q", "head"), "elements between heads of q"),
+    Param("o_stride_batch", "i64", CallValue("o_stride_batch"), "elements between sequences of o (0 ragged)"),
+    Param("o_stride_row", "i64", Stride("o", "row"), "elements between rows of o"),
+    Param("o_stride_head", "i64", Stride("o", "head"), "elements between heads of o"),
+    *(Param(f"{t}_stride_{axis}", "i64", Stride(f"{t}_cache", a), f"elements between {axis}s of {t}_cache")
+      for t in "kv" for axis, a in (("page", "batch"), ("row", "row"), ("head", "head"))),
+    Param("page_table_stride", "i64", CallValue("page_table_stride"), "entries between sequences of page_table (0 contiguous)"),
+    Param("lse_stride_batch", "i64", CallValue("lse_stride_batch"), "floats between sequences of lse: Hq*Sq dense, 0 ragged"),
+    Param("lse_stride_head", "i64", CallValue("lse_stride_head"), "floats between heads of lse: Sq dense, total_q ragged"),
+    Param("batch", "i32", CallValue("batch"), "sequences B"),
+    Param("num_heads", "i32", CallValue("kv_heads"), "K/V heads Hkv: the scheduler's heads (a tile packs the group's query heads)"),
+    Param("query_rows", "i32", CallValue("query_rows"), "query rows per sequence (dense)"),
+    Param("cache_capacity", "i32", CallValue("cache_capacity"), "positions a sequence's cache holds (max_pages * page_size, or the contiguous cache's length); longer cache_seqlens are clamped to it"),
+    Param("q_tiles", "i32", CallValue("q_tiles"), "packed-row tiles per sequence"),
+    Param("num_splits", "i32", CallValue("num_splits"), "KV splits per sequence"),
+    Param("kv_chunk", "i32", CallValue("kv_chunk"), "cache positions per split, a multiple of the KV tile"),
+    Param("work_tiles", "i32", CallValue("work_tiles"), "q_tiles * num_splits: the scheduler's prompt tiles"),
+    Param("softmax_scale", "f32", CallValue("softmax_scale"), "scale applied to q.k before the score rule / softmax"),
+    Param("partial_o", "ptr", Workspace("partial_o"), "fp32 (groups, num_splits, rows, D) partial outputs of split groups", align=16),
+    Param("partial_lse", "ptr", Workspace("partial_lse"), "fp32 (groups, num_splits, rows) partial LSEs", align=4),
+    Param("split_counters", "ptr", Workspace("split_counters"), "u32 per (batch, K/V head, q tile): splits finished; zero between launches", align=4),
+    Param("queue", "ptr", Workspace("queue"), "per-stream u32 workspace: the work-queue counter and the scheduler fault record (codegen/abi.py)", align=4),
+    Param("num_sms", "i32", CallValue("num_sms"), "multiprocessors on the device"),
+    Param("ctas_per_sm", "i32", CallValue("ctas_per_sm"), "CTAs of this kernel that fit on one multiprocessor"),
+)
+
+
+def _scheduler_view(args: KernelArgs) -> None:
+    """What the scheduler's work loop reads, in decode's work space: a dense batch of
+    `max_seqlen_q` prompt tiles (query-row tile x split) per (sequence, K/V head)."""
+    null = ir.Constant(nvptx.ptr(GLOBAL), None)
+    args.max_seqlen_q = args.seqlen_q = args.work_tiles
+    args.cu_seqlens_q, args.tile_index = null, null
+
+
+# ============================================================================ IR helpers
+def _i64(b, v):
+    return b.sext(v, i64)
+
+
+def _min(b, x, y):
+    return b.select(b.icmp_signed("<", x, y), x, y)
+
+
+def _fence(b: ir.IRBuilder) -> None:
+    b.asm(ir.FunctionType(nvptx.void, []), "fence.acq_rel.gpu;", "", [], True)
+
+
+def _load_l2(b: ir.IRBuilder, ptr: ir.Value, lanes: int) -> list[ir.Value]:
+    """`lanes` f32 read at the L2 (other CTAs wrote them in this launch; L1 may be stale)."""
+    if lanes == 1:
+        return [b.asm(ir.FunctionType(f32, [ptr.type]), "ld.global.cg.f32 $0, [$1];", "=f,l",
+                      [ptr], True)]
+    ret = ir.LiteralStructType([f32] * lanes)
+    regs = ",".join(f"${i}" for i in range(lanes))
+    res = b.asm(ir.FunctionType(ret, [ptr.type]),
+                f"ld.global.cg.v{lanes}.f32 {{{regs}}}, [${lanes}];",
+                ",".join(["=f"] * lanes) + ",l", [ptr], True)
+    return [b.extract_value(res, i) for i in range(lanes)]
+
+
+def _loop(b: ir.IRBuilder, name: str, start: ir.Value, end: ir.Value, carried: list[ir.Value],
+          body) -> list[ir.Value]:
+    """for i in [start, end): carried = body(b, i, carried); returns the final values."""
+    fn = b.function
+    pre = b.block
+    hdr, blk, done = (fn.append_basic_block(f"{name}.{s}") for s in ("hdr", "body", "done"))
+    b.branch(hdr)
+    b.position_at_end(hdr)
+    i = b.phi(i32, f"{name}.i")
+    i.add_incoming(start, pre)
+    phis = [b.phi(v.type) for v in carried]
+    for p, v in zip(phis, carried):
+        p.add_incoming(v, pre)
+    b.cbranch(b.icmp_signed("<", i, end), blk, done)
+    b.position_at_end(blk)
+    out = body(b, i, list(phis))
+    latch = b.block
+    i.add_incoming(b.add(i, i32(1)), latch)
+    for p, v in zip(phis, out):
+        p.add_incoming(v, latch)
+    b.branch(hdr)
+    b.position_at_end(done)
+    return list(phis)
+
+
+# ============================================================================ the tile
+class _DecodeTile:
+    """One work tile: (sequence, K/V head, query-row tile, split)."""
+
+    def __init__(self, c: DecodeConfig, hooks: ExprHooks, b: ir.IRBuilder, a: KernelArgs,
+                 smem: ir.Value, seq: TileSeq):
+        self.c, self.hooks, self.a, self.smem = c, hooks, a, smem
+        G = c.gqa_group
+        self.bidx, self.hk = seq.prompt_idx, seq.head_idx
+        self.q_tile = b.udiv(seq.prompt_offset, a.num_splits)
+        self.split = b.urem(seq.prompt_offset, a.num_splits)
+        if c.query_rows:
+            self.q_start, self.seqlen_q = i32(0), a.query_rows
+        else:
+            cu = a.query_offsets
+            self.q_start = b.load(b.gep(cu, [self.bidx], source_etype=i32), typ=i32)
+            end = b.load(b.gep(cu, [b.add(self.bidx, i32(1))], source_etype=i32), typ=i32)
+            self.seqlen_q = b.sub(end, self.q_start)
+        self.r0 = b.mul(self.q_tile, i32(c.rows))
+        self.packed_rows = b.mul(self.seqlen_q, i32(G))
+        self.rows_valid = b.sub(self.packed_rows, self.r0)
+        stored = b.load(b.gep(a.cache_seqlens, [self.bidx], source_etype=i32), typ=i32)
+        clamped = _min(b, stored, a.cache_capacity)  # (unchecked device values stay in bounds)
+        self.seqlen_k = b.select(b.icmp_signed("<", clamped, i32(0)), i32(0), clamped)
+        self.kv_begin = b.mul(self.split, a.kv_chunk)
+        self.kv_end = _min(b, b.add(self.kv_begin, a.kv_chunk), self.seqlen_k)
+        chunks = b.udiv(b.add(self.seqlen_k, b.sub(a.kv_chunk, i32(1))), a.kv_chunk)
+        self.splits_used = b.select(b.icmp_signed("<", chunks, i32(1)), i32(1),
+                                    _min(b, chunks, a.num_splits))
+        self.n_begin = b.udiv(self.kv_begin, i32(c.block_n))
+        self.n_end = b.udiv(b.add(self.kv_end, i32(c.block_n - 1)), i32(c.block_n))
+        self.q_lo = b.udiv(self.r0, i32(G))
+        self.q_hi = b.udiv(last_index(b, self.r0, c.rows, self.packed_rows), i32(G))
+
+    def runs(self, b: ir.IRBuilder) -> ir.Value:
+        """Whether the tile has rows and is one of its sequence's used splits."""
+        return b.and_(b.icmp_signed(">", self.rows_valid, i32(0)),
+                      b.icmp_signed("<", self.split, self.splits_used))
+
+    def head_of(self, b, packed_row):
+        return b.add(b.mul(self.hk, i32(self.c.gqa_group)),
+                     b.urem(packed_row, i32(self.c.gqa_group)))
+
+    def classify(self, b: ir.IRBuilder, n: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """(may hold a kept pair, every pair kept) for KV tile n over the tile's rows; a mask
+        that reads the head is classified for each head of the group."""
+        c = self.c
+        kv_lo = b.mul(n, i32(c.block_n))
+        inside = b.icmp_signed("<=", b.add(kv_lo, i32(c.block_n)), self.kv_end)
+        if self.hooks.classify is None:
+            always = inside if self.hooks.mask is None else ir.Constant(i1, 0)
+            return ir.Constant(i1, 1), always
+        kv_hi = last_index(b, kv_lo, c.block_n, self.kv_end)
+        heads = range(c.gqa_group) if self.hooks.mask_uses_head else (0,)
+        may, always = ir.Constant(i1, 0), inside
+        for g in heads:
+            h = b.add(b.mul(self.hk, i32(c.gqa_group)), i32(g))
+            m, a = self.hooks.classify(b, self.bidx, h, self.q_lo, self.q_hi, kv_lo, kv_hi,
+                                       self.seqlen_q, self.seqlen_k)
+            may, always = b.or_(may, m), b.and_(always, a)
+        return may, always
+
+    def next_nonempty(self, b: ir.IRBuilder, start: ir.Value) -> ir.Value:
+        """The first KV tile >= start of the split that may hold a kept pair, else n_end."""
+        if self.hooks.classify is None:
+            return start
+        return first_kept_tile(b, start, self.n_end, lambda bb, n: self.classify(bb, n)[0])
+
+
+class _Emitter:
+    """The kernel body: thread-level values once, then `emit_tile` per work tile."""
+
+    def __init__(self, c: DecodeConfig, hooks: ExprHooks, b: ir.IRBuilder, a: KernelArgs,
+                 smem: ir.Value):
+        self.c, self.hooks, self.a, self.smem = c, hooks, a, smem
+        self.RB = c.row_bytes
+        self.kv_off = c.rows * self.RB
+        self.flag_off = self.kv_off + max(c.stages * c.stage_bytes, c.merge_bytes)
+        tid = nvptx.opaque_special_register(b, "tid.x")
+        self.tid = tid
+        lane = b.and_(tid, i32(31))
+        warp_id = b.lshr(tid, i32(5))
+        self.wm = b.urem(warp_id, i32(c.warps_m))
+        self.wn = b.udiv(warp_id, i32(c.warps_m))
+        self.g = b.lshr(lane, i32(2))
+        self.t = b.and_(lane, i32(3))
+        r8 = b.and_(lane, i32(7))
+        m_lo = b.and_(b.lshr(lane, i32(3)), i32(1))
+        m_hi = b.lshr(lane, i32(4))
+        self.warp_row = b.mul(self.wm, i32(16))
+        self.warp_col = b.mul(self.wn, i32(c.warp_cols))
+        # ldmatrix lane offsets {lo: row*RB + (x16 ^ lo)} (as the sm80 design's _lane_bases)
+        self.q_lanes = self._lane_offsets(b, b.add(self.warp_row, b.add(b.shl(m_lo, i32(3)), r8)),
+                                          b.shl(b.xor(m_hi, r8), i32(4)))
+        self.k_lanes = self._lane_offsets(b, b.add(self.warp_col, b.add(b.shl(m_hi, i32(3)), r8)),
+                                          b.shl(b.xor(m_lo, r8), i32(4)))
+        self.v_lanes = self._lane_offsets(b, b.add(self.warp_col, b.add(b.shl(m_lo, i32(3)), r8)),
+                                          b.shl(b.xor(m_hi, r8), i32(4)))
+        # cp.async pattern: thread -> (row in pass, 16-byte chunk)
+        cpr = c.head_dim // 8
+        self.ld_row = b.udiv(tid, i32(cpr))
+        self.ld_chunk = b.urem(tid, i32(cpr))
+        # the swizzle follows the row's low 3 bits: where a pass is not a multiple of 8 rows
+        # its phase (pass rows mod 8) picks the base
+        self.ld_swz = {}
+        for phase in sorted({p * c.rows_per_pass % 8 for p in range(c.block_n)}):
+            row = b.add(self.ld_row, i32(phase))
+            self.ld_swz[phase] = b.add(b.mul(self.ld_row, i32(self.RB)),
+                                       b.shl(warp.swizzle_chunk(b, self.ld_chunk, row), i32(4)))
+        self.ld_elem = b.zext(b.shl(self.ld_chunk, i32(3)), i64)
+
+    def _copy_dst(self, b, p: int, base: int | ir.Value) -> ir.Value:
+        """Shared byte offset of this thread's 16 bytes in copy pass p of a tile at `base`."""
+        rows = p * self.c.rows_per_pass
+        return b.add(self.ld_swz[rows % 8], b.add(base, i32(rows * self.RB)) if
+                     isinstance(base, ir.Value) else i32(base + rows * self.RB))
+
+    def _lane_offsets(self, b, row, x16):
+        row_off = b.mul(row, i32(self.RB))
+        return {lo: b.add(row_off, b.xor(x16, i32(lo))) for lo in (0, 32, 64, 96)
+                if lo < self.RB}
+
+    def _ld(self, b, lanes, region: ir.Value, row_const: int, chunk_const: int, trans=False):
+        c16 = chunk_const * 16
+        lo, hi = c16 & 127, c16 & ~127
+        off = b.add(b.add(region, lanes[lo]), i32(row_const * self.RB + hi))
+        return warp.ldmatrix_x4(b, warp.smem_ptr(b, self.smem, off), trans=trans)
+
+    # ------------------------------------------------------------------ global -> shared
+    def _page_keys(self) -> list:
+        """Per copy pass of a KV tile, the page entry it reads: k (an int) for the tile's
+        k-th page, the same for every thread; ("pass", p) where pages are shorter than a
+        pass, so each thread reads its own row's."""
+        c = self.c
+        rpp, passes = c.rows_per_pass, c.block_n // c.rows_per_pass
+        if c.page_size >= c.block_n:
+            return [0] * passes
+        if c.page_size >= rpp:
+            return [p * rpp // c.page_size for p in range(passes)]
+        return [("pass", p) for p in range(passes)]
+
+    def _fetch_pages(self, b, t: _DecodeTile, n: ir.Value) -> list[ir.Value]:
+        """The pages of KV tile n (one per distinct `_page_keys` entry), from the page table;
+        a contiguous cache's "page" is the sequence. An entry whose row lies past the split
+        (its copies load nothing) reads the sequence's cache length instead, so no read
+        goes past the table."""
+        c, a = self.c, self.a
+        if c.page_size == 0:
+            return [t.bidx]
+        base = b.mul(n, i32(c.block_n))
+        seq_pages = b.gep(a.page_table, [b.mul(_i64(b, t.bidx), a.page_table_stride)],
+                          source_etype=i32)
+        fallback = b.gep(a.cache_seqlens, [t.bidx], source_etype=i32)
+        pages = []
+        for key in dict.fromkeys(self._page_keys()):
+            row = b.add(self.ld_row, i32(key[1] * c.rows_per_pass)) if isinstance(key, tuple) \
+                else i32(key * c.page_size)
+            pos = b.add(base, row)
+            entry = b.gep(seq_pages, [b.lshr(pos, i32(c.page_shift))], source_etype=i32)
+            live = b.icmp_signed("<", pos, t.kv_end)
+            pages.append(b.load(b.select(live, entry, fallback), typ=i32))
+        return pages
+
+    def _load_kv(self, b, t: _DecodeTile, n: ir.Value, slot_off: ir.Value,
+                 pages: list[ir.Value]) -> None:
+        """cp.async KV tile n (K, then V) into the stage at slot_off; positions at or past
+        the split's end are zero-filled (nothing read)."""
+        c, a = self.c, self.a
+        rpp = c.rows_per_pass
+        keys = self._page_keys()
+        distinct = list(dict.fromkeys(keys))
+        base = b.mul(n, i32(c.block_n))
+        for which, gptr, s_page, s_row, s_head, region in (
+                ("k", a.k_cache, a.k_stride_page, a.k_stride_row, a.k_stride_head, 0),
+                ("v", a.v_cache, a.v_stride_page, a.v_stride_row, a.v_stride_head,
+                 c.block_n * self.RB)):
+            head = b.add(b.mul(_i64(b, t.hk), s_head), self.ld_elem)
+            tile_base = b.add(slot_off, i32(self.kv_off + region))
+            for p, key in enumerate(keys):
+                row = b.add(self.ld_row, i32(p * rpp))
+                pos = b.add(base, row)
+                page = pages[distinct.index(key)] if c.page_size else pages[0]
+                in_page = pos if c.page_size == 0 else b.and_(pos, i32(c.page_size - 1))
+                off = b.add(b.add(b.mul(_i64(b, page), s_page), b.mul(_i64(b, in_page), s_row)),
+                            head)
+                valid = b.icmp_signed("<", pos, t.kv_end)
+                src = b.gep(gptr, [off], source_etype=nvptx.i16)
+                dst = warp.smem_ptr(b, self.smem, self._copy_dst(b, p, tile_base))
+                warp.cp_async_16(b, dst, b.select(valid, src, gptr),
+                                 b.select(valid, i32(16), i32(0)))
+
+    def _load_q(self, b, t: _DecodeTile) -> None:
+        c, a = self.c, self.a
+        G = c.gqa_group
+        seq = b.add(b.mul(_i64(b, t.bidx), a.q_stride_batch),
+                    b.mul(_i64(b, t.q_start), a.q_stride_row))
+        for p in range(c.rows // c.rows_per_pass):
+            row = b.add(self.ld_row, i32(p * c.rows_per_pass))
+            packed = b.add(t.r0, row)
+            valid = b.icmp_signed("<", row, t.rows_valid)
+            off = b.add(seq, b.add(b.mul(_i64(b, b.udiv(packed, i32(G))), a.q_stride_row),
+                                   b.mul(_i64(b, t.head_of(b, packed)), a.q_stride_head)))
+            src = b.gep(a.q, [b.add(off, self.ld_elem)], source_etype=nvptx.i16)
+            dst = warp.smem_ptr(b, self.smem, self._copy_dst(b, p, 0))
+            warp.cp_async_16(b, dst, b.select(valid, src, a.q), b.select(valid, i32(16), i32(0)))
+
+    # ------------------------------------------------------------------ the tile
+    def emit_tile(self, b: ir.IRBuilder, seq: TileSeq) -> None:
+        c = self.c
+        t = _DecodeTile(c, self.hooks, b, self.a, self.smem, seq)
+        with b.if_then(t.runs(b)):
+            self._emit(b, t)
+
+    def _emit(self, b: ir.IRBuilder, t: _DecodeTile) -> None:
+        c, a = self.c, self.a
+        S = c.stages
+        DT = c.head_dim // 8
+        zero, ninf = warp.fconst(0.0), warp.fconst(warp.NEG_INF)
+        sl2 = b.fmul(a.softmax_scale, warp.fconst(warp.LOG2E)) if self.hooks.score is None \
+            else warp.fconst(warp.LOG2E)
+
+        nvptx.barrier_all(b)  # the previous tile is done with shared memory
+        self._load_q(b, t)
+        # prologue: the first S-1 tiles in flight, one commit group each (empty ones too,
+        # so the wait counts stay uniform)
+        ld = n_first = t.next_nonempty(b, t.n_begin)
+        for s in range(S - 1):
+            with b.if_then(b.icmp_signed("<", ld, t.n_end)):
+                self._load_kv(b, t, ld, i32(s * c.stage_bytes), self._fetch_pages(b, t, ld))
+            warp.cp_async_commit(b)
+            ld = t.next_nonempty(b, b.add(ld, i32(1)))
+        # the next page_lookahead tiles to load and their pages: a page entry is read that
+        # many iterations before its tile's copies need it
+        ahead = [ld]
+        for _ in range(c.page_lookahead - 1):
+            ahead.append(t.next_nonempty(b, b.add(ahead[-1], i32(1))))
+        ahead_pages = [self._fetch_pages(b, t, x) for x in ahead]
+
+        fn = b.function
+        pre = b.block
+        hdr, body, done = (fn.append_basic_block(f"kv.{s}") for s in ("hdr", "body", "done"))
+        b.branch(hdr)
+        b.position_at_end(hdr)
+        n, it = b.phi(i32, "n"), b.phi(i32, "it")
+        ld_phis = [b.phi(i32, "ld") for _ in ahead]
+        page_phis = [[b.phi(i32) for _ in pages] for pages in ahead_pages]
+        acc = [[b.phi(f32) for _ in range(4)] for _ in range(DT)]
+        m = [b.phi(f32) for _ in range(2)]
+        l = [b.phi(f32) for _ in range(2)]
+        n.add_incoming(n_first, pre)
+        it.add_incoming(i32(0), pre)
+        for phi, v in zip(ld_phis, ahead):
+            phi.add_incoming(v, pre)
+        for phis, pages in zip(page_phis, ahead_pages):
+            for phi, v in zip(phis, pages):
+                phi.add_incoming(v, pre)
+        for row in acc:
+            for x in row:
+                x.add_incoming(zero, pre)
+        for r in range(2):
+            m[r].add_incoming(ninf, pre)
+            l[r].add_incoming(zero, pre)
+        b.cbranch(b.icmp_signed("<", n, t.n_end), body, done)
+
+        b.position_at_end(body)
+        warp.cp_async_wait(b, S - 2)
+        nvptx.barrier_all(b)  # tile `it` landed; every warp is done with tile it - 1's stage
+        issue_slot = b.urem(b.add(it, i32(S - 1)), i32(S))
+        with b.if_then(b.icmp_signed("<", ld_phis[0], t.n_end)):
+            self._load_kv(b, t, ld_phis[0], b.mul(issue_slot, i32(c.stage_bytes)),
+                          page_phis[0])
+        warp.cp_async_commit(b)
+        ld_new = t.next_nonempty(b, b.add(ld_phis[-1], i32(1)))
+        pages_new = self._fetch_pages(b, t, ld_new)  # in flight while tiles compute
+        stage = b.add(b.mul(b.urem(it, i32(S)), i32(c.stage_bytes)), i32(self.kv_off))
+        acc_new, m_new, l_new = self._kv_tile(b, t, n, stage, acc, m, l, sl2)
+        n_next = t.next_nonempty(b, b.add(n, i32(1)))
+        latch = b.block
+        n.add_incoming(n_next, latch)
+        it.add_incoming(b.add(it, i32(1)), latch)
+        for phi, v in zip(ld_phis, [*ld_phis[1:], ld_new]):
+            phi.add_incoming(v, latch)
+        for phis, pages in zip(page_phis, [*page_phis[1:], pages_new]):
+            for phi, v in zip(phis, pages):
+                phi.add_incoming(v, latch)
+        for j in range(DT):
+            for e in range(4):
+                acc[j][e].add_incoming(acc_new[j][e], latch)
+        for r in range(2):
+            m[r].add_incoming(m_new[r], latch)
+            l[r].add_incoming(l_new[r], latch)
+        b.branch(hdr)
+
+        b.position_at_end(done)
+        warp.cp_async_wait(b, 0)
+        nvptx.barrier_all(b)  # every stage is free: the merge may reuse it
+        acc, m, total = self._merge_warps(b, acc, m, l, sl2)
+        self._epilogue(b, t, acc, m, total, sl2)
+
+    def _kv_tile(self, b, t: _DecodeTile, n, stage, acc_in, m_in, l_in, sl2):
+        """One KV tile for this warp's 16 rows and its columns: S = Q K^T, score, mask,
+        online softmax, O += P V."""
+        c, a, hooks = self.c, self.a, self.hooks
+        NT, DT = c.warp_cols // 8, c.head_dim // 8
+        dt = c.dtype
+        zero = warp.fconst(0.0)
+        k_region, v_region = stage, b.add(stage, i32(c.block_n * self.RB))
+        s = [[zero] * 4 for _ in range(NT)]
+        for kk in range(c.head_dim // 16):
+            qa = self._ld(b, self.q_lanes, i32(0), 0, 2 * kk)
+            for jp in range(NT // 2):
+                kb = self._ld(b, self.k_lanes, k_region, jp * 16, 2 * kk)
+                s[2 * jp] = warp.mma_m16n8k16(b, dt, qa, kb[0:2], s[2 * jp])
+                s[2 * jp + 1] = warp.mma_m16n8k16(b, dt, qa, kb[2:4], s[2 * jp + 1])
+
+        kv_base = b.add(b.mul(n, i32(c.block_n)), self.warp_col)
+        packed = [b.add(t.r0, b.add(self.warp_row, b.add(self.g, i32(8 * r)))) for r in range(2)]
+        q_idx = [b.udiv(p, i32(c.gqa_group)) for p in packed]
+        heads = [t.head_of(b, p) for p in packed]
+
+        def kv_idx(j, e):
+            return b.add(kv_base, b.add(b.shl(self.t, i32(1)), i32(j * 8 + (e & 1))))
+
+        if hooks.score is not None:
+            s = [[hooks.score(b, b.fmul(s[j][e], a.softmax_scale), t.bidx, heads[e >> 1],
+                              q_idx[e >> 1], kv_idx(j, e)) for e in range(4)]
+                 for j in range(NT)]
+
+        _, always = t.classify(b, n)
+        pre = b.block
+        mask_blk = b.function.append_basic_block("kv.mask")
+        masked_blk = b.function.append_basic_block("kv.masked")
+        b.cbranch(always, masked_blk, mask_blk)
+        b.position_at_end(mask_blk)
+        kept = []
+        for j in range(NT):
+            row = []
+            for e in range(4):
+                kv = kv_idx(j, e)
+                keep = b.icmp_signed("<", kv, t.kv_end)
+                if hooks.mask is not None:
+                    keep = b.and_(keep, hooks.mask(b, t.bidx, heads[e >> 1], q_idx[e >> 1], kv,
+                                                   t.seqlen_q, t.seqlen_k))
+                row.append(b.select(keep, s[j][e], warp.fconst(warp.NEG_INF)))
+            kept.append(row)
+        mask_end = b.block
+        b.branch(masked_blk)
+        b.position_at_end(masked_blk)
+        merged = []
+        for j in range(NT):
+            row = []
+            for e in range(4):
+                phi = b.phi(f32)
+                phi.add_incoming(s[j][e], pre)
+                phi.add_incoming(kept[j][e], mask_end)
+                row.append(phi)
+            merged.append(row)
+        s = merged
+
+        acc = [list(x) for x in acc_in]
+        m_new, l_new, p_vals = [None, None], [None, None], [[None] * 4 for _ in range(NT)]
+        for r in range(2):
+            idx = [(j, 2 * r + e2) for j in range(NT) for e2 in range(2)]
+            p, m_new[r], l_new[r], alpha = warp.online_softmax_row(
+                b, [s[j][e] for j, e in idx], m_in[r], l_in[r], sl2)
+            for (j, e), v in zip(idx, p):
+                p_vals[j][e] = v
+            for j in range(DT):
+                for e2 in range(2):
+                    acc[j][2 * r + e2] = b.fmul(acc[j][2 * r + e2], alpha)
+        for ks in range(c.warp_cols // 16):
+            pa = [warp.pack2(b, dt, p_vals[2 * ks][0], p_vals[2 * ks][1]),
+                  warp.pack2(b, dt, p_vals[2 * ks][2], p_vals[2 * ks][3]),
+                  warp.pack2(b, dt, p_vals[2 * ks + 1][0], p_vals[2 * ks + 1][1]),
+                  warp.pack2(b, dt, p_vals[2 * ks + 1][2], p_vals[2 * ks + 1][3])]
+            for jp in range(DT // 2):
+                vb = self._ld(b, self.v_lanes, v_region, ks * 16, 2 * jp, trans=True)
+                acc[2 * jp] = warp.mma_m16n8k16(b, dt, pa, vb[0:2], acc[2 * jp])
+                acc[2 * jp + 1] = warp.mma_m16n8k16(b, dt, pa, vb[2:4], acc[2 * jp + 1])
+        return acc, m_new, l_new
+
+    # ------------------------------------------------------------------ the end of a tile
+    def _merge_warps(self, b, acc, m, l, sl2):
+        """The softmax states of the warps that share rows, merged into the first of them
+        (wn = 0) through shared memory: (O, row max, row sum), unnormalised."""
+        c = self.c
+        DT = c.head_dim // 8
+        total = [warp.quad_allreduce(b, l[r], warp.fadd) for r in range(2)]
+        if c.warps_n == 1:
+            return acc, m, total
+        W = c.head_dim + 2  # floats per row: O, then max and sum
+
+        def slot(wn, r, col):  # byte offset of (warp (wm, wn), row g + 8r, column col)
+            warp_idx = b.add(self.wm, b.mul(wn, i32(c.warps_m)))
+            row = b.add(b.mul(warp_idx, i32(16)), b.add(self.g, i32(8 * r)))
+            return b.add(i32(self.kv_off), b.shl(b.add(b.mul(row, i32(W)), col), i32(2)))
+
+        def fptr(off):
+            return warp.smem_ptr(b, self.smem, off)
+
+        col0 = b.shl(self.t, i32(1))
+        for r in range(2):
+            warp.store(b, m[r], fptr(slot(self.wn, r, i32(c.head_dim))), align=4)
+            warp.store(b, total[r], fptr(slot(self.wn, r, i32(c.head_dim + 1))), align=4)
+            for j in range(DT):
+                for e2 in range(2):
+                    off = slot(self.wn, r, b.add(col0, i32(8 * j + e2)))
+                    warp.store(b, acc[j][2 * r + e2], fptr(off), align=4)
+        nvptx.barrier_all(b)
+        out_acc = [[None] * 4 for _ in range(DT)]
+        out_m, out_l = [None, None], [None, None]
+        for r in range(2):
+            ms = [b.load(fptr(slot(i32(w), r, i32(c.head_dim))), typ=f32) for w in range(c.warps_n)]
+            top = ms[0]
+            for x in ms[1:]:
+                top = warp.fmax(b, top, x)
+            top_scaled = b.select(b.fcmp_ordered("==", top, warp.fconst(warp.NEG_INF)),
+                                  warp.fconst(0.0), b.fmul(top, sl2))
+            weights = [warp.ex2(b, b.fsub(b.fmul(x, sl2), top_scaled)) for x in ms]
+            lsum = warp.fconst(0.0)
+            for w, wt in enumerate(weights):
+                lw = b.load(fptr(slot(i32(w), r, i32(c.head_dim + 1))), typ=f32)
+                lsum = warp.fma(b, lw, wt, lsum)
+            out_m[r], out_l[r] = top, lsum
+            for j in range(DT):
+                for e2 in range(2):
+                    v = warp.fconst(0.0)
+                    for w, wt in enumerate(weights):
+                        x = b.load(fptr(slot(i32(w), r, b.add(col0, i32(8 * j + e2)))), typ=f32)
+                        v = warp.fma(b, x, wt, v)
+                    out_acc[j][2 * r + e2] = v
+        return out_acc, out_m, out_l
+
+    def _epilogue(self, b, t: _DecodeTile, acc, m, total, sl2) -> None:
+        """Normalise; with one split in use, store O (and the LSE); else store the split's
+        partial state, and the group's last split to finish merges them."""
+        c, a = self.c, self.a
+        DT = c.head_dim // 8
+        inv, lse = [None, None], [None, None]
+        for r in range(2):
+            empty = b.fcmp_unordered("==", total[r], warp.fconst(0.0))
+            inv[r] = b.select(empty, warp.fconst(0.0), warp.rcp(b, total[r]))
+            lse[r] = warp.row_lse(b, m[r], sl2, total[r], empty)
+        owner = b.icmp_unsigned("==", self.wn, i32(0))
+        local = [b.add(self.warp_row, b.add(self.g, i32(8 * r))) for r in range(2)]
+        col0 = b.shl(self.t, i32(1))
+        single = b.icmp_signed("==", t.splits_used, i32(1))
+        with b.if_else(single) as (then, otherwise):
+            with then:
+                with b.if_then(owner):
+                    for r in range(2):
+                        with b.if_then(b.icmp_signed("<", local[r], t.rows_valid)):
+                            packed = b.add(t.r0, local[r])
+                            self._store_row(b, t, packed, lambda j, e2: b.fmul(
+                                acc[j][2 * r + e2], inv[r]), col0, lse[r])
+            with otherwise:
+                group = self._group(b, t)
+                part = b.add(b.mul(group, _i64(b, a.num_splits)), _i64(b, t.split))
+                with b.if_then(owner):
+                    for r in range(2):
+                        row = b.add(b.mul(part, i64(c.rows)), _i64(b, local[r]))
+                        base = b.mul(row, i64(c.head_dim))
+                        for j in range(DT):
+                            ptr = b.gep(a.partial_o, [b.add(base, _i64(b, b.add(col0, i32(8 * j))))],
+                                        source_etype=f32)
+                            vec = ir.VectorType(f32, 2)
+                            v = b.insert_element(ir.Constant(vec, ir.Undefined),
+                                                 b.fmul(acc[j][2 * r], inv[r]), i32(0))
+                            v = b.insert_element(v, b.fmul(acc[j][2 * r + 1], inv[r]), i32(1))
+                            b.store(v, ptr, align=8)
+                        with b.if_then(b.icmp_unsigned("==", self.t, i32(0))):
+                            b.store(lse[r], b.gep(a.partial_lse, [row], source_etype=f32),
+                                    align=4)
+                self._finish_split(b, t, group)
+
+    def _group(self, b, t: _DecodeTile) -> ir.Value:
+        """(sequence, K/V head, query-row tile) as one i64 index."""
+        a = self.a
+        g = b.add(b.mul(_i64(b, t.bidx), _i64(b, a.num_heads)), _i64(b, t.hk))
+        return b.add(b.mul(g, _i64(b, a.q_tiles)), _i64(b, t.q_tile))
+
+    def _store_row(self, b, t: _DecodeTile, packed, value, col0, lse_value) -> None:
+        """This thread's columns of packed row `packed` of O (value(j, e2): column
+        col0 + 8j + e2), and its LSE from the quad's first lane."""
+        c, a = self.c, self.a
+        q_row = b.add(t.q_start, b.udiv(packed, i32(c.gqa_group)))
+        h = t.head_of(b, packed)
+        off = b.add(b.add(b.mul(_i64(b, t.bidx), a.o_stride_batch),
+                          b.mul(_i64(b, q_row), a.o_stride_row)),
+                    b.mul(_i64(b, h), a.o_stride_head))
+        for j in range(c.head_dim // 8):
+            ptr = b.gep(a.o, [b.add(off, _i64(b, b.add(col0, i32(8 * j))))],
+                        source_etype=nvptx.i16)
+            warp.store(b, warp.pack2(b, c.dtype, value(j, 0), value(j, 1)), ptr, align=4)
+        if c.return_lse:
+            with b.if_then(b.icmp_unsigned("==", self.t, i32(0))):
+                self._store_lse(b, t, q_row, h, lse_value)
+
+    def _store_lse(self, b, t, q_row, h, value) -> None:
+        a = self.a
+        off = b.add(b.mul(_i64(b, t.bidx), a.lse_stride_batch),
+                    b.add(b.mul(_i64(b, h), a.lse_stride_head), _i64(b, q_row)))
+        b.store(value, b.gep(a.lse, [off], source_etype=f32), align=4)
+
+    def _finish_split(self, b, t: _DecodeTile, group: ir.Value) -> None:
+        """Count this split in; the last of its group merges every split's partial state
+        (with the LSEs as weights) into O and the LSE, and resets the counter."""
+        c, a = self.c, self.a
+        _fence(b)  # this thread's partial stores before the count
+        nvptx.barrier_all(b)
+        flag = warp.smem_ptr(b, self.smem, i32(self.flag_off))
+        counter = b.gep(a.split_counters, [group], source_etype=i32)
+        with b.if_then(b.icmp_unsigned("==", self.tid, i32(0))):
+            before = b.atomic_rmw("add", counter, i32(1), "monotonic")
+            last = b.icmp_unsigned("==", before, b.sub(t.splits_used, i32(1)))
+            warp.store(b, b.zext(last, i32), flag, align=4)
+            with b.if_then(last):
+                b.atomic_rmw("xchg", counter, i32(0), "monotonic")
+        nvptx.barrier_all(b)
+        last = b.icmp_unsigned("!=", b.load(flag, typ=i32), i32(0))
+        with b.if_then(last):
+            _fence(b)  # the other splits' partial stores, before reading them
+            self._combine(b, t, group)
+
+    def _combine(self, b, t: _DecodeTile, group: ir.Value) -> None:
+        c, a = self.c, self.a
+        D = c.head_dim
+        per_row = D // 4
+        items = c.rows * per_row
+        splits = t.splits_used
+        first = b.mul(group, _i64(b, a.num_splits))
+        for k in range(-(-items // c.threads)):
+            item = b.add(self.tid, i32(k * c.threads))
+            local = b.udiv(item, i32(per_row))
+            col = b.shl(b.urem(item, i32(per_row)), i32(2))
+            live = b.and_(b.icmp_signed("<", item, i32(items)),
+                          b.icmp_signed("<", local, t.rows_valid))
+            with b.if_then(live):
+                def lse_of(s):
+                    row = b.add(b.mul(b.add(first, _i64(b, s)), i64(c.rows)), _i64(b, local))
+                    return _load_l2(b, b.gep(a.partial_lse, [row], source_etype=f32), 1)[0], row
+
+                top, = _loop(b, "cmb.max", i32(0), splits, [warp.fconst(warp.NEG_INF)],
+                             lambda bb, s, cur: [warp.fmax(bb, cur[0], lse_of(s)[0])])
+                safe_top = b.select(b.fcmp_ordered("==", top, warp.fconst(warp.NEG_INF)),
+                                    warp.fconst(0.0), top)
+
+                def accumulate(bb, s, cur):
+                    lse_s, row = lse_of(s)
+                    w = warp.ex2(bb, bb.fmul(bb.fsub(lse_s, safe_top), warp.fconst(warp.LOG2E)))
+                    ptr = bb.gep(a.partial_o, [bb.add(bb.mul(row, i64(D)), _i64(bb, col))],
+                                 source_etype=f32)
+                    vals = _load_l2(bb, ptr, 4)
+                    return [bb.fadd(cur[0], w)] + [warp.fma(bb, v, w, x)
+                                                   for v, x in zip(vals, cur[1:])]
+
+                total, *o = _loop(b, "cmb.sum", i32(0), splits, [warp.fconst(0.0)] * 5,
+                                  accumulate)
+                empty = b.fcmp_unordered("==", total, warp.fconst(0.0))
+                inv = b.select(empty, warp.fconst(0.0), warp.rcp(b, total))
+                packed = b.add(t.r0, local)
+                q_row = b.add(t.q_start, b.udiv(packed, i32(c.gqa_group)))
+                h = t.head_of(b, packed)
+                off = b.add(b.add(b.mul(_i64(b, t.bidx), a.o_stride_batch),
+                                  b.mul(_i64(b, q_row), a.o_stride_row)),
+                            b.add(b.mul(_i64(b, h), a.o_stride_head), _i64(b, col)))
+                packed2 = [warp.pack2(b, c.dtype, b.fmul(o[0], inv), b.fmul(o[1], inv)),
+                           warp.pack2(b, c.dtype, b.fmul(o[2], inv), b.fmul(o[3], inv))]
+                vec = ir.VectorType(i32, 2)
+                v = b.insert_element(ir.Constant(vec, ir.Undefined), packed2[0], i32(0))
+                v = b.insert_element(v, packed2[1], i32(1))
+                b.store(v, b.gep(a.o, [off], source_etype=nvptx.i16), align=8)
+                if c.return_lse:
+                    with b.if_then(b.icmp_signed("==", col, i32(0))):
+                        lse = b.fadd(safe_top, b.fmul(warp.lg2(b, total), warp.fconst(warp.LN2)))
+                        self._store_lse(b, t, q_row, h,
+                                        b.select(empty, warp.fconst(warp.NEG_INF), lse))
+
+
+# ============================================================================ module
+def kernel_name(config: DecodeConfig) -> str:
+    return KERNEL_NAME
+
+
+def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
+                        work_loop) -> ir.Module:
+    module = new_module(f"mha_decode_{config.dtype}_d{config.head_dim}", target)
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, ABI.llvm_types()), name=KERNEL_NAME)
+    nvptx.mark_kernel(fn)
+    set.add(fn.attributes, f'"nvvm.maxntid"="{config.threads}"')
+    ABI.declare(fn)
+    smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
+    smem.linkage = "external"
+    smem.align = 128
+    builder = ir.IRBuilder(fn.append_basic_block("entry"))
+    args = KernelArgs(fn, ABI, config)
+    _scheduler_view(args)
+
+    def tile(b: ir.IRBuilder, seq: TileSeq) -> None:
+        _Emitter(config, hooks, b, args, smem).emit_tile(b, seq)
+
+    work_loop(builder, args, tile)
+    count_exit(builder, args.queue)
+    builder.ret_void()
+    return module
+
+
+class Decode(Backend):
+    """Decode against a KV cache: GQA packing, split-KV, paged caches (cp.async, mma.sync)."""
+
+    name = "decode"
+    workload = "decode"
+    targets = ("sm_90a", "sm_80")
+    abi = ABI
+    config_type = DecodeConfig
+
+    def problems(self, options, arch: str) -> list[Problem]:
+        layout = Layout(cache=CacheLayout())
+        return decode_config(options, layout).problems()
+
+    def configs(self, options, layout: Layout) -> tuple[DecodeConfig, ...]:
+        """The config, then (should ptxas spill) one that reads page entries one tile
+        ahead instead of two, which holds fewer registers across the KV loop."""
+        config = decode_config(options, layout)
+        return (config, replace(config, page_lookahead=1))
+
+    def launch_shape(self, config: DecodeConfig) -> LaunchShape:
+        return LaunchShape(KERNEL_NAME, config.threads, config.shared_bytes)
+
+    def build(self, source: KernelSource, configs: tuple[DecodeConfig, ...],
+              target: Target) -> KernelBuild:
+        return spill_free_build(self.name, target, [
+            (c, lambda c=c: build_decode_module(c, source.hooks, target,
+                                                source.work_loop(c.block_m, c.gqa_group)))
+            for c in configs])
+
+
+BACKEND = Decode()

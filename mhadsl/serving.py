@@ -1,0 +1,369 @@
+"""Decode calls: attention of a few query rows per sequence against a (paged) KV cache.
+
+    o = kern(q, k_cache, v_cache, cache_seqlens=lens)                  # contiguous cache
+    o = kern(q, k_cache, v_cache, cache_seqlens=lens, page_table=pt)   # paged cache
+    o, lse = kern(q, k_cache, v_cache, cache_seqlens=lens, cu_seqlens_q=cq, max_seqlen_q=mq,
+                  return_lse=True)                                     # chunked prefill
+
+Layouts and checks are `mhadsl.paged`'s (the float64 `mhadsl.reference_decode` shares them).
+The kernel is the decode design (`codegen.backends.decode`), driven by the declaration's own
+scheduler over decode's work space: (sequence, K/V head, query-row tile x KV split).
+
+What a call signature fixes (shapes, strides, dtypes, devices) is planned once: the build,
+the split count, the grid, the parameter block and the split workspace (one per stream, so
+streams never share partial results). A later call of a planned torch signature checks only
+its addresses, patches them and launches. Index values (`cache_seqlens`, `page_table`,
+`cu_seqlens_q`) stay on the device and are read by the kernel, so a CUDA graph replays new
+contents without recapture; MHADSL_DEBUG=1 reads and checks them before every launch.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from mhadsl.codegen.backends import CacheLayout, Layout
+from mhadsl.codegen.backends.decode import packed_rows
+from mhadsl.paged import MAX_DECODE_ROWS, check_decode_call
+
+MAX_SPLITS = 128
+MIN_SPLIT_TILES = 4  # KV tiles a split covers at least (shorter ones cost more than they gain)
+
+
+def default_splits(groups: int, slots: int, capacity: int, block_n: int) -> int:
+    """KV splits per (sequence, K/V head, query-row tile) group, FA3's rule over `slots`
+    (the multiprocessors: one split streaming per multiprocessor measured best): none when
+    the groups alone fill 80 % of them; else the fewest splits whose wave efficiency is
+    within 85 % of the best, each split at least MIN_SPLIT_TILES KV tiles."""
+    most = max(1, min(MAX_SPLITS, capacity // (MIN_SPLIT_TILES * block_n)))
+    if groups >= 0.8 * slots or most == 1:
+        return 1
+
+    def efficiency(splits: int) -> float:
+        items = groups * splits
+        return items / (math.ceil(items / slots) * slots)
+
+    best = max(efficiency(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if efficiency(s) >= 0.85 * best)
+
+
+def kv_tile(rows: int, groups: int, num_sms: int) -> int:
+    """The KV tile for a call's shape: 32 rows (small CTAs, four per multiprocessor) where
+    16-row work tiles are many enough to give most multiprocessors two; else 64 (two CTAs
+    per multiprocessor, each with more bytes in flight). Measured: BENCHMARKS.md, decode."""
+    return 32 if rows == 16 and groups >= 1.5 * num_sms else 64
+
+
+def decode_work(batch: int, kv_heads: int, work_tiles: int):
+    """The work space a decode launch hands its scheduler, as a simulator batch: per
+    (sequence, K/V head) `work_tiles` prompt tiles of height 1 (query-row tile x KV split)."""
+    from mhadsl.simulate import Batch
+    return Batch([work_tiles] * batch, kv_heads, 1, ragged=False)
+
+
+@dataclass
+class _DecodePlan:
+    """A decode signature's launch plan and what its calls need beyond it."""
+
+    plan: object  # runtime.launch.LaunchPlan
+    out_shape: tuple
+    lse_shape: tuple | None
+    split_bytes: tuple[int, int, int]  # partial O, partial LSE, counters (0: no split)
+    device: int
+    workspaces: dict  # stream -> (DeviceBuffer, ...) of the split workspace
+    num_splits: int
+    empty: bool  # nothing to launch
+    shapes: dict  # name -> TensorShape of the call's tensors
+
+    def check_addresses(self, addresses: dict) -> None:
+        """The checks of a first call that depend on the tensors' addresses: 16-byte
+        aligned rows, and an output that shares no element with q or the cache."""
+        from mhadsl.api import _share_memory, _span
+        from mhadsl.runtime.tensors import ITEMSIZE, DeviceTensor
+        for name in ("q", "k_cache", "v_cache", "o"):
+            if addresses[name] % 16:
+                raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer and "
+                                 f"strides multiples of 8 elements), got a pointer at "
+                                 f"{addresses[name]:#x}")
+
+        def view(name):
+            t = self.shapes[name]
+            return DeviceTensor(addresses[name], t.shape, t.strides, t.dtype, self.device,
+                                "torch", None), _span(t.shape, t.strides, ITEMSIZE[t.dtype])
+        (o, o_span) = view("o")
+        for name in ("q", "k_cache", "v_cache"):
+            x, span = view(name)
+            if x.ptr <= o.ptr + o_span and o.ptr <= x.ptr + span and _share_memory(o, x):
+                raise ValueError(f"out overlaps {name}: the kernel reads {name} while it "
+                                 "writes out; pass a separate output")
+
+    def split_workspace(self, stream: int) -> dict[str, int]:
+        """The stream's partial outputs and split counters (made on its first launch)."""
+        if not self.split_bytes[0]:
+            return {}
+        buffers = self.workspaces.get(stream)
+        if buffers is None:
+            buffers = self.workspaces[stream] = _split_buffers(self.split_bytes, self.device)
+        return dict(zip(("partial_o", "partial_lse", "split_counters"),
+                        (_address(x) for x in buffers)))
+
+
+def _split_buffers(nbytes: tuple[int, int, int], device: int) -> tuple:
+    """Partial O, partial LSE and zeroed split counters (each launch leaves them at 0: the
+    last split of a group resets its counter). With torch at hand they come from torch's
+    allocator on the current stream, so a first launch inside CUDA-graph capture allocates
+    from the graph's pool and the graph zeroes the counters it replays with."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return tuple(torch.empty(n, dtype=torch.uint8, device=f"cuda:{device}")
+                     for n in nbytes[:2]) + (
+            torch.zeros(nbytes[2], dtype=torch.uint8, device=f"cuda:{device}"),)
+    from mhadsl.runtime import driver
+    buffers = tuple(driver.DeviceBuffer(n, device) for n in nbytes)
+    driver.memset_d32_async(buffers[2].ptr, 0, nbytes[2] // 4, device=device)
+    driver.synchronize(device)
+    return buffers
+
+
+def _address(buffer) -> int:
+    return buffer.data_ptr() if hasattr(buffer, "data_ptr") else buffer.ptr
+
+
+def decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None, cu_seqlens_q=None,
+           max_seqlen_q=None, scale=None, out=None, return_lse=None, stream=None,
+           num_splits=None):
+    """`kernel`'s attention of q against its cache (`Kernel.__call__` with `cache_seqlens`)."""
+    from mhadsl.runtime import driver
+    want_lse = kernel.options.return_lse if return_lse is None else bool(return_lse)
+    key = _torch_key(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
+                     max_seqlen_q, scale, want_lse, num_splits)
+    planned = kernel._decode_plans.get(key) if key is not None else None
+    if planned is not None and not driver.debug_mode():
+        return _run_torch(planned, q, k_cache, v_cache, cache_seqlens, page_table,
+                          cu_seqlens_q, out, stream)
+    return _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
+                 max_seqlen_q, scale, out, want_lse, stream, num_splits, key)
+
+
+def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, scale, out,
+          want_lse, stream, num_splits, key):
+    """Every check, then the signature's plan (made once) and the launch."""
+    from mhadsl.api import DTYPE_NAMES, _check_rows, _check_scale, _share_memory
+    from mhadsl.runtime import driver, tensors
+    dtype = DTYPE_NAMES[kernel.options.dtype]
+    views = {}
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        view = tensors.as_device_tensor(t, name)
+        if not view.on_host and view.dtype != dtype:
+            raise TypeError(f"tensor {name!r} has dtype {view.dtype}, but kernel "
+                            f"'{kernel.name}' is declared {kernel.options.dtype} ({dtype})")
+        views[name] = view
+    for name, t in (("cache_seqlens", cache_seqlens), ("page_table", page_table),
+                    ("cu_seqlens_q", cu_q)):
+        if t is not None:
+            if isinstance(t, np.ndarray) and t.dtype != np.int32:
+                raise TypeError(f"{name} must be int32, got {t.dtype}")
+            views[name] = tensors.as_device_tensor(t, name)
+    device = next((t.device for t in views.values() if not t.on_host), None)
+    devices = {t.device for t in views.values() if not t.on_host}
+    if len(devices) > 1:
+        raise ValueError(f"the decode call's tensors are on different devices: "
+                         f"{sorted(devices)}")
+
+    def read(view):  # index values: the host's always, the device's under MHADSL_DEBUG=1
+        if view.on_host:
+            return np.asarray(view.obj, dtype=np.int64)
+        if driver.debug_mode():
+            return tensors.from_device(view).astype(np.int64)
+        return None
+
+    by_view = {id(v): v for v in views.values()}
+    call = check_decode_call(kernel.options, views["q"], views["k_cache"], views["v_cache"],
+                             cache_seqlens=views["cache_seqlens"],
+                             page_table=views.get("page_table"),
+                             cu_seqlens_q=views.get("cu_seqlens_q"),
+                             read=lambda v: read(by_view[id(v)]))
+    for name in ("q", "k_cache", "v_cache"):
+        if not views[name].on_host:
+            _check_rows(views[name], name)
+    for name in ("cache_seqlens", "page_table", "cu_seqlens_q"):
+        view = views.get(name)
+        if view is not None and not view.on_host and view.strides[-1] != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    ragged = cu_q is not None
+    qv = views["q"]
+    if ragged:
+        max_q = _max_rows(max_q, call)
+    elif max_q is not None:
+        raise ValueError("max_seqlen_q belongs to ragged calls (with cu_seqlens_q); a dense "
+                         "call takes its query rows from q")
+    scale = kernel.options.softmax_scale() if scale is None else _check_scale(scale)
+    if num_splits is not None and (isinstance(num_splits, bool) or
+                                   not isinstance(num_splits, int) or
+                                   not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be an integer from 1 to {MAX_SPLITS}, got "
+                         f"{num_splits!r}")
+
+    handle = driver.stream_handle(stream, kind=qv.kind, device=device if qv.on_host else
+                                  qv.device)
+    keep_alive = []
+
+    def on_device(view, name, want):
+        if not view.on_host:
+            return view
+        dev, buf = tensors.to_device(view.obj, name, dtype=want, device=device)
+        keep_alive.append(buf)
+        return dev
+
+    out_obj = out if out is not None else tensors.empty_like_kind(qv.obj, qv.shape, dtype)
+    out_view = tensors.as_device_tensor(out_obj, "out")
+    if tuple(out_view.shape) != tuple(qv.shape):
+        raise ValueError(f"out has shape {out_view.shape}, expected {qv.shape} (like q)")
+    if not out_view.on_host:
+        if out_view.dtype != dtype:
+            raise TypeError(f"out has dtype {out_view.dtype}, expected {dtype}")
+        _check_rows(out_view, "out")
+        for name in ("q", "k_cache", "v_cache"):
+            if not views[name].on_host and _share_memory(out_view, views[name]):
+                raise ValueError(f"out overlaps {name}: the kernel reads {name} while it "
+                                 "writes out; pass a separate output")
+    dev = {"q": on_device(qv, "q", dtype),
+           "k_cache": on_device(views["k_cache"], "k_cache", dtype),
+           "v_cache": on_device(views["v_cache"], "v_cache", dtype),
+           "o": on_device(out_view, "out", dtype)}
+    for name in ("cache_seqlens", "page_table", "cu_seqlens_q"):
+        if name in views:
+            dev[name] = on_device(views[name], name, "int32")
+    lse_obj = None
+    if want_lse:
+        shape = (qv.shape[1], qv.shape[0]) if ragged else (qv.shape[0], qv.shape[2],
+                                                           qv.shape[1])
+        lse_obj = tensors.empty_like_kind(qv.obj, shape, "float32")
+        dev["lse"] = on_device(tensors.as_device_tensor(lse_obj, "lse"), "lse", "float32")
+
+    planned = _plan(kernel, call, dev, ragged, max_q, scale, want_lse, num_splits)
+    if key is not None and not driver.debug_mode():
+        kernel._decode_plans[key] = planned
+    if not planned.empty:
+        addresses = {n: t.ptr for n, t in dev.items()}
+        planned.plan.launch({**addresses, **planned.split_workspace(handle)}, handle)
+    if out_view.on_host:
+        tensors.from_device(dev["o"], out_obj, stream=handle)
+    if want_lse and isinstance(lse_obj, np.ndarray):
+        tensors.from_device(dev["lse"], lse_obj, stream=handle)
+    return (out_obj, lse_obj) if want_lse else out_obj
+
+
+def _max_rows(given, call) -> int:
+    """A ragged call's longest query sequence: given, or read from cu_seqlens_q."""
+    from mhadsl.api import Kernel
+    if given is None and call.cu_seqlens_q is None:
+        raise ValueError("a ragged decode call with cu_seqlens_q on the device needs "
+                         "max_seqlen_q (reading it would synchronise with the device)")
+    lengths = None if call.cu_seqlens_q is None else np.diff(call.cu_seqlens_q)
+    return Kernel._max_len(lengths, given, "q")
+
+
+def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_lse: bool,
+          num_splits: int | None) -> _DecodePlan:
+    from mhadsl.runtime import driver
+    from mhadsl.runtime.launch import LaunchPlan, TensorShape
+    q, k_cache = dev["q"], dev["k_cache"]
+    heads, kv_heads = q.shape[-2], k_cache.shape[-2]
+    group = heads // kv_heads
+    rows_per_seq = 0 if ragged else q.shape[1]
+    device = q.device
+    info = driver.device_info(device)
+    q_rows = max_q if ragged else rows_per_seq
+    rows = packed_rows(rows_per_seq, group)
+    q_tiles = max(1, -(-q_rows * group // rows))
+    groups = call.batch * kv_heads * q_tiles
+    layout = Layout(group, False, want_lse, CacheLayout(
+        rows_per_seq, call.page_size or 0, kv_tile(rows, groups, info.multiprocessor_count)))
+    backend, target = kernel._design(device, layout.workload)
+    build = kernel._build(layout, target, backend)
+    config, launch = build.config, build.launch
+    ctas_per_sm = build.function.max_active_blocks(launch.threads, launch.shared_bytes)
+    capacity = k_cache.shape[1] if call.page_size is None else \
+        dev["page_table"].shape[1] * call.page_size
+    splits = num_splits or default_splits(groups, info.multiprocessor_count, capacity,
+                                          config.block_n)
+    chunk = -(-max(capacity, 1) // splits)
+    chunk = -(-chunk // config.block_n) * config.block_n
+    splits = -(-max(capacity, 1) // chunk)  # none left empty by the rounding
+    work_tiles = q_tiles * splits
+    host = kernel._host_scheduler(config)
+    grid = host.grid(call.batch, work_tiles, work_tiles, kv_heads, info.multiprocessor_count,
+                     ctas_per_sm)
+    if 0 in grid:
+        raise ValueError(f"scheduler '{kernel.options.scheduler}' asked for grid {grid}; "
+                         f"every dimension must be at least 1")
+    ragged_strides = {"q_stride_batch": 0 if ragged else q.strides[0],
+                      "o_stride_batch": 0 if ragged else dev["o"].strides[0]}
+    values = {
+        **ragged_strides,
+        "page_table_stride": dev["page_table"].strides[0] if call.page_size else 0,
+        "lse_stride_batch": 0 if ragged else heads * q.shape[1],
+        "lse_stride_head": q.shape[0] if ragged else q.shape[1],
+        "batch": call.batch, "kv_heads": kv_heads, "query_rows": rows_per_seq,
+        "cache_capacity": capacity, "q_tiles": q_tiles, "num_splits": splits,
+        "kv_chunk": chunk, "work_tiles": work_tiles, "softmax_scale": scale,
+        "num_sms": info.multiprocessor_count, "ctas_per_sm": ctas_per_sm,
+    }
+    shapes = {n: TensorShape(tuple(t.shape), tuple(t.strides), t.dtype) for n, t in dev.items()}
+    plan = LaunchPlan(build.function, grid, launch.threads, launch.shared_bytes, backend.abi,
+                      config, device, shapes, values)
+    partial_rows = groups * splits * config.rows if splits > 1 else 0
+    split_bytes = (partial_rows * config.head_dim * 4, partial_rows * 4, groups * 4) \
+        if partial_rows else (0, 0, 0)
+    lse_shape = tuple(dev["lse"].shape) if want_lse else None
+    empty = not (call.batch and heads and (q_rows if ragged else rows_per_seq))
+    return _DecodePlan(plan, tuple(q.shape), lse_shape, split_bytes, device, {}, splits, empty,
+                       shapes)
+
+
+# ---------------------------------------------------------------------- torch fast path
+def _torch_key(*args) -> tuple | None:
+    """What a call of torch tensors fixes of its checks and launch, or None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    key = []
+    for t in args[:7]:
+        if t is None:
+            key.append(None)
+        elif isinstance(t, torch.Tensor):
+            key.append((t.dtype, t.shape, t.stride(), t.get_device()))
+        else:
+            return None
+    return (*key, *((type(x), x) for x in args[7:]))
+
+
+def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_table, cu_q,
+               out, stream):
+    """A call of a planned torch signature: only what its addresses decide is checked
+    (alignment, and out overlapping what the kernel reads), then the plan launches."""
+    from mhadsl.api import _stream_handle, _torch_stream
+    torch = sys.modules["torch"]
+    if out is None:
+        out = q.new_empty(planned.out_shape)
+    addresses = {"q": q.data_ptr(), "k_cache": k_cache.data_ptr(),
+                 "v_cache": v_cache.data_ptr(), "o": out.data_ptr(),
+                 "cache_seqlens": cache_seqlens.data_ptr()}
+    if page_table is not None:
+        addresses["page_table"] = page_table.data_ptr()
+    if cu_q is not None:
+        addresses["cu_seqlens_q"] = cu_q.data_ptr()
+    planned.check_addresses(addresses)
+    lse = None
+    if planned.lse_shape is not None:
+        lse = q.new_empty(planned.lse_shape, dtype=torch.float32)
+        addresses["lse"] = lse.data_ptr()
+    handle = _torch_stream(torch, q.get_device()) if stream is None else _stream_handle(stream)
+    if planned.split_bytes[0]:
+        addresses.update(planned.split_workspace(handle))
+    if not planned.empty:
+        planned.plan.launch(addresses, handle)
+    return (out, lse) if planned.lse_shape is not None else out

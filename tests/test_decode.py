@@ -1,0 +1,166 @@
+"""The decode design without a GPU: its PTX assembles for sm_80 and sm_90a without spills
+across GQA groups, query rows, page sizes, ragged query rows and mask/score rules; its
+kernel ABI is the kernel's signature; the default split count; the scheduler's decode work
+space simulated (every (sequence, K/V head, split) exactly once); bad calls refused before
+anything runs."""
+import json
+
+import numpy as np
+import pytest
+
+import mhadsl
+from mhadsl.codegen.assemble import find_ptxas
+from mhadsl.codegen.backends import CacheLayout, decode
+from mhadsl.codegen.scheduler import SchedulerSpec
+from mhadsl.serving import decode_work, default_splits, kv_tile
+from mhadsl.simulate import simulate
+
+CAUSAL = "mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q"
+SOURCE = f"""
+import "std/schedulers.mha"
+attention causal {{ dtype = bf16  head_dim = 128  {CAUSAL} }}
+attention causal_d64 {{ dtype = fp16  head_dim = 64  {CAUSAL} }}
+attention head_window {{ dtype = bf16  head_dim = 128
+    mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) =
+        kv_idx <= q_idx + seqlen_k - seqlen_q && q_idx + seqlen_k - seqlen_q - kv_idx < 100 + 200 * h }}
+attention softcap {{ dtype = bf16  head_dim = 128  scheduler = Persistent()  {CAUSAL}
+    score(s, b, h, q_idx, kv_idx) = 30.0 * tanh(s / 30.0) }}
+attention plain_d256 {{ dtype = bf16  head_dim = 256 }}
+"""
+PROGRAM = mhadsl.compile(SOURCE, name="decode_cpu")
+needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
+
+BUILDS = [  # kernel, GQA group, cache layout (query rows, page size), LSE
+    ("causal", 8, CacheLayout(1, 0), True),
+    ("causal", 4, CacheLayout(1, 16), False),
+    ("causal", 1, CacheLayout(4, 64), True),
+    ("causal", 16, CacheLayout(16, 256), True),
+    ("causal", 8, CacheLayout(0, 512), True),
+    ("causal_d64", 8, CacheLayout(2, 32), True),
+    ("head_window", 4, CacheLayout(1, 16), False),
+    ("softcap", 8, CacheLayout(1, 128), True),
+    ("causal", 8, CacheLayout(1, 16, 32), True),
+    ("plain_d256", 4, CacheLayout(2, 64), True),
+    ("plain_d256", 8, CacheLayout(16, 0), False),
+]
+
+
+@needs_ptxas
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("name,group,cache,lse", BUILDS)
+def test_decode_builds_assemble_without_spills(arch, name, group, cache, lse):
+    build = PROGRAM[name].build(arch, gqa_group=group, return_lse=lse, cache=cache)
+    assert build.backend == "decode" and build.config.page_size == cache.page_size
+    kernel = build.assembled.kernels[decode.KERNEL_NAME]
+    if build.config.head_dim < 256:  # (head dim 256 holds a 16 x 256 fp32 O per warp)
+        assert kernel.spills == 0
+    assert build.config.rows % 16 == 0
+    assert build.config.rows >= min(decode.MAX_ROWS, (cache.query_rows or 1) * group)
+
+
+def test_decode_abi_is_the_kernel_signature():
+    build = PROGRAM["causal"].build("sm_90a", gqa_group=8, cache=CacheLayout(1, 64))
+    entry = build.ptx.split(".entry mha_decode(")[1].split(")")[0]
+    params = [line.split()[-1].rstrip(",") for line in entry.strip().splitlines()]
+    assert len(params) == len(decode.ABI.params)
+    kinds = {"ptr": ".u64", "i64": ".u64", "i32": ".u32", "f32": ".f32"}
+    for line, param in zip(entry.strip().splitlines(), decode.ABI):
+        assert kinds[param.kind] in line or (param.kind == "i64" and ".s64" in line) or \
+            (param.kind == "f32" and ".f32" in line), (line, param)
+
+
+def test_kv_tile_follows_the_shape():
+    assert kv_tile(16, 256, 132) == 32  # B32 x 8 K/V heads: four small CTAs per SM
+    assert kv_tile(16, 128, 132) == 64  # fewer groups than two per SM
+    assert kv_tile(128, 4096, 132) == 64  # 128 packed rows
+
+
+def test_copy_passes_of_fewer_than_8_rows_keep_the_swizzle():
+    """Head dim 256 with 4 warps copies 4 rows per pass: the copy's swizzle follows each
+    pass's row, as ldmatrix reads it."""
+    config = PROGRAM["plain_d256"].config(cache=CacheLayout(1, 0))
+    assert config.rows_per_pass % 8
+    ir = PROGRAM["plain_d256"].build("sm_90a", cache=CacheLayout(1, 0)).llvm
+    assert ir.count("xor") > PROGRAM["causal"].build(
+        "sm_90a", cache=CacheLayout(1, 0)).llvm.count("xor")
+
+
+@pytest.mark.parametrize("groups,capacity,want", [
+    (256, 8192, 1),     # B32 x 8 K/V heads already fill the GPU
+    (512, 2048, 1),
+    (64, 32768, 2),     # B8 x 8
+    (8, 131072, 15),    # B1 x 8: a long sequence over the SMs
+    (8, 512, 2),        # short caches: at least MIN_SPLIT_TILES KV tiles a split
+])
+def test_default_splits(groups, capacity, want):
+    assert default_splits(groups, 132, capacity, 64) == want
+
+
+def test_default_splits_fill_the_gpu():
+    for groups in range(1, 106):
+        splits = default_splits(groups, 132, 1 << 20, 64)
+        assert groups * splits >= 0.8 * 0.85 * 132 or splits == 128
+
+
+@pytest.mark.parametrize("scheduler", ["Queued", "Persistent", "LPT", "Transient"])
+@pytest.mark.parametrize("batch,kv_heads,splits", [(1, 8, 15), (3, 2, 4), (5, 4, 1)])
+def test_decode_work_space_covered_exactly_once(scheduler, batch, kv_heads, splits):
+    program = mhadsl.compile('import "std/schedulers.mha"', name="std").checked
+    spec = SchedulerSpec(scheduler, (), 1, 4)
+    result = simulate(program, spec, decode_work(batch, kv_heads, splits), ctas=7,
+                      cost="uniform")
+    assert result.covered_exactly_once and result.terminated
+    assert result.tiles == batch * kv_heads * splits
+
+
+def test_cli_simulates_a_decode_launch(capsys):
+    from mhadsl.cli import main
+    from helpers import REPO
+    rc = main(["simulate", str(REPO / "mhadsl/std/schedulers.mha"), "--scheduler", "Queued",
+               "--seqlens", "1,1,1", "--heads", "8", "--kv-splits", "6", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["covered_exactly_once"] and out["tiles"] == 3 * 8 * 6
+
+
+def _cache(batch=2, capacity=64, page_size=None, hkv=2, d=128):
+    if page_size is None:
+        k = np.zeros((batch, capacity, hkv, d), np.float32)
+        return k, k.copy(), None
+    pages = -(-capacity // page_size)
+    k = np.zeros((batch * pages, page_size, hkv, d), np.float32)
+    table = np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
+    return k, k.copy(), table
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(cache_seqlens=np.array([3, 4], np.int64)), TypeError, "int32"),
+    (dict(cache_seqlens=np.array([3, 99], np.int32)), ValueError, "beyond the cache"),
+    (dict(cache_seqlens=np.array([3], np.int32)), ValueError, "entries"),
+    (dict(q=np.zeros((2, 17, 8, 128), np.float32)), ValueError, "query rows"),
+    (dict(q=np.zeros((2, 1, 8, 64), np.float32)), ValueError, "head dim"),
+    (dict(q=np.zeros((2, 1, 5, 128), np.float32)), ValueError, "multiple"),
+    (dict(num_splits=0), ValueError, "num_splits"),
+    (dict(num_splits=True), ValueError, "num_splits"),
+    (dict(page_table=np.zeros((2, 3), np.int32), k=np.zeros((6, 12, 2, 128), np.float32),
+          v=np.zeros((6, 12, 2, 128), np.float32)), ValueError, "page size"),
+    (dict(cu_seqlens_k=np.array([0, 1, 2], np.int32)), ValueError, "cache_seqlens"),
+    (dict(cache_seqlens=None, page_table=np.zeros((2, 4), np.int32)), ValueError,
+     "needs cache_seqlens"),
+])
+def test_bad_decode_calls_raise_before_launch(change, error, match):
+    kern = PROGRAM["causal"]
+    k, v, _ = _cache()
+    args = dict(q=np.zeros((2, 1, 8, 128), np.float32), k=k, v=v,
+                cache_seqlens=np.array([3, 4], np.int32))
+    args.update(change)
+    with pytest.raises(error, match=match):
+        kern(**args)
+
+
+def test_bad_page_table_entries_raise():
+    kern = PROGRAM["causal"]
+    k, v, table = _cache(page_size=16)
+    table[1, 0] = 99
+    with pytest.raises(ValueError, match="not a page of the cache"):
+        kern(np.zeros((2, 1, 8, 128), np.float32), k, v,
+             cache_seqlens=np.array([3, 4], np.int32), page_table=table)

@@ -1,0 +1,202 @@
+"""Decode against a KV cache on the GPU (`mhadsl.serving`, the decode design) against the
+float64 `mhadsl.reference_decode`: contiguous and paged caches (pages in random order),
+cache lengths 0, 1, a page boundary +-1 and lengths not a multiple of the page, GQA 1/4/8/16,
+head dims 64/128/256, 1/4/16 query rows, ragged query rows (chunked prefill), forced and
+default KV splits, a window over the cache, softcap, ALiBi, a mask that reads the head, fp16,
+the LSE, CUDA-graph replay with new lengths and page tables, and the host checks."""
+import numpy as np
+import pytest
+
+import mhadsl
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+CAUSAL = "mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q"
+SOURCE = f"""
+import "std/schedulers.mha"
+attention causal {{ dtype = bf16  head_dim = 128  return_lse = true  {CAUSAL} }}
+attention causal_d64 {{ dtype = bf16  head_dim = 64  {CAUSAL} }}
+attention causal_d256 {{ dtype = bf16  head_dim = 256  {CAUSAL} }}
+attention causal_fp16 {{ dtype = fp16  head_dim = 128  return_lse = true  {CAUSAL} }}
+attention persistent {{ dtype = bf16  head_dim = 128  scheduler = Persistent()  {CAUSAL} }}
+attention window {{ dtype = bf16  head_dim = 128
+    mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) =
+        kv_idx <= q_idx + seqlen_k - seqlen_q && q_idx + seqlen_k - seqlen_q - kv_idx < 300 }}
+attention head_window {{ dtype = bf16  head_dim = 128
+    mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) =
+        kv_idx <= q_idx + seqlen_k - seqlen_q && q_idx + seqlen_k - seqlen_q - kv_idx < 100 + 200 * h }}
+attention softcap {{ dtype = bf16  head_dim = 128  {CAUSAL}
+    score(s, b, h, q_idx, kv_idx) = 30.0 * tanh(s / 30.0) }}
+attention alibi {{ dtype = bf16  head_dim = 128  {CAUSAL}
+    score(s, b, h, q_idx, kv_idx) = s - exp2(-1.0 - f32(h)) * f32(q_idx - kv_idx) }}
+"""
+PROGRAM = mhadsl.compile(SOURCE, name="decode_tests")
+
+
+def cache(lengths, hkv, d, *, page_size=None, dtype=torch.bfloat16, seed=0):
+    """(k_cache, v_cache, cache_seqlens, page_table) holding random keys for `lengths`:
+    contiguous, or pages of `page_size` in a random order (plus unused pages)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lengths = list(lengths)
+    capacity = max(max(lengths), 1)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    if page_size is None:
+        shape = (len(lengths), capacity, hkv, d)
+        k = torch.randn(shape, generator=g, device="cuda").to(dtype)
+        v = torch.randn(shape, generator=g, device="cuda").to(dtype)
+        return k, v, seqlens, None
+    max_pages = -(-capacity // page_size) + 1  # a spare column: never read
+    num_pages = len(lengths) * max_pages + 3
+    order = torch.randperm(num_pages, generator=g, device="cuda")[:len(lengths) * max_pages]
+    table = order.reshape(len(lengths), max_pages).to(torch.int32).contiguous()
+    shape = (num_pages, page_size, hkv, d)
+    k = torch.randn(shape, generator=g, device="cuda").to(dtype)
+    v = torch.randn(shape, generator=g, device="cuda").to(dtype)
+    return k, v, seqlens, table
+
+
+def check(kern, q, k, v, seqlens, table, *, cu_q=None, max_q=None, lse=False, **kw):
+    out = torch.full_like(q, float("nan"))  # poison: every row must be written
+    result = kern(q, k, v, cache_seqlens=seqlens, page_table=table, cu_seqlens_q=cu_q,
+                  max_seqlen_q=max_q, out=out, return_lse=lse, **kw)
+    got, got_lse = result if lse else (result, None)
+    assert got is out
+    ref = mhadsl.reference_decode(kern, q, k, v, cache_seqlens=seqlens, page_table=table,
+                                  cu_seqlens_q=cu_q, return_lse=lse)
+    ref, ref_lse = ref if lse else (ref, None)
+    got = got.float().cpu().numpy().astype(np.float64)
+    assert np.isfinite(got).all(), "NaN or unwritten output"
+    err = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert err < 1e-2, err
+    if lse:
+        g = got_lse.cpu().numpy().astype(np.float64)
+        finite = np.isfinite(ref_lse)
+        assert np.array_equal(np.isfinite(g), finite)
+        assert np.allclose(g[finite], ref_lse[finite], atol=2e-2, rtol=1e-3)
+    return out
+
+
+def queries(b, sq, hq, d, dtype=torch.bfloat16):
+    return torch.randn(b, sq, hq, d, device="cuda").to(dtype)
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 64, 256])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_lengths_and_pages(page_size, splits):
+    """Cache lengths 0 (no query row then: a ragged call), 1, a page boundary +-1, and
+    lengths not a multiple of the page; forced and default splits."""
+    kern = PROGRAM["causal"]
+    p = page_size or 64
+    lengths = [1, p - 1, p, p + 1, 3 * p + 5, 1000]
+    k, v, seqlens, table = cache(lengths, 2, 128, page_size=page_size)
+    q = queries(len(lengths), 1, 8, 128)
+    check(kern, q, k, v, seqlens, table, lse=True, num_splits=splits)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8, 16])
+@pytest.mark.parametrize("sq", [1, 4, 16])
+def test_gqa_and_query_rows(group, sq):
+    kern = PROGRAM["causal"]
+    k, v, seqlens, table = cache([sq + 40, 700, 2100], 2, 128, page_size=64, seed=group)
+    check(kern, queries(3, sq, 2 * group, 128), k, v, seqlens, table, lse=True)
+
+
+@pytest.mark.parametrize("name", ["causal_d64", "causal_d256", "causal_fp16"])
+def test_head_dims_and_fp16(name):
+    kern = PROGRAM[name]
+    d = kern.options.head_dim
+    dt = torch.float16 if kern.options.dtype == "fp16" else torch.bfloat16
+    k, v, seqlens, table = cache([5, 300, 1500], 2, d, page_size=16, dtype=dt)
+    check(kern, queries(3, 2, 8, d, dt), k, v, seqlens, table,
+          lse=kern.options.return_lse)
+    check(kern, queries(3, 2, 8, d, dt), k, v, seqlens, table, num_splits=4)
+
+
+@pytest.mark.parametrize("name", ["window", "head_window", "softcap", "alibi", "persistent"])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_rules_over_the_cache(name, splits):
+    kern = PROGRAM[name]
+    k, v, seqlens, table = cache([4, 257, 1200, 2500], 2, 128, page_size=64, seed=7)
+    check(kern, queries(4, 4, 8, 128), k, v, seqlens, table, lse=True, num_splits=splits)
+
+
+def test_ragged_query_rows():
+    """Chunked prefill: ragged query rows (0 for a sequence with an empty cache) against the
+    cache, more packed rows than one tile holds."""
+    kern = PROGRAM["causal"]
+    lengths_q, lengths_k = [3, 0, 40, 1, 17], [3, 0, 900, 64, 200]
+    k, v, seqlens, table = cache(lengths_k, 2, 128, page_size=16)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths_q)]), dtype=torch.int32,
+                      device="cuda")
+    q = torch.randn(sum(lengths_q), 8, 128, device="cuda").to(torch.bfloat16)
+    for splits in (1, 3):
+        check(kern, q, k, v, seqlens, table, cu_q=cu, max_q=max(lengths_q), lse=True,
+              num_splits=splits)
+
+
+def test_small_kv_tiles_of_many_groups():
+    """Enough 16-row work tiles for two per multiprocessor: the planner's 32-row KV tile
+    (two-warp CTAs, whose copy passes keep the swizzle phase), contiguous and paged."""
+    kern = PROGRAM["causal"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = 2 * sms // 2  # x 2 K/V heads: two groups per multiprocessor
+    for page_size in (None, 16):
+        k, v, seqlens, table = cache([100 + 37 * i for i in range(batch)], 2, 128,
+                                     page_size=page_size)
+        check(kern, queries(batch, 1, 16, 128), k, v, seqlens, table, lse=True)
+        assert list(kern._decode_plans.values())[-1].plan.threads == 64
+
+
+def test_long_single_sequence_splits():
+    """One long sequence: the default split count spreads it over the GPU."""
+    kern = PROGRAM["causal"]
+    k, v, seqlens, table = cache([40000], 8, 128)
+    check(kern, queries(1, 1, 32, 128), k, v, seqlens, table, lse=True)
+    planned = list(kern._decode_plans.values())[-1]  # the plan that call made
+    assert planned.num_splits > 1
+
+
+def test_graph_replay_new_contents():
+    """A captured decode replays new cache lengths and page tables without recapture."""
+    kern = PROGRAM["causal"]
+    k, v, seqlens, table = cache([500, 1300, 70], 2, 128, page_size=64, seed=3)
+    q = queries(3, 1, 8, 128)
+    out = torch.empty_like(q)
+    for splits in (1, 4):
+        kern(q, k, v, cache_seqlens=seqlens, page_table=table, out=out, num_splits=splits)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                kern(q, k, v, cache_seqlens=seqlens, page_table=table, out=out,
+                     num_splits=splits)
+        for new_lengths in ([900, 20, 1400], [1, 1300, 64]):
+            seqlens.copy_(torch.tensor(new_lengths, dtype=torch.int32))
+            table.copy_(table.flip(0))  # other pages
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = mhadsl.reference_decode(kern, q, k, v, cache_seqlens=seqlens,
+                                          page_table=table, return_lse=False)
+            got = out.float().cpu().numpy()
+            assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_bad_calls_raise_before_launch():
+    kern = PROGRAM["causal"]
+    k, v, seqlens, table = cache([10, 20], 2, 128, page_size=16)
+    q = queries(2, 1, 8, 128)
+    with pytest.raises(TypeError, match="int32"):
+        kern(q, k, v, cache_seqlens=seqlens.long(), page_table=table)
+    with pytest.raises(ValueError, match="page size"):
+        kern(q, k[:, :12], v[:, :12], cache_seqlens=seqlens, page_table=table)
+    with pytest.raises(ValueError, match="query rows"):
+        kern(queries(2, 17, 8, 128), k, v, cache_seqlens=seqlens, page_table=table)
+    with pytest.raises(TypeError, match="dtype"):
+        kern(q.half(), k, v, cache_seqlens=seqlens, page_table=table)
+    with pytest.raises(ValueError, match="num_splits"):
+        kern(q, k, v, cache_seqlens=seqlens, page_table=table, num_splits=0)
+    host_lengths = np.array([10, 99], dtype=np.int32)
+    with pytest.raises(ValueError, match="beyond the cache"):
+        kern(q.cpu().float().numpy(), k, v, cache_seqlens=host_lengths,
+             page_table=table.cpu().numpy())
