@@ -8,11 +8,14 @@ body. Which kernel design is built around them is the backend's business
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from llvmlite import ir
 
 from mhadsl import ast
 from mhadsl.check import CheckedProgram
 from mhadsl.classify import emit_classify
+from mhadsl.derivative import differentiate_score
 from mhadsl.codegen.backends import ExprHooks, KernelArgs, KernelSource, TileSeq, WorkLoop
 from mhadsl.codegen.lower import Builtins, FunctionLowering
 from mhadsl.codegen.nvptx import i32, i64
@@ -62,6 +65,17 @@ def _reads(rule, name: str) -> bool:
             return True
         stack.extend(ast.children(node))
     return False
+
+
+def backward_hooks(program: CheckedProgram, mask_rule, score_rule) -> ExprHooks:
+    """The forward's hooks plus the score rule's derivative d score / d s
+    (`mhadsl.derivative`), lowered like the score; raises `MhaError` where the score rule
+    cannot be differentiated."""
+    hooks = expr_hooks(program, mask_rule, score_rule)
+    if score_rule is None:
+        return hooks
+    rule, derived = differentiate_score(score_rule, program)
+    return replace(hooks, derivative=_rule_hook(derived, rule, SCORE_ROLES, F32))
 
 
 def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Target,

@@ -234,6 +234,22 @@ class Kernel:
         from mhadsl.torch_op import torch_op
         return torch_op(self)
 
+    def backward(self, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k=None,
+                 max_seqlen_q=None, max_seqlen_k=None, scale: float | None = None):
+        """(dq, dk, dv): the gradients of `self(q, k, v, ...)` for the output gradient `dout`,
+        given the forward's `out` and `lse` (`return_lse=True`); torch CUDA tensors, in the
+        layouts of q, k and v (`mhadsl.backward`)."""
+        from mhadsl.backward import backward
+        return backward(self, q, k, v, out, lse, dout, cu_seqlens_q=cu_seqlens_q,
+                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                        max_seqlen_k=max_seqlen_k, scale=scale)
+
+    def backward_build(self, arch: str = "sm_90a", *, gqa_group: int = 1,
+                       ragged: bool = False) -> KernelBuild:
+        """The backward pass's kernels for `arch` (LLVM IR, PTX, and with ptxas the cubin)."""
+        from mhadsl.backward import backward_build
+        return backward_build(self, arch, gqa_group=gqa_group, ragged=ragged)
+
     # ---------------------------------------------------------------- calls
     def __call__(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                  max_seqlen_k=None, scale: float | None = None, out=None,

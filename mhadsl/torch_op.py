@@ -10,8 +10,12 @@ implementation that gives the outputs' shapes without running anything, so
 `torch.compile(fullgraph=True)` traces through it without a graph break; under
 `mode="reduce-overhead"` its launch is captured into CUDA graphs (the queue counter is reset by
 the kernel itself, so replays need no host work), and a dynamic sequence length reuses the
-kernel's build (builds depend on the layout, not the lengths). The backward pass attaches its
-autograd here.
+kernel's build (builds depend on the layout, not the lengths).
+
+The operator is differentiable (`torch.library.register_autograd`): `out.backward()` runs the
+kernel's backward pass (`Kernel.backward`) through a second operator,
+`mhadsl::<kernel>_<hash>_backward`, so the backward traces under torch.compile too. The LSE
+output's gradient is not propagated (the LSE is the backward's input, not a loss term).
 """
 
 import hashlib
@@ -19,6 +23,10 @@ import hashlib
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
           "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None) "
           "-> (Tensor, Tensor)")
+BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
+                   "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+                   "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None) "
+                   "-> (Tensor, Tensor, Tensor)")
 _library = None
 _ops: dict[str, object] = {}
 
@@ -55,4 +63,43 @@ def torch_op(kernel):
     _library.impl(name, attention, "CUDA")
     torch.library.register_fake(f"mhadsl::{name}", fake, lib=_library)
     _ops[name] = getattr(torch.ops.mhadsl, name).default
+    _register_autograd(kernel, name)
     return _ops[name]
+
+
+def _register_autograd(kernel, name: str) -> None:
+    """The backward operator of forward operator `name`, and the autograd that calls it."""
+    import torch
+
+    _library.define(name + "_backward" + BACKWARD_SCHEMA)
+
+    def gradients(q, k, v, out, lse, dout, cu_seqlens_q=None, cu_seqlens_k=None,
+                  max_seqlen_q=None, max_seqlen_k=None, scale=None):
+        return kernel.backward(q, k, v, out, lse, dout, cu_seqlens_q=cu_seqlens_q,
+                               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                               max_seqlen_k=max_seqlen_k, scale=scale)
+
+    def fake(q, k, v, out, lse, dout, cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=None, max_seqlen_k=None, scale=None):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    _library.impl(name + "_backward", gradients, "CUDA")
+    torch.library.register_fake(f"mhadsl::{name}_backward", fake, lib=_library)
+    backward_op = getattr(torch.ops.mhadsl, name + "_backward").default
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_q, cu_k, max_q, max_k, scale = inputs
+        ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
+        ctx.lengths = (max_q, max_k, scale)
+
+    def backward(ctx, grad_out, _grad_lse):
+        if grad_out is None:  # only the LSE was used
+            return (None,) * 8
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, scale = ctx.lengths
+        dq, dk, dv = backward_op(q, k, v, out, lse, grad_out.contiguous(), cu_q, cu_k, max_q,
+                                 max_k, scale)
+        return dq, dk, dv, None, None, None, None, None
+
+    torch.library.register_autograd(f"mhadsl::{name}", backward, setup_context=setup_context,
+                                    lib=_library)

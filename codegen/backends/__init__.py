@@ -202,6 +202,8 @@ class ExprHooks:
     classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k) -> (may_be_true: i1,
         always_true: i1) over the inclusive index box; None = every tile may be true and is
         full (for `mask=None`) or partial (with a mask).
+    derivative(builder, s, b, h, q_idx, kv_idx) -> f32: d score / d s at the scaled score `s`
+        (the backward pass's; `codegen.kernel.backward_hooks`); None = no score rule.
     All index arguments are i32 values: q_idx and kv_idx count from the start of the sequence.
     """
 
@@ -209,6 +211,7 @@ class ExprHooks:
     score: Callable | None = None
     classify: Callable | None = None
     mask_uses_head: bool = False  # the mask reads `h` (its tile classes differ per head)
+    derivative: Callable | None = None
 
 
 @dataclass

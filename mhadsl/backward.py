@@ -1,0 +1,179 @@
+"""The backward pass on the host: `Kernel.backward(q, k, v, out, lse, dout, ...)` ->
+(dq, dk, dv), and the build of its kernels (`backward_build`).
+
+    dq, dk, dv = kern.backward(q, k, v, out, lse, dout)  # out, lse = kern(q, k, v, return_lse=True)
+
+The three kernels of `codegen.backends.backward` run on the caller's torch stream: the
+preprocess (delta = rowsum(dO * O), the fp32 dQ accumulator zeroed), the main kernel (one
+CTA per K/V tile, dK and dV summed over the GQA group, dQ added atomically) and the
+postprocess (dQ in q's dtype). Every argument is checked before anything runs; a call
+signature's three launch plans are made once (`runtime.launch`).
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+from mhadsl.build import _from_entry, _ptxas_version, _to_entry
+from mhadsl.codegen.backends import KernelBuild, Layout, select_target
+from mhadsl.codegen.backends.backward import (
+    ABI, DESIGN, KERNELS, grids, launch_shapes,
+)
+from mhadsl.codegen.kernel import backward_hooks
+from mhadsl.codegen.target import gpu_target
+from mhadsl.runtime import cache
+
+def backward_build(kernel, arch: str = "sm_90a", *, gqa_group: int = 1,
+                   ragged: bool = False) -> KernelBuild:
+    """The backward kernels of `kernel` (`api.Kernel`) for `arch` and a call's layout, from
+    the on-disk cache when it holds them. Raises `MhaError` (at the declaration's setting at
+    fault) when the design cannot run the declaration, or the score rule cannot be
+    differentiated."""
+    program, options = kernel.program.checked, kernel.options
+    if problems := DESIGN.problems(options, arch):
+        raise options.backend_error(problems)
+    target = gpu_target(arch)
+    config = DESIGN.config(options, Layout(gqa_group, ragged))
+    key = cache.cache_key(
+        what="attention backward", sources=[s.text for s in program.sources],
+        kernel=kernel.name, config=config, **target.cache_fields(), ptxas=_ptxas_version(),
+        compiler=cache.compiler_hash())
+    store = cache.CompileCache()
+    entry = store.get(key)
+    loaded = _from_entry(entry, DESIGN) if entry is not None else None
+    if loaded is not None:
+        return loaded
+    build = DESIGN.build(backward_hooks(program, options.mask, options.score), config, target)
+    store.put(key, _to_entry(build))
+    return build
+
+
+class _State:
+    """Per kernel: the loaded builds (by device and layout) and the launch plans (by call
+    signature)."""
+
+    def __init__(self):
+        self.modules: dict[tuple, tuple] = {}
+        self.plans: dict[tuple, dict] = {}  # kernel name -> runtime.launch.LaunchPlan
+
+
+_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _state(kernel) -> _State:
+    if kernel not in _states:
+        _states[kernel] = _State()
+    return _states[kernel]
+
+
+def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=None, max_seqlen_k=None, scale=None):
+    """(dq, dk, dv) of `kernel(q, k, v, ...)` for the output gradient `dout`, given the
+    forward's `out` and `lse` (`Kernel.backward`)."""
+    from mhadsl.api import DTYPE_NAMES, _check_rows, _check_scale, _lse_shape
+    from mhadsl.runtime import tensors
+    call = kernel._validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if problems := DESIGN.problems(kernel.options, "sm_80"):  # (the same on either target)
+        raise kernel.options.backend_error(problems)
+    scale = kernel.options.softmax_scale() if scale is None else _check_scale(scale)
+    dtype = DTYPE_NAMES[kernel.options.dtype]
+    for name, t in (("out", out), ("dout", dout)):
+        view = tensors.as_device_tensor(t, name)
+        if tuple(view.shape) != tuple(call.q.shape):
+            raise ValueError(f"{name} has shape {view.shape}, expected {call.q.shape} (like q)")
+        if not view.on_host:  # (host arrays are refused below: the backward runs on torch's)
+            if view.dtype != dtype:
+                raise TypeError(f"{name} has dtype {view.dtype}, expected {dtype} (like q)")
+            _check_rows(view, name)
+    lse_view = tensors.as_device_tensor(lse, "lse")
+    if tuple(lse_view.shape) != _lse_shape(call):
+        raise ValueError(f"lse has shape {lse_view.shape}, expected {_lse_shape(call)} (the "
+                         "forward's: (batch, heads, seqlen_q) dense, (heads, total_q) ragged)")
+    if lse_view.dtype != "float32":
+        raise TypeError(f"lse has dtype {lse_view.dtype}, expected float32")
+    given = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
+    if call.ragged:
+        given.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    torch = sys.modules.get("torch")
+    if torch is None or not all(isinstance(t, torch.Tensor) for t in given.values()):
+        raise TypeError("Kernel.backward runs on torch CUDA tensors: q, k, v, out, lse, dout "
+                        "(and cu_seqlens_q/k) must all be torch tensors")
+    devices = {t.device for t in given.values()}
+    if len(devices) > 1:
+        raise ValueError(f"the backward's tensors are on different devices: "
+                         f"{sorted(map(str, devices))}")
+    return _run(kernel, torch, call, q, k, v, out, lse.contiguous(), dout, cu_seqlens_q,
+                cu_seqlens_k, scale)
+
+
+def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale):
+    # (ragged: rows outside every sequence get no gradient from the kernels, so zeros)
+    alloc = torch.zeros if call.ragged else torch.empty
+    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
+    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
+    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+    if not (call.batch and call.heads):  # no CTA to launch (empty sequences launch)
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+    tensors = {"q": q, "k": k, "v": v, "o": out, "dout": dout, "dq_accum": dq_accum, "dq": dq,
+               "dk": dk, "dv": dv}
+    plans = _plans(kernel, call, tensors, scale, q.device.index)
+    addresses = {name: t.data_ptr() for name, t in tensors.items()}
+    addresses.update(lse=lse.data_ptr(), delta=delta.data_ptr())
+    if call.ragged:
+        addresses.update(cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr())
+    for name, t in addresses.items():
+        if t % 16 and name not in ("lse", "delta", "cu_seqlens_q", "cu_seqlens_k"):
+            raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned, got a pointer "
+                             f"at {t:#x}")
+    from mhadsl.api import _torch_stream
+    stream = _torch_stream(torch, q.device.index)
+    for name in KERNELS:
+        plans[name].launch(addresses, stream)
+    return dq, dk, dv
+
+
+def _plans(kernel, call, tensors: dict, scale: float, device: int) -> dict:
+    """The launch plans of a validated call's signature: made once, then reused."""
+    from mhadsl.runtime import driver
+    from mhadsl.runtime.launch import LaunchPlan, TensorShape
+    shapes = {n: TensorShape(tuple(t.shape), tuple(t.stride()),
+                             str(t.dtype).removeprefix("torch."))
+              for n, t in tensors.items()}
+    key = (device, tuple(shapes.items()), call.batch, call.heads, call.kv_heads, call.seqlen_q,
+           call.seqlen_k, call.max_seqlen_q, call.max_seqlen_k, call.total_q, call.ragged, scale)
+    state = _state(kernel)
+    if key in state.plans:
+        return state.plans[key]
+    functions, config = _functions(kernel, device, call.heads // call.kv_heads, call.ragged)
+    values = {"lse_stride_batch": 0 if call.ragged else call.heads * call.seqlen_q,
+              "lse_stride_head": call.total_q if call.ragged else call.seqlen_q,
+              "batch": call.batch, "num_heads": call.heads, "seqlen_q": call.seqlen_q,
+              "seqlen_k": call.seqlen_k, "softmax_scale": scale}
+    grid = grids(config, call.batch, call.heads, call.kv_heads, call.max_seqlen_q,
+                 call.max_seqlen_k)
+    shape = launch_shapes(config)
+    # (ragged=False: the kernels take ragged rows from cu_seqlens and ignore batch strides)
+    driver.ensure_context(device)
+    state.plans[key] = {name: LaunchPlan(functions[name], grid[name], shape[name].threads,
+                                         shape[name].shared_bytes, ABI, config, device, shapes,
+                                         values)
+                        for name in KERNELS}
+    return state.plans[key]
+
+
+def _functions(kernel, device: int, gqa_group: int, ragged: bool) -> tuple[dict, object]:
+    """The loaded kernels for `device` and the layout, and their build's config."""
+    from mhadsl.runtime import driver
+    state = _state(kernel)
+    key = (device, gqa_group, ragged)
+    if key not in state.modules:
+        target = select_target(driver.device_info(device).compute_capability)
+        build = backward_build(kernel, target.arch, gqa_group=gqa_group, ragged=ragged)
+        module = (driver.Module.from_cubin(build.assembled.cubin, device)
+                  if target.load == "cubin" and build.assembled else
+                  driver.Module.from_ptx(build.ptx.encode(), device))
+        state.modules[key] = ({name: module.function(name) for name in KERNELS},
+                              build.config, module)
+    functions, config, _module = state.modules[key]
+    return functions, config

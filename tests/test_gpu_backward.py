@@ -1,0 +1,169 @@
+"""The backward pass on the GPU against the float64 reference (`mhadsl.reference_backward`):
+dQ, dK and dV of fresh random inputs within 1e-2 relative error (Frobenius norm) for dense
+and ragged batches with lengths 0, 1, 127, 129 and 3000, Sq != Sk, the mask and score
+examples (causal, bottom-right causal, a window, ALiBi, softcap), GQA and MQA, head dims
+64/128, bf16 and fp16; and through the torch operator's autograd (`out.backward()`)."""
+import numpy as np
+import pytest
+
+import mhadsl
+from helpers import REPO
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+RAGGED = [0, 1, 127, 129, 3000]
+
+
+def kernel(file: str, name: str):
+    return mhadsl.compile(REPO / "examples" / file)[name]
+
+
+def rand(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+def _dtype(kern):
+    return torch.bfloat16 if kern.options.dtype == "bf16" else torch.float16
+
+
+def dense(kern, b, sq, sk, hq, hkv):
+    d, dt = kern.options.head_dim, _dtype(kern)
+    return dict(q=rand(b, sq, hq, d, dtype=dt), k=rand(b, sk, hkv, d, dtype=dt),
+                v=rand(b, sk, hkv, d, dtype=dt))
+
+
+def ragged(kern, lens_q, lens_k, hq, hkv):
+    d, dt = kern.options.head_dim, _dtype(kern)
+    offsets = [torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32,
+                            device="cuda") for n in (lens_q, lens_k)]
+    return dict(q=rand(sum(lens_q), hq, d, dtype=dt), k=rand(sum(lens_k), hkv, d, dtype=dt),
+                v=rand(sum(lens_k), hkv, d, dtype=dt), cu_seqlens_q=offsets[0],
+                cu_seqlens_k=offsets[1])
+
+
+def assert_close(name, got, want, dout):
+    """Relative error below 1e-2; where the exact gradient vanishes (one key: P = 1, so
+    dS = 0 and dQ = dK = 0), relative to a hundredth of dO's norm instead."""
+    got = got.float().cpu().numpy().astype(np.float64)
+    assert np.isfinite(got).all(), f"{name}: NaN or inf"
+    floor = 1e-2 * np.linalg.norm(dout.float().cpu().numpy())
+    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), floor)
+    assert err < 1e-2, (name, err, got.shape)
+
+
+def assert_gradients(kern, args):
+    offsets = {n: args[n] for n in ("cu_seqlens_q", "cu_seqlens_k") if n in args}
+    out, lse = kern(**args, return_lse=True)
+    dout = torch.randn_like(out)
+    grads = kern.backward(args["q"], args["k"], args["v"], out, lse, dout, **offsets)
+    ref = mhadsl.reference_backward(kern, args["q"], args["k"], args["v"], dout, **offsets)
+    for name, got, want, like in zip(("dq", "dk", "dv"), grads, ref, "qkv"):
+        assert got.shape == args[like].shape and got.dtype == args[like].dtype
+        assert_close(name, got, want, dout)
+
+
+@pytest.mark.parametrize("file, name", [
+    ("plain.mha", "plain_fwd"), ("plain.mha", "plain_fp16_d64"), ("causal.mha", "causal_fwd"),
+    ("sliding_window.mha", "sliding_window_256"), ("softcap.mha", "softcap_causal"),
+    ("alibi.mha", "alibi_causal"),
+])
+def test_examples_against_reference(file, name):
+    kern = kernel(file, name)
+    for shape in ((1, 1, 1, 2, 2), (1, 127, 127, 2, 2), (2, 129, 129, 2, 2),
+                  (1, 3000, 3000, 1, 1)):
+        assert_gradients(kern, dense(kern, *shape))
+    assert_gradients(kern, ragged(kern, RAGGED, RAGGED, 2, 2))
+
+
+def test_bottom_right_causal_with_unequal_lengths():
+    kern = kernel("bottom_right_causal.mha", "bottom_right_causal")
+    assert_gradients(kern, dense(kern, 2, 100, 300, 2, 2))
+    assert_gradients(kern, dense(kern, 1, 700, 260, 2, 2))
+    assert_gradients(kern, ragged(kern, [5, 0, 127, 64], [300, 7, 129, 64], 2, 2))
+
+
+@pytest.mark.parametrize("name, hq, hkv", [("gqa_causal", 8, 2), ("mqa", 4, 1)])
+def test_gqa_and_mqa_sum_dk_dv_over_the_group(name, hq, hkv):
+    kern = kernel("gqa.mha", name)
+    assert_gradients(kern, dense(kern, 2, 200, 200, hq, hkv))
+    assert_gradients(kern, ragged(kern, [129, 0, 300], [129, 64, 300], hq, hkv))
+
+
+def test_a_signature_is_planned_once():
+    from mhadsl.backward import _state
+    kern = kernel("causal.mha", "causal_fwd")
+    for _ in range(2):
+        assert_gradients(kern, dense(kern, 1, 130, 130, 2, 2))
+    assert len(_state(kern).plans) == 1
+
+
+def test_torch_op_backward():
+    kern = kernel("causal.mha", "causal_fwd")
+    op = kern.torch_op()
+    args = dense(kern, 2, 257, 257, 2, 2)
+    q, k, v = (args[n].clone().requires_grad_() for n in "qkv")
+    out, _lse = op(q, k, v)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref = mhadsl.reference_backward(kern, q, k, v, dout)
+    for name, t, want in zip(("dq", "dk", "dv"), (q, k, v), ref):
+        assert_close(name, t.grad, want, dout)
+
+
+def test_torch_op_backward_ragged():
+    kern = kernel("sliding_window.mha", "sliding_window_256")
+    op = kern.torch_op()
+    args = ragged(kern, [300, 1, 129], [300, 1, 129], 2, 2)
+    q, k, v = (args[n].clone().requires_grad_() for n in "qkv")
+    out, _lse = op(q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], 300, 300)
+    out.float().square().sum().backward()
+    dout = 2 * out.detach().float()
+    ref = mhadsl.reference_backward(kern, q, k, v, dout, cu_seqlens_q=args["cu_seqlens_q"],
+                                    cu_seqlens_k=args["cu_seqlens_k"])
+    for name, t, want in zip(("dq", "dk", "dv"), (q, k, v), ref):
+        assert_close(name, t.grad, want, dout)
+
+
+def test_torch_compile_forward_and_backward():
+    kern = kernel("causal.mha", "causal_fwd")
+    op = kern.torch_op()
+    args = dense(kern, 1, 200, 200, 2, 2)
+
+    def loss(q, k, v):
+        return op(q, k, v)[0].float().square().sum()
+
+    grads = []
+    for fn in (loss, torch.compile(loss, fullgraph=True)):
+        q, k, v = (args[n].clone().requires_grad_() for n in "qkv")
+        fn(q, k, v).backward()
+        grads.append([t.grad.float() for t in (q, k, v)])
+    for eager, compiled in zip(*grads):
+        assert torch.allclose(eager, compiled, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("variant", [dict(dq_passes=2), dict(block_m=32),
+                                     dict(block_m=32, dq_passes=2),
+                                     dict(block_n=128, num_warps=8)],
+                         ids=["dq-passes-2", "block-m-32", "block-m-32-dq-passes-2", "8-warps"])
+def test_every_fallback_build_is_correct(variant, monkeypatch, tmp_path):
+    """The builds `BackwardDesign.build` falls back to when ptxas spills, each forced."""
+    from dataclasses import replace
+
+    from mhadsl.backward import _state
+    from mhadsl.codegen.backends import spill_free_build
+    from mhadsl.codegen.backends.backward import DESIGN, build_backward_module
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))  # forced builds stay out of the cache
+
+    def forced(hooks, config, target):
+        config = replace(config, **variant)
+        return spill_free_build(DESIGN.name, target, [
+            (config, lambda: build_backward_module(config, hooks, target))])
+    monkeypatch.setattr(DESIGN, "build", forced)
+    for file, name, hq, hkv in (("gqa.mha", "gqa_causal", 8, 2),
+                                ("softcap.mha", "softcap_causal", 2, 2)):
+        kern = kernel(file, name)
+        assert_gradients(kern, dense(kern, 2, 200, 200, hq, hkv))
+        assert_gradients(kern, ragged(kern, [129, 0, 300], [129, 64, 300], hq, hkv))
+        configs = {config for _functions, config, _module in _state(kern).modules.values()}
+        assert configs and all(replace(c, **variant) == c for c in configs)
