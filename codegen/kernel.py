@@ -129,10 +129,12 @@ def _opaque(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
 
 
 def kernel_source(program: CheckedProgram, options, target: Target,
-                  trace: bool = False) -> KernelSource:
+                  trace: bool = False, derivative: bool = False) -> KernelSource:
     """The hooks and work loop of declaration `options` (`AttentionOptions`); `trace`
-    builds the loop that records every work item."""
+    builds the loop that records every work item; `derivative` adds the score rule's
+    derivative to the hooks (the backward pass: `backward_hooks`)."""
     def work_loop(tile_m: int, gqa_group: int) -> WorkLoop:
         spec = SchedulerSpec(options.scheduler, options.scheduler_args, tile_m, gqa_group)
         return scheduler_work_loop(program, spec, target, trace)
-    return KernelSource(expr_hooks(program, options.mask, options.score), work_loop)
+    hooks = (backward_hooks if derivative else expr_hooks)(program, options.mask, options.score)
+    return KernelSource(hooks, work_loop)

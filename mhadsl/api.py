@@ -199,13 +199,13 @@ class Kernel:
 
     def build(self, arch: str = "sm_90a", *, gqa_group: int = 1, ragged: bool = False,
               return_lse: bool = False, backend: str | None = None,
-              cache: CacheLayout | None = None) -> KernelBuild:
+              cache: CacheLayout | None = None, backward: bool = False) -> KernelBuild:
         """The kernel for `arch` (from the on-disk cache when it holds it): LLVM IR, PTX
         and, with ptxas, the cubin and its resources. With `cache`, the decode kernel of
-        calls against a KV cache of that layout."""
+        calls against a KV cache of that layout; with `backward`, the backward pass's."""
         build = build_kernel(self.program.checked,
-                             self._request(Layout(gqa_group, ragged, return_lse, cache), arch,
-                                           backend))
+                             self._request(Layout(gqa_group, ragged, return_lse, cache,
+                                                  backward), arch, backend))
         self.builds_compiled += not build.cached
         return build
 
@@ -247,8 +247,7 @@ class Kernel:
     def backward_build(self, arch: str = "sm_90a", *, gqa_group: int = 1,
                        ragged: bool = False) -> KernelBuild:
         """The backward pass's kernels for `arch` (LLVM IR, PTX, and with ptxas the cubin)."""
-        from mhadsl.backward import backward_build
-        return backward_build(self, arch, gqa_group=gqa_group, ragged=ragged)
+        return self.build(arch, gqa_group=gqa_group, ragged=ragged, backward=True)
 
     # ---------------------------------------------------------------- calls
     def __call__(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,

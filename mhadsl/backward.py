@@ -1,5 +1,5 @@
 """The backward pass on the host: `Kernel.backward(q, k, v, out, lse, dout, ...)` ->
-(dq, dk, dv), and the build of its kernels (`backward_build`).
+(dq, dk, dv), on the kernels of the one build path (`Kernel.backward_build`).
 
     dq, dk, dv = kern.backward(q, k, v, out, lse, dout)  # out, lse = kern(q, k, v, return_lse=True)
 
@@ -13,38 +13,9 @@ from __future__ import annotations
 
 import sys
 import weakref
-from mhadsl.build import _from_entry, _ptxas_version, _to_entry
-from mhadsl.codegen.backends import KernelBuild, Layout, select_target
-from mhadsl.codegen.backends.backward import (
-    ABI, DESIGN, KERNELS, grids, launch_shapes,
-)
-from mhadsl.codegen.kernel import backward_hooks
-from mhadsl.codegen.target import gpu_target
-from mhadsl.runtime import cache
 
-def backward_build(kernel, arch: str = "sm_90a", *, gqa_group: int = 1,
-                   ragged: bool = False) -> KernelBuild:
-    """The backward kernels of `kernel` (`api.Kernel`) for `arch` and a call's layout, from
-    the on-disk cache when it holds them. Raises `MhaError` (at the declaration's setting at
-    fault) when the design cannot run the declaration, or the score rule cannot be
-    differentiated."""
-    program, options = kernel.program.checked, kernel.options
-    if problems := DESIGN.problems(options, arch):
-        raise options.backend_error(problems)
-    target = gpu_target(arch)
-    config = DESIGN.config(options, Layout(gqa_group, ragged))
-    key = cache.cache_key(
-        what="attention backward", sources=[s.text for s in program.sources],
-        kernel=kernel.name, config=config, **target.cache_fields(), ptxas=_ptxas_version(),
-        compiler=cache.compiler_hash())
-    store = cache.CompileCache()
-    entry = store.get(key)
-    loaded = _from_entry(entry, DESIGN) if entry is not None else None
-    if loaded is not None:
-        return loaded
-    build = DESIGN.build(backward_hooks(program, options.mask, options.score), config, target)
-    store.put(key, _to_entry(build))
-    return build
+from mhadsl.codegen.backends import select_target
+from mhadsl.codegen.backends.backward import ABI, BACKEND, KERNELS, grids, launch_shapes
 
 
 class _State:
@@ -72,7 +43,7 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
     from mhadsl.api import DTYPE_NAMES, _check_rows, _check_scale, _lse_shape
     from mhadsl.runtime import tensors
     call = kernel._validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if problems := DESIGN.problems(kernel.options, "sm_80"):  # (the same on either target)
+    if problems := BACKEND.problems(kernel.options, "sm_80"):  # (the same on either target)
         raise kernel.options.backend_error(problems)
     scale = kernel.options.softmax_scale() if scale is None else _check_scale(scale)
     dtype = DTYPE_NAMES[kernel.options.dtype]
@@ -169,7 +140,7 @@ def _functions(kernel, device: int, gqa_group: int, ragged: bool) -> tuple[dict,
     key = (device, gqa_group, ragged)
     if key not in state.modules:
         target = select_target(driver.device_info(device).compute_capability)
-        build = backward_build(kernel, target.arch, gqa_group=gqa_group, ragged=ragged)
+        build = kernel.backward_build(target.arch, gqa_group=gqa_group, ragged=ragged)
         module = (driver.Module.from_cubin(build.assembled.cubin, device)
                   if target.load == "cubin" and build.assembled else
                   driver.Module.from_ptx(build.ptx.encode(), device))

@@ -90,9 +90,9 @@ def build_kernel(program: CheckedProgram, request: KernelRequest,
     if request.trace:  # record the kernel that runs untraced: its config (tile) exactly
         configs = (build_kernel(program, dataclasses.replace(request, trace=False),
                                 store).config,)
-    build = resolved.backend.build(kernel_source(program, resolved.options, resolved.target,
-                                                 request.trace),
-                                   configs, resolved.target)
+    source = kernel_source(program, resolved.options, resolved.target, request.trace,
+                           derivative=request.layout.workload == "backward")
+    build = resolved.backend.build(source, configs, resolved.target)
     store.put(key, _to_entry(build))
     return build
 

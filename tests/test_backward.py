@@ -11,7 +11,7 @@ from mhadsl.codegen.abi import KIND_ALIGN
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.backends.backward import (
-    ABI, DESIGN, KERNELS, BackwardConfig, build_backward_module, shared_bytes,
+    ABI, BACKEND, KERNELS, BackwardConfig, build_backward_module, shared_bytes,
 )
 from mhadsl.codegen.kernel import backward_hooks
 from mhadsl.codegen.target import emit_ptx, gpu_target, optimize
@@ -66,7 +66,7 @@ def test_config_problems_name_the_setting():
 
 def test_a_declaration_the_design_cannot_run_is_an_error_at_its_setting():
     kern = mhadsl.compile("attention big { dtype = bf16  head_dim = 256 }")["big"]
-    assert DESIGN.problems(kern.options, "sm_90a")
+    assert BACKEND.problems(kern.options, "sm_90a")
     with pytest.raises(mhadsl.MhaError, match="head_dim"):
         kern.backward_build("sm_90a")
     q = np.zeros((1, 4, 1, 256), np.float32)

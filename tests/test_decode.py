@@ -164,3 +164,28 @@ def test_bad_page_table_entries_raise():
     with pytest.raises(ValueError, match="not a page of the cache"):
         kern(np.zeros((2, 1, 8, 128), np.float32), k, v,
              cache_seqlens=np.array([3, 4], np.int32), page_table=table)
+
+
+def _planned_shapes():
+    """A planned decode signature's shapes (no GPU: nothing is launched)."""
+    from mhadsl.runtime.launch import TensorShape
+    from mhadsl.serving import _READ_AND_WRITTEN, _DecodePlan
+    q = TensorShape((2, 1, 8, 128), (1024, 1024, 128, 1), "bfloat16")
+    cache = TensorShape((2, 64, 2, 128), (16384, 256, 128, 1), "bfloat16")
+    shapes = {"q": q, "k_cache": cache, "v_cache": cache, "o": q}
+    spans = {n: 2 * (sum((d - 1) * s for d, s in zip(t.shape, t.strides)) + 1) - 1
+             for n, t in shapes.items() if n in _READ_AND_WRITTEN}
+    return _DecodePlan(None, q.shape, None, (0, 0, 0), 0, {}, 1, False, shapes, spans)
+
+
+def test_planned_calls_check_their_addresses():
+    """A planned call's own checks: aligned rows, and out sharing no element with q or the
+    cache (out inside k_cache's bytes is caught; out after it is not refused)."""
+    planned = _planned_shapes()
+    base = {"q": 0x10000, "k_cache": 0x100000, "v_cache": 0x200000, "o": 0x300000}
+    planned.check_addresses(base)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        planned.check_addresses({**base, "v_cache": 0x200008})
+    with pytest.raises(ValueError, match="out overlaps k_cache"):
+        planned.check_addresses({**base, "o": 0x100000 + 4096})
+    planned.check_addresses({**base, "o": 0x100000 + 2 * 16384 * 2})  # just past k_cache

@@ -147,19 +147,19 @@ def test_torch_compile_forward_and_backward():
                                      dict(block_n=128, num_warps=8)],
                          ids=["dq-passes-2", "block-m-32", "block-m-32-dq-passes-2", "8-warps"])
 def test_every_fallback_build_is_correct(variant, monkeypatch, tmp_path):
-    """The builds `BackwardDesign.build` falls back to when ptxas spills, each forced."""
+    """The builds `Backward.configs` falls back to when ptxas spills, each forced."""
     from dataclasses import replace
 
     from mhadsl.backward import _state
     from mhadsl.codegen.backends import spill_free_build
-    from mhadsl.codegen.backends.backward import DESIGN, build_backward_module
+    from mhadsl.codegen.backends.backward import BACKEND, build_backward_module
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))  # forced builds stay out of the cache
 
-    def forced(hooks, config, target):
-        config = replace(config, **variant)
-        return spill_free_build(DESIGN.name, target, [
-            (config, lambda: build_backward_module(config, hooks, target))])
-    monkeypatch.setattr(DESIGN, "build", forced)
+    def forced(source, configs, target):
+        config = replace(configs[0], **variant)
+        return spill_free_build(BACKEND.name, target, [
+            (config, lambda: build_backward_module(config, source.hooks, target))])
+    monkeypatch.setattr(BACKEND, "build", forced)
     for file, name, hq, hkv in (("gqa.mha", "gqa_causal", 8, 2),
                                 ("softcap.mha", "softcap_causal", 2, 2)):
         kern = kernel(file, name)

@@ -33,7 +33,7 @@ from mhadsl.codegen.assemble import Assembled, assemble, find_ptxas
 from mhadsl.codegen.nvptx import i1, i32
 from mhadsl.codegen.target import Target, emit_ptx, optimize
 
-REGISTRY = ("sm80", "sm90", "decode")  # module names in this package, preferred first
+REGISTRY = ("sm80", "sm90", "decode", "backward")  # module names here, preferred first
 
 # Dynamic shared memory one CTA may opt in to, per build target (CUDA's per-block limits
 # of the A100 and H100/H200 class; smaller 8.x parts have less and fail at launch).
@@ -71,7 +71,7 @@ def backend(name: str) -> Backend:
 
 def backends(workload: str = "prefill") -> list[Backend]:
     """The registered designs of a workload ("prefill": a call with K and V; "decode": a
-    call against a KV cache)."""
+    call against a KV cache; "backward": the gradients of a prefill call)."""
     return [b for b in map(backend, REGISTRY) if b.workload == workload]
 
 
@@ -131,10 +131,11 @@ class Layout:
     ragged: bool = False  # lengths from cu_seqlens
     return_lse: bool = False
     cache: CacheLayout | None = None  # a decode call's cache (None: q, k, v)
+    backward: bool = False  # the backward pass's kernels
 
     @property
     def workload(self) -> str:
-        return "prefill" if self.cache is None else "decode"
+        return "backward" if self.backward else "prefill" if self.cache is None else "decode"
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ from llvmlite import ir
 from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Stride
 from mhadsl.codegen.backends import (
-    SHARED_MEMORY_LIMIT, ExprHooks, KernelArgs, KernelBuild, LaunchShape, Layout, Problem,
-    common_problems, last_index, sequence_rows, spill_free_build,
+    SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape,
+    Layout, Problem, common_problems, last_index, sequence_rows, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
 from mhadsl.codegen.target import Target, new_module
@@ -842,20 +842,18 @@ def build_backward_module(config: BackwardConfig, hooks: ExprHooks | None,
 
 
 # ============================================================================ the design
-class BackwardDesign:
-    """The backward design's face to the build path (like a `Backend`'s, for three kernels)."""
+class Backward(Backend):
+    """The backward pass: three kernels in one build (`launch_shapes`); `launch_shape` is
+    the main kernel's."""
 
     name = "backward"
+    workload = "backward"
     targets = ("sm_90a", "sm_80")
     abi = ABI
     config_type = BackwardConfig
 
-    def config(self, options, layout: Layout) -> BackwardConfig:
-        return BackwardConfig(options.dtype, options.head_dim, gqa_group=layout.gqa_group,
-                              ragged=layout.ragged)
-
     def problems(self, options, arch: str) -> list[Problem]:
-        config = self.config(options, Layout())
+        config = declared_config(options, Layout())
         found = config.problems()
         if not found and shared_bytes(config) > SHARED_MEMORY_LIMIT[arch]:
             found.append(Problem(("head_dim",), f"the backward pass needs "
@@ -864,17 +862,31 @@ class BackwardDesign:
                                                 f"{SHARED_MEMORY_LIMIT[arch] // 1024} KiB"))
         return found
 
-    def build(self, hooks: ExprHooks, config: BackwardConfig, target: Target) -> KernelBuild:
-        """LLVM IR, PTX and (with ptxas) the cubin: the first of `config`, then variants
-        with fewer live values (dQ in two column passes, 32-row query steps, both), then the
-        same work over 8 warps of 128 K/V rows, that ptxas assembles without spills (its
-        allocation at the 255-register cap is chaotic)."""
+    def configs(self, options, layout: Layout) -> tuple[BackwardConfig, ...]:
+        """The declaration's config, then variants with fewer live values (dQ in two column
+        passes, 32-row query steps, both), then the same work over 8 warps of 128 K/V rows:
+        ptxas's allocation at the 255-register cap is chaotic, so the first that assembles
+        without spills wins."""
+        config = declared_config(options, layout)
         candidates = (config, replace(config, dq_passes=2), replace(config, block_m=32),
                       replace(config, block_m=32, dq_passes=2),
                       replace(config, block_n=128, num_warps=8))
+        return tuple(c for c in candidates if not c.problems())
+
+    def launch_shape(self, config: BackwardConfig) -> LaunchShape:
+        return launch_shapes(config)[MAIN]
+
+    def build(self, source: KernelSource, configs: tuple[BackwardConfig, ...],
+              target: Target) -> KernelBuild:
+        """LLVM IR, PTX and (with ptxas) the cubin of the first of `configs` that assembles
+        without spills (its hooks carry the score's derivative: `codegen.kernel`)."""
         return spill_free_build(self.name, target, [
-            (c, lambda c=c: build_backward_module(c, hooks, target))
-            for c in candidates if not c.problems()])
+            (c, lambda c=c: build_backward_module(c, source.hooks, target)) for c in configs])
 
 
-DESIGN = BackwardDesign()
+def declared_config(options, layout: Layout) -> BackwardConfig:
+    return BackwardConfig(options.dtype, options.head_dim, gqa_group=layout.gqa_group,
+                          ragged=layout.ragged)
+
+
+BACKEND = Backward()

@@ -17,7 +17,10 @@ The work tile (what the scheduler hands out, `TileSeq`) is decode's own:
   0, so CUDA-graph replays need no host work) merges them into O and the LSE.
 - **Paged KV**: position p of sequence b lives in page `page_table[b, p // page_size]`, row
   p % page_size; a contiguous cache is the same with page b and no page size. The page
-  entries a tile needs are read one tile ahead, while the tile before it computes.
+  entries a tile needs are read PAGE_LOOKAHEAD_ROWS KV rows ahead of its copies, while the
+  tiles before it compute.
+- The KV tile (32 or 64 rows) is the call planner's choice (`CacheLayout.block_n`): small
+  two-warp CTAs, four per multiprocessor, where there are many 16-row work tiles.
 
 Within a CTA, warp w owns 16 packed rows (w % warps_m) and a slice of each KV tile's columns
 (w // warps_m); warps that share rows merge their softmax states through shared memory at the
@@ -270,8 +273,8 @@ class _DecodeTile:
     """One work tile: (sequence, K/V head, query-row tile, split)."""
 
     def __init__(self, c: DecodeConfig, hooks: ExprHooks, b: ir.IRBuilder, a: KernelArgs,
-                 smem: ir.Value, seq: TileSeq):
-        self.c, self.hooks, self.a, self.smem = c, hooks, a, smem
+                 seq: TileSeq):
+        self.c, self.hooks, self.a = c, hooks, a
         G = c.gqa_group
         self.bidx, self.hk = seq.prompt_idx, seq.head_idx
         self.q_tile = b.udiv(seq.prompt_offset, a.num_splits)
@@ -474,7 +477,7 @@ class _Emitter:
     # ------------------------------------------------------------------ the tile
     def emit_tile(self, b: ir.IRBuilder, seq: TileSeq) -> None:
         c = self.c
-        t = _DecodeTile(c, self.hooks, b, self.a, self.smem, seq)
+        t = _DecodeTile(c, self.hooks, b, self.a, seq)
         with b.if_then(t.runs(b)):
             self._emit(b, t)
 
@@ -845,10 +848,6 @@ class _Emitter:
 
 
 # ============================================================================ module
-def kernel_name(config: DecodeConfig) -> str:
-    return KERNEL_NAME
-
-
 def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
                         work_loop) -> ir.Module:
     module = new_module(f"mha_decode_{config.dtype}_d{config.head_dim}", target)
