@@ -31,7 +31,7 @@ from mhadsl.builtins import SLOT_COUNT
 from mhadsl.check import CheckedProgram
 from mhadsl.diagnostics import MhaError
 from mhadsl.codegen import abi
-from mhadsl.types import BOOL, RECORD_FIELDS, SCHEDULES, SEQ_INFO, SYNCS, WORK_INFO
+from mhadsl.types import BOOL, RECORD_FIELDS, SCHEDULES, SEQ_INFO, SYNCS, U32, WORK_INFO
 
 HOST_LOOP_FUEL = 1 << 20  # iterations a host `while` may run before the simulator gives up
 
@@ -232,7 +232,8 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
         roles = program.rule_roles[rule]
         slot_space = nvptx.SHARED if target.is_gpu else nvptx.GENERIC
         role_types = {"ts": nvptx.ptr(), "state": nvptx.ptr(), "slots": nvptx.ptr(slot_space),
-                      "batch_size": i32, "max_num_prompt_tiles": i32, "pipeline_idx": i32}
+                      "batch_size": i32, "max_num_prompt_tiles": i32, "max_seq_len": i32,
+                      "pipeline_idx": i32}
         arg_roles = ["env", "ts"] + [r for r in roles if r != "ts"] + ["out"]
         ret = i1 if rule_name == "advance" else nvptx.void
         fnty = ir.FunctionType(ret, [role_types.get(r, nvptx.ptr()) for r in arg_roles])
@@ -251,12 +252,16 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
             lower.on_return = lambda s: builder.store(
                 i1(int(isinstance(s.value, ast.NoneLit))), returned_none)
         result_ty = {"grid_dim": None, "advance": SEQ_INFO, "initial_state": None,
-                     "get_current_work_info": WORK_INFO, "unsafe_seq_info": SEQ_INFO}[rule_name]
+                     "get_current_work_info": WORK_INFO, "unsafe_seq_info": SEQ_INFO,
+                     "kv_splits": U32}[rule_name]
         slot = _lower_rule_body(lower, rule, rule_name, result_ty, bindings["out"],
                                 builtins)
         if rule_name == "advance":
             _store_record(builder, slot, SEQ_INFO, bindings["out"])
             builder.ret(builder.not_(load(builder, returned_none)))
+        elif result_ty == U32:
+            builder.store(lower.load_value(slot), bindings["out"])
+            builder.ret_void()
         else:
             if result_ty is not None:
                 _store_record(builder, slot, result_ty, bindings["out"])
@@ -265,6 +270,8 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
 
     if not target.is_gpu:
         emit("grid_dim", "grid_dim")
+        if "kv_splits" in rules:
+            emit("kv_splits", "kv_splits")
     emit("initial_state", "initial_state")
     emit("get_current_work_info", "get_current_work_info")
     emit("unsafe_seq_info", "unsafe_seq_info")

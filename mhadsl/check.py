@@ -46,7 +46,11 @@ SCHEDULER_RULES: dict[str, RuleSpec] = {
     "advance": RuleSpec((("ts", TILE_SUMMARY), ("state", STATE), ("pipeline_idx", U32)),
                         (SEQ_INFO, NONE), DEVICE),
     "unsafe_seq_info": RuleSpec((("ts", TILE_SUMMARY), ("state", STATE)), (SEQ_INFO,), DEVICE),
+    # decode: KV splits per (sequence, K/V head, query-row tile) group; `num_heads` is the
+    # K/V heads there, 0 asks for the planner's default (`mhadsl.serving.default_splits`)
+    "kv_splits": RuleSpec((("batch_size", U32), ("max_seq_len", U32)), (U32,), HOST),
 }
+OPTIONAL_RULES = ("kv_splits",)
 SCHEDULER_CONSTANTS = {"may_advance": BOOL, "schedule": SCHEDULE}
 
 ATTENTION_RULES: dict[str, tuple[tuple[tuple[str, Ty], ...], ...]] = {
@@ -261,7 +265,7 @@ class Checker:
             seen[rule.name] = rule
             self.check_rule(rule, spec.params, spec.returns, spec.context, scope)
         for name in SCHEDULER_RULES:
-            if name not in seen:
+            if name not in seen and name not in OPTIONAL_RULES:
                 self.error(sched.span, f"scheduler '{sched.name}' is missing rule '{name}'")
 
     def check_rule(self, rule: ast.Rule, params, returns, where: str, outer: _Scope,

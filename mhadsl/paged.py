@@ -19,6 +19,7 @@ from mhadsl.attention_spec import AttentionOptions
 
 PAGE_SIZES = (16, 32, 64, 128, 256, 512)
 MAX_DECODE_ROWS = 16  # query rows per sequence of a dense decode call
+MAX_KV_SPLITS = 128  # KV splits of a decode launch
 _CACHE_LAYOUT = ("(num_pages, page_size, kv_heads, head_dim) with a page_table, else "
                  "(batch, max_cache_len, kv_heads, head_dim)")
 

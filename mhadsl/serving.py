@@ -26,9 +26,9 @@ import numpy as np
 
 from mhadsl.codegen.backends import CacheLayout, Layout
 from mhadsl.codegen.backends.decode import packed_rows
-from mhadsl.paged import MAX_DECODE_ROWS, check_decode_call
+from mhadsl.paged import MAX_KV_SPLITS as MAX_SPLITS
+from mhadsl.paged import check_decode_call
 
-MAX_SPLITS = 128
 _READ_AND_WRITTEN = ("q", "k_cache", "v_cache", "o")
 MIN_SPLIT_TILES = 4  # KV tiles a split covers at least (shorter ones cost more than they gain)
 
@@ -294,13 +294,14 @@ def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_
     ctas_per_sm = build.function.max_active_blocks(launch.threads, launch.shared_bytes)
     capacity = k_cache.shape[1] if call.page_size is None else \
         dev["page_table"].shape[1] * call.page_size
-    splits = num_splits or default_splits(groups, info.multiprocessor_count, capacity,
-                                          config.block_n)
+    host = kernel._host_scheduler(config)
+    splits = (num_splits or host.kv_splits(call.batch, capacity, kv_heads,
+                                           info.multiprocessor_count, ctas_per_sm)
+              or default_splits(groups, info.multiprocessor_count, capacity, config.block_n))
     chunk = -(-max(capacity, 1) // splits)
     chunk = -(-chunk // config.block_n) * config.block_n
     splits = -(-max(capacity, 1) // chunk)  # none left empty by the rounding
     work_tiles = q_tiles * splits
-    host = kernel._host_scheduler(config)
     grid = host.grid(call.batch, work_tiles, work_tiles, kv_heads, info.multiprocessor_count,
                      ctas_per_sm)
     if 0 in grid:

@@ -32,6 +32,7 @@ from mhadsl.codegen.scheduler import (
 from mhadsl.codegen.target import HOST, HostJit, new_module
 from mhadsl.costmodel import KernelCostModel
 from mhadsl.diagnostics import MhaError
+from mhadsl.paged import MAX_KV_SPLITS
 from mhadsl.types import SEQ_INFO, WORK_INFO
 
 Tile = tuple[int, int, int]  # (prompt_offset, head_idx, prompt_idx)
@@ -427,6 +428,9 @@ class HostScheduler:
             return ctypes.CFUNCTYPE(restype, *argtypes)(self.jit.address(name))
 
         self.grid_dim = fn(names["grid_dim"], None, _P, _P, _U32, _U32, _P)
+        self.splits_rule = next((r for r in lowered.decl.rules if r.name == "kv_splits"), None)
+        self._kv_splits = fn(names["kv_splits"], None, _P, _P, _U32, _U32, _P) \
+            if self.splits_rule else None
         self.run_events = fn(_EVENTS, None, _P, _P, _P, _P)
         self.advance = fn(names[lowered.advance_name(True, "ALL")], ctypes.c_bool,
                           _P, _P, _P, _U32, _P)
@@ -452,6 +456,26 @@ class HostScheduler:
                            f"{max_num_prompt_tiles} tiles x {num_heads} heads; CUDA allows "
                            f"x below 2^31 and y, z at most 65535", self.grid_rule.span)
         return grid
+
+    def kv_splits(self, batch_size: int, max_seq_len: int, kv_heads: int, num_sms: int,
+                  ctas_per_sm: int = 1) -> int | None:
+        """The KV splits of a decode launch from the scheduler's `kv_splits` rule (None
+        without one, or where it returns 0: the planner's default); an `MhaError` at the rule
+        past MAX_KV_SPLITS."""
+        if self._kv_splits is None:
+            return None
+        env = _Env(None, num_sms)
+        env.ctas_per_sm = ctas_per_sm
+        env.fuel = HOST_LOOP_FUEL
+        ts = _TileSummary(batch_size, 1, max_seq_len, kv_heads)
+        out = ctypes.c_uint32()
+        self._kv_splits(ctypes.byref(env), ctypes.byref(ts), batch_size, max_seq_len,
+                        ctypes.byref(out))
+        if out.value > MAX_KV_SPLITS:
+            raise MhaError(f"kv_splits gives {out.value} for {batch_size} sequences of up to "
+                           f"{max_seq_len} cached keys x {kv_heads} K/V heads; a decode "
+                           f"launch takes at most {MAX_KV_SPLITS}", self.splits_rule.span)
+        return out.value or None
 
 
 @dataclass

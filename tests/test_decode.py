@@ -189,3 +189,61 @@ def test_planned_calls_check_their_addresses():
     with pytest.raises(ValueError, match="out overlaps k_cache"):
         planned.check_addresses({**base, "o": 0x100000 + 4096})
     planned.check_addresses({**base, "o": 0x100000 + 2 * 16384 * 2})  # just past k_cache
+
+
+SPLITTING = """
+import "std/schedulers.mha"
+// Queued, with the KV splits of a decode launch chosen here: one split per 4096 cached keys
+// of the longest sequence, unless the batch's K/V heads fill the GPU already
+scheduler Splitting(num_ctas: u32 = num_sms * ctas_per_sm) {
+    may_advance = true
+    schedule = DEFAULT
+    grid_dim(batch_size, max_num_prompt_tiles) =
+        (max(min(num_ctas, max_num_prompt_tiles * num_heads * batch_size), 1), 1, 1)
+    kv_splits(batch_size, max_seq_len) {
+        if batch_size * num_heads >= num_sms { return 1 }
+        return (max_seq_len + 4095) / 4096
+    }
+    initial_state(slots, ts) = State(idx = block_idx.x, slots = slots, max_idx = ts.num_work())
+    get_current_work_info(ts, state) = ts.work_info(state.idx, schedule)
+    advance(ts, state, pipeline_idx) {
+        if producer && thread_idx.x == 0 {
+            state.slots[pipeline_idx] = atomic_add(queue, 1) + grid_dim.x
+        }
+        barrier(sync)
+        state.idx = state.slots[pipeline_idx]
+        if state.idx >= state.max_idx { return none }
+        return ts.seq_info(ts.work_info(state.idx, schedule))
+    }
+    unsafe_seq_info(ts, state) = ts.seq_info(ts.work_info(state.idx, schedule))
+}
+"""
+
+
+def test_a_scheduler_chooses_the_kv_splits():
+    """The optional host rule `kv_splits`: its value where it gives one, None (the planner's
+    default) where it gives 0 or is absent; past the limit, an error at the rule."""
+    from mhadsl.simulate import HostScheduler
+    program = mhadsl.compile(SPLITTING, name="splitting.mha").checked
+    host = HostScheduler(program, SchedulerSpec("Splitting", (), 1, 8))
+    assert host.kv_splits(1, 131072, 8, 132) == 32
+    assert host.kv_splits(1, 100, 8, 132) == 1
+    assert host.kv_splits(64, 131072, 8, 132) == 1  # 512 groups fill 132 SMs
+    assert host.kv_splits(1, 0, 8, 132) is None  # 0: the default
+    with pytest.raises(mhadsl.MhaError, match="at most 128"):
+        host.kv_splits(1, 1 << 20, 8, 132)
+    std = HostScheduler(program, SchedulerSpec("Queued", (), 1, 8))
+    assert std.kv_splits(1, 131072, 8, 132) is None
+    result = simulate(program, SchedulerSpec("Splitting", (), 1, 8), decode_work(2, 8, 32),
+                      ctas=5, cost="uniform")
+    assert result.covered_exactly_once
+
+
+def test_kv_splits_is_checked_like_a_host_rule():
+    bad = SPLITTING.replace("return (max_seq_len + 4095) / 4096", "return 1.5")
+    with pytest.raises(mhadsl.MhaError, match="u32"):
+        mhadsl.compile(bad, name="bad.mha")
+    device_only = SPLITTING.replace("return (max_seq_len + 4095) / 4096",
+                                    "return thread_idx.x")
+    with pytest.raises(mhadsl.MhaError, match="thread_idx"):
+        mhadsl.compile(device_only, name="bad.mha")
