@@ -5,6 +5,8 @@
     o = kern(q, k, v)                                  # q (B,Sq,Hq,D), k/v (B,Sk,Hkv,D)
     o, lse = kern(q, k, v, return_lse=True)
     o = kern(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk)
+    o = kern(q, k_cache, v_cache, cache_seqlens=lens, page_table=pages)  # decode (serving)
+    dq, dk, dv = kern.backward(q, k, v, o, lse, do)    # the backward pass (mhadsl.backward)
 
 A kernel is built once per (declaration, dtype, head dim, GQA group, arch, layout): batch
 size and sequence lengths are run-time values, so new shapes reuse the build. Builds are
