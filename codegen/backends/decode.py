@@ -440,9 +440,9 @@ class _Emitter:
         keys = self._page_keys()
         distinct = list(dict.fromkeys(keys))
         base = b.mul(n, i32(c.block_n))
-        for which, gptr, s_page, s_row, s_head, region in (
-                ("k", a.k_cache, a.k_stride_page, a.k_stride_row, a.k_stride_head, 0),
-                ("v", a.v_cache, a.v_stride_page, a.v_stride_row, a.v_stride_head,
+        for gptr, s_page, s_row, s_head, region in (
+                (a.k_cache, a.k_stride_page, a.k_stride_row, a.k_stride_head, 0),
+                (a.v_cache, a.v_stride_page, a.v_stride_row, a.v_stride_head,
                  c.block_n * self.RB)):
             head = b.add(b.mul(_i64(b, t.hk), s_head), self.ld_elem)
             tile_base = b.add(slot_off, i32(self.kv_off + region))
@@ -460,6 +460,7 @@ class _Emitter:
                                  b.select(valid, i32(16), i32(0)))
 
     def _load_q(self, b, t: _DecodeTile) -> None:
+        """cp.async the tile's packed query rows; rows past the sequence's are zero-filled."""
         c, a = self.c, self.a
         G = c.gqa_group
         seq = b.add(b.mul(_i64(b, t.bidx), a.q_stride_batch),
