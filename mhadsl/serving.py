@@ -156,7 +156,7 @@ def decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None, cu_se
 def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, scale, out,
           want_lse, stream, num_splits, key):
     """Every check, then the signature's plan (made once) and the launch."""
-    from mhadsl.api import DTYPE_NAMES, _check_rows, _check_scale, _share_memory
+    from mhadsl.api import DTYPE_NAMES, _check_rows, _check_scale, _host_values, _share_memory
     from mhadsl.runtime import driver, tensors
     dtype = DTYPE_NAMES[kernel.options.dtype]
     views = {}
@@ -179,18 +179,13 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
                          f"{sorted(devices)}")
 
     def read(view):  # index values: the host's always, the device's under MHADSL_DEBUG=1
-        if view.on_host:
-            return np.asarray(view.obj, dtype=np.int64)
-        if driver.debug_mode():
-            return tensors.from_device(view).astype(np.int64)
-        return None
+        return _host_values(view) if view.on_host or driver.debug_mode() else None
 
-    by_view = {id(v): v for v in views.values()}
     call = check_decode_call(kernel.options, views["q"], views["k_cache"], views["v_cache"],
                              cache_seqlens=views["cache_seqlens"],
                              page_table=views.get("page_table"),
                              cu_seqlens_q=views.get("cu_seqlens_q"),
-                             read=lambda v: read(by_view[id(v)]))
+                             read=read)
     for name in ("q", "k_cache", "v_cache"):
         if not views[name].on_host:
             _check_rows(views[name], name)
@@ -336,20 +331,12 @@ def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_
 
 
 # ---------------------------------------------------------------------- torch fast path
-def _torch_key(*args) -> tuple | None:
-    """What a call of torch tensors fixes of its checks and launch, or None."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    key = []
-    for t in args[:7]:
-        if t is None:
-            key.append(None)
-        elif isinstance(t, torch.Tensor):
-            key.append((t.dtype, t.shape, t.stride(), t.get_device()))
-        else:
-            return None
-    return (*key, *((type(x), x) for x in args[7:]))
+def _torch_key(q, k_cache, v_cache, cache_seqlens, page_table, cu_q, out, *options):
+    """What a call of torch tensors fixes of its checks and launch (`api._torch_signature`
+    and the typed options: 3 == 3.0 and True == 1, yet one of each is refused), or None."""
+    from mhadsl.api import _torch_signature
+    tensors = _torch_signature(q, k_cache, v_cache, cache_seqlens, page_table, cu_q, out)
+    return None if tensors is None else (tensors, *((type(x), x) for x in options))
 
 
 def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_table, cu_q,

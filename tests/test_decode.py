@@ -75,16 +75,6 @@ def test_kv_tile_follows_the_shape():
     assert kv_tile(128, 4096, 132) == 64  # 128 packed rows
 
 
-def test_copy_passes_of_fewer_than_8_rows_keep_the_swizzle():
-    """Head dim 256 with 4 warps copies 4 rows per pass: the copy's swizzle follows each
-    pass's row, as ldmatrix reads it."""
-    config = PROGRAM["plain_d256"].config(cache=CacheLayout(1, 0))
-    assert config.rows_per_pass % 8
-    ir = PROGRAM["plain_d256"].build("sm_90a", cache=CacheLayout(1, 0)).llvm
-    assert ir.count("xor") > PROGRAM["causal"].build(
-        "sm_90a", cache=CacheLayout(1, 0)).llvm.count("xor")
-
-
 @pytest.mark.parametrize("groups,capacity,want", [
     (256, 8192, 1),     # B32 x 8 K/V heads already fill the GPU
     (512, 2048, 1),

@@ -397,6 +397,31 @@ class WorkTile:
         return first_kept_tile(b, start, self.n_blocks, lambda bb, n: self.classify(bb, n)[0])
 
 
+def ir_loop(b: ir.IRBuilder, start: ir.Value, end: ir.Value, carried: list[ir.Value], body):
+    """for i in [start, end): carried = body(b, i, carried) -> (next i, carried); returns the
+    final carried values."""
+    fn = b.function
+    pre = b.block
+    hdr, blk, done = (fn.append_basic_block(f"loop.{s}") for s in ("hdr", "body", "done"))
+    b.branch(hdr)
+    b.position_at_end(hdr)
+    i = b.phi(i32)
+    i.add_incoming(start, pre)
+    phis = [b.phi(v.type) for v in carried]
+    for phi, v in zip(phis, carried):
+        phi.add_incoming(v, pre)
+    b.cbranch(b.icmp_signed("<", i, end), blk, done)
+    b.position_at_end(blk)
+    nxt, values = body(b, i, phis)
+    latch = b.block
+    i.add_incoming(nxt, latch)
+    for phi, v in zip(phis, values):
+        phi.add_incoming(v, latch)
+    b.branch(hdr)
+    b.position_at_end(done)
+    return phis
+
+
 def first_kept_tile(b: ir.IRBuilder, start: ir.Value, end: ir.Value,
                     may_hold: Callable[[ir.IRBuilder, ir.Value], ir.Value]) -> ir.Value:
     """The first KV tile n in [start, end) for which `may_hold(b, n)` (i1) says it may hold a

@@ -34,7 +34,7 @@ from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Stride
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape,
-    Layout, Problem, common_problems, last_index, sequence_rows, spill_free_build,
+    Layout, Problem, common_problems, ir_loop, last_index, sequence_rows, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
 from mhadsl.codegen.target import Target, new_module
@@ -205,31 +205,6 @@ def _i32(x) -> ir.Value:
 
 def _gep(b, base, offset, etype):
     return b.gep(base, [offset], inbounds=True, source_etype=etype)
-
-
-def _loop(b: ir.IRBuilder, start: ir.Value, end: ir.Value, carried: list[ir.Value], body):
-    """for i in [start, end): carried = body(b, i, carried) -> (next i, carried); returns the
-    final carried values."""
-    fn = b.function
-    pre = b.block
-    hdr, blk, done = (fn.append_basic_block(f"loop.{s}") for s in ("hdr", "body", "done"))
-    b.branch(hdr)
-    b.position_at_end(hdr)
-    i = b.phi(i32)
-    i.add_incoming(start, pre)
-    phis = [b.phi(v.type) for v in carried]
-    for phi, v in zip(phis, carried):
-        phi.add_incoming(v, pre)
-    b.cbranch(b.icmp_signed("<", i, end), blk, done)
-    b.position_at_end(blk)
-    nxt, values = body(b, i, phis)
-    latch = b.block
-    i.add_incoming(nxt, latch)
-    for phi, v in zip(phis, values):
-        phi.add_incoming(v, latch)
-    b.branch(hdr)
-    b.position_at_end(done)
-    return phis
 
 
 def _guarded(b: ir.IRBuilder, cond: ir.Value, make, default: list[ir.Value]) -> list[ir.Value]:
@@ -544,7 +519,7 @@ class _MainKernel:
             with b.if_then(b.icmp_signed("<", first, steps)):
                 self._issue(b, *step_of(b, first), i32(0))
             warp.cp_async_commit(b)
-            final = _loop(b, first, steps, init + [i32(0)], body)
+            final = ir_loop(b, first, steps, init + [i32(0)], body)
             self._store_dkdv(b, hk, kv_row, final[:count], final[count:2 * count])
 
     def _classify(self, b, h, q0):
@@ -572,7 +547,7 @@ class _MainKernel:
             # found: jump past the end with the step in the carried value
             return b.select(may, b.add(steps, i32(1)), b.add(s, i32(1))), [
                 b.select(may, s, steps)]
-        (found,) = _loop(b, start, steps, [steps], scan)
+        (found,) = ir_loop(b, start, steps, [steps], scan)
         return found
 
     def _issue(self, b, h, q0, stage):

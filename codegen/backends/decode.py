@@ -40,7 +40,7 @@ from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
 from mhadsl.codegen.backends import (
     Backend, CacheLayout, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape, Layout,
-    Problem, TileSeq, common_problems, first_kept_tile, last_index, spill_free_build,
+    Problem, TileSeq, common_problems, first_kept_tile, ir_loop, last_index, spill_free_build,
 )
 from mhadsl.codegen.nvptx import GLOBAL, SHARED, f32, i1, i32, i64
 from mhadsl.codegen.scheduler import count_exit
@@ -241,31 +241,6 @@ def _load_l2(b: ir.IRBuilder, ptr: ir.Value, lanes: int) -> list[ir.Value]:
                 f"ld.global.cg.v{lanes}.f32 {{{regs}}}, [${lanes}];",
                 ",".join(["=f"] * lanes) + ",l", [ptr], True)
     return [b.extract_value(res, i) for i in range(lanes)]
-
-
-def _loop(b: ir.IRBuilder, name: str, start: ir.Value, end: ir.Value, carried: list[ir.Value],
-          body) -> list[ir.Value]:
-    """for i in [start, end): carried = body(b, i, carried); returns the final values."""
-    fn = b.function
-    pre = b.block
-    hdr, blk, done = (fn.append_basic_block(f"{name}.{s}") for s in ("hdr", "body", "done"))
-    b.branch(hdr)
-    b.position_at_end(hdr)
-    i = b.phi(i32, f"{name}.i")
-    i.add_incoming(start, pre)
-    phis = [b.phi(v.type) for v in carried]
-    for p, v in zip(phis, carried):
-        p.add_incoming(v, pre)
-    b.cbranch(b.icmp_signed("<", i, end), blk, done)
-    b.position_at_end(blk)
-    out = body(b, i, list(phis))
-    latch = b.block
-    i.add_incoming(b.add(i, i32(1)), latch)
-    for p, v in zip(phis, out):
-        p.add_incoming(v, latch)
-    b.branch(hdr)
-    b.position_at_end(done)
-    return list(phis)
 
 
 # ============================================================================ the tile
@@ -811,8 +786,9 @@ class _Emitter:
                     row = b.add(b.mul(b.add(first, _i64(b, s)), i64(c.rows)), _i64(b, local))
                     return _load_l2(b, b.gep(a.partial_lse, [row], source_etype=f32), 1)[0], row
 
-                top, = _loop(b, "cmb.max", i32(0), splits, [warp.fconst(warp.NEG_INF)],
-                             lambda bb, s, cur: [warp.fmax(bb, cur[0], lse_of(s)[0])])
+                top, = ir_loop(b, i32(0), splits, [warp.fconst(warp.NEG_INF)],
+                               lambda bb, s, cur: (bb.add(s, i32(1)),
+                                                   [warp.fmax(bb, cur[0], lse_of(s)[0])]))
                 safe_top = b.select(b.fcmp_ordered("==", top, warp.fconst(warp.NEG_INF)),
                                     warp.fconst(0.0), top)
 
@@ -822,11 +798,10 @@ class _Emitter:
                     ptr = bb.gep(a.partial_o, [bb.add(bb.mul(row, i64(D)), _i64(bb, col))],
                                  source_etype=f32)
                     vals = _load_l2(bb, ptr, 4)
-                    return [bb.fadd(cur[0], w)] + [warp.fma(bb, v, w, x)
-                                                   for v, x in zip(vals, cur[1:])]
+                    return bb.add(s, i32(1)), [bb.fadd(cur[0], w)] + [
+                        warp.fma(bb, v, w, x) for v, x in zip(vals, cur[1:])]
 
-                total, *o = _loop(b, "cmb.sum", i32(0), splits, [warp.fconst(0.0)] * 5,
-                                  accumulate)
+                total, *o = ir_loop(b, i32(0), splits, [warp.fconst(0.0)] * 5, accumulate)
                 empty = b.fcmp_unordered("==", total, warp.fconst(0.0))
                 inv = b.select(empty, warp.fconst(0.0), warp.rcp(b, total))
                 packed = b.add(t.r0, local)
