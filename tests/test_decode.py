@@ -79,8 +79,9 @@ def test_kv_tile_follows_the_shape():
     (256, 8192, 1),     # B32 x 8 K/V heads already fill the GPU
     (512, 2048, 1),
     (64, 32768, 2),     # B8 x 8
-    (8, 131072, 15),    # B1 x 8: a long sequence over the SMs
+    (8, 131072, 16),    # B1 x 8: a long sequence over the SMs, in one wave
     (8, 512, 2),        # short caches: at least MIN_SPLIT_TILES KV tiles a split
+    (45, 1 << 20, 5),   # one wave (2 splits) would leave a third of the SMs idle
 ])
 def test_default_splits(groups, capacity, want):
     assert default_splits(groups, 132, capacity, 64) == want
