@@ -3,14 +3,19 @@ declarations side by side with torch SDPA's flash and cuDNN backends and FlexAtt
 one process.
 
     python benchmarks/hopper.py          # needs an H100/H200 (compute capability 9.0)
+    python benchmarks/hopper.py --no-flex  # without FlexAttention (its compiles take minutes)
 
 Each row checks both designs against the float64 reference first (relative error), then
 times them and torch's kernels in turn, round after round (`mhadsl.bench.time_side_by_side`:
 the median of CUDA-event-timed runs), so every column of a row meets the same GPU.
 FlexAttention (torch.compile'd, its block mask built before timing) gets each declaration's
 mask written as a `mask_mod` here (`FLEX_MASKS`), a ragged batch as one sequence of
-documents; its output is checked against the sm90 kernel's before it is timed.
+documents; its output is checked against the sm90 kernel's before it is timed. So is
+FlashAttention-4's (its sm90 path, where installed: `../shared/tools/fa4/` prepares it for
+the GPU machine; its varlen entry on ragged batches), each mask as its causal and window
+arguments (`FA4_MASKS`).
 """
+import argparse
 import datetime
 
 import mhadsl
@@ -65,6 +70,47 @@ FLEX_MASKS = {
 }
 
 
+# Each declaration's mask as FlashAttention-4's (causal, window_size).
+FA4_MASKS = {
+    "plain_d128": (False, (None, None)), "plain_d64": (False, (None, None)),
+    "plain_d256": (False, (None, None)), "causal_d128": (True, (None, None)),
+    "causal_d64": (True, (None, None)), "causal_lpt": (True, (None, None)),
+    "causal_d256": (True, (None, None)), "gqa_causal": (True, (None, None)),
+    "window": (True, (255, 0)),  # q_idx - kv_idx < 256: 255 keys to the left
+}
+
+
+def fa4_fn(torch, name: str, problem: Problem, args: dict, expected):
+    """FlashAttention-4 on the same inputs and mask; None where it is not installed, cannot
+    run or disagrees with `expected` (the sm90 kernel's output)."""
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except ImportError:
+        return None
+    causal, window = FA4_MASKS[name]
+    if problem.seqlens:
+        def run():
+            return flash_attn_varlen_func(
+                args["q"], args["k"], args["v"], cu_seqlens_q=args["cu_seqlens_q"],
+                cu_seqlens_k=args["cu_seqlens_k"], max_seqlen_q=args["max_seqlen_q"],
+                max_seqlen_k=args["max_seqlen_k"], causal=causal, window_size=window)[0]
+    else:
+        def run():
+            return flash_attn_func(args["q"], args["k"], args["v"], causal=causal,
+                                   window_size=window)[0]
+    try:
+        out = run().float()
+    except Exception as err:  # noqa: BLE001 - the CuTe DSL raises many types; optional column
+        print(f"(FlashAttention-4 unavailable for {name} {problem.describe()}: "
+              f"{type(err).__name__}: {str(err).splitlines()[0][:100] if str(err) else ''})")
+        return None
+    error = float((out - expected.float()).norm() / expected.float().norm())
+    if error > 2e-2:
+        print(f"(FlashAttention-4 disagrees with sm90 on {name}: relative difference {error:.1e})")
+        return None
+    return run
+
+
 def varlen_flash_fn(torch, args: dict, causal: bool):
     """torch's packed-varlen flash kernel on the same ragged batch (cum_seq_q/k)."""
     def run():
@@ -116,12 +162,15 @@ def flex_fn(torch, kernel, name: str, problem: Problem, args: dict, expected):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
+    cli = parser.parse_args()
     torch = require_gpu()
     programs = {d: mhadsl.compile(SOURCE, name=f"<hopper {d}>") for d in DESIGNS}
     print(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| kernel | shape | sm80 | sm90 | torch flash (ragged: varlen) | cuDNN | FlexAttention "
-          "| sm90 / cuDNN (rounds) | rel. error sm80, sm90 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| FA4 | sm90 / cuDNN (rounds) | sm90 / FA4 (rounds) | rel. error sm80, sm90 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, problem in WORKLOADS:
         kernels = {}
         for design in DESIGNS:
@@ -135,20 +184,24 @@ def main() -> None:
         fns.update(torch_baseline_fns(torch, kernels["sm90"], problem, args))
         if problem.seqlens:  # torch's packed-varlen flash kernel stands in for the flash column
             fns["flash"] = varlen_flash_fn(torch, args, causal=name.startswith("causal"))
-        fns["flex"] = flex_fn(torch, kernels["sm90"], name, problem, args, fns["sm90"]())
+        expected = fns["sm90"]()
+        fns["flex"] = None if cli.no_flex else \
+            flex_fn(torch, kernels["sm90"], name, problem, args, expected)
+        fns["fa4"] = fa4_fn(torch, name, problem, args, expected)
         times = time_side_by_side(torch, fns)
         tflops = {d: None if t is None else flops / t.ms / 1e9 for d, t in times.items()}
 
         def f(x):
             return "—" if x is None else f"{x:.0f}"
-        ratio = "—"
-        if times["cudnn"] is not None:  # and the lowest and highest of the rounds' ratios
-            rounds = [c / s for s, c in zip(times["sm90"].round_ms, times["cudnn"].round_ms)]
-            ratio = (f"{tflops['sm90'] / tflops['cudnn']:.3f}x "
-                     f"({min(rounds):.2f}–{max(rounds):.2f})")
+        def ratio(peer):  # and the lowest and highest of the rounds' ratios
+            if times[peer] is None:
+                return "—"
+            rounds = [c / s for s, c in zip(times["sm90"].round_ms, times[peer].round_ms)]
+            return (f"{tflops['sm90'] / tflops[peer]:.3f}x "
+                    f"({min(rounds):.2f}–{max(rounds):.2f})")
         print(f"| {name} | {problem.describe()} | {f(tflops['sm80'])} | "
               f"{f(tflops['sm90'])} | {f(tflops['flash'])} | {f(tflops['cudnn'])} | "
-              f"{f(tflops['flex'])} | {ratio} | "
+              f"{f(tflops['flex'])} | {f(tflops['fa4'])} | {ratio('cudnn')} | {ratio('fa4')} | "
               f"{errors[0]:.1e}, {errors[1]:.1e} |", flush=True)
 
 
