@@ -552,24 +552,32 @@ class Kernel:
         return given
 
     def _check_out(self, out, call: _Call, dtype: str, device: int | None):
-        from mhadsl.runtime import tensors
-        view = tensors.as_device_tensor(out, "out")
-        if tuple(view.shape) != tuple(call.q.shape):
-            raise ValueError(f"out has shape {view.shape}, expected {call.q.shape} (like q)")
-        if not view.on_host:
-            if view.dtype != dtype:
-                raise TypeError(f"out has dtype {view.dtype}, expected {dtype}")
-            if device is not None and view.device != device:
-                raise ValueError(f"out is on device {view.device}, q/k/v on {device}")
-            _check_rows(view, "out")
-            if _self_overlapping(view):
-                raise ValueError(f"out has strides {view.strides} for shape {view.shape}: "
-                                 "its elements overlap, so the kernel's writes would collide")
-            for name, t in (("q", call.q), ("k", call.k), ("v", call.v)):
-                if not t.on_host and _share_memory(view, t):
-                    raise ValueError(f"out overlaps {name}: the kernel reads {name} while it "
-                                     "writes out; pass a separate output")
-        return view
+        return check_output(out, call.q.shape, dtype, device,
+                            {"q": call.q, "k": call.k, "v": call.v})
+
+
+def check_output(out, shape, dtype: str, device: int | None, reads: dict):
+    """The output's view, checked: q's shape, the kernel's dtype and device, aligned rows,
+    no element written twice, and no element shared with a tensor the kernel `reads`
+    (name -> view)."""
+    from mhadsl.runtime import tensors
+    view = tensors.as_device_tensor(out, "out")
+    if tuple(view.shape) != tuple(shape):
+        raise ValueError(f"out has shape {view.shape}, expected {tuple(shape)} (like q)")
+    if not view.on_host:
+        if view.dtype != dtype:
+            raise TypeError(f"out has dtype {view.dtype}, expected {dtype}")
+        if device is not None and view.device != device:
+            raise ValueError(f"out is on device {view.device}, {'/'.join(reads)} on {device}")
+        _check_rows(view, "out")
+        if _self_overlapping(view):
+            raise ValueError(f"out has strides {view.strides} for shape {view.shape}: "
+                             "its elements overlap, so the kernel's writes would collide")
+        for name, t in reads.items():
+            if not t.on_host and _share_memory(view, t):
+                raise ValueError(f"out overlaps {name}: the kernel reads {name} while it "
+                                 "writes out; pass a separate output")
+    return view
 
 
 _host_schedulers: dict = {}

@@ -161,7 +161,7 @@ def decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None, cu_se
 def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, scale, out,
           want_lse, stream, num_splits, key):
     """Every check, then the signature's plan (made once) and the launch."""
-    from mhadsl.api import DTYPE_NAMES, _check_rows, _check_scale, _host_values, _share_memory
+    from mhadsl.api import DTYPE_NAMES, _check_rows, _check_scale, _host_values, check_output
     from mhadsl.runtime import driver, tensors
     dtype = DTYPE_NAMES[kernel.options.dtype]
     views = {}
@@ -224,17 +224,8 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
         return dev
 
     out_obj = out if out is not None else tensors.empty_like_kind(qv.obj, qv.shape, dtype)
-    out_view = tensors.as_device_tensor(out_obj, "out")
-    if tuple(out_view.shape) != tuple(qv.shape):
-        raise ValueError(f"out has shape {out_view.shape}, expected {qv.shape} (like q)")
-    if not out_view.on_host:
-        if out_view.dtype != dtype:
-            raise TypeError(f"out has dtype {out_view.dtype}, expected {dtype}")
-        _check_rows(out_view, "out")
-        for name in ("q", "k_cache", "v_cache"):
-            if not views[name].on_host and _share_memory(out_view, views[name]):
-                raise ValueError(f"out overlaps {name}: the kernel reads {name} while it "
-                                 "writes out; pass a separate output")
+    out_view = check_output(out_obj, qv.shape, dtype, device,
+                            {n: views[n] for n in ("q", "k_cache", "v_cache")})
     dev = {"q": on_device(qv, "q", dtype),
            "k_cache": on_device(views["k_cache"], "k_cache", dtype),
            "v_cache": on_device(views["v_cache"], "v_cache", dtype),

@@ -340,3 +340,19 @@ def test_debug_mode_checks_device_offsets_against_max_seqlen(torch, monkeypatch)
     monkeypatch.setenv("MHADSL_DEBUG", "1")
     with pytest.raises(ValueError, match="max_seqlen_q = 3 is below the longest sequence"):
         kern(**args)
+
+
+@pytest.mark.parametrize("make_out, message", [
+    (lambda q: FakeDevice(q.shape, strides=(0, *q.strides[1:])),
+     "its elements overlap, so the kernel's writes would collide"),
+    (lambda q: FakeDevice(q.shape, device=1), "out is on device 1, q/k_cache/v_cache on 0"),
+    (lambda q: q, "out overlaps q"),
+], ids=["out expanded", "out on device 1", "out is q"])
+def test_bad_decode_outputs_fail_before_anything_runs(kernel, make_out, message):
+    """A decode call's output gets the prefill call's checks (one `check_output`)."""
+    q = FakeDevice((2, 1, 4, D))
+    k, v = FakeDevice((2, 16, 2, D)), FakeDevice((2, 16, 2, D))
+    with pytest.raises(ValueError) as info:
+        kernel(q, k, v, cache_seqlens=np.array([3, 4], np.int32), out=make_out(q))
+    assert message in str(info.value)
+    assert kernel.touched == []
