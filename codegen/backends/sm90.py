@@ -63,7 +63,7 @@ from mhadsl.codegen import hopper, nvptx, warp
 from mhadsl.codegen.abi import KernelABI, Param, TensorMap
 from mhadsl.codegen.backends import (
     FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
-    LaunchShape, Layout, Problem, WorkTile, common_problems, spill_free_build,
+    LaunchShape, Layout, Problem, WorkTile, common_problems, ir_loop, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.scheduler import Handoff, count_exit, init_handoff
@@ -273,30 +273,10 @@ class _Tile(WorkTile):
                 start: ir.Value = i32(0)) -> list[ir.Value]:
         """for n over the non-empty KV tiles from `start`: carried = step(b, n, carried);
         returns the final values of `carried` (loop-carried phis)."""
-        fn = b.function
-        first = self.next_nonempty(b, start)
-        pre = b.block
-        hdr, body, exit_ = (fn.append_basic_block(f"kv.{s}") for s in ("hdr", "body", "exit"))
-        b.branch(hdr)
-        b.position_at_end(hdr)
-        n = b.phi(i32, "n")
-        n.add_incoming(first, pre)
-        phis = []
-        for value in carried:
-            phi = b.phi(value.type)
-            phi.add_incoming(value, pre)
-            phis.append(phi)
-        b.cbranch(b.icmp_signed("<", n, self.n_blocks), body, exit_)
-        b.position_at_end(body)
-        out = step(b, n, phis)
-        nn = self.next_nonempty(b, b.add(n, i32(1)))
-        latch = b.block
-        n.add_incoming(nn, latch)
-        for phi, value in zip(phis, out):
-            phi.add_incoming(value, latch)
-        b.branch(hdr)
-        b.position_at_end(exit_)
-        return phis
+        def body(bb, n, values):
+            values = step(bb, n, values)  # (before the next tile's search, in the IR too)
+            return self.next_nonempty(bb, bb.add(n, i32(1))), values
+        return ir_loop(b, self.next_nonempty(b, start), self.n_blocks, carried, body)
 
 
 class _ConsumerTile:
