@@ -15,6 +15,7 @@ from mhadsl import costmodel, trace
 from mhadsl.build import KernelRequest, build_kernel, plan
 from mhadsl.cli import main
 from mhadsl.codegen.assemble import find_ptxas
+from mhadsl.codegen import abi
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.reference import evaluate_rule
@@ -187,10 +188,11 @@ def test_decode_records():
         at = trace_records.HEADER_WORDS + k * trace_records.RECORD_WORDS
         start = (7 << 32) + 1000 * k
         words[at:at + trace_records.RECORD_WORDS] = [128 * k, 1, 2, 10 + k, 3, 500, start & 0xFFFFFFFF,
-                                                     start >> 32]
+                                                     start >> 32, k % 2]
     records, written = trace_records.decode(words)
     assert written == 5 and len(records["start"]) == 4
     assert records["prompt_offset"].tolist() == [0, 128, 256, 384]
+    assert records["kind"].tolist() == [abi.TRACE_WORK_ITEM, abi.TRACE_COMBINE] * 2
     assert (records["end"] - records["start"]).tolist() == [500] * 4
     assert records["start"][1] == (7 << 32) + 1000
 
