@@ -407,7 +407,7 @@ def _decode_gqa(program, args: argparse.Namespace) -> int:
     """Query heads per K/V head of a decode trace (`--heads` counts K/V heads): `--gqa`,
     or the kernel's declared `gqa`; a contradicting one, or `--heads` other than a
     declared `kv_heads`, is an error."""
-    options = resolve_attention(program.attentions[args.kernel])
+    options = program[args.kernel].options
     if options.kv_heads is not None and args.heads != options.kv_heads:
         raise UsageError(f"--heads {args.heads} (the K/V heads of a decode trace) contradicts "
                          f"kernel {args.kernel}'s kv_heads = {options.kv_heads}")
