@@ -402,6 +402,13 @@ class DecodeTraceRun(TraceRun):
     def tbps(self) -> float:
         return self.kv_bytes / (self.ms_untraced * 1e-3) / 1e12
 
+    def check(self) -> None:
+        """Its work items against the work space (`missing`, `repeated`, `invalid`), and its
+        combines (`combines`)."""
+        items = record_kind(self.records, abi.TRACE_WORK_ITEM)
+        self.missing, self.repeated, self.invalid = coverage(items, self.work.batch)
+        self.combines = check_combines(self.records, self.work)
+
 
 def run_decode_trace(program: Program, kernel: str, workload: DecodeWorkload, *,
                      scheduler: str | None = None, args: tuple = (), reps: int = 20
@@ -434,9 +441,7 @@ def run_decode_trace(program: Program, kernel: str, workload: DecodeWorkload, *,
                          planned.plan.grid, records, written, ms_untraced, ms_traced, 0.0,
                          gqa_group=spec.gqa_group, work=work,
                          kv_bytes=2 * sum(w.cache_lens) * w.kv_heads * head_dim * 2)
-    items = record_kind(records, abi.TRACE_WORK_ITEM)
-    run.missing, run.repeated, run.invalid = coverage(items, work.batch)
-    run.combines = check_combines(records, work)
+    run.check()
     return run
 
 

@@ -467,3 +467,46 @@ def test_decode_trace_heads_must_agree_with_the_kernel(kernel, argv, message, ca
                "--kv-splits", "2", *argv])
     err = capsys.readouterr().err
     assert rc == 2 and err == f"error: {message}\n"
+
+
+@pytest.mark.parametrize("damage, rc, line", [
+    (None, 0, "  combines: 4 groups ran more than one split: each combined once, after its "
+              "last split"),
+    (_combine_before_last_split, 3, "  combines: 4 groups ran more than one split: 1 "
+                                    "combines before their group's last split ended"),
+    (_duplicate_item, 3, "  trace: 33 work items, 1 repeated work items"),
+])
+def test_decode_trace_report(damage, rc, line, monkeypatch, capsys, tmp_path):
+    """`mhadsl trace --kv-splits` prints the checks of the run's records (here synthetic:
+    the GPU's part is tests/test_gpu_trace.py) and exits 3 when one fails."""
+    import json
+
+    import mhadsl.bench
+    rows = _decode_records(DECODE_WORK)
+    rows = damage(rows) if damage else rows
+    records = _columns([dict(r, cta=k, sm=k % 4) for k, r in enumerate(rows)])
+
+    def run_decode_trace(program, kernel, workload, scheduler=None, args=()):
+        run = trace.DecodeTraceRun(kernel, "Queued", (), workload, "test GPU", "decode",
+                                   "sm_90a", 1, 64, 4, 2, (8, 1, 1), records, len(rows),
+                                   0.010, 0.011, 0.0, gqa_group=workload.gqa,
+                                   work=DECODE_WORK, kv_bytes=10 ** 7)
+        run.check()
+        return run
+    monkeypatch.setattr(mhadsl.bench, "require_gpu", lambda: None)
+    monkeypatch.setattr(trace, "run_decode_trace", run_decode_trace)
+    out_json = tmp_path / "trace.json"
+    assert main(["trace", str(REPO / "examples/bottom_right_causal.mha"), "--kernel",
+                 "bottom_right_causal", "--seqlens", "300,40", "--heads", "2", "--gqa", "4",
+                 "--kv-splits", "4", "--json", str(out_json)]) == rc
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("bottom_right_causal under Queued on decode B2 cache 40..300 "
+                             "(contiguous) Sq1 H8:2, 4 KV splits: 4 splits of 128 positions")
+    assert line in out
+    assert "  kernel 0.010 ms untraced (1.00 TB/s of K/V), 0.011 ms traced: recording " \
+           "costs +10.0%" in out
+    assert any(o.startswith("  makespan efficiency: measured ") for o in out)
+    saved = json.loads(out_json.read_text())
+    assert saved["combines"]["needed"] == 4 and saved["q_tiles"] == 2
+    assert saved["covered_exactly_once"] == (damage is not _duplicate_item)
+    assert len(saved["records"]["kind"]) == len(rows)
