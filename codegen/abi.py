@@ -171,5 +171,8 @@ TRACE_COUNT_WORD = WORKSPACE_WORDS
 TRACE_CAPACITY_WORD = TRACE_COUNT_WORD + 1
 TRACE_HEADER_WORDS = -(-(TRACE_CAPACITY_WORD + 1) // 8) * 8  # records start 32-byte aligned
 TRACE_FIELDS = ("prompt_offset", "head", "batch", "cta", "sm", "duration", "start_lo",
-                "start_hi")
+                "start_hi", "kind")
 TRACE_RECORD_WORDS = len(TRACE_FIELDS)
+# What a record times (its `kind`): a work item's tile body, or the merge of a decode
+# group's split results (the tile is that of the split that merged)
+TRACE_WORK_ITEM, TRACE_COMBINE = 0, 1

@@ -137,4 +137,4 @@ def kernel_source(program: CheckedProgram, options, target: Target,
         spec = SchedulerSpec(options.scheduler, options.scheduler_args, tile_m, gqa_group)
         return scheduler_work_loop(program, spec, target, trace)
     hooks = (backward_hooks if derivative else expr_hooks)(program, options.mask, options.score)
-    return KernelSource(hooks, work_loop)
+    return KernelSource(hooks, work_loop, trace)

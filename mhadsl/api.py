@@ -180,6 +180,12 @@ class Kernel:
         self._torch_plans.clear()
         self._decode_plans.clear()
 
+    @property
+    def recording_workspace(self) -> int | None:
+        """The workspace a launch takes in place of its stream's: a traced kernel's
+        `trace_workspace`, else None."""
+        return self.trace_workspace if self.trace else None
+
     # ---------------------------------------------------------------- builds
     def config(self, *, gqa_group: int = 1, ragged: bool = False, return_lse: bool = False,
                arch: str = "sm_90a", backend: str | None = None,
@@ -353,7 +359,7 @@ class Kernel:
         handle = _torch_stream(torch, q.get_device()) if stream is None else \
             _stream_handle(stream)
         planned.plan.launch(addresses, handle,
-                            workspace=self.trace_workspace if self.trace else None)
+                            workspace=self.recording_workspace)
         return (out, lse) if planned.want_lse else out
 
     def specialize(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -375,7 +381,7 @@ class Kernel:
         if torch_key is not None:
             self._torch_plans[torch_key] = planned
         planned.plan.launch({n: t.ptr for n, t in views.items() if t}, stream,
-                            workspace=self.trace_workspace if self.trace else None)
+                            workspace=self.recording_workspace)
 
     def _design(self, device: int, workload: str = "prefill") -> tuple[Backend, DeviceTarget]:
         """The design and target for `device` (asked once per kernel, device and workload)."""

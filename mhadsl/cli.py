@@ -19,10 +19,12 @@ from mhadsl.attention_spec import resolve_attention
 from mhadsl.build import RequestError
 from mhadsl.builtins import GRID_LIMITS
 from mhadsl.codegen import backends
+from mhadsl.codegen.abi import TRACE_WORK_ITEM
 from mhadsl.codegen.assemble import AssemblerError, find_ptxas
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.codegen.target import GPU_ARCHS
 from mhadsl.diagnostics import MhaError
+from mhadsl.paged import MAX_DECODE_ROWS, MAX_KV_SPLITS, PAGE_SIZES
 from mhadsl.parse import STD_PREFIX, std_file
 from mhadsl.pipeline import CompileOptions, compile_stages, front_end
 from mhadsl.simulate import (
@@ -322,6 +324,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.scheduler is not None and args.scheduler not in program.schedulers:
         raise UsageError(f"no scheduler '{args.scheduler}' in {args.file} (it has: "
                          f"{', '.join(program.schedulers) or 'none'})")
+    gqa = _decode_gqa(program, args) if args.kv_splits is not None else None
     try:
         require_gpu()
     except (NoGpuError, NoTorch) as err:
@@ -338,6 +341,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
         print(f"  stored in {path}")
     if args.lengths is None:
         return 0
+    if args.kv_splits is not None:
+        return _trace_decode(args, program, gqa)
     workload = trace.Workload(args.heads, args.batch, args.seqlen or 0,
                               tuple(args.lengths) if args.seqlens else None)
     run = trace.run_trace(program, args.kernel, workload, scheduler=args.scheduler,
@@ -345,13 +350,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     model = trace.cost_model(program, run)
     result = trace.predict(program, run, model)
     comparison = trace.compare(run, result)
-    problems = [f"{len(v)} {k}" for k, v in (("missing", run.missing), ("repeated",
-                run.repeated), ("invalid", run.invalid)) if v]
-    print(f"{args.kernel} under {run.scheduler} on {workload.describe()}: grid {run.grid}, "
-          f"{run.ctas_per_sm} CTAs per SM x {run.num_sms} SMs ({run.gpu}, {run.backend})")
-    print(f"  trace: {len(run.records['start'])} work items, "
-          + ("every valid tile exactly once" if not problems else "; ".join(problems)
-             + " tiles"))
+    problems = _coverage_problems(run)
+    _print_trace_header(args, run, "every valid tile exactly once", problems)
     print(f"  kernel {run.ms_untraced:.3f} ms untraced ({run.tflops:.1f} TFLOP/s), "
           f"{run.ms_traced:.3f} ms traced: recording costs {run.overhead:+.1%}")
     print(f"  makespan efficiency: measured {comparison.measured.efficiency:.1%}, predicted "
@@ -363,15 +363,81 @@ def cmd_trace(args: argparse.Namespace) -> int:
         _save_plot(lambda: trace.plot(run, comparison, args.out), args.out, "--out")
         print(f"  wrote {args.out}")
     if args.json:
-        _write(Path(args.json), json.dumps({
-            "kernel": args.kernel, "scheduler": run.scheduler, "workload": workload.describe(),
-            "gpu": run.gpu, "backend": run.backend, "grid": list(run.grid),
-            "ms_untraced": run.ms_untraced, "ms_traced": run.ms_traced,
+        _write(Path(args.json), json.dumps(_trace_json(args, run, {
             "measured_efficiency": comparison.measured.efficiency,
             "predicted_efficiency": comparison.predicted.efficiency,
-            "costs": vars(model.costs), "costs_from": model.source,
-            "records": {k: v.tolist() for k, v in run.records.items()}}))
+            "costs": vars(model.costs), "costs_from": model.source})))
     return 0 if not problems and result.covered_exactly_once else 3
+
+
+def _trace_decode(args: argparse.Namespace, program, gqa: int) -> int:
+    """`mhadsl trace --kv-splits N`: a decode launch traced; its work space covered exactly
+    once and every combine complete (`trace.check_combines`), next to the simulator's
+    proof for the same work space and grid."""
+    from mhadsl import trace
+    workload = trace.DecodeWorkload(args.heads, tuple(args.lengths), args.kv_splits, gqa,
+                                    args.query_rows, args.page_size or 0)
+    run = trace.run_decode_trace(program, args.kernel, workload, scheduler=args.scheduler,
+                                 args=args.params)
+    result = trace.predict(program, run, "uniform")
+    work, combines = run.work, run.combines
+    problems = _coverage_problems(run)
+    _print_trace_header(args, run, "every (sequence, K/V head, q tile, split) exactly once",
+                        problems, f"{work.num_splits} splits of {work.kv_chunk} positions, ")
+    wrong = combines.problems()
+    print(f"  combines: {combines.needed} groups ran more than one split: "
+          + ("each combined once, after its last split" if not wrong else "; ".join(wrong)))
+    print(f"  kernel {run.ms_untraced:.3f} ms untraced ({run.tbps:.2f} TB/s of K/V), "
+          f"{run.ms_traced:.3f} ms traced: recording costs {run.overhead:+.1%}")
+    simulated = "n/a" if result.efficiency is None else f"{result.efficiency:.1%}"
+    print(f"  makespan efficiency: measured {run.timeline().efficiency:.1%}; simulated "
+          f"{simulated} (uniform tile cost), {result.message}")
+    if args.json:
+        _write(Path(args.json), json.dumps(_trace_json(args, run, {
+            "num_splits": work.num_splits, "kv_chunk": work.kv_chunk,
+            "q_tiles": work.q_tiles, "covered_exactly_once": not problems,
+            "combines": {"needed": combines.needed, "missing": combines.missing,
+                         "repeated": combines.repeated, "early": combines.early,
+                         "unexpected": combines.unexpected},
+            "simulated_covered_exactly_once": result.covered_exactly_once})))
+    return 0 if not problems and not wrong and result.covered_exactly_once else 3
+
+
+def _decode_gqa(program, args: argparse.Namespace) -> int:
+    """Query heads per K/V head of a decode trace (`--heads` counts K/V heads): `--gqa`,
+    or the kernel's declared `gqa`; a contradicting one, or `--heads` other than a
+    declared `kv_heads`, is an error."""
+    options = program[args.kernel].options
+    if options.kv_heads is not None and args.heads != options.kv_heads:
+        raise UsageError(f"--heads {args.heads} (the K/V heads of a decode trace) contradicts "
+                         f"kernel {args.kernel}'s kv_heads = {options.kv_heads}")
+    if options.gqa is not None and args.gqa is not None and args.gqa != options.gqa:
+        raise UsageError(f"--gqa {args.gqa} contradicts kernel {args.kernel}'s "
+                         f"gqa = {options.gqa}")
+    return options.gqa or args.gqa or 1
+
+
+def _coverage_problems(run) -> list[str]:
+    return [f"{len(v)} {k}" for k, v in (("missing", run.missing), ("repeated",
+            run.repeated), ("invalid", run.invalid)) if v]
+
+
+def _print_trace_header(args: argparse.Namespace, run, covered: str, problems: list[str],
+                        launch: str = "") -> None:
+    print(f"{args.kernel} under {run.scheduler} on {run.workload.describe()}: {launch}grid "
+          f"{run.grid}, {run.ctas_per_sm} CTAs per SM x {run.num_sms} SMs ({run.gpu}, "
+          f"{run.backend})")
+    items = int((run.records["kind"] == TRACE_WORK_ITEM).sum())
+    print(f"  trace: {items} work items, "
+          + (covered if not problems else "; ".join(problems) + " work items"))
+
+
+def _trace_json(args: argparse.Namespace, run, fields: dict) -> dict:
+    return {"kernel": args.kernel, "scheduler": run.scheduler,
+            "workload": run.workload.describe(), "gpu": run.gpu, "backend": run.backend,
+            "grid": list(run.grid), "ms_untraced": run.ms_untraced,
+            "ms_traced": run.ms_traced, **fields,
+            "records": {k: v.tolist() for k, v in run.records.items()}}
 
 
 def _problem(args: argparse.Namespace, kernel):
@@ -455,6 +521,7 @@ def validate(args: argparse.Namespace) -> None:
         args.lengths = _seqlens(args)
         args.batch = len(args.lengths)
     if args.command == "trace":
+        _check_decode_trace(args)
         args.params = tuple(_parse_param(p) for p in args.param)
         args.lengths = (_seqlens(args) if args.seqlens or args.seqlen is not None
                         else None)
@@ -471,8 +538,9 @@ def validate(args: argparse.Namespace) -> None:
     if args.command == "simulate":
         if args.kernel and args.cost:
             raise UsageError("--kernel costs tiles as that kernel runs them: drop --cost")
-        if args.kv_splits is not None and (args.kernel or not 1 <= args.kv_splits <= 128):
-            raise UsageError("--kv-splits takes 1 to 128 splits, without --kernel")
+        if args.kv_splits is not None and (args.kernel or
+                                           not 1 <= args.kv_splits <= MAX_KV_SPLITS):
+            raise UsageError(f"--kv-splits takes 1 to {MAX_KV_SPLITS} splits, without --kernel")
         if args.gqa and args.heads % args.gqa:
             raise UsageError(f"--gqa {args.gqa} must divide --heads {args.heads}")
         args.params = tuple(_parse_param(p) for p in args.param)
@@ -483,6 +551,33 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(str(err)) from None
         if args.plot:
             _check_plot(Path(args.plot))
+
+
+def _check_decode_trace(args: argparse.Namespace) -> None:
+    """The options of a decode trace (`--kv-splits`) go together, and with nothing that
+    belongs to a prefill trace."""
+    decode_only = [flag for flag, given in (("--gqa", args.gqa is not None),
+                                            ("--query-rows", args.query_rows != 1),
+                                            ("--page-size", args.page_size is not None))
+                   if given]
+    if args.kv_splits is None:
+        if decode_only:
+            raise UsageError(f"{decode_only[0]} belongs to a decode trace: give --kv-splits N")
+        return
+    if not 1 <= args.kv_splits <= MAX_KV_SPLITS:
+        raise UsageError(f"--kv-splits takes 1 to {MAX_KV_SPLITS} splits, got {args.kv_splits}")
+    prefill_only = [flag for flag, given in (("--calibrate", args.calibrate),
+                                             ("--out", args.out), ("--backend", args.backend))
+                    if given]
+    if prefill_only:
+        raise UsageError(f"--kv-splits traces a decode launch (the decode design, no cost "
+                         f"model): drop {prefill_only[0]}")
+    if not 1 <= args.query_rows <= MAX_DECODE_ROWS:
+        raise UsageError(f"--query-rows must be between 1 and {MAX_DECODE_ROWS}, got "
+                         f"{args.query_rows}")
+    if args.page_size is not None and args.page_size not in PAGE_SIZES:
+        raise UsageError(f"--page-size takes {', '.join(map(str, PAGE_SIZES))}, got "
+                         f"{args.page_size}")
 
 
 def _check_plot(out: Path, flag: str = "--plot") -> None:
@@ -598,6 +693,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="first measure the kernel's cost constants on this GPU and store "
                         "them for the simulator")
+    p.add_argument("--kv-splits", type=int, metavar="N",
+                   help="trace a decode launch with N KV splits (the planner may use fewer, "
+                        "none empty): the lengths are the sequences' cache lengths, --heads "
+                        "counts K/V heads; checks every (sequence, K/V head, q tile, split) "
+                        "ran once and every split group combined once, after its last split")
+    p.add_argument("--gqa", type=int,
+                   help="with --kv-splits: query heads per K/V head (default 1, or the "
+                        "kernel's declared gqa)")
+    p.add_argument("--query-rows", type=int, default=1,
+                   help=f"with --kv-splits: query rows per sequence (1 to {MAX_DECODE_ROWS})")
+    p.add_argument("--page-size", type=int,
+                   help=f"with --kv-splits: a paged cache with pages of this many positions "
+                        f"({', '.join(map(str, PAGE_SIZES))}); default: a contiguous cache")
     _include_argument(p)
     p.set_defaults(run=cmd_trace)
 

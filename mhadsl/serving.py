@@ -69,6 +69,13 @@ def decode_work(batch: int, kv_heads: int, work_tiles: int):
     return Batch([work_tiles] * batch, kv_heads, 1, ragged=False)
 
 
+def splits_used(cache_len: int, kv_chunk: int, num_splits: int) -> int:
+    """The splits of a group that run on a cache of `cache_len` positions (the kernel's
+    rule: the chunks it spans, at least one); the others exit at once. With more than one,
+    each writes its partial state and the last to finish combines them."""
+    return max(1, min(-(-max(cache_len, 0) // kv_chunk), num_splits))
+
+
 @dataclass
 class _DecodePlan:
     """A decode signature's launch plan and what its calls need beyond it."""
@@ -80,6 +87,8 @@ class _DecodePlan:
     device: int
     workspaces: dict  # stream -> (DeviceBuffer, ...) of the split workspace
     num_splits: int
+    q_tiles: int  # packed-row tiles per sequence (the work space: q_tiles x num_splits)
+    kv_chunk: int  # cache positions per split
     empty: bool  # nothing to launch
     shapes: dict  # name -> TensorShape of the call's tensors
     spans: dict  # name -> bytes from the first element of q, the cache and out to the last
@@ -153,7 +162,7 @@ def decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None, cu_se
     planned = kernel._decode_plans.get(key) if key is not None else None
     if planned is not None and not driver.debug_mode():
         return _run_torch(planned, q, k_cache, v_cache, cache_seqlens, page_table,
-                          cu_seqlens_q, out, stream)
+                          cu_seqlens_q, out, stream, kernel.recording_workspace)
     return _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
                  max_seqlen_q, scale, out, want_lse, stream, num_splits, key)
 
@@ -245,7 +254,8 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
         kernel._decode_plans[key] = planned
     if not planned.empty:
         addresses = {n: t.ptr for n, t in dev.items()}
-        planned.plan.launch({**addresses, **planned.split_workspace(handle)}, handle)
+        planned.plan.launch({**addresses, **planned.split_workspace(handle)}, handle,
+                            workspace=kernel.recording_workspace)
     if out_view.on_host:
         tensors.from_device(dev["o"], out_obj, stream=handle)
     if want_lse and isinstance(lse_obj, np.ndarray):
@@ -322,8 +332,8 @@ def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_
     from mhadsl.runtime.tensors import ITEMSIZE
     spans = {n: _span(t.shape, t.strides, ITEMSIZE[t.dtype]) if 0 not in t.shape else -1
              for n, t in shapes.items() if n in _READ_AND_WRITTEN}
-    return _DecodePlan(plan, tuple(q.shape), lse_shape, split_bytes, device, {}, splits, empty,
-                       shapes, spans)
+    return _DecodePlan(plan, tuple(q.shape), lse_shape, split_bytes, device, {}, splits,
+                       q_tiles, chunk, empty, shapes, spans)
 
 
 # ---------------------------------------------------------------------- torch fast path
@@ -336,7 +346,7 @@ def _torch_key(q, k_cache, v_cache, cache_seqlens, page_table, cu_q, out, *optio
 
 
 def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_table, cu_q,
-               out, stream):
+               out, stream, workspace: int | None):
     """A call of a planned torch signature: only what its addresses decide is checked
     (alignment, and out overlapping what the kernel reads), then the plan launches."""
     from mhadsl.api import _stream_handle, _torch_stream
@@ -359,5 +369,5 @@ def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_ta
     if planned.split_bytes[0]:
         addresses.update(planned.split_workspace(handle))
     if not planned.empty:
-        planned.plan.launch(addresses, handle)
+        planned.plan.launch(addresses, handle, workspace=workspace)
     return (out, lse) if planned.lse_shape is not None else out

@@ -24,6 +24,7 @@ from mhadsl.api import Kernel, Program
 from mhadsl.codegen import abi, backends
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.runtime import trace_records
+from mhadsl.serving import decode_work, splits_used
 from mhadsl.simulate import Batch, SimulationResult, simulate
 
 # The calibration runs: one batch per layout, one scheduler per constant it measures.
@@ -167,6 +168,7 @@ class TraceRun:
     missing: list = field(default_factory=list)
     repeated: list = field(default_factory=list)
     invalid: list = field(default_factory=list)
+    gqa_group: int = 1  # the scheduler's `gqa_group` (a decode launch's query heads per K/V head)
 
     @property
     def overhead(self) -> float:
@@ -205,8 +207,8 @@ def run_trace(program: Program, kernel: str, workload: Workload, *, scheduler: s
     traced launch, checked for coverage."""
     import torch
 
-    from mhadsl.bench import Problem, allowed_pairs, make_inputs, time_ms
-    from mhadsl.runtime import driver, faults
+    from mhadsl.bench import Problem, allowed_pairs, make_inputs
+    from mhadsl.runtime import driver
 
     plain = scheduler_kernel(program, kernel, scheduler, args, backend)
     traced = scheduler_kernel(program, kernel, scheduler, args, backend, trace=True)
@@ -216,7 +218,30 @@ def run_trace(program: Program, kernel: str, workload: Workload, *, scheduler: s
     inputs = make_inputs(torch, plain, problem)
     info = driver.device_info()
     tiles_bound = sum(-(-n // 16) for n in w.lengths) * w.heads  # any tile height >= 16
-    capacity = 2 * tiles_bound + 1024  # room to see a scheduler that repeats tiles
+    records, written, ms_untraced, ms_traced = _record(torch, plain, traced, inputs,
+                                                       tiles_bound, reps)
+    target, build, ctas_per_sm = _traced_build(traced)
+    spec = traced.scheduler_spec(build.config)
+    grid = traced._grid(build.config, _GridCall(len(w.lengths), w.heads, max(w.lengths)),
+                        info.multiprocessor_count, ctas_per_sm)
+    run = TraceRun(kernel, spec.name, spec.args, workload, info.name, build.backend.name,
+                   target.arch, build.config.block_m, build.config.block_n,
+                   info.multiprocessor_count, ctas_per_sm, grid, records, written,
+                   ms_untraced, ms_traced,
+                   4.0 * allowed_pairs(plain, problem) * w.heads * plain.options.head_dim)
+    run.missing, run.repeated, run.invalid = coverage(records, run.batch)
+    return run
+
+
+def _record(torch, plain: Kernel, traced: Kernel, inputs: dict, items_bound: int, reps: int
+            ) -> tuple[dict[str, np.ndarray], int, float, float]:
+    """Time `plain(**inputs)` and `traced(**inputs)` (medians of `reps`), then record one
+    more traced launch into a workspace of twice `items_bound` records and more (room to see
+    a scheduler that repeats tiles): (records, written, ms untraced, ms traced)."""
+    from mhadsl.bench import time_ms
+    from mhadsl.runtime import driver, faults
+
+    capacity = 2 * items_bound + 1024
     buffer = driver.DeviceBuffer(4 * trace_records.workspace_words(capacity))
     traced.trace_workspace = buffer.ptr
     stream = torch.cuda.current_stream().cuda_stream
@@ -237,19 +262,14 @@ def run_trace(program: Program, kernel: str, workload: Workload, *, scheduler: s
     if code:
         raise faults.SchedulerError(code, sid, cta)
     records, written = trace_records.decode(words)
+    return records, written, ms_untraced, ms_traced
+
+
+def _traced_build(traced: Kernel):
+    """(target, build, CTAs of it per multiprocessor) of the one build a traced kernel ran."""
     ((_, target, _), build), = traced._builds.items()
-    spec = traced.scheduler_spec(build.config)
-    ctas_per_sm = build.function.max_active_blocks(build.launch.threads,
-                                                   build.launch.shared_bytes)
-    grid = traced._grid(build.config, _GridCall(len(w.lengths), w.heads, max(w.lengths)),
-                        info.multiprocessor_count, ctas_per_sm)
-    run = TraceRun(kernel, spec.name, spec.args, workload, info.name, build.backend.name,
-                   target.arch, build.config.block_m, build.config.block_n,
-                   info.multiprocessor_count, ctas_per_sm, grid, records, written,
-                   ms_untraced, ms_traced,
-                   4.0 * allowed_pairs(plain, problem) * w.heads * plain.options.head_dim)
-    run.missing, run.repeated, run.invalid = coverage(records, run.batch)
-    return run
+    return target, build, build.function.max_active_blocks(build.launch.threads,
+                                                           build.launch.shared_bytes)
 
 
 @dataclass
@@ -259,6 +279,194 @@ class _GridCall:
     batch: int
     heads: int
     max_seqlen_q: int
+
+
+# ------------------------------------------------------------------ decode with split-KV
+@dataclass
+class DecodeWorkload:
+    """One decode launch's shape: a cache of `cache_lens` positions per sequence (contiguous,
+    or pages of `page_size`), `query_rows` per sequence, `kv_heads` K/V heads of `gqa` query
+    heads each, and the KV splits asked for (the planner may use fewer: none left empty)."""
+
+    kv_heads: int
+    cache_lens: tuple[int, ...]
+    kv_splits: int
+    gqa: int = 1
+    query_rows: int = 1
+    page_size: int = 0
+
+    def describe(self) -> str:
+        cache = f"pages of {self.page_size}" if self.page_size else "contiguous"
+        lens = self.cache_lens
+        return (f"decode B{len(lens)} cache {min(lens)}..{max(lens)} ({cache}) "
+                f"Sq{self.query_rows} H{self.kv_heads * self.gqa}:{self.kv_heads}, "
+                f"{self.kv_splits} KV splits")
+
+
+@dataclass(frozen=True)
+class DecodeWork:
+    """The work space a decode launch planned (`serving._DecodePlan`): per (sequence, K/V
+    head), `q_tiles` x `num_splits` work tiles, prompt_offset = q_tile * num_splits + split;
+    split s covers cache positions [s * kv_chunk, (s + 1) * kv_chunk)."""
+
+    kv_heads: int
+    cache_lens: tuple[int, ...]
+    q_tiles: int
+    num_splits: int
+    kv_chunk: int
+
+    @property
+    def batch(self) -> Batch:
+        """The work space as the simulator sees it (`serving.decode_work`)."""
+        return decode_work(len(self.cache_lens), self.kv_heads, self.q_tiles * self.num_splits)
+
+    def splits_used(self) -> dict[tuple[int, int, int], int]:
+        """(sequence, K/V head, q tile) -> how many of its splits run (`serving.splits_used`)."""
+        return {(b, h, q): splits_used(n, self.kv_chunk, self.num_splits)
+                for b, n in enumerate(self.cache_lens) for h in range(self.kv_heads)
+                for q in range(self.q_tiles)}
+
+
+@dataclass
+class CombineCheck:
+    """The groups (sequence, K/V head, q tile) whose combine went wrong, against `needed`
+    groups that ran more than one split: `missing` (no combine), `repeated` (more than one),
+    `early` (it started before one of the group's splits ended, or a split left no record),
+    `unexpected` (a combine where one split or none ran)."""
+
+    needed: int
+    missing: list
+    repeated: list
+    early: list
+    unexpected: list
+
+    def problems(self) -> list[str]:
+        return [f"{len(v)} {what}" for v, what in (
+            (self.missing, "groups without a combine"), (self.repeated, "groups combined twice"),
+            (self.early, "combines before their group's last split ended"),
+            (self.unexpected, "combines where no split needed one")) if v]
+
+
+def record_kind(records: dict[str, np.ndarray], kind: int) -> dict[str, np.ndarray]:
+    """The records of one kind (`abi.TRACE_WORK_ITEM`, `abi.TRACE_COMBINE`)."""
+    keep = records["kind"] == kind
+    return {name: column[keep] for name, column in records.items()}
+
+
+def check_combines(records: dict[str, np.ndarray], work: DecodeWork) -> CombineCheck:
+    """Every group that ran more than one split combined exactly once, starting no sooner
+    than every split of it ended (the traced decode kernel ends a split's record where its
+    result is published, before its count; a combine's record starts after the count that
+    made it last, so on one clock a correct kernel can only pass); no other group combined."""
+    splits = work.num_splits
+    ends: dict[tuple, dict[int, int]] = {}
+    items = record_kind(records, abi.TRACE_WORK_ITEM)
+    for offset, head, b, end in zip(*(items[k].tolist() for k in
+                                      ("prompt_offset", "head", "batch", "end"))):
+        ends.setdefault((b, head, offset // splits), {})[offset % splits] = end
+    starts: dict[tuple, list[int]] = {}
+    combines = record_kind(records, abi.TRACE_COMBINE)
+    for offset, head, b, start in zip(*(combines[k].tolist() for k in
+                                        ("prompt_offset", "head", "batch", "start"))):
+        starts.setdefault((b, head, offset // splits), []).append(start)
+    used = work.splits_used()
+    needed = {g for g, n in used.items() if n > 1}
+    check = CombineCheck(len(needed), [], [], [], sorted(starts.keys() - needed))
+    for group in sorted(needed):
+        found = starts.get(group, [])
+        split_ends = [ends.get(group, {}).get(s) for s in range(used[group])]
+        if not found:
+            check.missing.append(group)
+        elif len(found) > 1:
+            check.repeated.append(group)
+        elif None in split_ends or found[0] < max(split_ends):
+            check.early.append(group)
+    return check
+
+
+@dataclass
+class DecodeTraceRun(TraceRun):
+    """A traced decode launch: its work items are (sequence, K/V head, q tile x split)
+    (`work`), its combines checked (`combines`); its throughput is the bytes of K and V it
+    reads (`kv_bytes`, `tbps`), not FLOPs."""
+
+    work: DecodeWork | None = None
+    combines: CombineCheck | None = None
+    kv_bytes: int = 0
+
+    @property
+    def batch(self) -> Batch:
+        return self.work.batch
+
+    @property
+    def tbps(self) -> float:
+        return self.kv_bytes / (self.ms_untraced * 1e-3) / 1e12
+
+    def check(self) -> None:
+        """Its work items against the work space (`missing`, `repeated`, `invalid`), and its
+        combines (`combines`)."""
+        items = record_kind(self.records, abi.TRACE_WORK_ITEM)
+        self.missing, self.repeated, self.invalid = coverage(items, self.work.batch)
+        self.combines = check_combines(self.records, self.work)
+
+
+def run_decode_trace(program: Program, kernel: str, workload: DecodeWorkload, *,
+                     scheduler: str | None = None, args: tuple = (), reps: int = 20
+                     ) -> DecodeTraceRun:
+    """Trace one decode launch of `kernel` against a random cache of `workload` (needs a GPU
+    and torch), as `run_trace` does a prefill launch; its work items are checked for
+    coverage of the launch's work space and its combines with `check_combines`."""
+    import torch
+
+    from mhadsl.runtime import driver
+
+    plain = scheduler_kernel(program, kernel, scheduler, args)
+    traced = scheduler_kernel(program, kernel, scheduler, args, trace=True)
+    w = workload
+    inputs = _decode_inputs(torch, plain, w)
+    rows_bound = -(-w.query_rows * w.gqa // 16)  # any packed tile holds 16 rows or more
+    groups_bound = len(w.cache_lens) * w.kv_heads * rows_bound
+    records, written, ms_untraced, ms_traced = _record(
+        torch, plain, traced, inputs, groups_bound * (w.kv_splits + 1), reps)
+    planned, = traced._decode_plans.values()
+    target, build, ctas_per_sm = _traced_build(traced)
+    spec = traced.scheduler_spec(build.config)
+    info = driver.device_info()
+    work = DecodeWork(w.kv_heads, w.cache_lens, planned.q_tiles, planned.num_splits,
+                      planned.kv_chunk)
+    head_dim = plain.options.head_dim
+    run = DecodeTraceRun(kernel, spec.name, spec.args, workload, info.name,
+                         build.backend.name, target.arch, build.config.block_m,
+                         build.config.block_n, info.multiprocessor_count, ctas_per_sm,
+                         planned.plan.grid, records, written, ms_untraced, ms_traced, 0.0,
+                         gqa_group=spec.gqa_group, work=work,
+                         kv_bytes=2 * sum(w.cache_lens) * w.kv_heads * head_dim * 2)
+    run.check()
+    return run
+
+
+def _decode_inputs(torch, kernel: Kernel, w: DecodeWorkload) -> dict:
+    """Random queries and cache for `kernel(**inputs)`: a contiguous cache, or pages in a
+    random order (so a page gather is exercised)."""
+    dtype = torch.bfloat16 if kernel.options.dtype == "bf16" else torch.float16
+    d, batch = kernel.options.head_dim, len(w.cache_lens)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+    capacity = max(max(w.cache_lens), 1)
+    inputs = {"q": rand(batch, w.query_rows, w.kv_heads * w.gqa, d),
+              "cache_seqlens": torch.tensor(w.cache_lens, dtype=torch.int32, device="cuda"),
+              "num_splits": w.kv_splits}
+    if not w.page_size:
+        return {**inputs, "k": rand(batch, capacity, w.kv_heads, d),
+                "v": rand(batch, capacity, w.kv_heads, d)}
+    pages = -(-capacity // w.page_size)
+    order = torch.randperm(batch * pages, generator=gen, device="cuda")
+    return {**inputs, "k": rand(batch * pages, w.page_size, w.kv_heads, d),
+            "v": rand(batch * pages, w.page_size, w.kv_heads, d),
+            "page_table": order.reshape(batch, pages).to(torch.int32).contiguous()}
 
 
 # ------------------------------------------------------------------ prediction
@@ -275,10 +483,11 @@ def cost_model(program: Program, run: TraceRun, costs: costmodel.Costs | None = 
                                      backends.backend(run.backend).producer_ahead)
 
 
-def predict(program: Program, run: TraceRun, model: costmodel.KernelCostModel
+def predict(program: Program, run: TraceRun, model: costmodel.KernelCostModel | str
             ) -> SimulationResult:
-    """The simulator on the traced launch's batch, grid and multiprocessors."""
-    spec = SchedulerSpec(run.scheduler, tuple(run.scheduler_args), run.block_m)
+    """The simulator on the traced launch's batch, grid and multiprocessors, its tiles
+    costed by `model` (or one of `simulate.COST_MODELS`)."""
+    spec = SchedulerSpec(run.scheduler, tuple(run.scheduler_args), run.block_m, run.gqa_group)
     return simulate(program.checked, spec, run.batch, ctas=run.num_sms * run.ctas_per_sm,
                     num_sms=run.num_sms, ctas_per_sm=run.ctas_per_sm, cost=model)
 

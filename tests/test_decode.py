@@ -68,6 +68,42 @@ def test_decode_ir_is_the_same_for_both_targets(name, group, cache, lse):
     assert ir_of["sm_80"] == ir_of["sm_90a"]
 
 
+TRACED = [("causal", 8, CacheLayout(1, 64), True), ("causal", 1, CacheLayout(4, 0), False),
+          ("softcap", 8, CacheLayout(1, 16, 32), True), ("causal_d64", 4, CacheLayout(2, 256), True)]
+
+
+@needs_ptxas
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("name,group,cache,lse", TRACED)
+def test_traced_decode_records_combines_after_splits_and_assembles_without_spills(
+        arch, name, group, cache, lse):
+    """`mhadsl trace` on decode: the traced build runs the untraced config; it reads the
+    clock five times (a work item's start and end, a split's end where it has published
+    its partial result, a combine's start and end), none untraced; a split's end is read
+    before the count that may make another split last, a combine's start after the count
+    that made it last (the order `trace.check_combines` relies on)."""
+    from mhadsl.trace import scheduler_kernel
+    builds = {t: scheduler_kernel(PROGRAM, name, trace=t).build(arch, gqa_group=group,
+                                                                return_lse=lse, cache=cache)
+              for t in (False, True)}
+    assert builds[True].config == builds[False].config
+    assert builds[False].ptx.count("%globaltimer") == 0
+    ptx = builds[True].ptx
+    assert ptx.count("%globaltimer") == 5
+    assert builds[True].assembled.kernels[decode.KERNEL_NAME].spills == 0
+    lines = ptx.splitlines()
+    # the split counter: the one counter the kernel resets to 0 before its exit count
+    reset = next(i for i, line in enumerate(lines) if "atom.global.exch.b32" in line)
+    counter = lines[reset].split("[")[1].split("]")[0]
+    count = max(i for i in range(reset) if "atom.global.add.u32" in lines[i]
+                and f"[{counter}]" in lines[i])
+    published = max(i for i in range(count) if "bar.sync" in lines[i])
+    assert any("%globaltimer" in line for line in lines[published:count])
+    told = next(i for i in range(count, len(lines)) if "bar.sync" in lines[i])
+    combine_start = next(i for i in range(told, len(lines)) if "%globaltimer" in lines[i])
+    assert not any("bar.sync" in line for line in lines[told + 1:combine_start])
+
+
 def test_decode_abi_is_the_kernel_signature():
     build = PROGRAM["causal"].build("sm_90a", gqa_group=8, cache=CacheLayout(1, 64))
     entry = build.ptx.split(".entry mha_decode(")[1].split(")")[0]
@@ -176,7 +212,7 @@ def _planned_shapes():
     shapes = {"q": q, "k_cache": cache, "v_cache": cache, "o": q}
     spans = {n: 2 * (sum((d - 1) * s for d, s in zip(t.shape, t.strides)) + 1) - 1
              for n, t in shapes.items() if n in _READ_AND_WRITTEN}
-    return _DecodePlan(None, q.shape, None, (0, 0, 0), 0, {}, 1, False, shapes, spans)
+    return _DecodePlan(None, q.shape, None, (0, 0, 0), 0, {}, 1, 1, 64, False, shapes, spans)
 
 
 def test_planned_calls_check_their_addresses():

@@ -1,10 +1,13 @@
 """`mhadsl trace` on the GPU: the traced kernel records every valid tile exactly once, for
-every standard scheduler, dense and ragged, on both kernel designs (needs a GPU)."""
+every standard scheduler, dense and ragged, on both kernel designs; a traced decode launch
+with KV splits, paged and contiguous, records every (sequence, K/V head, q tile, split)
+once and each split group's one combine after its last split (needs a GPU)."""
 import pytest
 
 import mhadsl
 from helpers import REPO
 from mhadsl import trace
+from mhadsl.codegen import abi
 
 pytestmark = pytest.mark.gpu
 
@@ -48,3 +51,37 @@ def test_trace_prediction_is_comparable(program):
     assert 0 < comparison.predicted.efficiency <= 1
     # The recording's cost is a benchmark figure (benchmarks/trace_table.py, docs/TRACE.md),
     # not a timed assertion: on a 0.3 ms launch it swung from -3% to +23% between runs.
+
+
+DECODE = """
+import "std/schedulers.mha"
+attention decode { dtype = bf16  head_dim = 128
+    mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q }
+attention persistent_decode { dtype = bf16  head_dim = 128  scheduler = Persistent()
+    mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q }
+"""
+
+
+@pytest.mark.parametrize("kernel, workload", [
+    # paged, one query row: caches that run 1, 2, 5 and 6 of the 6 splits
+    ("decode", trace.DecodeWorkload(kv_heads=2, cache_lens=(1, 100, 1000, 3000, 4096),
+                                    kv_splits=6, gqa=4, page_size=64)),
+    # contiguous, 16 rows x 16 query heads: two q tiles per K/V head
+    ("persistent_decode", trace.DecodeWorkload(kv_heads=1, cache_lens=(700, 2500, 64),
+                                               kv_splits=3, gqa=16, query_rows=16)),
+], ids=["paged", "contiguous"])
+def test_decode_trace_covers_every_split_once_and_combines_after_the_last(kernel, workload):
+    program = mhadsl.compile(DECODE, name="decode_trace")
+    run = trace.run_decode_trace(program, kernel, workload, reps=1)
+    assert run.backend == "decode" and run.work.num_splits == workload.kv_splits
+    assert run.written == len(run.records["start"])
+    items = trace.record_kind(run.records, abi.TRACE_WORK_ITEM)
+    assert len(items["start"]) == len(run.batch.valid_tiles())
+    assert (run.missing, run.repeated, run.invalid) == ([], [], [])
+    used = run.work.splits_used()
+    assert 1 in used.values() and max(used.values()) == workload.kv_splits
+    assert run.combines.needed == sum(n > 1 for n in used.values())
+    assert run.combines.problems() == []
+    assert len(trace.record_kind(run.records, abi.TRACE_COMBINE)["start"]) == \
+        run.combines.needed
+    assert trace.predict(program, run, "uniform").covered_exactly_once

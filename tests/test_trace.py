@@ -15,6 +15,7 @@ from mhadsl import costmodel, trace
 from mhadsl.build import KernelRequest, build_kernel, plan
 from mhadsl.cli import main
 from mhadsl.codegen.assemble import find_ptxas
+from mhadsl.codegen import abi
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.reference import evaluate_rule
@@ -187,10 +188,11 @@ def test_decode_records():
         at = trace_records.HEADER_WORDS + k * trace_records.RECORD_WORDS
         start = (7 << 32) + 1000 * k
         words[at:at + trace_records.RECORD_WORDS] = [128 * k, 1, 2, 10 + k, 3, 500, start & 0xFFFFFFFF,
-                                                     start >> 32]
+                                                     start >> 32, k % 2]
     records, written = trace_records.decode(words)
     assert written == 5 and len(records["start"]) == 4
     assert records["prompt_offset"].tolist() == [0, 128, 256, 384]
+    assert records["kind"].tolist() == [abi.TRACE_WORK_ITEM, abi.TRACE_COMBINE] * 2
     assert (records["end"] - records["start"]).tolist() == [500] * 4
     assert records["start"][1] == (7 << 32) + 1000
 
@@ -338,3 +340,173 @@ def test_a_runs_cost_model_is_its_kernels_as_it_ran(design, tmp_path, monkeypatc
     assert trace.cost_model(program, run).source == str(path)
     given = trace.cost_model(program, run, COSTS)
     assert (given.costs, given.source) == (COSTS, "given")
+
+
+# ---------------------------------------------------------------- decode with split-KV
+# 2 sequences' caches of 300 and 40 positions, 2 K/V heads, 2 q tiles, 4 splits of 128:
+# the first sequence runs 3 splits per group (its groups combine), the second 1 (none).
+DECODE_WORK = trace.DecodeWork(kv_heads=2, cache_lens=(300, 40), q_tiles=2, num_splits=4,
+                               kv_chunk=128)
+
+
+def _decode_records(work: trace.DecodeWork) -> list[dict]:
+    """A correct decode trace: every work item once, each split of a group ending later
+    than the one before, and one combine per group that ran more than one split, starting
+    when its last split ended."""
+    rows, clock = [], 0
+    for (b, h, q), used in work.splits_used().items():
+        for split in range(work.num_splits):
+            rows.append(dict(prompt_offset=q * work.num_splits + split, head=h, batch=b,
+                             start=clock, end=clock + 100, kind=abi.TRACE_WORK_ITEM))
+            clock += 10
+        if used > 1:
+            last_end = max(r["end"] for r in rows[-work.num_splits:][:used])
+            rows.append(dict(prompt_offset=q * work.num_splits + used - 1, head=h, batch=b,
+                             start=last_end, end=last_end + 50, kind=abi.TRACE_COMBINE))
+    return rows
+
+
+def _columns(rows: list[dict]) -> dict[str, np.ndarray]:
+    return {k: np.array([r[k] for r in rows], np.int64) for k in rows[0]}
+
+
+def _is_combine_of(row, b, h, q):
+    return row["kind"] == abi.TRACE_COMBINE and (row["batch"], row["head"],
+                                                 row["prompt_offset"] // 4) == (b, h, q)
+
+
+def _duplicate_item(rows):
+    return rows + [rows[3]]
+
+
+def _drop_item(rows):
+    return [r for r in rows if (r["batch"], r["head"], r["prompt_offset"]) != (1, 1, 5)]
+
+
+def _drop_combine(rows):
+    return [r for r in rows if not _is_combine_of(r, 0, 1, 1)]
+
+
+def _combine_twice(rows):
+    return rows + [r for r in rows if _is_combine_of(r, 0, 0, 0)]
+
+
+def _combine_before_last_split(rows):
+    return [dict(r, start=r["start"] - 1) if _is_combine_of(r, 0, 1, 0) else r for r in rows]
+
+
+def _combine_a_single_split(rows):
+    item = next(r for r in rows if (r["batch"], r["head"], r["prompt_offset"]) == (1, 0, 0))
+    return rows + [dict(item, kind=abi.TRACE_COMBINE)]
+
+
+def _drop_a_used_split(rows):
+    return [r for r in rows if (r["batch"], r["head"], r["prompt_offset"]) != (0, 0, 1)]
+
+
+@pytest.mark.parametrize("damage, coverage_found, combines_found", [
+    (None, ([], [], []), {}),
+    (_duplicate_item, ([], [(3, 0, 0)], []), {}),
+    (_drop_item, ([(5, 1, 1)], [], []), {}),
+    (_drop_combine, ([], [], []), {"missing": [(0, 1, 1)]}),
+    (_combine_twice, ([], [], []), {"repeated": [(0, 0, 0)]}),
+    (_combine_before_last_split, ([], [], []), {"early": [(0, 1, 0)]}),
+    (_combine_a_single_split, ([], [], []), {"unexpected": [(1, 0, 0)]}),
+    # a split without a record: its combine is not proven to follow it
+    (_drop_a_used_split, ([(1, 0, 0)], [], []), {"early": [(0, 0, 0)]}),
+])
+def test_decode_trace_checks_every_split_once_and_every_combine(damage, coverage_found,
+                                                                combines_found):
+    rows = _decode_records(DECODE_WORK)
+    records = _columns(damage(rows) if damage else rows)
+    items = trace.record_kind(records, abi.TRACE_WORK_ITEM)
+    assert trace.coverage(items, DECODE_WORK.batch) == coverage_found
+    check = trace.check_combines(records, DECODE_WORK)
+    assert check.needed == 4  # sequence 0's 2 K/V heads x 2 q tiles
+    found = {k: getattr(check, k) for k in ("missing", "repeated", "early", "unexpected")
+             if getattr(check, k)}
+    assert found == combines_found
+    assert bool(check.problems()) == bool(combines_found)
+
+
+def test_decode_work_counts_the_splits_the_kernel_runs():
+    used = trace.DecodeWork(kv_heads=1, cache_lens=(0, 1, 128, 129, 1000), q_tiles=1,
+                            num_splits=4, kv_chunk=128).splits_used()
+    assert [used[b, 0, 0] for b in range(5)] == [1, 1, 1, 2, 4]
+    assert len(DECODE_WORK.batch.valid_tiles()) == 2 * 2 * 2 * 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-splits", "0"], "--kv-splits takes 1 to 128 splits"),
+    (["--kv-splits", "129"], "--kv-splits takes 1 to 128 splits"),
+    (["--kv-splits", "4", "--out", "t.png"], "drop --out"),
+    (["--kv-splits", "4", "--backend", "sm80"], "drop --backend"),
+    (["--kv-splits", "4", "--calibrate"], "drop --calibrate"),
+    (["--query-rows", "2"], "--query-rows belongs to a decode trace: give --kv-splits N"),
+    (["--page-size", "64"], "--page-size belongs to a decode trace"),
+    (["--gqa", "4"], "--gqa belongs to a decode trace"),
+    (["--kv-splits", "4", "--query-rows", "17"], "--query-rows must be between 1 and 16"),
+    (["--kv-splits", "4", "--page-size", "48"], "--page-size takes 16, 32, 64, 128, 256, 512"),
+])
+def test_decode_trace_usage_errors_are_one_line(argv, message, capsys):
+    rc = main(["trace", str(REPO / "examples/bottom_right_causal.mha"), "--kernel",
+               "bottom_right_causal", "--seqlens", "100,3000", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and message in err, err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("kernel, argv, message", [
+    ("gqa_causal", ["--gqa", "2"], "--gqa 2 contradicts kernel gqa_causal's gqa = 4"),
+    ("mqa", ["--heads", "2"], "--heads 2 (the K/V heads of a decode trace) contradicts "
+                              "kernel mqa's kv_heads = 1"),
+])
+def test_decode_trace_heads_must_agree_with_the_kernel(kernel, argv, message, capsys):
+    """Before any GPU is asked for: the same line with or without one."""
+    rc = main(["trace", str(REPO / "examples/gqa.mha"), "--kernel", kernel, "--seqlen", "64",
+               "--kv-splits", "2", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == f"error: {message}\n"
+
+
+@pytest.mark.parametrize("damage, rc, line", [
+    (None, 0, "  combines: 4 groups ran more than one split: each combined once, after its "
+              "last split"),
+    (_combine_before_last_split, 3, "  combines: 4 groups ran more than one split: 1 "
+                                    "combines before their group's last split ended"),
+    (_duplicate_item, 3, "  trace: 33 work items, 1 repeated work items"),
+])
+def test_decode_trace_report(damage, rc, line, monkeypatch, capsys, tmp_path):
+    """`mhadsl trace --kv-splits` prints the checks of the run's records (here synthetic:
+    the GPU's part is tests/test_gpu_trace.py) and exits 3 when one fails."""
+    import json
+
+    import mhadsl.bench
+    rows = _decode_records(DECODE_WORK)
+    rows = damage(rows) if damage else rows
+    records = _columns([dict(r, cta=k, sm=k % 4) for k, r in enumerate(rows)])
+
+    def run_decode_trace(program, kernel, workload, scheduler=None, args=()):
+        run = trace.DecodeTraceRun(kernel, "Queued", (), workload, "test GPU", "decode",
+                                   "sm_90a", 1, 64, 4, 2, (8, 1, 1), records, len(rows),
+                                   0.010, 0.011, 0.0, gqa_group=workload.gqa,
+                                   work=DECODE_WORK, kv_bytes=10 ** 7)
+        run.check()
+        return run
+    monkeypatch.setattr(mhadsl.bench, "require_gpu", lambda: None)
+    monkeypatch.setattr(trace, "run_decode_trace", run_decode_trace)
+    out_json = tmp_path / "trace.json"
+    assert main(["trace", str(REPO / "examples/bottom_right_causal.mha"), "--kernel",
+                 "bottom_right_causal", "--seqlens", "300,40", "--heads", "2", "--gqa", "4",
+                 "--kv-splits", "4", "--json", str(out_json)]) == rc
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("bottom_right_causal under Queued on decode B2 cache 40..300 "
+                             "(contiguous) Sq1 H8:2, 4 KV splits: 4 splits of 128 positions")
+    assert line in out
+    assert "  kernel 0.010 ms untraced (1.00 TB/s of K/V), 0.011 ms traced: recording " \
+           "costs +10.0%" in out
+    assert any(o.startswith("  makespan efficiency: measured ") for o in out)
+    saved = json.loads(out_json.read_text())
+    assert saved["combines"]["needed"] == 4 and saved["q_tiles"] == 2
+    assert saved["covered_exactly_once"] == (damage is not _duplicate_item)
+    assert len(saved["records"]["kind"]) == len(rows)

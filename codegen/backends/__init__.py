@@ -257,10 +257,13 @@ WorkLoop = Callable[[ir.IRBuilder, KernelArgs, Callable], None]
 @dataclass(frozen=True)
 class KernelSource:
     """What a declaration gives a backend: its hooks, and the scheduler's work loop for a
-    tile height and GQA group (the config's `block_m` and `gqa_group`)."""
+    tile height and GQA group (the config's `block_m` and `gqa_group`); `trace`: the loop
+    records its work items (`mhadsl trace`), and a design may record more (decode: its
+    combines)."""
 
     hooks: ExprHooks
     work_loop: Callable[[int, int], WorkLoop]
+    trace: bool = False
 
 
 @dataclass(frozen=True)

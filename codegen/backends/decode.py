@@ -37,13 +37,15 @@ from dataclasses import dataclass, replace
 from llvmlite import ir
 
 from mhadsl.codegen import nvptx, warp
-from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
+from mhadsl.codegen.abi import (
+    TRACE_COMBINE, CallValue, KernelABI, Param, Pointer, Stride, Workspace,
+)
 from mhadsl.codegen.backends import (
     Backend, CacheLayout, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape, Layout,
     Problem, TileSeq, common_problems, first_kept_tile, ir_loop, last_index, spill_free_build,
 )
 from mhadsl.codegen.nvptx import GLOBAL, SHARED, f32, i1, i32, i64
-from mhadsl.codegen.scheduler import count_exit
+from mhadsl.codegen.scheduler import count_exit, end_record, record_work_item
 from mhadsl.codegen.target import Target, new_module
 
 KERNEL_NAME = "mha_decode"
@@ -249,7 +251,7 @@ class _DecodeTile:
 
     def __init__(self, c: DecodeConfig, hooks: ExprHooks, b: ir.IRBuilder, a: KernelArgs,
                  seq: TileSeq):
-        self.c, self.hooks, self.a = c, hooks, a
+        self.c, self.hooks, self.a, self.seq = c, hooks, a, seq
         G = c.gqa_group
         self.bidx, self.hk = seq.prompt_idx, seq.head_idx
         self.q_tile = b.udiv(seq.prompt_offset, a.num_splits)
@@ -316,8 +318,9 @@ class _Emitter:
     """The kernel body: thread-level values once, then `emit_tile` per work tile."""
 
     def __init__(self, c: DecodeConfig, hooks: ExprHooks, b: ir.IRBuilder, a: KernelArgs,
-                 smem: ir.Value):
+                 smem: ir.Value, traced: bool = False):
         self.c, self.hooks, self.a, self.smem = c, hooks, a, smem
+        self.traced = traced  # `mhadsl trace`: record each combine, after its splits' ends
         self.RB = c.row_bytes
         self.kv_off = c.rows * self.RB
         self.flag_off = self.kv_off + max(c.stages * c.stage_bytes, c.merge_bytes)
@@ -754,6 +757,8 @@ class _Emitter:
         c, a = self.c, self.a
         _fence(b)  # this thread's partial stores before the count
         nvptx.barrier_all(b)
+        if self.traced:  # the split's work ends here: its record ends before its count
+            end_record(b, a.trace_thread)
         flag = warp.smem_ptr(b, self.smem, i32(self.flag_off))
         counter = b.gep(a.split_counters, [group], source_etype=i32)
         with b.if_then(b.icmp_unsigned("==", self.tid, i32(0))):
@@ -765,8 +770,14 @@ class _Emitter:
         nvptx.barrier_all(b)
         last = b.icmp_unsigned("!=", b.load(flag, typ=i32), i32(0))
         with b.if_then(last):
-            _fence(b)  # the other splits' partial stores, before reading them
-            self._combine(b, t, group)
+            def combine():
+                _fence(b)  # the other splits' partial stores, before reading them
+                self._combine(b, t, group)
+            if self.traced:
+                record_work_item(b, a.queue, vars(t.seq), a.trace_thread, combine,
+                                 kind=TRACE_COMBINE)
+            else:
+                combine()
 
     def _combine(self, b, t: _DecodeTile, group: ir.Value) -> None:
         c, a = self.c, self.a
@@ -825,7 +836,7 @@ class _Emitter:
 
 # ============================================================================ module
 def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
-                        work_loop) -> ir.Module:
+                        work_loop, traced: bool = False) -> ir.Module:
     module = new_module(f"mha_decode_{config.dtype}_d{config.head_dim}", target)
     fn = ir.Function(module, ir.FunctionType(nvptx.void, ABI.llvm_types()), name=KERNEL_NAME)
     nvptx.mark_kernel(fn)
@@ -839,7 +850,7 @@ def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
     _scheduler_view(args)
 
     def tile(b: ir.IRBuilder, seq: TileSeq) -> None:
-        _Emitter(config, hooks, b, args, smem).emit_tile(b, seq)
+        _Emitter(config, hooks, b, args, smem, traced).emit_tile(b, seq)
 
     work_loop(builder, args, tile)
     count_exit(builder, args.queue)
@@ -873,7 +884,8 @@ class Decode(Backend):
               target: Target) -> KernelBuild:
         return spill_free_build(self.name, target, [
             (c, lambda c=c: build_decode_module(c, source.hooks, target,
-                                                source.work_loop(c.block_m, c.gqa_group)))
+                                                source.work_loop(c.block_m, c.gqa_group),
+                                                source.trace))
             for c in configs])
 
 
