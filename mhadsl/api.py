@@ -24,8 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from mhadsl.attention_spec import AttentionOptions, resolve_attention, scale_problem
+from mhadsl.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.build import KernelRequest, build_kernel, plan
+from mhadsl.calls import (
+    DTYPE_NAMES, check_output, check_rows, check_scale, host_values, share_memory, span,
+    stream_handle, torch_signature, torch_stream, typed_key,
+)
 from mhadsl.check import CheckedProgram
 from mhadsl.codegen import backends
 from mhadsl.codegen.backends import (
@@ -36,7 +40,6 @@ from mhadsl.pipeline import front_end
 from mhadsl.serving import decode
 from mhadsl.sources import read_source_file
 
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def compile(source: str | os.PathLike, *, name: str | None = None,  # noqa: A001
@@ -275,12 +278,9 @@ class Kernel:
                           cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, scale=scale,
                           out=out, return_lse=return_lse, stream=stream,
                           num_splits=num_splits)
-        key = _torch_signature(q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+        key = torch_signature(q, k, v, out, cu_seqlens_q, cu_seqlens_k)
         if key is not None:  # torch tensors: a signature seen before runs its plan
-            if (max_seqlen_q, max_seqlen_k, scale, return_lse) != _NO_OPTIONS:
-                # typed: 3.0 == 3 and True == 1, yet one of each is refused
-                key = (key, type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k,
-                       type(scale), scale, type(return_lse), return_lse)
+            key = typed_key(key, (max_seqlen_q, max_seqlen_k, scale, return_lse))
             planned = self._torch_plans.get(key)
             if planned is not None:
                 return self._run_torch(planned, q, k, v, out, cu_seqlens_q, cu_seqlens_k,
@@ -294,7 +294,7 @@ class Kernel:
         from mhadsl.runtime import driver, tensors
         want_lse = self.options.return_lse if return_lse is None else bool(return_lse)
         call = self._validate(q, k, v, cu_q, cu_k, max_q, max_k)
-        scale = self.options.softmax_scale() if scale is None else _check_scale(scale)
+        scale = self.options.softmax_scale() if scale is None else check_scale(scale)
         dtype = DTYPE_NAMES[self.options.dtype]
         device = next((t.device for t in (call.q, call.k, call.v) if not t.on_host), None)
         handle = driver.stream_handle(stream, kind=call.q.kind,
@@ -356,8 +356,8 @@ class Kernel:
         if cu_q is not None:
             addresses["cu_seqlens_q"], addresses["cu_seqlens_k"] = cu_q.data_ptr(), \
                 cu_k.data_ptr()
-        handle = _torch_stream(torch, q.get_device()) if stream is None else \
-            _stream_handle(stream)
+        handle = torch_stream(torch, q.get_device()) if stream is None else \
+            stream_handle(stream)
         planned.plan.launch(addresses, handle,
                             workspace=self.recording_workspace)
         return (out, lse) if planned.want_lse else out
@@ -483,7 +483,7 @@ class Kernel:
                 raise ValueError(f"tensor {name!r} has head dim {t.shape[-1]}, but kernel "
                                  f"'{self.name}' is declared head_dim = {o.head_dim}")
             if not t.on_host:
-                _check_rows(t, name)
+                check_rows(t, name)
         qv, kv, vv = views["q"], views["k"], views["v"]
         if kv.shape != vv.shape:
             raise ValueError(f"k and v must have the same shape, got {kv.shape} and {vv.shape}")
@@ -532,7 +532,7 @@ class Kernel:
             raise ValueError(f"{name} must be contiguous")
         if not (view.on_host or given_max is None or driver.debug_mode()):
             return view, None
-        values = _host_values(view)
+        values = host_values(view)
         if values[0] < 0:
             raise ValueError(f"{name} must start at 0 or above, got {values[0]}")
         if np.any(np.diff(values) < 0):
@@ -562,32 +562,7 @@ class Kernel:
                             {"q": call.q, "k": call.k, "v": call.v})
 
 
-def check_output(out, shape, dtype: str, device: int | None, reads: dict):
-    """The output's view, checked: q's shape, the kernel's dtype and device, aligned rows,
-    no element written twice, and no element shared with a tensor the kernel `reads`
-    (name -> view)."""
-    from mhadsl.runtime import tensors
-    view = tensors.as_device_tensor(out, "out")
-    if tuple(view.shape) != tuple(shape):
-        raise ValueError(f"out has shape {view.shape}, expected {tuple(shape)} (like q)")
-    if not view.on_host:
-        if view.dtype != dtype:
-            raise TypeError(f"out has dtype {view.dtype}, expected {dtype}")
-        if device is not None and view.device != device:
-            raise ValueError(f"out is on device {view.device}, {'/'.join(reads)} on {device}")
-        _check_rows(view, "out")
-        if _self_overlapping(view):
-            raise ValueError(f"out has strides {view.strides} for shape {view.shape}: "
-                             "its elements overlap, so the kernel's writes would collide")
-        for name, t in reads.items():
-            if not t.on_host and _share_memory(view, t):
-                raise ValueError(f"out overlaps {name}: the kernel reads {name} while it "
-                                 "writes out; pass a separate output")
-    return view
-
-
 _host_schedulers: dict = {}
-_NO_OPTIONS = (None, None, None, None)
 
 
 class _Planned:
@@ -600,7 +575,7 @@ class _Planned:
         self.out_shape, self.lse_shape = tuple(call.q.shape), _lse_shape(call)
         from mhadsl.runtime.tensors import ITEMSIZE, contiguous_strides
         self.q_contiguous = shapes["q"].strides == contiguous_strides(shapes["q"].shape)
-        self.spans = {n: _span(shapes[n].shape, shapes[n].strides, ITEMSIZE[shapes[n].dtype])
+        self.spans = {n: span(shapes[n].shape, shapes[n].strides, ITEMSIZE[shapes[n].dtype])
                       for n in "qkvo"}  # first to last byte, inclusive
         self.empty = {n: 0 in shapes[n].shape for n in "qkvo"}
 
@@ -619,7 +594,7 @@ class _Planned:
         for name in "qkv":
             lo = addresses[name]
             if lo <= o_hi and o_lo <= lo + self.spans[name] and not self.empty["o"] \
-                    and _share_memory(self._view("o", o_lo), self._view(name, lo)):
+                    and share_memory(self._view("o", o_lo), self._view(name, lo)):
                 raise ValueError(f"out overlaps {name}: the kernel reads {name} while it "
                                  "writes out; pass a separate output")
 
@@ -629,11 +604,6 @@ class _Planned:
         return DeviceTensor(ptr, t.shape, t.strides, t.dtype, self.plan.device, "torch", None)
 
 
-def _span(shape, strides, itemsize: int) -> int:
-    """Bytes from a non-empty tensor's first element to its last (non-negative strides)."""
-    return sum((n - 1) * s for n, s in zip(shape, strides)) * itemsize + itemsize - 1
-
-
 def _lse_shape(call: _Call) -> tuple[int, ...]:
     return (call.heads, call.total_q) if call.ragged else (call.batch, call.heads, call.seqlen_q)
 
@@ -641,94 +611,3 @@ def _lse_shape(call: _Call) -> tuple[int, ...]:
 def _launches(call: _Call) -> bool:
     """Whether a call has any work (an empty batch, query or head count launches nothing)."""
     return bool(call.batch and call.max_seqlen_q and call.heads)
-
-
-def _torch_signature(*tensors) -> tuple | None:
-    """What a call's torch tensors fix of its checks and its launch (everything but their
-    addresses); None unless every tensor given is a torch tensor."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    signature = []
-    for t in tensors:
-        if t is None:
-            signature.append(None)
-        elif isinstance(t, torch.Tensor):
-            signature.append((t.dtype, t.shape, t.stride(), t.get_device()))  # -1: the CPU
-        else:
-            return None
-    return tuple(signature)
-
-
-def _torch_stream(torch, device: int) -> int:
-    """torch's current stream on `device`, as a raw handle (its C accessor is the cheap way)."""
-    current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return current(device) if current else torch.cuda.current_stream(device).cuda_stream
-
-
-def _stream_handle(stream) -> int:
-    from mhadsl.runtime import driver
-    return driver.stream_handle(stream)
-
-
-def _check_rows(t, name: str) -> None:
-    """The kernel copies rows in 16-byte pieces: a contiguous last dimension, aligned rows."""
-    if t.strides[-1] != 1:
-        raise ValueError(f"tensor {name!r}: the last dimension must be contiguous (stride 1), "
-                         f"got strides {t.strides}")
-    if t.ptr == 0 and 0 not in t.shape:
-        raise ValueError(f"tensor {name!r} has a null data pointer")
-    if any(s < 0 for s in t.strides):
-        raise ValueError(f"tensor {name!r} has negative strides {t.strides}; pass a copy "
-                         "with non-negative strides")
-    if t.ptr % 16 or any(s % 8 for s in t.strides[:-1]):
-        raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer and strides "
-                         f"multiples of 8 elements), got strides {t.strides}")
-
-
-def _self_overlapping(t) -> bool:
-    """Whether two elements of `t` may share memory: sorted by stride, each dimension of
-    more than one element must step past the whole of the dimensions inside it."""
-    dims = sorted((s, n) for s, n in zip(t.strides, t.shape) if n > 1)
-    span = 1
-    for stride, extent in dims:
-        if stride < span:
-            return True
-        span = stride * extent
-    return False
-
-
-def _share_memory(a, b) -> bool:
-    """Whether device tensors `a` and `b` have an element in common (exact, by NumPy's
-    solver over their addresses and strides: packed QKV views side by side do not)."""
-    def alias(t):  # a NumPy view of t's addresses, never read
-        holder = type("Alias", (), {})()
-        holder.__array_interface__ = {
-            "shape": tuple(t.shape), "typestr": f"|V{t.itemsize}", "data": (t.ptr, True),
-            "strides": tuple(s * t.itemsize for s in t.strides), "version": 3}
-        return np.asarray(holder)
-    def extent(t):  # [first byte, last byte] (strides are non-negative: _check_rows)
-        return t.ptr, t.ptr + _span(t.shape, t.strides, t.itemsize)
-    if 0 in a.shape or 0 in b.shape:
-        return False
-    (a_lo, a_hi), (b_lo, b_hi) = extent(a), extent(b)
-    if a_hi < b_lo or b_hi < a_lo:
-        return False  # separate allocations, the usual case: no NumPy views to build (a
-        # launch's host work bounds how fast short kernels run back to back)
-    try:
-        return bool(np.shares_memory(alias(a), alias(b), max_work=10**6))
-    except np.exceptions.TooHardError:
-        return True  # cannot tell: refuse rather than risk a kernel reading its own output
-
-
-def _check_scale(scale) -> float:
-    if problem := scale_problem(scale):
-        raise TypeError(problem)
-    return float(scale)
-
-
-def _host_values(view) -> np.ndarray:
-    from mhadsl.runtime import tensors
-    if view.on_host:
-        return np.asarray(view.obj, dtype=np.int64)
-    return tensors.from_device(view).astype(np.int64)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import weakref
 
+from mhadsl.calls import DTYPE_NAMES, check_rows, check_scale, torch_stream
 from mhadsl.codegen.backends import select_target
 from mhadsl.codegen.backends.backward import ABI, BACKEND, KERNELS, grids, launch_shapes
 
@@ -40,12 +41,12 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
              max_seqlen_q=None, max_seqlen_k=None, scale=None):
     """(dq, dk, dv) of `kernel(q, k, v, ...)` for the output gradient `dout`, given the
     forward's `out` and `lse` (`Kernel.backward`)."""
-    from mhadsl.api import DTYPE_NAMES, _check_rows, _check_scale, _lse_shape
+    from mhadsl.api import _lse_shape
     from mhadsl.runtime import tensors
     call = kernel._validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if problems := BACKEND.problems(kernel.options, "sm_80"):  # (the same on either target)
         raise kernel.options.backend_error(problems)
-    scale = kernel.options.softmax_scale() if scale is None else _check_scale(scale)
+    scale = kernel.options.softmax_scale() if scale is None else check_scale(scale)
     dtype = DTYPE_NAMES[kernel.options.dtype]
     for name, t in (("out", out), ("dout", dout)):
         view = tensors.as_device_tensor(t, name)
@@ -54,7 +55,7 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
         if not view.on_host:  # (host arrays are refused below: the backward runs on torch's)
             if view.dtype != dtype:
                 raise TypeError(f"{name} has dtype {view.dtype}, expected {dtype} (like q)")
-            _check_rows(view, name)
+            check_rows(view, name)
     lse_view = tensors.as_device_tensor(lse, "lse")
     if tuple(lse_view.shape) != _lse_shape(call):
         raise ValueError(f"lse has shape {lse_view.shape}, expected {_lse_shape(call)} (the "
@@ -97,8 +98,7 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale):
         if t % 16 and name not in ("lse", "delta", "cu_seqlens_q", "cu_seqlens_k"):
             raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned, got a pointer "
                              f"at {t:#x}")
-    from mhadsl.api import _torch_stream
-    stream = _torch_stream(torch, q.device.index)
+    stream = torch_stream(torch, q.device.index)
     for name in KERNELS:
         plans[name].launch(addresses, stream)
     return dq, dk, dv

@@ -24,6 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mhadsl.calls import (
+    DTYPE_NAMES, check_output, check_rows, check_scale, host_values, share_memory, span,
+    stream_handle, torch_signature, torch_stream, typed_key,
+)
 from mhadsl.codegen.backends import CacheLayout, Layout
 from mhadsl.codegen.backends.decode import packed_rows
 from mhadsl.paged import MAX_KV_SPLITS as MAX_SPLITS
@@ -55,11 +59,13 @@ def default_splits(groups: int, slots: int, capacity: int, block_n: int) -> int:
     return next(s for s in range(1, most + 1) if efficiency(s) >= 0.85 * best)
 
 
-def kv_tile(rows: int, groups: int, num_sms: int) -> int:
+def kv_tile(rows: int, groups: int, num_sms: int, page_size: int = 0) -> int:
     """The KV tile for a call's shape: 32 rows (small CTAs, four per multiprocessor) where
-    16-row work tiles are many enough to give most multiprocessors two; else 64 (two CTAs
-    per multiprocessor, each with more bytes in flight). Measured: BENCHMARKS.md, decode."""
-    return 32 if rows == 16 and groups >= 1.5 * num_sms else 64
+    16-row work tiles are many enough to give most multiprocessors two and pages hold 64
+    rows or more; else 64 (two CTAs per multiprocessor, each with more bytes in flight;
+    16-row pages: 4.33 TB/s against 4.22 with 32). Measured: BENCHMARKS.md, decode."""
+    small_pages = 0 < page_size < 64
+    return 32 if rows == 16 and groups >= 1.5 * num_sms and not small_pages else 64
 
 
 def decode_work(batch: int, kv_heads: int, work_tiles: int):
@@ -110,14 +116,13 @@ class _DecodePlan:
                                  "writes out; pass a separate output")
 
     def _overlap(self, addresses: dict, name: str) -> bool:
-        from mhadsl.api import _share_memory
         from mhadsl.runtime.tensors import DeviceTensor
 
         def view(n):
             t = self.shapes[n]
             return DeviceTensor(addresses[n], t.shape, t.strides, t.dtype, self.device,
                                 "torch", None)
-        return _share_memory(view("o"), view(name))
+        return share_memory(view("o"), view(name))
 
     def split_workspace(self, stream: int) -> dict[str, int]:
         """The stream's partial outputs and split counters (made on its first launch)."""
@@ -156,13 +161,14 @@ def decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None, cu_se
            num_splits=None):
     """`kernel`'s attention of q against its cache (`Kernel.__call__` with `cache_seqlens`)."""
     from mhadsl.runtime import driver
+    key = torch_signature(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out)
+    if key is not None:  # torch tensors: a signature seen before runs its plan
+        key = typed_key(key, (max_seqlen_q, scale, return_lse, num_splits))
+        planned = kernel._decode_plans.get(key)
+        if planned is not None and not driver.debug_mode():
+            return _run_torch(planned, q, k_cache, v_cache, cache_seqlens, page_table,
+                              cu_seqlens_q, out, stream, kernel.recording_workspace)
     want_lse = kernel.options.return_lse if return_lse is None else bool(return_lse)
-    key = _torch_key(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
-                     max_seqlen_q, scale, want_lse, num_splits)
-    planned = kernel._decode_plans.get(key) if key is not None else None
-    if planned is not None and not driver.debug_mode():
-        return _run_torch(planned, q, k_cache, v_cache, cache_seqlens, page_table,
-                          cu_seqlens_q, out, stream, kernel.recording_workspace)
     return _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
                  max_seqlen_q, scale, out, want_lse, stream, num_splits, key)
 
@@ -170,7 +176,6 @@ def decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None, cu_se
 def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, scale, out,
           want_lse, stream, num_splits, key):
     """Every check, then the signature's plan (made once) and the launch."""
-    from mhadsl.api import DTYPE_NAMES, _check_rows, _check_scale, _host_values, check_output
     from mhadsl.runtime import driver, tensors
     dtype = DTYPE_NAMES[kernel.options.dtype]
     views = {}
@@ -193,7 +198,7 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
                          f"{sorted(devices)}")
 
     def read(view):  # index values: the host's always, the device's under MHADSL_DEBUG=1
-        return _host_values(view) if view.on_host or driver.debug_mode() else None
+        return host_values(view) if view.on_host or driver.debug_mode() else None
 
     call = check_decode_call(kernel.options, views["q"], views["k_cache"], views["v_cache"],
                              cache_seqlens=views["cache_seqlens"],
@@ -202,7 +207,7 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
                              read=read)
     for name in ("q", "k_cache", "v_cache"):
         if not views[name].on_host:
-            _check_rows(views[name], name)
+            check_rows(views[name], name)
     for name in ("cache_seqlens", "page_table", "cu_seqlens_q"):
         view = views.get(name)
         if view is not None and not view.on_host and view.strides[-1] != 1:
@@ -214,7 +219,7 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
     elif max_q is not None:
         raise ValueError("max_seqlen_q belongs to ragged calls (with cu_seqlens_q); a dense "
                          "call takes its query rows from q")
-    scale = kernel.options.softmax_scale() if scale is None else _check_scale(scale)
+    scale = kernel.options.softmax_scale() if scale is None else check_scale(scale)
     if num_splits is not None and (isinstance(num_splits, bool) or
                                    not isinstance(num_splits, int) or
                                    not 1 <= num_splits <= MAX_SPLITS):
@@ -288,7 +293,8 @@ def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_
     q_tiles = max(1, -(-q_rows * group // rows))
     groups = call.batch * kv_heads * q_tiles
     layout = Layout(group, False, want_lse, CacheLayout(
-        rows_per_seq, call.page_size or 0, kv_tile(rows, groups, info.multiprocessor_count)))
+        rows_per_seq, call.page_size or 0, kv_tile(rows, groups, info.multiprocessor_count,
+                                                  call.page_size or 0)))
     backend, target = kernel._design(device, layout.workload)
     build = kernel._build(layout, target, backend)
     config, launch = build.config, build.launch
@@ -328,28 +334,18 @@ def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_
         if partial_rows else (0, 0, 0)
     lse_shape = tuple(dev["lse"].shape) if want_lse else None
     empty = not (call.batch and heads and (q_rows if ragged else rows_per_seq))
-    from mhadsl.api import _span
     from mhadsl.runtime.tensors import ITEMSIZE
-    spans = {n: _span(t.shape, t.strides, ITEMSIZE[t.dtype]) if 0 not in t.shape else -1
+    spans = {n: span(t.shape, t.strides, ITEMSIZE[t.dtype]) if 0 not in t.shape else -1
              for n, t in shapes.items() if n in _READ_AND_WRITTEN}
     return _DecodePlan(plan, tuple(q.shape), lse_shape, split_bytes, device, {}, splits,
                        q_tiles, chunk, empty, shapes, spans)
 
 
 # ---------------------------------------------------------------------- torch fast path
-def _torch_key(q, k_cache, v_cache, cache_seqlens, page_table, cu_q, out, *options):
-    """What a call of torch tensors fixes of its checks and launch (`api._torch_signature`
-    and the typed options: 3 == 3.0 and True == 1, yet one of each is refused), or None."""
-    from mhadsl.api import _torch_signature
-    tensors = _torch_signature(q, k_cache, v_cache, cache_seqlens, page_table, cu_q, out)
-    return None if tensors is None else (tensors, *((type(x), x) for x in options))
-
-
 def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_table, cu_q,
                out, stream, workspace: int | None):
     """A call of a planned torch signature: only what its addresses decide is checked
     (alignment, and out overlapping what the kernel reads), then the plan launches."""
-    from mhadsl.api import _stream_handle, _torch_stream
     torch = sys.modules["torch"]
     if out is None:
         out = q.new_empty(planned.out_shape)
@@ -365,7 +361,7 @@ def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_ta
     if planned.lse_shape is not None:
         lse = q.new_empty(planned.lse_shape, dtype=torch.float32)
         addresses["lse"] = lse.data_ptr()
-    handle = _torch_stream(torch, q.get_device()) if stream is None else _stream_handle(stream)
+    handle = torch_stream(torch, q.get_device()) if stream is None else stream_handle(stream)
     if planned.split_bytes[0]:
         addresses.update(planned.split_workspace(handle))
     if not planned.empty:

@@ -119,6 +119,8 @@ def test_kv_tile_follows_the_shape():
     assert kv_tile(16, 256, 132) == 32  # B32 x 8 K/V heads: four small CTAs per SM
     assert kv_tile(16, 128, 132) == 64  # fewer groups than two per SM
     assert kv_tile(128, 4096, 132) == 64  # 128 packed rows
+    assert kv_tile(16, 256, 132, page_size=16) == 64  # a 16-row page: more bytes in flight
+    assert kv_tile(16, 256, 132, page_size=64) == 32
 
 
 @pytest.mark.parametrize("groups,capacity,want", [

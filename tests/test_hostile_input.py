@@ -573,11 +573,11 @@ def test_float_constants_that_are_not_finite(tmp_path, line, where, message):
 
 
 def test_declared_and_call_time_scale_follow_one_rule(tmp_path):
-    from mhadsl.api import _check_scale
+    from mhadsl.calls import check_scale
     declared = error_of(attention("scale = sqrt(-1.0)"), tmp_path)
     assert declared.startswith("h.mha:3:10: error: scale must be a finite number, got nan")
     with pytest.raises(TypeError, match="^scale must be a finite number, got nan$"):
-        _check_scale(float("nan"))
+        check_scale(float("nan"))
     assert outcome(attention("scale = 0.5 * 0.25", "score(s, b, h, q, k) = s / 2.0"),
                    tmp_path) == "ok"
 
