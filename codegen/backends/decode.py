@@ -873,7 +873,7 @@ class Decode(Backend):
               target: Target) -> KernelBuild:
         return spill_free_build(self.name, target, [
             (c, lambda c=c: build_decode_module(c, source.hooks, target,
-                                                source.work_loop(c.block_m, c.gqa_group)))
+                                                source.work_loop(*self.scheduler_shape(c))))
             for c in configs])
 
 
