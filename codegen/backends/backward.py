@@ -15,7 +15,7 @@ Kernels in one module, sharing one parameter list (`ABI`), launched in `kernel_n
 - atomic mode: `mha_bwd_postprocess`: dQ = scale * accumulator, in q's dtype;
 - deterministic mode (`BackwardConfig.deterministic`): `mha_bwd_dq`, the main kernel with
   the sides swapped: a CTA owns one query tile (block_n rows) of one (batch, query head),
-  steps over its K/V tiles (block_m rows), recomputes P and dS and sums dQ = dS K in
+  steps over its K/V tiles (DQ_STEP rows), recomputes P and dS and sums dQ = dS K in
   registers, K/V tile after K/V tile, then writes dQ. No atomics and no CTA waits for
   another, so every run adds in the same order whatever order the CTAs run in. dK and dV
   are deterministic in both modes: one CTA sums them in registers, over the group's query
@@ -60,6 +60,8 @@ HEAD_DIMS = (64, 128)  # 256 would hold 2 x 128 f32 dK/dV accumulators per threa
 MAX_REGISTERS = 255
 ROW_THREADS = 128  # threads of the preprocess and postprocess kernels
 ROW_TILE = 64  # rows one preprocess/postprocess CTA covers
+# K/V rows per step of mha_bwd_dq, whose registers (dQ, S, dP) leave room for 64 at any config
+DQ_STEP = 64
 # what a work tile of the main kernel derives from its SeqInfo, parked in shared memory
 WORK_TILE_FIELDS = ("bidx", "hk", "k_start", "seqlen_k", "kv0", "q_start", "seqlen_q")
 
@@ -74,7 +76,7 @@ class BackwardConfig:
 
     dtype: str = "bf16"
     head_dim: int = 128
-    block_m: int = 64  # rows per step of a CTA's loop (query rows; K/V rows in mha_bwd_dq)
+    block_m: int = 64  # query rows per step of mha_bwd's loop
     block_n: int = 64  # rows a CTA owns (K/V rows; query rows in mha_bwd_dq)
     num_warps: int = 4
     gqa_group: int = 1
@@ -157,8 +159,8 @@ def shared_bytes(config: BackwardConfig) -> int:
 
 
 def dq_shared_bytes(config: BackwardConfig) -> int:
-    """`mha_bwd_dq`'s: Q, dO (block_n rows) and two stages of K and V (block_m rows)."""
-    return 2 * config.block_n * config.row_bytes + 4 * config.block_m * config.row_bytes
+    """`mha_bwd_dq`'s: Q, dO (block_n rows) and two stages of K and V (DQ_STEP rows)."""
+    return 2 * config.block_n * config.row_bytes + 4 * DQ_STEP * config.row_bytes
 
 
 def launch_shapes(config: BackwardConfig) -> dict[str, LaunchShape]:
@@ -424,9 +426,10 @@ def _tiles(flat, m_tiles: int) -> list:
 class _TileKernel:
     """What `mha_bwd` and `mha_bwd_dq` share. A CTA owns block_n rows of one side of the
     attention (K/V rows in `mha_bwd`, query rows in `mha_bwd_dq`), each warp
-    16 * tiles_per_warp of them, and steps over block_m rows of the other side, each step's
-    inputs cp.async'ed into one of two stages while the other computes: the shared tiles,
-    the products, P and dS of a step, the step loop and the store of the own rows' results.
+    16 * tiles_per_warp of them, and steps over rows of the other side (block_m in
+    `mha_bwd`, DQ_STEP in `mha_bwd_dq`), each step's inputs cp.async'ed into one of two
+    stages while the other computes: the shared tiles, the products, P and dS of a step,
+    the step loop and the store of the own rows' results.
     A subclass sets `tile_rows`, the (query rows, K/V rows) of a step's pair of tiles, and
     the seqlen_q, seqlen_k and bidx of its work tile."""
 
@@ -954,7 +957,7 @@ class _MainKernel(_TileKernel):
 class _DqKernel(_TileKernel):
     """`mha_bwd_dq` (deterministic mode): the main kernel with the sides swapped. A CTA
     owns one query tile (block_n rows) of one (batch, query head) and steps over the K/V
-    tiles (block_m rows) the mask does not prove empty: S = Q K^T, P, dP = dO V^T and dS as
+    tiles (DQ_STEP rows) the mask does not prove empty: S = Q K^T, P, dP = dO V^T and dS as
     in `mha_bwd`, dQ += dS K in registers; then dQ * scale in q's dtype. One CTA per (query
     tile, head, batch), the query tiles from the last (under a causal mask the longest
     first)."""
@@ -963,10 +966,10 @@ class _DqKernel(_TileKernel):
                  smem: ir.Value):
         super().__init__(config, hooks, args, smem)
         c = config
-        self.tile_rows = (c.block_n, c.block_m)
+        self.tile_rows = (c.block_n, DQ_STEP)
         self.q_off, self.do_off = 0, c.block_n * self.RB
-        self.stage0, self.stage_bytes = 2 * c.block_n * self.RB, 2 * c.block_m * self.RB
-        self.in_stage = {"k": 0, "v": c.block_m * self.RB}
+        self.stage0, self.stage_bytes = 2 * c.block_n * self.RB, 2 * DQ_STEP * self.RB
+        self.in_stage = {"k": 0, "v": DQ_STEP * self.RB}
 
     def emit(self, b) -> None:
         c, a = self.c, self.a
@@ -1003,22 +1006,22 @@ class _DqKernel(_TileKernel):
             hk = b.udiv(h, i32(c.gqa_group)) if c.gqa_group > 1 else h
 
             def pair_of(b, s):  # (query head, first query row, first K/V row) of step s
-                return h, q0, b.mul(s, i32(c.block_m))
+                return h, q0, b.mul(s, i32(DQ_STEP))
 
             def issue(b, s, stage):
-                kv0 = b.mul(s, i32(c.block_m))
+                kv0 = b.mul(s, i32(DQ_STEP))
                 kv_row = b.add(k_start, kv0)
                 for tensor in ("k", "v"):
                     self._load_tile(b, tensor, _row_offset(b, a, c.ragged, tensor, self.bidx,
                                                            kv_row, hk),
-                                    b.sub(self.seqlen_k, kv0), c.block_m,
+                                    b.sub(self.seqlen_k, kv0), DQ_STEP,
                                     self._stage(b, stage, tensor))
 
             def compute(b, s, stage, carried):
-                return _flat(self._step(b, h, q0, b.mul(s, i32(c.block_m)), stage,
+                return _flat(self._step(b, h, q0, b.mul(s, i32(DQ_STEP)), stage,
                                         _tiles(carried, MT), neg_lse, neg_delta))
 
-            steps = b.udiv(b.add(self.seqlen_k, i32(c.block_m - 1)), i32(c.block_m))
+            steps = b.udiv(b.add(self.seqlen_k, i32(DQ_STEP - 1)), i32(DQ_STEP))
             dq = self._step_loop(b, steps, pair_of, issue, compute,
                                  [warp.fconst(0.0)] * (MT * c.head_dim // 2))
             self._store_own(b, "dq", h, q_row, rows_valid, dq, a.softmax_scale)
@@ -1035,10 +1038,10 @@ class _DqKernel(_TileKernel):
         def kv_idx(i, j, e):
             return b.add(kv0, lanes.step_column(b, j, e))
 
-        S = self._mma_rows(b, self.q_off, k_tile, c.block_m, c.head_dim)
+        S = self._mma_rows(b, self.q_off, k_tile, DQ_STEP, c.head_dim)
         packed_p, G = self._probabilities(b, h, q0, kv0, S, q_idx, kv_idx,
                                           lambda i, j, e: neg_lse[2 * i + (e >> 1)])
-        dS = self._ds(b, packed_p, G, self._mma_rows(b, self.do_off, v_tile, c.block_m,
+        dS = self._ds(b, packed_p, G, self._mma_rows(b, self.do_off, v_tile, DQ_STEP,
                                                      c.head_dim,
                                                      lambda i, j, e: neg_delta[2 * i + (e >> 1)]))
         return self._mma_registers(b, self._pack(b, dS), k_tile, dq)
