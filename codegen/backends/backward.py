@@ -546,20 +546,21 @@ class _TileKernel:
         the sequence get P = 0 from their LSE, see `_neg_lse`)."""
         q_rows, kv_rows = self.tile_rows
         hooks = self.hooks
-        in_bounds = b.icmp_signed("<=", b.add(kv0, i32(kv_rows)), self.seqlen_k)
+        seqlen_q, seqlen_k = self.seqlen_q, self.seqlen_k
+        in_bounds = b.icmp_signed("<=", b.add(kv0, i32(kv_rows)), seqlen_k)
         if hooks.classify is None:
             return ir.Constant(i1, 1), in_bounds if hooks.mask is None else ir.Constant(i1, 0)
-        may, always = hooks.classify(b, self.bidx, h, q0, last_index(b, q0, q_rows,
-                                                                     self.seqlen_q),
-                                     kv0, last_index(b, kv0, kv_rows, self.seqlen_k),
-                                     self.seqlen_q, self.seqlen_k)
+        may, always = hooks.classify(b, self.bidx, h, q0, last_index(b, q0, q_rows, seqlen_q),
+                                     kv0, last_index(b, kv0, kv_rows, seqlen_k),
+                                     seqlen_q, seqlen_k)
         return may, b.and_(always, in_bounds)
 
-    def _neg_lse(self, b, lse, q_idx):
+    @staticmethod
+    def _neg_lse(b, lse, q_idx, seqlen_q):
         """-LSE * log2(e) of query row q_idx; -inf (P = 0) for a row without a kept key
         (LSE -inf) or past the sequence."""
         ninf = warp.fconst(warp.NEG_INF)
-        return b.select(b.or_(b.icmp_signed(">=", q_idx, self.seqlen_q),
+        return b.select(b.or_(b.icmp_signed(">=", q_idx, seqlen_q),
                               b.fcmp_ordered("==", lse, ninf)),
                         ninf, b.fmul(lse, warp.fconst(-warp.LOG2E)))
 
@@ -574,14 +575,15 @@ class _TileKernel:
         P = [[[None] * 4 for _ in mt] for mt in S]
         G = [[[None] * 4 for _ in mt] for mt in S]
         log2_scale = b.fmul(a.softmax_scale, warp.fconst(warp.LOG2E))
+        bidx = self.bidx if hooks.score is not None else None
         for i, j, e in elements:
             s = S[i][j][e]
             if hooks.score is not None:
                 scaled = b.fmul(s, a.softmax_scale)
                 qi, ki = q_idx(i, j, e), kv_idx(i, j, e)
-                score = hooks.score(b, scaled, self.bidx, h, qi, ki)
+                score = hooks.score(b, scaled, bidx, h, qi, ki)
                 p = warp.ex2(b, warp.fma(b, score, warp.fconst(warp.LOG2E), neg_lse(i, j, e)))
-                G[i][j][e] = b.fmul(p, hooks.derivative(b, scaled, self.bidx, h, qi, ki))
+                G[i][j][e] = b.fmul(p, hooks.derivative(b, scaled, bidx, h, qi, ki))
             else:
                 p = warp.ex2(b, warp.fma(b, s, log2_scale, neg_lse(i, j, e)))
             P[i][j][e] = p
@@ -603,12 +605,13 @@ class _TileKernel:
         pre = b.block
         with b.if_then(b.not_(always)):
             kept = [[[list(t) for t in mt] for mt in tile] for tile in tiles]
+            bidx, seqlen_q, seqlen_k = self.bidx, self.seqlen_q, self.seqlen_k
             for i, j, e in elements:
                 ki = kv_idx(i, j, e)
-                keep = b.icmp_signed("<", ki, self.seqlen_k)
+                keep = b.icmp_signed("<", ki, seqlen_k)
                 if hooks.mask is not None:
-                    keep = b.and_(keep, hooks.mask(b, self.bidx, h, q_idx(i, j, e), ki,
-                                                   self.seqlen_q, self.seqlen_k))
+                    keep = b.and_(keep, hooks.mask(b, bidx, h, q_idx(i, j, e), ki, seqlen_q,
+                                                   seqlen_k))
                 for out, tile in zip(kept, tiles):
                     out[i][j][e] = b.select(keep, tile[i][j][e], warp.fconst(0.0))
             then = b.block
@@ -670,7 +673,9 @@ class _TileKernel:
         with b.if_then(b.icmp_signed("<", first, steps)):
             issue(b, first, i32(0))
         warp.cp_async_commit(b)
-        return ir_loop(b, first, steps, init + [i32(0)], body)[:-1]
+        final = ir_loop(b, first, steps, init + [i32(0)], body)[:-1]
+        warp.cp_async_wait(b, 0)  # none of these copies lands on the next work tile's
+        return final
 
     def _store_own(self, b, tensor: str, head, first_row, rows_valid, flat, scale):
         """The warp's accumulator `flat` of the CTA's own rows (times `scale` unless None),
@@ -844,17 +849,21 @@ class _MainKernel(_TileKernel):
                 out.append([b.extract_element(pair, i32(e)) for e in range(2)])
             return out
 
+        kv0 = self.kv0
+
         def q_idx(i, j, e):
             return b.add(q0, lanes.step_column(b, j, e))
 
         def kv_idx(i, j, e):
-            return b.add(self.kv0, lanes.own_row(b, i, e >> 1))
+            return b.add(kv0, lanes.own_row(b, i, e >> 1))
 
         # S^T = K Q^T, then P^T (and G = P^T * dscore/ds with a score rule)
         S = self._mma_rows(b, self.k_off, q_tile, c.block_m, c.head_dim)
-        neg_lse = [[self._neg_lse(b, lse, q_idx(0, j, e)) for e, lse in enumerate(pair)]
+        seqlen_q = self.seqlen_q
+        neg_lse = [[self._neg_lse(b, lse, q_idx(0, j, e), seqlen_q)
+                    for e, lse in enumerate(pair)]
                    for j, pair in enumerate(column_values("lse"))]
-        packed_p, G = self._probabilities(b, h, q0, self.kv0, S, q_idx, kv_idx,
+        packed_p, G = self._probabilities(b, h, q0, kv0, S, q_idx, kv_idx,
                                           lambda i, j, e: neg_lse[j][e & 1])
         dv = self._mma_registers(b, packed_p, do_tile, dv)
         neg_delta = [[b.fneg(x) for x in pair] for pair in column_values("delta")]
@@ -1000,7 +1009,7 @@ class _DqKernel(_TileKernel):
                     off = _lse_offset(b, a, self.bidx, h,
                                       b.add(q_row, b.select(valid, row, i32(0))))
                     lse = b.load(_gep(b, a.lse, off, f32), typ=f32)
-                    neg_lse.append(self._neg_lse(b, lse, b.add(q0, row)))
+                    neg_lse.append(self._neg_lse(b, lse, b.add(q0, row), self.seqlen_q))
                     delta = b.load(_gep(b, a.delta, off, f32), typ=f32)
                     neg_delta.append(b.select(valid, b.fneg(delta), warp.fconst(0.0)))
             hk = b.udiv(h, i32(c.gqa_group)) if c.gqa_group > 1 else h
