@@ -171,34 +171,26 @@ def test_the_backward_work_space_is_covered_exactly_once(scheduler, args):
         assert result.tiles == heads * sum(-(-n // 64) for n in lengths)
 
 
-BROKEN = """
-import "std/schedulers.mha"
-scheduler Skips(num_ctas: u32 = 4) {
-    may_advance = true
-    schedule = DEFAULT
-    grid_dim(batch_size, max_num_prompt_tiles) = (num_ctas, 1, 1)
-    initial_state(slots, ts) = State(idx = block_idx.x, slots = slots, max_idx = ts.num_work())
-    get_current_work_info(ts, state) = ts.work_info(state.idx, schedule)
-    advance(ts, state, pipeline_idx) {
-        state.idx += 2 * grid_dim.x
-        if state.idx >= state.max_idx { return none }
-        return ts.seq_info(ts.work_info(state.idx, schedule))
-    }
-    unsafe_seq_info(ts, state) = ts.seq_info(ts.work_info(state.idx, schedule))
-}
-"""
+def _broken_persistent() -> str:
+    """The standard Persistent scheduler with one bug: it strides twice as far."""
+    text = (REPO / "mhadsl/std/schedulers.mha").read_text()
+    rules = text[text.index("scheduler Persistent"):text.index("// Dynamic persistent")]
+    assert "state.idx += grid_dim.x" in rules
+    return 'import "std/schedulers.mha"\n' + rules.replace(
+        "scheduler Persistent", "scheduler Skips").replace(
+        "state.idx += grid_dim.x", "state.idx += 2 * grid_dim.x")
 
 
 def test_a_scheduler_that_skips_backward_work_is_caught(tmp_path, capsys):
     from mhadsl.cli import main
     path = tmp_path / "broken.mha"
-    path.write_text(BROKEN)
+    path.write_text(_broken_persistent())
     program = mhadsl.compile(str(path)).checked
-    result = simulate(program, SchedulerSpec("Skips", (), 64, 1),
+    result = simulate(program, SchedulerSpec("Skips", (("num_ctas", 4),), 64, 1),
                       backward_work([300, 64], 3), ctas=4)
     assert not result.covered_exactly_once and result.missing
     assert main(["simulate", str(path), "--scheduler", "Skips", "--seqlens", "300,64",
-                 "--heads", "3", "--backward", "--json"]) == 3
+                 "--heads", "3", "--ctas", "4", "--backward", "--json"]) == 3
     std = str(REPO / "mhadsl/std/schedulers.mha")
     assert main(["simulate", std, "--scheduler", "LPT", "--seqlens", "300,64", "--heads", "3",
                  "--backward", "--json"]) == 0

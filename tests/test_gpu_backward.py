@@ -226,20 +226,7 @@ def test_deterministic_through_autograd_follows_torch():
 
 
 SCHEDULED = """
-import "std/schedulers.mha"
-scheduler Strided(num_ctas: u32 = 5) {
-    may_advance = true
-    schedule = PROMPT_ROTATE
-    grid_dim(batch_size, max_num_prompt_tiles) = (num_ctas, 1, 1)
-    initial_state(slots, ts) = State(idx = block_idx.x, slots = slots, max_idx = ts.num_work())
-    get_current_work_info(ts, state) = ts.work_info(state.idx, schedule)
-    advance(ts, state, pipeline_idx) {
-        state.idx += grid_dim.x
-        if state.idx >= state.max_idx { return none }
-        return ts.seq_info(ts.work_info(state.idx, schedule))
-    }
-    unsafe_seq_info(ts, state) = ts.seq_info(ts.work_info(state.idx, schedule))
-}
+import "queued_rotate.mha"
 attention lpt { dtype = bf16  head_dim = 128  gqa = 4  scheduler = LPT(num_ctas = 3)
                 mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 attention queued { dtype = bf16  head_dim = 128  gqa = 4
@@ -248,15 +235,16 @@ attention queued { dtype = bf16  head_dim = 128  gqa = 4
 attention persistent { dtype = fp16  head_dim = 64  gqa = 4  scheduler = Persistent(num_ctas = 7)
                        mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx + seqlen_k - seqlen_q }
 attention transient { dtype = bf16  head_dim = 128  gqa = 4  scheduler = Transient() }
-attention strided { dtype = bf16  head_dim = 64  gqa = 4  scheduler = Strided()
-                    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention users { dtype = bf16  head_dim = 64  gqa = 4  scheduler = MyQueued(num_ctas = 5)
+                  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 """
 
 
-@pytest.mark.parametrize("name", ["lpt", "queued", "persistent", "transient", "strided"])
+@pytest.mark.parametrize("name", ["lpt", "queued", "persistent", "transient", "users"])
 def test_the_scheduler_drives_the_backward(name):
     """The main kernel's K/V tiles come from the declaration's scheduler (few CTAs: many
-    tiles each, in the scheduler's order), dense and ragged, GQA 4:1, Sq != Sk."""
-    kern = mhadsl.compile(SCHEDULED, name="scheduled")[name]
+    tiles each, in the scheduler's order; `users`: examples/queued_rotate.mha's, which
+    skips tiles past a sequence's end in a `while`), dense and ragged, GQA 4:1, Sq != Sk."""
+    kern = mhadsl.compile(SCHEDULED, name="scheduled", include_dirs=[REPO / "examples"])[name]
     assert_gradients(kern, dense(kern, 2, 300, 450, 8, 2))
     assert_gradients(kern, ragged(kern, [129, 0, 300, 64], [200, 64, 300, 1], 8, 2))
