@@ -171,15 +171,15 @@ def test_every_fallback_build_is_correct(variant, monkeypatch, tmp_path):
             (config, lambda: build_backward_module(
                 config, source.hooks, target, source.work_loop(*BACKEND.scheduler_shape(config))))])
     monkeypatch.setattr(BACKEND, "build", forced)
-    for file, name, hq, hkv in (("gqa.mha", "gqa_causal", 8, 2),
-                                ("softcap.mha", "softcap_causal", 2, 2)):
+    for file, name, hq, hkv, dense_deterministic in (("gqa.mha", "gqa_causal", 8, 2, False),
+                                                     ("softcap.mha", "softcap_causal", 2, 2,
+                                                      True)):
         kern = kernel(file, name)
-        for deterministic in (False, True):
-            assert_gradients(kern, dense(kern, 2, 200, 200, hq, hkv), deterministic)
-            assert_gradients(kern, ragged(kern, [129, 0, 300], [129, 64, 300], hq, hkv),
-                             deterministic)
+        assert_gradients(kern, dense(kern, 2, 200, 200, hq, hkv), dense_deterministic)
+        assert_gradients(kern, ragged(kern, [129, 0, 300], [129, 64, 300], hq, hkv),
+                         not dense_deterministic)
         configs = {config for _functions, config, _module in _state(kern).modules.values()}
-        assert len(configs) == 4 and all(replace(c, **variant) == c for c in configs)
+        assert len(configs) == 2 and all(replace(c, **variant) == c for c in configs)
 
 
 @pytest.mark.parametrize("file, name, hq, hkv", [
