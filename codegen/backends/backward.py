@@ -569,7 +569,7 @@ class _TileKernel:
         outside the K/V sequence or the mask, as `_pack`'s A operands (16-bit: P is dV's
         operand in `mha_bwd`), and G = P * dscore/ds in bf16 pairs (None without a score
         rule). q_idx, kv_idx, neg_lse: element (i, j, e)'s query row, key row and `_neg_lse`."""
-        c, a, hooks = self.c, self.a, self.hooks
+        a, hooks = self.a, self.hooks
         elements = [(i, j, e) for i in range(len(S)) for j in range(len(S[0]))
                     for e in range(4)]
         P = [[[None] * 4 for _ in mt] for mt in S]
