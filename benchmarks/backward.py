@@ -5,8 +5,9 @@ flash through torch SDPA and, when installed, FlashAttention-4.
 
 TFLOP/s = 2.5 x the forward's FLOPs (4 B H Sq Sk D, halved under a causal mask) / the median
 backward time (`mhadsl.bench.time_side_by_side`: every column timed in turn over rounds).
-mhadsl's gradients are checked against SDPA's (math backend, fp32) first; each peer's against
-mhadsl's.
+mhadsl's gradients, atomic and deterministic (`deterministic=True`), are checked against
+SDPA's (math backend, fp32) first; each peer's against mhadsl's. Each row ends with the main
+kernel's build (query rows per step: `BackwardConfig.block_m`) of either mode.
 """
 import datetime
 
@@ -51,9 +52,12 @@ def row(torch, program, name, B, Hq, Hkv, S, D):
 
     from torch.nn.attention import SDPBackend
     ours = kern.backward(q, k, v, out, lse, dout)
+    exact = kern.backward(q, k, v, out, lse, dout, deterministic=True)
     _, reference = sdpa_backward(SDPBackend.MATH)
-    errors = [relative(torch, g, r.transpose(1, 2)) for g, r in zip(ours, reference)]
-    fns = {"mhadsl": lambda: kern.backward(q, k, v, out, lse, dout)}
+    errors = [relative(torch, g, r.transpose(1, 2))
+              for grads in (ours, exact) for g, r in zip(grads, reference)]
+    fns = {"mhadsl": lambda: kern.backward(q, k, v, out, lse, dout),
+           "deterministic": lambda: kern.backward(q, k, v, out, lse, dout, deterministic=True)}
     for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
                            ("flash", SDPBackend.FLASH_ATTENTION)):
         try:
@@ -73,10 +77,12 @@ def row(torch, program, name, B, Hq, Hkv, S, D):
     t = time_side_by_side(torch, fns)
     flops = 2.5 * 4 * B * Hq * S * S * D / (2 if causal else 1)
     tf = {n: None if x is None else flops / (x.ms * 1e-3) / 1e12 for n, x in t.items()}
+    steps = "/".join(f"m{kern.backward_build(gqa_group=Hq // Hkv, deterministic=d).config.block_m}"
+                     for d in (False, True))  # (the builds the calls loaded, from the cache)
     print(f"| B{B} H{Hq}:{Hkv} S{S} D{D} {'causal' if causal else 'plain'} | "
-          f"**{tf['mhadsl']:.0f}** | "
+          f"**{tf['mhadsl']:.0f}** | {tf['deterministic']:.0f} | "
           + " | ".join(f"{tf[n]:.0f}" if tf.get(n) else "—" for n in ("cudnn", "fa4", "flash"))
-          + f" | {max(errors):.1e} |", flush=True)
+          + f" | {max(errors):.1e} | {steps} |", flush=True)
 
 
 def main():
@@ -84,7 +90,8 @@ def main():
     program = mhadsl.compile(SOURCE, name="backward_bench")
     print(f"backward, {datetime.date.today()}, {torch.cuda.get_device_name()}, bf16; TFLOP/s "
           f"= 2.5 x forward FLOPs / time")
-    print("| shape | mhadsl | cuDNN | FA4 | torch flash | max relative error vs SDPA math |")
+    print("| shape | mhadsl | mhadsl deterministic | cuDNN | FA4 | torch flash | max relative "
+          "error vs SDPA math | main kernel's query step |")
     for spec in ROWS:
         row(torch, program, *spec)
 

@@ -74,6 +74,14 @@ def opaque_special_register(builder: ir.IRBuilder, name: str, ty: ir.IntType = i
                        [], True)
 
 
+def reload_shared(builder: ir.IRBuilder, address: ir.Value) -> ir.Value:
+    """The u32 at 32-bit shared address `address`, read by a volatile asm exactly where it
+    stands: neither LLVM nor ptxas keeps the value live from an earlier read, so a value a
+    kernel parks in shared memory costs no register between its uses."""
+    return builder.asm(ir.FunctionType(i32, [i32]), "ld.volatile.shared.u32 $0, [$1];",
+                       "=r,r", [address], True)
+
+
 # ----------------------------------------------------------------- barriers
 CTA_BARRIER = 0  # bar.sync 0: every thread of the CTA
 PRODUCER_BARRIER = 1  # a named barrier among the producer's threads

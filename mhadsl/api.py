@@ -204,19 +204,25 @@ class Kernel:
                              scheduler=(self.options.scheduler, self.options.scheduler_args),
                              trace=self.trace)
 
-    def scheduler_spec(self, config) -> SchedulerSpec:
-        return SchedulerSpec(self.options.scheduler, self.options.scheduler_args, config.block_m,
-                             config.gqa_group)
+    def scheduler_spec(self, config, design: Backend | None = None) -> SchedulerSpec:
+        """The scheduler's specialisation for a build of `config`: its tile height and group
+        are those of the work space `design` hands it (`Backend.scheduler_shape`; by
+        default a query tile of a query head)."""
+        tile_m, group = design.scheduler_shape(config) if design is not None else \
+            (config.block_m, config.gqa_group)
+        return SchedulerSpec(self.options.scheduler, self.options.scheduler_args, tile_m, group)
 
     def build(self, arch: str = "sm_90a", *, gqa_group: int = 1, ragged: bool = False,
               return_lse: bool = False, backend: str | None = None,
-              cache: CacheLayout | None = None, backward: bool = False) -> KernelBuild:
+              cache: CacheLayout | None = None, backward: bool = False,
+              deterministic: bool = False) -> KernelBuild:
         """The kernel for `arch` (from the on-disk cache when it holds it): LLVM IR, PTX
         and, with ptxas, the cubin and its resources. With `cache`, the decode kernel of
-        calls against a KV cache of that layout; with `backward`, the backward pass's."""
+        calls against a KV cache of that layout; with `backward`, the backward pass's
+        (`deterministic`: its bitwise repeatable kernels)."""
         build = build_kernel(self.program.checked,
                              self._request(Layout(gqa_group, ragged, return_lse, cache,
-                                                  backward), arch, backend))
+                                                  backward, deterministic), arch, backend))
         self.builds_compiled += not build.cached
         return build
 
@@ -246,19 +252,23 @@ class Kernel:
         return torch_op(self)
 
     def backward(self, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                 max_seqlen_q=None, max_seqlen_k=None, scale: float | None = None):
+                 max_seqlen_q=None, max_seqlen_k=None, scale: float | None = None,
+                 deterministic: bool | None = None):
         """(dq, dk, dv): the gradients of `self(q, k, v, ...)` for the output gradient `dout`,
         given the forward's `out` and `lse` (`return_lse=True`); torch CUDA tensors, in the
-        layouts of q, k and v (`mhadsl.backward`)."""
+        layouts of q, k and v (`mhadsl.backward`). `deterministic=True`: bitwise the same
+        gradients every run (dQ without atomics); None: torch's
+        `torch.are_deterministic_algorithms_enabled()`."""
         from mhadsl.backward import backward
         return backward(self, q, k, v, out, lse, dout, cu_seqlens_q=cu_seqlens_q,
                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                        max_seqlen_k=max_seqlen_k, scale=scale)
+                        max_seqlen_k=max_seqlen_k, scale=scale, deterministic=deterministic)
 
     def backward_build(self, arch: str = "sm_90a", *, gqa_group: int = 1,
-                       ragged: bool = False) -> KernelBuild:
+                       ragged: bool = False, deterministic: bool = False) -> KernelBuild:
         """The backward pass's kernels for `arch` (LLVM IR, PTX, and with ptxas the cubin)."""
-        return self.build(arch, gqa_group=gqa_group, ragged=ragged, backward=True)
+        return self.build(arch, gqa_group=gqa_group, ragged=ragged, backward=True,
+                          deterministic=deterministic)
 
     # ---------------------------------------------------------------- calls
     def __call__(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -440,10 +450,11 @@ class Kernel:
         return self._host_scheduler(config).grid(call.batch, tiles, call.max_seqlen_q,
                                                  call.heads, num_sms, ctas_per_sm)
 
-    def _host_scheduler(self, config):
-        """The scheduler's rules compiled for the host, for a build's config."""
+    def _host_scheduler(self, config, design: Backend | None = None):
+        """The scheduler's rules compiled for the host, for a build of `config` (by
+        `design`: `scheduler_spec`)."""
         from mhadsl.simulate import HostScheduler
-        spec = self.scheduler_spec(config)
+        spec = self.scheduler_spec(config, design)
         host = _host_schedulers.get((self.program.text, spec))
         if host is None:
             host = _host_schedulers[(self.program.text, spec)] = HostScheduler(

@@ -4,10 +4,13 @@
     dq, dk, dv = kern.backward(q, k, v, out, lse, dout)  # out, lse = kern(q, k, v, return_lse=True)
 
 The three kernels of `codegen.backends.backward` run on the caller's torch stream: the
-preprocess (delta = rowsum(dO * O), the fp32 dQ accumulator zeroed), the main kernel (one
-CTA per K/V tile, dK and dV summed over the GQA group, dQ added atomically) and the
-postprocess (dQ in q's dtype). Every argument is checked before anything runs; a call
-signature's three launch plans are made once (`runtime.launch`).
+preprocess (delta = rowsum(dO * O), the fp32 dQ accumulator zeroed), the main kernel (the
+declaration's scheduler hands out its K/V tiles; dK and dV summed over the GQA group, dQ
+added atomically) and the postprocess (dQ in q's dtype). In deterministic mode the last
+kernel computes dQ itself, one CTA per query tile, and nothing is added atomically: the
+gradients are bitwise the same every run. Every argument is checked before anything runs;
+a call signature's three launch plans are made once (`runtime.launch`), the main kernel's
+grid by its scheduler's `grid_dim`.
 """
 from __future__ import annotations
 
@@ -16,7 +19,20 @@ import weakref
 
 from mhadsl.calls import DTYPE_NAMES, check_rows, check_scale, torch_stream
 from mhadsl.codegen.backends import select_target
-from mhadsl.codegen.backends.backward import ABI, BACKEND, KERNELS, grids, launch_shapes
+from mhadsl.codegen.backends.backward import (
+    ABI, BACKEND, MAIN, BackwardConfig, fixed_grids, kernel_names, launch_shapes,
+)
+
+
+def backward_work(lengths: list[int], kv_heads: int, block_n: int = BackwardConfig.block_n,
+                  ragged: bool = True):
+    """The work space the main backward kernel hands its scheduler, as a simulator batch:
+    per (sequence, K/V head) the K/V tiles of block_n rows of the sequence's keys
+    (`codegen.backends.backward.scheduler_view`). Prompt tile t is K/V tile n - 1 - t, which
+    a causal mask gives t + 1 query tiles of an equal-length sequence: the simulator's
+    causal cost."""
+    from mhadsl.simulate import Batch
+    return Batch(list(lengths), kv_heads, block_n, ragged=ragged)
 
 
 class _State:
@@ -38,9 +54,13 @@ def _state(kernel) -> _State:
 
 
 def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=None, max_seqlen_k=None, scale=None):
+             max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None):
     """(dq, dk, dv) of `kernel(q, k, v, ...)` for the output gradient `dout`, given the
-    forward's `out` and `lse` (`Kernel.backward`)."""
+    forward's `out` and `lse` (`Kernel.backward`); `deterministic` None follows torch's
+    `torch.are_deterministic_algorithms_enabled()`."""
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be True, False or None (torch's setting), not "
+                        f"{deterministic!r}")
     from mhadsl.api import _lse_shape
     from mhadsl.runtime import tensors
     call = kernel._validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -73,11 +93,13 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
     if len(devices) > 1:
         raise ValueError(f"the backward's tensors are on different devices: "
                          f"{sorted(map(str, devices))}")
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     return _run(kernel, torch, call, q, k, v, out, lse.contiguous(), dout, cu_seqlens_q,
-                cu_seqlens_k, scale)
+                cu_seqlens_k, scale, deterministic)
 
 
-def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale):
+def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale, deterministic):
     # (ragged: rows outside every sequence get no gradient from the kernels, so zeros)
     alloc = torch.zeros if call.ragged else torch.empty
     dq = alloc(q.shape, dtype=q.dtype, device=q.device)
@@ -85,13 +107,14 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale):
     dv = alloc(v.shape, dtype=v.dtype, device=v.device)
     if not (call.batch and call.heads):  # no CTA to launch (empty sequences launch)
         return dq.zero_(), dk.zero_(), dv.zero_()
-    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-    tensors = {"q": q, "k": k, "v": v, "o": out, "dout": dout, "dq_accum": dq_accum, "dq": dq,
-               "dk": dk, "dv": dv}
-    plans = _plans(kernel, call, tensors, scale, q.device.index)
+    tensors = {"q": q, "k": k, "v": v, "o": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv}
+    plans, block_n = _plans(kernel, call, tensors, scale, q.device.index, deterministic)
     addresses = {name: t.data_ptr() for name, t in tensors.items()}
     addresses.update(lse=lse.data_ptr(), delta=delta.data_ptr())
+    if not deterministic:  # (deterministic: dQ written by one CTA per query tile)
+        addresses["dq_accum"] = torch.empty(q.shape, dtype=torch.float32,
+                                            device=q.device).data_ptr()
     if call.ragged:
         addresses.update(cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr())
     for name, t in addresses.items():
@@ -99,52 +122,74 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale):
             raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned, got a pointer "
                              f"at {t:#x}")
     stream = torch_stream(torch, q.device.index)
-    for name in KERNELS:
-        plans[name].launch(addresses, stream)
+    if call.ragged:  # the main kernel's scheduler numbers the K/V tiles of the sequences
+        from mhadsl.runtime import tile_index
+        addresses["tile_index"] = tile_index.prepare(addresses["cu_seqlens_k"], call.batch,
+                                                     block_n, stream, q.device.index)
+    for plan in plans:
+        plan.launch(addresses, stream)
     return dq, dk, dv
 
 
-def _plans(kernel, call, tensors: dict, scale: float, device: int) -> dict:
-    """The launch plans of a validated call's signature: made once, then reused."""
+def _plans(kernel, call, tensors: dict, scale: float, device: int,
+           deterministic: bool) -> tuple[list, int]:
+    """The launch plans of a validated call's signature, in launch order (a main kernel
+    without work is not launched), and the main kernel's K/V tile: made once, then
+    reused."""
     from mhadsl.runtime import driver
     from mhadsl.runtime.launch import LaunchPlan, TensorShape
+    from mhadsl.runtime.tensors import contiguous_strides
     shapes = {n: TensorShape(tuple(t.shape), tuple(t.stride()),
                              str(t.dtype).removeprefix("torch."))
               for n, t in tensors.items()}
+    q_shape = tuple(tensors["q"].shape)  # the accumulator: fp32, q's shape, contiguous
+    shapes["dq_accum"] = TensorShape(q_shape, contiguous_strides(q_shape), "float32")
     key = (device, tuple(shapes.items()), call.batch, call.heads, call.kv_heads, call.seqlen_q,
-           call.seqlen_k, call.max_seqlen_q, call.max_seqlen_k, call.total_q, call.ragged, scale)
+           call.seqlen_k, call.max_seqlen_q, call.max_seqlen_k, call.total_q, call.ragged, scale,
+           deterministic)
     state = _state(kernel)
     if key in state.plans:
         return state.plans[key]
-    functions, config = _functions(kernel, device, call.heads // call.kv_heads, call.ragged)
+    functions, config = _functions(kernel, device, call.heads // call.kv_heads, call.ragged,
+                                   deterministic)
+    shape = launch_shapes(config)
+    num_sms = driver.device_info(device).multiprocessor_count
+    ctas_per_sm = functions[MAIN].max_active_blocks(shape[MAIN].threads,
+                                                    shape[MAIN].shared_bytes)
+    kv_tiles = -(-call.max_seqlen_k // config.block_n)
+    grid = fixed_grids(config, call.batch, call.heads, call.max_seqlen_q)
+    grid[MAIN] = kernel._host_scheduler(config, BACKEND).grid(
+        call.batch, kv_tiles, call.max_seqlen_k, call.kv_heads, num_sms, ctas_per_sm)
     values = {"lse_stride_batch": 0 if call.ragged else call.heads * call.seqlen_q,
               "lse_stride_head": call.total_q if call.ragged else call.seqlen_q,
               "batch": call.batch, "num_heads": call.heads, "seqlen_q": call.seqlen_q,
-              "seqlen_k": call.seqlen_k, "softmax_scale": scale}
-    grid = grids(config, call.batch, call.heads, call.kv_heads, call.max_seqlen_q,
-                 call.max_seqlen_k)
-    shape = launch_shapes(config)
+              "seqlen_k": call.seqlen_k, "softmax_scale": scale, "kv_heads": call.kv_heads,
+              "max_seqlen_k": call.max_seqlen_k, "num_sms": num_sms,
+              "ctas_per_sm": ctas_per_sm}
     # (ragged=False: the kernels take ragged rows from cu_seqlens and ignore batch strides)
     driver.ensure_context(device)
-    state.plans[key] = {name: LaunchPlan(functions[name], grid[name], shape[name].threads,
-                                         shape[name].shared_bytes, ABI, config, device, shapes,
-                                         values)
-                        for name in KERNELS}
+    plans = [LaunchPlan(functions[name], grid[name], shape[name].threads,
+                        shape[name].shared_bytes, ABI, config, device, shapes, values)
+             for name in kernel_names(config) if 0 not in grid[name]]
+    state.plans[key] = plans, config.block_n
     return state.plans[key]
 
 
-def _functions(kernel, device: int, gqa_group: int, ragged: bool) -> tuple[dict, object]:
+def _functions(kernel, device: int, gqa_group: int, ragged: bool,
+               deterministic: bool) -> tuple[dict, object]:
     """The loaded kernels for `device` and the layout, and their build's config."""
     from mhadsl.runtime import driver
     state = _state(kernel)
-    key = (device, gqa_group, ragged)
+    key = (device, gqa_group, ragged, deterministic)
     if key not in state.modules:
         target = select_target(driver.device_info(device).compute_capability)
-        build = kernel.backward_build(target.arch, gqa_group=gqa_group, ragged=ragged)
+        build = kernel.backward_build(target.arch, gqa_group=gqa_group, ragged=ragged,
+                                      deterministic=deterministic)
         module = (driver.Module.from_cubin(build.assembled.cubin, device)
                   if target.load == "cubin" and build.assembled else
                   driver.Module.from_ptx(build.ptx.encode(), device))
-        state.modules[key] = ({name: module.function(name) for name in KERNELS},
+        state.modules[key] = ({name: module.function(name)
+                               for name in kernel_names(build.config)},
                               build.config, module)
     functions, config, _module = state.modules[key]
     return functions, config

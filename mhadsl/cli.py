@@ -21,6 +21,7 @@ from mhadsl.builtins import GRID_LIMITS
 from mhadsl.codegen import backends
 from mhadsl.codegen.abi import TRACE_WORK_ITEM
 from mhadsl.codegen.assemble import AssemblerError, find_ptxas
+from mhadsl.codegen.backends.backward import BackwardConfig
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.codegen.target import GPU_ARCHS
 from mhadsl.diagnostics import MhaError
@@ -230,6 +231,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"constants from {cost.source}" + (f"; {gqa} query heads per K/V head "
                                                  f"({declared})" if declared else ""),
               file=sys.stderr)
+    if args.backward:
+        from mhadsl.backward import backward_work
+        sequences = backward_work(args.lengths, args.heads, args.tile, sequences.ragged)
+        print(f"backward work space: {len(args.lengths)} sequences x {args.heads} K/V heads, "
+              f"K/V tiles of {args.tile} rows (prompt tile t is K/V tile n-1-t; a work tile "
+              f"loops over the query tiles of its K/V head's query heads)", file=sys.stderr)
     if args.kv_splits:
         from mhadsl.serving import decode_work
         sequences, cost = decode_work(len(args.lengths), args.heads, args.kv_splits), "uniform"
@@ -541,6 +548,11 @@ def validate(args: argparse.Namespace) -> None:
         if args.kv_splits is not None and (args.kernel or
                                            not 1 <= args.kv_splits <= MAX_KV_SPLITS):
             raise UsageError(f"--kv-splits takes 1 to {MAX_KV_SPLITS} splits, without --kernel")
+        if args.backward and (args.kernel or args.kv_splits is not None or args.gqa):
+            raise UsageError("--backward simulates the backward's K/V tiles of --heads K/V "
+                             "heads: without --kernel, --kv-splits or --gqa")
+        if args.tile is None:  # the query tile, or the backward's K/V tile
+            args.tile = BackwardConfig.block_n if args.backward else 128
         if args.gqa and args.heads % args.gqa:
             raise UsageError(f"--gqa {args.gqa} must divide --heads {args.heads}")
         args.params = tuple(_parse_param(p) for p in args.param)
@@ -640,7 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--scheduler", required=True, metavar="NAME")
     _batch_arguments(p)
-    p.add_argument("--tile", type=int, default=128, help="query tile height (BM)")
+    p.add_argument("--tile", type=int,
+                   help="query tile height (BM, default 128); with --backward the K/V tile's "
+                        "(default 64)")
     p.add_argument("--gqa", type=int,
                    help="query heads per K/V head (the value of gqa_group; divides --heads; "
                         "default 1, or the declared ratio of --kernel)")
@@ -662,6 +676,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-splits", type=int, metavar="N",
                    help="simulate a decode launch: --heads K/V heads, N KV splits per "
                         "(sequence, K/V head); the lengths give the batch size")
+    p.add_argument("--backward", action="store_true",
+                   help="simulate the backward pass's main kernel: the K/V tiles of the "
+                        "lengths (the keys') for --heads K/V heads")
     _include_argument(p)
     p.set_defaults(run=cmd_simulate)
 

@@ -15,18 +15,21 @@ kernel's build (builds depend on the layout, not the lengths).
 The operator is differentiable (`torch.library.register_autograd`): `out.backward()` runs the
 kernel's backward pass (`Kernel.backward`) through a second operator,
 `mhadsl::<kernel>_<hash>_backward`, so the backward traces under torch.compile too. The LSE
-output's gradient is not propagated (the LSE is the backward's input, not a loss term).
+output's gradient is not propagated (the LSE is the backward's input, not a loss term). The
+backward is deterministic (bitwise the same gradients every run) under
+`torch.use_deterministic_algorithms(True)`, or for one call with `deterministic=True`
+(`attn(q, k, v, deterministic=True)`; False forces the faster atomic dQ).
 """
 
 import hashlib
 
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
-          "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None) "
-          "-> (Tensor, Tensor)")
+          "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None, "
+          "bool? deterministic=None) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
                    "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
-                   "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None) "
-                   "-> (Tensor, Tensor, Tensor)")
+                   "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None, "
+                   "bool? deterministic=None) -> (Tensor, Tensor, Tensor)")
 _library = None
 _ops: dict[str, object] = {}
 
@@ -47,13 +50,13 @@ def torch_op(kernel):
     _library.define(name + SCHEMA)
 
     def attention(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                  max_seqlen_k=None, scale=None):
+                  max_seqlen_k=None, scale=None, deterministic=None):
         return kernel(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale,
                       return_lse=True)
 
     def fake(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-             max_seqlen_k=None, scale=None):
+             max_seqlen_k=None, scale=None, deterministic=None):
         if cu_seqlens_q is None:
             lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
         else:
@@ -74,13 +77,14 @@ def _register_autograd(kernel, name: str) -> None:
     _library.define(name + "_backward" + BACKWARD_SCHEMA)
 
     def gradients(q, k, v, out, lse, dout, cu_seqlens_q=None, cu_seqlens_k=None,
-                  max_seqlen_q=None, max_seqlen_k=None, scale=None):
+                  max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None):
         return kernel.backward(q, k, v, out, lse, dout, cu_seqlens_q=cu_seqlens_q,
                                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                               max_seqlen_k=max_seqlen_k, scale=scale)
+                               max_seqlen_k=max_seqlen_k, scale=scale,
+                               deterministic=deterministic)
 
     def fake(q, k, v, out, lse, dout, cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=None, max_seqlen_k=None, scale=None):
+             max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     _library.impl(name + "_backward", gradients, "CUDA")
@@ -88,18 +92,17 @@ def _register_autograd(kernel, name: str) -> None:
     backward_op = getattr(torch.ops.mhadsl, name + "_backward").default
 
     def setup_context(ctx, inputs, output):
-        q, k, v, cu_q, cu_k, max_q, max_k, scale = inputs
+        q, k, v, cu_q, cu_k, max_q, max_k, scale, deterministic = inputs
         ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
-        ctx.lengths = (max_q, max_k, scale)
+        ctx.options = (max_q, max_k, scale, deterministic)
 
     def backward(ctx, grad_out, _grad_lse):
         if grad_out is None:  # only the LSE was used
-            return (None,) * 8
+            return (None,) * 9
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        max_q, max_k, scale = ctx.lengths
-        dq, dk, dv = backward_op(q, k, v, out, lse, grad_out.contiguous(), cu_q, cu_k, max_q,
-                                 max_k, scale)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = backward_op(q, k, v, out, lse, grad_out.contiguous(), cu_q, cu_k,
+                                 *ctx.options)
+        return dq, dk, dv, None, None, None, None, None, None
 
     torch.library.register_autograd(f"mhadsl::{name}", backward, setup_context=setup_context,
                                     lib=_library)

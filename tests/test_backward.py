@@ -1,20 +1,26 @@
 """The backward pass without a GPU (codegen/backends/backward.py, mhadsl/backward.py): every
-example's backward kernels assemble for sm_80 and sm_90a without spills, the three kernels
-take the ABI's parameters in its types and offsets, and a call's mistakes are errors before
-anything runs."""
+example's backward kernels, atomic and deterministic, assemble for sm_80 and sm_90a without
+spills, the kernels take the ABI's parameters in its types and offsets, the main kernel runs
+the declaration's scheduler over K/V tiles, the simulator proves that work space covered
+exactly once, and a call's mistakes are errors before anything runs."""
+import json
+import random
+
 import numpy as np
 import pytest
 
 import mhadsl
-from helpers import EXAMPLES
+from helpers import EXAMPLES, REPO
+from mhadsl.backward import backward_work
 from mhadsl.codegen.abi import KIND_ALIGN
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.backends.backward import (
-    ABI, BACKEND, KERNELS, BackwardConfig, build_backward_module, shared_bytes,
+    ABI, BACKEND, DQ, MAIN, POSTPROCESS, PREPROCESS, BackwardConfig, kernel_names, shared_bytes,
 )
 from mhadsl.codegen.kernel import backward_hooks
-from mhadsl.codegen.target import emit_ptx, gpu_target, optimize
+from mhadsl.codegen.scheduler import SchedulerSpec
+from mhadsl.simulate import simulate
 from test_abi import offsets, ptx_params
 
 needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="ptxas not found")
@@ -23,36 +29,63 @@ DECLARATIONS = [(path, name) for path in EXAMPLES for name in mhadsl.compile(pat
 
 @needs_ptxas
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-@pytest.mark.parametrize("layout", [Layout(), Layout(gqa_group=4, ragged=True)],
-                         ids=["dense", "ragged-gqa4"])
+@pytest.mark.parametrize("layout", [Layout(), Layout(gqa_group=4, ragged=True),
+                                    Layout(gqa_group=4, ragged=True, deterministic=True)],
+                         ids=["dense", "ragged-gqa4", "deterministic-ragged-gqa4"])
 @pytest.mark.parametrize("path, name", DECLARATIONS,
                          ids=[f"{p.stem}-{n}" for p, n in DECLARATIONS])
 def test_every_example_backward_assembles_without_spills(path, name, layout, arch):
     kern = mhadsl.compile(path)[name]
-    build = kern.backward_build(arch, gqa_group=layout.gqa_group, ragged=layout.ragged)
+    build = kern.backward_build(arch, gqa_group=layout.gqa_group, ragged=layout.ragged,
+                                deterministic=layout.deterministic)
     assert f".target {arch}" in build.ptx
     for instruction in ("mma.sync.aligned.m16n8k16.row.col.f32",
                         "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
                         "ldmatrix.sync.aligned.m8n8.x4.shared.b16", "cp.async.cg.shared.global",
-                        "ex2.approx", "cp.async.ca.shared.global",
-                        # dQ's reduction: four columns at a time where the arch has it
-                        "red.global.add.v4.f32" if arch == "sm_90a" else "atom.global.add.f32"):
+                        "ex2.approx", "cp.async.ca.shared.global"):
         assert instruction in build.ptx, instruction
-    assert set(build.assembled.kernels) == set(KERNELS)
+    # dQ's reduction: four columns at a time where the arch has it; none deterministic
+    reductions = {"red.global.add.v4.f32", "atom.global.add.f32"} & set(build.ptx.split())
+    assert reductions == (set() if layout.deterministic else
+                          {"red.global.add.v4.f32" if arch == "sm_90a" else "atom.global.add.f32"})
+    assert build.config.deterministic == layout.deterministic
+    assert set(build.assembled.kernels) == set(kernel_names(build.config))
     for resources in build.assembled.kernels.values():
         assert resources.spills == 0 and resources.stack_bytes == 0, resources
 
 
-def test_the_three_kernels_take_the_abi_in_its_types_and_offsets():
-    target = gpu_target("sm_90a")
-    ptx = emit_ptx(optimize(build_backward_module(BackwardConfig(), None, target), target),
-                   target)
-    for kernel_name in KERNELS:
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_kernels_take_the_abi_in_its_types_and_offsets(deterministic):
+    kern = mhadsl.compile(EXAMPLES[0].parent / "causal.mha")["causal_fwd"]
+    ptx = kern.backward_build("sm_90a", deterministic=deterministic).ptx
+    names = kernel_names(BackwardConfig(deterministic=deterministic))
+    assert names == (PREPROCESS, MAIN, DQ if deterministic else POSTPROCESS)
+    for kernel_name in names:
         params = ptx_params(ptx, kernel_name)
         assert len(params) == len(ABI.params)
         assert offsets(params) == [ABI.offsets[p.name] for p in ABI]
         assert [align for *_, align in params] == [KIND_ALIGN[p.kind] for p in ABI]
     assert ABI.size == offsets(params)[-1] + params[-1][2]
+
+
+def _main_kernel(ptx: str) -> str:
+    start = ptx.index(f".entry {MAIN}(")
+    return ptx[start:ptx.index("\n}\n", start)]
+
+
+@pytest.mark.parametrize("scheduler, queue", [("LPT", True), ("Queued", True),
+                                              ("Persistent", False), ("Transient", False)])
+def test_the_main_kernel_runs_the_declarations_scheduler(scheduler, queue):
+    """Its K/V tiles come from the scheduler's work loop: a queued scheduler takes them
+    with the queue's atomic, a static one without; every launch resets the queue."""
+    kern = mhadsl.compile(f'import "std/schedulers.mha"\nattention t {{ dtype = bf16 '
+                          f'head_dim = 64  scheduler = {scheduler}() }}')["t"]
+    main = _main_kernel(kern.backward_build("sm_80").ptx)
+    assert ("atom.global.add.u32" in main) == queue
+    assert "count_exit" in main
+    config = kern.backward_build("sm_80").config
+    assert kern.scheduler_spec(config, BACKEND) == SchedulerSpec(scheduler, (), config.block_n,
+                                                                 1)
 
 
 def test_config_problems_name_the_setting():
@@ -115,3 +148,66 @@ def test_a_bad_scale_is_a_type_error():
     kern = mhadsl.compile(EXAMPLES[0].parent / "causal.mha")["causal_fwd"]
     with pytest.raises(TypeError, match="scale"):
         kern.backward(**_arrays(), scale="0.1")
+
+
+STD = mhadsl.compile('import "std/schedulers.mha"', name="std").checked
+
+
+@pytest.mark.parametrize("scheduler, args", [
+    ("LPT", ()), ("Queued", ()), ("Persistent", ()), ("Transient", ()),
+    ("Queued", (("order", "LONGEST_FIRST"), ("heads_per_section", 2))),
+    ("Persistent", (("order", "PROMPT_ROTATE"),))])
+def test_the_backward_work_space_is_covered_exactly_once(scheduler, args):
+    """Random ragged key lengths (empty sequences, single rows, tile edges): every K/V tile
+    of every (sequence, K/V head) is handed out once, none past a sequence's end."""
+    rng = random.Random(22)
+    for _ in range(4):
+        lengths = [rng.choice([0, 1, 63, 64, 65, rng.randrange(1, 3000)])
+                   for _ in range(rng.randrange(1, 9))]
+        heads = rng.randrange(1, 6)
+        result = simulate(STD, SchedulerSpec(scheduler, args, 64, 1),
+                          backward_work(lengths, heads), ctas=rng.randrange(1, 20))
+        assert result.covered_exactly_once and result.terminated, (lengths, heads)
+        assert result.tiles == heads * sum(-(-n // 64) for n in lengths)
+
+
+def _broken_persistent() -> str:
+    """The standard Persistent scheduler with one bug: it strides twice as far."""
+    text = (REPO / "mhadsl/std/schedulers.mha").read_text()
+    rules = text[text.index("scheduler Persistent"):text.index("// Dynamic persistent")]
+    assert "state.idx += grid_dim.x" in rules
+    return 'import "std/schedulers.mha"\n' + rules.replace(
+        "scheduler Persistent", "scheduler Skips").replace(
+        "state.idx += grid_dim.x", "state.idx += 2 * grid_dim.x")
+
+
+def test_a_scheduler_that_skips_backward_work_is_caught(tmp_path, capsys):
+    from mhadsl.cli import main
+    path = tmp_path / "broken.mha"
+    path.write_text(_broken_persistent())
+    program = mhadsl.compile(str(path)).checked
+    result = simulate(program, SchedulerSpec("Skips", (("num_ctas", 4),), 64, 1),
+                      backward_work([300, 64], 3), ctas=4)
+    assert not result.covered_exactly_once and result.missing
+    assert main(["simulate", str(path), "--scheduler", "Skips", "--seqlens", "300,64",
+                 "--heads", "3", "--ctas", "4", "--backward", "--json"]) == 3
+    std = str(REPO / "mhadsl/std/schedulers.mha")
+    assert main(["simulate", std, "--scheduler", "LPT", "--seqlens", "300,64", "--heads", "3",
+                 "--backward", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert out["covered_exactly_once"] and out["tiles"] == 3 * (5 + 1)
+
+
+@pytest.mark.parametrize("extra", [["--gqa", "2"], ["--kv-splits", "2"],
+                                   ["--kernel", "causal_fwd"]])
+def test_backward_simulation_option_errors(extra, capsys):
+    from mhadsl.cli import main
+    rc = main(["simulate", str(EXAMPLES[0].parent / "causal.mha"), "--scheduler", "LPT",
+               "--seqlens", "300", "--heads", "4", "--backward", *extra])
+    assert rc == 2 and "--backward" in capsys.readouterr().err
+
+
+def test_deterministic_must_be_a_bool():
+    kern = mhadsl.compile(EXAMPLES[0].parent / "causal.mha")["causal_fwd"]
+    with pytest.raises(TypeError, match="deterministic"):
+        kern.backward(**_arrays(), deterministic="yes")

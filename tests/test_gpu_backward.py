@@ -2,7 +2,9 @@
 dQ, dK and dV of fresh random inputs within 1e-2 relative error (Frobenius norm) for dense
 and ragged batches with lengths 0, 1, 127, 129 and 3000, Sq != Sk, the mask and score
 examples (causal, bottom-right causal, a window, ALiBi, softcap), GQA and MQA, head dims
-64/128, bf16 and fp16; and through the torch operator's autograd (`out.backward()`)."""
+64/128, bf16 and fp16; through the torch operator's autograd (`out.backward()`); the main
+kernel driven by each standard scheduler and a user's; and deterministic mode bitwise
+repeatable over 20 runs."""
 import numpy as np
 import pytest
 
@@ -52,11 +54,18 @@ def assert_close(name, got, want, dout):
     assert err < 1e-2, (name, err, got.shape)
 
 
-def assert_gradients(kern, args):
+def assert_gradients(kern, args, deterministic=False, runs=1):
+    """The gradients against the reference; with `runs` > 1, every run's bitwise the same."""
     offsets = {n: args[n] for n in ("cu_seqlens_q", "cu_seqlens_k") if n in args}
     out, lse = kern(**args, return_lse=True)
     dout = torch.randn_like(out)
-    grads = kern.backward(args["q"], args["k"], args["v"], out, lse, dout, **offsets)
+    grads = kern.backward(args["q"], args["k"], args["v"], out, lse, dout, **offsets,
+                          deterministic=deterministic)
+    for _ in range(runs - 1):
+        again = kern.backward(args["q"], args["k"], args["v"], out, lse, dout, **offsets,
+                              deterministic=deterministic)
+        for name, first, later in zip(("dq", "dk", "dv"), grads, again):
+            assert torch.equal(first, later), f"{name} differs between runs"
     ref = mhadsl.reference_backward(kern, args["q"], args["k"], args["v"], dout, **offsets)
     for name, got, want, like in zip(("dq", "dk", "dv"), grads, ref, "qkv"):
         assert got.shape == args[like].shape and got.dtype == args[like].dtype
@@ -142,12 +151,13 @@ def test_torch_compile_forward_and_backward():
         assert torch.allclose(eager, compiled, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("variant", [dict(dq_passes=2), dict(block_m=32),
-                                     dict(block_m=32, dq_passes=2),
-                                     dict(block_n=128, num_warps=8)],
-                         ids=["dq-passes-2", "block-m-32", "block-m-32-dq-passes-2", "8-warps"])
+@pytest.mark.parametrize("variant", [
+    dict(dq_passes=2, park_work_tile=False), dict(block_m=32, opaque_env=False),
+    dict(block_m=32, dq_passes=2), dict(block_n=128, num_warps=8)],
+    ids=["dq-passes-2-held", "block-m-32-env-held", "block-m-32-dq-passes-2", "8-warps"])
 def test_every_fallback_build_is_correct(variant, monkeypatch, tmp_path):
-    """The builds `Backward.configs` falls back to when ptxas spills, each forced."""
+    """The builds and IR shapes `Backward.configs` falls back to when ptxas spills, each
+    forced, atomic and deterministic."""
     from dataclasses import replace
 
     from mhadsl.backward import _state
@@ -158,12 +168,83 @@ def test_every_fallback_build_is_correct(variant, monkeypatch, tmp_path):
     def forced(source, configs, target):
         config = replace(configs[0], **variant)
         return spill_free_build(BACKEND.name, target, [
-            (config, lambda: build_backward_module(config, source.hooks, target))])
+            (config, lambda: build_backward_module(
+                config, source.hooks, target, source.work_loop(*BACKEND.scheduler_shape(config))))])
     monkeypatch.setattr(BACKEND, "build", forced)
-    for file, name, hq, hkv in (("gqa.mha", "gqa_causal", 8, 2),
-                                ("softcap.mha", "softcap_causal", 2, 2)):
+    for file, name, hq, hkv, dense_deterministic in (("gqa.mha", "gqa_causal", 8, 2, False),
+                                                     ("softcap.mha", "softcap_causal", 2, 2,
+                                                      True)):
         kern = kernel(file, name)
-        assert_gradients(kern, dense(kern, 2, 200, 200, hq, hkv))
-        assert_gradients(kern, ragged(kern, [129, 0, 300], [129, 64, 300], hq, hkv))
+        assert_gradients(kern, dense(kern, 2, 200, 200, hq, hkv), dense_deterministic)
+        assert_gradients(kern, ragged(kern, [129, 0, 300], [129, 64, 300], hq, hkv),
+                         not dense_deterministic)
         configs = {config for _functions, config, _module in _state(kern).modules.values()}
-        assert configs and all(replace(c, **variant) == c for c in configs)
+        assert len(configs) == 2 and all(replace(c, **variant) == c for c in configs)
+
+
+@pytest.mark.parametrize("file, name, hq, hkv", [
+    ("gqa.mha", "gqa_causal", 8, 2), ("causal.mha", "causal_fwd", 2, 2),
+    ("plain.mha", "plain_fwd", 4, 4), ("softcap.mha", "softcap_causal", 2, 2),
+    ("bottom_right_causal.mha", "bottom_right_causal", 2, 2)])
+def test_deterministic_mode_is_bitwise_repeatable_and_correct(file, name, hq, hkv):
+    """20 runs bitwise the same (dQ without atomics; dK, dV summed over the GQA group in
+    one order), against the float64 reference; dense (2 x 1000 rows: 16 K/V tiles add
+    into every dQ row) and ragged."""
+    kern = kernel(file, name)
+    assert_gradients(kern, dense(kern, 2, 1000, 1000, hq, hkv), deterministic=True, runs=20)
+    assert_gradients(kern, ragged(kern, [700, 0, 1, 129], [900, 64, 1, 129], hq, hkv),
+                     deterministic=True, runs=20)
+
+
+def test_deterministic_through_autograd_follows_torch():
+    """`torch.use_deterministic_algorithms(True)` (and the operator's `deterministic=True`)
+    run the deterministic kernels: bitwise repeatable gradients through `out.backward()`."""
+    from mhadsl.backward import _state
+    kern = kernel("gqa.mha", "gqa_causal")
+    op = kern.torch_op()
+    args = dense(kern, 2, 513, 513, 8, 2)
+    dout = torch.randn(2, 513, 8, kern.options.head_dim, device="cuda", dtype=torch.bfloat16)
+
+    def grads(**options):
+        q, k, v = (args[n].clone().requires_grad_() for n in "qkv")
+        op(q, k, v, **options)[0].backward(dout)
+        return [t.grad for t in (q, k, v)]
+
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = grads()
+        for _ in range(4):
+            assert all(torch.equal(a, b) for a, b in zip(first, grads()))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert all(torch.equal(a, b) for a, b in zip(first, grads(deterministic=True)))
+    assert {key[-1] for key in _state(kern).modules} == {True}
+    ref = mhadsl.reference_backward(kern, args["q"], args["k"], args["v"], dout)
+    for name, got, want in zip(("dq", "dk", "dv"), first, ref):
+        assert_close(name, got, want, dout)
+
+
+SCHEDULED = """
+import "queued_rotate.mha"
+attention lpt { dtype = bf16  head_dim = 128  gqa = 4  scheduler = LPT(num_ctas = 3)
+                mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention queued { dtype = bf16  head_dim = 128  gqa = 4
+                   scheduler = Queued(order = LONGEST_FIRST, heads_per_section = 1)
+                   mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention persistent { dtype = fp16  head_dim = 64  gqa = 4  scheduler = Persistent(num_ctas = 7)
+                       mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx + seqlen_k - seqlen_q }
+attention transient { dtype = bf16  head_dim = 128  gqa = 4  scheduler = Transient() }
+attention users { dtype = bf16  head_dim = 64  gqa = 4  scheduler = MyQueued(num_ctas = 5)
+                  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+"""
+
+
+@pytest.mark.parametrize("name", ["lpt", "queued", "persistent", "transient", "users"])
+def test_the_scheduler_drives_the_backward(name):
+    """The main kernel's K/V tiles come from the declaration's scheduler (few CTAs: many
+    tiles each, in the scheduler's order; `users`: examples/queued_rotate.mha's, which
+    skips tiles past a sequence's end in a `while`), dense and ragged, GQA 4:1, Sq != Sk."""
+    kern = mhadsl.compile(SCHEDULED, name="scheduled", include_dirs=[REPO / "examples"])[name]
+    assert_gradients(kern, dense(kern, 2, 300, 450, 8, 2))
+    assert_gradients(kern, ragged(kern, [129, 0, 300, 64], [200, 64, 300, 1], 8, 2))

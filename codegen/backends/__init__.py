@@ -132,6 +132,7 @@ class Layout:
     return_lse: bool = False
     cache: CacheLayout | None = None  # a decode call's cache (None: q, k, v)
     backward: bool = False  # the backward pass's kernels
+    deterministic: bool = False  # the backward's, bitwise repeatable (no dQ atomics)
 
     @property
     def workload(self) -> str:
@@ -303,6 +304,11 @@ class Backend(ABC):
     @abstractmethod
     def launch_shape(self, config) -> LaunchShape:
         ...
+
+    def scheduler_shape(self, config) -> tuple[int, int]:
+        """(tile height, query heads per head) of the work space the design hands its
+        scheduler: by default a work tile is a query tile of a query head."""
+        return config.block_m, config.gqa_group
 
     @abstractmethod
     def build(self, source: KernelSource, configs: tuple, target: Target) -> KernelBuild:

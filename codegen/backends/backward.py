@@ -1,53 +1,74 @@
 """The backward pass: a FlashAttention-2-class design in LLVM IR for sm_80 and sm_90a.
 
-Three kernels in one module, sharing one parameter list (`ABI`):
+Kernels in one module, sharing one parameter list (`ABI`), launched in `kernel_names` order:
 
 - `mha_bwd_preprocess`: delta = rowsum(dO * O) in fp32 per (batch, head, row), in the LSE's
-  layout, and the fp32 dQ accumulator's rows zeroed;
-- `mha_bwd`: a CTA owns one K/V tile (block_n rows) of one (batch, K/V head), keeps K and V
-  in shared memory and dK, dV in registers, and loops over the query tiles of every query
-  head of its GQA group that the mask's classification does not prove empty. Per query
-  tile it recomputes P from Q, K and the forward's LSE, then
+  layout, and (atomic mode) the fp32 dQ accumulator's rows zeroed;
+- `mha_bwd`: the declaration's scheduler hands out the work tiles (its work loop; the work
+  space as it sees it: `scheduler_view`): one K/V tile (block_n rows) of one (batch, K/V
+  head) each. The CTA keeps K and V in shared memory and dK, dV in registers, and loops over
+  the query tiles of every query head of its GQA group that the mask's classification does
+  not prove empty. Per query tile it recomputes P from Q, K and the forward's LSE, then
       dV += P^T dO,  dP = dO V^T,  dS = P * (dP - delta) * dscore/ds,
-      dK += dS^T Q,  dQ += dS K  (fp32 atomics into the accumulator);
-  the softmax scale is applied once at the end (dK here, dQ in the postprocess);
-- `mha_bwd_postprocess`: dQ = scale * accumulator, in q's dtype.
+      dK += dS^T Q,  and in atomic mode dQ += dS K (fp32 atomics into the accumulator);
+  the softmax scale is applied once at the end (dK here, dQ in the last kernel);
+- atomic mode: `mha_bwd_postprocess`: dQ = scale * accumulator, in q's dtype;
+- deterministic mode (`BackwardConfig.deterministic`): `mha_bwd_dq`, the main kernel with
+  the sides swapped: a CTA owns one query tile (block_n rows) of one (batch, query head),
+  steps over its K/V tiles (DQ_STEP rows), recomputes P and dS and sums dQ = dS K in
+  registers, K/V tile after K/V tile, then writes dQ. No atomics and no CTA waits for
+  another, so every run adds in the same order whatever order the CTAs run in. dK and dV
+  are deterministic in both modes: one CTA sums them in registers, over the group's query
+  heads in a fixed order.
 
-Work split of `mha_bwd` (4 warps): each warp owns block_n / num_warps K/V rows and computes
-its rows of the transposed tiles S^T = K Q^T and dP^T = V dO^T, so P^T and dS^T are already
-the A operands of dV += P^T dO and dK += dS^T Q (no transposes through shared memory). dS^T
-goes to shared memory once (16-bit) for dQ = dS K, which the warps split by head-dim
+Work split of `mha_bwd` and `mha_bwd_dq` (4 warps; `_TileKernel`): each warp owns
+block_n / num_warps of the CTA's rows and computes its rows of S = A B^T and dP, where A is
+the CTA's own side (K and V in `mha_bwd`, so it computes the transposed tiles S^T = K Q^T
+and dP^T = V dO^T; Q and dO in `mha_bwd_dq`), so P (P^T) and dS (dS^T) are already the A
+operands of the products that follow (no transposes through shared memory). In atomic mode
+dS^T goes to shared memory once (16-bit) for dQ = dS K, which the warps split by head-dim
 columns and add into the accumulator (`red.global.add.v4.f32` on sm_90a, four columns per
-lane after a swap with the neighbouring lane; scalar atomics on sm_80). Each step's Q, dO,
-LSE and delta are fetched by cp.async into one of two stages while the other computes. Every
-shared tile with 128-byte multiples for rows has its 16-byte chunks XOR-swizzled by row % 8,
-as in sm80 (dS^T of a 32-row query step has 64-byte rows: plain). One CTA per (K/V tile,
-K/V head, batch); grids are `grids()`'s.
+lane after a swap with the neighbouring lane; scalar atomics on sm_80). Each step's inputs
+(Q, dO, LSE and delta; K and V in `mha_bwd_dq`) are fetched by cp.async into one of two
+stages while the other computes. Every shared tile with 128-byte multiples for rows has its
+16-byte chunks XOR-swizzled by row % 8, as in sm80 (dS^T of a 32-row query step has 64-byte
+rows: plain). The preprocess, postprocess and dQ kernels run one CTA per (row tile, head,
+batch); grids are `fixed_grids()`'s.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
 from llvmlite import ir
 
 from mhadsl.codegen import nvptx, warp
-from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Stride
+from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape,
-    Layout, Problem, common_problems, ir_loop, last_index, sequence_rows, spill_free_build,
+    Layout, Problem, TileSeq, WorkLoop, common_problems, ir_loop, last_index, sequence_rows,
+    spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
+from mhadsl.codegen.scheduler import count_exit
 from mhadsl.codegen.target import Target, new_module
 
-PREPROCESS, MAIN, POSTPROCESS = "mha_bwd_preprocess", "mha_bwd", "mha_bwd_postprocess"
-KERNELS = (PREPROCESS, MAIN, POSTPROCESS)  # in launch order
+PREPROCESS, MAIN, POSTPROCESS, DQ = ("mha_bwd_preprocess", "mha_bwd", "mha_bwd_postprocess",
+                                     "mha_bwd_dq")
 SMEM_SYMBOL = "mha_bwd_smem"
 HEAD_DIMS = (64, 128)  # 256 would hold 2 x 128 f32 dK/dV accumulators per thread: past 255
 MAX_REGISTERS = 255
 ROW_THREADS = 128  # threads of the preprocess and postprocess kernels
 ROW_TILE = 64  # rows one preprocess/postprocess CTA covers
+# K/V rows per step of mha_bwd_dq, whose registers (dQ, S, dP) leave room for 64 at any config
+DQ_STEP = 64
+# what a work tile of the main kernel derives from its SeqInfo, parked in shared memory
+WORK_TILE_FIELDS = ("bidx", "hk", "k_start", "seqlen_k", "kv0", "q_start", "seqlen_q")
 
 
+def kernel_names(config: BackwardConfig) -> tuple[str, ...]:
+    """The build's kernels, in launch order."""
+    return (PREPROCESS, MAIN, DQ if config.deterministic else POSTPROCESS)
 # ============================================================================ configuration
 @dataclass(frozen=True)
 class BackwardConfig:
@@ -55,20 +76,24 @@ class BackwardConfig:
 
     dtype: str = "bf16"
     head_dim: int = 128
-    block_m: int = 64  # query rows per step of a CTA's loop
-    block_n: int = 64  # K/V rows a CTA owns
+    block_m: int = 64  # query rows per step of mha_bwd's loop
+    block_n: int = 64  # rows a CTA owns (K/V rows; query rows in mha_bwd_dq)
     num_warps: int = 4
     gqa_group: int = 1
     ragged: bool = False
     dq_passes: int = 1  # dQ = dS K in this many column passes (fewer live accumulators)
+    deterministic: bool = False  # dQ from mha_bwd_dq, not atomics (bitwise repeatable)
+    # IR shapes of one computation, for ptxas's allocation at the register cap (`configs`):
+    park_work_tile: bool = True  # the work tile's values read from shared memory per use
+    opaque_env: bool = True  # the scheduler's inputs rederived per step (`KernelArgs`)
 
     @property
     def threads(self) -> int:
         return 32 * self.num_warps
 
     @property
-    def kv_tiles_per_warp(self) -> int:
-        """16-row m-tiles of K/V rows each warp owns."""
+    def tiles_per_warp(self) -> int:
+        """16-row m-tiles of the CTA's own rows each warp computes."""
         return self.block_n // self.num_warps // 16
 
     @property
@@ -87,7 +112,7 @@ class BackwardConfig:
     @property
     def accumulators(self) -> int:
         """f32 registers per thread of dK, dV, S^T and dP^T together."""
-        return self.kv_tiles_per_warp * (2 * self.head_dim + 2 * self.block_m) // 2
+        return self.tiles_per_warp * (2 * self.head_dim + 2 * self.block_m) // 2
 
     def problems(self) -> list[Problem]:
         found = common_problems(self)
@@ -126,24 +151,33 @@ def stage_bytes(config: BackwardConfig) -> int:
 
 
 def shared_bytes(config: BackwardConfig) -> int:
-    """K, V (block_n rows), two stages (the step's and the next one's, `stage_bytes`), and
-    dS^T (block_n x block_m, 16-bit)."""
+    """`mha_bwd`'s: K, V (block_n rows), two stages (the step's and the next one's,
+    `stage_bytes`), and in atomic mode dS^T (block_n x block_m, 16-bit)."""
     c = config
-    return 2 * c.block_n * c.row_bytes + 2 * stage_bytes(c) + c.block_n * c.block_m * 2
+    ds = 0 if c.deterministic else c.block_n * c.block_m * 2
+    return 2 * c.block_n * c.row_bytes + 2 * stage_bytes(c) + ds
+
+
+def dq_shared_bytes(config: BackwardConfig) -> int:
+    """`mha_bwd_dq`'s: Q, dO (block_n rows) and two stages of K and V (DQ_STEP rows)."""
+    return 2 * config.block_n * config.row_bytes + 4 * DQ_STEP * config.row_bytes
 
 
 def launch_shapes(config: BackwardConfig) -> dict[str, LaunchShape]:
-    return {PREPROCESS: LaunchShape(PREPROCESS, ROW_THREADS, 0),
-            MAIN: LaunchShape(MAIN, config.threads, shared_bytes(config)),
-            POSTPROCESS: LaunchShape(POSTPROCESS, ROW_THREADS, 0)}
+    shapes = {PREPROCESS: LaunchShape(PREPROCESS, ROW_THREADS, 0),
+              MAIN: LaunchShape(MAIN, config.threads, shared_bytes(config)),
+              POSTPROCESS: LaunchShape(POSTPROCESS, ROW_THREADS, 0),
+              DQ: LaunchShape(DQ, config.threads, dq_shared_bytes(config))}
+    return {name: shapes[name] for name in kernel_names(config)}
 
 
-def grids(config: BackwardConfig, batch: int, heads: int, kv_heads: int, max_seqlen_q: int,
-          max_seqlen_k: int) -> dict[str, tuple[int, int, int]]:
-    """Each kernel's grid: (row tiles, heads, batch); the K/V tile of `mha_bwd` per CTA."""
+def fixed_grids(config: BackwardConfig, batch: int, heads: int,
+                max_seqlen_q: int) -> dict[str, tuple[int, int, int]]:
+    """The grids of the kernels other than `mha_bwd` (whose grid is its scheduler's):
+    (row tiles, heads, batch)."""
     rows = (max(1, -(-max_seqlen_q // ROW_TILE)), heads, batch)
-    return {PREPROCESS: rows, MAIN: (max(1, -(-max_seqlen_k // config.block_n)), kv_heads, batch),
-            POSTPROCESS: rows}
+    query_tiles = (max(1, -(-max_seqlen_q // config.block_n)), heads, batch)
+    return {PREPROCESS: rows, POSTPROCESS: rows, DQ: query_tiles}
 
 
 # ============================================================================ kernel parameters
@@ -173,6 +207,18 @@ ABI = KernelABI(
     Param("seqlen_k", "i32", CallValue("seqlen_k"), "dense key length (ignored when ragged)"),
     Param("softmax_scale", "f32", CallValue("softmax_scale"), "scale applied to q.k before "
           "the score hook / softmax"),
+    # what the main kernel's scheduler reads (`scheduler_view`)
+    Param("kv_heads", "i32", CallValue("kv_heads"), "K/V heads Hkv: the scheduler's heads"),
+    Param("max_seqlen_k", "i32", CallValue("max_seqlen_k"), "longest key sequence (dense: "
+          "seqlen_k): the scheduler's prompt tiles are its K/V tiles"),
+    Param("queue", "ptr", Workspace("queue"), "per-stream u32 workspace: the work-queue "
+          "counter and the scheduler fault record (codegen/abi.py); never null", align=4),
+    Param("num_sms", "i32", CallValue("num_sms"), "multiprocessors on the device"),
+    Param("ctas_per_sm", "i32", CallValue("ctas_per_sm"), "CTAs of the main kernel that fit "
+          "on one multiprocessor"),
+    Param("tile_index", "ptr", Workspace("tile_index"), "u32 tile index of a ragged launch's "
+          "K/V tiles (codegen/tile_index.py), built on the device from cu_seqlens_k just "
+          "before the main kernel; null when dense", align=4),
 )
 
 
@@ -297,10 +343,11 @@ def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs):
             total = b.fmul(o[0], do[0])
             for x, y in zip(o[1:], do[1:]):
                 total = warp.fma(b, x, y, total)
-            acc = k.chunk_ptr(b, "dq_accum", r, f32)
-            zero = ir.Constant(v4f, [0.0] * 4)
-            b.store(zero, acc, align=16)
-            b.store(zero, _gep(b, acc, i64(4), f32), align=16)
+            if not config.deterministic:  # (deterministic: no accumulator, mha_bwd_dq)
+                acc = k.chunk_ptr(b, "dq_accum", r, f32)
+                zero = ir.Constant(v4f, [0.0] * 4)
+                b.store(zero, acc, align=16)
+                b.store(zero, _gep(b, acc, i64(4), f32), align=16)
             return [total]
         (partial,) = _guarded(b, valid, dot, [warp.fconst(0.0)])
         for m in range(k.lanes_per_row.bit_length() - 1):  # the row's lanes: 1, 2, 4, (8)
@@ -329,7 +376,7 @@ def _emit_postprocess(b, config: BackwardConfig, args: KernelArgs):
     k.rows(b, row)
 
 
-# ============================================================================ the main kernel
+# ============================================================================ the tile kernels
 class _Lanes:
     """A thread's place in its warp and CTA (warp.py's operand conventions), and its
     16-byte chunk of the CTA's cp.async copies."""
@@ -347,30 +394,51 @@ class _Lanes:
         # `b_row` (chunk m_lo) for B operands and transposed A operands
         self.a_row = b.add(b.shl(self.m_lo, i32(3)), r8)
         self.b_row = b.add(b.shl(self.m_hi, i32(3)), r8)
-        self.warp_kv_row = b.mul(self.warp_id, i32(config.block_n // config.num_warps))
+        # the first of the CTA's own rows this warp computes
+        self.warp_row = b.mul(self.warp_id, i32(config.block_n // config.num_warps))
         chunks = config.head_dim // 8
         self.ld_row = b.udiv(tid, i32(chunks))
         self.ld_chunk = b.urem(tid, i32(chunks))
         self.ld_swz = b.add(b.mul(self.ld_row, i32(config.row_bytes)),
                             b.shl(warp.swizzle_chunk(b, self.ld_chunk, self.ld_row), i32(4)))
 
+    def own_row(self, b, i: int, r: int) -> ir.Value:
+        """The CTA's own row of this thread's accumulator rows g + 8r of m-tile i."""
+        return b.add(self.warp_row, b.add(self.g, i32(16 * i + 8 * r)))
 
-class _MainKernel:
-    """`mha_bwd`: the shared-memory layout, and the K/V tile's loop over query tiles."""
+    def step_column(self, b, j: int, e: int) -> ir.Value:
+        """The step's row (a column of the warp's tiles) of element e of n-tile j."""
+        return b.add(b.shl(self.t, i32(1)), i32(8 * j + (e & 1)))
 
-    def __init__(self, b, config: BackwardConfig, hooks: ExprHooks, args: KernelArgs,
-                 smem: ir.Value, target_arch: str):
-        c = self.c = config
-        self.hooks, self.a, self.smem = hooks, args, smem
-        self.RB, self.DSB = c.row_bytes, c.block_m * 2  # row bytes of the D-wide and dS^T tiles
-        self.k_off = 0
-        self.v_off = c.block_n * self.RB
-        # a stage: Q, dO, LSE, delta at these offsets from its start
-        self.stage0, self.stage_bytes = 2 * c.block_n * self.RB, stage_bytes(c)
-        self.in_stage = {"q": 0, "dout": c.block_m * self.RB, "lse": 2 * c.block_m * self.RB,
-                         "delta": 2 * c.block_m * self.RB + 4 * c.block_m}
-        self.ds_off = self.stage0 + 2 * self.stage_bytes
-        self.vector_red = target_arch == "sm_90a"  # red.global.add.v4.f32 is sm_90's
+
+def _flat(tiles) -> list[ir.Value]:
+    """[m-tile][n-tile][4] -> one list (a loop's carried values)."""
+    return [x for tile in tiles for frag in tile for x in frag]
+
+
+def _tiles(flat, m_tiles: int) -> list:
+    """The inverse of `_flat` for m_tiles m-tiles."""
+    n = len(flat) // m_tiles // 4
+    return [[list(flat[(i * n + j) * 4:(i * n + j + 1) * 4]) for j in range(n)]
+            for i in range(m_tiles)]
+
+
+class _TileKernel:
+    """What `mha_bwd` and `mha_bwd_dq` share. A CTA owns block_n rows of one side of the
+    attention (K/V rows in `mha_bwd`, query rows in `mha_bwd_dq`), each warp
+    16 * tiles_per_warp of them, and steps over rows of the other side (block_m in
+    `mha_bwd`, DQ_STEP in `mha_bwd_dq`), each step's inputs cp.async'ed into one of two
+    stages while the other computes: the shared tiles, the products, P and dS of a step,
+    the step loop and the store of the own rows' results.
+    A subclass sets `tile_rows`, the (query rows, K/V rows) of a step's pair of tiles, and
+    the seqlen_q, seqlen_k and bidx of its work tile."""
+
+    tile_rows: tuple[int, int]
+
+    def __init__(self, config: BackwardConfig, hooks: ExprHooks, args: KernelArgs,
+                 smem: ir.Value):
+        self.c, self.hooks, self.a, self.smem = config, hooks, args, smem
+        self.RB = config.row_bytes  # bytes of a D-wide row
 
     def _lanes(self, b) -> _Lanes:
         """This thread's lane values, derived afresh where a phase needs them: through an
@@ -379,7 +447,7 @@ class _MainKernel:
         return _Lanes(b, self.c, nvptx.opaque_special_register(b, "tid.x"))
 
     # ------------------------------------------------------------------ shared memory
-    def _bases(self, b, row, chunk, region_off: int, row_bytes: int):
+    def _bases(self, b, row, chunk, region_off, row_bytes: int):
         """(row_bytes, the lane's 32-bit shared address of (row, chunk) in the region,
         swizzled where rows are 128-byte multiples): one register per operand, where 64-bit
         pointers per XOR variant would take eight. `row` is a multiple of 8 plus r8."""
@@ -399,7 +467,7 @@ class _MainKernel:
             return b.add(base, i32(row * row_bytes + c16))
         return b.add(b.xor(base, i32(c16 & 127)), i32(row * row_bytes + (c16 & ~127)))
 
-    def _load_tile(self, b, tensor: str, first_row_off, rows_valid, rows: int, smem_off: int):
+    def _load_tile(self, b, tensor: str, first_row_off, rows_valid, rows: int, smem_off):
         """cp.async `rows` rows of `tensor` from element offset first_row_off (i64) into the
         swizzled region at smem_off; rows >= rows_valid are zero-filled."""
         a = self.a
@@ -416,19 +484,25 @@ class _MainKernel:
                              b.select(valid, src, a[tensor]),
                              b.select(valid, i32(16), i32(0)))
 
+    def _stage(self, b, stage, name: str) -> ir.Value:
+        """The shared offset of input `name` in `stage` (i32 0 or 1)."""
+        return b.add(b.add(i32(self.stage0), b.mul(stage, i32(self.stage_bytes))),
+                     i32(self.in_stage[name]))
+
     # ------------------------------------------------------------------ tile products
-    def _mma_rows(self, b, a_tile, b_tile, n_cols: int, k_depth: int):
-        """A B^T over k_depth for this warp's K/V m-tiles: A rows from the shared tile at
-        offset `a_tile` (the warp's own K/V rows), B rows from the one at `b_tile` (n_cols
-        query rows), both k-contiguous. Returns [m-tile][n-tile][4]."""
+    def _mma_rows(self, b, a_tile, b_tile, n_cols: int, k_depth: int, start=None):
+        """A B^T over k_depth for this warp's m-tiles: A rows from the shared tile at offset
+        `a_tile` (the warp's own rows), B rows from the one at `b_tile` (n_cols rows of the
+        step), both k-contiguous; added to `start(i, j, e)` (else 0). Returns
+        [m-tile][n-tile][4]."""
         c, dt = self.c, self.c.dtype
         lanes = self._lanes(b)
-        a_bases = self._bases(b, b.add(lanes.warp_kv_row, lanes.a_row), lanes.m_hi,
+        a_bases = self._bases(b, b.add(lanes.warp_row, lanes.a_row), lanes.m_hi,
                               a_tile, self.RB)
         b_bases = self._bases(b, lanes.b_row, lanes.m_lo, b_tile, self.RB)
-        MT, NT = c.kv_tiles_per_warp, n_cols // 8
-        zero = warp.fconst(0.0)
-        acc = [[[zero] * 4 for _ in range(NT)] for _ in range(MT)]
+        MT, NT = c.tiles_per_warp, n_cols // 8
+        start = start or (lambda i, j, e: warp.fconst(0.0))
+        acc = [[[start(i, j, e) for e in range(4)] for j in range(NT)] for i in range(MT)]
         for kk in range(k_depth // 16):
             fa = [_ldmatrix(b, self._at(b, a_bases, i * 16, 2 * kk)) for i in range(MT)]
             for jp in range(NT // 2):
@@ -440,8 +514,8 @@ class _MainKernel:
         return acc
 
     def _pack(self, b, tiles):
-        """[m-tile][q n-tile][4] f32 -> the A operands [m-tile][k-slice][4 x i32] of a
-        product whose k dimension is the query columns (16-bit, as P in sm80's P V)."""
+        """[m-tile][n-tile][4] f32 -> the A operands [m-tile][k-slice][4 x i32] of a product
+        whose k dimension is the step's rows (16-bit, as P in sm80's P V)."""
         dt = self.c.dtype
         return [[[warp.pack2(b, dt, t[2 * s][0], t[2 * s][1]),
                   warp.pack2(b, dt, t[2 * s][2], t[2 * s][3]),
@@ -451,11 +525,11 @@ class _MainKernel:
 
     def _mma_registers(self, b, packed, bt_tile, acc):
         """acc += T B for this warp: T packed by `_pack`, B = the shared tile at offset
-        `bt_tile` (block_m x head_dim), transposed by ldmatrix."""
+        `bt_tile` (the step's rows x head_dim), transposed by ldmatrix."""
         c, dt = self.c, self.c.dtype
         lanes = self._lanes(b)
         bt_bases = self._bases(b, lanes.a_row, lanes.m_hi, bt_tile, self.RB)
-        for s in range(c.block_m // 16):
+        for s in range(len(packed[0])):
             fa = [t[s] for t in packed]
             for jp in range(c.head_dim // 16):
                 fb = _ldmatrix(b, self._at(b, bt_bases, s * 16, 2 * jp), trans=True)
@@ -465,218 +539,79 @@ class _MainKernel:
                                                            acc[i][2 * jp + 1])
         return acc
 
-    # ------------------------------------------------------------------ the kernel body
-    def emit(self, b):
-        c, a = self.c, self.a
-        MT, DT = c.kv_tiles_per_warp, c.head_dim // 8
-        n = nvptx.special_register(b, "block_idx", "x")
-        hk = nvptx.special_register(b, "block_idx", "y")
-        bidx = nvptx.special_register(b, "block_idx", "z")
-        k_start, seqlen_k = sequence_rows(b, c.ragged, a.cu_seqlens_k, a.seqlen_k, bidx)
-        q_start, seqlen_q = sequence_rows(b, c.ragged, a.cu_seqlens_q, a.seqlen_q, bidx)
-        kv0 = b.mul(n, i32(c.block_n))
-        with b.if_then(b.icmp_signed("<", kv0, seqlen_k)):
-            self.bidx, self.seqlen_q, self.seqlen_k = bidx, seqlen_q, seqlen_k
-            self.q_start, self.kv0 = q_start, kv0
-            self.kv_hi = last_index(b, kv0, c.block_n, seqlen_k)
-            kv_row = b.add(k_start, kv0)
-            for tensor, off in (("k", self.k_off), ("v", self.v_off)):
-                self._load_tile(b, tensor, _row_offset(b, a, c.ragged, tensor, bidx, kv_row, hk),
-                                b.sub(seqlen_k, kv0), c.block_n, off)
-            warp.cp_async_commit(b)
-
-            q_tiles = b.udiv(b.add(seqlen_q, i32(c.block_m - 1)), i32(c.block_m))
-            steps = b.mul(q_tiles, i32(c.gqa_group))
-            head0 = b.mul(hk, i32(c.gqa_group))
-
-            def step_of(b, s):  # (query head, first query row) of step s: heads outermost
-                return b.add(head0, b.udiv(s, q_tiles)), b.mul(b.urem(s, q_tiles),
-                                                               i32(c.block_m))
-
-            zero = warp.fconst(0.0)
-            count = MT * DT * 4
-            init = [zero] * (2 * count)
-
-            def body(b, s, carried):
-                # the next step's inputs go to the other stage while this one computes
-                stage = carried[-1]
-                nxt = self._next_step(b, b.add(s, i32(1)), steps, step_of)
-                nvptx.barrier_all(b)  # every warp is done with the other stage and dS
-                with b.if_then(b.icmp_signed("<", nxt, steps)):
-                    self._issue(b, *step_of(b, nxt), b.sub(i32(1), stage))
-                warp.cp_async_commit(b)
-                warp.cp_async_wait(b, 1)  # this step's group (and K, V) landed
-                nvptx.barrier_all(b)
-                dk = [[list(carried[(i * DT + j) * 4:(i * DT + j + 1) * 4]) for j in range(DT)]
-                      for i in range(MT)]
-                dv = [[list(carried[count + (i * DT + j) * 4:count + (i * DT + j + 1) * 4])
-                       for j in range(DT)] for i in range(MT)]
-                dk, dv = self._step(b, *step_of(b, s), stage, dk, dv)
-                flat = [x for acc in (dk, dv) for tile in acc for frag in tile for x in frag]
-                return nxt, flat + [b.sub(i32(1), stage)]
-
-            first = self._next_step(b, i32(0), steps, step_of)
-            with b.if_then(b.icmp_signed("<", first, steps)):
-                self._issue(b, *step_of(b, first), i32(0))
-            warp.cp_async_commit(b)
-            final = ir_loop(b, first, steps, init + [i32(0)], body)
-            self._store_dkdv(b, hk, kv_row, final[:count], final[count:2 * count])
-
-    def _classify(self, b, h, q0):
-        """(may hold a kept pair, every pair kept) for the query tile at q0 of head h and
-        this CTA's K/V tile; a K/V tile past seqlen_k is never all kept (the query tile's
-        tail rows get P = 0 from their LSE entry, see `_step`)."""
-        c, hooks = self.c, self.hooks
-        in_bounds = b.icmp_signed("<=", b.add(self.kv0, i32(c.block_n)), self.seqlen_k)
+    # ------------------------------------------------------------------ P and dS
+    def _classify(self, b, h, q0, kv0):
+        """(may hold a kept pair, every pair kept) for the pair of tiles at q0 and kv0 of
+        head h (`tile_rows`); a K/V tile past seqlen_k is never all kept (query rows past
+        the sequence get P = 0 from their LSE, see `_neg_lse`)."""
+        q_rows, kv_rows = self.tile_rows
+        hooks = self.hooks
+        seqlen_q, seqlen_k = self.seqlen_q, self.seqlen_k
+        in_bounds = b.icmp_signed("<=", b.add(kv0, i32(kv_rows)), seqlen_k)
         if hooks.classify is None:
             return ir.Constant(i1, 1), in_bounds if hooks.mask is None else ir.Constant(i1, 0)
-        q_hi = last_index(b, q0, c.block_m, self.seqlen_q)
-        may, always = hooks.classify(b, self.bidx, h, q0, q_hi, self.kv0, self.kv_hi,
-                                     self.seqlen_q, self.seqlen_k)
+        may, always = hooks.classify(b, self.bidx, h, q0, last_index(b, q0, q_rows, seqlen_q),
+                                     kv0, last_index(b, kv0, kv_rows, seqlen_k),
+                                     seqlen_q, seqlen_k)
         return may, b.and_(always, in_bounds)
 
-    def _next_step(self, b, start, steps, step_of):
-        """The first step >= start whose query tile may hold a kept pair, or `steps`: empty
-        tiles are never loaded or computed."""
-        if self.hooks.classify is None:
-            return start
-
-        def scan(b, s, _):
-            h, q0 = step_of(b, s)
-            may, _always = self._classify(b, h, q0)
-            # found: jump past the end with the step in the carried value
-            return b.select(may, b.add(steps, i32(1)), b.add(s, i32(1))), [
-                b.select(may, s, steps)]
-        (found,) = ir_loop(b, start, steps, [steps], scan)
-        return found
-
-    def _issue(self, b, h, q0, stage):
-        """cp.async the query tile at q0 of head h (Q, dO, and the LSE and delta of its
-        rows; rows past the sequence zero-filled) into `stage` (i32 0 or 1)."""
-        c, a = self.c, self.a
-        base = b.add(i32(self.stage0), b.mul(stage, i32(self.stage_bytes)))
-        q_row = b.add(self.q_start, q0)
-        rows_valid = b.sub(self.seqlen_q, q0)
-        for tensor in ("q", "dout"):
-            self._load_tile(b, tensor, _row_offset(b, a, c.ragged, tensor, self.bidx, q_row, h),
-                            rows_valid, c.block_m, b.add(base, i32(self.in_stage[tensor])))
-        tid = self._lanes(b).tid
-        with b.if_then(b.icmp_unsigned("<", tid, i32(c.block_m))):
-            valid = b.icmp_signed("<", tid, rows_valid)
-            off = _lse_offset(b, a, self.bidx, h, b.add(q_row, b.select(valid, tid, i32(0))))
-            for name in ("lse", "delta"):
-                dst = b.add(base, b.add(b.shl(tid, i32(2)), i32(self.in_stage[name])))
-                nvptx.call(b, "llvm.nvvm.cp.async.ca.shared.global.4.s", nvptx.void,
-                           [warp.smem_ptr(b, self.smem, dst), _gep(b, a[name], off, f32),
-                            b.select(valid, i32(4), i32(0))])
-
-    def _step(self, b, h, q0, stage, dk, dv):
-        """One query tile of head h, its inputs in `stage`: dV, dK updated, dQ added into
-        the accumulator."""
-        c, a, hooks = self.c, self.a, self.hooks
-        MT, NQ = c.kv_tiles_per_warp, c.block_m // 8
-        q_row = b.add(self.q_start, q0)
-        rows_valid = b.sub(self.seqlen_q, q0)
-        base = b.add(i32(self.stage0), b.mul(stage, i32(self.stage_bytes)))
-        q_tile, do_tile = (b.add(base, i32(self.in_stage[n])) for n in ("q", "dout"))
-
-        lanes = self._lanes(b)
-
-        def column_values(name):  # this thread's query columns' values: [n-tile][e & 1]
-            v2 = ir.VectorType(f32, 2)
-            out = []
-            first = b.add(b.add(base, i32(self.in_stage[name])), b.shl(lanes.t, i32(3)))
-            for j in range(NQ):
-                byte = b.add(first, i32(32 * j))
-                pair = b.load(warp.smem_ptr(b, self.smem, byte), typ=v2, align=8)
-                out.append([b.extract_element(pair, i32(e)) for e in range(2)])
-            return out
-
-        def q_idx(j, e):
-            return b.add(q0, b.add(b.shl(lanes.t, i32(1)), i32(8 * j + (e & 1))))
-
-        def kv_idx(i, e):
-            return b.add(self.kv0, b.add(lanes.warp_kv_row,
-                                         b.add(lanes.g, i32(16 * i + 8 * (e >> 1)))))
-
-        # S^T = K Q^T, then P^T (and G = P^T * dscore/ds with a score rule)
-        S = self._mma_rows(b, self.k_off, q_tile, c.block_m, c.head_dim)
-        # -LSE*log2(e) per column; -inf (P = 0) for rows without a kept key or past the end
+    @staticmethod
+    def _neg_lse(b, lse, q_idx, seqlen_q):
+        """-LSE * log2(e) of query row q_idx; -inf (P = 0) for a row without a kept key
+        (LSE -inf) or past the sequence."""
         ninf = warp.fconst(warp.NEG_INF)
-        neg_lse = [[b.select(b.or_(b.icmp_signed(">=", q_idx(j, e), self.seqlen_q),
-                                   b.fcmp_ordered("==", lse, ninf)),
-                             ninf, b.fmul(lse, warp.fconst(-warp.LOG2E)))
-                    for e, lse in enumerate(pair)]
-                   for j, pair in enumerate(column_values("lse"))]
-        elements = [(i, j, e) for i in range(MT) for j in range(NQ) for e in range(4)]
-        P = [[[None] * 4 for _ in range(NQ)] for _ in range(MT)]
-        G = [[[None] * 4 for _ in range(NQ)] for _ in range(MT)]
+        return b.select(b.or_(b.icmp_signed(">=", q_idx, seqlen_q),
+                              b.fcmp_ordered("==", lse, ninf)),
+                        ninf, b.fmul(lse, warp.fconst(-warp.LOG2E)))
+
+    def _probabilities(self, b, h, q0, kv0, S, q_idx, kv_idx, neg_lse):
+        """P = exp(score - LSE) of the step's scores S ([m-tile][n-tile][4]), 0 for pairs
+        outside the K/V sequence or the mask, as `_pack`'s A operands (16-bit: P is dV's
+        operand in `mha_bwd`), and G = P * dscore/ds in bf16 pairs (None without a score
+        rule). q_idx, kv_idx, neg_lse: element (i, j, e)'s query row, key row and `_neg_lse`."""
+        a, hooks = self.a, self.hooks
+        elements = [(i, j, e) for i in range(len(S)) for j in range(len(S[0]))
+                    for e in range(4)]
+        P = [[[None] * 4 for _ in mt] for mt in S]
+        G = [[[None] * 4 for _ in mt] for mt in S]
         log2_scale = b.fmul(a.softmax_scale, warp.fconst(warp.LOG2E))
+        bidx = self.bidx if hooks.score is not None else None
         for i, j, e in elements:
             s = S[i][j][e]
             if hooks.score is not None:
                 scaled = b.fmul(s, a.softmax_scale)
-                score = hooks.score(b, scaled, self.bidx, h, q_idx(j, e), kv_idx(i, e))
-                p = warp.ex2(b, warp.fma(b, score, warp.fconst(warp.LOG2E), neg_lse[j][e & 1]))
-                G[i][j][e] = b.fmul(p, hooks.derivative(b, scaled, self.bidx, h, q_idx(j, e),
-                                                        kv_idx(i, e)))
+                qi, ki = q_idx(i, j, e), kv_idx(i, j, e)
+                score = hooks.score(b, scaled, bidx, h, qi, ki)
+                p = warp.ex2(b, warp.fma(b, score, warp.fconst(warp.LOG2E), neg_lse(i, j, e)))
+                G[i][j][e] = b.fmul(p, hooks.derivative(b, scaled, bidx, h, qi, ki))
             else:
-                p = warp.ex2(b, warp.fma(b, s, log2_scale, neg_lse[j][e & 1]))
+                p = warp.ex2(b, warp.fma(b, s, log2_scale, neg_lse(i, j, e)))
             P[i][j][e] = p
         # P and G = P * dscore/ds stay 16-bit until dS (P as dV's operand, G in bf16 for
-        # its range): the f32 tiles die here, so registers suffice beside dK and dV
+        # its range): the f32 tiles die here, so registers suffice beside the accumulators
+        always = self._classify(b, h, q0, kv0)[1]
         if hooks.score is None:
-            P = self._masked(b, h, q0, [P], elements, q_idx, kv_idx)[0]
-            G = None
-        else:
-            P, G = self._masked(b, h, q0, [P, G], elements, q_idx, kv_idx)
-            G = [[[warp.pack2(b, "bf16", t[2 * e2], t[2 * e2 + 1]) for e2 in range(2)]
-                  for t in mt] for mt in G]
-        packed_p = self._pack(b, P)
+            return self._pack(b, self._masked(b, h, always, [P], elements, q_idx,
+                                              kv_idx)[0]), None
+        P, G = self._masked(b, h, always, [P, G], elements, q_idx, kv_idx)
+        return self._pack(b, P), [[[warp.pack2(b, "bf16", t[2 * e2], t[2 * e2 + 1])
+                                    for e2 in range(2)] for t in mt] for mt in G]
 
-        dv = self._mma_registers(b, packed_p, do_tile, dv)
-        dP = self._mma_rows(b, self.v_off, do_tile, c.block_m, c.head_dim)
-        delta = column_values("delta")
-        if G is None:  # P's 16-bit values, from the A operands they are in
-            G = [[_unpack_pairs(b, c.dtype, [frags[j // 2][2 * (j % 2)],
-                                             frags[j // 2][2 * (j % 2) + 1]])
-                  for j in range(NQ)] for frags in packed_p]
-        else:
-            G = [[_unpack_pairs(b, "bf16", t) for t in mt] for mt in G]
-        dS = [[[b.fmul(G[i][j][e], b.fsub(dP[i][j][e], delta[j][e & 1])) for e in range(4)]
-               for j in range(NQ)] for i in range(MT)]
-        dk = self._mma_registers(b, self._pack(b, dS), q_tile, dk)
-
-        # dS^T (16-bit) to shared memory, then dQ = dS K into the accumulator
-        lanes = self._lanes(b)
-        for i in range(MT):
-            for r in range(2):
-                row = b.add(lanes.warp_kv_row, b.add(lanes.g, i32(16 * i + 8 * r)))
-                row_base = b.add(b.mul(row, i32(self.DSB)), b.add(b.shl(lanes.t, i32(2)),
-                                                                   i32(self.ds_off)))
-                for j in range(NQ):
-                    chunk = b.xor(lanes.g, i32(j)) if self.DSB % 128 == 0 else i32(j)
-                    off = b.add(row_base, b.shl(chunk, i32(4)))
-                    val = warp.pack2(b, c.dtype, dS[i][j][2 * r], dS[i][j][2 * r + 1])
-                    warp.store(b, val, warp.smem_ptr(b, self.smem, off), align=4)
-        nvptx.barrier_all(b)
-        self._dq(b, h, q_row, rows_valid)
-        return dk, dv
-
-    def _masked(self, b, h, q0, tiles, elements, q_idx, kv_idx):
+    def _masked(self, b, h, always, tiles, elements, q_idx, kv_idx):
         """Each of `tiles` ([m-tile][n-tile][4] f32) with the pairs outside the K/V sequence
-        or the mask set to 0; tiles the classification proves full skip the per-element
-        code (a branch and phis)."""
+        or the mask set to 0; pairs of tiles the classification proves full (`always`)
+        skip the per-element code (a branch and phis)."""
         hooks = self.hooks
-        _, always = self._classify(b, h, q0)
         pre = b.block
         with b.if_then(b.not_(always)):
             kept = [[[list(t) for t in mt] for mt in tile] for tile in tiles]
+            bidx, seqlen_q, seqlen_k = self.bidx, self.seqlen_q, self.seqlen_k
             for i, j, e in elements:
-                keep = b.icmp_signed("<", kv_idx(i, e), self.seqlen_k)
+                ki = kv_idx(i, j, e)
+                keep = b.icmp_signed("<", ki, seqlen_k)
                 if hooks.mask is not None:
-                    keep = b.and_(keep, hooks.mask(b, self.bidx, h, q_idx(j, e), kv_idx(i, e),
-                                                   self.seqlen_q, self.seqlen_k))
+                    keep = b.and_(keep, hooks.mask(b, bidx, h, q_idx(i, j, e), ki, seqlen_q,
+                                                   seqlen_k))
                 for out, tile in zip(kept, tiles):
                     out[i][j][e] = b.select(keep, tile[i][j][e], warp.fconst(0.0))
             then = b.block
@@ -688,6 +623,271 @@ class _MainKernel:
                 phi.add_incoming(tile[i][j][e], pre)
                 out[i][j][e] = phi
         return merged
+
+    def _ds(self, b, packed_p, G, dP_delta):
+        """dS = G * (dP - delta) ([m-tile][n-tile][4] f32) from dP - delta (the product
+        started from -delta, so delta takes no registers of its own beside dP), G = P
+        without a score rule (its 16-bit values, from the A operands they are in)."""
+        dt = self.c.dtype
+        if G is None:
+            G = [[_unpack_pairs(b, dt, [frags[j // 2][2 * (j % 2)],
+                                        frags[j // 2][2 * (j % 2) + 1]])
+                  for j in range(len(dP_delta[0]))] for frags in packed_p]
+        else:
+            G = [[_unpack_pairs(b, "bf16", t) for t in mt] for mt in G]
+        return [[[b.fmul(g, x) for g, x in zip(gt, xt)] for gt, xt in zip(gm, xm)]
+                for gm, xm in zip(G, dP_delta)]
+
+    # ------------------------------------------------------------------ the step loop
+    def _next_step(self, b, start, steps, pair_of):
+        """The first step >= start whose pair of tiles (`pair_of(b, s)` -> (head, q0, kv0))
+        may hold a kept pair, or `steps`: empty pairs are never loaded or computed."""
+        if self.hooks.classify is None:
+            return start
+
+        def scan(b, s, _):
+            may, _always = self._classify(b, *pair_of(b, s))
+            # found: jump past the end with the step in the carried value
+            return b.select(may, b.add(steps, i32(1)), b.add(s, i32(1))), [
+                b.select(may, s, steps)]
+        (found,) = ir_loop(b, start, steps, [steps], scan)
+        return found
+
+    def _step_loop(self, b, steps, pair_of, issue, compute, init: list[ir.Value]):
+        """The CTA's loop over its steps in [0, steps) that `_next_step` keeps: the next
+        step's inputs go to the other stage (`issue(b, s, stage)`) while this one computes
+        (`compute(b, s, stage, carried) -> carried`); the own tiles are the first cp.async
+        group. Returns the final carried values."""
+        def body(b, s, carried):
+            stage = carried[-1]
+            nxt = self._next_step(b, b.add(s, i32(1)), steps, pair_of)
+            nvptx.barrier_all(b)  # every warp is done with the other stage (and dS)
+            with b.if_then(b.icmp_signed("<", nxt, steps)):
+                issue(b, nxt, b.sub(i32(1), stage))
+            warp.cp_async_commit(b)
+            warp.cp_async_wait(b, 1)  # this step's group (and the own tiles) landed
+            nvptx.barrier_all(b)
+            return nxt, compute(b, s, stage, carried[:-1]) + [b.sub(i32(1), stage)]
+
+        first = self._next_step(b, i32(0), steps, pair_of)
+        with b.if_then(b.icmp_signed("<", first, steps)):
+            issue(b, first, i32(0))
+        warp.cp_async_commit(b)
+        final = ir_loop(b, first, steps, init + [i32(0)], body)[:-1]
+        warp.cp_async_wait(b, 0)  # none of these copies lands on the next work tile's
+        return final
+
+    def _store_own(self, b, tensor: str, head, first_row, rows_valid, flat, scale):
+        """The warp's accumulator `flat` of the CTA's own rows (times `scale` unless None),
+        in the input dtype, to rows first_row.. of `tensor`'s head `head`, those below
+        rows_valid."""
+        c, a = self.c, self.a
+        MT, DT = c.tiles_per_warp, c.head_dim // 8
+        lanes = self._lanes(b)
+        for i in range(MT):
+            for r in range(2):
+                row = lanes.own_row(b, i, r)
+                with b.if_then(b.icmp_signed("<", row, rows_valid)):
+                    off = _row_offset(b, a, c.ragged, tensor, self.bidx, b.add(first_row, row),
+                                      head)
+                    base = _gep(b, a[tensor], b.add(off, b.zext(b.shl(lanes.t, i32(1)), i64)),
+                                nvptx.i16)
+                    for j in range(DT):
+                        x = [flat[(i * DT + j) * 4 + 2 * r + e2] for e2 in range(2)]
+                        if scale is not None:
+                            x = [b.fmul(v, scale) for v in x]
+                        warp.store(b, warp.pack2(b, c.dtype, *x),
+                                   _gep(b, base, i64(8 * j), nvptx.i16), align=4)
+
+
+def scheduler_view(args: KernelArgs) -> KernelArgs:
+    """The main kernel's work space as its scheduler sees it (what the work loop reads): per
+    (sequence, K/V head) the sequence's K/V tiles are its prompt tiles (block_n rows:
+    `Backward.scheduler_shape`), from the key rows' offsets and a tile index of the K/V
+    tiles. Prompt tile t is K/V tile n - 1 - t of the sequence's n: under a causal mask the
+    first K/V tiles see the most query tiles, so a longest-first order (LPT) starts with
+    them, as the forward's starts with the last query tiles."""
+    view = copy.copy(args)
+    view.max_seqlen_q, view.seqlen_q = args.max_seqlen_k, args.seqlen_k
+    view.num_heads, view.cu_seqlens_q = args.kv_heads, args.cu_seqlens_k
+    return view
+
+
+def _parked(field: str) -> property:
+    """A work tile's value (`WORK_TILE_FIELDS`), read back from shared memory where the code
+    being emitted uses it (at the builder's point: `_MainKernel.builder`)."""
+    def reload(kernel: _MainKernel) -> ir.Value:
+        if not kernel.c.park_work_tile:
+            return kernel.held[field]
+        return nvptx.reload_shared(kernel.builder, kernel._record(kernel.builder, field))
+    return property(reload)
+
+
+class _MainKernel(_TileKernel):
+    """`mha_bwd`: a work tile is one K/V tile of one (batch, K/V head), which loops over the
+    query tiles of the group's query heads, heads outermost. The tile's values are
+    `_parked`: every use reads them from shared memory."""
+
+    bidx, hk, k_start, seqlen_k, kv0, q_start, seqlen_q = map(_parked, WORK_TILE_FIELDS)
+
+    def __init__(self, config: BackwardConfig, hooks: ExprHooks, args: KernelArgs,
+                 smem: ir.Value, target_arch: str):
+        super().__init__(config, hooks, args, smem)
+        c = config
+        self.tile_rows = (c.block_m, c.block_n)
+        self.DSB = c.block_m * 2  # row bytes of the dS^T tile
+        self.k_off, self.v_off = 0, c.block_n * self.RB
+        # a stage: Q, dO, LSE, delta at these offsets from its start
+        self.stage0, self.stage_bytes = 2 * c.block_n * self.RB, stage_bytes(c)
+        self.in_stage = {"q": 0, "dout": c.block_m * self.RB, "lse": 2 * c.block_m * self.RB,
+                         "delta": 2 * c.block_m * self.RB + 4 * c.block_m}
+        self.ds_off = self.stage0 + 2 * self.stage_bytes
+        self.vector_red = target_arch == "sm_90a"  # red.global.add.v4.f32 is sm_90's
+
+    def emit(self, b, work_loop: WorkLoop) -> None:
+        self.builder = b  # (the kernel's one builder: `_parked` values are read at its point)
+        work_loop(b, scheduler_view(self.a), self._work_tile)
+        count_exit(b, self.a.queue)
+
+    def _work_tile(self, b, seq: TileSeq) -> None:
+        c, a = self.c, self.a
+        MT = c.tiles_per_warp
+        nvptx.barrier_all(b)  # the last work tile's warps are done with shared memory
+        q_start, seqlen_q = sequence_rows(b, c.ragged, a.cu_seqlens_q, a.seqlen_q,
+                                          seq.prompt_idx)
+        # prompt tile t is K/V tile n - 1 - t (`scheduler_view`); seq_len > prompt_offset
+        last = b.mul(b.udiv(b.sub(seq.seq_len, i32(1)), i32(c.block_n)), i32(c.block_n))
+        self._park(b, dict(bidx=seq.prompt_idx, hk=seq.head_idx, k_start=seq.start_of_seq,
+                           seqlen_k=seq.seq_len, kv0=b.sub(last, seq.prompt_offset),
+                           q_start=q_start, seqlen_q=seqlen_q))
+        kv_row = b.add(self.k_start, self.kv0)
+        for tensor, off in (("k", self.k_off), ("v", self.v_off)):
+            self._load_tile(b, tensor, _row_offset(b, a, c.ragged, tensor, self.bidx, kv_row,
+                                                   self.hk), b.sub(self.seqlen_k, self.kv0),
+                            c.block_n, off)
+        warp.cp_async_commit(b)
+
+        def q_tiles(b):
+            return b.udiv(b.add(self.seqlen_q, i32(c.block_m - 1)), i32(c.block_m))
+
+        def pair_of(b, s):  # (query head, first query row, first K/V row) of step s
+            head0 = b.mul(self.hk, i32(c.gqa_group))
+            return (b.add(head0, b.udiv(s, q_tiles(b))),
+                    b.mul(b.urem(s, q_tiles(b)), i32(c.block_m)), self.kv0)
+
+        def issue(b, s, stage):
+            h, q0, _ = pair_of(b, s)
+            self._issue(b, h, q0, stage)
+
+        def compute(b, s, stage, carried):
+            h, q0, _ = pair_of(b, s)
+            half = len(carried) // 2
+            dk, dv = self._step(b, h, q0, stage, _tiles(carried[:half], MT),
+                                _tiles(carried[half:], MT))
+            return _flat(dk) + _flat(dv)
+
+        init = [warp.fconst(0.0)] * (2 * MT * c.head_dim // 2)
+        final = self._step_loop(b, b.mul(q_tiles(b), i32(c.gqa_group)), pair_of, issue,
+                                compute, init)
+        half = len(final) // 2
+        kv_row, rows_valid = b.add(self.k_start, self.kv0), b.sub(self.seqlen_k, self.kv0)
+        self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:half], a.softmax_scale)
+        self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[half:], None)
+
+    def _record(self, b, field: str) -> ir.Value:
+        """The 32-bit shared address of the work tile's value `field`."""
+        record = nvptx.shared_array(b.module, "mha_bwd.work_tile",
+                                    ir.ArrayType(i32, len(WORK_TILE_FIELDS)))
+        return b.add(b.ptrtoint(record, i32), i32(4 * WORK_TILE_FIELDS.index(field)))
+
+    def _park(self, b, values: dict[str, ir.Value]) -> None:
+        if not self.c.park_work_tile:
+            self.held = values
+            return
+        """Thread 0 parks the work tile's values in shared memory; each use reads them back
+        (`_parked`): held in registers across the step loop, beside dK and dV, the values a
+        scheduler hands out cost spills (block indices would rematerialise)."""
+        with b.if_then(b.icmp_unsigned("==", self._lanes(b).tid, i32(0))):
+            for name, value in values.items():
+                b.store(value, b.inttoptr(self._record(b, name), nvptx.ptr(SHARED)))
+        nvptx.barrier_all(b)
+
+    def _issue(self, b, h, q0, stage):
+        """cp.async the query tile at q0 of head h (Q, dO, and the LSE and delta of its
+        rows; rows past the sequence zero-filled) into `stage` (i32 0 or 1)."""
+        c, a = self.c, self.a
+        q_row = b.add(self.q_start, q0)
+        rows_valid = b.sub(self.seqlen_q, q0)
+        for tensor in ("q", "dout"):
+            self._load_tile(b, tensor, _row_offset(b, a, c.ragged, tensor, self.bidx, q_row, h),
+                            rows_valid, c.block_m, self._stage(b, stage, tensor))
+        tid = self._lanes(b).tid
+        with b.if_then(b.icmp_unsigned("<", tid, i32(c.block_m))):
+            valid = b.icmp_signed("<", tid, rows_valid)
+            off = _lse_offset(b, a, self.bidx, h, b.add(q_row, b.select(valid, tid, i32(0))))
+            for name in ("lse", "delta"):
+                dst = b.add(self._stage(b, stage, name), b.shl(tid, i32(2)))
+                nvptx.call(b, "llvm.nvvm.cp.async.ca.shared.global.4.s", nvptx.void,
+                           [warp.smem_ptr(b, self.smem, dst), _gep(b, a[name], off, f32),
+                            b.select(valid, i32(4), i32(0))])
+
+    def _step(self, b, h, q0, stage, dk, dv):
+        """One query tile of head h, its inputs in `stage`: dV, dK updated, and in atomic
+        mode dQ added into the accumulator."""
+        c = self.c
+        MT, NQ = c.tiles_per_warp, c.block_m // 8
+        q_tile, do_tile = self._stage(b, stage, "q"), self._stage(b, stage, "dout")
+        lanes = self._lanes(b)
+
+        def column_values(name):  # this thread's query columns' values: [n-tile][e & 1]
+            v2 = ir.VectorType(f32, 2)
+            out = []
+            first = b.add(self._stage(b, stage, name), b.shl(lanes.t, i32(3)))
+            for j in range(NQ):
+                byte = b.add(first, i32(32 * j))
+                pair = b.load(warp.smem_ptr(b, self.smem, byte), typ=v2, align=8)
+                out.append([b.extract_element(pair, i32(e)) for e in range(2)])
+            return out
+
+        kv0 = self.kv0
+
+        def q_idx(i, j, e):
+            return b.add(q0, lanes.step_column(b, j, e))
+
+        def kv_idx(i, j, e):
+            return b.add(kv0, lanes.own_row(b, i, e >> 1))
+
+        # S^T = K Q^T, then P^T (and G = P^T * dscore/ds with a score rule)
+        S = self._mma_rows(b, self.k_off, q_tile, c.block_m, c.head_dim)
+        seqlen_q = self.seqlen_q
+        neg_lse = [[self._neg_lse(b, lse, q_idx(0, j, e), seqlen_q)
+                    for e, lse in enumerate(pair)]
+                   for j, pair in enumerate(column_values("lse"))]
+        packed_p, G = self._probabilities(b, h, q0, kv0, S, q_idx, kv_idx,
+                                          lambda i, j, e: neg_lse[j][e & 1])
+        dv = self._mma_registers(b, packed_p, do_tile, dv)
+        neg_delta = [[b.fneg(x) for x in pair] for pair in column_values("delta")]
+        dS = self._ds(b, packed_p, G, self._mma_rows(b, self.v_off, do_tile, c.block_m,
+                                                     c.head_dim,
+                                                     lambda i, j, e: neg_delta[j][e & 1]))
+        dk = self._mma_registers(b, self._pack(b, dS), q_tile, dk)
+        if c.deterministic:  # dQ comes from mha_bwd_dq
+            return dk, dv
+
+        # dS^T (16-bit) to shared memory, then dQ = dS K into the accumulator
+        lanes = self._lanes(b)
+        for i in range(MT):
+            for r in range(2):
+                row_base = b.add(b.mul(lanes.own_row(b, i, r), i32(self.DSB)),
+                                 b.add(b.shl(lanes.t, i32(2)), i32(self.ds_off)))
+                for j in range(NQ):
+                    chunk = b.xor(lanes.g, i32(j)) if self.DSB % 128 == 0 else i32(j)
+                    off = b.add(row_base, b.shl(chunk, i32(4)))
+                    val = warp.pack2(b, c.dtype, dS[i][j][2 * r], dS[i][j][2 * r + 1])
+                    warp.store(b, val, warp.smem_ptr(b, self.smem, off), align=4)
+        nvptx.barrier_all(b)
+        self._dq(b, h, b.add(self.q_start, q0), b.sub(self.seqlen_q, q0))
+        return dk, dv
 
     def _dq(self, b, h, q_row, rows_valid):
         """dQ (block_m x this warp's dq_columns) = dS K, added into the fp32 accumulator
@@ -761,27 +961,99 @@ class _MainKernel:
                           "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f",
                           [address, *values], True)
 
-    def _store_dkdv(self, b, hk, kv_row, dk_flat, dv_flat):
-        """dK * scale and dV, in the input dtype, for the K/V rows inside the sequence."""
+
+
+class _DqKernel(_TileKernel):
+    """`mha_bwd_dq` (deterministic mode): the main kernel with the sides swapped. A CTA
+    owns one query tile (block_n rows) of one (batch, query head) and steps over the K/V
+    tiles (DQ_STEP rows) the mask does not prove empty: S = Q K^T, P, dP = dO V^T and dS as
+    in `mha_bwd`, dQ += dS K in registers; then dQ * scale in q's dtype. One CTA per (query
+    tile, head, batch), the query tiles from the last (under a causal mask the longest
+    first)."""
+
+    def __init__(self, config: BackwardConfig, hooks: ExprHooks, args: KernelArgs,
+                 smem: ir.Value):
+        super().__init__(config, hooks, args, smem)
+        c = config
+        self.tile_rows = (c.block_n, DQ_STEP)
+        self.q_off, self.do_off = 0, c.block_n * self.RB
+        self.stage0, self.stage_bytes = 2 * c.block_n * self.RB, 2 * DQ_STEP * self.RB
+        self.in_stage = {"k": 0, "v": DQ_STEP * self.RB}
+
+    def emit(self, b) -> None:
         c, a = self.c, self.a
-        MT, DT = c.kv_tiles_per_warp, c.head_dim // 8
-        rows_valid = b.sub(self.seqlen_k, self.kv0)
-        lanes = self._lanes(b)
-        for tensor, flat, scale in (("dk", dk_flat, a.softmax_scale), ("dv", dv_flat, None)):
+        MT = c.tiles_per_warp
+        self.bidx = nvptx.special_register(b, "block_idx", "z")
+        h = nvptx.special_register(b, "block_idx", "y")
+        tile = b.sub(b.sub(nvptx.special_register(b, "grid_dim", "x"), i32(1)),
+                     nvptx.special_register(b, "block_idx", "x"))
+        q_start, self.seqlen_q = sequence_rows(b, c.ragged, a.cu_seqlens_q, a.seqlen_q,
+                                               self.bidx)
+        k_start, self.seqlen_k = sequence_rows(b, c.ragged, a.cu_seqlens_k, a.seqlen_k,
+                                               self.bidx)
+        q0 = b.mul(tile, i32(c.block_n))
+        with b.if_then(b.icmp_signed("<", q0, self.seqlen_q)):
+            q_row = b.add(q_start, q0)
+            rows_valid = b.sub(self.seqlen_q, q0)
+            for tensor, off in (("q", self.q_off), ("dout", self.do_off)):
+                self._load_tile(b, tensor, _row_offset(b, a, c.ragged, tensor, self.bidx,
+                                                       q_row, h), rows_valid, c.block_n, off)
+            warp.cp_async_commit(b)
+            # the LSE and delta of this thread's rows ([2 * m-tile + r]: rows g + 8r)
+            lanes = self._lanes(b)
+            neg_lse, neg_delta = [], []
             for i in range(MT):
                 for r in range(2):
-                    row = b.add(lanes.warp_kv_row, b.add(lanes.g, i32(16 * i + 8 * r)))
-                    with b.if_then(b.icmp_signed("<", row, rows_valid)):
-                        off = _row_offset(b, a, c.ragged, tensor, self.bidx,
-                                          b.add(kv_row, row), hk)
-                        base = _gep(b, a[tensor], b.add(off, b.zext(b.shl(lanes.t, i32(1)), i64)),
-                                    nvptx.i16)
-                        for j in range(DT):
-                            x = [flat[(i * DT + j) * 4 + 2 * r + e2] for e2 in range(2)]
-                            if scale is not None:
-                                x = [b.fmul(v, scale) for v in x]
-                            warp.store(b, warp.pack2(b, c.dtype, *x),
-                                       _gep(b, base, i64(8 * j), nvptx.i16), align=4)
+                    row = lanes.own_row(b, i, r)
+                    valid = b.icmp_signed("<", row, rows_valid)
+                    off = _lse_offset(b, a, self.bidx, h,
+                                      b.add(q_row, b.select(valid, row, i32(0))))
+                    lse = b.load(_gep(b, a.lse, off, f32), typ=f32)
+                    neg_lse.append(self._neg_lse(b, lse, b.add(q0, row), self.seqlen_q))
+                    delta = b.load(_gep(b, a.delta, off, f32), typ=f32)
+                    neg_delta.append(b.select(valid, b.fneg(delta), warp.fconst(0.0)))
+            hk = b.udiv(h, i32(c.gqa_group)) if c.gqa_group > 1 else h
+
+            def pair_of(b, s):  # (query head, first query row, first K/V row) of step s
+                return h, q0, b.mul(s, i32(DQ_STEP))
+
+            def issue(b, s, stage):
+                kv0 = b.mul(s, i32(DQ_STEP))
+                kv_row = b.add(k_start, kv0)
+                for tensor in ("k", "v"):
+                    self._load_tile(b, tensor, _row_offset(b, a, c.ragged, tensor, self.bidx,
+                                                           kv_row, hk),
+                                    b.sub(self.seqlen_k, kv0), DQ_STEP,
+                                    self._stage(b, stage, tensor))
+
+            def compute(b, s, stage, carried):
+                return _flat(self._step(b, h, q0, b.mul(s, i32(DQ_STEP)), stage,
+                                        _tiles(carried, MT), neg_lse, neg_delta))
+
+            steps = b.udiv(b.add(self.seqlen_k, i32(DQ_STEP - 1)), i32(DQ_STEP))
+            dq = self._step_loop(b, steps, pair_of, issue, compute,
+                                 [warp.fconst(0.0)] * (MT * c.head_dim // 2))
+            self._store_own(b, "dq", h, q_row, rows_valid, dq, a.softmax_scale)
+
+    def _step(self, b, h, q0, kv0, stage, dq, neg_lse, neg_delta):
+        """One K/V tile at kv0, its K and V in `stage`: dQ += dS K."""
+        c = self.c
+        k_tile, v_tile = self._stage(b, stage, "k"), self._stage(b, stage, "v")
+        lanes = self._lanes(b)
+
+        def q_idx(i, j, e):
+            return b.add(q0, lanes.own_row(b, i, e >> 1))
+
+        def kv_idx(i, j, e):
+            return b.add(kv0, lanes.step_column(b, j, e))
+
+        S = self._mma_rows(b, self.q_off, k_tile, DQ_STEP, c.head_dim)
+        packed_p, G = self._probabilities(b, h, q0, kv0, S, q_idx, kv_idx,
+                                          lambda i, j, e: neg_lse[2 * i + (e >> 1)])
+        dS = self._ds(b, packed_p, G, self._mma_rows(b, self.do_off, v_tile, DQ_STEP,
+                                                     c.head_dim,
+                                                     lambda i, j, e: neg_delta[2 * i + (e >> 1)]))
+        return self._mma_registers(b, self._pack(b, dS), k_tile, dq)
 
 
 # ============================================================================ module
@@ -795,9 +1067,10 @@ def _kernel(module: ir.Module, name: str, threads: int) -> tuple[ir.Function, ir
     return fn, ir.IRBuilder(fn.append_basic_block("entry"))
 
 
-def build_backward_module(config: BackwardConfig, hooks: ExprHooks | None,
-                          target: Target) -> ir.Module:
-    """One module with the three kernels (`launch_shapes`), all taking `ABI`'s parameters."""
+def build_backward_module(config: BackwardConfig, hooks: ExprHooks | None, target: Target,
+                          work_loop: WorkLoop) -> ir.Module:
+    """One module with the build's kernels (`kernel_names`), all taking `ABI`'s parameters;
+    `work_loop` is the scheduler's, for the main kernel's view (`scheduler_view`)."""
     config.validate()
     hooks = hooks or ExprHooks()
     if hooks.score is not None and hooks.derivative is None:
@@ -806,20 +1079,28 @@ def build_backward_module(config: BackwardConfig, hooks: ExprHooks | None,
     smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
     smem.linkage = "external"
     smem.align = 128
-    for name, emit in ((PREPROCESS, _emit_preprocess), (POSTPROCESS, _emit_postprocess)):
-        fn, b = _kernel(module, name, ROW_THREADS)
-        emit(b, config, KernelArgs(fn, ABI, config))
-        b.ret_void()
+    fn, b = _kernel(module, PREPROCESS, ROW_THREADS)
+    _emit_preprocess(b, config, KernelArgs(fn, ABI, config))
+    b.ret_void()
     fn, b = _kernel(module, MAIN, config.threads)
-    _MainKernel(b, config, hooks, KernelArgs(fn, ABI, config), smem, target.arch).emit(b)
+    # (opaque_env: the scheduler's inputs rederived per step, not held across the tile)
+    _MainKernel(config, hooks, KernelArgs(fn, ABI, config, opaque_env=config.opaque_env), smem,
+                target.arch).emit(b, work_loop)
+    b.ret_void()
+    if config.deterministic:
+        fn, b = _kernel(module, DQ, config.threads)
+        _DqKernel(config, hooks, KernelArgs(fn, ABI, config), smem).emit(b)
+    else:
+        fn, b = _kernel(module, POSTPROCESS, ROW_THREADS)
+        _emit_postprocess(b, config, KernelArgs(fn, ABI, config))
     b.ret_void()
     return module
 
 
 # ============================================================================ the design
 class Backward(Backend):
-    """The backward pass: three kernels in one build (`launch_shapes`); `launch_shape` is
-    the main kernel's."""
+    """The backward pass: three kernels in one build (`kernel_names`, `launch_shapes`);
+    `launch_shape` is the main kernel's, the one its scheduler drives."""
 
     name = "backward"
     workload = "backward"
@@ -838,30 +1119,40 @@ class Backward(Backend):
         return found
 
     def configs(self, options, layout: Layout) -> tuple[BackwardConfig, ...]:
-        """The declaration's config, then variants with fewer live values (dQ in two column
-        passes, 32-row query steps, both), then the same work over 8 warps of 128 K/V rows:
-        ptxas's allocation at the 255-register cap is chaotic, so the first that assembles
-        without spills wins."""
+        """The declaration's config in its IR shapes (the work tile's values parked in
+        shared memory or held, the scheduler's inputs rederived per step or not), then
+        variants with fewer live values (dQ in two column passes, 32-row query steps),
+        then the same work over 8 warps of 128 K/V rows: ptxas's allocation at the
+        255-register cap is chaotic, so the first that assembles without spills wins."""
         config = declared_config(options, layout)
-        candidates = (config, replace(config, dq_passes=2), replace(config, block_m=32),
-                      replace(config, block_m=32, dq_passes=2),
-                      replace(config, block_n=128, num_warps=8))
+        passes = (1,) if config.deterministic else (1, 2)  # (no dQ product in mha_bwd)
+        candidates = [replace(config, block_m=m, dq_passes=p, park_work_tile=park,
+                              opaque_env=opaque)
+                      for m in (config.block_m, 32) for p in passes
+                      for park in (True, False) for opaque in (True, False)]
+        candidates.append(replace(config, block_n=128, num_warps=8))
         return tuple(c for c in candidates if not c.problems())
 
     def launch_shape(self, config: BackwardConfig) -> LaunchShape:
         return launch_shapes(config)[MAIN]
+
+    def scheduler_shape(self, config: BackwardConfig) -> tuple[int, int]:
+        """The main kernel's work tiles are K/V tiles of K/V heads (`scheduler_view`)."""
+        return config.block_n, 1
 
     def build(self, source: KernelSource, configs: tuple[BackwardConfig, ...],
               target: Target) -> KernelBuild:
         """LLVM IR, PTX and (with ptxas) the cubin of the first of `configs` that assembles
         without spills (its hooks carry the score's derivative: `codegen.kernel`)."""
         return spill_free_build(self.name, target, [
-            (c, lambda c=c: build_backward_module(c, source.hooks, target)) for c in configs])
+            (c, lambda c=c: build_backward_module(c, source.hooks, target,
+                                                  source.work_loop(*self.scheduler_shape(c))))
+            for c in configs])
 
 
 def declared_config(options, layout: Layout) -> BackwardConfig:
     return BackwardConfig(options.dtype, options.head_dim, gqa_group=layout.gqa_group,
-                          ragged=layout.ragged)
+                          ragged=layout.ragged, deterministic=layout.deterministic)
 
 
 BACKEND = Backward()

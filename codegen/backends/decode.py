@@ -754,7 +754,7 @@ class _Emitter:
     def _finish_split(self, b, t: _DecodeTile, group: ir.Value) -> None:
         """Count this split in; the last of its group merges every split's partial state
         (with the LSEs as weights) into O and the LSE, and resets the counter."""
-        c, a = self.c, self.a
+        a = self.a
         _fence(b)  # this thread's partial stores before the count
         nvptx.barrier_all(b)
         if self.traced:  # the split's work ends here: its record ends before its count
@@ -884,7 +884,7 @@ class Decode(Backend):
               target: Target) -> KernelBuild:
         return spill_free_build(self.name, target, [
             (c, lambda c=c: build_decode_module(c, source.hooks, target,
-                                                source.work_loop(c.block_m, c.gqa_group),
+                                                source.work_loop(*self.scheduler_shape(c)),
                                                 source.trace))
             for c in configs])
 
