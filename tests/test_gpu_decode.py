@@ -137,15 +137,16 @@ def test_ragged_query_rows():
 
 def test_small_kv_tiles_of_many_groups():
     """Enough 16-row work tiles for two per multiprocessor: the planner's 32-row KV tile
-    (two-warp CTAs, whose copy passes keep the swizzle phase), contiguous and paged."""
+    (two-warp CTAs, whose copy passes keep the swizzle phase), contiguous and paged; with
+    16-row pages, the 64-row tile (four warps)."""
     kern = PROGRAM["causal"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = 2 * sms // 2  # x 2 K/V heads: two groups per multiprocessor
-    for page_size in (None, 16):
+    for page_size, threads in ((None, 64), (64, 64), (16, 128)):
         k, v, seqlens, table = cache([100 + 37 * i for i in range(batch)], 2, 128,
                                      page_size=page_size)
         check(kern, queries(batch, 1, 16, 128), k, v, seqlens, table, lse=True)
-        assert list(kern._decode_plans.values())[-1].plan.threads == 64
+        assert list(kern._decode_plans.values())[-1].plan.threads == threads
 
 
 def test_long_single_sequence_splits():
