@@ -257,8 +257,11 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
         slot = _lower_rule_body(lower, rule, rule_name, result_ty, bindings["out"],
                                 builtins)
         if rule_name == "advance":
-            _store_record(builder, slot, SEQ_INFO, bindings["out"])
-            builder.ret(builder.not_(load(builder, returned_none)))
+            # `return none` sets no SeqInfo: zeros then, not undefined values, which would
+            # keep the caller's registers of the last tile's SeqInfo live across its body
+            none = load(builder, returned_none)
+            _store_record(builder, slot, SEQ_INFO, bindings["out"], zero_if=none)
+            builder.ret(builder.not_(none))
         elif result_ty == U32:
             builder.store(lower.load_value(slot), bindings["out"])
             builder.ret_void()
@@ -351,12 +354,15 @@ def _lower_rule_body(lower: FunctionLowering, rule: ast.Rule, rule_name: str, re
     return lower.lower_body(rule.body, result_ty)
 
 
-def _store_record(builder: ir.IRBuilder, slot: dict, ty, out: ir.Value) -> None:
+def _store_record(builder: ir.IRBuilder, slot: dict, ty, out: ir.Value,
+                  zero_if: ir.Value | None = None) -> None:
     struct = record_type(ty)
     for k, (field, field_ty) in enumerate(RECORD_FIELDS[ty].items()):
         value = load(builder, slot[field])
         if field_ty == BOOL:
             value = builder.zext(value, i8)
+        if zero_if is not None:
+            value = builder.select(zero_if, ir.Constant(value.type, 0), value)
         builder.store(value, builder.gep(out, [i32(0), i32(k)], source_etype=struct))
 
 

@@ -82,6 +82,7 @@ class BackwardConfig:
     gqa_group: int = 1
     ragged: bool = False
     dq_passes: int = 1  # dQ = dS K in this many column passes (fewer live accumulators)
+    step_passes: int = 1  # S^T, dP^T, dS^T of a query step in this many passes (likewise)
     deterministic: bool = False  # dQ from mha_bwd_dq, not atomics (bitwise repeatable)
     # IR shapes of one computation, for ptxas's allocation at the register cap (`configs`):
     park_work_tile: bool = True  # the work tile's values read from shared memory per use
@@ -111,8 +112,9 @@ class BackwardConfig:
 
     @property
     def accumulators(self) -> int:
-        """f32 registers per thread of dK, dV, S^T and dP^T together."""
-        return self.tiles_per_warp * (2 * self.head_dim + 2 * self.block_m) // 2
+        """f32 registers per thread of dK, dV, S^T and dP^T together (one pass's)."""
+        step_columns = self.block_m // self.step_passes
+        return self.tiles_per_warp * (2 * self.head_dim + 2 * step_columns) // 2
 
     def problems(self) -> list[Problem]:
         found = common_problems(self)
@@ -124,6 +126,10 @@ class BackwardConfig:
         if self.block_m not in (32, 64):
             found.append(Problem(("tile",), "the backward pass steps 32 or 64 query rows at "
                                             "a time"))
+        elif self.block_m % (16 * self.step_passes):
+            found.append(Problem(("tile",), (
+                f"a query step of {self.block_m} rows does not split into {self.step_passes} "
+                f"passes of a multiple of 16 rows")))
         if self.block_n % (16 * self.num_warps) or self.block_n % self.rows_per_pass:
             found.append(Problem(("tile", "warps"), (
                 f"the K/V tile ({self.block_n}) must split into 16-row pieces over "
@@ -833,18 +839,36 @@ class _MainKernel(_TileKernel):
 
     def _step(self, b, h, q0, stage, dk, dv):
         """One query tile of head h, its inputs in `stage`: dV, dK updated, and in atomic
-        mode dQ added into the accumulator."""
+        mode dQ added into the accumulator. S^T, dP^T and dS^T are computed in `step_passes`
+        passes over the tile's query rows (`_step_pass`): each of dV's and dK's elements
+        gets the same adds in the same order as in one pass, with fewer values live."""
         c = self.c
-        MT, NQ = c.tiles_per_warp, c.block_m // 8
-        q_tile, do_tile = self._stage(b, stage, "q"), self._stage(b, stage, "dout")
+        width = c.block_m // c.step_passes
+        for p in range(c.step_passes):
+            dk, dv = self._step_pass(b, h, q0, stage, p * width, width, dk, dv)
+        if c.deterministic:  # dQ comes from mha_bwd_dq
+            return dk, dv
+        nvptx.barrier_all(b)  # dS^T is in shared memory
+        self._dq(b, h, b.add(self.q_start, q0), b.sub(self.seqlen_q, q0))
+        return dk, dv
+
+    def _step_pass(self, b, h, q0, stage, first: int, width: int, dk, dv):
+        """The step's query rows first..first+width-1 (columns of the warp's tiles): their
+        S^T, P^T, dP^T and dS^T, their part of dV += P^T dO and dK += dS^T Q (k-slices in
+        order), and in atomic mode their dS^T columns to shared memory."""
+        c = self.c
+        MT, NQ, J0 = c.tiles_per_warp, width // 8, first // 8  # J0: the first n-tile's index
+        # the pass's Q and dO rows (first is a multiple of 8: the swizzle is unchanged)
+        q_tile = b.add(self._stage(b, stage, "q"), i32(first * self.RB))
+        do_tile = b.add(self._stage(b, stage, "dout"), i32(first * self.RB))
         lanes = self._lanes(b)
 
         def column_values(name):  # this thread's query columns' values: [n-tile][e & 1]
             v2 = ir.VectorType(f32, 2)
             out = []
-            first = b.add(self._stage(b, stage, name), b.shl(lanes.t, i32(3)))
-            for j in range(NQ):
-                byte = b.add(first, i32(32 * j))
+            start = b.add(self._stage(b, stage, name), b.shl(lanes.t, i32(3)))
+            for j in range(J0, J0 + NQ):
+                byte = b.add(start, i32(32 * j))
                 pair = b.load(warp.smem_ptr(b, self.smem, byte), typ=v2, align=8)
                 out.append([b.extract_element(pair, i32(e)) for e in range(2)])
             return out
@@ -852,13 +876,14 @@ class _MainKernel(_TileKernel):
         kv0 = self.kv0
 
         def q_idx(i, j, e):
-            return b.add(q0, lanes.step_column(b, j, e))
+            return b.add(q0, lanes.step_column(b, J0 + j, e))
 
         def kv_idx(i, j, e):
             return b.add(kv0, lanes.own_row(b, i, e >> 1))
 
-        # S^T = K Q^T, then P^T (and G = P^T * dscore/ds with a score rule)
-        S = self._mma_rows(b, self.k_off, q_tile, c.block_m, c.head_dim)
+        # S^T = K Q^T, then P^T (and G = P^T * dscore/ds with a score rule); the mask's
+        # classification is the whole step's (q0)
+        S = self._mma_rows(b, self.k_off, q_tile, width, c.head_dim)
         seqlen_q = self.seqlen_q
         neg_lse = [[self._neg_lse(b, lse, q_idx(0, j, e), seqlen_q)
                     for e, lse in enumerate(pair)]
@@ -867,26 +892,25 @@ class _MainKernel(_TileKernel):
                                           lambda i, j, e: neg_lse[j][e & 1])
         dv = self._mma_registers(b, packed_p, do_tile, dv)
         neg_delta = [[b.fneg(x) for x in pair] for pair in column_values("delta")]
-        dS = self._ds(b, packed_p, G, self._mma_rows(b, self.v_off, do_tile, c.block_m,
+        dS = self._ds(b, packed_p, G, self._mma_rows(b, self.v_off, do_tile, width,
                                                      c.head_dim,
                                                      lambda i, j, e: neg_delta[j][e & 1]))
         dk = self._mma_registers(b, self._pack(b, dS), q_tile, dk)
-        if c.deterministic:  # dQ comes from mha_bwd_dq
+        if c.deterministic:  # (no dQ here: mha_bwd_dq's)
             return dk, dv
 
-        # dS^T (16-bit) to shared memory, then dQ = dS K into the accumulator
+        # dS^T (16-bit) to shared memory, for dQ = dS K
         lanes = self._lanes(b)
         for i in range(MT):
             for r in range(2):
                 row_base = b.add(b.mul(lanes.own_row(b, i, r), i32(self.DSB)),
                                  b.add(b.shl(lanes.t, i32(2)), i32(self.ds_off)))
                 for j in range(NQ):
-                    chunk = b.xor(lanes.g, i32(j)) if self.DSB % 128 == 0 else i32(j)
+                    chunk = (b.xor(lanes.g, i32(J0 + j)) if self.DSB % 128 == 0
+                             else i32(J0 + j))
                     off = b.add(row_base, b.shl(chunk, i32(4)))
                     val = warp.pack2(b, c.dtype, dS[i][j][2 * r], dS[i][j][2 * r + 1])
                     warp.store(b, val, warp.smem_ptr(b, self.smem, off), align=4)
-        nvptx.barrier_all(b)
-        self._dq(b, h, b.add(self.q_start, q0), b.sub(self.seqlen_q, q0))
         return dk, dv
 
     def _dq(self, b, h, q_row, rows_valid):
@@ -1121,15 +1145,16 @@ class Backward(Backend):
     def configs(self, options, layout: Layout) -> tuple[BackwardConfig, ...]:
         """The declaration's config in its IR shapes (the work tile's values parked in
         shared memory or held, the scheduler's inputs rederived per step or not), then
-        variants with fewer live values (dQ in two column passes, 32-row query steps),
-        then the same work over 8 warps of 128 K/V rows: ptxas's allocation at the
-        255-register cap is chaotic, so the first that assembles without spills wins."""
+        variants with fewer live values (dQ in two column passes, the step's S^T and dP^T
+        in two passes, 32-row query steps), then the same work over 8 warps of 128 K/V
+        rows: ptxas's allocation at the 255-register cap is chaotic, so the first that
+        assembles without spills wins."""
         config = declared_config(options, layout)
         passes = (1,) if config.deterministic else (1, 2)  # (no dQ product in mha_bwd)
-        candidates = [replace(config, block_m=m, dq_passes=p, park_work_tile=park,
-                              opaque_env=opaque)
-                      for m in (config.block_m, 32) for p in passes
-                      for park in (True, False) for opaque in (True, False)]
+        candidates = [replace(config, block_m=m, step_passes=s, dq_passes=p,
+                              park_work_tile=park, opaque_env=opaque)
+                      for m, s in ((config.block_m, 1), (config.block_m, 2), (32, 1))
+                      for p in passes for park in (True, False) for opaque in (True, False)]
         candidates.append(replace(config, block_n=128, num_warps=8))
         return tuple(c for c in candidates if not c.problems())
 
