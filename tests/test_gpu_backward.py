@@ -152,9 +152,11 @@ def test_torch_compile_forward_and_backward():
 
 
 @pytest.mark.parametrize("variant", [
-    dict(dq_passes=2, park_work_tile=False), dict(block_m=32, opaque_env=False),
-    dict(block_m=32, dq_passes=2), dict(block_n=128, num_warps=8)],
-    ids=["dq-passes-2-held", "block-m-32-env-held", "block-m-32-dq-passes-2", "8-warps"])
+    dict(dq_passes=2, park_work_tile=False), dict(step_passes=2),
+    dict(block_m=32, opaque_env=False), dict(block_m=32, dq_passes=2),
+    dict(block_n=128, num_warps=8)],
+    ids=["dq-passes-2-held", "step-passes-2", "block-m-32-env-held", "block-m-32-dq-passes-2",
+         "8-warps"])
 def test_every_fallback_build_is_correct(variant, monkeypatch, tmp_path):
     """The builds and IR shapes `Backward.configs` falls back to when ptxas spills, each
     forced, atomic and deterministic."""

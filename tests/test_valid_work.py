@@ -78,6 +78,21 @@ scheduler DenseMap(order: Schedule = DEFAULT) {
 """
 
 
+def test_an_advance_that_returns_none_leaves_a_zeroed_seq_info():
+    """Not the values the rule never set: on the GPU undefined ones keep the work loop's
+    registers of the last tile's SeqInfo live across the whole tile body."""
+    sched = HostScheduler(checked(DENSE_MAP), SchedulerSpec("DenseMap", (), 128))
+    env = _Env(None, 1)
+    env.fuel = 1 << 20
+    ts = _TileSummary(1, 3, 300, 2)
+    slots = (ctypes.c_uint32 * 2)()
+    state = _State(5, ctypes.addressof(slots), 6)
+    seq = _SeqInfo(*[0xFFFFFFFF] * 5)
+    assert not sched.advance(ctypes.byref(env), ctypes.byref(ts), ctypes.byref(state), 0,
+                             ctypes.byref(seq))
+    assert [getattr(seq, f) for f, _ in _SeqInfo._fields_] == [0] * 5
+
+
 @pytest.mark.parametrize("order", ORDERS)
 def test_dense_valid_orders_are_the_work_info_orders(order):
     """On a dense batch the valid space is the whole space, in `ts.work_info`'s order
