@@ -431,6 +431,27 @@ def ir_loop(b: ir.IRBuilder, start: ir.Value, end: ir.Value, carried: list[ir.Va
     return phis
 
 
+class RowCopies:
+    """What a config whose CTA copies `head_dim`-wide rows in 16-byte chunks, all `threads`
+    threads a pass, derives (a mixin of the designs' configs)."""
+
+    head_dim: int
+    threads: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.head_dim * warp.ELEMENT_BYTES
+
+    @property
+    def chunks_per_row(self) -> int:
+        return self.head_dim // 8
+
+    @property
+    def rows_per_pass(self) -> int:
+        """Rows one CTA-wide pass of 16-byte copies covers."""
+        return self.threads // self.chunks_per_row
+
+
 def masked_unless(b: ir.IRBuilder, always: ir.Value, values: list[ir.Value],
                   mask: Callable[[ir.IRBuilder], list[ir.Value]]) -> list[ir.Value]:
     """`values` where `always` (the classification proves every pair of the tile kept),

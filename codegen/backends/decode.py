@@ -42,8 +42,8 @@ from mhadsl.codegen.abi import (
 )
 from mhadsl.codegen.backends import (
     Backend, CacheLayout, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape, Layout,
-    Problem, TileSeq, common_problems, first_kept_tile, ir_loop, last_index, masked_unless,
-    spill_free_build,
+    Problem, RowCopies, TileSeq, common_problems, first_kept_tile, ir_loop, last_index,
+    masked_unless, spill_free_build,
 )
 from mhadsl.codegen.nvptx import GLOBAL, SHARED, f32, i1, i32, i64
 from mhadsl.codegen.scheduler import count_exit, end_record, record_work_item
@@ -73,7 +73,7 @@ def packed_rows(query_rows: int, gqa_group: int) -> int:
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(RowCopies):
     """Everything that selects a decode build (hashable; part of the cache key)."""
 
     dtype: str = "bf16"
@@ -116,15 +116,6 @@ class DecodeConfig:
     def warp_cols(self) -> int:
         """KV columns of a tile each warp computes."""
         return self.block_n // self.warps_n
-
-    @property
-    def row_bytes(self) -> int:
-        return self.head_dim * warp.ELEMENT_BYTES
-
-    @property
-    def rows_per_pass(self) -> int:
-        """Rows one CTA-wide pass of 16-byte copies covers."""
-        return self.threads // (self.head_dim // 8)
 
     @property
     def stage_bytes(self) -> int:

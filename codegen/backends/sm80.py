@@ -33,8 +33,8 @@ from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.abi import KernelABI
 from mhadsl.codegen.backends import (
     FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
-    LaunchShape, Layout, Problem, TileSeq, WorkTile, common_problems, masked_unless,
-    sequence_rows, spill_free_build,
+    LaunchShape, Layout, Problem, RowCopies, TileSeq, WorkTile, common_problems,
+    masked_unless, sequence_rows, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
 from mhadsl.codegen.scheduler import count_exit
@@ -72,7 +72,7 @@ TUNINGS = tuple(Tuning(**dict(zip(("opaque_env", "opaque_tid", "k_after_softmax"
 
 # ============================================================================ configuration
 @dataclass(frozen=True)
-class AttentionConfig:
+class AttentionConfig(RowCopies):
     """Everything that selects a build (hashable; part of the cache key)."""
 
     dtype: str = "bf16"        # "bf16" | "fp16"
@@ -97,18 +97,6 @@ class AttentionConfig:
     def m_tiles(self) -> int:
         return self.rows_per_warp // 16
 
-    @property
-    def row_bytes(self) -> int:
-        return self.head_dim * warp.ELEMENT_BYTES
-
-    @property
-    def chunks_per_row(self) -> int:
-        return self.head_dim // 8
-
-    @property
-    def rows_per_pass(self) -> int:
-        """Rows one CTA-wide pass of 16-byte copies covers."""
-        return self.threads // self.chunks_per_row
 
     @property
     def accumulators(self) -> int:
