@@ -431,6 +431,50 @@ def ir_loop(b: ir.IRBuilder, start: ir.Value, end: ir.Value, carried: list[ir.Va
     return phis
 
 
+class RowCopies:
+    """What a config whose CTA copies `head_dim`-wide rows in 16-byte chunks, all `threads`
+    threads a pass, derives (a mixin of the designs' configs)."""
+
+    head_dim: int
+    threads: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.head_dim * warp.ELEMENT_BYTES
+
+    @property
+    def chunks_per_row(self) -> int:
+        return self.head_dim // 8
+
+    @property
+    def rows_per_pass(self) -> int:
+        """Rows one CTA-wide pass of 16-byte copies covers."""
+        return self.threads // self.chunks_per_row
+
+
+def masked_unless(b: ir.IRBuilder, always: ir.Value, values: list[ir.Value],
+                  mask: Callable[[ir.IRBuilder], list[ir.Value]]) -> list[ir.Value]:
+    """`values` where `always` (the classification proves every pair of the tile kept),
+    else `mask(b)` (the values masked, in the same order): the per-element mask runs on
+    partial tiles only, and the two meet in phis."""
+    before = b.block
+    mask_bb = b.function.append_basic_block("kv.mask")
+    merged_bb = b.function.append_basic_block("kv.masked")
+    b.cbranch(always, merged_bb, mask_bb)
+    b.position_at_end(mask_bb)
+    masked = mask(b)
+    mask_end = b.block
+    b.branch(merged_bb)
+    b.position_at_end(merged_bb)
+    merged = []
+    for value, masked_value in zip(values, masked, strict=True):
+        phi = b.phi(value.type)
+        phi.add_incoming(value, before)
+        phi.add_incoming(masked_value, mask_end)
+        merged.append(phi)
+    return merged
+
+
 def first_kept_tile(b: ir.IRBuilder, start: ir.Value, end: ir.Value,
                     may_hold: Callable[[ir.IRBuilder, ir.Value], ir.Value]) -> ir.Value:
     """The first KV tile n in [start, end) for which `may_hold(b, n)` (i1) says it may hold a

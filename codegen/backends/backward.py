@@ -46,8 +46,8 @@ from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape,
-    Layout, Problem, TileSeq, WorkLoop, common_problems, ir_loop, last_index, sequence_rows,
-    spill_free_build,
+    Layout, Problem, RowCopies, TileSeq, WorkLoop, common_problems, ir_loop, last_index,
+    sequence_rows, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
 from mhadsl.codegen.scheduler import count_exit
@@ -71,7 +71,7 @@ def kernel_names(config: BackwardConfig) -> tuple[str, ...]:
     return (PREPROCESS, MAIN, DQ if config.deterministic else POSTPROCESS)
 # ============================================================================ configuration
 @dataclass(frozen=True)
-class BackwardConfig:
+class BackwardConfig(RowCopies):
     """Everything that selects a backward build (hashable; part of the cache key)."""
 
     dtype: str = "bf16"
@@ -101,14 +101,6 @@ class BackwardConfig:
     def dq_columns(self) -> int:
         """Head-dim columns of dQ each warp computes."""
         return self.head_dim // self.num_warps
-
-    @property
-    def row_bytes(self) -> int:
-        return self.head_dim * warp.ELEMENT_BYTES
-
-    @property
-    def rows_per_pass(self) -> int:
-        return self.threads // (self.head_dim // 8)
 
     @property
     def accumulators(self) -> int:

@@ -42,7 +42,8 @@ from mhadsl.codegen.abi import (
 )
 from mhadsl.codegen.backends import (
     Backend, CacheLayout, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape, Layout,
-    Problem, TileSeq, common_problems, first_kept_tile, ir_loop, last_index, spill_free_build,
+    Problem, RowCopies, TileSeq, common_problems, first_kept_tile, ir_loop, last_index,
+    masked_unless, spill_free_build,
 )
 from mhadsl.codegen.nvptx import GLOBAL, SHARED, f32, i1, i32, i64
 from mhadsl.codegen.scheduler import count_exit, end_record, record_work_item
@@ -72,7 +73,7 @@ def packed_rows(query_rows: int, gqa_group: int) -> int:
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(RowCopies):
     """Everything that selects a decode build (hashable; part of the cache key)."""
 
     dtype: str = "bf16"
@@ -115,15 +116,6 @@ class DecodeConfig:
     def warp_cols(self) -> int:
         """KV columns of a tile each warp computes."""
         return self.block_n // self.warps_n
-
-    @property
-    def row_bytes(self) -> int:
-        return self.head_dim * warp.ELEMENT_BYTES
-
-    @property
-    def rows_per_pass(self) -> int:
-        """Rows one CTA-wide pass of 16-byte copies covers."""
-        return self.threads // (self.head_dim // 8)
 
     @property
     def stage_bytes(self) -> int:
@@ -576,35 +568,20 @@ class _Emitter:
                  for j in range(NT)]
 
         _, always = t.classify(b, n)
-        pre = b.block
-        mask_blk = b.function.append_basic_block("kv.mask")
-        masked_blk = b.function.append_basic_block("kv.masked")
-        b.cbranch(always, masked_blk, mask_blk)
-        b.position_at_end(mask_blk)
-        kept = []
-        for j in range(NT):
-            row = []
-            for e in range(4):
-                kv = kv_idx(j, e)
-                keep = b.icmp_signed("<", kv, t.kv_end)
-                if hooks.mask is not None:
-                    keep = b.and_(keep, hooks.mask(b, t.bidx, heads[e >> 1], q_idx[e >> 1], kv,
-                                                   t.seqlen_q, t.seqlen_k))
-                row.append(b.select(keep, s[j][e], warp.fconst(warp.NEG_INF)))
-            kept.append(row)
-        mask_end = b.block
-        b.branch(masked_blk)
-        b.position_at_end(masked_blk)
-        merged = []
-        for j in range(NT):
-            row = []
-            for e in range(4):
-                phi = b.phi(f32)
-                phi.add_incoming(s[j][e], pre)
-                phi.add_incoming(kept[j][e], mask_end)
-                row.append(phi)
-            merged.append(row)
-        s = merged
+
+        def mask(bb):
+            kept = []
+            for j in range(NT):
+                for e in range(4):
+                    kv = kv_idx(j, e)
+                    keep = bb.icmp_signed("<", kv, t.kv_end)
+                    if hooks.mask is not None:
+                        keep = bb.and_(keep, hooks.mask(bb, t.bidx, heads[e >> 1], q_idx[e >> 1],
+                                                        kv, t.seqlen_q, t.seqlen_k))
+                    kept.append(bb.select(keep, s[j][e], warp.fconst(warp.NEG_INF)))
+            return kept
+        flat = masked_unless(b, always, [v for row in s for v in row], mask)
+        s = [flat[4 * j:4 * j + 4] for j in range(NT)]
 
         acc = [list(x) for x in acc_in]
         m_new, l_new, p_vals = [None, None], [None, None], [[None] * 4 for _ in range(NT)]

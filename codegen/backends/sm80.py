@@ -33,8 +33,8 @@ from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.abi import KernelABI
 from mhadsl.codegen.backends import (
     FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
-    LaunchShape, Layout, Problem, TileSeq, WorkTile, common_problems, sequence_rows,
-    spill_free_build,
+    LaunchShape, Layout, Problem, RowCopies, TileSeq, WorkTile, common_problems,
+    masked_unless, sequence_rows, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
 from mhadsl.codegen.scheduler import count_exit
@@ -72,7 +72,7 @@ TUNINGS = tuple(Tuning(**dict(zip(("opaque_env", "opaque_tid", "k_after_softmax"
 
 # ============================================================================ configuration
 @dataclass(frozen=True)
-class AttentionConfig:
+class AttentionConfig(RowCopies):
     """Everything that selects a build (hashable; part of the cache key)."""
 
     dtype: str = "bf16"        # "bf16" | "fp16"
@@ -97,18 +97,6 @@ class AttentionConfig:
     def m_tiles(self) -> int:
         return self.rows_per_warp // 16
 
-    @property
-    def row_bytes(self) -> int:
-        return self.head_dim * warp.ELEMENT_BYTES
-
-    @property
-    def chunks_per_row(self) -> int:
-        return self.head_dim // 8
-
-    @property
-    def rows_per_pass(self) -> int:
-        """Rows one CTA-wide pass of 16-byte copies covers."""
-        return self.threads // self.chunks_per_row
 
     @property
     def accumulators(self) -> int:
@@ -461,37 +449,26 @@ class _TileEmitter:
                             kv_idx_of(j, e)) for e in range(4)]
                   for j in range(NT)] for i in range(MT)]
 
-        if masked and self.tuning.mask_branch:
-            # one body: only PARTIAL tiles run the per-element mask (S merges in phis)
-            _, always = t.classify(b, n)
-            pre_mask = b.block
-            mblk = b.function.append_basic_block("kv.mask")
-            mdone = b.function.append_basic_block("kv.masked")
-            b.cbranch(always, mdone, mblk)
-            b.position_at_end(mblk)
         if masked:
-            S_in = S
-            S = [[list(row) for row in mt] for mt in S]
-            for i in range(MT):
-                for r in range(2):
-                    qi = q_idx_of(i, r)
-                    for j in range(NT):
-                        for e2 in range(2):
-                            e = 2 * r + e2
-                            S[i][j][e] = t.masked(b, S[i][j][e], qi, kv_idx_of(j, e))
-        if masked and self.tuning.mask_branch:
-            mblk_end = b.block
-            b.branch(mdone)
-            b.position_at_end(mdone)
-            merged = [[[None] * 4 for _ in range(NT)] for _ in range(MT)]
-            for i in range(MT):
-                for j in range(NT):
-                    for e in range(4):
-                        phi = b.phi(f32)
-                        phi.add_incoming(S_in[i][j][e], pre_mask)
-                        phi.add_incoming(S[i][j][e], mblk_end)
-                        merged[i][j][e] = phi
-            S = merged
+            def mask(bb):
+                S_masked = [[list(row) for row in mt] for mt in S]
+                for i in range(MT):
+                    for r in range(2):
+                        qi = q_idx_of(i, r)
+                        for j in range(NT):
+                            for e2 in range(2):
+                                e = 2 * r + e2
+                                S_masked[i][j][e] = t.masked(bb, S_masked[i][j][e], qi,
+                                                             kv_idx_of(j, e))
+                return [v for mt in S_masked for row in mt for v in row]
+            if self.tuning.mask_branch:  # one body: only PARTIAL tiles run the mask
+                _, always = t.classify(b, n)
+                flat = masked_unless(b, always, [v for mt in S for row in mt for v in row],
+                                     mask)
+            else:
+                flat = mask(b)
+            S = [[flat[(i * NT + j) * 4:(i * NT + j) * 4 + 4] for j in range(NT)]
+                 for i in range(MT)]
 
         def prefetch_k():
             warp.cp_async_wait(b, 0)

@@ -63,7 +63,7 @@ from mhadsl.codegen import hopper, nvptx, warp
 from mhadsl.codegen.abi import KernelABI, Param, TensorMap
 from mhadsl.codegen.backends import (
     FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
-    LaunchShape, Layout, Problem, WorkTile, common_problems, ir_loop, spill_free_build,
+    LaunchShape, Layout, Problem, WorkTile, common_problems, ir_loop, masked_unless, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.scheduler import Handoff, count_exit, init_handoff
@@ -552,22 +552,8 @@ class _Kernel:
             s = [t.scored(b, b.fmul(v, args.softmax_scale), q_idx(j), kv_idx(j))
                  for j, v in enumerate(s)]
         _, always = t.classify(b, n)
-        before = b.block
-        masked_bb = b.function.append_basic_block("kv.mask")
-        merged_bb = b.function.append_basic_block("kv.masked")
-        b.cbranch(always, merged_bb, masked_bb)
-        b.position_at_end(masked_bb)
-        masked = [t.masked(b, v, q_idx(j), kv_idx(j)) for j, v in enumerate(s)]
-        masked_end = b.block
-        b.branch(merged_bb)
-        b.position_at_end(merged_bb)
-        out = []
-        for v, mv in zip(s, masked):
-            phi = b.phi(f32)
-            phi.add_incoming(v, before)
-            phi.add_incoming(mv, masked_end)
-            out.append(phi)
-        return out
+        return masked_unless(b, always, s, lambda bb: [
+            t.masked(bb, v, q_idx(j), kv_idx(j)) for j, v in enumerate(s)])
 
     def _store_o_by_tma(self, b, args, t: _Tile, o, invs, row0, col0):
         """O / l into the staging tile (128-byte swizzle, as TMA reads it), then one TMA
