@@ -122,7 +122,11 @@ def paged_rows(torch, kern):
     k = torch.randn(B, Sk, Hkv, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     fns = {"contiguous": lambda: kern(q, k, v, cache_seqlens=lens, out=out)}
-    ref = fns["contiguous"]().float()
+    # fp32 attention of the one query row over the whole cache; the planner picks another KV
+    # tile for some page sizes, so the paged and contiguous outputs differ by bf16 rounding
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(1, 2).float() for x in (q, k, v)), enable_gqa=True).transpose(1, 2)
+    assert float((fns["contiguous"]().float() - ref).norm() / ref.norm()) < 1e-2
     for page in (16, 64, 256):
         pages_per_seq = Sk // page
         perm = torch.randperm(B * pages_per_seq, device="cuda")
@@ -135,7 +139,7 @@ def paged_rows(torch, kern):
         fn = (lambda kp=kp, vp=vp, table=table:
               kern(q, kp, vp, cache_seqlens=lens, page_table=table, out=out))
         err = float((fn().float() - ref).norm() / ref.norm())
-        assert err < 1e-3, err
+        assert err < 1e-2, err
         fns[f"page {page}"] = fn
     t = time_side_by_side(torch, fns)
     base = t["contiguous"].ms

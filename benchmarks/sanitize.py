@@ -104,6 +104,50 @@ def summary(tool: str, log: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def run_under_tools(script: str, kernels: str, tools: list[str]) -> int:
+    """`script --worker` under each of `tools`, compute-sanitizer limited to the kernels whose
+    names start with `kernels`; prints each tool's count, returns 1 if any found an error."""
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        print("error: compute-sanitizer is not on PATH", file=sys.stderr)
+        return 1
+    failed = 0
+    for tool in tools:
+        # (cuda-python's driver probing fails API calls on purpose: not the kernel's errors)
+        run = subprocess.run([sanitizer, "--tool", tool, "--kernel-name", f"kns={kernels}",
+                              "--report-api-errors", "no", sys.executable, script,
+                              "--worker"], capture_output=True, text=True)
+        errors = summary(tool, run.stdout + run.stderr)
+        print(f"{tool}: {'no summary' if errors is None else f'{errors} errors'}, "
+              f"exit {run.returncode}")
+        failed |= errors != 0 or run.returncode != 0
+        if errors:
+            print((run.stdout + run.stderr)[:3000])
+    return int(failed)
+
+
+def relative_error(tensor, reference) -> float:
+    """|tensor - reference| / |reference| (a torch tensor against a NumPy float64 array)."""
+    import numpy as np
+    return float(np.linalg.norm(tensor.float().cpu().numpy() - reference) /
+                 np.linalg.norm(reference))
+
+
+def worker_main(script: str, kernels: str, worker) -> int:
+    """A sanitizer script's command line: `--worker` runs `worker()` (the cases, checked);
+    otherwise the cases run once outside the sanitizer (building every kernel), then under
+    each of `--tools`."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--tools", default="memcheck,racecheck")
+    args = parser.parse_args()
+    if args.worker:
+        return worker()
+    if worker():
+        return 1
+    return run_under_tools(script, kernels, args.tools.split(","))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tools", default=",".join(TOOLS))

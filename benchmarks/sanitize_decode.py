@@ -10,9 +10,6 @@ Exit status 0 when every tool ran and found no error.
 """
 from __future__ import annotations
 
-import argparse
-import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -20,13 +17,14 @@ import numpy as np
 import mhadsl
 
 sys.path.insert(0, "benchmarks")
-from sanitize import summary  # noqa: E402  (one reading of the tools' summaries)
+from sanitize import relative_error, worker_main  # noqa: E402
 
 SOURCE = """
 import "std/schedulers.mha"
 attention decode { dtype = bf16  head_dim = 128  return_lse = true
     mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q }
 """
+KERNELS = "mha_decode"  # what compute-sanitizer watches
 CASES = [  # lengths, K/V heads, query heads, query rows (0: ragged), page size, splits
     ([1, 70, 300], 2, 8, 1, None, 3),
     ([5, 64, 65, 400], 2, 16, 2, 16, 1),
@@ -67,39 +65,10 @@ def worker() -> int:
                       **extra)
         ref = mhadsl.reference_decode(kern, q, k, v, cache_seqlens=seqlens, page_table=table,
                                       cu_seqlens_q=extra.get("cu_seqlens_q"))[0]
-        err = np.linalg.norm(out.float().cpu().numpy() - ref) / np.linalg.norm(ref)
-        worst = max(worst, err)
+        worst = max(worst, relative_error(out, ref))
     print(f"{len(CASES)} decode cases, worst relative error {worst:.2e}")
     return 0 if worst < 1e-2 else 1
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--tools", default="memcheck,racecheck")
-    args = parser.parse_args()
-    if args.worker:
-        return worker()
-    sanitizer = shutil.which("compute-sanitizer")
-    if sanitizer is None:
-        print("error: compute-sanitizer is not on PATH", file=sys.stderr)
-        return 1
-    if worker():  # builds every kernel (and checks them) outside the sanitizer
-        return 1
-    failed = 0
-    for tool in args.tools.split(","):
-        # (cuda-python's driver probing fails API calls on purpose: not the kernel's errors)
-        run = subprocess.run([sanitizer, "--tool", tool, "--kernel-name", "kns=mha_decode",
-                              "--report-api-errors", "no", sys.executable, __file__,
-                              "--worker"], capture_output=True, text=True)
-        errors = summary(tool, run.stdout + run.stderr)
-        print(f"{tool}: {'no summary' if errors is None else f'{errors} errors'}, "
-              f"exit {run.returncode}")
-        failed |= errors != 0 or run.returncode != 0
-        if errors:
-            print((run.stdout + run.stderr)[:3000])
-    return int(failed)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_main(__file__, KERNELS, worker))

@@ -284,10 +284,8 @@ class Kernel:
                 raise ValueError("cu_seqlens_k/max_seqlen_k belong to calls with k and v; a "
                                  "call against a KV cache takes its lengths from "
                                  "cache_seqlens")
-            return decode(self, q, k, v, cache_seqlens=cache_seqlens, page_table=page_table,
-                          cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, scale=scale,
-                          out=out, return_lse=return_lse, stream=stream,
-                          num_splits=num_splits)
+            return decode(self, q, k, v, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
+                          scale, out, return_lse, stream, num_splits)
         key = torch_signature(q, k, v, out, cu_seqlens_q, cu_seqlens_k)
         if key is not None:  # torch tensors: a signature seen before runs its plan
             key = typed_key(key, (max_seqlen_q, max_seqlen_k, scale, return_lse))

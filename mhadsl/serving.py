@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,6 +99,10 @@ class _DecodePlan:
     empty: bool  # nothing to launch
     shapes: dict  # name -> TensorShape of the call's tensors
     spans: dict  # name -> bytes from the first element of q, the cache and out to the last
+    q_contiguous: bool  # then a call's output is torch.empty_like(q), cheaper than new_empty
+    # runtime's driver.debug_mode, held so that a planned call imports nothing: under
+    # MHADSL_DEBUG=1 every call takes the full path (it checks device-side values)
+    debug_mode: Callable[[], bool]
 
     def check_addresses(self, addresses: dict) -> None:
         """The checks of a first call that depend on the tensors' addresses: 16-byte
@@ -156,16 +161,15 @@ def _address(buffer) -> int:
     return buffer.data_ptr() if hasattr(buffer, "data_ptr") else buffer.ptr
 
 
-def decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None, cu_seqlens_q=None,
-           max_seqlen_q=None, scale=None, out=None, return_lse=None, stream=None,
-           num_splits=None):
-    """`kernel`'s attention of q against its cache (`Kernel.__call__` with `cache_seqlens`)."""
-    from mhadsl.runtime import driver
+def decode(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
+           scale, out, return_lse, stream, num_splits):
+    """`kernel`'s attention of q against its cache (`Kernel.__call__` with `cache_seqlens`;
+    positional, as each keyword costs the per-call host path)."""
     key = torch_signature(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out)
     if key is not None:  # torch tensors: a signature seen before runs its plan
         key = typed_key(key, (max_seqlen_q, scale, return_lse, num_splits))
         planned = kernel._decode_plans.get(key)
-        if planned is not None and not driver.debug_mode():
+        if planned is not None and not planned.debug_mode():
             return _run_torch(planned, q, k_cache, v_cache, cache_seqlens, page_table,
                               cu_seqlens_q, out, stream, kernel.recording_workspace)
     want_lse = kernel.options.return_lse if return_lse is None else bool(return_lse)
@@ -334,11 +338,13 @@ def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_
         if partial_rows else (0, 0, 0)
     lse_shape = tuple(dev["lse"].shape) if want_lse else None
     empty = not (call.batch and heads and (q_rows if ragged else rows_per_seq))
-    from mhadsl.runtime.tensors import ITEMSIZE
+    from mhadsl.runtime.tensors import ITEMSIZE, contiguous_strides
     spans = {n: span(t.shape, t.strides, ITEMSIZE[t.dtype]) if 0 not in t.shape else -1
              for n, t in shapes.items() if n in _READ_AND_WRITTEN}
     return _DecodePlan(plan, tuple(q.shape), lse_shape, split_bytes, device, {}, splits,
-                       q_tiles, chunk, empty, shapes, spans)
+                       q_tiles, chunk, empty, shapes, spans,
+                       shapes["q"].strides == contiguous_strides(shapes["q"].shape),
+                       driver.debug_mode)
 
 
 # ---------------------------------------------------------------------- torch fast path
@@ -348,7 +354,7 @@ def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_ta
     (alignment, and out overlapping what the kernel reads), then the plan launches."""
     torch = sys.modules["torch"]
     if out is None:
-        out = q.new_empty(planned.out_shape)
+        out = torch.empty_like(q) if planned.q_contiguous else q.new_empty(planned.out_shape)
     addresses = {"q": q.data_ptr(), "k_cache": k_cache.data_ptr(),
                  "v_cache": v_cache.data_ptr(), "o": out.data_ptr(),
                  "cache_seqlens": cache_seqlens.data_ptr()}

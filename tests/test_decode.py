@@ -214,7 +214,8 @@ def _planned_shapes():
     shapes = {"q": q, "k_cache": cache, "v_cache": cache, "o": q}
     spans = {n: 2 * (sum((d - 1) * s for d, s in zip(t.shape, t.strides)) + 1) - 1
              for n, t in shapes.items() if n in _READ_AND_WRITTEN}
-    return _DecodePlan(None, q.shape, None, (0, 0, 0), 0, {}, 1, 1, 64, False, shapes, spans)
+    return _DecodePlan(None, q.shape, None, (0, 0, 0), 0, {}, 1, 1, 64, False, shapes, spans,
+                       True, lambda: False)
 
 
 def test_planned_calls_check_their_addresses():

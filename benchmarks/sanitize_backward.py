@@ -1,0 +1,62 @@
+"""compute-sanitizer's memcheck and racecheck over the backward pass: dense and ragged batches
+(lengths 0 and 1 among them), causal, GQA, softcap, fp16 D64, each in atomic and deterministic
+mode. Needs an NVIDIA GPU, torch and compute-sanitizer on PATH.
+
+    python3 benchmarks/sanitize_backward.py [--tools memcheck,racecheck]
+
+The kernels are built first, outside the sanitizer; each tool then runs this script's
+`--worker` mode, which launches every case and checks its gradients against
+`mhadsl.reference_backward` (float64). Exit status 0 when every tool ran and found no error.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+import mhadsl
+
+sys.path.insert(0, "benchmarks")
+from sanitize import relative_error, worker_main  # noqa: E402
+
+KERNELS = "mha_"  # what compute-sanitizer watches
+CASES = [  # example file, kernel, query heads, K/V heads, lengths (None: dense B1 S130)
+    ("examples/causal.mha", "causal_fwd", 2, 2, None),
+    ("examples/gqa.mha", "gqa_causal", 8, 2, [70, 0, 129]),
+    ("examples/softcap.mha", "softcap_causal", 2, 2, [1, 200]),
+    ("examples/plain.mha", "plain_fp16_d64", 2, 2, None),
+]
+
+
+def worker() -> int:
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(0)
+    worst = 0.0
+    for file, name, hq, hkv, lengths in CASES:
+        kern = mhadsl.compile(file)[name]
+        d = kern.options.head_dim
+        dtype = torch.bfloat16 if kern.options.dtype == "bf16" else torch.float16
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=g, device="cuda").to(dtype)
+        if lengths is None:
+            q, k, v = randn(1, 130, hq, d), randn(1, 130, hkv, d), randn(1, 130, hkv, d)
+            ragged = {}
+        else:
+            cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32,
+                              device="cuda")
+            total = sum(lengths)
+            q, k, v = randn(total, hq, d), randn(total, hkv, d), randn(total, hkv, d)
+            ragged = dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
+        out, lse = kern(q, k, v, return_lse=True, **ragged)
+        dout = randn(*out.shape)
+        want = mhadsl.reference_backward(kern, q, k, v, dout, **ragged)
+        for deterministic in (False, True):
+            got = kern.backward(q, k, v, out, lse, dout, deterministic=deterministic, **ragged)
+            worst = max(worst, *map(relative_error, got, want))
+    print(f"{len(CASES)} backward cases x 2 modes, worst relative error {worst:.2e}")
+    return 0 if worst < 1e-2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(__file__, KERNELS, worker))
