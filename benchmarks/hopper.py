@@ -17,6 +17,7 @@ arguments (`FA4_MASKS`).
 """
 import argparse
 import datetime
+import warnings
 
 import mhadsl
 from mhadsl.bench import Problem, allowed_pairs, check, make_inputs, require_gpu, \
@@ -87,6 +88,8 @@ def fa4_fn(torch, name: str, problem: Problem, args: dict, expected):
         from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
     except ImportError:
         return None
+    # (its CuTe DSL warns on every compile that an argument is no JitArgument: a table's worth)
+    warnings.filterwarnings("ignore", message="Argument aux_data")
     causal, window = FA4_MASKS[name]
     if problem.seqlens:
         def run():
