@@ -16,7 +16,8 @@ from mhadsl.codegen.abi import KIND_ALIGN
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.backends.backward import (
-    ABI, BACKEND, DQ, MAIN, POSTPROCESS, PREPROCESS, BackwardConfig, kernel_names, shared_bytes,
+    ABI, BACKEND, DQ, MAIN, POSTPROCESS, PREPROCESS, BackwardConfig, dq_shared_bytes,
+    kernel_names, shared_bytes,
 )
 from mhadsl.codegen.kernel import backward_hooks
 from mhadsl.codegen.scheduler import SchedulerSpec
@@ -101,8 +102,13 @@ def test_the_main_kernel_runs_the_declarations_scheduler(scheduler, queue):
 
 def test_config_problems_name_the_setting():
     assert not BackwardConfig(head_dim=64).problems()
+    (problem,) = BackwardConfig(head_dim=96).problems()
+    assert problem.settings == ("head_dim",) and "96" in problem.message
+    # head dim 256's dK and dV in one pass: 320 f32 accumulators per thread
     (problem,) = BackwardConfig(head_dim=256).problems()
-    assert problem.settings == ("head_dim",) and "256" in problem.message
+    assert problem.settings == ("tile", "warps") and "320" in problem.message
+    assert not BackwardConfig(head_dim=256, column_passes=2).problems()
+    assert BackwardConfig(head_dim=256, column_passes=3).problems()[0].settings == ("head_dim",)
     assert not BackwardConfig(block_m=32).problems()
     assert BackwardConfig(block_m=48).problems()[0].settings == ("tile",)
     assert not BackwardConfig(step_passes=2).problems()
@@ -110,14 +116,23 @@ def test_config_problems_name_the_setting():
     assert shared_bytes(BackwardConfig()) <= 227 * 1024
 
 
-def test_a_declaration_the_design_cannot_run_is_an_error_at_its_setting():
-    kern = mhadsl.compile("attention big { dtype = bf16  head_dim = 256 }")["big"]
-    assert BACKEND.problems(kern.options, "sm_90a")
-    with pytest.raises(mhadsl.MhaError, match="head_dim"):
-        kern.backward_build("sm_90a")
-    q = np.zeros((1, 4, 1, 256), np.float32)
-    with pytest.raises(mhadsl.MhaError, match="head_dim"):
-        kern.backward(q, q, q, q, np.zeros((1, 1, 4), np.float32), q)
+@needs_ptxas
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("layout", [Layout(), Layout(gqa_group=4, ragged=True),
+                                    Layout(gqa_group=4, ragged=True, deterministic=True)],
+                         ids=["dense", "ragged-gqa4", "deterministic-ragged-gqa4"])
+def test_head_dim_256_runs_two_column_passes_without_spills(layout, arch):
+    """dK and dV of 256 columns would hold 320 f32 per thread: the main kernel computes them
+    (and dQ's columns) in two passes over the query tiles, in the shared memory of sm_80."""
+    kern = mhadsl.compile("attention wide { dtype = bf16  head_dim = 256\n"
+                          "  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }")["wide"]
+    assert not BACKEND.problems(kern.options, arch)
+    build = kern.backward_build(arch, gqa_group=layout.gqa_group, ragged=layout.ragged,
+                                deterministic=layout.deterministic)
+    assert build.config.column_passes == 2 and build.config.pass_columns == 128
+    assert max(shared_bytes(build.config), dq_shared_bytes(build.config)) <= 163 * 1024
+    for resources in build.assembled.kernels.values():
+        assert resources.spills == 0 and resources.stack_bytes == 0, resources
 
 
 def test_a_score_without_a_derivative_is_a_located_error():

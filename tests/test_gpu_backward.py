@@ -2,7 +2,7 @@
 dQ, dK and dV of fresh random inputs within 1e-2 relative error (Frobenius norm) for dense
 and ragged batches with lengths 0, 1, 127, 129 and 3000, Sq != Sk, the mask and score
 examples (causal, bottom-right causal, a window, ALiBi, softcap), GQA and MQA, head dims
-64/128, bf16 and fp16; through the torch operator's autograd (`out.backward()`); the main
+64/128/256, bf16 and fp16; through the torch operator's autograd (`out.backward()`); the main
 kernel driven by each standard scheduler and a user's; and deterministic mode bitwise
 repeatable over 20 runs."""
 import numpy as np
@@ -97,6 +97,24 @@ def test_gqa_and_mqa_sum_dk_dv_over_the_group(name, hq, hkv):
     kern = kernel("gqa.mha", name)
     assert_gradients(kern, dense(kern, 2, 200, 200, hq, hkv))
     assert_gradients(kern, ragged(kern, [129, 0, 300], [129, 64, 300], hq, hkv))
+
+
+WIDE = """import "std/schedulers.mha"
+attention causal_d256 { dtype = bf16  head_dim = 256  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention softcap_fp16_d256 { dtype = fp16  head_dim = 256
+    score(s, b, h, q_idx, kv_idx) = 30.0 * tanh(s / 30.0) }
+"""
+
+
+@pytest.mark.parametrize("name", ["causal_d256", "softcap_fp16_d256"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_head_dim_256(name, deterministic):
+    """dK and dV in two column passes over the query tiles (each recomputing S^T and dP^T);
+    GQA, dense and ragged (lengths 0 and 1 among them)."""
+    kern = mhadsl.compile(WIDE, name="<d256>")[name]
+    assert kern.backward_build("sm_90a", deterministic=deterministic).config.column_passes == 2
+    assert_gradients(kern, dense(kern, 2, 300, 300, 4, 2), deterministic=deterministic)
+    assert_gradients(kern, ragged(kern, RAGGED, RAGGED, 2, 1), deterministic=deterministic)
 
 
 def test_a_signature_is_planned_once():

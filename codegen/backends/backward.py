@@ -15,7 +15,7 @@ Kernels in one module, sharing one parameter list (`ABI`), launched in `kernel_n
 - atomic mode: `mha_bwd_postprocess`: dQ = scale * accumulator, in q's dtype;
 - deterministic mode (`BackwardConfig.deterministic`): `mha_bwd_dq`, the main kernel with
   the sides swapped: a CTA owns one query tile (block_n rows) of one (batch, query head),
-  steps over its K/V tiles (DQ_STEP rows), recomputes P and dS and sums dQ = dS K in
+  steps over its K/V tiles (`dq_step` rows), recomputes P and dS and sums dQ = dS K in
   registers, K/V tile after K/V tile, then writes dQ. No atomics and no CTA waits for
   another, so every run adds in the same order whatever order the CTAs run in. dK and dV
   are deterministic in both modes: one CTA sums them in registers, over the group's query
@@ -56,12 +56,10 @@ from mhadsl.codegen.target import Target, new_module
 PREPROCESS, MAIN, POSTPROCESS, DQ = ("mha_bwd_preprocess", "mha_bwd", "mha_bwd_postprocess",
                                      "mha_bwd_dq")
 SMEM_SYMBOL = "mha_bwd_smem"
-HEAD_DIMS = (64, 128)  # 256 would hold 2 x 128 f32 dK/dV accumulators per thread: past 255
+HEAD_DIMS = (64, 128, 256)
 MAX_REGISTERS = 255
 ROW_THREADS = 128  # threads of the preprocess and postprocess kernels
 ROW_TILE = 64  # rows one preprocess/postprocess CTA covers
-# K/V rows per step of mha_bwd_dq, whose registers (dQ, S, dP) leave room for 64 at any config
-DQ_STEP = 64
 # what a work tile of the main kernel derives from its SeqInfo, parked in shared memory
 WORK_TILE_FIELDS = ("bidx", "hk", "k_start", "seqlen_k", "kv0", "q_start", "seqlen_q")
 
@@ -83,6 +81,9 @@ class BackwardConfig(RowCopies):
     ragged: bool = False
     dq_passes: int = 1  # dQ = dS K in this many column passes (fewer live accumulators)
     step_passes: int = 1  # S^T, dP^T, dS^T of a query step in this many passes (likewise)
+    # dK, dV (and dQ's) columns in this many passes over the work tile's query tiles, each
+    # computing S^T and dP^T again: head dim 256's dK and dV would hold 256 f32 per thread
+    column_passes: int = 1
     deterministic: bool = False  # dQ from mha_bwd_dq, not atomics (bitwise repeatable)
     # IR shapes of one computation, for ptxas's allocation at the register cap (`configs`):
     park_work_tile: bool = True  # the work tile's values read from shared memory per use
@@ -98,15 +99,26 @@ class BackwardConfig(RowCopies):
         return self.block_n // self.num_warps // 16
 
     @property
+    def pass_columns(self) -> int:
+        """Head-dim columns of dK, dV and dQ one column pass computes."""
+        return self.head_dim // self.column_passes
+
+    @property
     def dq_columns(self) -> int:
-        """Head-dim columns of dQ each warp computes."""
-        return self.head_dim // self.num_warps
+        """Columns of dQ each warp computes per column pass (atomic mode)."""
+        return self.pass_columns // self.num_warps
+
+    @property
+    def dq_step(self) -> int:
+        """K/V rows per step of mha_bwd_dq, whose registers (dQ, S, dP) and two stages of K
+        and V leave room for 64 up to head dim 128."""
+        return 64 if self.head_dim <= 128 else 32
 
     @property
     def accumulators(self) -> int:
         """f32 registers per thread of dK, dV, S^T and dP^T together (one pass's)."""
         step_columns = self.block_m // self.step_passes
-        return self.tiles_per_warp * (2 * self.head_dim + 2 * step_columns) // 2
+        return self.tiles_per_warp * (2 * self.pass_columns + 2 * step_columns) // 2
 
     def problems(self) -> list[Problem]:
         found = common_problems(self)
@@ -115,6 +127,10 @@ class BackwardConfig(RowCopies):
                 f"the backward pass runs head_dim {', '.join(map(str, HEAD_DIMS))}, not "
                 f"{self.head_dim}")))
             return found
+        if self.head_dim % (8 * self.column_passes):
+            found.append(Problem(("head_dim",), (
+                f"head_dim {self.head_dim} does not split into {self.column_passes} column "
+                "passes")))
         if self.block_m not in (32, 64):
             found.append(Problem(("tile",), "the backward pass steps 32 or 64 query rows at "
                                             "a time"))
@@ -157,8 +173,8 @@ def shared_bytes(config: BackwardConfig) -> int:
 
 
 def dq_shared_bytes(config: BackwardConfig) -> int:
-    """`mha_bwd_dq`'s: Q, dO (block_n rows) and two stages of K and V (DQ_STEP rows)."""
-    return 2 * config.block_n * config.row_bytes + 4 * DQ_STEP * config.row_bytes
+    """`mha_bwd_dq`'s: Q, dO (block_n rows) and two stages of K and V (dq_step rows)."""
+    return 2 * config.block_n * config.row_bytes + 4 * config.dq_step * config.row_bytes
 
 
 def launch_shapes(config: BackwardConfig) -> dict[str, LaunchShape]:
@@ -425,7 +441,7 @@ class _TileKernel:
     """What `mha_bwd` and `mha_bwd_dq` share. A CTA owns block_n rows of one side of the
     attention (K/V rows in `mha_bwd`, query rows in `mha_bwd_dq`), each warp
     16 * tiles_per_warp of them, and steps over rows of the other side (block_m in
-    `mha_bwd`, DQ_STEP in `mha_bwd_dq`), each step's inputs cp.async'ed into one of two
+    `mha_bwd`, `dq_step` in `mha_bwd_dq`), each step's inputs cp.async'ed into one of two
     stages while the other computes: the shared tiles, the products, P and dS of a step,
     the step loop and the store of the own rows' results.
     A subclass sets `tile_rows`, the (query rows, K/V rows) of a step's pair of tiles, and
@@ -521,16 +537,18 @@ class _TileKernel:
                   warp.pack2(b, dt, t[2 * s + 1][2], t[2 * s + 1][3])]
                  for s in range(len(t) // 2)] for t in tiles]
 
-    def _mma_registers(self, b, packed, bt_tile, acc):
+    def _mma_registers(self, b, packed, bt_tile, acc, first_column: int = 0):
         """acc += T B for this warp: T packed by `_pack`, B = the shared tile at offset
-        `bt_tile` (the step's rows x head_dim), transposed by ldmatrix."""
-        c, dt = self.c, self.c.dtype
+        `bt_tile` (the step's rows x head_dim), transposed by ldmatrix: its columns
+        first_column.. (as many as acc has)."""
+        dt = self.c.dtype
         lanes = self._lanes(b)
         bt_bases = self._bases(b, lanes.a_row, lanes.m_hi, bt_tile, self.RB)
         for s in range(len(packed[0])):
             fa = [t[s] for t in packed]
-            for jp in range(c.head_dim // 16):
-                fb = _ldmatrix(b, self._at(b, bt_bases, s * 16, 2 * jp), trans=True)
+            for jp in range(len(acc[0]) // 2):
+                fb = _ldmatrix(b, self._at(b, bt_bases, s * 16, first_column // 8 + 2 * jp),
+                               trans=True)
                 for i, a_frag in enumerate(fa):
                     acc[i][2 * jp] = warp.mma_m16n8k16(b, dt, a_frag, fb[0:2], acc[i][2 * jp])
                     acc[i][2 * jp + 1] = warp.mma_m16n8k16(b, dt, a_frag, fb[2:4],
@@ -675,12 +693,14 @@ class _TileKernel:
         warp.cp_async_wait(b, 0)  # none of these copies lands on the next work tile's
         return final
 
-    def _store_own(self, b, tensor: str, head, first_row, rows_valid, flat, scale):
+    def _store_own(self, b, tensor: str, head, first_row, rows_valid, flat, scale,
+                   first_column: int = 0):
         """The warp's accumulator `flat` of the CTA's own rows (times `scale` unless None),
         in the input dtype, to rows first_row.. of `tensor`'s head `head`, those below
-        rows_valid."""
+        rows_valid, columns first_column.. (as many as `flat` holds)."""
         c, a = self.c, self.a
-        MT, DT = c.tiles_per_warp, c.head_dim // 8
+        MT = c.tiles_per_warp
+        DT = len(flat) // (4 * MT)
         lanes = self._lanes(b)
         for i in range(MT):
             for r in range(2):
@@ -688,8 +708,8 @@ class _TileKernel:
                 with b.if_then(b.icmp_signed("<", row, rows_valid)):
                     off = _row_offset(b, a, c.ragged, tensor, self.bidx, b.add(first_row, row),
                                       head)
-                    base = _gep(b, a[tensor], b.add(off, b.zext(b.shl(lanes.t, i32(1)), i64)),
-                                nvptx.i16)
+                    column = b.add(b.shl(lanes.t, i32(1)), i32(first_column))
+                    base = _gep(b, a[tensor], b.add(off, b.zext(column, i64)), nvptx.i16)
                     for j in range(DT):
                         x = [flat[(i * DT + j) * 4 + 2 * r + e2] for e2 in range(2)]
                         if scale is not None:
@@ -741,6 +761,7 @@ class _MainKernel(_TileKernel):
                          "delta": 2 * c.block_m * self.RB + 4 * c.block_m}
         self.ds_off = self.stage0 + 2 * self.stage_bytes
         self.vector_red = target_arch == "sm_90a"  # red.global.add.v4.f32 is sm_90's
+        self.first_column = 0  # of the column pass being emitted (`column_passes`)
 
     def emit(self, b, work_loop: WorkLoop) -> None:
         self.builder = b  # (the kernel's one builder: `_parked` values are read at its point)
@@ -784,13 +805,19 @@ class _MainKernel(_TileKernel):
                                 _tiles(carried[half:], MT))
             return _flat(dk) + _flat(dv)
 
-        init = [warp.fconst(0.0)] * (2 * MT * c.head_dim // 2)
-        final = self._step_loop(b, b.mul(q_tiles(b), i32(c.gqa_group)), pair_of, issue,
-                                compute, init)
-        half = len(final) // 2
-        kv_row, rows_valid = b.add(self.k_start, self.kv0), b.sub(self.seqlen_k, self.kv0)
-        self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:half], a.softmax_scale)
-        self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[half:], None)
+        for p in range(c.column_passes):
+            if p:  # every warp is done with the last pass's stages
+                nvptx.barrier_all(b)
+            self.first_column = p * c.pass_columns
+            init = [warp.fconst(0.0)] * (2 * MT * c.pass_columns // 2)
+            final = self._step_loop(b, b.mul(q_tiles(b), i32(c.gqa_group)), pair_of, issue,
+                                    compute, init)
+            half = len(final) // 2
+            kv_row, rows_valid = b.add(self.k_start, self.kv0), b.sub(self.seqlen_k, self.kv0)
+            self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:half], a.softmax_scale,
+                            self.first_column)
+            self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[half:], None,
+                            self.first_column)
 
     def _record(self, b, field: str) -> ir.Value:
         """The 32-bit shared address of the work tile's value `field`."""
@@ -882,12 +909,12 @@ class _MainKernel(_TileKernel):
                    for j, pair in enumerate(column_values("lse"))]
         packed_p, G = self._probabilities(b, h, q0, kv0, S, q_idx, kv_idx,
                                           lambda i, j, e: neg_lse[j][e & 1])
-        dv = self._mma_registers(b, packed_p, do_tile, dv)
+        dv = self._mma_registers(b, packed_p, do_tile, dv, self.first_column)
         neg_delta = [[b.fneg(x) for x in pair] for pair in column_values("delta")]
         dS = self._ds(b, packed_p, G, self._mma_rows(b, self.v_off, do_tile, width,
                                                      c.head_dim,
                                                      lambda i, j, e: neg_delta[j][e & 1]))
-        dk = self._mma_registers(b, self._pack(b, dS), q_tile, dk)
+        dk = self._mma_registers(b, self._pack(b, dS), q_tile, dk, self.first_column)
         if c.deterministic:  # (no dQ here: mha_bwd_dq's)
             return dk, dv
 
@@ -906,9 +933,9 @@ class _MainKernel(_TileKernel):
         return dk, dv
 
     def _dq(self, b, h, q_row, rows_valid):
-        """dQ (block_m x this warp's dq_columns) = dS K, added into the fp32 accumulator
-        with one atomic per element (rows past the sequence skipped); in `dq_passes` passes
-        over the columns, each holding only its part of the product."""
+        """dQ (block_m x this warp's dq_columns of the column pass's) = dS K, added into the
+        fp32 accumulator with one atomic per element (rows past the sequence skipped); in
+        `dq_passes` passes over the columns, each holding only its part of the product."""
         c = self.c
         width = c.dq_columns // c.dq_passes
         for p in range(c.dq_passes):
@@ -921,7 +948,8 @@ class _MainKernel(_TileKernel):
         acc = [[[zero] * 4 for _ in range(ND)] for _ in range(MQ)]
         lanes = self._lanes(b)
         ds_bases = self._bases(b, lanes.b_row, lanes.m_lo, self.ds_off, self.DSB)
-        warp_chunk = b.mul(lanes.warp_id, i32(c.dq_columns // 8))
+        warp_chunk = b.add(b.mul(lanes.warp_id, i32(c.dq_columns // 8)),
+                           i32(self.first_column // 8))
         k_bases = self._bases(b, lanes.a_row, b.add(warp_chunk, lanes.m_hi), self.k_off,
                               self.RB)
         for s in range(c.block_n // 16):
@@ -935,7 +963,8 @@ class _MainKernel(_TileKernel):
                     acc[m][2 * jp + 1] = warp.mma_m16n8k16(b, dt, fa[m], fb[2:4],
                                                            acc[m][2 * jp + 1])
         lanes = self._lanes(b)
-        warp_col = b.add(b.mul(lanes.warp_id, i32(c.dq_columns)), i32(first))
+        warp_col = b.add(b.mul(lanes.warp_id, i32(c.dq_columns)),
+                         i32(self.first_column + first))
         if self.vector_red:
             self._red_v4(b, h, q_row, rows_valid, lanes, warp_col, acc)
             return
@@ -982,7 +1011,7 @@ class _MainKernel(_TileKernel):
 class _DqKernel(_TileKernel):
     """`mha_bwd_dq` (deterministic mode): the main kernel with the sides swapped. A CTA
     owns one query tile (block_n rows) of one (batch, query head) and steps over the K/V
-    tiles (DQ_STEP rows) the mask does not prove empty: S = Q K^T, P, dP = dO V^T and dS as
+    tiles (`dq_step` rows) the mask does not prove empty: S = Q K^T, P, dP = dO V^T and dS as
     in `mha_bwd`, dQ += dS K in registers; then dQ * scale in q's dtype. One CTA per (query
     tile, head, batch), the query tiles from the last (under a causal mask the longest
     first)."""
@@ -991,10 +1020,10 @@ class _DqKernel(_TileKernel):
                  smem: ir.Value):
         super().__init__(config, hooks, args, smem)
         c = config
-        self.tile_rows = (c.block_n, DQ_STEP)
+        self.tile_rows = (c.block_n, c.dq_step)
         self.q_off, self.do_off = 0, c.block_n * self.RB
-        self.stage0, self.stage_bytes = 2 * c.block_n * self.RB, 2 * DQ_STEP * self.RB
-        self.in_stage = {"k": 0, "v": DQ_STEP * self.RB}
+        self.stage0, self.stage_bytes = 2 * c.block_n * self.RB, 2 * c.dq_step * self.RB
+        self.in_stage = {"k": 0, "v": c.dq_step * self.RB}
 
     def emit(self, b) -> None:
         c, a = self.c, self.a
@@ -1031,22 +1060,22 @@ class _DqKernel(_TileKernel):
             hk = b.udiv(h, i32(c.gqa_group)) if c.gqa_group > 1 else h
 
             def pair_of(b, s):  # (query head, first query row, first K/V row) of step s
-                return h, q0, b.mul(s, i32(DQ_STEP))
+                return h, q0, b.mul(s, i32(c.dq_step))
 
             def issue(b, s, stage):
-                kv0 = b.mul(s, i32(DQ_STEP))
+                kv0 = b.mul(s, i32(c.dq_step))
                 kv_row = b.add(k_start, kv0)
                 for tensor in ("k", "v"):
                     self._load_tile(b, tensor, _row_offset(b, a, c.ragged, tensor, self.bidx,
                                                            kv_row, hk),
-                                    b.sub(self.seqlen_k, kv0), DQ_STEP,
+                                    b.sub(self.seqlen_k, kv0), c.dq_step,
                                     self._stage(b, stage, tensor))
 
             def compute(b, s, stage, carried):
-                return _flat(self._step(b, h, q0, b.mul(s, i32(DQ_STEP)), stage,
+                return _flat(self._step(b, h, q0, b.mul(s, i32(c.dq_step)), stage,
                                         _tiles(carried, MT), neg_lse, neg_delta))
 
-            steps = b.udiv(b.add(self.seqlen_k, i32(DQ_STEP - 1)), i32(DQ_STEP))
+            steps = b.udiv(b.add(self.seqlen_k, i32(c.dq_step - 1)), i32(c.dq_step))
             dq = self._step_loop(b, steps, pair_of, issue, compute,
                                  [warp.fconst(0.0)] * (MT * c.head_dim // 2))
             self._store_own(b, "dq", h, q_row, rows_valid, dq, a.softmax_scale)
@@ -1063,10 +1092,10 @@ class _DqKernel(_TileKernel):
         def kv_idx(i, j, e):
             return b.add(kv0, lanes.step_column(b, j, e))
 
-        S = self._mma_rows(b, self.q_off, k_tile, DQ_STEP, c.head_dim)
+        S = self._mma_rows(b, self.q_off, k_tile, c.dq_step, c.head_dim)
         packed_p, G = self._probabilities(b, h, q0, kv0, S, q_idx, kv_idx,
                                           lambda i, j, e: neg_lse[2 * i + (e >> 1)])
-        dS = self._ds(b, packed_p, G, self._mma_rows(b, self.do_off, v_tile, DQ_STEP,
+        dS = self._ds(b, packed_p, G, self._mma_rows(b, self.do_off, v_tile, c.dq_step,
                                                      c.head_dim,
                                                      lambda i, j, e: neg_delta[2 * i + (e >> 1)]))
         return self._mma_registers(b, self._pack(b, dS), k_tile, dq)
@@ -1148,7 +1177,9 @@ class Backward(Backend):
                       for m, s in ((config.block_m, 1), (config.block_m, 2), (32, 1))
                       for p in passes for park in (True, False) for opaque in (True, False)]
         candidates.append(replace(config, block_n=128, num_warps=8))
-        return tuple(c for c in candidates if not c.problems())
+        fits = min(SHARED_MEMORY_LIMIT.values())  # (a config is chosen before the arch)
+        return tuple(c for c in candidates if not c.problems() and max(
+            shared_bytes(c), dq_shared_bytes(c) if c.deterministic else 0) <= fits)
 
     def launch_shape(self, config: BackwardConfig) -> LaunchShape:
         return launch_shapes(config)[MAIN]
@@ -1168,7 +1199,11 @@ class Backward(Backend):
 
 
 def declared_config(options, layout: Layout) -> BackwardConfig:
-    return BackwardConfig(options.dtype, options.head_dim, gqa_group=layout.gqa_group,
+    """Head dim 256: dK and dV in two column passes, 32-row query steps (K, V and two stages
+    of 64 rows would pass sm_80's shared memory)."""
+    wide = options.head_dim > 128
+    return BackwardConfig(options.dtype, options.head_dim, block_m=32 if wide else 64,
+                          column_passes=2 if wide else 1, gqa_group=layout.gqa_group,
                           ragged=layout.ragged, deterministic=layout.deterministic)
 
 
