@@ -135,6 +135,12 @@ class _Call:
     total_q: int
     ragged: bool
 
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        """The LSE's: (batch, heads, seqlen_q) dense, (heads, total_q) ragged."""
+        return (self.heads, self.total_q) if self.ragged else (self.batch, self.heads,
+                                                                self.seqlen_q)
+
 
 class Kernel:
     """One attention declaration, callable on tensors."""
@@ -323,7 +329,7 @@ class Kernel:
         cu_qd = on_device(call.cu_q, "cu_seqlens_q", "int32") if call.ragged else None
         cu_kd = on_device(call.cu_k, "cu_seqlens_k", "int32") if call.ragged else None
         out_dev = on_device(od, "out") if od.on_host else od
-        lse_obj = tensors.empty_like_kind(call.q.obj, _lse_shape(call), "float32") \
+        lse_obj = tensors.empty_like_kind(call.q.obj, call.lse_shape, "float32") \
             if want_lse else None
         lse_dev = None
         if want_lse:
@@ -581,7 +587,7 @@ class _Planned:
     def __init__(self, plan, call: _Call, want_lse: bool, shapes: dict):
         # sizes only: a plan must not keep a call's tensors alive (a CUDA-graph pool's, say)
         self.plan, self.want_lse, self.shapes = plan, want_lse, shapes
-        self.out_shape, self.lse_shape = tuple(call.q.shape), _lse_shape(call)
+        self.out_shape, self.lse_shape = tuple(call.q.shape), call.lse_shape
         from mhadsl.runtime.tensors import ITEMSIZE, contiguous_strides
         self.q_contiguous = shapes["q"].strides == contiguous_strides(shapes["q"].shape)
         self.spans = {n: span(shapes[n].shape, shapes[n].strides, ITEMSIZE[shapes[n].dtype])
@@ -611,10 +617,6 @@ class _Planned:
         from mhadsl.runtime.tensors import DeviceTensor
         t = self.shapes[name]
         return DeviceTensor(ptr, t.shape, t.strides, t.dtype, self.plan.device, "torch", None)
-
-
-def _lse_shape(call: _Call) -> tuple[int, ...]:
-    return (call.heads, call.total_q) if call.ragged else (call.batch, call.heads, call.seqlen_q)
 
 
 def _launches(call: _Call) -> bool:

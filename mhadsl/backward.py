@@ -61,7 +61,6 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
     if deterministic is not None and not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True, False or None (torch's setting), not "
                         f"{deterministic!r}")
-    from mhadsl.api import _lse_shape
     from mhadsl.runtime import tensors
     call = kernel._validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if problems := BACKEND.problems(kernel.options, "sm_80"):  # (the same on either target)
@@ -77,8 +76,8 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
                 raise TypeError(f"{name} has dtype {view.dtype}, expected {dtype} (like q)")
             check_rows(view, name)
     lse_view = tensors.as_device_tensor(lse, "lse")
-    if tuple(lse_view.shape) != _lse_shape(call):
-        raise ValueError(f"lse has shape {lse_view.shape}, expected {_lse_shape(call)} (the "
+    if tuple(lse_view.shape) != call.lse_shape:
+        raise ValueError(f"lse has shape {lse_view.shape}, expected {call.lse_shape} (the "
                          "forward's: (batch, heads, seqlen_q) dense, (heads, total_q) ragged)")
     if lse_view.dtype != "float32":
         raise TypeError(f"lse has dtype {lse_view.dtype}, expected float32")

@@ -17,7 +17,7 @@ from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.backends.backward import (
     ABI, BACKEND, DQ, MAIN, POSTPROCESS, PREPROCESS, BackwardConfig, dq_shared_bytes,
-    kernel_names, shared_bytes,
+    kernel_names, pass_swizzle, shared_bytes,
 )
 from mhadsl.codegen.kernel import backward_hooks
 from mhadsl.codegen.scheduler import SchedulerSpec
@@ -114,6 +114,23 @@ def test_config_problems_name_the_setting():
     assert not BackwardConfig(step_passes=2).problems()
     assert BackwardConfig(block_m=32, step_passes=4).problems()[0].settings == ("tile",)
     assert shared_bytes(BackwardConfig()) <= 227 * 1024
+
+
+@pytest.mark.parametrize("head_dim, warps", [(64, 4), (128, 4), (256, 4), (128, 8), (256, 8)])
+def test_every_copy_pass_writes_where_ldmatrix_reads(head_dim, warps):
+    """A lane's cp.async of (row, chunk) in pass p lands at the swizzled address the
+    products read: row * row_bytes + 16 * (chunk ^ row % 8). At head dim 256 a pass covers
+    4 rows, so passes move the row's low bits (without `pass_swizzle`, odd passes landed in
+    the wrong chunks and every gradient was wrong on the H200)."""
+    config = BackwardConfig(head_dim=head_dim, num_warps=warps, block_n=16 * warps)
+    chunks, rpp, rb = config.chunks_per_row, config.rows_per_pass, config.row_bytes
+    for tid in range(config.threads):
+        row0, chunk = divmod(tid, chunks)
+        lane_offset = row0 * rb + 16 * (chunk ^ row0 % 8)  # `_Lanes.ld_swz`
+        for p in range(64 // rpp):
+            row = row0 + p * rpp
+            written = (lane_offset ^ pass_swizzle(p, rpp)) + p * rpp * rb
+            assert written == row * rb + 16 * (chunk ^ row % 8), (tid, p)
 
 
 @needs_ptxas

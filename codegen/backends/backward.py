@@ -237,6 +237,14 @@ ABI = KernelABI(
 
 
 # ============================================================================ helpers
+def pass_swizzle(p: int, rows_per_pass: int) -> int:
+    """What a copy pass p XORs into a lane's swizzled byte offset (`_Lanes.ld_swz`, made for
+    its pass-0 row r < rows_per_pass): the swizzle takes row % 8, and pass p's row
+    r + p * rows_per_pass differs from r in those bits when rows_per_pass is below 8 (head
+    dim 256: 4 rows of 512 bytes a pass), by p * rows_per_pass % 8, with no carry."""
+    return (p * rows_per_pass % 8) << 4
+
+
 def _sext64(b, v):
     return b.sext(v, i64)
 
@@ -494,7 +502,10 @@ class _TileKernel:
         for p in range(rows // rpp):
             valid = b.icmp_signed("<", b.add(lanes.ld_row, i32(p * rpp)), rows_valid)
             src = _gep(b, a[tensor], b.add(thread_off, b.mul(stride, i64(p * rpp))), nvptx.i16)
-            warp.cp_async_16(b, _gep(b, dst, i64(p * rpp * self.RB), nvptx.i8),
+            moved = pass_swizzle(p, rpp)
+            base = dst if not moved else warp.smem_ptr(
+                b, self.smem, b.add(b.xor(lanes.ld_swz, i32(moved)), _i32(smem_off)))
+            warp.cp_async_16(b, _gep(b, base, i64(p * rpp * self.RB), nvptx.i8),
                              b.select(valid, src, a[tensor]),
                              b.select(valid, i32(16), i32(0)))
 
