@@ -103,22 +103,24 @@ def test_gqa_and_query_rows(group, sq):
 
 
 @pytest.mark.parametrize("name", ["causal_d64", "causal_d256", "causal_fp16"])
-def test_head_dims_and_fp16(name):
+@pytest.mark.parametrize("sq", [2, 16])  # 16: 64 packed rows, a warpgroup (wgmma on sm_90a)
+def test_head_dims_and_fp16(name, sq):
     kern = PROGRAM[name]
     d = kern.options.head_dim
     dt = torch.float16 if kern.options.dtype == "fp16" else torch.bfloat16
-    k, v, seqlens, table = cache([5, 300, 1500], 2, d, page_size=16, dtype=dt)
-    check(kern, queries(3, 2, 8, d, dt), k, v, seqlens, table,
+    k, v, seqlens, table = cache([sq + 5, 300, 1500], 2, d, page_size=16, dtype=dt)
+    check(kern, queries(3, sq, 8, d, dt), k, v, seqlens, table,
           lse=kern.options.return_lse)
-    check(kern, queries(3, 2, 8, d, dt), k, v, seqlens, table, num_splits=4)
+    check(kern, queries(3, sq, 8, d, dt), k, v, seqlens, table, num_splits=4)
 
 
 @pytest.mark.parametrize("name", ["window", "head_window", "softcap", "alibi", "persistent"])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_rules_over_the_cache(name, splits):
+@pytest.mark.parametrize("sq", [4, 16])  # 16 rows x GQA 4: a warpgroup's 64 packed rows
+def test_rules_over_the_cache(name, splits, sq):
     kern = PROGRAM[name]
-    k, v, seqlens, table = cache([4, 257, 1200, 2500], 2, 128, page_size=64, seed=7)
-    check(kern, queries(4, 4, 8, 128), k, v, seqlens, table, lse=True, num_splits=splits)
+    k, v, seqlens, table = cache([sq, 257, 1200, 2500], 2, 128, page_size=64, seed=7)
+    check(kern, queries(4, sq, 8, 128), k, v, seqlens, table, lse=True, num_splits=splits)
 
 
 def test_ragged_query_rows():
