@@ -46,6 +46,8 @@ BUILDS = [  # kernel, GQA group, cache layout (query rows, page size), LSE
     ("softcap", 4, CacheLayout(16, 64), True),
     ("head_window", 16, CacheLayout(4, 16), True),
     ("causal_d64", 4, CacheLayout(16, 32), False),
+    ("causal", 4, CacheLayout(16, 0, 32), False),  # the planner's tile for many of those
+    ("softcap", 4, CacheLayout(0, 64, 32), True),
 ]
 
 
@@ -155,6 +157,12 @@ def test_kv_tile_follows_the_shape():
     assert kv_tile(128, 4096, 132) == 64  # 128 packed rows
     assert kv_tile(16, 256, 132, page_size=16) == 64  # a 16-row page: more bytes in flight
     assert kv_tile(16, 256, 132, page_size=64) == 32
+    # 64 packed rows (GQA 4 x 16 query rows): the 32-row tile where wgmma computes them
+    assert kv_tile(64, 256, 132) == 64  # sm_80: mma.sync, four warps over the tile
+    assert kv_tile(64, 256, 132, wgmma=True) == 32  # sm_90a: three CTAs per SM
+    assert kv_tile(64, 128, 132, wgmma=True) == 64
+    assert kv_tile(64, 256, 132, page_size=16, wgmma=True) == 64
+    assert kv_tile(128, 4096, 132, wgmma=True) == 64
 
 
 @pytest.mark.parametrize("groups,capacity,want", [

@@ -151,6 +151,27 @@ def test_small_kv_tiles_of_many_groups():
         assert list(kern._decode_plans.values())[-1].plan.threads == threads
 
 
+def test_small_kv_tiles_of_many_warpgroup_groups():
+    """Enough 64-row work tiles (GQA 4 x 16 query rows) for two per multiprocessor: on
+    sm_90a the planner's 32-row KV tile under wgmma, contiguous and paged (rows past a
+    sequence's end, a cache shorter than the query rows); 16-row pages keep the 64-row
+    tile."""
+    kern = PROGRAM["causal"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = sms  # x 2 K/V heads: two groups per multiprocessor
+    for page_size, block_n in ((None, 32), (64, 32), (16, 64)):
+        k, v, seqlens, table = cache([3 + 37 * i for i in range(batch)], 2, 128,
+                                     page_size=page_size, seed=3)
+        check(kern, queries(batch, 16, 8, 128), k, v, seqlens, table, lse=True)
+        if torch.cuda.get_device_capability(0) == (9, 0):  # the build this call ran
+            shared = list(kern._decode_plans.values())[-1].plan.shared_bytes
+            assert any(b.config.wgmma and b.config.block_n == block_n
+                       for b in kern._builds.values()
+                       if getattr(b.config, "query_rows", None) == 16 and b.config.gqa_group == 4
+                       and b.config.page_size == (page_size or 0)
+                       and b.launch.shared_bytes == shared)
+
+
 def test_long_single_sequence_splits():
     """One long sequence: the default split count spreads it over the GPU."""
     kern = PROGRAM["causal"]
