@@ -153,14 +153,13 @@ def test_small_kv_tiles_of_many_groups():
 
 def test_small_kv_tiles_of_many_warpgroup_groups():
     """Enough 64-row work tiles (GQA 4 x 16 query rows) for two per multiprocessor: on
-    sm_90a the planner's 32-row KV tile under wgmma, contiguous and paged (rows past a
-    sequence's end, a cache shorter than the query rows); 16-row pages keep the 64-row
-    tile."""
+    sm_90a the planner's 32-row KV tile under wgmma, contiguous and paged (cache lengths
+    not a multiple of either tile); 16-row pages keep the 64-row tile."""
     kern = PROGRAM["causal"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = sms  # x 2 K/V heads: two groups per multiprocessor
     for page_size, block_n in ((None, 32), (64, 32), (16, 64)):
-        k, v, seqlens, table = cache([3 + 37 * i for i in range(batch)], 2, 128,
+        k, v, seqlens, table = cache([17 + 37 * i for i in range(batch)], 2, 128,
                                      page_size=page_size, seed=3)
         check(kern, queries(batch, 16, 8, 128), k, v, seqlens, table, lse=True)
         if torch.cuda.get_device_capability(0) == (9, 0):  # the build this call ran
