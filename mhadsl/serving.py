@@ -60,13 +60,18 @@ def default_splits(groups: int, slots: int, capacity: int, block_n: int) -> int:
     return next(s for s in range(1, most + 1) if efficiency(s) >= 0.85 * best)
 
 
-def kv_tile(rows: int, groups: int, num_sms: int, page_size: int = 0) -> int:
+def kv_tile(rows: int, groups: int, num_sms: int, page_size: int = 0,
+            wgmma: bool = False) -> int:
     """The KV tile for a call's shape: 32 rows (small CTAs, four per multiprocessor) where
     16-row work tiles are many enough to give most multiprocessors two and pages hold 64
     rows or more; else 64 (two CTAs per multiprocessor, each with more bytes in flight;
-    16-row pages: 4.33 TB/s against 4.22 with 32). Measured: BENCHMARKS.md, decode."""
+    16-row pages: 4.33 TB/s against 4.22 with 32). Measured: BENCHMARKS.md, decode.
+    `wgmma` (sm_90a, whose 64-row work tiles compute by wgmma): 64-row work tiles take the
+    32-row KV tile under the same rule (three CTAs per multiprocessor: B32 32:8 Sq 16,
+    4.38 TB/s against 4.27 with 64; BENCHMARKS.md)."""
     small_pages = 0 < page_size < 64
-    return 32 if rows == 16 and groups >= 1.5 * num_sms and not small_pages else 64
+    small_work = rows == 16 or (wgmma and rows == 64)
+    return 32 if small_work and groups >= 1.5 * num_sms and not small_pages else 64
 
 
 def decode_work(batch: int, kv_heads: int, work_tiles: int):
@@ -296,10 +301,11 @@ def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_
     rows = packed_rows(rows_per_seq, group)
     q_tiles = max(1, -(-q_rows * group // rows))
     groups = call.batch * kv_heads * q_tiles
+    backend, target = kernel._design(device, "decode")
     layout = Layout(group, False, want_lse, CacheLayout(
         rows_per_seq, call.page_size or 0, kv_tile(rows, groups, info.multiprocessor_count,
-                                                  call.page_size or 0)))
-    backend, target = kernel._design(device, layout.workload)
+                                                  call.page_size or 0,
+                                                  wgmma=target.arch == "sm_90a")))
     build = kernel._build(layout, target, backend)
     config, launch = build.config, build.launch
     ctas_per_sm = build.function.max_active_blocks(launch.threads, launch.shared_bytes)

@@ -42,6 +42,12 @@ BUILDS = [  # kernel, GQA group, cache layout (query rows, page size), LSE
     ("causal", 8, CacheLayout(1, 16, 32), True),
     ("plain_d256", 4, CacheLayout(2, 64), True),
     ("plain_d256", 8, CacheLayout(16, 0), False),
+    ("causal", 4, CacheLayout(16, 0), False),  # 64 rows: one warpgroup (wgmma on sm_90a)
+    ("softcap", 4, CacheLayout(16, 64), True),
+    ("head_window", 16, CacheLayout(4, 16), True),
+    ("causal_d64", 4, CacheLayout(16, 32), False),
+    ("causal", 4, CacheLayout(16, 0, 32), False),  # the planner's tile for many of those
+    ("softcap", 4, CacheLayout(0, 64, 32), True),
 ]
 
 
@@ -59,13 +65,43 @@ def test_decode_builds_assemble_without_spills(arch, name, group, cache, lse):
 
 
 @pytest.mark.parametrize("name,group,cache,lse", BUILDS[:4])
-def test_decode_ir_is_the_same_for_both_targets(name, group, cache, lse):
-    """The design emits one IR for sm_80 and sm_90a (cp.async and mma.sync on both), so
-    the GPU tests on an sm_90 device check the IR an sm_80 device runs; only ptxas
-    differs, and the test above assembles it for sm_80."""
-    ir_of = {arch: PROGRAM[name].build(arch, gqa_group=group, return_lse=lse, cache=cache).llvm
-             for arch in ("sm_80", "sm_90a")}
-    assert ir_of["sm_80"] == ir_of["sm_90a"]
+def test_decode_ir_is_the_same_for_both_targets_below_a_warpgroup_of_rows(name, group, cache,
+                                                                          lse):
+    """Tiles of fewer than 64 packed rows: the design emits one IR for sm_80 and sm_90a
+    (cp.async and mma.sync on both), so the GPU tests on an sm_90 device check the IR an
+    sm_80 device runs; only ptxas differs, and the test above assembles it for sm_80.
+    Tiles of whole warpgroups (64 rows or more: GQA 16 x 16 rows here) differ: sm_90a
+    computes them by wgmma from shared memory in wgmma's swizzled layout, sm_80 by mma.sync
+    (the next test); the GPU tests run such tiles on sm_90a only."""
+    builds = {arch: PROGRAM[name].build(arch, gqa_group=group, return_lse=lse, cache=cache)
+              for arch in ("sm_80", "sm_90a")}
+    if builds["sm_80"].config.rows % decode.WGMMA_ROWS == 0:
+        assert builds["sm_90a"].config.wgmma and not builds["sm_80"].config.wgmma
+        assert builds["sm_80"].llvm != builds["sm_90a"].llvm
+    else:
+        assert not builds["sm_90a"].config.wgmma
+        assert builds["sm_80"].llvm == builds["sm_90a"].llvm
+
+
+WARPGROUP_BUILDS = [b for b in BUILDS if decode.packed_rows(b[2].query_rows, b[1]) % 64 == 0]
+
+
+@needs_ptxas
+@pytest.mark.parametrize("name,group,cache,lse", WARPGROUP_BUILDS)
+def test_warpgroup_tiles_use_wgmma_on_sm90a_only(name, group, cache, lse):
+    """Work tiles of whole warpgroups: wgmma (S = Q K^T from shared memory, O += P V with
+    P in registers), never serialised by ptxas (C7519/C7520), and a fence of the async
+    proxy after the copies land on sm_90a; mma.sync and ldmatrix on sm_80, as before."""
+    h = PROGRAM[name].build("sm_90a", gqa_group=group, return_lse=lse, cache=cache)
+    a = PROGRAM[name].build("sm_80", gqa_group=group, return_lse=lse, cache=cache)
+    assert h.config.wgmma and not a.config.wgmma
+    assert "wgmma.mma_async" in h.ptx and "mma.sync" not in h.ptx and "ldmatrix" not in h.ptx
+    assert "fence.proxy.async.shared::cta" in h.ptx
+    assert "C7519" not in h.assembled.log and "C7520" not in h.assembled.log
+    assert "wgmma" not in a.ptx and "mma.sync" in a.ptx
+    # the launch's shared memory: the sm_80 tile plus the slack to a 1024-byte boundary,
+    # less the split flag's 16 bytes (it lives in Q's tile)
+    assert h.config.shared_bytes == a.config.shared_bytes - 16 + decode.WGMMA_SLACK
 
 
 TRACED = [("causal", 8, CacheLayout(1, 64), True), ("causal", 1, CacheLayout(4, 0), False),
@@ -121,6 +157,12 @@ def test_kv_tile_follows_the_shape():
     assert kv_tile(128, 4096, 132) == 64  # 128 packed rows
     assert kv_tile(16, 256, 132, page_size=16) == 64  # a 16-row page: more bytes in flight
     assert kv_tile(16, 256, 132, page_size=64) == 32
+    # 64 packed rows (GQA 4 x 16 query rows): the 32-row tile where wgmma computes them
+    assert kv_tile(64, 256, 132) == 64  # sm_80: mma.sync, four warps over the tile
+    assert kv_tile(64, 256, 132, wgmma=True) == 32  # sm_90a: three CTAs per SM
+    assert kv_tile(64, 128, 132, wgmma=True) == 64
+    assert kv_tile(64, 256, 132, page_size=16, wgmma=True) == 64
+    assert kv_tile(128, 4096, 132, wgmma=True) == 64
 
 
 @pytest.mark.parametrize("groups,capacity,want", [

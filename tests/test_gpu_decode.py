@@ -103,22 +103,24 @@ def test_gqa_and_query_rows(group, sq):
 
 
 @pytest.mark.parametrize("name", ["causal_d64", "causal_d256", "causal_fp16"])
-def test_head_dims_and_fp16(name):
+@pytest.mark.parametrize("sq", [2, 16])  # 16: 64 packed rows, a warpgroup (wgmma on sm_90a)
+def test_head_dims_and_fp16(name, sq):
     kern = PROGRAM[name]
     d = kern.options.head_dim
     dt = torch.float16 if kern.options.dtype == "fp16" else torch.bfloat16
-    k, v, seqlens, table = cache([5, 300, 1500], 2, d, page_size=16, dtype=dt)
-    check(kern, queries(3, 2, 8, d, dt), k, v, seqlens, table,
+    k, v, seqlens, table = cache([sq + 5, 300, 1500], 2, d, page_size=16, dtype=dt)
+    check(kern, queries(3, sq, 8, d, dt), k, v, seqlens, table,
           lse=kern.options.return_lse)
-    check(kern, queries(3, 2, 8, d, dt), k, v, seqlens, table, num_splits=4)
+    check(kern, queries(3, sq, 8, d, dt), k, v, seqlens, table, num_splits=4)
 
 
 @pytest.mark.parametrize("name", ["window", "head_window", "softcap", "alibi", "persistent"])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_rules_over_the_cache(name, splits):
+@pytest.mark.parametrize("sq", [4, 16])  # 16 rows x GQA 4: a warpgroup's 64 packed rows
+def test_rules_over_the_cache(name, splits, sq):
     kern = PROGRAM[name]
-    k, v, seqlens, table = cache([4, 257, 1200, 2500], 2, 128, page_size=64, seed=7)
-    check(kern, queries(4, 4, 8, 128), k, v, seqlens, table, lse=True, num_splits=splits)
+    k, v, seqlens, table = cache([sq, 257, 1200, 2500], 2, 128, page_size=64, seed=7)
+    check(kern, queries(4, sq, 8, 128), k, v, seqlens, table, lse=True, num_splits=splits)
 
 
 def test_ragged_query_rows():
@@ -147,6 +149,26 @@ def test_small_kv_tiles_of_many_groups():
                                      page_size=page_size)
         check(kern, queries(batch, 1, 16, 128), k, v, seqlens, table, lse=True)
         assert list(kern._decode_plans.values())[-1].plan.threads == threads
+
+
+def test_small_kv_tiles_of_many_warpgroup_groups():
+    """Enough 64-row work tiles (GQA 4 x 16 query rows) for two per multiprocessor: on
+    sm_90a the planner's 32-row KV tile under wgmma, contiguous and paged (cache lengths
+    not a multiple of either tile); 16-row pages keep the 64-row tile."""
+    kern = PROGRAM["causal"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = sms  # x 2 K/V heads: two groups per multiprocessor
+    for page_size, block_n in ((None, 32), (64, 32), (16, 64)):
+        k, v, seqlens, table = cache([17 + 37 * i for i in range(batch)], 2, 128,
+                                     page_size=page_size, seed=3)
+        check(kern, queries(batch, 16, 8, 128), k, v, seqlens, table, lse=True)
+        if torch.cuda.get_device_capability(0) == (9, 0):  # the build this call ran
+            shared = list(kern._decode_plans.values())[-1].plan.shared_bytes
+            assert any(b.config.wgmma and b.config.block_n == block_n
+                       for b in kern._builds.values()
+                       if getattr(b.config, "query_rows", None) == 16 and b.config.gqa_group == 4
+                       and b.config.page_size == (page_size or 0)
+                       and b.launch.shared_bytes == shared)
 
 
 def test_long_single_sequence_splits():

@@ -36,12 +36,12 @@ from dataclasses import dataclass, replace
 
 from llvmlite import ir
 
-from mhadsl.codegen import nvptx, warp
+from mhadsl.codegen import hopper, nvptx, warp
 from mhadsl.codegen.abi import (
     TRACE_COMBINE, CallValue, KernelABI, Param, Pointer, Stride, Workspace,
 )
 from mhadsl.codegen.backends import (
-    Backend, CacheLayout, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape, Layout,
+    SHARED_MEMORY_LIMIT, Backend, CacheLayout, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape, Layout,
     Problem, RowCopies, TileSeq, common_problems, first_kept_tile, ir_loop, last_index,
     masked_unless, spill_free_build,
 )
@@ -61,6 +61,11 @@ MAX_STAGES = 3
 # how far ahead of its copies a tile's page entries are read, in KV rows: a page-table read
 # (L2, under a saturated memory system) takes about as long as streaming that many rows
 PAGE_LOOKAHEAD_ROWS = 128
+# sm_90a, tiles of 64 packed rows or more: each warpgroup's 64 rows compute by wgmma
+WGMMA_ROWS = 64  # packed rows per warpgroup (wgmma's M)
+SMEM_ALIGN = 128  # the declared alignment of the dynamic shared memory
+# the wgmma build rounds its shared-memory base up to the swizzle atom (1024 B) at run time
+WGMMA_SLACK = hopper.SWIZZLE_ATOM_BYTES - SMEM_ALIGN
 
 
 # ============================================================================ configuration
@@ -85,6 +90,10 @@ class DecodeConfig(RowCopies):
     block_n: int = 64  # KV rows per KV tile
     stages: int = 4  # K/V tiles in flight (cp.async groups)
     page_lookahead: int = 2  # KV tiles between reading a tile's page entries and its copies
+    # sm_90a only (`Decode.build` sets it where `wgmma_fits`): a warpgroup per 64 packed rows
+    # computes S = Q K^T and O += P V by wgmma from 128-byte-swizzled shared memory, which
+    # the cp.async copies fill in wgmma's layout
+    wgmma: bool = False
 
     # the scheduler's tile height: a work tile is one (query-row tile, split) pair
     block_m = 1
@@ -128,8 +137,19 @@ class DecodeConfig(RowCopies):
 
     @property
     def shared_bytes(self) -> int:
+        # then the split flag (16 B; in the wgmma build at the start of Q's tile, which no
+        # warp reads when the flag is used: two CTAs of 64 rows at head dim 128 fit an
+        # H200's multiprocessor to the byte with the slack)
         return self.rows * self.row_bytes + max(self.stages * self.stage_bytes,
-                                                self.merge_bytes) + 16
+                                                self.merge_bytes) + \
+            (WGMMA_SLACK if self.wgmma else 16)
+
+    @property
+    def wgmma_fits(self) -> bool:
+        """Whether the tile's rows are whole warpgroups (64 rows, 4 warps each, every warp
+        over the whole KV tile) and the rounded-up shared memory fits an sm_90a CTA."""
+        return (self.rows % WGMMA_ROWS == 0 and self.warps_n == 1
+                and replace(self, wgmma=True).shared_bytes <= SHARED_MEMORY_LIMIT["sm_90a"])
 
     def problems(self) -> list[Problem]:
         found = common_problems(self)
@@ -314,8 +334,13 @@ class _Emitter:
         self.c, self.hooks, self.a, self.smem = c, hooks, a, smem
         self.traced = traced  # `mhadsl trace`: record each combine, after its splits' ends
         self.RB = c.row_bytes
+        if c.wgmma:  # offsets count from the first 1024-byte boundary (the swizzle atom)
+            pad = b.and_(b.sub(i32(0), hopper.shared_address(b, smem)),
+                         i32(hopper.SWIZZLE_ATOM_BYTES - 1))
+            self.smem = warp.smem_ptr(b, smem, pad)
         self.kv_off = c.rows * self.RB
-        self.flag_off = self.kv_off + max(c.stages * c.stage_bytes, c.merge_bytes)
+        self.flag_off = 0 if c.wgmma else \
+            self.kv_off + max(c.stages * c.stage_bytes, c.merge_bytes)
         tid = nvptx.opaque_special_register(b, "tid.x")
         self.tid = tid
         lane = b.and_(tid, i32(31))
@@ -343,17 +368,31 @@ class _Emitter:
         # the swizzle follows the row's low 3 bits: where a pass is not a multiple of 8 rows
         # its phase (pass rows mod 8) picks the base
         self.ld_swz = {}
+        # the wgmma build's tiles are wgmma's (and TMA's) 128-byte-swizzled layout: 64-column
+        # boxes of 128-byte rows, element (r, c) of an R-row tile at byte
+        # (c / 64) R 128 + 128 r + 16 ((c / 8 mod 8) xor (r mod 8)); else rows of RB bytes,
+        # element (r, c) at RB r + 16 ((c / 8) xor (r mod 8))
+        self.row_stride = hopper.SWIZZLE_BYTES if c.wgmma else self.RB
         for phase in sorted({p * c.rows_per_pass % 8 for p in range(c.block_n)}):
             row = b.add(self.ld_row, i32(phase))
-            self.ld_swz[phase] = b.add(b.mul(self.ld_row, i32(self.RB)),
-                                       b.shl(warp.swizzle_chunk(b, self.ld_chunk, row), i32(4)))
+            chunk = b.and_(self.ld_chunk, i32(7)) if c.wgmma else self.ld_chunk
+            self.ld_swz[phase] = b.add(b.mul(self.ld_row, i32(self.row_stride)),
+                                       b.shl(warp.swizzle_chunk(b, chunk, row), i32(4)))
+        self.ld_box = b.lshr(self.ld_chunk, i32(3))  # the wgmma layout's 64-column box
         self.ld_elem = b.zext(b.shl(self.ld_chunk, i32(3)), i64)
 
-    def _copy_dst(self, b, p: int, base: int | ir.Value) -> ir.Value:
-        """Shared byte offset of this thread's 16 bytes in copy pass p of a tile at `base`."""
+    def _copy_dst(self, b, p: int, base: int | ir.Value, tile_rows: int) -> ir.Value:
+        """Shared byte offset of this thread's 16 bytes in copy pass p of a tile of
+        `tile_rows` rows at `base`."""
         rows = p * self.c.rows_per_pass
-        return b.add(self.ld_swz[rows % 8], b.add(base, i32(rows * self.RB)) if
-                     isinstance(base, ir.Value) else i32(base + rows * self.RB))
+        RS = self.row_stride
+        if self.c.wgmma:
+            swz = b.add(self.ld_swz[rows % 8],
+                        b.mul(self.ld_box, i32(tile_rows * hopper.SWIZZLE_BYTES)))
+        else:
+            swz = self.ld_swz[rows % 8]
+        return b.add(swz, b.add(base, i32(rows * RS)) if
+                     isinstance(base, ir.Value) else i32(base + rows * RS))
 
     def _lane_offsets(self, b, row, x16):
         row_off = b.mul(row, i32(self.RB))
@@ -425,7 +464,7 @@ class _Emitter:
                             head)
                 valid = b.icmp_signed("<", pos, t.kv_end)
                 src = b.gep(gptr, [off], source_etype=nvptx.i16)
-                dst = warp.smem_ptr(b, self.smem, self._copy_dst(b, p, tile_base))
+                dst = warp.smem_ptr(b, self.smem, self._copy_dst(b, p, tile_base, c.block_n))
                 warp.cp_async_16(b, dst, b.select(valid, src, gptr),
                                  b.select(valid, i32(16), i32(0)))
 
@@ -442,7 +481,7 @@ class _Emitter:
             off = b.add(seq, b.add(b.mul(_i64(b, b.udiv(packed, i32(G))), a.q_stride_row),
                                    b.mul(_i64(b, t.head_of(b, packed)), a.q_stride_head)))
             src = b.gep(a.q, [b.add(off, self.ld_elem)], source_etype=nvptx.i16)
-            dst = warp.smem_ptr(b, self.smem, self._copy_dst(b, p, 0))
+            dst = warp.smem_ptr(b, self.smem, self._copy_dst(b, p, 0, c.rows))
             warp.cp_async_16(b, dst, b.select(valid, src, a.q), b.select(valid, i32(16), i32(0)))
 
     # ------------------------------------------------------------------ the tile
@@ -505,6 +544,8 @@ class _Emitter:
 
         b.position_at_end(body)
         warp.cp_async_wait(b, S - 2)
+        if c.wgmma:  # the copies' writes, before wgmma (the async proxy) reads them
+            hopper.fence_proxy_async(b)
         nvptx.barrier_all(b)  # tile `it` landed; every warp is done with tile it - 1's stage
         issue_slot = b.urem(b.add(it, i32(S - 1)), i32(S))
         with b.if_then(b.icmp_signed("<", ld_phis[0], t.n_end)):
@@ -546,13 +587,16 @@ class _Emitter:
         dt = c.dtype
         zero = warp.fconst(0.0)
         k_region, v_region = stage, b.add(stage, i32(c.block_n * self.RB))
-        s = [[zero] * 4 for _ in range(NT)]
-        for kk in range(c.head_dim // 16):
-            qa = self._ld(b, self.q_lanes, i32(0), 0, 2 * kk)
-            for jp in range(NT // 2):
-                kb = self._ld(b, self.k_lanes, k_region, jp * 16, 2 * kk)
-                s[2 * jp] = warp.mma_m16n8k16(b, dt, qa, kb[0:2], s[2 * jp])
-                s[2 * jp + 1] = warp.mma_m16n8k16(b, dt, qa, kb[2:4], s[2 * jp + 1])
+        if c.wgmma:
+            s = self._wgmma_scores(b, k_region)
+        else:
+            s = [[zero] * 4 for _ in range(NT)]
+            for kk in range(c.head_dim // 16):
+                qa = self._ld(b, self.q_lanes, i32(0), 0, 2 * kk)
+                for jp in range(NT // 2):
+                    kb = self._ld(b, self.k_lanes, k_region, jp * 16, 2 * kk)
+                    s[2 * jp] = warp.mma_m16n8k16(b, dt, qa, kb[0:2], s[2 * jp])
+                    s[2 * jp + 1] = warp.mma_m16n8k16(b, dt, qa, kb[2:4], s[2 * jp + 1])
 
         kv_base = b.add(b.mul(n, i32(c.block_n)), self.warp_col)
         packed = [b.add(t.r0, b.add(self.warp_row, b.add(self.g, i32(8 * r)))) for r in range(2)]
@@ -594,6 +638,8 @@ class _Emitter:
             for j in range(DT):
                 for e2 in range(2):
                     acc[j][2 * r + e2] = b.fmul(acc[j][2 * r + e2], alpha)
+        if c.wgmma:
+            return self._wgmma_pv(b, v_region, acc, p_vals), m_new, l_new
         for ks in range(c.warp_cols // 16):
             pa = [warp.pack2(b, dt, p_vals[2 * ks][0], p_vals[2 * ks][1]),
                   warp.pack2(b, dt, p_vals[2 * ks][2], p_vals[2 * ks][3]),
@@ -604,6 +650,50 @@ class _Emitter:
                 acc[2 * jp] = warp.mma_m16n8k16(b, dt, pa, vb[0:2], acc[2 * jp])
                 acc[2 * jp + 1] = warp.mma_m16n8k16(b, dt, pa, vb[2:4], acc[2 * jp + 1])
         return acc, m_new, l_new
+
+    def _wgmma_scores(self, b, k_region):
+        """S = Q K^T of this warpgroup's 64 rows by wgmma (Q and K K-major in shared
+        memory), waited for: per 8 columns j, this thread's 4 values in mma.sync's C layout
+        (`hopper.accumulator_position`)."""
+        c = self.c
+        SB = hopper.SWIZZLE_BYTES
+        steps = [divmod(32 * k, SB) for k in range(c.head_dim // 16)]
+        group_rows = b.mul(b.lshr(self.tid, i32(7)), i32(WGMMA_ROWS * SB))
+        q_descs = hopper.smem_descriptors(b, warp.smem_ptr(b, self.smem, group_rows),
+                                          [box * c.rows * SB + off for box, off in steps])
+        k_descs = hopper.smem_descriptors(b, warp.smem_ptr(b, self.smem, k_region),
+                                          [box * c.block_n * SB + off for box, off in steps])
+        hopper.wgmma_fence(b)
+        s = None
+        for q_desc, k_desc in zip(q_descs, k_descs):
+            s = hopper.wgmma(b, c.dtype, c.block_n, q_desc, k_desc, s)
+        hopper.wgmma_commit_group(b)
+        hopper.wgmma_wait_group(b, 0)
+        s = hopper.fence_operands(b, s)
+        return [s[4 * j:4 * j + 4] for j in range(c.block_n // 8)]
+
+    def _wgmma_pv(self, b, v_region, acc, p_vals):
+        """O += P V by wgmma: P from registers (the A fragments of S's layout), V MN-major
+        in shared memory; waited for. acc and the result as `_kv_tile`'s."""
+        c = self.c
+        SB = hopper.SWIZZLE_BYTES
+        o = [x for row in acc for x in row]
+        p = [x for row in p_vals for x in row]
+        flat = hopper.fence_operands(b, o + p)
+        o, p = flat[:len(o)], flat[len(o):]
+        frags = [hopper.a_fragment(b, c.dtype, p, k) for k in range(c.block_n // 16)]
+        v_descs = hopper.smem_descriptors(b, warp.smem_ptr(b, self.smem, v_region),
+                                          [16 * k * SB for k in range(c.block_n // 16)],
+                                          leading_bytes=c.block_n * SB)
+        frags = hopper.fence_operands(b, [x for f in frags for x in f])
+        hopper.wgmma_fence(b)
+        for k, v_desc in enumerate(v_descs):
+            o = hopper.wgmma(b, c.dtype, c.head_dim, frags[4 * k:4 * k + 4], v_desc, o,
+                             trans_b=True)
+        hopper.wgmma_commit_group(b)
+        hopper.wgmma_wait_group(b, 0)
+        o = hopper.fence_operands(b, o)
+        return [o[4 * j:4 * j + 4] for j in range(c.head_dim // 8)]
 
     # ------------------------------------------------------------------ the end of a tile
     def _merge_warps(self, b, acc, m, l, sl2):
@@ -821,7 +911,7 @@ def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
     ABI.declare(fn)
     smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
     smem.linkage = "external"
-    smem.align = 128
+    smem.align = SMEM_ALIGN
     builder = ir.IRBuilder(fn.append_basic_block("entry"))
     args = KernelArgs(fn, ABI, config)
     _scheduler_view(args)
@@ -859,6 +949,8 @@ class Decode(Backend):
 
     def build(self, source: KernelSource, configs: tuple[DecodeConfig, ...],
               target: Target) -> KernelBuild:
+        if target.arch == "sm_90a":  # whole warpgroups of rows compute by wgmma there
+            configs = tuple(replace(c, wgmma=c.wgmma_fits) for c in configs)
         return spill_free_build(self.name, target, [
             (c, lambda c=c: build_decode_module(c, source.hooks, target,
                                                 source.work_loop(*self.scheduler_shape(c)),
