@@ -67,7 +67,7 @@ def plan(program: CheckedProgram, request: KernelRequest) -> Plan:
     try:
         target = gpu_target(request.arch, request.ptx_version)
         backend = backends.backend_for_arch(request.arch, request.backend, options,
-                                           request.layout.workload)
+                                           request.layout.workload, request.layout)
     except ValueError as err:
         raise RequestError(str(err)) from None
     if problems := backend.problems(options, request.arch):

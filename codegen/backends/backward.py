@@ -69,6 +69,11 @@ WORK_TILE_FIELDS = ("bidx", "hk", "k_start", "seqlen_k", "kv0", "q_start", "seql
 def kernel_names(config: BackwardConfig) -> tuple[str, ...]:
     """The build's kernels, in launch order."""
     return (PREPROCESS, MAIN, DQ if config.deterministic else POSTPROCESS)
+
+
+def kernel_abi(name: str) -> KernelABI:
+    """The parameters of kernel `name` (all of this design's take `ABI`)."""
+    return ABI
 # ============================================================================ configuration
 @dataclass(frozen=True)
 class BackwardConfig(RowCopies):
