@@ -62,6 +62,9 @@ class HopperBackwardConfig(BackwardConfig):
     block_n: int = 128
     num_warps: int = 8
     stages: int = 2
+    # dP^T's GEMM issued with S^T's, P^T computed under it; without, after P^T (fewer live
+    # registers: a score rule's G beside P^T)
+    overlap_dp: bool = True
 
     @property
     def boxes(self) -> int:
@@ -107,13 +110,16 @@ def shared_bytes(config: HopperBackwardConfig) -> int:
     return SWIZZLE_SLACK + _offsets(config)["end"]
 
 
-ABI = KernelABI(*sm80.ABI, *(
+# The main kernel's parameters: the tensor maps first (LLVM 22 emits a byval map `.align 128`;
+# first, every one sits at a multiple of 128 bytes, where the ABI's rule puts it too), then
+# the sm80 design's.
+ABI = KernelABI(*(
     Param(f"{t}_map", "tensor_map", TensorMap(t, rows, BOX_COLUMNS), meaning)
     for t, rows, meaning in (
         ("q", "block_m", "CUtensorMap over q as (B,Sq,Hq,D), box (1,BM,1,64), 128-byte swizzle"),
         ("k", "block_n", "CUtensorMap over k as (B,Sk,Hkv,D), box (1,BN,1,64)"),
         ("v", "block_n", "CUtensorMap over v, as k_map"),
-        ("dout", "block_m", "CUtensorMap over dO, as q_map"))))
+        ("dout", "block_m", "CUtensorMap over dO, as q_map"))), *sm80.ABI)
 
 
 def kernel_names(config) -> tuple[str, ...]:
@@ -341,14 +347,22 @@ class _HopperMain(_MainKernel):
         for kd, qd in zip(k_descs, q_descs):
             s = hopper.wgmma(b, dt, BM, kd, qd, s)
         hopper.wgmma_commit_group(b)
-        v_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["v"]), own)),
-                                          k_major(0, BN))
-        do_descs = hopper.smem_descriptors(b, self._ptr(b, do_off), k_major(0, BM))
-        dp = None
-        for vd, dd in zip(v_descs, do_descs):
-            dp = hopper.wgmma(b, dt, BM, vd, dd, dp)
-        hopper.wgmma_commit_group(b)
-        hopper.wgmma_wait_group(b, 1)
+
+        def issue_dp():
+            v_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["v"]), own)),
+                                              k_major(0, BN))
+            do_descs = hopper.smem_descriptors(b, self._ptr(b, do_off), k_major(0, BM))
+            dp = None
+            for vd, dd in zip(v_descs, do_descs):
+                dp = hopper.wgmma(b, dt, BM, vd, dd, dp)
+            hopper.wgmma_commit_group(b)
+            return dp
+
+        if c.overlap_dp:
+            dp = issue_dp()
+            hopper.wgmma_wait_group(b, 1)
+        else:
+            hopper.wgmma_wait_group(b, 0)
         s = hopper.fence_operands(b, s)
 
         # P^T (and G with a score rule), under dP^T's GEMM
@@ -359,6 +373,9 @@ class _HopperMain(_MainKernel):
         S = [[s[4 * j: 4 * j + 4] for j in range(BM // 8)]]
         packed_p, G = self._probabilities(b, h, q0, kv0, S, q_idx, kv_idx,
                                           lambda i, j, e: neg_lse[j][e & 1])
+        if not c.overlap_dp:
+            hopper.wgmma_fence(b)
+            dp = issue_dp()
         hopper.wgmma_wait_group(b, 0)
         dp = hopper.fence_operands(b, dp)
 
@@ -503,7 +520,8 @@ class BackwardSM90(Backend):
 
     def configs(self, options, layout: Layout) -> tuple[HopperBackwardConfig, ...]:
         config = declared_config(options, layout)
-        return tuple(replace(config, park_work_tile=park, opaque_env=opaque)
+        return tuple(replace(config, park_work_tile=park, opaque_env=opaque, overlap_dp=overlap)
+                     for overlap in (True, False)
                      for park in (True, False) for opaque in (True, False))
 
     def launch_shape(self, config) -> LaunchShape:
@@ -513,10 +531,20 @@ class BackwardSM90(Backend):
         return config.block_n, 1
 
     def build(self, source: KernelSource, configs, target: Target) -> KernelBuild:
-        return spill_free_build(self.name, target, [
-            (c, lambda c=c: build_module(c, source.hooks, target,
-                                         source.work_loop(*self.scheduler_shape(c))))
-            for c in configs])
+        """The first of `configs` that assembles without spills and without a stack frame
+        (at the 255-register cap, ptxas may keep a value in local memory without counting
+        it as a spill), else `spill_free_build`'s choice."""
+        def make(c):
+            return lambda: build_module(c, source.hooks, target,
+                                        source.work_loop(*self.scheduler_shape(c)))
+        fallback = None
+        for c in configs:
+            build = spill_free_build(self.name, target, [(c, make(c))])
+            kernels = build.assembled.kernels.values() if build.assembled else ()
+            if all(k.spills == 0 and k.stack_bytes == 0 for k in kernels):
+                return build
+            fallback = fallback or build
+        return fallback
 
 
 def declared_config(options, layout: Layout) -> HopperBackwardConfig:
