@@ -137,8 +137,11 @@ def _from_entry(entry: dict[str, bytes], backend: Backend) -> KernelBuild | None
         if "cubin" in entry:
             resources = {name: KernelResources(**k) for name, k in meta["resources"].items()}
             assembled = Assembled(entry["cubin"], resources, meta["log"])
+        # (a design may hand over to another's build: `backward_sm90`'s fallback)
+        config_type = backend.config_type if meta["backend"] == backend.name else \
+            backends.backend(meta["backend"]).config_type
         return KernelBuild(meta["backend"], meta["arch"], entry["llvm"].decode(),
                            entry["ptx"].decode(), assembled,
-                           backend.config_type(**meta["config"]), cached=True)
+                           config_type(**meta["config"]), cached=True)
     except (KeyError, TypeError, ValueError, AttributeError):
         return None

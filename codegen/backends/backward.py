@@ -1146,7 +1146,13 @@ class Backward(Backend):
         in two passes, 32-row query steps), then the same work over 8 warps of 128 K/V
         rows: ptxas's allocation at the 255-register cap is chaotic, so the first that
         assembles without spills wins."""
-        config = declared_config(options, layout)
+        return self.configs_for(declared_config(options, layout))
+
+    def configs_for(self, config: BackwardConfig) -> tuple[BackwardConfig, ...]:
+        """`configs` from the declaration's config (its dtype, head dim and layout fields;
+        another design's config of the same fields too: `backward_sm90`'s fallback)."""
+        config = BackwardConfig(config.dtype, config.head_dim, gqa_group=config.gqa_group,
+                                ragged=config.ragged, deterministic=config.deterministic)
         passes = (1,) if config.deterministic else (1, 2)  # (no dQ product in mha_bwd)
         candidates = [replace(config, block_m=m, step_passes=s, dq_passes=p,
                               park_work_tile=park, opaque_env=opaque)

@@ -33,6 +33,7 @@ from llvmlite import ir
 
 from mhadsl.codegen import hopper, nvptx, warp
 from mhadsl.codegen.abi import KernelABI, Param, TensorMap
+from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape,
     Layout, Problem, common_problems, ir_loop, sequence_rows, spill_free_build,
@@ -65,6 +66,16 @@ class HopperBackwardConfig(BackwardConfig):
     # dP^T's GEMM issued with S^T's, P^T computed under it; without, after P^T (fewer live
     # registers: a score rule's G beside P^T)
     overlap_dp: bool = True
+    # dQ's partial sums added into the accumulator by the copy engine: each warpgroup's half
+    # tile to shared memory, then one bulk reduce-add per row half (`cp.reduce.async.bulk`)
+    # by the row's first lane; else `red.global.add.v2.f32` from registers
+    dq_bulk: bool = True
+
+    @property
+    def dq_row_bytes(self) -> int:
+        """A row of a warpgroup's dQ half tile in shared memory: D/2 floats and 16 bytes of
+        padding (two-way bank conflicts at most for the quads' 8-byte stores)."""
+        return self.head_dim // 2 * 4 + 16
 
     @property
     def boxes(self) -> int:
@@ -100,10 +111,11 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     stage_bytes = 2 * c.q_bytes  # Q, dO
     ds = stage0 + c.stages * stage_bytes
     lse = ds + c.block_n * c.block_m * 2
-    bars = lse + c.stages * 8 * c.block_m  # per stage: LSE, delta (block_m floats each)
+    dq = lse + c.stages * 8 * c.block_m  # per stage: LSE, delta (block_m floats each)
+    bars = dq + (2 * c.block_m * c.dq_row_bytes if c.dq_bulk else 0)
     end = bars + (1 + c.stages) * hopper.MBARRIER_BYTES
-    return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, lse=lse, bars=bars,
-                end=end)
+    return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, lse=lse, dq=dq,
+                bars=bars, end=end)
 
 
 def shared_bytes(config: HopperBackwardConfig) -> int:
@@ -138,6 +150,18 @@ def launch_shapes(config: HopperBackwardConfig) -> dict[str, LaunchShape]:
 
 
 fixed_grids = sm80.fixed_grids
+
+
+def _asm0(b, text: str) -> None:
+    b.asm(ir.FunctionType(nvptx.void, []), text, "~{memory}", [], True)
+
+
+def _bulk_reduce_add(b, dst: ir.Value, src: ir.Value, nbytes: int) -> None:
+    """`cp.reduce.async.bulk` add of `nbytes` f32 from shared address `src` (i32) into
+    global address `dst` (i64), in this thread's bulk group."""
+    b.asm(ir.FunctionType(nvptx.void, [i64, i32]),
+          "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], "
+          f"{nbytes};", "l,r,~{memory}", [dst, src], True)
 
 
 def _red_v2(b, address: ir.Value, x: ir.Value, y: ir.Value) -> None:
@@ -216,6 +240,8 @@ class _HopperMain(_MainKernel):
                                        + ["~{memory}"]), [tid, *maps, *bars], True)
         nvptx.barrier_all(b)
         work_loop(b, sm80.scheduler_view(self.a), self._work_tile)
+        if self.c.dq_bulk:  # the last bulk reduce-adds are done
+            _asm0(b, "cp.async.bulk.wait_group 0;")
         count_exit(b, self.a.queue)
 
     def _tid(self, b):
@@ -441,8 +467,50 @@ class _HopperMain(_MainKernel):
         hopper.wgmma_wait_group(b, 0)
         flat = hopper.fence_operands(b, dk + dv + dq)
         dk, dv, dq = flat[:len(dk)], flat[len(dk):2 * len(dk)], flat[2 * len(dk):]
-        self._red_dq(b, h, q0, group, dq)
+        if c.dq_bulk:
+            self._bulk_dq(b, h, q0, group, dq)
+        else:
+            self._red_dq(b, h, q0, group, dq)
         return dk, dv
+
+    def _bulk_dq(self, b, h, q0, group, dq):
+        """This thread's dQ values to the warpgroup's half tile in shared memory (rows of the
+        query tile, columns group * D/2..), then lane 4r of each warp adds rows r and r + 8
+        of its warp's 16 into the accumulator by bulk reduce-adds (rows past the sequence
+        skipped). Each row half is written by one quad and added by the quad's first lane,
+        so a warp barrier orders them; that lane waits until its last adds have read the
+        rows before the quad writes them again."""
+        c, a = self.c, self.a
+        tid = self._tid(b)
+        lane = b.and_(tid, i32(31))
+        quad_row = b.lshr(lane, i32(2))
+        warp_row = b.shl(b.and_(b.lshr(tid, i32(5)), i32(3)), i32(4))
+        rb = c.dq_row_bytes
+        tile = b.add(self._addr(b, self.off["dq"]), b.mul(group, i32(c.block_m * rb)))
+        _asm0(b, "cp.async.bulk.wait_group.read 0;")
+        nvptx.call(b, "llvm.nvvm.bar.warp.sync", nvptx.void, [i32(-1)])
+        mine = b.add(tile, b.add(b.mul(b.add(warp_row, quad_row), i32(rb)),
+                                 b.shl(b.and_(lane, i32(3)), i32(3))))
+        for j in range(0, len(dq), 2):
+            jb, r = j // 4, (j // 2) % 2
+            address = b.add(mine, i32(8 * r * rb + 32 * jb))
+            b.asm(ir.FunctionType(nvptx.void, [i32, f32, f32]),
+                  "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f,~{memory}",
+                  [address, dq[j], dq[j + 1]], True)
+        hopper.fence_proxy_async(b)
+        nvptx.call(b, "llvm.nvvm.bar.warp.sync", nvptx.void, [i32(-1)])
+        rows_valid = b.sub(self.seqlen_q, q0)
+        q_row = b.add(self.q_start, q0)
+        col = b.mul(group, i32(c.head_dim // 2))
+        issuer = b.icmp_unsigned("==", b.and_(lane, i32(3)), i32(0))
+        for r in range(2):
+            row = b.add(warp_row, b.add(quad_row, i32(8 * r)))
+            with b.if_then(b.and_(issuer, b.icmp_signed("<", row, rows_valid))):
+                off = _row_offset(b, a, c.ragged, "dq_accum", self.bidx, b.add(q_row, row), h)
+                dst = b.ptrtoint(_gep(b, a.dq_accum, b.add(off, b.zext(col, i64)), f32), i64)
+                src = b.add(tile, b.mul(row, i32(rb)))
+                _bulk_reduce_add(b, dst, src, c.head_dim // 2 * 4)
+        _asm0(b, "cp.async.bulk.commit_group;")
 
     def _red_dq(self, b, h, q0, group, dq):
         """This thread's dQ values (rows of the query tile, columns group * D/2..) added
@@ -520,9 +588,10 @@ class BackwardSM90(Backend):
 
     def configs(self, options, layout: Layout) -> tuple[HopperBackwardConfig, ...]:
         config = declared_config(options, layout)
-        return tuple(replace(config, park_work_tile=park, opaque_env=opaque, overlap_dp=overlap)
-                     for overlap in (True, False)
-                     for park in (True, False) for opaque in (True, False))
+        return tuple(replace(config, park_work_tile=park, opaque_env=opaque, overlap_dp=overlap,
+                             dq_bulk=bulk)
+                     for bulk in (True, False) for overlap in (True, False)
+                     for park in (True,) for opaque in (True, False))
 
     def launch_shape(self, config) -> LaunchShape:
         return launch_shapes(config)[MAIN]
@@ -537,14 +606,16 @@ class BackwardSM90(Backend):
         def make(c):
             return lambda: build_module(c, source.hooks, target,
                                         source.work_loop(*self.scheduler_shape(c)))
-        fallback = None
+        if find_ptxas() is None:
+            return spill_free_build(self.name, target, [(configs[0], make(configs[0]))])
         for c in configs:
             build = spill_free_build(self.name, target, [(c, make(c))])
-            kernels = build.assembled.kernels.values() if build.assembled else ()
-            if all(k.spills == 0 and k.stack_bytes == 0 for k in kernels):
+            if all(k.spills == 0 and k.stack_bytes == 0 for k in build.assembled.kernels.values()):
                 return build
-            fallback = fallback or build
-        return fallback
+        # none fits the registers (a score rule's G beside P^T, say): the sm80-style design's
+        # build, whose config says so to the host (`mhadsl.backward._design`)
+        options_layout = configs[0]
+        return sm80.BACKEND.build(source, sm80.BACKEND.configs_for(options_layout), target)
 
 
 def declared_config(options, layout: Layout) -> HopperBackwardConfig:
