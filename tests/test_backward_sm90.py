@@ -2,6 +2,8 @@
 it runs, its configs' problems and shared memory, its ABI (tensor maps first), both of its
 dQ paths assembling without spills, its hand-over to the sm80 design's build (and that build
 read back from the cache as the sm80 design's), and the wgmma operand forms it adds."""
+from dataclasses import replace
+
 import pytest
 from llvmlite import ir
 
@@ -65,12 +67,12 @@ def test_the_tensor_maps_come_first_at_multiples_of_128_bytes():
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dq_bulk", [False, True], ids=["red-v2", "bulk"])
 def test_both_dq_paths_assemble_without_spills(head_dim, dq_bulk, monkeypatch, tmp_path):
-    """The default (red.global.add.v2.f32 from registers) and the fallback IR shape (bulk
+    """The default (red.global.add.v2.f32 from registers) and the forced variant (bulk
     reduce-adds from shared memory), causal at head dims 64 and 128."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     configs = H.BackwardSM90.configs
     monkeypatch.setattr(H.BackwardSM90, "configs", lambda self, o, l: tuple(
-        c for c in configs(self, o, l) if c.dq_bulk == dq_bulk))
+        replace(c, dq_bulk=dq_bulk) for c in configs(self, o, l)))
     source = ('import "std/schedulers.mha"\nattention t { dtype = bf16  head_dim = '
               f'{head_dim}\n mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }}')
     build = mhadsl.compile(source)["t"].backward_build("sm_90a")

@@ -71,7 +71,7 @@ class HopperBackwardConfig(BackwardConfig):
     # by the row's first lane; else (the default) `red.global.add.v2.f32` from registers.
     # Measured on the H200 (2026-12-01, one run, TFLOP/s red / bulk): plain B4 S4096 372 /
     # 328, causal 335 / 317, causal D64 250 / 222, GQA 32:8 causal 347 / 329, B1 S16384
-    # causal 376 / 339: the bulk path is a fallback IR shape only
+    # causal 376 / 339: the bulk path is built only when forced (`configs`)
     dq_bulk: bool = False
 
     @property
@@ -261,7 +261,7 @@ class _HopperMain(_MainKernel):
                            q_start=q_start, seqlen_q=seqlen_q))
         with b.if_then(b.icmp_unsigned("==", self._tid(b), i32(0))):
             bar = self._bar(b, 0)
-            hopper.mbarrier_arrive_expect_tx(b, bar, 2 * c.kv_bytes * 1)
+            hopper.mbarrier_arrive_expect_tx(b, bar, 2 * c.kv_bytes)
             row = b.add(self.k_start, self.kv0)
             for which in ("k", "v"):
                 tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
@@ -347,7 +347,7 @@ class _HopperMain(_MainKernel):
                 for j in range(self.c.block_m // 8)]
 
     def _step(self, b, h, q0, stage, dk, dv):
-        c, a, dt = self.c, self.a, self.c.dtype
+        c, dt = self.c, self.c.dtype
         BM, BN, D = c.block_m, c.block_n, c.head_dim
         o = self.off
         tid = self._tid(b)
@@ -365,12 +365,12 @@ class _HopperMain(_MainKernel):
         own = b.mul(group, i32(GROUP_ROWS * SW))  # the warpgroup's K/V rows
         q_off, do_off = self._stage_off(b, stage, "q"), self._stage_off(b, stage, "dout")
 
-        def k_major(base, rows):
+        def k_major(rows):  # the 16-column slices of a K-major tile of `rows` rows
             return [box * rows * SW + off for box, off in k_slices]
 
         k_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["k"]), own)),
-                                          k_major(0, BN))
-        q_descs = hopper.smem_descriptors(b, self._ptr(b, q_off), k_major(0, BM))
+                                          k_major(BN))
+        q_descs = hopper.smem_descriptors(b, self._ptr(b, q_off), k_major(BM))
         hopper.wgmma_fence(b)
         s = None
         for kd, qd in zip(k_descs, q_descs):
@@ -379,8 +379,8 @@ class _HopperMain(_MainKernel):
 
         def issue_dp():
             v_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["v"]), own)),
-                                              k_major(0, BN))
-            do_descs = hopper.smem_descriptors(b, self._ptr(b, do_off), k_major(0, BM))
+                                              k_major(BN))
+            do_descs = hopper.smem_descriptors(b, self._ptr(b, do_off), k_major(BM))
             dp = None
             for vd, dd in zip(v_descs, do_descs):
                 dp = hopper.wgmma(b, dt, BM, vd, dd, dp)
@@ -456,9 +456,9 @@ class _HopperMain(_MainKernel):
         ds_descs = hopper.smem_descriptors(b, self._ptr(b, o["ds"]),
                                            [16 * k * SW for k in range(BN // 16)],
                                            leading_bytes=BN * SW)
-        col_byte = b.mul(group, i32(half * 2))  # within a box (D 64), or box g (D 128)
-        if D == 2 * BOX_COLUMNS:
-            col_byte = b.mul(group, i32(BN * SW))
+        # K's columns group * D/2..: TMA box g at head dim 128; at 64, the box's second half
+        # (64 bytes into each swizzled row, as a K-major slice starts 32 k bytes in)
+        col_byte = b.mul(group, i32(BN * SW if D == 2 * BOX_COLUMNS else half * 2))
         k_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["k"]), col_byte)),
                                        [16 * k * SW for k in range(BN // 16)],
                                        leading_bytes=BN * SW)
@@ -591,10 +591,12 @@ class BackwardSM90(Backend):
 
     def configs(self, options, layout: Layout) -> tuple[HopperBackwardConfig, ...]:
         config = declared_config(options, layout)
-        return tuple(replace(config, park_work_tile=park, opaque_env=opaque, overlap_dp=overlap,
-                             dq_bulk=bulk)
-                     for bulk in (False, True) for overlap in (True, False)
-                     for park in (True,) for opaque in (True, False))
+        """The declaration's config in its IR shapes: P^T under dP^T's GEMM or after it, the
+        scheduler's inputs rederived per step or held (dQ by `red.global.add.v2.f32`; the
+        bulk reduce-adds, `dq_bulk`, measured slower, are built only when forced). Few, as a
+        build that fits none falls back to the sm80 design's only after trying them all."""
+        return tuple(replace(config, opaque_env=opaque, overlap_dp=overlap)
+                     for overlap in (True, False) for opaque in (True, False))
 
     def launch_shape(self, config) -> LaunchShape:
         return launch_shapes(config)[MAIN]
@@ -617,8 +619,7 @@ class BackwardSM90(Backend):
                 return build
         # none fits the registers (a score rule's G beside P^T, say): the sm80-style design's
         # build, whose config says so to the host (`mhadsl.backward._design`)
-        options_layout = configs[0]
-        return sm80.BACKEND.build(source, sm80.BACKEND.configs_for(options_layout), target)
+        return sm80.BACKEND.build(source, sm80.BACKEND.configs_for(configs[0]), target)
 
 
 def declared_config(options, layout: Layout) -> HopperBackwardConfig:
