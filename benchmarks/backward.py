@@ -7,7 +7,8 @@ TFLOP/s = 2.5 x the forward's FLOPs (4 B H Sq Sk D, halved under a causal mask) 
 backward time (`mhadsl.bench.time_side_by_side`: every column timed in turn over rounds).
 mhadsl's gradients, atomic and deterministic (`deterministic=True`), are checked against
 SDPA's (math backend, fp32) first; each peer's against mhadsl's. Each row ends with the main
-kernel's build (query rows per step: `BackwardConfig.block_m`) of either mode.
+kernel's build (its design, `backward_sm90` on the H200 for atomic dense calls, and query rows
+per step: `BackwardConfig.block_m`) of either mode.
 """
 import datetime
 
@@ -77,8 +78,9 @@ def row(torch, program, name, B, Hq, Hkv, S, D):
     t = time_side_by_side(torch, fns)
     flops = 2.5 * 4 * B * Hq * S * S * D / (2 if causal else 1)
     tf = {n: None if x is None else flops / (x.ms * 1e-3) / 1e12 for n, x in t.items()}
-    steps = "/".join(f"m{kern.backward_build(gqa_group=Hq // Hkv, deterministic=d).config.block_m}"
-                     for d in (False, True))  # (the builds the calls loaded, from the cache)
+    builds = [kern.backward_build(gqa_group=Hq // Hkv, deterministic=d) for d in (False, True)]
+    # (the builds the calls loaded, from the cache): design and query step of either mode
+    steps = "/".join(f"{b.backend} m{b.config.block_m}" for b in builds)
     print(f"| B{B} H{Hq}:{Hkv} S{S} D{D} {'causal' if causal else 'plain'} | "
           f"**{tf['mhadsl']:.0f}** | {tf['deterministic']:.0f} | "
           + " | ".join(f"{tf[n]:.0f}" if tf.get(n) else "—" for n in ("cudnn", "fa4", "flash"))
@@ -91,7 +93,7 @@ def main():
     print(f"backward, {datetime.date.today()}, {torch.cuda.get_device_name()}, bf16; TFLOP/s "
           f"= 2.5 x forward FLOPs / time")
     print("| shape | mhadsl | mhadsl deterministic | cuDNN | FA4 | torch flash | max relative "
-          "error vs SDPA math | main kernel's query step |")
+          "error vs SDPA math | main kernel's design and query step |")
     for spec in ROWS:
         row(torch, program, *spec)
 

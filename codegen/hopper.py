@@ -273,12 +273,13 @@ def accumulator_count(n: int) -> int:
 
 def wgmma(builder: ir.IRBuilder, dtype: str, n: int, a: ir.Value | list[ir.Value],
           b_desc: ir.Value, acc: list[ir.Value] | None = None,
-          trans_b: bool = False) -> list[ir.Value]:
+          trans_b: bool = False, trans_a: bool = False) -> list[ir.Value]:
     """`wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dtype}.{dtype}`: D = A B (+ acc).
 
     a: a shared-memory descriptor (i64, K-major) or the A fragment in registers (4 i32 of
        two 16-bit values each, `a_fragment`: the FA3 P V form);
     b_desc: B's descriptor, K-major, or MN-major with `trans_b` (V in O = P V);
+    trans_a: A from shared memory is MN-major (M contiguous: dS^T in the backward's dQ = dS K);
     acc: the n/2 f32 accumulators to add to, or None for D = A B (scale-d false).
     Returns the n/2 f32 results (layout: `accumulator_position`). Asynchronous: between
     `wgmma_fence` and `wgmma_wait_group`, feed the results only into the next wgmma."""
@@ -301,7 +302,9 @@ def wgmma(builder: ir.IRBuilder, dtype: str, n: int, a: ir.Value | list[ir.Value
     b_text = f"${first + len(a_ops)}"
     scale_d = f"${first + len(a_ops) + 1}"
     # trailing immediates: scale-a, scale-b (1: no negation), [trans-a (0: K-major),] trans-b
-    imms = ("1,1," if from_registers else "1,1,0,") + ("1" if trans_b else "0")
+    if trans_a and from_registers:
+        raise ValueError("a register A operand has no transpose")
+    imms = ("1,1," if from_registers else f"1,1,{int(trans_a)},") + ("1" if trans_b else "0")
     text = ("{.reg .pred d;" f"setp.ne.b32 d, {scale_d}, 0;"
             f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "
             f"{{{d}}}, {a_text}, {b_text}, d, {imms};}}")

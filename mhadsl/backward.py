@@ -19,9 +19,16 @@ import weakref
 
 from mhadsl.calls import DTYPE_NAMES, check_rows, check_scale, torch_stream
 from mhadsl.codegen.backends import select_target
-from mhadsl.codegen.backends.backward import (
-    ABI, BACKEND, MAIN, BackwardConfig, fixed_grids, kernel_names, launch_shapes,
-)
+from mhadsl.codegen.backends import backward as _sm80_design
+from mhadsl.codegen.backends.backward import BACKEND, MAIN, BackwardConfig
+
+
+def _design(config):
+    """The module of the design a build's config belongs to: its kernels' names, launch
+    shapes, grids and parameters (`kernel_abi`)."""
+    from mhadsl.codegen.backends import backward_sm90
+    return backward_sm90 if isinstance(config, backward_sm90.HopperBackwardConfig) \
+        else _sm80_design
 
 
 def backward_work(lengths: list[int], kv_heads: int, block_n: int = BackwardConfig.block_n,
@@ -151,13 +158,14 @@ def _plans(kernel, call, tensors: dict, scale: float, device: int,
         return state.plans[key]
     functions, config = _functions(kernel, device, call.heads // call.kv_heads, call.ragged,
                                    deterministic)
-    shape = launch_shapes(config)
+    design = _design(config)
+    shape = design.launch_shapes(config)
     num_sms = driver.device_info(device).multiprocessor_count
     ctas_per_sm = functions[MAIN].max_active_blocks(shape[MAIN].threads,
                                                     shape[MAIN].shared_bytes)
     kv_tiles = -(-call.max_seqlen_k // config.block_n)
-    grid = fixed_grids(config, call.batch, call.heads, call.max_seqlen_q)
-    grid[MAIN] = kernel._host_scheduler(config, BACKEND).grid(
+    grid = design.fixed_grids(config, call.batch, call.heads, call.max_seqlen_q)
+    grid[MAIN] = kernel._host_scheduler(config, design.BACKEND).grid(
         call.batch, kv_tiles, call.max_seqlen_k, call.kv_heads, num_sms, ctas_per_sm)
     values = {"lse_stride_batch": 0 if call.ragged else call.heads * call.seqlen_q,
               "lse_stride_head": call.total_q if call.ragged else call.seqlen_q,
@@ -168,8 +176,9 @@ def _plans(kernel, call, tensors: dict, scale: float, device: int,
     # (ragged=False: the kernels take ragged rows from cu_seqlens and ignore batch strides)
     driver.ensure_context(device)
     plans = [LaunchPlan(functions[name], grid[name], shape[name].threads,
-                        shape[name].shared_bytes, ABI, config, device, shapes, values)
-             for name in kernel_names(config) if 0 not in grid[name]]
+                        shape[name].shared_bytes, design.kernel_abi(name), config, device,
+                        shapes, values)
+             for name in design.kernel_names(config) if 0 not in grid[name]]
     state.plans[key] = plans, config.block_n
     return state.plans[key]
 
@@ -188,7 +197,7 @@ def _functions(kernel, device: int, gqa_group: int, ragged: bool,
                   if target.load == "cubin" and build.assembled else
                   driver.Module.from_ptx(build.ptx.encode(), device))
         state.modules[key] = ({name: module.function(name)
-                               for name in kernel_names(build.config)},
+                               for name in _design(build.config).kernel_names(build.config)},
                               build.config, module)
     functions, config, _module = state.modules[key]
     return functions, config

@@ -67,7 +67,7 @@ def plan(program: CheckedProgram, request: KernelRequest) -> Plan:
     try:
         target = gpu_target(request.arch, request.ptx_version)
         backend = backends.backend_for_arch(request.arch, request.backend, options,
-                                           request.layout.workload)
+                                           request.layout.workload, request.layout)
     except ValueError as err:
         raise RequestError(str(err)) from None
     if problems := backend.problems(options, request.arch):
@@ -137,8 +137,11 @@ def _from_entry(entry: dict[str, bytes], backend: Backend) -> KernelBuild | None
         if "cubin" in entry:
             resources = {name: KernelResources(**k) for name, k in meta["resources"].items()}
             assembled = Assembled(entry["cubin"], resources, meta["log"])
+        # (a design may hand over to another's build: `backward_sm90`'s fallback)
+        config_type = backend.config_type if meta["backend"] == backend.name else \
+            backends.backend(meta["backend"]).config_type
         return KernelBuild(meta["backend"], meta["arch"], entry["llvm"].decode(),
                            entry["ptx"].decode(), assembled,
-                           backend.config_type(**meta["config"]), cached=True)
+                           config_type(**meta["config"]), cached=True)
     except (KeyError, TypeError, ValueError, AttributeError):
         return None

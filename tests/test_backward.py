@@ -11,7 +11,7 @@ import pytest
 
 import mhadsl
 from helpers import EXAMPLES, REPO
-from mhadsl.backward import backward_work
+from mhadsl.backward import _design, backward_work
 from mhadsl.codegen.abi import KIND_ALIGN
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import Layout
@@ -28,29 +28,52 @@ needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="ptxas not found")
 DECLARATIONS = [(path, name) for path in EXAMPLES for name in mhadsl.compile(path).attentions]
 
 
+# what each design's PTX must hold
+DESIGN_INSTRUCTIONS = {
+    "backward": ("mma.sync.aligned.m16n8k16.row.col.f32",
+                 "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+                 "ldmatrix.sync.aligned.m8n8.x4.shared.b16", "cp.async.cg.shared.global",
+                 "ex2.approx", "cp.async.ca.shared.global"),
+    "backward_sm90": ("wgmma.mma_async.sync.aligned.m64n64k16.f32", "cp.async.bulk.tensor.4d",
+                      "mbarrier.try_wait.parity", "ex2.approx", "cp.async.ca.shared.global"),
+}
+
+
 @needs_ptxas
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("arch, forced", [("sm_80", None), ("sm_90a", None),
+                                          ("sm_90a", "backward")],
+                         ids=["sm_80", "sm_90a", "sm_90a-sm80design"])
 @pytest.mark.parametrize("layout", [Layout(), Layout(gqa_group=4, ragged=True),
                                     Layout(gqa_group=4, ragged=True, deterministic=True)],
                          ids=["dense", "ragged-gqa4", "deterministic-ragged-gqa4"])
 @pytest.mark.parametrize("path, name", DECLARATIONS,
                          ids=[f"{p.stem}-{n}" for p, n in DECLARATIONS])
-def test_every_example_backward_assembles_without_spills(path, name, layout, arch):
+def test_every_example_backward_assembles_without_spills(path, name, layout, arch, forced):
+    """On sm_90a a dense atomic build is the Hopper design's (TMA + wgmma); ragged and
+    deterministic builds, and any build forced to it, the sm80-style design's."""
     kern = mhadsl.compile(path)[name]
-    build = kern.backward_build(arch, gqa_group=layout.gqa_group, ragged=layout.ragged,
-                                deterministic=layout.deterministic)
+    build = kern.build(arch, gqa_group=layout.gqa_group, ragged=layout.ragged, backward=True,
+                       deterministic=layout.deterministic, backend=forced)
+    hopper = arch == "sm_90a" and forced is None and not (layout.ragged or
+                                                           layout.deterministic)
+    # (a build the Hopper design cannot make without spills is the sm80 design's: a score
+    # rule's G beside P^T, softcap's tanh)
+    assert build.backend == ("backward_sm90" if hopper and name != "softcap_causal"
+                             else "backward")
+    hopper = build.backend == "backward_sm90"
     assert f".target {arch}" in build.ptx
-    for instruction in ("mma.sync.aligned.m16n8k16.row.col.f32",
-                        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
-                        "ldmatrix.sync.aligned.m8n8.x4.shared.b16", "cp.async.cg.shared.global",
-                        "ex2.approx", "cp.async.ca.shared.global"):
+    for instruction in DESIGN_INSTRUCTIONS[build.backend]:
         assert instruction in build.ptx, instruction
-    # dQ's reduction: four columns at a time where the arch has it; none deterministic
-    reductions = {"red.global.add.v4.f32", "atom.global.add.f32"} & set(build.ptx.split())
-    assert reductions == (set() if layout.deterministic else
-                          {"red.global.add.v4.f32" if arch == "sm_90a" else "atom.global.add.f32"})
+    # dQ's reduction: bulk reduce-adds (Hopper), vectors where the arch has them; none
+    # deterministic
+    reductions = {"red.global.add.v4.f32", "red.global.add.v2.f32", "atom.global.add.f32",
+                  "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"
+                  } & set(build.ptx.split())
+    expected = ("red.global.add.v2.f32" if hopper else
+                "red.global.add.v4.f32" if arch == "sm_90a" else "atom.global.add.f32")
+    assert reductions == (set() if layout.deterministic else {expected})
     assert build.config.deterministic == layout.deterministic
-    assert set(build.assembled.kernels) == set(kernel_names(build.config))
+    assert set(build.assembled.kernels) == set(_design(build.config).kernel_names(build.config))
     for resources in build.assembled.kernels.values():
         assert resources.spills == 0 and resources.stack_bytes == 0, resources
 
@@ -69,15 +92,19 @@ def test_the_causal_d128_main_kernel_steps_64_query_rows_without_spills(arch):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_the_kernels_take_the_abi_in_its_types_and_offsets(deterministic):
     kern = mhadsl.compile(EXAMPLES[0].parent / "causal.mha")["causal_fwd"]
-    ptx = kern.backward_build("sm_90a", deterministic=deterministic).ptx
-    names = kernel_names(BackwardConfig(deterministic=deterministic))
+    build = kern.backward_build("sm_90a", deterministic=deterministic)
+    design = _design(build.config)
+    names = design.kernel_names(build.config)
     assert names == (PREPROCESS, MAIN, DQ if deterministic else POSTPROCESS)
     for kernel_name in names:
-        params = ptx_params(ptx, kernel_name)
-        assert len(params) == len(ABI.params)
-        assert offsets(params) == [ABI.offsets[p.name] for p in ABI]
-        assert [align for *_, align in params] == [KIND_ALIGN[p.kind] for p in ABI]
-    assert ABI.size == offsets(params)[-1] + params[-1][2]
+        abi = design.kernel_abi(kernel_name)
+        params = ptx_params(build.ptx, kernel_name)
+        assert len(params) == len(abi.params)
+        assert offsets(params) == [abi.offsets[p.name] for p in abi]
+        # (LLVM 22 gives a byval tensor map 128-byte alignment; the sm90 design lists its
+        # maps first, at multiples of 128)
+        assert all(align % KIND_ALIGN[p.kind] == 0 for (*_, align), p in zip(params, abi))
+        assert abi.size == offsets(params)[-1] + params[-1][2]
 
 
 def _main_kernel(ptx: str) -> str:

@@ -33,7 +33,7 @@ from mhadsl.codegen.assemble import Assembled, assemble, find_ptxas
 from mhadsl.codegen.nvptx import i1, i32
 from mhadsl.codegen.target import Target, emit_ptx, optimize
 
-REGISTRY = ("sm80", "sm90", "decode", "backward")  # module names here, preferred first
+REGISTRY = ("sm80", "sm90", "decode", "backward", "backward_sm90")  # module names here, preferred first
 
 # Dynamic shared memory one CTA may opt in to, per build target (CUDA's per-block limits
 # of the A100 and H100/H200 class; smaller 8.x parts have less and fail at launch).
@@ -80,10 +80,13 @@ def backends(workload: str = "prefill") -> list[Backend]:
 # (1.1-1.6x sm80 on the H200, BENCHMARKS.md), and sm80 for what it cannot run (head dim
 # 256, tiles it does not take); `backend="sm80"` forces the other.
 PREFERENCE = {"sm_90a": ("sm90", "sm80")}
+# The same for the backward pass: on 9.0 the TMA + wgmma design where it runs the declaration
+# and the call's layout (`Backend.runs_layout`), else the sm80-style one, which runs them all.
+BACKWARD_PREFERENCE = {"sm_90a": ("backward_sm90", "backward")}
 
 
 def backend_for_arch(arch: str, requested: str | None = None, options=None,
-                     workload: str = "prefill") -> Backend:
+                     workload: str = "prefill", layout: Layout | None = None) -> Backend:
     """`requested` (it must build for `arch`), else the preferred backend for `arch` that
     runs declaration `options` (`AttentionOptions`; any, without them), else the first
     registered one of the workload that builds for `arch`. The CLI, the API and a device all
@@ -96,9 +99,12 @@ def backend_for_arch(arch: str, requested: str | None = None, options=None,
             raise ValueError(f"attention backend {requested!r} builds for "
                              f"{', '.join(chosen.targets)}, not {arch}")
         return chosen
-    for name in PREFERENCE.get(arch, ()) if workload == "prefill" else ():
-        if options is not None and not backend(name).problems(options, arch):
-            return backend(name)
+    preference = {"prefill": PREFERENCE, "backward": BACKWARD_PREFERENCE}.get(workload, {})
+    for name in preference.get(arch, ()):
+        design = backend(name)
+        if options is not None and not design.problems(options, arch) and (
+                layout is None or design.runs_layout(layout)):
+            return design
     for candidate in backends(workload):
         if arch in candidate.targets:
             return candidate
@@ -304,6 +310,11 @@ class Backend(ABC):
     @abstractmethod
     def launch_shape(self, config) -> LaunchShape:
         ...
+
+    def runs_layout(self, layout: "Layout") -> bool:
+        """Whether the design runs a call of this layout (beyond what `problems` says of the
+        declaration); a design that does not is passed over in its target's preference."""
+        return True
 
     def scheduler_shape(self, config) -> tuple[int, int]:
         """(tile height, query heads per head) of the work space the design hands its

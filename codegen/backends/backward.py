@@ -67,6 +67,11 @@ WORK_TILE_FIELDS = ("bidx", "hk", "k_start", "seqlen_k", "kv0", "q_start", "seql
 def kernel_names(config: BackwardConfig) -> tuple[str, ...]:
     """The build's kernels, in launch order."""
     return (PREPROCESS, MAIN, DQ if config.deterministic else POSTPROCESS)
+
+
+def kernel_abi(name: str) -> KernelABI:
+    """The parameters of kernel `name` (all of this design's take `ABI`)."""
+    return ABI
 # ============================================================================ configuration
 @dataclass(frozen=True)
 class BackwardConfig(RowCopies):
@@ -1181,7 +1186,13 @@ class Backward(Backend):
         in two passes, 32-row query steps), then the same work over 8 warps of 128 K/V
         rows: ptxas's allocation at the 255-register cap is chaotic, so the first that
         assembles without spills wins."""
-        config = declared_config(options, layout)
+        return self.configs_for(declared_config(options, layout))
+
+    def configs_for(self, config: BackwardConfig) -> tuple[BackwardConfig, ...]:
+        """`configs` from the declaration's config (its dtype, head dim and layout fields;
+        another design's config of the same fields too: `backward_sm90`'s fallback)."""
+        config = BackwardConfig(config.dtype, config.head_dim, gqa_group=config.gqa_group,
+                                ragged=config.ragged, deterministic=config.deterministic)
         passes = (1,) if config.deterministic else (1, 2)  # (no dQ product in mha_bwd)
         candidates = [replace(config, block_m=m, step_passes=s, dq_passes=p,
                               park_work_tile=park, opaque_env=opaque)

@@ -1,0 +1,632 @@
+"""The Hopper (sm_90a) backward pass: TMA + mbarrier + wgmma.
+
+The same three kernels as `codegen.backends.backward` (preprocess, main, postprocess: the
+row kernels are that module's), with a main kernel `mha_bwd` built for Hopper:
+
+- a CTA of two warpgroups (256 threads, up to 255 registers each) owns one K/V tile of
+  `block_n` = 128 rows of one (batch, K/V head), handed out by the declaration's scheduler
+  (the same work space as the sm80 design: `backward.scheduler_view`); warpgroup g owns K/V
+  rows 64g..64g+63. K and V come by TMA once per work tile (128-byte swizzle, one box per
+  64 head-dim columns);
+- the CTA steps over the query tiles (`block_m` = 64 rows) of every query head of its GQA
+  group that the mask's classification does not prove empty. Thread 0 loads each step's Q
+  and dO by TMA into one of two stages (completion on that stage's mbarrier) while the
+  other computes; the first 64 threads cp.async the step's LSE and delta rows beside them;
+- per step and warpgroup, by wgmma: S^T = K Q^T and dP^T = V dO^T (both operands K-major
+  in shared memory), P^T = exp2(S^T scale log2e - LSE) with the score hook and the mask on
+  partial tiles (the sm80 design's `_probabilities`), dS^T = P^T (dP^T - delta) (with the
+  score's derivative), then dV += P^T dO and dK += dS^T Q with P^T and dS^T as the register
+  A operand and dO, Q as MN-major B operands (the forward's P V form). dS^T goes to shared
+  memory (16-bit, swizzled) and, after a CTA barrier, warpgroup g computes dQ's head-dim
+  columns g D/2.. = dS K with dS^T as a transposed (M-major) shared A operand and K as an
+  MN-major B operand, then adds them into the fp32 accumulator with
+  `red.global.add.v2.f32` from registers;
+- dK (times the softmax scale) and dV are stored from registers at the end of the work tile.
+
+It runs dense layouts in atomic mode at head dims 64 and 128; ragged and deterministic calls
+keep the sm80-style design (`Backend.runs_layout`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from llvmlite import ir
+
+from mhadsl.codegen import hopper, nvptx, warp
+from mhadsl.codegen.abi import KernelABI, Param, TensorMap
+from mhadsl.codegen.assemble import find_ptxas
+from mhadsl.codegen.backends import (
+    SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape,
+    Layout, Problem, common_problems, ir_loop, sequence_rows, spill_free_build,
+)
+from mhadsl.codegen.backends import backward as sm80
+from mhadsl.codegen.backends.backward import (
+    MAIN, POSTPROCESS, PREPROCESS, ROW_THREADS, BackwardConfig, _emit_postprocess,
+    _emit_preprocess, _gep, _lse_offset, _Lanes, _MainKernel, _row_offset, _TileKernel,
+)
+from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
+from mhadsl.codegen.scheduler import count_exit
+from mhadsl.codegen.target import Target, new_module
+
+SMEM_SYMBOL = "mha_bwd_sm90_smem"
+HEAD_DIMS = (64, 128)
+GROUP_ROWS = 64  # K/V rows per warpgroup (wgmma's M)
+BOX_COLUMNS = 64  # head-dim columns per TMA box: 128 bytes, the swizzle's row
+SW = hopper.SWIZZLE_BYTES
+SWIZZLE_SLACK = hopper.SWIZZLE_ATOM_BYTES
+
+
+@dataclass(frozen=True)
+class HopperBackwardConfig(BackwardConfig):
+    """A build of the Hopper backward (the sm80 config's fields; two warpgroups)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 8
+    stages: int = 2
+    # dP^T's GEMM issued with S^T's, P^T computed under it; without, after P^T (fewer live
+    # registers: a score rule's G beside P^T)
+    overlap_dp: bool = True
+    # dQ's partial sums added into the accumulator by the copy engine: each warpgroup's half
+    # tile to shared memory, then one bulk reduce-add per row half (`cp.reduce.async.bulk`)
+    # by the row's first lane; else (the default) `red.global.add.v2.f32` from registers.
+    # Measured on the H200 (2026-12-01, one run, TFLOP/s red / bulk): plain B4 S4096 372 /
+    # 328, causal 335 / 317, causal D64 250 / 222, GQA 32:8 causal 347 / 329, B1 S16384
+    # causal 376 / 339: the bulk path is built only when forced (`configs`)
+    dq_bulk: bool = False
+
+    @property
+    def dq_row_bytes(self) -> int:
+        """A row of a warpgroup's dQ half tile in shared memory: D/2 floats and 16 bytes of
+        padding (two-way bank conflicts at most for the quads' 8-byte stores)."""
+        return self.head_dim // 2 * 4 + 16
+
+    @property
+    def boxes(self) -> int:
+        return self.head_dim // BOX_COLUMNS
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.block_n * self.row_bytes
+
+    @property
+    def q_bytes(self) -> int:
+        return self.block_m * self.row_bytes
+
+    def problems(self) -> list[Problem]:
+        found = common_problems(self)
+        if self.head_dim not in HEAD_DIMS:
+            found.append(Problem(("head_dim",), (
+                f"the sm90 backward runs head_dim {', '.join(map(str, HEAD_DIMS))}, not "
+                f"{self.head_dim}")))
+        if self.block_m != 64 or self.block_n != 128 or self.num_warps != 8:
+            found.append(Problem(("tile",), "the sm90 backward steps 64 query rows over K/V "
+                                            "tiles of 128 rows with two warpgroups"))
+        if self.deterministic or self.ragged:
+            found.append(Problem((), "the sm90 backward runs dense layouts in atomic mode"))
+        return found
+
+
+# shared memory, from the base rounded up to 1024 bytes
+def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
+    k = 0
+    v = k + c.kv_bytes
+    stage0 = v + c.kv_bytes
+    stage_bytes = 2 * c.q_bytes  # Q, dO
+    ds = stage0 + c.stages * stage_bytes
+    lse = ds + c.block_n * c.block_m * 2
+    dq = lse + c.stages * 8 * c.block_m  # per stage: LSE, delta (block_m floats each)
+    bars = dq + (2 * c.block_m * c.dq_row_bytes if c.dq_bulk else 0)
+    end = bars + (1 + c.stages) * hopper.MBARRIER_BYTES
+    return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, lse=lse, dq=dq,
+                bars=bars, end=end)
+
+
+def shared_bytes(config: HopperBackwardConfig) -> int:
+    return SWIZZLE_SLACK + _offsets(config)["end"]
+
+
+# The main kernel's parameters: the tensor maps first (LLVM 22 emits a byval map `.align 128`;
+# first, every one sits at a multiple of 128 bytes, where the ABI's rule puts it too), then
+# the sm80 design's.
+ABI = KernelABI(*(
+    Param(f"{t}_map", "tensor_map", TensorMap(t, rows, BOX_COLUMNS), meaning)
+    for t, rows, meaning in (
+        ("q", "block_m", "CUtensorMap over q as (B,Sq,Hq,D), box (1,BM,1,64), 128-byte swizzle"),
+        ("k", "block_n", "CUtensorMap over k as (B,Sk,Hkv,D), box (1,BN,1,64)"),
+        ("v", "block_n", "CUtensorMap over v, as k_map"),
+        ("dout", "block_m", "CUtensorMap over dO, as q_map"))), *sm80.ABI)
+
+
+def kernel_names(config) -> tuple[str, ...]:
+    return (PREPROCESS, MAIN, POSTPROCESS)
+
+
+def kernel_abi(name: str) -> KernelABI:
+    """The parameters of kernel `name`: the row kernels take the sm80 design's."""
+    return ABI if name == MAIN else sm80.ABI
+
+
+def launch_shapes(config: HopperBackwardConfig) -> dict[str, LaunchShape]:
+    return {PREPROCESS: LaunchShape(PREPROCESS, ROW_THREADS, 0),
+            MAIN: LaunchShape(MAIN, config.threads, shared_bytes(config)),
+            POSTPROCESS: LaunchShape(POSTPROCESS, ROW_THREADS, 0)}
+
+
+fixed_grids = sm80.fixed_grids
+
+
+def _asm0(b, text: str) -> None:
+    b.asm(ir.FunctionType(nvptx.void, []), text, "~{memory}", [], True)
+
+
+def _bulk_reduce_add(b, dst: ir.Value, src: ir.Value, nbytes: int) -> None:
+    """`cp.reduce.async.bulk` add of `nbytes` f32 from shared address `src` (i32) into
+    global address `dst` (i64), in this thread's bulk group."""
+    b.asm(ir.FunctionType(nvptx.void, [i64, i32]),
+          "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], "
+          f"{nbytes};", "l,r,~{memory}", [dst, src], True)
+
+
+def _red_v2(b, address: ir.Value, x: ir.Value, y: ir.Value) -> None:
+    b.asm(ir.FunctionType(nvptx.void, [i64, f32, f32]),
+          "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}", [address, x, y], True)
+
+
+def _st_shared_b32(b, address: ir.Value, value: ir.Value) -> None:
+    b.asm(ir.FunctionType(nvptx.void, [i32, i32]), "st.shared.b32 [$0], $1;",
+          "r,r,~{memory}", [address, value], True)
+
+
+def _ld_shared_v2f32(b, address: ir.Value) -> list[ir.Value]:
+    res = b.asm(ir.FunctionType(ir.LiteralStructType([f32, f32]), [i32]),
+                "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r,~{memory}", [address], True)
+    return [b.extract_value(res, i) for i in range(2)]
+
+
+class _HopperMain(_MainKernel):
+    """`mha_bwd` on Hopper (the module's docstring). The work tile's values are parked in
+    shared memory as in the sm80 design (`backward._parked`)."""
+
+    def __init__(self, config: HopperBackwardConfig, hooks: ExprHooks, args: KernelArgs,
+                 smem: ir.GlobalVariable):
+        _TileKernel.__init__(self, config, hooks, args, smem)
+        self.tile_rows = (config.block_m, config.block_n)
+        self.off = _offsets(config)
+
+    # ------------------------------------------------------------------ addresses
+    def _base(self, b) -> ir.Value:
+        raw = b.ptrtoint(self.smem, i32)
+        return b.and_(b.add(raw, i32(SWIZZLE_SLACK - 1)), i32(-SWIZZLE_SLACK))
+
+    def _addr(self, b, offset) -> ir.Value:
+        """The 32-bit shared address `offset` (int or i32) bytes past the aligned base."""
+        offset = i32(offset) if isinstance(offset, int) else offset
+        return b.add(self._base(b), offset)
+
+    def _ptr(self, b, offset) -> ir.Value:
+        return b.inttoptr(self._addr(b, offset), nvptx.ptr(SHARED))
+
+    def _bar(self, b, index) -> ir.Value:
+        index = i32(index) if isinstance(index, int) else index
+        return self._ptr(b, b.add(i32(self.off["bars"]), b.mul(index, i32(8))))
+
+    def _stage_off(self, b, stage, which: str) -> ir.Value:
+        """Offset of Q or dO ("q", "dout") of `stage`, or of its LSE or delta rows."""
+        o, c = self.off, self.c
+        if which in ("q", "dout"):
+            extra = 0 if which == "q" else c.q_bytes
+            return b.add(i32(o["stage0"] + extra), b.mul(stage, i32(o["stage_bytes"])))
+        extra = 0 if which == "lse" else 4 * c.block_m
+        return b.add(i32(o["lse"] + extra), b.mul(stage, i32(8 * c.block_m)))
+
+    # ------------------------------------------------------------------ the kernel
+    def emit(self, b, work_loop) -> None:
+        self.builder = b
+        self.step_count = b.alloca(i32, name="step_count")
+        self.tile_count = b.alloca(i32, name="tile_count")
+        b.store(i32(0), self.step_count)
+        b.store(i32(0), self.tile_count)
+        # thread 0 sets up, by predicated instructions: a branch here would put the work
+        # loop's allocas outside the entry block, where they stay in local memory
+        tid = nvptx.special_register(b, "thread_idx", "x")
+        maps = [hopper.tensor_map_address(b, self.a[name])
+                for name in ("q_map", "k_map", "v_map", "dout_map")]
+        bars = [hopper.shared_address(b, self._bar(b, index))
+                for index in range(1 + self.c.stages)]
+        text = ["{.reg .pred p;", "setp.eq.u32 p, $0, 0;"]
+        text += [f"@p prefetch.tensormap [${1 + i}];" for i in range(len(maps))]
+        text += [f"@p mbarrier.init.shared::cta.b64 [${1 + len(maps) + i}], 1;"
+                 for i in range(len(bars))]
+        text += ["@p fence.mbarrier_init.release.cluster;", "}"]
+        b.asm(ir.FunctionType(nvptx.void, [i32] + [i64] * len(maps) + [i32] * len(bars)),
+              " ".join(text), ",".join(["r"] + ["l"] * len(maps) + ["r"] * len(bars)
+                                       + ["~{memory}"]), [tid, *maps, *bars], True)
+        nvptx.barrier_all(b)
+        work_loop(b, sm80.scheduler_view(self.a), self._work_tile)
+        if self.c.dq_bulk:  # the last bulk reduce-adds are done
+            _asm0(b, "cp.async.bulk.wait_group 0;")
+        count_exit(b, self.a.queue)
+
+    def _tid(self, b):
+        return nvptx.opaque_special_register(b, "tid.x")
+
+    def _work_tile(self, b, seq) -> None:
+        c, a = self.c, self.a
+        nvptx.barrier_all(b)  # the last work tile is done with shared memory
+        q_start, seqlen_q = sequence_rows(b, c.ragged, a.cu_seqlens_q, a.seqlen_q,
+                                          seq.prompt_idx)
+        last = b.mul(b.udiv(b.sub(seq.seq_len, i32(1)), i32(c.block_n)), i32(c.block_n))
+        self._park(b, dict(bidx=seq.prompt_idx, hk=seq.head_idx, k_start=seq.start_of_seq,
+                           seqlen_k=seq.seq_len, kv0=b.sub(last, seq.prompt_offset),
+                           q_start=q_start, seqlen_q=seqlen_q))
+        with b.if_then(b.icmp_unsigned("==", self._tid(b), i32(0))):
+            bar = self._bar(b, 0)
+            hopper.mbarrier_arrive_expect_tx(b, bar, 2 * c.kv_bytes)
+            row = b.add(self.k_start, self.kv0)
+            for which in ("k", "v"):
+                tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
+                for box in range(c.boxes):
+                    dst = self._ptr(b, self.off[which] + box * c.block_n * SW)
+                    hopper.tma_load(b, dst, tmap, [self.bidx, row, self.hk, i32(box * BOX_COLUMNS)],
+                                    bar)
+
+        def q_tiles(b):
+            return b.udiv(b.add(self.seqlen_q, i32(c.block_m - 1)), i32(c.block_m))
+
+        def pair_of(b, s):  # (query head, first query row, first K/V row) of step s
+            head0 = b.mul(self.hk, i32(c.gqa_group))
+            return (b.add(head0, b.udiv(s, q_tiles(b))),
+                    b.mul(b.urem(s, q_tiles(b)), i32(c.block_m)), self.kv0)
+
+        steps = b.mul(q_tiles(b), i32(c.gqa_group))
+        first = self._next_step(b, i32(0), steps, pair_of)
+        count = b.load(self.step_count, typ=i32)
+        with b.if_then(b.icmp_signed("<", first, steps)):
+            self._issue(b, *pair_of(b, first)[:2], b.and_(count, i32(1)))
+        warp.cp_async_commit(b)
+        tiles = b.load(self.tile_count, typ=i32)
+        hopper.mbarrier_wait(b, self._bar(b, 0), b.and_(tiles, i32(1)))
+        b.store(b.add(tiles, i32(1)), self.tile_count)
+
+        def body(b, s, carried):
+            count = b.load(self.step_count, typ=i32)
+            stage = b.and_(count, i32(1))
+            phase = b.and_(b.lshr(count, i32(1)), i32(1))
+            nxt = self._next_step(b, b.add(s, i32(1)), steps, pair_of)
+            warp.cp_async_wait(b, 0)  # this step's LSE and delta (this thread's copies)
+            nvptx.barrier_all(b)  # everyone's, and the other stage and dS^T are free
+            with b.if_then(b.icmp_signed("<", nxt, steps)):
+                self._issue(b, *pair_of(b, nxt)[:2], b.xor(stage, i32(1)))
+            warp.cp_async_commit(b)
+            hopper.mbarrier_wait(b, self._bar(b, b.add(stage, i32(1))), phase)
+            h, q0, _ = pair_of(b, s)
+            half = len(carried) // 2
+            dk, dv = self._step(b, h, q0, stage, list(carried[:half]), list(carried[half:]))
+            b.store(b.add(count, i32(1)), self.step_count)
+            return nxt, dk + dv
+
+        n_acc = hopper.accumulator_count(c.head_dim)
+        init = hopper.fence_operands(b, [warp.fconst(0.0)] * (2 * n_acc))
+        final = ir_loop(b, first, steps, init, body)
+        warp.cp_async_wait(b, 0)
+        kv_row, rows_valid = b.add(self.k_start, self.kv0), b.sub(self.seqlen_k, self.kv0)
+        self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:n_acc], a.softmax_scale)
+        self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[n_acc:], None)
+
+    def _issue(self, b, h, q0, stage):
+        """Thread 0: Q and dO of the query tile at q0 of head h by TMA into `stage`; the
+        first block_m threads: its LSE and delta rows by cp.async (rows past the sequence
+        zero-filled)."""
+        c, a = self.c, self.a
+        tid = self._tid(b)
+        q_row = b.add(self.q_start, q0)
+        with b.if_then(b.icmp_unsigned("==", tid, i32(0))):
+            bar = self._bar(b, b.add(stage, i32(1)))
+            hopper.mbarrier_arrive_expect_tx(b, bar, 2 * c.q_bytes)
+            for which in ("q", "dout"):
+                tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
+                base = self._stage_off(b, stage, which)
+                for box in range(c.boxes):
+                    dst = self._ptr(b, b.add(base, i32(box * c.block_m * SW)))
+                    hopper.tma_load(b, dst, tmap, [self.bidx, q_row, h, i32(box * BOX_COLUMNS)],
+                                    bar)
+        tid = self._tid(b)
+        with b.if_then(b.icmp_unsigned("<", tid, i32(c.block_m))):
+            rows_valid = b.sub(self.seqlen_q, q0)
+            valid = b.icmp_signed("<", tid, rows_valid)
+            off = _lse_offset(b, a, self.bidx, h, b.add(q_row, b.select(valid, tid, i32(0))))
+            for name in ("lse", "delta"):
+                dst = self._ptr(b, b.add(self._stage_off(b, stage, name), b.shl(tid, i32(2))))
+                nvptx.call(b, "llvm.nvvm.cp.async.ca.shared.global.4.s", nvptx.void,
+                           [dst, _gep(b, a[name], off, f32), b.select(valid, i32(4), i32(0))])
+
+    def _columns(self, b, stage, which: str, lanes) -> list[list[ir.Value]]:
+        """This thread's query columns' LSE or delta: [n-tile][e & 1]."""
+        start = b.add(self._addr(b, self._stage_off(b, stage, which)), b.shl(lanes.t, i32(3)))
+        return [_ld_shared_v2f32(b, b.add(start, i32(32 * j)))
+                for j in range(self.c.block_m // 8)]
+
+    def _step(self, b, h, q0, stage, dk, dv):
+        c, dt = self.c, self.c.dtype
+        BM, BN, D = c.block_m, c.block_n, c.head_dim
+        o = self.off
+        tid = self._tid(b)
+        group = b.lshr(tid, i32(7))
+        lanes = _Lanes(b, c, tid)
+        kv0 = self.kv0
+
+        def q_idx(i, j, e):
+            return b.add(q0, lanes.step_column(b, j, e))
+
+        def kv_idx(i, j, e):
+            return b.add(kv0, lanes.own_row(b, i, e >> 1))
+
+        k_slices = [divmod(32 * k, SW) for k in range(D // 16)]
+        own = b.mul(group, i32(GROUP_ROWS * SW))  # the warpgroup's K/V rows
+        q_off, do_off = self._stage_off(b, stage, "q"), self._stage_off(b, stage, "dout")
+
+        def k_major(rows):  # the 16-column slices of a K-major tile of `rows` rows
+            return [box * rows * SW + off for box, off in k_slices]
+
+        k_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["k"]), own)),
+                                          k_major(BN))
+        q_descs = hopper.smem_descriptors(b, self._ptr(b, q_off), k_major(BM))
+        hopper.wgmma_fence(b)
+        s = None
+        for kd, qd in zip(k_descs, q_descs):
+            s = hopper.wgmma(b, dt, BM, kd, qd, s)
+        hopper.wgmma_commit_group(b)
+
+        def issue_dp():
+            v_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["v"]), own)),
+                                              k_major(BN))
+            do_descs = hopper.smem_descriptors(b, self._ptr(b, do_off), k_major(BM))
+            dp = None
+            for vd, dd in zip(v_descs, do_descs):
+                dp = hopper.wgmma(b, dt, BM, vd, dd, dp)
+            hopper.wgmma_commit_group(b)
+            return dp
+
+        if c.overlap_dp:
+            dp = issue_dp()
+            hopper.wgmma_wait_group(b, 1)
+        else:
+            hopper.wgmma_wait_group(b, 0)
+        s = hopper.fence_operands(b, s)
+
+        # P^T (and G with a score rule), under dP^T's GEMM
+        lse = self._columns(b, stage, "lse", lanes)
+        seqlen_q = self.seqlen_q
+        neg_lse = [[self._neg_lse(b, x, q_idx(0, j, e), seqlen_q) for e, x in enumerate(pair)]
+                   for j, pair in enumerate(lse)]
+        S = [[s[4 * j: 4 * j + 4] for j in range(BM // 8)]]
+        packed_p, G = self._probabilities(b, h, q0, kv0, S, q_idx, kv_idx,
+                                          lambda i, j, e: neg_lse[j][e & 1])
+        if not c.overlap_dp:
+            hopper.wgmma_fence(b)
+            dp = issue_dp()
+        hopper.wgmma_wait_group(b, 0)
+        dp = hopper.fence_operands(b, dp)
+
+        # dV += P^T dO
+        frags = [x for slice_ in packed_p[0] for x in slice_]
+        flat = hopper.fence_operands(b, dv + frags)
+        dv, frags = flat[:len(dv)], flat[len(dv):]
+        mn_slices = [16 * k * SW for k in range(BM // 16)]
+        do_mn = hopper.smem_descriptors(b, self._ptr(b, do_off), mn_slices,
+                                        leading_bytes=BM * SW)
+        hopper.wgmma_fence(b)
+        for k, desc in enumerate(do_mn):
+            dv = hopper.wgmma(b, dt, D, frags[4 * k: 4 * k + 4], desc, dv, trans_b=True)
+        hopper.wgmma_commit_group(b)
+
+        # dS^T = P^T (dP^T - delta)
+        delta = self._columns(b, stage, "delta", lanes)
+        dP_delta = [[[b.fsub(dp[4 * j + e], delta[j][e & 1]) for e in range(4)]
+                     for j in range(BM // 8)]]
+        ds_packed = self._pack(b, self._ds(b, packed_p, G, dP_delta))[0]
+
+        # dS^T (16-bit) to shared memory: row = the warpgroup's K/V row, 64 query columns
+        # (128 bytes, swizzled: chunk n-tile xor row % 8)
+        lane = b.and_(tid, i32(31))
+        g8 = b.lshr(lane, i32(2))
+        row_byte = b.add(b.mul(b.add(b.shl(b.lshr(tid, i32(5)), i32(4)), g8), i32(SW)),
+                         b.shl(b.and_(lane, i32(3)), i32(2)))
+        ds_base = b.add(self._addr(b, o["ds"]), row_byte)
+        for k, slice_ in enumerate(ds_packed):
+            for x, (r, nt) in zip(slice_, ((0, 2 * k), (1, 2 * k), (0, 2 * k + 1),
+                                            (1, 2 * k + 1))):
+                chunk = b.shl(b.xor(g8, i32(nt)), i32(4))
+                _st_shared_b32(b, b.add(b.add(ds_base, chunk), i32(8 * r * SW)), x)
+
+        # dK += dS^T Q
+        frags = [x for slice_ in ds_packed for x in slice_]
+        flat = hopper.fence_operands(b, dk + frags)
+        dk, frags = flat[:len(dk)], flat[len(dk):]
+        q_mn = hopper.smem_descriptors(b, self._ptr(b, q_off), mn_slices, leading_bytes=BM * SW)
+        hopper.wgmma_fence(b)
+        for k, desc in enumerate(q_mn):
+            dk = hopper.wgmma(b, dt, D, frags[4 * k: 4 * k + 4], desc, dk, trans_b=True)
+        hopper.wgmma_commit_group(b)
+
+        # dQ's columns group * D/2.. = dS K: every warpgroup's dS^T rows are in
+        hopper.fence_proxy_async(b)
+        nvptx.barrier_all(b)
+        half = D // 2
+        ds_descs = hopper.smem_descriptors(b, self._ptr(b, o["ds"]),
+                                           [16 * k * SW for k in range(BN // 16)],
+                                           leading_bytes=BN * SW)
+        # K's columns group * D/2..: TMA box g at head dim 128; at 64, the box's second half
+        # (64 bytes into each swizzled row, as a K-major slice starts 32 k bytes in)
+        col_byte = b.mul(group, i32(BN * SW if D == 2 * BOX_COLUMNS else half * 2))
+        k_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["k"]), col_byte)),
+                                       [16 * k * SW for k in range(BN // 16)],
+                                       leading_bytes=BN * SW)
+        hopper.wgmma_fence(b)
+        dq = None
+        for dsd, kd in zip(ds_descs, k_mn):
+            dq = hopper.wgmma(b, dt, half, dsd, kd, dq, trans_a=True, trans_b=True)
+        hopper.wgmma_commit_group(b)
+        hopper.wgmma_wait_group(b, 0)
+        flat = hopper.fence_operands(b, dk + dv + dq)
+        dk, dv, dq = flat[:len(dk)], flat[len(dk):2 * len(dk)], flat[2 * len(dk):]
+        if c.dq_bulk:
+            self._bulk_dq(b, h, q0, group, dq)
+        else:
+            self._red_dq(b, h, q0, group, dq)
+        return dk, dv
+
+    def _bulk_dq(self, b, h, q0, group, dq):
+        """This thread's dQ values to the warpgroup's half tile in shared memory (rows of the
+        query tile, columns group * D/2..), then lane 4r of each warp adds rows r and r + 8
+        of its warp's 16 into the accumulator by bulk reduce-adds (rows past the sequence
+        skipped). Each row half is written by one quad and added by the quad's first lane,
+        so a warp barrier orders them; that lane waits until its last adds have read the
+        rows before the quad writes them again."""
+        c, a = self.c, self.a
+        tid = self._tid(b)
+        lane = b.and_(tid, i32(31))
+        quad_row = b.lshr(lane, i32(2))
+        warp_row = b.shl(b.and_(b.lshr(tid, i32(5)), i32(3)), i32(4))
+        rb = c.dq_row_bytes
+        tile = b.add(self._addr(b, self.off["dq"]), b.mul(group, i32(c.block_m * rb)))
+        _asm0(b, "cp.async.bulk.wait_group.read 0;")
+        nvptx.call(b, "llvm.nvvm.bar.warp.sync", nvptx.void, [i32(-1)])
+        mine = b.add(tile, b.add(b.mul(b.add(warp_row, quad_row), i32(rb)),
+                                 b.shl(b.and_(lane, i32(3)), i32(3))))
+        for j in range(0, len(dq), 2):
+            jb, r = j // 4, (j // 2) % 2
+            address = b.add(mine, i32(8 * r * rb + 32 * jb))
+            b.asm(ir.FunctionType(nvptx.void, [i32, f32, f32]),
+                  "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f,~{memory}",
+                  [address, dq[j], dq[j + 1]], True)
+        hopper.fence_proxy_async(b)
+        nvptx.call(b, "llvm.nvvm.bar.warp.sync", nvptx.void, [i32(-1)])
+        rows_valid = b.sub(self.seqlen_q, q0)
+        q_row = b.add(self.q_start, q0)
+        col = b.mul(group, i32(c.head_dim // 2))
+        issuer = b.icmp_unsigned("==", b.and_(lane, i32(3)), i32(0))
+        for r in range(2):
+            row = b.add(warp_row, b.add(quad_row, i32(8 * r)))
+            with b.if_then(b.and_(issuer, b.icmp_signed("<", row, rows_valid))):
+                off = _row_offset(b, a, c.ragged, "dq_accum", self.bidx, b.add(q_row, row), h)
+                dst = b.ptrtoint(_gep(b, a.dq_accum, b.add(off, b.zext(col, i64)), f32), i64)
+                src = b.add(tile, b.mul(row, i32(rb)))
+                _bulk_reduce_add(b, dst, src, c.head_dim // 2 * 4)
+        _asm0(b, "cp.async.bulk.commit_group;")
+
+    def _red_dq(self, b, h, q0, group, dq):
+        """This thread's dQ values (rows of the query tile, columns group * D/2..) added
+        into the fp32 accumulator, two columns at a time; rows past the sequence skipped."""
+        c, a = self.c, self.a
+        tid = self._tid(b)
+        lane = b.and_(tid, i32(31))
+        warp_row = b.shl(b.and_(b.lshr(tid, i32(5)), i32(3)), i32(4))
+        rows_valid = b.sub(self.seqlen_q, q0)
+        col = b.add(b.mul(group, i32(c.head_dim // 2)), b.shl(b.and_(lane, i32(3)), i32(1)))
+        q_row = b.add(self.q_start, q0)
+        for r in range(2):
+            row = b.add(warp_row, b.add(b.lshr(lane, i32(2)), i32(8 * r)))
+            with b.if_then(b.icmp_signed("<", row, rows_valid)):
+                off = _row_offset(b, a, c.ragged, "dq_accum", self.bidx, b.add(q_row, row), h)
+                base = _gep(b, a.dq_accum, b.add(off, b.zext(col, i64)), f32)
+                for jb in range(len(dq) // 4):
+                    j = 4 * jb + 2 * r
+                    address = b.ptrtoint(_gep(b, base, i64(8 * jb), f32), i64)
+                    _red_v2(b, address, dq[j], dq[j + 1])
+
+
+# ============================================================================ module
+def _kernel(module: ir.Module, name: str, threads: int) -> tuple[ir.Function, ir.IRBuilder]:
+    abi = kernel_abi(name)
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, abi.llvm_types()), name=name)
+    nvptx.mark_kernel(fn)
+    set.add(fn.attributes, f'"nvvm.maxntid"="{threads}"')
+    set.add(fn.attributes, '"nvvm.minctasm"="1"')
+    abi.declare(fn)
+    return fn, ir.IRBuilder(fn.append_basic_block("entry"))
+
+
+def build_module(config: HopperBackwardConfig, hooks: ExprHooks | None, target: Target,
+                 work_loop) -> ir.Module:
+    if found := config.problems():
+        raise ValueError("invalid HopperBackwardConfig: " + "; ".join(p.message for p in found))
+    hooks = hooks or ExprHooks()
+    if hooks.score is not None and hooks.derivative is None:
+        raise ValueError("a score hook needs its derivative hook for the backward pass")
+    module = new_module(f"mha_bwd_sm90_{config.dtype}_d{config.head_dim}", target)
+    smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
+    smem.linkage = "external"
+    smem.align = 128  # rounded up to 1024 at run time
+    fn, b = _kernel(module, PREPROCESS, ROW_THREADS)
+    _emit_preprocess(b, config, KernelArgs(fn, sm80.ABI, config))
+    b.ret_void()
+    fn, b = _kernel(module, MAIN, config.threads)
+    _HopperMain(config, hooks, KernelArgs(fn, ABI, config, opaque_env=config.opaque_env),
+                smem).emit(b, work_loop)
+    b.ret_void()
+    fn, b = _kernel(module, POSTPROCESS, ROW_THREADS)
+    _emit_postprocess(b, config, KernelArgs(fn, sm80.ABI, config))
+    b.ret_void()
+    return module
+
+
+class BackwardSM90(Backend):
+    """The backward pass on Hopper: TMA + wgmma (the module's docstring)."""
+
+    name = "backward_sm90"
+    workload = "backward"
+    targets = ("sm_90a",)
+    abi = ABI
+    config_type = HopperBackwardConfig
+
+    def problems(self, options, arch: str) -> list[Problem]:
+        found = [p for p in declared_config(options, Layout()).problems()]
+        if arch not in self.targets:
+            found.append(Problem((), f"the sm90 backward builds for sm_90a, not {arch}"))
+        return found
+
+    def runs_layout(self, layout: Layout) -> bool:
+        return not (layout.ragged or layout.deterministic)
+
+    def configs(self, options, layout: Layout) -> tuple[HopperBackwardConfig, ...]:
+        config = declared_config(options, layout)
+        """The declaration's config in its IR shapes: P^T under dP^T's GEMM or after it, the
+        scheduler's inputs rederived per step or held (dQ by `red.global.add.v2.f32`; the
+        bulk reduce-adds, `dq_bulk`, measured slower, are built only when forced). Few, as a
+        build that fits none falls back to the sm80 design's only after trying them all."""
+        return tuple(replace(config, opaque_env=opaque, overlap_dp=overlap)
+                     for overlap in (True, False) for opaque in (True, False))
+
+    def launch_shape(self, config) -> LaunchShape:
+        return launch_shapes(config)[MAIN]
+
+    def scheduler_shape(self, config) -> tuple[int, int]:
+        return config.block_n, 1
+
+    def build(self, source: KernelSource, configs, target: Target) -> KernelBuild:
+        """The first of `configs` that assembles without spills and without a stack frame
+        (at the 255-register cap, ptxas may keep a value in local memory without counting
+        it as a spill), else `spill_free_build`'s choice."""
+        def make(c):
+            return lambda: build_module(c, source.hooks, target,
+                                        source.work_loop(*self.scheduler_shape(c)))
+        if find_ptxas() is None:
+            return spill_free_build(self.name, target, [(configs[0], make(configs[0]))])
+        for c in configs:
+            build = spill_free_build(self.name, target, [(c, make(c))])
+            if all(k.spills == 0 and k.stack_bytes == 0 for k in build.assembled.kernels.values()):
+                return build
+        # none fits the registers (a score rule's G beside P^T, say): the sm80-style design's
+        # build, whose config says so to the host (`mhadsl.backward._design`)
+        return sm80.BACKEND.build(source, sm80.BACKEND.configs_for(configs[0]), target)
+
+
+def declared_config(options, layout: Layout) -> HopperBackwardConfig:
+    return HopperBackwardConfig(options.dtype, options.head_dim, gqa_group=layout.gqa_group,
+                                ragged=layout.ragged, deterministic=layout.deterministic)
+
+
+BACKEND = BackwardSM90()
+
+assert shared_bytes(HopperBackwardConfig()) <= SHARED_MEMORY_LIMIT["sm_90a"]
