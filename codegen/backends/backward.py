@@ -72,6 +72,8 @@ def kernel_names(config: BackwardConfig) -> tuple[str, ...]:
 def kernel_abi(name: str) -> KernelABI:
     """The parameters of kernel `name` (all of this design's take `ABI`)."""
     return ABI
+
+
 # ============================================================================ configuration
 @dataclass(frozen=True)
 class BackwardConfig(RowCopies):
@@ -1191,8 +1193,8 @@ class Backward(Backend):
     def configs_for(self, config: BackwardConfig) -> tuple[BackwardConfig, ...]:
         """`configs` from the declaration's config (its dtype, head dim and layout fields;
         another design's config of the same fields too: `backward_sm90`'s fallback)."""
-        config = BackwardConfig(config.dtype, config.head_dim, gqa_group=config.gqa_group,
-                                ragged=config.ragged, deterministic=config.deterministic)
+        config = fields_config(config.dtype, config.head_dim, config.gqa_group, config.ragged,
+                               config.deterministic)
         passes = (1,) if config.deterministic else (1, 2)  # (no dQ product in mha_bwd)
         candidates = [replace(config, block_m=m, step_passes=s, dq_passes=p,
                               park_work_tile=park, opaque_env=opaque)
@@ -1221,12 +1223,19 @@ class Backward(Backend):
 
 
 def declared_config(options, layout: Layout) -> BackwardConfig:
-    """Head dim 256: dK and dV in two column passes, 32-row query steps (K, V and two stages
-    of 64 rows would pass sm_80's shared memory)."""
-    wide = options.head_dim > 128
-    return BackwardConfig(options.dtype, options.head_dim, block_m=32 if wide else 64,
-                          column_passes=2 if wide else 1, gqa_group=layout.gqa_group,
-                          ragged=layout.ragged, deterministic=layout.deterministic)
+    return fields_config(options.dtype, options.head_dim, layout.gqa_group, layout.ragged,
+                         layout.deterministic)
+
+
+def fields_config(dtype: str, head_dim: int, gqa_group: int, ragged: bool,
+                  deterministic: bool) -> BackwardConfig:
+    """The config of a declaration's dtype and head dim in a layout. Head dim 256: dK and dV
+    in two column passes, 32-row query steps (K, V and two stages of 64 rows would pass
+    sm_80's shared memory)."""
+    wide = head_dim > 128
+    return BackwardConfig(dtype, head_dim, block_m=32 if wide else 64,
+                          column_passes=2 if wide else 1, gqa_group=gqa_group, ragged=ragged,
+                          deterministic=deterministic)
 
 
 BACKEND = Backward()
