@@ -108,7 +108,7 @@ def table_row(torch, kern, fa4, B, Hq, Hkv, Sq, Sk, sweep: bool):
         sweeps = {s: (lambda s=s: ours(s)) for s in SPLITS}
         st = time_side_by_side(torch, {**sweeps, "default": ours}, rounds=3)
         best = min(SPLITS, key=lambda s: st[s].ms)
-        line += (f" {best} ({st["default"].ms / st[best].ms:.3f}) |")
+        line += (f" {best} ({st['default'].ms / st[best].ms:.3f}) |")
     print(line, flush=True)
     del q, k, v, out
 

@@ -16,8 +16,8 @@ from mhadsl.codegen.abi import KIND_ALIGN
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.backends.backward import (
-    ABI, BACKEND, DQ, MAIN, POSTPROCESS, PREPROCESS, BackwardConfig, dq_shared_bytes,
-    kernel_names, pass_swizzle, shared_bytes,
+    BACKEND, DQ, MAIN, POSTPROCESS, PREPROCESS, BackwardConfig, dq_shared_bytes, pass_swizzle,
+    shared_bytes,
 )
 from mhadsl.codegen.kernel import backward_hooks
 from mhadsl.codegen.scheduler import SchedulerSpec
