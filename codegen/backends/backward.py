@@ -803,14 +803,7 @@ class _MainKernel(_TileKernel):
                                                    self.hk), b.sub(self.seqlen_k, self.kv0),
                             c.block_n, off)
         warp.cp_async_commit(b)
-
-        def q_tiles(b):
-            return b.udiv(b.add(self.seqlen_q, i32(c.block_m - 1)), i32(c.block_m))
-
-        def pair_of(b, s):  # (query head, first query row, first K/V row) of step s
-            head0 = b.mul(self.hk, i32(c.gqa_group))
-            return (b.add(head0, b.udiv(s, q_tiles(b))),
-                    b.mul(b.urem(s, q_tiles(b)), i32(c.block_m)), self.kv0)
+        steps, pair_of = self._query_steps()
 
         def issue(b, s, stage):
             h, q0, _ = pair_of(b, s)
@@ -828,14 +821,31 @@ class _MainKernel(_TileKernel):
                 nvptx.barrier_all(b)
             self.first_column = p * c.pass_columns
             init = [warp.fconst(0.0)] * (2 * MT * c.pass_columns // 2)
-            final = self._step_loop(b, b.mul(q_tiles(b), i32(c.gqa_group)), pair_of, issue,
-                                    compute, init)
+            final = self._step_loop(b, steps(b), pair_of, issue, compute, init)
             half = len(final) // 2
             kv_row, rows_valid = b.add(self.k_start, self.kv0), b.sub(self.seqlen_k, self.kv0)
             self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:half], a.softmax_scale,
                             self.first_column)
             self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[half:], None,
                             self.first_column)
+
+    def _query_steps(self):
+        """The work tile's steps: steps(b), as many as its group's query heads times their
+        query tiles, and pair_of(b, s) -> (query head, first query row, first K/V row) of
+        step s, heads outermost."""
+        c = self.c
+
+        def q_tiles(b):
+            return b.udiv(b.add(self.seqlen_q, i32(c.block_m - 1)), i32(c.block_m))
+
+        def steps(b):
+            return b.mul(q_tiles(b), i32(c.gqa_group))
+
+        def pair_of(b, s):
+            head0 = b.mul(self.hk, i32(c.gqa_group))
+            return (b.add(head0, b.udiv(s, q_tiles(b))),
+                    b.mul(b.urem(s, q_tiles(b)), i32(c.block_m)), self.kv0)
+        return steps, pair_of
 
     def _record(self, b, field: str) -> ir.Value:
         """The 32-bit shared address of the work tile's value `field`."""
@@ -1120,14 +1130,31 @@ class _DqKernel(_TileKernel):
 
 
 # ============================================================================ module
-def _kernel(module: ir.Module, name: str, threads: int) -> tuple[ir.Function, ir.IRBuilder]:
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, ABI.llvm_types()), name=name)
+def kernel_function(module: ir.Module, name: str, threads: int,
+                    abi: KernelABI = ABI) -> tuple[ir.Function, ir.IRBuilder]:
+    """Kernel `name` of a backward module, taking `abi`'s parameters."""
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, abi.llvm_types()), name=name)
     nvptx.mark_kernel(fn)
     # NVVM's attributes are strings; one CTA per SM at least lets ptxas use 255 registers
     set.add(fn.attributes, f'"nvvm.maxntid"="{threads}"')
     set.add(fn.attributes, '"nvvm.minctasm"="1"')
-    ABI.declare(fn)
+    abi.declare(fn)
     return fn, ir.IRBuilder(fn.append_basic_block("entry"))
+
+
+def backward_module(name: str, hooks: ExprHooks | None, target: Target,
+                    smem_symbol: str = SMEM_SYMBOL
+                    ) -> tuple[ir.Module, ir.GlobalVariable, ExprHooks]:
+    """A backward design's module, its dynamic shared memory (`smem_symbol`) and its hooks
+    (the score's derivative required with a score)."""
+    hooks = hooks or ExprHooks()
+    if hooks.score is not None and hooks.derivative is None:
+        raise ValueError("a score hook needs its derivative hook for the backward pass")
+    module = new_module(name, target)
+    smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), smem_symbol, addrspace=SHARED)
+    smem.linkage = "external"
+    smem.align = 128
+    return module, smem, hooks
 
 
 def build_backward_module(config: BackwardConfig, hooks: ExprHooks | None, target: Target,
@@ -1135,26 +1162,21 @@ def build_backward_module(config: BackwardConfig, hooks: ExprHooks | None, targe
     """One module with the build's kernels (`kernel_names`), all taking `ABI`'s parameters;
     `work_loop` is the scheduler's, for the main kernel's view (`scheduler_view`)."""
     config.validate()
-    hooks = hooks or ExprHooks()
-    if hooks.score is not None and hooks.derivative is None:
-        raise ValueError("a score hook needs its derivative hook for the backward pass")
-    module = new_module(f"mha_bwd_{config.dtype}_d{config.head_dim}", target)
-    smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
-    smem.linkage = "external"
-    smem.align = 128
-    fn, b = _kernel(module, PREPROCESS, ROW_THREADS)
+    module, smem, hooks = backward_module(f"mha_bwd_{config.dtype}_d{config.head_dim}", hooks,
+                                          target)
+    fn, b = kernel_function(module, PREPROCESS, ROW_THREADS)
     _emit_preprocess(b, config, KernelArgs(fn, ABI, config))
     b.ret_void()
-    fn, b = _kernel(module, MAIN, config.threads)
+    fn, b = kernel_function(module, MAIN, config.threads)
     # (opaque_env: the scheduler's inputs rederived per step, not held across the tile)
     _MainKernel(config, hooks, KernelArgs(fn, ABI, config, opaque_env=config.opaque_env), smem,
                 target.arch).emit(b, work_loop)
     b.ret_void()
     if config.deterministic:
-        fn, b = _kernel(module, DQ, config.threads)
+        fn, b = kernel_function(module, DQ, config.threads)
         _DqKernel(config, hooks, KernelArgs(fn, ABI, config), smem).emit(b)
     else:
-        fn, b = _kernel(module, POSTPROCESS, ROW_THREADS)
+        fn, b = kernel_function(module, POSTPROCESS, ROW_THREADS)
         _emit_postprocess(b, config, KernelArgs(fn, ABI, config))
     b.ret_void()
     return module

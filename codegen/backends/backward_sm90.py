@@ -45,7 +45,7 @@ from mhadsl.codegen.backends.backward import (
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.scheduler import count_exit
-from mhadsl.codegen.target import Target, new_module
+from mhadsl.codegen.target import Target
 
 SMEM_SYMBOL = "mha_bwd_sm90_smem"
 HEAD_DIMS = (64, 128)
@@ -270,15 +270,8 @@ class _HopperMain(_MainKernel):
                     hopper.tma_load(b, dst, tmap, [self.bidx, row, self.hk, i32(box * BOX_COLUMNS)],
                                     bar)
 
-        def q_tiles(b):
-            return b.udiv(b.add(self.seqlen_q, i32(c.block_m - 1)), i32(c.block_m))
-
-        def pair_of(b, s):  # (query head, first query row, first K/V row) of step s
-            head0 = b.mul(self.hk, i32(c.gqa_group))
-            return (b.add(head0, b.udiv(s, q_tiles(b))),
-                    b.mul(b.urem(s, q_tiles(b)), i32(c.block_m)), self.kv0)
-
-        steps = b.mul(q_tiles(b), i32(c.gqa_group))
+        steps_of, pair_of = self._query_steps()
+        steps = steps_of(b)
         first = self._next_step(b, i32(0), steps, pair_of)
         count = b.load(self.step_count, typ=i32)
         with b.if_then(b.icmp_signed("<", first, steps)):
@@ -537,35 +530,21 @@ class _HopperMain(_MainKernel):
 
 
 # ============================================================================ module
-def _kernel(module: ir.Module, name: str, threads: int) -> tuple[ir.Function, ir.IRBuilder]:
-    abi = kernel_abi(name)
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, abi.llvm_types()), name=name)
-    nvptx.mark_kernel(fn)
-    set.add(fn.attributes, f'"nvvm.maxntid"="{threads}"')
-    set.add(fn.attributes, '"nvvm.minctasm"="1"')
-    abi.declare(fn)
-    return fn, ir.IRBuilder(fn.append_basic_block("entry"))
-
-
 def build_module(config: HopperBackwardConfig, hooks: ExprHooks | None, target: Target,
                  work_loop) -> ir.Module:
     if found := config.problems():
         raise ValueError("invalid HopperBackwardConfig: " + "; ".join(p.message for p in found))
-    hooks = hooks or ExprHooks()
-    if hooks.score is not None and hooks.derivative is None:
-        raise ValueError("a score hook needs its derivative hook for the backward pass")
-    module = new_module(f"mha_bwd_sm90_{config.dtype}_d{config.head_dim}", target)
-    smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
-    smem.linkage = "external"
-    smem.align = 128  # rounded up to 1024 at run time
-    fn, b = _kernel(module, PREPROCESS, ROW_THREADS)
+    # (its shared memory is rounded up to 1024 bytes at run time)
+    module, smem, hooks = sm80.backward_module(
+        f"mha_bwd_sm90_{config.dtype}_d{config.head_dim}", hooks, target, SMEM_SYMBOL)
+    fn, b = sm80.kernel_function(module, PREPROCESS, ROW_THREADS, kernel_abi(PREPROCESS))
     _emit_preprocess(b, config, KernelArgs(fn, sm80.ABI, config))
     b.ret_void()
-    fn, b = _kernel(module, MAIN, config.threads)
+    fn, b = sm80.kernel_function(module, MAIN, config.threads, kernel_abi(MAIN))
     _HopperMain(config, hooks, KernelArgs(fn, ABI, config, opaque_env=config.opaque_env),
                 smem).emit(b, work_loop)
     b.ret_void()
-    fn, b = _kernel(module, POSTPROCESS, ROW_THREADS)
+    fn, b = sm80.kernel_function(module, POSTPROCESS, ROW_THREADS, kernel_abi(POSTPROCESS))
     _emit_postprocess(b, config, KernelArgs(fn, sm80.ABI, config))
     b.ret_void()
     return module
