@@ -1,6 +1,7 @@
 """compute-sanitizer's memcheck and racecheck over the backward pass: dense and ragged batches
-(lengths 0 and 1 among them), causal, GQA, softcap, fp16 D64, each in atomic and deterministic
-mode. Needs an NVIDIA GPU, torch and compute-sanitizer on PATH.
+(lengths 0 and 1 among them), causal, GQA, softcap, fp16 D64, D256, each in atomic and
+deterministic mode (on sm_90a, dense atomic calls run the Hopper design). Needs an NVIDIA
+GPU, torch and compute-sanitizer on PATH.
 
     python3 benchmarks/sanitize_backward.py [--tools memcheck,racecheck]
 
@@ -20,11 +21,14 @@ sys.path.insert(0, "benchmarks")
 from sanitize import relative_error, worker_main  # noqa: E402
 
 KERNELS = "mha_"  # what compute-sanitizer watches
-CASES = [  # example file, kernel, query heads, K/V heads, lengths (None: dense B1 S130)
+CASES = [  # example file or source, kernel, query heads, K/V heads, lengths (None: dense
+    # B1 S130); dense atomic calls on sm_90a run the Hopper design, the rest the sm80-style one
     ("examples/causal.mha", "causal_fwd", 2, 2, None),
     ("examples/gqa.mha", "gqa_causal", 8, 2, [70, 0, 129]),
     ("examples/softcap.mha", "softcap_causal", 2, 2, [1, 200]),
     ("examples/plain.mha", "plain_fp16_d64", 2, 2, None),
+    ("attention causal_d256 { dtype = bf16  head_dim = 256\n"  # two column passes
+     "  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }", "causal_d256", 4, 2, [1, 0, 150]),
 ]
 
 
