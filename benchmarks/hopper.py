@@ -81,6 +81,15 @@ FA4_MASKS = {
 }
 
 
+def agrees(peer: str, name: str, out, expected) -> bool:
+    """Whether a peer's output is sm90's (`expected`) within 2e-2; says so where not (the
+    peer's column is then left out)."""
+    error = float((out - expected.float()).norm() / expected.float().norm())
+    if error > 2e-2:
+        print(f"({peer} disagrees with sm90 on {name}: relative difference {error:.1e})")
+    return error <= 2e-2
+
+
 def fa4_fn(torch, name: str, problem: Problem, args: dict, expected):
     """FlashAttention-4 on the same inputs and mask; None where it is not installed, cannot
     run or disagrees with `expected` (the sm90 kernel's output)."""
@@ -107,11 +116,7 @@ def fa4_fn(torch, name: str, problem: Problem, args: dict, expected):
         print(f"(FlashAttention-4 unavailable for {name} {problem.describe()}: "
               f"{type(err).__name__}: {str(err).splitlines()[0][:100] if str(err) else ''})")
         return None
-    error = float((out - expected.float()).norm() / expected.float().norm())
-    if error > 2e-2:
-        print(f"(FlashAttention-4 disagrees with sm90 on {name}: relative difference {error:.1e})")
-        return None
-    return run
+    return run if agrees("FlashAttention-4", name, out, expected) else None
 
 
 def varlen_flash_fn(torch, args: dict, causal: bool):
@@ -157,11 +162,7 @@ def flex_fn(torch, kernel, name: str, problem: Problem, args: dict, expected):
         print(f"(FlexAttention unavailable for {name} {problem.describe()}: "
               f"{type(err).__name__})")
         return None
-    error = float((out - expected.float()).norm() / expected.float().norm())
-    if error > 2e-2:
-        print(f"(FlexAttention disagrees with sm90 on {name}: relative difference {error:.1e})")
-        return None
-    return run
+    return run if agrees("FlexAttention", name, out, expected) else None
 
 
 def main() -> None:

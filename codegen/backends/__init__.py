@@ -33,7 +33,8 @@ from mhadsl.codegen.assemble import Assembled, assemble, find_ptxas
 from mhadsl.codegen.nvptx import i1, i32
 from mhadsl.codegen.target import Target, emit_ptx, optimize
 
-REGISTRY = ("sm80", "sm90", "decode", "backward", "backward_sm90")  # module names here, preferred first
+# module names here, preferred first
+REGISTRY = ("sm80", "sm90", "decode", "backward", "backward_sm90")
 
 # Dynamic shared memory one CTA may opt in to, per build target (CUDA's per-block limits
 # of the A100 and H100/H200 class; smaller 8.x parts have less and fail at launch).

@@ -786,10 +786,11 @@ class _MainKernel(_TileKernel):
         work_loop(b, scheduler_view(self.a), self._work_tile)
         count_exit(b, self.a.queue)
 
-    def _work_tile(self, b, seq: TileSeq) -> None:
+    def _start_work_tile(self, b, seq: TileSeq) -> None:
+        """Once the last work tile's warps are done with shared memory, park this one's
+        values (`WORK_TILE_FIELDS`) from the scheduler's SeqInfo."""
         c, a = self.c, self.a
-        MT = c.tiles_per_warp
-        nvptx.barrier_all(b)  # the last work tile's warps are done with shared memory
+        nvptx.barrier_all(b)
         q_start, seqlen_q = sequence_rows(b, c.ragged, a.cu_seqlens_q, a.seqlen_q,
                                           seq.prompt_idx)
         # prompt tile t is K/V tile n - 1 - t (`scheduler_view`); seq_len > prompt_offset
@@ -797,6 +798,11 @@ class _MainKernel(_TileKernel):
         self._park(b, dict(bidx=seq.prompt_idx, hk=seq.head_idx, k_start=seq.start_of_seq,
                            seqlen_k=seq.seq_len, kv0=b.sub(last, seq.prompt_offset),
                            q_start=q_start, seqlen_q=seqlen_q))
+
+    def _work_tile(self, b, seq: TileSeq) -> None:
+        c, a = self.c, self.a
+        MT = c.tiles_per_warp
+        self._start_work_tile(b, seq)
         kv_row = b.add(self.k_start, self.kv0)
         for tensor, off in (("k", self.k_off), ("v", self.v_off)):
             self._load_tile(b, tensor, _row_offset(b, a, c.ragged, tensor, self.bidx, kv_row,

@@ -36,7 +36,7 @@ from mhadsl.codegen.abi import KernelABI, Param, TensorMap
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape,
-    Layout, Problem, common_problems, ir_loop, sequence_rows, spill_free_build,
+    Layout, Problem, common_problems, ir_loop, spill_free_build,
 )
 from mhadsl.codegen.backends import backward as sm80
 from mhadsl.codegen.backends.backward import (
@@ -252,13 +252,7 @@ class _HopperMain(_MainKernel):
 
     def _work_tile(self, b, seq) -> None:
         c, a = self.c, self.a
-        nvptx.barrier_all(b)  # the last work tile is done with shared memory
-        q_start, seqlen_q = sequence_rows(b, c.ragged, a.cu_seqlens_q, a.seqlen_q,
-                                          seq.prompt_idx)
-        last = b.mul(b.udiv(b.sub(seq.seq_len, i32(1)), i32(c.block_n)), i32(c.block_n))
-        self._park(b, dict(bidx=seq.prompt_idx, hk=seq.head_idx, k_start=seq.start_of_seq,
-                           seqlen_k=seq.seq_len, kv0=b.sub(last, seq.prompt_offset),
-                           q_start=q_start, seqlen_q=seqlen_q))
+        self._start_work_tile(b, seq)
         with b.if_then(b.icmp_unsigned("==", self._tid(b), i32(0))):
             bar = self._bar(b, 0)
             hopper.mbarrier_arrive_expect_tx(b, bar, 2 * c.kv_bytes)
