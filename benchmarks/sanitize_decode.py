@@ -1,6 +1,7 @@
 """compute-sanitizer's memcheck and racecheck over the decode kernel: contiguous and paged
 caches (pages in random order), forced KV splits (the last split's combine), ragged query
-rows, both KV tiles. Needs an NVIDIA GPU, torch and compute-sanitizer on PATH.
+rows, both KV tiles, and on sm_90a the wgmma work tiles (64 and 128 packed rows). Needs an
+NVIDIA GPU, torch and compute-sanitizer on PATH.
 
     python3 benchmarks/sanitize_decode.py [--tools memcheck,racecheck]
 
@@ -31,6 +32,10 @@ CASES = [  # lengths, K/V heads, query heads, query rows (0: ragged), page size,
     ([129, 700], 1, 4, 4, 64, 4),
     ([3, 200, 33], 2, 8, 0, 16, 2),
     ([20 + i for i in range(300)], 1, 8, 1, 16, None),  # many groups: the 32-row KV tile
+    # 64 and 128 packed rows: wgmma on sm_90a (with many groups, over the 32-row KV tile)
+    ([300, 1000, 17], 2, 8, 16, 64, 2),
+    ([500, 90], 1, 8, 16, None, 1),
+    ([40 + i for i in range(200)], 1, 4, 16, 64, None),
 ]
 
 

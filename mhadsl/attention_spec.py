@@ -42,7 +42,7 @@ class AttentionOptions:
     block_m: int | None = None  # None: the per-arch default tile
     block_n: int | None = None
     warps: int | None = None
-    stages: int = 2
+    stages: int | None = None  # None: the design's default
     gqa: int | None = None  # Hq // Hkv fixed by the declaration, or taken from the tensors
     kv_heads: int | None = None
     scheduler: str = DEFAULT_SCHEDULER
@@ -51,6 +51,9 @@ class AttentionOptions:
     return_lse: bool = False
     mask: ast.Rule | None = None
     score: ast.Rule | None = None
+    # the KV tiles a mid-sequence query tile visits where the mask bounds them (a sliding
+    # window; `classify.kv_band_tiles`), set when a build is planned; None: unbounded
+    kv_band: int | None = None
     decl: ast.AttentionDecl | None = field(default=None, compare=False, repr=False)
 
     def softmax_scale(self) -> float:

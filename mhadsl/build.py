@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from mhadsl.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.check import CheckedProgram
+from mhadsl.classify import kv_band_tiles
 from mhadsl.codegen import backends
 from mhadsl.codegen.assemble import Assembled, KernelResources, find_ptxas
 from mhadsl.codegen.backends import Backend, KernelBuild, Layout
@@ -61,6 +62,7 @@ def plan(program: CheckedProgram, request: KernelRequest) -> Plan:
     """Resolve a request; raises `MhaError` (at the declaration's setting at fault) when its
     backend cannot run the declaration on the target, `RequestError` for a bad request."""
     options = resolve_attention(program.attentions[request.kernel])
+    options = dataclasses.replace(options, kv_band=kv_band_tiles(options.mask, program))
     if request.scheduler is not None:
         name, args = request.scheduler
         options = dataclasses.replace(options, scheduler=name, scheduler_args=tuple(args))

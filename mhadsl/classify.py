@@ -491,6 +491,25 @@ def _python_classifier(mask_rule: ast.Rule, program: CheckedProgram) -> Callable
     return fn
 
 
+_bands: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rule -> {block: band}
+
+
+def kv_band_tiles(mask_rule: ast.Rule | None, program: CheckedProgram | None,
+                  block: int = 128) -> int | None:
+    """The KV tiles of `block` keys that a query tile of `block` rows in the middle of a long
+    self-attention sequence visits, where that count does not grow with the sequence (a
+    sliding window's band); None where it does (no mask, causal). Planned once per rule."""
+    if mask_rule is None:
+        return None
+    bands = _bands.setdefault(mask_rule, {})
+    if block not in bands:
+        counts = {count_visited_kv_tiles(mask_rule, program, q_tile=n // (2 * block),
+                                         block_m=block, block_n=block, seqlen_q=n, seqlen_k=n)
+                  for n in (4096, 8192)}
+        bands[block] = counts.pop() if len(counts) == 1 else None
+    return bands[block]
+
+
 def _range(v: int | None) -> tuple[int, int]:
     return (I32_MIN, I32_MAX) if v is None else (v, v)
 

@@ -14,6 +14,7 @@ from llvmlite import ir
 from mhadsl.check import check_program
 from mhadsl.classify import (
     I32_MAX, I32_MIN, classify_bounds, classify_tile, count_visited_kv_tiles, emit_classify,
+    kv_band_tiles,
 )
 from mhadsl.codegen.target import HOST, HostJit, emit_ptx, gpu_target, new_module, optimize
 from mhadsl.parse import load_program
@@ -167,6 +168,16 @@ def test_count_visited_causal_and_edges():
                                   seqlen_q=100, seqlen_k=1000) == 0  # past the sequence
     assert count_visited_kv_tiles(rule, program, q_tile=0, block_m=128, block_n=128,
                                   seqlen_q=100, seqlen_k=0) == 0
+
+
+@pytest.mark.parametrize("name, band", [
+    ("window", 3),  # 128 rows see keys from 255 before the first to the last: 3 tiles of 128
+    ("bottom_right_window", 2), ("document", 1),  # a 512-key document: one 128 x 128 tile
+    ("causal", None), ("bottom_right", None), ("by_head", None)])
+def test_kv_band_tiles_is_bounded_only_where_the_mask_bounds_the_keys(name, band):
+    rule, program = mask_of(name)
+    assert kv_band_tiles(rule, program) == band
+    assert kv_band_tiles(None, None) is None  # no mask: every key
 
 
 # ------------------------------------------------------------------ the LLVM backend

@@ -8,7 +8,7 @@ import pytest
 import mhadsl
 from helpers import REPO, STD, checked
 from mhadsl.attention_spec import resolve_attention
-from mhadsl.build import KernelRequest, build_kernel
+from mhadsl.build import KernelRequest, build_kernel, plan
 from mhadsl.codegen import backends
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import Layout, select_backend
@@ -203,6 +203,23 @@ def test_d256_dense_builds_take_the_widest_spill_free_kv_tile(mask, keys, over_v
     # with O over V's ring also right after the store, for the producer's next V
     waits = " ".join(kb.ptx.split()).count("cp.async.bulk.wait_group.read 0")
     assert waits == (3 if over_v else 2)
+
+
+@pytest.mark.parametrize("head_dim, mask, declared, stages", [
+    (128, "q_idx - kv_idx < 256", "", 3),  # a short band: the producer runs further ahead
+    (64, "q_idx - kv_idx < 256", "", 3),
+    (256, "q_idx - kv_idx < 256", "", 2),  # three stages do not fit at head dim 256
+    (128, "q_idx - kv_idx < 256", "stages = 2", 2),  # declared
+    (128, "q_idx - kv_idx < 4096", "", 2),  # a band of 33 KV tiles
+    (128, "true", "", 2)])
+def test_short_band_masks_take_three_stages_where_they_fit(head_dim, mask, declared, stages):
+    program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = {head_dim} "
+                             f"mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx && {mask} "
+                             f"{declared} }}")
+    planned = plan(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()))
+    assert planned.configs[0].stages == stages
+    assert all(shared_bytes(c) <= backends.SHARED_MEMORY_LIMIT["sm_90a"]
+               for c in planned.configs)
 
 
 @needs_ptxas

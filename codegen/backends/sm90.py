@@ -743,13 +743,22 @@ UNMASKED_DENSE_TILES = {128: ((128, 144),)}
 # head dim 256's 128 O accumulators spill with Q's fragments held.
 Q_IN_REGISTERS_HEAD_DIMS = (128,)
 
+# A mask whose mid-sequence query tiles visit at most BAND_TILES KV tiles of 128 keys (a
+# sliding window: `AttentionOptions.kv_band`) gets BAND_STAGES K/V stages where they fit:
+# with so few KV tiles per work tile the producer's lead into the next work tile is what
+# hides its loads. On the H200 (window 256, B4 S4096 H16 D128, one process, two runs): 2
+# stages 206-207 TFLOP/s, 3 stages 217-220; under a causal mask 3 stages were slower (607
+# against 619).
+BAND_TILES = 4
+BAND_STAGES = 3
+
 
 def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, ...]:
     """The builds the declaration allows, best first: its tile if it declares one, else the
     default tiles of its head dim (any other head dim: the first, for `check` to reject;
     `UNMASKED_DENSE_TILES` first for a dense build without a mask), every one with Q in
     registers before any with Q in shared memory (`Q_IN_REGISTERS_HEAD_DIMS`); the stages
-    are 2 unless declared. Not validated."""
+    are 2 unless declared or the mask is a short band (`BAND_STAGES`). Not validated."""
     if options.block_m is not None:
         tiles = ((options.block_m, options.block_n),)
     else:
@@ -758,12 +767,25 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
             tiles = UNMASKED_DENSE_TILES.get(options.head_dim, ()) + tiles
         tiles = tuple((m, n) for m, n in tiles if not (layout.ragged and m > 2 * GROUP_ROWS))
     base = replace(HopperConfig(options.dtype, options.head_dim), gqa_group=layout.gqa_group,
-                   return_lse=layout.return_lse, ragged=layout.ragged,
-                   stages=options.stages or HopperConfig.stages)
+                   return_lse=layout.return_lse, ragged=layout.ragged)
     q_choices = (True, False) if options.head_dim in Q_IN_REGISTERS_HEAD_DIMS else (False,)
-    return tuple(replace(base, block_m=m, block_n=n, q_in_registers=q,
-                         softmax_under_pv=options.mask is not None)
-                 for q in q_choices for m, n in tiles)
+    return tuple(replace(config, stages=stages)
+                 for config in (replace(base, block_m=m, block_n=n, q_in_registers=q,
+                                        softmax_under_pv=options.mask is not None)
+                                for q in q_choices for m, n in tiles)
+                 for stages in _stage_choices(options, config))
+
+
+def _stage_choices(options, config: HopperConfig) -> tuple[int, ...]:
+    """The declared stages; else BAND_STAGES first where the mask is a short band and they
+    fit in shared memory, then the default."""
+    if options.stages is not None:
+        return (options.stages,)
+    deeper = replace(config, stages=BAND_STAGES)
+    if (options.kv_band is not None and options.kv_band <= BAND_TILES
+            and shared_bytes(deeper) <= SHARED_MEMORY_LIMIT["sm_90a"]):
+        return (BAND_STAGES, HopperConfig.stages)
+    return (HopperConfig.stages,)
 
 
 def compile_kernel(source: KernelSource, configs: tuple[HopperConfig, ...],
