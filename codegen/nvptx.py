@@ -85,7 +85,7 @@ def reload_shared(builder: ir.IRBuilder, address: ir.Value) -> ir.Value:
 # ----------------------------------------------------------------- barriers
 CTA_BARRIER = 0  # bar.sync 0: every thread of the CTA
 PRODUCER_BARRIER = 1  # a named barrier among the producer's threads
-CONSUMER_EPILOGUE_BARRIER = 2  # sm90: the consumers around O's staging tile
+CONSUMER_EPILOGUE_BARRIER = 2  # sm90: around O's staging tile (2 + group: per warpgroup)
 
 
 def _cta_threads(builder: ir.IRBuilder) -> ir.Value:

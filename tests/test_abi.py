@@ -76,7 +76,7 @@ def test_the_launched_block_holds_the_call_in_the_kernels_own_types_and_offsets(
             expected[f"{name}_stride_{axis}"] = stride
     config = kernel.config(gqa_group=2, backend=design)
     rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n,
-            "o": config.block_m}
+            "o": 64 if getattr(config, "o_store_per_group", False) else config.block_m}
     addresses = {n: expected[n] for n in "qkvo"}
     for (_, fmt, size, _), at, p in zip(params, offsets(params), abi):
         raw = block[at:at + size]
@@ -92,10 +92,12 @@ def test_the_launched_block_holds_the_call_in_the_kernels_own_types_and_offsets(
 
 def test_the_kernels_copies_expect_the_boxes_the_host_encodes(kernel):
     """The bytes each TMA copy completes on its barrier (expect_tx, in the IR) are the
-    host's boxes for that map, and fill exactly the kernel's tile for it."""
+    host's boxes for that map, and fill exactly the kernel's tile for it (O's: each
+    storer's rows, a warpgroup's where each stores its own)."""
     for config in sm90.declared_configs(kernel.options):
+        storers = config.consumer_groups if config.o_store_per_group else 1
         tiles = {"q_map": config.q_bytes, "k_map": config.kv_tile_bytes,
-                 "v_map": config.kv_tile_bytes, "o_map": config.q_bytes}
+                 "v_map": config.kv_tile_bytes, "o_map": config.q_bytes // storers}
         for p in (p for p in sm90.ABI if p.kind == "tensor_map"):
             box = p.binding.box(config)
             assert math.prod(box) * 2 * config.boxes == tiles[p.name], (config, p.name)

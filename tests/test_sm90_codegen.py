@@ -223,6 +223,23 @@ def test_short_band_masks_take_three_stages_where_they_fit(head_dim, mask, decla
 
 
 @needs_ptxas
+@pytest.mark.parametrize("head_dim, per_group", [(64, True), (128, True), (256, False)])
+def test_each_consumer_warpgroup_stores_its_own_rows_of_o_unless_o_is_over_v(head_dim, per_group):
+    program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = {head_dim} "
+                             "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }")
+    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()))
+    assert kb.config.o_store_per_group == per_group == (not kb.config.o_over_v)
+    ptx = " ".join(kb.ptx.split())
+    consumers = kb.config.consumer_threads
+    # the epilogue's named barriers: the warpgroup's own (its id in a register), or all
+    # consumers' (id 2)
+    assert (re.search(r"bar\.sync %r\d+, 128;", ptx) is not None) == per_group
+    assert (f"bar.sync 2, {consumers};" in ptx) == (not per_group)
+    box_rows = 64 if per_group else kb.config.block_m
+    assert BACKEND.abi["o_map"].binding.box(kb.config) == (1, box_rows, 1, 64)
+
+
+@needs_ptxas
 def test_a_192_row_tile_runs_three_consumer_warpgroups():
     program = mhadsl.compile(STD + "attention a { dtype = bf16  head_dim = 64  tile = (192, 128) }")
     assert BACKEND.problems(program["a"].options, "sm_90a") == []

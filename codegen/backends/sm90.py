@@ -38,7 +38,11 @@ Tensor maps (4-D, outermost first): dense tensors as they are, (B, S, H, D); rag
 (1, rows, 1, 64): 64 head-dim columns = 128 bytes, the swizzle's row. Rows past the tensor
 load as zeros; rows past a ragged sequence's end belong to the next sequence and are masked
 (keys) or never written (queries). A dense build stages O in shared memory and stores it by
-TMA (rows past the tensor are not written); a ragged one writes O from registers, row by
+TMA (rows past the tensor are not written), each consumer warpgroup its own 64 rows on a
+named barrier of its own, so the warpgroups keep their offset into the next work tile (on the
+H200, two runs: causal D128 598-626 -> 606-631 TFLOP/s, GQA 566-576 -> 573-579, a 256-key
+window at two stages 207-209 -> 217-218), except where O is staged over V's ring, which all
+consumers must have finished reading first. A ragged build writes O from registers, row by
 row, only for rows inside the sequence (a box would cross into the next sequence); LSE from
 registers.
 
@@ -111,6 +115,18 @@ class HopperConfig:
         return hopper.WARPGROUP_THREADS + self.consumer_threads
 
     @property
+    def o_store_per_group(self) -> bool:
+        """Whether each consumer warpgroup stores its own rows of O by TMA, with no barrier
+        across warpgroups (so they keep their offset into the next work tile); not where O is
+        staged over V's ring, which every consumer must have finished reading first."""
+        return not self.o_over_v
+
+    @property
+    def o_box_rows(self) -> int:
+        """The rows of O's TMA box: a consumer warpgroup's, or the whole tile's."""
+        return GROUP_ROWS if self.o_store_per_group else self.block_m
+
+    @property
     def boxes(self) -> int:
         return self.head_dim // BOX_COLUMNS
 
@@ -180,7 +196,7 @@ ABI = KernelABI(*FORWARD_PARAMS, *(
         ("q", "block_m", "CUtensorMap over q as (B,Sq,Hq,D) (ragged: (1,total_q,Hq,D)), box (1,BM,1,64), 128-byte swizzle"),
         ("k", "block_n", "CUtensorMap over k as (B,Sk,Hkv,D) (ragged: (1,total_k,Hkv,D)), box (1,BN,1,64)"),
         ("v", "block_n", "CUtensorMap over v, as k_map"),
-        ("o", "block_m", "CUtensorMap over o, as q_map (a dense build stores O by it)"))))
+        ("o", "o_box_rows", "CUtensorMap over o, as q_map (a dense build stores O by it)"))))
 
 
 def _copy_bytes(tensor_map: str, config: HopperConfig) -> int:
@@ -517,7 +533,7 @@ class _Kernel:
                                 q_frags).loop()
         if not c.q_in_registers:
             hopper.mbarrier_arrive(b, mem.q_empty(b))  # every S of this tile is done
-        self._epilogue(b, args, t, o, m, l, sl2, row0, col0)
+        self._epilogue(b, args, t, o, m, l, sl2, row0, col0, group)
 
     def _q_fragments(self, b, group, thread) -> list[list[ir.Value]]:
         """The warpgroup's 64 Q rows as wgmma A fragments, one per 16 head-dim columns, by
@@ -555,15 +571,24 @@ class _Kernel:
         return masked_unless(b, always, s, lambda bb: [
             t.masked(bb, v, q_idx(j), kv_idx(j)) for j, v in enumerate(s)])
 
-    def _store_o_by_tma(self, b, args, t: _Tile, o, invs, row0, col0):
+    def _store_o_by_tma(self, b, args, t: _Tile, o, invs, row0, col0, group):
         """O / l into the staging tile (128-byte swizzle, as TMA reads it), then one TMA
-        store per 64-column box by the first consumer thread, which first waits until its
-        previous store has read the tile (`bulk_wait_group_read`)."""
+        store per 64-column box by the storer: each consumer warpgroup's first thread for its
+        own rows (`o_store_per_group`), else the first consumer thread for the whole tile. The
+        storer first waits until its previous store has read the tile (`bulk_wait_group_read`)."""
         c, mem = self.c, self.mem
-        storer = b.icmp_unsigned("==", _thread_idx(b), i32(hopper.WARPGROUP_THREADS))
+        per_group = c.o_store_per_group
+        if per_group:  # a named barrier per warpgroup (ids from CONSUMER_EPILOGUE_BARRIER)
+            lead = b.shl(b.add(group, i32(1)), i32(7))
+            barrier = b.add(group, i32(nvptx.CONSUMER_EPILOGUE_BARRIER))
+            threads = hopper.WARPGROUP_THREADS
+        else:
+            lead, barrier = i32(hopper.WARPGROUP_THREADS), nvptx.CONSUMER_EPILOGUE_BARRIER
+            threads = c.consumer_threads
+        storer = b.icmp_unsigned("==", _thread_idx(b), lead)
         with b.if_then(storer):
             hopper.bulk_wait_group_read(b, 0)
-        nvptx.barrier_named(b, nvptx.CONSUMER_EPILOGUE_BARRIER, c.consumer_threads)
+        nvptx.barrier_named(b, barrier, threads)
         for r in range(2):
             row = b.add(row0, i32(8 * r))
             swizzle = b.and_(row, i32(7))
@@ -576,12 +601,16 @@ class _Kernel:
                                      b.shl(col0, i32(1))))
                 warp.store(b, value, warp.smem_ptr(b, mem.o_box(b, box), offset), align=4)
         hopper.fence_proxy_async(b)
-        nvptx.barrier_named(b, nvptx.CONSUMER_EPILOGUE_BARRIER, c.consumer_threads)
+        nvptx.barrier_named(b, barrier, threads)
         with b.if_then(storer):
             o_map = hopper.tensor_map_address(b, args["o_map"])
             for box in range(c.boxes):
-                hopper.tma_store(b, o_map, [t.map_batch, b.add(t.q_start, t.q0), t.h,
-                                            i32(box * BOX_COLUMNS)], mem.o_box(b, box))
+                src, row = mem.o_box(b, box), b.add(t.q_start, t.q0)
+                if per_group:  # its warpgroup's 64 rows of the box
+                    first = b.shl(group, i32(6))
+                    src = warp.smem_ptr(b, src, b.mul(first, i32(hopper.SWIZZLE_BYTES)))
+                    row = b.add(row, first)
+                hopper.tma_store(b, o_map, [t.map_batch, row, t.h, i32(box * BOX_COLUMNS)], src)
             hopper.bulk_commit_group(b)
             if c.o_over_v:  # V's ring is the producer's again once the store has read it
                 hopper.bulk_wait_group_read(b, 0)
@@ -602,7 +631,7 @@ class _Kernel:
                         source_etype=nvptx.i16)
             warp.store(b, value, ptr, align=4)
 
-    def _epilogue(self, b, args, t: _Tile, o, m, l, sl2, row0, col0):
+    def _epilogue(self, b, args, t: _Tile, o, m, l, sl2, row0, col0, group):
         """O / l to global memory (rows inside the sequence only) and the LSE. A dense build
         stages O in shared memory and stores it by TMA (rows past the tensor are not
         written), so the consumers hand the store to the copy engine and go on; a ragged
@@ -612,7 +641,7 @@ class _Kernel:
         lane_col = b.and_(_thread_idx(b), i32(3))
         totals, empties, invs = zip(*(warp.row_sum(b, l[r]) for r in range(2)))
         if not c.ragged:
-            self._store_o_by_tma(b, args, t, o, invs, row0, col0)
+            self._store_o_by_tma(b, args, t, o, invs, row0, col0, group)
         for r in range(2):
             total, empty, inv = totals[r], empties[r], invs[r]
             row = b.add(row0, i32(8 * r))
@@ -704,8 +733,12 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
                                handoff=Handoff("consumer", *role_threads))
             work_loop(b, cargs, lambda bb, seq: kernel.consumer_tile(bb, cargs, kv_count,
                                                                       tile_count, seq))
-            if not config.ragged:  # the last O store has read its tile before the CTA exits
-                with b.if_then(b.icmp_unsigned("==", tid, i32(hopper.WARPGROUP_THREADS))):
+            if not config.ragged:  # the last O stores have read their tile before the exit
+                first_of_group = b.icmp_unsigned(
+                    "==", b.and_(tid, i32(hopper.WARPGROUP_THREADS - 1)), i32(0))
+                storer = first_of_group if config.o_store_per_group else \
+                    b.icmp_unsigned("==", tid, i32(hopper.WARPGROUP_THREADS))
+                with b.if_then(storer):
                     hopper.bulk_wait_group_read(b, 0)
     count_exit(b, params["queue"])
     b.ret_void()
