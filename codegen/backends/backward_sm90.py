@@ -39,6 +39,7 @@ from mhadsl.codegen.backends import (
     Layout, Problem, common_problems, ir_loop, spill_free_build,
 )
 from mhadsl.codegen.backends import backward as sm80
+from mhadsl.codegen.backends.sm90 import _rename_new_functions
 from mhadsl.codegen.backends.backward import (
     MAIN, POSTPROCESS, PREPROCESS, ROW_THREADS, BackwardConfig, _emit_postprocess,
     _emit_preprocess, _gep, _lse_offset, _Lanes, _MainKernel, _row_offset, _TileKernel,
@@ -53,6 +54,9 @@ GROUP_ROWS = 64  # K/V rows per warpgroup (wgmma's M)
 BOX_COLUMNS = 64  # head-dim columns per TMA box: 128 bytes, the swizzle's row
 SW = hopper.SWIZZLE_BYTES
 SWIZZLE_SLACK = hopper.SWIZZLE_ATOM_BYTES
+# (producer, consumer) registers per thread after setmaxnreg: 24 + 2 x 240 of the 512 a
+# thread of each warpgroup may take at one CTA per SM
+REGISTERS = (24, 240)
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,21 @@ class HopperBackwardConfig(BackwardConfig):
     # 328, causal 335 / 317, causal D64 250 / 222, GQA 32:8 causal 347 / 329, B1 S16384
     # causal 376 / 339: the bulk path is built only when forced (`configs`)
     dq_bulk: bool = False
+    # FlashAttention-3's layout: a producer warpgroup loads each query step's inputs into a
+    # ring of `stages` (full and empty mbarriers) while two consumer warpgroups compute, in
+    # step with each other only where dQ needs both halves of dS^T; else the two warpgroups
+    # load and compute in lockstep, a CTA barrier per step
+    producer: bool = True
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps + (hopper.WARPGROUP_THREADS if self.producer else 0)
+
+    @property
+    def ds_buffers(self) -> int:
+        """dS^T tiles in shared memory: with a producer, one per step parity, so a consumer
+        writes the next step's while the other still reads this one's for dQ."""
+        return 2 if self.producer else 1
 
     @property
     def dq_row_bytes(self) -> int:
@@ -113,12 +132,14 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     stage0 = v + c.kv_bytes
     stage_bytes = 2 * c.q_bytes  # Q, dO
     ds = stage0 + c.stages * stage_bytes
-    lse = ds + c.block_n * c.block_m * 2
+    ds_bytes = c.block_n * c.block_m * 2
+    lse = ds + c.ds_buffers * ds_bytes
     dq = lse + c.stages * 8 * c.block_m  # per stage: LSE, delta (block_m floats each)
     bars = dq + (2 * c.block_m * c.dq_row_bytes if c.dq_bulk else 0)
-    end = bars + (1 + c.stages) * hopper.MBARRIER_BYTES
-    return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, lse=lse, dq=dq,
-                bars=bars, end=end)
+    # K/V's; per stage full (and empty, with a producer)
+    end = bars + (1 + (2 if c.producer else 1) * c.stages) * hopper.MBARRIER_BYTES
+    return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, ds_bytes=ds_bytes,
+                lse=lse, dq=dq, bars=bars, end=end)
 
 
 def shared_bytes(config: HopperBackwardConfig) -> int:
@@ -183,6 +204,17 @@ def _ld_shared_v2f32(b, address: ir.Value) -> list[ir.Value]:
     return [b.extract_value(res, i) for i in range(2)]
 
 
+def _hoist_allocas(fn: ir.Function) -> None:
+    """Every alloca into the entry block, where SROA makes registers of it: the work loops
+    emitted in the role branches leave theirs in those branches (in local memory)."""
+    entry = fn.entry_basic_block
+    for block in fn.blocks[1:]:
+        for inst in [i for i in block.instructions if isinstance(i, ir.AllocaInstr)]:
+            block.instructions.remove(inst)
+            inst.parent = entry
+            entry.instructions.insert(0, inst)
+
+
 class _HopperMain(_MainKernel):
     """`mha_bwd` on Hopper (the module's docstring). The work tile's values are parked in
     shared memory as in the sm80 design (`backward._parked`)."""
@@ -192,6 +224,7 @@ class _HopperMain(_MainKernel):
         _TileKernel.__init__(self, config, hooks, args, smem)
         self.tile_rows = (config.block_m, config.block_n)
         self.off = _offsets(config)
+        self.aligned_barriers = not config.producer
 
     # ------------------------------------------------------------------ addresses
     def _base(self, b) -> ir.Value:
@@ -207,8 +240,16 @@ class _HopperMain(_MainKernel):
         return b.inttoptr(self._addr(b, offset), nvptx.ptr(SHARED))
 
     def _bar(self, b, index) -> ir.Value:
+        """mbarrier `index`: 0 K and V's, 1 + stage a stage's full, 1 + stages + stage its
+        empty (with a producer)."""
         index = i32(index) if isinstance(index, int) else index
         return self._ptr(b, b.add(i32(self.off["bars"]), b.mul(index, i32(8))))
+
+    def _full(self, b, stage) -> ir.Value:
+        return self._bar(b, b.add(stage, i32(1)))
+
+    def _empty(self, b, stage) -> ir.Value:
+        return self._bar(b, b.add(stage, i32(1 + self.c.stages)))
 
     def _stage_off(self, b, stage, which: str) -> ir.Value:
         """Offset of Q or dO ("q", "dout") of `stage`, or of its LSE or delta rows."""
@@ -221,6 +262,9 @@ class _HopperMain(_MainKernel):
 
     # ------------------------------------------------------------------ the kernel
     def emit(self, b, work_loop) -> None:
+        if self.c.producer:
+            self._emit_specialised(b, work_loop)
+            return
         self.builder = b
         self.step_count = b.alloca(i32, name="step_count")
         self.tile_count = b.alloca(i32, name="tile_count")
@@ -248,7 +292,161 @@ class _HopperMain(_MainKernel):
         count_exit(b, self.a.queue)
 
     def _tid(self, b):
-        return nvptx.opaque_special_register(b, "tid.x")
+        """The thread's index among the computing threads (with a producer, the consumers:
+        %tid.x - 128)."""
+        tid = nvptx.opaque_special_register(b, "tid.x")
+        return b.sub(tid, i32(hopper.WARPGROUP_THREADS)) if self.c.producer else tid
+
+    def _lanes(self, b) -> _Lanes:
+        return _Lanes(b, self.c, self._tid(b))
+
+    # ------------------------------------------------------------ warp-specialised
+    def _init_barriers(self, b, counts: list[int]) -> None:
+        """Thread 0 prefetches the tensor maps and initialises mbarrier i with counts[i]
+        arrivals, by predicated instructions: a branch here would put the work loop's
+        allocas outside the entry block, where they stay in local memory."""
+        tid = nvptx.special_register(b, "thread_idx", "x")
+        maps = [hopper.tensor_map_address(b, self.a[name])
+                for name in ("q_map", "k_map", "v_map", "dout_map")]
+        bars = [hopper.shared_address(b, self._bar(b, index)) for index in range(len(counts))]
+        text = ["{.reg .pred p;", "setp.eq.u32 p, $0, 0;"]
+        text += [f"@p prefetch.tensormap [${1 + i}];" for i in range(len(maps))]
+        text += [f"@p mbarrier.init.shared::cta.b64 [${1 + len(maps) + i}], {n};"
+                 for i, n in enumerate(counts)]
+        text += ["@p fence.mbarrier_init.release.cluster;", "}"]
+        b.asm(ir.FunctionType(nvptx.void, [i32] + [i64] * len(maps) + [i32] * len(bars)),
+              " ".join(text), ",".join(["r"] + ["l"] * len(maps) + ["r"] * len(bars)
+                                       + ["~{memory}"]), [tid, *maps, *bars], True)
+        nvptx.barrier_all(b)
+
+    def _emit_specialised(self, b, work_loop) -> None:
+        """The producer warpgroup (after `setmaxnreg.dec`) and the consumers (`inc`) each
+        run the scheduler's work loop in their own branch, together at each work tile."""
+        c = self.c
+        self.builder = b
+        self.step_count = b.alloca(i32, name="step_count")
+        self.tile_count = b.alloca(i32, name="tile_count")
+        b.store(i32(0), self.step_count)
+        b.store(i32(0), self.tile_count)
+        # full: the first producer lane's expect_tx and each producer lane's LSE and delta
+        # copies; empty: every consumer thread
+        self._init_barriers(b, [1] + [1 + 32] * c.stages + [2 * hopper.WARPGROUP_THREADS]
+                            * c.stages)
+        module = b.module
+        tid = nvptx.special_register(b, "thread_idx", "x")
+        producer_registers, consumer_registers = REGISTERS
+        with b.if_else(b.icmp_unsigned("<", tid, i32(hopper.WARPGROUP_THREADS))) as (
+                producer, consumer):
+            with producer:
+                hopper.setmaxnreg(b, producer_registers, increase=False)
+                args = KernelArgs(self.a.function, ABI, c, opaque_env=c.opaque_env,
+                                  divergent_roles=True, trace_thread=None)  # consumers record
+                before = set(module.globals)
+                work_loop(b, sm80.scheduler_view(args), self._producer_tile)
+                _rename_new_functions(module, before, ".producer")
+            with consumer:
+                hopper.setmaxnreg(b, consumer_registers, increase=True)
+                args = KernelArgs(self.a.function, ABI, c, opaque_env=c.opaque_env,
+                                  divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS)
+                work_loop(b, sm80.scheduler_view(args), self._consumer_tile)
+                if c.dq_bulk:  # the last bulk reduce-adds are done
+                    _asm0(b, "cp.async.bulk.wait_group 0;")
+        count_exit(b, self.a.queue)
+        _hoist_allocas(b.function)
+
+    def _ring_slot(self, b):
+        """(the step's count, its stage, the stage's phase) in the ring, from the role's
+        step counter (it runs on across work tiles)."""
+        count = b.load(self.step_count, typ=i32)
+        stages = i32(self.c.stages)
+        return count, b.urem(count, stages), b.and_(b.udiv(count, stages), i32(1))
+
+    def _producer_tile(self, b, seq) -> None:
+        """The producer's first warp: K and V of the work tile by TMA, then per query step,
+        once the consumers freed its stage, Q and dO by TMA and LSE and delta by cp.async."""
+        c, a = self.c, self.a
+        self._start_work_tile(b, seq)
+        lane = nvptx.opaque_special_register(b, "tid.x")
+        with b.if_then(b.icmp_unsigned("<", lane, i32(32))):
+            with b.if_then(b.icmp_unsigned("==", lane, i32(0))):
+                bar = self._bar(b, 0)
+                hopper.mbarrier_arrive_expect_tx(b, bar, 2 * c.kv_bytes)
+                row = b.add(self.k_start, self.kv0)
+                for which in ("k", "v"):
+                    tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
+                    for box in range(c.boxes):
+                        dst = self._ptr(b, self.off[which] + box * c.block_n * SW)
+                        hopper.tma_load(b, dst, tmap,
+                                        [self.bidx, row, self.hk, i32(box * BOX_COLUMNS)], bar)
+            steps_of, pair_of = self._query_steps()
+            steps = steps_of(b)
+
+            def body(b, s, _):
+                count, stage, phase = self._ring_slot(b)
+                hopper.mbarrier_wait(b, self._empty(b, stage), b.xor(phase, i32(1)))
+                h, q0, _ = pair_of(b, s)
+                self._load_step(b, h, q0, stage)
+                b.store(b.add(count, i32(1)), self.step_count)
+                return self._next_step(b, b.add(s, i32(1)), steps, pair_of), []
+
+            ir_loop(b, self._next_step(b, i32(0), steps, pair_of), steps, [], body)
+
+    def _load_step(self, b, h, q0, stage) -> None:
+        """The producer's first warp: Q and dO of the query tile at q0 of head h by TMA into
+        `stage` (lane 0), its LSE and delta rows by cp.async (rows past the sequence
+        zero-filled), all completing on the stage's full mbarrier."""
+        c, a = self.c, self.a
+        lane = nvptx.opaque_special_register(b, "tid.x")
+        q_row = b.add(self.q_start, q0)
+        full = self._full(b, stage)
+        with b.if_then(b.icmp_unsigned("==", lane, i32(0))):
+            hopper.mbarrier_arrive_expect_tx(b, full, 2 * c.q_bytes)
+            for which in ("q", "dout"):
+                tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
+                base = self._stage_off(b, stage, which)
+                for box in range(c.boxes):
+                    dst = self._ptr(b, b.add(base, i32(box * c.block_m * SW)))
+                    hopper.tma_load(b, dst, tmap, [self.bidx, q_row, h, i32(box * BOX_COLUMNS)],
+                                    full)
+        rows_valid = b.sub(self.seqlen_q, q0)
+        for first in range(0, c.block_m, 32):
+            row = b.add(lane, i32(first))
+            valid = b.icmp_signed("<", row, rows_valid)
+            off = _lse_offset(b, a, self.bidx, h, b.add(q_row, b.select(valid, row, i32(0))))
+            for name in ("lse", "delta"):
+                dst = self._ptr(b, b.add(self._stage_off(b, stage, name), b.shl(row, i32(2))))
+                nvptx.call(b, "llvm.nvvm.cp.async.ca.shared.global.4.s", nvptx.void,
+                           [dst, _gep(b, a[name], off, f32), b.select(valid, i32(4), i32(0))])
+        hopper.mbarrier_arrive_on_copies(b, full)
+
+    def _consumer_tile(self, b, seq) -> None:
+        """The consumers: per query step, once its stage is full, `_step` (which frees the
+        stage); dK and dV stored at the end of the work tile."""
+        c, a = self.c, self.a
+        self._start_work_tile(b, seq)
+        tiles = b.load(self.tile_count, typ=i32)
+        hopper.mbarrier_wait(b, self._bar(b, 0), b.and_(tiles, i32(1)))
+        b.store(b.add(tiles, i32(1)), self.tile_count)
+        steps_of, pair_of = self._query_steps()
+        steps = steps_of(b)
+
+        def body(b, s, carried):
+            count, stage, phase = self._ring_slot(b)
+            nxt = self._next_step(b, b.add(s, i32(1)), steps, pair_of)
+            hopper.mbarrier_wait(b, self._full(b, stage), phase)
+            h, q0, _ = pair_of(b, s)
+            half = len(carried) // 2
+            dk, dv = self._step(b, h, q0, stage, list(carried[:half]), list(carried[half:]),
+                                b.and_(count, i32(1)))
+            b.store(b.add(count, i32(1)), self.step_count)
+            return nxt, dk + dv
+
+        n_acc = hopper.accumulator_count(c.head_dim)
+        init = hopper.fence_operands(b, [warp.fconst(0.0)] * (2 * n_acc))
+        final = ir_loop(b, self._next_step(b, i32(0), steps, pair_of), steps, init, body)
+        kv_row, rows_valid = b.add(self.k_start, self.kv0), b.sub(self.seqlen_k, self.kv0)
+        self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:n_acc], a.softmax_scale)
+        self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[n_acc:], None)
 
     def _work_tile(self, b, seq) -> None:
         c, a = self.c, self.a
@@ -333,7 +531,7 @@ class _HopperMain(_MainKernel):
         return [_ld_shared_v2f32(b, b.add(start, i32(32 * j)))
                 for j in range(self.c.block_m // 8)]
 
-    def _step(self, b, h, q0, stage, dk, dv):
+    def _step(self, b, h, q0, stage, dk, dv, ds_buffer=i32(0)):
         c, dt = self.c, self.c.dtype
         BM, BN, D = c.block_m, c.block_n, c.head_dim
         o = self.off
@@ -419,7 +617,8 @@ class _HopperMain(_MainKernel):
         g8 = b.lshr(lane, i32(2))
         row_byte = b.add(b.mul(b.add(b.shl(b.lshr(tid, i32(5)), i32(4)), g8), i32(SW)),
                          b.shl(b.and_(lane, i32(3)), i32(2)))
-        ds_base = b.add(self._addr(b, o["ds"]), row_byte)
+        ds_off = b.add(i32(o["ds"]), b.mul(ds_buffer, i32(o["ds_bytes"])))
+        ds_base = b.add(self._addr(b, ds_off), row_byte)
         for k, slice_ in enumerate(ds_packed):
             for x, (r, nt) in zip(slice_, ((0, 2 * k), (1, 2 * k), (0, 2 * k + 1),
                                             (1, 2 * k + 1))):
@@ -438,9 +637,12 @@ class _HopperMain(_MainKernel):
 
         # dQ's columns group * D/2.. = dS K: every warpgroup's dS^T rows are in
         hopper.fence_proxy_async(b)
-        nvptx.barrier_all(b)
+        if c.producer:
+            nvptx.barrier_named(b, nvptx.DS_BARRIER, 2 * hopper.WARPGROUP_THREADS)
+        else:
+            nvptx.barrier_all(b)
         half = D // 2
-        ds_descs = hopper.smem_descriptors(b, self._ptr(b, o["ds"]),
+        ds_descs = hopper.smem_descriptors(b, self._ptr(b, ds_off),
                                            [16 * k * SW for k in range(BN // 16)],
                                            leading_bytes=BN * SW)
         # K's columns group * D/2..: TMA box g at head dim 128; at 64, the box's second half
@@ -457,6 +659,8 @@ class _HopperMain(_MainKernel):
         hopper.wgmma_wait_group(b, 0)
         flat = hopper.fence_operands(b, dk + dv + dq)
         dk, dv, dq = flat[:len(dk)], flat[len(dk):2 * len(dk)], flat[2 * len(dk):]
+        if c.producer:  # Q, dO, LSE and delta are read: the stage is the producer's again
+            hopper.mbarrier_arrive(b, self._empty(b, stage))
         if c.dq_bulk:
             self._bulk_dq(b, h, q0, group, dq)
         else:
