@@ -56,7 +56,7 @@ SW = hopper.SWIZZLE_BYTES
 SWIZZLE_SLACK = hopper.SWIZZLE_ATOM_BYTES
 # (producer, consumer) registers per thread after setmaxnreg: 24 + 2 x 240 of the 512 a
 # thread of each warpgroup may take at one CTA per SM
-REGISTERS = (24, 240)
+REGISTERS = (32, 232)
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,10 @@ class HopperBackwardConfig(BackwardConfig):
     # step with each other only where dQ needs both halves of dS^T; else the two warpgroups
     # load and compute in lockstep, a CTA barrier per step
     producer: bool = True
+    # with a producer: the consumers stage dQ's tile in shared memory and the producer's
+    # second warp adds it into the accumulator by bulk reduce-adds, a row each (FA3's dQ
+    # writer), off the consumers' path
+    dq_writer: bool = True
 
     @property
     def threads(self) -> int:
@@ -98,6 +102,11 @@ class HopperBackwardConfig(BackwardConfig):
         """A row of a warpgroup's dQ half tile in shared memory: D/2 floats and 16 bytes of
         padding (two-way bank conflicts at most for the quads' 8-byte stores)."""
         return self.head_dim // 2 * 4 + 16
+
+    @property
+    def dq_tile_row_bytes(self) -> int:
+        """A row of the dQ writer's tile: D floats and 16 bytes of padding."""
+        return self.head_dim * 4 + 16
 
     @property
     def boxes(self) -> int:
@@ -117,6 +126,8 @@ class HopperBackwardConfig(BackwardConfig):
             found.append(Problem(("head_dim",), (
                 f"the sm90 backward runs head_dim {', '.join(map(str, HEAD_DIMS))}, not "
                 f"{self.head_dim}")))
+        if self.dq_writer and not self.producer:
+            found.append(Problem((), "the dQ writer is the producer's second warp"))
         if self.block_m != 64 or self.block_n != 128 or self.num_warps != 8:
             found.append(Problem(("tile",), "the sm90 backward steps 64 query rows over K/V "
                                             "tiles of 128 rows with two warpgroups"))
@@ -135,9 +146,11 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     ds_bytes = c.block_n * c.block_m * 2
     lse = ds + c.ds_buffers * ds_bytes
     dq = lse + c.stages * 8 * c.block_m  # per stage: LSE, delta (block_m floats each)
-    bars = dq + (2 * c.block_m * c.dq_row_bytes if c.dq_bulk else 0)
-    # K/V's; per stage full (and empty, with a producer)
-    end = bars + (1 + (2 if c.producer else 1) * c.stages) * hopper.MBARRIER_BYTES
+    bars = dq + (2 * c.block_m * c.dq_row_bytes if c.dq_bulk else
+                 c.block_m * c.dq_tile_row_bytes if c.dq_writer else 0)
+    # K/V's; per stage full (and empty, with a producer); the dQ tile's full and empty
+    count = 1 + (2 if c.producer else 1) * c.stages + (2 if c.dq_writer else 0)
+    end = bars + count * hopper.MBARRIER_BYTES
     return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, ds_bytes=ds_bytes,
                 lse=lse, dq=dq, bars=bars, end=end)
 
@@ -198,6 +211,11 @@ def _st_shared_b32(b, address: ir.Value, value: ir.Value) -> None:
           "r,r,~{memory}", [address, value], True)
 
 
+def _st_shared_v2f32(b, address: ir.Value, x: ir.Value, y: ir.Value) -> None:
+    b.asm(ir.FunctionType(nvptx.void, [i32, f32, f32]), "st.shared.v2.f32 [$0], {$1, $2};",
+          "r,f,f,~{memory}", [address, x, y], True)
+
+
 def _ld_shared_v2f32(b, address: ir.Value) -> list[ir.Value]:
     res = b.asm(ir.FunctionType(ir.LiteralStructType([f32, f32]), [i32]),
                 "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r,~{memory}", [address], True)
@@ -250,6 +268,10 @@ class _HopperMain(_MainKernel):
 
     def _empty(self, b, stage) -> ir.Value:
         return self._bar(b, b.add(stage, i32(1 + self.c.stages)))
+
+    def _dq_bar(self, b, which: str) -> ir.Value:
+        """The dQ tile's "full" (the consumers staged it) or "empty" (the writer read it)."""
+        return self._bar(b, 1 + 2 * self.c.stages + ("full", "empty").index(which))
 
     def _stage_off(self, b, stage, which: str) -> ir.Value:
         """Offset of Q or dO ("q", "dout") of `stage`, or of its LSE or delta rows."""
@@ -330,8 +352,9 @@ class _HopperMain(_MainKernel):
         b.store(i32(0), self.tile_count)
         # full: the first producer lane's expect_tx and each producer lane's LSE and delta
         # copies; empty: every consumer thread
-        self._init_barriers(b, [1] + [1 + 32] * c.stages + [2 * hopper.WARPGROUP_THREADS]
-                            * c.stages)
+        consumers = 2 * hopper.WARPGROUP_THREADS
+        self._init_barriers(b, [1] + [1 + 32] * c.stages + [consumers] * c.stages
+                            + ([consumers, 32] if c.dq_writer else []))
         module = b.module
         tid = nvptx.special_register(b, "thread_idx", "x")
         producer_registers, consumer_registers = REGISTERS
@@ -344,6 +367,8 @@ class _HopperMain(_MainKernel):
                 before = set(module.globals)
                 work_loop(b, sm80.scheduler_view(args), self._producer_tile)
                 _rename_new_functions(module, before, ".producer")
+                if c.dq_writer:  # the last reduce-adds are done
+                    _asm0(b, "cp.async.bulk.wait_group 0;")
             with consumer:
                 hopper.setmaxnreg(b, consumer_registers, increase=True)
                 args = KernelArgs(self.a.function, ABI, c, opaque_env=c.opaque_env,
@@ -390,6 +415,58 @@ class _HopperMain(_MainKernel):
                 return self._next_step(b, b.add(s, i32(1)), steps, pair_of), []
 
             ir_loop(b, self._next_step(b, i32(0), steps, pair_of), steps, [], body)
+        if c.dq_writer:
+            warp_idx = b.lshr(nvptx.opaque_special_register(b, "tid.x"), i32(5))
+            with b.if_then(b.icmp_unsigned("==", warp_idx, i32(1))):
+                self._write_dq(b)
+
+    def _write_dq(self, b) -> None:
+        """The producer's second warp: per query step, once the consumers staged dQ's tile,
+        lane l adds its rows l and l + 32 into the accumulator (rows past the sequence
+        skipped) by bulk reduce-adds, and frees the tile once they have read it."""
+        c, a = self.c, self.a
+        steps_of, pair_of = self._query_steps()
+        steps = steps_of(b)
+        rb = c.dq_tile_row_bytes
+
+        def body(b, s, _):
+            count = b.load(self.step_count, typ=i32)
+            hopper.mbarrier_wait(b, self._dq_bar(b, "full"), b.and_(count, i32(1)))
+            h, q0, _ = pair_of(b, s)
+            lane = b.and_(nvptx.opaque_special_register(b, "tid.x"), i32(31))
+            rows_valid = b.sub(self.seqlen_q, q0)
+            for first in range(0, c.block_m, 32):
+                row = b.add(lane, i32(first))
+                with b.if_then(b.icmp_signed("<", row, rows_valid)):
+                    off = _row_offset(b, a, c.ragged, "dq_accum", self.bidx,
+                                      b.add(self.q_start, b.add(q0, row)), h)
+                    dst = b.ptrtoint(_gep(b, a.dq_accum, off, f32), i64)
+                    src = self._addr(b, b.add(i32(self.off["dq"]), b.mul(row, i32(rb))))
+                    _bulk_reduce_add(b, dst, src, c.head_dim * 4)
+            _asm0(b, "cp.async.bulk.commit_group;")
+            _asm0(b, "cp.async.bulk.wait_group.read 0;")
+            hopper.mbarrier_arrive(b, self._dq_bar(b, "empty"))
+            b.store(b.add(count, i32(1)), self.step_count)
+            return self._next_step(b, b.add(s, i32(1)), steps, pair_of), []
+
+        ir_loop(b, self._next_step(b, i32(0), steps, pair_of), steps, [], body)
+
+    def _stage_dq(self, b, group, dq, parity) -> None:
+        """This thread's dQ values (columns group * D/2..) into the dQ writer's tile, once
+        the writer has read the last step's (`parity`: the step's count, mod 2)."""
+        c = self.c
+        hopper.mbarrier_wait(b, self._dq_bar(b, "empty"), b.xor(parity, i32(1)))
+        tid = self._tid(b)
+        lane = b.and_(tid, i32(31))
+        rb = c.dq_tile_row_bytes
+        row = b.add(b.shl(b.and_(b.lshr(tid, i32(5)), i32(3)), i32(4)), b.lshr(lane, i32(2)))
+        mine = b.add(self._addr(b, b.add(i32(self.off["dq"]), b.mul(row, i32(rb)))),
+                     b.add(b.mul(group, i32(c.head_dim * 2)), b.shl(b.and_(lane, i32(3)), i32(3))))
+        for j in range(0, len(dq), 2):
+            jb, r = j // 4, (j // 2) % 2
+            _st_shared_v2f32(b, b.add(mine, i32(8 * r * rb + 32 * jb)), dq[j], dq[j + 1])
+        hopper.fence_proxy_async(b)
+        hopper.mbarrier_arrive(b, self._dq_bar(b, "full"))
 
     def _load_step(self, b, h, q0, stage) -> None:
         """The producer's first warp: Q and dO of the query tile at q0 of head h by TMA into
@@ -661,7 +738,9 @@ class _HopperMain(_MainKernel):
         dk, dv, dq = flat[:len(dk)], flat[len(dk):2 * len(dk)], flat[2 * len(dk):]
         if c.producer:  # Q, dO, LSE and delta are read: the stage is the producer's again
             hopper.mbarrier_arrive(b, self._empty(b, stage))
-        if c.dq_bulk:
+        if c.dq_writer:
+            self._stage_dq(b, group, dq, ds_buffer)
+        elif c.dq_bulk:
             self._bulk_dq(b, h, q0, group, dq)
         else:
             self._red_dq(b, h, q0, group, dq)
@@ -687,10 +766,7 @@ class _HopperMain(_MainKernel):
                                  b.shl(b.and_(lane, i32(3)), i32(3))))
         for j in range(0, len(dq), 2):
             jb, r = j // 4, (j // 2) % 2
-            address = b.add(mine, i32(8 * r * rb + 32 * jb))
-            b.asm(ir.FunctionType(nvptx.void, [i32, f32, f32]),
-                  "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f,~{memory}",
-                  [address, dq[j], dq[j + 1]], True)
+            _st_shared_v2f32(b, b.add(mine, i32(8 * r * rb + 32 * jb)), dq[j], dq[j + 1])
         hopper.fence_proxy_async(b)
         nvptx.call(b, "llvm.nvvm.bar.warp.sync", nvptx.void, [i32(-1)])
         rows_valid = b.sub(self.seqlen_q, q0)
