@@ -347,9 +347,9 @@ class _HopperMain(_MainKernel):
         once the consumers freed its stage, Q and dO by TMA and LSE and delta by cp.async."""
         c, a = self.c, self.a
         self._start_work_tile(b, seq)
-        lane = nvptx.opaque_special_register(b, "tid.x")
-        with b.if_then(b.icmp_unsigned("<", lane, i32(32))):
-            with b.if_then(b.icmp_unsigned("==", lane, i32(0))):
+        tid = nvptx.opaque_special_register(b, "tid.x")
+        with b.if_then(b.icmp_unsigned("<", tid, i32(32))):
+            with b.if_then(b.icmp_unsigned("==", tid, i32(0))):
                 bar = self._bar(b, 0)
                 hopper.mbarrier_arrive_expect_tx(b, bar, 2 * c.kv_bytes)
                 row = b.add(self.k_start, self.kv0)
@@ -377,7 +377,7 @@ class _HopperMain(_MainKernel):
         `stage` (lane 0), its LSE and delta rows by cp.async (rows past the sequence
         zero-filled), all completing on the stage's full mbarrier."""
         c, a = self.c, self.a
-        lane = nvptx.opaque_special_register(b, "tid.x")
+        lane = nvptx.opaque_special_register(b, "tid.x")  # (the first warp's)
         q_row = b.add(self.q_start, q0)
         full = self._full(b, stage)
         with b.if_then(b.icmp_unsigned("==", lane, i32(0))):
