@@ -169,6 +169,13 @@ def mbarrier_arrive(builder: ir.IRBuilder, barrier: ir.Value) -> None:
          [shared_address(builder, barrier)])
 
 
+def mbarrier_arrive_on_copies(builder: ir.IRBuilder, barrier: ir.Value) -> None:
+    """One arrival on `barrier` once this thread's cp.async copies so far have landed
+    (`cp.async.mbarrier.arrive.noinc`: the barrier's count includes it)."""
+    _asm(builder, void, "cp.async.mbarrier.arrive.noinc.shared.b64 [$0];", "r,~{memory}",
+         [shared_address(builder, barrier)])
+
+
 def mbarrier_wait(builder: ir.IRBuilder, barrier: ir.Value, parity: int | ir.Value) -> None:
     """Wait until the phase of `barrier` with parity `parity` (0 for its first phase) has
     completed. Waiting on parity 1 of a fresh barrier returns at once (the phase before the

@@ -1,6 +1,6 @@
 """The Hopper backward design without a GPU (codegen/backends/backward_sm90.py): which calls
 it runs, its configs' problems and shared memory, its ABI (tensor maps first), both of its
-dQ paths assembling without spills, its hand-over to the sm80 design's build (and that build
+dQ paths assembling without spills, its producer and consumer warpgroups, its hand-over to the sm80 design's build (and that build
 read back from the cache as the sm80 design's), and the wgmma operand forms it adds."""
 from dataclasses import replace
 
@@ -9,7 +9,7 @@ from llvmlite import ir
 
 import mhadsl
 from helpers import EXAMPLES
-from mhadsl.codegen import hopper
+from mhadsl.codegen import hopper, nvptx
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import SHARED_MEMORY_LIMIT, Layout, backend_for_arch
 from mhadsl.codegen.backends import backward_sm90 as H
@@ -53,7 +53,7 @@ def test_config_problems_and_shared_memory():
         for bulk in (False, True):
             config = H.HopperBackwardConfig(head_dim=d, dq_bulk=bulk)
             assert H.shared_bytes(config) <= SHARED_MEMORY_LIMIT["sm_90a"]
-            assert H.launch_shapes(config)[H.MAIN].threads == 256
+            assert H.launch_shapes(config)[H.MAIN].threads == 384  # a producer, two consumers
 
 
 def test_the_tensor_maps_come_first_at_multiples_of_128_bytes():
@@ -84,6 +84,28 @@ def test_both_dq_paths_assemble_without_spills(head_dim, dq_bulk, monkeypatch, t
     for resources in build.assembled.kernels.values():
         assert resources.spills == 0 and resources.stack_bytes == 0, resources
     assert "C7519" not in build.assembled.log  # no injected warpgroup.arrive
+
+
+@needs_ptxas
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_producer_warpgroup_feeds_two_consumers(head_dim, tmp_path, monkeypatch):
+    """FlashAttention-3's layout: the producer gives registers back and loads each query
+    step (TMA, and cp.async arriving on the stage's full mbarrier); the consumers take
+    registers, meet at one named barrier per step (dS^T is complete) and free the stage."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    source = ('import "std/schedulers.mha"\nattention t { dtype = bf16  head_dim = '
+              f'{head_dim}\n mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }}')
+    build = mhadsl.compile(source)["t"].backward_build("sm_90a", gqa_group=4)
+    assert build.backend == "backward_sm90"
+    producer, consumers = H.REGISTERS
+    for text in (f"setmaxnreg.dec.sync.aligned.u32 \t{producer};",
+                 f"setmaxnreg.inc.sync.aligned.u32 \t{consumers};",
+                 "cp.async.mbarrier.arrive.noinc.shared.b64",
+                 f"bar.sync \t{nvptx.DS_BARRIER}, 256;", "mbarrier.arrive.shared::cta.b64"):
+        assert text in build.ptx, text
+    assert "C7508" not in build.assembled.log  # setmaxnreg honoured
+    main = build.assembled.kernels["mha_bwd"]
+    assert main.spills == 0 and main.stack_bytes == 0, main
 
 
 @needs_ptxas

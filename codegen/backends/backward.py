@@ -765,6 +765,9 @@ class _MainKernel(_TileKernel):
     `_parked`: every use reads them from shared memory."""
 
     bidx, hk, k_start, seqlen_k, kv0, q_start, seqlen_q = map(_parked, WORK_TILE_FIELDS)
+    # False where warp-specialised roles meet at the work tile's barriers from their own
+    # branches (`nvptx.barrier_all`)
+    aligned_barriers = True
 
     def __init__(self, config: BackwardConfig, hooks: ExprHooks, args: KernelArgs,
                  smem: ir.Value, target_arch: str):
@@ -790,7 +793,7 @@ class _MainKernel(_TileKernel):
         """Once the last work tile's warps are done with shared memory, park this one's
         values (`WORK_TILE_FIELDS`) from the scheduler's SeqInfo."""
         c, a = self.c, self.a
-        nvptx.barrier_all(b)
+        nvptx.barrier_all(b, self.aligned_barriers)
         q_start, seqlen_q = sequence_rows(b, c.ragged, a.cu_seqlens_q, a.seqlen_q,
                                           seq.prompt_idx)
         # prompt tile t is K/V tile n - 1 - t (`scheduler_view`); seq_len > prompt_offset
@@ -869,7 +872,7 @@ class _MainKernel(_TileKernel):
         with b.if_then(b.icmp_unsigned("==", self._lanes(b).tid, i32(0))):
             for name, value in values.items():
                 b.store(value, b.inttoptr(self._record(b, name), nvptx.ptr(SHARED)))
-        nvptx.barrier_all(b)
+        nvptx.barrier_all(b, self.aligned_barriers)
 
     def _issue(self, b, h, q0, stage):
         """cp.async the query tile at q0 of head h (Q, dO, and the LSE and delta of its

@@ -1,27 +1,44 @@
-"""The Hopper (sm_90a) backward pass: TMA + mbarrier + wgmma.
+"""The Hopper (sm_90a) backward pass: TMA + mbarrier + wgmma, warp-specialised.
 
 The same three kernels as `codegen.backends.backward` (preprocess, main, postprocess: the
-row kernels are that module's), with a main kernel `mha_bwd` built for Hopper:
+row kernels are that module's), with a main kernel `mha_bwd` built for Hopper in
+FlashAttention-3's layout:
 
-- a CTA of two warpgroups (256 threads, up to 255 registers each) owns one K/V tile of
-  `block_n` = 128 rows of one (batch, K/V head), handed out by the declaration's scheduler
-  (the same work space as the sm80 design: `backward.scheduler_view`); warpgroup g owns K/V
-  rows 64g..64g+63. K and V come by TMA once per work tile (128-byte swizzle, one box per
-  64 head-dim columns);
-- the CTA steps over the query tiles (`block_m` = 64 rows) of every query head of its GQA
-  group that the mask's classification does not prove empty. Thread 0 loads each step's Q
-  and dO by TMA into one of two stages (completion on that stage's mbarrier) while the
-  other computes; the first 64 threads cp.async the step's LSE and delta rows beside them;
-- per step and warpgroup, by wgmma: S^T = K Q^T and dP^T = V dO^T (both operands K-major
-  in shared memory), P^T = exp2(S^T scale log2e - LSE) with the score hook and the mask on
-  partial tiles (the sm80 design's `_probabilities`), dS^T = P^T (dP^T - delta) (with the
-  score's derivative), then dV += P^T dO and dK += dS^T Q with P^T and dS^T as the register
-  A operand and dO, Q as MN-major B operands (the forward's P V form). dS^T goes to shared
-  memory (16-bit, swizzled) and, after a CTA barrier, warpgroup g computes dQ's head-dim
-  columns g D/2.. = dS K with dS^T as a transposed (M-major) shared A operand and K as an
-  MN-major B operand, then adds them into the fp32 accumulator with
-  `red.global.add.v2.f32` from registers;
+- a CTA of three warpgroups (384 threads) owns one K/V tile of `block_n` = 128 rows of one
+  (batch, K/V head), handed out by the declaration's scheduler (the same work space as the
+  sm80 design: `backward.scheduler_view`). Warpgroup 0 is the producer (`setmaxnreg.dec`
+  to 24 registers), warpgroups 1 and 2 the consumers (`setmaxnreg.inc` to 240); consumer g
+  owns K/V rows 64g..64g+63. Both roles run the scheduler's work loop, each in its own
+  branch, and meet at each work tile's CTA barriers (which park its values in shared
+  memory), never per query step;
+- the producer's first warp loads K and V by TMA once per work tile (128-byte swizzle, one
+  box per 64 head-dim columns), then, for each query tile (`block_m` = 64 rows) of every
+  query head of the GQA group that the mask's classification does not prove empty, waits
+  until a stage of the ring (`stages`) is empty and loads the step's Q and dO into it by
+  TMA (lane 0's expect_tx) and its LSE and delta rows by cp.async (every lane, rows past
+  the sequence zero-filled, `cp.async.mbarrier.arrive.noinc`), all on the stage's full
+  mbarrier;
+- per step each consumer warpgroup waits until the stage is full and computes by wgmma:
+  S^T = K Q^T and dP^T = V dO^T (both operands K-major in shared memory), P^T =
+  exp2(S^T scale log2e - LSE) with the score hook and the mask on partial tiles (the sm80
+  design's `_probabilities`), dS^T = P^T (dP^T - delta) (with the score's derivative),
+  then dV += P^T dO and dK += dS^T Q with P^T and dS^T as the register A operand and dO, Q
+  as MN-major B operands (the forward's P V form). dS^T goes to shared memory (16-bit,
+  swizzled, one tile per step parity) and, after a named barrier of the two consumers
+  (dQ needs both halves of dS^T), warpgroup g computes dQ's head-dim columns g D/2.. =
+  dS K with dS^T as a transposed (M-major) shared A operand and K as an MN-major B operand;
+  once that wait is over every consumer thread arrives on the stage's empty mbarrier, then
+  adds its dQ values into the fp32 accumulator with `red.global.add.v2.f32`. With two dS^T
+  tiles, a consumer writes the next step's while the other still reads this one's;
 - dK (times the softmax scale) and dV are stored from registers at the end of the work tile.
+
+Measured on the H200 against the lockstep design it replaced (two warpgroups, thread 0
+loading the next step, a CTA barrier per step and one before dQ), one process, TFLOP/s:
+plain B4 H16 S4096 D128 370 -> 397, causal 336 -> 342, causal H32 D64 250 -> 265, GQA 32:8
+causal 343 -> 351, causal B1 H16 S16384 366 -> 381 (BENCHMARKS.md). Tried and slower: a
+third stage (the same), and FA3's dQ writer (the consumers stage dQ in shared memory and the
+producer's second warp adds it by a bulk reduce-add per row: plain 408 -> 370, causal D64
+266 -> 192 against red.global.add.v2 from registers).
 
 It runs dense layouts in atomic mode at head dims 64 and 128; ragged and deterministic calls
 keep the sm80-style design (`Backend.runs_layout`)."""
@@ -39,6 +56,7 @@ from mhadsl.codegen.backends import (
     Layout, Problem, common_problems, ir_loop, spill_free_build,
 )
 from mhadsl.codegen.backends import backward as sm80
+from mhadsl.codegen.backends.sm90 import _rename_new_functions
 from mhadsl.codegen.backends.backward import (
     MAIN, POSTPROCESS, PREPROCESS, ROW_THREADS, BackwardConfig, _emit_postprocess,
     _emit_preprocess, _gep, _lse_offset, _Lanes, _MainKernel, _row_offset, _TileKernel,
@@ -53,11 +71,15 @@ GROUP_ROWS = 64  # K/V rows per warpgroup (wgmma's M)
 BOX_COLUMNS = 64  # head-dim columns per TMA box: 128 bytes, the swizzle's row
 SW = hopper.SWIZZLE_BYTES
 SWIZZLE_SLACK = hopper.SWIZZLE_ATOM_BYTES
+# (producer, consumer) registers per thread after setmaxnreg: 24 + 2 x 240 of the 512 per
+# thread of a warpgroup of one CTA per SM
+REGISTERS = (24, 240)
 
 
 @dataclass(frozen=True)
 class HopperBackwardConfig(BackwardConfig):
-    """A build of the Hopper backward (the sm80 config's fields; two warpgroups)."""
+    """A build of the Hopper backward (the sm80 config's fields; `num_warps` counts the
+    consumers' warps)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -69,10 +91,15 @@ class HopperBackwardConfig(BackwardConfig):
     # dQ's partial sums added into the accumulator by the copy engine: each warpgroup's half
     # tile to shared memory, then one bulk reduce-add per row half (`cp.reduce.async.bulk`)
     # by the row's first lane; else (the default) `red.global.add.v2.f32` from registers.
-    # Measured on the H200 (2026-12-01, one run, TFLOP/s red / bulk): plain B4 S4096 372 /
-    # 328, causal 335 / 317, causal D64 250 / 222, GQA 32:8 causal 347 / 329, B1 S16384
-    # causal 376 / 339: the bulk path is built only when forced (`configs`)
+    # Measured on the H200 in the lockstep design before the producer warpgroup (2026-12-01,
+    # one run, TFLOP/s red / bulk): plain B4 S4096 372 / 328, causal 335 / 317, causal D64
+    # 250 / 222, GQA 32:8 causal 347 / 329, B1 S16384 causal 376 / 339: the bulk path is
+    # built only when forced (`configs`)
     dq_bulk: bool = False
+
+    @property
+    def threads(self) -> int:
+        return hopper.WARPGROUP_THREADS + 32 * self.num_warps  # the producer, the consumers
 
     @property
     def dq_row_bytes(self) -> int:
@@ -100,7 +127,7 @@ class HopperBackwardConfig(BackwardConfig):
                 f"{self.head_dim}")))
         if self.block_m != 64 or self.block_n != 128 or self.num_warps != 8:
             found.append(Problem(("tile",), "the sm90 backward steps 64 query rows over K/V "
-                                            "tiles of 128 rows with two warpgroups"))
+                                            "tiles of 128 rows with two consumer warpgroups"))
         if self.deterministic or self.ragged:
             found.append(Problem((), "the sm90 backward runs dense layouts in atomic mode"))
         return found
@@ -113,12 +140,13 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     stage0 = v + c.kv_bytes
     stage_bytes = 2 * c.q_bytes  # Q, dO
     ds = stage0 + c.stages * stage_bytes
-    lse = ds + c.block_n * c.block_m * 2
+    ds_bytes = c.block_n * c.block_m * 2
+    lse = ds + 2 * ds_bytes  # dS^T: a tile per step parity
     dq = lse + c.stages * 8 * c.block_m  # per stage: LSE, delta (block_m floats each)
     bars = dq + (2 * c.block_m * c.dq_row_bytes if c.dq_bulk else 0)
-    end = bars + (1 + c.stages) * hopper.MBARRIER_BYTES
-    return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, lse=lse, dq=dq,
-                bars=bars, end=end)
+    end = bars + (1 + 2 * c.stages) * hopper.MBARRIER_BYTES  # K/V's; per stage full, empty
+    return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, ds_bytes=ds_bytes,
+                lse=lse, dq=dq, bars=bars, end=end)
 
 
 def shared_bytes(config: HopperBackwardConfig) -> int:
@@ -177,10 +205,26 @@ def _st_shared_b32(b, address: ir.Value, value: ir.Value) -> None:
           "r,r,~{memory}", [address, value], True)
 
 
+def _st_shared_v2f32(b, address: ir.Value, x: ir.Value, y: ir.Value) -> None:
+    b.asm(ir.FunctionType(nvptx.void, [i32, f32, f32]), "st.shared.v2.f32 [$0], {$1, $2};",
+          "r,f,f,~{memory}", [address, x, y], True)
+
+
 def _ld_shared_v2f32(b, address: ir.Value) -> list[ir.Value]:
     res = b.asm(ir.FunctionType(ir.LiteralStructType([f32, f32]), [i32]),
                 "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r,~{memory}", [address], True)
     return [b.extract_value(res, i) for i in range(2)]
+
+
+def _hoist_allocas(fn: ir.Function) -> None:
+    """Every alloca into the entry block, where SROA makes registers of it: the work loops
+    emitted in the role branches leave theirs in those branches (in local memory)."""
+    entry = fn.entry_basic_block
+    for block in fn.blocks[1:]:
+        for inst in [i for i in block.instructions if isinstance(i, ir.AllocaInstr)]:
+            block.instructions.remove(inst)
+            inst.parent = entry
+            entry.instructions.insert(0, inst)
 
 
 class _HopperMain(_MainKernel):
@@ -192,6 +236,8 @@ class _HopperMain(_MainKernel):
         _TileKernel.__init__(self, config, hooks, args, smem)
         self.tile_rows = (config.block_m, config.block_n)
         self.off = _offsets(config)
+
+    aligned_barriers = False  # the roles meet at the work tile's barriers from their branches
 
     # ------------------------------------------------------------------ addresses
     def _base(self, b) -> ir.Value:
@@ -207,8 +253,16 @@ class _HopperMain(_MainKernel):
         return b.inttoptr(self._addr(b, offset), nvptx.ptr(SHARED))
 
     def _bar(self, b, index) -> ir.Value:
+        """mbarrier `index`: 0 K and V's, 1 + stage a stage's full, 1 + stages + stage its
+        empty."""
         index = i32(index) if isinstance(index, int) else index
         return self._ptr(b, b.add(i32(self.off["bars"]), b.mul(index, i32(8))))
+
+    def _full(self, b, stage) -> ir.Value:
+        return self._bar(b, b.add(stage, i32(1)))
+
+    def _empty(self, b, stage) -> ir.Value:
+        return self._bar(b, b.add(stage, i32(1 + self.c.stages)))
 
     def _stage_off(self, b, stage, which: str) -> ir.Value:
         """Offset of Q or dO ("q", "dout") of `stage`, or of its LSE or delta rows."""
@@ -219,113 +273,161 @@ class _HopperMain(_MainKernel):
         extra = 0 if which == "lse" else 4 * c.block_m
         return b.add(i32(o["lse"] + extra), b.mul(stage, i32(8 * c.block_m)))
 
+    def _tid(self, b):
+        """The thread's index among the consumers' (%tid.x - 128)."""
+        tid = nvptx.opaque_special_register(b, "tid.x")
+        return b.sub(tid, i32(hopper.WARPGROUP_THREADS))
+
+    def _lanes(self, b) -> _Lanes:
+        return _Lanes(b, self.c, self._tid(b))
+
     # ------------------------------------------------------------------ the kernel
     def emit(self, b, work_loop) -> None:
+        """The producer warpgroup (after `setmaxnreg.dec`) and the consumers (`inc`) each
+        run the scheduler's work loop in their own branch, together at each work tile."""
+        c = self.c
         self.builder = b
         self.step_count = b.alloca(i32, name="step_count")
         self.tile_count = b.alloca(i32, name="tile_count")
         b.store(i32(0), self.step_count)
         b.store(i32(0), self.tile_count)
-        # thread 0 sets up, by predicated instructions: a branch here would put the work
-        # loop's allocas outside the entry block, where they stay in local memory
+        # full: the first producer lane's expect_tx and each producer lane's LSE and delta
+        # copies; empty: every consumer thread
+        self._init_barriers(b, [1] + [1 + 32] * c.stages
+                            + [2 * hopper.WARPGROUP_THREADS] * c.stages)
+        module = b.module
+        tid = nvptx.special_register(b, "thread_idx", "x")
+        producer_registers, consumer_registers = REGISTERS
+        with b.if_else(b.icmp_unsigned("<", tid, i32(hopper.WARPGROUP_THREADS))) as (
+                producer, consumer):
+            with producer:
+                hopper.setmaxnreg(b, producer_registers, increase=False)
+                args = KernelArgs(self.a.function, ABI, c, opaque_env=c.opaque_env,
+                                  divergent_roles=True, trace_thread=None)  # consumers record
+                before = set(module.globals)
+                work_loop(b, sm80.scheduler_view(args), self._producer_tile)
+                _rename_new_functions(module, before, ".producer")
+            with consumer:
+                hopper.setmaxnreg(b, consumer_registers, increase=True)
+                args = KernelArgs(self.a.function, ABI, c, opaque_env=c.opaque_env,
+                                  divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS)
+                work_loop(b, sm80.scheduler_view(args), self._consumer_tile)
+                if c.dq_bulk:  # the last bulk reduce-adds are done
+                    _asm0(b, "cp.async.bulk.wait_group 0;")
+        count_exit(b, self.a.queue)
+        _hoist_allocas(b.function)
+
+    def _init_barriers(self, b, counts: list[int]) -> None:
+        """Thread 0 prefetches the tensor maps and initialises mbarrier i with counts[i]
+        arrivals, by predicated instructions: a branch here would put the work loop's
+        allocas outside the entry block, where they stay in local memory."""
         tid = nvptx.special_register(b, "thread_idx", "x")
         maps = [hopper.tensor_map_address(b, self.a[name])
                 for name in ("q_map", "k_map", "v_map", "dout_map")]
-        bars = [hopper.shared_address(b, self._bar(b, index))
-                for index in range(1 + self.c.stages)]
+        bars = [hopper.shared_address(b, self._bar(b, index)) for index in range(len(counts))]
         text = ["{.reg .pred p;", "setp.eq.u32 p, $0, 0;"]
         text += [f"@p prefetch.tensormap [${1 + i}];" for i in range(len(maps))]
-        text += [f"@p mbarrier.init.shared::cta.b64 [${1 + len(maps) + i}], 1;"
-                 for i in range(len(bars))]
+        text += [f"@p mbarrier.init.shared::cta.b64 [${1 + len(maps) + i}], {n};"
+                 for i, n in enumerate(counts)]
         text += ["@p fence.mbarrier_init.release.cluster;", "}"]
         b.asm(ir.FunctionType(nvptx.void, [i32] + [i64] * len(maps) + [i32] * len(bars)),
               " ".join(text), ",".join(["r"] + ["l"] * len(maps) + ["r"] * len(bars)
                                        + ["~{memory}"]), [tid, *maps, *bars], True)
         nvptx.barrier_all(b)
-        work_loop(b, sm80.scheduler_view(self.a), self._work_tile)
-        if self.c.dq_bulk:  # the last bulk reduce-adds are done
-            _asm0(b, "cp.async.bulk.wait_group 0;")
-        count_exit(b, self.a.queue)
 
-    def _tid(self, b):
-        return nvptx.opaque_special_register(b, "tid.x")
+    def _ring_slot(self, b):
+        """(the step's count, its stage, the stage's phase) in the ring, from the role's
+        step counter (it runs on across work tiles)."""
+        count = b.load(self.step_count, typ=i32)
+        stages = i32(self.c.stages)
+        return count, b.urem(count, stages), b.and_(b.udiv(count, stages), i32(1))
 
-    def _work_tile(self, b, seq) -> None:
+    def _producer_tile(self, b, seq) -> None:
+        """The producer's first warp: K and V of the work tile by TMA, then per query step,
+        once the consumers freed its stage, Q and dO by TMA and LSE and delta by cp.async."""
         c, a = self.c, self.a
         self._start_work_tile(b, seq)
-        with b.if_then(b.icmp_unsigned("==", self._tid(b), i32(0))):
-            bar = self._bar(b, 0)
-            hopper.mbarrier_arrive_expect_tx(b, bar, 2 * c.kv_bytes)
-            row = b.add(self.k_start, self.kv0)
-            for which in ("k", "v"):
-                tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
-                for box in range(c.boxes):
-                    dst = self._ptr(b, self.off[which] + box * c.block_n * SW)
-                    hopper.tma_load(b, dst, tmap, [self.bidx, row, self.hk, i32(box * BOX_COLUMNS)],
-                                    bar)
+        tid = nvptx.opaque_special_register(b, "tid.x")
+        with b.if_then(b.icmp_unsigned("<", tid, i32(32))):
+            with b.if_then(b.icmp_unsigned("==", tid, i32(0))):
+                bar = self._bar(b, 0)
+                hopper.mbarrier_arrive_expect_tx(b, bar, 2 * c.kv_bytes)
+                row = b.add(self.k_start, self.kv0)
+                for which in ("k", "v"):
+                    tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
+                    for box in range(c.boxes):
+                        dst = self._ptr(b, self.off[which] + box * c.block_n * SW)
+                        hopper.tma_load(b, dst, tmap,
+                                        [self.bidx, row, self.hk, i32(box * BOX_COLUMNS)], bar)
+            steps_of, pair_of = self._query_steps()
+            steps = steps_of(b)
 
-        steps_of, pair_of = self._query_steps()
-        steps = steps_of(b)
-        first = self._next_step(b, i32(0), steps, pair_of)
-        count = b.load(self.step_count, typ=i32)
-        with b.if_then(b.icmp_signed("<", first, steps)):
-            self._issue(b, *pair_of(b, first)[:2], b.and_(count, i32(1)))
-        warp.cp_async_commit(b)
-        tiles = b.load(self.tile_count, typ=i32)
-        hopper.mbarrier_wait(b, self._bar(b, 0), b.and_(tiles, i32(1)))
-        b.store(b.add(tiles, i32(1)), self.tile_count)
+            def body(b, s, _):
+                count, stage, phase = self._ring_slot(b)
+                hopper.mbarrier_wait(b, self._empty(b, stage), b.xor(phase, i32(1)))
+                h, q0, _ = pair_of(b, s)
+                self._load_step(b, h, q0, stage)
+                b.store(b.add(count, i32(1)), self.step_count)
+                return self._next_step(b, b.add(s, i32(1)), steps, pair_of), []
 
-        def body(b, s, carried):
-            count = b.load(self.step_count, typ=i32)
-            stage = b.and_(count, i32(1))
-            phase = b.and_(b.lshr(count, i32(1)), i32(1))
-            nxt = self._next_step(b, b.add(s, i32(1)), steps, pair_of)
-            warp.cp_async_wait(b, 0)  # this step's LSE and delta (this thread's copies)
-            nvptx.barrier_all(b)  # everyone's, and the other stage and dS^T are free
-            with b.if_then(b.icmp_signed("<", nxt, steps)):
-                self._issue(b, *pair_of(b, nxt)[:2], b.xor(stage, i32(1)))
-            warp.cp_async_commit(b)
-            hopper.mbarrier_wait(b, self._bar(b, b.add(stage, i32(1))), phase)
-            h, q0, _ = pair_of(b, s)
-            half = len(carried) // 2
-            dk, dv = self._step(b, h, q0, stage, list(carried[:half]), list(carried[half:]))
-            b.store(b.add(count, i32(1)), self.step_count)
-            return nxt, dk + dv
+            ir_loop(b, self._next_step(b, i32(0), steps, pair_of), steps, [], body)
 
-        n_acc = hopper.accumulator_count(c.head_dim)
-        init = hopper.fence_operands(b, [warp.fconst(0.0)] * (2 * n_acc))
-        final = ir_loop(b, first, steps, init, body)
-        warp.cp_async_wait(b, 0)
-        kv_row, rows_valid = b.add(self.k_start, self.kv0), b.sub(self.seqlen_k, self.kv0)
-        self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:n_acc], a.softmax_scale)
-        self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[n_acc:], None)
-
-    def _issue(self, b, h, q0, stage):
-        """Thread 0: Q and dO of the query tile at q0 of head h by TMA into `stage`; the
-        first block_m threads: its LSE and delta rows by cp.async (rows past the sequence
-        zero-filled)."""
+    def _load_step(self, b, h, q0, stage) -> None:
+        """The producer's first warp: Q and dO of the query tile at q0 of head h by TMA into
+        `stage` (lane 0), its LSE and delta rows by cp.async (rows past the sequence
+        zero-filled), all completing on the stage's full mbarrier."""
         c, a = self.c, self.a
-        tid = self._tid(b)
+        lane = nvptx.opaque_special_register(b, "tid.x")  # (the first warp's)
         q_row = b.add(self.q_start, q0)
-        with b.if_then(b.icmp_unsigned("==", tid, i32(0))):
-            bar = self._bar(b, b.add(stage, i32(1)))
-            hopper.mbarrier_arrive_expect_tx(b, bar, 2 * c.q_bytes)
+        full = self._full(b, stage)
+        with b.if_then(b.icmp_unsigned("==", lane, i32(0))):
+            hopper.mbarrier_arrive_expect_tx(b, full, 2 * c.q_bytes)
             for which in ("q", "dout"):
                 tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
                 base = self._stage_off(b, stage, which)
                 for box in range(c.boxes):
                     dst = self._ptr(b, b.add(base, i32(box * c.block_m * SW)))
                     hopper.tma_load(b, dst, tmap, [self.bidx, q_row, h, i32(box * BOX_COLUMNS)],
-                                    bar)
-        tid = self._tid(b)
-        with b.if_then(b.icmp_unsigned("<", tid, i32(c.block_m))):
-            rows_valid = b.sub(self.seqlen_q, q0)
-            valid = b.icmp_signed("<", tid, rows_valid)
-            off = _lse_offset(b, a, self.bidx, h, b.add(q_row, b.select(valid, tid, i32(0))))
+                                    full)
+        rows_valid = b.sub(self.seqlen_q, q0)
+        for first in range(0, c.block_m, 32):
+            row = b.add(lane, i32(first))
+            valid = b.icmp_signed("<", row, rows_valid)
+            off = _lse_offset(b, a, self.bidx, h, b.add(q_row, b.select(valid, row, i32(0))))
             for name in ("lse", "delta"):
-                dst = self._ptr(b, b.add(self._stage_off(b, stage, name), b.shl(tid, i32(2))))
+                dst = self._ptr(b, b.add(self._stage_off(b, stage, name), b.shl(row, i32(2))))
                 nvptx.call(b, "llvm.nvvm.cp.async.ca.shared.global.4.s", nvptx.void,
                            [dst, _gep(b, a[name], off, f32), b.select(valid, i32(4), i32(0))])
+        hopper.mbarrier_arrive_on_copies(b, full)
+
+    def _consumer_tile(self, b, seq) -> None:
+        """The consumers: per query step, once its stage is full, `_step` (which frees the
+        stage); dK and dV stored at the end of the work tile."""
+        c, a = self.c, self.a
+        self._start_work_tile(b, seq)
+        tiles = b.load(self.tile_count, typ=i32)
+        hopper.mbarrier_wait(b, self._bar(b, 0), b.and_(tiles, i32(1)))
+        b.store(b.add(tiles, i32(1)), self.tile_count)
+        steps_of, pair_of = self._query_steps()
+        steps = steps_of(b)
+
+        def body(b, s, carried):
+            count, stage, phase = self._ring_slot(b)
+            nxt = self._next_step(b, b.add(s, i32(1)), steps, pair_of)
+            hopper.mbarrier_wait(b, self._full(b, stage), phase)
+            h, q0, _ = pair_of(b, s)
+            half = len(carried) // 2
+            dk, dv = self._step(b, h, q0, stage, list(carried[:half]), list(carried[half:]),
+                                b.and_(count, i32(1)))
+            b.store(b.add(count, i32(1)), self.step_count)
+            return nxt, dk + dv
+
+        n_acc = hopper.accumulator_count(c.head_dim)
+        init = hopper.fence_operands(b, [warp.fconst(0.0)] * (2 * n_acc))
+        final = ir_loop(b, self._next_step(b, i32(0), steps, pair_of), steps, init, body)
+        kv_row, rows_valid = b.add(self.k_start, self.kv0), b.sub(self.seqlen_k, self.kv0)
+        self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:n_acc], a.softmax_scale)
+        self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[n_acc:], None)
 
     def _columns(self, b, stage, which: str, lanes) -> list[list[ir.Value]]:
         """This thread's query columns' LSE or delta: [n-tile][e & 1]."""
@@ -333,7 +435,10 @@ class _HopperMain(_MainKernel):
         return [_ld_shared_v2f32(b, b.add(start, i32(32 * j)))
                 for j in range(self.c.block_m // 8)]
 
-    def _step(self, b, h, q0, stage, dk, dv):
+    def _step(self, b, h, q0, stage, dk, dv, ds_buffer):
+        """One query tile of head h, its inputs in `stage`, dS^T in tile `ds_buffer` (the
+        step's count, mod 2): dV, dK updated, dQ added into the accumulator; frees the
+        stage."""
         c, dt = self.c, self.c.dtype
         BM, BN, D = c.block_m, c.block_n, c.head_dim
         o = self.off
@@ -419,7 +524,8 @@ class _HopperMain(_MainKernel):
         g8 = b.lshr(lane, i32(2))
         row_byte = b.add(b.mul(b.add(b.shl(b.lshr(tid, i32(5)), i32(4)), g8), i32(SW)),
                          b.shl(b.and_(lane, i32(3)), i32(2)))
-        ds_base = b.add(self._addr(b, o["ds"]), row_byte)
+        ds_off = b.add(i32(o["ds"]), b.mul(ds_buffer, i32(o["ds_bytes"])))
+        ds_base = b.add(self._addr(b, ds_off), row_byte)
         for k, slice_ in enumerate(ds_packed):
             for x, (r, nt) in zip(slice_, ((0, 2 * k), (1, 2 * k), (0, 2 * k + 1),
                                             (1, 2 * k + 1))):
@@ -438,9 +544,9 @@ class _HopperMain(_MainKernel):
 
         # dQ's columns group * D/2.. = dS K: every warpgroup's dS^T rows are in
         hopper.fence_proxy_async(b)
-        nvptx.barrier_all(b)
+        nvptx.barrier_named(b, nvptx.DS_BARRIER, 2 * hopper.WARPGROUP_THREADS)
         half = D // 2
-        ds_descs = hopper.smem_descriptors(b, self._ptr(b, o["ds"]),
+        ds_descs = hopper.smem_descriptors(b, self._ptr(b, ds_off),
                                            [16 * k * SW for k in range(BN // 16)],
                                            leading_bytes=BN * SW)
         # K's columns group * D/2..: TMA box g at head dim 128; at 64, the box's second half
@@ -457,6 +563,8 @@ class _HopperMain(_MainKernel):
         hopper.wgmma_wait_group(b, 0)
         flat = hopper.fence_operands(b, dk + dv + dq)
         dk, dv, dq = flat[:len(dk)], flat[len(dk):2 * len(dk)], flat[2 * len(dk):]
+        # Q, dO, LSE and delta are read: the stage is the producer's again
+        hopper.mbarrier_arrive(b, self._empty(b, stage))
         if c.dq_bulk:
             self._bulk_dq(b, h, q0, group, dq)
         else:
@@ -483,10 +591,7 @@ class _HopperMain(_MainKernel):
                                  b.shl(b.and_(lane, i32(3)), i32(3))))
         for j in range(0, len(dq), 2):
             jb, r = j // 4, (j // 2) % 2
-            address = b.add(mine, i32(8 * r * rb + 32 * jb))
-            b.asm(ir.FunctionType(nvptx.void, [i32, f32, f32]),
-                  "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f,~{memory}",
-                  [address, dq[j], dq[j + 1]], True)
+            _st_shared_v2f32(b, b.add(mine, i32(8 * r * rb + 32 * jb)), dq[j], dq[j + 1])
         hopper.fence_proxy_async(b)
         nvptx.call(b, "llvm.nvvm.bar.warp.sync", nvptx.void, [i32(-1)])
         rows_valid = b.sub(self.seqlen_q, q0)
@@ -579,8 +684,8 @@ class BackwardSM90(Backend):
 
     def build(self, source: KernelSource, configs, target: Target) -> KernelBuild:
         """The first of `configs` that assembles without spills and without a stack frame
-        (at the 255-register cap, ptxas may keep a value in local memory without counting
-        it as a spill), else `spill_free_build`'s choice."""
+        (at the register cap, ptxas may keep a value in local memory without counting it
+        as a spill), else `spill_free_build`'s choice."""
         def make(c):
             return lambda: build_module(c, source.hooks, target,
                                         source.work_loop(*self.scheduler_shape(c)))
