@@ -1,9 +1,8 @@
 """The Hopper backward design without a GPU (codegen/backends/backward_sm90.py): which calls
-it runs, its configs' problems and shared memory, its ABI (tensor maps first), both of its
-dQ paths assembling without spills, its producer and consumer warpgroups, its hand-over to the sm80 design's build (and that build
-read back from the cache as the sm80 design's), and the wgmma operand forms it adds."""
-from dataclasses import replace
-
+it runs, its configs' problems and shared memory, its ABI (tensor maps first), its builds
+assembling without spills, its producer and consumer warpgroups, its hand-over to the sm80
+design's build (and that build read back from the cache as the sm80 design's), and the
+wgmma operand forms it adds."""
 import pytest
 from llvmlite import ir
 
@@ -50,10 +49,9 @@ def test_config_problems_and_shared_memory():
     assert H.HopperBackwardConfig(ragged=True).problems()
     assert H.HopperBackwardConfig(deterministic=True).problems()
     for d in (64, 128):
-        for bulk in (False, True):
-            config = H.HopperBackwardConfig(head_dim=d, dq_bulk=bulk)
-            assert H.shared_bytes(config) <= SHARED_MEMORY_LIMIT["sm_90a"]
-            assert H.launch_shapes(config)[H.MAIN].threads == 384  # a producer, two consumers
+        config = H.HopperBackwardConfig(head_dim=d)
+        assert H.shared_bytes(config) <= SHARED_MEMORY_LIMIT["sm_90a"]
+        assert H.launch_shapes(config)[H.MAIN].threads == 384  # a producer, two consumers
 
 
 def test_the_tensor_maps_come_first_at_multiples_of_128_bytes():
@@ -65,21 +63,14 @@ def test_the_tensor_maps_come_first_at_multiples_of_128_bytes():
 
 @needs_ptxas
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dq_bulk", [False, True], ids=["red-v2", "bulk"])
-def test_both_dq_paths_assemble_without_spills(head_dim, dq_bulk, monkeypatch, tmp_path):
-    """The default (red.global.add.v2.f32 from registers) and the forced variant (bulk
-    reduce-adds from shared memory), causal at head dims 64 and 128."""
+def test_the_causal_build_assembles_without_spills(head_dim, monkeypatch, tmp_path):
+    """Causal at head dims 64 and 128: wgmma, dQ by red.global.add.v2.f32 from registers."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
-    configs = H.BackwardSM90.configs
-    monkeypatch.setattr(H.BackwardSM90, "configs", lambda self, o, l: tuple(
-        replace(c, dq_bulk=dq_bulk) for c in configs(self, o, l)))
     source = ('import "std/schedulers.mha"\nattention t { dtype = bf16  head_dim = '
               f'{head_dim}\n mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }}')
     build = mhadsl.compile(source)["t"].backward_build("sm_90a")
-    assert build.backend == "backward_sm90" and build.config.dq_bulk == dq_bulk
-    reduction = ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" if dq_bulk
-                 else "red.global.add.v2.f32")
-    assert reduction in build.ptx
+    assert build.backend == "backward_sm90"
+    assert "red.global.add.v2.f32" in build.ptx
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in build.ptx
     for resources in build.assembled.kernels.values():
         assert resources.spills == 0 and resources.stack_bytes == 0, resources

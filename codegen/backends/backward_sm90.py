@@ -38,7 +38,8 @@ plain B4 H16 S4096 D128 370 -> 397, causal 336 -> 342, causal H32 D64 250 -> 265
 causal 343 -> 351, causal B1 H16 S16384 366 -> 381 (BENCHMARKS.md). Tried and slower: a
 third stage (the same), and FA3's dQ writer (the consumers stage dQ in shared memory and the
 producer's second warp adds it by a bulk reduce-add per row: plain 408 -> 370, causal D64
-266 -> 192 against red.global.add.v2 from registers).
+266 -> 192 against red.global.add.v2 from registers; in the lockstep design the consumers'
+own bulk reduce-adds had measured 6-12 % slower).
 
 It runs dense layouts in atomic mode at head dims 64 and 128; ragged and deterministic calls
 keep the sm80-style design (`Backend.runs_layout`)."""
@@ -88,24 +89,10 @@ class HopperBackwardConfig(BackwardConfig):
     # dP^T's GEMM issued with S^T's, P^T computed under it; without, after P^T (fewer live
     # registers: a score rule's G beside P^T)
     overlap_dp: bool = True
-    # dQ's partial sums added into the accumulator by the copy engine: each warpgroup's half
-    # tile to shared memory, then one bulk reduce-add per row half (`cp.reduce.async.bulk`)
-    # by the row's first lane; else (the default) `red.global.add.v2.f32` from registers.
-    # Measured on the H200 in the lockstep design before the producer warpgroup (2026-12-01,
-    # one run, TFLOP/s red / bulk): plain B4 S4096 372 / 328, causal 335 / 317, causal D64
-    # 250 / 222, GQA 32:8 causal 347 / 329, B1 S16384 causal 376 / 339: the bulk path is
-    # built only when forced (`configs`)
-    dq_bulk: bool = False
 
     @property
     def threads(self) -> int:
         return hopper.WARPGROUP_THREADS + 32 * self.num_warps  # the producer, the consumers
-
-    @property
-    def dq_row_bytes(self) -> int:
-        """A row of a warpgroup's dQ half tile in shared memory: D/2 floats and 16 bytes of
-        padding (two-way bank conflicts at most for the quads' 8-byte stores)."""
-        return self.head_dim // 2 * 4 + 16
 
     @property
     def boxes(self) -> int:
@@ -142,11 +129,10 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     ds = stage0 + c.stages * stage_bytes
     ds_bytes = c.block_n * c.block_m * 2
     lse = ds + 2 * ds_bytes  # dS^T: a tile per step parity
-    dq = lse + c.stages * 8 * c.block_m  # per stage: LSE, delta (block_m floats each)
-    bars = dq + (2 * c.block_m * c.dq_row_bytes if c.dq_bulk else 0)
+    bars = lse + c.stages * 8 * c.block_m  # per stage: LSE, delta (block_m floats each)
     end = bars + (1 + 2 * c.stages) * hopper.MBARRIER_BYTES  # K/V's; per stage full, empty
     return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, ds_bytes=ds_bytes,
-                lse=lse, dq=dq, bars=bars, end=end)
+                lse=lse, bars=bars, end=end)
 
 
 def shared_bytes(config: HopperBackwardConfig) -> int:
@@ -183,18 +169,6 @@ def launch_shapes(config: HopperBackwardConfig) -> dict[str, LaunchShape]:
 fixed_grids = sm80.fixed_grids
 
 
-def _asm0(b, text: str) -> None:
-    b.asm(ir.FunctionType(nvptx.void, []), text, "~{memory}", [], True)
-
-
-def _bulk_reduce_add(b, dst: ir.Value, src: ir.Value, nbytes: int) -> None:
-    """`cp.reduce.async.bulk` add of `nbytes` f32 from shared address `src` (i32) into
-    global address `dst` (i64), in this thread's bulk group."""
-    b.asm(ir.FunctionType(nvptx.void, [i64, i32]),
-          "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], "
-          f"{nbytes};", "l,r,~{memory}", [dst, src], True)
-
-
 def _red_v2(b, address: ir.Value, x: ir.Value, y: ir.Value) -> None:
     b.asm(ir.FunctionType(nvptx.void, [i64, f32, f32]),
           "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}", [address, x, y], True)
@@ -203,11 +177,6 @@ def _red_v2(b, address: ir.Value, x: ir.Value, y: ir.Value) -> None:
 def _st_shared_b32(b, address: ir.Value, value: ir.Value) -> None:
     b.asm(ir.FunctionType(nvptx.void, [i32, i32]), "st.shared.b32 [$0], $1;",
           "r,r,~{memory}", [address, value], True)
-
-
-def _st_shared_v2f32(b, address: ir.Value, x: ir.Value, y: ir.Value) -> None:
-    b.asm(ir.FunctionType(nvptx.void, [i32, f32, f32]), "st.shared.v2.f32 [$0], {$1, $2};",
-          "r,f,f,~{memory}", [address, x, y], True)
 
 
 def _ld_shared_v2f32(b, address: ir.Value) -> list[ir.Value]:
@@ -312,8 +281,6 @@ class _HopperMain(_MainKernel):
                 args = KernelArgs(self.a.function, ABI, c, opaque_env=c.opaque_env,
                                   divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS)
                 work_loop(b, sm80.scheduler_view(args), self._consumer_tile)
-                if c.dq_bulk:  # the last bulk reduce-adds are done
-                    _asm0(b, "cp.async.bulk.wait_group 0;")
         count_exit(b, self.a.queue)
         _hoist_allocas(b.function)
 
@@ -565,47 +532,8 @@ class _HopperMain(_MainKernel):
         dk, dv, dq = flat[:len(dk)], flat[len(dk):2 * len(dk)], flat[2 * len(dk):]
         # Q, dO, LSE and delta are read: the stage is the producer's again
         hopper.mbarrier_arrive(b, self._empty(b, stage))
-        if c.dq_bulk:
-            self._bulk_dq(b, h, q0, group, dq)
-        else:
-            self._red_dq(b, h, q0, group, dq)
+        self._red_dq(b, h, q0, group, dq)
         return dk, dv
-
-    def _bulk_dq(self, b, h, q0, group, dq):
-        """This thread's dQ values to the warpgroup's half tile in shared memory (rows of the
-        query tile, columns group * D/2..), then lane 4r of each warp adds rows r and r + 8
-        of its warp's 16 into the accumulator by bulk reduce-adds (rows past the sequence
-        skipped). Each row half is written by one quad and added by the quad's first lane,
-        so a warp barrier orders them; that lane waits until its last adds have read the
-        rows before the quad writes them again."""
-        c, a = self.c, self.a
-        tid = self._tid(b)
-        lane = b.and_(tid, i32(31))
-        quad_row = b.lshr(lane, i32(2))
-        warp_row = b.shl(b.and_(b.lshr(tid, i32(5)), i32(3)), i32(4))
-        rb = c.dq_row_bytes
-        tile = b.add(self._addr(b, self.off["dq"]), b.mul(group, i32(c.block_m * rb)))
-        _asm0(b, "cp.async.bulk.wait_group.read 0;")
-        nvptx.call(b, "llvm.nvvm.bar.warp.sync", nvptx.void, [i32(-1)])
-        mine = b.add(tile, b.add(b.mul(b.add(warp_row, quad_row), i32(rb)),
-                                 b.shl(b.and_(lane, i32(3)), i32(3))))
-        for j in range(0, len(dq), 2):
-            jb, r = j // 4, (j // 2) % 2
-            _st_shared_v2f32(b, b.add(mine, i32(8 * r * rb + 32 * jb)), dq[j], dq[j + 1])
-        hopper.fence_proxy_async(b)
-        nvptx.call(b, "llvm.nvvm.bar.warp.sync", nvptx.void, [i32(-1)])
-        rows_valid = b.sub(self.seqlen_q, q0)
-        q_row = b.add(self.q_start, q0)
-        col = b.mul(group, i32(c.head_dim // 2))
-        issuer = b.icmp_unsigned("==", b.and_(lane, i32(3)), i32(0))
-        for r in range(2):
-            row = b.add(warp_row, b.add(quad_row, i32(8 * r)))
-            with b.if_then(b.and_(issuer, b.icmp_signed("<", row, rows_valid))):
-                off = _row_offset(b, a, c.ragged, "dq_accum", self.bidx, b.add(q_row, row), h)
-                dst = b.ptrtoint(_gep(b, a.dq_accum, b.add(off, b.zext(col, i64)), f32), i64)
-                src = b.add(tile, b.mul(row, i32(rb)))
-                _bulk_reduce_add(b, dst, src, c.head_dim // 2 * 4)
-        _asm0(b, "cp.async.bulk.commit_group;")
 
     def _red_dq(self, b, h, q0, group, dq):
         """This thread's dQ values (rows of the query tile, columns group * D/2..) added
@@ -668,11 +596,10 @@ class BackwardSM90(Backend):
         return not (layout.ragged or layout.deterministic)
 
     def configs(self, options, layout: Layout) -> tuple[HopperBackwardConfig, ...]:
-        config = declared_config(options, layout)
         """The declaration's config in its IR shapes: P^T under dP^T's GEMM or after it, the
-        scheduler's inputs rederived per step or held (dQ by `red.global.add.v2.f32`; the
-        bulk reduce-adds, `dq_bulk`, measured slower, are built only when forced). Few, as a
-        build that fits none falls back to the sm80 design's only after trying them all."""
+        scheduler's inputs rederived per step or held. Few, as a build that fits none falls
+        back to the sm80 design's only after trying them all."""
+        config = declared_config(options, layout)
         return tuple(replace(config, opaque_env=opaque, overlap_dp=overlap)
                      for overlap in (True, False) for opaque in (True, False))
 
