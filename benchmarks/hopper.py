@@ -4,6 +4,7 @@ one process.
 
     python benchmarks/hopper.py          # needs an H100/H200 (compute capability 9.0)
     python benchmarks/hopper.py --no-flex  # without FlexAttention (its compiles take minutes)
+    python benchmarks/hopper.py --only window,causal_d64  # the rows of these declarations
 
 Each row checks both designs against the float64 reference first (relative error), then
 times them and torch's kernels in turn, round after round (`mhadsl.bench.time_side_by_side`:
@@ -168,7 +169,13 @@ def flex_fn(torch, kernel, name: str, problem: Problem, args: dict, expected):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
+    parser.add_argument("--only", help="comma-separated declarations: only their rows")
     cli = parser.parse_args()
+    names = {name for name, _ in WORKLOADS}
+    only = set(cli.only.split(",")) if cli.only else names
+    if only - names:
+        parser.error(f"--only: no rows for {', '.join(sorted(only - names))} "
+                     f"(the declarations: {', '.join(sorted(names))})")
     torch = require_gpu()
     programs = {d: mhadsl.compile(SOURCE, name=f"<hopper {d}>") for d in DESIGNS}
     print(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -176,6 +183,8 @@ def main() -> None:
           "| FA4 | sm90 / cuDNN (rounds) | sm90 / FA4 (rounds) | rel. error sm80, sm90 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, problem in WORKLOADS:
+        if name not in only:
+            continue
         kernels = {}
         for design in DESIGNS:
             kernels[design] = programs[design][name]

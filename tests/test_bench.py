@@ -64,3 +64,16 @@ def test_side_by_side_ratios_follow_a_drifting_gpu():
     for ours, theirs in zip(times["ours"].round_ms, times["theirs"].round_ms):
         assert ours == pytest.approx(theirs, rel=0.02)
     assert times["ours"].ms == pytest.approx(times["theirs"].ms, rel=0.02)
+
+
+def test_hopper_benchmark_refuses_rows_it_does_not_have():
+    """`benchmarks/hopper.py --only` names declarations; an unknown one is an error before
+    anything needs a GPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).parent.parent / "benchmarks" / "hopper.py"
+    done = subprocess.run([sys.executable, str(script), "--only", "window,nope"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--only: no rows for nope" in done.stderr and "window" in done.stderr
