@@ -1,5 +1,8 @@
 """mhadsl.bench's timing, on the CPU: a stand-in for torch whose CUDA events read a clock
 that the timed functions advance."""
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -69,9 +72,6 @@ def test_side_by_side_ratios_follow_a_drifting_gpu():
 def test_hopper_benchmark_refuses_rows_it_does_not_have():
     """`benchmarks/hopper.py --only` names declarations; an unknown one is an error before
     anything needs a GPU."""
-    import subprocess
-    import sys
-    from pathlib import Path
     script = Path(__file__).parent.parent / "benchmarks" / "hopper.py"
     done = subprocess.run([sys.executable, str(script), "--only", "window,nope"],
                           capture_output=True, text=True, timeout=120)
