@@ -734,10 +734,11 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
             work_loop(b, cargs, lambda bb, seq: kernel.consumer_tile(bb, cargs, kv_count,
                                                                       tile_count, seq))
             if not config.ragged:  # the last O stores have read their tile before the exit
-                first_of_group = b.icmp_unsigned(
-                    "==", b.and_(tid, i32(hopper.WARPGROUP_THREADS - 1)), i32(0))
-                storer = first_of_group if config.o_store_per_group else \
-                    b.icmp_unsigned("==", tid, i32(hopper.WARPGROUP_THREADS))
+                if config.o_store_per_group:  # each warpgroup's first thread
+                    storer = b.icmp_unsigned(
+                        "==", b.and_(tid, i32(hopper.WARPGROUP_THREADS - 1)), i32(0))
+                else:
+                    storer = b.icmp_unsigned("==", tid, i32(hopper.WARPGROUP_THREADS))
                 with b.if_then(storer):
                     hopper.bulk_wait_group_read(b, 0)
     count_exit(b, params["queue"])
@@ -814,9 +815,9 @@ def _stage_choices(options, config: HopperConfig) -> tuple[int, ...]:
     fit in shared memory, then the default."""
     if options.stages is not None:
         return (options.stages,)
-    deeper = replace(config, stages=BAND_STAGES)
-    if (options.kv_band is not None and options.kv_band <= BAND_TILES
-            and shared_bytes(deeper) <= SHARED_MEMORY_LIMIT["sm_90a"]):
+    short_band = options.kv_band is not None and options.kv_band <= BAND_TILES
+    if short_band and shared_bytes(replace(config, stages=BAND_STAGES)) <= \
+            SHARED_MEMORY_LIMIT["sm_90a"]:
         return (BAND_STAGES, HopperConfig.stages)
     return (HopperConfig.stages,)
 
