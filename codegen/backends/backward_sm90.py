@@ -41,8 +41,16 @@ producer's second warp adds it by a bulk reduce-add per row: plain 408 -> 370, c
 266 -> 192 against red.global.add.v2 from registers; in the lockstep design the consumers'
 own bulk reduce-adds had measured 6-12 % slower).
 
-It runs dense layouts in atomic mode at head dims 64 and 128; ragged and deterministic calls
-keep the sm80-style design (`Backend.runs_layout`)."""
+It runs dense and ragged layouts in atomic mode at head dims 64 and 128; deterministic calls
+keep the sm80-style design (`Backend.runs_layout`). Ragged tensors are mapped as the
+forward's (`codegen.backends.sm90`): (1, total rows, H, D), a sequence's rows `start + row`
+of batch 0 (`hopper.map_batch`). A box that crosses a sequence's end holds the next
+sequence's rows where a dense build's holds zeros: the keys there are masked as the dense
+tail's are (P^T = 0), the query rows get P^T = 0 (`_neg_lse`) and zero-filled LSE and delta,
+and no gradient row past the end is written, so those rows add exact zeros as long as they
+hold finite values (0 * inf is NaN inside a GEMM; the forward's ragged build shares this).
+The ragged builds assemble without spills; they were selected before their first GPU run
+(pending: the GPU tests, a gradient check on ragged batches, compute-sanitizer)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
