@@ -1,8 +1,7 @@
 """compute-sanitizer's memcheck and racecheck over the backward pass: dense and ragged batches
 (lengths 0 and 1 among them), causal, GQA, softcap, fp16 D64, D256, each in atomic and
 deterministic mode (on sm_90a, atomic calls run the Hopper design but softcap's and D256's).
-Needs an NVIDIA
-GPU, torch and compute-sanitizer on PATH.
+Needs an NVIDIA GPU, torch and compute-sanitizer on PATH.
 
     python3 benchmarks/sanitize_backward.py [--tools memcheck,racecheck]
 
