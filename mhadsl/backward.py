@@ -173,7 +173,8 @@ def _plans(kernel, call, tensors: dict, scale: float, device: int,
               "seqlen_k": call.seqlen_k, "softmax_scale": scale, "kv_heads": call.kv_heads,
               "max_seqlen_k": call.max_seqlen_k, "num_sms": num_sms,
               "ctas_per_sm": ctas_per_sm}
-    # (the tile index over the K/V tiles is built per call, `_run`)
+    # (ragged: tensor maps over all rows; the tile index, over the K/V tiles, is built per
+    # call in `_run`)
     driver.ensure_context(device)
     plans = [LaunchPlan(functions[name], grid[name], shape[name].threads,
                         shape[name].shared_bytes, design.kernel_abi(name), config, device,
