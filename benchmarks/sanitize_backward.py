@@ -1,7 +1,7 @@
 """compute-sanitizer's memcheck and racecheck over the backward pass: dense and ragged batches
 (lengths 0 and 1 among them), causal, GQA, softcap, fp16 D64, D256, each in atomic and
-deterministic mode (on sm_90a, dense atomic calls run the Hopper design). Needs an NVIDIA
-GPU, torch and compute-sanitizer on PATH.
+deterministic mode (on sm_90a, atomic calls run the Hopper design but softcap's and D256's).
+Needs an NVIDIA GPU, torch and compute-sanitizer on PATH.
 
     python3 benchmarks/sanitize_backward.py [--tools memcheck,racecheck]
 
@@ -22,11 +22,13 @@ from sanitize import relative_error, worker_main  # noqa: E402
 
 KERNELS = "mha_"  # what compute-sanitizer watches
 CASES = [  # example file or source, kernel, query heads, K/V heads, lengths (None: dense
-    # B1 S130); dense atomic calls on sm_90a run the Hopper design, the rest the sm80-style one
+    # B1 S130); atomic calls on sm_90a run the Hopper design (dense or ragged; not softcap's
+    # or D256's), deterministic ones the sm80-style design
     ("examples/causal.mha", "causal_fwd", 2, 2, None),
     ("examples/gqa.mha", "gqa_causal", 8, 2, [70, 0, 129]),
     ("examples/softcap.mha", "softcap_causal", 2, 2, [1, 200]),
     ("examples/plain.mha", "plain_fp16_d64", 2, 2, None),
+    ("examples/plain.mha", "plain_fp16_d64", 2, 2, [1, 0, 127, 65]),
     ("attention causal_d256 { dtype = bf16  head_dim = 256\n"  # two column passes
      "  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }", "causal_d256", 4, 2, [1, 0, 150]),
 ]

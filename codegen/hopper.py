@@ -42,6 +42,8 @@ without that fence do trigger C7519 (benchmarks/HOPPER_NOTES.md); the tests requ
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from llvmlite import ir
 
 from mhadsl.codegen.nvptx import call, f32, i32, i64, void
@@ -92,6 +94,14 @@ def tensor_map_address(builder: ir.IRBuilder, arg: ir.Argument) -> ir.Value:
 def prefetch_tensor_map(builder: ir.IRBuilder, tensor_map: ir.Value) -> None:
     """Bring the tensor map's 128 bytes into the descriptor cache ahead of the first copy."""
     _asm(builder, void, "prefetch.tensormap [$0];", "l,~{memory}", [tensor_map])
+
+
+def map_batch(ragged: bool, batch: Callable[[], ir.Value]) -> ir.Value:
+    """The batch coordinate of a sequence, whose index `batch()` gives, in a tensor map over
+    a call's tensor: a ragged tensor's map is (1, total rows, H, D), its sequences rows of
+    batch 0 (`runtime.launch.map_request`). (A callable: a kernel that parks the index in
+    shared memory reads it only for a dense map.)"""
+    return i32(0) if ragged else batch()
 
 
 def _box_coords(coords: list[ir.Value], first: int) -> tuple[int, str]:

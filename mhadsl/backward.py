@@ -173,11 +173,12 @@ def _plans(kernel, call, tensors: dict, scale: float, device: int,
               "seqlen_k": call.seqlen_k, "softmax_scale": scale, "kv_heads": call.kv_heads,
               "max_seqlen_k": call.max_seqlen_k, "num_sms": num_sms,
               "ctas_per_sm": ctas_per_sm}
-    # (ragged=False: the kernels take ragged rows from cu_seqlens and ignore batch strides)
+    # (ragged: tensor maps over all rows; the tile index, over the K/V tiles, is built per
+    # call in `_run`)
     driver.ensure_context(device)
     plans = [LaunchPlan(functions[name], grid[name], shape[name].threads,
                         shape[name].shared_bytes, design.kernel_abi(name), config, device,
-                        shapes, values)
+                        shapes, values, call.ragged, own_tile_index=False)
              for name in design.kernel_names(config) if 0 not in grid[name]]
     state.plans[key] = plans, config.block_n
     return state.plans[key]

@@ -80,18 +80,21 @@ class LaunchPlan:
 
     `launch(addresses, stream)` takes device addresses by name (of the call's tensors, and
     of workspaces other than the stream's queue; absent ones are null) and a raw stream
-    handle; `workspace` replaces the stream's (a traced launch records into its own)."""
+    handle; `workspace` replaces the stream's (a traced launch records into its own).
+    A `ragged` launch packs batch strides 0, sees ragged tensors as (1, T, H, D) in its
+    tensor maps and builds its tile index over cu_seqlens_q first, unless
+    `own_tile_index` is False (a caller that numbers other tiles passes the index in)."""
 
     def __init__(self, function, grid: tuple[int, int, int], threads: int,
                  shared_bytes: int, abi: KernelABI, config, device: int,
                  tensors: Mapping[str, TensorShape | None], values: Mapping,
-                 ragged: bool = False):
+                 ragged: bool = False, own_tile_index: bool = True):
         self.function, self.grid, self.threads = function, grid, threads
         self.shared_bytes, self.device = shared_bytes, device
         self.block = ParamBlock(abi)
         # a ragged launch's tile index, built on the device by a kernel of its own just before
         self._index_plan = tile_index.plan(values["batch"], config.block_m, device) \
-            if ragged else None
+            if ragged and own_tile_index else None
         self._batch = values["batch"] if ragged else 0
         # (tensor or workspace name, the slot of its address)
         self._pointers: list[tuple[str, ctypes.c_uint64]] = []

@@ -49,13 +49,12 @@ DESIGN_INSTRUCTIONS = {
 @pytest.mark.parametrize("path, name", DECLARATIONS,
                          ids=[f"{p.stem}-{n}" for p, n in DECLARATIONS])
 def test_every_example_backward_assembles_without_spills(path, name, layout, arch, forced):
-    """On sm_90a a dense atomic build is the Hopper design's (TMA + wgmma); ragged and
+    """On sm_90a an atomic build, dense or ragged, is the Hopper design's (TMA + wgmma);
     deterministic builds, and any build forced to it, the sm80-style design's."""
     kern = mhadsl.compile(path)[name]
     build = kern.build(arch, gqa_group=layout.gqa_group, ragged=layout.ragged, backward=True,
                        deterministic=layout.deterministic, backend=forced)
-    hopper = arch == "sm_90a" and forced is None and not (layout.ragged or
-                                                           layout.deterministic)
+    hopper = arch == "sm_90a" and forced is None and not layout.deterministic
     # (a build the Hopper design cannot make without spills is the sm80 design's: a score
     # rule's G beside P^T, softcap's tanh)
     assert build.backend == ("backward_sm90" if hopper and name != "softcap_causal"

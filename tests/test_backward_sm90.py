@@ -3,16 +3,26 @@ it runs, its configs' problems and shared memory, its ABI (tensor maps first), i
 assembling without spills, its producer and consumer warpgroups, its hand-over to the sm80
 design's build (and that build read back from the cache as the sm80 design's), and the
 wgmma operand forms it adds."""
+import ctypes
+import math
+import re
+import struct
+from types import SimpleNamespace
+
 import pytest
 from llvmlite import ir
 
 import mhadsl
 from helpers import EXAMPLES
+from mhadsl import backward as host
 from mhadsl.codegen import hopper, nvptx
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import SHARED_MEMORY_LIMIT, Layout, backend_for_arch
 from mhadsl.codegen.backends import backward_sm90 as H
 from mhadsl.codegen.backends.backward import BackwardConfig
+from mhadsl.runtime import tensors, tile_index
+from test_hostile_tensors import D, SOURCE
+from test_launch_host_path import kernel  # noqa: F401 (a fixture)
 
 needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="ptxas not found")
 CAUSAL = EXAMPLES[0].parent / "causal.mha"
@@ -25,11 +35,14 @@ def _options(source: str):
 @pytest.mark.parametrize("layout, arch, expected", [
     (Layout(backward=True), "sm_90a", "backward_sm90"),
     (Layout(gqa_group=4, backward=True), "sm_90a", "backward_sm90"),
-    (Layout(ragged=True, backward=True), "sm_90a", "backward"),
+    (Layout(ragged=True, backward=True), "sm_90a", "backward_sm90"),
+    (Layout(gqa_group=4, ragged=True, backward=True), "sm_90a", "backward_sm90"),
     (Layout(deterministic=True, backward=True), "sm_90a", "backward"),
+    (Layout(ragged=True, deterministic=True, backward=True), "sm_90a", "backward"),
     (Layout(backward=True), "sm_80", "backward"),
+    (Layout(ragged=True, backward=True), "sm_80", "backward"),
 ])
-def test_the_hopper_design_runs_dense_atomic_calls_on_sm90a(layout, arch, expected):
+def test_the_hopper_design_runs_atomic_calls_dense_or_ragged_on_sm90a(layout, arch, expected):
     options = _options("attention t { dtype = bf16  head_dim = 128 }")
     assert backend_for_arch(arch, None, options, "backward", layout).name == expected
 
@@ -46,8 +59,9 @@ def test_config_problems_and_shared_memory():
     assert not H.HopperBackwardConfig(head_dim=64).problems()
     assert H.HopperBackwardConfig(head_dim=256).problems()[0].settings == ("head_dim",)
     assert H.HopperBackwardConfig(block_m=32).problems()[0].settings == ("tile",)
-    assert H.HopperBackwardConfig(ragged=True).problems()
+    assert not H.HopperBackwardConfig(ragged=True).problems()
     assert H.HopperBackwardConfig(deterministic=True).problems()
+    assert H.HopperBackwardConfig(ragged=True, deterministic=True).problems()
     for d in (64, 128):
         config = H.HopperBackwardConfig(head_dim=d)
         assert H.shared_bytes(config) <= SHARED_MEMORY_LIMIT["sm_90a"]
@@ -113,6 +127,112 @@ def test_a_build_the_hopper_design_cannot_fit_is_the_sm80_designs(monkeypatch, t
         assert build.backend == "backward"
         assert type(build.config) is BackwardConfig
     assert again.cached and again.config == first.config
+
+
+def _source(head_dim: int, causal: bool) -> str:
+    mask = "\n mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx" if causal else ""
+    return (f'import "std/schedulers.mha"\nattention t {{ dtype = bf16  head_dim = {head_dim}'
+            f'{mask} }}')
+
+
+@needs_ptxas
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa_group", [1, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_ragged_build_assembles_without_spills(head_dim, gqa_group, causal, monkeypatch,
+                                                   tmp_path):
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    build = mhadsl.compile(_source(head_dim, causal))["t"].backward_build(
+        "sm_90a", gqa_group=gqa_group, ragged=True)
+    assert build.backend == "backward_sm90" and build.config.ragged
+    for name, resources in build.assembled.kernels.items():
+        assert resources.spills == 0 and resources.stack_bytes == 0, (name, resources)
+    for warning in ("C7508", "C7519"):  # setmaxnreg honoured; no injected warpgroup.arrive
+        assert warning not in build.assembled.log
+
+
+def _tensor_copies(llvm: str) -> list[list[str]]:
+    """The operands of each 4-D TMA load in the IR: shared address, map, then the
+    coordinates innermost first (column, head, row, batch), then the mbarrier."""
+    return [found.split(", ") for found in re.findall(
+        r'"cp\.async\.bulk\.tensor\.4d[^"]*", "[^"]*"\(([^)]*)\)', llvm)]
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_ragged_build_reads_its_sequences_from_batch_0_of_the_tensor_maps(ragged, monkeypatch,
+                                                                           tmp_path):
+    """Ragged tensors are mapped as (1, total rows, H, D) (`runtime.launch.map_request`):
+    every copy's batch coordinate is the constant 0; a dense build's is the sequence's."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    build = mhadsl.compile(_source(128, True))["t"].backward_build("sm_90a", gqa_group=2,
+                                                                   ragged=ragged)
+    assert build.backend == "backward_sm90"
+    batches = [operands[5] for operands in _tensor_copies(build.llvm)]
+    assert len(batches) == 8  # K, V, Q, dO: two boxes of 64 columns each
+    assert [b == "i32 0" for b in batches] == [ragged] * len(batches)
+
+
+class _TorchLike:
+    """What `mhadsl.backward` plans a launch from: a contiguous tensor's shape, strides and
+    dtype."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: str = "torch.float16"):
+        self.shape, self.dtype = shape, dtype
+
+    def stride(self) -> tuple[int, ...]:
+        return tensors.contiguous_strides(self.shape)
+
+
+def test_a_ragged_call_maps_all_rows_in_the_boxes_its_copies_expect(kernel, monkeypatch,
+                                                                    tmp_path):
+    """The host's plans for a ragged call of the Hopper design: tensor maps over
+    (1, total rows, H, D) whose boxes fill exactly the bytes the kernel's copies expect on
+    their mbarriers, and the tile index the call built over the K/V tiles (no other)."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    build = mhadsl.compile(SOURCE)["h64"].backward_build("sm_90a", gqa_group=2, ragged=True)
+    config = build.config
+    assert build.backend == "backward_sm90" and config.ragged
+    blocks = {}
+
+    def function(name):
+        def launch(grid, threads, shared_bytes, stream, params):
+            blocks[name] = ctypes.string_at(ctypes.cast(params, ctypes.POINTER(
+                ctypes.c_void_p))[0], H.kernel_abi(name).size)
+        return SimpleNamespace(max_active_blocks=lambda *a: 1, launch_packed=launch,
+                               set_max_dynamic_shared=lambda nbytes: None)
+    monkeypatch.setattr(host, "_functions", lambda *a: (
+        {name: function(name) for name in H.kernel_names(config)}, config))
+    monkeypatch.setattr(tile_index, "plan", lambda *a: pytest.fail("a plan built a tile index"))
+    total_q, total_k, heads, kv_heads = 14, 9, 4, 2
+    shapes = {"q": (total_q, heads, D), "o": (total_q, heads, D), "dout": (total_q, heads, D),
+              "dq": (total_q, heads, D), "k": (total_k, kv_heads, D), "v": (total_k, kv_heads, D),
+              "dk": (total_k, kv_heads, D), "dv": (total_k, kv_heads, D)}
+    call = SimpleNamespace(batch=3, heads=heads, kv_heads=kv_heads, seqlen_q=0, seqlen_k=0,
+                           max_seqlen_q=9, max_seqlen_k=7, total_q=total_q, ragged=True)
+    plans, block_n = host._plans(kernel, call, {n: _TorchLike(s) for n, s in shapes.items()},
+                                 0.125, 0, False)
+    assert block_n == config.block_n
+    addresses = {name: (i + 1) << 32 for i, name in enumerate(
+        [*shapes, "lse", "delta", "dq_accum", "cu_seqlens_q", "cu_seqlens_k", "tile_index"])}
+    for plan in plans:
+        plan.launch(addresses, 0)
+    main = blocks[H.MAIN]
+    expected = set()
+    for p in (p for p in H.ABI if p.kind == "tensor_map"):
+        tensor = p.name.removesuffix("_map")
+        address, *words = struct.unpack_from("<9Q", main, H.ABI.offsets[p.name])
+        box, dims = words[:4], words[4:]  # innermost first: D, H, rows, batch
+        rows, heads_of = (total_q, heads) if tensor in ("q", "dout") else (total_k, kv_heads)
+        assert address == addresses[tensor] and dims == [D, heads_of, rows, 1], p.name
+        assert box == [H.BOX_COLUMNS, 1, getattr(config, p.binding.rows), 1], p.name
+        expected.add(math.prod(box) * 2 * config.boxes)  # bytes of one tile of the tensor
+    assert expected == {config.q_bytes, config.kv_bytes}
+    # the kernel's expect_tx: K and V's tiles together, a step's Q and dO together
+    announced = {int(n) for n in re.findall(
+        r'"mbarrier\.arrive\.expect_tx[^"]*", "[^"]*"\(i32 %"[^"]+", i32 (\d+)\)', build.llvm)}
+    assert announced == {2 * config.q_bytes, 2 * config.kv_bytes}
+    assert struct.unpack_from("<Q", main, H.ABI.offsets["tile_index"])[0] == \
+        addresses["tile_index"]
 
 
 def test_wgmma_takes_a_transposed_shared_a_operand():

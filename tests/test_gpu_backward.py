@@ -70,6 +70,7 @@ def assert_gradients(kern, args, deterministic=False, runs=1):
     for name, got, want, like in zip(("dq", "dk", "dv"), grads, ref, "qkv"):
         assert got.shape == args[like].shape and got.dtype == args[like].dtype
         assert_close(name, got, want, dout)
+    return grads
 
 
 @pytest.mark.parametrize("file, name", [
@@ -115,6 +116,43 @@ def test_head_dim_256(name, deterministic):
     assert kern.backward_build("sm_90a", deterministic=deterministic).config.column_passes == 2
     assert_gradients(kern, dense(kern, 2, 300, 300, 4, 2), deterministic=deterministic)
     assert_gradients(kern, ragged(kern, RAGGED, RAGGED, 2, 1), deterministic=deterministic)
+
+
+HOPPER_RAGGED = """import "std/schedulers.mha"
+attention causal_gqa_d64 { dtype = fp16  head_dim = 64  gqa = 4
+                           mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+"""
+
+
+@pytest.mark.parametrize("source, name, hq, hkv", [
+    ("plain.mha", "plain_fwd", 2, 2), ("causal.mha", "causal_fwd", 2, 2),
+    ("gqa.mha", "gqa_causal", 8, 2), (HOPPER_RAGGED, "causal_gqa_d64", 8, 2)])
+def test_ragged_calls_run_the_hopper_design(source, name, hq, hkv):
+    """On compute capability 9.0 a ragged atomic call runs backward_sm90, whose tiles read
+    past a sequence's end into the next sequence's rows (and past the last into the
+    tensor's spare rows): lengths 0, 1, 127, 129 and 3000; then spare rows before the first
+    sequence and after the last (finite), whose gradients stay zero."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper design runs on compute capability 9.0")
+    from mhadsl.backward import _state
+    from mhadsl.codegen.backends.backward_sm90 import HopperBackwardConfig
+    kern = kernel(source, name) if source.endswith(".mha") else \
+        mhadsl.compile(source, name="<hopper-ragged>")[name]
+    assert_gradients(kern, ragged(kern, RAGGED, RAGGED, hq, hkv))
+    lens_q, lens_k, before, after = [129, 1, 0, 200], [64, 1, 300, 127], 3, 70
+    args = ragged(kern, lens_q, lens_k, hq, hkv)
+    for name_ in ("q", "k", "v"):  # spare rows around the sequences' rows
+        t = args[name_]
+        args[name_] = torch.cat([rand(before, *t.shape[1:], dtype=t.dtype), t,
+                                 rand(after, *t.shape[1:], dtype=t.dtype)])
+    for name_ in ("cu_seqlens_q", "cu_seqlens_k"):
+        args[name_] = args[name_] + before
+    grads = assert_gradients(kern, args)
+    for grad, lens in zip(grads, (lens_q, lens_k, lens_k)):
+        assert not grad[:before].float().any() and not grad[before + sum(lens):].float().any()
+    for (_device, _group, is_ragged, _deterministic), (_fns, config, _module) in \
+            _state(kern).modules.items():
+        assert is_ragged and isinstance(config, HopperBackwardConfig) and config.ragged
 
 
 def test_a_signature_is_planned_once():

@@ -41,8 +41,16 @@ producer's second warp adds it by a bulk reduce-add per row: plain 408 -> 370, c
 266 -> 192 against red.global.add.v2 from registers; in the lockstep design the consumers'
 own bulk reduce-adds had measured 6-12 % slower).
 
-It runs dense layouts in atomic mode at head dims 64 and 128; ragged and deterministic calls
-keep the sm80-style design (`Backend.runs_layout`)."""
+It runs dense and ragged layouts in atomic mode at head dims 64 and 128; deterministic calls
+keep the sm80-style design (`Backend.runs_layout`). Ragged tensors are mapped as the
+forward's (`codegen.backends.sm90`): (1, total rows, H, D), a sequence's rows `start + row`
+of batch 0 (`hopper.map_batch`). A box that crosses a sequence's end holds the next
+sequence's rows where a dense build's holds zeros: the keys there are masked as the dense
+tail's are (P^T = 0), the query rows get P^T = 0 (`_neg_lse`) and zero-filled LSE and delta,
+and no gradient row past the end is written, so those rows add exact zeros as long as they
+hold finite values (0 * inf is NaN inside a GEMM; the forward's ragged build shares this).
+The ragged builds assemble without spills; they were selected before their first GPU run
+(pending: the GPU tests, a gradient check on ragged batches, compute-sanitizer)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -115,8 +123,8 @@ class HopperBackwardConfig(BackwardConfig):
         if self.block_m != 64 or self.block_n != 128 or self.num_warps != 8:
             found.append(Problem(("tile",), "the sm90 backward steps 64 query rows over K/V "
                                             "tiles of 128 rows with two consumer warpgroups"))
-        if self.deterministic or self.ragged:
-            found.append(Problem((), "the sm90 backward runs dense layouts in atomic mode"))
+        if self.deterministic:
+            found.append(Problem((), "the sm90 backward runs in atomic mode"))
         return found
 
 
@@ -145,8 +153,10 @@ def shared_bytes(config: HopperBackwardConfig) -> int:
 ABI = KernelABI(*(
     Param(f"{t}_map", "tensor_map", TensorMap(t, rows, BOX_COLUMNS), meaning)
     for t, rows, meaning in (
-        ("q", "block_m", "CUtensorMap over q as (B,Sq,Hq,D), box (1,BM,1,64), 128-byte swizzle"),
-        ("k", "block_n", "CUtensorMap over k as (B,Sk,Hkv,D), box (1,BN,1,64)"),
+        ("q", "block_m", "CUtensorMap over q as (B,Sq,Hq,D) (ragged: (1,total_q,Hq,D)), box "
+                         "(1,BM,1,64), 128-byte swizzle"),
+        ("k", "block_n", "CUtensorMap over k as (B,Sk,Hkv,D) (ragged: (1,total_k,Hkv,D)), box "
+                         "(1,BN,1,64)"),
         ("v", "block_n", "CUtensorMap over v, as k_map"),
         ("dout", "block_m", "CUtensorMap over dO, as q_map"))), *sm80.ABI)
 
@@ -242,6 +252,10 @@ class _HopperMain(_MainKernel):
         extra = 0 if which == "lse" else 4 * c.block_m
         return b.add(i32(o["lse"] + extra), b.mul(stage, i32(8 * c.block_m)))
 
+    def _map_batch(self) -> ir.Value:
+        """The work tile's batch coordinate in the tensor maps."""
+        return hopper.map_batch(self.c.ragged, lambda: self.bidx)
+
     def _tid(self, b):
         """The thread's index among the consumers' (%tid.x - 128)."""
         tid = nvptx.opaque_special_register(b, "tid.x")
@@ -325,7 +339,8 @@ class _HopperMain(_MainKernel):
                     for box in range(c.boxes):
                         dst = self._ptr(b, self.off[which] + box * c.block_n * SW)
                         hopper.tma_load(b, dst, tmap,
-                                        [self.bidx, row, self.hk, i32(box * BOX_COLUMNS)], bar)
+                                        [self._map_batch(), row, self.hk,
+                                         i32(box * BOX_COLUMNS)], bar)
             steps_of, pair_of = self._query_steps()
             steps = steps_of(b)
 
@@ -354,8 +369,8 @@ class _HopperMain(_MainKernel):
                 base = self._stage_off(b, stage, which)
                 for box in range(c.boxes):
                     dst = self._ptr(b, b.add(base, i32(box * c.block_m * SW)))
-                    hopper.tma_load(b, dst, tmap, [self.bidx, q_row, h, i32(box * BOX_COLUMNS)],
-                                    full)
+                    hopper.tma_load(b, dst, tmap,
+                                    [self._map_batch(), q_row, h, i32(box * BOX_COLUMNS)], full)
         rows_valid = b.sub(self.seqlen_q, q0)
         for first in range(0, c.block_m, 32):
             row = b.add(lane, i32(first))
@@ -593,7 +608,7 @@ class BackwardSM90(Backend):
         return found
 
     def runs_layout(self, layout: Layout) -> bool:
-        return not (layout.ragged or layout.deterministic)
+        return not layout.deterministic
 
     def configs(self, options, layout: Layout) -> tuple[HopperBackwardConfig, ...]:
         """The declaration's config in its IR shapes: P^T under dP^T's GEMM or after it, the

@@ -282,8 +282,7 @@ class _Tile(WorkTile):
 
     def __init__(self, b, c: HopperConfig, args: KernelArgs, hooks: ExprHooks, seq):
         super().__init__(b, c, args, hooks, seq)
-        # tensor-map coordinates: ragged tensors are batch 0 of a (1, total, H, D) map
-        self.map_batch = i32(0) if c.ragged else self.bidx
+        self.map_batch = hopper.map_batch(c.ragged, lambda: self.bidx)
 
     def kv_loop(self, b, carried: list[ir.Value], step: Callable,
                 start: ir.Value = i32(0)) -> list[ir.Value]:
