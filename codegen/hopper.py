@@ -149,6 +149,21 @@ def bulk_wait_group_read(builder: ir.IRBuilder, pending: int = 0) -> None:
     _asm(builder, void, f"cp.async.bulk.wait_group.read {pending};", "~{memory}", [])
 
 
+def bulk_wait_group(builder: ir.IRBuilder, pending: int = 0) -> None:
+    """Wait until at most `pending` bulk groups of this thread are incomplete, their writes
+    to global memory done."""
+    _asm(builder, void, f"cp.async.bulk.wait_group {pending};", "~{memory}", [])
+
+
+def bulk_reduce_add_f32(builder: ir.IRBuilder, dst: ir.Value, src: ir.Value, nbytes: int) -> None:
+    """`cp.reduce.async.bulk` of `nbytes` (a multiple of 16; both addresses 16-byte aligned)
+    of f32 from shared `src` added into global `dst`, in this thread's bulk group. The
+    writers of `src` run `fence_proxy_async` and a barrier first, as for `tma_store`."""
+    _asm(builder, void, "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 "
+         "[$0], [$1], $2;", "l,r,n,~{memory}",
+         [builder.ptrtoint(dst, i64), shared_address(builder, src), i32(nbytes)])
+
+
 def fence_proxy_async(builder: ir.IRBuilder) -> None:
     """Order this thread's ordinary shared-memory writes before later async-proxy reads
     (TMA store, wgmma); each writing thread runs it before the barrier."""

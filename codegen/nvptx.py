@@ -87,6 +87,7 @@ CTA_BARRIER = 0  # bar.sync 0: every thread of the CTA
 PRODUCER_BARRIER = 1  # a named barrier among the producer's threads
 CONSUMER_EPILOGUE_BARRIER = 2  # sm90: around O's staging tile (2 + group: per warpgroup)
 DS_BARRIER = 3  # sm90 backward (a kernel of its own): the consumers' dS^T tile is complete
+DQ_BARRIER = 4  # sm90 backward: 4 + group, the warpgroup's dQ staging tile is written
 
 
 def _cta_threads(builder: ir.IRBuilder) -> ir.Value:

@@ -115,11 +115,12 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale, determ
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     tensors = {"q": q, "k": k, "v": v, "o": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv}
-    plans, block_n = _plans(kernel, call, tensors, scale, q.device.index, deterministic)
+    plans, block_n, accum = _plans(kernel, call, tensors, scale, q.device.index,
+                                   deterministic)
     addresses = {name: t.data_ptr() for name, t in tensors.items()}
     addresses.update(lse=lse.data_ptr(), delta=delta.data_ptr())
     if not deterministic:  # (deterministic: dQ written by one CTA per query tile)
-        addresses["dq_accum"] = torch.empty(q.shape, dtype=torch.float32,
+        addresses["dq_accum"] = torch.empty(accum, dtype=torch.float32,
                                             device=q.device).data_ptr()
     if call.ragged:
         addresses.update(cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr())
@@ -140,15 +141,17 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale, determ
 def _plans(kernel, call, tensors: dict, scale: float, device: int,
            deterministic: bool) -> tuple[list, int]:
     """The launch plans of a validated call's signature, in launch order (a main kernel
-    without work is not launched), and the main kernel's K/V tile: made once, then
-    reused."""
+    without work is not launched), the main kernel's K/V tile and the floats of the dQ
+    accumulator (its layout is the design's): made once, then reused."""
     from mhadsl.runtime import driver
     from mhadsl.runtime.launch import LaunchPlan, TensorShape
     from mhadsl.runtime.tensors import contiguous_strides
     shapes = {n: TensorShape(tuple(t.shape), tuple(t.stride()),
                              str(t.dtype).removeprefix("torch."))
               for n, t in tensors.items()}
-    q_shape = tuple(tensors["q"].shape)  # the accumulator: fp32, q's shape, contiguous
+    # the accumulator's strides, as fp32 in q's shape (the sm90 design keeps it in blocks
+    # of its own and reads none of them)
+    q_shape = tuple(tensors["q"].shape)
     shapes["dq_accum"] = TensorShape(q_shape, contiguous_strides(q_shape), "float32")
     key = (device, tuple(shapes.items()), call.batch, call.heads, call.kv_heads, call.seqlen_q,
            call.seqlen_k, call.max_seqlen_q, call.max_seqlen_k, call.total_q, call.ragged, scale,
@@ -180,7 +183,10 @@ def _plans(kernel, call, tensors: dict, scale: float, device: int,
                         shape[name].shared_bytes, design.kernel_abi(name), config, device,
                         shapes, values, call.ragged, own_tile_index=False)
              for name in design.kernel_names(config) if 0 not in grid[name]]
-    state.plans[key] = plans, config.block_n
+    accum = design.dq_accum_elements(config, call.total_q if call.ragged else
+                                     call.batch * call.seqlen_q, call.heads, call.batch,
+                                     call.seqlen_q)
+    state.plans[key] = plans, config.block_n, accum
     return state.plans[key]
 
 

@@ -63,12 +63,12 @@ def test_every_example_backward_assembles_without_spills(path, name, layout, arc
     assert f".target {arch}" in build.ptx
     for instruction in DESIGN_INSTRUCTIONS[build.backend]:
         assert instruction in build.ptx, instruction
-    # dQ's reduction: bulk reduce-adds (Hopper), vectors where the arch has them; none
-    # deterministic
+    # dQ's reduction: a bulk reduce-add per warpgroup and step (Hopper), vectors where the
+    # arch has them; none deterministic
     reductions = {"red.global.add.v4.f32", "red.global.add.v2.f32", "atom.global.add.f32",
                   "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"
                   } & set(build.ptx.split())
-    expected = ("red.global.add.v2.f32" if hopper else
+    expected = ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" if hopper else
                 "red.global.add.v4.f32" if arch == "sm_90a" else "atom.global.add.f32")
     assert reductions == (set() if layout.deterministic else {expected})
     assert build.config.deterministic == layout.deterministic

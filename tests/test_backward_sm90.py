@@ -9,6 +9,7 @@ import re
 import struct
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from llvmlite import ir
 
@@ -78,13 +79,17 @@ def test_the_tensor_maps_come_first_at_multiples_of_128_bytes():
 @needs_ptxas
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_causal_build_assembles_without_spills(head_dim, monkeypatch, tmp_path):
-    """Causal at head dims 64 and 128: wgmma, dQ by red.global.add.v2.f32 from registers."""
+    """Causal at head dims 64 and 128: wgmma, dQ by one bulk reduce-add per warpgroup and
+    step of the staging tile's bytes (block_m x D/2 floats), nothing added from registers."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     source = ('import "std/schedulers.mha"\nattention t { dtype = bf16  head_dim = '
               f'{head_dim}\n mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }}')
     build = mhadsl.compile(source)["t"].backward_build("sm_90a")
     assert build.backend == "backward_sm90"
-    assert "red.global.add.v2.f32" in build.ptx
+    reduces = re.findall(r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32"
+                         r"\s+\[%rd\d+\], \[%r\d+\], (\d+);", build.ptx)
+    assert reduces == [str(2 * 64 * head_dim)]
+    assert not re.search(r"\b(red|atom)\.global\.add\.(v\d\.)?f32", build.ptx)
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in build.ptx
     for resources in build.assembled.kernels.values():
         assert resources.spills == 0 and resources.stack_bytes == 0, resources
@@ -96,7 +101,8 @@ def test_the_causal_build_assembles_without_spills(head_dim, monkeypatch, tmp_pa
 def test_a_producer_warpgroup_feeds_two_consumers(head_dim, tmp_path, monkeypatch):
     """FlashAttention-3's layout: the producer gives registers back and loads each query
     step (TMA, and cp.async arriving on the stage's full mbarrier); the consumers take
-    registers, meet at one named barrier per step (dS^T is complete) and free the stage."""
+    registers, meet at one named barrier per step (dS^T is complete), free the stage and
+    stage dQ behind a barrier of their warpgroup's."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     source = ('import "std/schedulers.mha"\nattention t { dtype = bf16  head_dim = '
               f'{head_dim}\n mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }}')
@@ -106,8 +112,11 @@ def test_a_producer_warpgroup_feeds_two_consumers(head_dim, tmp_path, monkeypatc
     for text in (f"setmaxnreg.dec.sync.aligned.u32 \t{producer};",
                  f"setmaxnreg.inc.sync.aligned.u32 \t{consumers};",
                  "cp.async.mbarrier.arrive.noinc.shared.b64",
-                 f"bar.sync \t{nvptx.DS_BARRIER}, 256;", "mbarrier.arrive.shared::cta.b64"):
+                 f"bar.sync \t{nvptx.DS_BARRIER}, 256;",
+                 "mbarrier.arrive.shared::cta.b64", "st.shared.v4.f32",
+                 "cp.async.bulk.wait_group.read 0;", "cp.async.bulk.wait_group 0;"):
         assert text in build.ptx, text
+    assert re.search(r"bar\.sync \t%r\d+, 128;", build.ptx)  # the warpgroup's dQ barrier
     assert "C7508" not in build.assembled.log  # setmaxnreg honoured
     main = build.assembled.kernels["mha_bwd"]
     assert main.spills == 0 and main.stack_bytes == 0, main
@@ -209,8 +218,8 @@ def test_a_ragged_call_maps_all_rows_in_the_boxes_its_copies_expect(kernel, monk
               "dk": (total_k, kv_heads, D), "dv": (total_k, kv_heads, D)}
     call = SimpleNamespace(batch=3, heads=heads, kv_heads=kv_heads, seqlen_q=0, seqlen_k=0,
                            max_seqlen_q=9, max_seqlen_k=7, total_q=total_q, ragged=True)
-    plans, block_n = host._plans(kernel, call, {n: _TorchLike(s) for n, s in shapes.items()},
-                                 0.125, 0, False)
+    plans, block_n, _ = host._plans(kernel, call, {n: _TorchLike(s) for n, s in shapes.items()},
+                                    0.125, 0, False)
     assert block_n == config.block_n
     addresses = {name: (i + 1) << 32 for i, name in enumerate(
         [*shapes, "lse", "delta", "dq_accum", "cu_seqlens_q", "cu_seqlens_k", "tile_index"])}
@@ -244,3 +253,63 @@ def test_wgmma_takes_a_transposed_shared_a_operand():
     assert "d, 1,1,1,1;" in str(module)
     with pytest.raises(ValueError, match="transpose"):
         hopper.wgmma(b, "bf16", 64, [fn.args[0]] * 4, fn.args[1], trans_a=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_accumulator_blocks_hold_the_warpgroups_registers_in_order(head_dim):
+    """Within a query tile's block, warpgroup g's accumulator j of thread t (its wgmma
+    position) sits at g * block_m * D/2 + 4 (128 (j // 4) + t) + j % 4: where `_add_dq`'s
+    st.shared.v4 puts it in the staging tile, so one bulk copy of the tile adds it in
+    place; and every (row, column) of the tile has a place of its own."""
+    config = H.HopperBackwardConfig("bf16", head_dim)
+    half = head_dim // 2
+    seen = set()
+    for g in range(2):
+        for t in range(hopper.WARPGROUP_THREADS):
+            for j in range(hopper.accumulator_count(half)):
+                row, col = hopper.accumulator_position(t, j)
+                place = H.dq_accum_position(config, row, g * half + col)
+                assert place == g * config.block_m * half + 4 * (128 * (j // 4) + t) + j % 4
+                seen.add(place)
+    assert seen == set(range(config.block_m * head_dim))
+
+
+def _host_accum_offset(config):
+    """`_accum_offset` compiled for the host: (bidx, start, row, head, col, seqlen_q,
+    num_heads) -> float offset."""
+    from mhadsl.codegen.target import HostJit
+    module = ir.Module("accum")
+    fn = ir.Function(module, ir.FunctionType(nvptx.i64, [nvptx.i32] * 7), "accum_offset")
+    b = ir.IRBuilder(fn.append_basic_block())
+    bidx, start, row, head, col, seqlen_q, num_heads = fn.args
+    args = SimpleNamespace(seqlen_q=seqlen_q, num_heads=num_heads)
+    b.ret(H._accum_offset(b, config, args, bidx, start, row, head, col))
+    jit = HostJit(str(module))
+    call = ctypes.CFUNCTYPE(ctypes.c_int64, *[ctypes.c_int32] * 7)(jit.address("accum_offset"))
+    call.jit = jit  # (keeps the engine alive)
+    return call
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_dq_accumulator_places_every_sequences_rows_apart_within_its_size(ragged):
+    """The kernel's and the row kernels' addressing (`_accum_offset`, run on the host):
+    a tile's block is its (tile, head) pair's, its values at `dq_accum_position`; no two
+    (sequence, row, head, column) share a float, and all fit in `dq_accum_elements` (ragged:
+    sequences of lengths 0, 1, 63, 64, 65, 130 back to back)."""
+    config = H.HopperBackwardConfig("bf16", 64, ragged=ragged)
+    offset = _host_accum_offset(config)
+    heads, bm, D = 3, config.block_m, config.head_dim
+    lengths = [0, 1, 63, 64, 65, 130] if ragged else [70] * 3
+    starts = np.concatenate([[0], np.cumsum(lengths)])[:-1]
+    size = H.dq_accum_elements(config, sum(lengths), heads, len(lengths), lengths[0])
+    places = set()
+    for bidx, (start, length) in enumerate(zip(starts, lengths)):
+        first = (start + bidx * bm) // bm if ragged else bidx * -(-length // bm)
+        for row in range(length):
+            for h in range(heads):
+                for col in range(0, D, 3):
+                    got = offset(bidx, int(start), row, h, col, lengths[0], heads)
+                    block = (first + row // bm) * heads + h
+                    assert got == block * bm * D + H.dq_accum_position(config, row % bm, col)
+                    assert 0 <= got < size and got not in places
+                    places.add(got)

@@ -74,6 +74,13 @@ def kernel_abi(name: str) -> KernelABI:
     return ABI
 
 
+def dq_accum_elements(config: BackwardConfig, q_rows: int, heads: int, batch: int,
+                      seqlen_q: int) -> int:
+    """Floats of the atomic mode's dQ accumulator: q's shape (`q_rows` rows of all
+    sequences)."""
+    return q_rows * heads * config.head_dim
+
+
 # ============================================================================ configuration
 @dataclass(frozen=True)
 class BackwardConfig(RowCopies):
@@ -352,6 +359,11 @@ class _RowKernel:
             row = b.add(first, b.add(self.row_in_pass, i32(p * rows_per_pass)))
             each(b, row, b.icmp_signed("<", row, self.seqlen))
 
+    def accum_chunk(self, b, row) -> list[tuple[ir.Value, int]]:
+        """The dQ accumulator's values of the thread's 8 columns of `row`, as (pointer,
+        consecutive floats there): q's layout, one run of 8."""
+        return [(self.chunk_ptr(b, "dq_accum", row, f32), 8)]
+
     def chunk_ptr(self, b, tensor: str, row, etype):
         off = _row_offset(b, self.a, self.c.ragged, tensor, self.bidx, b.add(self.start, row),
                           self.h)
@@ -359,9 +371,11 @@ class _RowKernel:
         return _gep(b, self.a[tensor], off, etype)
 
 
-def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs):
-    k = _RowKernel(b, config, args)
-    v4i, v4f = ir.VectorType(i32, 4), ir.VectorType(f32, 4)
+def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs, rows=None):
+    """delta = rowsum(dO * O), and the row's dQ accumulator zeroed; `rows` (a `_RowKernel`
+    type) says where a design keeps the accumulator."""
+    k = (rows or _RowKernel)(b, config, args)
+    v4i = ir.VectorType(i32, 4)
 
     def row(b, r, valid):
         def dot(b):
@@ -373,10 +387,11 @@ def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs):
             for x, y in zip(o[1:], do[1:]):
                 total = warp.fma(b, x, y, total)
             if not config.deterministic:  # (deterministic: no accumulator, mha_bwd_dq)
-                acc = k.chunk_ptr(b, "dq_accum", r, f32)
-                zero = ir.Constant(v4f, [0.0] * 4)
-                b.store(zero, acc, align=16)
-                b.store(zero, _gep(b, acc, i64(4), f32), align=16)
+                for acc, width in k.accum_chunk(b, r):
+                    for first in range(0, width, 4):
+                        n = min(4, width - first)
+                        b.store(ir.Constant(ir.VectorType(f32, n), [0.0] * n),
+                                _gep(b, acc, i64(first), f32), align=4 * n)
             return [total]
         (partial,) = _guarded(b, valid, dot, [warp.fconst(0.0)])
         for m in range(k.lanes_per_row.bit_length() - 1):  # the row's lanes: 1, 2, 4, (8)
@@ -387,16 +402,21 @@ def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs):
     k.rows(b, row)
 
 
-def _emit_postprocess(b, config: BackwardConfig, args: KernelArgs):
-    k = _RowKernel(b, config, args)
-    v4f = ir.VectorType(f32, 4)
+def _emit_postprocess(b, config: BackwardConfig, args: KernelArgs, rows=None):
+    """dQ = the accumulator times the softmax scale, in q's dtype (`rows`: as in
+    `_emit_preprocess`)."""
+    k = (rows or _RowKernel)(b, config, args)
 
     def row(b, r, valid):
         with b.if_then(valid):
-            acc = k.chunk_ptr(b, "dq_accum", r, f32)
-            halves = [b.load(_gep(b, acc, i64(4 * h), f32), typ=v4f, align=16) for h in (0, 1)]
-            x = [b.fmul(b.extract_element(halves[e // 4], i32(e % 4)), args.softmax_scale)
-                 for e in range(8)]
+            x = []
+            for acc, width in k.accum_chunk(b, r):
+                for first in range(0, width, 4):
+                    n = min(4, width - first)
+                    part = b.load(_gep(b, acc, i64(first), f32), typ=ir.VectorType(f32, n),
+                                  align=4 * n)
+                    x += [b.fmul(b.extract_element(part, i32(e)), args.softmax_scale)
+                          for e in range(n)]
             out = ir.Constant(ir.VectorType(i32, 4), ir.Undefined)
             for e in range(4):
                 out = b.insert_element(out, warp.pack2(b, config.dtype, x[2 * e], x[2 * e + 1]),

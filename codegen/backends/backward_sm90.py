@@ -27,19 +27,26 @@ FlashAttention-3's layout:
   swizzled, one tile per step parity) and, after a named barrier of the two consumers
   (dQ needs both halves of dS^T), warpgroup g computes dQ's head-dim columns g D/2.. =
   dS K with dS^T as a transposed (M-major) shared A operand and K as an MN-major B operand;
-  once that wait is over every consumer thread arrives on the stage's empty mbarrier, then
-  adds its dQ values into the fp32 accumulator with `red.global.add.v2.f32`. With two dS^T
-  tiles, a consumer writes the next step's while the other still reads this one's;
+  once that wait is over every consumer thread arrives on the stage's empty mbarrier and
+  stores its dQ values to the warpgroup's staging tile in register order, and one thread
+  adds the tile into the fp32 accumulator with a single bulk reduce-add (`dq_accum_position`:
+  the accumulator keeps each query tile's values in that order, and the row kernels read
+  and zero it there). With two dS^T tiles, a consumer writes the next step's while the other
+  still reads this one's;
 - dK (times the softmax scale) and dV are stored from registers at the end of the work tile.
 
-Measured on the H200 against the lockstep design it replaced (two warpgroups, thread 0
-loading the next step, a CTA barrier per step and one before dQ), one process, TFLOP/s:
-plain B4 H16 S4096 D128 370 -> 397, causal 336 -> 342, causal H32 D64 250 -> 265, GQA 32:8
-causal 343 -> 351, causal B1 H16 S16384 366 -> 381 (BENCHMARKS.md). Tried and slower: a
-third stage (the same), and FA3's dQ writer (the consumers stage dQ in shared memory and the
-producer's second warp adds it by a bulk reduce-add per row: plain 408 -> 370, causal D64
-266 -> 192 against red.global.add.v2 from registers; in the lockstep design the consumers'
-own bulk reduce-adds had measured 6-12 % slower).
+dQ's reduction is what limits it. With `red.global.add.v2.f32` from registers into a
+row-major accumulator, plain B4 H16 S4096 D128 ran 393 TFLOP/s (causal 336, causal H32 D64
+263), and 581 (499, 356) with the adds left out, a timing-only build. One bulk reduce-add
+per warpgroup and step into blocks in register order: 448-457 (356-374, 272-275). Tried with
+it and no faster: a second staging tile per warpgroup (the issuer waits for the
+reduce-add before last instead of the last), and dQ's GEMM issued before dK's with the
+staging under dK's (which also gave wrong gradients, not pursued). Before that, against the
+lockstep design (two warpgroups, thread 0 loading the next step, a CTA barrier per step and
+one before dQ), TFLOP/s: plain 370 -> 397, causal 336 -> 342, causal H32 D64 250 -> 265,
+GQA 32:8 causal 343 -> 351, causal B1 H16 S16384 366 -> 381 (BENCHMARKS.md); a third stage
+gave the same, and a writer warp adding dQ by one bulk reduce-add per row (row-major
+accumulator) was slower (plain 408 -> 370, causal D64 266 -> 192).
 
 It runs dense and ragged layouts in atomic mode at head dims 64 and 128; deterministic calls
 keep the sm80-style design (`Backend.runs_layout`). Ragged tensors are mapped as the
@@ -68,7 +75,7 @@ from mhadsl.codegen.backends import backward as sm80
 from mhadsl.codegen.backends.sm90 import _rename_new_functions
 from mhadsl.codegen.backends.backward import (
     MAIN, POSTPROCESS, PREPROCESS, ROW_THREADS, BackwardConfig, _emit_postprocess,
-    _emit_preprocess, _gep, _lse_offset, _Lanes, _MainKernel, _row_offset, _TileKernel,
+    _emit_preprocess, _gep, _lse_offset, _Lanes, _MainKernel, _RowKernel, _TileKernel,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.scheduler import count_exit
@@ -137,14 +144,79 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     ds = stage0 + c.stages * stage_bytes
     ds_bytes = c.block_n * c.block_m * 2
     lse = ds + 2 * ds_bytes  # dS^T: a tile per step parity
-    bars = lse + c.stages * 8 * c.block_m  # per stage: LSE, delta (block_m floats each)
+    dq = lse + c.stages * 8 * c.block_m  # per stage: LSE, delta (block_m floats each)
+    dq_bytes = 4 * c.block_m * c.head_dim  # dQ's staging tile: a half per warpgroup
+    bars = dq + dq_bytes
     end = bars + (1 + 2 * c.stages) * hopper.MBARRIER_BYTES  # K/V's; per stage full, empty
     return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, ds_bytes=ds_bytes,
-                lse=lse, bars=bars, end=end)
+                lse=lse, dq=dq, dq_bytes=dq_bytes, bars=bars, end=end)
 
 
 def shared_bytes(config: HopperBackwardConfig) -> int:
     return SWIZZLE_SLACK + _offsets(config)["end"]
+
+
+# ============================================================================ dQ's accumulator
+# fp32, one block of block_m x D values per (query tile, query head), blocks ordered (tile,
+# head); a sequence's tiles start at block row (start + b block_m) // block_m, ragged, or
+# b ceil(Sq / block_m), dense, so no two sequences share a tile. Within a block the values
+# are in the consumers' register order, which makes a warpgroup's half one contiguous run.
+def dq_accum_position(config: HopperBackwardConfig, row: int, col: int) -> int:
+    """The float of (row, col) of a query tile within its block: half g = col // (D/2) is
+    warpgroup g's, and accumulator j of its thread t (`hopper.accumulator_position`) sits at
+    4 (128 (j // 4) + t) + j % 4 of the half."""
+    half = config.head_dim // 2
+    g, c = divmod(col, half)
+    w, r = divmod(row, 16)
+    t = 32 * w + 4 * (r % 8) + (c % 8) // 2
+    return g * config.block_m * half + 4 * (hopper.WARPGROUP_THREADS * (c // 8) + t) \
+        + 2 * (r // 8) + c % 2
+
+
+def dq_accum_elements(config: HopperBackwardConfig, q_rows: int, heads: int, batch: int,
+                      seqlen_q: int) -> int:
+    """Floats of the accumulator for `batch` sequences of `q_rows` query rows in all
+    (`seqlen_q` each when dense)."""
+    bm = config.block_m
+    tiles = (q_rows + batch * bm) // bm if config.ragged else batch * -(-seqlen_q // bm)
+    return tiles * heads * bm * config.head_dim
+
+
+def _accum_offset(b, config: HopperBackwardConfig, args, bidx, start, row, head,
+                  col) -> ir.Value:
+    """The float offset (i64) of dQ's (row, head, col) of sequence bidx (its rows from
+    `start` of all when ragged): its query tile's block, then `dq_accum_position`. Columns
+    col and col + 1 (col even) are adjacent, and (row at a tile's start, col at a half's
+    start) begins that warpgroup's run."""
+    bm, half = config.block_m, config.head_dim // 2
+    if config.ragged:
+        first = b.udiv(b.add(start, b.mul(bidx, i32(bm))), i32(bm))
+    else:
+        first = b.mul(bidx, b.udiv(b.add(args.seqlen_q, i32(bm - 1)), i32(bm)))
+    tile = b.add(first, b.udiv(row, i32(bm)))
+    block = b.add(b.mul(b.zext(tile, i64), b.zext(args.num_heads, i64)), b.zext(head, i64))
+    r, g, c = b.urem(row, i32(bm)), b.udiv(col, i32(half)), b.urem(col, i32(half))
+    r16 = b.and_(r, i32(15))
+    t = b.add(b.add(b.shl(b.lshr(r, i32(4)), i32(5)), b.shl(b.and_(r16, i32(7)), i32(2))),
+              b.lshr(b.and_(c, i32(7)), i32(1)))
+    within = b.add(b.mul(g, i32(bm * half)),
+                   b.add(b.shl(b.add(b.mul(b.lshr(c, i32(3)), i32(hopper.WARPGROUP_THREADS)),
+                                     t), i32(2)),
+                         b.add(b.shl(b.lshr(r16, i32(3)), i32(1)), b.and_(c, i32(1)))))
+    return b.add(b.mul(block, i64(bm * config.head_dim)), b.zext(within, i64))
+
+
+class _Rows(_RowKernel):
+    """The row kernels over this design's dQ accumulator (`dq_accum_position`)."""
+
+    def accum_chunk(self, b, row) -> list[tuple[ir.Value, int]]:
+        """The thread's 8 columns of `row`: four pairs, those of four consecutive
+        warpgroup threads."""
+        col0 = b.shl(self.chunk, i32(3))
+        return [(_gep(b, self.a.dq_accum,
+                      _accum_offset(b, self.c, self.a, self.bidx, self.start, row, self.h,
+                                    b.add(col0, i32(2 * pair))), f32), 2)
+                for pair in range(4)]
 
 
 # The main kernel's parameters: the tensor maps first (LLVM 22 emits a byval map `.align 128`;
@@ -179,9 +251,10 @@ def launch_shapes(config: HopperBackwardConfig) -> dict[str, LaunchShape]:
 fixed_grids = sm80.fixed_grids
 
 
-def _red_v2(b, address: ir.Value, x: ir.Value, y: ir.Value) -> None:
-    b.asm(ir.FunctionType(nvptx.void, [i64, f32, f32]),
-          "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}", [address, x, y], True)
+def _st_shared_v4f32(b, address: ir.Value, values: list[ir.Value]) -> None:
+    b.asm(ir.FunctionType(nvptx.void, [i32] + [f32] * 4),
+          "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f,~{memory}",
+          [address, *values], True)
 
 
 def _st_shared_b32(b, address: ir.Value, value: ir.Value) -> None:
@@ -295,6 +368,10 @@ class _HopperMain(_MainKernel):
                 args = KernelArgs(self.a.function, ABI, c, opaque_env=c.opaque_env,
                                   divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS)
                 work_loop(b, sm80.scheduler_view(args), self._consumer_tile)
+                # dQ's last bulk reduce-adds have read the staging tiles and are done
+                thread = b.and_(self._tid(b), i32(hopper.WARPGROUP_THREADS - 1))
+                with b.if_then(b.icmp_unsigned("==", thread, i32(0))):
+                    hopper.bulk_wait_group(b, 0)
         count_exit(b, self.a.queue)
         _hoist_allocas(b.function)
 
@@ -524,8 +601,13 @@ class _HopperMain(_MainKernel):
             dk = hopper.wgmma(b, dt, D, frags[4 * k: 4 * k + 4], desc, dk, trans_b=True)
         hopper.wgmma_commit_group(b)
 
-        # dQ's columns group * D/2.. = dS K: every warpgroup's dS^T rows are in
+        # dQ's columns group * D/2.. = dS K: every warpgroup's dS^T rows are in, and the
+        # previous step's dQ staging tiles have been read (their issuers waited)
         hopper.fence_proxy_async(b)
+        first_thread = b.icmp_unsigned("==", b.and_(tid, i32(hopper.WARPGROUP_THREADS - 1)),
+                                       i32(0))
+        with b.if_then(first_thread):
+            hopper.bulk_wait_group_read(b, 0)
         nvptx.barrier_named(b, nvptx.DS_BARRIER, 2 * hopper.WARPGROUP_THREADS)
         half = D // 2
         ds_descs = hopper.smem_descriptors(b, self._ptr(b, ds_off),
@@ -547,28 +629,29 @@ class _HopperMain(_MainKernel):
         dk, dv, dq = flat[:len(dk)], flat[len(dk):2 * len(dk)], flat[2 * len(dk):]
         # Q, dO, LSE and delta are read: the stage is the producer's again
         hopper.mbarrier_arrive(b, self._empty(b, stage))
-        self._red_dq(b, h, q0, group, dq)
+        self._add_dq(b, h, q0, group, first_thread, dq)
         return dk, dv
 
-    def _red_dq(self, b, h, q0, group, dq):
-        """This thread's dQ values (rows of the query tile, columns group * D/2..) added
-        into the fp32 accumulator, two columns at a time; rows past the sequence skipped."""
-        c, a = self.c, self.a
-        tid = self._tid(b)
-        lane = b.and_(tid, i32(31))
-        warp_row = b.shl(b.and_(b.lshr(tid, i32(5)), i32(3)), i32(4))
-        rows_valid = b.sub(self.seqlen_q, q0)
-        col = b.add(b.mul(group, i32(c.head_dim // 2)), b.shl(b.and_(lane, i32(3)), i32(1)))
-        q_row = b.add(self.q_start, q0)
-        for r in range(2):
-            row = b.add(warp_row, b.add(b.lshr(lane, i32(2)), i32(8 * r)))
-            with b.if_then(b.icmp_signed("<", row, rows_valid)):
-                off = _row_offset(b, a, c.ragged, "dq_accum", self.bidx, b.add(q_row, row), h)
-                base = _gep(b, a.dq_accum, b.add(off, b.zext(col, i64)), f32)
-                for jb in range(len(dq) // 4):
-                    j = 4 * jb + 2 * r
-                    address = b.ptrtoint(_gep(b, base, i64(8 * jb), f32), i64)
-                    _red_v2(b, address, dq[j], dq[j + 1])
+    def _add_dq(self, b, h, q0, group, first_thread, dq):
+        """This warpgroup's dQ values (columns group * D/2..) into its staging tile in
+        register order, then, by its first thread, into the accumulator's block of the
+        query tile with one bulk reduce-add (`dq_accum_position`)."""
+        c, o = self.c, self.off
+        half_bytes = o["dq_bytes"] // 2
+        thread = b.and_(self._tid(b), i32(hopper.WARPGROUP_THREADS - 1))
+        tile = b.add(i32(o["dq"]), b.mul(group, i32(half_bytes)))
+        start = b.add(self._addr(b, tile), b.shl(thread, i32(4)))
+        for k in range(len(dq) // 4):
+            _st_shared_v4f32(b, b.add(start, i32(16 * hopper.WARPGROUP_THREADS * k)),
+                             dq[4 * k: 4 * k + 4])
+        hopper.fence_proxy_async(b)
+        nvptx.barrier_named(b, b.add(group, i32(nvptx.DQ_BARRIER)), hopper.WARPGROUP_THREADS)
+        with b.if_then(first_thread):
+            run = _accum_offset(b, c, self.a, self.bidx, self.q_start, q0, h,
+                                b.mul(group, i32(c.head_dim // 2)))
+            hopper.bulk_reduce_add_f32(b, _gep(b, self.a.dq_accum, run, f32),
+                                       self._ptr(b, tile), half_bytes)
+            hopper.bulk_commit_group(b)
 
 
 # ============================================================================ module
@@ -580,14 +663,14 @@ def build_module(config: HopperBackwardConfig, hooks: ExprHooks | None, target: 
     module, smem, hooks = sm80.backward_module(
         f"mha_bwd_sm90_{config.dtype}_d{config.head_dim}", hooks, target, SMEM_SYMBOL)
     fn, b = sm80.kernel_function(module, PREPROCESS, ROW_THREADS, kernel_abi(PREPROCESS))
-    _emit_preprocess(b, config, KernelArgs(fn, sm80.ABI, config))
+    _emit_preprocess(b, config, KernelArgs(fn, sm80.ABI, config), _Rows)
     b.ret_void()
     fn, b = sm80.kernel_function(module, MAIN, config.threads, kernel_abi(MAIN))
     _HopperMain(config, hooks, KernelArgs(fn, ABI, config, opaque_env=config.opaque_env),
                 smem).emit(b, work_loop)
     b.ret_void()
     fn, b = sm80.kernel_function(module, POSTPROCESS, ROW_THREADS, kernel_abi(POSTPROCESS))
-    _emit_postprocess(b, config, KernelArgs(fn, sm80.ABI, config))
+    _emit_postprocess(b, config, KernelArgs(fn, sm80.ABI, config), _Rows)
     b.ret_void()
     return module
 
