@@ -55,9 +55,7 @@ of batch 0 (`hopper.map_batch`). A box that crosses a sequence's end holds the n
 sequence's rows where a dense build's holds zeros: the keys there are masked as the dense
 tail's are (P^T = 0), the query rows get P^T = 0 (`_neg_lse`) and zero-filled LSE and delta,
 and no gradient row past the end is written, so those rows add exact zeros as long as they
-hold finite values (0 * inf is NaN inside a GEMM; the forward's ragged build shares this).
-The ragged builds assemble without spills; they were selected before their first GPU run
-(pending: the GPU tests, a gradient check on ragged batches, compute-sanitizer)."""
+hold finite values (0 * inf is NaN inside a GEMM; the forward's ragged build shares this)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
