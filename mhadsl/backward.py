@@ -139,7 +139,7 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale, determ
 
 
 def _plans(kernel, call, tensors: dict, scale: float, device: int,
-           deterministic: bool) -> tuple[list, int]:
+           deterministic: bool) -> tuple[list, int, int]:
     """The launch plans of a validated call's signature, in launch order (a main kernel
     without work is not launched), the main kernel's K/V tile and the floats of the dQ
     accumulator (its layout is the design's): made once, then reused."""

@@ -364,6 +364,11 @@ class _RowKernel:
         consecutive floats there): q's layout, one run of 8."""
         return [(self.chunk_ptr(b, "dq_accum", row, f32), 8)]
 
+    def accum_vectors(self, b, row) -> list[tuple[ir.Value, ir.VectorType]]:
+        """`accum_chunk` as the vectors (at most 4 floats) that load or store it."""
+        return [(_gep(b, acc, i64(first), f32), ir.VectorType(f32, min(4, width - first)))
+                for acc, width in self.accum_chunk(b, row) for first in range(0, width, 4)]
+
     def chunk_ptr(self, b, tensor: str, row, etype):
         off = _row_offset(b, self.a, self.c.ragged, tensor, self.bidx, b.add(self.start, row),
                           self.h)
@@ -387,11 +392,8 @@ def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs, rows=None):
             for x, y in zip(o[1:], do[1:]):
                 total = warp.fma(b, x, y, total)
             if not config.deterministic:  # (deterministic: no accumulator, mha_bwd_dq)
-                for acc, width in k.accum_chunk(b, r):
-                    for first in range(0, width, 4):
-                        n = min(4, width - first)
-                        b.store(ir.Constant(ir.VectorType(f32, n), [0.0] * n),
-                                _gep(b, acc, i64(first), f32), align=4 * n)
+                for ptr, vec in k.accum_vectors(b, r):
+                    b.store(ir.Constant(vec, [0.0] * vec.count), ptr, align=4 * vec.count)
             return [total]
         (partial,) = _guarded(b, valid, dot, [warp.fconst(0.0)])
         for m in range(k.lanes_per_row.bit_length() - 1):  # the row's lanes: 1, 2, 4, (8)
@@ -410,13 +412,10 @@ def _emit_postprocess(b, config: BackwardConfig, args: KernelArgs, rows=None):
     def row(b, r, valid):
         with b.if_then(valid):
             x = []
-            for acc, width in k.accum_chunk(b, r):
-                for first in range(0, width, 4):
-                    n = min(4, width - first)
-                    part = b.load(_gep(b, acc, i64(first), f32), typ=ir.VectorType(f32, n),
-                                  align=4 * n)
-                    x += [b.fmul(b.extract_element(part, i32(e)), args.softmax_scale)
-                          for e in range(n)]
+            for ptr, vec in k.accum_vectors(b, r):
+                part = b.load(ptr, typ=vec, align=4 * vec.count)
+                x += [b.fmul(b.extract_element(part, i32(e)), args.softmax_scale)
+                      for e in range(vec.count)]
             out = ir.Constant(ir.VectorType(i32, 4), ir.Undefined)
             for e in range(4):
                 out = b.insert_element(out, warp.pack2(b, config.dtype, x[2 * e], x[2 * e + 1]),

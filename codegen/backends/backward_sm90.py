@@ -332,6 +332,15 @@ class _HopperMain(_MainKernel):
         tid = nvptx.opaque_special_register(b, "tid.x")
         return b.sub(tid, i32(hopper.WARPGROUP_THREADS))
 
+    @staticmethod
+    def _group_thread(b, tid):
+        """The index in its consumer warpgroup of consumer thread `tid` (`_tid`)."""
+        return b.and_(tid, i32(hopper.WARPGROUP_THREADS - 1))
+
+    def _first_of_group(self, b, tid):
+        """Whether consumer thread `tid` is its warpgroup's first (the bulk copies' issuer)."""
+        return b.icmp_unsigned("==", self._group_thread(b, tid), i32(0))
+
     def _lanes(self, b) -> _Lanes:
         return _Lanes(b, self.c, self._tid(b))
 
@@ -367,8 +376,7 @@ class _HopperMain(_MainKernel):
                                   divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS)
                 work_loop(b, sm80.scheduler_view(args), self._consumer_tile)
                 # dQ's last bulk reduce-adds have read the staging tiles and are done
-                thread = b.and_(self._tid(b), i32(hopper.WARPGROUP_THREADS - 1))
-                with b.if_then(b.icmp_unsigned("==", thread, i32(0))):
+                with b.if_then(self._first_of_group(b, self._tid(b))):
                     hopper.bulk_wait_group(b, 0)
         count_exit(b, self.a.queue)
         _hoist_allocas(b.function)
@@ -602,8 +610,7 @@ class _HopperMain(_MainKernel):
         # dQ's columns group * D/2.. = dS K: every warpgroup's dS^T rows are in, and the
         # previous step's dQ staging tiles have been read (their issuers waited)
         hopper.fence_proxy_async(b)
-        first_thread = b.icmp_unsigned("==", b.and_(tid, i32(hopper.WARPGROUP_THREADS - 1)),
-                                       i32(0))
+        first_thread = self._first_of_group(b, tid)
         with b.if_then(first_thread):
             hopper.bulk_wait_group_read(b, 0)
         nvptx.barrier_named(b, nvptx.DS_BARRIER, 2 * hopper.WARPGROUP_THREADS)
@@ -636,7 +643,7 @@ class _HopperMain(_MainKernel):
         query tile with one bulk reduce-add (`dq_accum_position`)."""
         c, o = self.c, self.off
         half_bytes = o["dq_bytes"] // 2
-        thread = b.and_(self._tid(b), i32(hopper.WARPGROUP_THREADS - 1))
+        thread = self._group_thread(b, self._tid(b))
         tile = b.add(i32(o["dq"]), b.mul(group, i32(half_bytes)))
         start = b.add(self._addr(b, tile), b.shl(thread, i32(4)))
         for k in range(len(dq) // 4):
