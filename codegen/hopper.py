@@ -127,6 +127,17 @@ def tma_load(builder: ir.IRBuilder, dst: ir.Value, tensor_map: ir.Value,
           shared_address(builder, barrier)])
 
 
+def bulk_load(builder: ir.IRBuilder, dst: ir.Value, src: ir.Value, nbytes: int,
+              barrier: ir.Value) -> None:
+    """`cp.async.bulk` global -> shared of `nbytes` contiguous bytes (a multiple of 16, both
+    addresses 16-byte aligned, no bounds: the source must hold them all), counted on
+    `barrier` in bytes as `tma_load`'s."""
+    _asm(builder, void, "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+         "[$0], [$1], $2, [$3];", "r,l,n,r,~{memory}",
+         [shared_address(builder, dst), builder.ptrtoint(src, i64), i32(nbytes),
+          shared_address(builder, barrier)])
+
+
 def tma_store(builder: ir.IRBuilder, tensor_map: ir.Value, coords: list[ir.Value],
               src: ir.Value) -> None:
     """`cp.async.bulk.tensor` shared -> global of one box (out-of-bounds parts are not
@@ -191,13 +202,6 @@ def mbarrier_arrive_expect_tx(builder: ir.IRBuilder, barrier: ir.Value,
 def mbarrier_arrive(builder: ir.IRBuilder, barrier: ir.Value) -> None:
     """Arrive once (a consumer releasing a stage, say)."""
     _asm(builder, void, "mbarrier.arrive.shared::cta.b64 _, [$0];", "r,~{memory}",
-         [shared_address(builder, barrier)])
-
-
-def mbarrier_arrive_on_copies(builder: ir.IRBuilder, barrier: ir.Value) -> None:
-    """One arrival on `barrier` once this thread's cp.async copies so far have landed
-    (`cp.async.mbarrier.arrive.noinc`: the barrier's count includes it)."""
-    _asm(builder, void, "cp.async.mbarrier.arrive.noinc.shared.b64 [$0];", "r,~{memory}",
          [shared_address(builder, barrier)])
 
 

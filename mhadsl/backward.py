@@ -113,15 +113,15 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale, determ
     dv = alloc(v.shape, dtype=v.dtype, device=v.device)
     if not (call.batch and call.heads):  # no CTA to launch (empty sequences launch)
         return dq.zero_(), dk.zero_(), dv.zero_()
-    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     tensors = {"q": q, "k": k, "v": v, "o": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv}
-    plans, block_n, accum = _plans(kernel, call, tensors, scale, q.device.index,
-                                   deterministic)
+    plans, block_n, scratch = _plans(kernel, call, tensors, scale, q.device.index,
+                                     deterministic)
     addresses = {name: t.data_ptr() for name, t in tensors.items()}
-    addresses.update(lse=lse.data_ptr(), delta=delta.data_ptr())
-    if not deterministic:  # (deterministic: dQ written by one CTA per query tile)
-        addresses["dq_accum"] = torch.empty(accum, dtype=torch.float32,
-                                            device=q.device).data_ptr()
+    addresses["lse"] = lse.data_ptr()
+    for name, floats in scratch.items():  # (deterministic: no dQ accumulator)
+        if name != "dq_accum" or not deterministic:
+            addresses[name] = torch.empty(floats, dtype=torch.float32,
+                                          device=q.device).data_ptr()
     if call.ragged:
         addresses.update(cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr())
     for name, t in addresses.items():
@@ -141,8 +141,9 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale, determ
 def _plans(kernel, call, tensors: dict, scale: float, device: int,
            deterministic: bool) -> tuple[list, int, int]:
     """The launch plans of a validated call's signature, in launch order (a main kernel
-    without work is not launched), the main kernel's K/V tile and the floats of the dQ
-    accumulator (its layout is the design's): made once, then reused."""
+    without work is not launched), the main kernel's K/V tile and the floats of each
+    scratch buffer, delta and the dQ accumulator (their layouts are the design's): made
+    once, then reused."""
     from mhadsl.runtime import driver
     from mhadsl.runtime.launch import LaunchPlan, TensorShape
     from mhadsl.runtime.tensors import contiguous_strides
@@ -183,10 +184,10 @@ def _plans(kernel, call, tensors: dict, scale: float, device: int,
                         shape[name].shared_bytes, design.kernel_abi(name), config, device,
                         shapes, values, call.ragged, own_tile_index=False)
              for name in design.kernel_names(config) if 0 not in grid[name]]
-    accum = design.dq_accum_elements(config, call.total_q if call.ragged else
-                                     call.batch * call.seqlen_q, call.heads, call.batch,
-                                     call.seqlen_q)
-    state.plans[key] = plans, config.block_n, accum
+    scratch = design.scratch_elements(config, call.total_q if call.ragged else
+                                      call.batch * call.seqlen_q, call.heads, call.batch,
+                                      call.seqlen_q)
+    state.plans[key] = plans, config.block_n, scratch
     return state.plans[key]
 
 

@@ -35,7 +35,8 @@ DESIGN_INSTRUCTIONS = {
                  "ldmatrix.sync.aligned.m8n8.x4.shared.b16", "cp.async.cg.shared.global",
                  "ex2.approx", "cp.async.ca.shared.global"),
     "backward_sm90": ("wgmma.mma_async.sync.aligned.m64n64k16.f32", "cp.async.bulk.tensor.4d",
-                      "mbarrier.try_wait.parity", "ex2.approx", "cp.async.ca.shared.global"),
+                      "mbarrier.try_wait.parity", "ex2.approx",
+                      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"),
 }
 
 

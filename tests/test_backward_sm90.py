@@ -100,9 +100,10 @@ def test_the_causal_build_assembles_without_spills(head_dim, monkeypatch, tmp_pa
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_a_producer_warpgroup_feeds_two_consumers(head_dim, tmp_path, monkeypatch):
     """FlashAttention-3's layout: the producer gives registers back and loads each query
-    step (TMA, and cp.async arriving on the stage's full mbarrier); the consumers take
-    registers, meet at one named barrier per step (dS^T is complete), free the stage and
-    stage dQ behind a barrier of their warpgroup's."""
+    step by its first lane (TMA of Q and dO, one bulk copy of the tile's LSE and delta,
+    all on the stage's full mbarrier, no per-lane copies); the consumers take registers,
+    meet at one named barrier per step (dS^T is complete), free the stage and stage dQ
+    behind a barrier of their warpgroup's."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     source = ('import "std/schedulers.mha"\nattention t { dtype = bf16  head_dim = '
               f'{head_dim}\n mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }}')
@@ -111,12 +112,18 @@ def test_a_producer_warpgroup_feeds_two_consumers(head_dim, tmp_path, monkeypatc
     producer, consumers = H.REGISTERS
     for text in (f"setmaxnreg.dec.sync.aligned.u32 \t{producer};",
                  f"setmaxnreg.inc.sync.aligned.u32 \t{consumers};",
-                 "cp.async.mbarrier.arrive.noinc.shared.b64",
                  f"bar.sync \t{nvptx.DS_BARRIER}, 256;",
                  "mbarrier.arrive.shared::cta.b64", "st.shared.v4.f32",
                  "cp.async.bulk.wait_group.read 0;", "cp.async.bulk.wait_group 0;"):
         assert text in build.ptx, text
     assert re.search(r"bar\.sync \t%r\d+, 128;", build.ptx)  # the warpgroup's dQ barrier
+    stats_bytes = 4 * len(H.STATS) * 64
+    assert re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes"
+                      r"\s+\[%r\d+\], \[%rd\d+\], (\d+), \[%r\d+\];", build.ptx) == [str(stats_bytes)]
+    expect = 2 * 64 * 2 * head_dim + stats_bytes  # Q, dO and the stats of a step
+    assert any("expect_tx" in line and f"i32 {expect})" in line
+               for line in build.llvm.splitlines())
+    assert "cp.async.ca" not in build.ptx and "cp.async.mbarrier" not in build.ptx
     assert "C7508" not in build.assembled.log  # setmaxnreg honoured
     main = build.assembled.kernels["mha_bwd"]
     assert main.spills == 0 and main.stack_bytes == 0, main
@@ -236,10 +243,12 @@ def test_a_ragged_call_maps_all_rows_in_the_boxes_its_copies_expect(kernel, monk
         assert box == [H.BOX_COLUMNS, 1, getattr(config, p.binding.rows), 1], p.name
         expected.add(math.prod(box) * 2 * config.boxes)  # bytes of one tile of the tensor
     assert expected == {config.q_bytes, config.kv_bytes}
-    # the kernel's expect_tx: K and V's tiles together, a step's Q and dO together
+    # the kernel's expect_tx: K and V's tiles together, a step's Q and dO together with its
+    # stats block
     announced = {int(n) for n in re.findall(
         r'"mbarrier\.arrive\.expect_tx[^"]*", "[^"]*"\(i32 %"[^"]+", i32 (\d+)\)', build.llvm)}
-    assert announced == {2 * config.q_bytes, 2 * config.kv_bytes}
+    assert announced == {2 * config.q_bytes + 4 * len(H.STATS) * config.block_m,
+                         2 * config.kv_bytes}
     assert struct.unpack_from("<Q", main, H.ABI.offsets["tile_index"])[0] == \
         addresses["tile_index"]
 
@@ -294,14 +303,14 @@ def _host_accum_offset(config):
 def test_dq_accumulator_places_every_sequences_rows_apart_within_its_size(ragged):
     """The kernel's and the row kernels' addressing (`_accum_offset`, run on the host):
     a tile's block is its (tile, head) pair's, its values at `dq_accum_position`; no two
-    (sequence, row, head, column) share a float, and all fit in `dq_accum_elements` (ragged:
+    (sequence, row, head, column) share a float, and all fit in `scratch_elements` (ragged:
     sequences of lengths 0, 1, 63, 64, 65, 130 back to back)."""
     config = H.HopperBackwardConfig("bf16", 64, ragged=ragged)
     offset = _host_accum_offset(config)
     heads, bm, D = 3, config.block_m, config.head_dim
     lengths = [0, 1, 63, 64, 65, 130] if ragged else [70] * 3
     starts = np.concatenate([[0], np.cumsum(lengths)])[:-1]
-    size = H.dq_accum_elements(config, sum(lengths), heads, len(lengths), lengths[0])
+    size = H.scratch_elements(config, sum(lengths), heads, len(lengths), lengths[0])["dq_accum"]
     places = set()
     for bidx, (start, length) in enumerate(zip(starts, lengths)):
         first = (start + bidx * bm) // bm if ragged else bidx * -(-length // bm)
@@ -311,5 +320,47 @@ def test_dq_accumulator_places_every_sequences_rows_apart_within_its_size(ragged
                     got = offset(bidx, int(start), row, h, col, lengths[0], heads)
                     block = (first + row // bm) * heads + h
                     assert got == block * bm * D + H.dq_accum_position(config, row % bm, col)
+                    assert 0 <= got < size and got not in places
+                    places.add(got)
+
+
+def _host_stats_offset(config, which):
+    """`_stats_offset` compiled for the host: (bidx, start, row, head, seqlen_q, num_heads)
+    -> float offset."""
+    from mhadsl.codegen.target import HostJit
+    module = ir.Module("stats")
+    fn = ir.Function(module, ir.FunctionType(nvptx.i64, [nvptx.i32] * 6), "stats_offset")
+    b = ir.IRBuilder(fn.append_basic_block())
+    bidx, start, row, head, seqlen_q, num_heads = fn.args
+    args = SimpleNamespace(seqlen_q=seqlen_q, num_heads=num_heads)
+    b.ret(H._stats_offset(b, config, args, bidx, start, row, head, which))
+    jit = HostJit(str(module))
+    call = ctypes.CFUNCTYPE(ctypes.c_int64, *[ctypes.c_int32] * 6)(jit.address("stats_offset"))
+    call.jit = jit
+    return call
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_query_tiles_stats_are_one_bulk_copy_of_their_own(ragged):
+    """The stats (`_stats_offset`, run on the host): a query tile's LSE rows then its delta
+    rows, contiguous from the tile's first LSE (the step's one bulk copy of 2 block_m
+    floats), the rows past the sequence up to the tile's end included (the preprocess
+    zeroes them); no two (sequence, row, head, stat) share a float, and all fit in
+    `scratch_elements`."""
+    config = H.HopperBackwardConfig("bf16", 128, ragged=ragged)
+    offsets = {which: _host_stats_offset(config, which) for which in H.STATS}
+    heads, bm = 3, config.block_m
+    lengths = [0, 1, 63, 64, 65, 130] if ragged else [70] * 3
+    starts = np.concatenate([[0], np.cumsum(lengths)])[:-1]
+    size = H.scratch_elements(config, sum(lengths), heads, len(lengths), lengths[0])["delta"]
+    places = set()
+    for bidx, (start, length) in enumerate(zip(starts, lengths)):
+        for row in range(-(-length // bm) * bm):
+            for h in range(heads):
+                tile_start = offsets["lse"](bidx, int(start), row - row % bm, h, lengths[0],
+                                            heads)
+                for i, which in enumerate(H.STATS):
+                    got = offsets[which](bidx, int(start), row, h, lengths[0], heads)
+                    assert got == tile_start + i * bm + row % bm
                     assert 0 <= got < size and got not in places
                     places.add(got)

@@ -74,11 +74,11 @@ def kernel_abi(name: str) -> KernelABI:
     return ABI
 
 
-def dq_accum_elements(config: BackwardConfig, q_rows: int, heads: int, batch: int,
-                      seqlen_q: int) -> int:
-    """Floats of the atomic mode's dQ accumulator: q's shape (`q_rows` rows of all
-    sequences)."""
-    return q_rows * heads * config.head_dim
+def scratch_elements(config: BackwardConfig, q_rows: int, heads: int, batch: int,
+                     seqlen_q: int) -> dict[str, int]:
+    """Floats of each scratch buffer for `q_rows` query rows of all sequences: delta, the
+    LSE's layout; the atomic mode's dQ accumulator, q's shape."""
+    return {"dq_accum": q_rows * heads * config.head_dim, "delta": q_rows * heads}
 
 
 # ============================================================================ configuration
@@ -359,6 +359,13 @@ class _RowKernel:
             row = b.add(first, b.add(self.row_in_pass, i32(p * rows_per_pass)))
             each(b, row, b.icmp_signed("<", row, self.seqlen))
 
+    def store_delta(self, b, row, valid, delta) -> None:
+        """Row `row`'s delta (the row's lanes all hold it; the first stores), in the LSE's
+        layout."""
+        with b.if_then(b.and_(valid, b.icmp_unsigned("==", self.chunk, i32(0)))):
+            off = _lse_offset(b, self.a, self.bidx, self.h, b.add(self.start, row))
+            b.store(delta, _gep(b, self.a.delta, off, f32), align=4)
+
     def accum_chunk(self, b, row) -> list[tuple[ir.Value, int]]:
         """The dQ accumulator's values of the thread's 8 columns of `row`, as (pointer,
         consecutive floats there): q's layout, one run of 8."""
@@ -398,9 +405,7 @@ def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs, rows=None):
         (partial,) = _guarded(b, valid, dot, [warp.fconst(0.0)])
         for m in range(k.lanes_per_row.bit_length() - 1):  # the row's lanes: 1, 2, 4, (8)
             partial = b.fadd(partial, warp.shfl_bfly(b, partial, 1 << m))
-        with b.if_then(b.and_(valid, b.icmp_unsigned("==", k.chunk, i32(0)))):
-            ptr = _gep(b, args.delta, _lse_offset(b, args, k.bidx, k.h, b.add(k.start, r)), f32)
-            b.store(partial, ptr, align=4)
+        k.store_delta(b, r, valid, partial)
     k.rows(b, row)
 
 

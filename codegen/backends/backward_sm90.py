@@ -1,8 +1,9 @@
 """The Hopper (sm_90a) backward pass: TMA + mbarrier + wgmma, warp-specialised.
 
 The same three kernels as `codegen.backends.backward` (preprocess, main, postprocess: the
-row kernels are that module's), with a main kernel `mha_bwd` built for Hopper in
-FlashAttention-3's layout:
+row kernels are that module's, over this design's scratch buffers, which keep one block per
+query tile: the stats and dQ's accumulator below), with a main kernel `mha_bwd` built for
+Hopper in FlashAttention-3's layout:
 
 - a CTA of three warpgroups (384 threads) owns one K/V tile of `block_n` = 128 rows of one
   (batch, K/V head), handed out by the declaration's scheduler (the same work space as the
@@ -15,9 +16,8 @@ FlashAttention-3's layout:
   box per 64 head-dim columns), then, for each query tile (`block_m` = 64 rows) of every
   query head of the GQA group that the mask's classification does not prove empty, waits
   until a stage of the ring (`stages`) is empty and loads the step's Q and dO into it by
-  TMA (lane 0's expect_tx) and its LSE and delta rows by cp.async (every lane, rows past
-  the sequence zero-filled, `cp.async.mbarrier.arrive.noinc`), all on the stage's full
-  mbarrier;
+  TMA and the tile's stats block (its LSE and delta rows, which the preprocess wrote with
+  zeros past the sequence) by one bulk copy, all by lane 0 on the stage's full mbarrier;
 - per step each consumer warpgroup waits until the stage is full and computes by wgmma:
   S^T = K Q^T and dP^T = V dO^T (both operands K-major in shared memory), P^T =
   exp2(S^T scale log2e - LSE) with the score hook and the mask on partial tiles (the sm80
@@ -53,7 +53,7 @@ keep the sm80-style design (`Backend.runs_layout`). Ragged tensors are mapped as
 forward's (`codegen.backends.sm90`): (1, total rows, H, D), a sequence's rows `start + row`
 of batch 0 (`hopper.map_batch`). A box that crosses a sequence's end holds the next
 sequence's rows where a dense build's holds zeros: the keys there are masked as the dense
-tail's are (P^T = 0), the query rows get P^T = 0 (`_neg_lse`) and zero-filled LSE and delta,
+tail's are (P^T = 0), the query rows get P^T = 0 (`_neg_lse`) and zero LSE and delta,
 and no gradient row past the end is written, so those rows add exact zeros as long as they
 hold finite values (0 * inf is NaN inside a GEMM; the forward's ragged build shares this)."""
 from __future__ import annotations
@@ -73,7 +73,8 @@ from mhadsl.codegen.backends import backward as sm80
 from mhadsl.codegen.backends.sm90 import _rename_new_functions
 from mhadsl.codegen.backends.backward import (
     MAIN, POSTPROCESS, PREPROCESS, ROW_THREADS, BackwardConfig, _emit_postprocess,
-    _emit_preprocess, _gep, _lse_offset, _Lanes, _MainKernel, _RowKernel, _TileKernel,
+    _emit_preprocess, _gep, _guarded, _lse_offset, _Lanes, _MainKernel, _RowKernel,
+    _TileKernel,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.scheduler import count_exit
@@ -154,11 +155,14 @@ def shared_bytes(config: HopperBackwardConfig) -> int:
     return SWIZZLE_SLACK + _offsets(config)["end"]
 
 
-# ============================================================================ dQ's accumulator
-# fp32, one block of block_m x D values per (query tile, query head), blocks ordered (tile,
-# head); a sequence's tiles start at block row (start + b block_m) // block_m, ragged, or
-# b ceil(Sq / block_m), dense, so no two sequences share a tile. Within a block the values
-# are in the consumers' register order, which makes a warpgroup's half one contiguous run.
+# ============================================================================ per query tile
+# Two scratch buffers hold one block per (query tile of block_m rows, query head), blocks
+# ordered (tile, head); a sequence's tiles start at block row (start + b block_m) // block_m,
+# ragged, or b ceil(Sq / block_m), dense, so no two sequences share a tile:
+# - dQ's fp32 accumulator (`dq_accum`): block_m x D values in the consumers' register order,
+#   which makes a warpgroup's half one contiguous run (`dq_accum_position`);
+# - the stats (`delta`): the tile's LSE (copied from the forward's) then its delta, block_m
+#   floats each, zero on the rows past the sequence: one bulk copy per query step.
 def dq_accum_position(config: HopperBackwardConfig, row: int, col: int) -> int:
     """The float of (row, col) of a query tile within its block: half g = col // (D/2) is
     warpgroup g's, and accumulator j of its thread t (`hopper.accumulator_position`) sits at
@@ -171,28 +175,37 @@ def dq_accum_position(config: HopperBackwardConfig, row: int, col: int) -> int:
         + 2 * (r // 8) + c % 2
 
 
-def dq_accum_elements(config: HopperBackwardConfig, q_rows: int, heads: int, batch: int,
-                      seqlen_q: int) -> int:
-    """Floats of the accumulator for `batch` sequences of `q_rows` query rows in all
+STATS = ("lse", "delta")  # a stats block's rows, in order
+
+
+def scratch_elements(config: HopperBackwardConfig, q_rows: int, heads: int, batch: int,
+                     seqlen_q: int) -> dict[str, int]:
+    """Floats of each scratch buffer for `batch` sequences of `q_rows` query rows in all
     (`seqlen_q` each when dense)."""
     bm = config.block_m
     tiles = (q_rows + batch * bm) // bm if config.ragged else batch * -(-seqlen_q // bm)
-    return tiles * heads * bm * config.head_dim
+    return {"dq_accum": tiles * heads * bm * config.head_dim,
+            "delta": tiles * heads * len(STATS) * bm}
 
 
-def _accum_offset(b, config: HopperBackwardConfig, args, bidx, start, row, head,
-                  col) -> ir.Value:
-    """The float offset (i64) of dQ's (row, head, col) of sequence bidx (its rows from
-    `start` of all when ragged): its query tile's block, then `dq_accum_position`. Columns
-    col and col + 1 (col even) are adjacent, and (row at a tile's start, col at a half's
-    start) begins that warpgroup's run."""
-    bm, half = config.block_m, config.head_dim // 2
+def _block(b, config: HopperBackwardConfig, args, bidx, start, row, head) -> ir.Value:
+    """The block (i64) of query row `row` of sequence bidx (its rows from `start` of all
+    when ragged) and query head `head`."""
+    bm = config.block_m
     if config.ragged:
         first = b.udiv(b.add(start, b.mul(bidx, i32(bm))), i32(bm))
     else:
         first = b.mul(bidx, b.udiv(b.add(args.seqlen_q, i32(bm - 1)), i32(bm)))
     tile = b.add(first, b.udiv(row, i32(bm)))
-    block = b.add(b.mul(b.zext(tile, i64), b.zext(args.num_heads, i64)), b.zext(head, i64))
+    return b.add(b.mul(b.zext(tile, i64), b.zext(args.num_heads, i64)), b.zext(head, i64))
+
+
+def _accum_offset(b, config: HopperBackwardConfig, args, bidx, start, row, head,
+                  col) -> ir.Value:
+    """The float offset (i64) of dQ's (row, head, col) of sequence bidx: its block, then
+    `dq_accum_position`. Columns col and col + 1 (col even) are adjacent, and (row at a
+    tile's start, col at a half's start) begins that warpgroup's run."""
+    bm, half = config.block_m, config.head_dim // 2
     r, g, c = b.urem(row, i32(bm)), b.udiv(col, i32(half)), b.urem(col, i32(half))
     r16 = b.and_(r, i32(15))
     t = b.add(b.add(b.shl(b.lshr(r, i32(4)), i32(5)), b.shl(b.and_(r16, i32(7)), i32(2))),
@@ -201,11 +214,38 @@ def _accum_offset(b, config: HopperBackwardConfig, args, bidx, start, row, head,
                    b.add(b.shl(b.add(b.mul(b.lshr(c, i32(3)), i32(hopper.WARPGROUP_THREADS)),
                                      t), i32(2)),
                          b.add(b.shl(b.lshr(r16, i32(3)), i32(1)), b.and_(c, i32(1)))))
+    block = _block(b, config, args, bidx, start, row, head)
     return b.add(b.mul(block, i64(bm * config.head_dim)), b.zext(within, i64))
 
 
+def _stats_offset(b, config: HopperBackwardConfig, args, bidx, start, row, head,
+                  which: str) -> ir.Value:
+    """The float offset (i64) of query row `row`'s LSE or delta (`which`); at a tile's first
+    row, its LSE begins the block's bulk copy."""
+    bm = config.block_m
+    block = _block(b, config, args, bidx, start, row, head)
+    first = b.mul(block, i64(len(STATS) * bm))
+    return b.add(first, b.zext(b.add(b.urem(row, i32(bm)), i32(STATS.index(which) * bm)), i64))
+
+
 class _Rows(_RowKernel):
-    """The row kernels over this design's dQ accumulator (`dq_accum_position`)."""
+    """The row kernels over this design's scratch buffers (per query tile)."""
+
+    def store_delta(self, b, row, valid, delta) -> None:
+        """Row `row`'s stats (by the row's first lane): its LSE and delta, zeros past the
+        sequence up to the end of its tile (a bulk copy reads whole tiles)."""
+        bm = self.c.block_m
+        tile_end = b.mul(b.udiv(b.add(self.seqlen, i32(bm - 1)), i32(bm)), i32(bm))
+        with b.if_then(b.and_(b.icmp_signed("<", row, tile_end),
+                              b.icmp_unsigned("==", self.chunk, i32(0)))):
+            def forward_lse(b):
+                off = _lse_offset(b, self.a, self.bidx, self.h, b.add(self.start, row))
+                return [b.load(_gep(b, self.a.lse, off, f32), typ=f32)]
+            (lse,) = _guarded(b, valid, forward_lse, [warp.fconst(0.0)])
+            for which, value in zip(STATS, (lse, b.select(valid, delta, warp.fconst(0.0)))):
+                off = _stats_offset(b, self.c, self.a, self.bidx, self.start, row, self.h,
+                                    which)
+                b.store(value, _gep(b, self.a.delta, off, f32), align=4)
 
     def accum_chunk(self, b, row) -> list[tuple[ir.Value, int]]:
         """The thread's 8 columns of `row`: four pairs, those of four consecutive
@@ -354,9 +394,8 @@ class _HopperMain(_MainKernel):
         self.tile_count = b.alloca(i32, name="tile_count")
         b.store(i32(0), self.step_count)
         b.store(i32(0), self.tile_count)
-        # full: the first producer lane's expect_tx and each producer lane's LSE and delta
-        # copies; empty: every consumer thread
-        self._init_barriers(b, [1] + [1 + 32] * c.stages
+        # full: the first producer lane's expect_tx; empty: every consumer thread
+        self._init_barriers(b, [1] + [1] * c.stages
                             + [2 * hopper.WARPGROUP_THREADS] * c.stages)
         module = b.module
         tid = nvptx.special_register(b, "thread_idx", "x")
@@ -438,15 +477,16 @@ class _HopperMain(_MainKernel):
             ir_loop(b, self._next_step(b, i32(0), steps, pair_of), steps, [], body)
 
     def _load_step(self, b, h, q0, stage) -> None:
-        """The producer's first warp: Q and dO of the query tile at q0 of head h by TMA into
-        `stage` (lane 0), its LSE and delta rows by cp.async (rows past the sequence
-        zero-filled), all completing on the stage's full mbarrier."""
+        """The producer's first lane: Q and dO of the query tile at q0 of head h by TMA into
+        `stage`, and the tile's stats block (its LSE and delta rows, zeros past the
+        sequence: `STATS`) by one bulk copy, all completing on the stage's full mbarrier."""
         c, a = self.c, self.a
         lane = nvptx.opaque_special_register(b, "tid.x")  # (the first warp's)
         q_row = b.add(self.q_start, q0)
         full = self._full(b, stage)
+        stats_bytes = 4 * len(STATS) * c.block_m
         with b.if_then(b.icmp_unsigned("==", lane, i32(0))):
-            hopper.mbarrier_arrive_expect_tx(b, full, 2 * c.q_bytes)
+            hopper.mbarrier_arrive_expect_tx(b, full, 2 * c.q_bytes + stats_bytes)
             for which in ("q", "dout"):
                 tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
                 base = self._stage_off(b, stage, which)
@@ -454,16 +494,9 @@ class _HopperMain(_MainKernel):
                     dst = self._ptr(b, b.add(base, i32(box * c.block_m * SW)))
                     hopper.tma_load(b, dst, tmap,
                                     [self._map_batch(), q_row, h, i32(box * BOX_COLUMNS)], full)
-        rows_valid = b.sub(self.seqlen_q, q0)
-        for first in range(0, c.block_m, 32):
-            row = b.add(lane, i32(first))
-            valid = b.icmp_signed("<", row, rows_valid)
-            off = _lse_offset(b, a, self.bidx, h, b.add(q_row, b.select(valid, row, i32(0))))
-            for name in ("lse", "delta"):
-                dst = self._ptr(b, b.add(self._stage_off(b, stage, name), b.shl(row, i32(2))))
-                nvptx.call(b, "llvm.nvvm.cp.async.ca.shared.global.4.s", nvptx.void,
-                           [dst, _gep(b, a[name], off, f32), b.select(valid, i32(4), i32(0))])
-        hopper.mbarrier_arrive_on_copies(b, full)
+            stats = _stats_offset(b, c, a, self.bidx, self.q_start, q0, h, STATS[0])
+            hopper.bulk_load(b, self._ptr(b, self._stage_off(b, stage, STATS[0])),
+                             _gep(b, a.delta, stats, f32), stats_bytes, full)
 
     def _consumer_tile(self, b, seq) -> None:
         """The consumers: per query step, once its stage is full, `_step` (which frees the
