@@ -1,6 +1,6 @@
 """compute-sanitizer's memcheck and racecheck over the backward pass: dense and ragged batches
 (lengths 0 and 1 among them), causal, GQA, softcap, fp16 D64, D256, each in atomic and
-deterministic mode (on sm_90a, atomic calls run the Hopper design but softcap's and D256's).
+deterministic mode (on sm_90a, atomic calls run the Hopper design but D256's).
 Needs an NVIDIA GPU, torch and compute-sanitizer on PATH.
 
     python3 benchmarks/sanitize_backward.py [--tools memcheck,racecheck]
@@ -22,8 +22,8 @@ from sanitize import relative_error, worker_main  # noqa: E402
 
 KERNELS = "mha_"  # what compute-sanitizer watches
 CASES = [  # example file or source, kernel, query heads, K/V heads, lengths (None: dense
-    # B1 S130); atomic calls on sm_90a run the Hopper design (dense or ragged; not softcap's
-    # or D256's), deterministic ones the sm80-style design
+    # B1 S130); atomic calls on sm_90a run the Hopper design (dense or ragged; not D256's),
+    # deterministic ones the sm80-style design
     ("examples/causal.mha", "causal_fwd", 2, 2, None),
     ("examples/gqa.mha", "gqa_causal", 8, 2, [70, 0, 129]),
     ("examples/softcap.mha", "softcap_causal", 2, 2, [1, 200]),

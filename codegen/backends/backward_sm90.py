@@ -53,7 +53,7 @@ keep the sm80-style design (`Backend.runs_layout`). Ragged tensors are mapped as
 forward's (`codegen.backends.sm90`): (1, total rows, H, D), a sequence's rows `start + row`
 of batch 0 (`hopper.map_batch`). A box that crosses a sequence's end holds the next
 sequence's rows where a dense build's holds zeros: the keys there are masked as the dense
-tail's are (P^T = 0), the query rows get P^T = 0 (`_neg_lse`) and zero LSE and delta,
+tail's are (P^T = 0), the query rows get P^T = 0 (-inf in the stats) and zero delta,
 and no gradient row past the end is written, so those rows add exact zeros as long as they
 hold finite values (0 * inf is NaN inside a GEMM; the forward's ragged build shares this)."""
 from __future__ import annotations
@@ -142,13 +142,13 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     stage_bytes = 2 * c.q_bytes  # Q, dO
     ds = stage0 + c.stages * stage_bytes
     ds_bytes = c.block_n * c.block_m * 2
-    lse = ds + 2 * ds_bytes  # dS^T: a tile per step parity
-    dq = lse + c.stages * 8 * c.block_m  # per stage: LSE, delta (block_m floats each)
+    stats = ds + 2 * ds_bytes  # dS^T: a tile per step parity
+    dq = stats + c.stages * 8 * c.block_m  # per stage: the tile's stats block (`STATS`)
     dq_bytes = 4 * c.block_m * c.head_dim  # dQ's staging tile: a half per warpgroup
     bars = dq + dq_bytes
     end = bars + (1 + 2 * c.stages) * hopper.MBARRIER_BYTES  # K/V's; per stage full, empty
     return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, ds_bytes=ds_bytes,
-                lse=lse, dq=dq, dq_bytes=dq_bytes, bars=bars, end=end)
+                stats=stats, dq=dq, dq_bytes=dq_bytes, bars=bars, end=end)
 
 
 def shared_bytes(config: HopperBackwardConfig) -> int:
@@ -161,8 +161,9 @@ def shared_bytes(config: HopperBackwardConfig) -> int:
 # ragged, or b ceil(Sq / block_m), dense, so no two sequences share a tile:
 # - dQ's fp32 accumulator (`dq_accum`): block_m x D values in the consumers' register order,
 #   which makes a warpgroup's half one contiguous run (`dq_accum_position`);
-# - the stats (`delta`): the tile's LSE (copied from the forward's) then its delta, block_m
-#   floats each, zero on the rows past the sequence: one bulk copy per query step.
+# - the stats (`delta`): the tile's -LSE log2(e) (from the forward's LSE; -inf where a row
+#   keeps no key and past the sequence, so P = 0 there without a test per element) then its
+#   delta (zero past the sequence), block_m floats each: one bulk copy per query step.
 def dq_accum_position(config: HopperBackwardConfig, row: int, col: int) -> int:
     """The float of (row, col) of a query tile within its block: half g = col // (D/2) is
     warpgroup g's, and accumulator j of its thread t (`hopper.accumulator_position`) sits at
@@ -175,7 +176,7 @@ def dq_accum_position(config: HopperBackwardConfig, row: int, col: int) -> int:
         + 2 * (r // 8) + c % 2
 
 
-STATS = ("lse", "delta")  # a stats block's rows, in order
+STATS = ("neg_lse", "delta")  # a stats block's rows, in order
 
 
 def scratch_elements(config: HopperBackwardConfig, q_rows: int, heads: int, batch: int,
@@ -232,8 +233,9 @@ class _Rows(_RowKernel):
     """The row kernels over this design's scratch buffers (per query tile)."""
 
     def store_delta(self, b, row, valid, delta) -> None:
-        """Row `row`'s stats (by the row's first lane): its LSE and delta, zeros past the
-        sequence up to the end of its tile (a bulk copy reads whole tiles)."""
+        """Row `row`'s stats (by the row's first lane) up to the end of its tile (a bulk
+        copy reads whole tiles): -LSE log2(e) (`_neg_lse`: -inf past the sequence) and
+        delta (zero past it)."""
         bm = self.c.block_m
         tile_end = b.mul(b.udiv(b.add(self.seqlen, i32(bm - 1)), i32(bm)), i32(bm))
         with b.if_then(b.and_(b.icmp_signed("<", row, tile_end),
@@ -242,7 +244,8 @@ class _Rows(_RowKernel):
                 off = _lse_offset(b, self.a, self.bidx, self.h, b.add(self.start, row))
                 return [b.load(_gep(b, self.a.lse, off, f32), typ=f32)]
             (lse,) = _guarded(b, valid, forward_lse, [warp.fconst(0.0)])
-            for which, value in zip(STATS, (lse, b.select(valid, delta, warp.fconst(0.0)))):
+            neg_lse = _TileKernel._neg_lse(b, lse, row, self.seqlen)
+            for which, value in zip(STATS, (neg_lse, b.select(valid, delta, warp.fconst(0.0)))):
                 off = _stats_offset(b, self.c, self.a, self.bidx, self.start, row, self.h,
                                     which)
                 b.store(value, _gep(b, self.a.delta, off, f32), align=4)
@@ -355,13 +358,13 @@ class _HopperMain(_MainKernel):
         return self._bar(b, b.add(stage, i32(1 + self.c.stages)))
 
     def _stage_off(self, b, stage, which: str) -> ir.Value:
-        """Offset of Q or dO ("q", "dout") of `stage`, or of its LSE or delta rows."""
+        """Offset of Q or dO ("q", "dout") of `stage`, or of one of its stats rows (`STATS`)."""
         o, c = self.off, self.c
         if which in ("q", "dout"):
             extra = 0 if which == "q" else c.q_bytes
             return b.add(i32(o["stage0"] + extra), b.mul(stage, i32(o["stage_bytes"])))
-        extra = 0 if which == "lse" else 4 * c.block_m
-        return b.add(i32(o["lse"] + extra), b.mul(stage, i32(8 * c.block_m)))
+        extra = 4 * c.block_m * STATS.index(which)
+        return b.add(i32(o["stats"] + extra), b.mul(stage, i32(8 * c.block_m)))
 
     def _map_batch(self) -> ir.Value:
         """The work tile's batch coordinate in the tensor maps."""
@@ -528,7 +531,7 @@ class _HopperMain(_MainKernel):
         self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[n_acc:], None)
 
     def _columns(self, b, stage, which: str, lanes) -> list[list[ir.Value]]:
-        """This thread's query columns' LSE or delta: [n-tile][e & 1]."""
+        """This thread's query columns' -LSE log2(e) or delta (`STATS`): [n-tile][e & 1]."""
         start = b.add(self._addr(b, self._stage_off(b, stage, which)), b.shl(lanes.t, i32(3)))
         return [_ld_shared_v2f32(b, b.add(start, i32(32 * j)))
                 for j in range(self.c.block_m // 8)]
@@ -585,10 +588,7 @@ class _HopperMain(_MainKernel):
         s = hopper.fence_operands(b, s)
 
         # P^T (and G with a score rule), under dP^T's GEMM
-        lse = self._columns(b, stage, "lse", lanes)
-        seqlen_q = self.seqlen_q
-        neg_lse = [[self._neg_lse(b, x, q_idx(0, j, e), seqlen_q) for e, x in enumerate(pair)]
-                   for j, pair in enumerate(lse)]
+        neg_lse = self._columns(b, stage, "neg_lse", lanes)
         S = [[s[4 * j: 4 * j + 4] for j in range(BM // 8)]]
         packed_p, G = self._probabilities(b, h, q0, kv0, S, q_idx, kv_idx,
                                           lambda i, j, e: neg_lse[j][e & 1])
