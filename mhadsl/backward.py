@@ -118,10 +118,11 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale, determ
                                      deterministic)
     addresses = {name: t.data_ptr() for name, t in tensors.items()}
     addresses["lse"] = lse.data_ptr()
-    for name, floats in scratch.items():  # (deterministic: no dQ accumulator)
-        if name != "dq_accum" or not deterministic:
-            addresses[name] = torch.empty(floats, dtype=torch.float32,
-                                          device=q.device).data_ptr()
+    # held until the launches are queued: a freed buffer's memory would go to the next one
+    buffers = {name: torch.empty(floats, dtype=torch.float32, device=q.device)
+               for name, floats in scratch.items()
+               if name != "dq_accum" or not deterministic}  # (deterministic: no accumulator)
+    addresses.update((name, t.data_ptr()) for name, t in buffers.items())
     if call.ragged:
         addresses.update(cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr())
     for name, t in addresses.items():
@@ -139,7 +140,7 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale, determ
 
 
 def _plans(kernel, call, tensors: dict, scale: float, device: int,
-           deterministic: bool) -> tuple[list, int, int]:
+           deterministic: bool) -> tuple[list, int, dict[str, int]]:
     """The launch plans of a validated call's signature, in launch order (a main kernel
     without work is not launched), the main kernel's K/V tile and the floats of each
     scratch buffer, delta and the dQ accumulator (their layouts are the design's): made
