@@ -87,7 +87,8 @@ CTA_BARRIER = 0  # bar.sync 0: every thread of the CTA
 PRODUCER_BARRIER = 1  # a named barrier among the producer's threads
 CONSUMER_EPILOGUE_BARRIER = 2  # sm90: around O's staging tile (2 + group: per warpgroup)
 DS_BARRIER = 3  # sm90 backward (a kernel of its own): the consumers' dS^T tile is complete
-DQ_BARRIER = 4  # sm90 backward: 4 + group, the warpgroup's dQ staging tile is written
+DQ_FULL_BARRIER = 4  # sm90 backward: 4 + group, the warpgroup's dQ staging tile is written
+DQ_EMPTY_BARRIER = 6  # sm90 backward: 6 + group, its last bulk reduce-add has read the tile
 
 
 def _cta_threads(builder: ir.IRBuilder) -> ir.Value:
@@ -117,6 +118,14 @@ def barrier_named(builder: ir.IRBuilder, barrier_id: int | ir.Value,
     """Wait at named barrier `barrier_id` until `num_threads` threads arrived (this one too);
     `aligned=False` where its participants meet at different sites (as `barrier_all`)."""
     call(builder, f"llvm.nvvm.barrier.cta.sync{'.aligned' if aligned else ''}.count", void,
+         [_value(barrier_id), _value(num_threads)])
+
+
+def barrier_arrive(builder: ir.IRBuilder, barrier_id: int | ir.Value,
+                   num_threads: int | ir.Value) -> None:
+    """Arrive at named barrier `barrier_id` (of `num_threads` threads) without waiting: the
+    producer's side of a barrier whose consumers `barrier_named` at another site."""
+    call(builder, "llvm.nvvm.barrier.cta.arrive.count", void,
          [_value(barrier_id), _value(num_threads)])
 
 

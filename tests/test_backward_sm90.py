@@ -88,7 +88,7 @@ def test_the_causal_build_assembles_without_spills(head_dim, monkeypatch, tmp_pa
     assert build.backend == "backward_sm90"
     reduces = re.findall(r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32"
                          r"\s+\[%rd\d+\], \[%r\d+\], (\d+);", build.ptx)
-    assert reduces == [str(2 * 64 * head_dim)]
+    assert reduces == [str(2 * 64 * head_dim)] * 2  # the writer warp's, one per warpgroup
     assert not re.search(r"\b(red|atom)\.global\.add\.(v\d\.)?f32", build.ptx)
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in build.ptx
     for resources in build.assembled.kernels.values():
@@ -103,7 +103,9 @@ def test_a_producer_warpgroup_feeds_two_consumers(head_dim, tmp_path, monkeypatc
     step by its first lane (TMA of Q and dO, one bulk copy of the tile's LSE and delta,
     all on the stage's full mbarrier, no per-lane copies); the consumers take registers,
     meet at one named barrier per step (dS^T is complete), free the stage and stage dQ
-    behind a barrier of their warpgroup's."""
+    between two barriers shared with the producer's writer warp: they wait until it frees
+    their staging tile (its last reduce-add has read it) and only arrive once it is
+    written; the writer waits for the reads of each warpgroup's last reduce-add in turn."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     source = ('import "std/schedulers.mha"\nattention t { dtype = bf16  head_dim = '
               f'{head_dim}\n mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }}')
@@ -114,9 +116,16 @@ def test_a_producer_warpgroup_feeds_two_consumers(head_dim, tmp_path, monkeypatc
                  f"setmaxnreg.inc.sync.aligned.u32 \t{consumers};",
                  f"bar.sync \t{nvptx.DS_BARRIER}, 256;",
                  "mbarrier.arrive.shared::cta.b64", "st.shared.v4.f32",
-                 "cp.async.bulk.wait_group.read 0;", "cp.async.bulk.wait_group 0;"):
+                 "cp.async.bulk.wait_group.read 1;", "cp.async.bulk.wait_group.read 0;",
+                 "cp.async.bulk.wait_group 0;"):
         assert text in build.ptx, text
-    assert re.search(r"bar\.sync \t%r\d+, 128;", build.ptx)  # the warpgroup's dQ barrier
+    parties = H.DQ_PARTIES
+    for g in range(2):  # the writer's side
+        assert f"barrier.arrive \t{nvptx.DQ_EMPTY_BARRIER + g}, {parties};" in build.ptx
+        assert f"barrier.sync \t{nvptx.DQ_FULL_BARRIER + g}, {parties};" in build.ptx
+    # the consumers' side (the warpgroup's barrier by register)
+    assert re.search(rf"barrier\.sync \t%r\d+, {parties};", build.ptx)
+    assert re.search(rf"barrier\.arrive \t%r\d+, {parties};", build.ptx)
     stats_bytes = 4 * len(H.STATS) * 64
     copies = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::"
                         r"bytes\s+\[%r\d+\], \[%rd\d+\], (\d+), \[%r\d+\];", build.ptx)

@@ -83,6 +83,8 @@ from mhadsl.codegen.target import Target
 SMEM_SYMBOL = "mha_bwd_sm90_smem"
 HEAD_DIMS = (64, 128)
 GROUP_ROWS = 64  # K/V rows per warpgroup (wgmma's M)
+WRITER_WARP = 1  # the producer warpgroup's warp that adds dQ into the accumulator
+DQ_PARTIES = hopper.WARPGROUP_THREADS + 32  # a dQ staging tile's barriers: its warpgroup, the writer
 BOX_COLUMNS = 64  # head-dim columns per TMA box: 128 bytes, the swizzle's row
 SW = hopper.SWIZZLE_BYTES
 SWIZZLE_SLACK = hopper.SWIZZLE_ATOM_BYTES
@@ -380,10 +382,6 @@ class _HopperMain(_MainKernel):
         """The index in its consumer warpgroup of consumer thread `tid` (`_tid`)."""
         return b.and_(tid, i32(hopper.WARPGROUP_THREADS - 1))
 
-    def _first_of_group(self, b, tid):
-        """Whether consumer thread `tid` is its warpgroup's first (the bulk copies' issuer)."""
-        return b.icmp_unsigned("==", self._group_thread(b, tid), i32(0))
-
     def _lanes(self, b) -> _Lanes:
         return _Lanes(b, self.c, self._tid(b))
 
@@ -412,14 +410,15 @@ class _HopperMain(_MainKernel):
                 before = set(module.globals)
                 work_loop(b, sm80.scheduler_view(args), self._producer_tile)
                 _rename_new_functions(module, before, ".producer")
+                # dQ's last bulk reduce-adds have read the staging tiles and are done
+                writer = nvptx.opaque_special_register(b, "tid.x")
+                with b.if_then(b.icmp_unsigned("==", writer, i32(WRITER_WARP * 32))):
+                    hopper.bulk_wait_group(b, 0)
             with consumer:
                 hopper.setmaxnreg(b, consumer_registers, increase=True)
                 args = KernelArgs(self.a.function, ABI, c, opaque_env=c.opaque_env,
                                   divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS)
                 work_loop(b, sm80.scheduler_view(args), self._consumer_tile)
-                # dQ's last bulk reduce-adds have read the staging tiles and are done
-                with b.if_then(self._first_of_group(b, self._tid(b))):
-                    hopper.bulk_wait_group(b, 0)
         count_exit(b, self.a.queue)
         _hoist_allocas(b.function)
 
@@ -450,34 +449,46 @@ class _HopperMain(_MainKernel):
 
     def _producer_tile(self, b, seq) -> None:
         """The producer's first warp: K and V of the work tile by TMA, then per query step,
-        once the consumers freed its stage, Q and dO by TMA and LSE and delta by cp.async."""
+        once the consumers freed its stage, Q, dO and the stats (`_load_step`). Its second
+        warp, the writer, adds each step's dQ into the accumulator (`_write_dq`)."""
         c, a = self.c, self.a
         self._start_work_tile(b, seq)
         tid = nvptx.opaque_special_register(b, "tid.x")
-        with b.if_then(b.icmp_unsigned("<", tid, i32(32))):
-            with b.if_then(b.icmp_unsigned("==", tid, i32(0))):
-                bar = self._bar(b, 0)
-                hopper.mbarrier_arrive_expect_tx(b, bar, 2 * c.kv_bytes)
-                row = b.add(self.k_start, self.kv0)
-                for which in ("k", "v"):
-                    tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
-                    for box in range(c.boxes):
-                        dst = self._ptr(b, self.off[which] + box * c.block_n * SW)
-                        hopper.tma_load(b, dst, tmap,
-                                        [self._map_batch(), row, self.hk,
-                                         i32(box * BOX_COLUMNS)], bar)
-            steps_of, pair_of = self._query_steps()
-            steps = steps_of(b)
+        steps_of, pair_of = self._query_steps()
+        with b.if_else(b.icmp_unsigned("<", tid, i32(32))) as (loader, other):
+            with loader:
+                with b.if_then(b.icmp_unsigned("==", tid, i32(0))):
+                    bar = self._bar(b, 0)
+                    hopper.mbarrier_arrive_expect_tx(b, bar, 2 * c.kv_bytes)
+                    row = b.add(self.k_start, self.kv0)
+                    for which in ("k", "v"):
+                        tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
+                        for box in range(c.boxes):
+                            dst = self._ptr(b, self.off[which] + box * c.block_n * SW)
+                            hopper.tma_load(b, dst, tmap,
+                                            [self._map_batch(), row, self.hk,
+                                             i32(box * BOX_COLUMNS)], bar)
+                steps = steps_of(b)
 
-            def body(b, s, _):
-                count, stage, phase = self._ring_slot(b)
-                hopper.mbarrier_wait(b, self._empty(b, stage), b.xor(phase, i32(1)))
-                h, q0, _ = pair_of(b, s)
-                self._load_step(b, h, q0, stage)
-                b.store(b.add(count, i32(1)), self.step_count)
-                return self._next_step(b, b.add(s, i32(1)), steps, pair_of), []
+                def load(b, s, _):
+                    count, stage, phase = self._ring_slot(b)
+                    hopper.mbarrier_wait(b, self._empty(b, stage), b.xor(phase, i32(1)))
+                    h, q0, _ = pair_of(b, s)
+                    self._load_step(b, h, q0, stage)
+                    b.store(b.add(count, i32(1)), self.step_count)
+                    return self._next_step(b, b.add(s, i32(1)), steps, pair_of), []
 
-            ir_loop(b, self._next_step(b, i32(0), steps, pair_of), steps, [], body)
+                ir_loop(b, self._next_step(b, i32(0), steps, pair_of), steps, [], load)
+            with other:
+                with b.if_then(b.icmp_unsigned("<", tid, i32(32 * (WRITER_WARP + 1)))):
+                    steps = steps_of(b)
+
+                    def write(b, s, _):
+                        h, q0, _ = pair_of(b, s)
+                        self._write_dq(b, h, q0)
+                        return self._next_step(b, b.add(s, i32(1)), steps, pair_of), []
+
+                    ir_loop(b, self._next_step(b, i32(0), steps, pair_of), steps, [], write)
 
     def _load_step(self, b, h, q0, stage) -> None:
         """The producer's first lane: Q and dO of the query tile at q0 of head h by TMA into
@@ -630,22 +641,8 @@ class _HopperMain(_MainKernel):
                 chunk = b.shl(b.xor(g8, i32(nt)), i32(4))
                 _st_shared_b32(b, b.add(b.add(ds_base, chunk), i32(8 * r * SW)), x)
 
-        # dK += dS^T Q
-        frags = [x for slice_ in ds_packed for x in slice_]
-        flat = hopper.fence_operands(b, dk + frags)
-        dk, frags = flat[:len(dk)], flat[len(dk):]
-        q_mn = hopper.smem_descriptors(b, self._ptr(b, q_off), mn_slices, leading_bytes=BM * SW)
-        hopper.wgmma_fence(b)
-        for k, desc in enumerate(q_mn):
-            dk = hopper.wgmma(b, dt, D, frags[4 * k: 4 * k + 4], desc, dk, trans_b=True)
-        hopper.wgmma_commit_group(b)
-
-        # dQ's columns group * D/2.. = dS K: every warpgroup's dS^T rows are in, and the
-        # previous step's dQ staging tiles have been read (their issuers waited)
+        # dQ's columns group * D/2.. = dS K: every warpgroup's dS^T rows are in
         hopper.fence_proxy_async(b)
-        first_thread = self._first_of_group(b, tid)
-        with b.if_then(first_thread):
-            hopper.bulk_wait_group_read(b, 0)
         nvptx.barrier_named(b, nvptx.DS_BARRIER, 2 * hopper.WARPGROUP_THREADS)
         half = D // 2
         ds_descs = hopper.smem_descriptors(b, self._ptr(b, ds_off),
@@ -662,34 +659,65 @@ class _HopperMain(_MainKernel):
         for dsd, kd in zip(ds_descs, k_mn):
             dq = hopper.wgmma(b, dt, half, dsd, kd, dq, trans_a=True, trans_b=True)
         hopper.wgmma_commit_group(b)
+
+        # dK += dS^T Q, after dQ's GEMM: dQ is staged under it
+        frags = [x for slice_ in ds_packed for x in slice_]
+        flat = hopper.fence_operands(b, dk + frags)
+        dk, frags = flat[:len(dk)], flat[len(dk):]
+        q_mn = hopper.smem_descriptors(b, self._ptr(b, q_off), mn_slices, leading_bytes=BM * SW)
+        hopper.wgmma_fence(b)
+        for k, desc in enumerate(q_mn):
+            dk = hopper.wgmma(b, dt, D, frags[4 * k: 4 * k + 4], desc, dk, trans_b=True)
+        hopper.wgmma_commit_group(b)
+        hopper.wgmma_wait_group(b, 1)  # dV's and dQ's groups are done
+        self._stage_dq(b, group, hopper.fence_operands(b, dq))
         hopper.wgmma_wait_group(b, 0)
-        flat = hopper.fence_operands(b, dk + dv + dq)
-        dk, dv, dq = flat[:len(dk)], flat[len(dk):2 * len(dk)], flat[2 * len(dk):]
-        # Q, dO, LSE and delta are read: the stage is the producer's again
+        flat = hopper.fence_operands(b, dk + dv)
+        dk, dv = flat[:len(dk)], flat[len(dk):]
+        # Q, dO and the stats are read: the stage is the producer's again
         hopper.mbarrier_arrive(b, self._empty(b, stage))
-        self._add_dq(b, h, q0, group, first_thread, dq)
         return dk, dv
 
-    def _add_dq(self, b, h, q0, group, first_thread, dq):
+    def _stage_dq(self, b, group, dq):
         """This warpgroup's dQ values (columns group * D/2..) into its staging tile in
-        register order, then, by its first thread, into the accumulator's block of the
-        query tile with one bulk reduce-add (`dq_accum_position`)."""
-        c, o = self.c, self.off
-        half_bytes = o["dq_bytes"] // 2
+        register order, once the writer warp's last bulk reduce-add has read it; the writer
+        adds it into the accumulator (`_write_dq`)."""
         thread = self._group_thread(b, self._tid(b))
-        tile = b.add(i32(o["dq"]), b.mul(group, i32(half_bytes)))
-        start = b.add(self._addr(b, tile), b.shl(thread, i32(4)))
+        nvptx.barrier_named(b, b.add(group, i32(nvptx.DQ_EMPTY_BARRIER)), DQ_PARTIES,
+                            aligned=False)
+        start = b.add(self._addr(b, self._dq_tile(b, group)), b.shl(thread, i32(4)))
         for k in range(len(dq) // 4):
             _st_shared_v4f32(b, b.add(start, i32(16 * hopper.WARPGROUP_THREADS * k)),
                              dq[4 * k: 4 * k + 4])
         hopper.fence_proxy_async(b)
-        nvptx.barrier_named(b, b.add(group, i32(nvptx.DQ_BARRIER)), hopper.WARPGROUP_THREADS)
-        with b.if_then(first_thread):
-            run = _accum_offset(b, c, self.a, self.bidx, self.q_start, q0, h,
-                                b.mul(group, i32(c.head_dim // 2)))
-            hopper.bulk_reduce_add_f32(b, _gep(b, self.a.dq_accum, run, f32),
-                                       self._ptr(b, tile), half_bytes)
-            hopper.bulk_commit_group(b)
+        nvptx.barrier_arrive(b, b.add(group, i32(nvptx.DQ_FULL_BARRIER)), DQ_PARTIES)
+
+    def _dq_tile(self, b, group) -> ir.Value:
+        """Offset of warpgroup `group`'s dQ staging tile (int group or i32)."""
+        group = i32(group) if isinstance(group, int) else group
+        return b.add(i32(self.off["dq"]), b.mul(group, i32(self.off["dq_bytes"] // 2)))
+
+    def _write_dq(self, b, h, q0) -> None:
+        """The writer warp's part of a step: it frees each staging tile once its last bulk
+        reduce-add has read it, then adds each, once written, into the accumulator's block
+        of the query tile at q0 of head h with one bulk reduce-add (`dq_accum_position`).
+        Its first lane issues (bulk groups are per thread)."""
+        c = self.c
+        lane0 = b.icmp_unsigned("==", nvptx.opaque_special_register(b, "tid.x"),
+                                i32(WRITER_WARP * 32))
+        for g in range(2):  # the groups are committed in order: g's is the (2 - g)-th last
+            with b.if_then(lane0):
+                hopper.bulk_wait_group_read(b, 1 - g)
+            nvptx.barrier_arrive(b, i32(nvptx.DQ_EMPTY_BARRIER + g), DQ_PARTIES)
+        for g in range(2):
+            nvptx.barrier_named(b, i32(nvptx.DQ_FULL_BARRIER + g), DQ_PARTIES, aligned=False)
+            with b.if_then(lane0):
+                run = _accum_offset(b, c, self.a, self.bidx, self.q_start, q0, h,
+                                    i32(g * (c.head_dim // 2)))
+                hopper.bulk_reduce_add_f32(b, _gep(b, self.a.dq_accum, run, f32),
+                                           self._ptr(b, self._dq_tile(b, g)),
+                                           self.off["dq_bytes"] // 2)
+                hopper.bulk_commit_group(b)
 
 
 # ============================================================================ module
