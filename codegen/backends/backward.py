@@ -887,12 +887,13 @@ class _MainKernel(_TileKernel):
         return b.add(b.ptrtoint(record, i32), i32(4 * WORK_TILE_FIELDS.index(field)))
 
     def _park(self, b, values: dict[str, ir.Value]) -> None:
+        """Thread 0 parks the work tile's values in shared memory; each use reads them back
+        (`_parked`): held in registers across the step loop, beside dK and dV, the values a
+        scheduler hands out cost spills (block indices would rematerialise). Without
+        `park_work_tile` they stay in registers."""
         if not self.c.park_work_tile:
             self.held = values
             return
-        """Thread 0 parks the work tile's values in shared memory; each use reads them back
-        (`_parked`): held in registers across the step loop, beside dK and dV, the values a
-        scheduler hands out cost spills (block indices would rematerialise)."""
         with b.if_then(b.icmp_unsigned("==", self._lanes(b).tid, i32(0))):
             for name, value in values.items():
                 b.store(value, b.inttoptr(self._record(b, name), nvptx.ptr(SHARED)))

@@ -22,31 +22,37 @@ Hopper in FlashAttention-3's layout:
   S^T = K Q^T and dP^T = V dO^T (both operands K-major in shared memory), P^T =
   exp2(S^T scale log2e - LSE) with the score hook and the mask on partial tiles (the sm80
   design's `_probabilities`), dS^T = P^T (dP^T - delta) (with the score's derivative),
-  then dV += P^T dO and dK += dS^T Q with P^T and dS^T as the register A operand and dO, Q
-  as MN-major B operands (the forward's P V form). dS^T goes to shared memory (16-bit,
-  swizzled, one tile per step parity) and, after a named barrier of the two consumers
-  (dQ needs both halves of dS^T), warpgroup g computes dQ's head-dim columns g D/2.. =
-  dS K with dS^T as a transposed (M-major) shared A operand and K as an MN-major B operand;
-  once that wait is over every consumer thread arrives on the stage's empty mbarrier and
-  stores its dQ values to the warpgroup's staging tile in register order, and one thread
-  adds the tile into the fp32 accumulator with a single bulk reduce-add (`dq_accum_position`:
-  the accumulator keeps each query tile's values in that order, and the row kernels read
-  and zero it there). With two dS^T tiles, a consumer writes the next step's while the other
-  still reads this one's;
+  then dV += P^T dO with P^T as the register A operand and dO as an MN-major B operand
+  (the forward's P V form). dS^T goes to shared memory (16-bit, swizzled, one tile per
+  step parity) and, after a named barrier of the two consumers (dQ needs both halves of
+  dS^T), warpgroup g issues dQ's head-dim columns g D/2.. = dS K (dS^T a transposed,
+  M-major shared A operand, K an MN-major B operand), then dK += dS^T Q (dS^T from
+  registers). Under dK's GEMM it stores its dQ values to its staging tile in register
+  order, once the writer has freed the tile, and arrives on the tile's full barrier; once
+  dK is done every consumer thread arrives on the stage's empty mbarrier. With two dS^T
+  tiles, a consumer writes the next step's while the other still reads this one's;
+- the producer's second warp, the writer, walks the same steps: it frees each staging
+  tile once its last bulk reduce-add has read it, then adds each tile, once written, into
+  the fp32 accumulator with one bulk reduce-add (`dq_accum_position`: the accumulator
+  keeps each query tile's values in register order, and the row kernels read and zero it
+  there), FlashAttention-4's schedule. The consumers never wait for a bulk copy;
 - dK (times the softmax scale) and dV are stored from registers at the end of the work tile.
 
 dQ's reduction is what limits it. With `red.global.add.v2.f32` from registers into a
 row-major accumulator, plain B4 H16 S4096 D128 ran 393 TFLOP/s (causal 336, causal H32 D64
-263), and 581 (499, 356) with the adds left out, a timing-only build. One bulk reduce-add
-per warpgroup and step into blocks in register order: 448-457 (356-374, 272-275). Tried with
-it and no faster: a second staging tile per warpgroup (the issuer waits for the
-reduce-add before last instead of the last), and dQ's GEMM issued before dK's with the
-staging under dK's (which also gave wrong gradients, not pursued). Before that, against the
-lockstep design (two warpgroups, thread 0 loading the next step, a CTA barrier per step and
-one before dQ), TFLOP/s: plain 370 -> 397, causal 336 -> 342, causal H32 D64 250 -> 265,
-GQA 32:8 causal 343 -> 351, causal B1 H16 S16384 366 -> 381 (BENCHMARKS.md); a third stage
-gave the same, and a writer warp adding dQ by one bulk reduce-add per row (row-major
-accumulator) was slower (plain 408 -> 370, causal D64 266 -> 192).
+263), and 581-589 (446-499, 356) with the adds left out, a timing-only build. One bulk
+reduce-add per warpgroup and step into blocks in register order, issued by a consumer
+thread after a barrier of its warpgroup at the step's end: 440-473 (370-381, 275-285);
+staging without the reduce-add ran 483 (382), so staging, not the L2 reduction, was most
+of the cost. With dQ's GEMM first, staged under dK's and added by the writer warp: 479
+(378-407, 307). Tried and no faster: a second staging tile per warpgroup, and dQ's GEMM
+first with the staging under dK's but a consumer thread issuing (456, 380, 269). Before
+that, against the lockstep design (two warpgroups, thread 0 loading the next step, a CTA
+barrier per step and one before dQ), TFLOP/s: plain 370 -> 397, causal 336 -> 342, causal
+H32 D64 250 -> 265, GQA 32:8 causal 343 -> 351, causal B1 H16 S16384 366 -> 381
+(BENCHMARKS.md); a third stage gave the same, and a writer warp adding dQ by one bulk
+reduce-add per row (row-major accumulator) was slower (plain 408 -> 370, causal D64 266
+-> 192).
 
 It runs dense and ragged layouts in atomic mode at head dims 64 and 128; deterministic calls
 keep the sm80-style design (`Backend.runs_layout`). Ragged tensors are mapped as the
