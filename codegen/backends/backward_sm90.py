@@ -45,8 +45,11 @@ reduce-add per warpgroup and step into blocks in register order, issued by a con
 thread after a barrier of its warpgroup at the step's end: 440-473 (370-381, 275-285);
 staging without the reduce-add ran 483 (382), so staging, not the L2 reduction, was most
 of the cost. With dQ's GEMM first, staged under dK's and added by the writer warp: 479
-(378-407, 307). Tried and no faster: a second staging tile per warpgroup, and dQ's GEMM
-first with the staging under dK's but a consumer thread issuing (456, 380, 269). Before
+(378-407, 307). Tried and no faster: a second staging tile per warpgroup; dQ's GEMM
+first with the staging under dK's but a consumer thread issuing (456, 380, 269); dQ added
+from registers by `red.global.add.v4.f32` into the same accumulator, no staging (442-453,
+369-375, 290-294). The staging stores still cost about 15 % (567 without them, timing only):
+shared memory's bandwidth is what they compete for. Before
 that, against the lockstep design (two warpgroups, thread 0 loading the next step, a CTA
 barrier per step and one before dQ), TFLOP/s: plain 370 -> 397, causal 336 -> 342, causal
 H32 D64 250 -> 265, GQA 32:8 causal 343 -> 351, causal B1 H16 S16384 366 -> 381
