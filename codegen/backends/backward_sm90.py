@@ -48,14 +48,13 @@ of the cost. With dQ's GEMM first, staged under dK's and added by the writer war
 (378-407, 307). Tried and no faster: a second staging tile per warpgroup; dQ's GEMM
 first with the staging under dK's but a consumer thread issuing (456, 380, 269); dQ added
 from registers by `red.global.add.v4.f32` into the same accumulator, no staging (442-453,
-369-375, 290-294). The staging stores still cost about 15 % (567 without them, timing only):
-shared memory's bandwidth is what they compete for. Before
-that, against the lockstep design (two warpgroups, thread 0 loading the next step, a CTA
-barrier per step and one before dQ), TFLOP/s: plain 370 -> 397, causal 336 -> 342, causal
-H32 D64 250 -> 265, GQA 32:8 causal 343 -> 351, causal B1 H16 S16384 366 -> 381
-(BENCHMARKS.md); a third stage gave the same, and a writer warp adding dQ by one bulk
-reduce-add per row (row-major accumulator) was slower (plain 408 -> 370, causal D64 266
--> 192).
+369-375, 290-294). The staging stores still cost about 15 % (567 without them, timing
+only): shared memory's bandwidth is what they compete for. Before that, against the
+lockstep design (two warpgroups, thread 0 loading the next step, a CTA barrier per step
+and one before dQ), TFLOP/s: plain 370 -> 397, causal 336 -> 342, causal H32 D64 250 ->
+265, GQA 32:8 causal 343 -> 351, causal B1 H16 S16384 366 -> 381 (BENCHMARKS.md); a third
+stage gave the same, and a writer warp adding dQ by one bulk reduce-add per row (row-major
+accumulator) was slower (plain 408 -> 370, causal D64 266 -> 192).
 
 It runs dense and ragged layouts in atomic mode at head dims 64 and 128; deterministic calls
 keep the sm80-style design (`Backend.runs_layout`). Ragged tensors are mapped as the
@@ -93,7 +92,7 @@ SMEM_SYMBOL = "mha_bwd_sm90_smem"
 HEAD_DIMS = (64, 128)
 GROUP_ROWS = 64  # K/V rows per warpgroup (wgmma's M)
 WRITER_WARP = 1  # the producer warpgroup's warp that adds dQ into the accumulator
-DQ_PARTIES = hopper.WARPGROUP_THREADS + 32  # a dQ staging tile's barriers: its warpgroup, the writer
+DQ_PARTIES = hopper.WARPGROUP_THREADS + 32  # a dQ staging tile's barriers: warpgroup, writer
 BOX_COLUMNS = 64  # head-dim columns per TMA box: 128 bytes, the swizzle's row
 SW = hopper.SWIZZLE_BYTES
 SWIZZLE_SLACK = hopper.SWIZZLE_ATOM_BYTES
@@ -420,8 +419,7 @@ class _HopperMain(_MainKernel):
                 work_loop(b, sm80.scheduler_view(args), self._producer_tile)
                 _rename_new_functions(module, before, ".producer")
                 # dQ's last bulk reduce-adds have read the staging tiles and are done
-                writer = nvptx.opaque_special_register(b, "tid.x")
-                with b.if_then(b.icmp_unsigned("==", writer, i32(WRITER_WARP * 32))):
+                with b.if_then(self._writer_lane(b)):
                     hopper.bulk_wait_group(b, 0)
             with consumer:
                 hopper.setmaxnreg(b, consumer_registers, increase=True)
@@ -463,7 +461,6 @@ class _HopperMain(_MainKernel):
         c, a = self.c, self.a
         self._start_work_tile(b, seq)
         tid = nvptx.opaque_special_register(b, "tid.x")
-        steps_of, pair_of = self._query_steps()
         with b.if_else(b.icmp_unsigned("<", tid, i32(32))) as (loader, other):
             with loader:
                 with b.if_then(b.icmp_unsigned("==", tid, i32(0))):
@@ -477,27 +474,30 @@ class _HopperMain(_MainKernel):
                             hopper.tma_load(b, dst, tmap,
                                             [self._map_batch(), row, self.hk,
                                              i32(box * BOX_COLUMNS)], bar)
-                steps = steps_of(b)
 
-                def load(b, s, _):
+                def load(b, pair):
                     count, stage, phase = self._ring_slot(b)
                     hopper.mbarrier_wait(b, self._empty(b, stage), b.xor(phase, i32(1)))
-                    h, q0, _ = pair_of(b, s)
-                    self._load_step(b, h, q0, stage)
+                    self._load_step(b, *pair(), stage)
                     b.store(b.add(count, i32(1)), self.step_count)
-                    return self._next_step(b, b.add(s, i32(1)), steps, pair_of), []
 
-                ir_loop(b, self._next_step(b, i32(0), steps, pair_of), steps, [], load)
+                self._each_step(b, load)
             with other:
                 with b.if_then(b.icmp_unsigned("<", tid, i32(32 * (WRITER_WARP + 1)))):
-                    steps = steps_of(b)
+                    self._each_step(b, lambda b, pair: self._write_dq(b, *pair()))
 
-                    def write(b, s, _):
-                        h, q0, _ = pair_of(b, s)
-                        self._write_dq(b, h, q0)
-                        return self._next_step(b, b.add(s, i32(1)), steps, pair_of), []
+    def _each_step(self, b, visit) -> None:
+        """visit(b, pair) for each of the work tile's steps `_next_step` keeps (the
+        consumers' loop walks the same ones); pair() gives the step's (query head, q0) where
+        the visit asks for them."""
+        steps_of, pair_of = self._query_steps()
+        steps = steps_of(b)
 
-                    ir_loop(b, self._next_step(b, i32(0), steps, pair_of), steps, [], write)
+        def body(b, s, _):
+            visit(b, lambda: pair_of(b, s)[:2])
+            return self._next_step(b, b.add(s, i32(1)), steps, pair_of), []
+
+        ir_loop(b, self._next_step(b, i32(0), steps, pair_of), steps, [], body)
 
     def _load_step(self, b, h, q0, stage) -> None:
         """The producer's first lane: Q and dO of the query tile at q0 of head h by TMA into
@@ -701,6 +701,13 @@ class _HopperMain(_MainKernel):
         hopper.fence_proxy_async(b)
         nvptx.barrier_arrive(b, b.add(group, i32(nvptx.DQ_FULL_BARRIER)), DQ_PARTIES)
 
+    @staticmethod
+    def _writer_lane(b) -> ir.Value:
+        """Whether this thread is the writer warp's first lane, the issuer of its bulk
+        reduce-adds (bulk groups are per thread)."""
+        tid = nvptx.opaque_special_register(b, "tid.x")
+        return b.icmp_unsigned("==", tid, i32(WRITER_WARP * 32))
+
     def _dq_tile(self, b, group) -> ir.Value:
         """Offset of warpgroup `group`'s dQ staging tile (int group or i32)."""
         group = i32(group) if isinstance(group, int) else group
@@ -709,11 +716,10 @@ class _HopperMain(_MainKernel):
     def _write_dq(self, b, h, q0) -> None:
         """The writer warp's part of a step: it frees each staging tile once its last bulk
         reduce-add has read it, then adds each, once written, into the accumulator's block
-        of the query tile at q0 of head h with one bulk reduce-add (`dq_accum_position`).
-        Its first lane issues (bulk groups are per thread)."""
+        of the query tile at q0 of head h with one bulk reduce-add (`dq_accum_position`),
+        issued by its first lane."""
         c = self.c
-        lane0 = b.icmp_unsigned("==", nvptx.opaque_special_register(b, "tid.x"),
-                                i32(WRITER_WARP * 32))
+        lane0 = self._writer_lane(b)
         for g in range(2):  # the groups are committed in order: g's is the (2 - g)-th last
             with b.if_then(lane0):
                 hopper.bulk_wait_group_read(b, 1 - g)
