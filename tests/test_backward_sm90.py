@@ -79,8 +79,10 @@ def test_the_tensor_maps_come_first_at_multiples_of_128_bytes():
 @needs_ptxas
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_causal_build_assembles_without_spills(head_dim, monkeypatch, tmp_path):
-    """Causal at head dims 64 and 128: wgmma, dQ by one bulk reduce-add per warpgroup and
-    step of the staging tile's bytes (block_m x D/2 floats), nothing added from registers."""
+    """Causal at head dims 64 (128 query rows per step) and 128 (64): wgmma, dQ by one bulk
+    reduce-add per warpgroup and step of its part's bytes (64 x 64 floats: at head dim 64
+    the tile's rows split between the warpgroups, at 128 its columns), nothing added from
+    registers."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     source = ('import "std/schedulers.mha"\nattention t { dtype = bf16  head_dim = '
               f'{head_dim}\n mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }}')
@@ -88,7 +90,9 @@ def test_the_causal_build_assembles_without_spills(head_dim, monkeypatch, tmp_pa
     assert build.backend == "backward_sm90"
     reduces = re.findall(r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32"
                          r"\s+\[%rd\d+\], \[%r\d+\], (\d+);", build.ptx)
-    assert reduces == [str(2 * 64 * head_dim)] * 2  # the writer warp's, one per warpgroup
+    assert build.config.block_m == 128 * 64 // head_dim
+    assert build.config.dq_tile == (64, 64)
+    assert reduces == [str(4 * 64 * 64)] * 2  # the writer warp's, one per warpgroup
     assert not re.search(r"\b(red|atom)\.global\.add\.(v\d\.)?f32", build.ptx)
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in build.ptx
     for resources in build.assembled.kernels.values():
@@ -126,11 +130,12 @@ def test_a_producer_warpgroup_feeds_two_consumers(head_dim, tmp_path, monkeypatc
     # the consumers' side (the warpgroup's barrier by register)
     assert re.search(rf"barrier\.sync \t%r\d+, {parties};", build.ptx)
     assert re.search(rf"barrier\.arrive \t%r\d+, {parties};", build.ptx)
-    stats_bytes = 4 * len(H.STATS) * 64
+    bm = build.config.block_m
+    stats_bytes = 4 * len(H.STATS) * bm
     copies = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::"
                         r"bytes\s+\[%r\d+\], \[%rd\d+\], (\d+), \[%r\d+\];", build.ptx)
     assert copies == [str(stats_bytes)]
-    expect = 2 * 64 * 2 * head_dim + stats_bytes  # Q, dO and the stats of a step
+    expect = 2 * bm * 2 * head_dim + stats_bytes  # Q, dO and the stats of a step
     assert any("expect_tx" in line and f"i32 {expect})" in line
                for line in build.llvm.splitlines())
     assert "cp.async.ca" not in build.ptx and "cp.async.mbarrier" not in build.ptx
@@ -275,23 +280,32 @@ def test_wgmma_takes_a_transposed_shared_a_operand():
         hopper.wgmma(b, "bf16", 64, [fn.args[0]] * 4, fn.args[1], trans_a=True)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_accumulator_blocks_hold_the_warpgroups_registers_in_order(head_dim):
+@pytest.mark.parametrize("head_dim, block_m", [(64, 64), (128, 64), (64, 128)])
+def test_dq_accumulator_blocks_hold_the_warpgroups_registers_in_order(head_dim, block_m):
     """Within a query tile's block, warpgroup g's accumulator j of thread t (its wgmma
-    position) sits at g * block_m * D/2 + 4 (128 (j // 4) + t) + j % 4: where `_add_dq`'s
-    st.shared.v4 puts it in the staging tile, so one bulk copy of the tile adds it in
-    place; and every (row, column) of the tile has a place of its own."""
-    config = H.HopperBackwardConfig("bf16", head_dim)
-    half = head_dim // 2
+    position within its part of dQ, `dq_origin`) sits at g * part + 4 (128 (j // 4) + t) +
+    j % 4: where `_stage_dq`'s st.shared.v4 puts it in the staging tile, so one bulk copy
+    of the tile adds it in place; and every (row, column) of the tile has a place of its
+    own. The parts split the tile's columns at 64 rows and its rows at 128."""
+    config = H.HopperBackwardConfig("bf16", head_dim, block_m=block_m)
+    assert not config.problems()
+    rows, cols = config.dq_tile
+    assert (rows, cols) == ((64, head_dim) if block_m == 128 else (64, head_dim // 2))
     seen = set()
     for g in range(2):
+        row0, col0 = config.dq_origin(g)
         for t in range(hopper.WARPGROUP_THREADS):
-            for j in range(hopper.accumulator_count(half)):
+            for j in range(hopper.accumulator_count(cols)):
                 row, col = hopper.accumulator_position(t, j)
-                place = H.dq_accum_position(config, row, g * half + col)
-                assert place == g * config.block_m * half + 4 * (128 * (j // 4) + t) + j % 4
+                place = H.dq_accum_position(config, row0 + row, col0 + col)
+                assert place == g * rows * cols + 4 * (128 * (j // 4) + t) + j % 4
                 seen.add(place)
     assert seen == set(range(config.block_m * head_dim))
+
+
+def test_128_query_rows_only_at_head_dim_64():
+    assert H.HopperBackwardConfig("bf16", 128, block_m=128).problems()[0].settings == ("tile",)
+    assert not H.HopperBackwardConfig("bf16", 64, block_m=128).problems()
 
 
 def _host_accum_offset(config):
@@ -311,15 +325,16 @@ def _host_accum_offset(config):
 
 
 @pytest.mark.parametrize("ragged", [False, True])
-def test_dq_accumulator_places_every_sequences_rows_apart_within_its_size(ragged):
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_dq_accumulator_places_every_sequences_rows_apart_within_its_size(ragged, block_m):
     """The kernel's and the row kernels' addressing (`_accum_offset`, run on the host):
     a tile's block is its (tile, head) pair's, its values at `dq_accum_position`; no two
     (sequence, row, head, column) share a float, and all fit in `scratch_elements` (ragged:
-    sequences of lengths 0, 1, 63, 64, 65, 130 back to back)."""
-    config = H.HopperBackwardConfig("bf16", 64, ragged=ragged)
+    sequences of lengths 0, 1, 63, 64, 65, 127, 129, 130 back to back)."""
+    config = H.HopperBackwardConfig("bf16", 64, ragged=ragged, block_m=block_m)
     offset = _host_accum_offset(config)
     heads, bm, D = 3, config.block_m, config.head_dim
-    lengths = [0, 1, 63, 64, 65, 130] if ragged else [70] * 3
+    lengths = [0, 1, 63, 64, 65, 127, 129, 130] if ragged else [150] * 3
     starts = np.concatenate([[0], np.cumsum(lengths)])[:-1]
     size = H.scratch_elements(config, sum(lengths), heads, len(lengths), lengths[0])["dq_accum"]
     places = set()

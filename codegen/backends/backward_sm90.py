@@ -13,8 +13,10 @@ Hopper in FlashAttention-3's layout:
   branch, and meet at each work tile's CTA barriers (which park its values in shared
   memory), never per query step;
 - the producer's first warp loads K and V by TMA once per work tile (128-byte swizzle, one
-  box per 64 head-dim columns), then, for each query tile (`block_m` = 64 rows) of every
-  query head of the GQA group that the mask's classification does not prove empty, waits
+  box per 64 head-dim columns), then, for each query tile (`block_m` = 64 rows; 128 at
+  head dim 64, as FlashAttention-4 steps, with 64 as the fallback where that build
+  spills) of every query head of the GQA group that the mask's classification does not
+  prove empty, waits
   until a stage of the ring (`stages`) is empty and loads the step's Q and dO into it by
   TMA and the tile's stats block (its LSE and delta rows, which the preprocess wrote with
   zeros past the sequence) by one bulk copy, all by lane 0 on the stage's full mbarrier;
@@ -25,7 +27,8 @@ Hopper in FlashAttention-3's layout:
   then dV += P^T dO with P^T as the register A operand and dO as an MN-major B operand
   (the forward's P V form). dS^T goes to shared memory (16-bit, swizzled, one tile per
   step parity) and, after a named barrier of the two consumers (dQ needs both halves of
-  dS^T), warpgroup g issues dQ's head-dim columns g D/2.. = dS K (dS^T a transposed,
+  dS^T), warpgroup g issues its part of dQ (`dq_tile`: head-dim columns g D/2.. of a
+  64-row tile, query rows 64 g.. of a 128-row tile) = dS K (dS^T a transposed,
   M-major shared A operand, K an MN-major B operand), then dK += dS^T Q (dS^T from
   registers). Under dK's GEMM it stores its dQ values to its staging tile in register
   order, once the writer has freed the tile, and arrives on the tile's full barrier; once
@@ -123,6 +126,20 @@ class HopperBackwardConfig(BackwardConfig):
         return self.head_dim // BOX_COLUMNS
 
     @property
+    def dq_tile(self) -> tuple[int, int]:
+        """(rows, columns) of a query tile's dQ that one consumer warpgroup computes: the
+        tile's columns split in two at 64 query rows, its rows at 128 (FlashAttention-4's
+        head dim 64 tile)."""
+        if self.block_m == 2 * GROUP_ROWS:
+            return GROUP_ROWS, self.head_dim
+        return self.block_m, self.head_dim // 2
+
+    def dq_origin(self, group: int) -> tuple[int, int]:
+        """(row, column) of warpgroup `group`'s part of a query tile's dQ."""
+        rows, cols = self.dq_tile
+        return (group * rows, 0) if rows < self.block_m else (0, group * cols)
+
+    @property
     def kv_bytes(self) -> int:
         return self.block_n * self.row_bytes
 
@@ -136,9 +153,11 @@ class HopperBackwardConfig(BackwardConfig):
             found.append(Problem(("head_dim",), (
                 f"the sm90 backward runs head_dim {', '.join(map(str, HEAD_DIMS))}, not "
                 f"{self.head_dim}")))
-        if self.block_m != 64 or self.block_n != 128 or self.num_warps != 8:
-            found.append(Problem(("tile",), "the sm90 backward steps 64 query rows over K/V "
-                                            "tiles of 128 rows with two consumer warpgroups"))
+        if (self.block_m not in (64, 128) or self.block_n != 128 or self.num_warps != 8
+                or (self.block_m == 128 and self.head_dim != 64)):
+            found.append(Problem(("tile",), "the sm90 backward steps 64 query rows (128 at head "
+                                            "dim 64) over K/V tiles of 128 rows with two "
+                                            "consumer warpgroups"))
         if self.deterministic:
             found.append(Problem((), "the sm90 backward runs in atomic mode"))
         return found
@@ -154,7 +173,7 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     ds_bytes = c.block_n * c.block_m * 2
     stats = ds + 2 * ds_bytes  # dS^T: a tile per step parity
     dq = stats + c.stages * 8 * c.block_m  # per stage: the tile's stats block (`STATS`)
-    dq_bytes = 4 * c.block_m * c.head_dim  # dQ's staging tile: a half per warpgroup
+    dq_bytes = 4 * c.block_m * c.head_dim  # dQ's staging tile: a part per warpgroup
     bars = dq + dq_bytes
     end = bars + (1 + 2 * c.stages) * hopper.MBARRIER_BYTES  # K/V's; per stage full, empty
     return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, ds_bytes=ds_bytes,
@@ -175,15 +194,15 @@ def shared_bytes(config: HopperBackwardConfig) -> int:
 #   keeps no key and past the sequence, so P = 0 there without a test per element) then its
 #   delta (zero past the sequence), block_m floats each: one bulk copy per query step.
 def dq_accum_position(config: HopperBackwardConfig, row: int, col: int) -> int:
-    """The float of (row, col) of a query tile within its block: half g = col // (D/2) is
-    warpgroup g's, and accumulator j of its thread t (`hopper.accumulator_position`) sits at
-    4 (128 (j // 4) + t) + j % 4 of the half."""
-    half = config.head_dim // 2
-    g, c = divmod(col, half)
-    w, r = divmod(row, 16)
-    t = 32 * w + 4 * (r % 8) + (c % 8) // 2
-    return g * config.block_m * half + 4 * (hopper.WARPGROUP_THREADS * (c // 8) + t) \
-        + 2 * (r // 8) + c % 2
+    """The float of (row, col) of a query tile within its block: part g (`dq_tile`,
+    `dq_origin`) is warpgroup g's, and accumulator j of its thread t
+    (`hopper.accumulator_position`) sits at 4 (128 (j // 4) + t) + j % 4 of the part."""
+    rows, cols = config.dq_tile
+    g = row // rows + col // cols  # (one of the two is 0)
+    r, c = row % rows, col % cols
+    t = 32 * (r // 16) + 4 * (r % 8) + (c % 8) // 2
+    return g * rows * cols + 4 * (hopper.WARPGROUP_THREADS * (c // 8) + t) \
+        + 2 * ((r % 16) // 8) + c % 2
 
 
 STATS = ("neg_lse", "delta")  # a stats block's rows, in order
@@ -214,14 +233,17 @@ def _block(b, config: HopperBackwardConfig, args, bidx, start, row, head) -> ir.
 def _accum_offset(b, config: HopperBackwardConfig, args, bidx, start, row, head,
                   col) -> ir.Value:
     """The float offset (i64) of dQ's (row, head, col) of sequence bidx: its block, then
-    `dq_accum_position`. Columns col and col + 1 (col even) are adjacent, and (row at a
-    tile's start, col at a half's start) begins that warpgroup's run."""
-    bm, half = config.block_m, config.head_dim // 2
-    r, g, c = b.urem(row, i32(bm)), b.udiv(col, i32(half)), b.urem(col, i32(half))
+    `dq_accum_position`. Columns col and col + 1 (col even) are adjacent, and a part's
+    origin (`dq_origin`) begins that warpgroup's run."""
+    bm = config.block_m
+    rows, cols = config.dq_tile
+    in_tile = b.urem(row, i32(bm))
+    g = b.add(b.udiv(in_tile, i32(rows)), b.udiv(col, i32(cols)))
+    r, c = b.urem(in_tile, i32(rows)), b.urem(col, i32(cols))
     r16 = b.and_(r, i32(15))
     t = b.add(b.add(b.shl(b.lshr(r, i32(4)), i32(5)), b.shl(b.and_(r16, i32(7)), i32(2))),
               b.lshr(b.and_(c, i32(7)), i32(1)))
-    within = b.add(b.mul(g, i32(bm * half)),
+    within = b.add(b.mul(g, i32(rows * cols)),
                    b.add(b.shl(b.add(b.mul(b.lshr(c, i32(3)), i32(hopper.WARPGROUP_THREADS)),
                                      t), i32(2)),
                          b.add(b.shl(b.lshr(r16, i32(3)), i32(1)), b.and_(c, i32(1)))))
@@ -636,8 +658,8 @@ class _HopperMain(_MainKernel):
                      for j in range(BM // 8)]]
         ds_packed = self._pack(b, self._ds(b, packed_p, G, dP_delta))[0]
 
-        # dS^T (16-bit) to shared memory: row = the warpgroup's K/V row, 64 query columns
-        # (128 bytes, swizzled: chunk n-tile xor row % 8)
+        # dS^T (16-bit) to shared memory: row = the warpgroup's K/V row, in boxes of 64 query
+        # columns (128 bytes, swizzled: chunk n-tile xor row % 8; box b at b BN rows)
         lane = b.and_(tid, i32(31))
         g8 = b.lshr(lane, i32(2))
         row_byte = b.add(b.mul(b.add(b.shl(b.lshr(tid, i32(5)), i32(4)), g8), i32(SW)),
@@ -647,26 +669,31 @@ class _HopperMain(_MainKernel):
         for k, slice_ in enumerate(ds_packed):
             for x, (r, nt) in zip(slice_, ((0, 2 * k), (1, 2 * k), (0, 2 * k + 1),
                                             (1, 2 * k + 1))):
+                box, nt = divmod(nt, BOX_COLUMNS // 8)
                 chunk = b.shl(b.xor(g8, i32(nt)), i32(4))
-                _st_shared_b32(b, b.add(b.add(ds_base, chunk), i32(8 * r * SW)), x)
+                _st_shared_b32(b, b.add(b.add(ds_base, chunk), i32((8 * r + box * BN) * SW)),
+                               x)
 
-        # dQ's columns group * D/2.. = dS K: every warpgroup's dS^T rows are in
+        # the warpgroup's part of dQ (`dq_tile`) = dS K: every warpgroup's dS^T rows are in
         hopper.fence_proxy_async(b)
         nvptx.barrier_named(b, nvptx.DS_BARRIER, 2 * hopper.WARPGROUP_THREADS)
-        half = D // 2
-        ds_descs = hopper.smem_descriptors(b, self._ptr(b, ds_off),
+        dq_rows, dq_cols = c.dq_tile
+        # dS's rows: at 128 query rows, dS^T's box g (64 query columns)
+        row_box = b.mul(group, i32(BN * SW if dq_rows < BM else 0))
+        ds_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(ds_off, row_box)),
                                            [16 * k * SW for k in range(BN // 16)],
                                            leading_bytes=BN * SW)
-        # K's columns group * D/2..: TMA box g at head dim 128; at 64, the box's second half
+        # K's columns: TMA box g at head dim 128; at 64 split in two, the box's second half
         # (64 bytes into each swizzled row, as a K-major slice starts 32 k bytes in)
-        col_byte = b.mul(group, i32(BN * SW if D == 2 * BOX_COLUMNS else half * 2))
+        col_byte = i32(0) if dq_cols == D else b.mul(
+            group, i32(BN * SW if D == 2 * BOX_COLUMNS else dq_cols * 2))
         k_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["k"]), col_byte)),
                                        [16 * k * SW for k in range(BN // 16)],
                                        leading_bytes=BN * SW)
         hopper.wgmma_fence(b)
         dq = None
         for dsd, kd in zip(ds_descs, k_mn):
-            dq = hopper.wgmma(b, dt, half, dsd, kd, dq, trans_a=True, trans_b=True)
+            dq = hopper.wgmma(b, dt, dq_cols, dsd, kd, dq, trans_a=True, trans_b=True)
         hopper.wgmma_commit_group(b)
 
         # dK += dS^T Q, after dQ's GEMM: dQ is staged under it
@@ -688,7 +715,7 @@ class _HopperMain(_MainKernel):
         return dk, dv
 
     def _stage_dq(self, b, group, dq):
-        """This warpgroup's dQ values (columns group * D/2..) into its staging tile in
+        """This warpgroup's dQ values (its part: `dq_origin`) into its staging tile in
         register order, once the writer warp's last bulk reduce-add has read it; the writer
         adds it into the accumulator (`_write_dq`)."""
         thread = self._group_thread(b, self._tid(b))
@@ -727,8 +754,9 @@ class _HopperMain(_MainKernel):
         for g in range(2):
             nvptx.barrier_named(b, i32(nvptx.DQ_FULL_BARRIER + g), DQ_PARTIES, aligned=False)
             with b.if_then(lane0):
-                run = _accum_offset(b, c, self.a, self.bidx, self.q_start, q0, h,
-                                    i32(g * (c.head_dim // 2)))
+                row, col = c.dq_origin(g)
+                run = _accum_offset(b, c, self.a, self.bidx, self.q_start,
+                                    b.add(q0, i32(row)), h, i32(col))
                 hopper.bulk_reduce_add_f32(b, _gep(b, self.a.dq_accum, run, f32),
                                            self._ptr(b, self._dq_tile(b, g)),
                                            self.off["dq_bytes"] // 2)
@@ -779,8 +807,9 @@ class BackwardSM90(Backend):
         scheduler's inputs rederived per step or held. Few, as a build that fits none falls
         back to the sm80 design's only after trying them all."""
         config = declared_config(options, layout)
-        return tuple(replace(config, opaque_env=opaque, overlap_dp=overlap)
-                     for overlap in (True, False) for opaque in (True, False))
+        tiles = dict.fromkeys((config.block_m, 64))  # (128 query rows at head dim 64 first)
+        return tuple(replace(config, block_m=rows, opaque_env=opaque, overlap_dp=overlap)
+                     for rows in tiles for overlap in (True, False) for opaque in (True, False))
 
     def launch_shape(self, config) -> LaunchShape:
         return launch_shapes(config)[MAIN]
@@ -808,7 +837,8 @@ class BackwardSM90(Backend):
 
 def declared_config(options, layout: Layout) -> HopperBackwardConfig:
     return HopperBackwardConfig(options.dtype, options.head_dim, gqa_group=layout.gqa_group,
-                                ragged=layout.ragged, deterministic=layout.deterministic)
+                                ragged=layout.ragged, deterministic=layout.deterministic,
+                                block_m=2 * GROUP_ROWS if options.head_dim == 64 else GROUP_ROWS)
 
 
 BACKEND = BackwardSM90()
