@@ -20,7 +20,7 @@ from mhadsl.codegen import hopper, nvptx
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import SHARED_MEMORY_LIMIT, Layout, backend_for_arch
 from mhadsl.codegen.backends import backward_sm90 as H
-from mhadsl.codegen.backends.backward import BackwardConfig
+from mhadsl.codegen.backends.backward import ROW_TILE, BackwardConfig
 from mhadsl.runtime import tensors, tile_index
 from test_hostile_tensors import D, SOURCE
 from test_launch_host_path import kernel  # noqa: F401 (a fixture)
@@ -390,3 +390,16 @@ def test_a_query_tiles_stats_are_one_bulk_copy_of_their_own(ragged):
                     assert got == tile_start + i * bm + row % bm
                     assert 0 <= got < size and got not in places
                     places.add(got)
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("max_seqlen_q", [0, 1, 64, 65, 3000])
+def test_the_preprocess_writes_every_row_of_a_sequences_last_stats_block(block_m, max_seqlen_q):
+    """A step's bulk copy reads its query tile's whole stats block, so the preprocess's grid
+    (ROW_TILE rows per CTA) reaches the end of the longest sequence's last tile: the rows
+    past the sequence get -inf and zero there, not stale memory (a 128-row tile over a
+    64-row preprocess once gave NaN dK in ragged calls)."""
+    config = H.HopperBackwardConfig("bf16", 64, ragged=True, block_m=block_m)
+    tiles, heads, batch = H.fixed_grids(config, 5, 3, max_seqlen_q)[H.PREPROCESS]
+    assert (heads, batch) == (3, 5)
+    assert tiles * ROW_TILE >= -(-max_seqlen_q // block_m) * block_m

@@ -321,7 +321,12 @@ def launch_shapes(config: HopperBackwardConfig) -> dict[str, LaunchShape]:
             POSTPROCESS: LaunchShape(POSTPROCESS, ROW_THREADS, 0)}
 
 
-fixed_grids = sm80.fixed_grids
+def fixed_grids(config: HopperBackwardConfig, batch: int, heads: int,
+                max_seqlen_q: int) -> dict[str, tuple[int, int, int]]:
+    """sm80's grids, with the preprocess covering every row of a sequence's last query tile
+    (a stats block is read whole, so rows past the sequence need their -inf and zero)."""
+    bm = config.block_m
+    return sm80.fixed_grids(config, batch, heads, -(-max_seqlen_q // bm) * bm)
 
 
 def _st_shared_v4f32(b, address: ir.Value, values: list[ir.Value]) -> None:
