@@ -93,7 +93,8 @@ def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Ta
         lowered = lower_scheduler(builder.module, program, spec, target,
                                   advance_variants=variants,
                                   producer_threads=handoff.producer_threads if handoff else 0,
-                                  aligned_barriers=aligned, handoff=handoff is not None)
+                                  aligned_barriers=aligned, handoff=handoff is not None,
+                                  zero_after_none=args.zero_after_none)
         args.persistent = lowered.may_advance
 
         def params(b: ir.IRBuilder) -> EnvParams:

@@ -200,9 +200,11 @@ class LoweredScheduler:
 def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerSpec,
                     target: Target, *, advance_variants=((True, "ALL"),),
                     producer_threads: int = 0, aligned_barriers: bool = True,
-                    handoff: bool = False) -> LoweredScheduler:
+                    handoff: bool = False, zero_after_none: bool = True) -> LoweredScheduler:
     """Emit the rule functions of one scheduler specialisation into `module` (`handoff`:
-    for one role of loops that run apart, whose advance shares the producer's decoding)."""
+    for one role of loops that run apart, whose advance shares the producer's decoding;
+    `zero_after_none`: an advance that returns none stores a zero SeqInfo, else leaves it
+    undefined)."""
     decl = program.schedulers.get(spec.name)
     if decl is None:
         raise MhaError(f"no scheduler named '{spec.name}' (declared: "
@@ -260,7 +262,8 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
             # `return none` sets no SeqInfo: zeros then, not undefined values, which would
             # keep the caller's registers of the last tile's SeqInfo live across its body
             none = load(builder, returned_none)
-            _store_record(builder, slot, SEQ_INFO, bindings["out"], zero_if=none)
+            _store_record(builder, slot, SEQ_INFO, bindings["out"],
+                          zero_if=none if zero_after_none else None)
             builder.ret(builder.not_(none))
         elif result_ty == U32:
             builder.store(lower.load_value(slot), bindings["out"])

@@ -913,7 +913,7 @@ def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
     smem.linkage = "external"
     smem.align = SMEM_ALIGN
     builder = ir.IRBuilder(fn.append_basic_block("entry"))
-    args = KernelArgs(fn, ABI, config)
+    args = KernelArgs(fn, ABI, config, zero_after_none=False)
     _scheduler_view(args)
 
     def tile(b: ir.IRBuilder, seq: TileSeq) -> None:
