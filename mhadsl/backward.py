@@ -120,8 +120,7 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale, determ
     addresses["lse"] = lse.data_ptr()
     # held until the launches are queued: a freed buffer's memory would go to the next one
     buffers = {name: torch.empty(floats, dtype=torch.float32, device=q.device)
-               for name, floats in scratch.items()
-               if name != "dq_accum" or not deterministic}  # (deterministic: no accumulator)
+               for name, floats in scratch.items()}
     addresses.update((name, t.data_ptr()) for name, t in buffers.items())
     if call.ragged:
         addresses.update(cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr())

@@ -77,8 +77,10 @@ def kernel_abi(name: str) -> KernelABI:
 def scratch_elements(config: BackwardConfig, q_rows: int, heads: int, batch: int,
                      seqlen_q: int) -> dict[str, int]:
     """Floats of each scratch buffer for `q_rows` query rows of all sequences: delta, the
-    LSE's layout; the atomic mode's dQ accumulator, q's shape."""
-    return {"dq_accum": q_rows * heads * config.head_dim, "delta": q_rows * heads}
+    LSE's layout; the atomic mode's dQ accumulator, q's shape (deterministic mode has none:
+    `mha_bwd_dq` writes dQ)."""
+    accum = {} if config.deterministic else {"dq_accum": q_rows * heads * config.head_dim}
+    return {**accum, "delta": q_rows * heads}
 
 
 # ============================================================================ configuration

@@ -94,6 +94,7 @@ from mhadsl.codegen.target import Target
 SMEM_SYMBOL = "mha_bwd_sm90_smem"
 HEAD_DIMS = (64, 128)
 GROUP_ROWS = 64  # K/V rows per warpgroup (wgmma's M)
+STATS = ("neg_lse", "delta")  # a query tile's stats block's rows, in order
 WRITER_WARP = 1  # the producer warpgroup's warp that adds dQ into the accumulator
 DQ_PARTIES = hopper.WARPGROUP_THREADS + 32  # a dQ staging tile's barriers: warpgroup, writer
 BOX_COLUMNS = 64  # head-dim columns per TMA box: 128 bytes, the swizzle's row
@@ -140,6 +141,11 @@ class HopperBackwardConfig(BackwardConfig):
         return (group * rows, 0) if rows < self.block_m else (0, group * cols)
 
     @property
+    def stats_bytes(self) -> int:
+        """A query tile's stats block (`STATS`, block_m floats each)."""
+        return 4 * len(STATS) * self.block_m
+
+    @property
     def kv_bytes(self) -> int:
         return self.block_n * self.row_bytes
 
@@ -172,7 +178,7 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     ds = stage0 + c.stages * stage_bytes
     ds_bytes = c.block_n * c.block_m * 2
     stats = ds + 2 * ds_bytes  # dS^T: a tile per step parity
-    dq = stats + c.stages * 8 * c.block_m  # per stage: the tile's stats block (`STATS`)
+    dq = stats + c.stages * c.stats_bytes  # per stage: the tile's stats block
     dq_bytes = 4 * c.block_m * c.head_dim  # dQ's staging tile: a part per warpgroup
     bars = dq + dq_bytes
     end = bars + (1 + 2 * c.stages) * hopper.MBARRIER_BYTES  # K/V's; per stage full, empty
@@ -203,9 +209,6 @@ def dq_accum_position(config: HopperBackwardConfig, row: int, col: int) -> int:
     t = 32 * (r // 16) + 4 * (r % 8) + (c % 8) // 2
     return g * rows * cols + 4 * (hopper.WARPGROUP_THREADS * (c // 8) + t) \
         + 2 * ((r % 16) // 8) + c % 2
-
-
-STATS = ("neg_lse", "delta")  # a stats block's rows, in order
 
 
 def scratch_elements(config: HopperBackwardConfig, q_rows: int, heads: int, batch: int,
@@ -401,7 +404,7 @@ class _HopperMain(_MainKernel):
             extra = 0 if which == "q" else c.q_bytes
             return b.add(i32(o["stage0"] + extra), b.mul(stage, i32(o["stage_bytes"])))
         extra = 4 * c.block_m * STATS.index(which)
-        return b.add(i32(o["stats"] + extra), b.mul(stage, i32(8 * c.block_m)))
+        return b.add(i32(o["stats"] + extra), b.mul(stage, i32(c.stats_bytes)))
 
     def _map_batch(self) -> ir.Value:
         """The work tile's batch coordinate in the tensor maps."""
@@ -534,9 +537,8 @@ class _HopperMain(_MainKernel):
         lane = nvptx.opaque_special_register(b, "tid.x")  # (the first warp's)
         q_row = b.add(self.q_start, q0)
         full = self._full(b, stage)
-        stats_bytes = 4 * len(STATS) * c.block_m
         with b.if_then(b.icmp_unsigned("==", lane, i32(0))):
-            hopper.mbarrier_arrive_expect_tx(b, full, 2 * c.q_bytes + stats_bytes)
+            hopper.mbarrier_arrive_expect_tx(b, full, 2 * c.q_bytes + c.stats_bytes)
             for which in ("q", "dout"):
                 tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
                 base = self._stage_off(b, stage, which)
@@ -546,7 +548,7 @@ class _HopperMain(_MainKernel):
                                     [self._map_batch(), q_row, h, i32(box * BOX_COLUMNS)], full)
             stats = _stats_offset(b, c, a, self.bidx, self.q_start, q0, h, STATS[0])
             hopper.bulk_load(b, self._ptr(b, self._stage_off(b, stage, STATS[0])),
-                             _gep(b, a.delta, stats, f32), stats_bytes, full)
+                             _gep(b, a.delta, stats, f32), c.stats_bytes, full)
 
     def _consumer_tile(self, b, seq) -> None:
         """The consumers: per query step, once its stage is full, `_step` (which frees the
@@ -740,10 +742,15 @@ class _HopperMain(_MainKernel):
         tid = nvptx.opaque_special_register(b, "tid.x")
         return b.icmp_unsigned("==", tid, i32(WRITER_WARP * 32))
 
+    @property
+    def _dq_part_bytes(self) -> int:
+        """A warpgroup's part of dQ's staging tile (`dq_tile`)."""
+        return self.off["dq_bytes"] // 2
+
     def _dq_tile(self, b, group) -> ir.Value:
         """Offset of warpgroup `group`'s dQ staging tile (int group or i32)."""
         group = i32(group) if isinstance(group, int) else group
-        return b.add(i32(self.off["dq"]), b.mul(group, i32(self.off["dq_bytes"] // 2)))
+        return b.add(i32(self.off["dq"]), b.mul(group, i32(self._dq_part_bytes)))
 
     def _write_dq(self, b, h, q0) -> None:
         """The writer warp's part of a step: it frees each staging tile once its last bulk
@@ -764,7 +771,7 @@ class _HopperMain(_MainKernel):
                                     b.add(q0, i32(row)), h, i32(col))
                 hopper.bulk_reduce_add_f32(b, _gep(b, self.a.dq_accum, run, f32),
                                            self._ptr(b, self._dq_tile(b, g)),
-                                           self.off["dq_bytes"] // 2)
+                                           self._dq_part_bytes)
                 hopper.bulk_commit_group(b)
 
 
