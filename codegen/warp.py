@@ -13,6 +13,8 @@ Each A/B register is an i32 holding two 16-bit elements, the lower column/row in
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from llvmlite import ir
 
 from mhadsl.codegen import nvptx
@@ -119,6 +121,66 @@ def cp_async_wait(builder: ir.IRBuilder, pending: int = 0) -> None:
 def shfl_bfly(builder: ir.IRBuilder, value: ir.Value, lane_mask: int) -> ir.Value:
     return call(builder, "llvm.nvvm.shfl.sync.bfly.f32", f32,
                 [i32(FULL_MASK), value, i32(lane_mask), i32(31)])
+
+
+def _popc(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    return call(builder, "llvm.ctpop.i32", i32, [value])
+
+
+def first_true(builder: ir.IRBuilder, start: ir.Value, end: ir.Value,
+               pred: Callable[[ir.IRBuilder, ir.Value], ir.Value],
+               together: bool = True) -> ir.Value:
+    """The first n in [start, end) for which `pred(b, n)` (i1, pure: it is also asked of
+    n >= end, whose answer is ignored) holds, else `end`. The warp's active lanes search
+    together, all with the same start and end: each asks of its own candidate (start plus
+    its rank among them) and a ballot picks the first that holds, so k candidates that do
+    not cost k / 32 rounds instead of k (a single lane searches alone). `together=False`:
+    each lane asks of one candidate per round, which holds fewer registers (a loop at
+    ptxas's register cap)."""
+    if not together:
+        return _rounds(builder, start, end, lambda b, n: (pred(b, n), n, i32(1)))
+
+    def round_(b, base):
+        # the lanes that run this search, read in each round (asm: never hoisted, so
+        # nothing of it is held across the caller's loop)
+        active = b.asm(ir.FunctionType(i32, []), "activemask.b32 $0;", "=r", [], True)
+        below = nvptx.opaque_special_register(b, "lanemask_lt")
+        candidate = b.add(base, _popc(b, b.and_(active, below)))
+        holds = b.and_(b.icmp_signed("<", candidate, end), pred(b, candidate))
+        votes = b.asm(ir.FunctionType(i32, [i32, i32]),
+                      "{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.ballot.b32 $0, p, $2; }",
+                      "=r,r,r", [b.zext(holds, i32), active], True)
+        lowest = b.and_(votes, b.sub(i32(0), votes))  # (the first lane whose candidate holds)
+        return (b.icmp_unsigned("!=", votes, i32(0)),
+                b.add(base, _popc(b, b.and_(active, b.sub(lowest, i32(1))))), _popc(b, active))
+    n = _rounds(builder, start, end, round_)
+    return builder.select(builder.icmp_signed("<", n, end), n, end)
+
+
+def _rounds(b: ir.IRBuilder, start: ir.Value, end: ir.Value, round_) -> ir.Value:
+    """From base = start while base < end: (hit, found, width) = round_(b, base); found if
+    hit, else base += width. Returns found, or the base at or past `end`."""
+    fn = b.function
+    pre = b.block
+    hdr, chk, nxt, done = (fn.append_basic_block(f"skip.{s}")
+                           for s in ("hdr", "chk", "next", "done"))
+    b.branch(hdr)
+    b.position_at_end(hdr)
+    base = b.phi(i32, "skip.n")
+    base.add_incoming(start, pre)
+    b.cbranch(b.icmp_signed("<", base, end), chk, done)
+    b.position_at_end(chk)
+    hit, found, width = round_(b, base)
+    b.cbranch(hit, done, nxt)
+    checked = b.block
+    b.position_at_end(nxt)
+    base.add_incoming(b.add(base, width), nxt)
+    b.branch(hdr)
+    b.position_at_end(done)
+    n = b.phi(i32, "skip.found")
+    n.add_incoming(base, hdr)
+    n.add_incoming(found, checked)
+    return n
 
 
 def quad_allreduce(builder: ir.IRBuilder, value: ir.Value, op) -> ir.Value:

@@ -5,11 +5,14 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import STD, checked
+import mhadsl
+from helpers import REPO, STD, checked
 from mhadsl.attention_spec import resolve_attention
 from mhadsl.build import KernelRequest, RequestError, plan
 from mhadsl.codegen import backends
-from mhadsl.codegen.backends import DeviceTarget, Layout, select_backend, select_target
+from mhadsl.codegen.backends import (
+    CacheLayout, DeviceTarget, Layout, select_backend, select_target,
+)
 from mhadsl.codegen.backends.sm80 import declared_config
 from mhadsl.diagnostics import MhaError
 
@@ -119,3 +122,20 @@ def test_what_the_backend_accepts_it_builds(default_options, head_dim, warps, bl
         for config in sm80.configs(options, Layout()):
             config.validate()
             assert sm80.launch_shape(config).shared_bytes <= backends.SHARED_MEMORY_LIMIT[arch]
+
+
+def test_every_design_looks_for_kept_tiles_a_warp_at_a_time(monkeypatch, tmp_path):
+    """Where the mask proves tiles empty, the designs find the next tile that may hold a
+    kept pair with `warp.first_true`: the warp's lanes classify 32 candidates at once and a
+    ballot picks the first (a sliding window's query tile skips up to 30 empty K/V tiles).
+    The sm80 prefill design, at the register cap, asks one candidate per round."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    kern = mhadsl.compile(str(REPO / "examples" / "sliding_window.mha"))["sliding_window_256"]
+    builds = {"sm90": kern.build("sm_90a"), "sm80": kern.build("sm_80"),
+              "decode": kern.build("sm_90a", gqa_group=4, cache=CacheLayout(1, 0)),
+              "backward_sm90": kern.backward_build("sm_90a"),
+              "backward": kern.backward_build("sm_80")}
+    for design, build in builds.items():
+        assert build.backend == design
+        together = "activemask.b32" in build.ptx and "vote.sync.ballot.b32" in build.ptx
+        assert together == (design != "sm80"), design

@@ -414,13 +414,14 @@ class WorkTile:
                                                 self.seqlen_q, self.seqlen_k))
         return b.select(keep, s, warp.fconst(warp.NEG_INF))
 
-    def next_nonempty(self, b: ir.IRBuilder, start: ir.Value) -> ir.Value:
+    def next_nonempty(self, b: ir.IRBuilder, start: ir.Value, together: bool = True) -> ir.Value:
         """The first KV tile index n >= `start` that may hold a kept pair, or `n_blocks`:
         how every design skips the KV tiles the mask proves empty (never loaded, never
-        computed)."""
+        computed); `together`: as `warp.first_true`'s."""
         if self.hooks.classify is None:
             return start
-        return first_kept_tile(b, start, self.n_blocks, lambda bb, n: self.classify(bb, n)[0])
+        return warp.first_true(b, start, self.n_blocks,
+                               lambda bb, n: self.classify(bb, n)[0], together)
 
 
 def ir_loop(b: ir.IRBuilder, start: ir.Value, end: ir.Value, carried: list[ir.Value], body):
@@ -490,28 +491,6 @@ def masked_unless(b: ir.IRBuilder, always: ir.Value, values: list[ir.Value],
         phi.add_incoming(masked_value, mask_end)
         merged.append(phi)
     return merged
-
-
-def first_kept_tile(b: ir.IRBuilder, start: ir.Value, end: ir.Value,
-                    may_hold: Callable[[ir.IRBuilder, ir.Value], ir.Value]) -> ir.Value:
-    """The first KV tile n in [start, end) for which `may_hold(b, n)` (i1) says it may hold a
-    kept pair, else `end`: a loop in the IR."""
-    fn = b.function
-    pre = b.block
-    hdr, chk, nxt, done = (fn.append_basic_block(f"skip.{s}")
-                           for s in ("hdr", "chk", "next", "done"))
-    b.branch(hdr)
-    b.position_at_end(hdr)
-    n = b.phi(i32, "skip.n")
-    n.add_incoming(start, pre)
-    b.cbranch(b.icmp_signed("<", n, end), chk, done)
-    b.position_at_end(chk)
-    b.cbranch(may_hold(b, n), done, nxt)
-    b.position_at_end(nxt)
-    n.add_incoming(b.add(n, i32(1)), nxt)
-    b.branch(hdr)
-    b.position_at_end(done)
-    return n
 
 
 def spill_free_build(backend: str, target: Target,

@@ -704,14 +704,8 @@ class _TileKernel:
         may hold a kept pair, or `steps`: empty pairs are never loaded or computed."""
         if self.hooks.classify is None:
             return start
-
-        def scan(b, s, _):
-            may, _always = self._classify(b, *pair_of(b, s))
-            # found: jump past the end with the step in the carried value
-            return b.select(may, b.add(steps, i32(1)), b.add(s, i32(1))), [
-                b.select(may, s, steps)]
-        (found,) = ir_loop(b, start, steps, [steps], scan)
-        return found
+        return warp.first_true(b, start, steps,
+                               lambda bb, s: self._classify(bb, *pair_of(bb, s))[0])
 
     def _step_loop(self, b, steps, pair_of, issue, compute, init: list[ir.Value]):
         """The CTA's loop over its steps in [0, steps) that `_next_step` keeps: the next

@@ -42,7 +42,7 @@ from mhadsl.codegen.abi import (
 )
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, CacheLayout, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape, Layout,
-    Problem, RowCopies, TileSeq, common_problems, first_kept_tile, ir_loop, last_index,
+    Problem, RowCopies, TileSeq, common_problems, ir_loop, last_index,
     masked_unless, spill_free_build,
 )
 from mhadsl.codegen.nvptx import GLOBAL, SHARED, f32, i1, i32, i64
@@ -323,7 +323,7 @@ class _DecodeTile:
         """The first KV tile >= start of the split that may hold a kept pair, else n_end."""
         if self.hooks.classify is None:
             return start
-        return first_kept_tile(b, start, self.n_end, lambda bb, n: self.classify(bb, n)[0])
+        return warp.first_true(b, start, self.n_end, lambda bb, n: self.classify(bb, n)[0])
 
 
 class _Emitter:
