@@ -351,9 +351,7 @@ class _TileEmitter:
         nvptx.barrier_all(b)
         self._load_tile(b, a.q, q_tile_off, self._thread_off(b, a.q_stride_row),
                         a.q_stride_row, rows_q, BM, self.q_smem_off)
-        # (one candidate per round: the warp's search moves builds at the register cap
-        # onto their fallback tiles)
-        n_first = t.next_nonempty(b, i32(0), together=False)
+        n_first = t.next_nonempty(b, i32(0))
         with b.if_then(b.icmp_signed("<", n_first, n_blocks)):
             load_kv(b, n_first, "k")
         warp.cp_async_commit(b)
@@ -475,7 +473,7 @@ class _TileEmitter:
         def prefetch_k():
             warp.cp_async_wait(b, 0)
             nvptx.barrier_all(b)          # V(n) landed; every warp is done with K(n)
-            nn = t.next_nonempty(b, b.add(n, i32(1)), together=False)
+            nn = t.next_nonempty(b, b.add(n, i32(1)))
             with b.if_then(b.icmp_signed("<", nn, t.n_blocks)):
                 load_kv(b, nn, "k")
             warp.cp_async_commit(b)
