@@ -339,14 +339,15 @@ def _unpack_pairs(b, dtype: str, pairs: list[ir.Value]) -> list[ir.Value]:
 # ============================================================================ pre/postprocess
 class _RowKernel:
     """The row-wise kernels: CTA (row tile, head, batch); a thread owns one 16-byte chunk
-    (8 elements) of a row, head_dim / 8 consecutive lanes one row."""
+    (8 elements) of a row, head_dim / 8 consecutive lanes one row. The accumulator's layout
+    is the design's: here q's, each thread's 8 columns one run (`accum_vectors`)."""
 
     def __init__(self, b, config: BackwardConfig, args: KernelArgs):
         self.c, self.a = config, args
-        tid = nvptx.special_register(b, "thread_idx", "x")
+        self.tid = nvptx.special_register(b, "thread_idx", "x")
         self.lanes_per_row = config.head_dim // 8
-        self.chunk = b.urem(tid, i32(self.lanes_per_row))
-        self.row_in_pass = b.udiv(tid, i32(self.lanes_per_row))
+        self.chunk = b.urem(self.tid, i32(self.lanes_per_row))
+        self.row_in_pass = b.udiv(self.tid, i32(self.lanes_per_row))
         self.tile = nvptx.special_register(b, "block_idx", "x")
         self.h = nvptx.special_register(b, "block_idx", "y")
         self.bidx = nvptx.special_register(b, "block_idx", "z")
@@ -368,15 +369,36 @@ class _RowKernel:
             off = _lse_offset(b, self.a, self.bidx, self.h, b.add(self.start, row))
             b.store(delta, _gep(b, self.a.delta, off, f32), align=4)
 
-    def accum_chunk(self, b, row) -> list[tuple[ir.Value, int]]:
-        """The dQ accumulator's values of the thread's 8 columns of `row`, as (pointer,
-        consecutive floats there): q's layout, one run of 8."""
-        return [(self.chunk_ptr(b, "dq_accum", row, f32), 8)]
+    def accum_vectors(self, b, row) -> list[ir.Value]:
+        """Pointers to the two 4-float vectors of the thread's 8 columns of `row`."""
+        first = self.chunk_ptr(b, "dq_accum", row, f32)
+        return [first, _gep(b, first, i64(4), f32)]
 
-    def accum_vectors(self, b, row) -> list[tuple[ir.Value, ir.VectorType]]:
-        """`accum_chunk` as the vectors (at most 4 floats) that load or store it."""
-        return [(_gep(b, acc, i64(first), f32), ir.VectorType(f32, min(4, width - first)))
-                for acc, width in self.accum_chunk(b, row) for first in range(0, width, 4)]
+    def zero_accumulator(self, b) -> None:
+        """The CTA's rows of dQ's accumulator zeroed (the main kernel adds into it)."""
+        zero = ir.Constant(ir.VectorType(f32, 4), [0.0] * 4)
+
+        def row(b, r, valid):
+            with b.if_then(valid):
+                for ptr in self.accum_vectors(b, r):
+                    b.store(zero, ptr, align=16)
+        self.rows(b, row)
+
+    def write_dq(self, b) -> None:
+        """dQ of the CTA's rows = the accumulator times the softmax scale, in q's dtype."""
+        def row(b, r, valid):
+            with b.if_then(valid):
+                x = []
+                for ptr in self.accum_vectors(b, r):
+                    part = b.load(ptr, typ=ir.VectorType(f32, 4), align=16)
+                    x += [b.fmul(b.extract_element(part, i32(e)), self.a.softmax_scale)
+                          for e in range(4)]
+                out = ir.Constant(ir.VectorType(i32, 4), ir.Undefined)
+                for e in range(4):
+                    out = b.insert_element(
+                        out, warp.pack2(b, self.c.dtype, x[2 * e], x[2 * e + 1]), i32(e))
+                b.store(out, self.chunk_ptr(b, "dq", r, nvptx.i16), align=16)
+        self.rows(b, row)
 
     def chunk_ptr(self, b, tensor: str, row, etype):
         off = _row_offset(b, self.a, self.c.ragged, tensor, self.bidx, b.add(self.start, row),
@@ -386,7 +408,7 @@ class _RowKernel:
 
 
 def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs, rows=None):
-    """delta = rowsum(dO * O), and the row's dQ accumulator zeroed; `rows` (a `_RowKernel`
+    """delta = rowsum(dO * O), and the rows' dQ accumulator zeroed; `rows` (a `_RowKernel`
     type) says where a design keeps the accumulator."""
     k = (rows or _RowKernel)(b, config, args)
     v4i = ir.VectorType(i32, 4)
@@ -400,35 +422,20 @@ def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs, rows=None):
             total = b.fmul(o[0], do[0])
             for x, y in zip(o[1:], do[1:]):
                 total = warp.fma(b, x, y, total)
-            if not config.deterministic:  # (deterministic: no accumulator, mha_bwd_dq)
-                for ptr, vec in k.accum_vectors(b, r):
-                    b.store(ir.Constant(vec, [0.0] * vec.count), ptr, align=4 * vec.count)
             return [total]
         (partial,) = _guarded(b, valid, dot, [warp.fconst(0.0)])
         for m in range(k.lanes_per_row.bit_length() - 1):  # the row's lanes: 1, 2, 4, (8)
             partial = b.fadd(partial, warp.shfl_bfly(b, partial, 1 << m))
         k.store_delta(b, r, valid, partial)
     k.rows(b, row)
+    if not config.deterministic:  # (deterministic: no accumulator, mha_bwd_dq)
+        k.zero_accumulator(b)
 
 
 def _emit_postprocess(b, config: BackwardConfig, args: KernelArgs, rows=None):
     """dQ = the accumulator times the softmax scale, in q's dtype (`rows`: as in
     `_emit_preprocess`)."""
-    k = (rows or _RowKernel)(b, config, args)
-
-    def row(b, r, valid):
-        with b.if_then(valid):
-            x = []
-            for ptr, vec in k.accum_vectors(b, r):
-                part = b.load(ptr, typ=vec, align=4 * vec.count)
-                x += [b.fmul(b.extract_element(part, i32(e)), args.softmax_scale)
-                      for e in range(vec.count)]
-            out = ir.Constant(ir.VectorType(i32, 4), ir.Undefined)
-            for e in range(4):
-                out = b.insert_element(out, warp.pack2(b, config.dtype, x[2 * e], x[2 * e + 1]),
-                                       i32(e))
-            b.store(out, k.chunk_ptr(b, "dq", r, nvptx.i16), align=16)
-    k.rows(b, row)
+    (rows or _RowKernel)(b, config, args).write_dq(b)
 
 
 # ============================================================================ the tile kernels

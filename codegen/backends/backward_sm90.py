@@ -83,9 +83,9 @@ from mhadsl.codegen.backends import (
 from mhadsl.codegen.backends import backward as sm80
 from mhadsl.codegen.backends.sm90 import _rename_new_functions
 from mhadsl.codegen.backends.backward import (
-    MAIN, POSTPROCESS, PREPROCESS, ROW_THREADS, BackwardConfig, _emit_postprocess,
-    _emit_preprocess, _gep, _guarded, _lse_offset, _Lanes, _MainKernel, _RowKernel,
-    _TileKernel,
+    MAIN, POSTPROCESS, PREPROCESS, ROW_THREADS, ROW_TILE, BackwardConfig, _emit_postprocess,
+    _emit_preprocess, _gep, _guarded, _lse_offset, _Lanes, _MainKernel, _row_offset,
+    _RowKernel, _TileKernel,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.scheduler import count_exit
@@ -285,14 +285,57 @@ class _Rows(_RowKernel):
                                     which)
                 b.store(value, _gep(b, self.a.delta, off, f32), align=4)
 
-    def accum_chunk(self, b, row) -> list[tuple[ir.Value, int]]:
-        """The thread's 8 columns of `row`: four pairs, those of four consecutive
-        warpgroup threads."""
-        col0 = b.shl(self.chunk, i32(3))
-        return [(_gep(b, self.a.dq_accum,
-                      _accum_offset(b, self.c, self.a, self.bidx, self.start, row, self.h,
-                                    b.add(col0, i32(2 * pair))), f32), 2)
-                for pair in range(4)]
+    # A row CTA's ROW_TILE rows are one contiguous run of the accumulator (a block, or the
+    # part of one that a warpgroup computes: `dq_tile`), in register order; its threads, a
+    # warpgroup's many, walk it 16 bytes each: thread t's vector i holds accumulators 4i..4i+3
+    # of warpgroup thread t, rows r and r + 8 at columns c and c + 1 (`dq_accum_position`).
+    def _run(self, b) -> tuple[ir.Value, ir.Value]:
+        """(the CTA's first row, the float offset (i64) of its run)."""
+        assert self.c.dq_tile[0] == ROW_TILE and ROW_THREADS == hopper.WARPGROUP_THREADS
+        first = b.mul(self.tile, i32(ROW_TILE))
+        return first, _accum_offset(b, self.c, self.a, self.bidx, self.start, first, self.h,
+                                    i32(0))
+
+    def _vectors(self, b, run) -> list[ir.Value]:
+        """Pointers to the thread's 4-float vectors of the run, in order."""
+        count = ROW_TILE * self.c.head_dim // (4 * ROW_THREADS)
+        return [_gep(b, self.a.dq_accum,
+                     b.add(run, b.zext(b.shl(b.add(self.tid, i32(ROW_THREADS * i)), i32(2)),
+                                       i64)), f32) for i in range(count)]
+
+    def zero_accumulator(self, b) -> None:
+        """The run zeroed, up to the end of the sequence's last query tile (the bulk
+        reduce-adds add whole tiles)."""
+        bm = self.c.block_m
+        tile_end = b.mul(b.udiv(b.add(self.seqlen, i32(bm - 1)), i32(bm)), i32(bm))
+        first, run = self._run(b)
+        with b.if_then(b.icmp_signed("<", first, tile_end)):
+            for ptr in self._vectors(b, run):
+                b.store(ir.Constant(ir.VectorType(f32, 4), [0.0] * 4), ptr, align=16)
+
+    def write_dq(self, b) -> None:
+        """dQ of the CTA's rows = the accumulator times the softmax scale: each vector's two
+        rows, two columns each."""
+        cols = self.c.dq_tile[1]
+        t = self.tid
+        r = b.add(b.shl(b.lshr(t, i32(5)), i32(4)), b.lshr(b.and_(t, i32(31)), i32(2)))
+        c = b.shl(b.and_(t, i32(3)), i32(1))
+        first, run = self._run(b)
+        with b.if_then(b.icmp_signed("<", first, self.seqlen)):
+            for i, ptr in enumerate(self._vectors(b, run)):
+                part = b.load(ptr, typ=ir.VectorType(f32, 4), align=16)
+                x = [b.fmul(b.extract_element(part, i32(e)), self.a.softmax_scale)
+                     for e in range(4)]
+                group, j = divmod(i, cols // 8)  # (the part's columns, their 8-column slice)
+                col = b.add(c, i32(group * cols + 8 * j))
+                for half in range(2):
+                    row = b.add(first, b.add(r, i32(8 * half)))
+                    with b.if_then(b.icmp_signed("<", row, self.seqlen)):
+                        off = b.add(_row_offset(b, self.a, self.c.ragged, "dq", self.bidx,
+                                                b.add(self.start, row), self.h),
+                                    b.zext(col, i64))
+                        b.store(warp.pack2(b, self.c.dtype, x[2 * half], x[2 * half + 1]),
+                                _gep(b, self.a.dq, off, nvptx.i16), align=4)
 
 
 # The main kernel's parameters: the tensor maps first (LLVM 22 emits a byval map `.align 128`;
