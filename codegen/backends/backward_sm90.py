@@ -84,8 +84,8 @@ from mhadsl.codegen.backends import backward as sm80
 from mhadsl.codegen.backends.sm90 import _rename_new_functions
 from mhadsl.codegen.backends.backward import (
     MAIN, POSTPROCESS, PREPROCESS, ROW_THREADS, ROW_TILE, BackwardConfig, _emit_postprocess,
-    _emit_preprocess, _gep, _guarded, _lse_offset, _Lanes, _MainKernel, _row_offset,
-    _RowKernel, _TileKernel,
+    _emit_preprocess, _gep, _guarded, _lse_offset, _Lanes, _MainKernel, _RowKernel,
+    _TileKernel,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.scheduler import count_exit
@@ -313,10 +313,22 @@ class _Rows(_RowKernel):
             for ptr in self._vectors(b, run):
                 b.store(ir.Constant(ir.VectorType(f32, 4), [0.0] * 4), ptr, align=16)
 
+    @staticmethod
+    def staging_pitch(config: HopperBackwardConfig) -> int:
+        """Bytes per row of the postprocess's shared tile of dQ (q's dtype): 16 past the
+        row, so that a warp's eight rows of a vector fall on distinct banks."""
+        return 2 * config.head_dim + 16
+
     def write_dq(self, b) -> None:
         """dQ of the CTA's rows = the accumulator times the softmax scale: each vector's two
-        rows, two columns each."""
-        cols = self.c.dq_tile[1]
+        rows of two columns into a shared tile of the rows, then each row's 16-byte chunks
+        to dQ (`_RowKernel.rows`), so that both global sides are whole lines."""
+        cols, pitch = self.c.dq_tile[1], self.staging_pitch(self.c)
+        base = b.ptrtoint(b.module.get_global(SMEM_SYMBOL), i32)
+
+        def shared(b, row_in_tile, byte):
+            return b.inttoptr(b.add(base, b.add(b.mul(row_in_tile, i32(pitch)), byte)),
+                              nvptx.ptr(SHARED))
         t = self.tid
         r = b.add(b.shl(b.lshr(t, i32(5)), i32(4)), b.lshr(b.and_(t, i32(31)), i32(2)))
         c = b.shl(b.and_(t, i32(3)), i32(1))
@@ -327,15 +339,18 @@ class _Rows(_RowKernel):
                 x = [b.fmul(b.extract_element(part, i32(e)), self.a.softmax_scale)
                      for e in range(4)]
                 group, j = divmod(i, cols // 8)  # (the part's columns, their 8-column slice)
-                col = b.add(c, i32(group * cols + 8 * j))
+                byte = b.shl(b.add(c, i32(group * cols + 8 * j)), i32(1))
                 for half in range(2):
-                    row = b.add(first, b.add(r, i32(8 * half)))
-                    with b.if_then(b.icmp_signed("<", row, self.seqlen)):
-                        off = b.add(_row_offset(b, self.a, self.c.ragged, "dq", self.bidx,
-                                                b.add(self.start, row), self.h),
-                                    b.zext(col, i64))
-                        b.store(warp.pack2(b, self.c.dtype, x[2 * half], x[2 * half + 1]),
-                                _gep(b, self.a.dq, off, nvptx.i16), align=4)
+                    b.store(warp.pack2(b, self.c.dtype, x[2 * half], x[2 * half + 1]),
+                            shared(b, b.add(r, i32(8 * half)), byte), align=4)
+        nvptx.barrier_all(b)
+
+        def row(b, r, valid):
+            with b.if_then(valid):
+                chunk = b.load(shared(b, b.sub(r, first), b.shl(self.chunk, i32(4))),
+                               typ=ir.VectorType(i32, 4), align=16)
+                b.store(chunk, self.chunk_ptr(b, "dq", r, nvptx.i16), align=16)
+        self.rows(b, row)
 
 
 # The main kernel's parameters: the tensor maps first (LLVM 22 emits a byval map `.align 128`;
@@ -364,7 +379,8 @@ def kernel_abi(name: str) -> KernelABI:
 def launch_shapes(config: HopperBackwardConfig) -> dict[str, LaunchShape]:
     return {PREPROCESS: LaunchShape(PREPROCESS, ROW_THREADS, 0),
             MAIN: LaunchShape(MAIN, config.threads, shared_bytes(config)),
-            POSTPROCESS: LaunchShape(POSTPROCESS, ROW_THREADS, 0)}
+            POSTPROCESS: LaunchShape(POSTPROCESS, ROW_THREADS,
+                                     ROW_TILE * _Rows.staging_pitch(config))}
 
 
 def fixed_grids(config: HopperBackwardConfig, batch: int, heads: int,
