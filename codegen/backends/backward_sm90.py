@@ -264,6 +264,18 @@ def _stats_offset(b, config: HopperBackwardConfig, args, bidx, start, row, head,
     return b.add(first, b.zext(b.add(b.urem(row, i32(bm)), i32(STATS.index(which) * bm)), i64))
 
 
+def vector_origin(b, config: HopperBackwardConfig, thread, i: int) -> tuple[ir.Value, ir.Value]:
+    """(row, column) within a row CTA's run of the accumulator (`_Rows`) of the first value
+    of row-kernel thread `thread`'s 4-float vector i, which holds (row, column), (row,
+    column + 1) and the same of row + 8 (`dq_accum_position`): the run's parts (`dq_tile`)
+    split its columns, and the vector is accumulators 4 j..4 j + 3 of warpgroup thread
+    `thread` in its part."""
+    cols = config.dq_tile[1]
+    part, j = divmod(i, cols // 8)
+    row = b.add(b.shl(b.lshr(thread, i32(5)), i32(4)), b.lshr(b.and_(thread, i32(31)), i32(2)))
+    return row, b.add(b.shl(b.and_(thread, i32(3)), i32(1)), i32(part * cols + 8 * j))
+
+
 class _Rows(_RowKernel):
     """The row kernels over this design's scratch buffers (per query tile)."""
 
@@ -323,26 +335,22 @@ class _Rows(_RowKernel):
         """dQ of the CTA's rows = the accumulator times the softmax scale: each vector's two
         rows of two columns into a shared tile of the rows, then each row's 16-byte chunks
         to dQ (`_RowKernel.rows`), so that both global sides are whole lines."""
-        cols, pitch = self.c.dq_tile[1], self.staging_pitch(self.c)
+        pitch = self.staging_pitch(self.c)
         base = b.ptrtoint(b.module.get_global(SMEM_SYMBOL), i32)
 
         def shared(b, row_in_tile, byte):
             return b.inttoptr(b.add(base, b.add(b.mul(row_in_tile, i32(pitch)), byte)),
                               nvptx.ptr(SHARED))
-        t = self.tid
-        r = b.add(b.shl(b.lshr(t, i32(5)), i32(4)), b.lshr(b.and_(t, i32(31)), i32(2)))
-        c = b.shl(b.and_(t, i32(3)), i32(1))
         first, run = self._run(b)
         with b.if_then(b.icmp_signed("<", first, self.seqlen)):
             for i, ptr in enumerate(self._vectors(b, run)):
                 part = b.load(ptr, typ=ir.VectorType(f32, 4), align=16)
                 x = [b.fmul(b.extract_element(part, i32(e)), self.a.softmax_scale)
                      for e in range(4)]
-                group, j = divmod(i, cols // 8)  # (the part's columns, their 8-column slice)
-                byte = b.shl(b.add(c, i32(group * cols + 8 * j)), i32(1))
+                r, col = vector_origin(b, self.c, self.tid, i)
                 for half in range(2):
                     b.store(warp.pack2(b, self.c.dtype, x[2 * half], x[2 * half + 1]),
-                            shared(b, b.add(r, i32(8 * half)), byte), align=4)
+                            shared(b, b.add(r, i32(8 * half)), b.shl(col, i32(1))), align=4)
         nvptx.barrier_all(b)
 
         def row(b, r, valid):
