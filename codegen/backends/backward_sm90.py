@@ -2,8 +2,9 @@
 
 The same three kernels as `codegen.backends.backward` (preprocess, main, postprocess: the
 row kernels are that module's, over this design's scratch buffers, which keep one block per
-query tile: the stats and dQ's accumulator below), with a main kernel `mha_bwd` built for
-Hopper in FlashAttention-3's layout:
+query tile: the stats and dQ's accumulator below, which `_Rows` zeroes and reads 16 bytes a
+thread, the postprocess through a shared tile of its rows), with a main kernel `mha_bwd`
+built for Hopper in FlashAttention-3's layout:
 
 - a CTA of three warpgroups (384 threads) owns one K/V tile of `block_n` = 128 rows of one
   (batch, K/V head), handed out by the declaration's scheduler (the same work space as the
