@@ -273,20 +273,23 @@ def vector_origin(b, config: HopperBackwardConfig, thread, i: int) -> tuple[ir.V
     `thread` in its part."""
     cols = config.dq_tile[1]
     part, j = divmod(i, cols // 8)
-    row = b.add(b.shl(b.lshr(thread, i32(5)), i32(4)), b.lshr(b.and_(thread, i32(31)), i32(2)))
-    return row, b.add(b.shl(b.and_(thread, i32(3)), i32(1)), i32(part * cols + 8 * j))
+    row, col = hopper.accumulator_row_col(b, thread, 4 * j)
+    return row, b.add(col, i32(part * cols))
 
 
 class _Rows(_RowKernel):
     """The row kernels over this design's scratch buffers (per query tile)."""
 
+    def _tile_end(self, b) -> ir.Value:
+        """The end of the sequence's last query tile: the blocks a step reads whole."""
+        bm = self.c.block_m
+        return b.mul(b.udiv(b.add(self.seqlen, i32(bm - 1)), i32(bm)), i32(bm))
+
     def store_delta(self, b, row, valid, delta) -> None:
         """Row `row`'s stats (by the row's first lane) up to the end of its tile (a bulk
         copy reads whole tiles): -LSE log2(e) (`_neg_lse`: -inf past the sequence) and
         delta (zero past it)."""
-        bm = self.c.block_m
-        tile_end = b.mul(b.udiv(b.add(self.seqlen, i32(bm - 1)), i32(bm)), i32(bm))
-        with b.if_then(b.and_(b.icmp_signed("<", row, tile_end),
+        with b.if_then(b.and_(b.icmp_signed("<", row, self._tile_end(b)),
                               b.icmp_unsigned("==", self.chunk, i32(0)))):
             def forward_lse(b):
                 off = _lse_offset(b, self.a, self.bidx, self.h, b.add(self.start, row))
@@ -299,9 +302,10 @@ class _Rows(_RowKernel):
                 b.store(value, _gep(b, self.a.delta, off, f32), align=4)
 
     # A row CTA's ROW_TILE rows are one contiguous run of the accumulator (a block, or the
-    # part of one that a warpgroup computes: `dq_tile`), in register order; its threads, a
-    # warpgroup's many, walk it 16 bytes each: thread t's vector i holds accumulators 4i..4i+3
-    # of warpgroup thread t, rows r and r + 8 at columns c and c + 1 (`dq_accum_position`).
+    # part of one that a warpgroup computes: `dq_tile`), in register order; its 128 threads
+    # (a warpgroup's count) walk it 16 bytes each: thread t's vector i holds accumulators
+    # 4i..4i+3 of warpgroup thread t, rows r and r + 8 at columns c and c + 1
+    # (`dq_accum_position`, `vector_origin`).
     def _run(self, b) -> tuple[ir.Value, ir.Value]:
         """(the CTA's first row, the float offset (i64) of its run)."""
         assert self.c.dq_tile[0] == ROW_TILE and ROW_THREADS == hopper.WARPGROUP_THREADS
@@ -319,10 +323,8 @@ class _Rows(_RowKernel):
     def zero_accumulator(self, b) -> None:
         """The run zeroed, up to the end of the sequence's last query tile (the bulk
         reduce-adds add whole tiles)."""
-        bm = self.c.block_m
-        tile_end = b.mul(b.udiv(b.add(self.seqlen, i32(bm - 1)), i32(bm)), i32(bm))
         first, run = self._run(b)
-        with b.if_then(b.icmp_signed("<", first, tile_end)):
+        with b.if_then(b.icmp_signed("<", first, self._tile_end(b))):
             for ptr in self._vectors(b, run):
                 b.store(ir.Constant(ir.VectorType(f32, 4), [0.0] * 4), ptr, align=16)
 
