@@ -119,8 +119,28 @@ def cp_async_wait(builder: ir.IRBuilder, pending: int = 0) -> None:
 
 # ----------------------------------------------------------------- lanes and math
 def shfl_bfly(builder: ir.IRBuilder, value: ir.Value, lane_mask: int) -> ir.Value:
-    return call(builder, "llvm.nvvm.shfl.sync.bfly.f32", f32,
+    """The f32 or i32 `value` of lane (this lane xor `lane_mask`)."""
+    kind = "i32" if value.type == i32 else "f32"
+    return call(builder, f"llvm.nvvm.shfl.sync.bfly.{kind}", value.type,
                 [i32(FULL_MASK), value, i32(lane_mask), i32(31)])
+
+
+def quad_transpose(builder: ir.IRBuilder, values: list[ir.Value]) -> list[ir.Value]:
+    """The 4 x 4 transpose of a quad's (four consecutive lanes') four i32 values each: lane
+    t's values[u] becomes lane u's [t]. An accumulator row's quad, holding two columns of
+    each of four 8-column groups per lane, then holds one whole group (16 bytes) per lane.
+    Two butterfly rounds of two shuffles; every lane of the warp must run it."""
+    b = builder
+    t = b.and_(nvptx.lane_id(b), i32(3))
+    v = list(values)
+    for mask, pairs in ((2, ((0, 2), (1, 3))), (1, ((0, 1), (2, 3)))):
+        upper = b.icmp_unsigned("!=", b.and_(t, i32(mask)), i32(0))
+        # a lane without the mask's bit gives its partner the pair's second, one with it
+        # the first, and puts what it gets where it gave
+        got = [shfl_bfly(b, b.select(upper, v[lo], v[hi]), mask) for lo, hi in pairs]
+        for (lo, hi), g in zip(pairs, got):
+            v[lo], v[hi] = b.select(upper, g, v[lo]), b.select(upper, v[hi], g)
+    return v
 
 
 def _popc(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:

@@ -450,10 +450,11 @@ def test_the_row_kernels_walk_each_run_of_the_accumulator_16_bytes_a_thread(head
         assert seen == set(range(run, run + ROW_TILE * head_dim))
 
 
-def test_the_row_kernels_move_whole_16_byte_vectors(monkeypatch, tmp_path):
+def test_the_backward_moves_whole_16_byte_vectors(monkeypatch, tmp_path):
     """The preprocess zeroes the accumulator, and the postprocess reads it and writes dQ, in
     16-byte vectors (two-float pieces of it cost the row kernels 3.3x and 2.2x their time on
-    the H200)."""
+    the H200); the main kernel writes dK and dV in 16-byte vectors too (its quads trade
+    pairs: `warp.quad_transpose`), and nothing else."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     kern = mhadsl.compile("attention p { dtype = bf16  head_dim = 128 }", name="x")["p"]
     build = kern.backward_build("sm_90a")
@@ -468,3 +469,6 @@ def test_the_row_kernels_move_whole_16_byte_vectors(monkeypatch, tmp_path):
     assert not re.findall(r"st\.global\.v2", pre)
     assert len(re.findall(r"ld\.global(?:\.nc)?\.v4\.(?:f32|b32)", post)) == vectors
     assert re.findall(r"st\.global\.v4", post) and not re.findall(r"st\.global\.(?:b32|u32)", post)
+    # dK and dV: two rows of 128 columns per thread, 8 columns a store
+    stores = re.findall(r"st\.global[.\w]*", entry(H.MAIN))
+    assert stores == ["st.global.v4.b32"] * (2 * 2 * 128 // 8 // 4)

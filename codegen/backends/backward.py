@@ -746,21 +746,31 @@ class _TileKernel:
         c, a = self.c, self.a
         MT = c.tiles_per_warp
         DT = len(flat) // (4 * MT)
+        assert DT % 4 == 0  # (head dims 64, 128, 256)
         lanes = self._lanes(b)
         for i in range(MT):
             for r in range(2):
                 row = lanes.own_row(b, i, r)
+                pairs = []
+                for j in range(DT):
+                    x = [flat[(i * DT + j) * 4 + 2 * r + e2] for e2 in range(2)]
+                    if scale is not None:
+                        x = [b.fmul(v, scale) for v in x]
+                    pairs.append(warp.pack2(b, c.dtype, *x))
+                # the row's quad trades pairs so that each lane holds 8 whole columns (a
+                # 16-byte store, where pairs wrote half sectors), before the row's branch
+                groups = [warp.quad_transpose(b, pairs[4 * k: 4 * k + 4])
+                          for k in range(DT // 4)]
                 with b.if_then(b.icmp_signed("<", row, rows_valid)):
                     off = _row_offset(b, a, c.ragged, tensor, self.bidx, b.add(first_row, row),
                                       head)
-                    column = b.add(b.shl(lanes.t, i32(1)), i32(first_column))
+                    column = b.add(b.shl(lanes.t, i32(3)), i32(first_column))
                     base = _gep(b, a[tensor], b.add(off, b.zext(column, i64)), nvptx.i16)
-                    for j in range(DT):
-                        x = [flat[(i * DT + j) * 4 + 2 * r + e2] for e2 in range(2)]
-                        if scale is not None:
-                            x = [b.fmul(v, scale) for v in x]
-                        warp.store(b, warp.pack2(b, c.dtype, *x),
-                                   _gep(b, base, i64(8 * j), nvptx.i16), align=4)
+                    for k, group in enumerate(groups):
+                        vec = ir.Constant(ir.VectorType(i32, 4), ir.Undefined)
+                        for e, x in enumerate(group):
+                            vec = b.insert_element(vec, x, i32(e))
+                        warp.store(b, vec, _gep(b, base, i64(32 * k), nvptx.i16), align=16)
 
 
 def scheduler_view(args: KernelArgs) -> KernelArgs:
