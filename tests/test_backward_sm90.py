@@ -472,3 +472,32 @@ def test_the_backward_moves_whole_16_byte_vectors(monkeypatch, tmp_path):
     # dK and dV: two rows of 128 columns per thread, 8 columns a store
     stores = re.findall(r"st\.global[.\w]*", entry(H.MAIN))
     assert stores == ["st.global.v4.b32"] * (2 * 2 * 128 // 8 // 4)
+
+
+@pytest.mark.parametrize("head_dim, early", [(128, True), (64, False)])
+def test_a_step_reads_its_lse_before_its_gemms_at_64_query_rows(monkeypatch, tmp_path,
+                                                                head_dim, early):
+    """Once a stage is full, a consumer at a 64-row query step (head dim 128) reads the step's
+    -LSE (block_m / 8 two-float loads) before it issues S^T's and dP^T's GEMMs: issued after
+    them, the loads waited behind their shared-memory traffic and stalled P's first FFMAs. At
+    128 rows (head dim 64) the loads follow the GEMMs: their registers held across them cost
+    more than the stall."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    build = mhadsl.compile(f"attention p {{ dtype = bf16  head_dim = {head_dim} }}",
+                           name="x")["p"].backward_build("sm_90a")
+    block_m = build.config.block_m
+    assert block_m == (64 if early else 128)
+    ptx = build.ptx
+    main = ptx[ptx.index(f".entry {H.MAIN}("):]
+    events = []
+    for line in main[:main.index("\n}\n")].splitlines():
+        kind = ("wait" if "mbarrier.try_wait" in line else "lds" if "ld.shared.v2.f32" in line
+                else "wgmma" if "wgmma.mma_async" in line else None)
+        if kind and events and events[-1][0] == kind:
+            events[-1][1] += 1
+        elif kind:
+            events.append([kind, 1])
+    gemms = 2 * head_dim // 16  # S^T's and dP^T's k-steps
+    lse = ["lds", block_m // 8]
+    expected = [["wait", 1], lse, ["wgmma", gemms]] if early else [["wait", 1], ["wgmma", gemms], lse]
+    assert expected in [events[i:i + 3] for i in range(len(events) - 2)], events

@@ -683,9 +683,11 @@ class _HopperMain(_MainKernel):
         k_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["k"]), own)),
                                           k_major(BN))
         q_descs = hopper.smem_descriptors(b, self._ptr(b, q_off), k_major(BM))
-        # the step's -LSE, read before its GEMMs: behind their shared-memory traffic the load
-        # stalled P's first FFMA (the largest consumer stall in ncu's sampling)
-        neg_lse = self._columns(b, stage, "neg_lse", lanes)
+        # the step's -LSE: read before its GEMMs at 64 query rows, where behind their
+        # shared-memory traffic the load stalled P's first FFMA (ncu's largest consumer stall);
+        # at 128 rows its registers held across the GEMMs cost more (measured 5 % slower)
+        lse_early = BM <= 64
+        neg_lse = self._columns(b, stage, "neg_lse", lanes) if lse_early else None
         hopper.wgmma_fence(b)
         s = None
         for kd, qd in zip(k_descs, q_descs):
@@ -710,6 +712,8 @@ class _HopperMain(_MainKernel):
         s = hopper.fence_operands(b, s)
 
         # P^T (and G with a score rule), under dP^T's GEMM
+        if not lse_early:
+            neg_lse = self._columns(b, stage, "neg_lse", lanes)
         S = [[s[4 * j: 4 * j + 4] for j in range(BM // 8)]]
         packed_p, G = self._probabilities(b, h, q0, kv0, S, q_idx, kv_idx,
                                           lambda i, j, e: neg_lse[j][e & 1])
