@@ -40,7 +40,8 @@ built for Hopper in FlashAttention-3's layout:
   the fp32 accumulator with one bulk reduce-add (`dq_accum_position`: the accumulator
   keeps each query tile's values in register order, and the row kernels read and zero it
   there), FlashAttention-4's schedule. The consumers never wait for a bulk copy;
-- dK (times the softmax scale) and dV are stored from registers at the end of the work tile.
+- dK (times the softmax scale) and dV are stored from registers at the end of the work tile,
+  16 bytes a thread after each accumulator row's quad trades its pairs (`warp.quad_transpose`).
 
 dQ's reduction is what limits it. With `red.global.add.v2.f32` from registers into a
 row-major accumulator, plain B4 H16 S4096 D128 ran 393 TFLOP/s (causal 336, causal H32 D64
