@@ -747,6 +747,7 @@ class _TileKernel:
         MT = c.tiles_per_warp
         DT = len(flat) // (4 * MT)
         assert DT % 4 == 0  # (head dims 64, 128, 256)
+        assert len(flat) == 4 * MT * DT and first_column + 8 * DT <= c.head_dim, len(flat)
         lanes = self._lanes(b)
         for i in range(MT):
             for r in range(2):
