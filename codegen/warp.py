@@ -87,12 +87,17 @@ def ldmatrix_x4(builder: ir.IRBuilder, smem_ptr: ir.Value, trans: bool = False) 
     return [builder.extract_value(res, i) for i in range(4)]
 
 
+def vector(builder: ir.IRBuilder, values: list[ir.Value]) -> ir.Value:
+    """The LLVM vector of `values` (one scalar type), for a vector store or conversion."""
+    v = ir.Constant(ir.VectorType(values[0].type, len(values)), ir.Undefined)
+    for e, x in enumerate(values):
+        v = builder.insert_element(v, x, i32(e))
+    return v
+
+
 def pack2(builder: ir.IRBuilder, dtype: str, lo: ir.Value, hi: ir.Value) -> ir.Value:
     """Two f32 -> one i32 holding two 16-bit values (lo in the low half), round to nearest."""
-    vec = ir.VectorType(f32, 2)
-    v = builder.insert_element(ir.Constant(vec, ir.Undefined), lo, i32(0))
-    v = builder.insert_element(v, hi, i32(1))
-    narrow = builder.fptrunc(v, ir.VectorType(element_type(dtype), 2))
+    narrow = builder.fptrunc(vector(builder, [lo, hi]), ir.VectorType(element_type(dtype), 2))
     return builder.bitcast(narrow, i32)
 
 

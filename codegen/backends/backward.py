@@ -393,10 +393,8 @@ class _RowKernel:
                     part = b.load(ptr, typ=ir.VectorType(f32, 4), align=16)
                     x += [b.fmul(b.extract_element(part, i32(e)), self.a.softmax_scale)
                           for e in range(4)]
-                out = ir.Constant(ir.VectorType(i32, 4), ir.Undefined)
-                for e in range(4):
-                    out = b.insert_element(
-                        out, warp.pack2(b, self.c.dtype, x[2 * e], x[2 * e + 1]), i32(e))
+                out = warp.vector(b, [warp.pack2(b, self.c.dtype, x[2 * e], x[2 * e + 1])
+                                      for e in range(4)])
                 b.store(out, self.chunk_ptr(b, "dq", r, nvptx.i16), align=16)
         self.rows(b, row)
 
@@ -746,8 +744,8 @@ class _TileKernel:
         c, a = self.c, self.a
         MT = c.tiles_per_warp
         DT = len(flat) // (4 * MT)
-        assert DT % 4 == 0  # (head dims 64, 128, 256)
-        assert len(flat) == 4 * MT * DT and first_column + 8 * DT <= c.head_dim, len(flat)
+        # whole quads of 8-column tiles (head dims 64, 128, 256), inside the head
+        assert DT % 4 == 0 and len(flat) == 4 * MT * DT and first_column + 8 * DT <= c.head_dim
         lanes = self._lanes(b)
         for i in range(MT):
             for r in range(2):
@@ -768,10 +766,8 @@ class _TileKernel:
                     column = b.add(b.shl(lanes.t, i32(3)), i32(first_column))
                     base = _gep(b, a[tensor], b.add(off, b.zext(column, i64)), nvptx.i16)
                     for k, group in enumerate(groups):
-                        vec = ir.Constant(ir.VectorType(i32, 4), ir.Undefined)
-                        for e, x in enumerate(group):
-                            vec = b.insert_element(vec, x, i32(e))
-                        warp.store(b, vec, _gep(b, base, i64(32 * k), nvptx.i16), align=16)
+                        warp.store(b, warp.vector(b, group), _gep(b, base, i64(32 * k), nvptx.i16),
+                                   align=16)
 
 
 def scheduler_view(args: KernelArgs) -> KernelArgs:

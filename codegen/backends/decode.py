@@ -782,10 +782,8 @@ class _Emitter:
                         for j in range(DT):
                             ptr = b.gep(a.partial_o, [b.add(base, _i64(b, b.add(col0, i32(8 * j))))],
                                         source_etype=f32)
-                            vec = ir.VectorType(f32, 2)
-                            v = b.insert_element(ir.Constant(vec, ir.Undefined),
-                                                 b.fmul(acc[j][2 * r], inv[r]), i32(0))
-                            v = b.insert_element(v, b.fmul(acc[j][2 * r + 1], inv[r]), i32(1))
+                            v = warp.vector(b, [b.fmul(acc[j][2 * r + e], inv[r])
+                                                for e in range(2)])
                             b.store(v, ptr, align=8)
                         with b.if_then(b.icmp_unsigned("==", self.t, i32(0))):
                             b.store(lse[r], b.gep(a.partial_lse, [row], source_etype=f32),
@@ -893,10 +891,8 @@ class _Emitter:
                             b.add(b.mul(_i64(b, h), a.o_stride_head), _i64(b, col)))
                 packed2 = [warp.pack2(b, c.dtype, b.fmul(o[0], inv), b.fmul(o[1], inv)),
                            warp.pack2(b, c.dtype, b.fmul(o[2], inv), b.fmul(o[3], inv))]
-                vec = ir.VectorType(i32, 2)
-                v = b.insert_element(ir.Constant(vec, ir.Undefined), packed2[0], i32(0))
-                v = b.insert_element(v, packed2[1], i32(1))
-                b.store(v, b.gep(a.o, [off], source_etype=nvptx.i16), align=8)
+                b.store(warp.vector(b, packed2), b.gep(a.o, [off], source_etype=nvptx.i16),
+                        align=8)
                 if c.return_lse:
                     with b.if_then(b.icmp_signed("==", col, i32(0))):
                         lse = b.fadd(safe_top, b.fmul(warp.lg2(b, total), warp.fconst(warp.LN2)))
