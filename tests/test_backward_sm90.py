@@ -60,6 +60,9 @@ def test_config_problems_and_shared_memory():
     assert not H.HopperBackwardConfig(head_dim=64).problems()
     assert H.HopperBackwardConfig(head_dim=256).problems()[0].settings == ("head_dim",)
     assert H.HopperBackwardConfig(block_m=32).problems()[0].settings == ("tile",)
+    assert H.HopperBackwardConfig(head_dim=64, block_m=128, stages=1).problems()[0].settings \
+        == ("stages",)
+    assert not H.HopperBackwardConfig(stages=1).problems()  # (64-row steps: S^T not ahead)
     assert not H.HopperBackwardConfig(ragged=True).problems()
     assert H.HopperBackwardConfig(deterministic=True).problems()
     assert H.HopperBackwardConfig(ragged=True, deterministic=True).problems()
@@ -474,30 +477,61 @@ def test_the_backward_moves_whole_16_byte_vectors(monkeypatch, tmp_path):
     assert stores == ["st.global.v4.b32"] * (2 * 2 * 128 // 8 // 4)
 
 
+def _main_events(head_dim):
+    """The main kernel's build config and its PTX as runs of kinds: mbarrier waits
+    (try_wait), -LSE/delta reads (two-float shared loads), wgmmas, `wgmma.wait_group N`
+    (waitN) and mbarrier arrivals."""
+    build = mhadsl.compile(f"attention p {{ dtype = bf16  head_dim = {head_dim} }}",
+                           name="x")["p"].backward_build("sm_90a")
+    ptx = build.ptx
+    main = ptx[ptx.index(f".entry {H.MAIN}("):]
+    events = []
+    for line in main[:main.index("\n}\n")].splitlines():
+        wait = re.search(r"wgmma\.wait_group\.sync\.aligned\s+(\d)", line)
+        kind = ("try_wait" if "mbarrier.try_wait" in line
+                else "lds" if "ld.shared.v2.f32" in line
+                else "wgmma" if "wgmma.mma_async" in line
+                else f"wait{wait.group(1)}" if wait
+                else "arrive" if "mbarrier.arrive.shared" in line else None)
+        if kind and events and events[-1][0] == kind:
+            events[-1][1] += 1
+        elif kind:
+            events.append([kind, 1])
+    return build.config, events
+
+
+def _runs(events, n):
+    return [events[i:i + n] for i in range(len(events) - n + 1)]
+
+
 @pytest.mark.parametrize("head_dim, early", [(128, True), (64, False)])
 def test_a_step_reads_its_lse_before_its_gemms_at_64_query_rows(monkeypatch, tmp_path,
                                                                 head_dim, early):
     """Once a stage is full, a consumer at a 64-row query step (head dim 128) reads the step's
     -LSE (block_m / 8 two-float loads) before it issues S^T's and dP^T's GEMMs: issued after
     them, the loads waited behind their shared-memory traffic and stalled P's first FFMAs. At
-    128 rows (head dim 64) the loads follow the GEMMs: their registers held across them cost
-    more than the stall."""
+    128 rows (head dim 64) the loads follow dP^T's GEMM (S^T's is issued a step ahead): their
+    registers held across it cost more than the stall."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
-    build = mhadsl.compile(f"attention p {{ dtype = bf16  head_dim = {head_dim} }}",
-                           name="x")["p"].backward_build("sm_90a")
-    block_m = build.config.block_m
-    assert block_m == (64 if early else 128)
-    ptx = build.ptx
-    main = ptx[ptx.index(f".entry {H.MAIN}("):]
-    events = []
-    for line in main[:main.index("\n}\n")].splitlines():
-        kind = ("wait" if "mbarrier.try_wait" in line else "lds" if "ld.shared.v2.f32" in line
-                else "wgmma" if "wgmma.mma_async" in line else None)
-        if kind and events and events[-1][0] == kind:
-            events[-1][1] += 1
-        elif kind:
-            events.append([kind, 1])
-    gemms = 2 * head_dim // 16  # S^T's and dP^T's k-steps
-    lse = ["lds", block_m // 8]
-    expected = [["wait", 1], lse, ["wgmma", gemms]] if early else [["wait", 1], ["wgmma", gemms], lse]
-    assert expected in [events[i:i + 3] for i in range(len(events) - 2)], events
+    config, events = _main_events(head_dim)
+    assert config.block_m == (64 if early else 128)
+    lse, k_steps = ["lds", config.block_m // 8], head_dim // 16
+    expected = ([["try_wait", 1], lse, ["wgmma", 2 * k_steps]] if early
+                else [["wait0", 1], ["wgmma", k_steps], lse])
+    assert expected in _runs(events, 3), events
+
+
+@pytest.mark.parametrize("head_dim, ahead", [(64, True), (128, False)])
+def test_at_128_query_rows_the_next_steps_s_is_issued_before_the_stage_is_freed(
+        monkeypatch, tmp_path, head_dim, ahead):
+    """At 128-row query steps (head dim 64) a consumer issues the next step's S^T = K Q^T
+    under dK's GEMM, so that it is queued across the step boundary: the stage is freed (its
+    empty mbarrier) once every group but that one is done (`wgmma.wait_group 1`), and the
+    next step waits for all of them before it reads S^T (a group count ptxas can follow: no
+    serialisation). At 64-row steps a step issues its own S^T, and frees the stage once all
+    of its groups are done."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    config, events = _main_events(head_dim)
+    assert config.s_ahead == ahead
+    assert ([["wait1", 1], ["arrive", 1]] in _runs(events, 2)) == ahead, events
+    assert ([["wait0", 1], ["arrive", 1]] in _runs(events, 2)) != ahead, events
