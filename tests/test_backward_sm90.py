@@ -63,6 +63,12 @@ def test_config_problems_and_shared_memory():
     assert H.HopperBackwardConfig(head_dim=64, block_m=128, stages=1).problems()[0].settings \
         == ("stages",)
     assert not H.HopperBackwardConfig(stages=1).problems()  # (64-row steps: S^T not ahead)
+    # three stages fit at 64 query rows, not at 128 (the GPU refused that launch)
+    assert not H.HopperBackwardConfig(stages=3).problems()
+    assert H.shared_bytes(H.HopperBackwardConfig(head_dim=64, block_m=128, stages=3)) \
+        > SHARED_MEMORY_LIMIT["sm_90a"]
+    assert H.HopperBackwardConfig(head_dim=64, block_m=128, stages=3).problems()[0].settings \
+        == ("stages",)
     assert not H.HopperBackwardConfig(ragged=True).problems()
     assert H.HopperBackwardConfig(deterministic=True).problems()
     assert H.HopperBackwardConfig(ragged=True, deterministic=True).problems()

@@ -179,6 +179,10 @@ class HopperBackwardConfig(BackwardConfig):
             # a step issues the next one's S^T while it still holds its own stage
             found.append(Problem(("stages",), "the sm90 backward's ring has at least 2 stages "
                                               "at 128 query rows"))
+        if not found and shared_bytes(self) > SHARED_MEMORY_LIMIT["sm_90a"]:
+            found.append(Problem(("stages",), (
+                f"the sm90 backward's {self.stages} stages need {shared_bytes(self)} bytes of "
+                f"shared memory; a CTA has {SHARED_MEMORY_LIMIT['sm_90a']}")))
         if self.deterministic:
             found.append(Problem((), "the sm90 backward runs in atomic mode"))
         return found
@@ -995,5 +999,3 @@ def declared_config(options, layout: Layout) -> HopperBackwardConfig:
 
 
 BACKEND = BackwardSM90()
-
-assert shared_bytes(HopperBackwardConfig()) <= SHARED_MEMORY_LIMIT["sm_90a"]
