@@ -5,6 +5,7 @@ the declaration's scheduler over K/V tiles, the simulator proves that work space
 exactly once, and a call's mistakes are errors before anything runs."""
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -282,3 +283,24 @@ def test_deterministic_must_be_a_bool():
     kern = mhadsl.compile(EXAMPLES[0].parent / "causal.mha")["causal_fwd"]
     with pytest.raises(TypeError, match="deterministic"):
         kern.backward(**_arrays(), deterministic="yes")
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_steps_of_one_query_head_are_found_without_a_division(monkeypatch, tmp_path, arch):
+    """With one query head per K/V head a work tile's step s is query tile s: the search for
+    the next step the mask may keep (a ballot per 32 candidates) divides nothing; with a GQA
+    group a step's head and tile come from dividing by the tile count (measured: causal D64
+    432 -> 447-451 TFLOP/s, B1 S16384 537 -> 552-553, BENCHMARKS.md)."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    kernel = mhadsl.compile("attention p { dtype = bf16  head_dim = 128\n"
+                            "  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }", name="x")["p"]
+
+    def divisions_per_round(gqa_group):
+        ptx = kernel.backward_build(arch, gqa_group=gqa_group).ptx
+        main = ptx[ptx.index(".entry mha_bwd("):]
+        blocks = re.split(r"\n\$L__BB\d+_\d+:", main[:main.index("\n}\n")])
+        return [len(re.findall(r"\b(?:div|rem)\.u32", blk)) for blk in blocks
+                if "vote.sync.ballot" in blk]
+
+    assert divisions_per_round(1) and not any(divisions_per_round(1))
+    assert all(divisions_per_round(2))

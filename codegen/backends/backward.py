@@ -886,6 +886,8 @@ class _MainKernel(_TileKernel):
 
         def pair_of(b, s):
             head0 = b.mul(self.hk, i32(c.gqa_group))
+            if c.gqa_group == 1:  # one head: no division (a step's, and each searched one's)
+                return head0, b.mul(s, i32(c.block_m)), self.kv0
             return (b.add(head0, b.udiv(s, q_tiles(b))),
                     b.mul(b.urem(s, q_tiles(b)), i32(c.block_m)), self.kv0)
         return steps, pair_of
