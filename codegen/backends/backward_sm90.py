@@ -654,16 +654,18 @@ class _HopperMain(_MainKernel):
         def body(b, s, carried):
             count, stage, phase = self._ring_slot(b)
             nxt = self._next_step(b, b.add(s, i32(1)), steps, pair_of)
-            issue_next_s = None
-            if c.s_ahead:
-                issue_next_s = lambda: self._issue_s_ahead(  # noqa: E731
-                    b, b.icmp_signed("<", nxt, steps), b.add(count, i32(1)))
-            else:
+
+            def issue_next_s():
+                return self._issue_s_ahead(b, b.icmp_signed("<", nxt, steps),
+                                           b.add(count, i32(1)))
+
+            if not c.s_ahead:
                 hopper.mbarrier_wait(b, self._full(b, stage), phase)
             h, q0, _ = pair_of(b, s)
             dk, dv, s_next = self._step(
                 b, h, q0, stage, list(carried[:n_acc]), list(carried[n_acc:2 * n_acc]),
-                list(carried[2 * n_acc:]), b.and_(count, i32(1)), issue_next_s)
+                list(carried[2 * n_acc:]), b.and_(count, i32(1)),
+                issue_next_s if c.s_ahead else None)
             b.store(b.add(count, i32(1)), self.step_count)
             return nxt, dk + dv + s_next
 
