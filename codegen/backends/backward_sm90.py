@@ -565,10 +565,11 @@ class _HopperMain(_MainKernel):
                                        + ["~{memory}"]), [tid, *maps, *bars], True)
         nvptx.barrier_all(b)
 
-    def _ring_slot(self, b):
+    def _ring_slot(self, b, count=None):
         """(the step's count, its stage, the stage's phase) in the ring, from the role's
-        step counter (it runs on across work tiles)."""
-        count = b.load(self.step_count, typ=i32)
+        step counter (it runs on across work tiles), or of ring position `count`."""
+        if count is None:
+            count = b.load(self.step_count, typ=i32)
         stages = i32(self.c.stages)
         return count, b.urem(count, stages), b.and_(b.udiv(count, stages), i32(1))
 
@@ -716,10 +717,9 @@ class _HopperMain(_MainKernel):
         """S^T of the step at ring position `count`, issued a step ahead (`s_ahead`) once
         its stage is full. Where there is no such step (`exists` false) it multiplies K by
         K instead, a valid operand that is never freed under it, and nobody reads it."""
-        stages = i32(self.c.stages)
-        stage = b.urem(count, stages)
+        _, stage, phase = self._ring_slot(b, count)
         with b.if_then(exists):
-            hopper.mbarrier_wait(b, self._full(b, stage), b.and_(b.udiv(count, stages), i32(1)))
+            hopper.mbarrier_wait(b, self._full(b, stage), phase)
         own = b.mul(b.lshr(self._tid(b), i32(7)), i32(GROUP_ROWS * SW))
         return self._issue_s(b, self._s_operands(
             b, own, b.select(exists, self._stage_off(b, stage, "q"), i32(self.off["k"]))))
