@@ -101,6 +101,13 @@ def pack2(builder: ir.IRBuilder, dtype: str, lo: ir.Value, hi: ir.Value) -> ir.V
     return builder.bitcast(narrow, i32)
 
 
+def mul2(builder: ir.IRBuilder, dtype: str, x: ir.Value, y: ir.Value) -> ir.Value:
+    """The elementwise product of two i32s of two 16-bit values each (`pack2`'s), rounded
+    to nearest: one `mul.rn.{bf16,f16}x2`."""
+    pair = ir.VectorType(element_type(dtype), 2)
+    return builder.bitcast(builder.fmul(builder.bitcast(x, pair), builder.bitcast(y, pair)), i32)
+
+
 # ----------------------------------------------------------------- async copies
 def cp_async_16(builder: ir.IRBuilder, dst_smem: ir.Value, src_global: ir.Value,
                 src_bytes: ir.Value | None = None) -> None:

@@ -483,6 +483,24 @@ def test_the_backward_moves_whole_16_byte_vectors(monkeypatch, tmp_path):
     assert stores == ["st.global.v4.b32"] * (2 * 2 * 128 // 8 // 4)
 
 
+_SOFTCAP = "score(s, b, h, q_idx, kv_idx) = 30.0 * tanh(s / 30.0)"
+
+
+@pytest.mark.parametrize("head_dim, score", [(128, ""), (64, ""), (128, _SOFTCAP)])
+def test_a_step_multiplies_ds_in_16_bit_pairs(monkeypatch, tmp_path, head_dim, score):
+    """Without a score rule a consumer computes dS^T = P^T (dP^T - delta) two values at a
+    time in 16-bit pairs (`warp.mul2`: block_m / 4 of them per thread and step), from the P^T
+    pairs dV's GEMM took, not by unpacking them to f32; with one, G = P^T dscore/ds takes the
+    f32 path."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    build = mhadsl.compile(f"attention p {{ dtype = bf16  head_dim = {head_dim}  {score} }}",
+                           name="x")["p"].backward_build("sm_90a")
+    main = build.ptx[build.ptx.index(f".entry {H.MAIN}("):]
+    main = main[:main.index("\n}\n")]
+    pairs = len(re.findall(r"mul\.rn\.bf16x2", main))
+    assert pairs == (0 if score else build.config.block_m // 4)
+
+
 def _main_events(head_dim):
     """The main kernel's build config and its PTX as runs of kinds: mbarrier waits
     (try_wait), -LSE/delta reads (two-float shared loads), wgmmas, `wgmma.wait_group N`

@@ -809,7 +809,14 @@ class _HopperMain(_MainKernel):
         delta = self._columns(b, stage, "delta", lanes)
         dP_delta = [[[b.fsub(dp[4 * j + e], delta[j][e & 1]) for e in range(4)]
                      for j in range(BM // 8)]]
-        ds_packed = self._pack(b, self._ds(b, packed_p, G, dP_delta))[0]
+        if G is None:
+            # dS^T = P^T (dP^T - delta) in 16-bit pairs: P^T is in them already (dV's A
+            # operand), so this packs dP^T - delta and multiplies two at a time, where
+            # unpacking P^T to f32 and packing dS^T cost two instructions per element more
+            ds_packed = [[warp.mul2(b, dt, p, d) for p, d in zip(ps, ds)]
+                         for ps, ds in zip(packed_p[0], self._pack(b, dP_delta)[0])]
+        else:
+            ds_packed = self._pack(b, self._ds(b, packed_p, G, dP_delta))[0]
 
         # dS^T (16-bit) to shared memory: row = the warpgroup's K/V row, in boxes of 64 query
         # columns (128 bytes, swizzled: chunk n-tile xor row % 8; box b at b BN rows)
