@@ -144,10 +144,24 @@ def ensure_context(device: int | None = None) -> int:
                 # Retained for the life of the process, like the runtime API does.
                 ctx = _primary[dev] = call(cu.cuDevicePrimaryCtxRetain, call(cu.cuDeviceGet, dev))
                 _primary_address[dev] = int(ctx)
-    code, current = cu.cuCtxGetCurrent()  # the current context is per thread
-    if code != _SUCCESS or int(current) != _primary_address[dev]:
+    if _current_context() != _primary_address[dev]:  # the current context is per thread
         call(cu.cuCtxSetCurrent, ctx)
     return dev
+
+
+_thread = threading.local()  # each thread's out-parameter for libcuda's cuCtxGetCurrent
+
+
+def _current_context() -> int | None:
+    """The address of this thread's current context (None: none, or the driver failed)."""
+    get = _raw_ctx_get_current()
+    if get is None:
+        code, current = cu.cuCtxGetCurrent()
+        return int(current) if code == _SUCCESS else None
+    out = getattr(_thread, "context", None)
+    if out is None:
+        out = _thread.context = ctypes.c_void_p()
+    return out.value if get(ctypes.addressof(out)) == 0 else None
 
 
 @dataclass(frozen=True)
@@ -589,30 +603,43 @@ class Function:
             0,
         )
 
-    def launch_packed(self, grid: tuple[int, int, int], threads: int, shared_bytes: int,
-                      stream: int, params: int) -> None:
-        """Launch on raw `stream` with `params`, the address of a `void*[]` of the kernel's
-        parameters (`runtime.launch.ParamBlock`): one driver call, nothing else."""
-        launch = _raw_launch()
+    def launcher(self, grid: tuple[int, int, int], threads: int, shared_bytes: int,
+                 params: int) -> Callable[[int], None]:
+        """A launch on a raw stream handle with `params`, the address of a `void*[]` of the
+        kernel's parameters (`runtime.launch.ParamBlock`): one driver call, every argument
+        but the stream converted once, here."""
+        launch = _raw("cuLaunchKernel", (ctypes.c_void_p, *[ctypes.c_uint] * 7,
+                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p))
         if launch is None:
-            check(cu.cuLaunchKernel(self._handle, *grid, threads, 1, 1, shared_bytes, stream,
-                                    params, 0), "cuLaunchKernel")
-            return
-        code = launch(int(self._handle), *grid, threads, 1, 1, shared_bytes, stream, params,
-                      None)
-        if code:
-            check((cu.CUresult(code),), "cuLaunchKernel")
+            def run(stream: int) -> None:
+                check(cu.cuLaunchKernel(self._handle, *grid, threads, 1, 1, shared_bytes, stream,
+                                        params, 0), "cuLaunchKernel")
+            return run
+        fixed = (ctypes.c_void_p(int(self._handle)),
+                 *map(ctypes.c_uint, (*grid, threads, 1, 1, shared_bytes)))
+        params_arg = ctypes.c_void_p(params)
+
+        def run(stream: int) -> None:
+            code = launch(*fixed, stream, params_arg, None)
+            if code:
+                check((cu.CUresult(code),), "cuLaunchKernel")
+        return run
 
 
 @cache
-def _raw_launch() -> Callable | None:
-    """libcuda's own cuLaunchKernel through ctypes (None where it cannot be loaded so): the
-    cuda-python wrapper converts its eleven arguments on every call, 1.5 us of a launch."""
+def _raw_ctx_get_current() -> Callable | None:
+    return _raw("cuCtxGetCurrent", (ctypes.c_void_p,))
+
+
+@cache
+def _raw(name: str, argtypes: tuple[type, ...]) -> Callable | None:
+    """libcuda's own `name` through ctypes (None where it cannot be loaded so), for the calls
+    of every launch: the cuda-python wrappers convert each argument and result on every call
+    (1.5 us of cuLaunchKernel's eleven)."""
     try:
-        launch = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1").cuLaunchKernel
+        function = getattr(ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1"), name)
     except (OSError, AttributeError):
         return None
-    launch.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p]
-    launch.restype = ctypes.c_int
-    return launch
+    function.argtypes = list(argtypes)
+    function.restype = ctypes.c_int
+    return function

@@ -114,6 +114,7 @@ class LaunchPlan:
             else:
                 self.block.pack(p.name, signature_value(b, tensors, values, ragged))
         self.function.set_max_dynamic_shared(shared_bytes)
+        self._launch = function.launcher(grid, threads, shared_bytes, self.block.address)
         self._lock = threading.Lock()  # the block is shared: one patch-and-launch at a time
         self._last: tuple | None = None  # the addresses the block's maps were made for
 
@@ -132,8 +133,7 @@ class LaunchPlan:
             self._patch(addresses)
             if self._queue is not None:
                 self._queue.value = workspace
-            self.function.launch_packed(self.grid, self.threads, self.shared_bytes, stream,
-                                        self.block.address)
+            self._launch(stream)
         if driver.debug_mode():
             driver.wait_for_fault(stream, self.device)
 

@@ -27,3 +27,11 @@ def finishes_within(seconds: float, work):
         pytest.fail(f"still running after {seconds} s")
     assert result, "it raised (see the thread's traceback above)"
     return result[0]
+
+
+def fake_launcher(launch):
+    """A fake `driver.Function.launcher` that calls `launch(grid, threads, shared_bytes,
+    stream, params)` at each launch (when the plan's parameter block holds the call's)."""
+    def launcher(grid, threads, shared_bytes, params):
+        return lambda stream: launch(grid, threads, shared_bytes, stream, params)
+    return launcher

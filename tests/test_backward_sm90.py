@@ -14,7 +14,7 @@ import pytest
 from llvmlite import ir
 
 import mhadsl
-from helpers import EXAMPLES
+from helpers import EXAMPLES, fake_launcher
 from mhadsl import backward as host
 from mhadsl.codegen import hopper, nvptx
 from mhadsl.codegen.assemble import find_ptxas
@@ -239,7 +239,7 @@ def test_a_ragged_call_maps_all_rows_in_the_boxes_its_copies_expect(kernel, monk
         def launch(grid, threads, shared_bytes, stream, params):
             blocks[name] = ctypes.string_at(ctypes.cast(params, ctypes.POINTER(
                 ctypes.c_void_p))[0], H.kernel_abi(name).size)
-        return SimpleNamespace(max_active_blocks=lambda *a: 1, launch_packed=launch,
+        return SimpleNamespace(max_active_blocks=lambda *a: 1, launcher=fake_launcher(launch),
                                set_max_dynamic_shared=lambda nbytes: None)
     monkeypatch.setattr(host, "_functions", lambda *a: (
         {name: function(name) for name in H.kernel_names(config)}, config))

@@ -18,6 +18,7 @@ from mhadsl.api import _Build
 from mhadsl.codegen import backends
 from mhadsl.codegen import abi
 from mhadsl.runtime import driver, faults, tensormap, tensors
+from helpers import fake_launcher
 from test_hostile_tensors import SOURCE, FakeDevice, dense, qkv_and_out_interleaved, ragged
 
 
@@ -55,7 +56,7 @@ def kernel(monkeypatch):
         kern.targets.append(target.arch)
         kern.abi = backend.abi
         config = backend.configs(kern.options, layout)[0]
-        function = SimpleNamespace(max_active_blocks=lambda *a: 2, launch_packed=launch,
+        function = SimpleNamespace(max_active_blocks=lambda *a: 2, launcher=fake_launcher(launch),
                                    set_max_dynamic_shared=lambda nbytes: None)
         return _Build(function, config, backend.launch_shape(config), backend, None)
 
@@ -202,7 +203,7 @@ def test_a_ragged_launch_builds_its_tile_index_first_by_the_index_kernels_abi(ke
     def launch_index(grid, threads, shared_bytes, stream, params):
         index_launches.append((grid, ctypes.string_at(ctypes.cast(params, ctypes.POINTER(
             ctypes.c_void_p))[0], index_kernel.ABI.size)))
-    fake = SimpleNamespace(launch_packed=launch_index, set_max_dynamic_shared=lambda n: None)
+    fake = SimpleNamespace(launcher=fake_launcher(launch_index), set_max_dynamic_shared=lambda n: None)
     monkeypatch.setattr(tile_index, "_kernel", lambda device: fake)
     monkeypatch.setattr(tile_index, "buffer", lambda batch, stream, device: 0xABC000)
     tile_index.plan.cache_clear()
