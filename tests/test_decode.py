@@ -292,6 +292,9 @@ def test_planned_calls_check_their_addresses():
     with pytest.raises(ValueError, match="out overlaps k_cache"):
         planned.check_addresses({**base, "o": 0x100000 + 4096})
     planned.check_addresses({**base, "o": 0x100000 + 2 * 16384 * 2})  # just past k_cache
+    for _ in range(2):  # a refused call's addresses are never taken for checked ones
+        with pytest.raises(ValueError, match="out overlaps k_cache"):
+            planned.check_addresses({**base, "o": 0x100000 + 4096})
 
 
 SPLITTING = """
