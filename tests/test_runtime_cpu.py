@@ -400,3 +400,53 @@ def test_pack_args_convention():
 def test_pack_args_rejects_ambiguous_values(bad):
     with pytest.raises(TypeError, match="kernel argument 1"):
         pack_args([ctypes.c_int32(0), bad])
+
+
+@pytest.mark.parametrize("through", ["ctypes", "cuda-python"])
+def test_a_launcher_passes_its_plans_arguments_and_each_calls_stream(monkeypatch, through):
+    """`Function.launcher` converts all but the stream once; each call passes its own stream
+    (libcuda's cuLaunchKernel by ctypes, or cuda-python's where libcuda cannot be loaded so)."""
+    calls = []
+
+    def raw_launch(*args):
+        calls.append([getattr(a, "value", a) for a in args])
+        return 0
+
+    def wrapped_launch(*args):
+        calls.append(list(args))
+        return (driver._SUCCESS,)
+    monkeypatch.setattr(driver, "_raw", lambda name, argtypes: raw_launch
+                        if through == "ctypes" else None)
+    monkeypatch.setattr(driver.cu, "cuLaunchKernel", wrapped_launch)
+    function = driver.Function(None, 0xF00, "k")
+    run = function.launcher((3, 2, 1), 384, 1024, 0xBEEF)
+    run(0x5151)
+    run(0x6262)
+    end = None if through == "ctypes" else 0  # the extra-parameters argument
+    assert calls == [[0xF00, 3, 2, 1, 384, 1, 1, 1024, stream, 0xBEEF, end]
+                     for stream in (0x5151, 0x6262)]
+
+
+def test_a_failed_launch_raises_the_drivers_error(monkeypatch):
+    monkeypatch.setattr(driver, "_raw", lambda name, argtypes: lambda *args: 1)
+    with pytest.raises(CudaError, match="cuLaunchKernel failed"):
+        driver.Function(None, 0xF00, "k").launcher((1, 1, 1), 32, 0, 0)(0)
+
+
+def test_the_primary_context_is_made_current_only_where_another_one_is(monkeypatch):
+    """ensure_context asks the driver for this thread's current context (libcuda's
+    cuCtxGetCurrent by ctypes) and sets the device's primary one only where it differs."""
+    current, made_current = [None], []
+
+    def get_current(out_address):
+        ctypes.c_void_p.from_address(out_address).value = current[0]
+        return 0
+    monkeypatch.setattr(driver, "_raw_ctx_get_current", lambda: get_current)
+    monkeypatch.setattr(driver, "_primary", {0: "primary 0"})
+    monkeypatch.setattr(driver, "_primary_address", {0: 0xC0})
+    monkeypatch.setattr(driver.cu, "cuCtxSetCurrent",
+                        lambda ctx: (made_current.append(ctx), (driver._SUCCESS,))[1])
+    for context in (None, 0xC0, 0xD0):  # none, the primary, another device's
+        current[0] = context
+        assert driver.ensure_context(0) == 0
+    assert made_current == ["primary 0", "primary 0"]
