@@ -1,6 +1,8 @@
 """The CUDA driver side of mhadsl: errors, the primary context, modules, launches, memory.
 
-Everything goes through `cuda.bindings.driver`, and every driver result goes through `check`.
+Everything goes through `cuda.bindings.driver` but the two calls of every launch (libcuda's
+cuCtxGetCurrent and cuLaunchKernel by ctypes: `_raw`), and every driver result goes through
+`check`.
 Importing this module never touches the driver: the first call that needs a GPU initialises
 it, so CPU-only machines (no libcuda) can import mhadsl and run its CPU parts.
 """
