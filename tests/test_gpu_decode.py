@@ -123,6 +123,38 @@ def test_rules_over_the_cache(name, splits, sq):
     check(kern, queries(4, sq, 8, 128), k, v, seqlens, table, lse=True, num_splits=splits)
 
 
+def poison_past_lengths(k, v, seqlens, table):
+    """NaN at every cache position past its sequence's length (a cache never written there),
+    unused pages included."""
+    lengths = seqlens.tolist()
+    if table is None:
+        for b, n in enumerate(lengths):
+            k[b, n:], v[b, n:] = float("nan"), float("nan")
+        return
+    page_size = k.shape[1]
+    valid = torch.zeros(k.shape[0], dtype=torch.int64)
+    for b, pages in enumerate(table.tolist()):
+        for j, page in enumerate(pages):
+            valid[page] = min(max(lengths[b] - j * page_size, 0), page_size)
+    for page, n in enumerate(valid.tolist()):
+        k[page, n:], v[page, n:] = float("nan"), float("nan")
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 64, 256])
+@pytest.mark.parametrize("sq", [1, 16])  # 16 x GQA 4: wgmma on sm_90a
+def test_cache_positions_past_the_lengths_never_reach_the_output(page_size, sq):
+    """NaN past every sequence's length (a cache never written there): the KV tile that
+    holds a sequence's end reads nothing past it (its copies zero-fill), so no 0 x NaN
+    reaches P V, with and without splits."""
+    kern = PROGRAM["causal"]
+    k, v, seqlens, table = cache([sq, 31, 63, 64, 65, 200, 1000], 2, 128,
+                                 page_size=page_size, seed=11)
+    poison_past_lengths(k, v, seqlens, table)
+    for splits in (None, 3):
+        check(kern, queries(7, sq, 8, 128), k, v, seqlens, table, lse=True,
+              num_splits=splits)
+
+
 def test_ragged_query_rows():
     """Chunked prefill: ragged query rows (0 for a sequence with an empty cache) against the
     cache, more packed rows than one tile holds."""
