@@ -144,6 +144,8 @@ class LaunchPlan:
         get, words = addresses.get, self.block.words
         for tensor, word in self._pointers:
             words[word] = get(tensor, 0)
+        if not self._maps:  # no tensor maps (a decode launch's, say): no key to build
+            return
         key = tuple([get(m[0], 0) for m in self._maps])
         if key == self._last:
             return
