@@ -69,10 +69,17 @@ def torch_signature(*tensors) -> tuple | None:
     return tuple(signature)
 
 
+_current_stream = None  # torch's accessor of a device's current raw stream, found once
+
+
 def torch_stream(torch, device: int) -> int:
-    """torch's current stream on `device`, as a raw handle (its C accessor is the cheap way)."""
-    current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return current(device) if current else torch.cuda.current_stream(device).cuda_stream
+    """torch's current stream on `device`, as a raw handle (its C accessor is the cheap way;
+    looked up on the first call, as a lookup per call costs host time)."""
+    global _current_stream
+    if _current_stream is None:
+        _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda device: torch.cuda.current_stream(device).cuda_stream)
+    return _current_stream(device)
 
 
 def stream_handle(stream) -> int:

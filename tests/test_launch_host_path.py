@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import mhadsl
+from mhadsl import calls
 from mhadsl.api import _Build
 from mhadsl.codegen import backends
 from mhadsl.codegen import abi
@@ -218,3 +219,30 @@ def test_a_ragged_launch_builds_its_tile_index_first_by_the_index_kernels_abi(ke
     assert tile_m == kernel.config(gqa_group=2, ragged=True).block_m
     offset = kernel.abi.offsets["tile_index"]
     assert struct.unpack_from("<Q", kernel.blocks[-1], offset)[0] == 0xABC000
+
+
+class FakeTorchC:
+    """torch._C with its raw-stream accessor (a handle per device); counts its lookups."""
+
+    def __init__(self):
+        self.lookups = 0
+
+    @property
+    def _cuda_getCurrentRawStream(self):
+        self.lookups += 1
+        return lambda device: 0x7F00_0000_0000 + device
+
+
+def test_a_calls_stream_comes_from_torchs_raw_accessor_looked_up_once(monkeypatch):
+    monkeypatch.setattr(calls, "_current_stream", None)  # as before the first call
+    torch = SimpleNamespace(_C=FakeTorchC())
+    assert [calls.torch_stream(torch, d) for d in (0, 1, 1)] == [
+        0x7F00_0000_0000, 0x7F00_0000_0001, 0x7F00_0000_0001]
+    assert torch._C.lookups == 1
+
+
+def test_without_torchs_raw_accessor_a_calls_stream_is_its_current_streams(monkeypatch):
+    monkeypatch.setattr(calls, "_current_stream", None)
+    torch = SimpleNamespace(_C=SimpleNamespace(), cuda=SimpleNamespace(
+        current_stream=lambda device: SimpleNamespace(cuda_stream=0x5000 + device)))
+    assert [calls.torch_stream(torch, d) for d in (2, 3)] == [0x5002, 0x5003]
