@@ -27,8 +27,8 @@ import numpy as np
 from mhadsl.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.build import KernelRequest, build_kernel, plan
 from mhadsl.calls import (
-    DTYPE_NAMES, check_output, check_rows, check_scale, host_values, share_memory, span,
-    stream_handle, torch_signature, torch_stream, typed_key,
+    DTYPE_NAMES, AddressChecks, check_output, check_rows, check_scale, host_values,
+    share_memory, span, stream_handle, torch_signature, torch_stream, typed_key,
 )
 from mhadsl.check import CheckedProgram
 from mhadsl.codegen import backends
@@ -580,9 +580,11 @@ class Kernel:
 _host_schedulers: dict = {}
 
 
-class _Planned:
+class _Planned(AddressChecks):
     """A call signature's launch plan (`runtime.launch`) and the validated call it was made
     from; what its calls still check depends on their addresses alone."""
+
+    checked_addresses = operator.itemgetter("q", "k", "v", "o")
 
     def __init__(self, plan, call: _Call, want_lse: bool, shapes: dict):
         # sizes only: a plan must not keep a call's tensors alive (a CUDA-graph pool's, say)
@@ -593,14 +595,9 @@ class _Planned:
         self.spans = {n: span(shapes[n].shape, shapes[n].strides, ITEMSIZE[shapes[n].dtype])
                       for n in "qkvo"}  # first to last byte, inclusive
         self.empty = {n: 0 in shapes[n].shape for n in "qkvo"}
-        self._passed = ()  # the addresses of q, k, v and out that passed last
 
-    def check_addresses(self, addresses: dict) -> None:
-        """The checks of `_validate` and `_check_out` that depend on the addresses (none
-        where they are the last passing call's: a serving loop's usually are)."""
-        key = (addresses["q"], addresses["k"], addresses["v"], addresses["o"])
-        if key == self._passed:
-            return
+    def check_new_addresses(self, addresses: dict) -> None:
+        """The checks of `_validate` and `_check_out` that depend on the addresses."""
         for name in "qkvo":
             ptr = addresses[name]
             if ptr == 0 and not self.empty[name]:
@@ -617,7 +614,6 @@ class _Planned:
                     and share_memory(self._view("o", o_lo), self._view(name, lo)):
                 raise ValueError(f"out overlaps {name}: the kernel reads {name} while it "
                                  "writes out; pass a separate output")
-        self._passed = key
 
     def _view(self, name: str, ptr: int):
         from mhadsl.runtime.tensors import DeviceTensor

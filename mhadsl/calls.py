@@ -1,5 +1,6 @@
 """What every kernel call shares (prefill, decode, backward): the torch signature a planned
-call is looked up by, streams, and the checks of the tensors a kernel reads and writes.
+call is looked up by, streams, and the checks of the tensors a kernel reads and writes
+(those of a planned call's addresses skipped where the last passing call had them).
 
 Imported by `mhadsl.api`, `mhadsl.serving` and `mhadsl.backward`; it imports none of them.
 """
@@ -69,10 +70,34 @@ def torch_signature(*tensors) -> tuple | None:
     return tuple(signature)
 
 
+_current_stream = None  # torch's accessor of a device's current raw stream, found once
+
+
 def torch_stream(torch, device: int) -> int:
-    """torch's current stream on `device`, as a raw handle (its C accessor is the cheap way)."""
-    current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return current(device) if current else torch.cuda.current_stream(device).cuda_stream
+    """torch's current stream on `device`, as a raw handle (its C accessor is the cheap way;
+    looked up on the first call, as a lookup per call costs host time)."""
+    global _current_stream
+    if _current_stream is None:
+        _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda device: torch.cuda.current_stream(device).cuda_stream)
+    return _current_stream(device)
+
+
+class AddressChecks:
+    """What a planned call signature checks of a call's tensor addresses, skipped where the
+    ones it checks (`checked_addresses`, an `operator.itemgetter` over the call's address
+    dict) are the last passing call's: a serving loop's usually are. A subclass raises from
+    `check_new_addresses` for addresses it refuses, so a refused call's are never
+    remembered. (A base class, not a helper object: a call that skips costs one method
+    call and a comparison, as if the subclass wrote it itself.)"""
+
+    _passed: tuple = ()
+
+    def check_addresses(self, addresses: dict) -> None:
+        key = self.checked_addresses(addresses)
+        if key != self._passed:
+            self.check_new_addresses(addresses)
+            self._passed = key
 
 
 def stream_handle(stream) -> int:

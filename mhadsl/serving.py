@@ -19,6 +19,7 @@ contents without recapture; MHADSL_DEBUG=1 reads and checks them before every la
 from __future__ import annotations
 
 import math
+import operator
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mhadsl.calls import (
-    DTYPE_NAMES, check_output, check_rows, check_scale, host_values, share_memory, span,
-    stream_handle, torch_signature, torch_stream, typed_key,
+    DTYPE_NAMES, AddressChecks, check_output, check_rows, check_scale, host_values,
+    share_memory, span, stream_handle, torch_signature, torch_stream, typed_key,
 )
 from mhadsl.codegen.backends import CacheLayout, Layout
 from mhadsl.codegen.backends.decode import packed_rows
@@ -89,7 +90,7 @@ def splits_used(cache_len: int, kv_chunk: int, num_splits: int) -> int:
 
 
 @dataclass
-class _DecodePlan:
+class _DecodePlan(AddressChecks):
     """A decode signature's launch plan and what its calls need beyond it."""
 
     plan: object  # runtime.launch.LaunchPlan
@@ -108,16 +109,13 @@ class _DecodePlan:
     # runtime's driver.debug_mode, held so that a planned call imports nothing: under
     # MHADSL_DEBUG=1 every call takes the full path (it checks device-side values)
     debug_mode: Callable[[], bool]
-    passed: tuple = ()  # the addresses of q, the cache and out that passed last
+    checked_addresses = operator.itemgetter(*_READ_AND_WRITTEN)
 
-    def check_addresses(self, addresses: dict) -> None:
+    def check_new_addresses(self, addresses: dict) -> None:
         """The checks of a first call that depend on the tensors' addresses: 16-byte
         aligned rows, and an output that shares no element with q or the cache (exact,
-        where their byte ranges meet). None where they are the last passing call's."""
-        key = q, k, v, o = (addresses["q"], addresses["k_cache"], addresses["v_cache"],
-                            addresses["o"])
-        if key == self.passed:
-            return
+        where their byte ranges meet)."""
+        q, k, v, o = self.checked_addresses(addresses)
         if (q | k | v | o) & 15:
             name = next(n for n in _READ_AND_WRITTEN if addresses[n] & 15)
             raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer and "
@@ -128,7 +126,6 @@ class _DecodePlan:
             if lo <= o_end and o <= lo + self.spans[name] and self._overlap(addresses, name):
                 raise ValueError(f"out overlaps {name}: the kernel reads {name} while it "
                                  "writes out; pass a separate output")
-        self.passed = key
 
     def _overlap(self, addresses: dict, name: str) -> bool:
         from mhadsl.runtime.tensors import DeviceTensor

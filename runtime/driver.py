@@ -160,10 +160,13 @@ def _current_context() -> int | None:
     if get is None:
         code, current = cu.cuCtxGetCurrent()
         return int(current) if code == _SUCCESS else None
-    out = getattr(_thread, "context", None)
-    if out is None:
-        out = _thread.context = ctypes.c_void_p()
-    return out.value if get(ctypes.addressof(out)) == 0 else None
+    try:
+        out, out_ref = _thread.context
+    except AttributeError:
+        out = ctypes.c_void_p()
+        out_ref = ctypes.byref(out)  # made once: a byref per call costs a third of the call
+        _thread.context = out, out_ref
+    return out.value if get(out_ref) == 0 else None
 
 
 @dataclass(frozen=True)
@@ -609,20 +612,23 @@ class Function:
                  params: int) -> Callable[[int], None]:
         """A launch on a raw stream handle with `params`, the address of a `void*[]` of the
         kernel's parameters (`runtime.launch.ParamBlock`): one driver call, every argument
-        but the stream converted once, here."""
-        launch = _raw("cuLaunchKernel", (ctypes.c_void_p, *[ctypes.c_uint] * 7,
-                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p))
+        but the stream a ctypes object made once, here."""
+        launch = _raw("cuLaunchKernel")
         if launch is None:
             def run(stream: int) -> None:
                 check(cu.cuLaunchKernel(self._handle, *grid, threads, 1, 1, shared_bytes, stream,
                                         params, 0), "cuLaunchKernel")
             return run
-        fixed = (ctypes.c_void_p(int(self._handle)),
-                 *map(ctypes.c_uint, (*grid, threads, 1, 1, shared_bytes)))
-        params_arg = ctypes.c_void_p(params)
+        function, params_arg = ctypes.c_void_p(int(self._handle)), ctypes.c_void_p(params)
+        grid_x, grid_y, grid_z, block_x, block_y, block_z, shared = map(
+            ctypes.c_uint, (*grid, threads, 1, 1, shared_bytes))
+        # c_void_p's own conversion of an int: the pointer argument without a c_void_p
+        # object (half the cost)
+        stream_arg = ctypes.c_void_p.from_param
 
         def run(stream: int) -> None:
-            code = launch(*fixed, stream, params_arg, None)
+            code = launch(function, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared,
+                          stream_arg(stream), params_arg, None)
             if code:
                 check((cu.CUresult(code),), "cuLaunchKernel")
         return run
@@ -630,18 +636,19 @@ class Function:
 
 @cache
 def _raw_ctx_get_current() -> Callable | None:
-    return _raw("cuCtxGetCurrent", (ctypes.c_void_p,))
+    return _raw("cuCtxGetCurrent")
 
 
 @cache
-def _raw(name: str, argtypes: tuple[type, ...]) -> Callable | None:
+def _raw(name: str) -> Callable | None:
     """libcuda's own `name` through ctypes (None where it cannot be loaded so), for the calls
     of every launch: the cuda-python wrappers convert each argument and result on every call
-    (1.5 us of cuLaunchKernel's eleven)."""
+    (1.5 us of cuLaunchKernel's eleven). It has no argtypes, which ctypes would apply to
+    every argument of every call: callers pass ctypes objects (a plain int would go as a
+    C int)."""
     try:
         function = getattr(ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1"), name)
     except (OSError, AttributeError):
         return None
-    function.argtypes = list(argtypes)
     function.restype = ctypes.c_int
     return function

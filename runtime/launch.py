@@ -32,24 +32,27 @@ class TensorShape:
 
 class ParamBlock:
     """A kernel's parameters as one block of bytes at the ABI's offsets, and the `void*[]` of
-    their addresses that cuLaunchKernel takes."""
+    their addresses that cuLaunchKernel takes. `words` is the block as 64-bit words: a call
+    stores its addresses there by index (`word`), cheaper than through ctypes objects."""
 
     def __init__(self, abi: KernelABI):
         self.abi = abi
-        self.data = (ctypes.c_ubyte * max(abi.size, 1))()
+        self.data = (ctypes.c_uint64 * max(-(-abi.size // 8), 1))()  # whole words
         self.base = ctypes.addressof(self.data)
         self.pointers = (ctypes.c_void_p * len(abi.params))(
             *(self.base + abi.offsets[p.name] for p in abi))
         self.address = ctypes.addressof(self.pointers)
+        self.words = memoryview(self.data).cast("B").cast("Q")  # ctypes' "<Q" casts via bytes
 
     def pack(self, name: str, value: int | float) -> None:
         """Pack scalar or pointer parameter `name` as the kernel declares it."""
         struct.pack_into(_FORMATS[self.abi[name].kind], self.data, self.abi.offsets[name], value)
 
-    def pointer_slot(self, name: str) -> ctypes.c_uint64:
-        """A view of pointer parameter `name`'s 8 bytes, for patching per call."""
-        assert self.abi[name].kind == "ptr"
-        return ctypes.c_uint64.from_buffer(self.data, self.abi.offsets[name])
+    def word(self, name: str) -> int:
+        """The index in `words` of pointer parameter `name` (CUDA aligns pointers to 8)."""
+        offset = self.abi.offsets[name]
+        assert self.abi[name].kind == "ptr" and offset % 8 == 0, name
+        return offset // 8
 
 
 def signature_value(binding, tensors: Mapping[str, TensorShape | None], values: Mapping,
@@ -96,17 +99,17 @@ class LaunchPlan:
         self._index_plan = tile_index.plan(values["batch"], config.block_m, device) \
             if ragged and own_tile_index else None
         self._batch = values["batch"] if ragged else 0
-        # (tensor or workspace name, the slot of its address)
-        self._pointers: list[tuple[str, ctypes.c_uint64]] = []
-        self._queue: ctypes.c_uint64 | None = None
+        # (tensor or workspace name, the block's word of its address)
+        self._pointers: list[tuple[str, int]] = []
+        self._queue: int | None = None  # the word of the stream's workspace
         self._maps: list[tuple[str, int, str, tuple, tuple, tuple, int]] = []
         for p in abi:
             b = p.binding
             if isinstance(b, Workspace) and b.name == "queue":
-                self._queue = self.block.pointer_slot(p.name)
+                self._queue = self.block.word(p.name)
             elif isinstance(b, (Pointer, Workspace)):
                 self._pointers.append((b.tensor if isinstance(b, Pointer) else b.name,
-                                       self.block.pointer_slot(p.name)))
+                                       self.block.word(p.name)))
             elif isinstance(b, TensorMap):
                 shape, strides, box = map_request(b, tensors[b.tensor], config, ragged)
                 self._maps.append((b.tensor, abi.offsets[p.name], tensors[b.tensor].dtype,
@@ -132,15 +135,17 @@ class LaunchPlan:
         with self._lock:
             self._patch(addresses)
             if self._queue is not None:
-                self._queue.value = workspace
+                self.block.words[self._queue] = workspace
             self._launch(stream)
         if driver.debug_mode():
             driver.wait_for_fault(stream, self.device)
 
     def _patch(self, addresses: Mapping[str, int]) -> None:
-        get = addresses.get
-        for tensor, slot in self._pointers:
-            slot.value = get(tensor, 0)
+        get, words = addresses.get, self.block.words
+        for tensor, word in self._pointers:
+            words[word] = get(tensor, 0)
+        if not self._maps:  # no tensor maps (a decode launch's, say): no key to build
+            return
         key = tuple([get(m[0], 0) for m in self._maps])
         if key == self._last:
             return

@@ -138,7 +138,7 @@ def test_an_abi_lays_parameters_out_as_cuda_does():
     assert KIND_BYTES["tensor_map"] == 128 and KIND_ALIGN["tensor_map"] == 64
     block = launch.ParamBlock(abi)
     block.pack("a", -3)
-    block.pointer_slot("b").value = 0xDEADBEEF0
+    block.words[block.word("b")] = 0xDEADBEEF0
     block.pack("c", 0.5)
     raw = bytes(block.data)
     assert struct.unpack_from("<i", raw, 0)[0] == -3
@@ -146,6 +146,20 @@ def test_an_abi_lays_parameters_out_as_cuda_does():
     assert struct.unpack_from("<f", raw, 16)[0] == 0.5
     pointers = ctypes.cast(block.address, ctypes.POINTER(ctypes.c_void_p))
     assert [pointers[i] - block.base for i in range(4)] == [0, 8, 16, 64]
+
+
+def test_a_parameter_blocks_words_are_its_pointers_in_whole_words():
+    """A call patches pointers by word index; a block whose last parameter ends mid-word
+    is still whole words, and only pointers have a word."""
+    abi = KernelABI(Param("b", "ptr", Pointer("q"), ""), Param("n", "i32", CallValue("batch"), ""))
+    assert abi.size == 12
+    block = launch.ParamBlock(abi)
+    assert block.word("b") == 0 and len(block.words) == 2
+    block.pack("n", 7)
+    block.words[block.word("b")] = 0xFEED0000
+    assert struct.unpack_from("<Qi", bytes(block.data)) == (0xFEED0000, 7)
+    with pytest.raises(AssertionError, match="n"):
+        block.word("n")
 
 
 def test_designs_share_no_parameter_list_and_codegen_never_imports_runtime():

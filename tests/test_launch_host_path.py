@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import mhadsl
+from mhadsl import calls
 from mhadsl.api import _Build
 from mhadsl.codegen import backends
 from mhadsl.codegen import abi
@@ -218,3 +219,55 @@ def test_a_ragged_launch_builds_its_tile_index_first_by_the_index_kernels_abi(ke
     assert tile_m == kernel.config(gqa_group=2, ragged=True).block_m
     offset = kernel.abi.offsets["tile_index"]
     assert struct.unpack_from("<Q", kernel.blocks[-1], offset)[0] == 0xABC000
+
+
+def test_a_planned_call_checks_only_new_addresses_and_never_passes_refused_ones(monkeypatch):
+    """A torch call of a planned signature checks its addresses (alignment, out against q,
+    k and v) unless they are the last passing call's; a refused call's are not remembered."""
+    from mhadsl.api import _Planned
+    from mhadsl.runtime.launch import TensorShape
+    t = TensorShape((2, 8, 4, 64), (2048, 256, 64, 1), "bfloat16")  # 8 KiB
+    planned = _Planned(SimpleNamespace(device=0), SimpleNamespace(
+        q=SimpleNamespace(shape=t.shape), lse_shape=None), False, dict.fromkeys("qkvo", t))
+    checked = []
+    check = planned.check_new_addresses
+    monkeypatch.setattr(planned, "check_new_addresses",
+                        lambda addresses: (checked.append(addresses["o"]), check(addresses)))
+    separate = {"q": 0x10000, "k": 0x20000, "v": 0x30000, "o": 0x40000}
+    for _ in range(2):
+        planned.check_addresses(separate)
+    assert checked == [0x40000]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="out overlaps k"):
+            planned.check_addresses({**separate, "o": 0x20000 + 4096})
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        planned.check_addresses({**separate, "o": 0x40008})
+    planned.check_addresses(separate)  # still the last passing call's
+    assert checked == [0x40000, 0x21000, 0x21000, 0x40008]
+
+
+class FakeTorchC:
+    """torch._C with its raw-stream accessor (a handle per device); counts its lookups."""
+
+    def __init__(self):
+        self.lookups = 0
+
+    @property
+    def _cuda_getCurrentRawStream(self):
+        self.lookups += 1
+        return lambda device: 0x7F00_0000_0000 + device
+
+
+def test_a_calls_stream_comes_from_torchs_raw_accessor_looked_up_once(monkeypatch):
+    monkeypatch.setattr(calls, "_current_stream", None)  # as before the first call
+    torch = SimpleNamespace(_C=FakeTorchC())
+    assert [calls.torch_stream(torch, d) for d in (0, 1, 1)] == [
+        0x7F00_0000_0000, 0x7F00_0000_0001, 0x7F00_0000_0001]
+    assert torch._C.lookups == 1
+
+
+def test_without_torchs_raw_accessor_a_calls_stream_is_its_current_streams(monkeypatch):
+    monkeypatch.setattr(calls, "_current_stream", None)
+    torch = SimpleNamespace(_C=SimpleNamespace(), cuda=SimpleNamespace(
+        current_stream=lambda device: SimpleNamespace(cuda_stream=0x5000 + device)))
+    assert [calls.torch_stream(torch, d) for d in (2, 3)] == [0x5002, 0x5003]

@@ -402,35 +402,55 @@ def test_pack_args_rejects_ambiguous_values(bad):
         pack_args([ctypes.c_int32(0), bad])
 
 
+def as_libcuda(restype, *argtypes):
+    """Decorates a Python function as a C function of libcuda's: called as `driver._raw`'s
+    are (a ctypes function pointer without argtypes), it gets the arguments as C passes
+    them, so one passed as the wrong C type arrives wrong."""
+    def wrap(fn):
+        callback = ctypes.CFUNCTYPE(restype, *argtypes)(fn)
+        raw = ctypes.CDLL(None)._FuncPtr(ctypes.cast(callback, ctypes.c_void_p).value)
+        raw.restype, raw.callback = restype, callback  # (the callback must outlive the test)
+        return raw
+    return wrap
+
+
+LAUNCH_ARGTYPES = (ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p)  # libcuda's cuLaunchKernel
+
+
 @pytest.mark.parametrize("through", ["ctypes", "cuda-python"])
 def test_a_launcher_passes_its_plans_arguments_and_each_calls_stream(monkeypatch, through):
-    """`Function.launcher` converts all but the stream once; each call passes its own stream
-    (libcuda's cuLaunchKernel by ctypes, or cuda-python's where libcuda cannot be loaded so)."""
+    """`Function.launcher` makes all but the stream ctypes objects once; each call passes its
+    own stream (libcuda's cuLaunchKernel by ctypes, or cuda-python's where libcuda cannot be
+    loaded so). Handles use all 64 bits, which a C int would not carry."""
     calls = []
 
+    @as_libcuda(ctypes.c_int, *LAUNCH_ARGTYPES)
     def raw_launch(*args):
-        calls.append([getattr(a, "value", a) for a in args])
+        calls.append(list(args))
         return 0
 
     def wrapped_launch(*args):
         calls.append(list(args))
         return (driver._SUCCESS,)
-    monkeypatch.setattr(driver, "_raw", lambda name, argtypes: raw_launch
-                        if through == "ctypes" else None)
+    monkeypatch.setattr(driver, "_raw", lambda name: raw_launch if through == "ctypes" else None)
     monkeypatch.setattr(driver.cu, "cuLaunchKernel", wrapped_launch)
-    function = driver.Function(None, 0xF00, "k")
-    run = function.launcher((3, 2, 1), 384, 1024, 0xBEEF)
-    run(0x5151)
-    run(0x6262)
-    end = None if through == "ctypes" else 0  # the extra-parameters argument
-    assert calls == [[0xF00, 3, 2, 1, 384, 1, 1, 1024, stream, 0xBEEF, end]
-                     for stream in (0x5151, 0x6262)]
+    function = driver.Function(None, 0x7F00_0000_0F00, "k")
+    run = function.launcher((3, 2, 1), 384, 1024, 0x7F00_0000_BEEF)
+    streams = (0x7F00_0000_5151, 0x7F00_0000_6262, 0)  # 0: the legacy default stream
+    for stream in streams:
+        run(stream)
+    null = None if through == "ctypes" else 0  # a NULL as C passes it; cuda-python's 0
+    assert calls == [[0x7F00_0000_0F00, 3, 2, 1, 384, 1, 1, 1024, stream or null,
+                      0x7F00_0000_BEEF, null] for stream in streams]
 
 
 def test_a_failed_launch_raises_the_drivers_error(monkeypatch):
-    monkeypatch.setattr(driver, "_raw", lambda name, argtypes: lambda *args: 1)
-    with pytest.raises(CudaError, match="cuLaunchKernel failed"):
+    failing = as_libcuda(ctypes.c_int, *LAUNCH_ARGTYPES)(lambda *args: 1)
+    monkeypatch.setattr(driver, "_raw", lambda name: failing)
+    with pytest.raises(CudaError, match="cuLaunchKernel failed") as error:
         driver.Function(None, 0xF00, "k").launcher((1, 1, 1), 32, 0, 0)(0)
+    assert error.value.code == cu.CUresult.CUDA_ERROR_INVALID_VALUE  # the driver's 1
 
 
 def test_the_primary_context_is_made_current_only_where_another_one_is(monkeypatch):
@@ -438,15 +458,16 @@ def test_the_primary_context_is_made_current_only_where_another_one_is(monkeypat
     cuCtxGetCurrent by ctypes) and sets the device's primary one only where it differs."""
     current, made_current = [None], []
 
-    def get_current(out_address):
-        ctypes.c_void_p.from_address(out_address).value = current[0]
+    @as_libcuda(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+    def get_current(out):
+        out[0] = current[0]
         return 0
     monkeypatch.setattr(driver, "_raw_ctx_get_current", lambda: get_current)
     monkeypatch.setattr(driver, "_primary", {0: "primary 0"})
-    monkeypatch.setattr(driver, "_primary_address", {0: 0xC0})
+    monkeypatch.setattr(driver, "_primary_address", {0: 0x7F00_0000_00C0})
     monkeypatch.setattr(driver.cu, "cuCtxSetCurrent",
                         lambda ctx: (made_current.append(ctx), (driver._SUCCESS,))[1])
-    for context in (None, 0xC0, 0xD0):  # none, the primary, another device's
+    for context in (None, 0x7F00_0000_00C0, 0x7F00_0000_00D0):  # none, the primary, another
         current[0] = context
         assert driver.ensure_context(0) == 0
     assert made_current == ["primary 0", "primary 0"]
