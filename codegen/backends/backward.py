@@ -629,11 +629,13 @@ class _TileKernel:
                               b.fcmp_ordered("==", lse, ninf)),
                         ninf, b.fmul(lse, warp.fconst(-warp.LOG2E)))
 
-    def _probabilities(self, b, h, q0, kv0, S, q_idx, kv_idx, neg_lse):
+    def _probabilities(self, b, h, q0, kv0, S, q_idx, kv_idx, neg_lse, always=None):
         """P = exp(score - LSE) of the step's scores S ([m-tile][n-tile][4]), 0 for pairs
         outside the K/V sequence or the mask, as `_pack`'s A operands (16-bit: P is dV's
         operand in `mha_bwd`), and G = P * dscore/ds in bf16 pairs (None without a score
-        rule). q_idx, kv_idx, neg_lse: element (i, j, e)'s query row, key row and `_neg_lse`."""
+        rule). q_idx, kv_idx, neg_lse: element (i, j, e)'s query row, key row and `_neg_lse`;
+        always: whether the pair of tiles keeps every pair (`_classify`), if the caller
+        classified it already."""
         a, hooks = self.a, self.hooks
         elements = [(i, j, e) for i in range(len(S)) for j in range(len(S[0]))
                     for e in range(4)]
@@ -654,7 +656,8 @@ class _TileKernel:
             P[i][j][e] = p
         # P and G = P * dscore/ds stay 16-bit until dS (P as dV's operand, G in bf16 for
         # its range): the f32 tiles die here, so registers suffice beside the accumulators
-        always = self._classify(b, h, q0, kv0)[1]
+        if always is None:
+            always = self._classify(b, h, q0, kv0)[1]
         if hooks.score is None:
             return self._pack(b, self._masked(b, h, always, [P], elements, q_idx,
                                               kv_idx)[0]), None
