@@ -21,7 +21,9 @@ built for Hopper in FlashAttention-3's layout:
   until a stage of the ring (`stages`) is empty and loads the step's Q and dO into it by
   TMA and the tile's stats block (its LSE and delta rows, which the preprocess wrote with
   zeros past the sequence) by one bulk copy, all by lane 0 on the stage's full mbarrier;
-- per step each consumer warpgroup waits until the stage is full and computes by wgmma:
+- per step each consumer warpgroup classifies the step's pair of tiles (full, or masked
+  per element; its parked reads before the GEMMs), waits until the stage is full and
+  computes by wgmma:
   S^T = K Q^T (at 128-row steps issued a step ahead, under the step before's dK GEMM:
   `s_ahead`) and dP^T = V dO^T (both operands K-major in shared memory), P^T =
   exp2(S^T scale log2e - LSE) with the score hook and the mask on partial tiles (the sm80
