@@ -66,6 +66,9 @@ WGMMA_ROWS = 64  # packed rows per warpgroup (wgmma's M)
 SMEM_ALIGN = 128  # the declared alignment of the dynamic shared memory
 # the wgmma build rounds its shared-memory base up to the swizzle atom (1024 B) at run time
 WGMMA_SLACK = hopper.SWIZZLE_ATOM_BYTES - SMEM_ALIGN
+# floats after each row of a warp's partial O in the cross-warp merge: rows 8 floats (32
+# banks / 4) apart, so the 8-byte stores of a warp's 8 rows x 4 lanes are conflict-free
+MERGE_PAD = 8
 
 
 # ============================================================================ configuration
@@ -132,8 +135,9 @@ class DecodeConfig(RowCopies):
 
     @property
     def merge_bytes(self) -> int:
-        """The cross-warp merge: per warp, 16 rows of O, max and sum (fp32)."""
-        return self.num_warps * 16 * (self.head_dim + 2) * 4 if self.warps_n > 1 else 0
+        """The cross-warp merge: per warp, 16 rows of padded O, max and sum (fp32)."""
+        return self.num_warps * 16 * (self.head_dim + MERGE_PAD + 2) * 4 \
+            if self.warps_n > 1 else 0
 
     @property
     def shared_bytes(self) -> int:
@@ -579,8 +583,7 @@ class _Emitter:
         b.position_at_end(done)
         warp.cp_async_wait(b, 0)
         nvptx.barrier_all(b)  # every stage is free: the merge may reuse it
-        acc, m, total = self._merge_warps(b, acc, m, l, sl2)
-        self._epilogue(b, t, acc, m, total, sl2)
+        self._epilogue(b, t, acc, m, l, sl2)
 
     def _kv_tile(self, b, t: _DecodeTile, n, stage, acc_in, m_in, l_in, sl2):
         """One KV tile for this warp's 16 rows and its columns: S = Q K^T, score, mask,
@@ -699,119 +702,147 @@ class _Emitter:
         return [o[4 * j:4 * j + 4] for j in range(c.head_dim // 8)]
 
     # ------------------------------------------------------------------ the end of a tile
-    def _merge_warps(self, b, acc, m, l, sl2):
-        """The softmax states of the warps that share rows, merged into the first of them
-        (wn = 0) through shared memory: (O, row max, row sum), unnormalised."""
-        c = self.c
-        DT = c.head_dim // 8
+    def _epilogue(self, b, t: _DecodeTile, acc, m, l, sl2) -> None:
+        """With one warp per row (`warps_n` 1), O from registers (`_store_rows`); else the
+        warps that share rows merge their softmax states through shared memory
+        (`_merge_warps`). With more than one split in use, the group's last split to finish
+        then merges the splits' partial states (`_finish_split`)."""
         total = [warp.quad_allreduce(b, l[r], warp.fadd) for r in range(2)]
-        if c.warps_n == 1:
-            return acc, m, total
-        W = c.head_dim + 2  # floats per row: O, then max and sum
+        if self.c.warps_n == 1:
+            self._store_rows(b, t, acc, m, total, sl2)
+        else:
+            self._merge_warps(b, t, acc, m, total, sl2)
+        with b.if_then(b.icmp_signed("!=", t.splits_used, i32(1))):
+            self._finish_split(b, t, self._group(b, t))
 
-        def slot(wn, r, col):  # byte offset of (warp (wm, wn), row g + 8r, column col)
-            warp_idx = b.add(self.wm, b.mul(wn, i32(c.warps_m)))
-            row = b.add(b.mul(warp_idx, i32(16)), b.add(self.g, i32(8 * r)))
-            return b.add(i32(self.kv_off), b.shl(b.add(b.mul(row, i32(W)), col), i32(2)))
+    def _finish_rows(self, b, t: _DecodeTile, rows, sl2, store) -> None:
+        """Normalise each of `rows` (local row, row max, row sum, O columns) and hand it
+        to `store(dst, local, columns, lse)`: dst "o" (O and the LSE, rows inside the
+        sequence) with one split in use, else the split's index (its partial state)."""
+        a = self.a
+        finished = []
+        for local, top, total, o in rows:
+            empty = b.fcmp_unordered("==", total, warp.fconst(0.0))
+            inv = b.select(empty, warp.fconst(0.0), warp.rcp(b, total))
+            finished.append((local, [b.fmul(x, inv) for x in o],
+                             warp.row_lse(b, top, sl2, total, empty)))
+        with b.if_else(b.icmp_signed("==", t.splits_used, i32(1))) as (single, split):
+            with single:
+                for local, o, lse in finished:
+                    with b.if_then(b.icmp_signed("<", local, t.rows_valid)):
+                        store("o", local, o, lse)
+            with split:
+                part = b.add(b.mul(self._group(b, t), _i64(b, a.num_splits)), _i64(b, t.split))
+                for local, o, lse in finished:
+                    store(part, local, o, lse)
 
-        def fptr(off):
-            return warp.smem_ptr(b, self.smem, off)
+    def _store_rows(self, b, t: _DecodeTile, acc, m, total, sl2) -> None:
+        """One warp per row: each thread stores its accumulators of rows g and g + 8."""
+        c = self.c
+        col0 = b.shl(self.t, i32(1))
+        rows = [(b.add(self.warp_row, b.add(self.g, i32(8 * r))), m[r], total[r],
+                 [acc[j][2 * r + e] for j in range(c.head_dim // 8) for e in range(2)])
+                for r in range(2)]
+        # this thread's columns: col0 + 8j + e, pairs (2j, 2j + 1) of the row's values
+        pairs = [(i32(8 * j), 2 * j) for j in range(c.head_dim // 8)]
+        self._finish_rows(b, t, rows, sl2, lambda dst, local, o, lse: self._store_columns(
+            b, t, dst, local, col0, [(off, o[k:k + 2]) for off, k in pairs],
+            lse, self.t))
+
+    def _merge_warps(self, b, t: _DecodeTile, acc, m, total, sl2) -> None:
+        """The warps that share rows merge their states through shared memory (over the
+        K/V stages): each writes its unnormalised O and its rows' max and sum; then every
+        thread finishes whole 4-column pieces of the tile's rows, reading each warp's part
+        once (each warp reading every part of its rows took the merge 3 us on the H200,
+        longer than a 64-key decode call of cuDNN)."""
+        c = self.c
+        D, R, W = c.head_dim, c.rows, c.warps_n
+        stride = D + MERGE_PAD  # floats per partial row
+        o_base, stats = self.kv_off, self.kv_off + W * R * stride * 4
+
+        def part_row(wn, row):  # the row of warp column wn's partial O and stats
+            return b.add(b.mul(wn, i32(R)), row)
+
+        def fptr(offset):
+            return warp.smem_ptr(b, self.smem, offset)
 
         col0 = b.shl(self.t, i32(1))
         for r in range(2):
-            warp.store(b, m[r], fptr(slot(self.wn, r, i32(c.head_dim))), align=4)
-            warp.store(b, total[r], fptr(slot(self.wn, r, i32(c.head_dim + 1))), align=4)
-            for j in range(DT):
-                for e2 in range(2):
-                    off = slot(self.wn, r, b.add(col0, i32(8 * j + e2)))
-                    warp.store(b, acc[j][2 * r + e2], fptr(off), align=4)
+            row = part_row(self.wn, b.add(self.warp_row, b.add(self.g, i32(8 * r))))
+            for j in range(D // 8):
+                off = b.shl(b.add(b.mul(row, i32(stride)), b.add(col0, i32(8 * j))), i32(2))
+                warp.store(b, warp.vector(b, [acc[j][2 * r], acc[j][2 * r + 1]]),
+                           fptr(b.add(off, i32(o_base))), align=8)
+            with b.if_then(b.icmp_unsigned("==", self.t, i32(0))):
+                warp.store(b, m[r], fptr(b.add(i32(stats), b.shl(row, i32(2)))), align=4)
+                warp.store(b, total[r], fptr(b.add(i32(stats + W * R * 4), b.shl(row, i32(2)))),
+                           align=4)
         nvptx.barrier_all(b)
-        out_acc = [[None] * 4 for _ in range(DT)]
-        out_m, out_l = [None, None], [None, None]
-        for r in range(2):
-            ms = [b.load(fptr(slot(i32(w), r, i32(c.head_dim))), typ=f32) for w in range(c.warps_n)]
-            top = ms[0]
-            for x in ms[1:]:
-                top = warp.fmax(b, top, x)
-            top_scaled = b.select(b.fcmp_ordered("==", top, warp.fconst(warp.NEG_INF)),
-                                  warp.fconst(0.0), b.fmul(top, sl2))
-            weights = [warp.ex2(b, b.fsub(b.fmul(x, sl2), top_scaled)) for x in ms]
-            lsum = warp.fconst(0.0)
-            for w, wt in enumerate(weights):
-                lw = b.load(fptr(slot(i32(w), r, i32(c.head_dim + 1))), typ=f32)
-                lsum = warp.fma(b, lw, wt, lsum)
-            out_m[r], out_l[r] = top, lsum
-            for j in range(DT):
-                for e2 in range(2):
-                    v = warp.fconst(0.0)
-                    for w, wt in enumerate(weights):
-                        x = b.load(fptr(slot(i32(w), r, b.add(col0, i32(8 * j + e2)))), typ=f32)
-                        v = warp.fma(b, x, wt, v)
-                    out_acc[j][2 * r + e2] = v
-        return out_acc, out_m, out_l
+        quads = D // 4
+        for k in range(-(-R * quads // c.threads)):
+            item = b.add(self.tid, i32(k * c.threads))
+            local, quad = b.udiv(item, i32(quads)), b.urem(item, i32(quads))
+            with b.if_then(b.icmp_unsigned("<", item, i32(R * quads))):
+                ms, ls, parts = [], [], []
+                for w in range(W):
+                    row = part_row(i32(w), local)
+                    ms.append(b.load(fptr(b.add(i32(stats), b.shl(row, i32(2)))), typ=f32))
+                    ls.append(b.load(fptr(b.add(i32(stats + W * R * 4), b.shl(row, i32(2)))),
+                                     typ=f32))
+                    off = b.shl(b.add(b.mul(row, i32(stride)), b.shl(quad, i32(2))), i32(2))
+                    parts.append(b.load(fptr(b.add(off, i32(o_base))),
+                                        typ=ir.VectorType(f32, 4), align=16))
+                top = ms[0]
+                for x in ms[1:]:
+                    top = warp.fmax(b, top, x)
+                top_scaled = b.select(b.fcmp_ordered("==", top, warp.fconst(warp.NEG_INF)),
+                                      warp.fconst(0.0), b.fmul(top, sl2))
+                weights = [warp.ex2(b, b.fsub(b.fmul(x, sl2), top_scaled)) for x in ms]
+                lsum, o = warp.fconst(0.0), [warp.fconst(0.0)] * 4
+                for wt, lw, part in zip(weights, ls, parts):
+                    lsum = warp.fma(b, lw, wt, lsum)
+                    o = [warp.fma(b, b.extract_element(part, i32(e)), wt, o[e])
+                         for e in range(4)]
+                col = b.shl(quad, i32(2))
+                self._finish_rows(b, t, [(local, top, lsum, o)], sl2,
+                                  lambda dst, row, vals, lse: self._store_columns(
+                                      b, t, dst, row, col, [(i32(0), vals)], lse, quad))
 
-    def _epilogue(self, b, t: _DecodeTile, acc, m, total, sl2) -> None:
-        """Normalise; with one split in use, store O (and the LSE); else store the split's
-        partial state, and the group's last split to finish merges them."""
+    def _store_columns(self, b, t: _DecodeTile, dst, local, col, pieces, lse,
+                       lse_lane) -> None:
+        """Columns col + off of local row `local` for each (off, values) of `pieces`, to O
+        (dst "o", in the dtype) or to split `dst`'s partial O (fp32); the LSE from the
+        thread whose `lse_lane` is 0."""
         c, a = self.c, self.a
-        DT = c.head_dim // 8
-        inv, lse = [None, None], [None, None]
-        for r in range(2):
-            empty = b.fcmp_unordered("==", total[r], warp.fconst(0.0))
-            inv[r] = b.select(empty, warp.fconst(0.0), warp.rcp(b, total[r]))
-            lse[r] = warp.row_lse(b, m[r], sl2, total[r], empty)
-        owner = b.icmp_unsigned("==", self.wn, i32(0))
-        local = [b.add(self.warp_row, b.add(self.g, i32(8 * r))) for r in range(2)]
-        col0 = b.shl(self.t, i32(1))
-        single = b.icmp_signed("==", t.splits_used, i32(1))
-        with b.if_else(single) as (then, otherwise):
-            with then:
-                with b.if_then(owner):
-                    for r in range(2):
-                        with b.if_then(b.icmp_signed("<", local[r], t.rows_valid)):
-                            packed = b.add(t.r0, local[r])
-                            self._store_row(b, t, packed, lambda j, e2: b.fmul(
-                                acc[j][2 * r + e2], inv[r]), col0, lse[r])
-            with otherwise:
-                group = self._group(b, t)
-                part = b.add(b.mul(group, _i64(b, a.num_splits)), _i64(b, t.split))
-                with b.if_then(owner):
-                    for r in range(2):
-                        row = b.add(b.mul(part, i64(c.rows)), _i64(b, local[r]))
-                        base = b.mul(row, i64(c.head_dim))
-                        for j in range(DT):
-                            ptr = b.gep(a.partial_o, [b.add(base, _i64(b, b.add(col0, i32(8 * j))))],
-                                        source_etype=f32)
-                            v = warp.vector(b, [b.fmul(acc[j][2 * r + e], inv[r])
-                                                for e in range(2)])
-                            b.store(v, ptr, align=8)
-                        with b.if_then(b.icmp_unsigned("==", self.t, i32(0))):
-                            b.store(lse[r], b.gep(a.partial_lse, [row], source_etype=f32),
-                                    align=4)
-                self._finish_split(b, t, group)
+        if dst == "o":
+            packed = b.add(t.r0, local)
+            q_row = b.add(t.q_start, b.udiv(packed, i32(c.gqa_group)))
+            h = t.head_of(b, packed)
+            base = b.add(b.add(b.mul(_i64(b, t.bidx), a.o_stride_batch),
+                               b.mul(_i64(b, q_row), a.o_stride_row)),
+                         b.mul(_i64(b, h), a.o_stride_head))
+            for off, vals in pieces:
+                words = [warp.pack2(b, c.dtype, *vals[e:e + 2]) for e in range(0, len(vals), 2)]
+                ptr = b.gep(a.o, [b.add(base, _i64(b, b.add(col, off)))], source_etype=nvptx.i16)
+                warp.store(b, words[0] if len(words) == 1 else warp.vector(b, words), ptr,
+                           align=2 * len(vals))
+            if c.return_lse:
+                with b.if_then(b.icmp_unsigned("==", lse_lane, i32(0))):
+                    self._store_lse(b, t, q_row, h, lse)
+            return
+        row = b.add(b.mul(dst, i64(c.rows)), _i64(b, local))
+        base = b.mul(row, i64(c.head_dim))
+        for off, vals in pieces:
+            ptr = b.gep(a.partial_o, [b.add(base, _i64(b, b.add(col, off)))], source_etype=f32)
+            b.store(warp.vector(b, vals), ptr, align=4 * len(vals))
+        with b.if_then(b.icmp_unsigned("==", lse_lane, i32(0))):
+            b.store(lse, b.gep(a.partial_lse, [row], source_etype=f32), align=4)
 
     def _group(self, b, t: _DecodeTile) -> ir.Value:
         """(sequence, K/V head, query-row tile) as one i64 index."""
         a = self.a
         g = b.add(b.mul(_i64(b, t.bidx), _i64(b, a.num_heads)), _i64(b, t.hk))
         return b.add(b.mul(g, _i64(b, a.q_tiles)), _i64(b, t.q_tile))
-
-    def _store_row(self, b, t: _DecodeTile, packed, value, col0, lse_value) -> None:
-        """This thread's columns of packed row `packed` of O (value(j, e2): column
-        col0 + 8j + e2), and its LSE from the quad's first lane."""
-        c, a = self.c, self.a
-        q_row = b.add(t.q_start, b.udiv(packed, i32(c.gqa_group)))
-        h = t.head_of(b, packed)
-        off = b.add(b.add(b.mul(_i64(b, t.bidx), a.o_stride_batch),
-                          b.mul(_i64(b, q_row), a.o_stride_row)),
-                    b.mul(_i64(b, h), a.o_stride_head))
-        for j in range(c.head_dim // 8):
-            ptr = b.gep(a.o, [b.add(off, _i64(b, b.add(col0, i32(8 * j))))],
-                        source_etype=nvptx.i16)
-            warp.store(b, warp.pack2(b, c.dtype, value(j, 0), value(j, 1)), ptr, align=4)
-        if c.return_lse:
-            with b.if_then(b.icmp_unsigned("==", self.t, i32(0))):
-                self._store_lse(b, t, q_row, h, lse_value)
 
     def _store_lse(self, b, t, q_row, h, value) -> None:
         a = self.a
