@@ -115,7 +115,7 @@ def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Ta
         fill_env = env_filler(builder, lowered, shared_slots(builder.module), params)
         emit_work_loop(builder, lowered, fill_env, lambda b, seq: body(b, TileSeq(**seq)),
                        aligned=aligned, trace_thread=args.trace_thread if trace else None,
-                       handoff=handoff)
+                       handoff=handoff, advance_in_tile=args.advance_in_tile)
     return work_loop
 
 

@@ -547,7 +547,8 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
                    fill_env: Callable[[ir.IRBuilder], KernelEnv],
                    body: Callable[[ir.IRBuilder, dict[str, ir.Value]], None], *,
                    producer: bool = True, sync: str = "ALL", aligned: bool = True,
-                   trace_thread: int | None = None, handoff: Handoff | None = None) -> None:
+                   trace_thread: int | None = None, handoff: Handoff | None = None,
+                   advance_in_tile: bool = False) -> None:
     """The persistent loop: initial_state, then body per valid tile, advance until none.
 
     Every thread of the CTA runs it (advance may hold a barrier); `body` gets the tile's
@@ -566,6 +567,12 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     With `handoff`, this is one role's loop of a warp-specialised kernel whose roles run
     apart (`Handoff`): after the first step (whose vote all roles take together) the steps
     synchronise through the handoff's mbarriers, not CTA-wide.
+
+    With `advance_in_tile`, the body gets the scheduler step as `advance` in its fields and
+    takes it once, where it likes (the loop takes it after the body where the body did not),
+    and the loop counts each thread's exit (`count_exit`) at the step that finds no more
+    work, or at the loop's end: a CTA that issues its tile's loads first hides the step's
+    atomics under them, where after the tile they added to the launch's tail.
     """
     fns = sched.functions
     kenv = fill_env(builder)
@@ -577,6 +584,8 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     # the hang bound adds no register live across the tile body (which sits at the cap).
     taken = alloca(builder, i32, "tiles_taken")
     builder.store(i32(0), taken)
+    exit_counted = alloca(builder, i1, "exit_counted")
+    builder.store(i1(0), exit_counted)
     _refuel(builder, sched, kenv)
     builder.call(fns["initial_state"], [*args, kenv.slots, state])
     builder.call(fns["get_current_work_info"], [*args, state, info])
@@ -605,13 +614,21 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     builder.position_at_end(loop_bb)
     fields = load_record(builder, seq, SEQ_INFO)
     is_valid = builder.icmp_unsigned(">", fields["seq_len"], fields["prompt_offset"])
+    step = _TileStep(builder, sched, fill_env, state, seq, taken, exit_counted, producer,
+                     sync) if advance_in_tile and sched.may_advance else None
+    tile_fields = fields if step is None else {**fields, "advance": step}
     with builder.if_then(is_valid):
         if trace_thread is None:
-            body(builder, fields)
+            body(builder, tile_fields)
         else:
             record_work_item(builder, _workspace(builder, sched, kenv), fields, trace_thread,
-                             lambda: body(builder, fields))
-    if sched.may_advance and handoff is not None:
+                             lambda: body(builder, tile_fields))
+    if step is not None:
+        more, too_many_now = step.results(builder)
+        has_work.add_incoming(more, builder.block)
+        too_many.add_incoming(too_many_now, builder.block)
+        builder.branch(step_bb)
+    elif sched.may_advance and handoff is not None:
         _handoff_step(builder, sched, fill_env, state, seq, taken, handoff, loop_bb, exit_bb)
     elif sched.may_advance:
         kenv = fill_env(builder)
@@ -628,6 +645,48 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     else:
         builder.branch(exit_bb)
     builder.position_at_end(exit_bb)
+    if advance_in_tile:
+        with builder.if_then(builder.not_(builder.load(exit_counted, typ=i1))):
+            count_exit(builder, _workspace(builder, sched, fill_env(builder)))
+
+
+class _TileStep:
+    """The scheduler step a tile body takes itself (`emit_work_loop`'s `advance_in_tile`):
+    called once on the body's path, it advances and, where no work is left, counts the
+    thread's exit; `results` takes it where the body did not and gives (more work, too many
+    tiles) for the loop's step."""
+
+    def __init__(self, builder: ir.IRBuilder, sched: LoweredScheduler, fill_env, state, seq,
+                 taken, exit_counted, producer: bool, sync: str):
+        self.sched, self.fill_env, self.state, self.seq = sched, fill_env, state, seq
+        self.taken, self.exit_counted = taken, exit_counted
+        self.advance = sched.functions[sched.advance_name(producer, sync)]
+        self.taken_now = _entry_alloca(builder, i1, "step_taken")
+        self.more = _entry_alloca(builder, i1, "step_more")
+        self.too_many = _entry_alloca(builder, i1, "step_too_many")
+        builder.store(i1(0), self.taken_now)
+
+    def __call__(self, b: ir.IRBuilder) -> None:
+        sched = self.sched
+        b.store(i1(1), self.taken_now)
+        kenv = self.fill_env(b)
+        _refuel(b, sched, kenv)
+        before = b.load(self.taken, typ=i32)
+        more = b.call(self.advance, [kenv.env, kenv.ts, self.state, b.and_(before, i32(1)),
+                                     self.seq])
+        n = b.add(before, i32(1))
+        b.store(n, self.taken)
+        b.store(more, self.more)
+        b.store(b.and_(more, b.icmp_unsigned(">", b.zext(n, i64), _num_work(b, sched, kenv))),
+                self.too_many)
+        with b.if_then(b.not_(more)):
+            count_exit(b, _workspace(b, sched, kenv))
+            b.store(i1(1), self.exit_counted)
+
+    def results(self, b: ir.IRBuilder) -> tuple[ir.Value, ir.Value]:
+        with b.if_then(b.not_(b.load(self.taken_now, typ=i1))):
+            self(b)
+        return b.load(self.more, typ=i1), b.load(self.too_many, typ=i1)
 
 
 def _handoff_step(builder: ir.IRBuilder, sched: LoweredScheduler, fill_env, state, seq,

@@ -161,6 +161,22 @@ def test_the_decode_builds_last_advance_leaves_its_seq_info_undefined():
     assert _zeroed_after_none(prefill_ir)
 
 
+@pytest.mark.parametrize("group,cache", [(8, CacheLayout(1, 0, 64)), (4, CacheLayout(1, 0, 32)),
+                                         (1, CacheLayout(4, 16, 64))])
+def test_the_warps_that_share_rows_read_each_partial_once(group, cache):
+    """The cross-warp merge reads every warp's partial O once, in 16-byte vectors, split
+    over the CTA's threads; each warp reading every part of its rows (scalar loads, 4x the
+    bytes) took the merge 3 us on the H200 (BENCHMARKS.md, decode)."""
+    build = PROGRAM["causal"].build("sm_90a", gqa_group=group, cache=cache)
+    c = build.config
+    assert c.warps_n > 1
+    pieces = -(-c.rows * c.head_dim // 4 // c.threads)  # 4-column pieces per thread
+    loads = re.findall(r"\bld\.shared(?:\.(v\d))?\.b32\b", build.ptx)
+    assert loads.count("v4") == c.warps_n * pieces
+    # each warp's row max and sum per piece; the split flag and the scheduler's slots
+    assert len(loads) - loads.count("v4") <= 2 * c.warps_n * pieces + 4
+
+
 def test_decode_abi_is_the_kernel_signature():
     build = PROGRAM["causal"].build("sm_90a", gqa_group=8, cache=CacheLayout(1, 64))
     entry = build.ptx.split(".entry mha_decode(")[1].split(")")[0]

@@ -232,6 +232,9 @@ class TileSeq:
     prompt_offset: ir.Value
     head_idx: ir.Value
     prompt_idx: ir.Value
+    # with `KernelArgs.advance_in_tile`: the scheduler step, which the tile takes once, as
+    # early as it likes (the loop takes it after the tile where the tile did not)
+    advance: Callable[[ir.IRBuilder], None] | None = None
 
 
 class KernelArgs:
@@ -246,14 +249,18 @@ class KernelArgs:
     last advance (`return none`) stores a zero SeqInfo, so no register of the last tile's
     SeqInfo stays live across a tile body (what register-bound builds need); False leaves it
     undefined, where ptxas then allocates better (the decode build: B8 Sk 32768, 2 splits,
-    4.41 TB/s against 4.17 with zeros)."""
+    4.41 TB/s against 4.17 with zeros). `advance_in_tile`: the tile takes the scheduler
+    step itself (`TileSeq.advance`), and the loop counts the CTA's exit where the step finds
+    no more work (`scheduler.emit_work_loop`), not after the loop."""
 
     def __init__(self, fn: ir.Function, abi: KernelABI, config: object,
                  opaque_env: bool = False, divergent_roles: bool = False,
-                 trace_thread: int | None = 0, handoff=None, zero_after_none: bool = True):
+                 trace_thread: int | None = 0, handoff=None, zero_after_none: bool = True,
+                 advance_in_tile: bool = False):
         self.function, self.config, self.opaque_env = fn, config, opaque_env
         self.divergent_roles, self.handoff = divergent_roles, handoff
         self.zero_after_none = zero_after_none
+        self.advance_in_tile = advance_in_tile
         self.trace_thread = trace_thread
         self.persistent = False
         for p, arg in zip(abi, fn.args):

@@ -46,7 +46,7 @@ from mhadsl.codegen.backends import (
     masked_unless, spill_free_build,
 )
 from mhadsl.codegen.nvptx import GLOBAL, SHARED, f32, i1, i32, i64
-from mhadsl.codegen.scheduler import count_exit, end_record, record_work_item
+from mhadsl.codegen.scheduler import end_record, record_work_item
 from mhadsl.codegen.target import Target, new_module
 
 KERNEL_NAME = "mha_decode"
@@ -522,6 +522,8 @@ class _Emitter:
         for _ in range(c.page_lookahead - 1):
             ahead.append(t.next_nonempty(b, b.add(ahead[-1], i32(1))))
         ahead_pages = [self._fetch_pages(b, t, x) for x in ahead]
+        if t.seq.advance is not None:  # its atomics under the first tiles' loads
+            t.seq.advance(b)
 
         fn = b.function
         pre = b.block
@@ -943,14 +945,13 @@ def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
     smem.linkage = "external"
     smem.align = SMEM_ALIGN
     builder = ir.IRBuilder(fn.append_basic_block("entry"))
-    args = KernelArgs(fn, ABI, config, zero_after_none=False)
+    args = KernelArgs(fn, ABI, config, zero_after_none=False, advance_in_tile=True)
     _scheduler_view(args)
 
     def tile(b: ir.IRBuilder, seq: TileSeq) -> None:
         _Emitter(config, hooks, b, args, smem, traced).emit_tile(b, seq)
 
-    work_loop(builder, args, tile)
-    count_exit(builder, args.queue)
+    work_loop(builder, args, tile)  # which counts the exit (`advance_in_tile`)
     builder.ret_void()
     return module
 
