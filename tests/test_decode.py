@@ -177,6 +177,17 @@ def test_the_warps_that_share_rows_read_each_partial_once(group, cache):
     assert len(loads) - loads.count("v4") <= 2 * c.warps_n * pieces + 4
 
 
+
+def test_a_decode_tile_takes_its_scheduler_step_under_its_first_loads():
+    """The decode tile takes its scheduler's step (LPT's queue atomic) and counts the CTA's
+    exit between issuing its first K/V tiles and waiting for them, where their latency hides
+    the atomics; after the tile they lengthened every launch's tail (BENCHMARKS.md, decode)."""
+    ptx = PROGRAM["causal"].build("sm_90a", gqa_group=8, cache=CacheLayout(1, 0, 64)).ptx
+    first_copies = ptx.index("cp.async.commit_group")
+    first_wait = ptx.index("cp.async.wait_group")
+    assert first_copies < ptx.index("atom.global.add") < first_wait
+    assert first_copies < ptx.index("call.uni mhadsl_$_count_exit") < first_wait
+
 def test_decode_abi_is_the_kernel_signature():
     build = PROGRAM["causal"].build("sm_90a", gqa_group=8, cache=CacheLayout(1, 64))
     entry = build.ptx.split(".entry mha_decode(")[1].split(")")[0]
