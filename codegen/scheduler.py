@@ -584,8 +584,9 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     # the hang bound adds no register live across the tile body (which sits at the cap).
     taken = alloca(builder, i32, "tiles_taken")
     builder.store(i32(0), taken)
-    exit_counted = alloca(builder, i1, "exit_counted")
-    builder.store(i1(0), exit_counted)
+    if advance_in_tile:
+        exit_counted = alloca(builder, i1, "exit_counted")
+        builder.store(i1(0), exit_counted)
     _refuel(builder, sched, kenv)
     builder.call(fns["initial_state"], [*args, kenv.slots, state])
     builder.call(fns["get_current_work_info"], [*args, state, info])
@@ -631,16 +632,10 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     elif sched.may_advance and handoff is not None:
         _handoff_step(builder, sched, fill_env, state, seq, taken, handoff, loop_bb, exit_bb)
     elif sched.may_advance:
-        kenv = fill_env(builder)
-        _refuel(builder, sched, kenv)
-        before = builder.load(taken, typ=i32)
-        more = builder.call(fns[sched.advance_name(producer, sync)],
-                            [kenv.env, kenv.ts, state, builder.and_(before, i32(1)), seq])
-        n = builder.add(before, i32(1))
-        builder.store(n, taken)
+        more, too_many_now, _ = _advance(builder, sched, fill_env, state, seq, taken,
+                                         producer, sync)
         has_work.add_incoming(more, builder.block)
-        too_many.add_incoming(builder.and_(more, builder.icmp_unsigned(
-            ">", builder.zext(n, i64), _num_work(builder, sched, kenv))), builder.block)
+        too_many.add_incoming(too_many_now, builder.block)
         builder.branch(step_bb)
     else:
         builder.branch(exit_bb)
@@ -660,33 +655,41 @@ class _TileStep:
                  taken, exit_counted, producer: bool, sync: str):
         self.sched, self.fill_env, self.state, self.seq = sched, fill_env, state, seq
         self.taken, self.exit_counted = taken, exit_counted
-        self.advance = sched.functions[sched.advance_name(producer, sync)]
+        self.producer, self.sync = producer, sync
         self.taken_now = _entry_alloca(builder, i1, "step_taken")
         self.more = _entry_alloca(builder, i1, "step_more")
         self.too_many = _entry_alloca(builder, i1, "step_too_many")
         builder.store(i1(0), self.taken_now)
 
     def __call__(self, b: ir.IRBuilder) -> None:
-        sched = self.sched
         b.store(i1(1), self.taken_now)
-        kenv = self.fill_env(b)
-        _refuel(b, sched, kenv)
-        before = b.load(self.taken, typ=i32)
-        more = b.call(self.advance, [kenv.env, kenv.ts, self.state, b.and_(before, i32(1)),
-                                     self.seq])
-        n = b.add(before, i32(1))
-        b.store(n, self.taken)
+        more, too_many, kenv = _advance(b, self.sched, self.fill_env, self.state, self.seq,
+                                        self.taken, self.producer, self.sync)
         b.store(more, self.more)
-        b.store(b.and_(more, b.icmp_unsigned(">", b.zext(n, i64), _num_work(b, sched, kenv))),
-                self.too_many)
+        b.store(too_many, self.too_many)
         with b.if_then(b.not_(more)):
-            count_exit(b, _workspace(b, sched, kenv))
+            count_exit(b, _workspace(b, self.sched, kenv))
             b.store(i1(1), self.exit_counted)
 
     def results(self, b: ir.IRBuilder) -> tuple[ir.Value, ir.Value]:
         with b.if_then(b.not_(b.load(self.taken_now, typ=i1))):
             self(b)
         return b.load(self.more, typ=i1), b.load(self.too_many, typ=i1)
+
+
+def _advance(b: ir.IRBuilder, sched: LoweredScheduler, fill_env, state, seq, taken,
+             producer: bool, sync: str) -> tuple[ir.Value, ir.Value, KernelEnv]:
+    """One scheduler step of loops that step together: (more work, too many tiles taken,
+    the env it was taken with)."""
+    kenv = fill_env(b)
+    _refuel(b, sched, kenv)
+    before = b.load(taken, typ=i32)
+    more = b.call(sched.functions[sched.advance_name(producer, sync)],
+                  [kenv.env, kenv.ts, state, b.and_(before, i32(1)), seq])
+    n = b.add(before, i32(1))
+    b.store(n, taken)
+    return more, b.and_(more, b.icmp_unsigned(">", b.zext(n, i64), _num_work(b, sched, kenv))), \
+        kenv
 
 
 def _handoff_step(builder: ir.IRBuilder, sched: LoweredScheduler, fill_env, state, seq,

@@ -768,6 +768,9 @@ class _Emitter:
         def fptr(offset):
             return warp.smem_ptr(b, self.smem, offset)
 
+        def stat(k, row):  # the row's max (k = 0) or sum (k = 1)
+            return fptr(b.add(i32(stats + k * W * R * 4), b.shl(row, i32(2))))
+
         col0 = b.shl(self.t, i32(1))
         for r in range(2):
             row = part_row(self.wn, b.add(self.warp_row, b.add(self.g, i32(8 * r))))
@@ -776,9 +779,8 @@ class _Emitter:
                 warp.store(b, warp.vector(b, [acc[j][2 * r], acc[j][2 * r + 1]]),
                            fptr(b.add(off, i32(o_base))), align=8)
             with b.if_then(b.icmp_unsigned("==", self.t, i32(0))):
-                warp.store(b, m[r], fptr(b.add(i32(stats), b.shl(row, i32(2)))), align=4)
-                warp.store(b, total[r], fptr(b.add(i32(stats + W * R * 4), b.shl(row, i32(2)))),
-                           align=4)
+                warp.store(b, m[r], stat(0, row), align=4)
+                warp.store(b, total[r], stat(1, row), align=4)
         nvptx.barrier_all(b)
         quads = D // 4
         for k in range(-(-R * quads // c.threads)):
@@ -788,9 +790,8 @@ class _Emitter:
                 ms, ls, parts = [], [], []
                 for w in range(W):
                     row = part_row(i32(w), local)
-                    ms.append(b.load(fptr(b.add(i32(stats), b.shl(row, i32(2)))), typ=f32))
-                    ls.append(b.load(fptr(b.add(i32(stats + W * R * 4), b.shl(row, i32(2)))),
-                                     typ=f32))
+                    ms.append(b.load(stat(0, row), typ=f32))
+                    ls.append(b.load(stat(1, row), typ=f32))
                     off = b.shl(b.add(b.mul(row, i32(stride)), b.shl(quad, i32(2))), i32(2))
                     parts.append(b.load(fptr(b.add(off, i32(o_base))),
                                         typ=ir.VectorType(f32, 4), align=16))
