@@ -157,7 +157,8 @@ class Kernel:
         self._torch_plans: dict[tuple, _Planned] = {}
         self._decode_plans: dict[tuple, object] = {}  # (mhadsl.serving) by torch signature
         from mhadsl.runtime import faults
-        faults.scheduler_id(options.scheduler)  # remembered, so a fault record names it
+        for workload in ("prefill", "decode"):  # remembered, so a fault record names it
+            faults.scheduler_id(options.scheduler_for(workload)[0])
         self._backend: str | None = None
         self._trace = False
         self.trace_workspace: int | None = None
@@ -207,16 +208,20 @@ class Kernel:
 
     def _request(self, layout: Layout, arch: str, backend: str | None) -> KernelRequest:
         return KernelRequest(self.name, arch, backend or self.backend, layout,
-                             scheduler=(self.options.scheduler, self.options.scheduler_args),
+                             scheduler=self.options.scheduler_for(layout.workload),
                              trace=self.trace)
 
     def scheduler_spec(self, config, design: Backend | None = None) -> SchedulerSpec:
-        """The scheduler's specialisation for a build of `config`: its tile height and group
-        are those of the work space `design` hands it (`Backend.scheduler_shape`; by
-        default a query tile of a query head)."""
+        """The scheduler's specialisation for a build of `config` by `design` (None: the
+        prefill design's): the scheduler that runs the design's workload
+        (`AttentionOptions.scheduler_for`), its tile height and group those of the work space
+        the design hands it (`Backend.scheduler_shape`; by default a query tile of a query
+        head)."""
         tile_m, group = design.scheduler_shape(config) if design is not None else \
             (config.block_m, config.gqa_group)
-        return SchedulerSpec(self.options.scheduler, self.options.scheduler_args, tile_m, group)
+        name, args = self.options.scheduler_for(design.workload if design is not None
+                                                else "prefill")
+        return SchedulerSpec(name, args, tile_m, group)
 
     def build(self, arch: str = "sm_90a", *, gqa_group: int = 1, ragged: bool = False,
               return_lse: bool = False, backend: str | None = None,

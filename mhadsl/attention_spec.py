@@ -30,6 +30,13 @@ HEAD_DIMS = (64, 128, 256)
 # of the five, 638, was Persistent's; Queued's query-tile-fastest order also balances).
 DEFAULT_SCHEDULER = "LPT"
 UNMASKED_DEFAULT_SCHEDULER = "Queued"
+# Decode calls of a declaration that names no scheduler: one work tile per CTA. A decode
+# launch rarely holds more work tiles than CTAs fit at once, and every tile of a dense call
+# costs the same, so a queue has nothing to balance, while its step (an atomic and a
+# CTA-wide barrier, behind the tile's first K/V loads) delays every CTA's first tile by
+# about 1.3 us (H200, `%globaltimer` probes): 0.4-1.0 % faster than LPT on issue 21's
+# Sq = 1 rows in one process (BENCHMARKS.md, decode).
+DECODE_DEFAULT_SCHEDULER = "Transient"
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,7 @@ class AttentionOptions:
     kv_heads: int | None = None
     scheduler: str = DEFAULT_SCHEDULER
     scheduler_args: tuple[tuple[str, object], ...] = ()
+    scheduler_named: bool = False  # whether the declaration names it (else a default)
     scale: float | None = None  # None: 1 / sqrt(head_dim)
     return_lse: bool = False
     mask: ast.Rule | None = None
@@ -55,6 +63,14 @@ class AttentionOptions:
     # window; `classify.kv_band_tiles`), set when a build is planned; None: unbounded
     kv_band: int | None = None
     decl: ast.AttentionDecl | None = field(default=None, compare=False, repr=False)
+
+    def scheduler_for(self, workload: str) -> tuple[str, tuple[tuple[str, object], ...]]:
+        """The scheduler (name, arguments) that runs a `workload` build ("prefill",
+        "decode", "backward"): the one named, else the default, which for decode calls is
+        DECODE_DEFAULT_SCHEDULER."""
+        if workload == "decode" and not self.scheduler_named:
+            return DECODE_DEFAULT_SCHEDULER, ()
+        return self.scheduler, self.scheduler_args
 
     def softmax_scale(self) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
@@ -143,6 +159,7 @@ def resolve_attention(decl: ast.AttentionDecl) -> AttentionOptions:
             fields[c.name] = v.value
         elif c.name == "scheduler":
             fields["scheduler"], fields["scheduler_args"] = _scheduler_binding(v)
+            fields["scheduler_named"] = True
         elif c.name == "scale":
             fields["scale"] = float(constant_number(v))
         elif c.name == "return_lse":

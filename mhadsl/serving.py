@@ -313,7 +313,7 @@ def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_
     ctas_per_sm = build.function.max_active_blocks(launch.threads, launch.shared_bytes)
     capacity = k_cache.shape[1] if call.page_size is None else \
         dev["page_table"].shape[1] * call.page_size
-    host = kernel._host_scheduler(config)
+    host = kernel._host_scheduler(config, backend)
     splits = (num_splits or host.kv_splits(call.batch, capacity, kv_heads,
                                            info.multiprocessor_count, ctas_per_sm)
               or default_splits(groups, info.multiprocessor_count, capacity, config.block_n))
@@ -324,7 +324,7 @@ def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_
     grid = host.grid(call.batch, work_tiles, work_tiles, kv_heads, info.multiprocessor_count,
                      ctas_per_sm)
     if 0 in grid:
-        raise ValueError(f"scheduler '{kernel.options.scheduler}' asked for grid {grid}; "
+        raise ValueError(f"scheduler '{host.spec.name}' asked for grid {grid}; "
                          f"every dimension must be at least 1")
     ragged_strides = {"q_stride_batch": 0 if ragged else q.strides[0],
                       "o_stride_batch": 0 if ragged else dev["o"].strides[0]}

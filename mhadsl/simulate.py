@@ -413,6 +413,7 @@ class HostScheduler:
     """A scheduler specialisation compiled for this CPU, callable rule by rule."""
 
     def __init__(self, program: CheckedProgram, spec: SchedulerSpec):
+        self.spec = spec
         module = new_module(f"host_{spec.name}", HOST)
         lowered = lower_scheduler(module, program, spec, HOST)
         _emit_start_ctas(module, lowered)

@@ -194,7 +194,8 @@ def scheduler_kernel(program: Program, kernel: str, scheduler: str | None = None
     """A fresh `Kernel` of declaration `kernel`, run by `scheduler` (None: its own)."""
     options = program[kernel].options
     if scheduler is not None:
-        options = dataclasses.replace(options, scheduler=scheduler, scheduler_args=tuple(args))
+        options = dataclasses.replace(options, scheduler=scheduler, scheduler_args=tuple(args),
+                                      scheduler_named=True)
     k = Kernel(program, options)
     k.backend, k.trace = backend, trace
     return k
@@ -221,7 +222,7 @@ def run_trace(program: Program, kernel: str, workload: Workload, *, scheduler: s
     records, written, ms_untraced, ms_traced = _record(torch, plain, traced, inputs,
                                                        tiles_bound, reps)
     target, build, ctas_per_sm = _traced_build(traced)
-    spec = traced.scheduler_spec(build.config)
+    spec = traced.scheduler_spec(build.config, build.backend)
     grid = traced._grid(build.config, _GridCall(len(w.lengths), w.heads, max(w.lengths)),
                         info.multiprocessor_count, ctas_per_sm)
     run = TraceRun(kernel, spec.name, spec.args, workload, info.name, build.backend.name,
@@ -430,7 +431,7 @@ def run_decode_trace(program: Program, kernel: str, workload: DecodeWorkload, *,
         torch, plain, traced, inputs, groups_bound * (w.kv_splits + 1), reps)
     planned, = traced._decode_plans.values()
     target, build, ctas_per_sm = _traced_build(traced)
-    spec = traced.scheduler_spec(build.config)
+    spec = traced.scheduler_spec(build.config, build.backend)
     info = driver.device_info()
     work = DecodeWork(w.kv_heads, w.cache_lens, planned.q_tiles, planned.num_splits,
                       planned.kv_chunk)

@@ -27,6 +27,8 @@ attention head_window {{ dtype = bf16  head_dim = 128
 attention softcap {{ dtype = bf16  head_dim = 128  scheduler = Persistent()  {CAUSAL}
     score(s, b, h, q_idx, kv_idx) = 30.0 * tanh(s / 30.0) }}
 attention plain_d256 {{ dtype = bf16  head_dim = 256 }}
+attention causal_lpt {{ dtype = bf16  head_dim = 128  scheduler = LPT()  {CAUSAL} }}
+attention causal_transient {{ dtype = bf16  head_dim = 128  scheduler = Transient()  {CAUSAL} }}
 """
 PROGRAM = mhadsl.compile(SOURCE, name="decode_cpu")
 needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
@@ -155,8 +157,9 @@ def test_the_decode_builds_last_advance_leaves_its_seq_info_undefined():
     undefined, where the prefill builds store zeros (`KernelArgs.zero_after_none`): with
     zeros ptxas gave the split rows' build 128 registers and 4.17 TB/s, against 166 and
     4.41 without (BENCHMARKS.md, decode)."""
-    decode_ir = PROGRAM["causal"].build("sm_90a", gqa_group=4, cache=CacheLayout(1, 0, 64)).llvm
-    prefill_ir = PROGRAM["causal"].build("sm_90a").llvm
+    kern = PROGRAM["causal_lpt"]  # a persistent scheduler: its advance returns none
+    decode_ir = kern.build("sm_90a", gqa_group=4, cache=CacheLayout(1, 0, 64)).llvm
+    prefill_ir = kern.build("sm_90a").llvm
     assert not _zeroed_after_none(decode_ir)
     assert _zeroed_after_none(prefill_ir)
 
@@ -182,11 +185,27 @@ def test_a_decode_tile_takes_its_scheduler_step_under_its_first_loads():
     """The decode tile takes its scheduler's step (LPT's queue atomic) and counts the CTA's
     exit between issuing its first K/V tiles and waiting for them, where their latency hides
     the atomics; after the tile they lengthened every launch's tail (BENCHMARKS.md, decode)."""
-    ptx = PROGRAM["causal"].build("sm_90a", gqa_group=8, cache=CacheLayout(1, 0, 64)).ptx
+    ptx = PROGRAM["causal_lpt"].build("sm_90a", gqa_group=8, cache=CacheLayout(1, 0, 64)).ptx
     first_copies = ptx.index("cp.async.commit_group")
     first_wait = ptx.index("cp.async.wait_group")
     assert first_copies < ptx.index("atom.global.add") < first_wait
     assert first_copies < ptx.index("call.uni mhadsl_$_count_exit") < first_wait
+
+def test_decode_calls_run_transient_where_the_declaration_names_no_scheduler():
+    """A declaration that names no scheduler runs its decode calls one work tile per CTA
+    (Transient: no queue step to wait for; 0.4-1.0 % faster than LPT on the H200,
+    BENCHMARKS.md) and its prefill calls by LPT; one that names a scheduler runs it for both."""
+    cache = CacheLayout(1, 0, 64)
+    default, lpt = PROGRAM["causal"], PROGRAM["causal_lpt"]
+    config = default.config(gqa_group=8, cache=cache)
+    assert default.scheduler_spec(config, decode.BACKEND).name == "Transient"
+    assert default.scheduler_spec(default.config()).name == "LPT"
+    assert lpt.scheduler_spec(config, decode.BACKEND).name == "LPT"
+    built = default.build("sm_90a", gqa_group=8, cache=cache).ptx
+    assert built == PROGRAM["causal_transient"].build("sm_90a", gqa_group=8, cache=cache).ptx
+    assert built != lpt.build("sm_90a", gqa_group=8, cache=cache).ptx
+    assert default.build("sm_90a").ptx == lpt.build("sm_90a").ptx
+
 
 def test_decode_abi_is_the_kernel_signature():
     build = PROGRAM["causal"].build("sm_90a", gqa_group=8, cache=CacheLayout(1, 64))
