@@ -42,9 +42,10 @@ TMA (rows past the tensor are not written), each consumer warpgroup its own 64 r
 named barrier of its own, so the warpgroups keep their offset into the next work tile (on the
 H200, two runs: causal D128 598-626 -> 606-631 TFLOP/s, GQA 566-576 -> 573-579, a 256-key
 window at two stages 207-209 -> 217-218), except where O is staged over V's ring, which all
-consumers must have finished reading first. A ragged build writes O from registers, row by
-row, only for rows inside the sequence (a box would cross into the next sequence); LSE from
-registers.
+consumers must have finished reading first. A ragged build stores by TMA the rows of its
+warpgroups whose 64 rows all lie inside the sequence, and writes the others' O from
+registers, row by row, only for rows inside the sequence (a box would cross into the next
+sequence); LSE from registers.
 
 The tile a declaration without `tile` gets is the first spill-free one of its head dim's
 `DEFAULT_TILES`: 192 x 128 (three consumers) at head dim 64, 128 x 128 at 128 (128 x 144
@@ -139,11 +140,20 @@ class HopperConfig:
         return self.block_n * self.head_dim * warp.ELEMENT_BYTES
 
     @property
+    def stages_o(self) -> bool:
+        """Whether O is staged in shared memory and stored by TMA: every dense build, and a
+        ragged one where O's own tile fits (its warpgroups whose 64 rows all lie inside the
+        sequence store so; the others, and every row of a ragged build without the tile,
+        from registers: a box would cross into the next sequence)."""
+        return not self.ragged or _layout_bytes(self, own_o_bytes=self.q_bytes) <= \
+            SHARED_MEMORY_LIMIT["sm_90a"]
+
+    @property
     def o_over_v(self) -> bool:
         """Whether a dense build stages O over V's ring instead of in its own tile: only
         where its own tile would not fit in shared memory (FlashAttention-3 does the same);
         the producer then loads a work tile's first V once the previous tile's O store has
-        read the staging tile. Ragged builds store O from registers and stage nothing."""
+        read the staging tile. Not in ragged builds (`stages_o`)."""
         own = _layout_bytes(self, own_o_bytes=self.q_bytes)
         return (not self.ragged and own > SHARED_MEMORY_LIMIT["sm_90a"]
                 and self.stages * self.kv_tile_bytes >= self.q_bytes)
@@ -181,7 +191,7 @@ def _layout_bytes(config: HopperConfig, own_o_bytes: int) -> int:
 
 
 def _own_o_bytes(config: HopperConfig) -> int:
-    return 0 if config.ragged or config.o_over_v else config.q_bytes
+    return config.q_bytes if config.stages_o and not config.o_over_v else 0
 
 
 def _barrier_bytes(config: HopperConfig) -> int:
@@ -631,31 +641,43 @@ class _Kernel:
             warp.store(b, value, ptr, align=4)
 
     def _epilogue(self, b, args, t: _Tile, o, m, l, sl2, row0, col0, group):
-        """O / l to global memory (rows inside the sequence only) and the LSE. A dense build
-        stages O in shared memory and stores it by TMA (rows past the tensor are not
-        written), so the consumers hand the store to the copy engine and go on; a ragged
-        one stores from registers (a box would cross into the next sequence's rows)."""
+        """O / l to global memory (rows inside the sequence only) and the LSE. O is staged in
+        shared memory and stored by TMA (`HopperConfig.stages_o`; rows past the tensor are
+        not written), so the consumers hand the store to the copy engine and go on; in a
+        ragged build only by warpgroups whose rows all lie inside the sequence (a box would
+        cross into the next sequence's rows): the others store from registers."""
         c = self.c
         rows_q = b.sub(t.seqlen_q, t.q0)
         lane_col = b.and_(_thread_idx(b), i32(3))
         totals, empties, invs = zip(*(warp.row_sum(b, l[r]) for r in range(2)))
+        rows = [b.add(row0, i32(8 * r)) for r in range(2)]
+        inside = [b.icmp_signed("<", row, rows_q) for row in rows]
+
+        def by_registers():
+            for r in range(2):
+                with b.if_then(inside[r]):
+                    self._store_o_row(b, args, t, o, invs[r], r, rows[r], col0)
         if not c.ragged:
             self._store_o_by_tma(b, args, t, o, invs, row0, col0, group)
+        elif not c.stages_o:
+            by_registers()
+        else:  # uniform over the warpgroup, as the store's named barrier needs
+            group_inside = b.icmp_signed(">=", rows_q, b.shl(b.add(group, i32(1)), i32(6)))
+            with b.if_else(group_inside) as (by_tma, by_rows):
+                with by_tma:
+                    self._store_o_by_tma(b, args, t, o, invs, row0, col0, group)
+                with by_rows:
+                    by_registers()
+        if not c.return_lse:
+            return
         for r in range(2):
-            total, empty, inv = totals[r], empties[r], invs[r]
-            row = b.add(row0, i32(8 * r))
-            inside = b.icmp_signed("<", row, rows_q)
-            with b.if_then(inside):
-                if c.ragged:
-                    self._store_o_row(b, args, t, o, inv, r, row, col0)
-                if c.return_lse:
-                    with b.if_then(b.icmp_unsigned("==", lane_col, i32(0))):
-                        val = warp.row_lse(b, m[r], sl2, total, empty)
-                        off = b.add(b.add(b.mul(b.sext(t.bidx, i64), args.lse_stride_batch),
-                                          b.mul(b.sext(t.h, i64), args.lse_stride_head)),
-                                    b.sext(b.add(t.q_start, b.add(t.q0, row)), i64))
-                        b.store(val, b.gep(args.lse, [off], inbounds=True, source_etype=f32),
-                                align=4)
+            with b.if_then(b.and_(inside[r], b.icmp_unsigned("==", lane_col, i32(0)))):
+                val = warp.row_lse(b, m[r], sl2, totals[r], empties[r])
+                off = b.add(b.add(b.mul(b.sext(t.bidx, i64), args.lse_stride_batch),
+                                  b.mul(b.sext(t.h, i64), args.lse_stride_head)),
+                            b.sext(b.add(t.q_start, b.add(t.q0, rows[r])), i64))
+                b.store(val, b.gep(args.lse, [off], inbounds=True, source_etype=f32),
+                        align=4)
 
 
 # ============================================================================ module
@@ -732,7 +754,7 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
                                handoff=Handoff("consumer", *role_threads))
             work_loop(b, cargs, lambda bb, seq: kernel.consumer_tile(bb, cargs, kv_count,
                                                                       tile_count, seq))
-            if not config.ragged:  # the last O stores have read their tile before the exit
+            if config.stages_o:  # the last O stores have read their tile before the exit
                 if config.o_store_per_group:  # each warpgroup's first thread
                     storer = b.icmp_unsigned(
                         "==", b.and_(tid, i32(hopper.WARPGROUP_THREADS - 1)), i32(0))
@@ -784,6 +806,11 @@ Q_IN_REGISTERS_HEAD_DIMS = (128,)
 # against 619).
 BAND_TILES = 4
 BAND_STAGES = 3
+# Head dims whose K/V tiles are small enough for more stages beside Q and O (head dim 64:
+# 32 KiB a stage), and how many: on the H200 (B4 S4096 H32, one process, three rounds each
+# against 2 stages) 4 stages took causal 397-406 -> 405-414 TFLOP/s and plain 467-479 ->
+# 476-483; 5 were no faster than 4.
+DEEP_STAGES = {64: 4}
 
 
 def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, ...]:
@@ -791,7 +818,8 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
     default tiles of its head dim (any other head dim: the first, for `check` to reject;
     `UNMASKED_DENSE_TILES` first for a dense build without a mask), every one with Q in
     registers before any with Q in shared memory (`Q_IN_REGISTERS_HEAD_DIMS`); the stages
-    are 2 unless declared or the mask is a short band (`BAND_STAGES`). Not validated."""
+    are 2 unless declared, the mask is a short band (`BAND_STAGES`) or the head dim takes
+    more (`DEEP_STAGES`). Not validated."""
     if options.block_m is not None:
         tiles = ((options.block_m, options.block_n),)
     else:
@@ -810,14 +838,14 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
 
 
 def _stage_choices(options, config: HopperConfig) -> tuple[int, ...]:
-    """The declared stages; else BAND_STAGES first where the mask is a short band and they
-    fit in shared memory, then the default."""
+    """The declared stages; else BAND_STAGES first where the mask is a short band, else the
+    head dim's DEEP_STAGES, where they fit in shared memory; then the default."""
     if options.stages is not None:
         return (options.stages,)
     short_band = options.kv_band is not None and options.kv_band <= BAND_TILES
-    if short_band and shared_bytes(replace(config, stages=BAND_STAGES)) <= \
-            SHARED_MEMORY_LIMIT["sm_90a"]:
-        return (BAND_STAGES, HopperConfig.stages)
+    first = BAND_STAGES if short_band else DEEP_STAGES.get(config.head_dim)
+    if first and shared_bytes(replace(config, stages=first)) <= SHARED_MEMORY_LIMIT["sm_90a"]:
+        return (first, HopperConfig.stages)
     return (HopperConfig.stages,)
 
 
