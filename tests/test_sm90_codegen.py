@@ -309,8 +309,8 @@ def test_q_in_registers_is_tried_first_only_where_it_can_fit():
     for head_dim, expect in ((64, [False]), (128, [True, False]), (256, [False])):
         program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = {head_dim} }}")
         configs = BACKEND.configs(program["a"].options, Layout())
-        tiles = list(dict.fromkeys((c.block_m, c.block_n) for c in configs))
-        assert [c.q_in_registers for c in configs] == [q for q in expect for _ in tiles]
+        builds = list(dict.fromkeys((c.block_m, c.block_n, c.stages) for c in configs))
+        assert [c.q_in_registers for c in configs] == [q for q in expect for _ in builds]
 
 
 @needs_ptxas
