@@ -217,11 +217,11 @@ class Kernel:
         (`AttentionOptions.scheduler_for`), its tile height and group those of the work space
         the design hands it (`Backend.scheduler_shape`; by default a query tile of a query
         head)."""
-        tile_m, group = design.scheduler_shape(config) if design is not None else \
-            (config.block_m, config.gqa_group)
-        name, args = self.options.scheduler_for(design.workload if design is not None
-                                                else "prefill")
-        return SchedulerSpec(name, args, tile_m, group)
+        if design is None:
+            tile_m, group, workload = config.block_m, config.gqa_group, "prefill"
+        else:
+            (tile_m, group), workload = design.scheduler_shape(config), design.workload
+        return SchedulerSpec(*self.options.scheduler_for(workload), tile_m, group)
 
     def build(self, arch: str = "sm_90a", *, gqa_group: int = 1, ragged: bool = False,
               return_lse: bool = False, backend: str | None = None,

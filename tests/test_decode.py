@@ -191,6 +191,7 @@ def test_a_decode_tile_takes_its_scheduler_step_under_its_first_loads():
     assert first_copies < ptx.index("atom.global.add") < first_wait
     assert first_copies < ptx.index("call.uni mhadsl_$_count_exit") < first_wait
 
+
 def test_decode_calls_run_transient_where_the_declaration_names_no_scheduler():
     """A declaration that names no scheduler runs its decode calls one work tile per CTA
     (Transient: no queue step to wait for; 0.4-1.0 % faster than LPT on the H200,
