@@ -223,11 +223,14 @@ def quad_allreduce(builder: ir.IRBuilder, value: ir.Value, op) -> ir.Value:
 
 
 def online_softmax_row(builder: ir.IRBuilder, scores: list[ir.Value], m_old: ir.Value,
-                       l_old: ir.Value, scale_log2: ir.Value):
+                       l_old: ir.Value, scale_log2: ir.Value, rescale_threshold: float = 0.0):
     """One KV tile's step of the online softmax for one row, in the log2 domain, over this
     thread's `scores` of the row (its quad holds the rest): (P, the new running max, the new
     running sum of this thread's part, alpha = the factor the row's O and sum are rescaled
-    by). A row with no kept score so far (max -inf) gets P = 0 and alpha = 1, not NaN."""
+    by). A row with no kept score so far (max -inf) gets P = 0 and alpha = 1, not NaN.
+    `rescale_threshold` t > 0: the row keeps its old max (alpha exactly 1) unless the new
+    one exceeds it by more than 2**t in the exponent's scale, so P stays below 2**t and
+    most tiles need no rescale of O (FlashAttention-4's Blackwell softmax)."""
     mx = scores[0]
     for v in scores[1:]:
         mx = fmax(builder, mx, v)
@@ -236,13 +239,25 @@ def online_softmax_row(builder: ir.IRBuilder, scores: list[ir.Value], m_old: ir.
     m_scaled = builder.fmul(m_new, scale_log2)
     m_scaled = builder.select(builder.fcmp_ordered("==", m_new, fconst(NEG_INF)), fconst(0.0),
                               m_scaled)
-    alpha = ex2(builder, builder.fsub(builder.fmul(m_old, scale_log2), m_scaled))
+    old_scaled = builder.fmul(m_old, scale_log2)
+    alpha_log2 = builder.fsub(old_scaled, m_scaled)
+    alpha = ex2(builder, alpha_log2)
+    if rescale_threshold:  # (a row whose old max is -inf never keeps it: alpha_log2 -inf)
+        keep = builder.fcmp_ordered(">=", alpha_log2, fconst(-rescale_threshold))
+        m_new = builder.select(keep, m_old, m_new)
+        m_scaled = builder.select(keep, old_scaled, m_scaled)
+        alpha = builder.select(keep, fconst(1.0), alpha)
     neg = builder.fneg(m_scaled)
     p, total = [], None
     for v in scores:
         p.append(ex2(builder, fma(builder, v, scale_log2, neg)))
         total = p[-1] if total is None else builder.fadd(total, p[-1])
     return p, m_new, builder.fadd(builder.fmul(l_old, alpha), total), alpha
+
+
+def any_lane(builder: ir.IRBuilder, pred: ir.Value) -> ir.Value:
+    """Whether `pred` (i1) holds on any lane of the (whole, converged) warp: uniform."""
+    return call(builder, "llvm.nvvm.vote.any.sync", nvptx.i1, [i32(-1), pred])
 
 
 def row_sum(builder: ir.IRBuilder, partial: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:

@@ -175,6 +175,21 @@ def test_head_dims_fp16_and_lse(name, backend):
     assert_matches(kern, ragged(kern, RAGGED, RAGGED, 2, 2), lse=lse)
 
 
+@pytest.mark.parametrize("name", ["lse_fp16", "causal_lse_d256"])
+def test_scores_growing_along_the_keys(name, backend):
+    """Keys whose scale grows along the sequence, so a row's max grows tile after tile, by
+    less than 2**8 in some tiles and more in others: the sm90 build keeps a row's max
+    through the first (P up to 256, in fp16 here) and rescales O in the others
+    (`lazy_rescale`); O and the LSE match the reference either way."""
+    kern = extra(name, backend)
+    sk = 1200
+    args = dense(kern, 2, sk, sk, 2, 2)
+    ramp = torch.linspace(0.25, 5.0, sk, device="cuda").view(1, sk, 1, 1)
+    args["q"] = args["q"] * 2
+    args["k"] = (args["k"].float() * ramp).to(args["k"].dtype)
+    assert_matches(kern, args, lse=True)
+
+
 def test_what_sm90_cannot_run_falls_back_to_sm80(backend):
     kern = extra("tile_64_rows", backend)
     args = dense(kern, 2, 191, 191, 3, 3)

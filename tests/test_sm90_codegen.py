@@ -248,6 +248,23 @@ def test_head_dim_64_takes_four_stages_where_they_fit(head_dim, mask, ragged, st
 
 
 @needs_ptxas
+@pytest.mark.parametrize("mask, tile, lazy", [
+    ("mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx", (128, 128), True),
+    ("", (128, 144), False)])
+def test_a_warp_rescales_o_only_where_one_of_its_rows_moved_its_max(mask, tile, lazy):
+    """Each tile is tried with `lazy_rescale` first (rows keep their max until it grows by
+    more than 2**8; one warp vote decides whether the warp's O accumulators are rescaled),
+    then the same tile without it: plain head dim 128's 128 x 144 spills with it and keeps
+    its tile, which measured faster than 128 x 128 with it."""
+    program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = 128 {mask} }}")
+    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()))
+    assert (kb.config.block_m, kb.config.block_n) == tile
+    assert kb.config.lazy_rescale == lazy
+    assert kb.assembled.kernels[KERNEL_NAME].spills == 0
+    assert kb.ptx.count("vote.sync.any.pred") == lazy
+
+
+@needs_ptxas
 @pytest.mark.parametrize("head_dim, per_group", [(64, True), (128, True), (256, False)])
 def test_each_consumer_warpgroup_stores_its_own_rows_of_o_unless_o_is_over_v(head_dim, per_group):
     program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = {head_dim} "
@@ -309,7 +326,8 @@ def test_q_in_registers_is_tried_first_only_where_it_can_fit():
     for head_dim, expect in ((64, [False]), (128, [True, False]), (256, [False])):
         program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = {head_dim} }}")
         configs = BACKEND.configs(program["a"].options, Layout())
-        builds = list(dict.fromkeys((c.block_m, c.block_n, c.stages) for c in configs))
+        builds = list(dict.fromkeys((c.block_m, c.block_n, c.stages, c.lazy_rescale)
+                                    for c in configs))
         assert [c.q_in_registers for c in configs] == [q for q in expect for _ in builds]
 
 

@@ -46,7 +46,7 @@ from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape,
-    Layout, Problem, RowCopies, TileSeq, WorkLoop, common_problems, ir_loop, last_index,
+    Layout, Problem, RowCopies, TileSeq, WorkLoop, common_problems, guarded, ir_loop, last_index,
     sequence_rows, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
@@ -291,21 +291,6 @@ def _gep(b, base, offset, etype):
     return b.gep(base, [offset], inbounds=True, source_etype=etype)
 
 
-def _guarded(b: ir.IRBuilder, cond: ir.Value, make, default: list[ir.Value]) -> list[ir.Value]:
-    """`make(b)`'s values where `cond` holds (emitted under a branch), else `default`."""
-    pre = b.block
-    with b.if_then(cond):
-        values = make(b)
-        then = b.block
-    merged = []
-    for v, d in zip(values, default):
-        phi = b.phi(v.type)
-        phi.add_incoming(v, then)
-        phi.add_incoming(d, pre)
-        merged.append(phi)
-    return merged
-
-
 def _unpack8(b, dtype: str, vec: ir.Value) -> list[ir.Value]:
     """A 16-byte <4 x i32> of 8 16-bit elements -> 8 f32."""
     wide = b.fpext(b.bitcast(vec, ir.VectorType(warp.element_type(dtype), 8)),
@@ -421,7 +406,7 @@ def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs, rows=None):
             for x, y in zip(o[1:], do[1:]):
                 total = warp.fma(b, x, y, total)
             return [total]
-        (partial,) = _guarded(b, valid, dot, [warp.fconst(0.0)])
+        (partial,) = guarded(b, valid, dot, [warp.fconst(0.0)])
         for m in range(k.lanes_per_row.bit_length() - 1):  # the row's lanes: 1, 2, 4, (8)
             partial = b.fadd(partial, warp.shfl_bfly(b, partial, 1 << m))
         k.store_delta(b, r, valid, partial)

@@ -14,7 +14,10 @@ tile n-1. In a build with a mask the softmax of n runs under that P V (`softmax_
 a store that never runs keeps ptxas from hoisting P V's wait above it); without a mask it
 follows the wait (held, it measured 7 % slower there). The consumer warpgroups issue their
 GEMMs as they come, with no turns (FlashAttention-3's ping-pong measured slower:
-HOPPER_NOTES, version 8), so one warpgroup's softmax runs under the others' GEMMs.
+HOPPER_NOTES, version 8), so one warpgroup's softmax runs under the others' GEMMs. A row
+keeps its running max until it grows by more than 2**8, and a warp rescales O (after P V's
+wait) only where one of its rows moved it (`lazy_rescale`, FlashAttention-4's Blackwell
+softmax): a rescale is a multiply per O accumulator (64 a thread at head dim 128).
 Completion runs on mbarriers: `q_full`, and per stage `full` and `empty` for K and for V
 apart (full: the producer's expect_tx, the copies' bytes; empty: one arrival per consumer
 thread once its wgmma read the buffer), so K of tile n+2 loads as soon as S of tile n is
@@ -68,7 +71,8 @@ from mhadsl.codegen import hopper, nvptx, warp
 from mhadsl.codegen.abi import KernelABI, Param, TensorMap
 from mhadsl.codegen.backends import (
     FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
-    LaunchShape, Layout, Problem, WorkTile, common_problems, ir_loop, masked_unless, spill_free_build,
+    LaunchShape, Layout, Problem, WorkTile, common_problems, guarded, ir_loop, masked_unless,
+    spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.scheduler import Handoff, count_exit, init_handoff
@@ -102,6 +106,9 @@ class HopperConfig:
     # builds only, where it measured 2-5 % faster (causal D64 and D128); unmasked ones lost
     # 7 % (HOPPER_NOTES versions 8 and 9)
     softmax_under_pv: bool = False
+    # rows keep their max until it grows by more than 2**RESCALE_THRESHOLD, and a warp
+    # rescales O only where one of its rows moved it (`warp.online_softmax_row`)
+    lazy_rescale: bool = False
 
     @property
     def consumer_groups(self) -> int:
@@ -360,7 +367,8 @@ class _ConsumerTile:
         for r in range(2):
             mine = [j for j in range(len(s)) if (j // 2) % 2 == r]
             row_p, m_new[r], l_new[r], alpha[r] = warp.online_softmax_row(
-                bb, [s[j] for j in mine], m_old[r], l_old[r], self.sl2)
+                bb, [s[j] for j in mine], m_old[r], l_old[r], self.sl2,
+                RESCALE_THRESHOLD if self.c.lazy_rescale else 0.0)
             for j, value in zip(mine, row_p):
                 p[j] = value
         return p, m_new, l_new, alpha
@@ -386,11 +394,22 @@ class _ConsumerTile:
         p_end = n_o + 4 + n_p
         return o, m, l, values[n_o + 4:p_end], values[p_end:p_end + 2], values[p_end + 2:]
 
+    def rescale_where_moved(self, bb, o, alpha):
+        """O *= alpha where a row of this warp moved its max (`lazy_rescale`), after the
+        P V wait; the branch is uniform per warp."""
+        one = warp.fconst(1.0)
+        moved = warp.any_lane(bb, bb.or_(bb.fcmp_unordered("!=", alpha[0], one),
+                                         bb.fcmp_unordered("!=", alpha[1], one)))
+        return hopper.fence_operands(
+            bb, guarded(bb, moved, lambda b: self.rescale(b, o, alpha), o))
+
     def rescale_and_issue_pv(self, bb, o, alpha, frags, stage):
         """O *= alpha (the last softmax's correction), then O += P V of `stage`: the rescale
         runs under the S GEMM just issued (FlashAttention-3's order), not after the P V
-        wait; the rescaled accumulators go through the wgmma fence again."""
-        o = hopper.fence_operands(bb, self.rescale(bb, o, alpha))
+        wait; the rescaled accumulators go through the wgmma fence again. A `lazy_rescale`
+        build rescaled O already (`rescale_where_moved`)."""
+        if not self.c.lazy_rescale:
+            o = hopper.fence_operands(bb, self.rescale(bb, o, alpha))
         hopper.wgmma_fence(bb)
         return self.issue_pv(bb, frags, o, stage)
 
@@ -442,6 +461,8 @@ class _ConsumerTile:
             flat = hopper.fence_operands(bb, o + p)
             o, frags = flat[:len(o)], self.pack(bb, flat[len(o):])
             hopper.mbarrier_arrive(bb, mem.empty(bb, "v", p_stage))
+            if self.c.lazy_rescale:
+                o = self.rescale_where_moved(bb, o, alpha)
             bump(bb)
             return o + m_new + l_new + frags + alpha + [stage, phase]
 
@@ -811,6 +832,16 @@ BAND_STAGES = 3
 # against 2 stages) 4 stages took causal 397-406 -> 405-414 TFLOP/s and plain 467-479 ->
 # 476-483; 5 were no faster than 4.
 DEEP_STAGES = {64: 4}
+# `lazy_rescale`: a row keeps its running max until a tile's scores exceed it by more than
+# 2**RESCALE_THRESHOLD (P then stays below 256, which bf16, fp16 and the fp32 sums hold), so
+# after a row's first tiles a warp rarely rescales its O accumulators: the softmax's
+# instructions, not the MUFU's exponentials, bound the consumer (computing a quarter of the
+# exponentials by polynomial on the FMA pipe instead lost 5-12 %). On the H200 (one
+# process, three rounds, against the same tile rescaling every KV tile): causal D128
+# B4 S4096 1.046-1.058x, GQA 32:8 causal 1.06x, causal D256 1.08x, window 256 1.02x, D64
+# 1.005-1.009x. Each tile tries it first; plain D128's 128 x 144 spills with it, and keeps
+# that tile without it (128 x 128 with it: 0.93x).
+RESCALE_THRESHOLD = 8.0
 
 
 def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, ...]:
@@ -819,7 +850,8 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
     `UNMASKED_DENSE_TILES` first for a dense build without a mask), every one with Q in
     registers before any with Q in shared memory (`Q_IN_REGISTERS_HEAD_DIMS`); the stages
     are 2 unless declared, the mask is a short band (`BAND_STAGES`) or the head dim takes
-    more (`DEEP_STAGES`). Not validated."""
+    more (`DEEP_STAGES`); each build with `lazy_rescale` first, then without. Not
+    validated."""
     if options.block_m is not None:
         tiles = ((options.block_m, options.block_n),)
     else:
@@ -830,11 +862,11 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
     base = replace(HopperConfig(options.dtype, options.head_dim), gqa_group=layout.gqa_group,
                    return_lse=layout.return_lse, ragged=layout.ragged)
     q_choices = (True, False) if options.head_dim in Q_IN_REGISTERS_HEAD_DIMS else (False,)
-    return tuple(replace(config, stages=stages)
+    return tuple(replace(config, stages=stages, lazy_rescale=lazy)
                  for config in (replace(base, block_m=m, block_n=n, q_in_registers=q,
                                         softmax_under_pv=options.mask is not None)
                                 for q in q_choices for m, n in tiles)
-                 for stages in _stage_choices(options, config))
+                 for stages in _stage_choices(options, config) for lazy in (True, False))
 
 
 def _stage_choices(options, config: HopperConfig) -> tuple[int, ...]:
