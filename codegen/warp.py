@@ -222,6 +222,11 @@ def quad_allreduce(builder: ir.IRBuilder, value: ir.Value, op) -> ir.Value:
     return value
 
 
+# the online softmax's lazy rescale: a row keeps its max until it grows by more than 2**8,
+# so P stays below 256 (which bf16, fp16 and the fp32 sums hold with room to spare)
+RESCALE_THRESHOLD = 8.0
+
+
 def online_softmax_row(builder: ir.IRBuilder, scores: list[ir.Value], m_old: ir.Value,
                        l_old: ir.Value, scale_log2: ir.Value, rescale_threshold: float = 0.0):
     """One KV tile's step of the online softmax for one row, in the log2 domain, over this
@@ -253,6 +258,33 @@ def online_softmax_row(builder: ir.IRBuilder, scores: list[ir.Value], m_old: ir.
         p.append(ex2(builder, fma(builder, v, scale_log2, neg)))
         total = p[-1] if total is None else builder.fadd(total, p[-1])
     return p, m_new, builder.fadd(builder.fmul(l_old, alpha), total), alpha
+
+
+def guarded(b: ir.IRBuilder, cond: ir.Value, make, default: list[ir.Value]) -> list[ir.Value]:
+    """`make(b)`'s values where `cond` holds (emitted under a branch), else `default`."""
+    pre = b.block
+    with b.if_then(cond):
+        values = make(b)
+        then = b.block
+    merged = []
+    for v, d in zip(values, default):
+        phi = b.phi(v.type)
+        phi.add_incoming(v, then)
+        phi.add_incoming(d, pre)
+        merged.append(phi)
+    return merged
+
+
+def rescale_where_moved(builder: ir.IRBuilder, values: list[ir.Value], alpha: list[ir.Value],
+                        row_of) -> list[ir.Value]:
+    """values[i] *= alpha[row_of(i)] (this thread's two rows' O rescale after a softmax step
+    with a `rescale_threshold`), under a branch uniform per warp that is taken only where
+    some row of the warp moved its max (alpha not 1): rarely, after a row's first tiles."""
+    one = fconst(1.0)
+    moved = any_lane(builder, builder.or_(builder.fcmp_unordered("!=", alpha[0], one),
+                                          builder.fcmp_unordered("!=", alpha[1], one)))
+    return guarded(builder, moved, lambda b: [b.fmul(v, alpha[row_of(i)])
+                                              for i, v in enumerate(values)], values)
 
 
 def any_lane(builder: ir.IRBuilder, pred: ir.Value) -> ir.Value:

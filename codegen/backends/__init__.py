@@ -432,21 +432,6 @@ class WorkTile:
                                lambda bb, n: self.classify(bb, n)[0], together=False)
 
 
-def guarded(b: ir.IRBuilder, cond: ir.Value, make, default: list[ir.Value]) -> list[ir.Value]:
-    """`make(b)`'s values where `cond` holds (emitted under a branch), else `default`."""
-    pre = b.block
-    with b.if_then(cond):
-        values = make(b)
-        then = b.block
-    merged = []
-    for v, d in zip(values, default):
-        phi = b.phi(v.type)
-        phi.add_incoming(v, then)
-        phi.add_incoming(d, pre)
-        merged.append(phi)
-    return merged
-
-
 def ir_loop(b: ir.IRBuilder, start: ir.Value, end: ir.Value, carried: list[ir.Value], body):
     """for i in [start, end): carried = body(b, i, carried) -> (next i, carried); returns the
     final carried values."""

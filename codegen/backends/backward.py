@@ -46,7 +46,7 @@ from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape,
-    Layout, Problem, RowCopies, TileSeq, WorkLoop, common_problems, guarded, ir_loop, last_index,
+    Layout, Problem, RowCopies, TileSeq, WorkLoop, common_problems, ir_loop, last_index,
     sequence_rows, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
@@ -406,7 +406,7 @@ def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs, rows=None):
             for x, y in zip(o[1:], do[1:]):
                 total = warp.fma(b, x, y, total)
             return [total]
-        (partial,) = guarded(b, valid, dot, [warp.fconst(0.0)])
+        (partial,) = warp.guarded(b, valid, dot, [warp.fconst(0.0)])
         for m in range(k.lanes_per_row.bit_length() - 1):  # the row's lanes: 1, 2, 4, (8)
             partial = b.fadd(partial, warp.shfl_bfly(b, partial, 1 << m))
         k.store_delta(b, r, valid, partial)

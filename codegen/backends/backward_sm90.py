@@ -83,7 +83,7 @@ from mhadsl.codegen.abi import KernelABI, Param, TensorMap
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape,
-    Layout, Problem, common_problems, guarded, ir_loop, spill_free_build,
+    Layout, Problem, common_problems, ir_loop, spill_free_build,
 )
 from mhadsl.codegen.backends import backward as sm80
 from mhadsl.codegen.backends.sm90 import _rename_new_functions
@@ -314,7 +314,7 @@ class _Rows(_RowKernel):
             def forward_lse(b):
                 off = _lse_offset(b, self.a, self.bidx, self.h, b.add(self.start, row))
                 return [b.load(_gep(b, self.a.lse, off, f32), typ=f32)]
-            (lse,) = guarded(b, valid, forward_lse, [warp.fconst(0.0)])
+            (lse,) = warp.guarded(b, valid, forward_lse, [warp.fconst(0.0)])
             neg_lse = _TileKernel._neg_lse(b, lse, row, self.seqlen)
             for which, value in zip(STATS, (neg_lse, b.select(valid, delta, warp.fconst(0.0)))):
                 off = _stats_offset(b, self.c, self.a, self.bidx, self.start, row, self.h,

@@ -71,7 +71,7 @@ from mhadsl.codegen import hopper, nvptx, warp
 from mhadsl.codegen.abi import KernelABI, Param, TensorMap
 from mhadsl.codegen.backends import (
     FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
-    LaunchShape, Layout, Problem, WorkTile, common_problems, guarded, ir_loop, masked_unless,
+    LaunchShape, Layout, Problem, WorkTile, common_problems, ir_loop, masked_unless,
     spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
@@ -368,7 +368,7 @@ class _ConsumerTile:
             mine = [j for j in range(len(s)) if (j // 2) % 2 == r]
             row_p, m_new[r], l_new[r], alpha[r] = warp.online_softmax_row(
                 bb, [s[j] for j in mine], m_old[r], l_old[r], self.sl2,
-                RESCALE_THRESHOLD if self.c.lazy_rescale else 0.0)
+                warp.RESCALE_THRESHOLD if self.c.lazy_rescale else 0.0)
             for j, value in zip(mine, row_p):
                 p[j] = value
         return p, m_new, l_new, alpha
@@ -378,8 +378,12 @@ class _ConsumerTile:
         return [x for k in range(len(p) // 8) for x in hopper.a_fragment(bb, self.c.dtype, p, k)]
 
     @staticmethod
-    def rescale(bb, o, alpha):
-        return [bb.fmul(v, alpha[(j // 2) % 2]) for j, v in enumerate(o)]
+    def row_of(j: int) -> int:
+        """The row (of this thread's two) of O accumulator j."""
+        return (j // 2) % 2
+
+    def rescale(self, bb, o, alpha):
+        return [bb.fmul(v, alpha[self.row_of(j)]) for j, v in enumerate(o)]
 
     def start_values(self, bb):
         zero, ninf = warp.fconst(0.0), warp.fconst(warp.NEG_INF)
@@ -394,20 +398,11 @@ class _ConsumerTile:
         p_end = n_o + 4 + n_p
         return o, m, l, values[n_o + 4:p_end], values[p_end:p_end + 2], values[p_end + 2:]
 
-    def rescale_where_moved(self, bb, o, alpha):
-        """O *= alpha where a row of this warp moved its max (`lazy_rescale`), after the
-        P V wait; the branch is uniform per warp."""
-        one = warp.fconst(1.0)
-        moved = warp.any_lane(bb, bb.or_(bb.fcmp_unordered("!=", alpha[0], one),
-                                         bb.fcmp_unordered("!=", alpha[1], one)))
-        return hopper.fence_operands(
-            bb, guarded(bb, moved, lambda b: self.rescale(b, o, alpha), o))
-
     def rescale_and_issue_pv(self, bb, o, alpha, frags, stage):
         """O *= alpha (the last softmax's correction), then O += P V of `stage`: the rescale
         runs under the S GEMM just issued (FlashAttention-3's order), not after the P V
         wait; the rescaled accumulators go through the wgmma fence again. A `lazy_rescale`
-        build rescaled O already (`rescale_where_moved`)."""
+        build rescaled O already (`warp.rescale_where_moved`)."""
         if not self.c.lazy_rescale:
             o = hopper.fence_operands(bb, self.rescale(bb, o, alpha))
         hopper.wgmma_fence(bb)
@@ -461,8 +456,9 @@ class _ConsumerTile:
             flat = hopper.fence_operands(bb, o + p)
             o, frags = flat[:len(o)], self.pack(bb, flat[len(o):])
             hopper.mbarrier_arrive(bb, mem.empty(bb, "v", p_stage))
-            if self.c.lazy_rescale:
-                o = self.rescale_where_moved(bb, o, alpha)
+            if self.c.lazy_rescale:  # the rescale, after P V's wait and rarely taken
+                o = hopper.fence_operands(bb, warp.rescale_where_moved(bb, o, alpha,
+                                                                       self.row_of))
             bump(bb)
             return o + m_new + l_new + frags + alpha + [stage, phase]
 
@@ -833,7 +829,7 @@ BAND_STAGES = 3
 # 476-483; 5 were no faster than 4.
 DEEP_STAGES = {64: 4}
 # `lazy_rescale`: a row keeps its running max until a tile's scores exceed it by more than
-# 2**RESCALE_THRESHOLD (P then stays below 256, which bf16, fp16 and the fp32 sums hold), so
+# 2**warp.RESCALE_THRESHOLD (P then stays below 256, which every dtype holds), so
 # after a row's first tiles a warp rarely rescales its O accumulators: the softmax's
 # instructions, not the MUFU's exponentials, bound the consumer (computing a quarter of the
 # exponentials by polynomial on the FMA pipe instead lost 5-12 %). On the H200 (one
@@ -841,7 +837,6 @@ DEEP_STAGES = {64: 4}
 # B4 S4096 1.046-1.058x, GQA 32:8 causal 1.06x, causal D256 1.08x, window 256 1.02x, D64
 # 1.005-1.009x. Each tile tries it first; plain D128's 128 x 144 spills with it, and keeps
 # that tile without it (128 x 128 with it: 0.93x).
-RESCALE_THRESHOLD = 8.0
 
 
 def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, ...]:
