@@ -106,7 +106,7 @@ class HopperConfig:
     # builds only, where it measured 2-5 % faster (causal D64 and D128); unmasked ones lost
     # 7 % (HOPPER_NOTES versions 8 and 9)
     softmax_under_pv: bool = False
-    # rows keep their max until it grows by more than 2**RESCALE_THRESHOLD, and a warp
+    # rows keep their max until it grows by more than 2**warp.RESCALE_THRESHOLD, and a warp
     # rescales O only where one of its rows moved it (`warp.online_softmax_row`)
     lazy_rescale: bool = False
 
