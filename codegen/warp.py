@@ -275,16 +275,21 @@ def guarded(b: ir.IRBuilder, cond: ir.Value, make, default: list[ir.Value]) -> l
     return merged
 
 
+def rescale_rows(builder: ir.IRBuilder, values: list[ir.Value], alpha: list[ir.Value],
+                 row_of) -> list[ir.Value]:
+    """values[i] *= alpha[row_of(i)]: O's rescale over this thread's two rows."""
+    return [builder.fmul(v, alpha[row_of(i)]) for i, v in enumerate(values)]
+
+
 def rescale_where_moved(builder: ir.IRBuilder, values: list[ir.Value], alpha: list[ir.Value],
                         row_of) -> list[ir.Value]:
-    """values[i] *= alpha[row_of(i)] (this thread's two rows' O rescale after a softmax step
-    with a `rescale_threshold`), under a branch uniform per warp that is taken only where
-    some row of the warp moved its max (alpha not 1): rarely, after a row's first tiles."""
+    """`rescale_rows` after a softmax step with a `rescale_threshold`, under a branch uniform
+    per warp that is taken only where some row of the warp moved its max (alpha not 1):
+    rarely, after a row's first tiles."""
     one = fconst(1.0)
     moved = any_lane(builder, builder.or_(builder.fcmp_unordered("!=", alpha[0], one),
                                           builder.fcmp_unordered("!=", alpha[1], one)))
-    return guarded(builder, moved, lambda b: [b.fmul(v, alpha[row_of(i)])
-                                              for i, v in enumerate(values)], values)
+    return guarded(builder, moved, lambda b: rescale_rows(b, values, alpha, row_of), values)
 
 
 def any_lane(builder: ir.IRBuilder, pred: ir.Value) -> ir.Value:

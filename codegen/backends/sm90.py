@@ -382,9 +382,6 @@ class _ConsumerTile:
         """The row (of this thread's two) of O accumulator j."""
         return (j // 2) % 2
 
-    def rescale(self, bb, o, alpha):
-        return [bb.fmul(v, alpha[self.row_of(j)]) for j, v in enumerate(o)]
-
     def start_values(self, bb):
         zero, ninf = warp.fconst(0.0), warp.fconst(warp.NEG_INF)
         return hopper.fence_operands(bb, [zero] * hopper.accumulator_count(self.c.head_dim)), \
@@ -404,7 +401,7 @@ class _ConsumerTile:
         wait; the rescaled accumulators go through the wgmma fence again. A `lazy_rescale`
         build rescaled O already (`warp.rescale_where_moved`)."""
         if not self.c.lazy_rescale:
-            o = hopper.fence_operands(bb, self.rescale(bb, o, alpha))
+            o = hopper.fence_operands(bb, warp.rescale_rows(bb, o, alpha, self.row_of))
         hopper.wgmma_fence(bb)
         return self.issue_pv(bb, frags, o, stage)
 
