@@ -34,6 +34,9 @@ attention causal_lpt { dtype = bf16  head_dim = 128  scheduler = LPT()
                        mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 attention gqa_causal { dtype = bf16  head_dim = 128  gqa = 4
                        mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention gqa8_plain { dtype = bf16  head_dim = 128  gqa = 8 }
+attention gqa8_causal { dtype = bf16  head_dim = 128  gqa = 8
+                        mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 attention plain_d256 { dtype = bf16  head_dim = 256 }
 attention causal_d256 { dtype = bf16  head_dim = 256  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 attention window { dtype = bf16  head_dim = 128
@@ -48,6 +51,8 @@ WORKLOADS = [
     ("plain_d64", Problem(4, 4096, 4096, 32, 32, 64)),
     ("causal_d64", Problem(4, 4096, 4096, 32, 32, 64)),
     ("gqa_causal", Problem(4, 4096, 4096, 32, 8, 128)),
+    ("gqa8_plain", Problem(2, 4096, 4096, 64, 8, 128)),
+    ("gqa8_causal", Problem(2, 4096, 4096, 64, 8, 128)),
     ("plain_d256", Problem(2, 8192, 8192, 16, 16, 256)),
     ("causal_d256", Problem(2, 8192, 8192, 16, 16, 256)),
     ("window", Problem(4, 4096, 4096, 16, 16, 128)),
@@ -67,7 +72,7 @@ def _causal(b, h, q, kv):
 FLEX_MASKS = {
     "plain_d128": None, "plain_d64": None, "plain_d256": None,
     "causal_d128": _causal, "causal_d64": _causal, "causal_lpt": _causal,
-    "causal_d256": _causal, "gqa_causal": _causal,
+    "causal_d256": _causal, "gqa_causal": _causal, "gqa8_plain": None, "gqa8_causal": _causal,
     "window": lambda b, h, q, kv: _causal(b, h, q, kv) & (q - kv < 256),
 }
 
@@ -78,6 +83,7 @@ FA4_MASKS = {
     "plain_d256": (False, (None, None)), "causal_d128": (True, (None, None)),
     "causal_d64": (True, (None, None)), "causal_lpt": (True, (None, None)),
     "causal_d256": (True, (None, None)), "gqa_causal": (True, (None, None)),
+    "gqa8_plain": (False, (None, None)), "gqa8_causal": (True, (None, None)),
     "window": (True, (255, 0)),  # q_idx - kv_idx < 256: 255 keys to the left
 }
 

@@ -387,8 +387,7 @@ class WorkTile:
         included (a tile past `seqlen_k` is never all kept)."""
         block_n = self.c.block_n
         kv_lo = b.mul(n, i32(block_n))
-        kv_end = b.add(kv_lo, i32(block_n))
-        in_bounds = b.icmp_signed("<=", kv_end, self.seqlen_k)
+        in_bounds = self.in_bounds(b, n)
         if self.hooks.classify is None:
             always = in_bounds if self.hooks.mask is None else ir.Constant(i1, 0)
             return ir.Constant(i1, 1), always
@@ -396,6 +395,11 @@ class WorkTile:
         may, always = self.hooks.classify(b, self.bidx, self.h, self.q0, self.q_hi, kv_lo,
                                           kv_hi, self.seqlen_q, self.seqlen_k)
         return may, b.and_(always, in_bounds)
+
+    def in_bounds(self, b: ir.IRBuilder, n: ir.Value) -> ir.Value:
+        """Whether KV tile n lies inside the K/V sequence (no key past `seqlen_k`)."""
+        kv_end = b.mul(b.add(n, i32(1)), i32(self.c.block_n))
+        return b.icmp_signed("<=", kv_end, self.seqlen_k)
 
     def scale_log2(self, b: ir.IRBuilder, softmax_scale: ir.Value) -> ir.Value:
         """What the softmax multiplies a score by for the log2 domain (ex2): the softmax
@@ -411,14 +415,17 @@ class WorkTile:
         (q_idx, kv_idx)."""
         return self.hooks.score(b, scaled, self.bidx, self.h, q_idx, kv_idx)
 
-    def masked(self, b: ir.IRBuilder, s: ir.Value, q_idx: ir.Value,
-               kv_idx: ir.Value) -> ir.Value:
-        """`s` where the pair (q_idx, kv_idx) is kept (inside the K/V sequence and the
-        mask), else -inf."""
-        keep = b.icmp_signed("<", kv_idx, self.seqlen_k)
-        if self.hooks.mask is not None:
-            keep = b.and_(keep, self.hooks.mask(b, self.bidx, self.h, q_idx, kv_idx,
-                                                self.seqlen_q, self.seqlen_k))
+    def masked(self, b: ir.IRBuilder, s: ir.Value, q_idx: ir.Value, kv_idx: ir.Value,
+               bounds: bool = True, mask: bool = True) -> ir.Value:
+        """`s` where the pair (q_idx, kv_idx) is kept (inside the K/V sequence and the mask;
+        either left out where the caller knows it holds), else -inf."""
+        keeps = [b.icmp_signed("<", kv_idx, self.seqlen_k)] if bounds else []
+        if mask and self.hooks.mask is not None:
+            keeps.append(self.hooks.mask(b, self.bidx, self.h, q_idx, kv_idx, self.seqlen_q,
+                                         self.seqlen_k))
+        if not keeps:
+            return s
+        keep = keeps[0] if len(keeps) == 1 else b.and_(*keeps)
         return b.select(keep, s, warp.fconst(warp.NEG_INF))
 
     def next_nonempty(self, b: ir.IRBuilder, start: ir.Value) -> ir.Value:

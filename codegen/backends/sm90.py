@@ -11,13 +11,14 @@ shared memory; Q too, or at head dim 128 in registers, loaded by ldmatrix once p
 O += P V by wgmma with P straight from S's accumulators (the register A operand) and V as an
 MN-major B operand. As in FlashAttention-3, S of KV tile n is issued together with P V of
 tile n-1. In a build with a mask the softmax of n runs under that P V (`softmax_under_pv`:
-a store that never runs keeps ptxas from hoisting P V's wait above it); without a mask it
-follows the wait (held, it measured 7 % slower there). The consumer warpgroups issue their
-GEMMs as they come, with no turns (FlashAttention-3's ping-pong measured slower:
-HOPPER_NOTES, version 8), so one warpgroup's softmax runs under the others' GEMMs. A row
-keeps its running max until it grows by more than 2**8, and a warp rescales O (after P V's
-wait) only where one of its rows moved it (`lazy_rescale`, FlashAttention-4's Blackwell
-softmax): a rescale is a multiply per O accumulator (64 a thread at head dim 128).
+a store that never runs keeps ptxas from hoisting P V's wait above it); without a mask only
+its row maxima do, and the exponentials follow the wait (held whole, it measured 7 % slower
+there; held nowhere, 1-5 %). The consumer warpgroups issue their GEMMs as they come, with
+no turns (FlashAttention-3's ping-pong measured slower: HOPPER_NOTES, version 8; again at
+head dim 64's three warpgroups, 10 %), so one warpgroup's softmax runs under the others'
+GEMMs. A row keeps its running max until it grows by more than 2**8, and a warp rescales O
+(after P V's wait) only where one of its rows moved it (`lazy_rescale`, FlashAttention-4's
+Blackwell softmax): a rescale is a multiply per O accumulator (64 a thread at head dim 128).
 Completion runs on mbarriers: `q_full`, and per stage `full` and `empty` for K and for V
 apart (full: the producer's expect_tx, the copies' bytes; empty: one arrival per consumer
 thread once its wgmma read the buffer), so K of tile n+2 loads as soon as S of tile n is
@@ -103,8 +104,9 @@ class HopperConfig:
     ragged: bool = False
     q_in_registers: bool = False  # S = Q K^T with Q's A fragments in registers
     # the softmax of KV tile n held under P V of n-1 (`hopper.hold_next_wait_below`): masked
-    # builds only, where it measured 2-5 % faster (causal D64 and D128); unmasked ones lost
-    # 7 % (HOPPER_NOTES versions 8 and 9)
+    # builds, where it measured 2-5 % faster (causal D64 and D128); unmasked ones hold only
+    # the rows' maxima there (the whole softmax lost 7 %; the maxima gained 1 % at D64 and
+    # 5 % at D128 over holding nothing: HOPPER_NOTES versions 8 and 9, twenty-seventh session)
     softmax_under_pv: bool = False
     # rows keep their max until it grows by more than 2**warp.RESCALE_THRESHOLD, and a warp
     # rescales O only where one of its rows moved it (`warp.online_softmax_row`)
@@ -445,8 +447,8 @@ class _ConsumerTile:
             s = hopper.fence_operands(bb, s)
             hopper.mbarrier_arrive(bb, mem.empty(bb, "k", stage))
             p, m_new, l_new, alpha = self.softmax(bb, n, s, m_old, l_old)
-            if self.c.softmax_under_pv:  # else LLVM and ptxas put it after the wait
-                hopper.hold_next_wait_below(bb, l_new)
+            # unheld, ptxas hoists P V's wait above the whole softmax
+            hopper.hold_next_wait_below(bb, l_new if self.c.softmax_under_pv else m_new)
             hopper.wgmma_wait_group(bb, 0)
             # P is packed after the wait: packing it while the last P's fragments are in
             # flight serialises the wgmmas (C7513)
@@ -591,8 +593,15 @@ class _Kernel:
             s = [t.scored(b, b.fmul(v, args.softmax_scale), q_idx(j), kv_idx(j))
                  for j, v in enumerate(s)]
         _, always = t.classify(b, n)
-        return masked_unless(b, always, s, lambda bb: [
-            t.masked(bb, v, q_idx(j), kv_idx(j)) for j, v in enumerate(s)])
+        if hooks.mask is None:  # a tile past the sequence's end: its bounds alone
+            return masked_unless(b, always, s, lambda bb: [
+                t.masked(bb, v, q_idx(j), kv_idx(j)) for j, v in enumerate(s)])
+        # the mask on partial tiles, the sequence's bounds apart on its last tile only (one
+        # compare and select an element fewer on the diagonal's tiles)
+        s = masked_unless(b, always, s, lambda bb: [
+            t.masked(bb, v, q_idx(j), kv_idx(j), bounds=False) for j, v in enumerate(s)])
+        return masked_unless(b, t.in_bounds(b, n), s, lambda bb: [
+            t.masked(bb, v, q_idx(j), kv_idx(j), mask=False) for j, v in enumerate(s)])
 
     def _store_o_by_tma(self, b, args, t: _Tile, o, invs, row0, col0, group):
         """O / l into the staging tile (128-byte swizzle, as TMA reads it), then one TMA
