@@ -405,3 +405,29 @@ def test_p_v_wait_is_held_below_the_softmax_or_its_row_maxima(mask, held):
     resources = kb.assembled.kernels[KERNEL_NAME]
     assert resources.spill_stores == resources.spill_loads == 0
     assert not re.search(r"C75\d\d", kb.assembled.log), kb.assembled.log
+
+
+@needs_ptxas
+@pytest.mark.parametrize("head_dim, mask, layout, carried", [
+    (128, "", Layout(), True),
+    (128, "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx", Layout(), False),
+    (128, "", Layout(1, True, False), False),  # ragged
+    (64, "", Layout(), False), (256, "", Layout(), False)],
+    ids=["plain-d128", "causal-d128", "ragged-d128", "plain-d64", "plain-d256"])
+def test_dense_unmasked_head_dim_128_carries_p_packed(head_dim, mask, layout, carried):
+    """A `carry_packed_p` build packs P right after P V's wait (its fragments fenced, so
+    LLVM cannot sink the packing to the next KV tile's top): the KV loop's stretch from P V's
+    wait to the next wgmma fence holds all of P's conversions; elsewhere none (they sit at
+    the top of the loop, before the next tile's wgmmas)."""
+    program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = {head_dim} "
+                             f"{mask} }}")
+    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", layout))
+    assert kb.config.carry_packed_p == carried
+    ptx = " ".join(kb.ptx.split())
+    after_s = ptx[ptx.index("wgmma.wait_group.sync.aligned 1;"):]
+    after_pv = after_s[after_s.index("wgmma.wait_group.sync.aligned 0;"):]
+    stretch = after_pv[:after_pv.index("wgmma.fence.sync.aligned;")]
+    packs = stretch.count("cvt.rn.bf16x2.f32")
+    assert packs == (kb.config.block_n // 4 if carried else 0), packs
+    resources = kb.assembled.kernels[KERNEL_NAME]
+    assert resources.spill_stores == resources.spill_loads == 0

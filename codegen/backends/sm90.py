@@ -16,9 +16,12 @@ its row maxima do, and the exponentials follow the wait (held whole, it measured
 there; held nowhere, 1-5 %). The consumer warpgroups issue their GEMMs as they come, with
 no turns (FlashAttention-3's ping-pong measured slower: HOPPER_NOTES, version 8; again at
 head dim 64's three warpgroups, 10 %), so one warpgroup's softmax runs under the others'
-GEMMs. A row keeps its running max until it grows by more than 2**8, and a warp rescales O
-(after P V's wait) only where one of its rows moved it (`lazy_rescale`, FlashAttention-4's
-Blackwell softmax): a rescale is a multiply per O accumulator (64 a thread at head dim 128).
+GEMMs (turns measured again, as FlashAttention-4 places them: 0.88-0.90x at head dim 64).
+Dense unmasked builds at head dim 128 carry P to the next KV tile packed (`carry_packed_p`:
+1.03x there). A row keeps its running max until it grows by more than 2**8, and a warp
+rescales O (after P V's wait) only where one of its rows moved it (`lazy_rescale`,
+FlashAttention-4's Blackwell softmax): a rescale is a multiply per O accumulator (64 a
+thread at head dim 128).
 Completion runs on mbarriers: `q_full`, and per stage `full` and `empty` for K and for V
 apart (full: the producer's expect_tx, the copies' bytes; empty: one arrival per consumer
 thread once its wgmma read the buffer), so K of tile n+2 loads as soon as S of tile n is
@@ -111,6 +114,10 @@ class HopperConfig:
     # rows keep their max until it grows by more than 2**warp.RESCALE_THRESHOLD, and a warp
     # rescales O only where one of its rows moved it (`warp.online_softmax_row`)
     lazy_rescale: bool = False
+    # the KV loop carries P's packed fragments, packed right after P V's wait and fenced,
+    # instead of P in f32: unfenced, LLVM sinks the packing to the next KV tile's top
+    # (a phi of packs becomes a pack of phis), just before the wgmmas that take it
+    carry_packed_p: bool = False
 
     @property
     def consumer_groups(self) -> int:
@@ -454,6 +461,8 @@ class _ConsumerTile:
             # flight serialises the wgmmas (C7513)
             flat = hopper.fence_operands(bb, o + p)
             o, frags = flat[:len(o)], self.pack(bb, flat[len(o):])
+            if self.c.carry_packed_p:
+                frags = hopper.fence_operands(bb, frags)
             hopper.mbarrier_arrive(bb, mem.empty(bb, "v", p_stage))
             if self.c.lazy_rescale:  # the rescale, after P V's wait and rarely taken
                 o = hopper.fence_operands(bb, warp.rescale_where_moved(bb, o, alpha,
@@ -845,14 +854,22 @@ DEEP_STAGES = {64: 4}
 # that tile without it (128 x 128 with it: 0.93x).
 
 
+# `carry_packed_p`: the dense unmasked builds whose KV loop carries P packed. On the H200
+# (one process, four rounds, time ratio against P packed at the next tile's top; 128 x 144,
+# Q in registers): plain D128 B4 S4096 1.03x, B1 S16384 1.03-1.04x, GQA 64:8 B2 S4096 1.03x,
+# fp16 1.04x. Not elsewhere: plain D256 0.99-1.00x, plain D64 0.96-0.98x (three warpgroups
+# at 160 registers), causal D128 0.97-0.99x, causal D64 0.99-1.00x.
+PACKED_P_UNMASKED_HEAD_DIMS = (128,)
+
+
 def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, ...]:
     """The builds the declaration allows, best first: its tile if it declares one, else the
     default tiles of its head dim (any other head dim: the first, for `check` to reject;
     `UNMASKED_DENSE_TILES` first for a dense build without a mask), every one with Q in
     registers before any with Q in shared memory (`Q_IN_REGISTERS_HEAD_DIMS`); the stages
     are 2 unless declared, the mask is a short band (`BAND_STAGES`) or the head dim takes
-    more (`DEEP_STAGES`); each build with `lazy_rescale` first, then without. Not
-    validated."""
+    more (`DEEP_STAGES`); each build with `lazy_rescale` first, then without; a dense build
+    without a mask carries P packed at `PACKED_P_UNMASKED_HEAD_DIMS`. Not validated."""
     if options.block_m is not None:
         tiles = ((options.block_m, options.block_n),)
     else:
@@ -863,9 +880,12 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
     base = replace(HopperConfig(options.dtype, options.head_dim), gqa_group=layout.gqa_group,
                    return_lse=layout.return_lse, ragged=layout.ragged)
     q_choices = (True, False) if options.head_dim in Q_IN_REGISTERS_HEAD_DIMS else (False,)
+    carry_packed_p = (options.mask is None and not layout.ragged
+                      and options.head_dim in PACKED_P_UNMASKED_HEAD_DIMS)
     return tuple(replace(config, stages=stages, lazy_rescale=lazy)
                  for config in (replace(base, block_m=m, block_n=n, q_in_registers=q,
-                                        softmax_under_pv=options.mask is not None)
+                                        softmax_under_pv=options.mask is not None,
+                                        carry_packed_p=carry_packed_p)
                                 for q in q_choices for m, n in tiles)
                  for stages in _stage_choices(options, config) for lazy in (True, False))
 
