@@ -96,6 +96,7 @@ def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Ta
                                   aligned_barriers=aligned, handoff=handoff is not None,
                                   zero_after_none=args.zero_after_none)
         args.persistent = lowered.may_advance
+        args.counts_exits = lowered.uses_queue
 
         def params(b: ir.IRBuilder) -> EnvParams:
             # In a persistent loop the scheduler's inputs pass through an opaque identity,

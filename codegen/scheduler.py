@@ -81,6 +81,7 @@ class _TargetBuiltins(Builtins):
         self.gpu = target.is_gpu
         self.producer, self.sync, self.producer_threads = producer, sync, producer_threads
         self.rule, self.scheduler_id = rule, scheduler_id  # named by a fault record
+        self.reads_queue = False  # whether a rule lowered with these builtins read `queue`
         space = nvptx.SHARED if target.is_gpu else nvptx.GENERIC
         gspace = nvptx.GLOBAL if target.is_gpu else nvptx.GENERIC
         self.state_struct = state_type(space)
@@ -97,6 +98,7 @@ class _TargetBuiltins(Builtins):
         if name == "num_heads":
             return lower.ts_field(lower.bindings["ts"], "num_heads")
         if name == "queue":
+            self.reads_queue = True
             return lower.b.load(self.env_field(lower, "counter"), typ=self.env_struct.elements[0])
         if name == "producer":
             return i1(int(self.producer))
@@ -192,6 +194,10 @@ class LoweredScheduler:
     ts_struct: ir.LiteralStructType
     state_struct: ir.LiteralStructType
     scheduler_id: int  # what a fault record names it by (`abi.scheduler_id`)
+    # whether a rule reads `queue` (an atomic_add on the workspace counter): only then does
+    # a kernel count its threads out (`count_exit`) so that the last resets the counter;
+    # the count's fence and atomics lengthen every CTA's tail (about 1.5 us a decode call)
+    uses_queue: bool
 
     def advance_name(self, producer: bool, sync: str) -> str:
         return f"advance.{int(producer)}.{sync}"
@@ -222,6 +228,7 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
     prefix = f"{spec.name}.{spec.tile_m}.{spec.gqa_group}." + ".".join(
         f"{k}={v}" for k, v in spec.args)
     functions: dict[str, ir.Function] = {}
+    lowered_with: list[_TargetBuiltins] = []
 
     sid = abi.scheduler_id(spec.name)
 
@@ -230,6 +237,7 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
             else None
         builtins = _TargetBuiltins(target, producer, SYNCS.index(sync), producer_threads,
                                    rule_name, sid, aligned_barriers, memo)
+        lowered_with.append(builtins)
         rule = rules[rule_name]
         roles = program.rule_roles[rule]
         slot_space = nvptx.SHARED if target.is_gpu else nvptx.GENERIC
@@ -285,7 +293,8 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
         emit("advance", f"advance.{int(producer)}.{sync}", producer, sync)
     b0 = _TargetBuiltins(target, True, 0, producer_threads)
     return LoweredScheduler(spec, decl, may_advance, functions, b0.env_struct, b0.ts_struct,
-                            b0.state_struct, sid)
+                            b0.state_struct, sid,
+                            any(builtins.reads_queue for builtins in lowered_with))
 
 
 def _check_argument(scheduler: str, param: ast.Param, value: object) -> None:
@@ -570,8 +579,8 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
 
     With `advance_in_tile`, the body gets the scheduler step as `advance` in its fields and
     takes it once, where it likes (the loop takes it after the body where the body did not),
-    and the loop counts each thread's exit (`count_exit`) at the step that finds no more
-    work, or at the loop's end: a CTA that issues its tile's loads first hides the step's
+    and, where the scheduler reads `queue`, the loop counts each thread's exit (`count_exit`)
+    at the step that finds no more work, or at the loop's end: a CTA that issues its tile's loads first hides the step's
     atomics under them, where after the tile they added to the launch's tail.
     """
     fns = sched.functions
@@ -584,9 +593,12 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     # the hang bound adds no register live across the tile body (which sits at the cap).
     taken = alloca(builder, i32, "tiles_taken")
     builder.store(i32(0), taken)
-    if advance_in_tile:
+    counts_exits = advance_in_tile and sched.uses_queue
+    if counts_exits:
         exit_counted = alloca(builder, i1, "exit_counted")
         builder.store(i1(0), exit_counted)
+    else:
+        exit_counted = None
     _refuel(builder, sched, kenv)
     builder.call(fns["initial_state"], [*args, kenv.slots, state])
     builder.call(fns["get_current_work_info"], [*args, state, info])
@@ -640,7 +652,7 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     else:
         builder.branch(exit_bb)
     builder.position_at_end(exit_bb)
-    if advance_in_tile:
+    if counts_exits:
         with builder.if_then(builder.not_(builder.load(exit_counted, typ=i1))):
             count_exit(builder, _workspace(builder, sched, fill_env(builder)))
 
@@ -667,9 +679,10 @@ class _TileStep:
                                         self.taken, self.producer, self.sync)
         b.store(more, self.more)
         b.store(too_many, self.too_many)
-        with b.if_then(b.not_(more)):
-            count_exit(b, _workspace(b, self.sched, kenv))
-            b.store(i1(1), self.exit_counted)
+        if self.exit_counted is not None:
+            with b.if_then(b.not_(more)):
+                count_exit(b, _workspace(b, self.sched, kenv))
+                b.store(i1(1), self.exit_counted)
 
     def results(self, b: ir.IRBuilder) -> tuple[ir.Value, ir.Value]:
         with b.if_then(b.not_(b.load(self.taken_now, typ=i1))):
@@ -998,7 +1011,8 @@ def build_trace_kernel(module: ir.Module, sched: LoweredScheduler) -> ir.Functio
         bb.store(bb.add(s, i32(1)), step)
 
     emit_work_loop(b, sched, fill_env, record)
-    count_exit(b, counter)
+    if sched.uses_queue:
+        count_exit(b, counter)
     b.ret_void()
     return fn
 

@@ -101,7 +101,8 @@ def test_gpu_work_loop_records_scheduler_faults_and_stops_every_thread():
     program = checked(spinning(
         "return State(idx = block_idx.x, slots = slots, max_idx = ts.num_work())",
         "var i = 0\n while i < state.max_idx { i += 1 }\n"
-        "state.idx += i\n return ts.seq_info(ts.work_info(state.idx, schedule))"))
+        "state.idx += i + atomic_add(queue, 1) * 0\n"
+        "return ts.seq_info(ts.work_info(state.idx, schedule))"))
     target = gpu_target("sm_90a")
     module = new_module("guard", target)
     build_trace_kernel(module, lower_scheduler(module, program, SchedulerSpec("Spin"), target))
@@ -126,6 +127,25 @@ def test_gpu_work_loop_records_scheduler_faults_and_stops_every_thread():
     assert re.search(rf"\b{abi.fault_code(abi.TOO_MANY_TILES, 'advance')}\b", kernel)
     assert re.search(rf"-{abi.fault_code(abi.ENDLESS_WHILE, 'advance')}\b", kernel)
     assert "trap" not in ptx
+
+
+@pytest.mark.parametrize("advance, counted", [
+    ("state.idx += atomic_add(queue, 1) * 0 + grid_dim.x", True),
+    ("state.idx += grid_dim.x", False)])
+def test_only_a_kernel_whose_scheduler_reads_the_queue_counts_its_threads_out(advance, counted):
+    """The exit count exists to reset the queue counter for the next launch; a scheduler
+    that never reads `queue` skips it (its fence and atomics lengthen every CTA's tail)."""
+    program = checked(spinning("return State(idx = block_idx.x, slots = slots, max_idx = 0)",
+                               advance + "\n return ts.seq_info(ts.work_info(state.idx, schedule))"))
+    target = gpu_target("sm_90a")
+    module = new_module("exits", target)
+    lowered = lower_scheduler(module, program, SchedulerSpec("Spin"), target)
+    assert lowered.uses_queue == counted
+    build_trace_kernel(module, lowered)
+    ptx = emit_ptx(optimize(module, target), target)
+    assert ("call.uni mhadsl_$_count_exit" in ptx) == counted
+    exit_count = rf"atom\.global\.add\.u64\s+%rd\d+, \[%rd\d+\+{4 * abi.EXITED_WORD}\]"
+    assert bool(re.search(exit_count, ptx)) == counted
 
 
 def test_bad_scheduler_parameter_is_a_user_error():

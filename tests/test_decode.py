@@ -192,6 +192,16 @@ def test_a_decode_tile_takes_its_scheduler_step_under_its_first_loads():
     assert first_copies < ptx.index("call.uni mhadsl_$_count_exit") < first_wait
 
 
+def test_a_transient_decode_build_ends_without_counting_its_exit():
+    """Transient reads no queue, so its decode build has no exit count (the count's fence
+    and atomics cost about 1.5 us of every launch's tail); LPT's keeps it."""
+    def ptx(name):
+        return PROGRAM[name].build("sm_90a", gqa_group=8, cache=CacheLayout(1, 0, 64)).ptx
+    transient, lpt = ptx("causal_transient"), ptx("causal_lpt")
+    assert "count_exit" not in transient and "atom.global.add.u64" not in transient
+    assert "call.uni mhadsl_$_count_exit" in lpt and "atom.global.add.u64" in lpt
+
+
 def test_decode_calls_run_transient_where_the_declaration_names_no_scheduler():
     """A declaration that names no scheduler runs its decode calls one work tile per CTA
     (Transient: no queue step to wait for; 0.4-1.0 % faster than LPT on the H200,

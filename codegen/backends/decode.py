@@ -952,7 +952,7 @@ def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
     def tile(b: ir.IRBuilder, seq: TileSeq) -> None:
         _Emitter(config, hooks, b, args, smem, traced).emit_tile(b, seq)
 
-    work_loop(builder, args, tile)  # which counts the exit (`advance_in_tile`)
+    work_loop(builder, args, tile)  # which counts the exit where its scheduler reads the queue
     builder.ret_void()
     return module
 

@@ -645,7 +645,8 @@ def build_attention_module(config: AttentionConfig, hooks: ExprHooks | None, tar
         # persistent loop.
         _TileEmitter(config, hooks, b, args, smem, tuning).emit_tile(b, seq)
     work_loop(builder, args, tile)
-    count_exit(builder, args.queue)
+    if args.counts_exits:
+        count_exit(builder, args.queue)
     builder.ret_void()
     return module
 

@@ -794,7 +794,8 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
                     storer = b.icmp_unsigned("==", tid, i32(hopper.WARPGROUP_THREADS))
                 with b.if_then(storer):
                     hopper.bulk_wait_group_read(b, 0)
-    count_exit(b, params["queue"])
+    if cargs.counts_exits:
+        count_exit(b, params["queue"])
     b.ret_void()
     return module
 
