@@ -212,6 +212,32 @@ def test_long_single_sequence_splits():
     assert planned.num_splits > 1
 
 
+@pytest.mark.parametrize("name, group, sq, page_size, splits", [
+    ("causal", 4, 16, 64, None),  # 64 packed rows: a warpgroup's wgmma on sm_90a
+    ("causal", 8, 16, None, 3),  # 128 rows
+    ("causal", 8, 1, 16, 3),
+    ("causal_d64", 4, 16, 16, 4),
+    ("causal_d256", 4, 16, None, None),
+    ("window", 4, 16, 64, 4),
+    ("alibi", 4, 4, 256, 1),
+])
+def test_the_sm80_build_runs_every_kind_of_decode(monkeypatch, name, group, sq, page_size,
+                                                  splits):
+    """The sm_80 decode build (mma.sync for every tile, which sm_90a replaces by wgmma for
+    whole warpgroups of rows), loaded as sm_80 PTX, which the driver JIT-compiles on GPUs
+    newer than the 8.x family (`select_target`), so an H200 runs it too."""
+    from mhadsl.codegen import backends
+    monkeypatch.setattr(backends, "select_target",
+                        lambda capability: backends.DeviceTarget("sm_80", "ptx"))
+    kern = mhadsl.compile(SOURCE, name="decode_sm80_tests")[name]
+    d = kern.options.head_dim
+    k, v, seqlens, table = cache([sq + 3, 200, 1100], 2, d, page_size=page_size, seed=group)
+    check(kern, queries(3, sq, 2 * group, d), k, v, seqlens, table,
+          lse=kern.options.return_lse, num_splits=splits)
+    assert [t.arch for _, t in kern._designs.values()] == ["sm_80"]
+    assert not any(b.config.wgmma for b in kern._builds.values())
+
+
 def test_graph_replay_new_contents():
     """A captured decode replays new cache lengths and page tables without recapture."""
     kern = PROGRAM["causal"]
