@@ -243,7 +243,11 @@ class KernelArgs:
     tiles; `opaque_env` asks it to rederive the scheduler's inputs per step; `divergent_roles`
     says the kernel runs the loop once per role branch (warp specialisation), so its CTA-wide
     barriers must not be `.aligned`; `handoff` (`codegen.scheduler.Handoff`), which side of
-    the handoff this role's loop is where the scheduler lets the roles run apart. In a
+    the handoff this role's loop is where the scheduler lets the roles run apart. The loop
+    sets `counts_exits` where its scheduler takes work from the queue counter: then the
+    kernel's threads count themselves out (`scheduler.count_exit`), the last resetting the
+    counter for the next launch; a kernel whose scheduler never reads it skips the count,
+    which lengthens every CTA's tail. In a
     traced build (`mhadsl trace`) thread `trace_thread` records the loop's work items; None:
     this loop records none (another role's loop does). `zero_after_none`: the scheduler's
     last advance (`return none`) stores a zero SeqInfo, so no register of the last tile's
@@ -263,6 +267,7 @@ class KernelArgs:
         self.advance_in_tile = advance_in_tile
         self.trace_thread = trace_thread
         self.persistent = False
+        self.counts_exits = True  # (a loop that is not a scheduler's: count, to be safe)
         for p, arg in zip(abi, fn.args):
             setattr(self, p.name, arg)
 
