@@ -196,7 +196,7 @@ class LoweredScheduler:
     scheduler_id: int  # what a fault record names it by (`abi.scheduler_id`)
     # whether a rule reads `queue` (an atomic_add on the workspace counter): only then does
     # a kernel count its threads out (`count_exit`) so that the last resets the counter;
-    # the count's fence and atomics lengthen every CTA's tail (about 1.5 us a decode call)
+    # the count's fence and atomics lengthen every CTA's tail (about 1.3 us a decode call)
     uses_queue: bool
 
     def advance_name(self, producer: bool, sync: str) -> str:
@@ -580,8 +580,9 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     With `advance_in_tile`, the body gets the scheduler step as `advance` in its fields and
     takes it once, where it likes (the loop takes it after the body where the body did not),
     and, where the scheduler reads `queue`, the loop counts each thread's exit (`count_exit`)
-    at the step that finds no more work, or at the loop's end: a CTA that issues its tile's loads first hides the step's
-    atomics under them, where after the tile they added to the launch's tail.
+    at the step that finds no more work, or at the loop's end: a CTA that issues its tile's
+    loads first hides the step's atomics under them, where after the tile they added to the
+    launch's tail.
     """
     fns = sched.functions
     kenv = fill_env(builder)

@@ -194,7 +194,7 @@ def test_a_decode_tile_takes_its_scheduler_step_under_its_first_loads():
 
 def test_a_transient_decode_build_ends_without_counting_its_exit():
     """Transient reads no queue, so its decode build has no exit count (the count's fence
-    and atomics cost about 1.5 us of every launch's tail); LPT's keeps it."""
+    and atomics cost about 1.3 us of every launch's tail); LPT's keeps it."""
     def ptx(name):
         return PROGRAM[name].build("sm_90a", gqa_group=8, cache=CacheLayout(1, 0, 64)).ptx
     transient, lpt = ptx("causal_transient"), ptx("causal_lpt")
