@@ -189,6 +189,16 @@ def first_true(builder: ir.IRBuilder, start: ir.Value, end: ir.Value,
     return builder.select(builder.icmp_signed("<", n, end), n, end)
 
 
+def last_true(builder: ir.IRBuilder, start: ir.Value, end: ir.Value,
+              pred: Callable[[ir.IRBuilder, ir.Value], ir.Value]) -> ir.Value:
+    """One past the last n in [start, end) for which `pred(b, n)` holds, else `start`: the
+    warp's active lanes search down from `end - 1` together, as `first_true` searches up
+    (`pred` is also asked of n < start, whose answer is ignored)."""
+    last = builder.sub(end, i32(1))
+    return builder.sub(end, first_true(builder, i32(0), builder.sub(end, start),
+                                       lambda b, d: pred(b, b.sub(last, d))))
+
+
 def _rounds(b: ir.IRBuilder, start: ir.Value, end: ir.Value, round_) -> ir.Value:
     """From base = start while base < end: (hit, found, width) = round_(b, base); found if
     hit, else base += width. Returns found, or the base at or past `end`."""

@@ -49,6 +49,10 @@ attention causal_d64 { dtype = bf16  head_dim = 64  mask(b, h, q_idx, kv_idx) = 
 attention lse_fp16 { dtype = fp16  head_dim = 128  return_lse = true
                      mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 attention plain_lse_d64 { dtype = bf16  head_dim = 64  return_lse = true }
+attention window_d64 { dtype = bf16  head_dim = 64
+                       mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx && q_idx - kv_idx < 300 }
+attention causal_holes { dtype = bf16  head_dim = 128
+                         mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx && kv_idx / 128 % 3 != 1 }
 """
 SCHEDULER_KERNELS = [n for n in mhadsl.compile(EXTRA, name="x").attentions
                      if n.split("_")[0] in ("transient", "persistent", "queued", "lpt", "user")]
@@ -176,6 +180,17 @@ def test_head_dims_fp16_and_lse(name, backend):
 
 
 @pytest.mark.parametrize("name", ["lse_fp16", "causal_lse_d256"])
+@pytest.mark.parametrize("name", ["window_d64", "causal_holes"])
+def test_kv_ranges_past_one_round_of_the_tile_search(name, backend):
+    """9000 keys (71 KV tiles of 128): a late query tile's window starts more than 32 tiles
+    in and an early one's last causal tile lies more than 32 before the end, so the warp's
+    search for a work tile's KV range (`WorkTile.kv_range`) takes several rounds; every
+    third KV tile of `causal_holes` is empty, skipped inside the range."""
+    kern = extra(name, backend)
+    assert_matches(kern, dense(kern, 1, 9000, 9000, 1, 1))
+    assert_matches(kern, ragged(kern, [9000, 40, 4500], [9000, 40, 4500], 1, 1))
+
+
 def test_scores_growing_along_the_keys(name, backend):
     """Keys whose scale grows along the sequence, so a row's max grows tile after tile, by
     less than 2**8 in some tiles and more in others: the sm90 build keeps a row's max

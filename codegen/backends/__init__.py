@@ -387,6 +387,33 @@ class WorkTile:
                                i32(config.block_n))
         self.q_hi = last_index(b, self.q0, config.block_m, self.seqlen_q)
 
+    # Whether the design finds a work tile's KV range with the warp's lanes asking of 32
+    # tiles at once: a sliding window's query tile skips the tiles before its band, and a
+    # causal one those after the diagonal, in a round or two where one tile a round took a
+    # round per tile skipped (window 256, B4 S4096, sm90: 1.15-1.19x). Off, the range is found
+    # one tile a round from 0, to `n_blocks` (sm80: the search's registers moved a build
+    # onto its fallback tile).
+    finds_range_together = False
+
+    def kv_range(self, b: ir.IRBuilder) -> tuple[ir.Value, ir.Value]:
+        """(the first KV tile that may hold a kept pair, one past the last; the first is the
+        end where none may): together, each asks of its end tile alone first (tile 0 under
+        a causal mask, the last of a sequence without a window's right edge), then
+        searches."""
+        if self.hooks.classify is None:
+            return i32(0), self.n_blocks
+
+        def may(bb, n):
+            return self.classify(bb, n)[0]
+        if not self.finds_range_together:
+            return self.next_nonempty(b, i32(0), self.n_blocks), self.n_blocks
+        first = masked_unless(b, may(b, i32(0)), [i32(0)], lambda bb: [
+            warp.first_true(bb, i32(1), self.n_blocks, may)])[0]
+        last = b.sub(self.n_blocks, i32(1))
+        end = masked_unless(b, may(b, last), [self.n_blocks], lambda bb: [
+            warp.last_true(bb, first, last, may)])[0]
+        return first, end
+
     def classify(self, b: ir.IRBuilder, n: ir.Value) -> tuple[ir.Value, ir.Value]:
         """(may hold a kept pair, every pair kept) for KV tile n, the sequence's tail
         included (a tile past `seqlen_k` is never all kept)."""
@@ -433,14 +460,15 @@ class WorkTile:
         keep = keeps[0] if len(keeps) == 1 else b.and_(*keeps)
         return b.select(keep, s, warp.fconst(warp.NEG_INF))
 
-    def next_nonempty(self, b: ir.IRBuilder, start: ir.Value) -> ir.Value:
-        """The first KV tile index n >= `start` that may hold a kept pair, or `n_blocks`:
-        how every design skips the KV tiles the mask proves empty (never loaded, never
-        computed). One candidate per round: the warp's search (`together`) measured 4-5 %
-        slower on causal prefill (sm90) and moved sm80 builds onto fallback tiles."""
+    def next_nonempty(self, b: ir.IRBuilder, start: ir.Value, end: ir.Value) -> ir.Value:
+        """The first KV tile index n in [start, end) that may hold a kept pair, else `end`
+        (the range's end, `kv_range`): how every design skips the KV tiles the mask proves
+        empty (never loaded, never computed). One candidate per round: inside the KV loop
+        the warp's search (`together`) measured 4-5 % slower on causal prefill (sm90) and
+        moved sm80 builds onto fallback tiles."""
         if self.hooks.classify is None:
             return start
-        return warp.first_true(b, start, self.n_blocks,
+        return warp.first_true(b, start, end,
                                lambda bb, n: self.classify(bb, n)[0], together=False)
 
 
@@ -494,7 +522,8 @@ def masked_unless(b: ir.IRBuilder, always: ir.Value, values: list[ir.Value],
                   mask: Callable[[ir.IRBuilder], list[ir.Value]]) -> list[ir.Value]:
     """`values` where `always` (the classification proves every pair of the tile kept),
     else `mask(b)` (the values masked, in the same order): the per-element mask runs on
-    partial tiles only, and the two meet in phis."""
+    partial tiles only, and the two meet in phis. (Also any other values computed only
+    where a condition does not hold: `WorkTile`'s KV range.)"""
     before = b.block
     mask_bb = b.function.append_basic_block("kv.mask")
     merged_bb = b.function.append_basic_block("kv.masked")

@@ -314,7 +314,7 @@ class _TileEmitter:
 
         t = WorkTile(b, c, a, self.hooks, seq)
         bidx, h, hk, q0, q_start, k_start = t.bidx, t.h, t.hk, t.q0, t.q_start, t.k_start
-        seqlen_k, n_blocks = t.seqlen_k, t.n_blocks
+        seqlen_k = t.seqlen_k
         rows_q = b.sub(t.seqlen_q, q0)
 
         b64 = _sext64(b, bidx)
@@ -351,8 +351,8 @@ class _TileEmitter:
         nvptx.barrier_all(b)
         self._load_tile(b, a.q, q_tile_off, self._thread_off(b, a.q_stride_row),
                         a.q_stride_row, rows_q, BM, self.q_smem_off)
-        n_first = t.next_nonempty(b, i32(0))
-        with b.if_then(b.icmp_signed("<", n_first, n_blocks)):
+        n_first, kv_end = t.kv_range(b)
+        with b.if_then(b.icmp_signed("<", n_first, kv_end)):
             load_kv(b, n_first, "k")
         warp.cp_async_commit(b)
 
@@ -379,7 +379,7 @@ class _TileEmitter:
             for r in range(2):
                 m_phi[i][r].add_incoming(ninf, pre)
                 l_phi[i][r].add_incoming(zero, pre)
-        b.cbranch(b.icmp_signed("<", n, n_blocks), body, exit_)
+        b.cbranch(b.icmp_signed("<", n, kv_end), body, exit_)
 
         b.position_at_end(body)
         warp.cp_async_wait(b, 0)
@@ -398,7 +398,8 @@ class _TileEmitter:
         state = (acc_phi, m_phi, l_phi)
         for blk, masked in ((full_blk, False), (part_blk, True)):
             b.position_at_end(blk)
-            nn, acc, m_new, l_new = self._kv_iteration(b, t, state, n, masked, load_kv, sl2)
+            nn, acc, m_new, l_new = self._kv_iteration(b, t, state, n, kv_end, masked,
+                                                       load_kv, sl2)
             latch = b.block
             n.add_incoming(nn, latch)
             for i in range(MT):
@@ -414,9 +415,9 @@ class _TileEmitter:
         b.position_at_end(exit_)
         self._epilogue(b, t, acc_phi, m_phi, l_phi, sl2, rows_q)
 
-    def _kv_iteration(self, b, t: WorkTile, state, n, masked, load_kv, sl2):
-        """One KV tile: S = Q K(n)^T, [mask], prefetch K(next), online softmax, O += P V(n).
-        Returns (next tile, O accumulators, row max, row sum)."""
+    def _kv_iteration(self, b, t: WorkTile, state, n, kv_end, masked, load_kv, sl2):
+        """One KV tile: S = Q K(n)^T, [mask], prefetch K(next) (below `kv_end`), online
+        softmax, O += P V(n). Returns (next tile, O accumulators, row max, row sum)."""
         c, a, hooks = self.c, self.a, self.hooks
         BN, D = c.block_n, c.head_dim
         MT, NT, DT = c.m_tiles, BN // 8, D // 8
@@ -473,8 +474,8 @@ class _TileEmitter:
         def prefetch_k():
             warp.cp_async_wait(b, 0)
             nvptx.barrier_all(b)          # V(n) landed; every warp is done with K(n)
-            nn = t.next_nonempty(b, b.add(n, i32(1)))
-            with b.if_then(b.icmp_signed("<", nn, t.n_blocks)):
+            nn = t.next_nonempty(b, b.add(n, i32(1)), kv_end)
+            with b.if_then(b.icmp_signed("<", nn, kv_end)):
                 load_kv(b, nn, "k")
             warp.cp_async_commit(b)
             return nn

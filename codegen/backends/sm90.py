@@ -306,18 +306,20 @@ class _Layout:
 class _Tile(WorkTile):
     """A work tile (`WorkTile`), with its tensor-map batch and the KV loop both roles run."""
 
+    finds_range_together = True
+
     def __init__(self, b, c: HopperConfig, args: KernelArgs, hooks: ExprHooks, seq):
         super().__init__(b, c, args, hooks, seq)
         self.map_batch = hopper.map_batch(c.ragged, lambda: self.bidx)
 
-    def kv_loop(self, b, carried: list[ir.Value], step: Callable,
-                start: ir.Value = i32(0)) -> list[ir.Value]:
-        """for n over the non-empty KV tiles from `start`: carried = step(b, n, carried);
+    def kv_loop(self, b, carried: list[ir.Value], step: Callable, start: ir.Value,
+                end: ir.Value) -> list[ir.Value]:
+        """for n over the non-empty KV tiles in [start, end): carried = step(b, n, carried);
         returns the final values of `carried` (loop-carried phis)."""
         def body(bb, n, values):
             values = step(bb, n, values)  # (before the next tile's search, in the IR too)
-            return self.next_nonempty(bb, bb.add(n, i32(1))), values
-        return ir_loop(b, self.next_nonempty(b, start), self.n_blocks, carried, body)
+            return self.next_nonempty(bb, bb.add(n, i32(1)), end), values
+        return ir_loop(b, self.next_nonempty(b, start, end), end, carried, body)
 
 
 class _ConsumerTile:
@@ -421,10 +423,10 @@ class _ConsumerTile:
         P V follows the loop)."""
         b, mem, t = self.b, self.mem, self.t
         o0, m0, l0 = self.start_values(b)
-        first = t.next_nonempty(b, i32(0))
+        first, end = t.kv_range(b)
         entry = b.block
         head_bb, done_bb = (b.function.append_basic_block(f"kv.{x}") for x in ("first", "done"))
-        b.cbranch(b.icmp_signed("<", first, t.n_blocks), head_bb, done_bb)
+        b.cbranch(b.icmp_signed("<", first, end), head_bb, done_bb)
 
         b.position_at_end(head_bb)  # the first KV tile: S and softmax alone
         stage, phase, bump = self.stage(b)
@@ -471,7 +473,7 @@ class _ConsumerTile:
             return o + m_new + l_new + frags + alpha + [stage, phase]
 
         after = t.kv_loop(b, o0 + m + l + frags + alpha + [stage, phase], step,
-                          start=b.add(first, i32(1)))
+                          b.add(first, i32(1)), end)
         o, m, l, frags, alpha, (p_stage, p_phase) = self.split(after)
         hopper.mbarrier_wait(b, mem.full(b, "v", p_stage), p_phase)  # the last tile's P V
         flat = hopper.fence_operands(b, o + frags)
@@ -502,43 +504,51 @@ class _Kernel:
     # ------------------------------------------------------------------ producer
     def producer_tile(self, b, args: KernelArgs, kv_count: ir.Value, tile_count: ir.Value,
                       seq) -> None:
-        c, mem = self.c, self.mem
-        with b.if_then(b.icmp_unsigned("==", _thread_idx(b), i32(0))):
-            t = _Tile(b, c, args, self.hooks, seq)
-            q_map, k_map, v_map = (hopper.tensor_map_address(b, args[n])
-                                   for n in ("q_map", "k_map", "v_map"))
-            # the consumers' last S of the previous work tile has read Q (the producer may be
-            # a work tile ahead of them: `scheduler.Handoff`)
-            loaded, bump_loaded = _counted(b, tile_count)
-            previous_parity = b.xor(b.and_(loaded, i32(1)), i32(1))
-            hopper.mbarrier_wait(b, mem.q_empty(b), previous_parity)
-            bump_loaded(b)
-            q_full = mem.q_full(b)
-            hopper.mbarrier_arrive_expect_tx(b, q_full, _copy_bytes("q_map", c))
-            row = b.add(t.q_start, t.q0)
-            for box in range(c.boxes):
-                hopper.tma_load(b, mem.q_box(b, box), q_map,
-                                [t.map_batch, row, t.h, i32(box * BOX_COLUMNS)], q_full)
+        with b.if_then(b.icmp_unsigned("<", _thread_idx(b), i32(32))):
+            t = _Tile(b, self.c, args, self.hooks, seq)
+            kv_range = t.kv_range(b)  # (found by the warp's lanes together)
+            with b.if_then(b.icmp_unsigned("==", _thread_idx(b), i32(0))):
+                self._producer_loads(b, args, t, kv_range, kv_count, tile_count)
 
-            def load(bb, n, carried):
-                count, bump = _counted(bb, kv_count)
-                stage = bb.urem(count, i32(c.stages))
-                phase = bb.and_(bb.udiv(count, i32(c.stages)), i32(1))
-                kv_row = bb.add(t.k_start, bb.mul(n, i32(c.block_n)))
-                for which, tmap in (("k", k_map), ("v", v_map)):
-                    # the previous tile's O has left V's ring (at once after the first V)
-                    if which == "v" and c.o_over_v:
-                        hopper.mbarrier_wait(bb, mem.o_free(bb), previous_parity)
-                    hopper.mbarrier_wait(bb, mem.empty(bb, which, stage), bb.xor(phase, i32(1)))
-                    bar = mem.full(bb, which, stage)
-                    hopper.mbarrier_arrive_expect_tx(bb, bar, _copy_bytes(f"{which}_map", c))
-                    for box in range(c.boxes):
-                        dst = mem.kv_tile(bb, which, stage, box * c.block_n * hopper.SWIZZLE_BYTES)
-                        hopper.tma_load(bb, dst, tmap,
-                                        [t.map_batch, kv_row, t.hk, i32(box * BOX_COLUMNS)], bar)
-                bump(bb)
-                return []
-            t.kv_loop(b, [], load)
+    def _producer_loads(self, b, args: KernelArgs, t: _Tile, kv_range: tuple,
+                        kv_count: ir.Value, tile_count: ir.Value) -> None:
+        """Q, then K and V of each non-empty KV tile in `kv_range`, by TMA (the producer's
+        first thread)."""
+        c, mem = self.c, self.mem
+        q_map, k_map, v_map = (hopper.tensor_map_address(b, args[n])
+                               for n in ("q_map", "k_map", "v_map"))
+        # the consumers' last S of the previous work tile has read Q (the producer may be
+        # a work tile ahead of them: `scheduler.Handoff`)
+        loaded, bump_loaded = _counted(b, tile_count)
+        previous_parity = b.xor(b.and_(loaded, i32(1)), i32(1))
+        hopper.mbarrier_wait(b, mem.q_empty(b), previous_parity)
+        bump_loaded(b)
+        q_full = mem.q_full(b)
+        hopper.mbarrier_arrive_expect_tx(b, q_full, _copy_bytes("q_map", c))
+        row = b.add(t.q_start, t.q0)
+        for box in range(c.boxes):
+            hopper.tma_load(b, mem.q_box(b, box), q_map,
+                            [t.map_batch, row, t.h, i32(box * BOX_COLUMNS)], q_full)
+
+        def load(bb, n, carried):
+            count, bump = _counted(bb, kv_count)
+            stage = bb.urem(count, i32(c.stages))
+            phase = bb.and_(bb.udiv(count, i32(c.stages)), i32(1))
+            kv_row = bb.add(t.k_start, bb.mul(n, i32(c.block_n)))
+            for which, tmap in (("k", k_map), ("v", v_map)):
+                # the previous tile's O has left V's ring (at once after the first V)
+                if which == "v" and c.o_over_v:
+                    hopper.mbarrier_wait(bb, mem.o_free(bb), previous_parity)
+                hopper.mbarrier_wait(bb, mem.empty(bb, which, stage), bb.xor(phase, i32(1)))
+                bar = mem.full(bb, which, stage)
+                hopper.mbarrier_arrive_expect_tx(bb, bar, _copy_bytes(f"{which}_map", c))
+                for box in range(c.boxes):
+                    dst = mem.kv_tile(bb, which, stage, box * c.block_n * hopper.SWIZZLE_BYTES)
+                    hopper.tma_load(bb, dst, tmap,
+                                    [t.map_batch, kv_row, t.hk, i32(box * BOX_COLUMNS)], bar)
+            bump(bb)
+            return []
+        t.kv_loop(b, [], load, *kv_range)
 
     # ------------------------------------------------------------------ consumers
     def consumer_tile(self, b, args: KernelArgs, kv_count: ir.Value, tile_count: ir.Value,
