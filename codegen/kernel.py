@@ -14,7 +14,7 @@ from llvmlite import ir
 
 from mhadsl import ast
 from mhadsl.check import CheckedProgram
-from mhadsl.classify import emit_classify
+from mhadsl.classify import emit_classify, emit_kv_limits, kv_limits
 from mhadsl.derivative import differentiate_score
 from mhadsl.codegen.backends import ExprHooks, KernelArgs, KernelSource, TileSeq, WorkLoop
 from mhadsl.codegen.lower import Builtins, FunctionLowering
@@ -51,9 +51,15 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule) -> ExprHooks:
     def classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k):
         return emit_classify(builder, mask_rule, program, b, h, q_lo, q_hi, kv_lo, kv_hi,
                              seqlen_q, seqlen_k)
+    limits = kv_limits(mask_rule, program)
+
+    def row_limits(builder, b, h, q_idx, seqlen_q, seqlen_k):
+        return emit_kv_limits(builder, limits, {"b": b, "h": h, "q_idx": q_idx,
+                                                "seqlen_q": seqlen_q, "seqlen_k": seqlen_k})
     return ExprHooks(mask=mask, score=score,
                      classify=classify if mask_rule is not None else None,
-                     mask_uses_head=mask_rule is not None and _reads(mask_rule, "h"))
+                     mask_uses_head=mask_rule is not None and _reads(mask_rule, "h"),
+                     kv_limits=row_limits if limits is not None else None)
 
 
 def _reads(rule, name: str) -> bool:

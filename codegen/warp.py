@@ -225,6 +225,45 @@ def _rounds(b: ir.IRBuilder, start: ir.Value, end: ir.Value, round_) -> ir.Value
     return n
 
 
+def kept_fragment_bits(builder: ir.IRBuilder, lo: ir.Value | None, hi: ir.Value,
+                       count: int) -> list[ir.Value]:
+    """Which of this thread's `count` values of an accumulator row (fragment index i at
+    column 8 * (i // 2) + i % 2 from the thread's first) have their column in [lo, hi] (lo
+    None: from the first), as words of 32 bits; `keep_bit` tests one. FlashAttention-4's
+    masks: ptxas tests consecutive bits of a word with R2P (seven predicates an
+    instruction), where a compare per value took two or three."""
+    b = builder
+    i64 = ir.IntType(64)
+
+    def kept_up_to(x):  # how many of the row's values lie at a column <= x: 2 a group of 8
+        n = b.add(b.shl(b.ashr(x, i32(3)), i32(1)),
+                  b.select(b.icmp_signed(">", b.and_(x, i32(7)), i32(0)), i32(2), i32(1)))
+        return b.select(b.icmp_signed(">", n, i32(0)), n, i32(0))
+
+    def first_bits(n, word):  # the word's bits below value n, as i32
+        k = b.sub(n, i32(32 * word))
+        k = b.select(b.icmp_signed(">", k, i32(0)), k, i32(0))
+        k = b.select(b.icmp_signed("<", k, i32(32)), k, i32(32))
+        return b.trunc(b.sub(b.shl(ir.Constant(i64, 1), b.zext(k, i64)), ir.Constant(i64, 1)),
+                       i32)
+    upto_hi = kept_up_to(hi)
+    below_lo = None if lo is None else kept_up_to(b.sub(lo, i32(1)))
+    words = []
+    for word in range(-(-count // 32)):
+        bits = first_bits(upto_hi, word)
+        if below_lo is not None:
+            bits = b.and_(bits, b.xor(first_bits(below_lo, word), i32(-1)))
+        words.append(bits)
+    return words
+
+
+def keep_bit(builder: ir.IRBuilder, value: ir.Value, words: list[ir.Value],
+             i: int) -> ir.Value:
+    """`value` where bit i of `words` (`kept_fragment_bits`) is set, else -inf."""
+    bit = builder.and_(words[i // 32], i32(1 << (i % 32)))
+    return builder.select(builder.icmp_unsigned("!=", bit, i32(0)), value, fconst(NEG_INF))
+
+
 def quad_allreduce(builder: ir.IRBuilder, value: ir.Value, op) -> ir.Value:
     """Reduce over the 4 lanes of a quad (the lanes holding one accumulator row)."""
     for m in (1, 2):

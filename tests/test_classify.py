@@ -14,8 +14,9 @@ from llvmlite import ir
 from mhadsl.check import check_program
 from mhadsl.classify import (
     I32_MAX, I32_MIN, classify_bounds, classify_tile, count_visited_kv_tiles, emit_classify,
-    kv_band_tiles,
+    emit_kv_limits, kv_band_tiles, kv_limits,
 )
+from mhadsl.codegen import warp
 from mhadsl.codegen.target import HOST, HostJit, emit_ptx, gpu_target, new_module, optimize
 from mhadsl.parse import load_program
 from mhadsl.reference import evaluate_rule
@@ -244,3 +245,104 @@ def test_emits_ptx(arch):
     build_classifier(module, "weird", exact_bh=True)
     ptx = emit_ptx(optimize(module, target), target)
     assert "classify_weird_exact" in ptx
+
+
+# ------------------------------------------------------------------ a row's run of keys
+RUNS = {  # masks that keep one run of keys per query row, beside MASKS' causal and window
+    "band": "mask(b, h, q_idx, kv_idx) = kv_idx >= q_idx - 100 && kv_idx - 5 < q_idx",
+    "diagonal": "mask(b, h, q_idx, kv_idx) = kv_idx == q_idx",
+    "flipped": "mask(b, h, q_idx, kv_idx) = -kv_idx + 2 * 3 > -q_idx && 7 <= kv_idx",
+    "late_keys": "mask(b, h, q_idx, kv_idx) = kv_idx - 2000000000 >= q_idx - 2000000000 + 1",
+}
+MASKS.update(RUNS)
+# Masks kv_limits refuses: not one run per row (chunks, holes, a disjunction, a product),
+# unsigned, or an index sum that may leave i32 (bottom-right: q_idx + seqlen_k)
+NOT_RUNS = sorted(set(MASKS) - set(RUNS) - {"causal", "window"})
+
+
+def test_kv_limits_know_a_run_of_keys_where_the_mask_is_one():
+    found = {name for name in MASKS if kv_limits(*mask_of(name)) is not None}
+    assert found == set(RUNS) | {"causal", "window"}, found
+    assert kv_limits(*mask_of("window")).lows == ((("", -255), ("q_idx", 1)),)
+
+
+@functools.cache
+def host_kv_limits():
+    """`i64 limits_<name>(b, h, q_idx, seqlen_q, seqlen_k)`: lo | hi << 32 (none: -2**31)."""
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+    module = new_module("kv_limits_test", HOST)
+    names = sorted(set(RUNS) | {"causal", "window"})
+    for name in names:
+        fn = ir.Function(module, ir.FunctionType(i64, [i32] * 5), name=f"limits_{name}")
+        b = ir.IRBuilder(fn.append_basic_block())
+        roles = dict(zip(("b", "h", "q_idx", "seqlen_q", "seqlen_k"), fn.args))
+        lo, hi = emit_kv_limits(b, kv_limits(*mask_of(name)), roles)
+        lo, hi = (ir.Constant(i32, I32_MIN) if v is None else v for v in (lo, hi))
+        b.ret(b.or_(b.zext(lo, i64), b.shl(b.zext(hi, i64), ir.Constant(i64, 32))))
+    jit = HostJit(module)
+    proto = ctypes.CFUNCTYPE(ctypes.c_int64, *[ctypes.c_int32] * 5)
+    return jit, {n: proto(jit.address(f"limits_{n}")) for n in names}
+
+
+@pytest.mark.parametrize("name", sorted(set(RUNS) | {"causal", "window"}))
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_a_rows_run_of_keys_is_the_mask(name, data):
+    """Per query row, [lo, hi] from the kernel's IR (run on the host) holds exactly the keys
+    the mask keeps, anywhere in i32's lengths (keys looked at: 300 from a drawn one)."""
+    seqlen_q = data.draw(st.one_of(st.integers(1, 3000), st.integers(1, I32_MAX)))
+    seqlen_k = data.draw(st.one_of(st.integers(1, 3000), st.integers(1, I32_MAX)))
+    q = data.draw(st.integers(0, seqlen_q - 1))
+    near = min(max(0, q - 400), seqlen_k - 1)  # keys near the row's diagonal, if any
+    kv0 = data.draw(st.one_of(st.integers(0, seqlen_k - 1),
+                              st.integers(near, max(near, min(q + 100, seqlen_k - 1)))))
+    kv = np.arange(kv0, min(kv0 + 300, seqlen_k), dtype=np.int64)
+    b, h = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 7))
+    bits = host_kv_limits()[1][name](b, h, q, seqlen_q, seqlen_k)
+    lo, hi = ((bits & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000, bits >> 32
+    rule, program = mask_of(name)
+    kept = evaluate_rule(rule, program, b=b, h=h, q_idx=np.int64(q), kv_idx=kv,
+                         seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    lo = 0 if lo == I32_MIN else lo
+    hi = I32_MAX if hi == I32_MIN else hi
+    assert np.array_equal(np.broadcast_to(kept, kv.shape), (kv >= lo) & (kv <= hi))
+
+
+@functools.cache
+def host_fragment_bits():
+    """`void bits_<count>(lo, hi, has_lo, u32 *words)`: `warp.kept_fragment_bits`."""
+    i32 = ir.IntType(32)
+    module = new_module("fragment_bits_test", HOST)
+    for count in (32, 40, 64):
+        fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [i32, i32, i32,
+                                                                 i32.as_pointer()]),
+                         name=f"bits_{count}")
+        b = ir.IRBuilder(fn.append_basic_block())
+        lo, hi, has_lo, out = fn.args
+        for lower in (True, False):  # the words with the low bound, then without
+            words = warp.kept_fragment_bits(b, lo if lower else None, hi, count)
+            for k, w in enumerate(words):
+                old = b.load(b.gep(out, [ir.Constant(i32, k)]))
+                b.store(b.select(b.icmp_unsigned("!=", has_lo, ir.Constant(i32, 0)), w, old)
+                        if lower else b.select(b.icmp_unsigned("!=", has_lo, ir.Constant(i32, 0)),
+                                               old, w), b.gep(out, [ir.Constant(i32, k)]))
+        b.ret_void()
+    jit = HostJit(module)
+    proto = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                             ctypes.POINTER(ctypes.c_uint32))
+    return jit, {c: proto(jit.address(f"bits_{c}")) for c in (32, 40, 64)}
+
+
+@pytest.mark.parametrize("count", [32, 40, 64])
+@settings(max_examples=300, deadline=None)
+@given(lo=st.one_of(st.none(), st.integers(-300, 300), st.integers(I32_MIN + 1, I32_MAX)),
+       hi=st.one_of(st.integers(-300, 300), st.integers(I32_MIN, I32_MAX)))
+def test_fragment_bits_are_the_columns_in_the_run(count, lo, hi):
+    """Bit i of a row's words is set iff the value's column, 8 (i // 2) + i % 2 (the
+    accumulator layout), lies in [lo, hi] (bits past `count` are never read)."""
+    words = (ctypes.c_uint32 * 2)(0xDEAD, 0xBEEF)
+    host_fragment_bits()[1][count](0 if lo is None else lo, hi, lo is not None, words)
+    for i in range(count):
+        col = 8 * (i // 2) + i % 2
+        kept = (lo is None or lo <= col) and col <= hi
+        assert bool(words[i // 32] >> (i % 32) & 1) == kept, (i, col)

@@ -364,19 +364,31 @@ def test_the_scheduler_is_built_for_the_launchs_gqa_group(backend):
 
 @needs_ptxas
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_a_diagonal_tile_inside_the_sequence_takes_one_select_an_element(head_dim):
-    """The mask runs on the tiles it may cut, the sequence's bounds apart on the last tile
-    only: no block of the KV loop selects -inf more than once per S element (the two
-    checks in one select took two compares and two selects an element)."""
+@pytest.mark.parametrize("mask, run", [
+    ("kv_idx <= q_idx", True), ("kv_idx <= q_idx && q_idx - kv_idx < 256", True),
+    ("kv_idx <= q_idx && q_idx / 512 == kv_idx / 512", False)],
+    ids=["causal", "window", "chunked"])
+def test_a_diagonal_tile_inside_the_sequence_takes_one_select_an_element(head_dim, mask, run):
+    """The mask runs on the tiles it may cut. Where it keeps one run of keys per row
+    (`classify.kv_limits`) the mask and the sequence's bounds are one pass: one block of the
+    KV loop selects -inf once per S element, each on a bit of the row's words
+    (`warp.kept_fragment_bits`, which ptxas turns into R2P). Any other mask takes compares
+    an element, the bounds apart on the last tile only."""
     program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = {head_dim} "
-                             "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }")
+                             f"mask(b, h, q_idx, kv_idx) = {mask} }}")
     kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()))
     elements = kb.config.block_n // 2  # a thread's S values: two rows of block_n / 4
     ptx = kb.ptx
     loop = ptx[ptx.index("wgmma.wait_group.sync.aligned \t1;"):]
     loop = loop[:loop.index("wgmma.wait_group.sync.aligned \t0;")]
-    selects = [block.count("0fFF800000") for block in re.split(r"\$L__BB\d+_\d+:", loop)]
-    assert sorted(selects)[-2:] == [elements, elements]
+    blocks = re.split(r"\$L__BB\d+_\d+:", loop)
+    selects = sorted(block.count("0fFF800000") for block in blocks)
+    assert selects[-1] == elements and (selects[-2] < elements or not run)
+    masking = max(blocks, key=lambda block: block.count("0fFF800000"))
+    bit_tests = re.findall(r"and\.b32\s+%r\d+, %r\d+, (-?\d+);", masking)
+    single_bits = [c for c in bit_tests if bin(int(c) & 0xFFFFFFFF).count("1") == 1]
+    # (LLVM tests a word's top bit by its sign, and may shift for some others)
+    assert (len(single_bits) >= elements * 3 // 4) == run, len(single_bits)
     assert kb.assembled.kernels[KERNEL_NAME].spills == 0
 
 

@@ -213,6 +213,9 @@ class ExprHooks:
         full (for `mask=None`) or partial (with a mask).
     derivative(builder, s, b, h, q_idx, kv_idx) -> f32: d score / d s at the scaled score `s`
         (the backward pass's; `codegen.kernel.backward_hooks`); None = no score rule.
+    kv_limits(builder, b, h, q_idx, seqlen_q, seqlen_k) -> (first kept key or None, last
+        kept key or None) of the row, i32, where the mask keeps one run of keys per row
+        (`mhadsl.classify.kv_limits`: causal, a sliding window); None = any other mask.
     All index arguments are i32 values: q_idx and kv_idx count from the start of the sequence.
     """
 
@@ -221,6 +224,7 @@ class ExprHooks:
     classify: Callable | None = None
     mask_uses_head: bool = False  # the mask reads `h` (its tile classes differ per head)
     derivative: Callable | None = None
+    kv_limits: Callable | None = None
 
 
 @dataclass
@@ -459,6 +463,16 @@ class WorkTile:
             return s
         keep = keeps[0] if len(keeps) == 1 else b.and_(*keeps)
         return b.select(keep, s, warp.fconst(warp.NEG_INF))
+
+    def row_keys(self, b: ir.IRBuilder, q_idx: ir.Value,
+                 first_key: ir.Value) -> tuple[ir.Value | None, ir.Value]:
+        """The keys the row of `q_idx` keeps (`hooks.kv_limits`), as offsets [lo, hi] from
+        `first_key` (lo None: from key 0 on), the sequence's end folded into hi."""
+        lo, hi = self.hooks.kv_limits(b, self.bidx, self.h, q_idx, self.seqlen_q,
+                                      self.seqlen_k)
+        last = b.sub(self.seqlen_k, i32(1))
+        hi = last if hi is None else b.select(b.icmp_signed("<", hi, last), hi, last)
+        return (None if lo is None else b.sub(lo, first_key)), b.sub(hi, first_key)
 
     def next_nonempty(self, b: ir.IRBuilder, start: ir.Value, end: ir.Value) -> ir.Value:
         """The first KV tile index n in [start, end) that may hold a kept pair, else `end`

@@ -36,9 +36,11 @@ reuse, so it loads the next work tile (Q once the consumers' last S, or their ld
 read the current one: `q_empty`) while the consumers finish this one; other schedulers take
 every step together, on CTA-wide barriers. Each role counts the KV tiles it has gone through
 (`kv_count`) and the work tiles (`tile_count`), so stages and mbarrier phases carry over from
-one work tile to the next. KV tiles the declaration's `classify` hook proves empty are
-skipped by both roles alike (never loaded); partial tiles (the mask, or the sequence's tail)
-get the per-element mask.
+one work tile to the next. Each role finds the work tile's range of KV tiles that may hold
+a kept pair with its warp's lanes together (`WorkTile.kv_range`); tiles inside it that the
+`classify` hook proves empty are skipped by both alike (never loaded); partial tiles (the
+mask, or the sequence's tail) get the per-element mask: where the mask keeps one run of
+keys per row (causal, a window: `kv_limits`), a bit of a per-row word an element (R2P).
 
 Tensor maps (4-D, outermost first): dense tensors as they are, (B, S, H, D); ragged ones as
 (1, total, H, D), so the kernel addresses row `start_of_seq + row` of batch 0. A box is
@@ -612,6 +614,14 @@ class _Kernel:
             s = [t.scored(b, b.fmul(v, args.softmax_scale), q_idx(j), kv_idx(j))
                  for j, v in enumerate(s)]
         _, always = t.classify(b, n)
+        if hooks.kv_limits is not None:  # a run of keys per row: the mask and bounds at once
+            def by_limits(bb):  # (value j: row (j // 2) % 2, fragment index 2 (j // 4) + j % 2)
+                rows = [warp.kept_fragment_bits(bb, *t.row_keys(
+                    bb, bb.add(t.q0, bb.add(row0, i32(8 * r))), bb.add(kv_base, col0)),
+                    c.block_n // 4) for r in range(2)]
+                return [warp.keep_bit(bb, v, rows[(j // 2) % 2], 2 * (j // 4) + j % 2)
+                        for j, v in enumerate(s)]
+            return masked_unless(b, always, s, by_limits)
         if hooks.mask is None:  # a tile past the sequence's end: its bounds alone
             return masked_unless(b, always, s, lambda bb: [
                 t.masked(bb, v, q_idx(j), kv_idx(j)) for j, v in enumerate(s)])
