@@ -406,17 +406,19 @@ class WorkTile:
         searches."""
         if self.hooks.classify is None:
             return i32(0), self.n_blocks
-
-        def may(bb, n):
-            return self.classify(bb, n)[0]
         if not self.finds_range_together:
             return self.next_nonempty(b, i32(0), self.n_blocks), self.n_blocks
+        may = self.may_keep
         first = masked_unless(b, may(b, i32(0)), [i32(0)], lambda bb: [
             warp.first_true(bb, i32(1), self.n_blocks, may)])[0]
         last = b.sub(self.n_blocks, i32(1))
         end = masked_unless(b, may(b, last), [self.n_blocks], lambda bb: [
             warp.last_true(bb, first, last, may)])[0]
         return first, end
+
+    def may_keep(self, b: ir.IRBuilder, n: ir.Value) -> ir.Value:
+        """Whether KV tile n may hold a kept pair (`classify`'s first answer)."""
+        return self.classify(b, n)[0]
 
     def classify(self, b: ir.IRBuilder, n: ir.Value) -> tuple[ir.Value, ir.Value]:
         """(may hold a kept pair, every pair kept) for KV tile n, the sequence's tail
@@ -482,8 +484,7 @@ class WorkTile:
         moved sm80 builds onto fallback tiles."""
         if self.hooks.classify is None:
             return start
-        return warp.first_true(b, start, end,
-                               lambda bb, n: self.classify(bb, n)[0], together=False)
+        return warp.first_true(b, start, end, self.may_keep, together=False)
 
 
 def ir_loop(b: ir.IRBuilder, start: ir.Value, end: ir.Value, carried: list[ir.Value], body):
