@@ -277,14 +277,18 @@ RESCALE_THRESHOLD = 8.0
 
 
 def online_softmax_row(builder: ir.IRBuilder, scores: list[ir.Value], m_old: ir.Value,
-                       l_old: ir.Value, scale_log2: ir.Value, rescale_threshold: float = 0.0):
+                       l_old: ir.Value, scale_log2: ir.Value, rescale_threshold: float = 0.0,
+                       defer_alpha: bool = False):
     """One KV tile's step of the online softmax for one row, in the log2 domain, over this
     thread's `scores` of the row (its quad holds the rest): (P, the new running max, the new
     running sum of this thread's part, alpha = the factor the row's O and sum are rescaled
     by). A row with no kept score so far (max -inf) gets P = 0 and alpha = 1, not NaN.
     `rescale_threshold` t > 0: the row keeps its old max (alpha exactly 1) unless the new
     one exceeds it by more than 2**t in the exponent's scale, so P stays below 2**t and
-    most tiles need no rescale of O (FlashAttention-4's Blackwell softmax)."""
+    most tiles need no rescale of O (FlashAttention-4's Blackwell softmax).
+    `defer_alpha` (with a threshold): alpha comes back as its log2 (exactly 0 where the row
+    keeps its max) and the sum as this tile's alone, for `rescale_where_moved(exponent=True)`
+    to rescale the old sum with O: alpha's exponential then runs only where a row moved."""
     mx = scores[0]
     for v in scores[1:]:
         mx = fmax(builder, mx, v)
@@ -300,12 +304,15 @@ def online_softmax_row(builder: ir.IRBuilder, scores: list[ir.Value], m_old: ir.
         keep = builder.fcmp_ordered(">=", alpha_log2, fconst(-rescale_threshold))
         m_new = builder.select(keep, m_old, m_new)
         m_scaled = builder.select(keep, old_scaled, m_scaled)
-        alpha = builder.select(keep, fconst(1.0), alpha)
+        alpha = builder.select(keep, fconst(0.0), alpha_log2) if defer_alpha else \
+            builder.select(keep, fconst(1.0), alpha)
     neg = builder.fneg(m_scaled)
     p, total = [], None
     for v in scores:
         p.append(ex2(builder, fma(builder, v, scale_log2, neg)))
         total = p[-1] if total is None else builder.fadd(total, p[-1])
+    if rescale_threshold and defer_alpha:
+        return p, m_new, total, alpha
     return p, m_new, builder.fadd(builder.fmul(l_old, alpha), total), alpha
 
 
@@ -331,14 +338,18 @@ def rescale_rows(builder: ir.IRBuilder, values: list[ir.Value], alpha: list[ir.V
 
 
 def rescale_where_moved(builder: ir.IRBuilder, values: list[ir.Value], alpha: list[ir.Value],
-                        row_of) -> list[ir.Value]:
+                        row_of, exponent: bool = False) -> list[ir.Value]:
     """`rescale_rows` after a softmax step with a `rescale_threshold`, under a branch uniform
     per warp that is taken only where some row of the warp moved its max (alpha not 1):
-    rarely, after a row's first tiles."""
-    one = fconst(1.0)
-    moved = any_lane(builder, builder.or_(builder.fcmp_unordered("!=", alpha[0], one),
-                                          builder.fcmp_unordered("!=", alpha[1], one)))
-    return guarded(builder, moved, lambda b: rescale_rows(b, values, alpha, row_of), values)
+    rarely, after a row's first tiles. `exponent`: `alpha` holds log2s (`defer_alpha`; 0
+    where the row kept its max), raised to powers of two under the branch alone."""
+    unmoved = fconst(0.0 if exponent else 1.0)
+    moved = any_lane(builder, builder.or_(builder.fcmp_unordered("!=", alpha[0], unmoved),
+                                          builder.fcmp_unordered("!=", alpha[1], unmoved)))
+
+    def rescale(b):
+        return rescale_rows(b, values, [ex2(b, a) for a in alpha] if exponent else alpha, row_of)
+    return guarded(builder, moved, rescale, values)
 
 
 def any_lane(builder: ir.IRBuilder, pred: ir.Value) -> ir.Value:

@@ -190,12 +190,13 @@ def test_kv_ranges_past_one_round_of_the_tile_search(name, backend):
     assert_matches(kern, ragged(kern, [9000, 40, 4500], [9000, 40, 4500], 1, 1))
 
 
-@pytest.mark.parametrize("name", ["lse_fp16", "causal_lse_d256"])
+@pytest.mark.parametrize("name", ["lse_fp16", "causal_lse_d256", "plain_lse_d64"])
 def test_scores_growing_along_the_keys(name, backend):
     """Keys whose scale grows along the sequence, so a row's max grows tile after tile, by
     less than 2**8 in some tiles and more in others: the sm90 build keeps a row's max
     through the first (P up to 256, in fp16 here) and rescales O in the others
-    (`lazy_rescale`); O and the LSE match the reference either way."""
+    (`lazy_rescale`; at head dim 64 with the old sums, alpha raised there: `defer_alpha`);
+    O and the LSE match the reference either way."""
     kern = extra(name, backend)
     sk = 1200
     args = dense(kern, 2, sk, sk, 2, 2)

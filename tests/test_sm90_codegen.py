@@ -370,13 +370,17 @@ def test_the_scheduler_is_built_for_the_launchs_gqa_group(backend):
     ids=["causal", "window", "chunked"])
 def test_a_diagonal_tile_inside_the_sequence_takes_one_select_an_element(head_dim, mask, run):
     """The mask runs on the tiles it may cut. Where it keeps one run of keys per row
-    (`classify.kv_limits`) the mask and the sequence's bounds are one pass: one block of the
-    KV loop selects -inf once per S element, each on a bit of the row's words
-    (`warp.kept_fragment_bits`, which ptxas turns into R2P). Any other mask takes compares
-    an element, the bounds apart on the last tile only."""
+    (`classify.kv_limits`) at head dim 64 or in a short band (`bit_mask`), the mask and the
+    sequence's bounds are one pass: one block of the KV loop selects -inf once per S
+    element, each on a bit of the row's words (`warp.kept_fragment_bits`, which ptxas turns
+    into R2P). Any other mask or build takes compares an element, the bounds apart on the
+    last tile only."""
     program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = {head_dim} "
                              f"mask(b, h, q_idx, kv_idx) = {mask} }}")
     kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()))
+    if run:
+        assert kb.config.bit_mask == (head_dim == 64 or "256" in mask)
+        run = kb.config.bit_mask
     elements = kb.config.block_n // 2  # a thread's S values: two rows of block_n / 4
     ptx = kb.ptx
     loop = ptx[ptx.index("wgmma.wait_group.sync.aligned \t1;"):]
@@ -390,6 +394,34 @@ def test_a_diagonal_tile_inside_the_sequence_takes_one_select_an_element(head_di
     # (LLVM tests a word's top bit by its sign, and may shift for some others)
     assert (len(single_bits) >= elements * 3 // 4) == run, len(single_bits)
     assert kb.assembled.kernels[KERNEL_NAME].spills == 0
+
+
+@needs_ptxas
+@pytest.mark.parametrize("mask", ["", "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx"],
+                         ids=["plain", "causal"])
+def test_head_dim_64_raises_alpha_to_a_power_only_where_a_row_moved_its_max(mask):
+    """At head dim 64 (`DEFER_ALPHA_HEAD_DIMS`) a lazy-rescale build keeps alpha as its log2
+    until P V's wait, and its two exponentials a KV tile run under the rescale's branch
+    (with the old sums' rescale): the softmax runs one exponential an S element. At head
+    dim 128 the two run in the softmax, every tile."""
+    for head_dim, deferred in ((64, True), (128, False)):
+        program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = {head_dim} "
+                                 f"{mask} }}")
+        configs = BACKEND.configs(program["a"].options, Layout())
+        assert [c.defer_alpha for c in configs] == [deferred and c.lazy_rescale
+                                                    for c in configs]
+        kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()))
+        assert kb.config.defer_alpha == deferred
+        elements = kb.config.block_n // 2
+        ptx = kb.ptx
+        softmax = ptx[ptx.index("wgmma.wait_group.sync.aligned \t1;"):]
+        softmax, rescale = softmax.split("vote.sync.any.pred", 1)
+        rescale = rescale[rescale.index(";", rescale.index("bra")) + 1:]  # the branch's body
+        rescale = re.split(r"bra\.uni|\$L__BB\d+_\d+:", rescale, maxsplit=1)[0]
+        assert softmax.count("ex2.approx") == elements + (0 if deferred else 2)
+        assert rescale.count("ex2.approx") == (2 if deferred else 0)
+        assert rescale.count("mul.rn.f32") >= kb.config.head_dim // 2
+        assert kb.assembled.kernels[KERNEL_NAME].spills == 0
 
 
 @needs_ptxas

@@ -21,7 +21,8 @@ Dense unmasked builds at head dim 128 carry P to the next KV tile packed (`carry
 1.03x there). A row keeps its running max until it grows by more than 2**8, and a warp
 rescales O (after P V's wait) only where one of its rows moved it (`lazy_rescale`,
 FlashAttention-4's Blackwell softmax): a rescale is a multiply per O accumulator (64 a
-thread at head dim 128).
+thread at head dim 128); at head dim 64, where the exponentials balance the GEMMs, alpha's
+own two a tile run only there too (`defer_alpha`).
 Completion runs on mbarriers: `q_full`, and per stage `full` and `empty` for K and for V
 apart (full: the producer's expect_tx, the copies' bytes; empty: one arrival per consumer
 thread once its wgmma read the buffer), so K of tile n+2 loads as soon as S of tile n is
@@ -40,7 +41,8 @@ one work tile to the next. Each role finds the work tile's range of KV tiles tha
 a kept pair with its warp's lanes together (`WorkTile.kv_range`); tiles inside it that the
 `classify` hook proves empty are skipped by both alike (never loaded); partial tiles (the
 mask, or the sequence's tail) get the per-element mask: where the mask keeps one run of
-keys per row (causal, a window: `kv_limits`), a bit of a per-row word an element (R2P).
+keys per row (causal, a window: `kv_limits`) at head dim 64 or in a short band
+(`bit_mask`), a bit of a per-row word an element (R2P); elsewhere compares.
 
 Tensor maps (4-D, outermost first): dense tensors as they are, (B, S, H, D); ragged ones as
 (1, total, H, D), so the kernel addresses row `start_of_seq + row` of batch 0. A box is
@@ -120,6 +122,12 @@ class HopperConfig:
     # instead of P in f32: unfenced, LLVM sinks the packing to the next KV tile's top
     # (a phi of packs becomes a pack of phis), just before the wgmmas that take it
     carry_packed_p: bool = False
+    # with `lazy_rescale`: alpha stays a log2 until P V's wait, its exponential and the old
+    # sum's rescale taken under the rescale's branch (`warp.online_softmax_row`)
+    defer_alpha: bool = False
+    # a mask that keeps one run of keys per row (`ExprHooks.kv_limits`) masks a partial tile
+    # by a bit of a per-row word a value (`warp.kept_fragment_bits`), else by its compares
+    bit_mask: bool = False
 
     @property
     def consumer_groups(self) -> int:
@@ -381,7 +389,7 @@ class _ConsumerTile:
             mine = [j for j in range(len(s)) if (j // 2) % 2 == r]
             row_p, m_new[r], l_new[r], alpha[r] = warp.online_softmax_row(
                 bb, [s[j] for j in mine], m_old[r], l_old[r], self.sl2,
-                warp.RESCALE_THRESHOLD if self.c.lazy_rescale else 0.0)
+                warp.RESCALE_THRESHOLD if self.c.lazy_rescale else 0.0, self.c.defer_alpha)
             for j, value in zip(mine, row_p):
                 p[j] = value
         return p, m_new, l_new, alpha
@@ -468,7 +476,14 @@ class _ConsumerTile:
             if self.c.carry_packed_p:
                 frags = hopper.fence_operands(bb, frags)
             hopper.mbarrier_arrive(bb, mem.empty(bb, "v", p_stage))
-            if self.c.lazy_rescale:  # the rescale, after P V's wait and rarely taken
+            if self.c.defer_alpha:  # the old sums rescaled with O (l_new: this tile's sums)
+                n_o = len(o)
+                flat = warp.rescale_where_moved(
+                    bb, o + l_old, alpha, lambda j: self.row_of(j) if j < n_o else j - n_o,
+                    exponent=True)
+                o = hopper.fence_operands(bb, flat[:n_o])
+                l_new = [bb.fadd(old, tile) for old, tile in zip(flat[n_o:], l_new)]
+            elif self.c.lazy_rescale:  # the rescale, after P V's wait and rarely taken
                 o = hopper.fence_operands(bb, warp.rescale_where_moved(bb, o, alpha,
                                                                        self.row_of))
             bump(bb)
@@ -614,7 +629,7 @@ class _Kernel:
             s = [t.scored(b, b.fmul(v, args.softmax_scale), q_idx(j), kv_idx(j))
                  for j, v in enumerate(s)]
         _, always = t.classify(b, n)
-        if hooks.kv_limits is not None:  # a run of keys per row: the mask and bounds at once
+        if hooks.kv_limits is not None and c.bit_mask:  # a run of keys a row: mask and bounds
             def by_limits(bb):  # (value j: row (j // 2) % 2, fragment index 2 (j // 4) + j % 2)
                 rows = [warp.kept_fragment_bits(bb, *t.row_keys(
                     bb, bb.add(t.q0, bb.add(row0, i32(8 * r))), bb.add(kv_base, col0)),
@@ -882,6 +897,22 @@ DEEP_STAGES = {64: 4}
 # at 160 registers), causal D128 0.97-0.99x, causal D64 0.99-1.00x.
 PACKED_P_UNMASKED_HEAD_DIMS = (128,)
 
+# `defer_alpha`: the head dims whose `lazy_rescale` builds take alpha's two exponentials a
+# KV tile (and the old sums' rescale) off the softmax into the rarely taken rescale. At head
+# dim 64 the exponentials balance the GEMMs (a 192 x 128 tile's 24576 on the MUFU against
+# its tensor work, both about 1536 cycles a tile and SM). On the H200 (one process, against
+# alpha every tile; B4 S4096 H32): plain 481 -> 487 and 483 -> 491 TFLOP/s, causal 422 ->
+# 426 and 424 -> 435 in two runs (6 and 10 rounds; the first with the maxima in four
+# chains as well, which alone was +1.5 % plain and -1 % causal); outputs equal to the bit.
+DEFER_ALPHA_HEAD_DIMS = (64,)
+
+# `bit_mask`: where a mask keeps one run of keys per row, the head dims, besides every short
+# band (`BAND_TILES`), that mask a partial tile by bits rather than compares. On the H200
+# (one process, time ratio against the compares, five runs of 5-8 rounds): causal D64
+# 1.006-1.026 and window 256 (D128) 1.03-1.05, but causal D128 B4 S4096 0.94-1.00 in
+# every run, GQA 32:8 causal 0.91-1.05 and causal D256 0.94-1.04: there the compares stay.
+BIT_MASK_HEAD_DIMS = (64,)
+
 
 def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, ...]:
     """The builds the declaration allows, best first: its tile if it declares one, else the
@@ -889,8 +920,10 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
     `UNMASKED_DENSE_TILES` first for a dense build without a mask), every one with Q in
     registers before any with Q in shared memory (`Q_IN_REGISTERS_HEAD_DIMS`); the stages
     are 2 unless declared, the mask is a short band (`BAND_STAGES`) or the head dim takes
-    more (`DEEP_STAGES`); each build with `lazy_rescale` first, then without; a dense build
-    without a mask carries P packed at `PACKED_P_UNMASKED_HEAD_DIMS`. Not validated."""
+    more (`DEEP_STAGES`); each build with `lazy_rescale` first (`defer_alpha` at
+    `DEFER_ALPHA_HEAD_DIMS`), then without; a dense build without a mask carries P packed at
+    `PACKED_P_UNMASKED_HEAD_DIMS`; the mask by bits at `BIT_MASK_HEAD_DIMS` and on short
+    bands. Not validated."""
     if options.block_m is not None:
         tiles = ((options.block_m, options.block_n),)
     else:
@@ -903,12 +936,20 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
     q_choices = (True, False) if options.head_dim in Q_IN_REGISTERS_HEAD_DIMS else (False,)
     carry_packed_p = (options.mask is None and not layout.ragged
                       and options.head_dim in PACKED_P_UNMASKED_HEAD_DIMS)
-    return tuple(replace(config, stages=stages, lazy_rescale=lazy)
+    bit_mask = options.head_dim in BIT_MASK_HEAD_DIMS or _short_band(options)
+    defer_alpha = options.head_dim in DEFER_ALPHA_HEAD_DIMS
+    return tuple(replace(config, stages=stages, lazy_rescale=lazy,
+                         defer_alpha=lazy and defer_alpha)
                  for config in (replace(base, block_m=m, block_n=n, q_in_registers=q,
                                         softmax_under_pv=options.mask is not None,
-                                        carry_packed_p=carry_packed_p)
+                                        carry_packed_p=carry_packed_p, bit_mask=bit_mask)
                                 for q in q_choices for m, n in tiles)
                  for stages in _stage_choices(options, config) for lazy in (True, False))
+
+
+def _short_band(options) -> bool:
+    """Whether the mask is a band of at most BAND_TILES KV tiles a query tile (a window)."""
+    return options.kv_band is not None and options.kv_band <= BAND_TILES
 
 
 def _stage_choices(options, config: HopperConfig) -> tuple[int, ...]:
@@ -916,8 +957,7 @@ def _stage_choices(options, config: HopperConfig) -> tuple[int, ...]:
     head dim's DEEP_STAGES, where they fit in shared memory; then the default."""
     if options.stages is not None:
         return (options.stages,)
-    short_band = options.kv_band is not None and options.kv_band <= BAND_TILES
-    first = BAND_STAGES if short_band else DEEP_STAGES.get(config.head_dim)
+    first = BAND_STAGES if _short_band(options) else DEEP_STAGES.get(config.head_dim)
     if first and shared_bytes(replace(config, stages=first)) <= SHARED_MEMORY_LIMIT["sm_90a"]:
         return (first, HopperConfig.stages)
     return (HopperConfig.stages,)
