@@ -299,19 +299,20 @@ def online_softmax_row(builder: ir.IRBuilder, scores: list[ir.Value], m_old: ir.
                               m_scaled)
     old_scaled = builder.fmul(m_old, scale_log2)
     alpha_log2 = builder.fsub(old_scaled, m_scaled)
-    alpha = ex2(builder, alpha_log2)
+    deferred = defer_alpha and bool(rescale_threshold)
+    alpha = None if deferred else ex2(builder, alpha_log2)
     if rescale_threshold:  # (a row whose old max is -inf never keeps it: alpha_log2 -inf)
         keep = builder.fcmp_ordered(">=", alpha_log2, fconst(-rescale_threshold))
         m_new = builder.select(keep, m_old, m_new)
         m_scaled = builder.select(keep, old_scaled, m_scaled)
-        alpha = builder.select(keep, fconst(0.0), alpha_log2) if defer_alpha else \
+        alpha = builder.select(keep, fconst(0.0), alpha_log2) if deferred else \
             builder.select(keep, fconst(1.0), alpha)
     neg = builder.fneg(m_scaled)
     p, total = [], None
     for v in scores:
         p.append(ex2(builder, fma(builder, v, scale_log2, neg)))
         total = p[-1] if total is None else builder.fadd(total, p[-1])
-    if rescale_threshold and defer_alpha:
+    if deferred:
         return p, m_new, total, alpha
     return p, m_new, builder.fadd(builder.fmul(l_old, alpha), total), alpha
 
