@@ -171,13 +171,11 @@ def first_true(builder: ir.IRBuilder, start: ir.Value, end: ir.Value,
     ptxas's register cap)."""
     if not together:
         return _rounds(builder, start, end, lambda b, n: (pred(b, n), n, i32(1)))
-    # the lanes that run this search, read once as they enter it (asm: never hoisted, so
-    # nothing of it is held across the caller's loop): a lane that comes later (diverged,
-    # say the producer's loader while the rest of its warp went on) runs a search of its
-    # own, whose ballots never count the others, wherever it meets them in the rounds
-    active = builder.asm(ir.FunctionType(i32, []), "activemask.b32 $0;", "=r", [], True)
 
     def round_(b, base):
+        # the lanes that run this search, read in each round (asm: never hoisted, so
+        # nothing of it is held across the caller's loop)
+        active = b.asm(ir.FunctionType(i32, []), "activemask.b32 $0;", "=r", [], True)
         below = nvptx.opaque_special_register(b, "lanemask_lt")
         candidate = b.add(base, _popc(b, b.and_(active, below)))
         holds = b.and_(b.icmp_signed("<", candidate, end), pred(b, candidate))

@@ -141,28 +141,3 @@ def test_the_backward_and_sm90_look_for_kept_tiles_a_warp_at_a_time(monkeypatch,
         assert build.backend == design
         together = "activemask.b32" in build.ptx and "vote.sync.ballot.b32" in build.ptx
         assert together == (design.startswith("backward") or design == "sm90"), design
-
-
-def test_a_warp_search_counts_the_lanes_that_entered_it_together():
-    """`warp.first_true` reads the active lanes once, as they enter the search, and every
-    round's ballot counts those: a lane that enters later (the producer's loader, diverged
-    while the rest of its warp went on to the next work tile) searches alone and is never
-    counted by the others' ballots, whichever round they are in when it meets them."""
-    from llvmlite import ir
-
-    from mhadsl.codegen import warp
-    from mhadsl.codegen.nvptx import i32, void
-    from mhadsl.codegen.target import gpu_target, new_module
-    module = new_module("search", gpu_target("sm_90a"))
-    fn = ir.Function(module, ir.FunctionType(void, [i32, i32, i32]), name="search")
-    b = ir.IRBuilder(fn.append_basic_block("entry"))
-    start, end, wanted = fn.args
-    found = warp.first_true(b, start, end, lambda bb, n: bb.icmp_signed("==", n, wanted))
-    b.store(found, b.inttoptr(ir.Constant(ir.IntType(64), 0), i32.as_pointer()))
-    b.ret_void()
-    masks = [(block.name, inst) for block in fn.blocks for inst in block.instructions
-             if "activemask" in str(inst)]
-    assert [name for name, _ in masks] == ["entry"]  # not in a round's block
-    votes = [inst for block in fn.blocks for inst in block.instructions
-             if "vote.sync.ballot" in str(inst)]
-    assert len(votes) == 1 and votes[0].operands[-1] is masks[0][1]  # its membermask
