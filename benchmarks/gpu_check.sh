@@ -15,11 +15,13 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$logs/gp
 # (the hung one names itself) and each half of the layer stops after its limit (on the H200
 # with 14 workers, one BLAS thread each by tests/conftest.py: the attention file's sm80 half
 # took 56 s, and 190 of the other 192 tests 8 min)
-for part in "tests/test_gpu_attention.py:400" "tests --deselect tests/test_gpu_attention.py:700"; do
-    timeout "${part##*:}" python3 -m pytest -m gpu -q -rA -p no:cacheprovider -n 14 \
-        -o faulthandler_timeout=120 ${part%:*} 2>&1 | tee -a "$logs/gpu-tests.log" \
+gpu_tests() {  # LIMIT_SECONDS PYTEST_ARGS...
+    timeout "$1" python3 -m pytest -m gpu -q -rA -p no:cacheprovider -n 14 \
+        -o faulthandler_timeout=120 "${@:2}" 2>&1 | tee -a "$logs/gpu-tests.log" \
         | grep -E "passed|failed|error|fault came back|FAILED|Timeout" | tail -30 || status=1
-done
+}
+gpu_tests 400 tests/test_gpu_attention.py
+gpu_tests 700 tests --deselect tests/test_gpu_attention.py
 for backend in sm90 sm80; do
     python3 benchmarks/sanitize.py --backend $backend --log-dir "$logs/sanitize-$backend" 2>&1 \
         | tee "$logs/sanitize-$backend.log" | tail -4 || status=1
