@@ -19,7 +19,7 @@ from typing import Callable
 
 from llvmlite import ir
 
-from mhadsl.codegen import nvptx
+from mhadsl.codegen import nvptx, warp
 from mhadsl.codegen.lower import (
     ENV_FIELDS, TS_FIELDS, alloca, load, Builtins, FunctionLowering, env_type, record_type,
     state_type, ts_type,
@@ -877,8 +877,8 @@ def _exit_counter(module: ir.Module, workspace_type: ir.Type) -> ir.Function:
     fn.attributes.add("noinline")
     workspace, = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    mask = b.asm(ir.FunctionType(i32, []), "activemask.b32 $0;", "=r", [], True)
-    b.asm(ir.FunctionType(nvptx.void, [i32]), "bar.warp.sync $0;", "r", [mask], True)
+    mask = warp.active_lanes(b)
+    warp.sync_lanes(b, mask)
     popc = b.module.declare_intrinsic("llvm.ctpop", [i32])
     below = b.sub(b.shl(i32(1), nvptx.lane_id(b)), i32(1))  # the lanes below this one
     with b.if_then(b.icmp_unsigned("==", b.and_(mask, below), i32(0))):  # the first lane

@@ -155,6 +155,17 @@ def quad_transpose(builder: ir.IRBuilder, values: list[ir.Value]) -> list[ir.Val
     return v
 
 
+def active_lanes(builder: ir.IRBuilder) -> ir.Value:
+    """The mask of the warp's lanes running this instruction with this one (asm with side
+    effects: never merged with another read)."""
+    return builder.asm(ir.FunctionType(i32, []), "activemask.b32 $0;", "=r", [], True)
+
+
+def sync_lanes(builder: ir.IRBuilder, mask: ir.Value = ir.Constant(i32, FULL_MASK)) -> None:
+    """`bar.warp.sync`: each lane of `mask` waits here until all of them have come."""
+    builder.asm(ir.FunctionType(void, [i32]), "bar.warp.sync $0;", "r", [mask], True)
+
+
 def _popc(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
     return call(builder, "llvm.ctpop.i32", i32, [value])
 
@@ -164,7 +175,8 @@ def first_true(builder: ir.IRBuilder, start: ir.Value, end: ir.Value,
                together: bool = True) -> ir.Value:
     """The first n in [start, end) for which `pred(b, n)` (i1, pure: it is also asked of
     n >= end, whose answer is ignored) holds, else `end`. The warp's active lanes search
-    together, all with the same start and end: each asks of its own candidate (start plus
+    together, so all must be on the same search (a caller whose lanes may be at different
+    work tiles meets them first: `sync_lanes`): each asks of its own candidate (start plus
     its rank among them) and a ballot picks the first that holds, so k candidates that do
     not cost k / 32 rounds instead of k (a single lane searches alone). `together=False`:
     each lane asks of one candidate per round, which holds fewer registers (a loop at
@@ -175,7 +187,7 @@ def first_true(builder: ir.IRBuilder, start: ir.Value, end: ir.Value,
     def round_(b, base):
         # the lanes that run this search, read in each round (asm: never hoisted, so
         # nothing of it is held across the caller's loop)
-        active = b.asm(ir.FunctionType(i32, []), "activemask.b32 $0;", "=r", [], True)
+        active = active_lanes(b)
         below = nvptx.opaque_special_register(b, "lanemask_lt")
         candidate = b.add(base, _popc(b, b.and_(active, below)))
         holds = b.and_(b.icmp_signed("<", candidate, end), pred(b, candidate))

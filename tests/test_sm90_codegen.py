@@ -151,6 +151,31 @@ def test_consumers_take_the_producers_decoding_where_roles_run_apart():
     assert apart == {"st.shared": 4, "ld.shared": 0, "mov": 2}, apart
 
 
+@needs_ptxas
+def test_the_producer_warp_meets_before_it_searches_its_kv_range_together():
+    """The producer's first thread loads a work tile's K and V while its warp's other lanes
+    go on; under Persistent (no barrier in its advance) they ran work tiles ahead, and one
+    tile's lanes searching beside another's shared their ballots: a KV range wrong for the
+    loader, its loads out of step with the consumers, the kernel hung on the H200 (ragged
+    causal, 8192 keys). The warp meets (`bar.warp.sync`) before its search, in each work
+    tile: in the work loop's body, after the producer's setmaxnreg, before the search's
+    first ballot."""
+    source = (f"{STD}\nattention a {{ dtype = bf16  head_dim = 128  scheduler = Persistent()\n"
+              "    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }")
+    kb = build_kernel(checked(source), KernelRequest("a", "sm_90a", "sm90",
+                                                     Layout(2, True, True)))
+    assert kb.assembled.kernels[KERNEL_NAME].spill_stores == 0
+    producer = kb.ptx[kb.ptx.index("setmaxnreg.dec"):]
+    assert producer.count("bar.warp.sync") == 1
+    sync, ballot = producer.index("bar.warp.sync"), producer.index("vote.sync.ballot")
+    assert sync < ballot
+    # inside the loop: a branch back from after the ballot jumps to at or before the sync
+    labels = {m.group(1): m.start() for m in re.finditer(r"^(\$\w+):", producer, re.M)}
+    back = [labels[m.group(1)] for m in re.finditer(r"bra(?:\.uni)?\s+(\$\w+);", producer)
+            if m.start() > ballot and labels.get(m.group(1), -1) >= 0]
+    assert any(target <= sync for target in back)
+
+
 @pytest.mark.parametrize("body, apart", [
     ("state.slots[pipeline_idx] = state.idx + grid_dim.x\n"
      "state.idx = state.slots[pipeline_idx]", True),

@@ -522,8 +522,12 @@ class _Kernel:
     def producer_tile(self, b, args: KernelArgs, kv_count: ir.Value, tile_count: ir.Value,
                       seq) -> None:
         with b.if_then(b.icmp_unsigned("<", _thread_idx(b), i32(32))):
+            # the warp's lanes meet before they search its KV range together: under a
+            # scheduler with no barrier in its advance, the other lanes would otherwise run
+            # work tiles ahead of the first, still loading, and share its ballots
+            warp.sync_lanes(b)
             t = _Tile(b, self.c, args, self.hooks, seq)
-            kv_range = t.kv_range(b)  # (found by the warp's lanes together)
+            kv_range = t.kv_range(b)
             with b.if_then(b.icmp_unsigned("==", _thread_idx(b), i32(0))):
                 self._producer_loads(b, args, t, kv_range, kv_count, tile_count)
 
