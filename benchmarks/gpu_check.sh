@@ -13,8 +13,8 @@ status=0
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$logs/gpu.txt"
 # a hung kernel must not take the whole run: each test's Python stack is dumped after 120 s
 # (the hung one names itself) and each half of the layer stops after its limit (on the H200
-# with 14 workers, one BLAS thread each by tests/conftest.py: the attention file's sm80 half
-# took 56 s, and 190 of the other 192 tests 8 min)
+# with 14 workers, one BLAS thread each by tests/conftest.py: the attention file took 55 s,
+# the other 192 tests 59 s)
 gpu_tests() {  # LIMIT_SECONDS PYTEST_ARGS...
     timeout "$1" python3 -m pytest -m gpu -q -rA -p no:cacheprovider -n 14 \
         -o faulthandler_timeout=120 "${@:2}" 2>&1 | tee -a "$logs/gpu-tests.log" \
