@@ -137,6 +137,13 @@ def shfl_bfly(builder: ir.IRBuilder, value: ir.Value, lane_mask: int) -> ir.Valu
                 [i32(FULL_MASK), value, i32(lane_mask), i32(31)])
 
 
+def uniform(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """The i32 `value` of lane 0 (every lane must run it): for a value each lane of the warp
+    already holds alike, a form ptxas knows is uniform (uniform registers, no R2UR)."""
+    return call(builder, "llvm.nvvm.shfl.sync.idx.i32", i32,
+                [i32(FULL_MASK), value, i32(0), i32(31)])
+
+
 def quad_transpose(builder: ir.IRBuilder, values: list[ir.Value]) -> list[ir.Value]:
     """The 4 x 4 transpose of a quad's (four consecutive lanes') four i32 values each: lane
     t's values[u] becomes lane u's [t]. An accumulator row's quad, holding two columns of

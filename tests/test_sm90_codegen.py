@@ -176,6 +176,26 @@ def test_the_producer_warp_meets_before_it_searches_its_kv_range_together():
     assert any(target <= sync for target in back)
 
 
+@needs_ptxas
+@pytest.mark.parametrize("head_dim, uniform", [(64, True), (128, False)])
+def test_head_dim_64_consumers_read_their_warpgroup_index_through_lane_0(head_dim, uniform):
+    """With three consumer warpgroups (head dim 64's 192-row tiles) each one's index comes
+    through `shfl.sync.idx` from lane 0 (`uniform_group`), so ptxas keeps Q's descriptors in
+    uniform registers (plain D64 1.02-1.10x on the H200); two warpgroups (head dims 128 and
+    256 lost 2-11 % with it, and head dim 64's 128-row tiles) keep the thread index's."""
+    program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = {head_dim} }}")
+    kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()))
+    assert kb.config.uniform_group == uniform
+    assert kb.assembled.kernels[KERNEL_NAME].spill_stores == 0
+    consumers = kb.ptx[kb.ptx.index("setmaxnreg.inc"):]
+    assert ("shfl.sync.idx.b32" in consumers) == uniform
+    # each build is listed with it first, then without (where it spills: a chunked mask)
+    configs = BACKEND.configs(program["a"].options, Layout())
+    assert [c.uniform_group for c in configs if c.consumer_groups == 3] == \
+        [True, False] * (sum(c.consumer_groups == 3 for c in configs) // 2)
+    assert not any(c.uniform_group for c in configs if c.consumer_groups != 3)
+
+
 @pytest.mark.parametrize("body, apart", [
     ("state.slots[pipeline_idx] = state.idx + grid_dim.x\n"
      "state.idx = state.slots[pipeline_idx]", True),
@@ -354,8 +374,8 @@ def test_q_in_registers_is_tried_first_only_where_it_can_fit():
     for head_dim, expect in ((64, [False]), (128, [True, False]), (256, [False])):
         program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = {head_dim} }}")
         configs = BACKEND.configs(program["a"].options, Layout())
-        builds = list(dict.fromkeys((c.block_m, c.block_n, c.stages, c.lazy_rescale)
-                                    for c in configs))
+        builds = list(dict.fromkeys((c.block_m, c.block_n, c.stages, c.lazy_rescale,
+                                     c.uniform_group) for c in configs))
         assert [c.q_in_registers for c in configs] == [q for q in expect for _ in builds]
 
 

@@ -128,6 +128,9 @@ class HopperConfig:
     # a mask that keeps one run of keys per row (`ExprHooks.kv_limits`) masks a partial tile
     # by a bit of a per-row word a value (`warp.kept_fragment_bits`), else by its compares
     bit_mask: bool = False
+    # the consumer warpgroup's index read through lane 0 (`warp.uniform`), so ptxas holds it
+    # and the shared-memory descriptors made from it in uniform registers
+    uniform_group: bool = False
 
     @property
     def consumer_groups(self) -> int:
@@ -578,6 +581,8 @@ class _Kernel:
         t = _Tile(b, c, args, hooks, seq)
         tid = _thread_idx(b)
         group = b.sub(b.lshr(tid, i32(7)), i32(1))  # consumer warpgroup: rows 64 group..
+        if c.uniform_group:
+            group = warp.uniform(b, group)
         thread = b.and_(tid, i32(hopper.WARPGROUP_THREADS - 1))
         lane = b.and_(thread, i32(31))
         # this thread's two rows within the tile (accumulator rows r = 0, 1)
@@ -910,6 +915,15 @@ PACKED_P_UNMASKED_HEAD_DIMS = (128,)
 # chains as well, which alone was +1.5 % plain and -1 % causal); outputs equal to the bit.
 DEFER_ALPHA_HEAD_DIMS = (64,)
 
+# `uniform_group`: the builds whose consumers read their warpgroup's index through lane 0:
+# those with three consumer warpgroups (head dim 64's 192-row tiles). Computed from the
+# thread index, ptxas keeps it in vector registers, and Q's and O's descriptors made from
+# it: each S wgmma waited for an R2UR of its descriptor (plain D64: 104 R2UR in the SASS,
+# 87 with it). On the H200 (one process, FA4 beside, 8 rounds; B4 S4096 H32): plain D64
+# 488 -> 502 TFLOP/s (1.02-1.10x), causal D64 432 -> 437 (1.007-1.019x), outputs equal to
+# the bit; with two warpgroups, head dims 128 and 256 lost 2-11 % (other schedules there).
+UNIFORM_GROUP_CONSUMER_GROUPS = 3
+
 # `bit_mask`: where a mask keeps one run of keys per row, the head dims, besides every short
 # band (`BAND_TILES`), that mask a partial tile by bits rather than compares. On the H200
 # (one process, time ratio against the compares, five runs of 5-8 rounds): causal D64
@@ -927,7 +941,8 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
     more (`DEEP_STAGES`); each build with `lazy_rescale` first (`defer_alpha` at
     `DEFER_ALPHA_HEAD_DIMS`), then without; a dense build without a mask carries P packed at
     `PACKED_P_UNMASKED_HEAD_DIMS`; the mask by bits at `BIT_MASK_HEAD_DIMS` and on short
-    bands. Not validated."""
+    bands; with `UNIFORM_GROUP_CONSUMER_GROUPS` consumer warpgroups each build with
+    `uniform_group` first, then without. Not validated."""
     if options.block_m is not None:
         tiles = ((options.block_m, options.block_n),)
     else:
@@ -943,12 +958,14 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
     bit_mask = options.head_dim in BIT_MASK_HEAD_DIMS or _short_band(options)
     defer_alpha = options.head_dim in DEFER_ALPHA_HEAD_DIMS
     return tuple(replace(config, stages=stages, lazy_rescale=lazy,
-                         defer_alpha=lazy and defer_alpha)
+                         defer_alpha=lazy and defer_alpha, uniform_group=uniform)
                  for config in (replace(base, block_m=m, block_n=n, q_in_registers=q,
                                         softmax_under_pv=options.mask is not None,
                                         carry_packed_p=carry_packed_p, bit_mask=bit_mask)
                                 for q in q_choices for m, n in tiles)
-                 for stages in _stage_choices(options, config) for lazy in (True, False))
+                 for stages in _stage_choices(options, config) for lazy in (True, False)
+                 for uniform in ((True, False) if config.consumer_groups
+                                 == UNIFORM_GROUP_CONSUMER_GROUPS else (False,)))
 
 
 def _short_band(options) -> bool:
