@@ -917,7 +917,7 @@ DEFER_ALPHA_HEAD_DIMS = (64,)
 
 # `uniform_group`: the builds whose consumers read their warpgroup's index through lane 0:
 # those with three consumer warpgroups (head dim 64's 192-row tiles). Computed from the
-# thread index, ptxas keeps it in vector registers, and Q's and O's descriptors made from
+# thread index, ptxas keeps it in vector registers, and Q's descriptors made from
 # it: each S wgmma waited for an R2UR of its descriptor (plain D64: 104 R2UR in the SASS,
 # 87 with it). On the H200 (one process, FA4 beside, 8 rounds; B4 S4096 H32): plain D64
 # 488 -> 502 TFLOP/s (1.02-1.10x), causal D64 432 -> 437 (1.007-1.019x), outputs equal to
