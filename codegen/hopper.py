@@ -296,10 +296,11 @@ def fence_operands(builder: ir.IRBuilder, values: list[ir.Value]) -> list[ir.Val
     if not values:
         return []
     n = len(values)
-    ret = ir.LiteralStructType([v.type for v in values])
+    # (an asm with one output returns it bare: LLVM rejects a struct of one)
+    ret = values[0].type if n == 1 else ir.LiteralStructType([v.type for v in values])
     kinds = ["=f" if v.type == f32 else "=r" for v in values]
     res = _asm(builder, ret, "", ",".join(kinds + [str(i) for i in range(n)]), values)
-    return [builder.extract_value(res, i) for i in range(n)]
+    return [res] if n == 1 else [builder.extract_value(res, i) for i in range(n)]
 
 
 def accumulator_count(n: int) -> int:

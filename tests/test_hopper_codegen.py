@@ -419,6 +419,21 @@ def test_wgmma_constraints_have_no_spaces_and_reject_bad_shapes():
         hopper.smem_descriptor(b, k.at(0), stride_bytes=1000)
 
 
+@pytest.mark.parametrize("count", [1, 2])
+def test_fence_operands_passes_any_number_of_values_through_one_asm(count):
+    """One value or several, f32 or i32: each comes back through one empty asm, in order,
+    and the module parses and lowers (LLVM rejects an asm returning a struct of one)."""
+    module = new_module("fence", TARGET)
+    fn = ir.Function(module, ir.FunctionType(f32, [f32, i32]), name="fence")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    x, n = fn.args
+    fenced = hopper.fence_operands(b, [x, n][:count])
+    assert [v.type for v in fenced] == [f32, i32][:count]
+    b.ret(b.fadd(fenced[0], b.sitofp(fenced[-1], f32)) if count == 2 else fenced[0])
+    ptx = emit_ptx(optimize(module, TARGET), TARGET)
+    assert len(re.findall(r"// begin inline asm", ptx)) == 1
+
+
 def test_smem_descriptor_fields():
     """Address 0x1400 (a 1024-aligned tile), K-major: start 0x140, leading 1, stride 64,
     128-byte swizzle; MN-major with the next box 8192 B away: leading 512."""
