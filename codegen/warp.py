@@ -336,19 +336,39 @@ def online_softmax_row(builder: ir.IRBuilder, scores: list[ir.Value], m_old: ir.
     return p, m_new, builder.fadd(builder.fmul(l_old, alpha), total), alpha
 
 
+def merge(b: ir.IRBuilder, first: list[ir.Value], first_block: ir.Block,
+          second: list[ir.Value], second_block: ir.Block) -> list[ir.Value]:
+    """At the top of a join block: one phi per pair, `first` coming from `first_block` and
+    `second` from `second_block`."""
+    merged = []
+    for x, y in zip(first, second):
+        phi = b.phi(x.type)
+        phi.add_incoming(x, first_block)
+        phi.add_incoming(y, second_block)
+        merged.append(phi)
+    return merged
+
+
 def guarded(b: ir.IRBuilder, cond: ir.Value, make, default: list[ir.Value]) -> list[ir.Value]:
     """`make(b)`'s values where `cond` holds (emitted under a branch), else `default`."""
     pre = b.block
     with b.if_then(cond):
         values = make(b)
         then = b.block
-    merged = []
-    for v, d in zip(values, default):
-        phi = b.phi(v.type)
-        phi.add_incoming(v, then)
-        phi.add_incoming(d, pre)
-        merged.append(phi)
-    return merged
+    return merge(b, values, then, default, pre)
+
+
+def either(b: ir.IRBuilder, cond: ir.Value, make_then, make_else) -> list[ir.Value]:
+    """`make_then(b)`'s values where `cond` holds, else `make_else(b)`'s (alike in number
+    and type), each emitted under its branch."""
+    with b.if_else(cond) as (then, otherwise):
+        with then:
+            first = make_then(b)
+            first_block = b.block
+        with otherwise:
+            second = make_else(b)
+            second_block = b.block
+    return merge(b, first, first_block, second, second_block)
 
 
 def rescale_rows(builder: ir.IRBuilder, values: list[ir.Value], alpha: list[ir.Value],

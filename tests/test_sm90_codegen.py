@@ -196,6 +196,36 @@ def test_head_dim_64_consumers_read_their_warpgroup_index_through_lane_0(head_di
     assert not any(c.uniform_group for c in configs if c.consumer_groups != 3)
 
 
+@needs_ptxas
+def test_a_warpgroup_with_no_row_inside_the_sequence_only_drains_the_kv_loop(monkeypatch,
+                                                                            tmp_path):
+    """With three consumer warpgroups (192-row tiles), one whose 64 rows all lie past the
+    sequence (the last query tile of a sequence of 4096 holds 64 rows) goes through the KV
+    loop on its waits and arrivals alone, with no wgmma (`drain_idle_groups`: B4 S4096 D64
+    1.02x plain, 1.03x causal on the H200); two warpgroups (head dim 128) keep one loop."""
+    from mhadsl.codegen.backends import sm90
+    from mhadsl.runtime import cache
+    program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = 64 }}\n"
+                             "attention b { dtype = bf16  head_dim = 128 }")
+
+    def consumers(name, store=None):
+        kb = build_kernel(program.checked, KernelRequest(name, "sm_90a", "sm90", Layout()),
+                          store)
+        assert kb.assembled.kernels[KERNEL_NAME].spill_stores == 0
+        return kb.config.drain_idle_groups, kb.ptx[kb.ptx.index("setmaxnreg.inc"):]
+    drains, drained = consumers("a")
+    assert drains and not consumers("b")[0]
+    monkeypatch.setattr(sm90, "DRAIN_IDLE_CONSUMER_GROUPS", 0)
+    drains, looped = consumers("a", cache.CompileCache(tmp_path))
+    assert not drains
+    # the drain: waits and arrivals of its own (LLVM copies some), the branch to it decided
+    # through lane 0, and not one wgmma more
+    for what in ("mbarrier.arrive", "mbarrier.try_wait"):
+        assert drained.count(what) > looped.count(what)
+    assert drained.count("shfl.sync.idx") == looped.count("shfl.sync.idx") + 1
+    assert drained.count("wgmma.mma_async") == looped.count("wgmma.mma_async")
+
+
 @pytest.mark.parametrize("body, apart", [
     ("state.slots[pipeline_idx] = state.idx + grid_dim.x\n"
      "state.idx = state.slots[pipeline_idx]", True),

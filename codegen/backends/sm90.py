@@ -22,7 +22,10 @@ Dense unmasked builds at head dim 128 carry P to the next KV tile packed (`carry
 rescales O (after P V's wait) only where one of its rows moved it (`lazy_rescale`,
 FlashAttention-4's Blackwell softmax): a rescale is a multiply per O accumulator (64 a
 thread at head dim 128); at head dim 64, where the exponentials balance the GEMMs, alpha's
-own two a tile run only there too (`defer_alpha`).
+own two a tile run only there too (`defer_alpha`). There, too, a consumer warpgroup none of
+whose 64 rows lies inside the sequence (the last query tile of a sequence of 4096: 64 rows
+of 192) only waits and arrives through the KV loop (`drain_idle_groups`), so the one with
+rows has the tensor cores and the MUFU to itself.
 Completion runs on mbarriers: `q_full`, and per stage `full` and `empty` for K and for V
 apart (full: the producer's expect_tx, the copies' bytes; empty: one arrival per consumer
 thread once its wgmma read the buffer), so K of tile n+2 loads as soon as S of tile n is
@@ -131,6 +134,10 @@ class HopperConfig:
     # the consumer warpgroup's index read through lane 0 (`warp.uniform`), so ptxas holds it
     # and the shared-memory descriptors made from it in uniform registers
     uniform_group: bool = False
+    # a consumer warpgroup none of whose rows lies inside the sequence (a sequence's last
+    # tile) only waits and arrives through the KV loop (`_ConsumerTile.drain`), leaving the
+    # tensor cores and the MUFU to the others: DRAIN_IDLE_CONSUMER_GROUPS
+    drain_idle_groups: bool = False
 
     @property
     def consumer_groups(self) -> int:
@@ -430,6 +437,24 @@ class _ConsumerTile:
         return self.issue_pv(bb, frags, o, stage)
 
     # -------------------------------------------------------------- the loops
+    def drain(self):
+        """The KV loop of a warpgroup none of whose rows lies inside the sequence: each KV
+        tile's waits and arrivals in the ring's order, so the stages turn as for the others,
+        with no GEMM and no softmax to share the tensor cores and the MUFU with them.
+        Returns zero accumulators and sums for the epilogue (which writes no row of it)."""
+        b, mem, t = self.b, self.mem, self.t
+
+        def step(bb, n, carried):
+            stage, phase, bump = self.stage(bb)
+            for which in "kv":
+                hopper.mbarrier_wait(bb, mem.full(bb, which, stage), phase)
+                hopper.mbarrier_arrive(bb, mem.empty(bb, which, stage))
+            bump(bb)
+            return carried
+        first, end = t.kv_range(b)
+        t.kv_loop(b, [], step, first, end)
+        return self.start_values(b)
+
     def loop(self):
         """The KV tiles, FlashAttention-3's order: S of KV tile n is issued with P V of
         tile n-1, so S(n) and P V(n-1) run back to back on the tensor cores (the last tile's
@@ -506,12 +531,7 @@ class _ConsumerTile:
         b.branch(done_bb)
 
         b.position_at_end(done_bb)
-        merged = []
-        for start, end in zip(o0 + m0 + l0, o + m + l):
-            phi = b.phi(start.type)
-            phi.add_incoming(start, entry)
-            phi.add_incoming(end, last)
-            merged.append(phi)
+        merged = warp.merge(b, o0 + m0 + l0, entry, o + m + l, last)
         return merged[:len(o)], merged[len(o):len(o) + 2], merged[len(o) + 2:]
 
 
@@ -599,8 +619,17 @@ class _Kernel:
         if c.q_in_registers:  # Q's tile may take the next work tile's rows at once
             q_frags = self._q_fragments(b, group, thread)
             hopper.mbarrier_arrive(b, mem.q_empty(b))
-        o, m, l = _ConsumerTile(self, b, args, t, group, row0, col0, sl2, kv_count,
-                                q_frags).loop()
+        tile = _ConsumerTile(self, b, args, t, group, row0, col0, sl2, kv_count, q_frags)
+        if c.drain_idle_groups:  # (the branch through lane 0: ptxas sees it uniform, so the
+            # wgmmas under it stay uniform)
+            has_rows = b.icmp_signed(">", b.sub(t.seqlen_q, t.q0), b.shl(group, i32(6)))
+            has_rows = b.trunc(warp.uniform(b, b.zext(has_rows, i32)), ir.IntType(1))
+            flat = warp.either(b, has_rows, lambda bb: sum(tile.loop(), []),
+                               lambda bb: sum(tile.drain(), []))
+            n_o = hopper.accumulator_count(c.head_dim)
+            o, m, l = flat[:n_o], flat[n_o:n_o + 2], flat[n_o + 2:]
+        else:
+            o, m, l = tile.loop()
         if not c.q_in_registers:
             hopper.mbarrier_arrive(b, mem.q_empty(b))  # every S of this tile is done
         self._epilogue(b, args, t, o, m, l, sl2, row0, col0, group)
@@ -924,6 +953,14 @@ DEFER_ALPHA_HEAD_DIMS = (64,)
 # the bit; with two warpgroups, head dims 128 and 256 lost 2-11 % (other schedules there).
 UNIFORM_GROUP_CONSUMER_GROUPS = 3
 
+# `drain_idle_groups`: the builds with this many consumer warpgroups. On the H200 (one
+# process, two runs of 6 and 10 rounds, outputs equal to the bit): B4 S4096 H32 D64, whose
+# last query tile of a head holds 64 rows of 192, plain 492 -> 504 and 493 -> 504 (every
+# round 1.015-1.11x), causal 435 -> 448 and 429 -> 441 (0.97-1.05x). With two warpgroups
+# (head dim 128) the ragged causal rows lost 5-15 % in both runs, the 16 x 2048 batch too,
+# which has no idle warpgroup: the branch and its merge cost those builds, so they keep none.
+DRAIN_IDLE_CONSUMER_GROUPS = 3
+
 # `bit_mask`: where a mask keeps one run of keys per row, the head dims, besides every short
 # band (`BAND_TILES`), that mask a partial tile by bits rather than compares. On the H200
 # (one process, time ratio against the compares, five runs of 5-8 rounds): causal D64
@@ -942,7 +979,8 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
     `DEFER_ALPHA_HEAD_DIMS`), then without; a dense build without a mask carries P packed at
     `PACKED_P_UNMASKED_HEAD_DIMS`; the mask by bits at `BIT_MASK_HEAD_DIMS` and on short
     bands; with `UNIFORM_GROUP_CONSUMER_GROUPS` consumer warpgroups each build with
-    `uniform_group` first, then without. Not validated."""
+    `uniform_group` first, then without, and every one with `drain_idle_groups`
+    (`DRAIN_IDLE_CONSUMER_GROUPS`). Not validated."""
     if options.block_m is not None:
         tiles = ((options.block_m, options.block_n),)
     else:
@@ -958,7 +996,8 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
     bit_mask = options.head_dim in BIT_MASK_HEAD_DIMS or _short_band(options)
     defer_alpha = options.head_dim in DEFER_ALPHA_HEAD_DIMS
     return tuple(replace(config, stages=stages, lazy_rescale=lazy,
-                         defer_alpha=lazy and defer_alpha, uniform_group=uniform)
+                         defer_alpha=lazy and defer_alpha, uniform_group=uniform,
+                         drain_idle_groups=config.consumer_groups == DRAIN_IDLE_CONSUMER_GROUPS)
                  for config in (replace(base, block_m=m, block_n=n, q_in_registers=q,
                                         softmax_under_pv=options.mask is not None,
                                         carry_packed_p=carry_packed_p, bit_mask=bit_mask)
