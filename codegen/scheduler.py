@@ -158,13 +158,8 @@ class _TargetBuiltins(Builtins):
             published[field] = b.trunc(stored, i1) if v.type == i1 else stored
         b.branch(done_bb)
         b.position_at_end(done_bb)
-        merged = {}
-        for field, v in computed.items():
-            phi = b.phi(v.type)
-            phi.add_incoming(v, miss_end)
-            phi.add_incoming(published[field], hit_bb)
-            merged[field] = phi
-        return merged
+        return dict(zip(computed, warp.merge(b, list(computed.values()), miss_end,
+                                             [published[f] for f in computed], hit_bb)))
 
     def loop_fuel(self, lower: FunctionLowering):
         # Every iteration burns fuel, so a loop that never ends stops: on the host the

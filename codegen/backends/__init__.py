@@ -548,13 +548,9 @@ def masked_unless(b: ir.IRBuilder, always: ir.Value, values: list[ir.Value],
     mask_end = b.block
     b.branch(merged_bb)
     b.position_at_end(merged_bb)
-    merged = []
-    for value, masked_value in zip(values, masked, strict=True):
-        phi = b.phi(value.type)
-        phi.add_incoming(value, before)
-        phi.add_incoming(masked_value, mask_end)
-        merged.append(phi)
-    return merged
+    if len(masked) != len(values):
+        raise ValueError(f"mask() gave {len(masked)} values for {len(values)}")
+    return warp.merge(b, values, before, masked, mask_end)
 
 
 def spill_free_build(backend: str, target: Target,

@@ -670,10 +670,9 @@ class _TileKernel:
             then = b.block
         merged = [[[[None] * 4 for _ in mt] for mt in tile] for tile in tiles]
         for out, masked, tile in zip(merged, kept, tiles):
-            for i, j, e in elements:
-                phi = b.phi(f32)
-                phi.add_incoming(masked[i][j][e], then)
-                phi.add_incoming(tile[i][j][e], pre)
+            phis = warp.merge(b, [masked[i][j][e] for i, j, e in elements], then,
+                              [tile[i][j][e] for i, j, e in elements], pre)
+            for (i, j, e), phi in zip(elements, phis):
                 out[i][j][e] = phi
         return merged
 
