@@ -5,6 +5,7 @@ one process.
     python benchmarks/hopper.py          # needs an H100/H200 (compute capability 9.0)
     python benchmarks/hopper.py --no-flex  # without FlexAttention (its compiles take minutes)
     python benchmarks/hopper.py --only window,causal_d64  # the rows of these declarations
+    python benchmarks/hopper.py --only causal_d64 --runs 3  # each row timed 3 times
 
 Each row checks both designs against the float64 reference first (relative error), then
 times them and torch's kernels in turn, round after round (`mhadsl.bench.time_side_by_side`:
@@ -176,7 +177,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
     parser.add_argument("--only", help="comma-separated declarations: only their rows")
+    parser.add_argument("--runs", type=int, default=1, help=(
+        "time each row this many times, one line each (a noisy row's range over runs)"))
     cli = parser.parse_args()
+    if cli.runs < 1:
+        parser.error(f"--runs {cli.runs}: at least 1")
     names = {name for name, _ in WORKLOADS}
     only = set(cli.only.split(",")) if cli.only else names
     if only - names:
@@ -207,21 +212,28 @@ def main() -> None:
         fns["flex"] = None if cli.no_flex else \
             flex_fn(torch, kernels["sm90"], name, problem, args, expected)
         fns["fa4"] = fa4_fn(torch, name, problem, args, expected)
-        times = time_side_by_side(torch, fns)
-        tflops = {d: None if t is None else flops / t.ms / 1e9 for d, t in times.items()}
+        for run in range(cli.runs):
+            label = name if cli.runs == 1 else f"{name} (run {run + 1}/{cli.runs})"
+            print_row(label, problem, flops, time_side_by_side(torch, fns), errors)
 
-        def f(x):
-            return "—" if x is None else f"{x:.0f}"
-        def ratio(peer):  # and the lowest and highest of the rounds' ratios
-            if times[peer] is None:
-                return "—"
-            rounds = [c / s for s, c in zip(times["sm90"].round_ms, times[peer].round_ms)]
-            return (f"{tflops['sm90'] / tflops[peer]:.3f}x "
-                    f"({min(rounds):.2f}–{max(rounds):.2f})")
-        print(f"| {name} | {problem.describe()} | {f(tflops['sm80'])} | "
-              f"{f(tflops['sm90'])} | {f(tflops['flash'])} | {f(tflops['cudnn'])} | "
-              f"{f(tflops['flex'])} | {f(tflops['fa4'])} | {ratio('cudnn')} | {ratio('fa4')} | "
-              f"{errors[0]:.1e}, {errors[1]:.1e} |", flush=True)
+
+def print_row(label: str, problem: Problem, flops: float, times: dict, errors: list) -> None:
+    """One line of the table: TFLOP/s per column, sm90's ratios to cuDNN and FA4 by the
+    medians and (lowest–highest) over the rounds."""
+    tflops = {d: None if t is None else flops / t.ms / 1e9 for d, t in times.items()}
+
+    def f(x):
+        return "—" if x is None else f"{x:.0f}"
+
+    def ratio(peer):
+        if times[peer] is None:
+            return "—"
+        rounds = [c / s for s, c in zip(times["sm90"].round_ms, times[peer].round_ms)]
+        return f"{tflops['sm90'] / tflops[peer]:.3f}x ({min(rounds):.2f}–{max(rounds):.2f})"
+    print(f"| {label} | {problem.describe()} | {f(tflops['sm80'])} | "
+          f"{f(tflops['sm90'])} | {f(tflops['flash'])} | {f(tflops['cudnn'])} | "
+          f"{f(tflops['flex'])} | {f(tflops['fa4'])} | {ratio('cudnn')} | {ratio('fa4')} | "
+          f"{errors[0]:.1e}, {errors[1]:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -77,3 +77,31 @@ def test_hopper_benchmark_refuses_rows_it_does_not_have():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--only: no rows for nope" in done.stderr and "window" in done.stderr
+
+
+def test_hopper_benchmark_row_gives_ratios_by_medians_and_rounds(capsys):
+    """A row of `benchmarks/hopper.py`: TFLOP/s from each column's median, and sm90's ratio
+    to a peer as the medians' with the lowest and highest of the rounds' ratios; a column
+    that did not run is a dash."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    try:
+        import hopper
+    finally:
+        sys.path.pop(0)
+    from mhadsl.bench import Problem, Timing
+    times = {"sm80": Timing(2.0, (2.0, 2.0)), "sm90": Timing(1.0, (1.0, 0.5)),
+             "flash": None, "cudnn": Timing(1.1, (1.2, 0.6)), "flex": None,
+             "fa4": Timing(0.9, (0.8, 1.0))}
+    hopper.print_row("causal_d64 (run 2/3)", Problem(4, 4096, 4096, 32, 32, 64), 2e12, times,
+                     [2e-3, 2.1e-3])
+    cells = [c.strip() for c in capsys.readouterr().out.split("|")[1:-1]]
+    assert cells[0] == "causal_d64 (run 2/3)"
+    assert cells[2:8] == ["1000", "2000", "—", "1818", "—", "2222"]
+    assert cells[8] == "1.100x (1.20–1.20)" and cells[9] == "0.900x (0.80–2.00)"
+
+
+def test_hopper_benchmark_refuses_fewer_than_one_run():
+    script = Path(__file__).parent.parent / "benchmarks" / "hopper.py"
+    done = subprocess.run([sys.executable, str(script), "--runs", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--runs 0: at least 1" in done.stderr
