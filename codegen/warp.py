@@ -339,9 +339,9 @@ def online_softmax_row(builder: ir.IRBuilder, scores: list[ir.Value], m_old: ir.
 def merge(b: ir.IRBuilder, first: list[ir.Value], first_block: ir.Block,
           second: list[ir.Value], second_block: ir.Block) -> list[ir.Value]:
     """At the top of a join block: one phi per pair, `first` coming from `first_block` and
-    `second` from `second_block`."""
+    `second` from `second_block` (as many of each)."""
     merged = []
-    for x, y in zip(first, second):
+    for x, y in zip(first, second, strict=True):
         phi = b.phi(x.type)
         phi.add_incoming(x, first_block)
         phi.add_incoming(y, second_block)

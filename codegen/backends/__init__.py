@@ -548,8 +548,6 @@ def masked_unless(b: ir.IRBuilder, always: ir.Value, values: list[ir.Value],
     mask_end = b.block
     b.branch(merged_bb)
     b.position_at_end(merged_bb)
-    if len(masked) != len(values):
-        raise ValueError(f"mask() gave {len(masked)} values for {len(values)}")
     return warp.merge(b, values, before, masked, mask_end)
 
 
