@@ -196,17 +196,23 @@ def test_head_dim_64_consumers_read_their_warpgroup_index_through_lane_0(head_di
     assert not any(c.uniform_group for c in configs if c.consumer_groups != 3)
 
 
+CAUSAL = "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx"
+
+
 @needs_ptxas
-def test_a_warpgroup_with_no_row_inside_the_sequence_only_drains_the_kv_loop(monkeypatch,
+@pytest.mark.parametrize("mask", ["", CAUSAL], ids=["plain", "causal"])
+def test_a_warpgroup_with_no_row_inside_the_sequence_only_drains_the_kv_loop(mask, monkeypatch,
                                                                             tmp_path):
     """With three consumer warpgroups (192-row tiles), one whose 64 rows all lie past the
     sequence (the last query tile of a sequence of 4096 holds 64 rows) goes through the KV
     loop on its waits and arrivals alone, with no wgmma (`drain_idle_groups`: B4 S4096 D64
-    1.02x plain, 1.03x causal on the H200); two warpgroups (head dim 128) keep one loop."""
+    1.02x plain, 1.03x causal on the H200); two warpgroups (head dim 128) keep one loop.
+    Under a mask each warpgroup also searches for its own rows' last kept KV tile and drains
+    the tiles past it (causal D64 1.02x more)."""
     from mhadsl.codegen.backends import sm90
     from mhadsl.runtime import cache
-    program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = 64 }}\n"
-                             "attention b { dtype = bf16  head_dim = 128 }")
+    program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = 64  {mask} }}\n"
+                             f"attention b {{ dtype = bf16  head_dim = 128  {mask} }}")
 
     def consumers(name, store=None):
         kb = build_kernel(program.checked, KernelRequest(name, "sm_90a", "sm90", Layout()),
@@ -224,6 +230,10 @@ def test_a_warpgroup_with_no_row_inside_the_sequence_only_drains_the_kv_loop(mon
         assert drained.count(what) > looped.count(what)
     assert drained.count("shfl.sync.idx") == looped.count("shfl.sync.idx") + 1
     assert drained.count("wgmma.mma_async") == looped.count("wgmma.mma_async")
+    # the warp's searches (a ballot each): the KV range's, the idle drain's copy of it, and
+    # under a mask the warpgroup's own end
+    searches = looped.count("vote.sync.ballot")
+    assert drained.count("vote.sync.ballot") == 2 * searches + (1 if mask else 0)
 
 
 @pytest.mark.parametrize("body, apart", [

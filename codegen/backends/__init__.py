@@ -411,18 +411,26 @@ class WorkTile:
         may = self.may_keep
         first = masked_unless(b, may(b, i32(0)), [i32(0)], lambda bb: [
             warp.first_true(bb, i32(1), self.n_blocks, may)])[0]
-        last = b.sub(self.n_blocks, i32(1))
-        end = masked_unless(b, may(b, last), [self.n_blocks], lambda bb: [
+        return first, self.kept_end(b, first, self.n_blocks, may)
+
+    @staticmethod
+    def kept_end(b: ir.IRBuilder, first: ir.Value, end: ir.Value, may) -> ir.Value:
+        """One past the last KV tile n in [first, end) for which `may(b, n)` holds, `first`
+        where none does (`first` < `end`): the warp's lanes ask of tile `end - 1` alone
+        first, then search down together."""
+        last = b.sub(end, i32(1))
+        return masked_unless(b, may(b, last), [end], lambda bb: [
             warp.last_true(bb, first, last, may)])[0]
-        return first, end
 
     def may_keep(self, b: ir.IRBuilder, n: ir.Value) -> ir.Value:
         """Whether KV tile n may hold a kept pair (`classify`'s first answer)."""
         return self.classify(b, n)[0]
 
-    def classify(self, b: ir.IRBuilder, n: ir.Value) -> tuple[ir.Value, ir.Value]:
+    def classify(self, b: ir.IRBuilder, n: ir.Value,
+                 rows: tuple[ir.Value, ir.Value] | None = None) -> tuple[ir.Value, ir.Value]:
         """(may hold a kept pair, every pair kept) for KV tile n, the sequence's tail
-        included (a tile past `seqlen_k` is never all kept)."""
+        included (a tile past `seqlen_k` is never all kept), over the work tile's query rows
+        or those from `rows[0]` to `rows[1]` (a part of them: a warpgroup's own)."""
         block_n = self.c.block_n
         kv_lo = b.mul(n, i32(block_n))
         in_bounds = self.in_bounds(b, n)
@@ -430,8 +438,9 @@ class WorkTile:
             always = in_bounds if self.hooks.mask is None else ir.Constant(i1, 0)
             return ir.Constant(i1, 1), always
         kv_hi = last_index(b, kv_lo, block_n, self.seqlen_k)
-        may, always = self.hooks.classify(b, self.bidx, self.h, self.q0, self.q_hi, kv_lo,
-                                          kv_hi, self.seqlen_q, self.seqlen_k)
+        q_lo, q_hi = rows or (self.q0, self.q_hi)
+        may, always = self.hooks.classify(b, self.bidx, self.h, q_lo, q_hi, kv_lo, kv_hi,
+                                          self.seqlen_q, self.seqlen_k)
         return may, b.and_(always, in_bounds)
 
     def in_bounds(self, b: ir.IRBuilder, n: ir.Value) -> ir.Value:

@@ -25,7 +25,9 @@ thread at head dim 128); at head dim 64, where the exponentials balance the GEMM
 own two a tile run only there too (`defer_alpha`). There, too, a consumer warpgroup none of
 whose 64 rows lies inside the sequence (the last query tile of a sequence of 4096: 64 rows
 of 192) only waits and arrives through the KV loop (`drain_idle_groups`), so the one with
-rows has the tensor cores and the MUFU to itself.
+rows has the tensor cores and the MUFU to itself; under a mask each warpgroup classifies the
+KV tiles over its own 64 rows, so on a causal diagonal it stops at its own last kept tile
+(waits and arrivals after it) and masks per element only the tiles partial for its rows.
 Completion runs on mbarriers: `q_full`, and per stage `full` and `empty` for K and for V
 apart (full: the producer's expect_tx, the copies' bytes; empty: one arrival per consumer
 thread once its wgmma read the buffer), so K of tile n+2 loads as soon as S of tile n is
@@ -82,8 +84,8 @@ from mhadsl.codegen import hopper, nvptx, warp
 from mhadsl.codegen.abi import KernelABI, Param, TensorMap
 from mhadsl.codegen.backends import (
     FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
-    LaunchShape, Layout, Problem, WorkTile, common_problems, ir_loop, masked_unless,
-    spill_free_build,
+    LaunchShape, Layout, Problem, WorkTile, common_problems, ir_loop, last_index,
+    masked_unless, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.scheduler import Handoff, count_exit, init_handoff
@@ -136,7 +138,10 @@ class HopperConfig:
     uniform_group: bool = False
     # a consumer warpgroup none of whose rows lies inside the sequence (a sequence's last
     # tile) only waits and arrives through the KV loop (`_ConsumerTile.drain`), leaving the
-    # tensor cores and the MUFU to the others: DRAIN_IDLE_CONSUMER_GROUPS
+    # tensor cores and the MUFU to the others; under a mask each warpgroup classifies the KV
+    # tiles over its own rows: it only waits and arrives through those past its rows' last
+    # kept tile, and masks per element only the tiles partial for its rows:
+    # DRAIN_IDLE_CONSUMER_GROUPS
     drain_idle_groups: bool = False
 
     @property
@@ -352,6 +357,12 @@ class _ConsumerTile:
         self.args, self.t, self.group, self.row0, self.col0 = args, t, group, row0, col0
         self.sl2, self.kv_count = sl2, kv_count
         self.q_frags = q_frags  # Q's A fragments (`HopperConfig.q_in_registers`), else None
+        # the query rows the KV tiles are classified over: this warpgroup's own
+        # (`drain_idle_groups` under a mask), else None for the work tile's
+        self.rows = None
+        if self.c.drain_idle_groups and t.hooks.classify is not None:
+            q_lo = b.add(t.q0, b.shl(group, i32(6)))
+            self.rows = q_lo, last_index(b, q_lo, GROUP_ROWS, t.seqlen_q)
 
     # -------------------------------------------------------------- building blocks
     def stage(self, bb):
@@ -393,7 +404,7 @@ class _ConsumerTile:
     def softmax(self, bb, n, s, m_old, l_old):
         """The score hook and mask on S of KV tile n, then the online softmax (log2
         domain) over this thread's two rows: (P in f32, m, l, alpha)."""
-        s = self.k._scores(bb, self.args, self.t, n, s, self.row0, self.col0)
+        s = self.k._scores(bb, self.args, self.t, n, s, self.row0, self.col0, self.rows)
         m_new, l_new, alpha, p = [None, None], [None, None], [None, None], list(s)
         for r in range(2):
             mine = [j for j in range(len(s)) if (j // 2) % 2 == r]
@@ -442,6 +453,11 @@ class _ConsumerTile:
         tile's waits and arrivals in the ring's order, so the stages turn as for the others,
         with no GEMM and no softmax to share the tensor cores and the MUFU with them.
         Returns zero accumulators and sums for the epilogue (which writes no row of it)."""
+        self.drain_range(*self.t.kv_range(self.b))
+        return self.start_values(self.b)
+
+    def drain_range(self, first, end):
+        """The waits and arrivals alone of the KV tiles in [first, end)."""
         b, mem, t = self.b, self.mem, self.t
 
         def step(bb, n, carried):
@@ -451,9 +467,7 @@ class _ConsumerTile:
                 hopper.mbarrier_arrive(bb, mem.empty(bb, which, stage))
             bump(bb)
             return carried
-        first, end = t.kv_range(b)
         t.kv_loop(b, [], step, first, end)
-        return self.start_values(b)
 
     def loop(self):
         """The KV tiles, FlashAttention-3's order: S of KV tile n is issued with P V of
@@ -461,7 +475,10 @@ class _ConsumerTile:
         P V follows the loop)."""
         b, mem, t = self.b, self.mem, self.t
         o0, m0, l0 = self.start_values(b)
-        first, end = t.kv_range(b)
+        first, tile_end = t.kv_range(b)
+        end = tile_end  # this warpgroup's: past its rows' last kept tile, it only drains
+        if self.rows is not None:
+            end = t.kept_end(b, first, tile_end, lambda bb, n: t.classify(bb, n, self.rows)[0])
         entry = b.block
         head_bb, done_bb = (b.function.append_basic_block(f"kv.{x}") for x in ("first", "done"))
         b.cbranch(b.icmp_signed("<", first, end), head_bb, done_bb)
@@ -532,6 +549,8 @@ class _ConsumerTile:
 
         b.position_at_end(done_bb)
         merged = warp.merge(b, o0 + m0 + l0, entry, o + m + l, last)
+        if end is not tile_end:
+            self.drain_range(end, tile_end)
         return merged[:len(o)], merged[len(o):len(o) + 2], merged[len(o) + 2:]
 
 
@@ -652,8 +671,9 @@ class _Kernel:
                                                            offset)))
         return frags
 
-    def _scores(self, b, args, t: _Tile, n, s, row0, col0):
-        """The score hook, then the mask on partial tiles (a branch; S merges in phis)."""
+    def _scores(self, b, args, t: _Tile, n, s, row0, col0, rows=None):
+        """The score hook, then the mask on tiles partial for the query rows `rows` (the
+        work tile's where None; a branch; S merges in phis)."""
         hooks, c = self.hooks, self.c
         kv_base = b.mul(n, i32(c.block_n))
 
@@ -666,7 +686,7 @@ class _Kernel:
         if hooks.score is not None:
             s = [t.scored(b, b.fmul(v, args.softmax_scale), q_idx(j), kv_idx(j))
                  for j, v in enumerate(s)]
-        _, always = t.classify(b, n)
+        _, always = t.classify(b, n, rows)
         if hooks.kv_limits is not None and c.bit_mask:  # a run of keys a row: mask and bounds
             def by_limits(bb):  # (value j: row (j // 2) % 2, fragment index 2 (j // 4) + j % 2)
                 rows = [warp.kept_fragment_bits(bb, *t.row_keys(
@@ -959,6 +979,9 @@ UNIFORM_GROUP_CONSUMER_GROUPS = 3
 # round 1.015-1.11x), causal 435 -> 448 and 429 -> 441 (0.97-1.05x). With two warpgroups
 # (head dim 128) the ragged causal rows lost 5-15 % in both runs, the 16 x 2048 batch too,
 # which has no idle warpgroup: the branch and its merge cost those builds, so they keep none.
+# The KV tiles classified over each warpgroup's own rows, on top (FA4 beside): causal D64
+# 444 -> 457 (1.018-1.103x, 8 rounds) and 441 -> 457 (1.028-1.061x, 10 rounds), outputs
+# equal to the bit; plain D64 has no mask and the same PTX.
 DRAIN_IDLE_CONSUMER_GROUPS = 3
 
 # `bit_mask`: where a mask keeps one run of keys per row, the head dims, besides every short
