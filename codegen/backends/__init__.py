@@ -416,7 +416,7 @@ class WorkTile:
     @staticmethod
     def kept_end(b: ir.IRBuilder, first: ir.Value, end: ir.Value, may) -> ir.Value:
         """One past the last KV tile n in [first, end) for which `may(b, n)` holds, `first`
-        where none does (`first` < `end`): the warp's lanes ask of tile `end - 1` alone
+        where none does (`first` <= `end`): the warp's lanes ask of tile `end - 1` alone
         first, then search down together."""
         last = b.sub(end, i32(1))
         return masked_unless(b, may(b, last), [end], lambda bb: [
