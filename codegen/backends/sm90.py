@@ -549,7 +549,7 @@ class _ConsumerTile:
 
         b.position_at_end(done_bb)
         merged = warp.merge(b, o0 + m0 + l0, entry, o + m + l, last)
-        if end is not tile_end:
+        if self.rows is not None:  # the tiles past this warpgroup's rows' last kept one
             self.drain_range(end, tile_end)
         return merged[:len(o)], merged[len(o):len(o) + 2], merged[len(o) + 2:]
 
