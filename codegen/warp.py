@@ -144,6 +144,12 @@ def uniform(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
                 [i32(FULL_MASK), value, i32(0), i32(31)])
 
 
+def uniform_flag(builder: ir.IRBuilder, flag: ir.Value) -> ir.Value:
+    """The i1 `flag` of lane 0 (`uniform`): a branch on it is one ptxas knows the warp takes
+    together, so it needs no reconvergence and leaves what runs after it uniform."""
+    return builder.trunc(uniform(builder, builder.zext(flag, i32)), ir.IntType(1))
+
+
 def quad_transpose(builder: ir.IRBuilder, values: list[ir.Value]) -> list[ir.Value]:
     """The 4 x 4 transpose of a quad's (four consecutive lanes') four i32 values each: lane
     t's values[u] becomes lane u's [t]. An accumulator row's quad, holding two columns of

@@ -25,9 +25,9 @@ def test_examples_cover_the_promised_variants():
 # a 9.0 device runs only when forced (its default there is sm90): the valid-tile index's
 # lookups (binary search over cu_seqlens' tile prefix sums) under LPT moved two of them onto
 # the fallback and softcap_causal off it (the dense sliding window too); the work loop's
-# zeroed SeqInfo after the last advance (fewer registers live) moved the sliding window's.
-NARROW_TILE_BUILDS = {(name, "sm_90a", True) for name in (
-    "causal_fwd", "gqa_causal", "sliding_window_256")}
+# zeroed SeqInfo after the last advance (fewer registers live) moved the sliding window's,
+# and K's rows taken from Q's where a call passes one offsets tensor moved it back.
+NARROW_TILE_BUILDS = {(name, "sm_90a", True) for name in ("causal_fwd", "gqa_causal")}
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])

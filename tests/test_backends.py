@@ -1,5 +1,6 @@
 """The backend interface: target and design per compute capability (faked, no GPU needed),
 and the backends' constraints as `check` diagnostics at the setting at fault."""
+import re
 import time
 from dataclasses import replace
 
@@ -141,3 +142,29 @@ def test_the_backward_and_sm90_look_for_kept_tiles_a_warp_at_a_time(monkeypatch,
         assert build.backend == design
         together = "activemask.b32" in build.ptx and "vote.sync.ballot.b32" in build.ptx
         assert together == (design.startswith("backward") or design == "sm90"), design
+
+
+@pytest.mark.parametrize("arch, design, kernel, roles", [
+    ("sm_90a", "sm90", "mha_fwd_sm90", 2), ("sm_80", "sm80", "mha_fwd", 1)])
+def test_ragged_tiles_take_the_keys_rows_from_the_queries_where_one_offsets_tensor_is_passed(
+        arch, design, kernel, roles):
+    """Self-attention passes one offsets tensor for Q and K: each role that runs a work tile
+    compares the two pointers (`WorkTile._key_rows`) and reads cu_seqlens_k only where they
+    differ; a dense build has no offsets to compare."""
+    from mhadsl.build import build_kernel
+    from mhadsl.codegen.backends import FORWARD_PARAMS
+    program = mhadsl.compile(REPO / "examples" / "causal.mha")
+    names = [p.name for p in FORWARD_PARAMS]
+
+    def compares(layout):
+        ptx = build_kernel(program.checked,
+                           KernelRequest("causal_fwd", arch, design, layout)).ptx
+        loads = [re.search(rf"ld\.param\.b64\s+(%rd\d+), \[{kernel}_param_{names.index(n)}\]",
+                           ptx) for n in ("cu_seqlens_q", "cu_seqlens_k")]
+        if not all(loads):  # (a dense build reads neither)
+            return 0
+        pair = {m.group(1) for m in loads}
+        return sum(set(m.groups()) == pair for m in re.finditer(
+            r"setp\.(?:eq|ne)\.b64\s+%p\d+, (%rd\d+), (%rd\d+);", ptx))
+    assert compares(Layout(ragged=True)) == roles
+    assert compares(Layout()) == 0

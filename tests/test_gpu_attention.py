@@ -96,11 +96,14 @@ def dense(kern, b, sq, sk, hq, hkv, **kw):
     return dict(q=q, k=k, v=v, **kw)
 
 
-def ragged(kern, lens_q, lens_k, hq, hkv, **kw):
+def ragged(kern, lens_q, lens_k, hq, hkv, one_offsets=False, **kw):
+    """A ragged call; `one_offsets`: one offsets tensor for Q and K, as self-attention passes
+    (the kernels then take K's rows from Q's, `WorkTile._key_rows`), else two."""
     d = kern.options.head_dim
     dt = torch.bfloat16 if kern.options.dtype == "bf16" else torch.float16
     cq = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
-    ck = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
+    ck = cq if one_offsets else \
+        torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
     q = rand(sum(lens_q), hq, d, dtype=dt)
     k, v = rand(sum(lens_k), hkv, d, dtype=dt), rand(sum(lens_k), hkv, d, dtype=dt)
     return dict(q=q, k=k, v=v, cu_seqlens_q=cq, cu_seqlens_k=ck, **kw)
@@ -151,6 +154,7 @@ def test_examples_against_reference(file, name, layout, backend):
         assert_matches(kern, dense(kern, 1, 3000, 3000, 2, 2))
     else:
         assert_matches(kern, ragged(kern, RAGGED, RAGGED, 3, 3))
+        assert_matches(kern, ragged(kern, RAGGED, RAGGED, 3, 3, one_offsets=True))
 
 
 def test_bottom_right_causal_with_longer_keys(backend):
