@@ -6,7 +6,7 @@ each tool finds. Needs an NVIDIA GPU, torch and compute-sanitizer on PATH.
                                    [--backend sm80|sm90]   (default: the device's choice)
 
 The kernels are built (and cached on disk) first, outside the sanitizer; then each tool runs
-this script's `--worker` mode, which launches the 8 cases and checks each output against
+this script's `--worker` mode, which launches the 12 cases and checks each output against
 torch's SDPA. Exit status 0 when every tool ran and found no error, 1 otherwise.
 """
 from __future__ import annotations
@@ -26,10 +26,12 @@ SOURCE = 'import "std/schedulers.mha"\n' + "\n".join(
     f"    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }}" for s in SCHEDULERS)
 RAGGED_Q, RAGGED_K = (0, 1, 130, 77), (5, 1, 130, 200)
 TOOLS = ("memcheck", "racecheck", "synccheck")
+CASES = 3 * len(SCHEDULERS)  # launches of `cases`
 
 
 def cases(torch):
-    """(name, kwargs) of the 8 launches: each scheduler, dense and ragged."""
+    """(name, kwargs) of the CASES launches: each scheduler, dense, ragged, and ragged with
+    one offsets tensor for Q and K (self-attention: K's rows taken from Q's)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def rand(*shape):
@@ -46,6 +48,10 @@ def cases(torch):
         yield name, "ragged", dict(q=rand(sum(RAGGED_Q), 2, 64), k=rand(sum(RAGGED_K), 2, 64),
                                    v=rand(sum(RAGGED_K), 2, 64), cu_seqlens_q=offsets(RAGGED_Q),
                                    cu_seqlens_k=offsets(RAGGED_K))
+        rows, total = offsets(RAGGED_Q), sum(RAGGED_Q)
+        yield name, "ragged self", dict(q=rand(total, 2, 64), k=rand(total, 2, 64),
+                                        v=rand(total, 2, 64), cu_seqlens_q=rows,
+                                        cu_seqlens_k=rows)
 
 
 def sdpa_error(torch, args, out) -> float:
@@ -186,9 +192,10 @@ def main() -> int:
         (opts.log_dir / f"{tool}.log").write_text(log)
         errors = summary(tool, log)
         cases_run = log.count("case ")
-        ok = status == 0 and errors == 0 and cases_run == 8
+        ok = status == 0 and errors == 0 and cases_run == CASES
         clean &= ok
-        print(f"{tool:10s} {'clean' if ok else 'FAILED'}: {errors} errors, {cases_run}/8 cases, "
+        print(f"{tool:10s} {'clean' if ok else 'FAILED'}: {errors} errors, "
+              f"{cases_run}/{CASES} cases, "
               f"exit {status}, {time.perf_counter() - start:.0f} s "
               f"(log: {opts.log_dir / (tool + '.log')})")
     return 0 if clean else 1
