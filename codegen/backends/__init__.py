@@ -385,20 +385,19 @@ class WorkTile:
         self.bidx, self.h, self.q0 = seq.prompt_idx, seq.head_idx, seq.prompt_offset
         self.seqlen_q, self.q_start = seq.seq_len, seq.start_of_seq
         self.hk = b.udiv(self.h, i32(config.gqa_group)) if config.gqa_group > 1 else self.h
-        self.k_start, self.seqlen_k = self._key_rows(b, config.ragged, args)
+        self.k_start, self.seqlen_k = self._key_rows(b, args)
         self.n_blocks = b.udiv(b.add(self.seqlen_k, i32(config.block_n - 1)),
                                i32(config.block_n))
         self.q_hi = last_index(b, self.q0, config.block_m, self.seqlen_q)
 
-    def _key_rows(self, b: ir.IRBuilder, ragged: bool, args: KernelArgs
-                  ) -> tuple[ir.Value, ir.Value]:
+    def _key_rows(self, b: ir.IRBuilder, args: KernelArgs) -> tuple[ir.Value, ir.Value]:
         """(first row, length) of the sequence in K and V: from cu_seqlens_k, but the query
         rows' (the SeqInfo's, which are cu_seqlens_q's) where the call passes the same
         offsets for both, as self-attention does: no dependent global loads at every work
         tile's start. On the H200 (sm90, causal D128, one process): on top of the
         epilogue's uniform branch, ragged 8192...64 x 2 595 -> 600 TFLOP/s and 16 x 2048
         491 -> 499; alone, level (585 -> 586, 496 -> 495)."""
-        if not ragged:
+        if not self.c.ragged:
             return sequence_rows(b, False, args.cu_seqlens_k, args.seqlen_k, self.bidx)
         same = b.icmp_unsigned("==", b.ptrtoint(args.cu_seqlens_k, i64),
                                b.ptrtoint(args.cu_seqlens_q, i64))
