@@ -246,7 +246,8 @@ def test_the_backward_work_space_is_covered_exactly_once(scheduler, args):
 def _broken_persistent() -> str:
     """The standard Persistent scheduler with one bug: it strides twice as far."""
     text = (REPO / "mhadsl/std/schedulers.mha").read_text()
-    rules = text[text.index("scheduler Persistent"):text.index("// Dynamic persistent")]
+    start = text.index("scheduler Persistent")
+    rules = text[start:text.index("\n}\n", start) + 3]
     assert "state.idx += grid_dim.x" in rules
     return 'import "std/schedulers.mha"\n' + rules.replace(
         "scheduler Persistent", "scheduler Skips").replace(
