@@ -1,9 +1,10 @@
 """Benchmark: mhadsl attention kernels next to torch SDPA's flash and cuDNN backends.
 
-    python benchmarks/attention.py            # BENCHMARKS.md's headline shapes + masked/ragged workloads
+    python benchmarks/attention.py            # `mhadsl bench`'s shapes + masked/ragged workloads
 
 Same process, same inputs, median of timed runs after warm-up (CUDA events); TFLOP/s count
-4*D*H per (query, key) pair the mask keeps. Prints a Markdown table for BENCHMARKS.md.
+4*D*H per (query, key) pair the mask keeps. Prints a Markdown table (figures worth keeping go
+into benchmarks/results.json, from which benchmarks/report.py writes BENCHMARKS.md).
 """
 import datetime
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Everything this project verifies on a GPU, in one go (the HARDENING.md and BENCHMARKS.md
-# figures): the GPU test layer, compute-sanitizer over every standard scheduler, and the
-# benchmark tables (both designs side by side, the default design's, tile variants). Logs go to $1
-# (default gpu-check/).
+# Everything this project verifies on a GPU, in one go (the HARDENING.md figures and the
+# benchmark figures recorded in benchmarks/results.json): the GPU test layer,
+# compute-sanitizer over every standard scheduler, and the benchmark tables (both designs
+# side by side, the default design's, tile variants). Logs go to $1 (default gpu-check/).
 #     bash benchmarks/gpu_check.sh [LOG_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."

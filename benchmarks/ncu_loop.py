@@ -14,7 +14,7 @@ header, one row per SASS instruction with its executions and warp-stall samples)
 per kernel, the hot loop (the instructions run most often, weighted by their count) with its
 instructions per trip by opcode, then the instructions that gathered the most stall samples
 and their leading reasons. It found that ptxas had hoisted P V's wait above the whole softmax
-in unmasked builds (BENCHMARKS.md, twenty-seventh session).
+in unmasked builds (benchmarks/log/BENCHMARKS_LOG.md, twenty-seventh session).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ cubin with `cuobjdump -sass` and follows the consumer's KV loop: from S's wait
 (`WARPGROUP.DEPBAR.LE gsb0, 0x1`) to P V's wait (`gsb0, 0x0`), and from there to the next
 wgmma. FlashAttention-3's intra-warpgroup overlap wants the softmax's exponentials
 (`MUFU.EX2`) in the first stretch, under the P V of the previous KV tile; the 2026-11-30
-builds have all of them in the second (benchmarks/HOPPER_NOTES.md, version 7). Needs no GPU.
+builds have all of them in the second (benchmarks/log/HOPPER_NOTES.md, version 7). Needs no GPU.
 """
 from __future__ import annotations
 
