@@ -1,15 +1,23 @@
 """PTX -> cubin with NVIDIA's `ptxas`, and its resource report per kernel.
 
-`ptxas` is looked up on PATH, then in the `nvidia-cuda-nvcc` wheel (the `test` extra
-installs it), so a machine without a CUDA toolkit can still assemble and count spills.
+`ptxas` is $MHADSL_PTXAS when set (a path, or a command on PATH), else looked up on PATH,
+then in the `nvidia-cuda-nvcc` wheel (the `test` extra installs it), so a machine without a
+CUDA toolkit can still assemble and count spills. An $MHADSL_PTXAS that is not an executable
+file is an `AssemblerError` naming it, never a fall back to another ptxas.
+
+A run of ptxas that lasts past $MHADSL_PTXAS_TIMEOUT seconds (default 300: the largest
+kernels take tens of seconds) is stopped, with every process it started, and is an
+`AssemblerError`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -41,12 +49,19 @@ class AssemblerError(RuntimeError):
     pass
 
 
+DEFAULT_PTXAS_TIMEOUT = 300  # seconds
+
+
 @functools.cache
 def find_ptxas() -> str | None:
     """The ptxas executable: $MHADSL_PTXAS, PATH, or the nvidia-cuda-nvcc wheel."""
     explicit = os.environ.get("MHADSL_PTXAS")
     if explicit:
-        return explicit
+        found = shutil.which(explicit)
+        if found is None:
+            raise AssemblerError(f"MHADSL_PTXAS={explicit}: not an executable file (nor a "
+                                 f"command on PATH)")
+        return found
     found = shutil.which("ptxas")
     if found:
         return found
@@ -79,18 +94,53 @@ def parse_resources(log: str) -> dict[str, KernelResources]:
     return kernels
 
 
-def assemble(ptx: str, arch: str) -> Assembled:
-    """Assemble PTX for `arch` (sm_80, sm_90a) and report each kernel's resources."""
-    ptxas = find_ptxas()
+def ptxas_timeout() -> float:
+    """Seconds a run of ptxas may last: $MHADSL_PTXAS_TIMEOUT, else the default."""
+    text = os.environ.get("MHADSL_PTXAS_TIMEOUT")
+    if not text:
+        return DEFAULT_PTXAS_TIMEOUT
+    # ASCII digits only: float() would also take "nan", "inf" and other scripts' digits
+    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", text) or float(text) == 0:
+        raise AssemblerError(f"MHADSL_PTXAS_TIMEOUT={text}: give a number of seconds above 0")
+    return float(text)
+
+
+def run_ptxas(arguments: list[str]) -> tuple[int, str]:
+    """Run ptxas (which must be found) with `arguments`: its exit status and its output,
+    stdout then stderr. A run past `ptxas_timeout()` is killed and an `AssemblerError`."""
+    ptxas, timeout = find_ptxas(), ptxas_timeout()
     if ptxas is None:
         raise AssemblerError("ptxas not found: install the test extra "
                              "(pip install 'mhadsl[test]') or put CUDA's ptxas on PATH")
+    try:
+        # A session of its own, so that a kill reaches whatever it started too.
+        process = subprocess.Popen([ptxas, *arguments], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
+    except OSError as err:  # the file went away or lost its executable bit since
+        raise AssemblerError(f"cannot run ptxas {ptxas}: {err.strerror}") from None
+    with process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except BaseException as stopped:  # past the timeout, or interrupted (Ctrl-C)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            if isinstance(stopped, subprocess.TimeoutExpired):
+                raise AssemblerError(f"ptxas ran past {timeout:g} s (MHADSL_PTXAS_TIMEOUT) "
+                                     f"and was stopped") from None
+            raise
+    return process.returncode, out + err
+
+
+def assemble(ptx: str, arch: str) -> Assembled:
+    """Assemble PTX for `arch` (sm_80, sm_90a) and report each kernel's resources."""
     with tempfile.TemporaryDirectory(prefix="mhadsl-") as tmp:
         src, out = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
         src.write_text(ptx)
-        proc = subprocess.run([ptxas, f"-arch={arch}", "-v", "-O3", str(src), "-o", str(out)],
-                              capture_output=True, text=True)
-        log = proc.stdout + proc.stderr
-        if proc.returncode != 0:
+        status, log = run_ptxas([f"-arch={arch}", "-v", "-O3", str(src), "-o", str(out)])
+        if status != 0:
             raise AssemblerError(f"ptxas failed for {arch}:\n{log.strip()}")
-        return Assembled(out.read_bytes(), parse_resources(log), log)
+        try:
+            cubin = out.read_bytes()
+        except OSError:
+            raise AssemblerError(f"ptxas exited 0 but wrote no cubin for {arch}") from None
+        return Assembled(cubin, parse_resources(log), log)

@@ -17,14 +17,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import subprocess
 from dataclasses import dataclass
 
 from mhadsl.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.check import CheckedProgram
 from mhadsl.classify import kv_band_tiles
 from mhadsl.codegen import backends
-from mhadsl.codegen.assemble import Assembled, KernelResources, find_ptxas
+from mhadsl.codegen.assemble import Assembled, KernelResources, find_ptxas, run_ptxas
 from mhadsl.codegen.backends import Backend, KernelBuild, Layout
 from mhadsl.codegen.kernel import kernel_source
 from mhadsl.codegen.target import DEFAULT_PTX_VERSION, Target, gpu_target
@@ -112,10 +111,9 @@ def cache_key(program: CheckedProgram, request: KernelRequest, resolved: Plan) -
 @functools.cache
 def _ptxas_version() -> str | None:
     """ptxas's version banner (its cubins are part of an entry), None without ptxas."""
-    ptxas = find_ptxas()
-    if ptxas is None:
+    if find_ptxas() is None:
         return None
-    return subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
+    return run_ptxas(["--version"])[1]
 
 
 def _to_entry(build: KernelBuild) -> dict[str, bytes]:

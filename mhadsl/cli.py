@@ -10,6 +10,8 @@ import argparse
 import importlib.util
 import json
 import os
+import re
+import stat
 import sys
 import time
 from pathlib import Path
@@ -20,7 +22,7 @@ from mhadsl.build import RequestError
 from mhadsl.builtins import GRID_LIMITS
 from mhadsl.codegen import backends
 from mhadsl.codegen.abi import TRACE_WORK_ITEM
-from mhadsl.codegen.assemble import AssemblerError, find_ptxas
+from mhadsl.codegen.assemble import AssemblerError, find_ptxas, ptxas_timeout
 from mhadsl.codegen.backends.backward import BackwardConfig
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.codegen.target import GPU_ARCHS
@@ -31,19 +33,25 @@ from mhadsl.pipeline import CompileOptions, compile_stages, front_end
 from mhadsl.simulate import (
     COST_MODELS, MAX_SEQLEN, MAX_SIMULATED_CTAS, Batch, plot_timeline, simulate,
 )
-from mhadsl.sources import read_source_file
+from mhadsl.sources import check_include_dir, read_source_file
 
 
 class UsageError(Exception):
     """A bad command-line value: printed as `error: ...`, exit 2."""
 
 
-def read_source(path: str) -> tuple[str, Path]:
-    """A .mha file's text and folder; a standard-library file named like
+def source_path(path: str) -> Path:
+    """The file a source's name means: a standard-library file for a name like
     `std/schedulers.mha` when there is no such file here."""
     file = Path(path)
-    if not file.exists() and path.startswith(STD_PREFIX):
+    if path.startswith(STD_PREFIX) and not os.path.exists(file):  # False for a name too long
         file = std_file(path) or file
+    return file
+
+
+def read_source(path: str) -> tuple[str, Path]:
+    """A .mha file's text and folder (see `source_path`)."""
+    file = source_path(path)
     try:
         return read_source_file(file, path).text, file.resolve().parent
     except OSError as err:
@@ -76,12 +84,11 @@ EXTENSIONS = {"llvm": ".ll", "ptx": ".ptx", "cubin": ".cubin"}
 
 def cmd_compile(args: argparse.Namespace) -> int:
     text, base = read_source(args.file)
-    if args.output:
-        _check_output_parent(Path(args.output))
     options = CompileOptions(arch=args.arch, tile_m=args.tile)
     start = time.perf_counter()
-    until = "cubin" if args.emit == "cubin" or find_ptxas() else "ptx"
-    try:
+    try:  # a bad $MHADSL_PTXAS or $MHADSL_PTXAS_TIMEOUT is found before compiling
+        until = "cubin" if args.emit == "cubin" or find_ptxas() else "ptx"
+        ptxas_timeout()
         comp = compile_stages(text, args.file, options, until=until, base_dir=base,
                               include_dirs=args.include,
                               progress=lambda stage: print(f"{args.file}: {stage}...",
@@ -99,7 +106,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.file} declares no scheduler and no attention kernel")
     if any(v is None for v in units.values()):
         raise UsageError("--emit cubin needs ptxas: pip install 'mhadsl[test]'")
-    _write_units(units, args)
+    _write_units(units, args, [source_path(m.span.source.name) for m in comp.artifacts["parse"]])
     summary = sys.stderr if not args.output and not args.quiet else sys.stdout
     what = ", ".join(units)
     print(f"{args.file}: compiled {what} for {args.arch} in {elapsed * 1000:.0f} ms",
@@ -133,19 +140,57 @@ def _units(comp, emit: str) -> dict[str, str | bytes | None]:
     return units
 
 
-def _check_output_parent(out: Path) -> None:
-    """-o must name something in an existing folder (checked before compiling)."""
+def _check_output(text: str, flag: str, inputs: list[Path], *, folder: bool = False) -> None:
+    """An output option's value, checked before any work (see `_check_writable`); with
+    `folder`, it may name a folder: an existing one, or a new one when it ends in /."""
+    if not text:
+        raise UsageError(f"{flag} takes a {'file or folder' if folder else 'file'} name, got ''")
+    shown = text if flag == "-o" else f"{flag} {text}"  # -o is named alone, as compilers do
+    out = Path(text)
+    if folder and text.endswith(("/", os.sep)) and os.path.exists(out) and \
+            not os.path.isdir(out):
+        raise UsageError(f"cannot write {shown}: it is not a folder")
+    _check_writable(out, shown, inputs, folder=folder)
+
+
+def _check_writable(out: Path, shown: str, inputs: list[Path], *, folder: bool = False
+                    ) -> None:
+    """`out` may be written: not a FIFO, device or socket (writing one waits for a reader,
+    or goes who knows where), not one of the `inputs` (even through a link), not a folder
+    unless `folder`, and in an existing folder that may be written."""
+    try:
+        status = os.stat(out)
+    except (FileNotFoundError, NotADirectoryError):  # the folder is judged below
+        status = None
+    except OSError as err:  # a name too long, a loop of links, a folder not searchable
+        raise UsageError(f"cannot write {shown}: {err.strerror}") from None
+    if status is not None and stat.S_ISDIR(status.st_mode):
+        if folder:
+            return
+        raise UsageError(f"cannot write {shown}: it is a folder")
+    if status is not None and not stat.S_ISREG(status.st_mode):
+        raise UsageError(f"cannot write {shown}: it is not a regular file (a FIFO, device or "
+                         f"socket)")
+    for source in inputs if status is not None else ():
+        try:
+            same = os.path.samestat(status, os.stat(source))
+        except OSError:
+            continue
+        if same:
+            raise UsageError(f"cannot write {shown}: it is the input {source}")
     parent = out.parent
-    if out.is_dir() or parent.is_dir():
-        return
-    why = "is not a folder" if parent.exists() else "does not exist"
-    raise UsageError(f"cannot write {out}: {parent} {why}")
+    if not os.path.isdir(parent):
+        why = "is not a folder" if os.path.exists(parent) else "does not exist"
+        raise UsageError(f"cannot write {shown}: folder {parent} {why}")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"cannot write {shown}: folder {parent} is not writable")
 
 
-def _write_units(units: dict, args: argparse.Namespace) -> None:
-    """Compiler convention: one unit goes to -o FILE (or into -o DIR when it is a folder);
-    several go into a folder as NAME.ll/.ptx/.cubin (created when -o names a new one
-    without an extension); without -o, text goes to stdout."""
+def _write_units(units: dict, args: argparse.Namespace, inputs: list[Path]) -> None:
+    """Compiler convention: one unit goes to -o FILE; into a folder go one unit when -o
+    names an existing folder or ends in /, and several units (as NAME.ll/.ptx/.cubin) when
+    -o names a folder, created when new (its name ends in / or has no extension); without
+    -o, text goes to stdout. No file written is one of the `inputs`."""
     binary = args.emit == "cubin"
     extension = EXTENSIONS[args.emit]
     if not args.output:
@@ -158,12 +203,13 @@ def _write_units(units: dict, args: argparse.Namespace) -> None:
                 sys.stdout.write(data)
         return
     out = Path(args.output)
-    if len(units) == 1:
+    ends_in_slash = args.output.endswith(("/", os.sep))
+    if len(units) == 1 and not ends_in_slash and not os.path.isdir(out):
         ((name, data),) = units.items()
-        _write(out / f"{name}{extension}" if out.is_dir() else out, data)
+        _write(out, data, inputs)
         return
-    names_a_folder = out.is_dir() or (not out.exists() and (
-        not out.suffix or args.output.endswith(("/", os.sep))))
+    names_a_folder = os.path.isdir(out) or ends_in_slash or (
+        not os.path.exists(out) and not out.suffix)
     if not names_a_folder:
         raise UsageError(f"{args.file} compiles to {len(units)} units ({', '.join(units)}): "
                          f"pick one with --kernel NAME, or give -o a folder (-o DIR/)")
@@ -172,14 +218,38 @@ def _write_units(units: dict, args: argparse.Namespace) -> None:
     except OSError as err:
         raise UsageError(f"cannot create folder {out}: {err.strerror}") from None
     for name, data in units.items():
-        _write(out / f"{name}{extension}", data)
+        _write(out / f"{name}{extension}", data, inputs)
 
 
-def _write(path: Path, data: str | bytes) -> None:
+def _write(path: Path, data: str | bytes, inputs: list[Path]) -> None:
+    _check_writable(path, str(path), inputs)  # again: a compile learns its imports late
     try:
         path.write_bytes(data) if isinstance(data, bytes) else path.write_text(data)
     except OSError as err:
         raise UsageError(f"cannot write {path}: {err.strerror}") from None
+
+
+# What a command line's integers are written with: int() would also read "1_000", " 12" and
+# other scripts' digits ("١٢").
+DECIMAL = re.compile(r"-?[0-9]+")
+PARAM_INTEGER = re.compile(r"-?(0[xX][0-9a-fA-F]+|0[oO][0-7]+|0[bB][01]+|[0-9]+)")
+
+
+def _int(text: str) -> int:
+    """An integer option's value (argparse's `type`)."""
+    if not DECIMAL.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
+    return int(text)
+
+
+def _parse_params(texts: list[str]) -> tuple[tuple[str, object], ...]:
+    params: dict[str, object] = {}
+    for text in texts:
+        name, value = _parse_param(text)
+        if name in params:
+            raise UsageError(f"--param {name} is given twice")
+        params[name] = value
+    return tuple(params.items())
 
 
 def _parse_param(text: str) -> tuple[str, object]:
@@ -188,10 +258,12 @@ def _parse_param(text: str) -> tuple[str, object]:
         raise UsageError(f"--param takes NAME=VALUE, got {text!r}")
     if value in ("true", "false"):
         return name, value == "true"
-    try:
-        return name, int(value, 0)
-    except ValueError:
-        return name, value
+    if PARAM_INTEGER.fullmatch(value):
+        try:
+            return name, int(value, 0)
+        except ValueError:  # a leading zero ("010"): left to the parameter's type check
+            pass
+    return name, value
 
 
 def _seqlens(args: argparse.Namespace) -> list[int]:
@@ -200,11 +272,10 @@ def _seqlens(args: argparse.Namespace) -> list[int]:
             raise UsageError("give --seqlen or --seqlens, not both")
         if args.batch is not None:
             raise UsageError(f"--seqlens gives the batch: drop --batch {args.batch}")
-        try:
-            lens = [int(x) for x in args.seqlens.split(",") if x.strip()]
-        except ValueError:
-            raise UsageError(f"--seqlens takes comma-separated integers, got {args.seqlens!r}"
-                             ) from None
+        entries = [x.strip() for x in args.seqlens.split(",")]
+        if not all(DECIMAL.fullmatch(x) for x in entries):
+            raise UsageError(f"--seqlens takes comma-separated integers, got {args.seqlens!r}")
+        lens = [int(x) for x in entries]
     elif args.seqlen is not None:
         lens = [args.seqlen] * (args.batch or 1)
     else:
@@ -373,7 +444,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         _write(Path(args.json), json.dumps(_trace_json(args, run, {
             "measured_efficiency": comparison.measured.efficiency,
             "predicted_efficiency": comparison.predicted.efficiency,
-            "costs": vars(model.costs), "costs_from": model.source})))
+            "costs": vars(model.costs), "costs_from": model.source})), [source_path(args.file)])
     return 0 if not problems and result.covered_exactly_once else 3
 
 
@@ -406,7 +477,8 @@ def _trace_decode(args: argparse.Namespace, program, gqa: int) -> int:
             "combines": {"needed": combines.needed, "missing": combines.missing,
                          "repeated": combines.repeated, "early": combines.early,
                          "unexpected": combines.unexpected},
-            "simulated_covered_exactly_once": result.covered_exactly_once})))
+            "simulated_covered_exactly_once": result.covered_exactly_once})),
+               [source_path(args.file)])
     return 0 if not problems and not wrong and result.covered_exactly_once else 3
 
 
@@ -516,20 +588,28 @@ def validate(args: argparse.Namespace) -> None:
     """Every command-line check, right after parsing and before any work; derived values
     (`params`, `lengths`, `sequences`) are stored on `args`."""
     for folder in getattr(args, "include", ()):
-        if not Path(folder).is_dir():
-            raise UsageError(f"-I {folder}: no such folder")
+        try:
+            check_include_dir(folder)
+        except OSError as err:
+            raise UsageError(f"-I {folder}: {err.strerror}") from None
     for dest, (flag, least, most) in INT_OPTIONS.items():
         value = getattr(args, dest, None)
         if value is not None and not least <= value <= most:
             raise UsageError(f"{flag} must be between {least} and {most}, got {value}")
     if getattr(args, "tile", None) is not None and args.tile % 16:
         raise UsageError(f"--tile must be a multiple of 16, got {args.tile}")
+    # What commands write is never what they read: the FILE (imports are known later).
+    inputs = [source_path(args.file)] if hasattr(args, "file") else []
+    if args.command == "compile" and args.output is not None:
+        _check_output(args.output, "-o", inputs, folder=True)
+    if args.command == "run" and args.kv_heads is not None and args.heads % args.kv_heads:
+        raise UsageError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     if args.command in ("simulate", "run"):
         args.lengths = _seqlens(args)
         args.batch = len(args.lengths)
     if args.command == "trace":
         _check_decode_trace(args)
-        args.params = tuple(_parse_param(p) for p in args.param)
+        args.params = _parse_params(args.param)
         args.lengths = (_seqlens(args) if args.seqlens or args.seqlen is not None
                         else None)
         args.batch = len(args.lengths or ())
@@ -538,10 +618,10 @@ def validate(args: argparse.Namespace) -> None:
                              "(or --calibrate alone)")
         if args.params and args.scheduler is None:
             raise UsageError("--param binds a parameter of --scheduler: give --scheduler")
-        if args.out:
-            _check_plot(Path(args.out), "--out")
-        if args.json:
-            _check_output_parent(Path(args.json))
+        if args.out is not None:
+            _check_plot(args.out, "--out", inputs)
+        if args.json is not None:
+            _check_output(args.json, "--json", inputs)
     if args.command == "simulate":
         if args.kernel and args.cost:
             raise UsageError("--kernel costs tiles as that kernel runs them: drop --cost")
@@ -555,14 +635,14 @@ def validate(args: argparse.Namespace) -> None:
             args.tile = BackwardConfig.block_n if args.backward else 128
         if args.gqa and args.heads % args.gqa:
             raise UsageError(f"--gqa {args.gqa} must divide --heads {args.heads}")
-        args.params = tuple(_parse_param(p) for p in args.param)
+        args.params = _parse_params(args.param)
         try:
             args.sequences = Batch(args.lengths, args.heads, args.tile,
                                    ragged=args.seqlens is not None)
         except ValueError as err:
             raise UsageError(str(err)) from None
-        if args.plot:
-            _check_plot(Path(args.plot))
+        if args.plot is not None:
+            _check_plot(args.plot, "--plot", inputs)
 
 
 def _check_decode_trace(args: argparse.Namespace) -> None:
@@ -592,17 +672,17 @@ def _check_decode_trace(args: argparse.Namespace) -> None:
                          f"{args.page_size}")
 
 
-def _check_plot(out: Path, flag: str = "--plot") -> None:
+def _check_plot(text: str, flag: str, inputs: list[Path]) -> None:
+    """An image matplotlib will write: an output (`_check_output`) named with a suffix of a
+    format it writes (it would add .png to a name without one)."""
+    _check_output(text, flag, inputs)
     if importlib.util.find_spec("matplotlib") is None:
         raise UsageError(f"{flag} needs matplotlib: pip install 'mhadsl[plot]'")
-    if out.is_dir():
-        raise UsageError(f"cannot write {flag} {out}: it is a folder")
-    if out.exists() and not out.is_file():  # writing a FIFO would wait for a reader
-        raise UsageError(f"cannot write {flag} {out}: it is not a regular file")
-    if not out.parent.is_dir():
-        raise UsageError(f"cannot write {flag} {out}: folder {out.parent} does not exist")
-    if not os.access(out.parent, os.W_OK):
-        raise UsageError(f"cannot write {flag} {out}: folder {out.parent} is not writable")
+    from matplotlib.backend_bases import FigureCanvasBase  # only here: slow to import
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if Path(text).suffix[1:].lower() not in formats:
+        raise UsageError(f"cannot write {flag} {text}: matplotlib writes only files named "
+                         + ", ".join(f".{name}" for name in sorted(formats)))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -620,10 +700,10 @@ def _include_argument(p: argparse.ArgumentParser) -> None:
 
 def _batch_arguments(p: argparse.ArgumentParser) -> None:
     """The batch a scheduler is simulated or a kernel traced on: dense or ragged."""
-    p.add_argument("--batch", type=int, help="sequences (with --seqlen; default 1)")
-    p.add_argument("--seqlen", type=int, help="length of every sequence (dense)")
+    p.add_argument("--batch", type=_int, help="sequences (with --seqlen; default 1)")
+    p.add_argument("--seqlen", type=_int, help="length of every sequence (dense)")
     p.add_argument("--seqlens", help="ragged lengths, comma-separated, e.g. 8192,4096,0")
-    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--heads", type=_int, default=16)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -642,7 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="OUT", help="write the artifact here")
     p.add_argument("--emit", choices=("llvm", "ptx", "cubin"), default="ptx")
     p.add_argument("--arch", choices=GPU_ARCHS, default="sm_90a")
-    p.add_argument("--tile", type=int, default=128, help="tile height for schedulers")
+    p.add_argument("--tile", type=_int, default=128, help="tile height for schedulers")
     p.add_argument("--kernel", metavar="NAME", help="emit only this attention kernel")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
     _include_argument(p)
@@ -652,15 +732,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--scheduler", required=True, metavar="NAME")
     _batch_arguments(p)
-    p.add_argument("--tile", type=int,
+    p.add_argument("--tile", type=_int,
                    help="query tile height (BM, default 128); with --backward the K/V tile's "
                         "(default 64)")
-    p.add_argument("--gqa", type=int,
+    p.add_argument("--gqa", type=_int,
                    help="query heads per K/V head (the value of gqa_group; divides --heads; "
                         "default 1, or the declared ratio of --kernel)")
-    p.add_argument("--ctas", type=int, default=132, help="simulated multiprocessors")
-    p.add_argument("--num-sms", type=int, help="value of num_sms (default: --ctas)")
-    p.add_argument("--ctas-per-sm", type=int, default=1,
+    p.add_argument("--ctas", type=_int, default=132, help="simulated multiprocessors")
+    p.add_argument("--num-sms", type=_int, help="value of num_sms (default: --ctas)")
+    p.add_argument("--ctas-per-sm", type=_int, default=1,
                    help="value of ctas_per_sm (an H200 runs two sm80 D128 CTAs per SM: "
                         "--ctas 264 --num-sms 132 --ctas-per-sm 2)")
     p.add_argument("--cost", choices=tuple(COST_MODELS),
@@ -673,7 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bind a scheduler parameter, e.g. --param order=PROMPT_ROTATE")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="draw a per-CTA timeline")
-    p.add_argument("--kv-splits", type=int, metavar="N",
+    p.add_argument("--kv-splits", type=_int, metavar="N",
                    help="simulate a decode launch: --heads K/V heads, N KV splits per "
                         "(sequence, K/V head); the lengths give the batch size")
     p.add_argument("--backward", action="store_true",
@@ -685,12 +765,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run an attention kernel on random inputs (needs a GPU)")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--kernel", required=True, metavar="NAME")
-    p.add_argument("--batch", type=int, help="sequences (with --seqlen; default 1)")
-    p.add_argument("--seqlen", type=int, help="query (and key) length, dense")
-    p.add_argument("--seqlen-k", type=int, help="key length when it differs (dense)")
+    p.add_argument("--batch", type=_int, help="sequences (with --seqlen; default 1)")
+    p.add_argument("--seqlen", type=_int, help="query (and key) length, dense")
+    p.add_argument("--seqlen-k", type=_int, help="key length when it differs (dense)")
     p.add_argument("--seqlens", help="ragged lengths, comma-separated")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, help="key/value heads (GQA/MQA); default --heads")
+    p.add_argument("--heads", type=_int, default=16)
+    p.add_argument("--kv-heads", type=_int, help="key/value heads (GQA/MQA); default --heads")
     p.add_argument("--no-gpu-ok", action="store_true",
                    help="without a GPU, say so and exit 0 (else exit 2)")
     _include_argument(p)
@@ -710,17 +790,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="first measure the kernel's cost constants on this GPU and store "
                         "them for the simulator")
-    p.add_argument("--kv-splits", type=int, metavar="N",
+    p.add_argument("--kv-splits", type=_int, metavar="N",
                    help="trace a decode launch with N KV splits (the planner may use fewer, "
                         "none empty): the lengths are the sequences' cache lengths, --heads "
                         "counts K/V heads; checks every (sequence, K/V head, q tile, split) "
                         "ran once and every split group combined once, after its last split")
-    p.add_argument("--gqa", type=int,
+    p.add_argument("--gqa", type=_int,
                    help="with --kv-splits: query heads per K/V head (default 1, or the "
                         "kernel's declared gqa)")
-    p.add_argument("--query-rows", type=int, default=1,
+    p.add_argument("--query-rows", type=_int, default=1,
                    help=f"with --kv-splits: query rows per sequence (1 to {MAX_DECODE_ROWS})")
-    p.add_argument("--page-size", type=int,
+    p.add_argument("--page-size", type=_int,
                    help=f"with --kv-splits: a paged cache with pages of this many positions "
                         f"({', '.join(map(str, PAGE_SIZES))}); default: a contiguous cache")
     _include_argument(p)

@@ -1,5 +1,5 @@
 """Reading `.mha` files that may be hostile: the one way the CLI, the API and imports read
-a source file, and the way the compile cache reads its entries.
+a source file (and check an include folder), and the way the compile cache reads its entries.
 
 Only regular files are read, and only up to a size limit: a path that names a FIFO or a
 device such as /dev/zero is refused after `stat`, before it is opened, and again after
@@ -19,11 +19,14 @@ MAX_SOURCE_BYTES = 16 << 20  # far past any hand-written or generated .mha file
 SOURCE_SUFFIX = ".mha"
 
 
-def read_regular_file(path: str | os.PathLike, limit: int) -> bytes:
+def read_regular_file(path: str | os.PathLike, limit: int, *, follow_links: bool = True
+                      ) -> bytes:
     """The bytes of a regular file of at most `limit` bytes; anything else is an `OSError`
-    whose `strerror` says why."""
-    _require_regular(os.stat(path).st_mode, path)  # opening some devices does something
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    whose `strerror` says why. Without `follow_links`, a link at `path` is refused."""
+    # opening some devices does something
+    _require_regular(os.stat(path, follow_symlinks=follow_links).st_mode, path)
+    no_follow = 0 if follow_links else os.O_NOFOLLOW
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | no_follow)
     try:
         _require_regular(os.fstat(descriptor).st_mode, path)  # it may have been replaced
         with open(descriptor, "rb", closefd=False) as file:
@@ -36,6 +39,8 @@ def read_regular_file(path: str | os.PathLike, limit: int) -> bytes:
 
 
 def _require_regular(mode: int, path: str | os.PathLike) -> None:
+    if stat.S_ISLNK(mode):  # where a resolved path was expected: a loop of links
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
     if stat.S_ISDIR(mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     if not stat.S_ISREG(mode):
@@ -47,12 +52,26 @@ def read_source_file(path: str | os.PathLike, name: str | None = None) -> Source
 
     Raises `OSError` (its `strerror` says why) for anything but a regular file named
     `*.mha` of at most `MAX_SOURCE_BYTES`, and `MhaError` for bytes that are not UTF-8.
-    Only `.mha` files are accepted, so no diagnostic ever quotes another kind of file.
+    Only `.mha` files are accepted, so no diagnostic ever quotes another kind of file. A
+    link is judged by the file it leads to (`p.mha` linked to a key file is refused), and
+    that file's own path is what is opened, refusing a link put in its place meanwhile.
     """
-    data = read_regular_file(path, MAX_SOURCE_BYTES)
-    if not os.fspath(path).endswith(SOURCE_SUFFIX):
-        raise OSError(errno.EINVAL, f"not a {SOURCE_SUFFIX} file", str(path))
+    real = os.path.realpath(path)
+    data = read_regular_file(real, MAX_SOURCE_BYTES, follow_links=False)
+    if not real.endswith(SOURCE_SUFFIX):
+        resolved = "" if real == os.path.abspath(path) else f" (it resolves to {real})"
+        raise OSError(errno.EINVAL, f"not a {SOURCE_SUFFIX} file{resolved}", str(path))
     return decode_source(name or str(path), data)
+
+
+def check_include_dir(path: str | os.PathLike) -> None:
+    """An include folder (`-I DIR`, `include_dirs=`) must be an existing folder: else a
+    `FileNotFoundError` or `NotADirectoryError` whose `strerror` says which."""
+    if os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(path))
+    raise FileNotFoundError(errno.ENOENT, "no such folder", str(path))
 
 
 def decode_source(name: str, data: bytes) -> Source:

@@ -1,5 +1,6 @@
 """The mhadsl command line, run as a user runs it."""
 import json
+import os
 import subprocess
 import sys
 
@@ -85,6 +86,7 @@ def run_main(args: list[str], capsys) -> tuple[int, str]:
 
 
 SIM = ["simulate", "std/schedulers.mha", "--scheduler", "Queued"]
+TRACE = ["trace", "examples/causal.mha", "--kernel", "causal_fwd", "--seqlen", "64"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -116,11 +118,57 @@ SIM = ["simulate", "std/schedulers.mha", "--scheduler", "Queued"]
     (["run", "examples/causal.mha", "--kernel", "causal_fwd", "--seqlen", "64", "--heads", "0"],
      "error: --heads must be between 1 and 65535"),
     ([], "error: the following arguments are required: COMMAND"),
+    ([*SIM, "--seqlens", "1,,2"], "error: --seqlens takes comma-separated integers, got '1,,2'"),
+    ([*SIM, "--seqlens", "1,2,"], "error: --seqlens takes comma-separated integers, got '1,2,'"),
+    ([*SIM, "--seqlens", "1_000"], "error: --seqlens takes comma-separated integers"),
+    ([*SIM, "--seqlens", "\u0661\u0662"], "error: --seqlens takes comma-separated integers"),
+    ([*SIM, "--seqlen", "1_000"], "error: argument --seqlen: invalid int value: '1_000'"),
+    ([*SIM, "--seqlen", "\u0661\u0662\u0663"], "error: argument --seqlen: invalid int value"),
+    ([*SIM, "--seqlen", "9", "--heads", " 8"], "error: argument --heads: invalid int value"),
+    ([*SIM, "--seqlen", "9", "--param", "order=DEFAULT", "--param", "order=PROMPT_ROTATE"],
+     "error: --param order is given twice"),
+    (["run", "examples/causal.mha", "--kernel", "causal_fwd", "--seqlen", "64", "--heads", "8",
+      "--kv-heads", "3", "--no-gpu-ok"], "error: --kv-heads 3 must divide --heads 8"),
+    ([*SIM, "--seqlen", "9", "--plot", "t.txt"],
+     "error: cannot write --plot t.txt: matplotlib writes only files named "),
+    ([*SIM, "--seqlen", "9", "--plot", "timeline"],
+     "error: cannot write --plot timeline: matplotlib writes only files named"),
+    ([*SIM, "--seqlen", "9", "--plot", ""], "error: --plot takes a file name, got ''"),
+    (["compile", "std/schedulers.mha", "-o", ""], "error: -o takes a file or folder name, got ''"),
+    (["compile", "examples/plain.mha", "-o", "examples/plain.mha"],
+     "error: cannot write examples/plain.mha: it is the input examples/plain.mha"),
+    ([*TRACE, "--json", ""], "error: --json takes a file name, got ''"),
+    ([*TRACE, "--out", ""], "error: --out takes a file name, got ''"),
+    ([*TRACE, "--json", "examples/causal.mha"],
+     "error: cannot write --json examples/causal.mha: it is the input examples/causal.mha"),
 ])
 def test_bad_command_lines_are_one_line_and_exit_2(args, message, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     status, err = run_main(args, capsys)
     assert status == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_scheduler_parameters_are_ascii_integers(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    for value in ("\u0661\u0662", "1_0", " 12"):  # Python's int() reads each as 12 or 10
+        status, err = run_main([*SIM, "--seqlen", "9", "--param", f"num_ctas={value}"],
+                               capsys)
+        assert status == 1 and f"takes a u32, got {value!r}" in err, err
+    status, err = run_main([*SIM, "--seqlen", "9", "--param", "num_ctas=0x10"], capsys)
+    assert status == 0, err
+
+
+def test_output_fifos_and_inputs_are_refused_before_any_work(tmp_path, capsys):
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "s.mha").write_text("scheduler {")  # not even parsed
+    source = str(tmp_path / "s.mha")
+    for args in (["compile", source, "-o", str(tmp_path / "fifo")],
+                 ["trace", source, "--kernel", "K", "--seqlen", "9", "--json",
+                  str(tmp_path / "fifo")],
+                 ["trace", source, "--kernel", "K", "--seqlen", "9", "--json", source]):
+        status, err = run_main(args, capsys)
+        assert status == 2 and err.count("\n") == 1, err
+        assert "it is not a regular file" in err or "it is the input" in err, err
 
 
 def test_bad_arguments_are_found_before_any_work(tmp_path, capsys):
