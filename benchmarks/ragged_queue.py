@@ -83,12 +83,14 @@ def warm(job: tuple[int, str, bool]) -> str:
 
 def tile_index_times(torch) -> str:
     """Microseconds per tile index build (`runtime.tile_index.prepare`) by batch size."""
+    from mhadsl.build import tile_index_kernel
     from mhadsl.runtime import tile_index
+    kernel = tile_index_kernel()
     out = []
     for batch in (16, 1024, 10_000):
         cu = torch.arange(0, 100 * (batch + 1), 100, dtype=torch.int32, device="cuda")
         stream = torch.cuda.current_stream().cuda_stream
-        ms = time_ms(torch, lambda: tile_index.prepare(cu.data_ptr(), batch, 128, stream))
+        ms = time_ms(torch, lambda: tile_index.prepare(kernel, cu.data_ptr(), batch, 128, stream))
         out.append(f"B={batch}: {1000 * ms:.1f} us")
     return "tile index build: " + ", ".join(out)
 

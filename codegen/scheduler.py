@@ -26,11 +26,10 @@ from mhadsl.codegen.lower import (
 )
 from mhadsl.codegen.nvptx import i1, i8, i32, i64
 from mhadsl.codegen.target import Target
-from mhadsl import ast
+from mhadsl import abi, ast
 from mhadsl.builtins import SLOT_COUNT
 from mhadsl.check import CheckedProgram
 from mhadsl.diagnostics import MhaError
-from mhadsl.codegen import abi
 from mhadsl.types import BOOL, RECORD_FIELDS, SCHEDULES, SEQ_INFO, SYNCS, U32, WORK_INFO
 
 HOST_LOOP_FUEL = 1 << 20  # iterations a host `while` may run before the simulator gives up
@@ -561,7 +560,7 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
 
     No scheduler can hang it: a CTA that takes more tiles than all the work of the launch
     plus one, or a step whose `while` loops run out of fuel (`loop_fuel`), records a fault
-    in the workspace (`codegen.abi`), and a CTA-wide vote after each step ends the loop
+    in the workspace (`mhadsl.abi`), and a CTA-wide vote after each step ends the loop
     for every thread at once (a fault seen by one thread alone must not strand the others
     at a barrier). No `trap`: the CUDA context stays usable.
 
@@ -971,7 +970,7 @@ def build_trace_kernel(module: ir.Module, sched: LoweredScheduler) -> ir.Functio
 
     Params: (u32* workspace, u32 num_sms, u32 batch, u32 max_tiles, u32 max_seq_len,
     u32 num_heads, i32* valid_length or null, u32* out, u32 max_steps, u32* overflow,
-    u32* tile_index or null); the workspace is the stream's (`codegen.abi`), the tile index
+    u32* tile_index or null); the workspace is the stream's (`mhadsl.abi`), the tile index
     what `codegen.tile_index` builds from valid_length.
     Thread 0 of CTA c writes step s at out[(c * max_steps + s) * 4 ...].
     """

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from mhadsl.codegen import nvptx
-from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Workspace
+from mhadsl.abi import CallValue, KernelABI, Param, Pointer, Workspace
+from mhadsl.codegen import nvptx, signature
 from mhadsl.codegen.nvptx import i32
 
 KERNEL_NAME = "mhadsl_tile_index"
@@ -35,9 +35,10 @@ ABI = KernelABI(
 
 
 def build_tile_index_kernel(module: ir.Module) -> ir.Function:
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, ABI.llvm_types()), name=KERNEL_NAME)
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(ABI)),
+                     name=KERNEL_NAME)
     nvptx.mark_kernel(fn)
-    ABI.declare(fn)
+    signature.declare(ABI, fn)
     cu_seqlens, batch, tile_m, index = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
 

@@ -3,7 +3,10 @@
     prog = mhadsl.compile("examples/causal.mha")     # a path, or source text
     o = prog["causal_fwd"](q, k, v)
 """
+import importlib as _importlib
+import sys as _sys
 from pathlib import Path as _Path
+from types import ModuleType as _ModuleType
 
 __version__ = "0.1.0"
 
@@ -15,18 +18,44 @@ _checkout = _Path(__file__).resolve().parent.parent
 if not (_Path(__file__).parent / "codegen").is_dir() and (_checkout / "codegen" / "nvptx.py").is_file():
     __path__.append(str(_checkout))
 
-from mhadsl.diagnostics import MhaError  # noqa: E402
-from mhadsl.api import Kernel, Program, compile  # noqa: E402
-from mhadsl.reference import reference, reference_backward, reference_decode  # noqa: E402
-from mhadsl.runtime.faults import SchedulerError  # noqa: E402
+# The public names and their modules, imported on first use: importing the package (or
+# only its runtime) loads no code generator and no LLVM, and no CUDA driver bindings.
+_PUBLIC = {
+    "MhaError": "mhadsl.diagnostics",
+    "SchedulerError": "mhadsl.runtime.faults",
+    "CudaError": "mhadsl.runtime.driver",
+    "NoGpuError": "mhadsl.runtime.driver",
+    "Kernel": "mhadsl.api",
+    "Program": "mhadsl.api",
+    "compile": "mhadsl.api",
+    "reference": "mhadsl.reference",
+    "reference_backward": "mhadsl.reference",
+    "reference_decode": "mhadsl.reference",
+}
 
 
 def __getattr__(name: str):
-    # The runtime's error types, without loading the CUDA driver bindings at import.
-    if name in ("CudaError", "NoGpuError"):
-        from mhadsl.runtime import driver
-        return getattr(driver, name)
-    raise AttributeError(f"module 'mhadsl' has no attribute {name!r}")
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'mhadsl' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(_ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        # Importing the module mhadsl.reference records it here by its name, which is the
+        # public function's: `mhadsl.reference` stays the function.
+        if name == "reference" and isinstance(value, _ModuleType):
+            value = value.reference
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
 
 
 def synchronize(device: int | None = None) -> None:

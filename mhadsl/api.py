@@ -18,17 +18,18 @@ import operator
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from mhadsl.attention_spec import AttentionOptions, resolve_attention
-from mhadsl.build import KernelRequest, build_kernel, plan
+from mhadsl.build import KernelRequest, build_kernel, plan, tile_index_kernel
 from mhadsl.calls import (
-    DTYPE_NAMES, AddressChecks, check_output, check_rows, check_scale, host_values,
-    share_memory, span, stream_handle, torch_signature, torch_stream, typed_key,
+    DTYPE_NAMES, INT32_LIMIT, AddressChecks, check_attention_call, check_flag, check_output,
+    check_rows, host_values, index_view, share_memory, span, stream_handle, torch_signature,
+    torch_stream, typed_key,
 )
 from mhadsl.check import CheckedProgram
 from mhadsl.codegen import backends
@@ -48,7 +49,26 @@ def compile(source: str | os.PathLike, *, name: str | None = None,  # noqa: A001
 
     Imports are found in the importing file's folder (the current folder for source text),
     then in `include_dirs`; an import outside them is an error.
+
+    An argument of the wrong type is a `TypeError` naming it; an include folder that does
+    not exist or is not a folder is a `FileNotFoundError` or `NotADirectoryError` naming it
+    (the CLI's `-I` check).
     """
+    from mhadsl.sources import check_include_dir
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"mhadsl.compile(): name takes a str, not {type(name).__name__}")
+    if isinstance(include_dirs, (str, bytes)) or not isinstance(include_dirs, Sequence):
+        raise TypeError(f"mhadsl.compile(): include_dirs takes a list of folders, not "
+                        f"{type(include_dirs).__name__}")
+    for folder in include_dirs:
+        if not isinstance(folder, (str, os.PathLike)):
+            raise TypeError(f"mhadsl.compile(): include_dirs takes folders (str or "
+                            f"os.PathLike), not {type(folder).__name__}")
+        try:
+            check_include_dir(folder)
+        except OSError as err:  # the same class: FileNotFoundError, NotADirectoryError
+            raise type(err)(f"mhadsl.compile(): include_dirs: {folder}: {err.strerror}"
+                            ) from None
     text, base, label = _read(source)
     modules, checked = front_end(text, name or label, base, include_dirs)
     return Program(text, name or label, checked)
@@ -83,8 +103,12 @@ def _looks_like_a_path(text: str) -> bool:
             or os.path.exists(text))
 
 
-class Program:
-    """A checked `.mha` program: its schedulers and attention kernels."""
+class Program(Mapping):
+    """A checked `.mha` program: its schedulers, and a mapping of its attention kernels'
+    names to `Kernel`s (`prog["causal_fwd"]`, `"causal_fwd" in prog`, `list(prog)`)."""
+
+    # A program is itself, not the names it maps: equal only to itself, and hashable.
+    __eq__, __hash__ = object.__eq__, object.__hash__
 
     def __init__(self, text: str, name: str, checked: CheckedProgram):
         self.text, self.name, self.checked = text, name, checked
@@ -99,12 +123,24 @@ class Program:
         return list(self.checked.attentions)
 
     def __getitem__(self, name: str) -> Kernel:
+        if not isinstance(name, str):
+            raise TypeError(f"an attention kernel name must be a str, got "
+                            f"{type(name).__name__} {name!r}")
         if name not in self.checked.attentions:
             raise KeyError(f"no attention kernel named {name!r} in {self.name} (it has: "
                            f"{', '.join(self.checked.attentions) or 'none'})")
         if name not in self._kernels:
             self._kernels[name] = Kernel(self, resolve_attention(self.checked.attentions[name]))
         return self._kernels[name]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.checked.attentions
+
+    def __iter__(self):
+        return iter(self.checked.attentions)
+
+    def __len__(self) -> int:
+        return len(self.checked.attentions)
 
 
 @dataclass(frozen=True)
@@ -134,6 +170,7 @@ class _Call:
     max_seqlen_k: int
     total_q: int
     ragged: bool
+    scale: float
 
     @property
     def lse_shape(self) -> tuple[int, ...]:
@@ -201,7 +238,56 @@ class Kernel:
                arch: str = "sm_90a", backend: str | None = None,
                cache: CacheLayout | None = None):
         """The build a call of this layout selects (its key; see `build` for the tile)."""
-        return self._configs(Layout(gqa_group, ragged, return_lse, cache), arch, backend)[0]
+        layout = self._layout(arch, backend, gqa_group, ragged, return_lse, cache)
+        return self._configs(layout, arch, backend)[0]
+
+    def _layout(self, arch, backend, gqa_group, ragged, return_lse, cache, backward=False,
+                deterministic=False) -> Layout:
+        """A build's layout, checked before any work: a layout no call can select, or a
+        design that does not make it, is refused rather than built as something else."""
+        if not isinstance(arch, str):
+            raise TypeError(f"arch must be a str such as 'sm_90a', got {arch!r}")
+        flags = {"ragged": ragged, "return_lse": return_lse, "backward": backward,
+                 "deterministic": deterministic}
+        for name, flag in flags.items():
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if cache is not None and not isinstance(cache, CacheLayout):
+            raise TypeError(f"cache must be a CacheLayout or None, got {cache!r}")
+        layout = Layout(self._group(gqa_group), *map(bool, (ragged, return_lse)), cache,
+                        *map(bool, (backward, deterministic)))
+        if backend is not None:
+            if not isinstance(backend, str):
+                raise TypeError(f"backend must be a design's name (a str) or None, got "
+                                f"{backend!r}")
+            if backend in backends.REGISTRY and \
+                    (made := backends.backend(backend).workload) != layout.workload:
+                takes = " or ".join(repr(b.name) for b in backends.backends(layout.workload))
+                raise ValueError(f"backend {backend!r} makes {_BUILDS[made]}, not "
+                                 f"{_BUILDS[layout.workload]}, which takes {takes}")
+        return layout
+
+    def _group(self, gqa_group) -> int:
+        """A build's GQA group: query heads per K/V head, as a call's tensors could have
+        them (fewer than 2**31 query heads, the kernels' int32) and the declaration allows."""
+        if isinstance(gqa_group, (bool, np.bool_)):
+            raise TypeError(f"gqa_group must be an integer, got {gqa_group!r}")
+        try:
+            group = operator.index(gqa_group)
+        except TypeError:
+            raise TypeError(f"gqa_group must be an integer, got {gqa_group!r}") from None
+        if not 1 <= group < INT32_LIMIT:
+            raise ValueError(f"gqa_group must be from 1 to 2**31 - 1, got {group}")
+        declared, kv_heads = self.options.gqa, self.options.kv_heads
+        if declared is not None and group != declared:
+            raise ValueError(f"gqa_group = {group} does not fit kernel '{self.name}', "
+                             f"declared gqa = {declared}: its builds take gqa_group = "
+                             f"{declared}")
+        if kv_heads is not None and group * kv_heads >= INT32_LIMIT:
+            raise ValueError(f"gqa_group = {group} does not fit kernel '{self.name}', "
+                             f"declared kv_heads = {kv_heads}: {group * kv_heads} query "
+                             f"heads, and head counts must be below 2**31")
+        return group
 
     def _configs(self, layout: Layout, arch: str, backend: str | None) -> tuple:
         return plan(self.program.checked, self._request(layout, arch, backend)).configs
@@ -230,10 +316,12 @@ class Kernel:
         """The kernel for `arch` (from the on-disk cache when it holds it): LLVM IR, PTX
         and, with ptxas, the cubin and its resources. With `cache`, the decode kernel of
         calls against a KV cache of that layout; with `backward`, the backward pass's
-        (`deterministic`: its bitwise repeatable kernels)."""
-        build = build_kernel(self.program.checked,
-                             self._request(Layout(gqa_group, ragged, return_lse, cache,
-                                                  backward, deterministic), arch, backend))
+        (`deterministic`: its bitwise repeatable kernels). `backend` forces a design of
+        that build: "sm80" or "sm90" for the forward's, "decode" with `cache`, "backward"
+        or "backward_sm90" with `backward`."""
+        layout = self._layout(arch, backend, gqa_group, ragged, return_lse, cache, backward,
+                              deterministic)
+        build = build_kernel(self.program.checked, self._request(layout, arch, backend))
         self.builds_compiled += not build.cached
         return build
 
@@ -309,15 +397,19 @@ class Kernel:
 
     def _call(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, stream,
               torch_key):
-        """Any call: every check, then the plan of its signature (made once)."""
+        """Any call: every check, then the device (without a GPU, NoGpuError before any host
+        array is copied or allocated), then the plan of its signature (made once)."""
         from mhadsl.runtime import driver, tensors
+        check_flag(return_lse, "return_lse")
         want_lse = self.options.return_lse if return_lse is None else bool(return_lse)
-        call = self._validate(q, k, v, cu_q, cu_k, max_q, max_k)
-        scale = self.options.softmax_scale() if scale is None else check_scale(scale)
+        call = self._validate(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+        scale = call.scale
         dtype = DTYPE_NAMES[self.options.dtype]
         device = next((t.device for t in (call.q, call.k, call.v) if not t.on_host), None)
+        od = None if out is None else self._check_out(out, call, dtype, device)
         handle = driver.stream_handle(stream, kind=call.q.kind,
                                       device=device if call.q.on_host else call.q.device)
+        device = driver.ensure_context(device)
         keep_alive = []
 
         def on_device(t, name, want=dtype):
@@ -327,9 +419,10 @@ class Kernel:
             keep_alive.append(buf)
             return dev
 
-        out_obj = out if out is not None else tensors.empty_like_kind(call.q.obj, call.q.shape,
-                                                                      dtype)
-        od = self._check_out(out_obj, call, dtype, device)
+        if od is None:
+            od = tensors.as_device_tensor(
+                tensors.empty_like_kind(call.q.obj, call.q.shape, dtype), "out")
+        out_obj = od.obj
         qd, kd, vd = on_device(call.q, "q"), on_device(call.k, "k"), on_device(call.v, "v")
         cu_qd = on_device(call.cu_q, "cu_seqlens_q", "int32") if call.ragged else None
         cu_kd = on_device(call.cu_k, "cu_seqlens_k", "int32") if call.ragged else None
@@ -384,6 +477,7 @@ class Kernel:
     def specialize(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                    max_seqlen_k=None, return_lse: bool | None = None):
         """The build a call with these arguments runs (checks them; launches nothing)."""
+        check_flag(return_lse, "return_lse")
         call = self._validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         want_lse = self.options.return_lse if return_lse is None else bool(return_lse)
         return self._config_for(call, want_lse)
@@ -417,7 +511,7 @@ class Kernel:
 
     def _planned(self, call: _Call, views: dict, scale: float, want_lse: bool) -> _Planned:
         """The plan of a validated call's signature: made on its first call, then reused."""
-        from mhadsl.runtime import driver
+        from mhadsl.runtime import driver, tile_index
         from mhadsl.runtime.launch import LaunchPlan, TensorShape
         shapes = {n: TensorShape(tuple(t.shape), tuple(t.strides), t.dtype) if t else None
                   for n, t in views.items()}
@@ -447,8 +541,11 @@ class Kernel:
             "seqlen_k": call.seqlen_k, "softmax_scale": scale,
             "num_sms": info.multiprocessor_count, "ctas_per_sm": ctas_per_sm,
         }
+        index = tile_index.plan(tile_index_kernel(), call.batch, build.config.block_m,
+                                device) if call.ragged else None
         plan = LaunchPlan(build.function, grid, launch.threads, launch.shared_bytes,
-                          backend.abi, build.config, device, shapes, values, call.ragged)
+                          backend.abi, build.config, device, shapes, values, call.ragged,
+                          index)
         planned = self._plans[key] = _Planned(plan, call, want_lse, shapes)
         return planned
 
@@ -471,8 +568,10 @@ class Kernel:
         return host
 
     # ---------------------------------------------------------------- checks
-    def _validate(self, q, k, v, cu_q, cu_k, max_q, max_k) -> _Call:
-        from mhadsl.runtime import tensors
+    def _validate(self, q, k, v, cu_q, cu_k, max_q, max_k, scale=None) -> _Call:
+        """Every check of a call's arguments, before anything is copied or launched: those
+        `mhadsl.reference` runs too (`check_attention_call`), then those of device memory."""
+        from mhadsl.runtime import driver, tensors
         o = self.options
         dtype = DTYPE_NAMES[o.dtype]
         views = {}
@@ -489,93 +588,32 @@ class Kernel:
         devices = {t.device for t in views.values() if not t.on_host}
         if len(devices) > 1:
             raise ValueError(f"q, k and v are on different devices: {sorted(devices)}")
-        ragged = cu_q is not None or cu_k is not None
-        if ragged and (cu_q is None or cu_k is None):
-            raise ValueError("ragged attention needs both cu_seqlens_q and cu_seqlens_k")
-        rank = 3 if ragged else 4
-        layout = "(total, heads, head_dim) with cu_seqlens" if ragged else \
-            "(batch, seqlen, heads, head_dim)"
-        for name, t in views.items():
-            if len(t.shape) != rank:
-                raise ValueError(f"tensor {name!r} has shape {t.shape}; expected rank {rank}: "
-                                 f"{layout}")
-            if t.shape[-1] != o.head_dim:
-                raise ValueError(f"tensor {name!r} has head dim {t.shape[-1]}, but kernel "
-                                 f"'{self.name}' is declared head_dim = {o.head_dim}")
-            if not t.on_host:
-                check_rows(t, name)
-        qv, kv, vv = views["q"], views["k"], views["v"]
-        if kv.shape != vv.shape:
-            raise ValueError(f"k and v must have the same shape, got {kv.shape} and {vv.shape}")
-        heads, kv_heads = qv.shape[-2], kv.shape[-2]
-        if problem := o.heads_problem(heads, kv_heads):
-            raise ValueError(problem)
-        if not ragged:
-            if max_q is not None or max_k is not None:
-                raise ValueError("max_seqlen_q/max_seqlen_k belong to ragged calls (with "
-                                 "cu_seqlens_q/k); a dense call takes its lengths from q and k")
-            if qv.shape[0] != kv.shape[0]:
-                raise ValueError(f"q has batch {qv.shape[0]} but k/v have {kv.shape[0]}")
-            batch, sq, sk = qv.shape[0], qv.shape[1], kv.shape[1]
-            if max(sq, sk) >= 2**31:
-                raise ValueError("sequence lengths must be below 2**31")
-            return _Call(qv, kv, vv, None, None, batch, heads, kv_heads, sq, sk, sq, sk, 0, False)
-        cq, lengths_q = self._offsets(cu_q, "cu_seqlens_q", qv.shape[0], max_q)
-        ck, lengths_k = self._offsets(cu_k, "cu_seqlens_k", kv.shape[0], max_k)
-        if cq.shape != ck.shape:
-            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch "
-                             f"+ 1), got {cq.shape[0]} and {ck.shape[0]}")
-        for name, view in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
-            if not view.on_host and devices and view.device not in devices:
+        offsets = {name: None if t is None else index_view(t, name)
+                   for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k))}
+
+        def read(view, name: str, max_seqlen):
+            """Device values are read (a host sync) only where max_seqlen is not given, or
+            under MHADSL_DEBUG=1: a launch given it never synchronises."""
+            if not view.on_host and view.strides != (1,):
+                raise ValueError(f"{name} must be contiguous")
+            if view.on_host or max_seqlen is None or driver.debug_mode():
+                return host_values(view)
+            return None
+
+        c = check_attention_call(o, views["q"], views["k"], views["v"],
+                                 cu_seqlens_q=offsets["cu_seqlens_q"],
+                                 cu_seqlens_k=offsets["cu_seqlens_k"], max_seqlen_q=max_q,
+                                 max_seqlen_k=max_k, scale=scale, read=read)
+        for name, view in views.items():
+            if not view.on_host:
+                check_rows(view, name)
+        for name, view in offsets.items():
+            if view is not None and not view.on_host and devices and view.device not in devices:
                 raise ValueError(f"{name} is on device {view.device}, q/k/v on "
                                  f"{devices.pop()}")
-        batch = cq.shape[0] - 1
-        max_q = self._max_len(lengths_q, max_q, "q")
-        max_k = self._max_len(lengths_k, max_k, "k")
-        return _Call(qv, kv, vv, cq, ck, batch, heads, kv_heads, 0, 0, max_q, max_k,
-                     qv.shape[0], True)
-
-    @staticmethod
-    def _offsets(obj, name: str, rows: int, given_max) -> tuple[object, np.ndarray | None]:
-        """Check a cu_seqlens tensor; returns its view and the sequence lengths when read.
-        Device values are read (a host sync) only when max_seqlen is not given, so a launch
-        given it never synchronises."""
-        from mhadsl.runtime import driver, tensors
-        if isinstance(obj, np.ndarray) and obj.dtype != np.int32:
-            raise TypeError(f"{name} must be int32, got {obj.dtype}")
-        view = tensors.as_device_tensor(obj, name)
-        if view.dtype != "int32":
-            raise TypeError(f"{name} must be int32, got {view.dtype}")
-        if len(view.shape) != 1 or view.shape[0] < 1:
-            raise ValueError(f"{name} must be 1-D with batch + 1 entries, got shape {view.shape}")
-        if not view.on_host and view.strides != (1,):
-            raise ValueError(f"{name} must be contiguous")
-        if not (view.on_host or given_max is None or driver.debug_mode()):
-            return view, None
-        values = host_values(view)
-        if values[0] < 0:
-            raise ValueError(f"{name} must start at 0 or above, got {values[0]}")
-        if np.any(np.diff(values) < 0):
-            raise ValueError(f"{name} must be non-decreasing, got {values.tolist()}")
-        if values[-1] > rows:
-            raise ValueError(f"{name} ends at {values[-1]}, beyond the {rows} rows of its "
-                             f"tensor")
-        return view, np.diff(values)
-
-    @staticmethod
-    def _max_len(lengths: np.ndarray | None, given, which: str) -> int:
-        if given is None:
-            return int(lengths.max()) if len(lengths) else 0
-        try:
-            given = operator.index(given)
-        except TypeError:
-            raise TypeError(f"max_seqlen_{which} must be an integer, got {given!r}") from None
-        if not 0 <= given < 2**31:
-            raise ValueError(f"max_seqlen_{which} must be in [0, 2**31), got {given}")
-        if lengths is not None and len(lengths) and given < lengths.max():
-            raise ValueError(f"max_seqlen_{which} = {given} is below the longest sequence "
-                             f"({int(lengths.max())})")
-        return given
+        return _Call(views["q"], views["k"], views["v"], offsets["cu_seqlens_q"],
+                     offsets["cu_seqlens_k"], c.batch, c.heads, c.kv_heads, c.seqlen_q,
+                     c.seqlen_k, c.max_seqlen_q, c.max_seqlen_k, c.total_q, c.ragged, c.scale)
 
     def _check_out(self, out, call: _Call, dtype: str, device: int | None):
         return check_output(out, call.q.shape, dtype, device,
@@ -583,6 +621,10 @@ class Kernel:
 
 
 _host_schedulers: dict = {}
+# what the designs of each workload build (`Kernel.build`'s words)
+_BUILDS = {"prefill": "a forward build",
+           "decode": "a build against a KV cache (Kernel.build(cache=CacheLayout(...)))",
+           "backward": "the backward pass's kernels (Kernel.backward_build())"}
 
 
 class _Planned(AddressChecks):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import weakref
 
-from mhadsl.calls import DTYPE_NAMES, check_rows, check_scale, torch_stream
+from mhadsl.calls import DTYPE_NAMES, check_flag, check_rows, check_shape, torch_stream
 from mhadsl.codegen.backends import select_target
 from mhadsl.codegen.backends import backward as _sm80_design
 from mhadsl.codegen.backends.backward import BACKEND, MAIN, BackwardConfig
@@ -65,19 +65,16 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
     """(dq, dk, dv) of `kernel(q, k, v, ...)` for the output gradient `dout`, given the
     forward's `out` and `lse` (`Kernel.backward`); `deterministic` None follows torch's
     `torch.are_deterministic_algorithms_enabled()`."""
-    if deterministic is not None and not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be True, False or None (torch's setting), not "
-                        f"{deterministic!r}")
+    check_flag(deterministic, "deterministic")
     from mhadsl.runtime import tensors
-    call = kernel._validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    call = kernel._validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            scale)
     if problems := BACKEND.problems(kernel.options, "sm_80"):  # (the same on either target)
         raise kernel.options.backend_error(problems)
-    scale = kernel.options.softmax_scale() if scale is None else check_scale(scale)
     dtype = DTYPE_NAMES[kernel.options.dtype]
     for name, t in (("out", out), ("dout", dout)):
         view = tensors.as_device_tensor(t, name)
-        if tuple(view.shape) != tuple(call.q.shape):
-            raise ValueError(f"{name} has shape {view.shape}, expected {call.q.shape} (like q)")
+        check_shape(view, name, call.q.shape)
         if not view.on_host:  # (host arrays are refused below: the backward runs on torch's)
             if view.dtype != dtype:
                 raise TypeError(f"{name} has dtype {view.dtype}, expected {dtype} (like q)")
@@ -102,7 +99,7 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     return _run(kernel, torch, call, q, k, v, out, lse.contiguous(), dout, cu_seqlens_q,
-                cu_seqlens_k, scale, deterministic)
+                cu_seqlens_k, call.scale, bool(deterministic))
 
 
 def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale, deterministic):
@@ -130,8 +127,10 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, scale, determ
                              f"at {t:#x}")
     stream = torch_stream(torch, q.device.index)
     if call.ragged:  # the main kernel's scheduler numbers the K/V tiles of the sequences
+        from mhadsl.build import tile_index_kernel
         from mhadsl.runtime import tile_index
-        addresses["tile_index"] = tile_index.prepare(addresses["cu_seqlens_k"], call.batch,
+        addresses["tile_index"] = tile_index.prepare(tile_index_kernel(),
+                                                     addresses["cu_seqlens_k"], call.batch,
                                                      block_n, stream, q.device.index)
     for plan in plans:
         plan.launch(addresses, stream)
@@ -182,7 +181,7 @@ def _plans(kernel, call, tensors: dict, scale: float, device: int,
     driver.ensure_context(device)
     plans = [LaunchPlan(functions[name], grid[name], shape[name].threads,
                         shape[name].shared_bytes, design.kernel_abi(name), config, device,
-                        shapes, values, call.ragged, own_tile_index=False)
+                        shapes, values, call.ragged)
              for name in design.kernel_names(config) if 0 not in grid[name]]
     scratch = design.scratch_elements(config, call.total_q if call.ragged else
                                       call.batch * call.seqlen_q, call.heads, call.batch,

@@ -11,6 +11,9 @@ The cache key covers everything that changes the output: the text of every file 
 program loaded (imports and the standard library included), the declaration's name, the
 backend, the call's layout, the target (arch, PTX ISA), LLVM's and llvmlite's versions,
 ptxas's version, and a hash of the compiler's own sources.
+
+The tile index kernel that ragged launches run first (`codegen.tile_index`) is built here
+too (`build_tile_index`), so the runtime only loads and launches what it is handed.
 """
 from __future__ import annotations
 
@@ -19,14 +22,17 @@ import functools
 import json
 from dataclasses import dataclass
 
+from mhadsl.abi import KernelABI
 from mhadsl.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.check import CheckedProgram
 from mhadsl.classify import kv_band_tiles
-from mhadsl.codegen import backends
+from mhadsl.codegen import backends, tile_index
 from mhadsl.codegen.assemble import Assembled, KernelResources, find_ptxas, run_ptxas
 from mhadsl.codegen.backends import Backend, KernelBuild, Layout
 from mhadsl.codegen.kernel import kernel_source
-from mhadsl.codegen.target import DEFAULT_PTX_VERSION, Target, gpu_target
+from mhadsl.codegen.target import (
+    DEFAULT_PTX_VERSION, Target, emit_ptx, gpu_target, new_module, optimize,
+)
 from mhadsl.runtime import cache
 
 
@@ -106,6 +112,40 @@ def cache_key(program: CheckedProgram, request: KernelRequest, resolved: Plan) -
         trace=request.trace,
         **resolved.target.cache_fields(), ptxas=_ptxas_version(),
         compiler=cache.compiler_hash())
+
+
+@dataclass(frozen=True)
+class TileIndexBuild:
+    """The tile index kernel as `runtime.tile_index` loads and launches it."""
+
+    ptx: str
+    name: str = tile_index.KERNEL_NAME
+    threads: int = tile_index.THREADS  # per CTA
+    abi: KernelABI = tile_index.ABI
+
+
+def build_tile_index(arch: str = "sm_80",
+                     store: cache.CompileCache | None = None) -> TileIndexBuild:
+    """The tile index kernel's PTX for `arch`: from the cache when an entry for exactly these
+    inputs is there, else generated and stored (`store`: the default cache if None)."""
+    target = gpu_target(arch)
+    store = store if store is not None else cache.CompileCache()
+    key = cache.cache_key(what="tile index kernel", **target.cache_fields(),
+                          compiler=cache.compiler_hash())
+    entry = store.get(key)
+    if entry is None or "ptx" not in entry:
+        module = new_module("tile_index", target)
+        tile_index.build_tile_index_kernel(module)
+        entry = {"ptx": emit_ptx(optimize(module, target), target).encode()}
+        store.put(key, entry)
+    return TileIndexBuild(entry["ptx"].decode())
+
+
+@functools.cache
+def tile_index_kernel() -> TileIndexBuild:
+    """The tile index kernel ragged launches run, once per process (a backward call asks
+    for it on every call): sm_80 PTX, which every later GPU compiles when it loads it."""
+    return build_tile_index("sm_80")
 
 
 @functools.cache

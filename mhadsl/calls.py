@@ -1,19 +1,169 @@
-"""What every kernel call shares (prefill, decode, backward): the torch signature a planned
+"""What every kernel call shares (prefill, decode, backward): the argument checks a call
+and its float64 reference run alike (`check_attention_call`), the torch signature a planned
 call is looked up by, streams, and the checks of the tensors a kernel reads and writes
 (those of a planned call's addresses skipped where the last passing call had them).
 
-Imported by `mhadsl.api`, `mhadsl.serving` and `mhadsl.backward`; it imports none of them.
+Imported by `mhadsl.api`, `mhadsl.serving`, `mhadsl.backward` and `mhadsl.reference`; it
+imports none of them.
 """
 from __future__ import annotations
 
+import operator
 import sys
+from typing import Callable, NamedTuple
 
 import numpy as np
 
-from mhadsl.attention_spec import scale_problem
+from mhadsl.attention_spec import AttentionOptions, scale_problem
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 NO_OPTIONS = (None, None, None, None)
+INT32_LIMIT = 2**31  # lengths, row offsets and head counts are int32 in the kernels
+
+
+class AttentionCall(NamedTuple):
+    """A checked call's sizes (`check_attention_call`), and its offsets where they were read."""
+    ragged: bool
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int  # dense; 0 ragged
+    seqlen_k: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    total_q: int  # ragged: q's rows; 0 dense
+    scale: float
+    cu_seqlens_q: np.ndarray | None  # the values read (int64); None: left on the device
+    cu_seqlens_k: np.ndarray | None
+
+
+# read(offsets, name, max_seqlen given) -> their values, or None where they stay on the device
+ReadOffsets = Callable[[object, str, object], "np.ndarray | None"]
+
+
+def check_attention_call(options: AttentionOptions, q, k, v, *, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_q, max_seqlen_k, scale, read: ReadOffsets
+                         ) -> AttentionCall:
+    """Refuse, with a ValueError or TypeError saying why, a call `kernel(q, k, v, ...)` of the
+    kernel `options` declares: ranks, head dims, head counts, batches, offsets, max_seqlen
+    and scale. The kernels' call, its backward and `mhadsl.reference` all check here.
+
+    Tensors are anything with a `.shape`, offsets anything with `.shape` and `.dtype` (device
+    tensor views, NumPy, torch, CuPy); `read` gives the offsets' values to check, or None for
+    values it leaves on the device."""
+    ragged = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if ragged and (cu_seqlens_q is None or cu_seqlens_k is None):
+        raise ValueError("ragged attention needs both cu_seqlens_q and cu_seqlens_k")
+    rank = 3 if ragged else 4
+    layout = "(total, heads, head_dim) with cu_seqlens" if ragged else \
+        "(batch, seqlen, heads, head_dim)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if len(t.shape) != rank:
+            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}; expected rank "
+                             f"{rank}: {layout}")
+        if t.shape[-1] != options.head_dim:
+            raise ValueError(f"tensor {name!r} has head dim {t.shape[-1]}, but kernel "
+                             f"'{options.name}' is declared head_dim = {options.head_dim}")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    if problem := options.heads_problem(heads, kv_heads):
+        raise ValueError(problem)
+    if heads >= INT32_LIMIT:
+        raise ValueError(f"head counts must be below 2**31, got {heads}")
+    if not ragged:
+        if max_seqlen_q is not None or max_seqlen_k is not None:
+            raise ValueError("max_seqlen_q/max_seqlen_k belong to ragged calls (with "
+                             "cu_seqlens_q/k); a dense call takes its lengths from q and k")
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"q has batch {q.shape[0]} but k/v have {k.shape[0]}")
+        batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        if max(sq, sk) >= INT32_LIMIT:
+            raise ValueError("sequence lengths must be below 2**31")
+        return AttentionCall(False, batch, heads, kv_heads, sq, sk, sq, sk, 0,
+                             softmax_scale(options, scale), None, None)
+    cu_q = _offsets(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, read)
+    cu_k = _offsets(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, read)
+    if tuple(cu_seqlens_q.shape) != tuple(cu_seqlens_k.shape):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch "
+                         f"+ 1), got {cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    max_q = check_max_seqlen(cu_q, max_seqlen_q, "max_seqlen_q")
+    max_k = check_max_seqlen(cu_k, max_seqlen_k, "max_seqlen_k")
+    return AttentionCall(True, cu_seqlens_q.shape[0] - 1, heads, kv_heads, 0, 0, max_q, max_k,
+                         q.shape[0], softmax_scale(options, scale), cu_q, cu_k)
+
+
+def _offsets(offsets, name: str, rows: int, max_seqlen, read: ReadOffsets
+             ) -> np.ndarray | None:
+    """A cu_seqlens argument's values (None: not read), checked: int32, 1-D, from 0 up,
+    non-decreasing, within the `rows` of its tensor."""
+    if dtype_name(offsets) != "int32":
+        raise TypeError(f"{name} must be int32, got {dtype_name(offsets)}")
+    if len(offsets.shape) != 1 or offsets.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D with batch + 1 entries, got shape "
+                         f"{tuple(offsets.shape)}")
+    values = read(offsets, name, max_seqlen)
+    if values is None:
+        return None
+    if values[0] < 0:
+        raise ValueError(f"{name} must start at 0 or above, got {values[0]}")
+    if np.any(np.diff(values) < 0):
+        raise ValueError(f"{name} must be non-decreasing, got {values.tolist()}")
+    if values[-1] > rows:
+        raise ValueError(f"{name} ends at {values[-1]}, beyond the {rows} rows of its tensor")
+    return values
+
+
+def check_max_seqlen(offsets: np.ndarray | None, given, name: str) -> int:
+    """A ragged call's longest sequence: `given` (an integer no smaller than any length the
+    `offsets` read give), else read from them."""
+    lengths = None if offsets is None else np.diff(offsets)
+    if given is None:
+        return int(lengths.max()) if len(lengths) else 0
+    if isinstance(given, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got {given!r}")
+    try:
+        given = operator.index(given)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {given!r}") from None
+    if not 0 <= given < INT32_LIMIT:
+        raise ValueError(f"{name} must be in [0, 2**31), got {given}")
+    if lengths is not None and len(lengths) and given < lengths.max():
+        raise ValueError(f"{name} = {given} is below the longest sequence "
+                         f"({int(lengths.max())})")
+    return given
+
+
+def softmax_scale(options: AttentionOptions, scale) -> float:
+    """A call's softmax scale: `scale`, checked, else the declaration's."""
+    return options.softmax_scale() if scale is None else check_scale(scale)
+
+
+def check_flag(value, name: str) -> None:
+    """A call's on/off option: True, False, or None (its default)."""
+    if value is not None and not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True, False or None, got {value!r}")
+
+
+def check_shape(t, name: str, shape: tuple) -> None:
+    """A tensor that must have q's shape (an output, its gradient)."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} (like q)")
+
+
+def dtype_name(t) -> str:
+    """A tensor's dtype as a plain name ("int32", "bfloat16"), for any kind of tensor."""
+    return str(t.dtype).removeprefix("torch.")
+
+
+def index_view(obj, name: str):
+    """The call's view of an int32 index argument (offsets, lengths, page table); a NumPy
+    array of another dtype is refused in the words of the checks that follow."""
+    from mhadsl.runtime import tensors
+    if isinstance(obj, np.ndarray) and obj.dtype != np.int32:
+        raise TypeError(f"{name} must be int32, got {obj.dtype}")
+    return tensors.as_device_tensor(obj, name)
 
 
 def typed_key(signature: tuple, options: tuple) -> tuple:
@@ -30,8 +180,7 @@ def check_output(out, shape, dtype: str, device: int | None, reads: dict):
     (name -> view)."""
     from mhadsl.runtime import tensors
     view = tensors.as_device_tensor(out, "out")
-    if tuple(view.shape) != tuple(shape):
-        raise ValueError(f"out has shape {view.shape}, expected {tuple(shape)} (like q)")
+    check_shape(view, "out", shape)
     if not view.on_host:
         if view.dtype != dtype:
             raise TypeError(f"out has dtype {view.dtype}, expected {dtype}")

@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 from mhadsl import __version__
+from mhadsl.abi import TRACE_WORK_ITEM
 from mhadsl.attention_spec import resolve_attention
 from mhadsl.build import RequestError
 from mhadsl.builtins import GRID_LIMITS
 from mhadsl.codegen import backends
-from mhadsl.codegen.abi import TRACE_WORK_ITEM
 from mhadsl.codegen.assemble import AssemblerError, find_ptxas, ptxas_timeout
 from mhadsl.codegen.backends.backward import BackwardConfig
 from mhadsl.codegen.scheduler import SchedulerSpec
@@ -29,7 +29,9 @@ from mhadsl.codegen.target import GPU_ARCHS
 from mhadsl.diagnostics import MhaError
 from mhadsl.paged import MAX_DECODE_ROWS, MAX_KV_SPLITS, PAGE_SIZES
 from mhadsl.parse import STD_PREFIX, std_file
-from mhadsl.pipeline import CompileOptions, compile_stages, front_end
+from mhadsl.pipeline import (
+    PASSES, CompileOptions, compile_stages, front_end, kernel_launches, tile_shape,
+)
 from mhadsl.simulate import (
     COST_MODELS, MAX_SEQLEN, MAX_SIMULATED_CTAS, Batch, plot_timeline, simulate,
 )
@@ -84,7 +86,8 @@ EXTENSIONS = {"llvm": ".ll", "ptx": ".ptx", "cubin": ".cubin"}
 
 def cmd_compile(args: argparse.Namespace) -> int:
     text, base = read_source(args.file)
-    options = CompileOptions(arch=args.arch, tile_m=args.tile)
+    passes = PASSES if args.pass_name == "all" else (args.pass_name,)
+    options = CompileOptions(arch=args.arch, tile_m=args.tile, passes=passes)
     start = time.perf_counter()
     try:  # a bad $MHADSL_PTXAS or $MHADSL_PTXAS_TIMEOUT is found before compiling
         until = "cubin" if args.emit == "cubin" or find_ptxas() else "ptx"
@@ -92,16 +95,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
         comp = compile_stages(text, args.file, options, until=until, base_dir=base,
                               include_dirs=args.include,
                               progress=lambda stage: print(f"{args.file}: {stage}...",
-                                                           file=sys.stderr, flush=True))
+                                                           file=sys.stderr, flush=True),
+                              attentions=[args.kernel] if args.kernel else None)
     except (AssemblerError, RequestError) as err:
         raise UsageError(str(err)) from None
     elapsed = time.perf_counter() - start
     units = _units(comp, args.emit)
-    if args.kernel:
-        if args.kernel not in comp.kernels:
-            raise UsageError(f"no attention kernel '{args.kernel}' in {args.file} (it has: "
-                             f"{', '.join(comp.kernels) or 'none'})")
-        units = {args.kernel: units[args.kernel]}
+    if args.kernel:  # its units alone: the scheduler trace kernels belong to no declaration
+        units = {name: unit for name, unit in units.items() if name in comp.kernels}
     if not units:
         raise UsageError(f"{args.file} declares no scheduler and no attention kernel")
     if any(v is None for v in units.values()):
@@ -117,12 +118,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
         return 0
     resources = [(k.name, k) for k in comp.artifacts["cubin"].kernels.values()] \
         if "cubin" in comp.artifacts else []
-    for name, build in comp.kernels.items():
-        launch = backends.backend(build.backend).launch_shape(build.config)
-        resources += [(f"{name} ({build.backend}, {build.config.block_m}x"
-                       f"{build.config.block_n} tile, {launch.threads} threads, "
-                       f"{launch.shared_bytes} B dynamic shared)", k)
-                      for k in build.assembled.kernels.values()]
+    for unit, build in comp.kernels.items():
+        launches = kernel_launches(build)
+        rows, kv_rows = tile_shape(build)
+        for kernel, launch in launches.items():  # a backward unit's: named each
+            name = unit if len(launches) == 1 else f"{unit} {kernel}"
+            resources.append((f"{name} ({build.backend}, {rows}x{kv_rows} tile, "
+                              f"{launch.threads} threads, {launch.shared_bytes} B dynamic "
+                              f"shared)", build.assembled.kernels[kernel]))
     for name, k in resources:
         print(f"  {name}: {k.registers} registers, {k.spills} bytes spilled, "
               f"{k.shared_bytes} bytes shared, {k.stack_bytes} bytes stack", file=summary)
@@ -130,7 +133,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _units(comp, emit: str) -> dict[str, str | bytes | None]:
-    """What `--emit` writes: the scheduler trace kernels' module and each attention kernel."""
+    """What `--emit` writes: the scheduler trace kernels' module and each attention unit (a
+    declaration's build for a pass)."""
     units: dict[str, str | bytes | None] = {}
     if "llvm" in comp.artifacts:
         units["schedulers"] = comp.text(emit) if emit in comp.artifacts else None
@@ -723,7 +727,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--emit", choices=("llvm", "ptx", "cubin"), default="ptx")
     p.add_argument("--arch", choices=GPU_ARCHS, default="sm_90a")
     p.add_argument("--tile", type=_int, default=128, help="tile height for schedulers")
-    p.add_argument("--kernel", metavar="NAME", help="emit only this attention kernel")
+    p.add_argument("--kernel", metavar="NAME",
+                   help="emit only this attention kernel's units (build no other)")
+    p.add_argument("--pass", dest="pass_name", choices=(*PASSES, "all"), default="forward",
+                   help="which build of each attention kernel: the forward (default), the "
+                        "backward pass's kernels, a decode step against a paged KV cache, "
+                        "or all three")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
     _include_argument(p)
     p.set_defaults(run=cmd_compile)

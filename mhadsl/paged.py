@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from mhadsl.attention_spec import AttentionOptions
+from mhadsl.calls import check_max_seqlen, dtype_name, softmax_scale
 
 PAGE_SIZES = (16, 32, 64, 128, 256, 512)
 MAX_DECODE_ROWS = 16  # query rows per sequence of a dense decode call
@@ -30,18 +31,23 @@ class DecodeCall(NamedTuple):
     page_size: int | None  # None: a contiguous cache
     cu_seqlens_q: np.ndarray | None  # (B + 1,) query row offsets, dense or ragged
     cache_seqlens: np.ndarray | None  # (B,)
+    max_seqlen_q: int  # query rows of the longest sequence (dense: Sq)
+    scale: float
 
 
 def check_decode_call(options: AttentionOptions, q, k_cache, v_cache, *, cache_seqlens,
-                      page_table=None, cu_seqlens_q=None,
+                      page_table=None, cu_seqlens_q=None, max_seqlen_q=None, scale=None,
+                      num_splits=None,
                       read: Callable[[object], np.ndarray | None] = np.asarray) -> DecodeCall:
     """Refuse, with a ValueError or TypeError saying why, a decode call the kernel cannot run.
 
-    Shapes and dtypes come from the arguments' `.shape` and `.dtype` (NumPy arrays or device
-    tensor views); the index values from `read`, which returns None for values it leaves where
-    they are. The reference reads them all (host NumPy); the decode kernels' call will read
-    device-side ones only under MHADSL_DEBUG=1, and check what it read.
+    Shapes and dtypes come from the arguments' `.shape` and `.dtype` (NumPy, torch or CuPy
+    arrays, or device tensor views); the index values from `read`, which returns None for
+    values it leaves where they are. The reference reads them all; the decode kernels' call
+    reads device-side ones only under MHADSL_DEBUG=1, and checks what it read.
     """
+    if cache_seqlens is None:
+        raise TypeError("cache_seqlens is required: int32, the cached keys of each sequence")
     ragged = cu_seqlens_q is not None
     q_rank = 3 if ragged else 4
     if len(q.shape) != q_rank:
@@ -104,13 +110,31 @@ def check_decode_call(options: AttentionOptions, q, k_cache, v_cache, *, cache_s
         pages = read(page_table)
         if pages is not None:
             _check_pages(pages, seqlens, page_size, num_pages)
-    return DecodeCall(batch, page_size, None if cu_q is None else np.asarray(cu_q, np.int64),
-                      None if seqlens is None else np.asarray(seqlens, np.int64))
+    cu_q = None if cu_q is None else np.asarray(cu_q, np.int64)
+    if not ragged:
+        if max_seqlen_q is not None:
+            raise ValueError("max_seqlen_q belongs to ragged calls (with cu_seqlens_q); a "
+                             "dense call takes its query rows from q")
+        max_q = q.shape[1]
+    elif max_seqlen_q is None and cu_q is None:
+        raise ValueError("a ragged decode call with cu_seqlens_q on the device needs "
+                         "max_seqlen_q (reading it would synchronise with the device)")
+    else:
+        max_q = check_max_seqlen(cu_q, max_seqlen_q, "max_seqlen_q")
+    scale = softmax_scale(options, scale)
+    if num_splits is not None:
+        words = f"num_splits must be an integer from 1 to {MAX_KV_SPLITS}, got {num_splits!r}"
+        if not isinstance(num_splits, int):
+            raise TypeError(words)
+        if isinstance(num_splits, bool) or not 1 <= num_splits <= MAX_KV_SPLITS:
+            raise ValueError(words)
+    return DecodeCall(batch, page_size, cu_q,
+                      None if seqlens is None else np.asarray(seqlens, np.int64), max_q, scale)
 
 
 def _check_int32(t, name: str, rank: int, layout: str) -> None:
-    if str(t.dtype) != "int32":
-        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if dtype_name(t) != "int32":
+        raise TypeError(f"{name} must be int32, got {dtype_name(t)}")
     if len(t.shape) != rank:
         raise ValueError(f"{name} must be {rank}-D, {layout}, got shape {tuple(t.shape)}")
 

@@ -4,12 +4,14 @@
 
 `compile_stages` runs the table up to a stage and returns a `Compilation` whose
 `artifacts` hold each result in order, so `--emit llvm|ptx|cubin` is a lookup. The table
-builds one module of scheduler trace kernels; each attention declaration is its own unit
-(`kernels`), built for the same arch by `mhadsl.build` (the one build path of attention
-kernels, through the on-disk cache).
+builds one module of scheduler trace kernels; each attention declaration gives a unit per
+pass asked for (`kernels`: its forward, backward and decode builds, `PASSES`), built for the
+same arch by `mhadsl.build` (the one build path of attention kernels, through the on-disk
+cache).
 """
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,16 +22,26 @@ from mhadsl import ast
 from mhadsl.check import CheckedProgram, check_program
 from mhadsl.codegen import target as targets
 from mhadsl.codegen.assemble import Assembled, assemble
-from mhadsl.attention_spec import resolve_attention
-from mhadsl.build import KernelRequest, build_kernel
-from mhadsl.codegen.backends import KernelBuild, Layout
+from mhadsl.attention_spec import AttentionOptions, resolve_attention
+from mhadsl.build import KernelRequest, RequestError, build_kernel
+from mhadsl.codegen import backends
+from mhadsl.codegen.backends import CacheLayout, KernelBuild, LaunchShape, Layout
 from mhadsl.codegen.scheduler import SchedulerSpec, build_trace_kernel, lower_scheduler
+from mhadsl.diagnostics import MhaError
 from mhadsl.parse import load_program, no_cyclic_gc
 
 STD_SCHEDULERS = "std/schedulers.mha"
 # From this many schedulers on, a compile takes long enough (about 30 ms of LLVM and
 # ptxas per scheduler) that `progress` is told of each stage.
 MANY_SCHEDULERS = 100
+
+# What a declaration is built for: its forward (prefill) call, the backward pass of that
+# call, and a decode step against a KV cache.
+PASSES = ("forward", "backward", "decode")
+# The cache a decode unit is built for: one new query row per sequence, pages of 64
+# positions, and the 64-row KV tile `serving.kv_tile` picks for such a call (32 only once
+# the batch gives 1.5 work tiles per multiprocessor).
+DECODE_CACHE = CacheLayout(query_rows=1, page_size=64, block_n=64)
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,7 @@ class CompileOptions:
     ptx_version: int = targets.DEFAULT_PTX_VERSION
     tile_m: int = 128  # tile height schedulers compiled on their own are specialised for
     backend: str | None = None  # attention kernel design; None: the arch's first
+    passes: tuple[str, ...] = ("forward",)  # which builds of each declaration (`PASSES`)
 
     @property
     def target(self) -> targets.Target:
@@ -51,7 +64,8 @@ class Compilation:
     name: str
     options: CompileOptions
     artifacts: dict[str, object] = field(default_factory=dict)
-    kernels: dict[str, KernelBuild] = field(default_factory=dict)  # attention declarations
+    # one unit per (attention declaration, pass), named by `unit_name`
+    kernels: dict[str, KernelBuild] = field(default_factory=dict)
 
     @property
     def checked(self) -> CheckedProgram:
@@ -109,11 +123,21 @@ def _needs_default_scheduler(modules: list[ast.Module]) -> bool:
 def compile_stages(text: str, name: str, options: CompileOptions, *, until: str = "ptx",
                    base_dir: Path | None = None,
                    include_dirs: Sequence[str | os.PathLike] = (),
-                   progress: Callable[[str], None] | None = None) -> Compilation:
+                   progress: Callable[[str], None] | None = None,
+                   attentions: Sequence[str] | None = None) -> Compilation:
+    """Run the stages up to `until`, then build each pass of `options.passes` for the
+    attention declarations named in `attentions` (None: every one); an unknown name is a
+    `RequestError`."""
     if until not in STAGE_NAMES:
         raise ValueError(f"unknown stage {until!r}; stages are {', '.join(STAGE_NAMES)}")
+    if unknown := [p for p in options.passes if p not in PASSES]:
+        raise ValueError(f"unknown pass {unknown[0]!r}; passes are {', '.join(PASSES)}")
     c = Compilation(name, options)
     c.artifacts["parse"], c.artifacts["check"] = front_end(text, name, base_dir, include_dirs)
+    declarations = c.checked.attentions
+    if missing := [a for a in attentions or () if a not in declarations]:
+        raise RequestError(f"no attention kernel '{missing[0]}' in {name} (it has: "
+                           f"{', '.join(declarations) or 'none'})")
     many = len(c.checked.schedulers) >= MANY_SCHEDULERS
     if c.checked.schedulers:
         for stage, run in STAGES:
@@ -123,10 +147,79 @@ def compile_stages(text: str, name: str, options: CompileOptions, *, until: str 
                 progress(f"{stage} of {len(c.checked.schedulers)} schedulers")
             c.artifacts[stage] = run(c)
     if STAGE_NAMES.index(until) >= STAGE_NAMES.index("llvm"):
-        for name, decl in c.checked.attentions.items():
-            declared = resolve_attention(decl)
-            layout = Layout(gqa_group=declared.gqa or 1, return_lse=declared.return_lse)
-            c.kernels[name] = build_kernel(c.checked, KernelRequest(
-                name, options.arch, options.backend, layout, options.ptx_version))
+        for attention in declarations if attentions is None else attentions:
+            for pass_name in options.passes:
+                c.kernels[unit_name(attention, pass_name)] = _build_pass(
+                    c.checked, attention, pass_name, options)
     return c
 
+
+def unit_name(attention: str, pass_name: str) -> str:
+    """A forward unit is named after its declaration; another pass's adds the pass."""
+    return attention if pass_name == "forward" else f"{attention}.{pass_name}"
+
+
+def pass_layout(pass_name: str, declared: AttentionOptions) -> Layout:
+    """The call a pass builds a declaration for: its declared GQA ratio (1 where it declares
+    none); the forward and decode with its declared log-sum-exp, decode against
+    `DECODE_CACHE`; the backward dense, in its default (atomic) mode, as
+    `Kernel.backward_build()` asks for it."""
+    group = declared.gqa or 1
+    if pass_name == "backward":
+        return Layout(gqa_group=group, backward=True)
+    return Layout(gqa_group=group, return_lse=declared.return_lse,
+                  cache=DECODE_CACHE if pass_name == "decode" else None)
+
+
+class PassError(MhaError):
+    """A declaration that a pass other than the forward cannot be built for on an arch (a
+    design refuses it, or its score has no derivative), rendered on one line; the forward's
+    refusals stay the diagnostics at the setting at fault."""
+
+    def __init__(self, attention: str, pass_name: str, arch: str, error: MhaError):
+        super().__init__(error.diagnostics, omitted=error.omitted)
+        self.attention, self.pass_name, self.arch = attention, pass_name, arch
+
+    def render(self) -> str:
+        first = self.diagnostics[0]
+        span = first.span
+        where = f"{span.source.name}:{span.line}:{span.column}: " if span else ""
+        why = first.message.removeprefix(f"attention '{self.attention}': ")
+        more = len(self.diagnostics) - 1 + self.omitted
+        return (f"{where}error: no {self.pass_name} build of attention '{self.attention}' "
+                f"for {self.arch}: {why}" + (f" (and {more} more)" if more else ""))
+
+
+def _build_pass(program: CheckedProgram, attention: str, pass_name: str,
+                options: CompileOptions) -> KernelBuild:
+    declared = resolve_attention(program.attentions[attention])
+    layout = pass_layout(pass_name, declared)
+    request = KernelRequest(attention, options.arch, options.backend, layout,
+                            options.ptx_version,
+                            scheduler=declared.scheduler_for(layout.workload))
+    try:
+        return build_kernel(program, request)
+    except MhaError as err:
+        if pass_name == "forward":
+            raise
+        raise PassError(attention, pass_name, options.arch, err) from None
+
+
+def kernel_launches(build: KernelBuild) -> dict[str, LaunchShape]:
+    """The launch shape of each kernel of a build, in launch order: a backward build holds
+    several (preprocess, main, then postprocess or the deterministic dQ kernel), which its
+    design's module lists (`launch_shapes`); any other build one."""
+    design = backends.backend(build.backend)
+    if design.workload == "backward":
+        module = importlib.import_module(f"{backends.__name__}.{build.backend}")
+        return module.launch_shapes(build.config)
+    launch = design.launch_shape(build.config)
+    return {launch.kernel_name: launch}
+
+
+def tile_shape(build: KernelBuild) -> tuple[int, int]:
+    """(query rows, K/V rows) of a build's tile. A decode work tile holds its packed query
+    rows (`rows`); the scheduler sees it as one row (`block_m` 1: a KV split)."""
+    decode = backends.backend(build.backend).workload == "decode"
+    rows = build.config.rows if decode else build.config.block_m
+    return rows, build.config.block_n

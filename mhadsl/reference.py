@@ -5,14 +5,16 @@
 `mhadsl.builtins` (i32/u32 wrap modulo 2**32, C division with 0 for a zero divisor, saturating
 shifts and float-to-int casts); literal expressions take the checker's exact values. Floats are float64 — this
 is the reference the f32 kernel is measured against. Block-form rules run with per-element
-control flow (a lane mask), so `if`, `while`, `var` and calls to `fn`s work too.
+control flow (a lane mask), so `if`, `var` and calls to `fn`s work too (`check` refuses
+`while` in these rules and the fns they call).
 
 `attention_reference` is softmax attention in FlashAttention's tensor layout with those rules
 applied: the score rule sees the scaled logit (FlexAttention's convention), the mask removes
 keys, rows with no key left give output 0 and LSE -inf. `attention_reference_backward` is its
 gradient as FlashAttention's backward defines it, through the score rule's derivative
 (`mhadsl.derivative`). `reference` and `reference_backward` take a kernel and its call's
-arguments; `reference_decode` takes a decode call's, against a (paged) KV cache.
+arguments, `reference_decode` a decode call's, against a (paged) KV cache; each checks them
+with its call's own checks (`mhadsl.calls`, `mhadsl.paged`), before any GPU work.
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ import numpy as np
 from mhadsl import ast
 from mhadsl.builtin_functions import FUNCTIONS
 from mhadsl.builtins import attention_type, convert, int_binary, wrap
+from mhadsl.calls import (
+    AttentionCall, check_attention_call, check_flag, check_shape, dtype_name,
+)
 from mhadsl.check import CheckedProgram
 from mhadsl.derivative import differentiate_score
 from mhadsl.paged import check_decode_call
@@ -74,13 +79,6 @@ class _Evaluator:
                 cond = np.asarray(self.expr(s.cond, env), bool)
                 self.block(s.then, env, live & cond, frame)
                 self.block(s.orelse, env, live & ~cond, frame)
-            elif isinstance(s, ast.While):
-                while True:
-                    self.live = active & ~frame.done
-                    running = self.live & np.asarray(self.expr(s.cond, env), bool)
-                    if not running.any():
-                        break
-                    self.block(s.body, env, running, frame)
             elif isinstance(s, ast.Return):
                 value = convert(self.expr(s.value, env), self.types[s.value], frame.ty)
                 frame.value = np.where(live, value, frame.value)
@@ -367,41 +365,110 @@ def _softmax_rows(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _to_numpy(x):
     """Any array the kernels accept (torch, CuPy, NumPy), as a host float64/int array."""
-    if x is None or isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray):
         return x
     if type(x).__module__.startswith("torch"):
         return x.detach().float().cpu().numpy() if x.is_floating_point() else x.cpu().numpy()
-    if hasattr(x, "get"):  # CuPy
-        return x.get()
-    return np.asarray(x)
+    return x.get()  # CuPy
+
+
+def _host_ints(x) -> np.ndarray:
+    return _to_numpy(x).astype(np.int64)
+
+
+def _read_offsets(offsets, name: str, max_seqlen) -> np.ndarray:
+    return _host_ints(offsets)  # the reference reads every value: it checks them all
+
+
+def _tensor(x, name: str):
+    """A tensor argument as the kernels' call takes one: a NumPy array, or a torch or CuPy
+    one (on any device: the reference copies it to the host)."""
+    if not (isinstance(x, np.ndarray) or type(x).__module__.split(".")[0] in ("torch", "cupy")):
+        raise TypeError(f"argument {name!r}: expected a NumPy array, a torch tensor or a CuPy "
+                        f"array, got {type(x).__qualname__}")
+    return x
+
+
+def _float_tensor(x, name: str):
+    dtype = dtype_name(_tensor(x, name))
+    if not (dtype.startswith("float") or dtype == "bfloat16"):
+        raise TypeError(f"tensor {name!r} has dtype {dtype}; the reference needs "
+                        f"floating-point values")
+
+
+def _check_kernel(kernel, function: str) -> None:
+    from mhadsl.api import Kernel
+    if not isinstance(kernel, Kernel):
+        raise TypeError(f"mhadsl.{function}() takes a Kernel (program[name]) first, got "
+                        f"{type(kernel).__name__}")
+
+
+def _checked_call(kernel, function: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k, scale) -> AttentionCall:
+    """The forward call's arguments, checked as the call checks them."""
+    _check_kernel(kernel, function)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _float_tensor(t, name)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if t is not None:
+            _tensor(t, name)
+    return check_attention_call(kernel.options, q, k, v, cu_seqlens_q=cu_seqlens_q,
+                                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                max_seqlen_k=max_seqlen_k, scale=scale, read=_read_offsets)
+
+
+DECODE_ARGUMENTS = ("cache_seqlens", "page_table", "num_splits")
 
 
 def reference(kernel, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-              max_seqlen_k=None, scale: float | None = None, return_lse: bool | None = None,
-              **_ignored):
-    """What `kernel(q, k, v, ...)` computes, in NumPy float64 (same arguments)."""
-    want_lse = kernel.options.return_lse if return_lse is None else return_lse
-    return attention_reference(*_kernel_inputs(kernel, q, k, v), return_lse=want_lse,
-                               **_kernel_rules(kernel, scale, cu_seqlens_q, cu_seqlens_k))
+              max_seqlen_k=None, scale: float | None = None, out=None,
+              return_lse: bool | None = None, stream=None, **decode_arguments):
+    """What `kernel(q, k, v, ...)` computes, in NumPy float64: the call's arguments, checked
+    as the call checks them (`mhadsl.calls.check_attention_call`). `out` and `stream` are
+    taken so that a call's arguments pass as they are, and not used: the result is a new
+    array. A call against a KV cache has its own reference, `reference_decode`."""
+    if decode_arguments:
+        given = [n for n in decode_arguments if n in DECODE_ARGUMENTS]
+        if given:
+            raise TypeError(f"mhadsl.reference() got {', '.join(given)}: the reference of a "
+                            f"call against a KV cache is mhadsl.reference_decode()")
+        raise TypeError(f"mhadsl.reference() got an unexpected keyword argument "
+                        f"{next(iter(decode_arguments))!r}")
+    check_flag(return_lse, "return_lse")
+    call = _checked_call(kernel, "reference", q, k, v, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_q, max_seqlen_k, scale)
+    want_lse = kernel.options.return_lse if return_lse is None else bool(return_lse)
+    return attention_reference(*map(_to_numpy, (q, k, v)), return_lse=want_lse,
+                               **_kernel_rules(kernel, call.scale, call.cu_seqlens_q,
+                                               call.cu_seqlens_k))
 
 
 def reference_backward(kernel, q, k, v, dout, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                       max_seqlen_q=None, max_seqlen_k=None, scale: float | None = None):
+                       max_seqlen_q=None, max_seqlen_k=None, scale: float | None = None,
+                       deterministic: bool | None = None):
     """The gradients (dq, dk, dv) of what `kernel(q, k, v, ...)` computes, for the output
     gradient `dout`, in NumPy float64 and the layouts of q, k, v
-    (`attention_reference_backward`)."""
+    (`attention_reference_backward`). The arguments are `Kernel.backward`'s, checked as it
+    checks them, but the forward's `out` and `lse` (the reference recomputes them);
+    `deterministic` is taken and not used (the reference is one computation)."""
+    check_flag(deterministic, "deterministic")
+    call = _checked_call(kernel, "reference_backward", q, k, v, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_q, max_seqlen_k, scale)
+    _float_tensor(dout, "dout")
+    check_shape(dout, "dout", q.shape)
     return attention_reference_backward(
-        *_kernel_inputs(kernel, q, k, v, dout),
-        **_kernel_rules(kernel, scale, cu_seqlens_q, cu_seqlens_k))
+        *map(_to_numpy, (q, k, v, dout)),
+        **_kernel_rules(kernel, call.scale, call.cu_seqlens_q, call.cu_seqlens_k))
 
 
 def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None,
                      cu_seqlens_q=None, max_seqlen_q=None, scale: float | None = None,
-                     return_lse: bool | None = None):
-    """What the decode call `kernel(q, k_cache, v_cache, cache_seqlens=..., ...)` of issue 21
-    computes, in NumPy float64: attention of the query rows over their sequence's cached keys.
+                     out=None, return_lse: bool | None = None, stream=None,
+                     num_splits: int | None = None):
+    """What the decode call `kernel(q, k_cache, v_cache, cache_seqlens=..., ...)` computes, in
+    NumPy float64: attention of the query rows over their sequence's cached keys.
 
-    The layouts and argument checks are `mhadsl.paged`'s (the kernels' call will share them):
+    The layouts and argument checks are `mhadsl.paged`'s, which the decode call shares:
     q dense (B, Sq, Hq, D) with Sq 1..16, or ragged (total_q, Hq, D) with `cu_seqlens_q`;
     k_cache/v_cache paged (num_pages, page_size, Hkv, D) through the int32 `page_table`
     (B, max_pages), or contiguous (B, max_cache_len, Hkv, D); sequence b's keys are its first
@@ -410,14 +477,24 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
     the declaration's, as it is: one without a mask sees every cached key, so decode kernels
     declare the bottom-right causal mask `kv_idx <= q_idx + seqlen_k - seqlen_q` (row i then
     sees positions up to seqlen_k - Sq_b + i). All index values are checked here (they are
-    on the host); the kernels' call will check device-side ones only under MHADSL_DEBUG=1.
+    read to the host); the kernels' call checks device-side ones only under MHADSL_DEBUG=1.
     Returns O in q's layout and, with `return_lse` (default: the declaration's), the LSE:
-    (B, Hq, Sq) dense, (Hq, total_q) ragged. `max_seqlen_q` is the call's, unused here.
+    (B, Hq, Sq) dense, (Hq, total_q) ragged. `out`, `stream` and `num_splits` (checked) are
+    the call's, taken so that its arguments pass as they are, and not used.
     """
-    q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q = (
-        _to_numpy(x) for x in (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q))
+    _check_kernel(kernel, "reference_decode")
+    check_flag(return_lse, "return_lse")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _float_tensor(t, name)
+    for name, t in (("cache_seqlens", cache_seqlens), ("page_table", page_table),
+                    ("cu_seqlens_q", cu_seqlens_q)):
+        if t is not None:
+            _tensor(t, name)
     call = check_decode_call(kernel.options, q, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                             page_table=page_table, cu_seqlens_q=cu_seqlens_q)
+                             page_table=page_table, cu_seqlens_q=cu_seqlens_q,
+                             max_seqlen_q=max_seqlen_q, scale=scale, num_splits=num_splits,
+                             read=_host_ints)
+    q, k_cache, v_cache = (_to_numpy(x) for x in (q, k_cache, v_cache))
     # Each sequence's keys gathered into one ragged K/V; dense q goes ragged too (B*Sq rows).
     cu_k = np.concatenate([[0], np.cumsum(call.cache_seqlens)])
     sequence = np.repeat(np.arange(call.batch), call.cache_seqlens)
@@ -425,28 +502,21 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
     if page_table is None:
         where = (sequence, position)
     else:
-        where = (page_table[sequence, position // call.page_size], position % call.page_size)
+        pages = _host_ints(page_table)
+        where = (pages[sequence, position // call.page_size], position % call.page_size)
     out, lse = attention_reference(q.reshape(-1, *q.shape[-2:]), k_cache[where], v_cache[where],
                                    return_lse=True,
-                                   **_kernel_rules(kernel, scale, call.cu_seqlens_q, cu_k))
+                                   **_kernel_rules(kernel, call.scale, call.cu_seqlens_q, cu_k))
     if cu_seqlens_q is None:  # back to the dense layouts
         out = out.reshape(q.shape)
         lse = np.moveaxis(lse.reshape(-1, *q.shape[:2]), 0, 1)
-    want_lse = kernel.options.return_lse if return_lse is None else return_lse
+    want_lse = kernel.options.return_lse if return_lse is None else bool(return_lse)
     return (out, lse) if want_lse else out
 
 
-def _kernel_inputs(kernel, *tensors) -> list:
-    """The tensors as NumPy, once the kernel's head-count check passed (q and k first)."""
-    q, k = tensors[:2]
-    if problem := kernel.options.heads_problem(np.shape(q)[-2], np.shape(k)[-2]):
-        raise ValueError(problem)
-    return [_to_numpy(x) for x in tensors]
-
-
-def _kernel_rules(kernel, scale, cu_seqlens_q, cu_seqlens_k) -> dict:
-    """The reference's keyword arguments for a kernel's call: its rules, scale and offsets."""
+def _kernel_rules(kernel, scale: float, cu_seqlens_q, cu_seqlens_k) -> dict:
+    """The reference's keyword arguments for a kernel's checked call: its rules, scale and
+    offsets (host arrays)."""
     opts = kernel.options
     return dict(mask_rule=opts.mask, score_rule=opts.score, program=kernel.program.checked,
-                scale=opts.softmax_scale() if scale is None else scale,
-                cu_seqlens_q=_to_numpy(cu_seqlens_q), cu_seqlens_k=_to_numpy(cu_seqlens_k))
+                scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)

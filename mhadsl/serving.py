@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mhadsl.calls import (
-    DTYPE_NAMES, AddressChecks, check_output, check_rows, check_scale, host_values,
+    DTYPE_NAMES, AddressChecks, check_flag, check_output, check_rows, host_values, index_view,
     share_memory, span, stream_handle, torch_signature, torch_stream, typed_key,
 )
 from mhadsl.codegen.backends import CacheLayout, Layout
@@ -179,6 +179,7 @@ def decode(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
         if planned is not None and not planned.debug_mode():
             return _run_torch(planned, q, k_cache, v_cache, cache_seqlens, page_table,
                               cu_seqlens_q, out, stream, kernel.recording_workspace)
+    check_flag(return_lse, "return_lse")
     want_lse = kernel.options.return_lse if return_lse is None else bool(return_lse)
     return _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
                  max_seqlen_q, scale, out, want_lse, stream, num_splits, key)
@@ -186,7 +187,8 @@ def decode(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
 
 def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, scale, out,
           want_lse, stream, num_splits, key):
-    """Every check, then the signature's plan (made once) and the launch."""
+    """Every check, then the device (without a GPU, NoGpuError before any host array is
+    copied or allocated), then the signature's plan (made once) and the launch."""
     from mhadsl.runtime import driver, tensors
     dtype = DTYPE_NAMES[kernel.options.dtype]
     views = {}
@@ -199,9 +201,7 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
     for name, t in (("cache_seqlens", cache_seqlens), ("page_table", page_table),
                     ("cu_seqlens_q", cu_q)):
         if t is not None:
-            if isinstance(t, np.ndarray) and t.dtype != np.int32:
-                raise TypeError(f"{name} must be int32, got {t.dtype}")
-            views[name] = tensors.as_device_tensor(t, name)
+            views[name] = index_view(t, name)
     device = next((t.device for t in views.values() if not t.on_host), None)
     devices = {t.device for t in views.values() if not t.on_host}
     if len(devices) > 1:
@@ -212,10 +212,10 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
         return host_values(view) if view.on_host or driver.debug_mode() else None
 
     call = check_decode_call(kernel.options, views["q"], views["k_cache"], views["v_cache"],
-                             cache_seqlens=views["cache_seqlens"],
+                             cache_seqlens=views.get("cache_seqlens"),
                              page_table=views.get("page_table"),
-                             cu_seqlens_q=views.get("cu_seqlens_q"),
-                             read=read)
+                             cu_seqlens_q=views.get("cu_seqlens_q"), max_seqlen_q=max_q,
+                             scale=scale, num_splits=num_splits, read=read)
     for name in ("q", "k_cache", "v_cache"):
         if not views[name].on_host:
             check_rows(views[name], name)
@@ -225,20 +225,11 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
             raise ValueError(f"{name} must be contiguous in its last dimension")
     ragged = cu_q is not None
     qv = views["q"]
-    if ragged:
-        max_q = _max_rows(max_q, call)
-    elif max_q is not None:
-        raise ValueError("max_seqlen_q belongs to ragged calls (with cu_seqlens_q); a dense "
-                         "call takes its query rows from q")
-    scale = kernel.options.softmax_scale() if scale is None else check_scale(scale)
-    if num_splits is not None and (isinstance(num_splits, bool) or
-                                   not isinstance(num_splits, int) or
-                                   not 1 <= num_splits <= MAX_SPLITS):
-        raise ValueError(f"num_splits must be an integer from 1 to {MAX_SPLITS}, got "
-                         f"{num_splits!r}")
-
+    reads = {n: views[n] for n in ("q", "k_cache", "v_cache")}
+    out_view = None if out is None else check_output(out, qv.shape, dtype, device, reads)
     handle = driver.stream_handle(stream, kind=qv.kind, device=device if qv.on_host else
                                   qv.device)
+    device = driver.ensure_context(device)
     keep_alive = []
 
     def on_device(view, name, want):
@@ -248,9 +239,10 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
         keep_alive.append(buf)
         return dev
 
-    out_obj = out if out is not None else tensors.empty_like_kind(qv.obj, qv.shape, dtype)
-    out_view = check_output(out_obj, qv.shape, dtype, device,
-                            {n: views[n] for n in ("q", "k_cache", "v_cache")})
+    if out_view is None:
+        out_view = tensors.as_device_tensor(tensors.empty_like_kind(qv.obj, qv.shape, dtype),
+                                            "out")
+    out_obj = out_view.obj
     dev = {"q": on_device(qv, "q", dtype),
            "k_cache": on_device(views["k_cache"], "k_cache", dtype),
            "v_cache": on_device(views["v_cache"], "v_cache", dtype),
@@ -265,7 +257,7 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
         lse_obj = tensors.empty_like_kind(qv.obj, shape, "float32")
         dev["lse"] = on_device(tensors.as_device_tensor(lse_obj, "lse"), "lse", "float32")
 
-    planned = _plan(kernel, call, dev, ragged, max_q, scale, want_lse, num_splits)
+    planned = _plan(kernel, call, dev, ragged, want_lse, num_splits)
     if key is not None and not driver.debug_mode():
         kernel._decode_plans[key] = planned
     if not planned.empty:
@@ -279,17 +271,7 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
     return (out_obj, lse_obj) if want_lse else out_obj
 
 
-def _max_rows(given, call) -> int:
-    """A ragged call's longest query sequence: given, or read from cu_seqlens_q."""
-    from mhadsl.api import Kernel
-    if given is None and call.cu_seqlens_q is None:
-        raise ValueError("a ragged decode call with cu_seqlens_q on the device needs "
-                         "max_seqlen_q (reading it would synchronise with the device)")
-    lengths = None if call.cu_seqlens_q is None else np.diff(call.cu_seqlens_q)
-    return Kernel._max_len(lengths, given, "q")
-
-
-def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_lse: bool,
+def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
           num_splits: int | None) -> _DecodePlan:
     from mhadsl.runtime import driver
     from mhadsl.runtime.launch import LaunchPlan, TensorShape
@@ -299,7 +281,7 @@ def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_
     rows_per_seq = 0 if ragged else q.shape[1]
     device = q.device
     info = driver.device_info(device)
-    q_rows = max_q if ragged else rows_per_seq
+    q_rows = call.max_seqlen_q if ragged else rows_per_seq
     rows = packed_rows(rows_per_seq, group)
     q_tiles = max(1, -(-q_rows * group // rows))
     groups = call.batch * kv_heads * q_tiles
@@ -335,7 +317,7 @@ def _plan(kernel, call, dev: dict, ragged: bool, max_q: int, scale: float, want_
         "lse_stride_head": q.shape[0] if ragged else q.shape[1],
         "batch": call.batch, "kv_heads": kv_heads, "query_rows": rows_per_seq,
         "cache_capacity": capacity, "q_tiles": q_tiles, "num_splits": splits,
-        "kv_chunk": chunk, "work_tiles": work_tiles, "softmax_scale": scale,
+        "kv_chunk": chunk, "work_tiles": work_tiles, "softmax_scale": call.scale,
         "num_sms": info.multiprocessor_count, "ctas_per_sm": ctas_per_sm,
     }
     shapes = {n: TensorShape(tuple(t.shape), tuple(t.strides), t.dtype) for n, t in dev.items()}

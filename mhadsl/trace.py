@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mhadsl import costmodel
+from mhadsl import abi, costmodel
 from mhadsl.api import Kernel, Program
-from mhadsl.codegen import abi, backends
+from mhadsl.codegen import backends
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.runtime import trace_records
 from mhadsl.serving import decode_work, splits_used

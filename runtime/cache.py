@@ -3,6 +3,7 @@
 An entry is one file, `<dir>/<key[:2]>/<key>.entry`, written atomically (temp file in the same
 directory, fsync, os.replace) and carrying a sha256 of its contents, so a reader sees a whole
 entry or none, and a truncated or corrupted one is dropped as a miss instead of trusted.
+Anything else in an entry's place is a miss, and the next store replaces it (a folder too).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import importlib
 import json
 import os
 import re
+import shutil
+import stat
 import struct
 import tempfile
 import warnings
@@ -158,12 +161,30 @@ class CompileCache:
                 path.unlink()
         return artifacts
 
+    def _remove_folder_at(self, path: Path) -> None:
+        """Remove a folder in an entry's place (a rename cannot replace one, so it would
+        keep every later build from storing), where it is the entry's own path inside the
+        cache folder, never what a link leads to. It is moved aside first: a reader or
+        another writer sees the folder or nothing there, never half of it."""
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                return  # nothing, or something a rename replaces
+        except FileNotFoundError:
+            return
+        if not path.parent.resolve().is_relative_to(self.directory.resolve()):
+            return
+        aside = tempfile.mkdtemp(dir=path.parent, prefix=".stale-")
+        with contextlib.suppress(FileNotFoundError):  # another writer moved it first
+            os.rename(path, os.path.join(aside, "entry"))
+        shutil.rmtree(aside, ignore_errors=True)
+
     def put(self, key: str, artifacts: dict[str, bytes]) -> None:
         path = self._path(key)
         if not self._writable:
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            self._remove_folder_at(path)
             _write_atomically(path, _encode(artifacts))
         except OSError as exc:
             self._writable = False

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from cuda.bindings import driver as cu
 
-from mhadsl.codegen import abi
+from mhadsl import abi
 from mhadsl.runtime import faults
 
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
@@ -327,7 +327,7 @@ def _free_host(ptr: int, device: int) -> None:
 
 
 class _Workspace:
-    """One stream's workspace (`codegen.abi`): the device words, and the host's copy of the
+    """One stream's workspace (`mhadsl.abi`): the device words, and the host's copy of the
     fault record, which the faulting kernel writes itself."""
 
     def __init__(self, ptr: int, record: ctypes.Array) -> None:
@@ -385,7 +385,7 @@ def _new_workspace(stream: int, device: int) -> _Workspace:
 
 def queue_workspace(stream: object = None, device: int | None = None) -> int:
     """Device pointer to the workspace of (`device`, `stream`): the u32 words a kernel's
-    `queue` parameter points to (`codegen.abi`)."""
+    `queue` parameter points to (`mhadsl.abi`)."""
     dev = ensure_context(device)
     return workspace(stream_handle(stream), dev).ptr
 

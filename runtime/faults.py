@@ -1,12 +1,12 @@
 """The scheduler fault a kernel records when a scheduler would have hung it, as an error.
 
-The record's layout in the per-stream workspace is the kernel ABI's (`codegen.abi`): the
+The record's layout in the per-stream workspace is the kernel ABI's (`mhadsl.abi`): the
 first fault wins until the runtime reports it and clears it (`runtime.driver`).
 """
 from __future__ import annotations
 
-from mhadsl.codegen import abi
-from mhadsl.codegen.abi import ENDLESS_WHILE, RULES, TOO_MANY_TILES, WHILE_MIN, WHILE_SLACK
+from mhadsl import abi
+from mhadsl.abi import ENDLESS_WHILE, RULES, TOO_MANY_TILES, WHILE_MIN, WHILE_SLACK
 
 _names: dict[int, str] = {}
 

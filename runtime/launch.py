@@ -1,6 +1,6 @@
 """Launch plans: everything about a launch that a call's signature fixes, made once.
 
-A `LaunchPlan` holds a kernel's parameter block laid out by its ABI (`codegen.abi`) with
+A `LaunchPlan` holds a kernel's parameter block laid out by its ABI (`mhadsl.abi`) with
 every value the signature fixes already packed (strides, sizes, the scale, the device's
 multiprocessors), and the grid. A call then only patches what depends on its pointers and
 its stream (tensor addresses, the stream's workspace, tensor maps over the addresses) and
@@ -14,8 +14,8 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mhadsl.codegen.abi import KernelABI, Pointer, Stride, TensorMap, Workspace
-from mhadsl.runtime import driver, tensormap, tile_index
+from mhadsl.abi import KernelABI, Pointer, Stride, TensorMap, Workspace
+from mhadsl.runtime import driver, tensormap
 
 _FORMATS = {"ptr": "<Q", "i64": "<q", "i32": "<i", "f32": "<f"}
 _AXES = {"batch": 0, "row": -3, "head": -2}  # of a (B, S, H, D) or ragged (T, H, D) tensor
@@ -84,21 +84,19 @@ class LaunchPlan:
     `launch(addresses, stream)` takes device addresses by name (of the call's tensors, and
     of workspaces other than the stream's queue; absent ones are null) and a raw stream
     handle; `workspace` replaces the stream's (a traced launch records into its own).
-    A `ragged` launch packs batch strides 0, sees ragged tensors as (1, T, H, D) in its
-    tensor maps and builds its tile index over cu_seqlens_q first, unless
-    `own_tile_index` is False (a caller that numbers other tiles passes the index in)."""
+    A `ragged` launch packs batch strides 0 and sees ragged tensors as (1, T, H, D) in its
+    tensor maps. With a `tile_index` (`runtime.tile_index.plan`) it builds its tile index
+    over cu_seqlens_q first, on the device by a kernel of its own; without one, a caller
+    that numbers other tiles passes the index in."""
 
     def __init__(self, function, grid: tuple[int, int, int], threads: int,
                  shared_bytes: int, abi: KernelABI, config, device: int,
                  tensors: Mapping[str, TensorShape | None], values: Mapping,
-                 ragged: bool = False, own_tile_index: bool = True):
+                 ragged: bool = False, tile_index=None):
         self.function, self.grid, self.threads = function, grid, threads
         self.shared_bytes, self.device = shared_bytes, device
         self.block = ParamBlock(abi)
-        # a ragged launch's tile index, built on the device by a kernel of its own just before
-        self._index_plan = tile_index.plan(values["batch"], config.block_m, device) \
-            if ragged and own_tile_index else None
-        self._batch = values["batch"] if ragged else 0
+        self._tile_index = tile_index
         # (tensor or workspace name, the block's word of its address)
         self._pointers: list[tuple[str, int]] = []
         self._queue: int | None = None  # the word of the stream's workspace
@@ -127,11 +125,9 @@ class LaunchPlan:
         if self._queue is not None and workspace is None:
             # (raises a fault that a launch recorded in the stream's workspace)
             workspace = driver.workspace(stream, self.device).ptr
-        if self._index_plan is not None:
-            index = tile_index.buffer(self._batch, stream, self.device)
-            self._index_plan.launch({"cu_seqlens_q": addresses["cu_seqlens_q"],
-                                     "tile_index": index}, stream)
-            addresses = {**addresses, "tile_index": index}
+        if self._tile_index is not None:
+            addresses = {**addresses, "tile_index": self._tile_index.prepare(
+                addresses["cu_seqlens_q"], stream)}
         with self._lock:
             self._patch(addresses)
             if self._queue is not None:

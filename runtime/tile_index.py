@@ -4,7 +4,8 @@
 reads cu_seqlens on the device and writes the per-stream index buffer the attention
 kernel's `tile_index` parameter points to. Nothing waits on the host, and a CUDA graph
 captures the kernel with the launch, so a replay with new cu_seqlens values rebuilds the
-index too.
+index too. The kernel comes built (`mhadsl.build.build_tile_index`: its PTX, name, threads
+per CTA and parameters); it is loaded once per device.
 
 Buffers are per (device, stream), like the workspace (`driver.queue_workspace`), so two
 streams never overwrite each other's index. A buffer grows (doubling) when a launch has
@@ -18,28 +19,21 @@ import functools
 import threading
 
 from mhadsl.builtins import tile_index_words
-from mhadsl.codegen.target import emit_ptx, gpu_target, new_module, optimize
-from mhadsl.codegen.tile_index import ABI, KERNEL_NAME, THREADS, build_tile_index_kernel
-from mhadsl.runtime import driver, launch
+from mhadsl.runtime import driver
+from mhadsl.runtime.launch import LaunchPlan
 
 _lock = threading.Lock()
-_ptx: str | None = None
-_kernels: dict[int, driver.Function] = {}
+_functions: dict[tuple[str, int], driver.Function] = {}  # by (PTX, device)
 _buffers: dict[tuple[int, int], list[driver.DeviceBuffer]] = {}
 
 
-def _kernel(device: int) -> driver.Function:
-    """The tile index kernel, loaded once per device (PTX for sm_80: every later GPU JITs it)."""
-    global _ptx
+def _function(kernel, device: int) -> driver.Function:
+    """`kernel` (a `TileIndexBuild`) loaded on `device`, once."""
     with _lock:
-        if device not in _kernels:
-            if _ptx is None:
-                target = gpu_target("sm_80")
-                module = new_module("tile_index", target)
-                build_tile_index_kernel(module)
-                _ptx = emit_ptx(optimize(module, target), target)
-            _kernels[device] = driver.Module.from_ptx(_ptx, device).function(KERNEL_NAME)
-        return _kernels[device]
+        key = (kernel.ptx, device)
+        if key not in _functions:
+            _functions[key] = driver.Module.from_ptx(kernel.ptx, device).function(kernel.name)
+        return _functions[key]
 
 
 def buffer(batch: int, stream: object = None, device: int | None = None) -> int:
@@ -62,21 +56,36 @@ def buffer(batch: int, stream: object = None, device: int | None = None) -> int:
         return held[-1].ptr
 
 
+class IndexPlan:
+    """The tile index kernel's launch for `batch` sequences and tiles of `tile_m` rows on
+    `device`; a `LaunchPlan` runs it first when it is the plan's `tile_index`."""
+
+    def __init__(self, kernel, batch: int, tile_m: int, device: int):
+        self.batch, self.device = batch, device
+        self.launch_plan = LaunchPlan(
+            _function(kernel, device), (-(-batch * 32 // kernel.threads), 1, 1), kernel.threads,
+            0, kernel.abi, None, device, {}, {"batch": batch, "tile_m": tile_m})
+
+    def prepare(self, cu_seqlens: int, stream: int) -> int:
+        """Queue the kernel over `cu_seqlens` (device pointer to int32 row offsets, batch
+        + 1) on `stream` (a raw handle); return the index's device pointer."""
+        index = buffer(self.batch, stream, self.device)
+        if self.batch:
+            self.launch_plan.launch({"cu_seqlens_q": cu_seqlens, "tile_index": index}, stream)
+        return index
+
+
 @functools.lru_cache(maxsize=256)
-def plan(batch: int, tile_m: int, device: int) -> launch.LaunchPlan:
-    """The tile index kernel's launch for `batch` sequences and tiles of `tile_m` rows."""
-    return launch.LaunchPlan(_kernel(device), (-(-batch * 32 // THREADS), 1, 1), THREADS, 0,
-                             ABI, None, device, {}, {"batch": batch, "tile_m": tile_m})
+def plan(kernel, batch: int, tile_m: int, device: int) -> IndexPlan:
+    """The launch of `kernel` (a `TileIndexBuild`) for `batch` sequences and tiles of
+    `tile_m` rows on `device`."""
+    return IndexPlan(kernel, batch, tile_m, device)
 
 
-def prepare(cu_seqlens: int, batch: int, tile_m: int, stream: object = None,
+def prepare(kernel, cu_seqlens: int, batch: int, tile_m: int, stream: object = None,
             device: int | None = None) -> int:
-    """Queue the tile index kernel for `batch` sequences (row offsets at device pointer
-    `cu_seqlens`, int32, batch + 1) and tiles of `tile_m` rows on `stream`; return the
-    index's device pointer, for the attention kernel queued next on the same stream."""
+    """Queue `kernel` (a `TileIndexBuild`) for `batch` sequences (row offsets at device
+    pointer `cu_seqlens`, int32, batch + 1) and tiles of `tile_m` rows on `stream`; return
+    the index's device pointer, for the attention kernel queued next on the same stream."""
     dev = driver.ensure_context(device)
-    index = buffer(batch, stream, dev)
-    if batch:
-        plan(batch, tile_m, dev).launch({"cu_seqlens_q": cu_seqlens, "tile_index": index},
-                                        driver.stream_handle(stream))
-    return index
+    return plan(kernel, batch, tile_m, dev).prepare(cu_seqlens, driver.stream_handle(stream))

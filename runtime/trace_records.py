@@ -2,7 +2,7 @@
 
 A traced build (`KernelRequest(trace=True)`) reaches its record buffer through the same
 workspace pointer as the queue counter, so it takes no new kernel parameter and the untraced
-kernel is unchanged; the layout is the kernel ABI's (`codegen.abi`).
+kernel is unchanged; the layout is the kernel ABI's (`mhadsl.abi`).
 
 One thread per CTA (the recording role's first) writes one record per work item it runs:
 the tile, where it ran and when (%globaltimer, nanoseconds) it started and ended.
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from mhadsl.codegen.abi import TRACE_CAPACITY_WORD as CAPACITY_WORD
-from mhadsl.codegen.abi import TRACE_COUNT_WORD as COUNT_WORD
-from mhadsl.codegen.abi import TRACE_FIELDS as RECORD_FIELDS
-from mhadsl.codegen.abi import TRACE_HEADER_WORDS as HEADER_WORDS
-from mhadsl.codegen.abi import TRACE_RECORD_WORDS as RECORD_WORDS
+from mhadsl.abi import TRACE_CAPACITY_WORD as CAPACITY_WORD
+from mhadsl.abi import TRACE_COUNT_WORD as COUNT_WORD
+from mhadsl.abi import TRACE_FIELDS as RECORD_FIELDS
+from mhadsl.abi import TRACE_HEADER_WORDS as HEADER_WORDS
+from mhadsl.abi import TRACE_RECORD_WORDS as RECORD_WORDS
 
 
 def workspace_words(capacity: int) -> int:

@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-from mhadsl.codegen.abi import KIND_ALIGN, KIND_BYTES, CallValue, KernelABI, Param, Pointer
+from mhadsl.abi import KIND_ALIGN, KIND_BYTES, CallValue, KernelABI, Param, Pointer
 from mhadsl.codegen.backends import sm80, sm90
 from mhadsl.runtime import launch
 from test_hostile_tensors import D, FakeDevice, dense

@@ -12,8 +12,8 @@ import pytest
 
 import mhadsl
 from helpers import EXAMPLES, REPO
+from mhadsl.abi import KIND_ALIGN
 from mhadsl.backward import _design, backward_work
-from mhadsl.codegen.abi import KIND_ALIGN
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.backends.backward import (
@@ -54,7 +54,9 @@ def test_every_example_backward_assembles_without_spills(path, name, layout, arc
     """On sm_90a an atomic build, dense or ragged, is the Hopper design's (TMA + wgmma);
     deterministic builds, and any build forced to it, the sm80-style design's."""
     kern = mhadsl.compile(path)[name]
-    build = kern.build(arch, gqa_group=layout.gqa_group, ragged=layout.ragged, backward=True,
+    # (a declared ratio is the only group its builds take)
+    build = kern.build(arch, gqa_group=kern.options.gqa or layout.gqa_group,
+                       ragged=layout.ragged, backward=True,
                        deterministic=layout.deterministic, backend=forced)
     hopper = arch == "sm_90a" and forced is None and not layout.deterministic
     # (every example fits the Hopper design's registers, softcap's tanh and its derivative

@@ -265,6 +265,7 @@ MALFORMED = {
     "negative size": lambda entry: entry.write_bytes(_forged(b'[["ptx", -3]]', b"ptx")),
     "size past the end": lambda entry: entry.write_bytes(_forged(b'[["ptx", 99]]', b"ptx")),
     "name not a string": lambda entry: entry.write_bytes(_forged(b'[[1, 3]]', b"ptx")),
+    "a folder": lambda entry: (entry / "inside").mkdir(parents=True),
 }
 
 
@@ -288,3 +289,33 @@ def test_a_build_whose_entry_is_a_fifo_rebuilds(project, cache_dir, no_ptxas):
     os.mkfifo(entry)
     rebuilt = finishes_within(60, lambda: kernel.build("sm_80"))
     assert not rebuilt.cached and rebuilt.ptx == good.ptx
+
+
+def test_an_entry_replaced_by_a_folder_is_replaced_by_the_next_build(project, cache_dir,
+                                                                     no_ptxas):
+    kernel = mhadsl.compile(project / "main.mha")["a"]
+    good = kernel.build("sm_80")
+    (entry,) = entries(cache_dir)
+    entry.unlink()
+    (entry / "inside").mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning would say the cache stopped storing
+        rebuilt = kernel.build("sm_80")
+        again = mhadsl.compile(project / "main.mha")["a"].build("sm_80")
+    assert not rebuilt.cached and rebuilt.ptx == good.ptx
+    assert again.cached and entry.is_file()
+
+
+def test_a_folder_reached_through_a_link_out_of_the_cache_is_left_alone(tmp_path):
+    """Only what lies inside the cache folder is removed to store an entry."""
+    store = cache.CompileCache(tmp_path / "cache")
+    key = cache.cache_key(what="linked entry folder")
+    outside = tmp_path / "outside"
+    (outside / f"{key}.entry").mkdir(parents=True)
+    (outside / f"{key}.entry" / "keep").write_text("not the cache's")
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / key[:2]).symlink_to(outside)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        store.put(key, {"ptx": b"whole"})
+    assert (outside / f"{key}.entry" / "keep").read_text() == "not the cache's"

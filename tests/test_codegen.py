@@ -5,10 +5,10 @@ import re
 import pytest
 
 from helpers import EXAMPLES, REPO, STD, checked
+from mhadsl import abi
 from mhadsl.codegen.assemble import find_ptxas, parse_resources
 from mhadsl.codegen.scheduler import SchedulerSpec, build_trace_kernel, lower_scheduler
 from mhadsl.codegen.target import HOST, HostJit, emit_ptx, gpu_target, new_module, optimize
-from mhadsl.codegen import abi
 from mhadsl.pipeline import CompileOptions, compile_stages
 
 SOURCES = [("std/schedulers.mha", (REPO / "mhadsl/std/schedulers.mha").read_text(), REPO)] + \

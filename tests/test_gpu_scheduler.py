@@ -17,6 +17,7 @@ SEED = Batch([100], heads=3, tile=32, ragged=False)
 
 def gpu_trace(spec: SchedulerSpec, batch: Batch, num_sms: int, threads: int = 128):
     """Run the trace kernel; returns {cta: [tiles in visit order]}."""
+    from mhadsl.build import tile_index_kernel
     from mhadsl.runtime import driver, tile_index
 
     info = driver.device_info()
@@ -39,7 +40,8 @@ def gpu_trace(spec: SchedulerSpec, batch: Batch, num_sms: int, threads: int = 12
     d_vl = driver.DeviceBuffer.from_numpy(offsets)
     d_overflow = driver.DeviceBuffer.from_numpy(np.zeros(1, np.uint32))
     workspace = driver.queue_workspace()
-    index = tile_index.prepare(d_vl.ptr, len(batch.seqlens), batch.tile) if batch.ragged else 0
+    index = tile_index.prepare(tile_index_kernel(), d_vl.ptr, len(batch.seqlens),
+                               batch.tile) if batch.ragged else 0
     fn = driver.Module.from_ptx(ptx).function(kernel_name)
     u32 = ctypes.c_uint32
     fn.launch(grid, (threads, 1, 1), 0, None,

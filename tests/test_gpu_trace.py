@@ -6,8 +6,7 @@ import pytest
 
 import mhadsl
 from helpers import REPO
-from mhadsl import trace
-from mhadsl.codegen import abi
+from mhadsl import abi, trace
 
 pytestmark = pytest.mark.gpu
 

@@ -81,9 +81,10 @@ def offsets(lengths) -> torch.Tensor:
     (np.random.default_rng(1).choice([0, 1, 63, 64, 65, 5000], 10_000).tolist(), 128),
 ])
 def test_tile_index_kernel_builds_the_definition(lengths, tile):
+    from mhadsl.build import tile_index_kernel
     from mhadsl.runtime import driver, tile_index as device_index
     cu = offsets(lengths)
-    ptr = device_index.prepare(cu.data_ptr(), len(lengths), tile,
+    ptr = device_index.prepare(tile_index_kernel(), cu.data_ptr(), len(lengths), tile,
                                torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     host = np.empty(tile_index_words(len(lengths)), np.uint32)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mhadsl
-from mhadsl.runtime import tensors
+from mhadsl.runtime import driver, tensors
 
 SOURCE = '''import "std/schedulers.mha"
 attention h64 {
@@ -231,6 +231,7 @@ def kernel(monkeypatch):
         return FakeDevice(array.shape, "<i4" if dtype == "int32" else "<f2"), None
 
     monkeypatch.setattr(tensors, "pointer_device", lambda ptr: ptr >> 40)
+    monkeypatch.setattr(driver, "ensure_context", lambda device=None: device or 0)
     monkeypatch.setattr(tensors, "to_device", lambda array, name, **kw: (
         tensors.as_device_tensor(fake_copy(array, name, **kw)[0], name), None))
     monkeypatch.setattr(type(kern), "_launch", lambda self, call, *a: kern.touched.append(

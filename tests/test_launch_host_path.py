@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 
 import mhadsl
-from mhadsl import calls
+from mhadsl import abi, calls
 from mhadsl.api import _Build
 from mhadsl.codegen import backends
-from mhadsl.codegen import abi
 from mhadsl.runtime import driver, faults, tensormap, tensors
 from helpers import fake_launcher
 from test_hostile_tensors import SOURCE, FakeDevice, dense, qkv_and_out_interleaved, ragged
@@ -205,7 +204,7 @@ def test_a_ragged_launch_builds_its_tile_index_first_by_the_index_kernels_abi(ke
         index_launches.append((grid, ctypes.string_at(ctypes.cast(params, ctypes.POINTER(
             ctypes.c_void_p))[0], index_kernel.ABI.size)))
     fake = SimpleNamespace(launcher=fake_launcher(launch_index), set_max_dynamic_shared=lambda n: None)
-    monkeypatch.setattr(tile_index, "_kernel", lambda device: fake)
+    monkeypatch.setattr(tile_index, "_function", lambda kernel, device: fake)
     monkeypatch.setattr(tile_index, "buffer", lambda batch, stream, device: 0xABC000)
     tile_index.plan.cache_clear()
     args = ragged((5, 0, 9), (7, 1, 2))

@@ -11,11 +11,10 @@ import pytest
 
 import mhadsl
 from helpers import REPO, STD, checked, finishes_within
-from mhadsl import costmodel, trace
+from mhadsl import abi, costmodel, trace
 from mhadsl.build import KernelRequest, build_kernel, plan
 from mhadsl.cli import main
 from mhadsl.codegen.assemble import find_ptxas
-from mhadsl.codegen import abi
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.reference import evaluate_rule

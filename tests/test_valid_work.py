@@ -247,3 +247,22 @@ def test_tile_index_kernel_assembles_without_spills(arch):
     build_tile_index_kernel(module)
     resources = assemble(emit_ptx(optimize(module, target), target), arch).kernels[KERNEL_NAME]
     assert resources.spills == 0 and resources.stack_bytes == 0
+
+
+def test_the_tile_index_kernel_is_built_through_the_compile_cache(tmp_path, monkeypatch):
+    """The runtime is handed the kernel's PTX (`build_tile_index`): the same as the kernel
+    built directly, and loaded from the cache once built."""
+    from mhadsl.build import build_tile_index
+    from mhadsl.codegen import tile_index as index_kernel
+    from mhadsl.runtime.cache import CompileCache
+    target = gpu_target("sm_80")
+    module = new_module("tile_index", target)
+    build_tile_index_kernel(module)
+    store = CompileCache(tmp_path)
+    built = build_tile_index("sm_80", store)
+    assert built.ptx == emit_ptx(optimize(module, target), target)
+    assert (built.name, built.threads, built.abi) == (KERNEL_NAME, index_kernel.THREADS,
+                                                      index_kernel.ABI)
+    monkeypatch.setattr(index_kernel, "build_tile_index_kernel",
+                        lambda module: pytest.fail("built again"))
+    assert build_tile_index("sm_80", store) == built

@@ -4,7 +4,7 @@ A backend is one kernel design. It says
 - which GPU targets it builds for (`targets`) and what a declaration may ask of it
   (`problems`: the one place its constraints live; `mhadsl check` asks it too),
 - its configurations for a declaration and a call's layout (`configs`, best first),
-- its kernel parameters (`abi`, `codegen.abi`) and launch shape (`launch_shape`),
+- its kernel parameters (`abi`, `mhadsl.abi`) and launch shape (`launch_shape`),
 - and it builds its kernel (`build`) from the declaration's mask/score hooks and the
   scheduler's work loop (`KernelSource`).
 
@@ -27,8 +27,8 @@ from typing import Callable
 
 from llvmlite import ir
 
+from mhadsl.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
 from mhadsl.codegen import warp
-from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
 from mhadsl.codegen.assemble import Assembled, assemble, find_ptxas
 from mhadsl.codegen.nvptx import i1, i32, i64
 from mhadsl.codegen.target import Target, emit_ptx, optimize
@@ -194,7 +194,7 @@ FORWARD_PARAMS: tuple[Param, ...] = (
     Param("seqlen_q", "i32", CallValue("seqlen_q"), "dense query length (ignored when ragged)"),
     Param("seqlen_k", "i32", CallValue("seqlen_k"), "dense key length (ignored when ragged)"),
     Param("softmax_scale", "f32", CallValue("softmax_scale"), "scale applied to q.k before the score hook / softmax"),
-    Param("queue", "ptr", Workspace("queue"), "per-stream u32 workspace: the work-queue counter, then the scheduler fault record (codegen/abi.py); never null", align=4),
+    Param("queue", "ptr", Workspace("queue"), "per-stream u32 workspace: the work-queue counter, then the scheduler fault record (mhadsl/abi.py); never null", align=4),
     Param("num_sms", "i32", CallValue("num_sms"), "multiprocessors on the device (persistent grid size)"),
     Param("ctas_per_sm", "i32", CallValue("ctas_per_sm"), "CTAs of this kernel that fit on one multiprocessor"),
     Param("tile_index", "ptr", Workspace("tile_index"), "u32 tile index of a ragged launch (codegen/tile_index.py: per-sequence tile prefix sums, longest-first ranks), built on the device from cu_seqlens_q before the launch; null when dense", align=4),

@@ -42,8 +42,8 @@ from dataclasses import dataclass, replace
 
 from llvmlite import ir
 
-from mhadsl.codegen import nvptx, warp
-from mhadsl.codegen.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
+from mhadsl.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
+from mhadsl.codegen import nvptx, signature, warp
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape,
     Layout, Problem, RowCopies, TileSeq, WorkLoop, common_problems, ir_loop, last_index,
@@ -242,7 +242,7 @@ ABI = KernelABI(
     Param("max_seqlen_k", "i32", CallValue("max_seqlen_k"), "longest key sequence (dense: "
           "seqlen_k): the scheduler's prompt tiles are its K/V tiles"),
     Param("queue", "ptr", Workspace("queue"), "per-stream u32 workspace: the work-queue "
-          "counter and the scheduler fault record (codegen/abi.py); never null", align=4),
+          "counter and the scheduler fault record (mhadsl/abi.py); never null", align=4),
     Param("num_sms", "i32", CallValue("num_sms"), "multiprocessors on the device"),
     Param("ctas_per_sm", "i32", CallValue("ctas_per_sm"), "CTAs of the main kernel that fit "
           "on one multiprocessor"),
@@ -1166,12 +1166,12 @@ class _DqKernel(_TileKernel):
 def kernel_function(module: ir.Module, name: str, threads: int,
                     abi: KernelABI = ABI) -> tuple[ir.Function, ir.IRBuilder]:
     """Kernel `name` of a backward module, taking `abi`'s parameters."""
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, abi.llvm_types()), name=name)
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(abi)), name=name)
     nvptx.mark_kernel(fn)
     # NVVM's attributes are strings; one CTA per SM at least lets ptxas use 255 registers
     set.add(fn.attributes, f'"nvvm.maxntid"="{threads}"')
     set.add(fn.attributes, '"nvvm.minctasm"="1"')
-    abi.declare(fn)
+    signature.declare(abi, fn)
     return fn, ir.IRBuilder(fn.append_basic_block("entry"))
 
 

@@ -78,8 +78,8 @@ from dataclasses import dataclass, replace
 
 from llvmlite import ir
 
+from mhadsl.abi import KernelABI, Param, TensorMap
 from mhadsl.codegen import hopper, nvptx, warp
-from mhadsl.codegen.abi import KernelABI, Param, TensorMap
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape,

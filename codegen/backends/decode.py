@@ -36,10 +36,10 @@ from dataclasses import dataclass, replace
 
 from llvmlite import ir
 
-from mhadsl.codegen import hopper, nvptx, warp
-from mhadsl.codegen.abi import (
+from mhadsl.abi import (
     TRACE_COMBINE, CallValue, KernelABI, Param, Pointer, Stride, Workspace,
 )
+from mhadsl.codegen import hopper, nvptx, signature, warp
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, CacheLayout, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape, Layout,
     Problem, RowCopies, TileSeq, common_problems, ir_loop, last_index,
@@ -221,7 +221,7 @@ ABI = KernelABI(
     Param("partial_o", "ptr", Workspace("partial_o"), "fp32 (groups, num_splits, rows, D) partial outputs of split groups", align=16),
     Param("partial_lse", "ptr", Workspace("partial_lse"), "fp32 (groups, num_splits, rows) partial LSEs", align=4),
     Param("split_counters", "ptr", Workspace("split_counters"), "u32 per (batch, K/V head, q tile): splits finished; zero between launches", align=4),
-    Param("queue", "ptr", Workspace("queue"), "per-stream u32 workspace: the work-queue counter and the scheduler fault record (codegen/abi.py)", align=4),
+    Param("queue", "ptr", Workspace("queue"), "per-stream u32 workspace: the work-queue counter and the scheduler fault record (mhadsl/abi.py)", align=4),
     Param("num_sms", "i32", CallValue("num_sms"), "multiprocessors on the device"),
     Param("ctas_per_sm", "i32", CallValue("ctas_per_sm"), "CTAs of this kernel that fit on one multiprocessor"),
 )
@@ -938,10 +938,11 @@ class _Emitter:
 def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
                         work_loop, traced: bool = False) -> ir.Module:
     module = new_module(f"mha_decode_{config.dtype}_d{config.head_dim}", target)
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, ABI.llvm_types()), name=KERNEL_NAME)
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(ABI)),
+                     name=KERNEL_NAME)
     nvptx.mark_kernel(fn)
     set.add(fn.attributes, f'"nvvm.maxntid"="{config.threads}"')
-    ABI.declare(fn)
+    signature.declare(ABI, fn)
     smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
     smem.linkage = "external"
     smem.align = SMEM_ALIGN

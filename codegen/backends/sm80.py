@@ -29,8 +29,8 @@ from typing import Callable
 
 from llvmlite import ir
 
-from mhadsl.codegen import nvptx, warp
-from mhadsl.codegen.abi import KernelABI
+from mhadsl.abi import KernelABI
+from mhadsl.codegen import nvptx, signature, warp
 from mhadsl.codegen.backends import (
     FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
     LaunchShape, Layout, Problem, RowCopies, TileSeq, WorkTile, common_problems,
@@ -628,12 +628,12 @@ def build_attention_module(config: AttentionConfig, hooks: ExprHooks | None, tar
     config.validate()
     hooks = hooks or ExprHooks()
     module = new_module(f"mha_{config.dtype}_d{config.head_dim}", target)
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, ABI.llvm_types()),
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(ABI)),
                      name=kernel_name(config))
     nvptx.mark_kernel(fn)
     _add_fn_attr(fn, f'"nvvm.maxntid"="{config.threads}"')
     _add_fn_attr(fn, f'"nvvm.minctasm"="{min_ctas_per_sm(config)}"')
-    ABI.declare(fn)
+    signature.declare(ABI, fn)
     smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
     smem.linkage = "external"
     smem.align = 128

@@ -80,8 +80,8 @@ from typing import Callable
 
 from llvmlite import ir
 
-from mhadsl.codegen import hopper, nvptx, warp
-from mhadsl.codegen.abi import KernelABI, Param, TensorMap
+from mhadsl.abi import KernelABI, Param, TensorMap
+from mhadsl.codegen import hopper, nvptx, signature, warp
 from mhadsl.codegen.backends import (
     FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
     LaunchShape, Layout, Problem, WorkTile, common_problems, ir_loop, last_index,
@@ -834,11 +834,12 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
     role_threads = (hopper.WARPGROUP_THREADS, config.consumer_threads)  # producer, consumers
     producer_registers, consumer_registers = REGISTERS[config.consumer_groups]
     module = new_module(f"mha_sm90_{config.dtype}_d{config.head_dim}", target)
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, ABI.llvm_types()), name=KERNEL_NAME)
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(ABI)),
+                     name=KERNEL_NAME)
     nvptx.mark_kernel(fn)
     _add_fn_attr(fn, f'"nvvm.maxntid"="{config.threads}"')
     _add_fn_attr(fn, '"nvvm.minctasm"="1"')  # a register cap at entry, as setmaxnreg needs
-    params = ABI.declare(fn)
+    params = signature.declare(ABI, fn)
     smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
     smem.linkage = "external"
     smem.align = 128  # rounded up to 1024 at run time (see _Layout.base)

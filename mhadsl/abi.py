@@ -2,10 +2,13 @@
 
 A design lists its parameters once, in order (`KernelABI`). Each `Param` has a kind (the
 one type the kernel declares and the host packs), a binding (where the host takes the value
-from) and a meaning. From that one list come the kernel's LLVM signature (`declare`: types,
-names, pointer alignment, by-value tensor maps) and the host's parameter block (`layout`:
-each parameter's offset in the block a launch passes, by CUDA's rule that a parameter sits
-at a multiple of its alignment). A new design or a new argument goes here and nowhere else.
+from) and a meaning. From that one list come the kernel's LLVM signature
+(`codegen.signature`: types, names, pointer alignment, by-value tensor maps) and the host's
+parameter block (`offsets`: each parameter's offset in the block a launch passes, by CUDA's
+rule that a parameter sits at a multiple of its alignment). A new design or a new argument
+goes here and nowhere else.
+
+Plain data, shared by the code generator and the runtime: it imports neither, nor LLVM.
 
 Bindings, by when the host knows the value:
 - per call signature (planned once, `runtime.launch`): `Stride`, `CallValue`;
@@ -25,11 +28,6 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-
-from llvmlite import ir
-
-from mhadsl.codegen import nvptx
-from mhadsl.codegen.nvptx import GLOBAL, f32, i32, i64
 
 # ============================================================================ parameters
 KIND_BYTES = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4, "tensor_map": 128}
@@ -92,14 +90,9 @@ class Param:
     meaning: str
     align: int = 0  # a pointer's alignment in bytes, which the kernel may assume
 
-    @property
-    def llvm_type(self) -> ir.Type:
-        return {"ptr": nvptx.ptr(GLOBAL), "i64": i64, "i32": i32, "f32": f32,
-                "tensor_map": nvptx.ptr()}[self.kind]
-
 
 class KernelABI:
-    """A kernel's parameters in order, and both sides made from them."""
+    """A kernel's parameters in order, and their offsets in the host's parameter block."""
 
     def __init__(self, *params: Param):
         names = [p.name for p in params]
@@ -117,23 +110,6 @@ class KernelABI:
 
     def __getitem__(self, name: str) -> Param:
         return next(p for p in self.params if p.name == name)
-
-    def llvm_types(self) -> list[ir.Type]:
-        return [p.llvm_type for p in self.params]
-
-    def declare(self, fn: ir.Function) -> dict[str, ir.Argument]:
-        """Name the kernel's arguments and give them what the ABI promises: pointers are
-        `noalias` with their alignment, tensor maps come by value (`grid_constant`)."""
-        from mhadsl.codegen import hopper  # only designs with tensor maps need it
-        for p, arg in zip(self.params, fn.args):
-            arg.name = p.name
-            if p.kind == "tensor_map":
-                hopper.mark_tensor_map_param(arg)
-            elif p.kind == "ptr":
-                arg.add_attribute("noalias")
-                if p.align:
-                    arg.attributes.align = p.align
-        return {p.name: arg for p, arg in zip(self.params, fn.args)}
 
 
 # ============================================================================ the workspace

@@ -1,0 +1,109 @@
+"""`mhadsl compile --pass`: the forward, backward and decode builds of each declaration.
+
+One example (causal.mha on sm_90a): its three builds are made once per run and shared
+through the run's compile cache by every test here.
+"""
+import re
+
+import pytest
+
+import mhadsl
+from helpers import REPO, STD
+from mhadsl.cli import main
+from mhadsl.codegen.backends import CacheLayout
+
+CAUSAL = "examples/causal.mha"
+ENTRIES = {"causal_fwd": ["mha_fwd_sm90"],
+           "causal_fwd.backward": ["mha_bwd_preprocess", "mha_bwd", "mha_bwd_postprocess"],
+           "causal_fwd.decode": ["mha_decode"]}
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+
+def compile_cli(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        status = main(["compile", *args])
+    except SystemExit as exit:  # argparse's own errors
+        status = exit.code
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def entries(ptx: str) -> list[str]:
+    return re.findall(r"\.entry (\w+)\(", ptx)
+
+
+def test_pass_all_writes_one_file_per_unit(tmp_path, capsys):
+    status, out, err = compile_cli(capsys, CAUSAL, "--pass", "all", "-o", f"{tmp_path}/out/")
+    assert status == 0, err
+    files = {p.name: p.read_text() for p in (tmp_path / "out").iterdir()}
+    assert sorted(files) == ["causal_fwd.backward.ptx", "causal_fwd.decode.ptx",
+                             "causal_fwd.ptx", "schedulers.ptx"]
+    for unit, names in ENTRIES.items():
+        assert entries(files[f"{unit}.ptx"]) == names
+    assert "compiled schedulers, causal_fwd, causal_fwd.backward, causal_fwd.decode " in out
+    # every kernel of every unit, with its own launch shape; a backward build's in launch order
+    reported = re.findall(r"^  (causal_fwd\S*(?: mha_\w+)?) \((\w+), (\d+x\d+) tile, "
+                          r"(\d+) threads, \d+ B dynamic shared\): \d+ registers, 0 bytes "
+                          r"spilled", out, re.M)
+    assert [(name, design, tile) for name, design, tile, _ in reported] == [
+        ("causal_fwd", "sm90", "128x128"),
+        ("causal_fwd.backward mha_bwd_preprocess", "backward_sm90", "64x128"),
+        ("causal_fwd.backward mha_bwd", "backward_sm90", "64x128"),
+        ("causal_fwd.backward mha_bwd_postprocess", "backward_sm90", "64x128"),
+        ("causal_fwd.decode", "decode", "16x64")], out
+    # the builds the API makes for a backward call and a decode step on a 64-row paged cache
+    kernel = mhadsl.compile(CAUSAL)["causal_fwd"]
+    assert kernel.backward_build().cached
+    assert kernel.build(cache=CacheLayout(query_rows=1, page_size=64, block_n=64)).cached
+
+
+@pytest.mark.parametrize("pass_name", ["backward", "decode"])
+def test_a_pass_emits_its_kernels(pass_name, tmp_path, capsys):
+    unit = f"causal_fwd.{pass_name}"
+    status, out, err = compile_cli(capsys, CAUSAL, "--pass", pass_name, "--kernel", "causal_fwd")
+    assert status == 0, err
+    assert entries(out) == ENTRIES[unit] and "// =====" not in out
+    assert f"compiled {unit} for sm_90a" in err
+    status, _, err = compile_cli(capsys, CAUSAL, "--pass", pass_name, "--kernel", "causal_fwd",
+                                 "--emit", "llvm", "-o", str(tmp_path / "k.ll"))
+    assert status == 0, err
+    assert re.findall(r'define ptx_kernel void @"(\w+)"', (tmp_path / "k.ll").read_text()) \
+        == ENTRIES[unit]
+
+
+def test_every_pass_assembles_to_a_cubin_per_unit(tmp_path, capsys):
+    status, _, err = compile_cli(capsys, CAUSAL, "--pass", "all", "--kernel", "causal_fwd",
+                                 "--emit", "cubin", "-o", f"{tmp_path}/")
+    assert status == 0, err
+    cubins = sorted(tmp_path.iterdir())
+    assert [p.name for p in cubins] == sorted(f"{unit}.cubin" for unit in ENTRIES)
+    assert all(p.read_bytes()[:4] == b"\x7fELF" for p in cubins)
+
+
+def test_the_default_pass_is_forward(capsys):
+    status, default, err = compile_cli(capsys, CAUSAL)
+    assert status == 0, err
+    status, forward, err = compile_cli(capsys, CAUSAL, "--pass", "forward")
+    assert status == 0 and forward == default, err
+    assert entries(default) == ["trace_Transient", "trace_Persistent", "trace_Queued",
+                                "trace_LPT", "mha_fwd_sm90"]
+
+
+def test_a_bad_pass_is_one_line(capsys):
+    status, _, err = compile_cli(capsys, CAUSAL, "--pass", "sideways")
+    assert status == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: argument --pass: invalid choice: 'sideways'"), err
+
+
+def test_a_pass_the_declaration_cannot_build_is_one_line(tmp_path, capsys):
+    source = tmp_path / "capped.mha"
+    source.write_text(STD + "fn cap(x: f32) -> f32 {\n    return 30.0 * tanh(x / 30.0)\n}\n"
+                            "attention capped {\n    score(s, b, h, q_idx, kv_idx) = cap(s)\n}\n")
+    status, _, err = compile_cli(capsys, str(source), "--pass", "backward", "--emit", "llvm")
+    assert status == 1 and "Traceback" not in err
+    assert err == f"{source}:6:37: error: no backward build of attention 'capped' for sm_90a: " \
+                  f"cannot differentiate the score through fn 'cap' (not supported yet)\n", err
