@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from mhadsl import ast
 from mhadsl.attention_spec import (
     ATTENTION_CONSTANTS, HEAD_DIMS, constant_number, resolve_attention, scale_problem,
@@ -74,6 +76,20 @@ MAX_INLINED_NODES = 20_000
 # 50 terms built in 2 s, 300 terms (600 nodes) in 15 s, 900 in 95 s, and 5,000 ran for
 # minutes and once overflowed the stack. Masks and scores people write have tens of nodes.
 MAX_KERNEL_RULE_NODES = 600
+# `compile` builds a kernel of each scheduler and each attention declaration (imports
+# included): about 1 MB and 10 ms a small scheduler, 1.7 kB per expression and statement of
+# its rules once fns are inlined, 5 MB and 2 s an attention kernel. The scheduler limits keep
+# the largest program's trace module well under 500 MB (2,000 schedulers took 1.8 GB).
+MAX_SCHEDULERS = 64
+MAX_SCHEDULER_NODES = 80_000
+MAX_ATTENTIONS = 64
+DECLARATION_LIMITS = {ast.SchedulerDecl: (MAX_SCHEDULERS, "schedulers"),
+                      ast.AttentionDecl: (MAX_ATTENTIONS, "attention kernels")}
+
+# What a declaration's name would hide; a cast (`u32`) is a function before it is a type.
+BUILTIN_KINDS = {**{name: "type" for name in TYPE_NAMES},
+                 **{name: "name" for name in BUILTIN_VALUES},
+                 **{name: "function" for name in (*FUNCTIONS, *DEVICE_ONLY_FUNCTIONS)}}
 
 
 @dataclass(frozen=True)
@@ -148,6 +164,11 @@ class Checker:
         seen: dict[str, ast.Decl] = {}
         for module in modules:
             for decl in module.decls:
+                if decl.name in BUILTIN_KINDS:
+                    # Not declared: the builtin keeps its meaning everywhere, std included.
+                    self.error(decl.span, f"'{decl.name}' is a builtin "
+                                          f"{BUILTIN_KINDS[decl.name]} and cannot be redefined")
+                    continue
                 if decl.name in seen:
                     self.error(decl.span, f"'{decl.name}' is already declared at "
                                           f"{seen[decl.name].span!r}")
@@ -156,6 +177,11 @@ class Checker:
                 table = {ast.SchedulerDecl: self.out.schedulers, ast.FnDecl: self.out.fns,
                          ast.AttentionDecl: self.out.attentions}[type(decl)]
                 table[decl.name] = decl
+                limit, what = DECLARATION_LIMITS.get(type(decl), (0, ""))
+                if limit and len(table) == limit + 1:
+                    self.error(decl.span, f"too many {what}: a program declares at most "
+                                          f"{limit}, imports included (each is compiled to a "
+                                          f"kernel of its own)")
         for fn in self.out.fns.values():
             self.check_fn(fn)
         for sched in self.out.schedulers.values():
@@ -163,6 +189,7 @@ class Checker:
         for attn in self.out.attentions.values():
             self.check_attention(attn)
         self.check_inlining()
+        self.check_attention_loops()
         return self.out
 
     def check_inlining(self) -> None:
@@ -171,14 +198,64 @@ class Checker:
         inlined: dict[str, tuple[int, int] | None] = {}
         for fn in self.out.fns.values():
             inlined[fn.name] = self.inlined_size(fn.body, inlined, fn.span, f"fn '{fn.name}'")
+        # (too many schedulers are reported already, as such)
+        total, reported = 0, len(self.out.schedulers) > MAX_SCHEDULERS
         for decl in self.out.schedulers.values():
             for part in ast.children(decl):
-                self.inlined_size((part,), inlined, part.span, f"'{part.name}'")
+                size = self.inlined_size((part,), inlined, part.span, f"'{part.name}'")
+                total += size[1] if size else 0
+            if total > MAX_SCHEDULER_NODES and not reported:
+                reported = True
+                self.error(decl.span, f"the schedulers up to '{decl.name}' are too big "
+                                      f"together: {total} expressions and statements once the "
+                                      f"fns they call are inlined (limit {MAX_SCHEDULER_NODES} "
+                                      f"in a program, imports included)")
         for decl in self.out.attentions.values():
             for part in ast.children(decl):
                 self.inlined_size((part,), inlined, part.span, f"'{part.name}'",
                                   MAX_KERNEL_RULE_NODES, ": the kernel evaluates it for every "
                                   "element of its register tiles")
+
+    def check_attention_loops(self) -> None:
+        """Refuse `while` in mask and score rules and in the fns they call, transitively: they
+        run once per (query, key) pair, and the kernel has no fuel to stop an endless loop."""
+        # fn -> the first `while` it runs and the fns that lead there from it, or None.
+        loops: dict[str, tuple[ast.While, tuple[str, ...]] | None] = {}
+        for fn in self.out.fns.values():
+            found = self.first_loop(fn.body, loops)
+            loops[fn.name] = None if found is None else (found[0], (fn.name, *found[1]))
+        for attn in self.out.attentions.values():
+            for rule in attn.rules:
+                found = self.first_loop((rule,), loops)
+                if found is None:
+                    continue
+                loop, chain = found
+                rule_name = f"attention '{attn.name}''s {rule.name}"
+                where = f"in {rule_name}"
+                if chain:
+                    *via, holder = chain
+                    where = f"fn '{holder}' is called by {rule_name}"
+                    if via:
+                        names = ", ".join(f"'{name}'" for name in via)
+                        where += f" through fn{'s' if len(via) > 1 else ''} {names}"
+                self.error(loop.span, f"`while` loops are not allowed in a mask or score rule, "
+                                      f"nor in a fn one calls ({where}): these rules run once "
+                                      f"per (query, key) pair")
+
+    @staticmethod
+    def first_loop(roots, loops: dict) -> tuple[ast.While, tuple[str, ...]] | None:
+        """The first `while` in source order that `roots` run, directly or in a fn they call
+        (only fns in `loops`: a call of any other is an error already), with that chain."""
+        stack = list(reversed(roots))
+        while stack:
+            node = stack.pop()
+            if isinstance(node, ast.While):
+                return node, ()
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and loops.get(node.func.id):
+                return loops[node.func.id]
+            stack.extend(reversed(list(ast.children(node))))
+        return None
 
     def inlined_size(self, roots, inlined: dict[str, tuple[int, int] | None], span: Span,
                      what: str, max_nodes: int = MAX_INLINED_NODES, why: str = ""
@@ -343,7 +420,7 @@ class Checker:
             elif any(i.value % 16 or not 16 <= i.value <= 256 for i in c.value.items):
                 self.error(c.value.span, "tile sizes must be multiples of 16 between 16 and 256")
         elif want == F32:
-            if ty not in NUMBERS:
+            if ty not in (*NUMBERS, ERROR):
                 self.error(c.value.span, f"'{c.name}' must be a number")
             elif c.name == "scale" and self.errors == errors_before:
                 self.check_scale(c.value)
@@ -539,6 +616,20 @@ class Checker:
                 return self.error(e.span, f"constant expression is not a finite f32 value "
                                           f"({value:g})")
             self.float_constants[e] = value
+        return F32
+
+    def fold_float_call(self, e: ast.Call, builtin, types: list[Ty]) -> Ty:
+        """An f32 builtin of constants (`sqrt(-1.0)`, `exp(1000.0)`) follows the rule of
+        `fold_float`: its value must stay finite."""
+        args = [self.constant_value(a) for a in e.args]
+        if None in args:
+            return F32
+        with np.errstate(all="ignore"):
+            value = float(builtin.numpy(args, types, F32))
+        if not finite_f32(value):
+            return self.error(e.span, f"constant expression is not a finite f32 value "
+                                      f"({value:g})")
+        self.float_constants[e] = value
         return F32
 
     def constant_value(self, e: ast.Expr) -> float | None:
@@ -768,7 +859,8 @@ class Checker:
         builtin = FUNCTIONS.get(name)
         if builtin is not None:
             types = self.call_args(e, (None,) * builtin.arity, scope, ctx, name)
-            return builtin.type_rule(self, e, types, ctx) if types else ERROR
+            ty = builtin.type_rule(self, e, types, ctx) if types else ERROR
+            return self.fold_float_call(e, builtin, types) if ty == F32 else ty
         if scope.lookup(name) is not None or name in BUILTIN_VALUES:
             return self.error(func.span, f"'{name}' is not a function")
         return self.error(func.span, f"unknown function '{name}'")

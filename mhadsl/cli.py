@@ -297,27 +297,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.scheduler not in program.schedulers:
         raise UsageError(f"no scheduler '{args.scheduler}' in {args.file} (it has: "
                          f"{', '.join(program.schedulers) or 'none'})")
-    cost, sequences, gqa = args.cost or "causal", args.sequences, args.gqa or 1
-    if args.kernel:
-        cost = _kernel_costs(program, args.kernel, args.file)
-        sequences = Batch(args.lengths, args.heads, cost.block_m, ragged=sequences.ragged)
-        gqa, declared = _kernel_gqa(program, args)
-        print(f"cost model of kernel {args.kernel} ({cost.block_m}x{cost.block_n} tile), "
-              f"constants from {cost.source}" + (f"; {gqa} query heads per K/V head "
-                                                 f"({declared})" if declared else ""),
-              file=sys.stderr)
-    if args.backward:
-        from mhadsl.backward import backward_work
-        sequences = backward_work(args.lengths, args.heads, args.tile, sequences.ragged)
-        print(f"backward work space: {len(args.lengths)} sequences x {args.heads} K/V heads, "
-              f"K/V tiles of {args.tile} rows (prompt tile t is K/V tile n-1-t; a work tile "
-              f"loops over the query tiles of its K/V head's query heads)", file=sys.stderr)
-    if args.kv_splits:
-        from mhadsl.serving import decode_work
-        sequences, cost = decode_work(len(args.lengths), args.heads, args.kv_splits), "uniform"
-        print(f"decode work space: {len(args.lengths)} sequences x {args.heads} K/V heads x "
-              f"{args.kv_splits} KV splits (a work tile packs a K/V head's query heads)",
-              file=sys.stderr)
+    try:  # a work space past the simulator's bounds is a usage error, found before any work
+        sequences, cost, gqa = _work_space(args, program)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     spec = SchedulerSpec(args.scheduler, args.params, sequences.tile, gqa)
     result = simulate(program, spec, sequences, ctas=args.ctas, cost=cost,
                       num_sms=args.num_sms, ctas_per_sm=args.ctas_per_sm)
@@ -340,6 +323,32 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             print("  (per-CTA load counts tile time only; the makespan also holds the "
                   "scheduler's steps between tiles: advances, queue atomics, CTA starts)")
     return 0 if result.covered_exactly_once else 3
+
+
+def _work_space(args: argparse.Namespace, program):
+    """The work space `simulate` runs the scheduler over, its cost model and GQA group."""
+    cost, sequences, gqa = args.cost or "causal", args.sequences, args.gqa or 1
+    if args.kernel:
+        cost = _kernel_costs(program, args.kernel, args.file)
+        sequences = Batch(args.lengths, args.heads, cost.block_m, ragged=sequences.ragged)
+        gqa, declared = _kernel_gqa(program, args)
+        print(f"cost model of kernel {args.kernel} ({cost.block_m}x{cost.block_n} tile), "
+              f"constants from {cost.source}" + (f"; {gqa} query heads per K/V head "
+                                                 f"({declared})" if declared else ""),
+              file=sys.stderr)
+    if args.backward:
+        from mhadsl.backward import backward_work
+        sequences = backward_work(args.lengths, args.heads, args.tile, sequences.ragged)
+        print(f"backward work space: {len(args.lengths)} sequences x {args.heads} K/V heads, "
+              f"K/V tiles of {args.tile} rows (prompt tile t is K/V tile n-1-t; a work tile "
+              f"loops over the query tiles of its K/V head's query heads)", file=sys.stderr)
+    if args.kv_splits:
+        from mhadsl.serving import decode_work
+        sequences, cost = decode_work(len(args.lengths), args.heads, args.kv_splits), "uniform"
+        print(f"decode work space: {len(args.lengths)} sequences x {args.heads} K/V heads x "
+              f"{args.kv_splits} KV splits (a work tile packs a K/V head's query heads)",
+              file=sys.stderr)
+    return sequences, cost, gqa
 
 
 def _kernel_gqa(program, args: argparse.Namespace) -> tuple[int, str]:

@@ -11,6 +11,7 @@ chain of operators (`a + b - c + ...`) is not nesting: the walkers loop over it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import os
@@ -35,6 +36,10 @@ STD_DIR = Path(__file__).resolve().parent / "std"
 # that every later stage's recursive walk fits Python's default recursion limit.
 MAX_EXPR_DEPTH = 100
 MAX_STMT_DEPTH = 50
+# Tokens (names, numbers, operators) a program may hold, imports included. The parser keeps
+# about 750 bytes a token until the AST is built (16 MB of schedulers took 3.3 GB), so this
+# keeps reading under ~300 MB; 2,000 small schedulers are 270,000 tokens.
+MAX_TOKENS = 300_000
 
 # Terminal names as a user reads them in "expected ..." messages.
 _TOKEN_WORDS = {
@@ -280,15 +285,34 @@ def _is_literal(terminal: str) -> bool:
 
 
 def parse_source(source: Source) -> ast.Module:
-    """Parse one file's text; raise `MhaError` on a syntax error or too deep nesting.
+    """Parse one file's text; raise `MhaError` on a syntax error, too deep nesting or more
+    than MAX_TOKENS tokens.
 
-    A leading byte-order mark is dropped.
+    A leading byte-order mark is dropped, and CR LF and a lone CR (old Mac files) end lines
+    as LF does: the grammar and the diagnostics count lines by LF alone.
     """
-    if source.text.startswith("\ufeff"):
-        source = Source(source.name, source.text[1:])
+    return _parse(source, MAX_TOKENS)[0]
+
+
+def _parse(source: Source, max_tokens: int) -> tuple[ast.Module, int]:
+    """`parse_source`, stopping at the first token past `max_tokens` (what is left of the
+    program's MAX_TOKENS); the module and how many tokens it holds."""
+    text = source.text.removeprefix("\ufeff")
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if text != source.text:
+        source = dataclasses.replace(source, text=text)
+    tokens = 0
     try:
         with no_cyclic_gc():
-            module = _ToAst(source).transform(_parser().parse(source.text))
+            parser = _parser().parse_interactive(source.text)
+            for token in parser.iter_parse():
+                tokens += 1
+                if tokens > max_tokens:
+                    raise MhaError(f"too much source: a program holds at most {MAX_TOKENS} "
+                                   f"tokens (names, numbers, operators), imports included",
+                                   Span(source, token.line, token.column))
+            module = _ToAst(source).transform(parser.feed_eof())
     except UnexpectedInput as err:
         raise _syntax_error(source, err) from None
     except VisitError as err:
@@ -296,7 +320,7 @@ def parse_source(source: Source) -> ast.Module:
             raise err.orig_exc from None
         raise
     _check_nesting(module)
-    return module
+    return module, tokens
 
 
 @contextlib.contextmanager
@@ -347,7 +371,8 @@ def load_program(text: str, name: str, base_dir: Path,
     loaded: set[str] = set()
     top_key = name if name.startswith(STD_PREFIX) else str(_real_path(base_dir / Path(name).name))
     # The files being loaded (each importing the next), with their imports still to visit.
-    chain = [(top_key, parse_source(Source(name, text)), base_dir)]
+    top, tokens = _parse(Source(name, text), MAX_TOKENS)
+    chain = [(top_key, top, base_dir)]
     pending = [iter(chain[0][1].imports)]
     while chain:
         key, module, directory = chain[-1]
@@ -365,9 +390,11 @@ def load_program(text: str, name: str, base_dir: Path,
             names = [m.span.source.name for _, m, _ in chain[keys.index(imp_key):]]
             raise MhaError(f"import cycle: {' -> '.join(names + [names[0]])}", imp.span)
         try:
-            imported = parse_source(read_source_file(file, imp_key))
+            source = read_source_file(file, imp_key)
         except OSError as err:
             raise MhaError(f"cannot import '{imp.path}': {err.strerror}", imp.span) from None
+        imported, more = _parse(source, MAX_TOKENS - tokens)
+        tokens += more
         chain.append((imp_key, imported, file.parent))
         pending.append(iter(imported.imports))
     return modules
@@ -394,12 +421,12 @@ def _resolve_import(imp: ast.Import, directory: Path, include_dirs: tuple[Path, 
         raise MhaError("cannot import a path with a NUL character", imp.span)
     if imp.path.startswith(STD_PREFIX):
         file = std_file(imp.path)
-        if file is None or not file.is_file():
+        if file is None or not os.path.isfile(file):  # False, not OSError, for a name too long
             raise MhaError(f"no standard library file '{imp.path}'", imp.span)
         return STD_PREFIX + file.relative_to(STD_DIR).as_posix(), file
     folders = (_real_path(directory), *include_dirs)
     candidates = [_real_path(folder / imp.path) for folder in folders]
-    file = next((c for c in candidates if c.exists()), candidates[0])
+    file = next((c for c in candidates if os.path.exists(c)), candidates[0])  # as above
     if not any(file.is_relative_to(folder) for folder in folders):
         raise MhaError(f"cannot import '{imp.path}': it is outside the importing file's folder "
                        f"and the include folders (add one with -I DIR, or include_dirs= in "

@@ -8,9 +8,11 @@ every valid tile was processed exactly once and no invalid tile was, and reports
 makespan against the lower bound max(total / ctas, longest tile).
 
 Speed: the event loop itself is JIT-compiled next to the rules (`_emit_event_loop`): it
-calls them directly, takes each tile's cost from a table of tile ids and logs every tile
-into one array; coverage, costs and the lower bound are NumPy over tile ids. A batch of
-10,000 ragged sequences (~1.1M work items) takes 1-5 s per standard scheduler.
+calls them directly, takes each tile's cost from a table of tile ids, logs every tile
+into one array a column, and keeps the busy slots in a heap; coverage, costs and the lower
+bound are NumPy over tile ids. A batch of 10,000 ragged sequences (~1.1M work items) takes
+1-5 s per standard scheduler. What it takes is bounded (`MAX_SIMULATED_*`): a batch or a
+grid past them is refused before anything runs.
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ from mhadsl.check import CheckedProgram
 from mhadsl.codegen import nvptx
 from mhadsl.codegen.lower import ENV_FIELDS, alloca, record_type
 from mhadsl.codegen.nvptx import i8, i32, i64
+from mhadsl.codegen.handoff import runs_apart
 from mhadsl.codegen.scheduler import (
-    HOST_LOOP_FUEL, LoweredScheduler, SchedulerSpec, lower_scheduler, runs_apart,
+    HOST_LOOP_FUEL, LoweredScheduler, SchedulerSpec, lower_scheduler,
 )
 from mhadsl.codegen.target import HOST, HostJit, new_module
 from mhadsl.costmodel import KernelCostModel
@@ -38,8 +41,17 @@ from mhadsl.types import SEQ_INFO, WORK_INFO
 Tile = tuple[int, int, int]  # (prompt_offset, head_idx, prompt_idx)
 
 MAX_SEQLEN = 2**31 - 1  # lengths and row offsets are int32 in the kernel
-MAX_SIMULATED_CTAS = 1 << 24
-MAX_SIMULATED_TILES = 1 << 23  # its log holds 56 bytes a tile
+# What the simulator takes, measured on a loaded 2-core machine so that the largest run
+# stays near 5 s and under 500 MB: about 100 bytes and 1 us a tile (its log and cost),
+# 90 bytes a CTA slot, 0.2 us a grid CTA with no work, 0.05 us a work index a scheduler
+# steps over.
+MAX_SIMULATED_TILES = 1 << 21
+MAX_SIMULATED_WORK = 1 << 23  # work indices: the longest sequence's tiles x heads x sequences
+MAX_SIMULATED_CTAS = 1 << 16  # CTA slots running at once
+MAX_SIMULATED_GRID = 1 << 22  # CTAs of the launch grid
+# `while` iterations of all rule calls together (a legitimate loop skips work indices:
+# at most MAX_SIMULATED_WORK in all); about 1 ns each.
+MAX_SIMULATED_LOOP_ITERATIONS = 1 << 28
 
 
 class _Env(ctypes.Structure):
@@ -78,16 +90,18 @@ _START = "mhadsl.sim.start_ctas"
 
 def _emit_start_ctas(module: ir.Module, lowered: LoweredScheduler) -> None:
     """`i32 start_ctas(env*, ts*, i32 first, i32 count, slots*, State*, WorkInfo*,
-    SeqInfo* seq_out, i8* valid_out)`: the first rules of CTAs first .. first+count-1.
+    SeqInfo* seq_out, i8* valid_out, i64* spent)`: the first rules of CTAs first ..
+    first+count-1.
 
     Each CTA's block_idx comes from its linear id and env.grid_dim; CTA k writes whether
     its WorkInfo is valid to valid_out[k] and, if so, its SeqInfo to seq_out[k] (count 1
-    writes the CTA's own state). Every rule call gets a full tank of `while` fuel; the
-    result is the number of CTAs started before a tank ran dry (count when none did).
+    writes the CTA's own state). Every rule call gets a full tank of `while` fuel, and adds
+    what it burnt to *spent; the result is the number of CTAs started before a tank ran dry
+    (count when none did).
     """
     p = nvptx.ptr()
-    fn = ir.Function(module, ir.FunctionType(i32, [p, p, i32, i32, p, p, p, p, p]), _START)
-    env, ts, first, count, slots, state, info, seq_out, valid_out = fn.args
+    fn = ir.Function(module, ir.FunctionType(i32, [p, p, i32, i32, p, p, p, p, p, p]), _START)
+    env, ts, first, count, slots, state, info, seq_out, valid_out, spent = fn.args
     rules = lowered.functions
     b = ir.IRBuilder(fn.append_basic_block("entry"))
 
@@ -114,8 +128,11 @@ def _emit_start_ctas(module: ir.Module, lowered: LoweredScheduler) -> None:
         b.store(i64(HOST_LOOP_FUEL), env_field("fuel"))
         b.call(rules[rule], [env, ts, *args])
         ok = fn.append_basic_block(f"{rule}_ok")
-        b.cbranch(b.icmp_signed("<=", b.load(env_field("fuel"), typ=i64), i64(0)), dry, ok)
+        left = b.load(env_field("fuel"), typ=i64)
+        b.cbranch(b.icmp_signed("<=", left, i64(0)), dry, ok)
         b.position_at_end(ok)
+        burnt = b.sub(i64(HOST_LOOP_FUEL), left)
+        b.store(b.add(b.load(spent, typ=i64), burnt), spent)
 
     call("initial_state", slots, state)
     call("get_current_work_info", state, info)
@@ -134,15 +151,17 @@ def _emit_start_ctas(module: ir.Module, lowered: LoweredScheduler) -> None:
     b.ret(k)
 
 
+# The log of processed tiles: one f64 array a column, a row a tile.
+LOG_COLUMNS = ("cta", "slot", "start", "duration", "offset", "head", "b")
 # The event loop's inputs: pointers (`_PTRS`) and integers (`_INTS`), each an i64 array.
-_PTRS = ("time", "ticket", "active", "linear", "pipe", "taken", "states", "slot_words", "seqs",
-         "info", "valid", "counts", "base", "lens", "cost", "log", "busy", "out", "step_costs")
+_PTRS = ("time", "ticket", "heap", "linear", "pipe", "taken", "states", "slot_words", "seqs",
+         "info", "valid", "counts", "base", "lens", "cost", "busy", "out", "step_costs",
+         *LOG_COLUMNS)
 STEP_COSTS = ("advance", "queue_op", "cta_start", "empty_cta")  # f64s at ptrs.step_costs
 _INTS = ("n_slots", "n_ctas", "num_work", "step_limit", "n_seqs", "heads", "tile", "log_cap")
 _OUT = ("status", "steps", "log_n", "makespan_bits", "cta")  # i64s the loop reports
-LOG_COLUMNS = ("cta", "slot", "start", "duration", "offset", "head", "b")
 # Why the event loop stopped.
-DONE, ENDLESS_WHILE, TOO_MANY_TILES, STEP_LIMIT, LOG_FULL = range(5)
+DONE, ENDLESS_WHILE, TOO_MANY_TILES, STEP_LIMIT, LOG_FULL, LOOP_BUDGET = range(6)
 _EVENTS = "mhadsl.sim.run_events"
 
 
@@ -150,9 +169,11 @@ def _emit_event_loop(module: ir.Module, lowered: LoweredScheduler) -> None:
     """`void run_events(env*, ts*, i64* ptrs, i64* ints)`: the persistent simulation.
 
     Each slot (simulated multiprocessor) holds one CTA and its next event: the end time of
-    its current tile and a ticket (ties go to the older event). The loop takes the earliest
-    event, calls `advance` for that CTA, records the tile (its cost from the tile-id table),
-    and when a CTA is done starts the next CTA of the grid in its slot (`start_ctas`).
+    its current tile and a ticket (ties go to the older event); a binary heap of the busy
+    slots, earliest event first, keeps each step logarithmic in the slots. The loop takes
+    the earliest event, calls `advance` for that CTA, records the tile (its cost from the
+    tile-id table), and when a CTA is done starts the next CTA of the grid in its slot
+    (`start_ctas`).
     Each advance that returns work delays the tile by the step costs (`STEP_COSTS`: the
     step, and each atomic it made on the queue counter), and a CTA started after the first
     wave with a real first tile by `cta_start`. Results and the reason it stopped go to
@@ -189,12 +210,14 @@ def _emit_event_loop(module: ir.Module, lowered: LoweredScheduler) -> None:
     next_cta, ticket, steps = var(i32, i32(0)), var(i64, i64(0)), var(i64, i64(0))
     log_n, makespan = var(i64, i64(0)), var(f64, f64(0.0))
     blocks = {n: fn.append_basic_block(n) for n in ("fill", "fill_start", "tile", "next",
-                                                   "scan", "scan_body", "pick", "stop")}
+                                                   "pop", "stop")}
     status, fail_cta = var(i64, i64(DONE)), var(i32, i32(0))
     # `fill` and `tile` are shared code: where they go back to is `resume`.
     cur_slot, now = var(i32, i32(0)), var(f64, f64(0.0))
     init_slot = var(i32, i32(0))
     resume = var(i32, i32(0))  # 0: initial fill loop, 1: main loop
+    heap_n = var(i32, i32(0))  # busy slots, in `heap`
+    spent = var(i64, i64(0))  # `while` iterations of all rule calls so far
 
     def stop(code, cta=None):
         b.store(i64(code), status)
@@ -229,8 +252,7 @@ def _emit_event_loop(module: ir.Module, lowered: LoweredScheduler) -> None:
     has_cta = b.icmp_unsigned("<", linear, n_ctas)
     idle = fn.append_basic_block("idle")
     b.cbranch(has_cta, blocks["fill_start"], idle)
-    b.position_at_end(idle)
-    b.store(i8(0), at("active", slot, i8))
+    b.position_at_end(idle)  # the slot stays out of the heap
     b.branch(blocks["next"])
     b.position_at_end(blocks["fill_start"])
     b.store(b.add(linear, i32(1)), next_cta)
@@ -239,8 +261,10 @@ def _emit_event_loop(module: ir.Module, lowered: LoweredScheduler) -> None:
     b.store(i64(0), at("taken", slot, i64))
     started = b.call(module.globals[_START], [
         env, ts, linear, i32(1), at("slot_words", b.mul(slot, i32(SLOT_COUNT)), i32),
-        at("states", slot, state_t), P["info"], at("seqs", slot, seq_t), P["valid"]])
+        at("states", slot, state_t), P["info"], at("seqs", slot, seq_t), P["valid"], spent])
     branch_if(b.icmp_unsigned("!=", started, i32(1)), ENDLESS_WHILE, linear)
+    budget = i64(MAX_SIMULATED_LOOP_ITERATIONS)
+    branch_if(b.icmp_signed(">", b.load(spent, typ=i64), budget), LOOP_BUDGET)
     first = b.icmp_unsigned("!=", b.load(P["valid"], typ=i8), i8(0))
     # After the first wave a CTA takes over its slot from the last: `cta_start` when it
     # has a tile, `empty_cta` when its first one lies past its sequence's end (or it has
@@ -292,68 +316,45 @@ def _emit_event_loop(module: ir.Module, lowered: LoweredScheduler) -> None:
             b.store(d, duration)
             busy = at("busy", slot, f64)
             b.store(b.fadd(b.load(busy, typ=f64), d), busy)
-        row = b.mul(n, i64(len(LOG_COLUMNS)))
         cta = b.load(at("linear", slot, i32), typ=i32)
-        for j, v in enumerate((b.uitofp(cta, f64), b.uitofp(slot, f64), t,
-                               b.load(duration, typ=f64), b.uitofp(offset, f64),
-                               b.uitofp(head, f64), b.uitofp(batch, f64))):
-            b.store(v, at("log", b.add(row, i64(j)), f64))
+        for column, v in zip(LOG_COLUMNS, (b.uitofp(cta, f64), b.uitofp(slot, f64), t,
+                                           b.load(duration, typ=f64), b.uitofp(offset, f64),
+                                           b.uitofp(head, f64), b.uitofp(batch, f64))):
+            b.store(v, at(column, n, f64))
         b.store(b.add(n, i64(1)), log_n)
     tk = b.add(b.load(ticket, typ=i64), i64(1))
     b.store(tk, ticket)
     b.store(b.fadd(t, b.load(duration, typ=f64)), at("time", slot, f64))
     b.store(tk, at("ticket", slot, i64))
-    b.store(i8(1), at("active", slot, i8))
+    _emit_heap_push(b, fn, at, var, heap_n, slot)
     b.branch(blocks["next"])
 
     # ---- next: back to the initial fill, or the earliest event
     b.position_at_end(blocks["next"])
     in_init = b.icmp_unsigned("==", b.load(resume, typ=i32), i32(0))
     init_next = fn.append_basic_block("init_next")
-    b.cbranch(in_init, init_next, blocks["scan"])
+    b.cbranch(in_init, init_next, blocks["pop"])
     b.position_at_end(init_next)
     k = b.load(init_slot, typ=i32)
     b.store(b.add(k, i32(1)), init_slot)
-    b.cbranch(b.icmp_unsigned("<", b.add(k, i32(1)), n_slots), init_head, blocks["scan"])
-    # (leaving the initial fill: from now on `next` goes to the scan)
-    b.position_at_end(blocks["scan"])
+    b.cbranch(b.icmp_unsigned("<", b.add(k, i32(1)), n_slots), init_head, blocks["pop"])
+    # (leaving the initial fill: from now on `next` goes to the heap)
+    b.position_at_end(blocks["pop"])
     b.store(i32(1), resume)
-    best, best_t, best_k, s_var = var(i32, i32(-1)), var(f64, f64(0.0)), var(i64, i64(0)), \
-        var(i32, i32(0))
-    scan_head = fn.append_basic_block("scan_head")
-    b.branch(scan_head)
-    b.position_at_end(scan_head)
-    sk = b.load(s_var, typ=i32)
-    b.cbranch(b.icmp_unsigned("<", sk, n_slots), blocks["scan_body"], blocks["pick"])
-    b.position_at_end(blocks["scan_body"])
-    st, tk = b.load(at("time", sk, f64), typ=f64), b.load(at("ticket", sk, i64), typ=i64)
-    bt, bk = b.load(best_t, typ=f64), b.load(best_k, typ=i64)
-    earlier = b.or_(b.icmp_signed("<", b.load(best, typ=i32), i32(0)),
-                    b.or_(b.fcmp_ordered("<", st, bt),
-                          b.and_(b.fcmp_ordered("==", st, bt), b.icmp_signed("<", tk, bk))))
-    take = b.and_(b.icmp_unsigned("!=", b.load(at("active", sk, i8), typ=i8), i8(0)), earlier)
-    with b.if_then(take):
-        b.store(sk, best)
-        b.store(st, best_t)
-        b.store(tk, best_k)
-    b.store(b.add(sk, i32(1)), s_var)
-    b.branch(scan_head)
-
-    b.position_at_end(blocks["pick"])
-    slot = b.load(best, typ=i32)
     have = fn.append_basic_block("have")
-    b.cbranch(b.icmp_signed("<", slot, i32(0)), blocks["stop"], have)
+    b.cbranch(b.icmp_unsigned("==", b.load(heap_n, typ=i32), i32(0)), blocks["stop"], have)
     b.position_at_end(have)
+    slot = _emit_heap_pop(b, fn, at, var, heap_n)
     n_steps = b.add(b.load(steps, typ=i64), i64(1))
     b.store(n_steps, steps)
     branch_if(b.icmp_signed(">", n_steps, N["step_limit"]), STEP_LIMIT)
-    t = b.load(best_t, typ=f64)
+    t = b.load(at("time", slot, f64), typ=f64)
     b.store(slot, cur_slot)
     b.store(t, now)
     finished = fn.append_basic_block("finished")
     if lowered.may_advance:
         _emit_advance(b, fn, lowered, env, ts, at, slot, N, branch_if, blocks["tile"], finished,
-                      now, step_cost)
+                      now, step_cost, spent)
     else:  # one tile per CTA: its slot goes to the next CTA of the grid
         b.branch(finished)
     b.position_at_end(finished)
@@ -370,11 +371,79 @@ def _emit_event_loop(module: ir.Module, lowered: LoweredScheduler) -> None:
     b.ret_void()
 
 
+def _emit_earlier(b: ir.IRBuilder, at, one: ir.Value, other: ir.Value) -> ir.Value:
+    """Whether slot `one`'s event comes before slot `other`'s: it ends first, or at the same
+    time with an older ticket (tickets are unique, so the order is total)."""
+    f64 = ir.DoubleType()
+    t1, t2 = (b.load(at("time", s, f64), typ=f64) for s in (one, other))
+    k1, k2 = (b.load(at("ticket", s, i64), typ=i64) for s in (one, other))
+    return b.or_(b.fcmp_ordered("<", t1, t2),
+                 b.and_(b.fcmp_ordered("==", t1, t2), b.icmp_signed("<", k1, k2)))
+
+
+def _emit_heap_push(b: ir.IRBuilder, fn: ir.Function, at, var, heap_n, slot: ir.Value) -> None:
+    """Put `slot` in the heap of busy slots (`heap[0 .. heap_n)`), sifting it up."""
+    n = b.load(heap_n, typ=i32)
+    b.store(b.add(n, i32(1)), heap_n)
+    where = var(i32, n)
+    head, move, done = (fn.append_basic_block(f"push_{name}") for name in ("head", "move", "done"))
+    b.branch(head)
+    b.position_at_end(head)
+    i = b.load(where, typ=i32)
+    parent = b.udiv(b.sub(i, i32(1)), i32(2))
+    has_parent = b.icmp_unsigned(">", i, i32(0))
+    up = fn.append_basic_block("push_compare")
+    b.cbranch(has_parent, up, done)
+    b.position_at_end(up)
+    above = b.load(at("heap", parent, i32), typ=i32)
+    b.cbranch(_emit_earlier(b, at, slot, above), move, done)
+    b.position_at_end(move)
+    b.store(above, at("heap", i, i32))
+    b.store(parent, where)
+    b.branch(head)
+    b.position_at_end(done)
+    b.store(slot, at("heap", b.load(where, typ=i32), i32))
+
+
+def _emit_heap_pop(b: ir.IRBuilder, fn: ir.Function, at, var, heap_n) -> ir.Value:
+    """Take the slot of the earliest event off a heap that is not empty, sifting the last
+    slot down into its place."""
+    top = b.load(at("heap", i32(0), i32), typ=i32)
+    n = b.sub(b.load(heap_n, typ=i32), i32(1))
+    b.store(n, heap_n)
+    last = b.load(at("heap", n, i32), typ=i32)
+    where, child_var = var(i32, i32(0)), var(i32, i32(0))
+    head, pick, move, done = (fn.append_basic_block(f"pop_{name}")
+                              for name in ("head", "pick", "move", "done"))
+    b.branch(head)
+    b.position_at_end(head)
+    i = b.load(where, typ=i32)
+    left = b.add(b.mul(i, i32(2)), i32(1))
+    b.cbranch(b.icmp_unsigned("<", left, n), pick, done)
+    b.position_at_end(pick)
+    right = b.add(left, i32(1))
+    b.store(left, child_var)
+    with b.if_then(b.icmp_unsigned("<", right, n)):
+        right_slot, left_slot = (b.load(at("heap", c, i32), typ=i32) for c in (right, left))
+        with b.if_then(_emit_earlier(b, at, right_slot, left_slot)):
+            b.store(right, child_var)
+    child = b.load(child_var, typ=i32)
+    below = b.load(at("heap", child, i32), typ=i32)
+    b.cbranch(_emit_earlier(b, at, below, last), move, done)
+    b.position_at_end(move)
+    b.store(below, at("heap", i, i32))
+    b.store(child, where)
+    b.branch(head)
+    b.position_at_end(done)
+    b.store(last, at("heap", b.load(where, typ=i32), i32))
+    return top
+
+
 def _emit_advance(b: ir.IRBuilder, fn: ir.Function, lowered: LoweredScheduler, env, ts, at,
                   slot, N, branch_if, tile_bb: ir.Block, finished_bb: ir.Block, now,
-                  step_cost: dict) -> None:
+                  step_cost: dict, spent) -> None:
     """Call `advance` for the CTA in `slot`: on to tile_bb with a SeqInfo (at `now` plus the
-    step's costs), else finished_bb."""
+    step's costs), else finished_bb. The fuel it burnt adds to *spent."""
     state_t, seq_t = lowered.state_struct, record_type(SEQ_INFO)
     linear = b.load(at("linear", slot, i32), typ=i32)
     gx = b.load(b.gep(env, [i32(0), i32(ENV_FIELDS.index("grid_dim")), i32(0)],
@@ -394,7 +463,11 @@ def _emit_advance(b: ir.IRBuilder, fn: ir.Function, lowered: LoweredScheduler, e
     queue_before = b.load(counter, typ=i32)
     more = b.call(lowered.functions[lowered.advance_name(True, "ALL")],
                   [env, ts, at("states", slot, state_t), p_idx, at("seqs", slot, seq_t)])
-    branch_if(b.icmp_signed("<=", b.load(fuel, typ=i64), i64(0)), ENDLESS_WHILE, linear)
+    left = b.load(fuel, typ=i64)
+    branch_if(b.icmp_signed("<=", left, i64(0)), ENDLESS_WHILE, linear)
+    burnt = b.add(b.load(spent, typ=i64), b.sub(i64(HOST_LOOP_FUEL), left))
+    b.store(burnt, spent)
+    branch_if(b.icmp_signed(">", burnt, i64(MAX_SIMULATED_LOOP_ITERATIONS)), LOOP_BUDGET)
     b.store(b.xor(p_idx, i32(1)), pipe)
     advanced = fn.append_basic_block("advanced")
     b.cbranch(more, advanced, finished_bb)
@@ -440,12 +513,11 @@ class HostScheduler:
              num_heads: int, num_sms: int, ctas_per_sm: int = 1) -> tuple[int, int, int]:
         """The launch grid from the scheduler's own `grid_dim` rule, within CUDA's limits
         (an `MhaError` at the rule past them)."""
-        env = _Env(None, num_sms)
-        env.ctas_per_sm = ctas_per_sm
-        env.fuel = HOST_LOOP_FUEL
+        env = _host_env(num_sms, ctas_per_sm)
         ts = _TileSummary(batch_size, max_num_prompt_tiles, max_seq_len, num_heads)
         out = (ctypes.c_uint32 * 3)()
         self.grid_dim(ctypes.byref(env), ctypes.byref(ts), batch_size, max_num_prompt_tiles, out)
+        _require_fuel_left(env, self.grid_rule)
         grid = (out[0], out[1], out[2])
         if 0 in grid and max_num_prompt_tiles:  # with no work nothing is launched
             raise MhaError(f"grid_dim gives {grid}: no CTAs; CUDA launches at least one CTA "
@@ -465,18 +537,33 @@ class HostScheduler:
         past MAX_KV_SPLITS."""
         if self._kv_splits is None:
             return None
-        env = _Env(None, num_sms)
-        env.ctas_per_sm = ctas_per_sm
-        env.fuel = HOST_LOOP_FUEL
+        env = _host_env(num_sms, ctas_per_sm)
         ts = _TileSummary(batch_size, 1, max_seq_len, kv_heads)
         out = ctypes.c_uint32()
         self._kv_splits(ctypes.byref(env), ctypes.byref(ts), batch_size, max_seq_len,
                         ctypes.byref(out))
+        _require_fuel_left(env, self.splits_rule)
         if out.value > MAX_KV_SPLITS:
             raise MhaError(f"kv_splits gives {out.value} for {batch_size} sequences of up to "
                            f"{max_seq_len} cached keys x {kv_heads} K/V heads; a decode "
                            f"launch takes at most {MAX_KV_SPLITS}", self.splits_rule.span)
         return out.value or None
+
+
+def _host_env(num_sms: int, ctas_per_sm: int) -> _Env:
+    """The environment of a host rule's call, with a full tank of `while` fuel."""
+    env = _Env(None, num_sms)
+    env.ctas_per_sm = ctas_per_sm
+    env.fuel = HOST_LOOP_FUEL
+    return env
+
+
+def _require_fuel_left(env: _Env, rule) -> None:
+    """A host rule whose `while` loops emptied the tank was stopped, not finished: what it
+    returned means nothing."""
+    if env.fuel <= 0:
+        raise MhaError(f"{rule.name}'s `while` loops ran {HOST_LOOP_FUEL} iterations without "
+                       f"ending", rule.span)
 
 
 @dataclass
@@ -499,6 +586,10 @@ class Batch:
         if self.num_tiles > MAX_SIMULATED_TILES:
             raise ValueError(f"the batch has {self.num_tiles} tiles; the simulator takes at "
                              f"most {MAX_SIMULATED_TILES}")
+        if self.num_work > MAX_SIMULATED_WORK:
+            raise ValueError(f"the batch's work space is {self.num_work} indices (its longest "
+                             f"sequence's tiles x heads x sequences); the simulator takes at "
+                             f"most {MAX_SIMULATED_WORK}")
 
     @property
     def tiles_per_seq(self) -> np.ndarray:
@@ -511,6 +602,11 @@ class Batch:
     @property
     def max_num_prompt_tiles(self) -> int:
         return int(self.tiles_per_seq.max(initial=0))
+
+    @property
+    def num_work(self) -> int:
+        """The work indices of a launch (`ts.num_work()`)."""
+        return self.max_num_prompt_tiles * self.heads * len(self.seqlens)
 
     def valid_tiles(self) -> set[Tile]:
         return {(q * self.tile, h, b) for b, n in enumerate(self.tiles_per_seq.tolist())
@@ -546,11 +642,15 @@ class _TileIds:
             (q < self.counts[bb])
         return np.where(valid, self.base[bb] + head * self.counts[bb] + q, -1)
 
-    def tiles(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(offset, head, b) of every id."""
+    def tiles(self, ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(offset, head, b) of each of `ids` (default: every id)."""
         batch = self.batch
-        b = np.repeat(np.arange(len(batch.seqlens)), self.counts * batch.heads)
-        rank = np.arange(self.total) - self.base[b]
+        if ids is None:
+            b = np.repeat(np.arange(len(batch.seqlens)), self.counts * batch.heads)
+            rank = np.arange(self.total) - self.base[b]
+        else:  # a sequence without tiles shares its base with the next: take the last
+            b = np.searchsorted(self.base, ids, side="right") - 1
+            rank = ids - self.base[b]
         counts = self.counts[b]
         return (rank % np.maximum(counts, 1)) * batch.tile, rank // np.maximum(counts, 1), b
 
@@ -652,8 +752,8 @@ class _Run:
         self.valid = ctypes.c_uint8()
         self.busy: list[float] = []
         self.makespan = 0.0
-        # One row per processed tile (its SeqInfo valid): LOG_COLUMNS.
-        self.log = np.zeros((0, len(LOG_COLUMNS)))  # one row per processed tile
+        # A row per processed tile (its SeqInfo valid): LOG_COLUMNS -> column.
+        self.log = {name: np.zeros(0) for name in LOG_COLUMNS}
         self.stopped = ""  # why the simulator stopped the run, when no rule failed
 
 
@@ -666,22 +766,26 @@ def simulate(program: CheckedProgram, spec: SchedulerSpec, batch: Batch, *, ctas
     A `KernelCostModel` also charges its step costs (`STEP_COSTS`) between tiles.
 
     Not terminating means a `while` loop that runs HOST_LOOP_FUEL iterations in one rule
-    call, a CTA that takes more tiles than all the work plus one (the GPU's own bound), or
-    more than `max_steps` advances in all (default 2 x (work + CTAs) + 10,000).
+    call, `while` loops that run MAX_SIMULATED_LOOP_ITERATIONS in all, a CTA that takes more
+    tiles than all the work plus one (the GPU's own bound), or more than `max_steps`
+    advances in all (default 2 x (work + CTAs) + 10,000).
     """
     if ctas < 1:
         raise ValueError("the simulator needs at least 1 CTA slot")
+    if ctas > MAX_SIMULATED_CTAS:
+        raise ValueError(f"the simulator runs at most {MAX_SIMULATED_CTAS} CTAs at once, not "
+                         f"{ctas}")
     sched = HostScheduler(program, spec)
     ids = _TileIds(batch)
     costs = ids.costs(cost, block_n or batch.tile)
     grid = sched.grid(len(batch.seqlens), batch.max_num_prompt_tiles,
                       max(batch.seqlens, default=0), batch.heads, num_sms or ctas, ctas_per_sm)
     n_ctas = grid[0] * grid[1] * grid[2]
-    if n_ctas > MAX_SIMULATED_CTAS:
+    if n_ctas > MAX_SIMULATED_GRID:
         raise MhaError(f"grid_dim gives {grid}: {n_ctas} CTAs; the simulator runs at most "
-                       f"{MAX_SIMULATED_CTAS}", sched.grid_rule.span)
+                       f"{MAX_SIMULATED_GRID}", sched.grid_rule.span)
     run = _Run(sched, batch, ctas, num_sms or ctas, grid, ctas_per_sm)
-    num_work = batch.max_num_prompt_tiles * batch.heads * len(batch.seqlens)
+    num_work = batch.num_work
     result = SimulationResult(spec.name, grid, ctas, False, True, 0.0, 0.0, None, 0.0,
                               ids.total)
     step_costs = np.zeros(len(STEP_COSTS))
@@ -705,12 +809,12 @@ def _run_events(run: _Run, ids: _TileIds, costs: np.ndarray, step_costs: np.ndar
     """The grid on the slots, event by event, in the JIT-compiled loop (`_emit_event_loop`)."""
     n = run.ctas
     arrays = {"time": np.zeros(n), "ticket": np.zeros(n, np.int64),
-              "active": np.zeros(n, np.uint8), "linear": np.zeros(n, np.int32),
+              "heap": np.zeros(n, np.int32), "linear": np.zeros(n, np.int32),
               "pipe": np.zeros(n, np.int32), "taken": np.zeros(n, np.int64),
               "counts": ids.counts.astype(np.int64), "base": ids.base.astype(np.int64),
               "lens": np.asarray(ids.batch.seqlens, np.int64), "cost": costs,
               # A correct run records each tile once: one row more proves a repeat.
-              "log": np.zeros((ids.total + 1, len(LOG_COLUMNS))),
+              **{name: np.zeros(ids.total + 1) for name in LOG_COLUMNS},
               "busy": np.zeros(n), "out": np.zeros(len(_OUT), np.int64),
               "step_costs": np.asarray(step_costs, np.float64)}
     a = ctypes.addressof
@@ -724,11 +828,14 @@ def _run_events(run: _Run, ids: _TileIds, costs: np.ndarray, step_costs: np.ndar
                       "log_cap": ids.total + 1}[k] for k in _INTS], np.int64)
     run.sched.run_events(run.env_p, run.ts_p, ptrs.ctypes.data, ints.ctypes.data)
     status, steps, log_n, makespan_bits, cta = arrays["out"].tolist()
-    run.log = arrays["log"][:log_n]
+    run.log = {name: arrays[name][:log_n] for name in LOG_COLUMNS}
     run.busy = arrays["busy"].tolist()
     run.makespan = float(np.int64(makespan_bits).view(np.float64))
     if status == ENDLESS_WHILE:
         raise _NoTermination("a `while` loop in the scheduler never ends")
+    if status == LOOP_BUDGET:
+        raise _NoTermination(f"its `while` loops ran more than {MAX_SIMULATED_LOOP_ITERATIONS} "
+                             f"iterations in all")
     if status == TOO_MANY_TILES:
         raise _NoTermination(f"CTA {cta} took more than all {num_work} work items plus one")
     if status == STEP_LIMIT:
@@ -740,17 +847,21 @@ def _run_events(run: _Run, ids: _TileIds, costs: np.ndarray, step_costs: np.ndar
 
 def _finish(result: SimulationResult, run: _Run, ids: _TileIds, costs: np.ndarray) -> None:
     """Coverage over tile ids, the lower bound, efficiency and the message."""
-    rows = run.log
-    trace = {name: rows[:, k] if name in ("start", "duration") else rows[:, k].astype(np.int64)
-             for k, name in enumerate(LOG_COLUMNS)}
+    # The log's integer columns become int64 one by one, each f64 column let go once it is
+    # converted: the log's memory, not twice it, is the simulator's peak.
+    trace = {}
+    for name in LOG_COLUMNS:
+        column = run.log.pop(name)
+        trace[name] = column if name in ("start", "duration") else column.astype(np.int64)
+        del column
     visited = ids.ids(trace["offset"], trace["head"], trace["b"])
     trace["valid"] = visited >= 0
     result.trace = trace
     times = np.bincount(visited[visited >= 0], minlength=ids.total)
-    offset, head, b = ids.tiles()
 
     def tiles(where: np.ndarray) -> list[Tile]:
-        return list(zip(offset[where].tolist(), head[where].tolist(), b[where].tolist()))
+        offset, head, b = ids.tiles(np.flatnonzero(where))
+        return list(zip(offset.tolist(), head.tolist(), b.tolist()))
 
     result.missing = sorted(tiles(times == 0))
     result.repeated = sorted(tiles(times > 1))

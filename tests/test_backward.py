@@ -83,8 +83,8 @@ def test_every_example_backward_assembles_without_spills(path, name, layout, arc
 @needs_ptxas
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_the_causal_d128_main_kernel_steps_64_query_rows_without_spills(arch):
-    """Not the 32-row fallback (about 20 % slower on the H200): once the LPT scheduler's
-    work loop held the last tile's SeqInfo across the tile body, and this build spilled."""
+    """Not the 32-row fallback (slower on the H200): the build spills if the LPT scheduler's
+    work loop holds the last tile's SeqInfo across the tile body."""
     build = mhadsl.compile(EXAMPLES[0].parent / "causal.mha")["causal_fwd"].backward_build(arch)
     assert (build.config.head_dim, build.config.block_m) == (128, 64)
     main = build.assembled.kernels[MAIN]
@@ -149,8 +149,8 @@ def test_config_problems_name_the_setting():
 def test_every_copy_pass_writes_where_ldmatrix_reads(head_dim, warps):
     """A lane's cp.async of (row, chunk) in pass p lands at the swizzled address the
     products read: row * row_bytes + 16 * (chunk ^ row % 8). At head dim 256 a pass covers
-    4 rows, so passes move the row's low bits (without `pass_swizzle`, odd passes landed in
-    the wrong chunks and every gradient was wrong on the H200)."""
+    4 rows, so passes move the row's low bits (without `pass_swizzle`, odd passes would land
+    in the wrong chunks and every gradient be wrong)."""
     config = BackwardConfig(head_dim=head_dim, num_warps=warps, block_n=16 * warps)
     chunks, rpp, rb = config.chunks_per_row, config.rows_per_pass, config.row_bytes
     for tid in range(config.threads):
@@ -292,8 +292,8 @@ def test_deterministic_must_be_a_bool():
 def test_steps_of_one_query_head_are_found_without_a_division(monkeypatch, tmp_path, arch):
     """With one query head per K/V head a work tile's step s is query tile s: the search for
     the next step the mask may keep (a ballot per 32 candidates) divides nothing; with a GQA
-    group a step's head and tile come from dividing by the tile count (measured: causal D64
-    432 -> 447-451 TFLOP/s, B1 S16384 537 -> 552-553, BENCHMARKS.md)."""
+    group a step's head and tile come from dividing by the tile count (the division measured
+    slower on the H200)."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     kernel = mhadsl.compile("attention p { dtype = bf16  head_dim = 128\n"
                             "  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }", name="x")["p"]

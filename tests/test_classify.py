@@ -1,4 +1,4 @@
-"""Tile classification: sound against brute force, exact where the brief demands it, and the
+"""Tile classification: sound against brute force, exact for the standard masks (`EXACT`), and the
 LLVM backend agrees with the Python one bit for bit."""
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ MASKS = {
     "bool_eq": "mask(b, h, q_idx, kv_idx) = ((kv_idx <= q_idx) == (b == 1)) != (h > 0)",
     "literals": "mask(b, h, q_idx, kv_idx) = where(q_idx > 10, 1, 2) + 3 < kv_idx - (7 - 10) / 2",
     "by_head": "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx + h * 16 - b",
-    "loop": "mask(b, h, q_idx, kv_idx) { var x = q_idx while x > kv_idx { x -= 1000 } "
-            "return x == kv_idx }",
+    "assign": "mask(b, h, q_idx, kv_idx) { var x = q_idx if x > kv_idx { x -= 1000 } "
+              "return x == kv_idx }",
 }
-# Where the brief wants no precision lost: (may, must) equals brute force.
+# The masks whose classification loses no precision: (may, must) equals brute force.
 EXACT = ("causal", "bottom_right", "window", "bottom_right_window")
 
 
@@ -134,7 +134,7 @@ def test_causal_classes(q_lo, q_len, kv_lo, kv_len):
 
 
 def test_unknown_forms_are_partial():
-    rule, program = mask_of("loop")  # a `while` is beyond the analysis
+    rule, program = mask_of("assign")  # an assignment is beyond the analysis
     box = dict(b=0, h=0, q_lo=0, q_hi=0, kv_lo=5, kv_hi=5, seqlen_q=1, seqlen_k=10)
     assert classify_tile(rule, program, **box) == "partial"
     assert classify_tile(None, None, **box) == "full"

@@ -137,6 +137,8 @@ TRACE = ["trace", "examples/causal.mha", "--kernel", "causal_fwd", "--seqlen", "
     (["compile", "std/schedulers.mha", "-o", ""], "error: -o takes a file or folder name, got ''"),
     (["compile", "examples/plain.mha", "-o", "examples/plain.mha"],
      "error: cannot write examples/plain.mha: it is the input examples/plain.mha"),
+    ([*SIM, "--seqlen", "1", "--batch", "2", "--heads", "65535", "--kv-splits", "128"],
+     "error: the batch has 16776960 tiles; the simulator takes at most"),
     ([*TRACE, "--json", ""], "error: --json takes a file name, got ''"),
     ([*TRACE, "--out", ""], "error: --out takes a file name, got ''"),
     ([*TRACE, "--json", "examples/causal.mha"],
@@ -241,7 +243,7 @@ def test_scheduler_parameter_of_the_wrong_type():
     assert "takes one of DEFAULT, PROMPT_ROTATE, LONGEST_FIRST, got 'SIDEWAYS'" in out.stderr
 
 
-# ---------------------------------------------------------------- issue 19
+# ---------------------------------------------------------------- runs, flags, progress
 WRONG_ADVANCE = """import "std/schedulers.mha"
 scheduler Forever {
     may_advance = true

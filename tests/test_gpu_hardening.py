@@ -113,6 +113,27 @@ def test_hanging_scheduler_raises_within_a_second_and_the_context_stays_usable(
     assert rel_err(out, dense_ref(q, k, v, True)) < 1e-2
 
 
+ENDLESS_RULES = {
+    "score": "score(s, b, h, q_idx, kv_idx) { var x = s  while true { x = x + 1.0 }  return x }",
+    "mask through a fn": "mask(b, h, q_idx, kv_idx) = spin(kv_idx) <= q_idx",
+}
+
+
+@pytest.mark.parametrize("rule", ENDLESS_RULES)
+def test_an_endless_loop_in_an_attention_rule_is_refused_and_the_next_launch_is_right(
+        program, rule):
+    source = STD + ("fn spin(i: i32) -> i32 { var j = i  while true { j = j + 1 }  return j }\n"
+                    f"attention K {{ dtype = bf16  head_dim = 64\n  {ENDLESS_RULES[rule]} }}\n")
+    start = time.perf_counter()
+    with pytest.raises(mhadsl.MhaError, match="`while` loops are not allowed"):
+        mhadsl.compile(source, name="endless_rule.mha")
+    assert time.perf_counter() - start < 2.0
+    q, k, v = dense_args()
+    out = program["queued"](q, k, v)
+    mhadsl.synchronize()
+    assert rel_err(out, dense_ref(q, k, v, True)) < 1e-2
+
+
 def test_fault_is_reported_at_the_next_launch_once_the_faulty_one_finished(program):
     bad, good = program["spin"], program["queued"]
     q, k, v = dense_args()

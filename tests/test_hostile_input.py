@@ -17,7 +17,7 @@ from mhadsl.cli import main as cli_main
 from mhadsl.diagnostics import MAX_ERRORS, MhaError
 from mhadsl.parse import MAX_EXPR_DEPTH, MAX_STMT_DEPTH, load_program
 from mhadsl.pipeline import CompileOptions, compile_stages, front_end
-from mhadsl.sources import MAX_SOURCE_BYTES
+from mhadsl.sources import MAX_SOURCE_BYTES, read_source_file
 
 STD = 'import "std/schedulers.mha"\n'
 
@@ -104,11 +104,11 @@ def _repeat(make, size: int) -> str:
 
 def test_five_megabyte_file(tmp_path):
     text = _repeat(lambda i: f"// line {i}: a long comment, as a generated file might hold\n"
-                             + (scheduler(name=f"S{i}") if i % 1000 == 0 else ""), 5_000_000)
+                             + (scheduler(name=f"S{i}") if i % 2000 == 0 else ""), 5_000_000)
     (tmp_path / "big.mha").write_text(text)
     start = time.perf_counter()
     _, program = front_end(text, "big.mha")
-    assert len(program.schedulers) > 50
+    assert len(program.schedulers) > 40  # within MAX_SCHEDULERS
     assert time.perf_counter() - start < 30  # a few seconds
 
 
@@ -217,9 +217,26 @@ def test_integer_literal_past_64_bits(tmp_path):
 
 
 def test_shift_by_40(tmp_path):
-    for advance in ("state.idx += grid_dim.x << 40", "state.idx = state.idx >> 40",
-                    "let k = 40\n state.idx <<= k"):
-        outcome(STD + scheduler(advance), tmp_path)  # diagnostics or PTX, no crash
+    """A shift by 32 or more gives 0: each statement compiles to PTX, and the host JIT (what
+    the simulator runs) computes 0 where a count taken modulo 32 would not."""
+    import ctypes
+    from mhadsl.codegen.scheduler import SchedulerSpec
+    from mhadsl.simulate import HostScheduler, _Env, _TileSummary
+    start, step = 0xFFFFFFFF, 7
+    for advance, want in (("state.idx += grid_dim.x << 40", start),
+                          ("state.idx = state.idx >> 40", 0),
+                          ("let k = 40\n state.idx <<= k", 0)):
+        # The same statement in grid_dim, on locals, with the result as the grid's x.
+        on_host = advance.replace("state.idx", "idx").replace("grid_dim.x", "step")
+        text = STD + scheduler(advance).replace(
+            "grid_dim(b, t) = (1, 1, 1)",
+            f"grid_dim(b, t) {{\n var idx = b\n let step = t\n {on_host}\n return (idx, 1, 1) }}")
+        assert outcome(text, tmp_path) == "ok"
+        host = HostScheduler(front_end(text, "h.mha")[1], SchedulerSpec("S"))
+        env, grid = _Env(None, 1), (ctypes.c_uint32 * 3)()
+        env.fuel = 1000
+        host.grid_dim(ctypes.byref(env), ctypes.byref(_TileSummary()), start, step, grid)
+        assert grid[0] == want, (advance, grid[0])
 
 
 def test_recursion_between_fns(tmp_path):
@@ -229,14 +246,15 @@ def test_recursion_between_fns(tmp_path):
 
 
 def test_fn_chains_that_inline_too_deep_or_too_big(tmp_path):
-    deep = "fn f0(a: u32) -> u32 { return a }\n" + "".join(
-        f"fn f{i}(a: u32) -> u32 {{ return f{i - 1}(a) + 1 }}\n" for i in range(1, 300))
+    # (named g0, g1, ...: `f32` is the builtin cast)
+    deep = "fn g0(a: u32) -> u32 { return a }\n" + "".join(
+        f"fn g{i}(a: u32) -> u32 {{ return g{i - 1}(a) + 1 }}\n" for i in range(1, 300))
     message = error_of(deep, tmp_path)
-    assert "error: fn 'f53' nests 161 levels deep once the fns it calls are inlined (limit 160)" \
+    assert "error: fn 'g53' nests 161 levels deep once the fns it calls are inlined (limit 160)" \
         in message
     assert message.count("error:") == 1  # the callers are not reported again
-    doubling = "fn f0(a: u32) -> u32 { return a }\n" + "".join(
-        f"fn f{i}(a: u32) -> u32 {{ return f{i - 1}(a) + f{i - 1}(a + 1) }}\n"
+    doubling = "fn g0(a: u32) -> u32 { return a }\n" + "".join(
+        f"fn g{i}(a: u32) -> u32 {{ return g{i - 1}(a) + g{i - 1}(a + 1) }}\n"
         for i in range(1, 60))
     message = error_of(doubling, tmp_path)
     assert "is too big:" in message and message.count("error:") == 1
@@ -575,7 +593,9 @@ def test_float_constants_that_are_not_finite(tmp_path, line, where, message):
 def test_declared_and_call_time_scale_follow_one_rule(tmp_path):
     from mhadsl.calls import check_scale
     declared = error_of(attention("scale = sqrt(-1.0)"), tmp_path)
-    assert declared.startswith("h.mha:3:10: error: scale must be a finite number, got nan")
+    # Any constant, a declared scale included, must fold to a finite value: one error.
+    assert declared.startswith("h.mha:3:10: error: constant expression is not a finite f32 "
+                               "value (nan)") and declared.count("error:") == 1, declared
     with pytest.raises(TypeError, match="^scale must be a finite number, got nan$"):
         check_scale(float("nan"))
     assert outcome(attention("scale = 0.5 * 0.25", "score(s, b, h, q, k) = s / 2.0"),
@@ -587,3 +607,179 @@ def test_a_constant_grid_with_a_zero_dimension(tmp_path):
     text = STD + scheduler().replace("grid_dim(b, t) = (1, 1, 1)", "grid_dim(b, t) = (0, 1, 1)")
     assert error_of(text, tmp_path).startswith(
         "h.mha:5:20: error: grid dimension 0: CUDA launches at least one CTA along each axis")
+
+
+# ---------------------------------------------------------------- loops in per-element rules
+LOOP_RULE = "`while` loops are not allowed in a mask or score rule, nor in a fn one calls"
+COUNTDOWN = "fn countdown(q: i32) -> i32 {\n var x = q\n while x > 0 { x = x - 1 }\n return x\n}\n"
+
+
+def test_a_while_in_a_score_is_a_diagnostic_at_the_while(tmp_path):
+    text = STD + ("attention K { dtype = bf16 head_dim = 128\n"
+                  "    score(s, b, h, q_idx, kv_idx) { var x = s  while true { x = x + 1.0 }  "
+                  "return x } }\n")
+    column = text.splitlines()[2].index("while") + 1
+    message = error_of(text, tmp_path)
+    assert message.startswith(f"h.mha:3:{column}: error: {LOOP_RULE} (in attention 'K''s "
+                              f"score): these rules run once per (query, key) pair"), message
+    assert message.count("error:") == 1
+
+
+def test_a_mask_that_calls_a_fn_with_a_while_is_a_diagnostic_at_the_while(tmp_path):
+    message = error_of(COUNTDOWN + attention("mask(b, h, q_idx, kv_idx) = countdown(q_idx) <= "
+                                             "kv_idx"), tmp_path)
+    assert message.startswith(f"h.mha:3:2: error: {LOOP_RULE} (fn 'countdown' is called by "
+                              f"attention 'A''s mask)"), message
+
+
+def test_a_while_reached_through_other_fns_names_the_chain(tmp_path):
+    fns = COUNTDOWN + "fn shifted(q: i32) -> i32 { return countdown(q) + 1 }\n" + \
+        "fn twice(q: i32) -> i32 { return shifted(q) * 2 }\n"
+    message = error_of(fns + attention("score(s, b, h, q_idx, kv_idx) = s + f32(shifted(q_idx))"),
+                       tmp_path)
+    assert message.startswith(f"h.mha:3:2: error: {LOOP_RULE} (fn 'countdown' is called by "
+                              f"attention 'A''s score through fn 'shifted')"), message
+    assert message.count("error:") == 1
+    message = error_of(fns + attention("mask(b, h, q_idx, kv_idx) = twice(q_idx) <= kv_idx"),
+                       tmp_path)
+    assert f"(fn 'countdown' is called by attention 'A''s mask through fns 'twice', " \
+           f"'shifted')" in message
+
+
+def test_a_scheduler_may_call_a_fn_with_a_while(tmp_path):
+    text = "fn ahead(i: u32, n: u32) -> u32 {\n var x = i\n while x < n { x += 1 }\n return x\n}\n"
+    assert outcome(text + STD + scheduler("state.idx = ahead(state.idx, 3) + grid_dim.x"),
+                   tmp_path) == "ok"
+
+
+# ---------------------------------------------------------------- builtin names
+SHADOW_MIN = "fn min(a: u32, b: u32) -> u32 { return 1000000 }\n"
+
+
+@pytest.mark.parametrize("main", ['import "lib.mha"\n' + STD, STD + 'import "lib.mha"\n'])
+def test_a_fn_named_like_a_builtin_is_refused_in_its_own_file(tmp_path, main):
+    """Whatever the import order: it neither changes the standard library's `min` nor gets
+    the standard library blamed for calling it."""
+    (tmp_path / "lib.mha").write_text(SHADOW_MIN)
+    message = error_of(main, tmp_path)
+    assert message == (f"{tmp_path / 'lib.mha'}:1:4: error: 'min' is a builtin function and "
+                       f"cannot be redefined\n{SHADOW_MIN.rstrip()}\n   ^")
+
+
+@pytest.mark.parametrize("text, what", [
+    ("fn barrier(a: u32) -> u32 { return a }\n", "'barrier' is a builtin function"),
+    ("fn atomic_add(a: u32) -> u32 { return a }\n", "'atomic_add' is a builtin function"),
+    ("fn tanh(a: f32) -> f32 { return a }\n", "'tanh' is a builtin function"),
+    ("fn u32(a: u32) -> u32 { return a }\n", "'u32' is a builtin function"),
+    ("fn num_sms() -> u32 { return 1 }\n", "'num_sms' is a builtin name"),
+    ("fn State() -> u32 { return 1 }\n", "'State' is a builtin type"),
+    (scheduler(name="where"), "'where' is a builtin function"),
+])
+def test_a_declaration_named_like_a_builtin_is_a_diagnostic_at_its_name(tmp_path, text, what):
+    assert error_of(text, tmp_path).startswith(f"h.mha:1:{text.index(' ') + 2}: error: {what} "
+                                               f"and cannot be redefined")
+
+
+# ---------------------------------------------------------------- constants of builtin calls
+@pytest.mark.parametrize("score, where, value", [
+    ("s + sqrt(-1.0)", "h.mha:3:29:", "nan"),
+    ("s + log(0.0)", "h.mha:3:29:", "-inf"),
+    ("s + exp(1000.0)", "h.mha:3:29:", "inf"),
+    ("s + exp(50.0) * exp(50.0)", "h.mha:3:29:", "2.68812e+43"),
+    ("s / sqrt(0.0)", "h.mha:3:25:", None),
+])
+def test_a_builtin_call_that_folds_to_a_non_finite_value(tmp_path, score, where, value):
+    """The rule arithmetic of constants follows (`s * 1e999`): a constant is a finite f32."""
+    message = error_of(attention(f"score(s, b, h, q, k) = {score}"), tmp_path)
+    want = "division by zero" if value is None else \
+        f"constant expression is not a finite f32 value ({value})"
+    assert message.startswith(f"{where} error: {want}"), message
+
+
+def test_a_builtin_call_of_constants_that_stays_finite_is_accepted(tmp_path):
+    assert outcome(attention("score(s, b, h, q, k) = s + sqrt(4.0) * exp(-1000.0) + "
+                             "log(1.0) + tanh(1.0e30) + max(1.0, 2.0)"), tmp_path) == "ok"
+
+
+# ---------------------------------------------------------------- line endings
+@pytest.mark.parametrize("newline", ["\r", "\r\n"])
+def test_other_line_endings_compile_to_the_same_kernels(tmp_path, newline):
+    original = (REPO / "examples" / "causal.mha").read_text()
+    (tmp_path / "causal.mha").write_bytes(original.replace("\n", newline).encode())
+    with_lf, other = (
+        compile_stages(read_source_file(folder / "causal.mha", "causal.mha").text, "causal.mha",
+                       CompileOptions(), until="ptx", base_dir=folder)
+        for folder in (REPO / "examples", tmp_path))
+    assert list(other.kernels) == list(with_lf.kernels) == ["causal_fwd"]
+    assert other.kernels["causal_fwd"].ptx == with_lf.kernels["causal_fwd"].ptx
+    assert other.artifacts["ptx"] == with_lf.artifacts["ptx"]  # the schedulers' trace kernels
+
+
+@pytest.mark.parametrize("newline", ["\r", "\r\n"])
+def test_a_mistake_in_a_file_of_other_line_endings_is_reported_at_its_line(tmp_path, newline):
+    lines = ["// first", "fn f() -> u32 {", "  return 1", "}", "fn g() -> u32 { return nope }"]
+    message = error_of(newline.join(lines) + newline, tmp_path)
+    assert message == "h.mha:5:24: error: unknown name 'nope'\n" + lines[4] + "\n" + " " * 23 + "^"
+    message = error_of(newline.join(lines[:4] + ["fn g() -> u32 { return 1 + }"]), tmp_path)
+    assert message.startswith("h.mha:5:28: error: syntax error: unexpected '}'"), message
+
+
+# ---------------------------------------------------------------- many declarations
+def test_schedulers_past_the_limit_are_a_diagnostic_at_the_first_too_many(tmp_path):
+    """`compile` builds a kernel of each (2,000 schedulers took 1.8 GB): std's 4 and 60 more
+    check; one more is refused at its name."""
+    from mhadsl.check import MAX_SCHEDULERS
+    own = MAX_SCHEDULERS - 4
+    allowed = STD + "".join(scheduler(name=f"S{i}") for i in range(own))
+    assert len(front_end(allowed, "h.mha")[1].schedulers) == MAX_SCHEDULERS
+    text = STD + "".join(scheduler(name=f"S{i}") for i in range(own + 3))
+    message = error_of(text, tmp_path)
+    line = text.count("\n", 0, text.index(f"scheduler S{own} ")) + 1
+    assert message == (f"h.mha:{line}:11: error: too many schedulers: a program declares at "
+                       f"most {MAX_SCHEDULERS}, imports included (each is compiled to a kernel "
+                       f"of its own)\nscheduler S{own} {{\n          ^")
+
+
+def test_attention_kernels_past_the_limit_are_a_diagnostic(tmp_path):
+    from mhadsl.check import MAX_ATTENTIONS
+    text = STD + "".join(f"attention A{i} {{ mask(b, h, q, k) = k <= q + {i} }}\n"
+                         for i in range(MAX_ATTENTIONS + 1))
+    message = error_of(text, tmp_path)
+    assert message.startswith(f"h.mha:{MAX_ATTENTIONS + 2}:11: error: too many attention "
+                              f"kernels: a program declares at most {MAX_ATTENTIONS}"), message
+    assert message.count("error:") == 1
+    front_end(text.rsplit("attention", 1)[0], "h.mha")  # one fewer checks
+
+
+def test_schedulers_too_big_together_are_a_diagnostic(tmp_path):
+    """Each rule is under its own limit, but their LLVM IR together would not be."""
+    from mhadsl.check import MAX_INLINED_NODES, MAX_SCHEDULER_NODES
+    terms = MAX_INLINED_NODES // 11  # each adds 10 nodes to advance
+    fat = [scheduler("state.idx += grid_dim.x" + " + p * state.idx - state.idx * p" * terms,
+                     name=f"Fat{i}") for i in range(MAX_SCHEDULER_NODES // (10 * terms) + 1)]
+    message = error_of("".join(fat), tmp_path)
+    assert re.match(rf"h.mha:{1 + 11 * (len(fat) - 1)}:11: error: the schedulers up to "
+                    rf"'Fat{len(fat) - 1}' are too big together: \d+ expressions and statements "
+                    rf"once the fns they call are inlined \(limit {MAX_SCHEDULER_NODES} in a "
+                    rf"program, imports included\)", message), message
+    assert message.count("error:") == 1
+    front_end("".join(fat[:-1]), "h.mha")  # one fewer checks
+
+
+def test_a_program_past_the_token_limit_is_refused_while_it_is_read(tmp_path, monkeypatch):
+    """The parser holds ~750 bytes a token until the AST is built (16 MB of schedulers took
+    3.3 GB): reading stops at the first token past the limit, imports included."""
+    from mhadsl import parse
+    monkeypatch.setattr(parse, "MAX_TOKENS", 1000)
+    # 8 tokens, then 250 pairs `1 +`, then `1 }`: 510 tokens.
+    (tmp_path / "lib.mha").write_text("fn f() -> u32 { return " + "1 + " * 250 + "1 }\n")
+
+    def top(pairs: int) -> str:  # 12 + 2 * pairs tokens, read before lib.mha
+        return 'import "lib.mha"\nfn g() -> u32 { return ' + "1 + " * pairs + "1 }\n"
+    assert len(load_program(top(239), "h.mha", tmp_path)) == 2  # 1,000 tokens in all
+    with pytest.raises(MhaError) as info:
+        load_program(top(240), "h.mha", tmp_path)
+    # lib.mha's 509th token, its last `1`, is the 1,001st.
+    assert info.value.render().startswith(
+        f"{tmp_path / 'lib.mha'}:1:1024: error: too much source: a program holds at most 1000 "
+        f"tokens (names, numbers, operators), imports included")

@@ -6,10 +6,14 @@ import time
 import pytest
 
 from helpers import EXAMPLES, STD, checked
-from mhadsl.codegen.scheduler import SchedulerSpec
+from mhadsl.cli import main as cli_main
+from mhadsl.codegen.scheduler import HOST_LOOP_FUEL, SchedulerSpec
 from mhadsl.diagnostics import MhaError
 from mhadsl.pipeline import front_end
-from mhadsl.simulate import Batch, simulate
+from mhadsl.simulate import (
+    MAX_SIMULATED_CTAS, MAX_SIMULATED_GRID, MAX_SIMULATED_TILES, MAX_SIMULATED_WORK, Batch,
+    HostScheduler, simulate,
+)
 
 MUST_SHOW = Batch([0, 1, 127, 128, 129, 3000, 8192], heads=5, tile=128, ragged=True)
 STD_CASES = [(name, order) for name in ("Transient", "Persistent", "Queued")
@@ -177,7 +181,7 @@ def test_grid_past_cuda_limits_is_an_error_at_grid_dim(grid, dim):
 
 
 def test_grid_past_the_simulator_cap_is_an_error():
-    with pytest.raises(MhaError, match="the simulator runs at most 16777216"):
+    with pytest.raises(MhaError, match=f"the simulator runs at most {MAX_SIMULATED_GRID}"):
         simulate(checked(grid_variant("(2000000000, 1, 1)")), SchedulerSpec("Wrong", (), 128),
                  MUST_SHOW, ctas=7)
 
@@ -238,3 +242,95 @@ def test_a_grid_of_zero_ctas_is_an_error_at_grid_dim():
     with pytest.raises(MhaError, match=r"test.mha:\d+:\d+: error: grid_dim gives \(0, 1, 1\): "
                                        r"no CTAs; CUDA launches at least one"):
         simulate(checked(text), SchedulerSpec("Wrong", (), 128), Batch([9], 2, 128, False))
+
+
+# ---------------------------------------------------------------- host rules that never end
+FOREVER = "fn forever(x: u32) -> u32 {\n var y = x\n while true { y += 1 }\n return y\n}\n"
+
+
+def test_a_grid_dim_whose_while_never_ends_is_an_error_at_grid_dim(tmp_path, capsys):
+    text = grid_variant("(forever(1), 1, 1)") + FOREVER
+    with pytest.raises(MhaError, match=r"test.mha:\d+:5: error: grid_dim's `while` loops ran "
+                                       rf"{HOST_LOOP_FUEL} iterations without ending"):
+        simulate(checked(text), SchedulerSpec("Wrong", (), 128), MUST_SHOW, ctas=7)
+    (tmp_path / "forever.mha").write_text(text)
+    assert cli_main(["simulate", str(tmp_path / "forever.mha"), "--scheduler", "Wrong",
+                     "--seqlen", "300"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and "error: grid_dim's `while` loops ran" in out.err
+    assert out.err.count("\n") == 3 and "Traceback" not in out.err  # the line and its caret
+
+
+def test_a_kv_splits_whose_while_never_ends_is_an_error_at_kv_splits():
+    text = grid_variant("(7, 1, 1)").replace(
+        "    initial_state", "    kv_splits(batch_size, max_seq_len) = min(forever(1), 4)\n"
+                            "    initial_state") + FOREVER
+    host = HostScheduler(checked(text), SchedulerSpec("Wrong", (), 1, 8))
+    with pytest.raises(MhaError, match=r"test.mha:\d+:5: error: kv_splits's `while` loops ran "
+                                       rf"{HOST_LOOP_FUEL} iterations without ending"):
+        host.kv_splits(1, 4096, 8, 132)
+
+
+# ---------------------------------------------------------------- what the simulator takes
+def test_a_work_space_past_the_limit_is_a_value_error():
+    """Few enough tiles, but a scheduler may step through every work index: one long
+    sequence among empty ones makes a work space of its tiles times the sequences."""
+    tiles = MAX_SIMULATED_WORK // 32
+    with pytest.raises(ValueError, match=rf"^the batch's work space is {tiles * 33} indices "
+                                         rf"\(its longest sequence's tiles x heads x "
+                                         rf"sequences\); the simulator takes at most "
+                                         rf"{MAX_SIMULATED_WORK}$"):
+        Batch([16 * tiles] + [0] * 32, heads=1, tile=16, ragged=True)
+    Batch([16 * tiles] + [0] * 31, heads=1, tile=16, ragged=True)  # at the limit
+
+
+def test_more_cta_slots_than_the_limit_is_a_value_error():
+    with pytest.raises(ValueError, match=rf"^the simulator runs at most {MAX_SIMULATED_CTAS} "
+                                         rf"CTAs at once, not {MAX_SIMULATED_CTAS + 1}$"):
+        simulate(checked(STD), SchedulerSpec("Queued", (), 128), MUST_SHOW,
+                 ctas=MAX_SIMULATED_CTAS + 1)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seqlens", "1000000", "--heads", "512", "--ctas", "16777216"],
+     f"error: --ctas must be between 1 and {MAX_SIMULATED_CTAS}, got 16777216\n"),
+    (["--seqlens", "1000000000", "--heads", "1", "--ctas", "4"],
+     f"error: the batch has 7812500 tiles; the simulator takes at most "
+     f"{MAX_SIMULATED_TILES}\n"),
+])
+def test_a_work_space_the_simulator_cannot_take_is_refused_before_it_runs(args, message,
+                                                                           capsys):
+    """Both ran for minutes or took 1.4 GB."""
+    start = time.perf_counter()
+    assert cli_main(["simulate", str(EXAMPLES[0].parent / "queued_rotate.mha"), "--scheduler",
+                     "MyQueued", *args]) == 2
+    assert capsys.readouterr().err == message
+    assert time.perf_counter() - start < 5
+
+
+def test_the_largest_work_space_runs_in_seconds_and_bounded_memory(tmp_path):
+    """All the tiles, the work space's indices and CTA slots the simulator takes, at once:
+    under 500 MB and 10 s here (the limits were set by measuring per tile and per CTA)."""
+    from test_hostile_input import run_bounded
+    sequences = MAX_SIMULATED_WORK // MAX_SIMULATED_TILES  # one long, the others empty
+    lens = ",".join([str(16 * MAX_SIMULATED_TILES)] + ["0"] * (sequences - 1))
+    stderr, seconds, megabytes = run_bounded(
+        ["simulate", "std/schedulers.mha", "--scheduler", "Queued", "--seqlens", lens,
+         "--heads", "1", "--tile", "16", "--ctas", str(MAX_SIMULATED_CTAS)], tmp_path)
+    assert stderr == ""
+    assert seconds < 10 and megabytes < 500, (seconds, megabytes)
+
+
+def test_while_loops_that_each_end_but_run_long_in_all_are_stopped():
+    """Each advance's loop ends well within one call's fuel, but all of them together pass
+    the run's budget: the run stops there instead of running on for minutes."""
+    from mhadsl.simulate import MAX_SIMULATED_LOOP_ITERATIONS
+    program = checked(persistent_variant("var i = 0\n while i < 1000000 { i += 1 + i % 2 }\n"
+                                         "state.idx += grid_dim.x"))
+    start = time.perf_counter()
+    result = simulate(program, SchedulerSpec("Wrong", (), 128),
+                      Batch([1 << 20], heads=1, tile=128, ragged=False), ctas=7)
+    assert not result.terminated and result.message == (
+        f"scheduler does not terminate: its `while` loops ran more than "
+        f"{MAX_SIMULATED_LOOP_ITERATIONS} iterations in all")
+    assert time.perf_counter() - start < 10
