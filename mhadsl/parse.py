@@ -392,12 +392,17 @@ def load_program(text: str, name: str, base_dir: Path,
         try:
             source = read_source_file(file, imp_key)
         except OSError as err:
-            raise MhaError(f"cannot import '{imp.path}': {err.strerror}", imp.span) from None
+            raise MhaError(f"cannot import '{_shown(imp.path)}': {err.strerror}", imp.span) from None
         imported, more = _parse(source, MAX_TOKENS - tokens)
         tokens += more
         chain.append((imp_key, imported, file.parent))
         pending.append(iter(imported.imports))
     return modules
+
+
+def _shown(path: str, most: int = 200) -> str:
+    """An import's path as a message quotes it: the caret already points at the whole."""
+    return path if len(path) <= most else f"{path[:most]}... ({len(path)} characters)"
 
 
 def _real_path(path: str | os.PathLike) -> Path:
@@ -422,13 +427,13 @@ def _resolve_import(imp: ast.Import, directory: Path, include_dirs: tuple[Path, 
     if imp.path.startswith(STD_PREFIX):
         file = std_file(imp.path)
         if file is None or not os.path.isfile(file):  # False, not OSError, for a name too long
-            raise MhaError(f"no standard library file '{imp.path}'", imp.span)
+            raise MhaError(f"no standard library file '{_shown(imp.path)}'", imp.span)
         return STD_PREFIX + file.relative_to(STD_DIR).as_posix(), file
     folders = (_real_path(directory), *include_dirs)
     candidates = [_real_path(folder / imp.path) for folder in folders]
     file = next((c for c in candidates if os.path.exists(c)), candidates[0])  # as above
     if not any(file.is_relative_to(folder) for folder in folders):
-        raise MhaError(f"cannot import '{imp.path}': it is outside the importing file's folder "
+        raise MhaError(f"cannot import '{_shown(imp.path)}': it is outside the importing file's folder "
                        f"and the include folders (add one with -I DIR, or include_dirs= in "
                        f"mhadsl.compile)", imp.span)
     return str(file), file

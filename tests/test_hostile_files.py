@@ -69,6 +69,7 @@ def test_an_import_of_a_name_too_long_is_a_located_diagnostic(imported, tmp_path
     status, _, err = run_main(["check", "long.mha"], capsys)
     assert status == 1 and err.startswith("long.mha:1:8: error: "), err[:200]
     assert err.endswith("\n       ^\n") and "Traceback" not in err, err[-200:]
+    assert len(err.splitlines()[0]) < 400 and " characters)" in err  # the name cut
     with pytest.raises(MhaError):
         mhadsl.compile("long.mha")
 
