@@ -1,4 +1,4 @@
-"""Benchmark: the backward pass (issue 22's table), side by side in one process with cuDNN and
+"""Benchmark: the backward pass, side by side in one process with cuDNN and
 flash through torch SDPA and, when installed, FlashAttention-4.
 
     python benchmarks/backward.py

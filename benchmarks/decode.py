@@ -1,4 +1,4 @@
-"""Benchmark: decode against a KV cache (issue 21's table), side by side in one process with
+"""Benchmark: decode against a KV cache, side by side in one process with
 cuDNN and flash through torch SDPA and, when installed, FlashAttention-4.
 
     python benchmarks/decode.py            # the table, paged and ragged rows, split sweep

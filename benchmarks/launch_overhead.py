@@ -45,7 +45,7 @@ def sdpa_loop(torch, backend, q, k, v, causal: bool):
 
 
 def sdpa_per_call(torch, backend, q, k, v):
-    """SDPA with its backend chosen inside each call (how the launch-path issue measured it)."""
+    """SDPA with its backend chosen inside each call (as a caller pays for it)."""
     from torch.nn.attention import sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 

@@ -13,8 +13,8 @@ compiles). `summarize` reads the source page (one block per profiled kernel: its
 header, one row per SASS instruction with its executions and warp-stall samples) and prints,
 per kernel, the hot loop (the instructions run most often, weighted by their count) with its
 instructions per trip by opcode, then the instructions that gathered the most stall samples
-and their leading reasons. It found that ptxas had hoisted P V's wait above the whole softmax
-in unmasked builds (benchmarks/log/BENCHMARKS_LOG.md, twenty-seventh session).
+and their leading reasons. It shows, for instance, whether ptxas has hoisted P V's wait above
+the softmax (benchmarks/log/BENCHMARKS_LOG.md).
 """
 from __future__ import annotations
 

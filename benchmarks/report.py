@@ -7,8 +7,8 @@
 mhadsl's figure and each peer's from the same run, and the date, GPU, software, commit and
 command of that run. To record a new measurement, edit the JSON and run this script;
 `tests/test_benchmarks_report.py` fails while BENCHMARKS.md or README.md's table differ from
-what this script makes of the JSON. The session-by-session notebook that the figures were
-taken from is `benchmarks/log/BENCHMARKS_LOG.md`.
+what this script makes of the JSON. The notebook that the figures were taken from is
+`benchmarks/log/BENCHMARKS_LOG.md`.
 
 A figure is a number, or a list of numbers (the same row timed several times in turn in one
 process): shown as the median, then the range. A ratio is mhadsl's figure over the peer's

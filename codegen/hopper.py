@@ -38,7 +38,7 @@ so: start a chain with `acc=None` (scale-d false: no zeroing at all), pass value
 by ordinary instructions through `fence_operands` before `wgmma_fence`, feed each wgmma's
 results straight into the next, then `wgmma_commit_group`, `wgmma_wait_group` and
 `fence_operands` on the results before any other use. Zero-initialised accumulators
-without that fence do trigger C7519 (benchmarks/HOPPER_NOTES.md); the tests require none.
+without that fence do trigger C7519 (benchmarks/log/HOPPER_NOTES.md); the tests require none.
 """
 from __future__ import annotations
 
@@ -279,7 +279,7 @@ def hold_next_wait_below(builder: ir.IRBuilder, values: list[ir.Value]) -> None:
     so that it runs under the wgmmas in flight. ptxas hoists a wgmma wait up to the
     previous memory operation, never above one; this is a shared-memory store of `values`
     that depends on them but never runs (%smid < %nsmid always; ptxas cannot know).
-    HOPPER_NOTES, version 8."""
+    See benchmarks/log/HOPPER_NOTES.md."""
     count = len(values)
     vector = f".v{count}" if count > 1 else ""
     registers = ", ".join(f"${i}" for i in range(count))

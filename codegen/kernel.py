@@ -19,11 +19,10 @@ from mhadsl.derivative import differentiate_score
 from mhadsl.codegen.backends import ExprHooks, KernelArgs, KernelSource, TileSeq, WorkLoop
 from mhadsl.codegen.lower import Builtins, FunctionLowering
 from mhadsl.codegen.nvptx import i32, i64
-from mhadsl.codegen.scheduler import (
-    EnvParams, SchedulerSpec, emit_work_loop, env_filler, lower_scheduler, runs_apart,
-    shared_slots,
-)
+from mhadsl.codegen.handoff import runs_apart
+from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
 from mhadsl.codegen.target import Target
+from mhadsl.codegen.work_loop import EnvParams, emit_work_loop, env_filler, shared_slots
 from mhadsl.types import BOOL, F32, I32
 
 MASK_ROLES = ("b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k")

@@ -23,19 +23,17 @@ ATTENTION_CONSTANTS: dict[str, object] = {
     "return_lse": BOOL,
 }
 HEAD_DIMS = (64, 128, 256)
-# The default scheduler, by whether the declaration has a mask (docs/TRACE.md, H200, sm90):
-# under a causal mask LPT (longest tiles first, dynamic) was the best or within 1.2% on the
-# dense and skewed batches; with no mask every tile costs the same and LPT's order (query
-# tile slowest) keeps more heads' K/V in flight: 618 TFLOP/s against Queued's 637 (the best
-# of the five, 638, was Persistent's; Queued's query-tile-fastest order also balances).
+# The default scheduler, by whether the declaration has a mask: fastest measured on the H200
+# (docs/TRACE.md). Under a causal mask LPT (longest tiles first, dynamic) balances unequal
+# tiles; with no mask every tile costs the same, and Queued's order (query tile fastest)
+# keeps fewer heads' K/V in flight than LPT's.
 DEFAULT_SCHEDULER = "LPT"
 UNMASKED_DEFAULT_SCHEDULER = "Queued"
 # Decode calls of a declaration that names no scheduler: one work tile per CTA. A decode
 # launch rarely holds more work tiles than CTAs fit at once, and every tile of a dense call
 # costs the same, so a queue has nothing to balance, while its step (an atomic and a
-# CTA-wide barrier, behind the tile's first K/V loads) delays every CTA's first tile by
-# about 1.3 us (H200, `%globaltimer` probes): 0.4-1.0 % faster than LPT on issue 21's
-# Sq = 1 rows in one process (BENCHMARKS.md, decode).
+# CTA-wide barrier, behind the tile's first K/V loads) delays every CTA's first tile
+# (faster than LPT on decode rows: benchmarks/log/BENCHMARKS_LOG.md, decode).
 DECODE_DEFAULT_SCHEDULER = "Transient"
 
 

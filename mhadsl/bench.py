@@ -106,8 +106,8 @@ def time_side_by_side(torch, fns: dict, rounds: int = 5, warmup: int = 3,
                       reps: int = 10) -> dict[str, Timing | None]:
     """Each of `fns` (name -> callable, or None: not timed) over `rounds` rounds of `reps`
     runs. Each round times every function in turn, starting from a different one each round,
-    so all of them meet the GPU's clock and temperature as they drift over a run (on the
-    H200 a row timed once moved by up to 10 % between runs)."""
+    so all of them meet the GPU's clock and temperature as they drift over a run (a row timed
+    once moves by several percent between runs)."""
     names = [name for name, fn in fns.items() if fn is not None]
     samples = {name: [] for name in names}
     for r in range(rounds):

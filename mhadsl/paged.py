@@ -1,4 +1,4 @@
-"""A decode call against a KV cache (issue 21): its layouts, and the argument checks that the
+"""A decode call against a KV cache: its layouts, and the argument checks that the
 float64 reference (`mhadsl.reference.reference_decode`) and the decode kernels' call share.
 
 With an int32 `page_table` (B, max_pages), `k_cache` and `v_cache` are (num_pages, page_size,

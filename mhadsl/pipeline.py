@@ -26,7 +26,8 @@ from mhadsl.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.build import KernelRequest, RequestError, build_kernel
 from mhadsl.codegen import backends
 from mhadsl.codegen.backends import CacheLayout, KernelBuild, LaunchShape, Layout
-from mhadsl.codegen.scheduler import SchedulerSpec, build_trace_kernel, lower_scheduler
+from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
+from mhadsl.codegen.trace_kernel import build_trace_kernel
 from mhadsl.diagnostics import MhaError
 from mhadsl.parse import load_program, no_cyclic_gc
 
@@ -80,7 +81,7 @@ class Compilation:
 
 
 def _lower(c: Compilation) -> str:
-    """One module: a trace kernel per scheduler (see codegen.scheduler)."""
+    """One module: a trace kernel per scheduler (see codegen.trace_kernel)."""
     target = c.options.target
     module = targets.new_module(c.name, target)
     with no_cyclic_gc():

@@ -42,9 +42,8 @@ MIN_SPLIT_TILES = 4  # KV tiles a split covers at least (shorter ones cost more 
 def default_splits(groups: int, slots: int, capacity: int, block_n: int) -> int:
     """KV splits per (sequence, K/V head, query-row tile) group over `slots` (the
     multiprocessors: one split streaming per multiprocessor measured best): none when the
-    groups alone fill 80 % of them; else as many as fill them in one wave (B1 x 8 heads:
-    16 splits on 132 SMs, 1 % faster than FA3's 15, BENCHMARKS.md), unless that wave is
-    emptier than FA3's rule allows: the fewest splits whose wave efficiency is within 85 %
+    groups alone fill 80 % of them; else as many as fill them in one wave, unless that wave
+    is emptier than FA3's rule allows: the fewest splits whose wave efficiency is within 85 %
     of the best. Each split covers at least MIN_SPLIT_TILES KV tiles."""
     most = max(1, min(MAX_SPLITS, capacity // (MIN_SPLIT_TILES * block_n)))
     if groups >= 0.8 * slots or most == 1:
@@ -65,11 +64,10 @@ def kv_tile(rows: int, groups: int, num_sms: int, page_size: int = 0,
             wgmma: bool = False) -> int:
     """The KV tile for a call's shape: 32 rows (small CTAs, four per multiprocessor) where
     16-row work tiles are many enough to give most multiprocessors two and pages hold 64
-    rows or more; else 64 (two CTAs per multiprocessor, each with more bytes in flight;
-    16-row pages: 4.33 TB/s against 4.22 with 32). Measured: BENCHMARKS.md, decode.
+    rows or more; else 64 (two CTAs per multiprocessor, each with more bytes in flight).
     `wgmma` (sm_90a, whose 64-row work tiles compute by wgmma): 64-row work tiles take the
-    32-row KV tile under the same rule (three CTAs per multiprocessor: B32 32:8 Sq 16,
-    4.38 TB/s against 4.27 with 64; BENCHMARKS.md)."""
+    32-row KV tile under the same rule (three CTAs per multiprocessor). Both fastest measured
+    on the H200 (benchmarks/log/BENCHMARKS_LOG.md, decode)."""
     small_pages = 0 < page_size < 64
     small_work = rows == 16 or (wgmma and rows == 64)
     return 32 if small_work and groups >= 1.5 * num_sms and not small_pages else 64

@@ -420,7 +420,7 @@ def wait_for_fault(stream: int, device: int) -> None:
 
 
 # os.environ's own bytes mapping (POSIX): a lookup through os.environ encodes the name first,
-# which cost 1.5 us of every launch
+# a measurable part of every launch's host time
 _ENVIRON_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
 
 
@@ -642,8 +642,8 @@ def _raw_ctx_get_current() -> Callable | None:
 @cache
 def _raw(name: str) -> Callable | None:
     """libcuda's own `name` through ctypes (None where it cannot be loaded so), for the calls
-    of every launch: the cuda-python wrappers convert each argument and result on every call
-    (1.5 us of cuLaunchKernel's eleven). It has no argtypes, which ctypes would apply to
+    of every launch: the cuda-python wrappers convert each argument and result on every call,
+    a large part of a launch's host time. It has no argtypes, which ctypes would apply to
     every argument of every call: callers pass ctypes objects (a plain int would go as a
     C int)."""
     try:

@@ -158,8 +158,8 @@ def launch_arg(address: int, dtype: str, shape: tuple[int, ...], strides: tuple[
                box: tuple[int, ...], swizzle: int = 128, device: int | None = None
                ) -> ctypes.Array:
     """`encode_tiled(...).kernel_arg()`, remembered. A map is a function of these values
-    alone (it holds the address, not the data), and encoding an sm90 launch's four maps was a
-    third of its host time, which a kernel shorter than its launch waits for (BENCHMARKS.md,
-    the window row). The driver copies the bytes at each launch and nothing writes them, so
-    launches share one copy. A bad request raises every time: errors are not remembered."""
+    alone (it holds the address, not the data), and encoding an sm90 launch's four maps is a
+    large part of its host time, which a kernel shorter than its launch waits for. The
+    driver copies the bytes at each launch and nothing writes them, so launches share one
+    copy. A bad request raises every time: errors are not remembered."""
     return encode_tiled(address, dtype, shape, strides, box, swizzle, device=device).kernel_arg()

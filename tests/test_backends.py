@@ -129,8 +129,8 @@ def test_the_backward_and_sm90_look_for_kept_tiles_a_warp_at_a_time(monkeypatch,
     """Where the mask proves tiles empty, the backward designs find the next step that may
     hold a kept pair with `warp.first_true`: the warp's lanes classify 32 candidates at once
     and a ballot picks the first (the causal backward's K/V tile j skips the 2j query tiles
-    above it; 8 % faster on the H200). The sm90 prefill finds a work tile's KV range so
-    (`WorkTile.kv_range`: window 256 1.15x); sm80 and decode ask one candidate per round
+    above it; faster on the H200). The sm90 prefill finds a work tile's KV range so
+    (`WorkTile.kv_range`); sm80 and decode ask one candidate per round
     (the warp's search moved sm80 builds onto fallback tiles)."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     kern = mhadsl.compile(str(REPO / "examples" / "sliding_window.mha"))["sliding_window_256"]

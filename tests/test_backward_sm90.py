@@ -461,8 +461,8 @@ def test_the_row_kernels_walk_each_run_of_the_accumulator_16_bytes_a_thread(head
 
 def test_the_backward_moves_whole_16_byte_vectors(monkeypatch, tmp_path):
     """The preprocess zeroes the accumulator, and the postprocess reads it and writes dQ, in
-    16-byte vectors (two-float pieces of it cost the row kernels 3.3x and 2.2x their time on
-    the H200); the main kernel writes dK and dV in 16-byte vectors too (its quads trade
+    16-byte vectors (two-float pieces of it make the row kernels several times slower); the
+    main kernel writes dK and dV in 16-byte vectors too (its quads trade
     pairs: `warp.quad_transpose`), and nothing else."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     kern = mhadsl.compile("attention p { dtype = bf16  head_dim = 128 }", name="x")["p"]
@@ -549,8 +549,7 @@ def test_a_step_reads_its_lse_before_its_gemms_at_64_query_rows(monkeypatch, tmp
 def test_a_step_classifies_its_pair_of_tiles_before_its_gemms(monkeypatch, tmp_path, head_dim):
     """The classification reads the work tile's parked values (volatile shared loads): a
     step makes it before it issues its GEMMs (dP^T's at least), not where it computes P^T,
-    whose masking branch then waited for those loads behind S^T's wait (plain head dim 128
-    ran 9 % slower, long causal 6 %)."""
+    whose masking branch would wait for those loads behind S^T's wait."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     events = []
     classify, probabilities, wgmma = (H._HopperMain._classify, H._HopperMain._probabilities,

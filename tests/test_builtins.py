@@ -6,7 +6,7 @@ from mhadsl.diagnostics import MhaError
 
 
 @pytest.mark.parametrize("call, message", [
-    ("abs()", "'abs' takes 1 argument, got 0"),  # used to crash the checker
+    ("abs()", "'abs' takes 1 argument, got 0"),  # no argument at all: a message, not a crash
     ("exp(s, s)", "'exp' takes 1 argument, got 2"),
     ("where(s > 0.0, s)", "'where' takes 3 arguments, got 2"),
 ])

@@ -7,7 +7,8 @@ import pytest
 from helpers import EXAMPLES, REPO, STD, checked
 from mhadsl import abi
 from mhadsl.codegen.assemble import find_ptxas, parse_resources
-from mhadsl.codegen.scheduler import SchedulerSpec, build_trace_kernel, lower_scheduler
+from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
+from mhadsl.codegen.trace_kernel import build_trace_kernel
 from mhadsl.codegen.target import HOST, HostJit, emit_ptx, gpu_target, new_module, optimize
 from mhadsl.pipeline import CompileOptions, compile_stages
 

@@ -155,8 +155,8 @@ def _zeroed_after_none(llvm: str) -> bool:
 def test_the_decode_builds_last_advance_leaves_its_seq_info_undefined():
     """The decode build lets its scheduler's last advance (`return none`) leave the SeqInfo
     undefined, where the prefill builds store zeros (`KernelArgs.zero_after_none`): with
-    zeros ptxas gave the split rows' build 128 registers and 4.17 TB/s, against 166 and
-    4.41 without (BENCHMARKS.md, decode)."""
+    zeros ptxas allocates the split rows' build worse (benchmarks/log/BENCHMARKS_LOG.md,
+    decode)."""
     kern = PROGRAM["causal_lpt"]  # a persistent scheduler: its advance returns none
     decode_ir = kern.build("sm_90a", gqa_group=4, cache=CacheLayout(1, 0, 64)).llvm
     prefill_ir = kern.build("sm_90a").llvm
@@ -168,8 +168,8 @@ def test_the_decode_builds_last_advance_leaves_its_seq_info_undefined():
                                          (1, CacheLayout(4, 16, 64))])
 def test_the_warps_that_share_rows_read_each_partial_once(group, cache):
     """The cross-warp merge reads every warp's partial O once, in 16-byte vectors, split
-    over the CTA's threads; each warp reading every part of its rows (scalar loads, 4x the
-    bytes) took the merge 3 us on the H200 (BENCHMARKS.md, decode)."""
+    over the CTA's threads, rather than each warp reading every part of its rows (scalar
+    loads, four times the bytes)."""
     build = PROGRAM["causal"].build("sm_90a", gqa_group=group, cache=cache)
     c = build.config
     assert c.warps_n > 1
@@ -184,7 +184,7 @@ def test_the_warps_that_share_rows_read_each_partial_once(group, cache):
 def test_a_decode_tile_takes_its_scheduler_step_under_its_first_loads():
     """The decode tile takes its scheduler's step (LPT's queue atomic) and counts the CTA's
     exit between issuing its first K/V tiles and waiting for them, where their latency hides
-    the atomics; after the tile they lengthened every launch's tail (BENCHMARKS.md, decode)."""
+    the atomics; after the tile they would lengthen every launch's tail."""
     ptx = PROGRAM["causal_lpt"].build("sm_90a", gqa_group=8, cache=CacheLayout(1, 0, 64)).ptx
     first_copies = ptx.index("cp.async.commit_group")
     first_wait = ptx.index("cp.async.wait_group")
@@ -194,7 +194,7 @@ def test_a_decode_tile_takes_its_scheduler_step_under_its_first_loads():
 
 def test_a_transient_decode_build_ends_without_counting_its_exit():
     """Transient reads no queue, so its decode build has no exit count (the count's fence
-    and atomics cost about 1.3 us of every launch's tail); LPT's keeps it."""
+    and atomics lengthen every launch's tail); LPT's keeps it."""
     def ptx(name):
         return PROGRAM[name].build("sm_90a", gqa_group=8, cache=CacheLayout(1, 0, 64)).ptx
     transient, lpt = ptx("causal_transient"), ptx("causal_lpt")
@@ -204,8 +204,8 @@ def test_a_transient_decode_build_ends_without_counting_its_exit():
 
 def test_decode_calls_run_transient_where_the_declaration_names_no_scheduler():
     """A declaration that names no scheduler runs its decode calls one work tile per CTA
-    (Transient: no queue step to wait for; 0.4-1.0 % faster than LPT on the H200,
-    BENCHMARKS.md) and its prefill calls by LPT; one that names a scheduler runs it for both."""
+    (Transient: no queue step to wait for; faster than LPT on the H200) and its prefill
+    calls by LPT; one that names a scheduler runs it for both."""
     cache = CacheLayout(1, 0, 64)
     default, lpt = PROGRAM["causal"], PROGRAM["causal_lpt"]
     config = default.config(gqa_group=8, cache=cache)

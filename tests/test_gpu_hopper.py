@@ -1,7 +1,7 @@
 """The Hopper building blocks on an H200: TMA + mbarrier, wgmma (shared and register A,
 K-major and MN-major B), setmaxnreg with a producer/consumer ring. The kernels are the ones
 tests/test_hopper_codegen.py assembles; each test prints what it measured (max error,
-where a mismatch is) for benchmarks/HOPPER_NOTES.md. Skipped without a GPU; the kernels
+where a mismatch is) for benchmarks/log/HOPPER_NOTES.md. Skipped without a GPU; the kernels
 need compute capability 9.0."""
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from helpers import STD, checked
-from mhadsl.codegen.scheduler import TRACE_FIELDS, SchedulerSpec, build_trace_kernel, lower_scheduler
+from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
+from mhadsl.codegen.trace_kernel import TRACE_FIELDS, build_trace_kernel
 from mhadsl.codegen.target import emit_ptx, gpu_target, new_module, optimize
 from mhadsl.simulate import Batch, HostScheduler, simulate
 

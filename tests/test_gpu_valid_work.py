@@ -21,7 +21,7 @@ SOURCE = 'import "std/schedulers.mha"\n' + "\n".join(
                           ("persistent", "Persistent(num_ctas = 37)")))
 # Queued, whose advance decodes a second index after this step's: on sm90 the producer
 # publishes that one last, so the consumers' lookup of this step's misses the handoff's memo
-# and decodes it itself (`scheduler._TargetBuiltins.memoized`).
+# and decodes it itself (`scheduler._TargetBuiltins.memoized`, `handoff._MEMO_ENTRIES`).
 SOURCE += """
 scheduler PeekQueued() {
     may_advance = true

@@ -1,9 +1,9 @@
 """The host work of a launch stays small (no GPU needed: the driver is replaced by recorders).
 
-Back to back, a kernel that runs shorter than its launch's host work waits for the host: the
-sliding window (B4 S4096 H16 D128, 0.2 ms on the H200) measured 0.49 ms per call once every
-call chose its kernel design again and built NumPy views of out, q, k and v to prove they
-share no memory (BENCHMARKS.md, 68 against 163 TFLOP/s; the kernel itself was unchanged).
+Back to back, a kernel that runs shorter than its launch's host work waits for the host:
+choosing the kernel design again on every call, or building NumPy views of out, q, k and v
+to prove they share no memory, makes a short sliding-window call take twice its kernel's
+time.
 """
 import ctypes
 import struct

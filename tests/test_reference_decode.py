@@ -1,4 +1,4 @@
-"""The decode reference (issue 21): a paged or contiguous KV cache against the dense reference
+"""The decode reference: a paged or contiguous KV cache against the dense reference
 on the gathered keys, and the decode call's argument checks."""
 from __future__ import annotations
 

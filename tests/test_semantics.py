@@ -8,7 +8,8 @@ import pytest
 
 from helpers import STD, checked
 from mhadsl.builtins import I32_MAX, I32_MIN, U32_MAX, float_to_int, int_binary
-from mhadsl.codegen.scheduler import SchedulerSpec, build_trace_kernel, lower_scheduler
+from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
+from mhadsl.codegen.trace_kernel import build_trace_kernel
 from mhadsl.codegen.target import gpu_target, new_module, optimize
 from mhadsl.diagnostics import MhaError
 from mhadsl.reference import evaluate_rule

@@ -110,7 +110,7 @@ def test_roles_run_apart_where_the_scheduler_lets_them():
     step through the handoff's mbarriers, with no CTA-wide barrier (so the producer can load
     the next work tile while the consumers finish this one). examples/queued_rotate.mha's
     MyQueued loops in its advance: its roles step together, CTA-wide."""
-    from mhadsl.codegen.scheduler import runs_apart
+    from mhadsl.codegen.handoff import runs_apart
     program = mhadsl.compile(f'import "std/schedulers.mha"\nimport "{REPO}/examples/'
                              'queued_rotate.mha"\n').checked
     assert [n for n, d in program.schedulers.items() if not runs_apart(program, d)] == \
@@ -181,8 +181,8 @@ def test_the_producer_warp_meets_before_it_searches_its_kv_range_together():
 def test_head_dim_64_consumers_read_their_warpgroup_index_through_lane_0(head_dim, uniform):
     """With three consumer warpgroups (head dim 64's 192-row tiles) each one's index comes
     through `shfl.sync.idx` from lane 0 (`uniform_group`), so ptxas keeps Q's descriptors in
-    uniform registers (plain D64 1.02-1.10x on the H200); two warpgroups (head dims 128 and
-    256 lost 2-11 % with it, and head dim 64's 128-row tiles) keep the thread index's."""
+    uniform registers; two warpgroups (head dims 128 and 256, slower with it, and head dim
+    64's 128-row tiles) keep the thread index's."""
     program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = {head_dim} }}")
     kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()))
     assert kb.config.uniform_group == uniform
@@ -205,10 +205,9 @@ def test_a_warpgroup_with_no_row_inside_the_sequence_only_drains_the_kv_loop(mas
                                                                             tmp_path):
     """With three consumer warpgroups (192-row tiles), one whose 64 rows all lie past the
     sequence (the last query tile of a sequence of 4096 holds 64 rows) goes through the KV
-    loop on its waits and arrivals alone, with no wgmma (`drain_idle_groups`: B4 S4096 D64
-    1.02x plain, 1.03x causal on the H200); two warpgroups (head dim 128) keep one loop.
-    Under a mask each warpgroup also searches for its own rows' last kept KV tile and drains
-    the tiles past it (causal D64 1.02x more)."""
+    loop on its waits and arrivals alone, with no wgmma (`drain_idle_groups`); two
+    warpgroups (head dim 128) keep one loop. Under a mask each warpgroup also searches for
+    its own rows' last kept KV tile and drains the tiles past it."""
     from mhadsl.codegen.backends import sm90
     from mhadsl.runtime import cache
     program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = 64  {mask} }}\n"
@@ -246,7 +245,7 @@ def test_a_warpgroup_with_no_row_inside_the_sequence_only_drains_the_kv_loop(mas
 def test_roles_run_apart_only_on_this_steps_slot(body, apart):
     """Running apart, the producer writes the next step's slot while the consumers read
     this step's: an advance that touches any other slot keeps the roles in lock-step."""
-    from mhadsl.codegen.scheduler import runs_apart
+    from mhadsl.codegen.handoff import runs_apart
     from test_simulate import persistent_variant
     program = checked(persistent_variant(body))
     assert runs_apart(program, program.schedulers["Wrong"]) == apart
@@ -256,8 +255,7 @@ def test_roles_run_apart_only_on_this_steps_slot(body, apart):
 def test_o_is_stored_by_tma_but_a_ragged_tiles_warpgroups_past_the_sequence():
     """A dense tile's rows past the tensor's end are outside the map, so a TMA store may
     write whole boxes; a ragged tile's would fall into the next sequence, so there only
-    warpgroups whose 64 rows all lie inside it store by TMA, the others from registers
-    (measured on the H200: ragged 16 x 2048 causal 513 -> 547 TFLOP/s)."""
+    warpgroups whose 64 rows all lie inside it store by TMA, the others from registers."""
     def stores(layout):
         kb = build("causal.mha", "causal_fwd", layout)
         ptx = " ".join(kb.ptx.split())
@@ -276,8 +274,7 @@ def test_a_ragged_tiles_warpgroups_choose_their_o_store_through_lane_0():
     """The choice between the TMA store and registers is the same for a warpgroup's lanes;
     decided on the sequence's length as loaded, ptxas took it for divergent and from then on
     held the KV ring's counters in vector registers, every later KV loop reconverging at its
-    branches (ragged 8192...64 x 2 causal 585 -> 595 TFLOP/s on the H200 read through lane
-    0). So the ragged consumers read it with one `shfl.sync.idx` more than the dense ones."""
+    branches. So the ragged consumers read it with one `shfl.sync.idx` more than the dense ones."""
     def reads(layout):
         kb = build("causal.mha", "causal_fwd", layout)
         assert kb.assembled.kernels[KERNEL_NAME].spill_stores == 0
@@ -336,8 +333,8 @@ def test_short_band_masks_take_three_stages_where_they_fit(head_dim, mask, decla
     (64, "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx", True, 4),
     (128, "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx", False, 2), (256, "", False, 2)])
 def test_head_dim_64_takes_four_stages_where_they_fit(head_dim, mask, ragged, stages):
-    """Head dim 64's K/V tiles leave room for four stages beside Q and O (1-2 % faster on
-    the H200); head dims 128 and 256 have room for two."""
+    """Head dim 64's K/V tiles leave room for four stages beside Q and O (faster on the
+    H200); head dims 128 and 256 have room for two."""
     program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = {head_dim} "
                              f"{mask} }}")
     planned = plan(program.checked, KernelRequest("a", "sm_90a", "sm90",

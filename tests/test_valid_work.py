@@ -17,7 +17,7 @@ from mhadsl.simulate import Batch, HostScheduler, _Env, _SeqInfo, _State, _TileS
 
 ORDERS = ("DEFAULT", "PROMPT_ROTATE", "LONGEST_FIRST")
 MUST_SHOW = [0, 1, 127, 128, 129, 3000, 8192]
-SKEWED = [8192, 4096, 2048, 1024, 512, 256, 128, 64] * 2  # BENCHMARKS.md's ragged batch
+SKEWED = [8192, 4096, 2048, 1024, 512, 256, 128, 64] * 2  # the benchmarks' skewed ragged batch
 
 
 def test_tile_index_layout_by_hand():
@@ -136,7 +136,7 @@ def queue_steps(name: str, batch: Batch, args=()) -> tuple[list[bool], int]:
 @pytest.mark.parametrize("lens", [SKEWED, MUST_SHOW, [0, 0, 1]])
 def test_every_queue_atomic_is_a_valid_tile(name, args, lens):
     """Three quarters of the skewed batch's dense indices lie past a sequence's end; the
-    queue now hands out none of them: one atomic per remaining tile, and one to stop."""
+    queue hands out none of them: one atomic per remaining tile, and one to stop."""
     batch = Batch(lens, heads=16, tile=128, ragged=True)
     valid, atomics = queue_steps(name, batch, args)
     assert all(valid) and len(valid) == batch.num_tiles - 1  # index 0 was the CTA's first

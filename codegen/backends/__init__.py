@@ -78,8 +78,8 @@ def backends(workload: str = "prefill") -> list[Backend]:
 
 # The designs a target runs a declaration with when nothing forces one, preferred first (the
 # first that runs the declaration wins): on compute capability 9.0 the Hopper design
-# (1.1-1.6x sm80 on the H200, BENCHMARKS.md), and sm80 for what it cannot run (head dim
-# 256, tiles it does not take); `backend="sm80"` forces the other.
+# (faster than sm80 on the H200: benchmarks/log/BENCHMARKS_LOG.md), and sm80 for what it
+# cannot run (head dim 256, tiles it does not take); `backend="sm80"` forces the other.
 PREFERENCE = {"sm_90a": ("sm90", "sm80")}
 # The same for the backward pass: on 9.0 the TMA + wgmma design where it runs the declaration
 # and the call's layout (`Backend.runs_layout`), else the sm80-style one, which runs them all.
@@ -246,20 +246,19 @@ class KernelArgs:
     the work loop with the build's config. The loop sets `persistent` when a CTA runs many
     tiles; `opaque_env` asks it to rederive the scheduler's inputs per step; `divergent_roles`
     says the kernel runs the loop once per role branch (warp specialisation), so its CTA-wide
-    barriers must not be `.aligned`; `handoff` (`codegen.scheduler.Handoff`), which side of
+    barriers must not be `.aligned`; `handoff` (`codegen.handoff.Handoff`), which side of
     the handoff this role's loop is where the scheduler lets the roles run apart. The loop
     sets `counts_exits` where its scheduler takes work from the queue counter: then the
-    kernel's threads count themselves out (`scheduler.count_exit`), the last resetting the
+    kernel's threads count themselves out (`work_loop.count_exit`), the last resetting the
     counter for the next launch; a kernel whose scheduler never reads it skips the count,
     which lengthens every CTA's tail. In a
     traced build (`mhadsl trace`) thread `trace_thread` records the loop's work items; None:
     this loop records none (another role's loop does). `zero_after_none`: the scheduler's
     last advance (`return none`) stores a zero SeqInfo, so no register of the last tile's
     SeqInfo stays live across a tile body (what register-bound builds need); False leaves it
-    undefined, where ptxas then allocates better (the decode build: B8 Sk 32768, 2 splits,
-    4.41 TB/s against 4.17 with zeros). `advance_in_tile`: the tile takes the scheduler
-    step itself (`TileSeq.advance`), and the loop counts the CTA's exit where the step finds
-    no more work (`scheduler.emit_work_loop`), not after the loop."""
+    undefined, where ptxas then allocates better (the decode build). `advance_in_tile`: the
+    tile takes the scheduler step itself (`TileSeq.advance`), and the loop counts the CTA's
+    exit where the step finds no more work (`work_loop.emit_work_loop`), not after the loop."""
 
     def __init__(self, fn: ir.Function, abi: KernelABI, config: object,
                  opaque_env: bool = False, divergent_roles: bool = False,
@@ -316,7 +315,7 @@ class Backend(ABC):
     abi: KernelABI  # the kernel's parameters, in order, for the kernel and the host alike
     config_type: type
     # whether a producer takes each next work index a work tile ahead of the consumers,
-    # where the scheduler lets its roles run apart (`scheduler.runs_apart`): its queue
+    # where the scheduler lets its roles run apart (`handoff.runs_apart`): its queue
     # atomics are then off the consumers' path (the simulator charges them nothing)
     producer_ahead: bool = False
 
@@ -394,9 +393,7 @@ class WorkTile:
         """(first row, length) of the sequence in K and V: from cu_seqlens_k, but the query
         rows' (the SeqInfo's, which are cu_seqlens_q's) where the call passes the same
         offsets for both, as self-attention does: no dependent global loads at every work
-        tile's start. On the H200 (sm90, causal D128, one process): on top of the
-        epilogue's uniform branch, ragged 8192...64 x 2 595 -> 600 TFLOP/s and 16 x 2048
-        491 -> 499; alone, level (585 -> 586, 496 -> 495)."""
+        tile's start (it pays on the H200 together with the sm90 epilogue's uniform branch)."""
         if not self.c.ragged:
             return sequence_rows(b, False, args.cu_seqlens_k, args.seqlen_k, self.bidx)
         same = b.icmp_unsigned("==", b.ptrtoint(args.cu_seqlens_k, i64),
@@ -407,7 +404,7 @@ class WorkTile:
     # Whether the design finds a work tile's KV range with the warp's lanes asking of 32
     # tiles at once: a sliding window's query tile skips the tiles before its band, and a
     # causal one those after the diagonal, in a round or two where one tile a round took a
-    # round per tile skipped (window 256, B4 S4096, sm90: 1.15-1.19x). Off, the range is found
+    # round per tile skipped (faster on sm90 for a sliding window). Off, the range is found
     # one tile a round from 0, to `n_blocks` (sm80: the search's registers moved a build
     # onto its fallback tile).
     finds_range_together = False
@@ -502,8 +499,8 @@ class WorkTile:
         """The first KV tile index n in [start, end) that may hold a kept pair, else `end`
         (the range's end, `kv_range`): how every design skips the KV tiles the mask proves
         empty (never loaded, never computed). One candidate per round: inside the KV loop
-        the warp's search (`together`) measured 4-5 % slower on causal prefill (sm90) and
-        moved sm80 builds onto fallback tiles."""
+        the warp's search (`together`) measured slower on causal prefill (sm90) and moved
+        sm80 builds onto fallback tiles."""
         if self.hooks.classify is None:
             return start
         return warp.first_true(b, start, end, self.may_keep, together=False)

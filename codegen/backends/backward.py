@@ -50,7 +50,7 @@ from mhadsl.codegen.backends import (
     sequence_rows, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
-from mhadsl.codegen.scheduler import count_exit
+from mhadsl.codegen.work_loop import count_exit
 from mhadsl.codegen.target import Target, new_module
 
 PREPROCESS, MAIN, POSTPROCESS, DQ = ("mha_bwd_preprocess", "mha_bwd", "mha_bwd_postprocess",

@@ -46,23 +46,12 @@ built for Hopper in FlashAttention-3's layout:
 - dK (times the softmax scale) and dV are stored from registers at the end of the work tile,
   16 bytes a thread after each accumulator row's quad trades its pairs (`warp.quad_transpose`).
 
-dQ's reduction is what limits it. With `red.global.add.v2.f32` from registers into a
-row-major accumulator, plain B4 H16 S4096 D128 ran 393 TFLOP/s (causal 336, causal H32 D64
-263), and 581-589 (446-499, 356) with the adds left out, a timing-only build. One bulk
-reduce-add per warpgroup and step into blocks in register order, issued by a consumer
-thread after a barrier of its warpgroup at the step's end: 440-473 (370-381, 275-285);
-staging without the reduce-add ran 483 (382), so staging, not the L2 reduction, was most
-of the cost. With dQ's GEMM first, staged under dK's and added by the writer warp: 479
-(378-407, 307). Tried and no faster: a second staging tile per warpgroup; dQ's GEMM
-first with the staging under dK's but a consumer thread issuing (456, 380, 269); dQ added
-from registers by `red.global.add.v4.f32` into the same accumulator, no staging (442-453,
-369-375, 290-294). The staging stores still cost about 15 % (567 without them, timing
-only): shared memory's bandwidth is what they compete for. Before that, against the
-lockstep design (two warpgroups, thread 0 loading the next step, a CTA barrier per step
-and one before dQ), TFLOP/s: plain 370 -> 397, causal 336 -> 342, causal H32 D64 250 ->
-265, GQA 32:8 causal 343 -> 351, causal B1 H16 S16384 366 -> 381 (BENCHMARKS.md); a third
-stage gave the same, and a writer warp adding dQ by one bulk reduce-add per row (row-major
-accumulator) was slower (plain 408 -> 370, causal D64 266 -> 192).
+dQ's reduction is what limits it. dQ is staged in shared memory under dK's GEMM and added
+by the writer warp with one bulk reduce-add per tile into blocks in register order: adding
+from registers (`red.global.add.v2/.v4.f32`), a consumer thread issuing the reduce-add, or a
+row-major accumulator are all slower. The staging stores are the remaining cost, as they
+compete for shared memory's bandwidth; a third stage does not pay (measurements:
+benchmarks/log/BENCHMARKS_LOG.md).
 
 It runs dense and ragged layouts in atomic mode at head dims 64 and 128; deterministic calls
 keep the sm80-style design (`Backend.runs_layout`). Ragged tensors are mapped as the
@@ -93,7 +82,7 @@ from mhadsl.codegen.backends.backward import (
     _TileKernel,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
-from mhadsl.codegen.scheduler import count_exit
+from mhadsl.codegen.work_loop import count_exit
 from mhadsl.codegen.target import Target
 
 SMEM_SYMBOL = "mha_bwd_sm90_smem"
@@ -126,8 +115,8 @@ class HopperBackwardConfig(BackwardConfig):
     @property
     def s_ahead(self) -> bool:
         """Whether a step's S^T = K Q^T is issued a step ahead, under the step before's dK
-        GEMM, so that the tensor pipe has it queued across the step boundary: measured 3.5 %
-        faster at 128-row steps (head dim 64) and 2-4 % slower at 64-row steps, where the
+        GEMM, so that the tensor pipe has it queued across the step boundary: only at 128-row
+        steps (head dim 64), where it measured faster; at 64-row steps it is slower, as the
         step waits for it with the -LSE read early already in its registers."""
         return self.block_m == 2 * GROUP_ROWS
 
@@ -747,7 +736,7 @@ class _HopperMain(_MainKernel):
 
         # the pair of tiles classified before the GEMMs: the work tile's values it reads are
         # parked (volatile shared loads, `_parked`), which, read where P^T is computed,
-        # stalled it behind S^T's wait (measured 6-9 % of plain and long causal rows)
+        # stalled it behind S^T's wait
         always = self._classify(b, h, q0, kv0)[1]
         own = b.mul(group, i32(GROUP_ROWS * SW))  # the warpgroup's K/V rows
         q_off, do_off = self._stage_off(b, stage, "q"), self._stage_off(b, stage, "dout")
@@ -755,7 +744,7 @@ class _HopperMain(_MainKernel):
         s_operands = None if c.s_ahead else self._s_operands(b, own, q_off)
         # the step's -LSE: read before its GEMMs at 64 query rows, where behind their
         # shared-memory traffic the load stalled P's first FFMA (ncu's largest consumer stall);
-        # at 128 rows its registers held across the GEMMs cost more (measured 5 % slower)
+        # at 128 rows its registers held across the GEMMs cost more
         lse_early = BM <= 64
         neg_lse = self._columns(b, stage, "neg_lse", lanes) if lse_early else None
         if not c.s_ahead:

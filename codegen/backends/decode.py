@@ -46,7 +46,7 @@ from mhadsl.codegen.backends import (
     masked_unless, spill_free_build,
 )
 from mhadsl.codegen.nvptx import GLOBAL, SHARED, f32, i1, i32, i64
-from mhadsl.codegen.scheduler import end_record, record_work_item
+from mhadsl.codegen.trace_records import end_record, record_work_item
 from mhadsl.codegen.target import Target, new_module
 
 KERNEL_NAME = "mha_decode"
@@ -56,7 +56,7 @@ MAX_ROWS = 128  # packed rows per work tile
 RAGGED_ROWS = 64  # packed rows per tile of a ragged (chunked-prefill) call
 SHARED_BUDGET = 160 * 1024  # what one CTA may use on every target (sm_80 allows 163 KiB)
 # KV tiles in flight per CTA: three leave room for two CTAs per multiprocessor on sm_90a,
-# which measured faster than one CTA with four (BENCHMARKS.md, decode)
+# which measured faster than one CTA with four (benchmarks/log/BENCHMARKS_LOG.md, decode)
 MAX_STAGES = 3
 # how far ahead of its copies a tile's page entries are read, in KV rows: a page-table read
 # (L2, under a saturated memory system) takes about as long as streaming that many rows
@@ -325,8 +325,8 @@ class _DecodeTile:
 
     def next_nonempty(self, b: ir.IRBuilder, start: ir.Value) -> ir.Value:
         """The first KV tile >= start of the split that may hold a kept pair, else n_end.
-        One candidate per round, as prefill: a decode split spans few tiles, and a register
-        shift in this kernel has cost it 5 % of its bandwidth before."""
+        One candidate per round, as prefill: a decode split spans few tiles, and this kernel's
+        bandwidth is sensitive to register shifts."""
         if self.hooks.classify is None:
             return start
         return warp.first_true(b, start, self.n_end, lambda bb, n: self.classify(bb, n)[0],
@@ -755,8 +755,8 @@ class _Emitter:
         """The warps that share rows merge their states through shared memory (over the
         K/V stages): each writes its unnormalised O and its rows' max and sum; then every
         thread finishes whole 4-column pieces of the tile's rows, reading each warp's part
-        once (each warp reading every part of its rows took the merge 3 us on the H200,
-        longer than a 64-key decode call of cuDNN)."""
+        once (each warp reading every part of its rows makes the merge longer than a 64-key
+        decode call of cuDNN)."""
         c = self.c
         D, R, W = c.head_dim, c.rows, c.warps_n
         stride = D + MERGE_PAD  # floats per partial row

@@ -37,7 +37,7 @@ from mhadsl.codegen.backends import (
     masked_unless, sequence_rows, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
-from mhadsl.codegen.scheduler import count_exit
+from mhadsl.codegen.work_loop import count_exit
 from mhadsl.codegen.target import Target, new_module
 
 KERNEL_NAME = "mha_fwd"
@@ -48,7 +48,7 @@ MAX_REGISTERS = 255  # per thread
 class Tuning:
     """IR shape choices (same math) that move ptxas's register allocation and the schedule.
 
-    The defaults are the measured best (see benchmarks/ATTENTION_NOTES.md); spills are
+    The defaults are the measured best (see benchmarks/log/ATTENTION_NOTES.md); spills are
     chaotic under small IR changes, so `codegen.kernel` falls back to the next of `TUNINGS`
     when ptxas reports spills for a build. Part of the build's identity.
     """

@@ -1,77 +1,23 @@
 """The Hopper (sm_90a) attention kernel: TMA + mbarrier + wgmma, warp-specialised.
 
-A CTA has a producer warpgroup and two consumer warpgroups (384 threads; three consumers,
-512 threads, for a 192-row tile at head dim 64). Warpgroup 0 is the producer: after
-`setmaxnreg.dec` its first thread issues every copy, by the Tensor Memory Accelerator into
-128-byte-swizzled shared memory: Q (BM x D, once per work tile) and K and V (BN x D) into a
-ring of `stages` stages. The other warpgroups are the consumers (`setmaxnreg.inc`): each
-owns 64 of the tile's BM query rows and, per KV tile, computes S = Q K^T by wgmma (K in
-shared memory; Q too, or at head dim 128 in registers, loaded by ldmatrix once per work tile:
-`Q_IN_REGISTERS_HEAD_DIMS`), the online softmax in registers (ex2, log2 domain), and
-O += P V by wgmma with P straight from S's accumulators (the register A operand) and V as an
-MN-major B operand. As in FlashAttention-3, S of KV tile n is issued together with P V of
-tile n-1. In a build with a mask the softmax of n runs under that P V (`softmax_under_pv`:
-a store that never runs keeps ptxas from hoisting P V's wait above it); without a mask only
-its row maxima do, and the exponentials follow the wait (held whole, it measured 7 % slower
-there; held nowhere, 1-5 %). The consumer warpgroups issue their GEMMs as they come, with
-no turns (FlashAttention-3's ping-pong measured slower: HOPPER_NOTES, version 8; again at
-head dim 64's three warpgroups, 10 %), so one warpgroup's softmax runs under the others'
-GEMMs (turns measured again, as FlashAttention-4 places them: 0.88-0.90x at head dim 64).
-Dense unmasked builds at head dim 128 carry P to the next KV tile packed (`carry_packed_p`:
-1.03x there). A row keeps its running max until it grows by more than 2**8, and a warp
-rescales O (after P V's wait) only where one of its rows moved it (`lazy_rescale`,
-FlashAttention-4's Blackwell softmax): a rescale is a multiply per O accumulator (64 a
-thread at head dim 128); at head dim 64, where the exponentials balance the GEMMs, alpha's
-own two a tile run only there too (`defer_alpha`). There, too, a consumer warpgroup none of
-whose 64 rows lies inside the sequence (the last query tile of a sequence of 4096: 64 rows
-of 192) only waits and arrives through the KV loop (`drain_idle_groups`), so the one with
-rows has the tensor cores and the MUFU to itself; under a mask each warpgroup classifies the
-KV tiles over its own 64 rows, so on a causal diagonal it stops at its own last kept tile
-(waits and arrivals after it) and masks per element only the tiles partial for its rows.
-Completion runs on mbarriers: `q_full`, and per stage `full` and `empty` for K and for V
-apart (full: the producer's expect_tx, the copies' bytes; empty: one arrival per consumer
-thread once its wgmma read the buffer), so K of tile n+2 loads as soon as S of tile n is
-done, with two stages.
+A CTA has a producer warpgroup and two consumer warpgroups (three for head dim 64's 192-row
+tile). The producer (`setmaxnreg.dec`) issues every copy by TMA into 128-byte-swizzled shared
+memory: Q once per work tile, K and V into a ring of `stages` stages, with `full` and `empty`
+mbarriers per stage for K and for V apart (the overlap of S and P V needs them released
+apart). Each consumer (`setmaxnreg.inc`) owns 64 query rows and, per KV tile, computes
+S = Q K^T by wgmma (Q from shared memory, or from registers: `Q_IN_REGISTERS_HEAD_DIMS`),
+the online softmax in registers (log2 domain) and O += P V with P from S's accumulators. As
+in FlashAttention-3, S of tile n is issued with P V of tile n-1; the consumers take no
+ping-pong turns. The softmax variants are `HopperConfig` flags, each explained there.
 
-Both roles run the scheduler's work loop, each in its own branch of the role if/else (so
-`setmaxnreg` takes effect). Where the scheduler lets them (`scheduler.runs_apart`: no `while`
-in `advance`, no slot but this step's), the roles run apart after the first step: the
-producer takes each next work index and publishes it through the pipeline slot on an
-mbarrier handoff (`scheduler.Handoff`), with its decoding of the index for the consumers to
-reuse, so it loads the next work tile (Q once the consumers' last S, or their ldmatrix, has
-read the current one: `q_empty`) while the consumers finish this one; other schedulers take
-every step together, on CTA-wide barriers. Each role counts the KV tiles it has gone through
-(`kv_count`) and the work tiles (`tile_count`), so stages and mbarrier phases carry over from
-one work tile to the next. Each role finds the work tile's range of KV tiles that may hold
-a kept pair with its warp's lanes together (`WorkTile.kv_range`); tiles inside it that the
-`classify` hook proves empty are skipped by both alike (never loaded); partial tiles (the
-mask, or the sequence's tail) get the per-element mask: where the mask keeps one run of
-keys per row (causal, a window: `kv_limits`) at head dim 64 or in a short band
-(`bit_mask`), a bit of a per-row word an element (R2P); elsewhere compares.
-
-Tensor maps (4-D, outermost first): dense tensors as they are, (B, S, H, D); ragged ones as
-(1, total, H, D), so the kernel addresses row `start_of_seq + row` of batch 0. A box is
-(1, rows, 1, 64): 64 head-dim columns = 128 bytes, the swizzle's row. Rows past the tensor
-load as zeros; rows past a ragged sequence's end belong to the next sequence and are masked
-(keys) or never written (queries). A dense build stages O in shared memory and stores it by
-TMA (rows past the tensor are not written), each consumer warpgroup its own 64 rows on a
-named barrier of its own, so the warpgroups keep their offset into the next work tile (on the
-H200, two runs: causal D128 598-626 -> 606-631 TFLOP/s, GQA 566-576 -> 573-579, a 256-key
-window at two stages 207-209 -> 217-218), except where O is staged over V's ring, which all
-consumers must have finished reading first. A ragged build stores by TMA the rows of its
-warpgroups whose 64 rows all lie inside the sequence, and writes the others' O from
-registers, row by row, only for rows inside the sequence (a box would cross into the next
-sequence); LSE from registers.
-
-The tile a declaration without `tile` gets is the first spill-free one of its head dim's
-`DEFAULT_TILES`: 192 x 128 (three consumers) at head dim 64, 128 x 128 at 128 (128 x 144
-first for a dense build without a mask: `UNMASKED_DENSE_TILES`), and at 256 (128 O
-accumulators per thread) 80 keys (O staged over V's ring in a dense build). The wgmma
-descriptors are taken from one base per operand inside the loop (`hopper.smem_descriptors`):
-hoisted, Q's alone held 32 registers at head dim 256, and causal builds spilled at 64 keys.
-Measured choices (HOPPER_NOTES.md): the overlap of S and P V needs K and V released apart
-(with one `kv_empty` per stage it was slower than no overlap); with Q from shared memory,
-BN = 160 or 176 (FlashAttention-3's non-causal tile) ran as fast as 128.
+Both roles run the scheduler's work loop, each in its own branch (so `setmaxnreg` takes
+effect); where `handoff.runs_apart` allows, the producer hands each next work index over by
+mbarrier (`handoff.Handoff`) and loads the next work tile while the consumers finish this
+one. KV tiles the `classify` hook proves empty are never loaded; partial ones get a
+per-element mask. Tensor maps are 4-D, (B, S, H, D), or (1, total, H, D) when ragged, with a
+64-column (128-byte) box. O is stored by TMA per consumer warpgroup, except a ragged
+sequence's partial warpgroups, which write from registers. Tiles and tuning constants:
+`DEFAULT_TILES` and below (measurements: benchmarks/log/HOPPER_NOTES.md).
 """
 from __future__ import annotations
 
@@ -88,8 +34,9 @@ from mhadsl.codegen.backends import (
     masked_unless, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
-from mhadsl.codegen.scheduler import Handoff, count_exit, init_handoff
+from mhadsl.codegen.handoff import Handoff, init_handoff
 from mhadsl.codegen.target import Target, new_module
+from mhadsl.codegen.work_loop import count_exit
 
 KERNEL_NAME = "mha_fwd_sm90"
 SMEM_SYMBOL = "mha_fwd_sm90_smem"
@@ -116,9 +63,8 @@ class HopperConfig:
     ragged: bool = False
     q_in_registers: bool = False  # S = Q K^T with Q's A fragments in registers
     # the softmax of KV tile n held under P V of n-1 (`hopper.hold_next_wait_below`): masked
-    # builds, where it measured 2-5 % faster (causal D64 and D128); unmasked ones hold only
-    # the rows' maxima there (the whole softmax lost 7 %; the maxima gained 1 % at D64 and
-    # 5 % at D128 over holding nothing: HOPPER_NOTES versions 8 and 9, twenty-seventh session)
+    # builds; unmasked ones hold only the rows' maxima there, the exponentials following the
+    # wait (fastest measured: benchmarks/log/HOPPER_NOTES.md)
     softmax_under_pv: bool = False
     # rows keep their max until it grows by more than 2**warp.RESCALE_THRESHOLD, and a warp
     # rescales O only where one of its rows moved it (`warp.online_softmax_row`)
@@ -581,7 +527,7 @@ class _Kernel:
         q_map, k_map, v_map = (hopper.tensor_map_address(b, args[n])
                                for n in ("q_map", "k_map", "v_map"))
         # the consumers' last S of the previous work tile has read Q (the producer may be
-        # a work tile ahead of them: `scheduler.Handoff`)
+        # a work tile ahead of them: `handoff.Handoff`)
         loaded, bump_loaded = _counted(b, tile_count)
         previous_parity = b.xor(b.and_(loaded, i32(1)), i32(1))
         hopper.mbarrier_wait(b, mem.q_empty(b), previous_parity)
@@ -789,8 +735,7 @@ class _Kernel:
         else:  # uniform over the warpgroup, as the store's named barrier needs; read
             # through lane 0, as ptxas otherwise takes the branch for divergent and keeps the
             # KV ring's counters in vector registers from then on (every later KV loop then
-            # reconverges at its branches and moves wgmma operands to uniform registers: on
-            # the H200, causal D128, ragged 8192...64 x 2, 585 -> 595 TFLOP/s)
+            # reconverges at its branches and moves wgmma operands to uniform registers)
             group_inside = warp.uniform_flag(
                 b, b.icmp_signed(">=", rows_q, b.shl(b.add(group, i32(1)), i32(6))))
             with b.if_else(group_inside) as (by_tma, by_rows):
@@ -901,100 +846,74 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
 
 # ============================================================================ the backend
 # The tiles (query rows, KV keys) a declaration without `tile` tries, best first, until one
-# assembles without spills. Head dim 64 runs three consumer warpgroups on 192 rows where that
-# stays spill-free (measured on the H200: 1.11x the 128-row tile plain, 1.02x causal at 112
-# keys); a plain ragged build's O store from registers leaves no room for them at 160
-# registers. Head dim 256 holds 128 O accumulators per thread, which leaves room for an 80-key
-# S tile, measured with ptxas at the 40/232 register split (under a mask too since the
-# consumers stopped taking turns; before, 80 spilled in the masked path); a dense build then
-# stages O over V's ring, as its own tile would not fit. On the H200 (B2 S8192 H16, two runs
-# each): plain 80 keys 674-679 TFLOP/s against 645-650 at 64; causal 80 keys 671-677
-# against 64 keys' 614-623 (with turns) and 553-588 at 48.
+# assembles without spills: fastest measured on the H200 (benchmarks/log/BENCHMARKS_LOG.md).
+# Head dim 64 runs three consumer warpgroups on 192 rows where that stays spill-free; a plain
+# ragged build's O store from registers leaves no room for them at 160 registers. Head dim
+# 256 holds 128 O accumulators per thread, which leaves room for an 80-key S tile at the
+# 40/232 register split; a dense build then stages O over V's ring, as its own tile would
+# not fit.
 DEFAULT_TILES = {64: ((192, 128), (192, 112), (128, 128), (128, 64)),
                  128: ((128, 128), (128, 64)),
                  256: ((128, 80), (128, 64), (128, 48), (128, 32))}
 # Tried first by a dense declaration without a mask: a wider KV tile, fewer softmax and
-# barrier rounds per key. At head dim 128, 144 keys with Q in registers (160 and 176 spill),
-# on the H200 (two interleaved runs each): plain B1 S16384 618-619 -> 635-637 TFLOP/s, B4
-# S4096 665-669 -> 670 (its last KV tile is 64 keys of 144). Under a causal mask it was slower
-# (B4 S4096 575-596 -> 532-579; GQA 611 -> 590; ragged 16 x 2048 501 -> 466).
+# barrier rounds per key. At head dim 128, 144 keys with Q in registers (160 and 176 spill):
+# faster on the H200 without a mask, slower under one (benchmarks/log/BENCHMARKS_LOG.md).
 UNMASKED_DENSE_TILES = {128: ((128, 144),)}
 
 
 # The head dims whose S GEMM takes Q from registers (loaded once per work tile), every tile
 # tried so before any with Q from shared memory: it takes Q's reads off shared memory,
 # which the S GEMM shares with K's reads and the copies in flight, and frees Q's tile for the
-# next work tile's rows at once. On the H200 at head dim 128 (two interleaved runs each): plain
-# B4 S4096 646-647 -> 668-670 TFLOP/s, causal 584-585 -> 594-597, GQA 591-599 -> 609-612,
-# ragged 1024 x 96 63 -> 70-71. Head dim 64's three consumer warpgroups (160 registers) and
-# head dim 256's 128 O accumulators spill with Q's fragments held.
+# next work tile's rows at once (faster on the H200 at head dim 128). Head dim 64's three
+# consumer warpgroups (160 registers) and head dim 256's 128 O accumulators spill with Q's
+# fragments held.
 Q_IN_REGISTERS_HEAD_DIMS = (128,)
 
 # A mask whose mid-sequence query tiles visit at most BAND_TILES KV tiles of 128 keys (a
 # sliding window: `AttentionOptions.kv_band`) gets BAND_STAGES K/V stages where they fit:
 # with so few KV tiles per work tile the producer's lead into the next work tile is what
-# hides its loads. On the H200 (window 256, B4 S4096 H16 D128, one process, two runs): 2
-# stages 206-207 TFLOP/s, 3 stages 217-220; under a causal mask 3 stages were slower (607
-# against 619).
+# hides its loads. 3 stages: fastest measured on the H200 for a 256-key window (a causal
+# mask keeps 2).
 BAND_TILES = 4
 BAND_STAGES = 3
 # Head dims whose K/V tiles are small enough for more stages beside Q and O (head dim 64:
-# 32 KiB a stage), and how many: on the H200 (B4 S4096 H32, one process, three rounds each
-# against 2 stages) 4 stages took causal 397-406 -> 405-414 TFLOP/s and plain 467-479 ->
-# 476-483; 5 were no faster than 4.
+# 32 KiB a stage), and how many: 4 stages, fastest measured on the H200 (5 are no faster).
 DEEP_STAGES = {64: 4}
 # `lazy_rescale`: a row keeps its running max until a tile's scores exceed it by more than
 # 2**warp.RESCALE_THRESHOLD (P then stays below 256, which every dtype holds), so
 # after a row's first tiles a warp rarely rescales its O accumulators: the softmax's
-# instructions, not the MUFU's exponentials, bound the consumer (computing a quarter of the
-# exponentials by polynomial on the FMA pipe instead lost 5-12 %). On the H200 (one
-# process, three rounds, against the same tile rescaling every KV tile): causal D128
-# B4 S4096 1.046-1.058x, GQA 32:8 causal 1.06x, causal D256 1.08x, window 256 1.02x, D64
-# 1.005-1.009x. Each tile tries it first; plain D128's 128 x 144 spills with it, and keeps
-# that tile without it (128 x 128 with it: 0.93x).
+# instructions, not the MUFU's exponentials, bound the consumer (so computing some of the
+# exponentials by polynomial on the FMA pipe does not pay). Each tile tries it first; plain
+# D128's 128 x 144 spills with it and keeps that tile without it, which is faster than
+# 128 x 128 with it.
 
 
-# `carry_packed_p`: the dense unmasked builds whose KV loop carries P packed. On the H200
-# (one process, four rounds, time ratio against P packed at the next tile's top; 128 x 144,
-# Q in registers): plain D128 B4 S4096 1.03x, B1 S16384 1.03-1.04x, GQA 64:8 B2 S4096 1.03x,
-# fp16 1.04x. Not elsewhere: plain D256 0.99-1.00x, plain D64 0.96-0.98x (three warpgroups
-# at 160 registers), causal D128 0.97-0.99x, causal D64 0.99-1.00x.
+# `carry_packed_p`: the dense unmasked builds whose KV loop carries P packed: head dim 128,
+# the only one where it measured faster on the H200.
 PACKED_P_UNMASKED_HEAD_DIMS = (128,)
 
 # `defer_alpha`: the head dims whose `lazy_rescale` builds take alpha's two exponentials a
 # KV tile (and the old sums' rescale) off the softmax into the rarely taken rescale. At head
 # dim 64 the exponentials balance the GEMMs (a 192 x 128 tile's 24576 on the MUFU against
-# its tensor work, both about 1536 cycles a tile and SM). On the H200 (one process, against
-# alpha every tile; B4 S4096 H32): plain 481 -> 487 and 483 -> 491 TFLOP/s, causal 422 ->
-# 426 and 424 -> 435 in two runs (6 and 10 rounds; the first with the maxima in four
-# chains as well, which alone was +1.5 % plain and -1 % causal); outputs equal to the bit.
+# its tensor work, both about 1536 cycles a tile and SM); outputs are equal to the bit.
 DEFER_ALPHA_HEAD_DIMS = (64,)
 
 # `uniform_group`: the builds whose consumers read their warpgroup's index through lane 0:
 # those with three consumer warpgroups (head dim 64's 192-row tiles). Computed from the
 # thread index, ptxas keeps it in vector registers, and Q's descriptors made from
-# it: each S wgmma waited for an R2UR of its descriptor (plain D64: 104 R2UR in the SASS,
-# 87 with it). On the H200 (one process, FA4 beside, 8 rounds; B4 S4096 H32): plain D64
-# 488 -> 502 TFLOP/s (1.02-1.10x), causal D64 432 -> 437 (1.007-1.019x), outputs equal to
-# the bit; with two warpgroups, head dims 128 and 256 lost 2-11 % (other schedules there).
+# it, and each S wgmma would wait for an R2UR of its descriptor. With two warpgroups (head
+# dims 128 and 256) it measured slower on the H200, so they keep the thread index.
 UNIFORM_GROUP_CONSUMER_GROUPS = 3
 
-# `drain_idle_groups`: the builds with this many consumer warpgroups. On the H200 (one
-# process, two runs of 6 and 10 rounds, outputs equal to the bit): B4 S4096 H32 D64, whose
-# last query tile of a head holds 64 rows of 192, plain 492 -> 504 and 493 -> 504 (every
-# round 1.015-1.11x), causal 435 -> 448 and 429 -> 441 (0.97-1.05x). With two warpgroups
-# (head dim 128) the ragged causal rows lost 5-15 % in both runs, the 16 x 2048 batch too,
-# which has no idle warpgroup: the branch and its merge cost those builds, so they keep none.
-# The KV tiles classified over each warpgroup's own rows, on top (FA4 beside): causal D64
-# 444 -> 457 (1.018-1.103x, 8 rounds) and 441 -> 457 (1.028-1.061x, 10 rounds), outputs
-# equal to the bit; plain D64 has no mask and the same PTX.
+# `drain_idle_groups`: the builds with this many consumer warpgroups (head dim 64, whose
+# last query tile of a sequence of 4096 holds 64 rows of 192). With two warpgroups the
+# branch and its merge cost more than an idle warpgroup saves (measured on the H200), so
+# they keep none. Outputs are equal to the bit.
 DRAIN_IDLE_CONSUMER_GROUPS = 3
 
 # `bit_mask`: where a mask keeps one run of keys per row, the head dims, besides every short
-# band (`BAND_TILES`), that mask a partial tile by bits rather than compares. On the H200
-# (one process, time ratio against the compares, five runs of 5-8 rounds): causal D64
-# 1.006-1.026 and window 256 (D128) 1.03-1.05, but causal D128 B4 S4096 0.94-1.00 in
-# every run, GQA 32:8 causal 0.91-1.05 and causal D256 0.94-1.04: there the compares stay.
+# band (`BAND_TILES`), that mask a partial tile by bits rather than compares: faster on the
+# H200 only there; at head dims 128 and 256 the compares are as fast or faster.
 BIT_MASK_HEAD_DIMS = (64,)
 
 
@@ -1068,7 +987,7 @@ class SM90(Backend):
     targets = ("sm_90a",)
     abi = ABI
     config_type = HopperConfig
-    producer_ahead = True  # `scheduler.Handoff`
+    producer_ahead = True  # `handoff.Handoff`
 
     def problems(self, options, arch: str) -> list[Problem]:
         config = declared_configs(options)[0]
