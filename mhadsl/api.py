@@ -27,7 +27,8 @@ import numpy as np
 from mhadsl.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.build import KernelRequest, build_kernel, plan, tile_index_kernel
 from mhadsl.calls import (
-    DTYPE_NAMES, INT32_LIMIT, AddressChecks, check_attention_call, check_flag, check_output,
+    DTYPE_NAMES, INT32_LIMIT, AddressChecks, check_attention_call, check_flag, check_integer,
+    check_output,
     check_rows, host_values, index_view, share_memory, span, stream_handle, torch_signature,
     torch_stream, typed_key,
 )
@@ -270,12 +271,7 @@ class Kernel:
     def _group(self, gqa_group) -> int:
         """A build's GQA group: query heads per K/V head, as a call's tensors could have
         them (fewer than 2**31 query heads, the kernels' int32) and the declaration allows."""
-        if isinstance(gqa_group, (bool, np.bool_)):
-            raise TypeError(f"gqa_group must be an integer, got {gqa_group!r}")
-        try:
-            group = operator.index(gqa_group)
-        except TypeError:
-            raise TypeError(f"gqa_group must be an integer, got {gqa_group!r}") from None
+        group = check_integer(gqa_group, "gqa_group")
         if not 1 <= group < INT32_LIMIT:
             raise ValueError(f"gqa_group must be from 1 to 2**31 - 1, got {group}")
         declared, kv_heads = self.options.gqa, self.options.kv_heads

@@ -115,18 +115,23 @@ def _offsets(offsets, name: str, rows: int, max_seqlen, read: ReadOffsets
     return values
 
 
+def check_integer(value, name: str) -> int:
+    """`value` as an int: any integer type but a bool, else a `TypeError` naming `name`."""
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an integer, got {value!r}")
+
+
 def check_max_seqlen(offsets: np.ndarray | None, given, name: str) -> int:
     """A ragged call's longest sequence: `given` (an integer no smaller than any length the
     `offsets` read give), else read from them."""
     lengths = None if offsets is None else np.diff(offsets)
     if given is None:
         return int(lengths.max()) if len(lengths) else 0
-    if isinstance(given, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an integer, got {given!r}")
-    try:
-        given = operator.index(given)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {given!r}") from None
+    given = check_integer(given, name)
     if not 0 <= given < INT32_LIMIT:
         raise ValueError(f"{name} must be in [0, 2**31), got {given}")
     if lengths is not None and len(lengths) and given < lengths.max():
