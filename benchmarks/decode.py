@@ -94,7 +94,7 @@ def table_row(torch, kern, fa4, B, Hq, Hkv, Sq, Sk, sweep: bool):
     def ours(splits=None):
         return kern(q, k, v, cache_seqlens=lens, out=out, num_splits=splits)
     ours()
-    default = list(kern._decode_plans.values())[-1].num_splits  # the plan that call made
+    default = list(kern.launcher.fast_plans.values())[-1].num_splits  # the plan that call made
     fns = checked(torch, {"mhadsl": ours, **peers(torch, q, k, v, Sq, fa4)}, ours, Sq)
     t = time_side_by_side(torch, fns)
     result = {name: tbps(nbytes, x) for name, x in t.items()}

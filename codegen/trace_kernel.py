@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from mhadsl.codegen import nvptx
+from mhadsl.abi import CallValue, KernelABI, Param, Pointer, Workspace
+from mhadsl.codegen import nvptx, signature
 from mhadsl.codegen.faults import linear_cta
 from mhadsl.codegen.lower import alloca
 from mhadsl.codegen.nvptx import i32
@@ -14,29 +15,40 @@ from mhadsl.codegen.scheduler import LoweredScheduler
 from mhadsl.codegen.work_loop import EnvParams, count_exit, emit_work_loop, env_filler, shared_slots
 
 TRACE_FIELDS = 4  # per step: prompt_offset, head_idx, prompt_idx, 1 (0 past the last step)
+TRACE_ABI = KernelABI(
+    Param("queue", "ptr", Workspace("queue"), "the stream's u32 workspace (mhadsl.abi): the "
+          "work-queue counter, then the scheduler fault record; never null"),
+    Param("num_sms", "i32", CallValue("num_sms"), "multiprocessors the scheduler sees"),
+    Param("batch", "i32", CallValue("batch"), "number of sequences B"),
+    Param("max_num_prompt_tiles", "i32", CallValue("max_num_prompt_tiles"),
+          "query tiles of the longest sequence"),
+    Param("max_seqlen_q", "i32", CallValue("max_seqlen_q"), "longest query sequence"),
+    Param("num_heads", "i32", CallValue("num_heads"), "query heads"),
+    Param("cu_seqlens_q", "ptr", Pointer("cu_seqlens_q"), "int32 (B+1) query row offsets "
+          "(ragged), else null"),
+    Param("trace", "ptr", Pointer("trace"), "the u32 record: CTA c's step s at words "
+          "(c * max_steps + s) * TRACE_FIELDS ..."),
+    Param("max_steps", "i32", CallValue("max_steps"), "steps recorded per CTA"),
+    Param("overflow", "ptr", Pointer("overflow"), "one u32, set to 1 when a CTA took more "
+          "than max_steps steps"),
+    Param("tile_index", "ptr", Workspace("tile_index"), "u32 tile index of a ragged launch "
+          "(codegen.tile_index), built from cu_seqlens_q; null when dense"),
+)
 
 
 def build_trace_kernel(module: ir.Module, sched: LoweredScheduler) -> ir.Function:
-    """A kernel that drives the scheduler over the whole grid and records every tile.
-
-    Params: (u32* workspace, u32 num_sms, u32 batch, u32 max_tiles, u32 max_seq_len,
-    u32 num_heads, i32* valid_length or null, u32* out, u32 max_steps, u32* overflow,
-    u32* tile_index or null); the workspace is the stream's (`mhadsl.abi`), the tile index
-    what `codegen.tile_index` builds from valid_length.
-    Thread 0 of CTA c writes step s at out[(c * max_steps + s) * 4 ...].
+    """A kernel that drives the scheduler over the whole grid and records every tile; its
+    parameters are `TRACE_ABI`'s. Thread 0 of each CTA records its steps.
     """
-    g = nvptx.ptr(nvptx.GLOBAL)
-    fnty = ir.FunctionType(nvptx.void, [g, i32, i32, i32, i32, i32, g, g, i32, g, g])
-    fn = ir.Function(module, fnty, name=f"trace_{sched.spec.name}")
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(TRACE_ABI)),
+                     name=f"trace_{sched.spec.name}")
     nvptx.mark_kernel(fn)
-    counter, num_sms, batch, tiles, max_len, heads, vl, out, max_steps, overflow, index = \
-        fn.args
-    for a in (counter, vl, out, overflow, index):
-        a.add_attribute("noalias")
+    arg = signature.declare(TRACE_ABI, fn)
+    out, max_steps, overflow = arg["trace"], arg["max_steps"], arg["overflow"]
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    fill_env = env_filler(b, sched, shared_slots(module),
-                          lambda _: EnvParams(counter, num_sms, i32(1), batch, tiles, max_len,
-                                              heads, vl, index))
+    fill_env = env_filler(b, sched, shared_slots(module), lambda _: EnvParams(
+        arg["queue"], arg["num_sms"], i32(1), arg["batch"], arg["max_num_prompt_tiles"],
+        arg["max_seqlen_q"], arg["num_heads"], arg["cu_seqlens_q"], arg["tile_index"]))
     step = alloca(b, i32, "step")
     b.store(i32(0), step)
     tid = nvptx.special_register(b, "thread_idx", "x")
@@ -58,6 +70,6 @@ def build_trace_kernel(module: ir.Module, sched: LoweredScheduler) -> ir.Functio
 
     emit_work_loop(b, sched, fill_env, record)
     if sched.uses_queue:
-        count_exit(b, counter)
+        count_exit(b, arg["queue"])
     b.ret_void()
     return fn

@@ -44,7 +44,8 @@ class Pointer:
 @dataclass(frozen=True)
 class Stride:
     """Elements between consecutive `axis` ("batch", "row", "head") of a call's tensor; a
-    ragged tensor's batch stride is 0."""
+    ragged tensor's (rows of all sequences, heads, head_dim: it has no batch axis) batch
+    stride is 0."""
     tensor: str
     axis: str
 
@@ -110,6 +111,40 @@ class KernelABI:
 
     def __getitem__(self, name: str) -> Param:
         return next(p for p in self.params if p.name == name)
+
+
+@dataclass(frozen=True)
+class CallSizes:
+    """A call's sizes, from which the host binds the `CallValue`s every design shares
+    (`values`). Dense calls have `seqlen_q`/`seqlen_k` rows per sequence; ragged ones
+    `total_q` query rows in all. A call against a KV cache adds its cache's positions
+    (`cache_capacity`), its query rows per sequence (`query_rows`, 0 ragged), the page
+    table's row stride (0: a contiguous cache) and the KV splits its planner asks for."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    total_q: int
+    ragged: bool
+    scale: float
+    query_rows: int = 0
+    cache_capacity: int = 0
+    page_table_stride: int = 0
+    num_splits: int = 1
+
+    def values(self) -> dict[str, int | float]:
+        """The shared call values: sizes, the LSE's strides ((batch, heads, seqlen_q) dense,
+        (heads, total_q) ragged) and the softmax scale."""
+        return {"lse_stride_batch": 0 if self.ragged else self.heads * self.seqlen_q,
+                "lse_stride_head": self.total_q if self.ragged else self.seqlen_q,
+                "batch": self.batch, "num_heads": self.heads, "kv_heads": self.kv_heads,
+                "max_seqlen_q": self.max_seqlen_q, "max_seqlen_k": self.max_seqlen_k,
+                "seqlen_q": self.seqlen_q, "seqlen_k": self.seqlen_k,
+                "softmax_scale": self.scale}
 
 
 # ============================================================================ the workspace

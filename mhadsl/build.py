@@ -2,10 +2,10 @@
 every stage's artifact (LLVM IR, PTX, cubin and its resources), through the on-disk cache.
 
 The CLI (`mhadsl compile`, through `pipeline.compile_stages`) and the Python API
-(`Kernel.build`, `Kernel._build`) both call `build_kernel`, so they share one cache and one
-place where a user's mistake becomes an error: a declaration the chosen backend cannot run
-is an `MhaError` at the setting at fault; an arch or backend that does not exist is a
-`RequestError`.
+(`Kernel.build`, through which `mhadsl.launcher` loads a call's build) both call
+`build_kernel`, so they share one cache and one place where a user's mistake becomes an
+error: a declaration the chosen backend cannot run is an `MhaError` at the setting at
+fault; an arch or backend that does not exist is a `RequestError`.
 
 The cache key covers everything that changes the output: the text of every file the
 program loaded (imports and the standard library included), the declaration's name, the

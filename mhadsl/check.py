@@ -3,19 +3,26 @@
 `check_program` walks every declaration once, reports every error it finds through a
 `DiagnosticSink` (so one run lists them all) and returns a `CheckedProgram`: the
 declarations by name plus side tables the lowering reads (each expression's type and
-what each name refers to).
+what each name refers to). Whether some kernel design runs an attention declaration is
+asked of the caller's `design_problems` (the code generator's), so checking needs no code
+generator.
+
+It stays one module because the checker is one class: its methods walk declarations,
+statements and expressions into one another and share its scopes, error count and side
+tables.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from mhadsl import ast
 from mhadsl.attention_spec import (
-    ATTENTION_CONSTANTS, HEAD_DIMS, constant_number, resolve_attention, scale_problem,
+    ATTENTION_CONSTANTS, HEAD_DIMS, AttentionOptions, constant_number, resolve_attention,
+    scale_problem,
 )
-from mhadsl.codegen.backends import declaration_problems
 from mhadsl.builtin_functions import FUNCTIONS
 from mhadsl.builtins import (
     ATTENTION, BUILTIN_VALUES, COMPARISONS, COMPILE_TIME_VALUES, DEVICE, DEVICE_ONLY_FUNCTIONS,
@@ -91,6 +98,10 @@ BUILTIN_KINDS = {**{name: "type" for name in TYPE_NAMES},
                  **{name: "name" for name in BUILTIN_VALUES},
                  **{name: "function" for name in (*FUNCTIONS, *DEVICE_ONLY_FUNCTIONS)}}
 
+# Why no kernel design runs an attention declaration: its problems (each with the
+# `settings` at fault and a `message`), empty when some design does.
+DesignProblems = Callable[[AttentionOptions], list]
+
 
 @dataclass(frozen=True)
 class Symbol:
@@ -145,8 +156,9 @@ class _Context:
 class Checker:
     """Walks declarations and expressions; the one place user errors are found."""
 
-    def __init__(self, sink: DiagnosticSink):
+    def __init__(self, sink: DiagnosticSink, design_problems: DesignProblems):
         self.sink = sink
+        self.design_problems = design_problems
         self.out = CheckedProgram()
         self.checked_fns: set[str] = set()  # a fn may only call fns checked before it
         self.errors = 0  # found so far (the sink may keep fewer)
@@ -394,7 +406,7 @@ class Checker:
             for d in err.diagnostics:
                 self.error(d.span, d.message)
             return
-        if problems := declaration_problems(options):
+        if problems := self.design_problems(options):
             for d in options.backend_error(problems).diagnostics:
                 self.error(d.span, d.message)
 
@@ -907,9 +919,11 @@ def _text(span: Span) -> str:
     return span.source.line(span.line)[span.column - 1:span.end_column - 1]
 
 
-def check_program(modules: list[ast.Module]) -> CheckedProgram:
-    """Check parsed modules; raise `MhaError` listing every error found."""
+def check_program(modules: list[ast.Module], design_problems: DesignProblems
+                  ) -> CheckedProgram:
+    """Check parsed modules; raise `MhaError` listing every error found. `design_problems`
+    says why no kernel design runs an attention declaration (empty: some design does)."""
     sink = DiagnosticSink()
-    program = Checker(sink).check_modules(modules)
+    program = Checker(sink, design_problems).check_modules(modules)
     sink.raise_if_any()
     return program

@@ -3,6 +3,9 @@
 Mistakes in a .mha file print `file:line:col: error: ...` with the line and a caret and
 exit 1; a bad command line prints one line `error: ...` and exits 2, before any work is
 done. Nothing a user types should end in a Python traceback.
+
+It stays one module: the subcommands share its argument checks (`validate`), its guards
+on output paths and `main`, the one place an error becomes an exit code.
 """
 from __future__ import annotations
 

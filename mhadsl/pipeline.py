@@ -11,7 +11,6 @@ cache).
 """
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from mhadsl.codegen.assemble import Assembled, assemble
 from mhadsl.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.build import KernelRequest, RequestError, build_kernel
 from mhadsl.codegen import backends
-from mhadsl.codegen.backends import CacheLayout, KernelBuild, LaunchShape, Layout
+from mhadsl.codegen.backends import CacheLayout, KernelBuild, KernelLaunch, Layout
 from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
 from mhadsl.codegen.trace_kernel import build_trace_kernel
 from mhadsl.diagnostics import MhaError
@@ -110,7 +109,7 @@ def front_end(text: str, name: str, base_dir: Path | None = None,
     if _needs_default_scheduler(modules):
         modules = load_program(f'import "{STD_SCHEDULERS}"', "<prelude>", Path.cwd())[:-1] \
             + modules
-    return modules, check_program(modules)
+    return modules, check_program(modules, backends.declaration_problems)
 
 
 def _needs_default_scheduler(modules: list[ast.Module]) -> bool:
@@ -206,16 +205,10 @@ def _build_pass(program: CheckedProgram, attention: str, pass_name: str,
         raise PassError(attention, pass_name, options.arch, err) from None
 
 
-def kernel_launches(build: KernelBuild) -> dict[str, LaunchShape]:
-    """The launch shape of each kernel of a build, in launch order: a backward build holds
-    several (preprocess, main, then postprocess or the deterministic dQ kernel), which its
-    design's module lists (`launch_shapes`); any other build one."""
-    design = backends.backend(build.backend)
-    if design.workload == "backward":
-        module = importlib.import_module(f"{backends.__name__}.{build.backend}")
-        return module.launch_shapes(build.config)
-    launch = design.launch_shape(build.config)
-    return {launch.kernel_name: launch}
+def kernel_launches(build: KernelBuild) -> dict[str, KernelLaunch]:
+    """Each kernel of a build by name, in launch order (`Backend.kernels`): a backward build
+    holds several (preprocess, main, then postprocess or the deterministic dQ kernel)."""
+    return {k.name: k for k in backends.backend(build.backend).kernels(build.config)}
 
 
 def tile_shape(build: KernelBuild) -> tuple[int, int]:

@@ -30,8 +30,10 @@ from mhadsl.calls import (
     DTYPE_NAMES, AddressChecks, check_flag, check_output, check_rows, host_values, index_view,
     share_memory, span, stream_handle, torch_signature, torch_stream, typed_key,
 )
-from mhadsl.codegen.backends import CacheLayout, Layout
+from mhadsl.abi import CallSizes
+from mhadsl.codegen.backends import CacheLayout, Layout, select_target
 from mhadsl.codegen.backends.decode import packed_rows
+from mhadsl.launcher import launch
 from mhadsl.paged import MAX_KV_SPLITS as MAX_SPLITS
 from mhadsl.paged import check_decode_call
 
@@ -91,12 +93,12 @@ def splits_used(cache_len: int, kv_chunk: int, num_splits: int) -> int:
 class _DecodePlan(AddressChecks):
     """A decode signature's launch plan and what its calls need beyond it."""
 
-    plan: object  # runtime.launch.LaunchPlan
+    plans: list  # runtime.launch.LaunchPlan
     out_shape: tuple
     lse_shape: tuple | None
-    split_bytes: tuple[int, int, int]  # partial O, partial LSE, counters (0: no split)
+    scratch: dict[str, int]  # bytes of the split workspace's buffers (none: no split)
     device: int
-    workspaces: dict  # stream -> (DeviceBuffer, ...) of the split workspace
+    workspaces: dict  # stream -> {name: buffer} of the split workspace
     num_splits: int
     q_tiles: int  # packed-row tiles per sequence (the work space: q_tiles x num_splits)
     kv_chunk: int  # cache positions per split
@@ -136,28 +138,27 @@ class _DecodePlan(AddressChecks):
 
     def split_workspace(self, stream: int) -> dict[str, int]:
         """The stream's partial outputs and split counters (made on its first launch)."""
-        if not self.split_bytes[0]:
+        if not self.scratch:
             return {}
         buffers = self.workspaces.get(stream)
         if buffers is None:
-            buffers = self.workspaces[stream] = _split_buffers(self.split_bytes, self.device)
-        return dict(zip(("partial_o", "partial_lse", "split_counters"),
-                        (_address(x) for x in buffers)))
+            buffers = self.workspaces[stream] = _split_buffers(self.scratch, self.device)
+        return {name: _address(x) for name, x in buffers.items()}
 
 
-def _split_buffers(nbytes: tuple[int, int, int], device: int) -> tuple:
+def _split_buffers(nbytes: dict[str, int], device: int) -> dict:
     """Partial O, partial LSE and zeroed split counters (each launch leaves them at 0: the
     last split of a group resets its counter). With torch at hand they come from torch's
     allocator on the current stream, so a first launch inside CUDA-graph capture allocates
     from the graph's pool and the graph zeroes the counters it replays with."""
     torch = sys.modules.get("torch")
     if torch is not None:
-        return tuple(torch.empty(n, dtype=torch.uint8, device=f"cuda:{device}")
-                     for n in nbytes[:2]) + (
-            torch.zeros(nbytes[2], dtype=torch.uint8, device=f"cuda:{device}"),)
+        return {name: (torch.zeros if name == "split_counters" else torch.empty)(
+            n, dtype=torch.uint8, device=f"cuda:{device}") for name, n in nbytes.items()}
     from mhadsl.runtime import driver
-    buffers = tuple(driver.DeviceBuffer(n, device) for n in nbytes)
-    driver.memset_d32_async(buffers[2].ptr, 0, nbytes[2] // 4, device=device)
+    buffers = {name: driver.DeviceBuffer(n, device) for name, n in nbytes.items()}
+    counters = buffers["split_counters"]
+    driver.memset_d32_async(counters.ptr, 0, counters.nbytes // 4, device=device)
     driver.synchronize(device)
     return buffers
 
@@ -173,7 +174,8 @@ def decode(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
     key = torch_signature(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out)
     if key is not None:  # torch tensors: a signature seen before runs its plan
         key = typed_key(key, (max_seqlen_q, scale, return_lse, num_splits))
-        planned = kernel._decode_plans.get(key)
+        key = ("decode", *key)
+        planned = kernel.launcher.fast_plans.get(key)
         if planned is not None and not planned.debug_mode():
             return _run_torch(planned, q, k_cache, v_cache, cache_seqlens, page_table,
                               cu_seqlens_q, out, stream, kernel.recording_workspace)
@@ -257,11 +259,11 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
 
     planned = _plan(kernel, call, dev, ragged, want_lse, num_splits)
     if key is not None and not driver.debug_mode():
-        kernel._decode_plans[key] = planned
+        kernel.launcher.fast_plans[key] = planned
     if not planned.empty:
         addresses = {n: t.ptr for n, t in dev.items()}
-        planned.plan.launch({**addresses, **planned.split_workspace(handle)}, handle,
-                            workspace=kernel.recording_workspace)
+        launch(planned.plans, {**addresses, **planned.split_workspace(handle)}, handle,
+               kernel.recording_workspace)
     if out_view.on_host:
         tensors.from_device(dev["o"], out_obj, stream=handle)
     if want_lse and isinstance(lse_obj, np.ndarray):
@@ -271,66 +273,49 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
 
 def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
           num_splits: int | None) -> _DecodePlan:
+    """The decode design's build for the call's shape (its KV tile chosen here), the split
+    of the cache (the scheduler's `kv_splits` rule, else `default_splits`), then the
+    launcher's plan."""
     from mhadsl.runtime import driver
-    from mhadsl.runtime.launch import LaunchPlan, TensorShape
+    from mhadsl.runtime.launch import TensorShape
     q, k_cache = dev["q"], dev["k_cache"]
     heads, kv_heads = q.shape[-2], k_cache.shape[-2]
     group = heads // kv_heads
     rows_per_seq = 0 if ragged else q.shape[1]
     device = q.device
-    info = driver.device_info(device)
+    num_sms = driver.device_info(device).multiprocessor_count
     q_rows = call.max_seqlen_q if ragged else rows_per_seq
     rows = packed_rows(rows_per_seq, group)
-    q_tiles = max(1, -(-q_rows * group // rows))
-    groups = call.batch * kv_heads * q_tiles
-    backend, target = kernel._design(device, "decode")
+    groups = call.batch * kv_heads * max(1, -(-q_rows * group // rows))
+    launcher = kernel.launcher
+    wgmma = select_target(driver.device_info(device).compute_capability).arch == "sm_90a"
     layout = Layout(group, False, want_lse, CacheLayout(
-        rows_per_seq, call.page_size or 0, kv_tile(rows, groups, info.multiprocessor_count,
-                                                  call.page_size or 0,
-                                                  wgmma=target.arch == "sm_90a")))
-    build = kernel._build(layout, target, backend)
-    config, launch = build.config, build.launch
-    ctas_per_sm = build.function.max_active_blocks(launch.threads, launch.shared_bytes)
+        rows_per_seq, call.page_size or 0,
+        kv_tile(rows, groups, num_sms, call.page_size or 0, wgmma=wgmma)))
+    loaded = launcher.load(layout, device)
+    config, design = loaded.config, loaded.design
+    _, ctas_per_sm = launcher.occupancy(loaded)
     capacity = k_cache.shape[1] if call.page_size is None else \
         dev["page_table"].shape[1] * call.page_size
-    host = kernel._host_scheduler(config, backend)
-    splits = (num_splits or host.kv_splits(call.batch, capacity, kv_heads,
-                                           info.multiprocessor_count, ctas_per_sm)
-              or default_splits(groups, info.multiprocessor_count, capacity, config.block_n))
-    chunk = -(-max(capacity, 1) // splits)
-    chunk = -(-chunk // config.block_n) * config.block_n
-    splits = -(-max(capacity, 1) // chunk)  # none left empty by the rounding
-    work_tiles = q_tiles * splits
-    grid = host.grid(call.batch, work_tiles, work_tiles, kv_heads, info.multiprocessor_count,
-                     ctas_per_sm)
-    if 0 in grid:
-        raise ValueError(f"scheduler '{host.spec.name}' asked for grid {grid}; "
-                         f"every dimension must be at least 1")
-    ragged_strides = {"q_stride_batch": 0 if ragged else q.strides[0],
-                      "o_stride_batch": 0 if ragged else dev["o"].strides[0]}
-    values = {
-        **ragged_strides,
-        "page_table_stride": dev["page_table"].strides[0] if call.page_size else 0,
-        "lse_stride_batch": 0 if ragged else heads * q.shape[1],
-        "lse_stride_head": q.shape[0] if ragged else q.shape[1],
-        "batch": call.batch, "kv_heads": kv_heads, "query_rows": rows_per_seq,
-        "cache_capacity": capacity, "q_tiles": q_tiles, "num_splits": splits,
-        "kv_chunk": chunk, "work_tiles": work_tiles, "softmax_scale": call.scale,
-        "num_sms": info.multiprocessor_count, "ctas_per_sm": ctas_per_sm,
-    }
+    host = launcher.host_scheduler(config, design)
+    splits = (num_splits or host.kv_splits(call.batch, capacity, kv_heads, num_sms,
+                                           ctas_per_sm)
+              or default_splits(groups, num_sms, capacity, config.block_n))
+    sizes = CallSizes(call.batch, heads, kv_heads, rows_per_seq, capacity, q_rows, capacity,
+                      q.shape[0] if ragged else call.batch * rows_per_seq, ragged, call.scale,
+                      query_rows=rows_per_seq, cache_capacity=capacity,
+                      page_table_stride=dev["page_table"].strides[0] if call.page_size else 0,
+                      num_splits=splits)
     shapes = {n: TensorShape(tuple(t.shape), tuple(t.strides), t.dtype) for n, t in dev.items()}
-    plan = LaunchPlan(build.function, grid, launch.threads, launch.shared_bytes, backend.abi,
-                      config, device, shapes, values)
-    partial_rows = groups * splits * config.rows if splits > 1 else 0
-    split_bytes = (partial_rows * config.head_dim * 4, partial_rows * 4, groups * 4) \
-        if partial_rows else (0, 0, 0)
+    values = design.call_values(config, sizes)
     lse_shape = tuple(dev["lse"].shape) if want_lse else None
-    empty = not (call.batch and heads and (q_rows if ragged else rows_per_seq))
+    empty = not (call.batch and heads and q_rows)
     from mhadsl.runtime.tensors import ITEMSIZE, contiguous_strides
     spans = {n: span(t.shape, t.strides, ITEMSIZE[t.dtype]) if 0 not in t.shape else -1
              for n, t in shapes.items() if n in _READ_AND_WRITTEN}
-    return _DecodePlan(plan, tuple(q.shape), lse_shape, split_bytes, device, {}, splits,
-                       q_tiles, chunk, empty, shapes, spans,
+    return _DecodePlan(launcher.plan(loaded, sizes, shapes), tuple(q.shape), lse_shape,
+                       design.scratch(config, sizes), device, {}, values["num_splits"],
+                       values["q_tiles"], values["kv_chunk"], empty, shapes, spans,
                        shapes["q"].strides == contiguous_strides(shapes["q"].shape),
                        driver.debug_mode)
 
@@ -356,8 +341,7 @@ def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_ta
         lse = q.new_empty(planned.lse_shape, dtype=torch.float32)
         addresses["lse"] = lse.data_ptr()
     handle = torch_stream(torch, q.get_device()) if stream is None else stream_handle(stream)
-    if planned.split_bytes[0]:
-        addresses.update(planned.split_workspace(handle))
+    addresses.update(planned.split_workspace(handle))
     if not planned.empty:
-        planned.plan.launch(addresses, handle, workspace=workspace)
+        launch(planned.plans, addresses, handle, workspace)
     return (out, lse) if planned.lse_shape is not None else out

@@ -221,12 +221,13 @@ def run_trace(program: Program, kernel: str, workload: Workload, *, scheduler: s
     tiles_bound = sum(-(-n // 16) for n in w.lengths) * w.heads  # any tile height >= 16
     records, written, ms_untraced, ms_traced = _record(torch, plain, traced, inputs,
                                                        tiles_bound, reps)
-    target, build, ctas_per_sm = _traced_build(traced)
-    spec = traced.scheduler_spec(build.config, build.backend)
-    grid = traced._grid(build.config, _GridCall(len(w.lengths), w.heads, max(w.lengths)),
-                        info.multiprocessor_count, ctas_per_sm)
-    run = TraceRun(kernel, spec.name, spec.args, workload, info.name, build.backend.name,
-                   target.arch, build.config.block_m, build.config.block_n,
+    loaded, ctas_per_sm = _traced_build(traced)
+    config = loaded.config
+    spec = traced.scheduler_spec(config, loaded.design)
+    planned, = traced.launcher.plans.values()  # (the one call signature it ran)
+    grid = planned.plans[0].grid
+    run = TraceRun(kernel, spec.name, spec.args, workload, info.name, loaded.design.name,
+                   loaded.build.arch, config.block_m, config.block_n,
                    info.multiprocessor_count, ctas_per_sm, grid, records, written,
                    ms_untraced, ms_traced,
                    4.0 * allowed_pairs(plain, problem) * w.heads * plain.options.head_dim)
@@ -267,19 +268,10 @@ def _record(torch, plain: Kernel, traced: Kernel, inputs: dict, items_bound: int
 
 
 def _traced_build(traced: Kernel):
-    """(target, build, CTAs of it per multiprocessor) of the one build a traced kernel ran."""
-    ((_, target, _), build), = traced._builds.items()
-    return target, build, build.function.max_active_blocks(build.launch.threads,
-                                                           build.launch.shared_bytes)
-
-
-@dataclass
-class _GridCall:
-    """What `Kernel._grid` reads of a call."""
-
-    batch: int
-    heads: int
-    max_seqlen_q: int
+    """(the loaded build, CTAs of it per multiprocessor) of the one build a traced kernel
+    ran."""
+    loaded, = traced.launcher.loaded.values()
+    return loaded, traced.launcher.occupancy(loaded)[1]
 
 
 # ------------------------------------------------------------------ decode with split-KV
@@ -429,17 +421,18 @@ def run_decode_trace(program: Program, kernel: str, workload: DecodeWorkload, *,
     groups_bound = len(w.cache_lens) * w.kv_heads * rows_bound
     records, written, ms_untraced, ms_traced = _record(
         torch, plain, traced, inputs, groups_bound * (w.kv_splits + 1), reps)
-    planned, = traced._decode_plans.values()
-    target, build, ctas_per_sm = _traced_build(traced)
-    spec = traced.scheduler_spec(build.config, build.backend)
+    planned, = traced.launcher.fast_plans.values()
+    loaded, ctas_per_sm = _traced_build(traced)
+    config = loaded.config
+    spec = traced.scheduler_spec(config, loaded.design)
     info = driver.device_info()
     work = DecodeWork(w.kv_heads, w.cache_lens, planned.q_tiles, planned.num_splits,
                       planned.kv_chunk)
     head_dim = plain.options.head_dim
     run = DecodeTraceRun(kernel, spec.name, spec.args, workload, info.name,
-                         build.backend.name, target.arch, build.config.block_m,
-                         build.config.block_n, info.multiprocessor_count, ctas_per_sm,
-                         planned.plan.grid, records, written, ms_untraced, ms_traced, 0.0,
+                         loaded.design.name, loaded.build.arch, config.block_m,
+                         config.block_n, info.multiprocessor_count, ctas_per_sm,
+                         planned.plans[0].grid, records, written, ms_untraced, ms_traced, 0.0,
                          gqa_group=spec.gqa_group, work=work,
                          kv_bytes=2 * sum(w.cache_lens) * w.kv_heads * head_dim * 2)
     run.check()

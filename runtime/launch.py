@@ -55,20 +55,24 @@ class ParamBlock:
         return offset // 8
 
 
-def signature_value(binding, tensors: Mapping[str, TensorShape | None], values: Mapping,
-                    ragged: bool):
+def ragged(t: TensorShape) -> bool:
+    """Whether `t` holds the rows of all sequences, (T, H, D): it has no batch axis."""
+    return len(t.shape) == 3
+
+
+def signature_value(binding, tensors: Mapping[str, TensorShape | None], values: Mapping):
     """The value of a parameter the call's signature fixes (`Stride`, `CallValue`)."""
     if isinstance(binding, Stride):
         t = tensors[binding.tensor]
-        return 0 if ragged and binding.axis == "batch" else t.strides[_AXES[binding.axis]]
+        return 0 if ragged(t) and binding.axis == "batch" else t.strides[_AXES[binding.axis]]
     return values[binding.name]
 
 
-def map_request(binding: TensorMap, t: TensorShape, config, ragged: bool) -> tuple:
+def map_request(binding: TensorMap, t: TensorShape, config) -> tuple:
     """(shape, strides, box) of the tensor map over `t`, outermost first, in elements: a
     ragged (T, H, D) tensor is seen as (1, T, H, D); empty extents count as 1 (the driver
     wants at least 1; such a map is never read)."""
-    if ragged:
+    if ragged(t):
         shape = (1, *t.shape)
         strides = (max(t.shape[0], 1) * t.strides[0], *t.strides)
     else:
@@ -84,19 +88,18 @@ class LaunchPlan:
     `launch(addresses, stream)` takes device addresses by name (of the call's tensors, and
     of workspaces other than the stream's queue; absent ones are null) and a raw stream
     handle; `workspace` replaces the stream's (a traced launch records into its own).
-    A `ragged` launch packs batch strides 0 and sees ragged tensors as (1, T, H, D) in its
-    tensor maps. With a `tile_index` (`runtime.tile_index.plan`) it builds its tile index
-    over cu_seqlens_q first, on the device by a kernel of its own; without one, a caller
-    that numbers other tiles passes the index in."""
+    Ragged tensors (`ragged`) have batch stride 0 and are seen as (1, T, H, D) in tensor
+    maps. With a `tile_index` (`runtime.tile_index.plan`) the launch builds its tile index
+    first, on the device by a kernel of its own, over the row offsets `tile_offsets`."""
 
     def __init__(self, function, grid: tuple[int, int, int], threads: int,
                  shared_bytes: int, abi: KernelABI, config, device: int,
                  tensors: Mapping[str, TensorShape | None], values: Mapping,
-                 ragged: bool = False, tile_index=None):
+                 tile_index=None, tile_offsets: str = "cu_seqlens_q"):
         self.function, self.grid, self.threads = function, grid, threads
         self.shared_bytes, self.device = shared_bytes, device
         self.block = ParamBlock(abi)
-        self._tile_index = tile_index
+        self._tile_index, self._tile_offsets = tile_index, tile_offsets
         # (tensor or workspace name, the block's word of its address)
         self._pointers: list[tuple[str, int]] = []
         self._queue: int | None = None  # the word of the stream's workspace
@@ -109,11 +112,11 @@ class LaunchPlan:
                 self._pointers.append((b.tensor if isinstance(b, Pointer) else b.name,
                                        self.block.word(p.name)))
             elif isinstance(b, TensorMap):
-                shape, strides, box = map_request(b, tensors[b.tensor], config, ragged)
+                shape, strides, box = map_request(b, tensors[b.tensor], config)
                 self._maps.append((b.tensor, abi.offsets[p.name], tensors[b.tensor].dtype,
                                    shape, strides, box, b.swizzle))
             else:
-                self.block.pack(p.name, signature_value(b, tensors, values, ragged))
+                self.block.pack(p.name, signature_value(b, tensors, values))
         self.function.set_max_dynamic_shared(shared_bytes)
         self._launch = function.launcher(grid, threads, shared_bytes, self.block.address)
         self._lock = threading.Lock()  # the block is shared: one patch-and-launch at a time
@@ -127,7 +130,7 @@ class LaunchPlan:
             workspace = driver.workspace(stream, self.device).ptr
         if self._tile_index is not None:
             addresses = {**addresses, "tile_index": self._tile_index.prepare(
-                addresses["cu_seqlens_q"], stream)}
+                addresses[self._tile_offsets], stream)}
         with self._lock:
             self._patch(addresses)
             if self._queue is not None:

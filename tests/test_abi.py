@@ -171,3 +171,20 @@ def test_designs_share_no_parameter_list_and_codegen_never_imports_runtime():
         text = (root / "backends" / f"{design}.py").read_text()
         assert re.search(r"backends\.sm\d+ import", text) is None, design
     assert sm80.ABI.params == sm90.ABI.params[:len(sm80.ABI.params)]  # FORWARD_PARAMS
+
+
+def test_the_trace_kernel_declares_its_abi():
+    """The scheduler trace kernel's PTX parameters are `TRACE_ABI`'s, in its types and at
+    its offsets: what a `LaunchPlan` of it packs by name."""
+    from helpers import STD, checked
+    from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
+    from mhadsl.codegen.target import emit_ptx, gpu_target, new_module, optimize
+    from mhadsl.codegen.trace_kernel import TRACE_ABI, build_trace_kernel
+    target = gpu_target("sm_80")
+    module = new_module("trace", target)
+    build_trace_kernel(module, lower_scheduler(module, checked(STD),
+                                               SchedulerSpec("Persistent"), target))
+    params = ptx_params(emit_ptx(optimize(module, target), target), "trace_Persistent")
+    assert [ptx_type for ptx_type, *_ in params] == \
+        [{"ptr": ".u64", "i32": ".u32"}[p.kind] for p in TRACE_ABI]
+    assert offsets(params) == [TRACE_ABI.offsets[p.name] for p in TRACE_ABI]

@@ -47,7 +47,7 @@ def test_kernel_parameters_come_from_the_backend():
     assert resolved.backend is backends.backend("sm80")
     names = [p.name for p in resolved.backend.abi]
     assert len(names) == len(set(names)) and {"q", "k", "v", "o", "queue"} <= set(names)
-    shape = resolved.backend.launch_shape(resolved.configs[0])
+    shape = resolved.backend.scheduled(resolved.configs[0])
     assert (shape.threads, shape.shared_bytes) == (128, (128 + 2 * 64) * 64 * 2)
 
 
@@ -122,7 +122,7 @@ def test_what_the_backend_accepts_it_builds(default_options, head_dim, warps, bl
             continue
         for config in sm80.configs(options, Layout()):
             config.validate()
-            assert sm80.launch_shape(config).shared_bytes <= backends.SHARED_MEMORY_LIMIT[arch]
+            assert sm80.scheduled(config).shared_bytes <= backends.SHARED_MEMORY_LIMIT[arch]
 
 
 def test_the_backward_and_sm90_look_for_kept_tiles_a_warp_at_a_time(monkeypatch, tmp_path):

@@ -13,8 +13,9 @@ import pytest
 import mhadsl
 from helpers import EXAMPLES, REPO
 from mhadsl.abi import KIND_ALIGN
-from mhadsl.backward import _design, backward_work
+from mhadsl.backward import backward_work
 from mhadsl.codegen.assemble import find_ptxas
+from mhadsl.codegen import backends
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.backends.backward import (
     BACKEND, DQ, MAIN, POSTPROCESS, PREPROCESS, BackwardConfig, dq_shared_bytes, pass_swizzle,
@@ -75,7 +76,8 @@ def test_every_example_backward_assembles_without_spills(path, name, layout, arc
                 "red.global.add.v4.f32" if arch == "sm_90a" else "atom.global.add.f32")
     assert reductions == (set() if layout.deterministic else {expected})
     assert build.config.deterministic == layout.deterministic
-    assert set(build.assembled.kernels) == set(_design(build.config).kernel_names(build.config))
+    assert set(build.assembled.kernels) == {
+        k.name for k in backends.backend(build.backend).kernels(build.config)}
     for resources in build.assembled.kernels.values():
         assert resources.spills == 0 and resources.stack_bytes == 0, resources
 
@@ -95,12 +97,11 @@ def test_the_causal_d128_main_kernel_steps_64_query_rows_without_spills(arch):
 def test_the_kernels_take_the_abi_in_its_types_and_offsets(deterministic):
     kern = mhadsl.compile(EXAMPLES[0].parent / "causal.mha")["causal_fwd"]
     build = kern.backward_build("sm_90a", deterministic=deterministic)
-    design = _design(build.config)
-    names = design.kernel_names(build.config)
-    assert names == (PREPROCESS, MAIN, DQ if deterministic else POSTPROCESS)
-    for kernel_name in names:
-        abi = design.kernel_abi(kernel_name)
-        params = ptx_params(build.ptx, kernel_name)
+    kernels = backends.backend(build.backend).kernels(build.config)
+    assert [k.name for k in kernels] == [PREPROCESS, MAIN, DQ if deterministic else POSTPROCESS]
+    for kernel in kernels:
+        abi = kernel.abi
+        params = ptx_params(build.ptx, kernel.name)
         assert len(params) == len(abi.params)
         assert offsets(params) == [abi.offsets[p.name] for p in abi]
         # (LLVM 22 gives a byval tensor map 128-byte alignment; the sm90 design lists its

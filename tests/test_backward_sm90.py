@@ -16,12 +16,13 @@ from llvmlite import ir
 import mhadsl
 from helpers import EXAMPLES, fake_launcher
 from mhadsl import backward as host
+from mhadsl.abi import CallSizes
 from mhadsl.codegen import hopper, nvptx
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import SHARED_MEMORY_LIMIT, Layout, backend_for_arch
 from mhadsl.codegen.backends import backward_sm90 as H
 from mhadsl.codegen.backends.backward import ROW_TILE, BackwardConfig
-from mhadsl.runtime import tensors, tile_index
+from mhadsl.runtime import driver, tensors, tile_index
 from test_hostile_tensors import D, SOURCE
 from test_launch_host_path import kernel  # noqa: F401 (a fixture)
 
@@ -75,14 +76,15 @@ def test_config_problems_and_shared_memory():
     for d in (64, 128):
         config = H.HopperBackwardConfig(head_dim=d)
         assert H.shared_bytes(config) <= SHARED_MEMORY_LIMIT["sm_90a"]
-        assert H.launch_shapes(config)[H.MAIN].threads == 384  # a producer, two consumers
+        assert H.BACKEND.scheduled(config).threads == 384  # a producer, two consumers
 
 
 def test_the_tensor_maps_come_first_at_multiples_of_128_bytes():
     maps = [p for p in H.ABI if p.kind == "tensor_map"]
     assert [p.name for p in H.ABI][:4] == ["q_map", "k_map", "v_map", "dout_map"]
     assert [H.ABI.offsets[p.name] for p in maps] == [0, 128, 256, 384]
-    assert H.kernel_abi(H.MAIN) is H.ABI and H.kernel_abi(H.PREPROCESS) is not H.ABI
+    abis = {k.name: k.abi for k in H.BACKEND.kernels(H.HopperBackwardConfig())}
+    assert abis[H.MAIN] is H.ABI and abis[H.PREPROCESS] is abis[H.POSTPROCESS] is not H.ABI
 
 
 @needs_ptxas
@@ -228,35 +230,44 @@ def test_a_ragged_call_maps_all_rows_in_the_boxes_its_copies_expect(kernel, monk
                                                                     tmp_path):
     """The host's plans for a ragged call of the Hopper design: tensor maps over
     (1, total rows, H, D) whose boxes fill exactly the bytes the kernel's copies expect on
-    their mbarriers, and the tile index the call built over the K/V tiles (no other)."""
+    their mbarriers, and the tile index built just before the main kernel over the K/V
+    tiles of cu_seqlens_k (no other)."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     build = mhadsl.compile(SOURCE)["h64"].backward_build("sm_90a", gqa_group=2, ragged=True)
     config = build.config
     assert build.backend == "backward_sm90" and config.ragged
-    blocks = {}
+    blocks, indexed = {}, []
+    abis = {k.name: k.abi for k in H.BACKEND.kernels(config)}
 
     def function(name):
         def launch(grid, threads, shared_bytes, stream, params):
             blocks[name] = ctypes.string_at(ctypes.cast(params, ctypes.POINTER(
-                ctypes.c_void_p))[0], H.kernel_abi(name).size)
+                ctypes.c_void_p))[0], abis[name].size)
         return SimpleNamespace(max_active_blocks=lambda *a: 1, launcher=fake_launcher(launch),
                                set_max_dynamic_shared=lambda nbytes: None)
-    monkeypatch.setattr(host, "_functions", lambda *a: (
-        {name: function(name) for name in H.kernel_names(config)}, config))
-    monkeypatch.setattr(tile_index, "plan", lambda *a: pytest.fail("a plan built a tile index"))
+    monkeypatch.setattr(kernel.launcher, "build", lambda layout, arch: build)
+    monkeypatch.setattr(driver.Module, "from_cubin", staticmethod(
+        lambda cubin, device=None: SimpleNamespace(function=function)))
+
+    def index_plan(index_kernel, batch, tile_m, device):
+        def prepare(offsets, stream):
+            indexed.append((offsets, batch, tile_m, sorted(blocks)))
+            return 0xABC000
+        return SimpleNamespace(prepare=prepare)
+    monkeypatch.setattr(tile_index, "plan", index_plan)
     total_q, total_k, heads, kv_heads = 14, 9, 4, 2
     shapes = {"q": (total_q, heads, D), "o": (total_q, heads, D), "dout": (total_q, heads, D),
               "dq": (total_q, heads, D), "k": (total_k, kv_heads, D), "v": (total_k, kv_heads, D),
               "dk": (total_k, kv_heads, D), "dv": (total_k, kv_heads, D)}
-    call = SimpleNamespace(batch=3, heads=heads, kv_heads=kv_heads, seqlen_q=0, seqlen_k=0,
-                           max_seqlen_q=9, max_seqlen_k=7, total_q=total_q, ragged=True)
-    plans, block_n, _ = host._plans(kernel, call, {n: _TorchLike(s) for n, s in shapes.items()},
-                                    0.125, 0, False)
-    assert block_n == config.block_n
+    call = SimpleNamespace(sizes=CallSizes(3, heads, kv_heads, 0, 0, 9, 7, total_q, True,
+                                           0.125))
+    plans, _ = host._plans(kernel, call, {n: _TorchLike(s) for n, s in shapes.items()}, 0,
+                           False)
     addresses = {name: (i + 1) << 32 for i, name in enumerate(
-        [*shapes, "lse", "delta", "dq_accum", "cu_seqlens_q", "cu_seqlens_k", "tile_index"])}
+        [*shapes, "lse", "delta", "dq_accum", "cu_seqlens_q", "cu_seqlens_k"])}
     for plan in plans:
         plan.launch(addresses, 0)
+    assert indexed == [(addresses["cu_seqlens_k"], 3, config.block_n, [H.PREPROCESS])]
     main = blocks[H.MAIN]
     expected = set()
     for p in (p for p in H.ABI if p.kind == "tensor_map"):
@@ -274,8 +285,7 @@ def test_a_ragged_call_maps_all_rows_in_the_boxes_its_copies_expect(kernel, monk
         r'"mbarrier\.arrive\.expect_tx[^"]*", "[^"]*"\(i32 %"[^"]+", i32 (\d+)\)', build.llvm)}
     assert announced == {2 * config.q_bytes + 4 * len(H.STATS) * config.block_m,
                          2 * config.kv_bytes}
-    assert struct.unpack_from("<Q", main, H.ABI.offsets["tile_index"])[0] == \
-        addresses["tile_index"]
+    assert struct.unpack_from("<Q", main, H.ABI.offsets["tile_index"])[0] == 0xABC000
 
 
 def test_wgmma_takes_a_transposed_shared_a_operand():
@@ -333,19 +343,27 @@ def _host_accum_offset(config):
     return call
 
 
+
+def _scratch_floats(config, lengths: list[int], heads: int) -> dict[str, int]:
+    """The design's scratch buffers (`Backend.scratch`) in floats, for sequences of
+    `lengths` (dense: all of the first's length)."""
+    call = CallSizes(len(lengths), heads, heads, lengths[0], 0, max(lengths), 0, sum(lengths),
+                     config.ragged, 1.0)
+    return {name: nbytes // 4 for name, nbytes in H.BACKEND.scratch(config, call).items()}
+
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_dq_accumulator_places_every_sequences_rows_apart_within_its_size(ragged, block_m):
     """The kernel's and the row kernels' addressing (`_accum_offset`, run on the host):
     a tile's block is its (tile, head) pair's, its values at `dq_accum_position`; no two
-    (sequence, row, head, column) share a float, and all fit in `scratch_elements` (ragged:
+    (sequence, row, head, column) share a float, and all fit in the design's scratch (ragged:
     sequences of lengths 0, 1, 63, 64, 65, 127, 129, 130 back to back)."""
     config = H.HopperBackwardConfig("bf16", 64, ragged=ragged, block_m=block_m)
     offset = _host_accum_offset(config)
     heads, bm, D = 3, config.block_m, config.head_dim
     lengths = [0, 1, 63, 64, 65, 127, 129, 130] if ragged else [150] * 3
     starts = np.concatenate([[0], np.cumsum(lengths)])[:-1]
-    size = H.scratch_elements(config, sum(lengths), heads, len(lengths), lengths[0])["dq_accum"]
+    size = _scratch_floats(config, lengths, heads)["dq_accum"]
     places = set()
     for bidx, (start, length) in enumerate(zip(starts, lengths)):
         first = (start + bidx * bm) // bm if ragged else bidx * -(-length // bm)
@@ -381,13 +399,13 @@ def test_a_query_tiles_stats_are_one_bulk_copy_of_their_own(ragged):
     rows, contiguous from the tile's first LSE (the step's one bulk copy of 2 block_m
     floats), the rows past the sequence up to the tile's end included (the preprocess
     zeroes them); no two (sequence, row, head, stat) share a float, and all fit in
-    `scratch_elements`."""
+    the design's scratch."""
     config = H.HopperBackwardConfig("bf16", 128, ragged=ragged)
     offsets = {which: _host_stats_offset(config, which) for which in H.STATS}
     heads, bm = 3, config.block_m
     lengths = [0, 1, 63, 64, 65, 130] if ragged else [70] * 3
     starts = np.concatenate([[0], np.cumsum(lengths)])[:-1]
-    size = H.scratch_elements(config, sum(lengths), heads, len(lengths), lengths[0])["delta"]
+    size = _scratch_floats(config, lengths, heads)["delta"]
     places = set()
     for bidx, (start, length) in enumerate(zip(starts, lengths)):
         for row in range(-(-length // bm) * bm):
@@ -409,7 +427,9 @@ def test_the_preprocess_writes_every_row_of_a_sequences_last_stats_block(block_m
     past the sequence get -inf and zero there, not stale memory (a 128-row tile over a
     64-row preprocess once gave NaN dK in ragged calls)."""
     config = H.HopperBackwardConfig("bf16", 64, ragged=True, block_m=block_m)
-    tiles, heads, batch = H.fixed_grids(config, 5, 3, max_seqlen_q)[H.PREPROCESS]
+    call = CallSizes(5, 3, 3, 0, 0, max_seqlen_q, 0, 0, True, 1.0)
+    tiles, heads, batch = next(k for k in H.BACKEND.kernels(config)
+                               if k.name == H.PREPROCESS).grid(call)
     assert (heads, batch) == (3, 5)
     assert tiles * ROW_TILE >= -(-max_seqlen_q // block_m) * block_m
 

@@ -17,6 +17,7 @@ from mhadsl.classify import (
     emit_kv_limits, kv_band_tiles, kv_limits,
 )
 from mhadsl.codegen import warp
+from mhadsl.codegen.backends import declaration_problems
 from mhadsl.codegen.target import HOST, HostJit, emit_ptx, gpu_target, new_module, optimize
 from mhadsl.parse import load_program
 from mhadsl.reference import evaluate_rule
@@ -53,7 +54,7 @@ EXACT = ("causal", "bottom_right", "window", "bottom_right_window")
 @functools.cache
 def mask_of(name: str):
     src = f"attention a {{ dtype = bf16  head_dim = 128  {MASKS[name]} }}"
-    program = check_program(load_program(src, "t.mha", Path(".")))
+    program = check_program(load_program(src, "t.mha", Path(".")), declaration_problems)
     rule = next(r for r in program.attentions["a"].rules if r.name == "mask")
     return rule, program
 

@@ -132,7 +132,8 @@ def assert_matches(kern, args, lse=False):
 
 def assert_ran_on(kern, design: str):
     """Every build the kernel loaded is `design`'s (a launch never swaps designs quietly)."""
-    assert kern._builds and {b.backend.name for b in kern._builds.values()} == {design}
+    loaded = kern.launcher.loaded.values()
+    assert loaded and {b.design.name for b in loaded} == {design}
 
 
 def _covered_rows(args):
@@ -262,7 +263,7 @@ def test_one_build_for_five_shapes(backend):
     for b, s in [(1, 1), (2, 127), (3, 129), (1, 3000), (5, 64)]:
         assert_matches(kern, dense(kern, b, s, s, 2, 2))
     assert kern.builds_compiled <= 1  # 0 when the on-disk cache already held it
-    assert len(kern._builds) == 1
+    assert len(kern.launcher.loaded) == 1
 
 
 def test_cuda_graph_replay(backend):

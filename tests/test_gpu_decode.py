@@ -180,7 +180,7 @@ def test_small_kv_tiles_of_many_groups():
         k, v, seqlens, table = cache([100 + 37 * i for i in range(batch)], 2, 128,
                                      page_size=page_size)
         check(kern, queries(batch, 1, 16, 128), k, v, seqlens, table, lse=True)
-        assert list(kern._decode_plans.values())[-1].plan.threads == threads
+        assert list(kern.launcher.fast_plans.values())[-1].plans[0].threads == threads
 
 
 def test_small_kv_tiles_of_many_warpgroup_groups():
@@ -195,12 +195,12 @@ def test_small_kv_tiles_of_many_warpgroup_groups():
                                      page_size=page_size, seed=3)
         check(kern, queries(batch, 16, 8, 128), k, v, seqlens, table, lse=True)
         if torch.cuda.get_device_capability(0) == (9, 0):  # the build this call ran
-            shared = list(kern._decode_plans.values())[-1].plan.shared_bytes
+            shared = list(kern.launcher.fast_plans.values())[-1].plans[0].shared_bytes
             assert any(b.config.wgmma and b.config.block_n == block_n
-                       for b in kern._builds.values()
+                       for b in kern.launcher.loaded.values()
                        if getattr(b.config, "query_rows", None) == 16 and b.config.gqa_group == 4
                        and b.config.page_size == (page_size or 0)
-                       and b.launch.shared_bytes == shared)
+                       and b.design.scheduled(b.config).shared_bytes == shared)
 
 
 def test_long_single_sequence_splits():
@@ -208,7 +208,7 @@ def test_long_single_sequence_splits():
     kern = PROGRAM["causal"]
     k, v, seqlens, table = cache([40000], 8, 128)
     check(kern, queries(1, 1, 32, 128), k, v, seqlens, table, lse=True)
-    planned = list(kern._decode_plans.values())[-1]  # the plan that call made
+    planned = list(kern.launcher.fast_plans.values())[-1]  # the plan that call made
     assert planned.num_splits > 1
 
 
@@ -234,8 +234,8 @@ def test_the_sm80_build_runs_every_kind_of_decode(monkeypatch, name, group, sq, 
     k, v, seqlens, table = cache([sq + 3, 200, 1100], 2, d, page_size=page_size, seed=group)
     check(kern, queries(3, sq, 2 * group, d), k, v, seqlens, table,
           lse=kern.options.return_lse, num_splits=splits)
-    assert [t.arch for _, t in kern._designs.values()] == ["sm_80"]
-    assert not any(b.config.wgmma for b in kern._builds.values())
+    assert [b.build.arch for b in kern.launcher.loaded.values()] == ["sm_80"]
+    assert not any(b.config.wgmma for b in kern.launcher.loaded.values())
 
 
 def test_graph_replay_new_contents():

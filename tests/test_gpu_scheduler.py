@@ -1,12 +1,10 @@
 """The scheduler IR compiled for NVPTX visits the same tiles as on the host (needs a GPU)."""
-import ctypes
-
 import numpy as np
 import pytest
 
 from helpers import STD, checked
 from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
-from mhadsl.codegen.trace_kernel import TRACE_FIELDS, build_trace_kernel
+from mhadsl.codegen.trace_kernel import TRACE_ABI, TRACE_FIELDS, build_trace_kernel
 from mhadsl.codegen.target import emit_ptx, gpu_target, new_module, optimize
 from mhadsl.simulate import Batch, HostScheduler, simulate
 
@@ -20,6 +18,7 @@ def gpu_trace(spec: SchedulerSpec, batch: Batch, num_sms: int, threads: int = 12
     """Run the trace kernel; returns {cta: [tiles in visit order]}."""
     from mhadsl.build import tile_index_kernel
     from mhadsl.runtime import driver, tile_index
+    from mhadsl.runtime.launch import LaunchPlan
 
     info = driver.device_info()
     arch = "sm_90a" if info.compute_capability >= (9, 0) else "sm_80"
@@ -40,15 +39,20 @@ def gpu_trace(spec: SchedulerSpec, batch: Batch, num_sms: int, threads: int = 12
     d_out = driver.DeviceBuffer.from_numpy(out)
     d_vl = driver.DeviceBuffer.from_numpy(offsets)
     d_overflow = driver.DeviceBuffer.from_numpy(np.zeros(1, np.uint32))
-    workspace = driver.queue_workspace()
-    index = tile_index.prepare(tile_index_kernel(), d_vl.ptr, len(batch.seqlens),
-                               batch.tile) if batch.ragged else 0
-    fn = driver.Module.from_ptx(ptx).function(kernel_name)
-    u32 = ctypes.c_uint32
-    fn.launch(grid, (threads, 1, 1), 0, None,
-              [workspace, u32(num_sms), u32(len(batch.seqlens)), u32(batch.max_num_prompt_tiles),
-               u32(max(batch.seqlens)), u32(batch.heads), d_vl.ptr if batch.ragged else 0,
-               d_out, u32(max_steps), d_overflow, index])
+    device = driver.ensure_context()
+    fn = driver.Module.from_ptx(ptx, device).function(kernel_name)
+    values = {"num_sms": num_sms, "batch": len(batch.seqlens),
+              "max_num_prompt_tiles": batch.max_num_prompt_tiles,
+              "max_seqlen_q": max(batch.seqlens), "num_heads": batch.heads,
+              "max_steps": max_steps}
+    # a ragged launch builds its tile index over cu_seqlens_q first
+    index = tile_index.plan(tile_index_kernel(), len(batch.seqlens), batch.tile, device) \
+        if batch.ragged else None
+    plan = LaunchPlan(fn, grid, threads, 0, TRACE_ABI, config=None, device=device, tensors={},
+                      values=values, tile_index=index)
+    # on the legacy default stream (which the copies below wait for), with its workspace
+    plan.launch({"cu_seqlens_q": d_vl.ptr if batch.ragged else 0, "trace": d_out.ptr,
+                 "overflow": d_overflow.ptr}, stream=0)
     d_out.copy_to_numpy(out)
     overflow = np.zeros(1, np.uint32)
     d_overflow.copy_to_numpy(overflow)

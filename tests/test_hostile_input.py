@@ -14,6 +14,7 @@ import mhadsl
 from helpers import REPO
 from mhadsl.check import check_program
 from mhadsl.cli import main as cli_main
+from mhadsl.codegen.backends import declaration_problems
 from mhadsl.diagnostics import MAX_ERRORS, MhaError
 from mhadsl.parse import MAX_EXPR_DEPTH, MAX_STMT_DEPTH, load_program
 from mhadsl.pipeline import CompileOptions, compile_stages, front_end
@@ -136,7 +137,7 @@ def test_many_duplicates_list_a_bounded_number_of_errors():
     modules = load_program(text, "dup.mha", Path.cwd())
     tracemalloc.start()
     with pytest.raises(MhaError) as info:
-        check_program(modules)
+        check_program(modules, declaration_problems)
     rendered = info.value.render()
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import mhadsl
+from mhadsl import forward
 from mhadsl.runtime import driver, tensors
 
 SOURCE = '''import "std/schedulers.mha"
@@ -234,8 +235,9 @@ def kernel(monkeypatch):
     monkeypatch.setattr(driver, "ensure_context", lambda device=None: device or 0)
     monkeypatch.setattr(tensors, "to_device", lambda array, name, **kw: (
         tensors.as_device_tensor(fake_copy(array, name, **kw)[0], name), None))
-    monkeypatch.setattr(type(kern), "_launch", lambda self, call, *a: kern.touched.append(
-        ("launch", call.batch, call.heads, call.max_seqlen_q, call.max_seqlen_k)))
+    monkeypatch.setattr(forward, "_launch", lambda kernel, call, *a: kern.touched.append(
+        ("launch", call.sizes.batch, call.sizes.heads, call.sizes.max_seqlen_q,
+         call.sizes.max_seqlen_k)))
     return kern
 
 
@@ -312,9 +314,9 @@ def _gpu_cases(torch):
 def test_invalid_torch_calls_fail_before_a_launch(torch, monkeypatch):
     kern = mhadsl.compile(SOURCE)["h64"]
     launches = []
-    launch = type(kern)._launch
-    monkeypatch.setattr(type(kern), "_launch",
-                        lambda self, *a: (launches.append(1), launch(self, *a)))
+    launch = forward._launch
+    monkeypatch.setattr(forward, "_launch",
+                        lambda kernel, *a: (launches.append(1), launch(kernel, *a)))
     cases = _gpu_cases(torch)
     for name, make, error, message in cases:
         with pytest.raises(error) as info:

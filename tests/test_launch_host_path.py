@@ -15,8 +15,8 @@ import pytest
 
 import mhadsl
 from mhadsl import abi, calls
-from mhadsl.api import _Build
-from mhadsl.codegen import backends
+from mhadsl.build import RequestError, plan
+from mhadsl.codegen.backends import KernelBuild
 from mhadsl.runtime import driver, faults, tensormap, tensors
 from helpers import fake_launcher
 from test_hostile_tensors import SOURCE, FakeDevice, dense, qkv_and_out_interleaved, ragged
@@ -35,9 +35,10 @@ def _fake_map(layout) -> ctypes.Array:
 @pytest.fixture
 def kernel(monkeypatch):
     """The kernel on a stand-in 9.0 device; `kernel.launches` counts launches,
-    `kernel.calls` the planning and overlap checks the host ran, `kernel.targets` the
-    targets of the builds it loaded, `kernel.encoded` the addresses of the tensor maps it
-    encoded."""
+    `kernel.calls` the builds (each chooses the design) and overlap checks the host ran,
+    `kernel.targets` the targets of the builds it loaded, `kernel.encoded` the addresses of
+    the tensor maps it encoded. A build is the real build path's choice of design and config,
+    with no code generated."""
     kern = mhadsl.compile(SOURCE)["h64"]
     kern.launches, kern.calls, kern.targets, kern.encoded, kern.blocks = 0, Counter(), [], [], []
 
@@ -52,16 +53,20 @@ def kernel(monkeypatch):
         kern.blocks.append(ctypes.string_at(ctypes.cast(params, ctypes.POINTER(
             ctypes.c_void_p))[0], kern.abi.size))  # the parameter block as launched
 
-    def build(layout, target, backend):
-        kern.targets.append(target.arch)
-        kern.abi = backend.abi
-        config = backend.configs(kern.options, layout)[0]
-        function = SimpleNamespace(max_active_blocks=lambda *a: 2, launcher=fake_launcher(launch),
-                                   set_max_dynamic_shared=lambda nbytes: None)
-        return _Build(function, config, backend.launch_shape(config), backend, None)
+    def build(layout, arch):
+        kern.calls["build"] += 1
+        try:
+            resolved = plan(kern.program.checked, kern._request(layout, arch, kern.backend))
+        except RequestError as err:
+            raise RuntimeError(f"kernel '{kern.name}': {err}") from None
+        kern.targets.append(arch)
+        kern.abi = resolved.backend.abi
+        return KernelBuild(resolved.backend.name, arch, "", "", None, resolved.configs[0])
 
-    monkeypatch.setattr(backends, "select_backend", counted("select_backend",
-                                                           backends.select_backend))
+    function = SimpleNamespace(max_active_blocks=lambda *a: 2, launcher=fake_launcher(launch),
+                               set_max_dynamic_shared=lambda nbytes: None)
+    monkeypatch.setattr(driver.Module, "from_ptx", staticmethod(
+        lambda ptx, device=None: SimpleNamespace(function=lambda name: function)))
     monkeypatch.setattr(np, "shares_memory", counted("shares_memory", np.shares_memory))
     monkeypatch.setattr(tensors, "pointer_device", lambda ptr: ptr >> 40)
     monkeypatch.setattr(driver, "device_info", lambda device: SimpleNamespace(
@@ -75,7 +80,7 @@ def kernel(monkeypatch):
         return SimpleNamespace(layout=layout, kernel_arg=lambda: _fake_map(layout))
 
     monkeypatch.setattr(tensormap, "encode_tiled", encode)
-    monkeypatch.setattr(kern, "_build", build)
+    monkeypatch.setattr(kern.launcher, "build", build)
     tensormap.launch_arg.cache_clear()  # no map from another test, none left for the next
     yield kern
     tensormap.launch_arg.cache_clear()
@@ -85,7 +90,7 @@ def test_repeated_launches_choose_the_design_once_and_skip_numpy_for_separate_te
     for _ in range(3):
         kernel(**dense())
     assert kernel.launches == 3
-    assert kernel.calls == Counter(select_backend=1)  # once per kernel and device, not per call
+    assert kernel.calls == Counter(build=1)  # once per kernel and device, not per call
 
 
 def test_launches_over_the_same_tensors_encode_their_tensor_maps_once(kernel):
@@ -120,7 +125,7 @@ def test_the_design_is_chosen_again_for_another_device_or_a_forced_backend(kerne
     for _ in range(2):
         with pytest.raises(RuntimeError, match="builds for sm_90a, not sm_80"):
             kernel(**on_device_1(dense()))
-    assert kernel.launches == 2 and kernel.calls["select_backend"] == 4
+    assert kernel.launches == 2 and kernel.calls["build"] == 4
 
 
 def on_device_1(args: dict) -> dict:
@@ -186,9 +191,10 @@ def test_forcing_a_design_or_tracing_forgets_the_plans_of_torch_calls(kernel):
     build must not be served the plan made before it."""
     kernel(**dense())
     for setting, value in (("backend", "sm80"), ("trace", True)):
-        kernel._torch_plans[("a torch signature",)] = next(iter(kernel._plans.values()))
+        kernel.launcher.fast_plans[("a torch signature",)] = next(iter(
+            kernel.launcher.plans.values()))
         setattr(kernel, setting, value)
-        assert kernel._torch_plans == {}, setting
+        assert kernel.launcher.fast_plans == {}, setting
     kernel.trace = False
     kernel(**dense())
     assert kernel.targets == ["sm_90a", "sm_90a"] and kernel.launches == 2
@@ -223,11 +229,11 @@ def test_a_ragged_launch_builds_its_tile_index_first_by_the_index_kernels_abi(ke
 def test_a_planned_call_checks_only_new_addresses_and_never_passes_refused_ones(monkeypatch):
     """A torch call of a planned signature checks its addresses (alignment, out against q,
     k and v) unless they are the last passing call's; a refused call's are not remembered."""
-    from mhadsl.api import _Planned
+    from mhadsl.forward import _Planned
     from mhadsl.runtime.launch import TensorShape
     t = TensorShape((2, 8, 4, 64), (2048, 256, 64, 1), "bfloat16")  # 8 KiB
-    planned = _Planned(SimpleNamespace(device=0), SimpleNamespace(
-        q=SimpleNamespace(shape=t.shape), lse_shape=None), False, dict.fromkeys("qkvo", t))
+    planned = _Planned([], SimpleNamespace(q=SimpleNamespace(shape=t.shape), lse_shape=None),
+                       False, dict.fromkeys("qkvo", t), 0)
     checked = []
     check = planned.check_new_addresses
     monkeypatch.setattr(planned, "check_new_addresses",

@@ -1,13 +1,14 @@
 """The package's layers, read from its sources: the runtime loads and launches and imports no
-code generator (so no llvmlite), the code generator knows nothing of the runtime, and no
-module imports itself back through others at import time.
+code generator (so no llvmlite), nor does the checker; the code generator knows nothing of
+the runtime, and no module imports itself back through others at import time. A module past
+LONG_MODULE_LINES lines says in its docstring why it stays one module.
 
 The import graph is read with `ast`, folders mapped as pyproject maps them (codegen/ is
 `mhadsl.codegen`, ...). Its edges are the imports that run when a module is imported: the
 top-level ones (inside `if`/`try` blocks and class bodies too, but not under `if
 TYPE_CHECKING`, which never runs), and from each imported module to the packages above it,
 which Python imports first. Imports inside functions run later, when called, so they are
-left out of the cycle check; the layer checks (runtime, codegen) read every import.
+left out of the cycle check; the layer checks (runtime, codegen, check) read every import.
 """
 import ast
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 FOLDERS = {"mhadsl": "mhadsl", "codegen": "mhadsl.codegen", "runtime": "mhadsl.runtime",
            "grammar": "mhadsl.grammar"}
+LONG_MODULE_LINES = 800
 
 
 def package_modules() -> dict[str, Path]:
@@ -127,11 +129,8 @@ def test_the_graph_reads_every_kind_of_import():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-@pytest.mark.parametrize("module", ["mhadsl.runtime.launch", "mhadsl.runtime.driver",
-                                    "mhadsl.runtime.tensors", "mhadsl.runtime.cache",
-                                    "mhadsl.runtime.faults"])
-def test_the_runtime_loads_without_llvmlite(module):
-    """In a fresh interpreter: importing a runtime module loads no code generator."""
+def assert_loads_no_code_generator(module: str) -> None:
+    """In a fresh interpreter: importing `module` loads neither llvmlite nor mhadsl.codegen."""
     check = (f"import {module}, sys; "
              "loaded = sorted(m for m in sys.modules "
              "if m.split('.')[0] == 'llvmlite' or m.startswith('mhadsl.codegen')); "
@@ -139,6 +138,13 @@ def test_the_runtime_loads_without_llvmlite(module):
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
                           cwd=REPO)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("module", ["mhadsl.runtime.launch", "mhadsl.runtime.driver",
+                                    "mhadsl.runtime.tensors", "mhadsl.runtime.cache",
+                                    "mhadsl.runtime.faults"])
+def test_the_runtime_loads_without_llvmlite(module):
+    assert_loads_no_code_generator(module)
 
 
 def test_no_module_imports_itself_back_at_import():
@@ -161,3 +167,26 @@ def test_the_runtime_imports_nothing_of_the_code_generator():
 
 def test_the_code_generator_imports_nothing_of_the_runtime():
     assert _imports_from("mhadsl.codegen", "mhadsl.runtime") == []
+
+
+def test_the_checker_imports_no_code_generator():
+    """`check` asks the kernel designs through the function its caller hands it, so
+    checking a program needs neither the code generator nor llvmlite."""
+    assert _imports_from("mhadsl.check", "mhadsl.codegen") == []
+    tree = ast.parse(MODULES["mhadsl.check"].read_text())
+    imported = {alias.name if isinstance(node, ast.Import) else node.module or ""
+                for node in import_nodes(tree, everywhere=True) for alias in node.names}
+    assert not {name for name in imported if name.split(".")[0] == "llvmlite"}
+    assert_loads_no_code_generator("mhadsl.check")
+
+
+def test_a_long_module_says_why_it_stays_one_module():
+    """Past LONG_MODULE_LINES lines a module is split by job, or its docstring says why it
+    stays "one module"."""
+    unexplained = []
+    for module, path in sorted(MODULES.items()):
+        text = path.read_text()
+        docstring = " ".join((ast.get_docstring(ast.parse(text)) or "").split())
+        if len(text.splitlines()) > LONG_MODULE_LINES and "one module" not in docstring:
+            unexplained.append(f"{module} ({len(text.splitlines())} lines)")
+    assert unexplained == []

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mhadsl.check import check_program
+from mhadsl.codegen.backends import declaration_problems
 from mhadsl.parse import load_program
 from mhadsl.reference import attention_reference, evaluate_rule, rule_roles
 
@@ -15,7 +16,7 @@ from mhadsl.reference import attention_reference, evaluate_rule, rule_roles
 def rules_of(members: str, prelude: str = ""):
     """(mask rule or None, score rule or None, program) of one attention declaration."""
     src = f"{prelude}\nattention a {{ dtype = bf16  head_dim = 64  {members} }}"
-    program = check_program(load_program(src, "t.mha", Path(".")))
+    program = check_program(load_program(src, "t.mha", Path(".")), declaration_problems)
     rules = {r.name: r for r in program.attentions["a"].rules}
     return rules.get("mask"), rules.get("score"), program
 

@@ -67,7 +67,7 @@ def test_kernel_parameters_add_four_tensor_maps_to_sm80s():
     names = [p.name for p in BACKEND.abi.params]
     sm80 = [p.name for p in backends.backend("sm80").abi.params]
     assert names == sm80 + ["q_map", "k_map", "v_map", "o_map"]
-    shape = BACKEND.launch_shape(HopperConfig())
+    shape = BACKEND.scheduled(HopperConfig())
     assert shape.threads == 384 and shape.shared_bytes == shared_bytes(HopperConfig())
     assert shape.shared_bytes <= backends.SHARED_MEMORY_LIMIT["sm_90a"]
 
@@ -387,7 +387,7 @@ def test_a_192_row_tile_runs_three_consumer_warpgroups():
     too_wide = HopperConfig(head_dim=128, block_m=192).problems()
     assert any("head dim 64 only" in p.message for p in too_wide), too_wide
     kb = build_kernel(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()))
-    assert BACKEND.launch_shape(kb.config).threads == 512
+    assert BACKEND.scheduled(kb.config).threads == 512
     ptx = " ".join(kb.ptx.split())
     for needed in (".maxntid 512", "setmaxnreg.dec.sync.aligned.u32 32",
                    "setmaxnreg.inc.sync.aligned.u32 160"):

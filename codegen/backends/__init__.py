@@ -4,8 +4,12 @@ A backend is one kernel design. It says
 - which GPU targets it builds for (`targets`) and what a declaration may ask of it
   (`problems`: the one place its constraints live; `mhadsl check` asks it too),
 - its configurations for a declaration and a call's layout (`configs`, best first),
-- its kernel parameters (`abi`, `mhadsl.abi`) and launch shape (`launch_shape`),
-- and it builds its kernel (`build`) from the declaration's mask/score hooks and the
+- the kernels a call runs, in launch order, each with its parameters (`mhadsl.abi`), CTA
+  shape and grid (`kernels`): one scheduled kernel whose grid is its scheduler's over the
+  design's work space (`work_space`), and any others on fixed grids,
+- what a call binds beyond the sizes every design shares (`call_values`) and the scratch
+  memory it needs (`scratch`),
+- and it builds its kernels (`build`) from the declaration's mask/score hooks and the
   scheduler's work loop (`KernelSource`).
 
 Adding a design: a new module in this package defining `BACKEND`, and its name in `REGISTRY`
@@ -27,7 +31,7 @@ from typing import Callable
 
 from llvmlite import ir
 
-from mhadsl.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
+from mhadsl.abi import CallSizes, CallValue, KernelABI, Param, Pointer, Stride, Workspace
 from mhadsl.codegen import warp
 from mhadsl.codegen.assemble import Assembled, assemble, find_ptxas
 from mhadsl.codegen.nvptx import i1, i32, i64
@@ -167,10 +171,17 @@ def common_problems(config) -> list[Problem]:
 
 
 @dataclass(frozen=True)
-class LaunchShape:
-    kernel_name: str
-    threads: int  # per CTA (x only)
-    shared_bytes: int  # dynamic shared memory per CTA
+class KernelLaunch:
+    """One kernel of a build as the host launches it (`Backend.kernels`): its name and
+    parameters, threads per CTA (x only), dynamic shared memory per CTA, and its grid for a
+    call (`CallSizes` -> (x, y, z)); None: the scheduled kernel, whose grid is its
+    scheduler's `grid_dim` over the design's work space."""
+
+    name: str
+    abi: KernelABI
+    threads: int
+    shared_bytes: int
+    grid: Callable[[CallSizes], tuple[int, int, int]] | None = None
 
 
 # The parameters of every forward attention kernel, in order (a design adds its own after
@@ -328,9 +339,32 @@ class Backend(ABC):
     def configs(self, options, layout: Layout) -> tuple:
         """The builds to try for the declaration and a call's layout, best first."""
 
+    # a ragged call's scheduled kernel numbers the tiles of these row offsets (its tile index)
+    tile_offsets = "cu_seqlens_q"
+
     @abstractmethod
-    def launch_shape(self, config) -> LaunchShape:
-        ...
+    def kernels(self, config) -> tuple[KernelLaunch, ...]:
+        """The kernels a call of a build of `config` runs, in launch order."""
+
+    def scheduled(self, config) -> KernelLaunch:
+        """The kernel the scheduler drives."""
+        return next(k for k in self.kernels(config) if k.grid is None)
+
+    def work_space(self, config, call: CallSizes) -> tuple[int, int, int, int]:
+        """What the scheduled kernel's scheduler sees of a call (its `grid_dim`'s inputs):
+        (sequences, prompt tiles of the longest, its length, heads); by default query
+        tiles of query heads."""
+        return (call.batch, -(-call.max_seqlen_q // config.block_m), call.max_seqlen_q,
+                call.heads)
+
+    def call_values(self, config, call: CallSizes) -> dict[str, int]:
+        """The design's own `CallValue`s for a call, beyond `CallSizes.values`."""
+        return {}
+
+    def scratch(self, config, call: CallSizes) -> dict[str, int]:
+        """Bytes of each scratch buffer (a `Pointer` or `Workspace` parameter the call does
+        not pass) a call needs."""
+        return {}
 
     def runs_layout(self, layout: "Layout") -> bool:
         """Whether the design runs a call of this layout (beyond what `problems` says of the
@@ -568,6 +602,19 @@ def masked_unless(b: ir.IRBuilder, always: ir.Value, values: list[ir.Value],
     b.branch(merged_bb)
     b.position_at_end(merged_bb)
     return warp.merge(b, values, before, masked, mask_end)
+
+
+def rename_new_functions(module: ir.Module, before: set[str], suffix: str) -> None:
+    """Give the functions a work loop just emitted another name, so the second role's loop
+    (warp specialisation: `KernelArgs.divergent_roles`) can emit its own copies (shared-memory globals, such as the scheduler's index
+    slots, keep theirs: both roles must use the same ones)."""
+    for name in sorted(set(module.globals) - before):
+        fn = module.globals[name]
+        if isinstance(fn, ir.Function) and not fn.is_declaration:  # intrinsics keep theirs
+            del module.globals[name]
+            module.scope._useset.discard(name)  # llvmlite has no rename: free the old name
+            fn.name = name + suffix
+            module.globals[fn.name] = fn
 
 
 def spill_free_build(backend: str, target: Target,

@@ -1,6 +1,7 @@
 """The backward pass: a FlashAttention-2-class design in LLVM IR for sm_80 and sm_90a.
 
-Kernels in one module, sharing one parameter list (`ABI`), launched in `kernel_names` order:
+Kernels in one module, sharing one parameter list (`ABI`), launched in order
+(`Backward.kernels`):
 
 - `mha_bwd_preprocess`: delta = rowsum(dO * O) in fp32 per (batch, head, row), in the LSE's
   layout, and (atomic mode) the fp32 dQ accumulator's rows zeroed;
@@ -33,7 +34,11 @@ lane after a swap with the neighbouring lane; scalar atomics on sm_80). Each ste
 stages while the other computes. Every shared tile with 128-byte multiples for rows has its
 16-byte chunks XOR-swizzled by row % 8, as in sm80 (dS^T of a 32-row query step has 64-byte
 rows: plain). The preprocess, postprocess and dQ kernels run one CTA per (row tile, head,
-batch); grids are `fixed_grids()`'s.
+batch).
+
+It stays one module: the kernels share one parameter list, one shared-memory layout and
+the tile kernel (`_TileKernel`) that the main and dQ kernels, and the sm90 design's main
+kernel, specialise.
 """
 from __future__ import annotations
 
@@ -42,10 +47,10 @@ from dataclasses import dataclass, replace
 
 from llvmlite import ir
 
-from mhadsl.abi import CallValue, KernelABI, Param, Pointer, Stride, Workspace
+from mhadsl.abi import CallSizes, CallValue, KernelABI, Param, Pointer, Stride, Workspace
 from mhadsl.codegen import nvptx, signature, warp
 from mhadsl.codegen.backends import (
-    SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape,
+    SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, KernelLaunch,
     Layout, Problem, RowCopies, TileSeq, WorkLoop, common_problems, ir_loop, last_index,
     sequence_rows, spill_free_build,
 )
@@ -62,25 +67,6 @@ ROW_THREADS = 128  # threads of the preprocess and postprocess kernels
 ROW_TILE = 64  # rows one preprocess/postprocess CTA covers
 # what a work tile of the main kernel derives from its SeqInfo, parked in shared memory
 WORK_TILE_FIELDS = ("bidx", "hk", "k_start", "seqlen_k", "kv0", "q_start", "seqlen_q")
-
-
-def kernel_names(config: BackwardConfig) -> tuple[str, ...]:
-    """The build's kernels, in launch order."""
-    return (PREPROCESS, MAIN, DQ if config.deterministic else POSTPROCESS)
-
-
-def kernel_abi(name: str) -> KernelABI:
-    """The parameters of kernel `name` (all of this design's take `ABI`)."""
-    return ABI
-
-
-def scratch_elements(config: BackwardConfig, q_rows: int, heads: int, batch: int,
-                     seqlen_q: int) -> dict[str, int]:
-    """Floats of each scratch buffer for `q_rows` query rows of all sequences: delta, the
-    LSE's layout; the atomic mode's dQ accumulator, q's shape (deterministic mode has none:
-    `mha_bwd_dq` writes dQ)."""
-    accum = {} if config.deterministic else {"dq_accum": q_rows * heads * config.head_dim}
-    return {**accum, "delta": q_rows * heads}
 
 
 # ============================================================================ configuration
@@ -193,21 +179,10 @@ def dq_shared_bytes(config: BackwardConfig) -> int:
     return 2 * config.block_n * config.row_bytes + 4 * config.dq_step * config.row_bytes
 
 
-def launch_shapes(config: BackwardConfig) -> dict[str, LaunchShape]:
-    shapes = {PREPROCESS: LaunchShape(PREPROCESS, ROW_THREADS, 0),
-              MAIN: LaunchShape(MAIN, config.threads, shared_bytes(config)),
-              POSTPROCESS: LaunchShape(POSTPROCESS, ROW_THREADS, 0),
-              DQ: LaunchShape(DQ, config.threads, dq_shared_bytes(config))}
-    return {name: shapes[name] for name in kernel_names(config)}
-
-
-def fixed_grids(config: BackwardConfig, batch: int, heads: int,
-                max_seqlen_q: int) -> dict[str, tuple[int, int, int]]:
-    """The grids of the kernels other than `mha_bwd` (whose grid is its scheduler's):
+def row_grid(call: CallSizes, rows: int) -> tuple[int, int, int]:
+    """The preprocess's and postprocess's grid over `rows` query rows of each sequence:
     (row tiles, heads, batch)."""
-    rows = (max(1, -(-max_seqlen_q // ROW_TILE)), heads, batch)
-    query_tiles = (max(1, -(-max_seqlen_q // config.block_n)), heads, batch)
-    return {PREPROCESS: rows, POSTPROCESS: rows, DQ: query_tiles}
+    return max(1, -(-rows // ROW_TILE)), call.heads, call.batch
 
 
 # ============================================================================ kernel parameters
@@ -1192,7 +1167,7 @@ def backward_module(name: str, hooks: ExprHooks | None, target: Target,
 
 def build_backward_module(config: BackwardConfig, hooks: ExprHooks | None, target: Target,
                           work_loop: WorkLoop) -> ir.Module:
-    """One module with the build's kernels (`kernel_names`), all taking `ABI`'s parameters;
+    """One module with the build's kernels (`Backward.kernels`), all taking `ABI`'s parameters;
     `work_loop` is the scheduler's, for the main kernel's view (`scheduler_view`)."""
     config.validate()
     module, smem, hooks = backward_module(f"mha_bwd_{config.dtype}_d{config.head_dim}", hooks,
@@ -1216,12 +1191,26 @@ def build_backward_module(config: BackwardConfig, hooks: ExprHooks | None, targe
 
 
 # ============================================================================ the design
-class Backward(Backend):
-    """The backward pass: three kernels in one build (`kernel_names`, `launch_shapes`);
-    `launch_shape` is the main kernel's, the one its scheduler drives."""
+class BackwardDesign(Backend):
+    """What the backward designs share: the main kernel's scheduler hands out K/V tiles of
+    K/V heads (`scheduler_view`), numbered over cu_seqlens_k in a ragged call."""
+
+    workload = "backward"
+    tile_offsets = "cu_seqlens_k"
+
+    def scheduler_shape(self, config: BackwardConfig) -> tuple[int, int]:
+        return config.block_n, 1
+
+    def work_space(self, config: BackwardConfig, call: CallSizes) -> tuple[int, int, int, int]:
+        return (call.batch, -(-call.max_seqlen_k // config.block_n), call.max_seqlen_k,
+                call.kv_heads)
+
+
+class Backward(BackwardDesign):
+    """The backward pass: three kernels in one build (`kernels`), the main one driven by the
+    scheduler."""
 
     name = "backward"
-    workload = "backward"
     targets = ("sm_90a", "sm_80")
     abi = ABI
     config_type = BackwardConfig
@@ -1260,12 +1249,27 @@ class Backward(Backend):
         return tuple(c for c in candidates if not c.problems() and max(
             shared_bytes(c), dq_shared_bytes(c) if c.deterministic else 0) <= fits)
 
-    def launch_shape(self, config: BackwardConfig) -> LaunchShape:
-        return launch_shapes(config)[MAIN]
+    def kernels(self, config: BackwardConfig) -> tuple[KernelLaunch, ...]:
+        """The preprocess, the main kernel, then the postprocess (atomic mode) or the dQ
+        kernel (deterministic mode: one CTA per query tile of block_n rows)."""
+        def rows(call: CallSizes) -> tuple[int, int, int]:
+            return row_grid(call, call.max_seqlen_q)
 
-    def scheduler_shape(self, config: BackwardConfig) -> tuple[int, int]:
-        """The main kernel's work tiles are K/V tiles of K/V heads (`scheduler_view`)."""
-        return config.block_n, 1
+        def query_tiles(call: CallSizes) -> tuple[int, int, int]:
+            return max(1, -(-call.max_seqlen_q // config.block_n)), call.heads, call.batch
+
+        last = KernelLaunch(DQ, ABI, config.threads, dq_shared_bytes(config), query_tiles) \
+            if config.deterministic else KernelLaunch(POSTPROCESS, ABI, ROW_THREADS, 0, rows)
+        return (KernelLaunch(PREPROCESS, ABI, ROW_THREADS, 0, rows),
+                KernelLaunch(MAIN, ABI, config.threads, shared_bytes(config)), last)
+
+    def scratch(self, config: BackwardConfig, call: CallSizes) -> dict[str, int]:
+        """delta (fp32, the LSE's layout) and the atomic mode's fp32 dQ accumulator (q's
+        shape; deterministic mode has none: `mha_bwd_dq` writes dQ)."""
+        q_rows = call.total_q if call.ragged else call.batch * call.seqlen_q
+        accum = {} if config.deterministic else {
+            "dq_accum": 4 * q_rows * call.heads * config.head_dim}
+        return {**accum, "delta": 4 * q_rows * call.heads}
 
     def build(self, source: KernelSource, configs: tuple[BackwardConfig, ...],
               target: Target) -> KernelBuild:

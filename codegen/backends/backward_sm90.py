@@ -60,22 +60,26 @@ of batch 0 (`hopper.map_batch`). A box that crosses a sequence's end holds the n
 sequence's rows where a dense build's holds zeros: the keys there are masked as the dense
 tail's are (P^T = 0), the query rows get P^T = 0 (-inf in the stats) and zero delta,
 and no gradient row past the end is written, so those rows add exact zeros as long as they
-hold finite values (0 * inf is NaN inside a GEMM; the forward's ragged build shares this)."""
+hold finite values (0 * inf is NaN inside a GEMM; the forward's ragged build shares this).
+
+It stays one module: the main kernel's roles (producer, consumers, writer) meet at one
+shared-memory layout (`_offsets`) and one set of barriers, which a split would spread over
+several files.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from llvmlite import ir
 
-from mhadsl.abi import KernelABI, Param, TensorMap
+from mhadsl.abi import CallSizes, KernelABI, Param, TensorMap
 from mhadsl.codegen import hopper, nvptx, warp
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import (
-    SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape,
-    Layout, Problem, common_problems, ir_loop, spill_free_build,
+    SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, KernelLaunch,
+    Layout, Problem, common_problems, ir_loop, rename_new_functions, spill_free_build,
 )
 from mhadsl.codegen.backends import backward as sm80
-from mhadsl.codegen.backends.sm90 import _rename_new_functions
 from mhadsl.codegen.backends.backward import (
     MAIN, POSTPROCESS, PREPROCESS, ROW_THREADS, ROW_TILE, BackwardConfig, _emit_postprocess,
     _emit_preprocess, _gep, _lse_offset, _Lanes, _MainKernel, _RowKernel,
@@ -219,16 +223,6 @@ def dq_accum_position(config: HopperBackwardConfig, row: int, col: int) -> int:
     t = 32 * (r // 16) + 4 * (r % 8) + (c % 8) // 2
     return g * rows * cols + 4 * (hopper.WARPGROUP_THREADS * (c // 8) + t) \
         + 2 * ((r % 16) // 8) + c % 2
-
-
-def scratch_elements(config: HopperBackwardConfig, q_rows: int, heads: int, batch: int,
-                     seqlen_q: int) -> dict[str, int]:
-    """Floats of each scratch buffer for `batch` sequences of `q_rows` query rows in all
-    (`seqlen_q` each when dense)."""
-    bm = config.block_m
-    tiles = (q_rows + batch * bm) // bm if config.ragged else batch * -(-seqlen_q // bm)
-    return {"dq_accum": tiles * heads * bm * config.head_dim,
-            "delta": tiles * heads * len(STATS) * bm}
 
 
 def _block(b, config: HopperBackwardConfig, args, bidx, start, row, head) -> ir.Value:
@@ -387,30 +381,6 @@ ABI = KernelABI(*(
         ("dout", "block_m", "CUtensorMap over dO, as q_map"))), *sm80.ABI)
 
 
-def kernel_names(config) -> tuple[str, ...]:
-    return (PREPROCESS, MAIN, POSTPROCESS)
-
-
-def kernel_abi(name: str) -> KernelABI:
-    """The parameters of kernel `name`: the row kernels take the sm80 design's."""
-    return ABI if name == MAIN else sm80.ABI
-
-
-def launch_shapes(config: HopperBackwardConfig) -> dict[str, LaunchShape]:
-    return {PREPROCESS: LaunchShape(PREPROCESS, ROW_THREADS, 0),
-            MAIN: LaunchShape(MAIN, config.threads, shared_bytes(config)),
-            POSTPROCESS: LaunchShape(POSTPROCESS, ROW_THREADS,
-                                     ROW_TILE * _Rows.staging_pitch(config))}
-
-
-def fixed_grids(config: HopperBackwardConfig, batch: int, heads: int,
-                max_seqlen_q: int) -> dict[str, tuple[int, int, int]]:
-    """sm80's grids, with the preprocess covering every row of a sequence's last query tile
-    (a stats block is read whole, so rows past the sequence need their -inf and zero)."""
-    bm = config.block_m
-    return sm80.fixed_grids(config, batch, heads, -(-max_seqlen_q // bm) * bm)
-
-
 def _st_shared_v4f32(b, address: ir.Value, values: list[ir.Value]) -> None:
     b.asm(ir.FunctionType(nvptx.void, [i32] + [f32] * 4),
           "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f,~{memory}",
@@ -526,7 +496,7 @@ class _HopperMain(_MainKernel):
                                   divergent_roles=True, trace_thread=None)  # consumers record
                 before = set(module.globals)
                 work_loop(b, sm80.scheduler_view(args), self._producer_tile)
-                _rename_new_functions(module, before, ".producer")
+                rename_new_functions(module, before, ".producer")
                 # dQ's last bulk reduce-adds have read the staging tiles and are done
                 with b.if_then(self._writer_lane(b)):
                     hopper.bulk_wait_group(b, 0)
@@ -932,24 +902,23 @@ def build_module(config: HopperBackwardConfig, hooks: ExprHooks | None, target: 
     # (its shared memory is rounded up to 1024 bytes at run time)
     module, smem, hooks = sm80.backward_module(
         f"mha_bwd_sm90_{config.dtype}_d{config.head_dim}", hooks, target, SMEM_SYMBOL)
-    fn, b = sm80.kernel_function(module, PREPROCESS, ROW_THREADS, kernel_abi(PREPROCESS))
+    fn, b = sm80.kernel_function(module, PREPROCESS, ROW_THREADS, sm80.ABI)
     _emit_preprocess(b, config, KernelArgs(fn, sm80.ABI, config), _Rows)
     b.ret_void()
-    fn, b = sm80.kernel_function(module, MAIN, config.threads, kernel_abi(MAIN))
+    fn, b = sm80.kernel_function(module, MAIN, config.threads, ABI)
     _HopperMain(config, hooks, KernelArgs(fn, ABI, config, opaque_env=config.opaque_env),
                 smem).emit(b, work_loop)
     b.ret_void()
-    fn, b = sm80.kernel_function(module, POSTPROCESS, ROW_THREADS, kernel_abi(POSTPROCESS))
+    fn, b = sm80.kernel_function(module, POSTPROCESS, ROW_THREADS, sm80.ABI)
     _emit_postprocess(b, config, KernelArgs(fn, sm80.ABI, config), _Rows)
     b.ret_void()
     return module
 
 
-class BackwardSM90(Backend):
+class BackwardSM90(sm80.BackwardDesign):
     """The backward pass on Hopper: TMA + wgmma (the module's docstring)."""
 
     name = "backward_sm90"
-    workload = "backward"
     targets = ("sm_90a",)
     abi = ABI
     config_type = HopperBackwardConfig
@@ -972,11 +941,27 @@ class BackwardSM90(Backend):
         return tuple(replace(config, block_m=rows, opaque_env=opaque, overlap_dp=overlap)
                      for rows in tiles for overlap in (True, False) for opaque in (True, False))
 
-    def launch_shape(self, config) -> LaunchShape:
-        return launch_shapes(config)[MAIN]
+    def kernels(self, config: HopperBackwardConfig) -> tuple[KernelLaunch, ...]:
+        """The preprocess, the main kernel and the postprocess; the row kernels take the
+        sm80 design's parameters and cover every row of a sequence's last query tile (a
+        stats block is read whole, so rows past the sequence need their -inf and zero)."""
+        def rows(call: CallSizes) -> tuple[int, int, int]:
+            bm = config.block_m
+            return sm80.row_grid(call, -(-call.max_seqlen_q // bm) * bm)
 
-    def scheduler_shape(self, config) -> tuple[int, int]:
-        return config.block_n, 1
+        return (KernelLaunch(PREPROCESS, sm80.ABI, ROW_THREADS, 0, rows),
+                KernelLaunch(MAIN, ABI, config.threads, shared_bytes(config)),
+                KernelLaunch(POSTPROCESS, sm80.ABI, ROW_THREADS,
+                             ROW_TILE * _Rows.staging_pitch(config), rows))
+
+    def scratch(self, config: HopperBackwardConfig, call: CallSizes) -> dict[str, int]:
+        """The fp32 dQ accumulator and the stats blocks (-LSE and delta), each in blocks of
+        a query tile of a head (`dq_accum_position`, `_stats_offset`)."""
+        bm = config.block_m
+        tiles = (call.total_q + call.batch * bm) // bm if config.ragged else \
+            call.batch * -(-call.seqlen_q // bm)
+        return {"dq_accum": 4 * tiles * call.heads * bm * config.head_dim,
+                "delta": 4 * tiles * call.heads * len(STATS) * bm}
 
     def build(self, source: KernelSource, configs, target: Target) -> KernelBuild:
         """The first of `configs` that assembles without spills and without a stack frame
@@ -992,7 +977,7 @@ class BackwardSM90(Backend):
             if all(k.spills == 0 and k.stack_bytes == 0 for k in build.assembled.kernels.values()):
                 return build
         # none fits the registers (a score rule's G beside P^T, say): the sm80-style design's
-        # build, whose config says so to the host (`mhadsl.backward._design`)
+        # build, which the host launches as that design's (`KernelBuild.backend`)
         return sm80.BACKEND.build(source, sm80.BACKEND.configs_for(configs[0]), target)
 
 

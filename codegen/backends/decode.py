@@ -29,6 +29,9 @@ end (FlashDecoding's split within the CTA, which keeps all warps busy on 16 rows
 The mask and score rules see cache positions: q_idx is the row's index among its sequence's
 query rows, seqlen_q the sequence's query rows and seqlen_k its cache length (the rows are
 the last positions of the cache, so `kv_idx <= q_idx + seqlen_k - seqlen_q` is causal).
+
+It stays one module: the copy pipeline, the warps' merge and the splits' combine are one
+kernel (`_Emitter`) over one shared-memory layout and one config.
 """
 from __future__ import annotations
 
@@ -37,11 +40,11 @@ from dataclasses import dataclass, replace
 from llvmlite import ir
 
 from mhadsl.abi import (
-    TRACE_COMBINE, CallValue, KernelABI, Param, Pointer, Stride, Workspace,
+    TRACE_COMBINE, CallSizes, CallValue, KernelABI, Param, Pointer, Stride, Workspace,
 )
 from mhadsl.codegen import hopper, nvptx, signature, warp
 from mhadsl.codegen.backends import (
-    SHARED_MEMORY_LIMIT, Backend, CacheLayout, ExprHooks, KernelArgs, KernelBuild, KernelSource, LaunchShape, Layout,
+    SHARED_MEMORY_LIMIT, Backend, CacheLayout, ExprHooks, KernelArgs, KernelBuild, KernelSource, KernelLaunch, Layout,
     Problem, RowCopies, TileSeq, common_problems, ir_loop, last_index,
     masked_unless, spill_free_build,
 )
@@ -198,10 +201,10 @@ ABI = KernelABI(
     Param("cache_seqlens", "ptr", Pointer("cache_seqlens"), "int32 (B): positions of each sequence's cache that hold keys", align=4),
     Param("page_table", "ptr", Pointer("page_table"), "int32 (B, max_pages) page of each page-size run of positions; null: contiguous", align=4),
     Param("query_offsets", "ptr", Pointer("cu_seqlens_q"), "int32 (B+1) query row offsets (ragged q: cu_seqlens_q), else null", align=4),
-    Param("q_stride_batch", "i64", CallValue("q_stride_batch"), "elements between sequences of q (0 ragged)"),
+    Param("q_stride_batch", "i64", Stride("q", "batch"), "elements between sequences of q (0 ragged)"),
     Param("q_stride_row", "i64", Stride("q", "row"), "elements between query rows of q"),
     Param("q_stride_head", "i64", Stride("q", "head"), "elements between heads of q"),
-    Param("o_stride_batch", "i64", CallValue("o_stride_batch"), "elements between sequences of o (0 ragged)"),
+    Param("o_stride_batch", "i64", Stride("o", "batch"), "elements between sequences of o (0 ragged)"),
     Param("o_stride_row", "i64", Stride("o", "row"), "elements between rows of o"),
     Param("o_stride_head", "i64", Stride("o", "head"), "elements between heads of o"),
     *(Param(f"{t}_stride_{axis}", "i64", Stride(f"{t}_cache", a), f"elements between {axis}s of {t}_cache")
@@ -977,8 +980,37 @@ class Decode(Backend):
         config = decode_config(options, layout)
         return (config, replace(config, page_lookahead=1))
 
-    def launch_shape(self, config: DecodeConfig) -> LaunchShape:
-        return LaunchShape(KERNEL_NAME, config.threads, config.shared_bytes)
+    def kernels(self, config: DecodeConfig) -> tuple[KernelLaunch, ...]:
+        return (KernelLaunch(KERNEL_NAME, ABI, config.threads, config.shared_bytes),)
+
+    def work_space(self, config: DecodeConfig, call: CallSizes) -> tuple[int, int, int, int]:
+        """A dense batch of (query-row tile x KV split) prompt tiles per (sequence, K/V
+        head): `_scheduler_view`."""
+        tiles = self.call_values(config, call)["work_tiles"]
+        return call.batch, tiles, tiles, call.kv_heads
+
+    def call_values(self, config: DecodeConfig, call: CallSizes) -> dict[str, int]:
+        """The split of the cache the call's planner asks for (`call.num_splits`), in
+        chunks of whole KV tiles and none left empty; the work tiles it makes."""
+        capacity = max(call.cache_capacity, 1)
+        chunk = -(-capacity // call.num_splits)
+        chunk = -(-chunk // config.block_n) * config.block_n
+        splits = -(-capacity // chunk)
+        q_rows = call.max_seqlen_q if call.ragged else call.query_rows
+        q_tiles = max(1, -(-q_rows * config.gqa_group // config.rows))
+        return {"query_rows": call.query_rows, "cache_capacity": call.cache_capacity,
+                "page_table_stride": call.page_table_stride, "q_tiles": q_tiles,
+                "num_splits": splits, "kv_chunk": chunk, "work_tiles": q_tiles * splits}
+
+    def scratch(self, config: DecodeConfig, call: CallSizes) -> dict[str, int]:
+        """A split call's partial O and LSE (fp32) and its groups' split counters (u32)."""
+        values = self.call_values(config, call)
+        if values["num_splits"] == 1:
+            return {}
+        groups = call.batch * call.kv_heads * values["q_tiles"]
+        rows = groups * values["num_splits"] * config.rows
+        return {"partial_o": 4 * rows * config.head_dim, "partial_lse": 4 * rows,
+                "split_counters": 4 * groups}
 
     def build(self, source: KernelSource, configs: tuple[DecodeConfig, ...],
               target: Target) -> KernelBuild:

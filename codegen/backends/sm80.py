@@ -33,7 +33,7 @@ from mhadsl.abi import KernelABI
 from mhadsl.codegen import nvptx, signature, warp
 from mhadsl.codegen.backends import (
     FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
-    LaunchShape, Layout, Problem, RowCopies, TileSeq, WorkTile, common_problems,
+    KernelLaunch, Layout, Problem, RowCopies, TileSeq, WorkTile, common_problems,
     masked_unless, sequence_rows, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
@@ -731,8 +731,8 @@ class SM80(Backend):
     def configs(self, options, layout: Layout) -> tuple[AttentionConfig, ...]:
         return build_configs(options, layout)
 
-    def launch_shape(self, config: AttentionConfig) -> LaunchShape:
-        return LaunchShape(kernel_name(config), threads(config), shared_bytes(config))
+    def kernels(self, config: AttentionConfig) -> tuple[KernelLaunch, ...]:
+        return (KernelLaunch(kernel_name(config), ABI, threads(config), shared_bytes(config)),)
 
     def build(self, source: KernelSource, configs: tuple[AttentionConfig, ...],
               target: Target) -> KernelBuild:

@@ -18,6 +18,10 @@ per-element mask. Tensor maps are 4-D, (B, S, H, D), or (1, total, H, D) when ra
 64-column (128-byte) box. O is stored by TMA per consumer warpgroup, except a ragged
 sequence's partial warpgroups, which write from registers. Tiles and tuning constants:
 `DEFAULT_TILES` and below (measurements: benchmarks/log/HOPPER_NOTES.md).
+
+It stays one module: the producer and consumer warpgroups meet at one shared-memory layout
+(`_Layout`) and its mbarriers, and the tuning tables choose between the kernel's variants;
+apart, each part would need the others' offsets and flags.
 """
 from __future__ import annotations
 
@@ -30,8 +34,8 @@ from mhadsl.abi import KernelABI, Param, TensorMap
 from mhadsl.codegen import hopper, nvptx, signature, warp
 from mhadsl.codegen.backends import (
     FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
-    LaunchShape, Layout, Problem, WorkTile, common_problems, ir_loop, last_index,
-    masked_unless, spill_free_build,
+    KernelLaunch, Layout, Problem, WorkTile, common_problems, ir_loop, last_index,
+    masked_unless, rename_new_functions, spill_free_build,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.handoff import Handoff, init_handoff
@@ -760,19 +764,6 @@ def _add_fn_attr(fn: ir.Function, text: str) -> None:
     set.add(fn.attributes, text)  # llvmlite only knows enum attributes; NVVM's are strings
 
 
-def _rename_new_functions(module: ir.Module, before: set[str], suffix: str) -> None:
-    """Give the functions a work loop just emitted another name, so the second role's
-    loop can emit its own copies (shared-memory globals, such as the scheduler's index
-    slots, keep theirs: both roles must use the same ones)."""
-    for name in sorted(set(module.globals) - before):
-        fn = module.globals[name]
-        if isinstance(fn, ir.Function) and not fn.is_declaration:  # intrinsics keep theirs
-            del module.globals[name]
-            module.scope._useset.discard(name)  # llvmlite has no rename: free the old name
-            fn.name = name + suffix
-            module.globals[fn.name] = fn
-
-
 def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
                  work_loop: Callable) -> ir.Module:
     hooks = hooks or ExprHooks()
@@ -822,7 +813,7 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
             before = set(module.globals)
             work_loop(b, args, lambda bb, seq: kernel.producer_tile(bb, args, kv_count,
                                                                      tile_count, seq))
-            _rename_new_functions(module, before, ".producer")
+            rename_new_functions(module, before, ".producer")
         with consumer:
             hopper.setmaxnreg(b, consumer_registers, increase=True)
             cargs = KernelArgs(fn, ABI, config, opaque_env=True,
@@ -1008,8 +999,8 @@ class SM90(Backend):
     def configs(self, options, layout: Layout) -> tuple[HopperConfig, ...]:
         return declared_configs(options, layout)
 
-    def launch_shape(self, config: HopperConfig) -> LaunchShape:
-        return LaunchShape(KERNEL_NAME, config.threads, shared_bytes(config))
+    def kernels(self, config: HopperConfig) -> tuple[KernelLaunch, ...]:
+        return (KernelLaunch(KERNEL_NAME, ABI, config.threads, shared_bytes(config)),)
 
     def build(self, source: KernelSource, configs: tuple[HopperConfig, ...],
               target: Target) -> KernelBuild:

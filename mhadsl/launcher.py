@@ -1,0 +1,141 @@
+"""The host launcher: a call -> its design's kernels -> launch plans, for every design.
+
+Each `Kernel` (an attention declaration) has one `Launcher`. It loads the build a call's
+layout selects on a device (once per layout and device; the build path picks the design:
+`mhadsl.build`), compiles the scheduler's rules for the host (once per specialisation), and
+plans a call signature's launches (`plan`): for each kernel its design lists, in launch
+order (`Backend.kernels`), the grid (the scheduler's own `grid_dim` over the design's work
+space, or the kernel's fixed grid) and the parameter block (`runtime.launch.LaunchPlan`),
+whose values are the call's sizes (`CallSizes.values`), the design's own
+(`Backend.call_values`) and the device's. A ragged call's scheduled kernel builds its tile
+index first, over the row offsets its design names (`Backend.tile_offsets`).
+
+The forward (`mhadsl.api`), decode (`mhadsl.serving`) and backward (`mhadsl.backward`)
+calls check their arguments, plan through here once per call signature and keep the plans
+in `plans` (by validated signature) and `fast_plans` (by torch signature; a change of the
+kernel's forced design or tracing clears them).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from mhadsl.abi import CallSizes
+from mhadsl.build import RequestError, tile_index_kernel
+from mhadsl.codegen import backends
+from mhadsl.codegen.backends import Backend, KernelBuild, Layout
+from mhadsl.runtime.launch import LaunchPlan, TensorShape
+
+_host_schedulers: dict = {}  # (program text, SchedulerSpec) -> HostScheduler, per process
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A build loaded on a device: its design (`KernelBuild.backend`: a design may hand over
+    to another's build) and its kernels by name."""
+
+    build: KernelBuild
+    design: Backend
+    layout: Layout
+    device: int
+    functions: dict  # kernel name -> runtime.driver.Function
+    module: object  # keeps the CUDA module loaded
+
+    @property
+    def config(self):
+        return self.build.config
+
+
+class Launcher:
+    def __init__(self, kernel):
+        self.kernel = kernel  # api.Kernel
+        self.loaded: dict[tuple, Loaded] = {}  # by (layout, device, forced design, trace)
+        self.plans: dict[tuple, object] = {}
+        self.fast_plans: dict[tuple, object] = {}
+
+    def load(self, layout: Layout, device: int) -> Loaded:
+        """The build of `layout` for `device`, loaded (once)."""
+        kernel = self.kernel
+        key = (layout, device, kernel.backend, kernel.trace)
+        if key in self.loaded:
+            return self.loaded[key]
+        from mhadsl.runtime import driver
+        target = backends.select_target(driver.device_info(device).compute_capability)
+        build = self.build(layout, target.arch)
+        driver.ensure_context(device)
+        module = (driver.Module.from_cubin(build.assembled.cubin, device)
+                  if target.load == "cubin" and build.assembled else
+                  driver.Module.from_ptx(build.ptx.encode(), device))
+        design = backends.backend(build.backend)
+        functions = {k.name: module.function(k.name) for k in design.kernels(build.config)}
+        self.loaded[key] = Loaded(build, design, layout, device, functions, module)
+        return self.loaded[key]
+
+    def build(self, layout: Layout, arch: str) -> KernelBuild:
+        """The kernel's build of `layout` for `arch` (`Kernel.build`), by its forced design
+        where that design runs the layout's workload."""
+        kernel = self.kernel
+        forced = kernel.backend
+        if forced in backends.REGISTRY and backends.backend(forced).workload != layout.workload:
+            forced = None  # a forced design of another workload leaves this call's alone
+        try:
+            return kernel.build(arch, gqa_group=layout.gqa_group, ragged=layout.ragged,
+                                return_lse=layout.return_lse, backend=forced,
+                                cache=layout.cache, backward=layout.backward,
+                                deterministic=layout.deterministic)
+        except RequestError as err:
+            raise RuntimeError(f"kernel '{kernel.name}': {err}") from None
+
+    def host_scheduler(self, config, design: Backend):
+        """The scheduler's rules compiled for the host, for a build of `config` by `design`
+        (`Kernel.scheduler_spec`)."""
+        from mhadsl.simulate import HostScheduler
+        kernel = self.kernel
+        spec = kernel.scheduler_spec(config, design)
+        key = (kernel.program.text, spec)
+        if key not in _host_schedulers:
+            _host_schedulers[key] = HostScheduler(kernel.program.checked, spec)
+        return _host_schedulers[key]
+
+    @staticmethod
+    def occupancy(loaded: Loaded) -> tuple[int, int]:
+        """(multiprocessors of the device, CTAs of the scheduled kernel that fit on one)."""
+        from mhadsl.runtime import driver
+        scheduled = loaded.design.scheduled(loaded.config)
+        return (driver.device_info(loaded.device).multiprocessor_count,
+                loaded.functions[scheduled.name].max_active_blocks(scheduled.threads,
+                                                                   scheduled.shared_bytes))
+
+    def plan(self, loaded: Loaded, call: CallSizes,
+             tensors: Mapping[str, TensorShape | None]) -> list[LaunchPlan]:
+        """The launches of a call of these sizes on tensors of these shapes, in order; a
+        scheduled kernel whose work space has no tiles is left out (nothing to do)."""
+        design, config, device = loaded.design, loaded.config, loaded.device
+        num_sms, ctas_per_sm = self.occupancy(loaded)
+        values = {**call.values(), **design.call_values(config, call), "num_sms": num_sms,
+                  "ctas_per_sm": ctas_per_sm}
+        plans = []
+        for kernel in design.kernels(config):
+            index = None
+            if kernel.grid is not None:
+                grid = kernel.grid(call)
+            else:
+                space = design.work_space(config, call)
+                if not space[1]:
+                    continue
+                grid = self.host_scheduler(config, design).grid(*space, num_sms, ctas_per_sm)
+                if loaded.layout.ragged:
+                    from mhadsl.runtime import tile_index
+                    index = tile_index.plan(tile_index_kernel(), call.batch,
+                                            design.scheduler_shape(config)[0], device)
+            plans.append(LaunchPlan(loaded.functions[kernel.name], grid, kernel.threads,
+                                    kernel.shared_bytes, kernel.abi, config, device, tensors,
+                                    values, index, design.tile_offsets))
+        return plans
+
+
+def launch(plans: list[LaunchPlan], addresses: Mapping[str, int], stream: int,
+           workspace: int | None = None) -> None:
+    """Queue a call's launches on `stream`, in order."""
+    for plan in plans:
+        plan.launch(addresses, stream, workspace)
