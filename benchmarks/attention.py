@@ -9,7 +9,7 @@ into benchmarks/results.json, from which benchmarks/report.py writes BENCHMARKS.
 import datetime
 
 import mhadsl
-from mhadsl.bench import Problem, format_table, measure, require_gpu, run_suite
+from mhadsl.host.bench import Problem, format_table, measure, require_gpu, run_suite
 
 EXTRA = """
 import "std/schedulers.mha"

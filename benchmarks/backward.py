@@ -4,7 +4,7 @@ flash through torch SDPA and, when installed, FlashAttention-4.
     python benchmarks/backward.py
 
 TFLOP/s = 2.5 x the forward's FLOPs (4 B H Sq Sk D, halved under a causal mask) / the median
-backward time (`mhadsl.bench.time_side_by_side`: every column timed in turn over rounds).
+backward time (`mhadsl.host.bench.time_side_by_side`: every column timed in turn over rounds).
 mhadsl's gradients, atomic and deterministic (`deterministic=True`), are checked against
 SDPA's (math backend, fp32) first; each peer's against mhadsl's. Each row ends with the main
 kernel's build (its design, `backward_sm90` on the H200 for atomic dense calls, and query rows
@@ -13,7 +13,7 @@ per step: `BackwardConfig.block_m`) of either mode.
 import datetime
 
 import mhadsl
-from mhadsl.bench import require_gpu, time_side_by_side
+from mhadsl.host.bench import require_gpu, time_side_by_side
 
 SOURCE = """
 import "std/schedulers.mha"

@@ -6,7 +6,7 @@ sm80-style one, side by side in one process.
 On compute capability 9.0 a ragged atomic call runs `backward_sm90`; the same declaration
 compiled again with `backend = "backward"` runs the sm80-style design. TFLOP/s = 2.5 x the
 forward's FLOPs (4 H Sq Sk D summed over the sequences, halved under a causal mask) / the
-median backward time (`mhadsl.bench.time_side_by_side`). Each row first checks the Hopper
+median backward time (`mhadsl.host.bench.time_side_by_side`). Each row first checks the Hopper
 design's gradients against the sm80-style design's (relative error, Frobenius norm), and ends
 with the main kernel's design of either column.
 """
@@ -15,7 +15,7 @@ import datetime
 import numpy as np
 
 import mhadsl
-from mhadsl.bench import require_gpu, time_side_by_side
+from mhadsl.host.bench import require_gpu, time_side_by_side
 
 SOURCE = """
 import "std/schedulers.mha"

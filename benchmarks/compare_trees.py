@@ -21,7 +21,7 @@ import tempfile
 WORKER = r'''
 import json, sys
 import mhadsl
-from mhadsl.bench import Problem, allowed_pairs, check, make_inputs, require_gpu, \
+from mhadsl.host.bench import Problem, allowed_pairs, check, make_inputs, require_gpu, \
     time_side_by_side, torch_baseline_fns
 sys.path.insert(0, "benchmarks")
 from hopper import SOURCE, WORKLOADS

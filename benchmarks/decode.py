@@ -6,7 +6,7 @@ cuDNN and flash through torch SDPA and, when installed, FlashAttention-4.
 
 Bandwidth is bytes of K and V read (each K/V head once: B x Hkv x Sk x D x 2 x 2 bytes, the
 sequences' own lengths on the ragged row) over the kernel's median time
-(`mhadsl.bench.time_side_by_side`, every column timed in turn over rounds). Each column's
+(`mhadsl.host.bench.time_side_by_side`, every column timed in turn over rounds). Each column's
 output is checked against mhadsl's first (relative error < 1e-2). SDPA sees q as
 (B, Hq, Sq, D) and the cache as (B, Hkv, Sk, D) with enable_gqa; with 16 query rows it runs
 without a mask (every row sees the whole cache: the same bytes), FlashAttention-4 and
@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 import mhadsl
-from mhadsl.bench import require_gpu, time_side_by_side
+from mhadsl.host.bench import require_gpu, time_side_by_side
 
 sys.path.insert(0, "benchmarks")
 

@@ -8,7 +8,7 @@ one process.
     python benchmarks/hopper.py --only causal_d64 --runs 3  # each row timed 3 times
 
 Each row checks both designs against the float64 reference first (relative error), then
-times them and torch's kernels in turn, round after round (`mhadsl.bench.time_side_by_side`:
+times them and torch's kernels in turn, round after round (`mhadsl.host.bench.time_side_by_side`:
 the median of CUDA-event-timed runs), so every column of a row meets the same GPU.
 FlexAttention (torch.compile'd, its block mask built before timing) gets each declaration's
 mask written as a `mask_mod` here (`FLEX_MASKS`), a ragged batch as one sequence of
@@ -22,7 +22,7 @@ import datetime
 import warnings
 
 import mhadsl
-from mhadsl.bench import Problem, allowed_pairs, check, make_inputs, require_gpu, \
+from mhadsl.host.bench import Problem, allowed_pairs, check, make_inputs, require_gpu, \
     time_side_by_side, torch_baseline_fns
 
 SOURCE = """

@@ -15,7 +15,7 @@ import time
 import warnings
 
 import mhadsl
-from mhadsl.bench import Problem, make_inputs, require_gpu, time_ms
+from mhadsl.host.bench import Problem, make_inputs, require_gpu, time_ms
 
 sys.path.insert(0, "benchmarks")
 from hopper import SOURCE  # noqa: E402

@@ -10,7 +10,7 @@ LPT's against the best: the measurement behind `section_heads` in std/schedulers
 import argparse
 
 import mhadsl
-from mhadsl.bench import Problem, allowed_pairs, make_inputs, require_gpu, time_side_by_side
+from mhadsl.host.bench import Problem, allowed_pairs, make_inputs, require_gpu, time_side_by_side
 
 SCHEDULERS = {"Queued": "Queued()", "LPT": "LPT()", "LPT16": "LPT(heads_per_section = 16)",
               "LPT4": "LPT(heads_per_section = 4)", "LPT2": "LPT(heads_per_section = 2)",

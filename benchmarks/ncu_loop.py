@@ -114,7 +114,7 @@ def run(rows: list[str]) -> None:
     import warnings
 
     import mhadsl
-    from mhadsl.bench import make_inputs, require_gpu
+    from mhadsl.host.bench import make_inputs, require_gpu
     sys.path.insert(0, str(Path(__file__).parent))
     from hopper import FA4_MASKS, SOURCE, WORKLOADS
     workloads = {}

@@ -55,7 +55,7 @@ def digests(examples: Path) -> dict[str, str]:
     import mhadsl
     from mhadsl.build import KernelRequest, RequestError, build_kernel
     from mhadsl.codegen import backends
-    from mhadsl.diagnostics import MhaError
+    from mhadsl.front.diagnostics import MhaError
     from mhadsl.pipeline import CompileOptions, compile_stages
 
     out: dict[str, str] = {}

@@ -6,7 +6,7 @@ on the skewed ragged batch and dense causal, both kernel designs, in one process
     python benchmarks/ragged_queue.py --warm # only build every kernel (in parallel processes)
 
 TFLOP/s as `benchmarks/hopper.py` counts them (the (q, k) pairs the mask keeps), median of
-CUDA-event-timed runs (`mhadsl.bench.time_ms`); each kernel is checked against the float64
+CUDA-event-timed runs (`mhadsl.host.bench.time_ms`); each kernel is checked against the float64
 reference on a small ragged batch first.
 """
 import datetime
@@ -16,7 +16,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import mhadsl
-from mhadsl.bench import Problem, allowed_pairs, check, make_inputs, require_gpu, time_ms
+from mhadsl.host.bench import Problem, allowed_pairs, check, make_inputs, require_gpu, time_ms
 
 CAUSAL = "dtype = bf16  head_dim = 128  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx"
 # The dense index space with a skip loop: the std library's Queued and LPT before the tile

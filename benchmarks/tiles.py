@@ -10,7 +10,7 @@ between rows of the same shape is the noise floor for reading the differences.
 import argparse
 
 import mhadsl
-from mhadsl.bench import Problem, allowed_pairs, make_inputs, require_gpu, time_ms, \
+from mhadsl.host.bench import Problem, allowed_pairs, make_inputs, require_gpu, time_ms, \
     torch_baselines
 
 CAUSAL = "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx"

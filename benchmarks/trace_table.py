@@ -74,7 +74,7 @@ def design(path: str, kernel: str) -> str:
 
 
 def prebuild(jobs: int) -> None:
-    from mhadsl.trace import CALIBRATION_SCHEDULERS
+    from mhadsl.analysis.trace import CALIBRATION_SCHEDULERS
     todo = set()
     for _, (path, kernel), _, _, lens in WORKLOADS:
         for name, args in SCHEDULERS:
@@ -108,7 +108,7 @@ def measure(out: Path, jobs: int) -> tuple[list[dict], dict, list[dict]]:
     """Calibrate, then trace and predict every (workload, scheduler) on this GPU."""
     prebuild(jobs)
     import mhadsl
-    from mhadsl import trace
+    from mhadsl.analysis import trace
     programs = {path: mhadsl.compile(path) for path, _ in (CAUSAL, PLAIN)}
     calibrations = {}
     for path, kernel in (CAUSAL, PLAIN):
@@ -165,8 +165,8 @@ def timing_rounds(program, path: str, kernel: str, workload, flops: float
     wider than the differences being ranked, so each gets the same moments of the GPU)."""
     import torch
 
-    from mhadsl import trace
-    from mhadsl.bench import Problem, make_inputs, time_side_by_side
+    from mhadsl.analysis import trace
+    from mhadsl.host.bench import Problem, make_inputs, time_side_by_side
     kernels = {scheduler_label(name, args): trace.scheduler_kernel(
         program, kernel, name, args, design(path, kernel)) for name, args in SCHEDULERS}
     kernels["default"] = trace.scheduler_kernel(program, kernel, backend=design(path, kernel))
@@ -186,7 +186,7 @@ def repredict(source: Path) -> tuple[list[dict], dict, list[dict]]:
     the calibration lacks (`empty_cta`) is fitted as `trace.fit_runs` does, to the traced
     efficiency of that run's rows for the calibration batches under Transient."""
     import mhadsl
-    from mhadsl import costmodel, trace
+    from mhadsl.analysis import costmodel, trace
     data = json.loads((source / "trace_table.json").read_text())
     calibrations = data["calibrations"]
     by_label = {label: (path, kernel, batch, seqlen, lens)

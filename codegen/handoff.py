@@ -13,8 +13,8 @@ from llvmlite import ir
 from mhadsl.codegen import nvptx
 from mhadsl.codegen.faults import num_work, record_step_fault, refuel
 from mhadsl.codegen.nvptx import i32, i64
-from mhadsl import ast
-from mhadsl.check import CheckedProgram
+from mhadsl.front import ast
+from mhadsl.front.check import CheckedProgram
 
 if TYPE_CHECKING:  # annotations only: the rules import the memo from here
     from mhadsl.codegen.scheduler import LoweredScheduler

@@ -12,10 +12,10 @@ from dataclasses import replace
 
 from llvmlite import ir
 
-from mhadsl import ast
-from mhadsl.check import CheckedProgram
-from mhadsl.classify import emit_classify, emit_kv_limits, kv_limits
-from mhadsl.derivative import differentiate_score
+from mhadsl.front import ast
+from mhadsl.front.check import CheckedProgram
+from mhadsl.analysis.classify import emit_classify, emit_kv_limits, kv_limits
+from mhadsl.analysis.derivative import differentiate_score
 from mhadsl.codegen.backends import ExprHooks, KernelArgs, KernelSource, TileSeq, WorkLoop
 from mhadsl.codegen.lower import Builtins, FunctionLowering
 from mhadsl.codegen.nvptx import i32, i64
@@ -23,7 +23,7 @@ from mhadsl.codegen.handoff import runs_apart
 from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
 from mhadsl.codegen.target import Target
 from mhadsl.codegen.work_loop import EnvParams, emit_work_loop, env_filler, shared_slots
-from mhadsl.types import BOOL, F32, I32
+from mhadsl.front.types import BOOL, F32, I32
 
 MASK_ROLES = ("b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k")
 SCORE_ROLES = ("s", "b", "h", "q_idx", "kv_idx")
@@ -74,7 +74,7 @@ def _reads(rule, name: str) -> bool:
 
 def backward_hooks(program: CheckedProgram, mask_rule, score_rule) -> ExprHooks:
     """The forward's hooks plus the score rule's derivative d score / d s
-    (`mhadsl.derivative`), lowered like the score; raises `MhaError` where the score rule
+    (`mhadsl.analysis.derivative`), lowered like the score; raises `MhaError` where the score rule
     cannot be differentiated."""
     hooks = expr_hooks(program, mask_rule, score_rule)
     if score_rule is None:

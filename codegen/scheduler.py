@@ -26,10 +26,11 @@ from mhadsl.codegen.lower import (
 )
 from mhadsl.codegen.nvptx import i1, i8, i32, i64
 from mhadsl.codegen.target import Target
-from mhadsl import abi, ast
-from mhadsl.check import CheckedProgram
-from mhadsl.diagnostics import MhaError
-from mhadsl.types import BOOL, RECORD_FIELDS, SCHEDULES, SEQ_INFO, SYNCS, U32, WORK_INFO
+from mhadsl import abi
+from mhadsl.front import ast
+from mhadsl.front.check import CheckedProgram
+from mhadsl.front.diagnostics import MhaError
+from mhadsl.front.types import BOOL, RECORD_FIELDS, SCHEDULES, SEQ_INFO, SYNCS, U32, WORK_INFO
 
 HOST_LOOP_FUEL = 1 << 20  # iterations a host `while` may run before the simulator gives up
 

@@ -1,4 +1,4 @@
-"""The host simulator's LLVM IR: the event loop `mhadsl.simulate` JIT-compiles next to a
+"""The host simulator's LLVM IR: the event loop `mhadsl.analysis.simulate` JIT-compiles next to a
 scheduler's host rules (`codegen.scheduler`), so a simulation calls them without Python in
 between.
 
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from mhadsl.builtins import SLOT_COUNT
+from mhadsl.front.builtins import SLOT_COUNT
 from mhadsl.codegen import nvptx
 from mhadsl.codegen.lower import ENV_FIELDS, alloca, record_type
 from mhadsl.codegen.nvptx import i8, i32, i64
 from mhadsl.codegen.scheduler import HOST_LOOP_FUEL, LoweredScheduler
-from mhadsl.types import SEQ_INFO, WORK_INFO
+from mhadsl.front.types import SEQ_INFO, WORK_INFO
 
 START_CTAS = "mhadsl.sim.start_ctas"
 RUN_EVENTS = "mhadsl.sim.run_events"

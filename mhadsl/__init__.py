@@ -4,9 +4,7 @@
     o = prog["causal_fwd"](q, k, v)
 """
 import importlib as _importlib
-import sys as _sys
 from pathlib import Path as _Path
-from types import ModuleType as _ModuleType
 
 __version__ = "0.1.0"
 
@@ -21,16 +19,16 @@ if not (_Path(__file__).parent / "codegen").is_dir() and (_checkout / "codegen" 
 # The public names and their modules, imported on first use: importing the package (or
 # only its runtime) loads no code generator and no LLVM, and no CUDA driver bindings.
 _PUBLIC = {
-    "MhaError": "mhadsl.diagnostics",
+    "MhaError": "mhadsl.front.diagnostics",
     "SchedulerError": "mhadsl.runtime.faults",
     "CudaError": "mhadsl.runtime.driver",
     "NoGpuError": "mhadsl.runtime.driver",
-    "Kernel": "mhadsl.api",
-    "Program": "mhadsl.api",
-    "compile": "mhadsl.api",
-    "reference": "mhadsl.reference",
-    "reference_backward": "mhadsl.reference",
-    "reference_decode": "mhadsl.reference",
+    "Kernel": "mhadsl.host.api",
+    "Program": "mhadsl.host.api",
+    "compile": "mhadsl.host.api",
+    "reference": "mhadsl.analysis.reference",
+    "reference_backward": "mhadsl.analysis.reference",
+    "reference_decode": "mhadsl.analysis.reference",
 }
 
 
@@ -44,18 +42,6 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
-
-
-class _Package(_ModuleType):
-    def __setattr__(self, name: str, value) -> None:
-        # Importing the module mhadsl.reference records it here by its name, which is the
-        # public function's: `mhadsl.reference` stays the function.
-        if name == "reference" and isinstance(value, _ModuleType):
-            value = value.reference
-        super().__setattr__(name, value)
-
-
-_sys.modules[__name__].__class__ = _Package
 
 
 def synchronize(device: int | None = None) -> None:

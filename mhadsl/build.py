@@ -2,7 +2,7 @@
 every stage's artifact (LLVM IR, PTX, cubin and its resources), through the on-disk cache.
 
 The CLI (`mhadsl compile`, through `pipeline.compile_stages`) and the Python API
-(`Kernel.build`, through which `mhadsl.launcher` loads a call's build) both call
+(`Kernel.build`, through which `mhadsl.host.launcher` loads a call's build) both call
 `build_kernel`, so they share one cache and one place where a user's mistake becomes an
 error: a declaration the chosen backend cannot run is an `MhaError` at the setting at
 fault; an arch or backend that does not exist is a `RequestError`.
@@ -23,9 +23,9 @@ import json
 from dataclasses import dataclass
 
 from mhadsl.abi import KernelABI
-from mhadsl.attention_spec import AttentionOptions, resolve_attention
-from mhadsl.check import CheckedProgram
-from mhadsl.classify import kv_band_tiles
+from mhadsl.front.attention_spec import AttentionOptions, resolve_attention
+from mhadsl.front.check import CheckedProgram
+from mhadsl.analysis.classify import kv_band_tiles
 from mhadsl.codegen import backends, tile_index
 from mhadsl.codegen.assemble import Assembled, KernelResources, find_ptxas, run_ptxas
 from mhadsl.codegen.backends import Backend, KernelBuild, Layout

@@ -21,24 +21,24 @@ from pathlib import Path
 
 from mhadsl import __version__
 from mhadsl.abi import TRACE_WORK_ITEM
-from mhadsl.attention_spec import resolve_attention
+from mhadsl.front.attention_spec import resolve_attention
 from mhadsl.build import RequestError
-from mhadsl.builtins import GRID_LIMITS
+from mhadsl.front.builtins import GRID_LIMITS
 from mhadsl.codegen import backends
 from mhadsl.codegen.assemble import AssemblerError, find_ptxas, ptxas_timeout
 from mhadsl.codegen.backends.backward import BackwardConfig
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.codegen.target import GPU_ARCHS
-from mhadsl.diagnostics import MhaError
-from mhadsl.paged import MAX_DECODE_ROWS, MAX_KV_SPLITS, PAGE_SIZES
-from mhadsl.parse import STD_PREFIX, std_file
+from mhadsl.front.diagnostics import MhaError
+from mhadsl.host.paged import MAX_DECODE_ROWS, MAX_KV_SPLITS, PAGE_SIZES
+from mhadsl.front.parse import STD_PREFIX, std_file
 from mhadsl.pipeline import (
     PASSES, CompileOptions, compile_stages, front_end, kernel_launches, tile_shape,
 )
-from mhadsl.simulate import (
+from mhadsl.analysis.simulate import (
     COST_MODELS, MAX_SEQLEN, MAX_SIMULATED_CTAS, Batch, plot_timeline, simulate,
 )
-from mhadsl.sources import check_include_dir, read_source_file
+from mhadsl.front.sources import check_include_dir, read_source_file
 
 
 class UsageError(Exception):
@@ -340,13 +340,13 @@ def _work_space(args: argparse.Namespace, program):
                                                  f"({declared})" if declared else ""),
               file=sys.stderr)
     if args.backward:
-        from mhadsl.backward import backward_work
+        from mhadsl.host.backward import backward_work
         sequences = backward_work(args.lengths, args.heads, args.tile, sequences.ragged)
         print(f"backward work space: {len(args.lengths)} sequences x {args.heads} K/V heads, "
               f"K/V tiles of {args.tile} rows (prompt tile t is K/V tile n-1-t; a work tile "
               f"loops over the query tiles of its K/V head's query heads)", file=sys.stderr)
     if args.kv_splits:
-        from mhadsl.serving import decode_work
+        from mhadsl.host.serving import decode_work
         sequences, cost = decode_work(len(args.lengths), args.heads, args.kv_splits), "uniform"
         print(f"decode work space: {len(args.lengths)} sequences x {args.heads} K/V heads x "
               f"{args.kv_splits} KV splits (a work tile packs a K/V head's query heads)",
@@ -375,7 +375,7 @@ def _kernel_costs(program, kernel: str, path: str):
     """The cost model of attention `kernel` as the preferred sm_90a design builds it: its
     declared mask and tile, with the constants calibrated for it (`mhadsl trace
     --calibrate`, on any GPU), else the defaults."""
-    from mhadsl import costmodel
+    from mhadsl.analysis import costmodel
     from mhadsl.build import KernelRequest, plan
     if kernel not in program.attentions:
         raise UsageError(f"no attention kernel '{kernel}' in {path} (it has: "
@@ -401,15 +401,15 @@ def _save_plot(draw, path: str, flag: str) -> None:
 
 def _load_program(args: argparse.Namespace):
     """The checked program of FILE, as the Python API holds it."""
-    from mhadsl.api import Program
+    from mhadsl.host.api import Program
     text, base = read_source(args.file)
     _, checked = front_end(text, args.file, base, args.include)
     return Program(text, args.file, checked)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from mhadsl import trace
-    from mhadsl.bench import NoTorch, require_gpu
+    from mhadsl.analysis import trace
+    from mhadsl.host.bench import NoTorch, require_gpu
     from mhadsl.runtime.driver import NoGpuError
     program = _load_program(args)
     if args.kernel not in program.attentions:
@@ -468,7 +468,7 @@ def _trace_decode(args: argparse.Namespace, program, gqa: int) -> int:
     """`mhadsl trace --kv-splits N`: a decode launch traced; its work space covered exactly
     once and every combine complete (`trace.check_combines`), next to the simulator's
     proof for the same work space and grid."""
-    from mhadsl import trace
+    from mhadsl.analysis import trace
     workload = trace.DecodeWorkload(args.heads, tuple(args.lengths), args.kv_splits, gqa,
                                     args.query_rows, args.page_size or 0)
     run = trace.run_decode_trace(program, args.kernel, workload, scheduler=args.scheduler,
@@ -536,7 +536,7 @@ def _trace_json(args: argparse.Namespace, run, fields: dict) -> dict:
 
 
 def _problem(args: argparse.Namespace, kernel):
-    from mhadsl.bench import Problem
+    from mhadsl.host.bench import Problem
     kv_heads = args.kv_heads or args.heads
     if args.seqlens:
         return Problem(0, 0, 0, args.heads, kv_heads, kernel.options.head_dim,
@@ -546,7 +546,7 @@ def _problem(args: argparse.Namespace, kernel):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from mhadsl.bench import NoTorch, check, measure, require_gpu
+    from mhadsl.host.bench import NoTorch, check, measure, require_gpu
     from mhadsl.runtime.driver import NoGpuError
     program = _load_program(args)
     if args.kernel not in program.attentions:
@@ -571,7 +571,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from mhadsl.bench import NoTorch, format_table, require_gpu, run_suite
+    from mhadsl.host.bench import NoTorch, format_table, require_gpu, run_suite
     from mhadsl.runtime.driver import NoGpuError
     try:
         torch = require_gpu()

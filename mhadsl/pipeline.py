@@ -17,18 +17,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from mhadsl import ast
-from mhadsl.check import CheckedProgram, check_program
+from mhadsl.front import ast
+from mhadsl.front.check import CheckedProgram, check_program
 from mhadsl.codegen import target as targets
 from mhadsl.codegen.assemble import Assembled, assemble
-from mhadsl.attention_spec import AttentionOptions, resolve_attention
+from mhadsl.front.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.build import KernelRequest, RequestError, build_kernel
 from mhadsl.codegen import backends
 from mhadsl.codegen.backends import CacheLayout, KernelBuild, KernelLaunch, Layout
 from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
 from mhadsl.codegen.trace_kernel import build_trace_kernel
-from mhadsl.diagnostics import MhaError
-from mhadsl.parse import load_program, no_cyclic_gc
+from mhadsl.front.diagnostics import MhaError
+from mhadsl.front.parse import load_program, no_cyclic_gc
 
 STD_SCHEDULERS = "std/schedulers.mha"
 # From this many schedulers on, a compile takes long enough (about 30 ms of LLVM and

@@ -24,7 +24,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from mhadsl.sources import read_regular_file
+from mhadsl.front.sources import read_regular_file
 
 _FORMAT = 1  # part of every key: bump when the compiler's output for the same inputs changes shape
 _MAGIC = b"MHADSLC1"  # file format tag; the digest of the rest follows it

@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -496,40 +496,6 @@ class Module:
         return Function(self, handle, name)
 
 
-_CTYPES = (ctypes._SimpleCData, ctypes.Array, ctypes.Structure, ctypes.Union)
-
-
-def _as_ctype(arg: object, index: int) -> Any:
-    """One kernel argument as a ctypes object whose bytes are the parameter's value."""
-    if isinstance(arg, _CTYPES):
-        return arg
-    if isinstance(arg, np.generic):  # before the float check: np.float64 is a float
-        arg = arg.tobytes()
-    if isinstance(arg, (bool, float)):
-        raise TypeError(
-            f"kernel argument {index}: {type(arg).__name__} is ambiguous; pass a ctypes scalar "
-            "(ctypes.c_float, ctypes.c_int32, ...)"
-        )
-    if isinstance(arg, (bytes, bytearray, memoryview)):
-        raw = bytes(arg)
-        return (ctypes.c_ubyte * len(raw)).from_buffer_copy(raw)
-    pointer = arg if isinstance(arg, int) else getattr(arg, "ptr", None)
-    if isinstance(pointer, int) and 0 <= pointer < 1 << 64:
-        return ctypes.c_uint64(pointer)
-    raise TypeError(
-        f"kernel argument {index}: cannot pass {type(arg).__qualname__}; use a ctypes object, "
-        "raw bytes, or an int / DeviceBuffer / DeviceTensor for a device pointer"
-    )
-
-
-def pack_args(args: Sequence[object]) -> tuple[ctypes.Array, list[Any]]:
-    """The `void*[]` cuLaunchKernel wants, plus the ctypes values it points at (keep both alive
-    until the launch call returns; the driver copies the values at launch or capture time)."""
-    values = [_as_ctype(arg, i) for i, arg in enumerate(args)]
-    pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
-    return pointers, values
-
-
 class Function:
     """A kernel in a loaded Module."""
 
@@ -575,38 +541,6 @@ class Function:
         attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         call(cu.cuFuncSetAttribute, self._handle, attribute, nbytes)
         self._dynamic_shared_limit = nbytes
-
-    def launch(
-        self,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_bytes: int,
-        stream: object,
-        args: Sequence[object],
-    ) -> None:
-        """Launch asynchronously on `stream` (anything `stream_handle` accepts).
-
-        Each element of `args` is one kernel parameter, passed by value:
-        - a ctypes object (c_int32, c_uint32, c_float, a ctypes Structure or Array, ...): its
-          bytes, so a struct or a 128-byte CUtensorMap goes as `(ctypes.c_ubyte * 128)` or a
-          Structure;
-        - bytes / bytearray / a NumPy scalar: those raw bytes;
-        - an int, or an object with an int `ptr` (DeviceBuffer, DeviceTensor): a 64-bit device
-          pointer. Plain ints are always pointers; wrap other integers in a ctypes type.
-        """
-        self.set_max_dynamic_shared(shared_bytes)
-        ensure_context(self.module.device)
-        pointers, _values = pack_args(args)
-        call(
-            cu.cuLaunchKernel,
-            self._handle,
-            *grid,
-            *block,
-            shared_bytes,
-            stream_handle(stream),
-            ctypes.addressof(pointers),
-            0,
-        )
 
     def launcher(self, grid: tuple[int, int, int], threads: int, shared_bytes: int,
                  params: int) -> Callable[[int], None]:

@@ -121,9 +121,10 @@ class TensorMap:
         return self.layout.box_bytes
 
     def kernel_arg(self) -> ctypes.Array:
-        """The launch argument: a copy of the map's 128 bytes (read at `getPtr()`), which
-        `Function.launch` passes by value into the grid_constant parameter. A copy, so the
-        argument stays valid even if this TensorMap is dropped before the launch."""
+        """The launch argument: a copy of the map's 128 bytes (read at `getPtr()`), which a
+        launch (`runtime.launch.LaunchPlan`) passes by value into the grid_constant
+        parameter. A copy, so the argument stays valid even if this TensorMap is dropped
+        before the launch."""
         return (ctypes.c_ubyte * TENSOR_MAP_BYTES).from_buffer_copy(
             ctypes.string_at(self.handle.getPtr(), TENSOR_MAP_BYTES))
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from mhadsl.check import CheckedProgram
+from mhadsl.front.check import CheckedProgram
 from mhadsl.pipeline import front_end
 
 REPO = Path(__file__).resolve().parent.parent

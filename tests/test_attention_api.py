@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import mhadsl
-from mhadsl import forward
+from mhadsl.host import forward
 from helpers import EXAMPLES, REPO
 
 ATTENTION_EXAMPLES = [p for p in EXAMPLES if "attention " in p.read_text()]

@@ -8,14 +8,14 @@ import pytest
 
 import mhadsl
 from helpers import REPO, STD, checked
-from mhadsl.attention_spec import resolve_attention
+from mhadsl.front.attention_spec import resolve_attention
 from mhadsl.build import KernelRequest, RequestError, plan
 from mhadsl.codegen import backends
 from mhadsl.codegen.backends import (
     CacheLayout, DeviceTarget, Layout, select_backend, select_target,
 )
 from mhadsl.codegen.backends.sm80 import declared_config
-from mhadsl.diagnostics import MhaError
+from mhadsl.front.diagnostics import MhaError
 
 
 @pytest.mark.parametrize("capability, target", [

@@ -1,4 +1,4 @@
-"""The backward pass without a GPU (codegen/backends/backward.py, mhadsl/backward.py): every
+"""The backward pass without a GPU (codegen/backends/backward.py, mhadsl/host/backward.py): every
 example's backward kernels, atomic and deterministic, assemble for sm_80 and sm_90a without
 spills, the kernels take the ABI's parameters in its types and offsets, the main kernel runs
 the declaration's scheduler over K/V tiles, the simulator proves that work space covered
@@ -13,7 +13,7 @@ import pytest
 import mhadsl
 from helpers import EXAMPLES, REPO
 from mhadsl.abi import KIND_ALIGN
-from mhadsl.backward import backward_work
+from mhadsl.host.backward import backward_work
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen import backends
 from mhadsl.codegen.backends import Layout
@@ -23,7 +23,7 @@ from mhadsl.codegen.backends.backward import (
 )
 from mhadsl.codegen.kernel import backward_hooks
 from mhadsl.codegen.scheduler import SchedulerSpec
-from mhadsl.simulate import simulate
+from mhadsl.analysis.simulate import simulate
 from test_abi import offsets, ptx_params
 
 needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="ptxas not found")

@@ -15,7 +15,7 @@ from llvmlite import ir
 
 import mhadsl
 from helpers import EXAMPLES, fake_launcher
-from mhadsl import backward as host
+from mhadsl.host import backward as host
 from mhadsl.abi import CallSizes
 from mhadsl.codegen import hopper, nvptx
 from mhadsl.codegen.assemble import find_ptxas
@@ -216,7 +216,7 @@ def test_a_ragged_build_reads_its_sequences_from_batch_0_of_the_tensor_maps(ragg
 
 
 class _TorchLike:
-    """What `mhadsl.backward` plans a launch from: a contiguous tensor's shape, strides and
+    """What `mhadsl.host.backward` plans a launch from: a contiguous tensor's shape, strides and
     dtype."""
 
     def __init__(self, shape: tuple[int, ...], dtype: str = "torch.float16"):

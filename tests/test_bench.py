@@ -1,4 +1,4 @@
-"""mhadsl.bench's timing, on the CPU: a stand-in for torch whose CUDA events read a clock
+"""mhadsl.host.bench's timing, on the CPU: a stand-in for torch whose CUDA events read a clock
 that the timed functions advance."""
 import subprocess
 import sys
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mhadsl.bench import time_ms, time_side_by_side
+from mhadsl.host.bench import time_ms, time_side_by_side
 
 
 class FakeGpu:
@@ -88,7 +88,7 @@ def test_hopper_benchmark_row_gives_ratios_by_medians_and_rounds(capsys):
         import hopper
     finally:
         sys.path.pop(0)
-    from mhadsl.bench import Problem, Timing
+    from mhadsl.host.bench import Problem, Timing
     times = {"sm80": Timing(2.0, (2.0, 2.0)), "sm90": Timing(1.0, (1.0, 0.5)),
              "flash": None, "cudnn": Timing(1.1, (1.2, 0.6)), "flex": None,
              "fa4": Timing(0.9, (0.8, 1.0))}

@@ -1,8 +1,8 @@
-"""The builtin functions' registry (mhadsl.builtin_functions) as the checker sees it."""
+"""The builtin functions' registry (mhadsl.front.builtin_functions) as the checker sees it."""
 import pytest
 
 from helpers import checked
-from mhadsl.diagnostics import MhaError
+from mhadsl.front.diagnostics import MhaError
 
 
 @pytest.mark.parametrize("call, message", [

@@ -11,16 +11,16 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from llvmlite import ir
 
-from mhadsl.check import check_program
-from mhadsl.classify import (
+from mhadsl.front.check import check_program
+from mhadsl.analysis.classify import (
     I32_MAX, I32_MIN, classify_bounds, classify_tile, count_visited_kv_tiles, emit_classify,
     emit_kv_limits, kv_band_tiles, kv_limits,
 )
 from mhadsl.codegen import warp
 from mhadsl.codegen.backends import declaration_problems
 from mhadsl.codegen.target import HOST, HostJit, emit_ptx, gpu_target, new_module, optimize
-from mhadsl.parse import load_program
-from mhadsl.reference import evaluate_rule
+from mhadsl.front.parse import load_program
+from mhadsl.analysis.reference import evaluate_rule
 
 # name -> the mask member of an attention declaration
 MASKS = {

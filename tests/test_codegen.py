@@ -79,7 +79,7 @@ def test_host_while_loops_burn_fuel():
     """Each iteration of a host `while` burns a unit of the environment's fuel and the loop
     stops when it runs out (the simulator then reports it): with 5 units, a loop that would
     run a million times runs 4."""
-    from mhadsl.simulate import _Env, _State, _TileSummary
+    from mhadsl.analysis.simulate import _Env, _State, _TileSummary
     program = checked(spinning(
         "var n = 0\n while n < 1000000 { n += 1 }\n"
         "return State(idx = n, slots = slots, max_idx = 0)", "return none"))
@@ -150,7 +150,7 @@ def test_only_a_kernel_whose_scheduler_reads_the_queue_counts_its_threads_out(ad
 
 
 def test_bad_scheduler_parameter_is_a_user_error():
-    from mhadsl.diagnostics import MhaError
+    from mhadsl.front.diagnostics import MhaError
     with pytest.raises(MhaError, match="has no parameter 'nope'"):
         lower_scheduler(new_module("x", HOST), checked(STD),
                         SchedulerSpec("Queued", (("nope", 1),), 128), HOST)

@@ -13,8 +13,8 @@ import mhadsl
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import CacheLayout, decode
 from mhadsl.codegen.scheduler import SchedulerSpec
-from mhadsl.serving import decode_work, default_splits, kv_tile
-from mhadsl.simulate import simulate
+from mhadsl.host.serving import decode_work, default_splits, kv_tile
+from mhadsl.analysis.simulate import simulate
 
 CAUSAL = "mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q"
 SOURCE = f"""
@@ -121,7 +121,7 @@ def test_traced_decode_records_combines_after_splits_and_assembles_without_spill
     its partial result, a combine's start and end), none untraced; a split's end is read
     before the count that may make another split last, a combine's start after the count
     that made it last (the order `trace.check_combines` relies on)."""
-    from mhadsl.trace import scheduler_kernel
+    from mhadsl.analysis.trace import scheduler_kernel
     builds = {t: scheduler_kernel(PROGRAM, name, trace=t).build(arch, gqa_group=group,
                                                                 return_lse=lse, cache=cache)
               for t in (False, True)}
@@ -328,7 +328,7 @@ def test_bad_page_table_entries_raise():
 def _planned_shapes():
     """A planned decode signature's shapes (no GPU: nothing is launched)."""
     from mhadsl.runtime.launch import TensorShape
-    from mhadsl.serving import _READ_AND_WRITTEN, _DecodePlan
+    from mhadsl.host.serving import _READ_AND_WRITTEN, _DecodePlan
     q = TensorShape((2, 1, 8, 128), (1024, 1024, 128, 1), "bfloat16")
     cache = TensorShape((2, 64, 2, 128), (16384, 256, 128, 1), "bfloat16")
     shapes = {"q": q, "k_cache": cache, "v_cache": cache, "o": q}
@@ -386,7 +386,7 @@ scheduler Splitting(num_ctas: u32 = num_sms * ctas_per_sm) {
 def test_a_scheduler_chooses_the_kv_splits():
     """The optional host rule `kv_splits`: its value where it gives one, None (the planner's
     default) where it gives 0 or is absent; past the limit, an error at the rule."""
-    from mhadsl.simulate import HostScheduler
+    from mhadsl.analysis.simulate import HostScheduler
     program = mhadsl.compile(SPLITTING, name="splitting.mha").checked
     host = HostScheduler(program, SchedulerSpec("Splitting", (), 1, 8))
     assert host.kv_splits(1, 131072, 8, 132) == 32

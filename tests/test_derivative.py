@@ -1,4 +1,4 @@
-"""d score / d s (mhadsl.derivative) against central finite differences, on CPU."""
+"""d score / d s (mhadsl.analysis.derivative) against central finite differences, on CPU."""
 from __future__ import annotations
 
 import ctypes
@@ -8,16 +8,16 @@ import pytest
 from llvmlite import ir
 
 from helpers import EXAMPLES, checked
-from mhadsl import ast
-from mhadsl.builtin_functions import FUNCTIONS
+from mhadsl.front import ast
+from mhadsl.front.builtin_functions import FUNCTIONS
 from mhadsl.codegen.kernel import SCORE_ROLES
 from mhadsl.codegen.lower import Builtins, FunctionLowering
 from mhadsl.codegen.nvptx import f32, i32
 from mhadsl.codegen.target import HOST, HostJit, new_module
-from mhadsl.derivative import differentiate_score
-from mhadsl.diagnostics import MhaError
-from mhadsl.reference import evaluate_rule, evaluate_score_derivative
-from mhadsl.types import BOOL, F32, I32
+from mhadsl.analysis.derivative import differentiate_score
+from mhadsl.front.diagnostics import MhaError
+from mhadsl.analysis.reference import evaluate_rule, evaluate_score_derivative
+from mhadsl.front.types import BOOL, F32, I32
 
 RNG = np.random.default_rng(22)
 N = 400  # random points per case

@@ -6,9 +6,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import EXAMPLES, REPO, STD, checked
-from mhadsl import ast
-from mhadsl.diagnostics import MhaError, Source
-from mhadsl.parse import parse_source
+from mhadsl.front import ast
+from mhadsl.front.diagnostics import MhaError, Source
+from mhadsl.front.parse import parse_source
 from mhadsl.pipeline import front_end
 
 

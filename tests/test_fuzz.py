@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import EXAMPLES, REPO
-from mhadsl.diagnostics import MhaError
-from mhadsl.sources import decode_source
+from mhadsl.front.diagnostics import MhaError
+from mhadsl.front.sources import decode_source
 from mhadsl.pipeline import CompileOptions, compile_stages, front_end
 
 RUNS = collections.Counter()  # generator -> inputs run

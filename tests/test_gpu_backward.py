@@ -134,7 +134,7 @@ def test_ragged_calls_run_the_hopper_design(source, name, hq, hkv):
     sequence and after the last (finite), whose gradients stay zero."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper design runs on compute capability 9.0")
-    from mhadsl.backward import _state
+    from mhadsl.host.backward import _state
     from mhadsl.codegen.backends.backward_sm90 import HopperBackwardConfig
     kern = kernel(source, name) if source.endswith(".mha") else \
         mhadsl.compile(source, name="<hopper-ragged>")[name]
@@ -156,7 +156,7 @@ def test_ragged_calls_run_the_hopper_design(source, name, hq, hkv):
 
 
 def test_a_signature_is_planned_once():
-    from mhadsl.backward import _state
+    from mhadsl.host.backward import _state
     kern = kernel("causal.mha", "causal_fwd")
     for _ in range(2):
         assert_gradients(kern, dense(kern, 1, 130, 130, 2, 2))
@@ -218,7 +218,7 @@ def test_every_fallback_build_is_correct(variant, monkeypatch, tmp_path):
     forced, atomic and deterministic."""
     from dataclasses import replace
 
-    from mhadsl.backward import _state
+    from mhadsl.host.backward import _state
     from mhadsl.codegen.backends import spill_free_build
     from mhadsl.codegen.backends.backward import BACKEND, build_backward_module
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))  # forced builds stay out of the cache
@@ -258,7 +258,7 @@ def test_deterministic_mode_is_bitwise_repeatable_and_correct(file, name, hq, hk
 def test_deterministic_through_autograd_follows_torch():
     """`torch.use_deterministic_algorithms(True)` (and the operator's `deterministic=True`)
     run the deterministic kernels: bitwise repeatable gradients through `out.backward()`."""
-    from mhadsl.backward import _state
+    from mhadsl.host.backward import _state
     kern = kernel("gqa.mha", "gqa_causal")
     op = kern.torch_op()
     args = dense(kern, 2, 513, 513, 8, 2)

@@ -1,4 +1,4 @@
-"""Decode against a KV cache on the GPU (`mhadsl.serving`, the decode design) against the
+"""Decode against a KV cache on the GPU (`mhadsl.host.serving`, the decode design) against the
 float64 `mhadsl.reference_decode`: contiguous and paged caches (pages in random order),
 cache lengths 0, 1, a page boundary +-1 and lengths not a multiple of the page, GQA 1/4/8/16,
 head dims 64/128/256, 1/4/16 query rows, ragged query rows (chunked prefill), forced and

@@ -9,8 +9,10 @@ import ctypes
 
 import pytest
 
+from mhadsl.abi import CallValue, KernelABI, Param
 from mhadsl.runtime.driver import Module, device_info
-from mhadsl.runtime.tensormap import encode_tiled
+from mhadsl.runtime.launch import ParamBlock
+from mhadsl.runtime.tensormap import TENSOR_MAP_BYTES, encode_tiled
 
 from test_hopper_codegen import (
     TMA_ROUNDTRIP_SMEM, WS_SMEM, WS_THREADS, build, build_pv, build_qk, build_tma_roundtrip,
@@ -29,11 +31,41 @@ def hopper_device():
         pytest.skip("sm_90a kernels need compute capability 9.0")
 
 
-def launch(module, name: str, threads: int, smem: int, args: list) -> None:
+def kernel_abi(*params: tuple[str, str]) -> KernelABI:
+    """A test kernel's parameters, (name, kind) in order, each bound to `launch`'s argument
+    of that name."""
+    return KernelABI(*(Param(name, kind, CallValue(name), "") for name, kind in params))
+
+
+def tma_roundtrip_abi(rank: int) -> KernelABI:
+    return kernel_abi(("map_in", "tensor_map"), ("map_out", "tensor_map"), ("raw", "ptr"),
+                      ("info", "ptr"), *((f"c{i}", "i32") for i in range(rank)))
+
+
+QK_ABI = kernel_abi(("q_map", "tensor_map"), ("k_map", "tensor_map"), ("s", "ptr"))
+PV_ABI = kernel_abi(("p", "ptr"), ("v_map", "tensor_map"), ("o", "ptr"))
+WS_QK_ABI = kernel_abi(("q_map", "tensor_map"), ("k_map", "tensor_map"), ("s", "ptr"),
+                       ("kv_tiles", "i32"))
+
+
+def launch(module, name: str, threads: int, smem: int, abi: KernelABI, args: dict) -> None:
+    """Run kernel `name` of `module` as one CTA, each parameter of `abi` taken from `args` by
+    name: a tensor map (by value), an address or an i32."""
     built = build(module)
     fn = Module.from_cubin(built.cubin).function(name)
     print(f"{name}: {built.registers} registers, {smem} B shared")
-    fn.launch((1, 1, 1), (threads, 1, 1), smem, torch.cuda.current_stream(), args)
+    # A LaunchPlan's tensor maps are views of attention tensors, (batch, rows, heads,
+    # head_dim); these kernels' maps have ranks and boxes of their own, so the block is
+    # packed here.
+    block = ParamBlock(abi)
+    for p in abi:
+        if p.kind == "tensor_map":
+            ctypes.memmove(block.base + abi.offsets[p.name], args[p.name].kernel_arg(),
+                           TENSOR_MAP_BYTES)
+        else:
+            block.pack(p.name, args[p.name])
+    fn.set_max_dynamic_shared(smem)
+    fn.launcher((1, 1, 1), threads, smem, block.address)(torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
 
 
@@ -71,8 +103,9 @@ def test_tma_load_lands_swizzled_and_store_writes_back(rank):
     map_in, map_out = tensor_map(x, box), tensor_map(out, box)
     assert map_in.box_bytes == 8192
     launch(build_tma_roundtrip(rank), "tma_roundtrip", 128, TMA_ROUNDTRIP_SMEM,
-           [map_in.kernel_arg(), map_out.kernel_arg(), raw.data_ptr(), info.data_ptr(),
-            *(ctypes.c_int32(c) for c in origin)])
+           tma_roundtrip_abi(rank),
+           {"map_in": map_in, "map_out": map_out, "raw": raw.data_ptr(), "info": info.data_ptr(),
+            **{f"c{i}": c for i, c in enumerate(origin)}})
     aligned, unaligned = info.tolist()
     print(f"rank {rank}: dynamic shared memory at {unaligned:#x} "
           f"(mod 1024 = {unaligned % 1024}); tile at {aligned:#x}")
@@ -105,17 +138,17 @@ def test_wgmma_qk_from_tma_tiles_matches_torch(dtype):
     q = torch.randn(64, 128, device="cuda").to(DTYPES[dtype])
     k = torch.randn(64, 128, device="cuda").to(DTYPES[dtype])
     s = torch.full((64, 64), float("nan"), device="cuda")
-    launch(build_qk(dtype), "qk", 128, qk_smem(),
-           [tensor_map(q, (64, 64)).kernel_arg(), tensor_map(k, (64, 64)).kernel_arg(),
-            s.data_ptr()])
+    launch(build_qk(dtype), "qk", 128, qk_smem(), QK_ABI,
+           {"q_map": tensor_map(q, (64, 64)), "k_map": tensor_map(k, (64, 64)),
+            "s": s.data_ptr()})
     compare(f"S = Q K^T ({dtype}, m64n64k16 x 8)", s, q.float() @ k.float().T, atol=1e-3)
 
 
 # ============================================================================ (c) O = P V
 def run_pv(dtype: str, head_dim: int, p, v, **descriptor):
     o = torch.full((64, head_dim), float("nan"), device="cuda")
-    launch(build_pv(dtype, head_dim, **descriptor), "pv", 128, pv_smem(head_dim),
-           [p.data_ptr(), tensor_map(v, (64, 64)).kernel_arg(), o.data_ptr()])
+    launch(build_pv(dtype, head_dim, **descriptor), "pv", 128, pv_smem(head_dim), PV_ABI,
+           {"p": p.data_ptr(), "v_map": tensor_map(v, (64, 64)), "o": o.data_ptr()})
     return o
 
 
@@ -140,8 +173,8 @@ def test_warp_specialized_producer_consumers(kv_tiles):
     q = torch.randn(128, 128, device="cuda").to(torch.bfloat16)
     k = torch.randn(64 * kv_tiles, 128, device="cuda").to(torch.bfloat16)
     s = torch.full((128, 64 * kv_tiles), float("nan"), device="cuda")
-    launch(build_warp_specialized(), "ws_qk", WS_THREADS, WS_SMEM,
-           [tensor_map(q, (64, 64)).kernel_arg(), tensor_map(k, (64, 64)).kernel_arg(),
-            s.data_ptr(), ctypes.c_int32(kv_tiles)])
+    launch(build_warp_specialized(), "ws_qk", WS_THREADS, WS_SMEM, WS_QK_ABI,
+           {"q_map": tensor_map(q, (64, 64)), "k_map": tensor_map(k, (64, 64)),
+            "s": s.data_ptr(), "kv_tiles": kv_tiles})
     compare(f"warp-specialised S = Q K^T, {kv_tiles} K tiles through 2 stages", s,
             q.float() @ k.float().T, atol=1e-3)

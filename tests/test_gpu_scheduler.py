@@ -6,7 +6,7 @@ from helpers import STD, checked
 from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
 from mhadsl.codegen.trace_kernel import TRACE_ABI, TRACE_FIELDS, build_trace_kernel
 from mhadsl.codegen.target import emit_ptx, gpu_target, new_module, optimize
-from mhadsl.simulate import Batch, HostScheduler, simulate
+from mhadsl.analysis.simulate import Batch, HostScheduler, simulate
 
 pytestmark = pytest.mark.gpu
 

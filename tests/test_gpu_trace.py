@@ -6,7 +6,8 @@ import pytest
 
 import mhadsl
 from helpers import REPO
-from mhadsl import abi, trace
+from mhadsl import abi
+from mhadsl.analysis import trace
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,7 @@ import mhadsl
 from helpers import REPO, finishes_within
 from mhadsl.cli import main
 from mhadsl.codegen import assemble as assembler
-from mhadsl.diagnostics import MhaError
+from mhadsl.front.diagnostics import MhaError
 
 SECRET = "SECRET-7f3a-do-not-print"
 ONE_FN = "fn one() -> u32 { return 1 }\n"

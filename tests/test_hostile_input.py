@@ -12,13 +12,13 @@ import pytest
 
 import mhadsl
 from helpers import REPO
-from mhadsl.check import check_program
+from mhadsl.front.check import check_program
 from mhadsl.cli import main as cli_main
 from mhadsl.codegen.backends import declaration_problems
-from mhadsl.diagnostics import MAX_ERRORS, MhaError
-from mhadsl.parse import MAX_EXPR_DEPTH, MAX_STMT_DEPTH, load_program
+from mhadsl.front.diagnostics import MAX_ERRORS, MhaError
+from mhadsl.front.parse import MAX_EXPR_DEPTH, MAX_STMT_DEPTH, load_program
 from mhadsl.pipeline import CompileOptions, compile_stages, front_end
-from mhadsl.sources import MAX_SOURCE_BYTES, read_source_file
+from mhadsl.front.sources import MAX_SOURCE_BYTES, read_source_file
 
 STD = 'import "std/schedulers.mha"\n'
 
@@ -162,16 +162,16 @@ def test_deeply_nested_calls_are_a_diagnostic(tmp_path):
 
 
 def test_flat_five_thousand_term_chains_go_through_every_stage(tmp_path, monkeypatch):
-    """A flat chain is not nesting (issue 19): check, LLVM IR, the host simulator, the
+    """A flat chain is not nesting: check, LLVM IR, the host simulator, the
     mask's classification and the reference all loop over it. (A kernel's mask and score
     are capped in size for LLVM's sake, a separate rule: lifted here, tested below.)"""
     import numpy as np
-    from mhadsl import check
+    from mhadsl.front import check
     monkeypatch.setattr(check, "MAX_KERNEL_RULE_NODES", check.MAX_INLINED_NODES)
-    from mhadsl.classify import classify_tile
+    from mhadsl.analysis.classify import classify_tile
     from mhadsl.codegen.scheduler import SchedulerSpec
-    from mhadsl.reference import attention_reference
-    from mhadsl.simulate import Batch, simulate
+    from mhadsl.analysis.reference import attention_reference
+    from mhadsl.analysis.simulate import Batch, simulate
     terms = 5_000
     # Each adds 0 (or nothing) to a correct rule; the bodies stay under MAX_INLINED_NODES.
     sched = STD + scheduler("state.idx += grid_dim.x" + " + p - p" * (terms // 2))
@@ -224,7 +224,7 @@ def test_shift_by_40(tmp_path):
     the simulator runs) computes 0 where a count taken modulo 32 would not."""
     import ctypes
     from mhadsl.codegen.scheduler import SchedulerSpec
-    from mhadsl.simulate import HostScheduler, _Env, _TileSummary
+    from mhadsl.analysis.simulate import HostScheduler, _Env, _TileSummary
     start, step = 0xFFFFFFFF, 7
     for advance, want in (("state.idx += grid_dim.x << 40", start),
                           ("state.idx = state.idx >> 40", 0),
@@ -266,7 +266,7 @@ def test_fn_chains_that_inline_too_deep_or_too_big(tmp_path):
 def test_nesting_at_the_limits_compiles_through_every_stage(tmp_path):
     """The limits leave room: the deepest accepted code still compiles and simulates."""
     from mhadsl.codegen.scheduler import SchedulerSpec
-    from mhadsl.simulate import Batch, simulate
+    from mhadsl.analysis.simulate import Batch, simulate
     # grid_dim.x is two levels: an attribute of a name.
     calls = "min(" * (MAX_EXPR_DEPTH - 2) + "grid_dim.x" + ", 9)" * (MAX_EXPR_DEPTH - 2)
     blocks = MAX_STMT_DEPTH - 1
@@ -403,7 +403,7 @@ def test_a_very_long_line_is_shown_as_a_window_around_the_error(tmp_path):
     assert line[len(caret) - 1] == "$"
 
 
-# --- Issue 19: untrusted files. A source is read only from a regular .mha file of at most
+# --- Untrusted files. A source is read only from a regular .mha file of at most
 # 16 MB; an import stays inside the importing file's folder, the standard library and the
 # include folders; the compile cache reads the same way (tests/test_build.py).
 
@@ -577,7 +577,7 @@ def test_plot_to_a_path_that_takes_no_image_is_one_line(target, message, tmp_pat
                           "--plot", target], tmp_path)[0]
     assert stderr.startswith(message) and stderr.count("\n") == 1, stderr
 
-# ---------------------------------------------------------------- issue 19: constants
+# ---------------------------------------------------------------- constants that are not finite
 @pytest.mark.parametrize("line, where, message", [
     ("score(s, b, h, q, k) = s * 1e400", "h.mha:3:29:", "float constant 1e400 is not a finite f32"),
     ("score(s, b, h, q, k) = s * 1e39", "h.mha:3:29:", "float constant 1e39 is not a finite f32"),
@@ -594,7 +594,7 @@ def test_float_constants_that_are_not_finite(tmp_path, line, where, message):
 
 
 def test_declared_and_call_time_scale_follow_one_rule(tmp_path):
-    from mhadsl.calls import check_scale
+    from mhadsl.host.calls import check_scale
     declared = error_of(attention("scale = sqrt(-1.0)"), tmp_path)
     # Any constant, a declared scale included, must fold to a finite value: one error.
     assert declared.startswith("h.mha:3:10: error: constant expression is not a finite f32 "
@@ -731,7 +731,7 @@ def test_a_mistake_in_a_file_of_other_line_endings_is_reported_at_its_line(tmp_p
 def test_schedulers_past_the_limit_are_a_diagnostic_at_the_first_too_many(tmp_path):
     """`compile` builds a kernel of each (2,000 schedulers took 1.8 GB): std's 4 and 60 more
     check; one more is refused at its name."""
-    from mhadsl.check import MAX_SCHEDULERS
+    from mhadsl.front.check import MAX_SCHEDULERS
     own = MAX_SCHEDULERS - 4
     allowed = STD + "".join(scheduler(name=f"S{i}") for i in range(own))
     assert len(front_end(allowed, "h.mha")[1].schedulers) == MAX_SCHEDULERS
@@ -744,7 +744,7 @@ def test_schedulers_past_the_limit_are_a_diagnostic_at_the_first_too_many(tmp_pa
 
 
 def test_attention_kernels_past_the_limit_are_a_diagnostic(tmp_path):
-    from mhadsl.check import MAX_ATTENTIONS
+    from mhadsl.front.check import MAX_ATTENTIONS
     text = STD + "".join(f"attention A{i} {{ mask(b, h, q, k) = k <= q + {i} }}\n"
                          for i in range(MAX_ATTENTIONS + 1))
     message = error_of(text, tmp_path)
@@ -756,7 +756,7 @@ def test_attention_kernels_past_the_limit_are_a_diagnostic(tmp_path):
 
 def test_schedulers_too_big_together_are_a_diagnostic(tmp_path):
     """Each rule is under its own limit, but their LLVM IR together would not be."""
-    from mhadsl.check import MAX_INLINED_NODES, MAX_SCHEDULER_NODES
+    from mhadsl.front.check import MAX_INLINED_NODES, MAX_SCHEDULER_NODES
     terms = MAX_INLINED_NODES // 11  # each adds 10 nodes to advance
     fat = [scheduler("state.idx += grid_dim.x" + " + p * state.idx - state.idx * p" * terms,
                      name=f"Fat{i}") for i in range(MAX_SCHEDULER_NODES // (10 * terms) + 1)]
@@ -772,7 +772,7 @@ def test_schedulers_too_big_together_are_a_diagnostic(tmp_path):
 def test_a_program_past_the_token_limit_is_refused_while_it_is_read(tmp_path, monkeypatch):
     """The parser holds ~750 bytes a token until the AST is built (16 MB of schedulers took
     3.3 GB): reading stops at the first token past the limit, imports included."""
-    from mhadsl import parse
+    from mhadsl.front import parse
     monkeypatch.setattr(parse, "MAX_TOKENS", 1000)
     # 8 tokens, then 250 pairs `1 +`, then `1 }`: 510 tokens.
     (tmp_path / "lib.mha").write_text("fn f() -> u32 { return " + "1 + " * 250 + "1 }\n")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mhadsl
-from mhadsl import forward
+from mhadsl.host import forward
 from mhadsl.runtime import driver, tensors
 
 SOURCE = '''import "std/schedulers.mha"

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import mhadsl
-from mhadsl import abi, calls
+from mhadsl import abi
+from mhadsl.host import calls
 from mhadsl.build import RequestError, plan
 from mhadsl.codegen.backends import KernelBuild
 from mhadsl.runtime import driver, faults, tensormap, tensors
@@ -229,7 +230,7 @@ def test_a_ragged_launch_builds_its_tile_index_first_by_the_index_kernels_abi(ke
 def test_a_planned_call_checks_only_new_addresses_and_never_passes_refused_ones(monkeypatch):
     """A torch call of a planned signature checks its addresses (alignment, out against q,
     k and v) unless they are the last passing call's; a refused call's are not remembered."""
-    from mhadsl.forward import _Planned
+    from mhadsl.host.forward import _Planned
     from mhadsl.runtime.launch import TensorShape
     t = TensorShape((2, 8, 4, 64), (2048, 256, 64, 1), "bfloat16")  # 8 KiB
     planned = _Planned([], SimpleNamespace(q=SimpleNamespace(shape=t.shape), lse_shape=None),

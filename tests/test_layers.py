@@ -172,12 +172,12 @@ def test_the_code_generator_imports_nothing_of_the_runtime():
 def test_the_checker_imports_no_code_generator():
     """`check` asks the kernel designs through the function its caller hands it, so
     checking a program needs neither the code generator nor llvmlite."""
-    assert _imports_from("mhadsl.check", "mhadsl.codegen") == []
-    tree = ast.parse(MODULES["mhadsl.check"].read_text())
+    assert _imports_from("mhadsl.front.check", "mhadsl.codegen") == []
+    tree = ast.parse(MODULES["mhadsl.front.check"].read_text())
     imported = {alias.name if isinstance(node, ast.Import) else node.module or ""
                 for node in import_nodes(tree, everywhere=True) for alias in node.names}
     assert not {name for name in imported if name.split(".")[0] == "llvmlite"}
-    assert_loads_no_code_generator("mhadsl.check")
+    assert_loads_no_code_generator("mhadsl.front.check")
 
 
 def test_a_long_module_says_why_it_stays_one_module():

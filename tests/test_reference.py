@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mhadsl.check import check_program
+from mhadsl.front.check import check_program
 from mhadsl.codegen.backends import declaration_problems
-from mhadsl.parse import load_program
-from mhadsl.reference import attention_reference, evaluate_rule, rule_roles
+from mhadsl.front.parse import load_program
+from mhadsl.analysis.reference import attention_reference, evaluate_rule, rule_roles
 
 
 def rules_of(members: str, prelude: str = ""):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import mhadsl
-from mhadsl.reference import attention_reference, attention_reference_backward
+from mhadsl.analysis.reference import attention_reference, attention_reference_backward
 
 SOURCE = """
 attention plain { head_dim = 64 }

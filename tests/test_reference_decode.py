@@ -290,7 +290,7 @@ def test_ragged_argument_errors(program, name):
 def test_unread_index_values_are_left_unchecked(program):
     """The decode kernels' call reads device-side index values only under MHADSL_DEBUG=1:
     without them the shapes and dtypes are still checked, the values are not."""
-    from mhadsl.paged import check_decode_call
+    from mhadsl.host.paged import check_decode_call
     call = dict(good_call(np.random.default_rng(9)), cache_seqlens=np.array([99, -1], np.int32),
                 page_table=np.full((2, 2), 7, np.int32))
     checked = check_decode_call(program["gqa"].options, **call, read=lambda t: None)

@@ -1,18 +1,22 @@
 """mhadsl.runtime parts that need no GPU: the compile cache, bfloat16 conversion, tensor
-checks, argument packing, stream handles and driver error reporting."""
+checks, a launch plan's parameters, stream handles and driver error reporting."""
 
 import ctypes
 import dataclasses
 import enum
 import os
+import struct
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from cuda.bindings import driver as cu
 
-from mhadsl.runtime import cache, driver
+from mhadsl.abi import KIND_BYTES, CallValue, KernelABI, Param, Pointer, TensorMap
+from mhadsl.runtime import cache, driver, tensormap
 from mhadsl.runtime.cache import CompileCache, cache_dir, cache_key
-from mhadsl.runtime.driver import CudaError, check, pack_args, stream_handle
+from mhadsl.runtime.driver import CudaError, check, stream_handle
+from mhadsl.runtime.launch import LaunchPlan, TensorShape
 from mhadsl.runtime.tensors import (
     as_device_tensor,
     bf16_bits_to_float32,
@@ -20,6 +24,7 @@ from mhadsl.runtime.tensors import (
     numpy_to_bf16_bits,
     to_device,
 )
+from helpers import fake_launcher
 
 KEY = cache_key(source="attention a {}", arch="sm_90a")
 
@@ -362,44 +367,45 @@ def test_stream_handles():
             stream_handle(bad)
 
 
-class Pair(ctypes.Structure):
-    _fields_ = [("a", ctypes.c_int32), ("b", ctypes.c_int32)]
-
-
-def test_pack_args_convention():
-    class HasPtr:
-        ptr = 0xDEAD0000
-
+def test_a_plan_passes_each_parameter_by_name_as_its_kind(monkeypatch):
+    """Each entry of the `void*[]` a plan launches with points at its parameter's bytes as
+    the kernel declares them, the value found by its binding's name: an address (null for a
+    tensor the call lacks), signed integers, a float and a tensor map by value."""
     tensor_map = (ctypes.c_ubyte * 128)(*range(128))
-    args = [
-        0x7F0000001000,
-        ctypes.c_int32(-3),
-        ctypes.c_float(0.5),
-        Pair(2, 7),
-        tensor_map,
-        b"\x01\x02\x03",
-        np.float32(1.25),
-        HasPtr(),
-    ]
-    pointers, values = pack_args(args)
-    contents = [ctypes.string_at(pointers[i], ctypes.sizeof(values[i])) for i in range(len(args))]
-    assert contents == [
+    monkeypatch.setattr(tensormap, "launch_arg", lambda *args, **kwargs: tensor_map)
+    monkeypatch.setattr(driver, "ensure_context", lambda device=None: device)
+    kernel_abi = KernelABI(Param("data", "ptr", Pointer("q"), ""),
+                           Param("n", "i32", CallValue("n"), ""),
+                           Param("scale", "f32", CallValue("softmax_scale"), ""),
+                           Param("q_map", "tensor_map", TensorMap("q", "block_m", 64), ""),
+                           Param("offset", "i64", CallValue("offset"), ""),
+                           Param("lse", "ptr", Pointer("lse"), ""))
+    launched = []
+
+    def launch(grid, threads, shared_bytes, stream, params):
+        pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        launched.append([ctypes.string_at(pointers[i], KIND_BYTES[p.kind])
+                         for i, p in enumerate(kernel_abi)])
+
+    def plan(values):
+        function = SimpleNamespace(launcher=fake_launcher(launch),
+                                   set_max_dynamic_shared=lambda nbytes: None)
+        q = TensorShape((2, 8, 4, 64), (2048, 256, 64, 1), "bfloat16")
+        return LaunchPlan(function, (1, 1, 1), 128, 0, kernel_abi, SimpleNamespace(block_m=64),
+                          device=0, tensors={"q": q}, values=values)
+
+    values = {"n": -3, "softmax_scale": 0.5, "offset": -(1 << 40)}
+    plan(values).launch({"q": 0x7F0000001000}, stream=0)
+    assert launched == [[
         (0x7F0000001000).to_bytes(8, "little"),
         (-3).to_bytes(4, "little", signed=True),
-        np.float32(0.5).tobytes(),
-        bytes(Pair(2, 7)),
+        struct.pack("<f", 0.5),
         bytes(range(128)),
-        b"\x01\x02\x03",
-        np.float32(1.25).tobytes(),
-        (0xDEAD0000).to_bytes(8, "little"),
-    ]
-    assert pack_args([])[1] == []
-
-
-@pytest.mark.parametrize("bad", [1.5, True, -1, 1 << 64, "x", object()])
-def test_pack_args_rejects_ambiguous_values(bad):
-    with pytest.raises(TypeError, match="kernel argument 1"):
-        pack_args([ctypes.c_int32(0), bad])
+        (-(1 << 40)).to_bytes(8, "little", signed=True),
+        bytes(8),
+    ]]
+    with pytest.raises(struct.error):  # a value its kind cannot hold is refused, not cut short
+        plan({**values, "n": 1 << 31})
 
 
 def as_libcuda(restype, *argtypes):

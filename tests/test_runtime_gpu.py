@@ -1,7 +1,6 @@
-"""mhadsl.runtime on a real GPU: module load, launch on torch/NumPy/CuPy data, memset, queue
-workspaces and CUDA-graph capture. Skipped (by conftest) without a GPU."""
+"""mhadsl.runtime on a real GPU: module load, launch plans on torch/NumPy/CuPy data, memset,
+queue workspaces and CUDA-graph capture. Skipped (by conftest) without a GPU."""
 
-import ctypes
 import shutil
 import subprocess
 import uuid
@@ -9,6 +8,7 @@ import uuid
 import numpy as np
 import pytest
 
+from mhadsl.abi import CallValue, KernelABI, Param, Pointer
 from mhadsl.runtime.driver import (
     CudaError,
     DeviceBuffer,
@@ -18,11 +18,12 @@ from mhadsl.runtime.driver import (
     queue_workspace,
     stream_handle,
 )
+from mhadsl.runtime.launch import LaunchPlan
 from mhadsl.runtime.tensors import as_device_tensor, empty_like_kind, from_device, to_device
 
 pytestmark = pytest.mark.gpu
 
-# Hand-written PTX: add_one(int* data, u32 n); axpb(int* data, {int a, b} by value, u32 n):
+# Hand-written PTX: add_one(int* data, u32 n); axpb(int* data, int a, int b, u32 n):
 # data = data * a + b.
 PTX = r"""
 .version 8.0
@@ -52,14 +53,14 @@ $ADD_DONE:
     ret;
 }
 
-.visible .entry axpb(.param .u64 axpb_data, .param .align 4 .b8 axpb_coef[8], .param .u32 axpb_n)
+.visible .entry axpb(.param .u64 axpb_data, .param .u32 axpb_a, .param .u32 axpb_b, .param .u32 axpb_n)
 {
     .reg .pred %p<2>;
     .reg .b32 %r<10>;
     .reg .b64 %rd<5>;
     ld.param.u64 %rd1, [axpb_data];
-    ld.param.u32 %r8, [axpb_coef];
-    ld.param.u32 %r9, [axpb_coef+4];
+    ld.param.u32 %r8, [axpb_a];
+    ld.param.u32 %r9, [axpb_b];
     ld.param.u32 %r1, [axpb_n];
     mov.u32 %r2, %ctaid.x;
     mov.u32 %r3, %ntid.x;
@@ -92,13 +93,26 @@ BROKEN_PTX = r"""
 """
 
 N = 1000
-BLOCK = (128, 1, 1)
-GRID = ((N + 127) // 128, 1, 1)
+THREADS = 128
+GRID = ((N + THREADS - 1) // THREADS, 1, 1)
+
+ADD_ONE_ABI = KernelABI(Param("data", "ptr", Pointer("data"), "the ints to add one to"),
+                        Param("n", "i32", CallValue("n"), "how many"))
+AXPB_ABI = KernelABI(Param("data", "ptr", Pointer("data"), "the ints to scale and shift"),
+                     Param("a", "i32", CallValue("a"), "the factor"),
+                     Param("b", "i32", CallValue("b"), "the shift"),
+                     Param("n", "i32", CallValue("n"), "how many"))
 
 
 @pytest.fixture(scope="module")
 def module():
     return Module.from_ptx(PTX)
+
+
+def plan(function, abi=ADD_ONE_ABI, shared_bytes=0, **values) -> LaunchPlan:
+    """A launch of `function` over the N ints at address "data", with `values` by name."""
+    return LaunchPlan(function, GRID, THREADS, shared_bytes, abi, config=None,
+                      device=function.module.device, tensors={}, values={"n": N, **values})
 
 
 def test_device_info():
@@ -130,7 +144,7 @@ def test_bad_ptx_shows_the_jit_log():
 def test_dynamic_shared_memory_opt_in(module):
     add_one = module.function("add_one")
     data = DeviceBuffer.from_numpy(np.zeros(N, np.int32))
-    add_one.launch(GRID, BLOCK, 100 * 1024, 0, [data, ctypes.c_uint32(N)])  # opts in by itself
+    plan(add_one, shared_bytes=100 * 1024).launch({"data": data.ptr}, 0)  # opts in by itself
     assert (data.copy_to_numpy(np.empty(N, np.int32)) == 1).all()
     too_much = device_info().max_shared_memory_per_block_optin + 1
     with pytest.raises(ValueError, match="dynamic shared memory"):
@@ -140,19 +154,17 @@ def test_dynamic_shared_memory_opt_in(module):
 def test_launch_on_numpy_array(module):
     a = np.arange(N, dtype=np.int32)
     tensor, _buffer = to_device(a, "a")
-    module.function("add_one").launch(GRID, BLOCK, 0, None, [tensor, ctypes.c_uint32(N)])
+    plan(module.function("add_one")).launch({"data": tensor.ptr}, 0)
     assert (from_device(tensor) == np.arange(1, N + 1)).all()
     assert (a == np.arange(N)).all()  # the input was copied, not written
 
 
-def test_struct_by_value(module):
-    class Coef(ctypes.Structure):
-        _fields_ = [("a", ctypes.c_int32), ("b", ctypes.c_int32)]
-
+def test_plans_of_one_kernel_pass_their_own_signed_values(module):
     tensor, _buffer = to_device(np.arange(N, dtype=np.int32), "a")
     axpb = module.function("axpb")
-    axpb.launch(GRID, BLOCK, 0, 0, [tensor, Coef(3, -5), ctypes.c_uint32(N)])
-    axpb.launch(GRID, BLOCK, 0, 0, [tensor, np.array([2, 1], np.int32).tobytes(), ctypes.c_uint32(N)])
+    first, second = (plan(axpb, AXPB_ABI, a=a, b=b) for a, b in ((3, -5), (2, 1)))
+    first.launch({"data": tensor.ptr}, 0)
+    second.launch({"data": tensor.ptr}, 0)
     assert (from_device(tensor) == (np.arange(N) * 3 - 5) * 2 + 1).all()
 
 
@@ -184,11 +196,11 @@ def test_launch_on_torch_tensor(module):
         "int32",
         "torch",
     )
-    add_one = module.function("add_one")
-    add_one.launch(GRID, BLOCK, 0, stream_handle(None, kind="torch"), [tensor, ctypes.c_uint32(N)])
+    add_one = plan(module.function("add_one"))
+    add_one.launch({"data": tensor.ptr}, stream_handle(None, kind="torch"))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    add_one.launch(GRID, BLOCK, 0, side, [tensor, ctypes.c_uint32(N)])  # a torch stream object
+    add_one.launch({"data": tensor.ptr}, stream_handle(side))  # a torch stream object
     side.synchronize()
     assert torch.equal(x.cpu(), torch.arange(2, N + 2, dtype=torch.int32))
 
@@ -226,7 +238,7 @@ def test_launch_on_cupy_array(module):
     tensor = as_device_tensor(x, "x")
     assert tensor.kind == "cupy"
     stream = stream_handle(None, kind="cupy")
-    module.function("add_one").launch(GRID, BLOCK, 0, stream, [tensor, ctypes.c_uint32(N)])
+    plan(module.function("add_one")).launch({"data": tensor.ptr}, stream)
     cupy.cuda.get_current_stream().synchronize()
     assert (cupy.asnumpy(x) == np.arange(1, N + 1)).all()
     assert isinstance(empty_like_kind(x, (3,), "float16"), cupy.ndarray)
@@ -253,5 +265,5 @@ def test_load_cubin(tmp_path):
     )
     add_one = Module.from_cubin((tmp_path / "k.cubin").read_bytes()).function("add_one")
     data = DeviceBuffer.from_numpy(np.full(N, 41, np.int32))
-    add_one.launch(GRID, BLOCK, 0, 0, [data, ctypes.c_uint32(N)])
+    plan(add_one).launch({"data": data.ptr}, 0)
     assert (data.copy_to_numpy(np.empty(N, np.int32)) == 42).all()

@@ -1,5 +1,5 @@
 """The language's integer semantics are defined, and the same in the host JIT (which the
-simulator runs), the GPU's IR and the NumPy reference (mhadsl.builtins)."""
+simulator runs), the GPU's IR and the NumPy reference (mhadsl.front.builtins)."""
 import ctypes
 import re
 
@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 
 from helpers import STD, checked
-from mhadsl.builtins import I32_MAX, I32_MIN, U32_MAX, float_to_int, int_binary
+from mhadsl.front.builtins import I32_MAX, I32_MIN, U32_MAX, float_to_int, int_binary
 from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
 from mhadsl.codegen.trace_kernel import build_trace_kernel
 from mhadsl.codegen.target import gpu_target, new_module, optimize
-from mhadsl.diagnostics import MhaError
-from mhadsl.reference import evaluate_rule
-from mhadsl.simulate import Batch, HostScheduler, _Env, _TileSummary, simulate
-from mhadsl.types import I32, U32
+from mhadsl.front.diagnostics import MhaError
+from mhadsl.analysis.reference import evaluate_rule
+from mhadsl.analysis.simulate import Batch, HostScheduler, _Env, _TileSummary, simulate
+from mhadsl.front.types import I32, U32
 
 SCHEDULER = """
 scheduler Eval {{
@@ -127,7 +127,7 @@ def test_gpu_ir_guards_signed_division():
     assert re.search(r"icmp eq i32 %[\w.]+, -2147483648", text)  # the INT_MIN / -1 guard
 
 
-# ------------------------------------------------------------------ the issue's crash cases
+# ------------------------------------------------------------------ edge cases in scheduler rules
 def persistent(body: str, extra_params: str = "") -> str:
     from test_simulate import persistent_variant
     text = persistent_variant(body)

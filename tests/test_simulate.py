@@ -8,9 +8,9 @@ import pytest
 from helpers import EXAMPLES, STD, checked
 from mhadsl.cli import main as cli_main
 from mhadsl.codegen.scheduler import HOST_LOOP_FUEL, SchedulerSpec
-from mhadsl.diagnostics import MhaError
+from mhadsl.front.diagnostics import MhaError
 from mhadsl.pipeline import front_end
-from mhadsl.simulate import (
+from mhadsl.analysis.simulate import (
     MAX_SIMULATED_CTAS, MAX_SIMULATED_GRID, MAX_SIMULATED_TILES, MAX_SIMULATED_WORK, Batch,
     HostScheduler, simulate,
 )
@@ -225,7 +225,7 @@ def test_ten_thousand_sequences_simulate_in_seconds(name):
     assert elapsed < 20, f"{name}: {elapsed:.1f} s"
 
 
-# ---------------------------------------------------------------- issue 19: the simulator
+# ---------------------------------------------------------------- stopped runs and empty grids
 def test_a_run_stopped_early_is_not_terminated_and_has_no_makespan():
     """An advance that never returns none, on several CTAs: the log fills and the run is
     stopped; it did not terminate, and a stopped run has no makespan."""
@@ -324,7 +324,7 @@ def test_the_largest_work_space_runs_in_seconds_and_bounded_memory(tmp_path):
 def test_while_loops_that_each_end_but_run_long_in_all_are_stopped():
     """Each advance's loop ends well within one call's fuel, but all of them together pass
     the run's budget: the run stops there instead of running on for minutes."""
-    from mhadsl.simulate import MAX_SIMULATED_LOOP_ITERATIONS
+    from mhadsl.analysis.simulate import MAX_SIMULATED_LOOP_ITERATIONS
     program = checked(persistent_variant("var i = 0\n while i < 1000000 { i += 1 + i % 2 }\n"
                                          "state.idx += grid_dim.x"))
     start = time.perf_counter()

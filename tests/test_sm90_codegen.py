@@ -8,7 +8,7 @@ import pytest
 
 import mhadsl
 from helpers import REPO, STD, checked
-from mhadsl.attention_spec import resolve_attention
+from mhadsl.front.attention_spec import resolve_attention
 from mhadsl.build import KernelRequest, build_kernel, plan
 from mhadsl.codegen import backends
 from mhadsl.codegen.assemble import find_ptxas

@@ -11,15 +11,16 @@ import pytest
 
 import mhadsl
 from helpers import REPO, STD, checked, finishes_within
-from mhadsl import abi, costmodel, trace
+from mhadsl import abi
+from mhadsl.analysis import costmodel, trace
 from mhadsl.build import KernelRequest, build_kernel, plan
 from mhadsl.cli import main
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.scheduler import SchedulerSpec
-from mhadsl.reference import evaluate_rule
+from mhadsl.analysis.reference import evaluate_rule
 from mhadsl.runtime import trace_records
-from mhadsl.simulate import Batch, simulate
+from mhadsl.analysis.simulate import Batch, simulate
 
 needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
 COSTS = costmodel.Costs(full_tile=10.0, partial_tile=3.0, per_item=100.0)
@@ -480,7 +481,7 @@ def test_decode_trace_report(damage, rc, line, monkeypatch, capsys, tmp_path):
     the GPU's part is tests/test_gpu_trace.py) and exits 3 when one fails."""
     import json
 
-    import mhadsl.bench
+    import mhadsl.host.bench
     rows = _decode_records(DECODE_WORK)
     rows = damage(rows) if damage else rows
     records = _columns([dict(r, cta=k, sm=k % 4) for k, r in enumerate(rows)])
@@ -492,7 +493,7 @@ def test_decode_trace_report(damage, rc, line, monkeypatch, capsys, tmp_path):
                                    work=DECODE_WORK, kv_bytes=10 ** 7)
         run.check()
         return run
-    monkeypatch.setattr(mhadsl.bench, "require_gpu", lambda: None)
+    monkeypatch.setattr(mhadsl.host.bench, "require_gpu", lambda: None)
     monkeypatch.setattr(trace, "run_decode_trace", run_decode_trace)
     out_json = tmp_path / "trace.json"
     assert main(["trace", str(REPO / "examples/bottom_right_causal.mha"), "--kernel",

@@ -4,10 +4,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mhadsl import ast
-from mhadsl.builtins import FLOAT_OPS
-from mhadsl.diagnostics import Diagnostic, MhaError
-from mhadsl.types import BOOL, DTYPE, F32, SCHEDULER
+from mhadsl.front import ast
+from mhadsl.front.builtins import FLOAT_OPS
+from mhadsl.front.diagnostics import Diagnostic, MhaError
+from mhadsl.front.types import BOOL, DTYPE, F32, SCHEDULER
 
 # name -> what the checker expects: a type, "int" (integer constant) or "int_pair".
 ATTENTION_CONSTANTS: dict[str, object] = {

@@ -1,5 +1,5 @@
 """A decode call against a KV cache: its layouts, and the argument checks that the
-float64 reference (`mhadsl.reference.reference_decode`) and the decode kernels' call share.
+float64 reference (`mhadsl.analysis.reference.reference_decode`) and the decode kernels' call share.
 
 With an int32 `page_table` (B, max_pages), `k_cache` and `v_cache` are (num_pages, page_size,
 Hkv, D) and position p of sequence b lives at `k_cache[page_table[b, p // page_size],
@@ -15,8 +15,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from mhadsl.attention_spec import AttentionOptions
-from mhadsl.calls import check_max_seqlen, dtype_name, softmax_scale
+from mhadsl.front.attention_spec import AttentionOptions
+from mhadsl.host.calls import check_max_seqlen, dtype_name, softmax_scale
 
 PAGE_SIZES = (16, 32, 64, 128, 256, 512)
 MAX_DECODE_ROWS = 16  # query rows per sequence of a dense decode call

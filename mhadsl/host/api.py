@@ -6,14 +6,14 @@
     o, lse = kern(q, k, v, return_lse=True)
     o = kern(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk)
     o = kern(q, k_cache, v_cache, cache_seqlens=lens, page_table=pages)  # decode (serving)
-    dq, dk, dv = kern.backward(q, k, v, o, lse, do)    # the backward pass (mhadsl.backward)
+    dq, dk, dv = kern.backward(q, k, v, o, lse, do)    # the backward pass (mhadsl.host.backward)
 
 A kernel is built once per (declaration, dtype, head dim, GQA group, arch, layout): batch
 size and sequence lengths are run-time values, so new shapes reuse the build. Builds are
 kept in memory and in the on-disk cache. Every argument is checked before anything runs.
-A `Kernel` is the declaration's handle: its builds, and its calls, which `mhadsl.forward`,
-`mhadsl.serving` (decode) and `mhadsl.backward` check and plan through its launcher
-(`mhadsl.launcher`).
+A `Kernel` is the declaration's handle: its builds, and its calls, which `mhadsl.host.forward`,
+`mhadsl.host.serving` (decode) and `mhadsl.host.backward` check and plan through its launcher
+(`mhadsl.host.launcher`).
 """
 from __future__ import annotations
 
@@ -24,18 +24,18 @@ from pathlib import Path
 
 import numpy as np
 
-from mhadsl.attention_spec import AttentionOptions, resolve_attention
+from mhadsl.front.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.build import KernelRequest, build_kernel, plan
-from mhadsl.calls import INT32_LIMIT, check_flag, check_integer
-from mhadsl.check import CheckedProgram
+from mhadsl.host.calls import INT32_LIMIT, check_flag, check_integer
+from mhadsl.front.check import CheckedProgram
 from mhadsl.codegen import backends
 from mhadsl.codegen.backends import Backend, CacheLayout, KernelBuild, Layout
 from mhadsl.codegen.scheduler import SchedulerSpec
-from mhadsl.forward import check_call, forward
-from mhadsl.launcher import Launcher
+from mhadsl.host.forward import check_call, forward
+from mhadsl.host.launcher import Launcher
 from mhadsl.pipeline import front_end
-from mhadsl.serving import decode
-from mhadsl.sources import read_source_file
+from mhadsl.host.serving import decode
+from mhadsl.front.sources import read_source_file
 
 
 def compile(source: str | os.PathLike, *, name: str | None = None,  # noqa: A001
@@ -49,7 +49,7 @@ def compile(source: str | os.PathLike, *, name: str | None = None,  # noqa: A001
     not exist or is not a folder is a `FileNotFoundError` or `NotADirectoryError` naming it
     (the CLI's `-I` check).
     """
-    from mhadsl.sources import check_include_dir
+    from mhadsl.front.sources import check_include_dir
     if name is not None and not isinstance(name, str):
         raise TypeError(f"mhadsl.compile(): name takes a str, not {type(name).__name__}")
     if isinstance(include_dirs, (str, bytes)) or not isinstance(include_dirs, Sequence):
@@ -168,7 +168,7 @@ class Kernel:
 
     @property
     def trace(self) -> bool:
-        """`mhadsl.trace`: build the kernel that records its work items, and launch it on
+        """`mhadsl.analysis.trace`: build the kernel that records its work items, and launch it on
         `trace_workspace` (`runtime.trace_records`; the tracer zeroes it), not the stream's."""
         return self._trace
 
@@ -275,8 +275,8 @@ class Kernel:
 
     def torch_op(self):
         """This kernel as a PyTorch operator returning (out, lse), which torch.compile traces
-        without a graph break (`mhadsl.torch_op`)."""
-        from mhadsl.torch_op import torch_op
+        without a graph break (`mhadsl.host.torch_op`)."""
+        from mhadsl.host.torch_op import torch_op
         return torch_op(self)
 
     def backward(self, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -284,10 +284,10 @@ class Kernel:
                  deterministic: bool | None = None):
         """(dq, dk, dv): the gradients of `self(q, k, v, ...)` for the output gradient `dout`,
         given the forward's `out` and `lse` (`return_lse=True`); torch CUDA tensors, in the
-        layouts of q, k and v (`mhadsl.backward`). `deterministic=True`: bitwise the same
+        layouts of q, k and v (`mhadsl.host.backward`). `deterministic=True`: bitwise the same
         gradients every run (dQ without atomics); None: torch's
         `torch.are_deterministic_algorithms_enabled()`."""
-        from mhadsl.backward import backward
+        from mhadsl.host.backward import backward
         return backward(self, q, k, v, out, lse, dout, cu_seqlens_q=cu_seqlens_q,
                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                         max_seqlen_k=max_seqlen_k, scale=scale, deterministic=deterministic)
@@ -304,7 +304,7 @@ class Kernel:
                  return_lse: bool | None = None, stream=None, cache_seqlens=None,
                  page_table=None, num_splits: int | None = None):
         if cache_seqlens is not None or page_table is not None or num_splits is not None:
-            # k and v are a KV cache (`mhadsl.serving`)
+            # k and v are a KV cache (`mhadsl.host.serving`)
             if cache_seqlens is None:
                 raise ValueError("a call against a KV cache needs cache_seqlens (int32, one "
                                  "length per sequence)")

@@ -24,12 +24,12 @@ from lark.exceptions import (
     UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError,
 )
 
-from mhadsl import ast
-from mhadsl.diagnostics import Diagnostic, MhaError, Source, Span
-from mhadsl.sources import read_source_file
+from mhadsl.front import ast
+from mhadsl.front.diagnostics import Diagnostic, MhaError, Source, Span
+from mhadsl.front.sources import read_source_file
 
 STD_PREFIX = "std/"
-STD_DIR = Path(__file__).resolve().parent / "std"
+STD_DIR = Path(__file__).resolve().parent.parent / "std"
 # Operators and calls nested in one expression (a flat chain `a + b + c` is one level),
 # and `if`/`while` blocks nested in one body (an `else if` nests in its `else`). Far past
 # any hand-written code, and low enough

@@ -3,13 +3,13 @@
 `FUNCTIONS` maps a name (`exp`, `min`, `where`, `i32`, ...) to a `Builtin` that carries:
 
 - `type_rule(check, call, arg_types, ctx)`: its type (and errors, and folding of literal
-  arguments), for the checker (`mhadsl.check`);
+  arguments), for the checker (`mhadsl.front.check`);
 - `lower(lowering, args, ty)`: its LLVM IR, for the lowering (`mhadsl.codegen.lower`);
 - `interval(analysis, args, arg_types, ty)`: its abstract value over a tile, for the mask
-  classifier (`mhadsl.classify`);
+  classifier (`mhadsl.analysis.classify`);
 - `numpy(args, arg_types, ty)`: its value in the float64 reference (`mhadsl.reference`);
 - `derivative(d, *args)`: its derivative with respect to the score, for
-  `mhadsl.derivative` (None: not differentiable).
+  `mhadsl.analysis.derivative` (None: not differentiable).
 
 Each meaning is written against the walker that uses it (the checker, the `FunctionLowering`,
 the interval analysis, the derivative builder), passed as the first argument, so this module
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mhadsl.builtins import INT_RANGES, attention_type, convert, int_binary, tdiv, wrap
-from mhadsl.types import BOOL, ERROR, F32, I32, INT_LITERAL, INTEGERS, NUMBERS, U32, unify
+from mhadsl.front.builtins import INT_RANGES, attention_type, convert, int_binary, tdiv, wrap
+from mhadsl.front.types import BOOL, ERROR, F32, I32, INT_LITERAL, INTEGERS, NUMBERS, U32, unify
 
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 

@@ -6,7 +6,7 @@
 
 Every argument is checked before anything is copied or launched (`check_call`: those
 `mhadsl.reference` runs too, then those of device memory). What a call signature fixes is
-planned once through the kernel's launcher (`mhadsl.launcher`); a later torch call of a
+planned once through the kernel's launcher (`mhadsl.host.launcher`); a later torch call of a
 planned signature checks only its addresses, patches them and launches.
 """
 from __future__ import annotations
@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from mhadsl.abi import CallSizes
-from mhadsl.calls import (
+from mhadsl.host.calls import (
     DTYPE_NAMES, AddressChecks, check_attention_call, check_flag, check_output, check_rows,
     host_values, index_view, share_memory, span, stream_handle, torch_signature,
     torch_stream, typed_key,
 )
 from mhadsl.codegen.backends import Layout
-from mhadsl.launcher import launch
+from mhadsl.host.launcher import launch
 
 
 def forward(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, stream):

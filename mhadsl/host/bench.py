@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mhadsl.api import Kernel
-from mhadsl.reference import evaluate_rule, reference
+from mhadsl.host.api import Kernel
+from mhadsl.analysis.reference import evaluate_rule, reference
 
 
 class NoTorch(RuntimeError):

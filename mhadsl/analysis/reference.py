@@ -2,7 +2,7 @@
 
 `evaluate_rule` runs a mask or score rule elementwise over NumPy arrays (broadcasting: pass
 `q_idx` as a column and `kv_idx` as a row). Integers keep the kernel's semantics, written once in
-`mhadsl.builtins` (i32/u32 wrap modulo 2**32, C division with 0 for a zero divisor, saturating
+`mhadsl.front.builtins` (i32/u32 wrap modulo 2**32, C division with 0 for a zero divisor, saturating
 shifts and float-to-int casts); literal expressions take the checker's exact values. Floats are float64 — this
 is the reference the f32 kernel is measured against. Block-form rules run with per-element
 control flow (a lane mask), so `if`, `var` and calls to `fn`s work too (`check` refuses
@@ -12,9 +12,9 @@ control flow (a lane mask), so `if`, `var` and calls to `fn`s work too (`check` 
 applied: the score rule sees the scaled logit (FlexAttention's convention), the mask removes
 keys, rows with no key left give output 0 and LSE -inf. `attention_reference_backward` is its
 gradient as FlashAttention's backward defines it, through the score rule's derivative
-(`mhadsl.derivative`). `reference` and `reference_backward` take a kernel and its call's
+(`mhadsl.analysis.derivative`). `reference` and `reference_backward` take a kernel and its call's
 arguments, `reference_decode` a decode call's, against a (paged) KV cache; each checks them
-with its call's own checks (`mhadsl.calls`, `mhadsl.paged`), before any GPU work.
+with its call's own checks (`mhadsl.host.calls`, `mhadsl.host.paged`), before any GPU work.
 """
 from __future__ import annotations
 
@@ -23,16 +23,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mhadsl import ast
-from mhadsl.builtin_functions import FUNCTIONS
-from mhadsl.builtins import attention_type, convert, int_binary, wrap
-from mhadsl.calls import (
+from mhadsl.front import ast
+from mhadsl.front.builtin_functions import FUNCTIONS
+from mhadsl.front.builtins import attention_type, convert, int_binary, wrap
+from mhadsl.host.calls import (
     AttentionCall, check_attention_call, check_flag, check_shape, dtype_name,
 )
-from mhadsl.check import CheckedProgram
-from mhadsl.derivative import differentiate_score
-from mhadsl.paged import check_decode_call
-from mhadsl.types import BOOL, F32, I32, TYPE_NAMES, U32, Ty, unify
+from mhadsl.front.check import CheckedProgram
+from mhadsl.analysis.derivative import differentiate_score
+from mhadsl.host.paged import check_decode_call
+from mhadsl.front.types import BOOL, F32, I32, TYPE_NAMES, U32, Ty, unify
 
 _ROLE_TYPES = {"s": F32, "b": I32, "h": I32, "q_idx": I32, "kv_idx": I32, "seqlen_q": I32,
                "seqlen_k": I32}
@@ -212,7 +212,7 @@ def evaluate_rule(rule: ast.Rule, program: CheckedProgram, **inputs) -> np.ndarr
 
 def evaluate_score_derivative(rule: ast.Rule, program: CheckedProgram, **inputs) -> np.ndarray:
     """d score / d s of a score rule, elementwise (float64; the same inputs as
-    `evaluate_rule`): the rule `mhadsl.derivative` derives, evaluated."""
+    `evaluate_rule`): the rule `mhadsl.analysis.derivative` derives, evaluated."""
     derivative, derived = differentiate_score(rule, program)
     return evaluate_rule(derivative, derived, **inputs)
 
@@ -250,7 +250,7 @@ def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = 
 
     As FlashAttention's backward defines them, per sequence and query head: P the softmax of
     the scores (0 where masked), O = P V, dV = Pᵀ dO, dP = dO Vᵀ, D = rowsum(dO ∘ O),
-    dZ = P ∘ (dP - D), dS = dZ ∘ score'(S) (S = scale·Q Kᵀ, score' from `mhadsl.derivative`),
+    dZ = P ∘ (dP - D), dS = dZ ∘ score'(S) (S = scale·Q Kᵀ, score' from `mhadsl.analysis.derivative`),
     dQ = scale·dS K, dK = scale·dSᵀ Q. A KV head's dK and dV sum over its query heads; rows
     and sequences with no key get zero gradients.
     """
@@ -397,7 +397,7 @@ def _float_tensor(x, name: str):
 
 
 def _check_kernel(kernel, function: str) -> None:
-    from mhadsl.api import Kernel
+    from mhadsl.host.api import Kernel
     if not isinstance(kernel, Kernel):
         raise TypeError(f"mhadsl.{function}() takes a Kernel (program[name]) first, got "
                         f"{type(kernel).__name__}")
@@ -424,7 +424,7 @@ def reference(kernel, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
               max_seqlen_k=None, scale: float | None = None, out=None,
               return_lse: bool | None = None, stream=None, **decode_arguments):
     """What `kernel(q, k, v, ...)` computes, in NumPy float64: the call's arguments, checked
-    as the call checks them (`mhadsl.calls.check_attention_call`). `out` and `stream` are
+    as the call checks them (`mhadsl.host.calls.check_attention_call`). `out` and `stream` are
     taken so that a call's arguments pass as they are, and not used: the result is a new
     array. A call against a KV cache has its own reference, `reference_decode`."""
     if decode_arguments:
@@ -468,7 +468,7 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
     """What the decode call `kernel(q, k_cache, v_cache, cache_seqlens=..., ...)` computes, in
     NumPy float64: attention of the query rows over their sequence's cached keys.
 
-    The layouts and argument checks are `mhadsl.paged`'s, which the decode call shares:
+    The layouts and argument checks are `mhadsl.host.paged`'s, which the decode call shares:
     q dense (B, Sq, Hq, D) with Sq 1..16, or ragged (total_q, Hq, D) with `cu_seqlens_q`;
     k_cache/v_cache paged (num_pages, page_size, Hkv, D) through the int32 `page_table`
     (B, max_pages), or contiguous (B, max_cache_len, Hkv, D); sequence b's keys are its first

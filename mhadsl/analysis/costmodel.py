@@ -4,7 +4,7 @@ A work item (one query tile of one head) costs
 
     per_item + full_tile * (full KV tiles) + partial_tile * (partial KV tiles)
 
-where the KV tiles are classified exactly as the kernel classifies them (`mhadsl.classify`
+where the KV tiles are classified exactly as the kernel classifies them (`mhadsl.analysis.classify`
 over the DECLARED mask, with the sequence's tail tile partial): empty tiles are skipped by
 the kernel and cost nothing. Between items a CTA pays `advance` for each scheduler step,
 plus `queue_op` for each atomic on the work queue that step made; a CTA that starts on a
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from mhadsl import ast
-from mhadsl.check import CheckedProgram
-from mhadsl.classify import _python_classifier
+from mhadsl.front import ast
+from mhadsl.front.check import CheckedProgram
+from mhadsl.analysis.classify import _python_classifier
 from mhadsl.runtime import cache
-from mhadsl.sources import read_regular_file
+from mhadsl.front.sources import read_regular_file
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import errno
 import os
 import stat
 
-from mhadsl.diagnostics import MhaError, Source, Span
+from mhadsl.front.diagnostics import MhaError, Source, Span
 
 MAX_SOURCE_BYTES = 16 << 20  # far past any hand-written or generated .mha file
 SOURCE_SUFFIX = ".mha"

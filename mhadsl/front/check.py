@@ -18,20 +18,20 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from mhadsl import ast
-from mhadsl.attention_spec import (
+from mhadsl.front import ast
+from mhadsl.front.attention_spec import (
     ATTENTION_CONSTANTS, HEAD_DIMS, AttentionOptions, constant_number, resolve_attention,
     scale_problem,
 )
-from mhadsl.builtin_functions import FUNCTIONS
-from mhadsl.builtins import (
+from mhadsl.front.builtin_functions import FUNCTIONS
+from mhadsl.front.builtins import (
     ATTENTION, BUILTIN_VALUES, COMPARISONS, COMPILE_TIME_VALUES, DEVICE, DEVICE_ONLY_FUNCTIONS,
     FLOAT_OPS, HOST, INT_RANGES, INTEGER_ONLY_OPS, LITERAL_LIMIT, SLOT_COUNT, LiteralError,
     finite_f32, fits, fold_literal,
 )
-from mhadsl.diagnostics import DiagnosticSink, MhaError, Source, Span
-from mhadsl.parse import MAX_EXPR_DEPTH, MAX_STMT_DEPTH
-from mhadsl.types import (
+from mhadsl.front.diagnostics import DiagnosticSink, MhaError, Source, Span
+from mhadsl.front.parse import MAX_EXPR_DEPTH, MAX_STMT_DEPTH
+from mhadsl.front.types import (
     BOOL, COUNTER, DIM3, ERROR, F32, GRID, I32, INT_LITERAL, INTEGERS, MUTABLE_FIELDS,
     NONE, NUMBERS, RECORD_FIELDS, RECORD_PROPERTIES, SCHEDULE, SEQ_INFO,
     SLOTS, STATE, SYNC, TILE_SUMMARY, TILE_SUMMARY_FIELDS, TILE_SUMMARY_METHODS,
@@ -56,7 +56,7 @@ SCHEDULER_RULES: dict[str, RuleSpec] = {
                         (SEQ_INFO, NONE), DEVICE),
     "unsafe_seq_info": RuleSpec((("ts", TILE_SUMMARY), ("state", STATE)), (SEQ_INFO,), DEVICE),
     # decode: KV splits per (sequence, K/V head, query-row tile) group; `num_heads` is the
-    # K/V heads there, 0 asks for the planner's default (`mhadsl.serving.default_splits`)
+    # K/V heads there, 0 asks for the planner's default (`mhadsl.host.serving.default_splits`)
     "kv_splits": RuleSpec((("batch_size", U32), ("max_seq_len", U32)), (U32,), HOST),
 }
 OPTIONAL_RULES = ("kv_splits",)
@@ -126,7 +126,7 @@ class CheckedProgram:
     # Every file the program loaded (its text is part of every build's cache key).
     sources: tuple[Source, ...] = ()
     # The exact value of every expression made of integer literals alone (a bool for a
-    # comparison of two): they fold before they meet a type (mhadsl.builtins).
+    # comparison of two): they fold before they meet a type (mhadsl.front.builtins).
     literals: dict[ast.Expr, int | bool] = field(default_factory=dict)
 
 

@@ -35,7 +35,7 @@ _ops: dict[str, object] = {}
 
 
 def torch_op(kernel):
-    """The operator for `kernel` (`mhadsl.api.Kernel`), registered once per process. Defined
+    """The operator for `kernel` (`mhadsl.host.api.Kernel`), registered once per process. Defined
     through `torch.library.Library` rather than the `custom_op` decorator, whose Python
     wrappers cost more host time a call than many kernels take."""
     global _library

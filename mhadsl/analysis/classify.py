@@ -29,11 +29,11 @@ from typing import Any
 
 from llvmlite import ir
 
-from mhadsl import ast
-from mhadsl.builtin_functions import FUNCTIONS
-from mhadsl.builtins import I32_MAX, I32_MIN, INT_RANGES, U32_MAX, attention_type, wrap
-from mhadsl.check import CheckedProgram
-from mhadsl.types import BOOL, F32, I32, U32, Ty, unify
+from mhadsl.front import ast
+from mhadsl.front.builtin_functions import FUNCTIONS
+from mhadsl.front.builtins import I32_MAX, I32_MIN, INT_RANGES, U32_MAX, attention_type, wrap
+from mhadsl.front.check import CheckedProgram
+from mhadsl.front.types import BOOL, F32, I32, U32, Ty, unify
 
 _BOUNDS = INT_RANGES
 _I64, _I1 = ir.IntType(64), ir.IntType(1)

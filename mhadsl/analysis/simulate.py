@@ -22,8 +22,8 @@ from typing import Callable
 
 import numpy as np
 
-from mhadsl.builtins import GRID_LIMITS, SLOT_COUNT, tile_index
-from mhadsl.check import CheckedProgram
+from mhadsl.front.builtins import GRID_LIMITS, SLOT_COUNT, tile_index
+from mhadsl.front.check import CheckedProgram
 from mhadsl.codegen.handoff import runs_apart
 from mhadsl.codegen.scheduler import HOST_LOOP_FUEL, SchedulerSpec, lower_scheduler
 from mhadsl.codegen.simulator import (
@@ -31,9 +31,9 @@ from mhadsl.codegen.simulator import (
     LOOP_RESULTS, RUN_EVENTS, STEP_COSTS, STEP_LIMIT, TOO_MANY_TILES, emit_simulator,
 )
 from mhadsl.codegen.target import HOST, HostJit, new_module
-from mhadsl.costmodel import KernelCostModel
-from mhadsl.diagnostics import MhaError
-from mhadsl.paged import MAX_KV_SPLITS
+from mhadsl.analysis.costmodel import KernelCostModel
+from mhadsl.front.diagnostics import MhaError
+from mhadsl.host.paged import MAX_KV_SPLITS
 
 Tile = tuple[int, int, int]  # (prompt_offset, head_idx, prompt_idx)
 

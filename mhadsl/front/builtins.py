@@ -24,7 +24,7 @@ import operator
 
 import numpy as np
 
-from mhadsl.types import (
+from mhadsl.front.types import (
     BOOL, COUNTER, DIM3, F32, I32, INT_LITERAL, SCHEDULE, SCHEDULES, SYNC, SYNCS, U32, Ty,
 )
 
@@ -53,7 +53,7 @@ BUILTIN_VALUES: dict[str, tuple[Ty, tuple[str, ...], tuple[str, ...] | None]] = 
 COMPILE_TIME_VALUES = ("producer", "sync", *SCHEDULES, *SYNCS)
 
 # The builtin functions of expressions (exp, min, where, i32, ...) and all their meanings
-# are in mhadsl.builtin_functions; these two act on the device only.
+# are in mhadsl.front.builtin_functions; these two act on the device only.
 DEVICE_ONLY_FUNCTIONS = ("atomic_add", "barrier")
 
 COMPARISONS = ("==", "!=", "<", "<=", ">", ">=")

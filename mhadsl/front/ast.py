@@ -10,7 +10,7 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from mhadsl.diagnostics import Span
+from mhadsl.front.diagnostics import Span
 
 node = dataclass(frozen=True, eq=False)
 

@@ -10,7 +10,7 @@ whose values are the call's sizes (`CallSizes.values`), the design's own
 (`Backend.call_values`) and the device's. A ragged call's scheduled kernel builds its tile
 index first, over the row offsets its design names (`Backend.tile_offsets`).
 
-The forward (`mhadsl.api`), decode (`mhadsl.serving`) and backward (`mhadsl.backward`)
+The forward (`mhadsl.host.api`), decode (`mhadsl.host.serving`) and backward (`mhadsl.host.backward`)
 calls check their arguments, plan through here once per call signature and keep the plans
 in `plans` (by validated signature) and `fast_plans` (by torch signature; a change of the
 kernel's forced design or tracing clears them).
@@ -89,7 +89,7 @@ class Launcher:
     def host_scheduler(self, config, design: Backend):
         """The scheduler's rules compiled for the host, for a build of `config` by `design`
         (`Kernel.scheduler_spec`)."""
-        from mhadsl.simulate import HostScheduler
+        from mhadsl.analysis.simulate import HostScheduler
         kernel = self.kernel
         spec = kernel.scheduler_spec(config, design)
         key = (kernel.program.text, spec)

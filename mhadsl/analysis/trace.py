@@ -5,7 +5,7 @@ item it runs, the tile, the CTA, the multiprocessor and the %globaltimer before 
 the tile body (`runtime.trace_records`), into a workspace of its own; nothing else in the
 kernel changes, and the time it costs is measured (traced against untraced kernel time).
 The simulator runs the same scheduler on the same batch with the kernel's cost model
-(`mhadsl.costmodel`: the declared mask's tile classes and calibrated constants), and the
+(`mhadsl.analysis.costmodel`: the declared mask's tile classes and calibrated constants), and the
 two timelines are drawn one above the other, per multiprocessor, with the makespan
 efficiency of each.
 
@@ -19,13 +19,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mhadsl import abi, costmodel
-from mhadsl.api import Kernel, Program
+from mhadsl import abi
+
+from mhadsl.analysis import costmodel
+from mhadsl.host.api import Kernel, Program
 from mhadsl.codegen import backends
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.runtime import trace_records
-from mhadsl.serving import decode_work, splits_used
-from mhadsl.simulate import Batch, SimulationResult, simulate
+from mhadsl.host.serving import decode_work, splits_used
+from mhadsl.analysis.simulate import Batch, SimulationResult, simulate
 
 # The calibration runs: one batch per layout, one scheduler per constant it measures.
 CALIBRATION_BATCHES = ((4, 4096, None), (0, 0, (8192, 4096, 2048, 1024, 512, 256, 128, 64) * 2))
@@ -208,7 +210,7 @@ def run_trace(program: Program, kernel: str, workload: Workload, *, scheduler: s
     traced launch, checked for coverage."""
     import torch
 
-    from mhadsl.bench import Problem, allowed_pairs, make_inputs
+    from mhadsl.host.bench import Problem, allowed_pairs, make_inputs
     from mhadsl.runtime import driver
 
     plain = scheduler_kernel(program, kernel, scheduler, args, backend)
@@ -240,7 +242,7 @@ def _record(torch, plain: Kernel, traced: Kernel, inputs: dict, items_bound: int
     """Time `plain(**inputs)` and `traced(**inputs)` (medians of `reps`), then record one
     more traced launch into a workspace of twice `items_bound` records and more (room to see
     a scheduler that repeats tiles): (records, written, ms untraced, ms traced)."""
-    from mhadsl.bench import time_ms
+    from mhadsl.host.bench import time_ms
     from mhadsl.runtime import driver, faults
 
     capacity = 2 * items_bound + 1024

@@ -5,7 +5,7 @@
     o, lse = kern(q, k_cache, v_cache, cache_seqlens=lens, cu_seqlens_q=cq, max_seqlen_q=mq,
                   return_lse=True)                                     # chunked prefill
 
-Layouts and checks are `mhadsl.paged`'s (the float64 `mhadsl.reference_decode` shares them).
+Layouts and checks are `mhadsl.host.paged`'s (the float64 `mhadsl.reference_decode` shares them).
 The kernel is the decode design (`codegen.backends.decode`), driven by the declaration's own
 scheduler over decode's work space: (sequence, K/V head, query-row tile x KV split).
 
@@ -26,16 +26,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mhadsl.calls import (
+from mhadsl.host.calls import (
     DTYPE_NAMES, AddressChecks, check_flag, check_output, check_rows, host_values, index_view,
     share_memory, span, stream_handle, torch_signature, torch_stream, typed_key,
 )
 from mhadsl.abi import CallSizes
 from mhadsl.codegen.backends import CacheLayout, Layout, select_target
 from mhadsl.codegen.backends.decode import packed_rows
-from mhadsl.launcher import launch
-from mhadsl.paged import MAX_KV_SPLITS as MAX_SPLITS
-from mhadsl.paged import check_decode_call
+from mhadsl.host.launcher import launch
+from mhadsl.host.paged import MAX_KV_SPLITS as MAX_SPLITS
+from mhadsl.host.paged import check_decode_call
 
 _READ_AND_WRITTEN = ("q", "k_cache", "v_cache", "o")
 MIN_SPLIT_TILES = 4  # KV tiles a split covers at least (shorter ones cost more than they gain)
@@ -78,7 +78,7 @@ def kv_tile(rows: int, groups: int, num_sms: int, page_size: int = 0,
 def decode_work(batch: int, kv_heads: int, work_tiles: int):
     """The work space a decode launch hands its scheduler, as a simulator batch: per
     (sequence, K/V head) `work_tiles` prompt tiles of height 1 (query-row tile x KV split)."""
-    from mhadsl.simulate import Batch
+    from mhadsl.analysis.simulate import Batch
     return Batch([work_tiles] * batch, kv_heads, 1, ragged=False)
 
 

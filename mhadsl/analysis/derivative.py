@@ -4,7 +4,7 @@
 that computes d score / d s, made of ordinary checked AST: the reference evaluates it and
 the lowering compiles it like any score rule. It works in forward mode: every expression
 `e` that depends on `s` gets an expression for de/ds, by the sum, product and quotient
-rules and, for a builtin call, the builtin's own derivative (`mhadsl.builtin_functions`,
+rules and, for a builtin call, the builtin's own derivative (`mhadsl.front.builtin_functions`,
 where the one-sided conventions at kinks are written down). Expressions that do not depend
 on `s` have derivative 0, so integer index arithmetic is never differentiated; results are
 simplified as they are built (0 * x, 1 * x, x + 0, ...), so `score = s` gives 1.
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mhadsl import ast
-from mhadsl.builtin_functions import FUNCTIONS
-from mhadsl.check import CheckedProgram, Symbol
-from mhadsl.diagnostics import DiagnosticSink
-from mhadsl.types import BOOL, F32, TYPE_NAMES, Ty
+from mhadsl.front import ast
+from mhadsl.front.builtin_functions import FUNCTIONS
+from mhadsl.front.check import CheckedProgram, Symbol
+from mhadsl.front.diagnostics import DiagnosticSink
+from mhadsl.front.types import BOOL, F32, TYPE_NAMES, Ty
 
 
 def differentiate_score(rule: ast.Rule, program: CheckedProgram

@@ -3,7 +3,7 @@ and its float64 reference run alike (`check_attention_call`), the torch signatur
 call is looked up by, streams, and the checks of the tensors a kernel reads and writes
 (those of a planned call's addresses skipped where the last passing call had them).
 
-Imported by `mhadsl.api`, `mhadsl.serving`, `mhadsl.backward` and `mhadsl.reference`; it
+Imported by `mhadsl.host.api`, `mhadsl.host.serving`, `mhadsl.host.backward` and `mhadsl.analysis.reference`; it
 imports none of them.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from mhadsl.attention_spec import AttentionOptions, scale_problem
+from mhadsl.front.attention_spec import AttentionOptions, scale_problem
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 NO_OPTIONS = (None, None, None, None)

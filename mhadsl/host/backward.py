@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import sys
 
-from mhadsl.calls import DTYPE_NAMES, check_flag, check_rows, check_shape, torch_stream
+from mhadsl.host.calls import DTYPE_NAMES, check_flag, check_rows, check_shape, torch_stream
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.backends.backward import BACKEND, BackwardConfig
-from mhadsl.forward import check_call
-from mhadsl.launcher import launch
+from mhadsl.host.forward import check_call
+from mhadsl.host.launcher import launch
 
 
 def backward_work(lengths: list[int], kv_heads: int, block_n: int = BackwardConfig.block_n,
@@ -30,7 +30,7 @@ def backward_work(lengths: list[int], kv_heads: int, block_n: int = BackwardConf
     (`codegen.backends.backward.scheduler_view`). Prompt tile t is K/V tile n - 1 - t, which
     a causal mask gives t + 1 query tiles of an equal-length sequence: the simulator's
     causal cost."""
-    from mhadsl.simulate import Batch
+    from mhadsl.analysis.simulate import Batch
     return Batch(list(lengths), kv_heads, block_n, ragged=ragged)
 
 
