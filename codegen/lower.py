@@ -17,7 +17,7 @@ from mhadsl.codegen import nvptx
 from mhadsl.codegen.nvptx import f32, i1, i32, i64
 from mhadsl.front import ast
 from mhadsl.front.builtin_functions import FUNCTIONS
-from mhadsl.front.builtins import SLOT_COUNT
+from mhadsl.front.semantics import SLOT_COUNT
 from mhadsl.front.check import CheckedProgram, Symbol
 from mhadsl.front.types import (
     BOOL, COUNTER, DIM3, F32, I32, INT_LITERAL, RECORD_FIELDS, SCHEDULE, SCHEDULES, SEQ_INFO,
@@ -317,7 +317,7 @@ class FunctionLowering:
         if op in ("/", "%"):
             # LLVM's division by zero and INT_MIN / -1 are undefined (a trap on the host).
             # Dividing by 1 instead gives INT_MIN / -1 its wrapped result (INT_MIN, and 0 for
-            # %) for free; a zero divisor then selects 0 (mhadsl.front.builtins).
+            # %) for free; a zero divisor then selects 0 (mhadsl.front.semantics).
             zero = B.icmp_unsigned("==", b, b.type(0))
             bad = zero
             if signed:
@@ -334,7 +334,7 @@ class FunctionLowering:
                 "^": B.xor}[op](a, b)
 
     def shift(self, op: str, a: ir.Value, count: ir.Value, signed: bool) -> ir.Value:
-        """Shifts by 32 or more are poison in LLVM; here they saturate (mhadsl.front.builtins):
+        """Shifts by 32 or more are poison in LLVM; here they saturate (mhadsl.front.semantics):
         0, or the sign fill for `>>` of an i32. The count is clamped before the shift so
         no poison is ever made, on the host or the GPU."""
         B = self.b
@@ -445,7 +445,8 @@ class FunctionLowering:
 
     @property
     def gpu(self) -> bool:
-        """Whether f32 math lowers to the GPU's approximations (see mhadsl.front.builtin_functions)."""
+        """Whether f32 math lowers to the GPU's approximations
+        (`mhadsl.front.builtin_functions`)."""
         return self.builtins.gpu
 
     def intrinsic(self, name: str, *args: ir.Value) -> ir.Value:
@@ -453,7 +454,7 @@ class FunctionLowering:
         return nvptx.call(self.b, name, f32, list(args))
 
     def cast(self, arg: ast.Expr, dst: Ty) -> ir.Value:
-        """`u32(x)`, `i32(x)`, `f32(x)` (mhadsl.front.builtins): integers keep their bits, floats
+        """`u32(x)`, `i32(x)`, `f32(x)` (mhadsl.front.semantics): integers keep their bits, floats
         truncate and saturate (LLVM's plain fptosi is poison out of range)."""
         src = self.ty(arg)
         if src == BOOL:
@@ -554,7 +555,7 @@ class FunctionLowering:
 
     def valid_work_info(self, ts: ir.Value, idx: ir.Value, schedule: ir.Value,
                         heads_per_section: ir.Value) -> dict[str, ir.Value]:
-        """`ts.valid_work_info` (its meaning: `mhadsl.front.builtins.valid_work_order`)."""
+        """`ts.valid_work_info` (its meaning: `mhadsl.analysis.valid_work.valid_work_order`)."""
         return self.builtins.memoized(
             self, "valid_work_info", [idx, schedule, heads_per_section],
             lambda: self._valid_work_info(ts, idx, schedule, heads_per_section))
@@ -660,8 +661,8 @@ class FunctionLowering:
 
 
 class _TileIndex:
-    """The valid work of a launch, as `mhadsl.front.builtins.tile_index` lays it out: `prefix(b)`
-    (tiles of the sequences before b), `count(b)`, `ranked(r)` (the sequence of rank r, most
+    """The valid work of a launch, as `mhadsl.analysis.valid_work.tile_index` lays it out:
+    `prefix(b)` (tiles of the sequences before b), `count(b)`, `ranked(r)` (the sequence of rank r, most
     tiles first), `level(r)` (where LONGEST_FIRST's block of rank r starts), `total()`, and
     the searches over them. Every index is in range for a valid work index."""
 

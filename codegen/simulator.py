@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from mhadsl.front.builtins import SLOT_COUNT
+from mhadsl.front.semantics import SLOT_COUNT
 from mhadsl.codegen import nvptx
 from mhadsl.codegen.lower import ENV_FIELDS, alloca, record_type
 from mhadsl.codegen.nvptx import i8, i32, i64

@@ -4,7 +4,7 @@
 tiles of a ragged launch; they read the tile index that this kernel writes just before the
 attention kernel, on the same stream (`runtime.tile_index`), so no host ever reads the
 lengths and CUDA-graph replay with new cu_seqlens values stays correct. The layout and its
-meaning are `mhadsl.front.builtins.tile_index`'s: TILE_INDEX_WORDS(B) u32 words.
+meaning are `mhadsl.analysis.valid_work.tile_index`'s: TILE_INDEX_WORDS(B) u32 words.
 
     mhadsl_tile_index(i32* cu_seqlens, u32 batch, u32 tile_m, u32* index)
 
@@ -30,7 +30,7 @@ ABI = KernelABI(
     Param("batch", "i32", CallValue("batch"), "sequences B"),
     Param("tile_m", "i32", CallValue("tile_m"), "query rows per work tile"),
     Param("index", "ptr", Workspace("tile_index"), "the u32 index it writes "
-          "(mhadsl.front.builtins.tile_index_words(B) words)", align=4),
+          "(mhadsl.abi.tile_index_words(B) words)", align=4),
 )
 
 

@@ -17,7 +17,7 @@ from mhadsl.codegen.nvptx import i1, i32, i64
 from mhadsl.codegen.scheduler import LoweredScheduler, load_record
 from mhadsl.codegen.trace_records import record_work_item
 from mhadsl import abi
-from mhadsl.front.builtins import SLOT_COUNT
+from mhadsl.front.semantics import SLOT_COUNT
 from mhadsl.front.types import SEQ_INFO, WORK_INFO
 
 

@@ -173,6 +173,13 @@ def fault_code(kind: int, rule: str) -> int:
     return kind << 8 | RULES.index(rule)
 
 
+def tile_index_words(batch: int) -> int:
+    """u32 words of the tile index of a ragged launch of `batch` sequences
+    (`mhadsl.analysis.valid_work.tile_index`, which a small kernel builds on the device
+    before the launch): prefix (B+1), ranked (B), level (B+1)."""
+    return 3 * batch + 2
+
+
 # A traced build (`mhadsl trace`) reaches its record buffer through the same workspace
 # pointer; its workspace is larger:
 #     word TRACE_COUNT_WORD                 records written so far (atomic; may pass capacity)

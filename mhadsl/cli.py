@@ -23,7 +23,7 @@ from mhadsl import __version__
 from mhadsl.abi import TRACE_WORK_ITEM
 from mhadsl.front.attention_spec import resolve_attention
 from mhadsl.build import RequestError
-from mhadsl.front.builtins import GRID_LIMITS
+from mhadsl.front.semantics import GRID_LIMITS
 from mhadsl.codegen import backends
 from mhadsl.codegen.assemble import AssemblerError, find_ptxas, ptxas_timeout
 from mhadsl.codegen.backends.backward import BackwardConfig

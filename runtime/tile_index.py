@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import threading
 
-from mhadsl.front.builtins import tile_index_words
+from mhadsl.abi import tile_index_words
 from mhadsl.runtime import driver
 from mhadsl.runtime.launch import LaunchPlan
 

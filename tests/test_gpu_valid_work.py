@@ -1,12 +1,13 @@
 """Ragged work without waste, on the GPU: the tile index kernel builds what
-`mhadsl.front.builtins.tile_index` defines, and the queued schedulers that read it (Queued, LPT,
-with and without head sections) compute causal attention right on both kernel designs,
+`mhadsl.analysis.valid_work.tile_index` defines, and the queued schedulers that read it
+(Queued, LPT, with and without head sections) compute causal attention right on both kernel designs,
 eagerly and under CUDA-graph replay with new cu_seqlens values (needs a GPU)."""
 import numpy as np
 import pytest
 
 import mhadsl
-from mhadsl.front.builtins import tile_counts, tile_index, tile_index_words
+from mhadsl.abi import tile_index_words
+from mhadsl.analysis.valid_work import tile_counts, tile_index
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")

@@ -1,5 +1,5 @@
 """The language's integer semantics are defined, and the same in the host JIT (which the
-simulator runs), the GPU's IR and the NumPy reference (mhadsl.front.builtins)."""
+simulator runs), the GPU's IR and the NumPy reference (mhadsl.front.semantics)."""
 import ctypes
 import re
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from helpers import STD, checked
-from mhadsl.front.builtins import I32_MAX, I32_MIN, U32_MAX, float_to_int, int_binary
+from mhadsl.front.semantics import I32_MAX, I32_MIN, U32_MAX, float_to_int, int_binary
 from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
 from mhadsl.codegen.trace_kernel import build_trace_kernel
 from mhadsl.codegen.target import gpu_target, new_module, optimize

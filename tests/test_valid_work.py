@@ -1,6 +1,6 @@
 """Ragged work without waste: `ts.num_valid_work()` / `ts.valid_work_info(...)` number only
 the valid tiles, the std schedulers spend no index on a tile past a sequence's end, and the
-tile index the device builds has the meaning written once in `mhadsl.front.builtins`."""
+tile index the device builds has the meaning written once in `mhadsl.analysis.valid_work`."""
 import ctypes
 import random
 
@@ -8,12 +8,15 @@ import numpy as np
 import pytest
 
 from helpers import STD, checked
-from mhadsl.front.builtins import tile_counts, tile_index, tile_index_words, valid_work_order
+from mhadsl.abi import tile_index_words
+from mhadsl.analysis.valid_work import tile_counts, tile_index, valid_work_order
 from mhadsl.codegen.assemble import assemble, find_ptxas
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.codegen.target import emit_ptx, gpu_target, new_module, optimize
 from mhadsl.codegen.tile_index import KERNEL_NAME, build_tile_index_kernel
-from mhadsl.analysis.simulate import Batch, HostScheduler, _Env, _SeqInfo, _State, _TileSummary, simulate
+from mhadsl.analysis.simulate import (
+    Batch, HostScheduler, _Env, _SeqInfo, _State, _TileSummary, simulate,
+)
 
 ORDERS = ("DEFAULT", "PROMPT_ROTATE", "LONGEST_FIRST")
 MUST_SHOW = [0, 1, 127, 128, 129, 3000, 8192]

@@ -31,7 +31,7 @@ from llvmlite import ir
 
 from mhadsl.front import ast
 from mhadsl.front.builtin_functions import FUNCTIONS
-from mhadsl.front.builtins import I32_MAX, I32_MIN, INT_RANGES, U32_MAX, attention_type, wrap
+from mhadsl.front.semantics import I32_MAX, I32_MIN, INT_RANGES, U32_MAX, attention_type, wrap
 from mhadsl.front.check import CheckedProgram
 from mhadsl.front.types import BOOL, F32, I32, U32, Ty, unify
 

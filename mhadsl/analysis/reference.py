@@ -1,12 +1,12 @@
 """The NumPy float64 reference: what an attention declaration computes, without a GPU.
 
 `evaluate_rule` runs a mask or score rule elementwise over NumPy arrays (broadcasting: pass
-`q_idx` as a column and `kv_idx` as a row). Integers keep the kernel's semantics, written once in
-`mhadsl.front.builtins` (i32/u32 wrap modulo 2**32, C division with 0 for a zero divisor, saturating
-shifts and float-to-int casts); literal expressions take the checker's exact values. Floats are float64 — this
-is the reference the f32 kernel is measured against. Block-form rules run with per-element
-control flow (a lane mask), so `if`, `var` and calls to `fn`s work too (`check` refuses
-`while` in these rules and the fns they call).
+`q_idx` as a column and `kv_idx` as a row). Integers keep the kernel's semantics, written
+once in `mhadsl.front.semantics` (i32/u32 wrap modulo 2**32, C division with 0 for a zero
+divisor, saturating shifts and float-to-int casts); literal expressions take the checker's
+exact values. Floats are float64: this is the reference the f32 kernel is measured
+against. Block-form rules run with per-element control flow (a lane mask), so `if`, `var`
+and calls to `fn`s work too (`check` refuses `while` in these rules and the fns they call).
 
 `attention_reference` is softmax attention in FlashAttention's tensor layout with those rules
 applied: the score rule sees the scaled logit (FlexAttention's convention), the mask removes
@@ -25,7 +25,7 @@ import numpy as np
 
 from mhadsl.front import ast
 from mhadsl.front.builtin_functions import FUNCTIONS
-from mhadsl.front.builtins import attention_type, convert, int_binary, wrap
+from mhadsl.front.semantics import attention_type, convert, int_binary, wrap
 from mhadsl.host.calls import (
     AttentionCall, check_attention_call, check_flag, check_shape, dtype_name,
 )
@@ -250,8 +250,8 @@ def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = 
 
     As FlashAttention's backward defines them, per sequence and query head: P the softmax of
     the scores (0 where masked), O = P V, dV = Pᵀ dO, dP = dO Vᵀ, D = rowsum(dO ∘ O),
-    dZ = P ∘ (dP - D), dS = dZ ∘ score'(S) (S = scale·Q Kᵀ, score' from `mhadsl.analysis.derivative`),
-    dQ = scale·dS K, dK = scale·dSᵀ Q. A KV head's dK and dV sum over its query heads; rows
+    dZ = P ∘ (dP - D), dS = dZ ∘ score'(S) (S = scale·Q Kᵀ, score' from
+    `mhadsl.analysis.derivative`), dQ = scale·dS K, dK = scale·dSᵀ Q. A KV head's dK and dV sum over its query heads; rows
     and sequences with no key get zero gradients.
     """
     problem = _Problem(q, k, v, mask_rule, score_rule, program, scale, cu_seqlens_q,

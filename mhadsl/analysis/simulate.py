@@ -22,7 +22,8 @@ from typing import Callable
 
 import numpy as np
 
-from mhadsl.front.builtins import GRID_LIMITS, SLOT_COUNT, tile_index
+from mhadsl.analysis.valid_work import tile_index
+from mhadsl.front.semantics import GRID_LIMITS, SLOT_COUNT
 from mhadsl.front.check import CheckedProgram
 from mhadsl.codegen.handoff import runs_apart
 from mhadsl.codegen.scheduler import HOST_LOOP_FUEL, SchedulerSpec, lower_scheduler

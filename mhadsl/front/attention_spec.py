@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from mhadsl.front import ast
-from mhadsl.front.builtins import FLOAT_OPS
+from mhadsl.front.semantics import FLOAT_OPS
 from mhadsl.front.diagnostics import Diagnostic, MhaError
 from mhadsl.front.types import BOOL, DTYPE, F32, SCHEDULER
 

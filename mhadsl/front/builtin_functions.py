@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mhadsl.front.builtins import INT_RANGES, attention_type, convert, int_binary, tdiv, wrap
+from mhadsl.front.semantics import INT_RANGES, attention_type, convert, int_binary, tdiv, wrap
 from mhadsl.front.types import BOOL, ERROR, F32, I32, INT_LITERAL, INTEGERS, NUMBERS, U32, unify
 
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)

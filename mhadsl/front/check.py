@@ -24,7 +24,7 @@ from mhadsl.front.attention_spec import (
     scale_problem,
 )
 from mhadsl.front.builtin_functions import FUNCTIONS
-from mhadsl.front.builtins import (
+from mhadsl.front.semantics import (
     ATTENTION, BUILTIN_VALUES, COMPARISONS, COMPILE_TIME_VALUES, DEVICE, DEVICE_ONLY_FUNCTIONS,
     FLOAT_OPS, HOST, INT_RANGES, INTEGER_ONLY_OPS, LITERAL_LIMIT, SLOT_COUNT, LiteralError,
     finite_f32, fits, fold_literal,
@@ -126,7 +126,7 @@ class CheckedProgram:
     # Every file the program loaded (its text is part of every build's cache key).
     sources: tuple[Source, ...] = ()
     # The exact value of every expression made of integer literals alone (a bool for a
-    # comparison of two): they fold before they meet a type (mhadsl.front.builtins).
+    # comparison of two): they fold before they meet a type (mhadsl.front.semantics).
     literals: dict[ast.Expr, int | bool] = field(default_factory=dict)
 
 

@@ -3,8 +3,8 @@ and its float64 reference run alike (`check_attention_call`), the torch signatur
 call is looked up by, streams, and the checks of the tensors a kernel reads and writes
 (those of a planned call's addresses skipped where the last passing call had them).
 
-Imported by `mhadsl.host.api`, `mhadsl.host.serving`, `mhadsl.host.backward` and `mhadsl.analysis.reference`; it
-imports none of them.
+Imported by the call paths (`mhadsl.host.forward`, `serving`, `backward`) and
+`mhadsl.analysis.reference`; it imports none of them.
 """
 from __future__ import annotations
 

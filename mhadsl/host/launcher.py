@@ -10,8 +10,8 @@ whose values are the call's sizes (`CallSizes.values`), the design's own
 (`Backend.call_values`) and the device's. A ragged call's scheduled kernel builds its tile
 index first, over the row offsets its design names (`Backend.tile_offsets`).
 
-The forward (`mhadsl.host.api`), decode (`mhadsl.host.serving`) and backward (`mhadsl.host.backward`)
-calls check their arguments, plan through here once per call signature and keep the plans
+The forward (`mhadsl.host.forward`), decode (`mhadsl.host.serving`) and backward
+(`mhadsl.host.backward`) calls check their arguments, plan through here once per call signature and keep the plans
 in `plans` (by validated signature) and `fast_plans` (by torch signature; a change of the
 kernel's forced design or tracing clears them).
 """

@@ -1,0 +1,76 @@
+"""The valid work of a launch: which (query tile, head, sequence) items exist, in which
+order, and the tile index a ragged launch reads.
+
+`ts.num_valid_work()` and `ts.valid_work_info(idx, order, heads_per_section)` number only
+the valid (query tile, head, sequence) work items, so a scheduler never spends an index
+(or a queue atomic) on a tile past a sequence's end. Their meaning, written once here
+(`valid_work_order` enumerates it; the lowering computes the same by index arithmetic):
+
+- Heads run in sections of `heads_per_section` consecutive heads (0, or at least
+  num_heads: one section of all heads; the last may be shorter), one section after the
+  other, so the K/V of a section's heads stay in L2 while its tiles run.
+- Within a section, DEFAULT: sequences in batch order, then heads, the query tile fastest
+  from the first; PROMPT_ROTATE: as DEFAULT with the query tiles of odd heads from the
+  last; LONGEST_FIRST: query-tile levels from the highest down (the last tiles of the
+  longest sequences first: under a causal mask, the costliest work first), at each level
+  the sequences that reach it by tile count, most tiles first (ties by batch index), then
+  heads fastest.
+
+On a dense launch every sequence has max_num_prompt_tiles tiles, so with one section
+DEFAULT and PROMPT_ROTATE are `ts.work_info`'s orders and LONGEST_FIRST is
+`ts.work_info(idx, LONGEST_FIRST)`: query tile slowest from the last, then batch, head
+fastest. A ragged launch reads the tile index: TILE_INDEX_WORDS(B) u32 words that a small
+kernel builds on the device from cu_seqlens before each launch (`tile_index`; its size:
+`mhadsl.abi.tile_index_words`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mhadsl.front.semantics import U32_MAX
+
+
+def tile_counts(seqlens, tile: int) -> np.ndarray:
+    """Query tiles per sequence (a negative length counts 0)."""
+    return -(-np.maximum(np.asarray(seqlens, np.int64), 0) // tile)
+
+
+def tile_index(counts) -> np.ndarray:
+    """The tile index of sequences with `counts` query tiles (uint32):
+
+    - prefix[b], b = 0..B: the tiles of the sequences before b (prefix[B]: all of them);
+    - ranked[r], r < B: the sequence of rank r, most tiles first, ties by batch index;
+    - level[r], r = 0..B: where LONGEST_FIRST's block of rank r starts (per head): the
+      levels that exactly the r+1 longest sequences reach, counted from the top, come after
+      level[r] = (tiles of ranks < r) - r * tiles(rank r); level[B] = all tiles.
+    """
+    counts = np.asarray(counts, np.int64)
+    batch = len(counts)
+    ranked = np.lexsort((np.arange(batch), -counts)).astype(np.int64)
+    sorted_counts = counts[ranked]
+    before = np.concatenate(([0], np.cumsum(sorted_counts)))
+    level = before.copy()
+    level[:batch] -= np.arange(batch) * sorted_counts
+    prefix = np.concatenate(([0], np.cumsum(counts)))
+    return (np.concatenate((prefix, ranked, level)) & U32_MAX).astype(np.uint32)
+
+
+def valid_work_order(counts, heads: int, order: str, heads_per_section: int = 0
+                     ) -> list[tuple[int, int, int]]:
+    """Every valid work item as (query tile, head, batch), in `ts.valid_work_info`'s order."""
+    counts = [int(n) for n in counts]
+    section = heads_per_section if 0 < heads_per_section < heads else heads
+    ranked = sorted(range(len(counts)), key=lambda b: (-counts[b], b))
+    out = []
+    for first in range(0, heads, max(section, 1)):
+        section_heads = range(first, min(first + section, heads))
+        if order == "LONGEST_FIRST":
+            for level in reversed(range(max(counts, default=0))):
+                out += [(level, h, b) for b in ranked if counts[b] > level
+                        for h in section_heads]
+            continue
+        for b, n in enumerate(counts):
+            for h in section_heads:
+                out += [(n - 1 - q if order == "PROMPT_ROTATE" and h % 2 else q, h, b)
+                        for q in range(n)]
+    return out
