@@ -16,7 +16,7 @@ from llvmlite import ir
 from mhadsl.codegen import nvptx
 from mhadsl.codegen.nvptx import f32, i1, i32, i64
 from mhadsl.front import ast
-from mhadsl.front.builtin_functions import FUNCTIONS
+from mhadsl.front.builtin_functions import DEVICE_FUNCTIONS, FUNCTIONS
 from mhadsl.front.semantics import SLOT_COUNT
 from mhadsl.front.check import CheckedProgram, Symbol
 from mhadsl.front.types import (
@@ -432,15 +432,8 @@ class FunctionLowering:
             if name == "State":
                 return self.make_state(given)
             return {f: given[f] for f in RECORD_FIELDS[TYPE_NAMES[name]]}
-        if name == "atomic_add":
-            counter, amount = (self.expr(a) for a in e.args)
-            return self.b.atomic_rmw("add", counter, amount, "monotonic")
-        if name == "barrier":
-            sync = self.expr(e.args[0]) if e.args else i32(SYNCS.index("ALL"))
-            if not isinstance(sync, ir.Constant):
-                raise AssertionError("barrier needs a compile-time sync")
-            self.builtins.barrier(self, sync.constant)
-            return None
+        if name in DEVICE_FUNCTIONS:
+            return DEVICE_FUNCTIONS[name].lower(self, e.args)
         return FUNCTIONS[name].lower(self, e.args, self.ty(e))
 
     @property

@@ -1,10 +1,12 @@
 """Parsing, diagnostics and semantic checks of the .mha language."""
+import math
 import string
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import mhadsl
 from helpers import EXAMPLES, REPO, STD, checked
 from mhadsl.front import ast
 from mhadsl.front.diagnostics import MhaError, Source
@@ -162,3 +164,17 @@ def test_mutated_sources_only_ever_give_diagnostics(data):
             rendered = d.render()
             assert rendered.startswith("fuzz.mha:") or rendered.startswith("std/"), rendered
             assert rendered.count("\n") == 2 and rendered.endswith("^")
+
+
+@pytest.mark.parametrize("expr, value", [
+    ("1.0 / sqrt(128.0)", 1.0 / math.sqrt(128.0)), ("exp(-2.0)", math.exp(-2.0)),
+    ("log2(8.0) * 0.05", 0.15), ("tanh(0.5) + exp2(-3.0)", math.tanh(0.5) + 0.125)])
+def test_a_constant_scale_folds_the_f32_math_functions_by_their_numpy_meaning(expr, value):
+    kern = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = 64  scale = {expr} }}")
+    assert kern["a"].options.scale == pytest.approx(value, rel=1e-12)
+
+
+@pytest.mark.parametrize("expr", ["min(0.1, 0.2)", "f32(1)", "sqrt(1.0, 2.0)"])
+def test_a_constant_scale_refuses_other_calls(expr):
+    with pytest.raises(MhaError):
+        mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = 64  scale = {expr} }}")

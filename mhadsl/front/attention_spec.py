@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from mhadsl.front import ast
+from mhadsl.front.builtin_functions import f32_math
 from mhadsl.front.semantics import FLOAT_OPS
 from mhadsl.front.diagnostics import Diagnostic, MhaError
 from mhadsl.front.types import BOOL, DTYPE, F32, SCHEDULER
@@ -119,10 +120,9 @@ def constant_number(e: ast.Expr) -> float:
             for op in ops:  # the checker has refused a division by a constant 0
                 value = FLOAT_OPS[op.op](value, constant_number(op.right))
             return value
-    if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id in ("sqrt",) \
-            and len(e.args) == 1:
-        value = constant_number(e.args[0])
-        return math.sqrt(value) if value >= 0 else math.nan
+    if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and not e.kwargs and (
+            fold := f32_math(e.func.id, len(e.args))) is not None:
+        return fold([constant_number(a) for a in e.args])
     raise MhaError("this must be a constant number", e.span)
 
 

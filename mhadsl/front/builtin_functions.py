@@ -15,6 +15,10 @@ Each meaning is written against the walker that uses it (the checker, the `Funct
 the interval analysis, the derivative builder), passed as the first argument, so this module
 imports none of them. `ty` is the call's checked type and `arg_types` its arguments'.
 
+`DEVICE_FUNCTIONS` holds the two builtins of scheduler rules on the device alone,
+`atomic_add(queue, n)` and `barrier(sync)`, each with its check and its LLVM IR; `f32_math`
+folds an f32 math function of constants, as a constant setting (`scale`) does.
+
 A derivative is written in forward mode, by the chain rule: from the arguments and their
 own derivatives `d.of(arg)` it makes the call's derivative, in expressions the builder `d`
 makes and simplifies. At a kink it takes one side: `abs` has derivative 0 at 0 (PyTorch's
@@ -31,8 +35,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mhadsl.front.semantics import INT_RANGES, attention_type, convert, int_binary, tdiv, wrap
-from mhadsl.front.types import BOOL, ERROR, F32, I32, INT_LITERAL, INTEGERS, NUMBERS, U32, unify
+from mhadsl.front.semantics import (
+    INT_RANGES, SYNCS, attention_type, convert, int_binary, tdiv, wrap,
+)
+from mhadsl.front.types import (
+    BOOL, COUNTER, ERROR, F32, I32, INT_LITERAL, INTEGERS, NUMBERS, SYNC, U32, VOID, unify,
+)
 
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 
@@ -328,4 +336,61 @@ FUNCTIONS: dict[str, Builtin] = {
     "i32": Builtin(1, _type_cast(I32), _lower_cast, _interval_int_cast, _numpy_cast, None),
     "u32": Builtin(1, _type_cast(U32), _lower_cast, _interval_int_cast, _numpy_cast, None),
     "f32": Builtin(1, _type_cast(F32), _lower_cast, _interval_float, _numpy_cast, _d_identity),
+}
+
+
+def f32_math(name: str, arity: int) -> Callable[[list[float]], float] | None:
+    """The value in float64 (its NumPy meaning) of f32 math function `name` (`exp`, `sqrt`,
+    ...) on `arity` constant numbers, as a constant setting folds it (`scale = 1.0 /
+    sqrt(128.0)`); None where `name` is no such function of that arity."""
+    builtin = FUNCTIONS.get(name)
+    if builtin is None or builtin.type_rule is not _type_f32 or builtin.arity != arity:
+        return None
+
+    def value(args: list[float]) -> float:
+        with np.errstate(all="ignore"):  # (a NaN or an infinity is the caller's to refuse)
+            return float(builtin.numpy([np.float64(a) for a in args], [F32] * arity, F32))
+    return value
+
+
+# ------------------------------------------------------------------ device-only builtins
+@dataclass(frozen=True)
+class DeviceBuiltin:
+    """A builtin of scheduler rules on the device alone (not in `fn`s, not in attention
+    code): its check (`type_rule(check, call, scope, ctx)`: the arguments checked, the
+    call's type) and its LLVM IR (`lower(lowering, args)`)."""
+
+    type_rule: Callable
+    lower: Callable
+
+
+def _type_atomic_add(check, e, scope, ctx):
+    check.call_args(e, (COUNTER, U32), scope, ctx, e.func.id)
+    return U32
+
+
+def _lower_atomic_add(L, args):
+    counter, amount = (L.expr(a) for a in args)
+    return L.b.atomic_rmw("add", counter, amount, "monotonic")
+
+
+def _type_barrier(check, e, scope, ctx):
+    if e.args or e.kwargs:
+        check.call_args(e, (SYNC,), scope, ctx, e.func.id)
+    if ctx.divergent:
+        # Threads that skip a barrier leave the others waiting forever on the GPU.
+        check.error(e.span, f"barrier {ctx.divergent}: every thread of the CTA must reach it "
+                            f"(a condition on producer or sync is fine)")
+    return VOID
+
+
+def _lower_barrier(L, args):
+    # (the checker admits only compile-time syncs: the argument lowers to a constant)
+    sync = L.expr(args[0]).constant if args else SYNCS.index("ALL")
+    L.builtins.barrier(L, sync)
+
+
+DEVICE_FUNCTIONS: dict[str, DeviceBuiltin] = {
+    "atomic_add": DeviceBuiltin(_type_atomic_add, _lower_atomic_add),
+    "barrier": DeviceBuiltin(_type_barrier, _lower_barrier),
 }

@@ -23,16 +23,16 @@ from mhadsl.front.attention_spec import (
     ATTENTION_CONSTANTS, HEAD_DIMS, AttentionOptions, constant_number, resolve_attention,
     scale_problem,
 )
-from mhadsl.front.builtin_functions import FUNCTIONS
+from mhadsl.front.builtin_functions import DEVICE_FUNCTIONS, FUNCTIONS
 from mhadsl.front.semantics import (
-    ATTENTION, BUILTIN_VALUES, COMPARISONS, COMPILE_TIME_VALUES, DEVICE, DEVICE_ONLY_FUNCTIONS,
+    ATTENTION, BUILTIN_VALUES, COMPARISONS, COMPILE_TIME_VALUES, DEVICE,
     FLOAT_OPS, HOST, INT_RANGES, INTEGER_ONLY_OPS, LITERAL_LIMIT, SLOT_COUNT, LiteralError,
     finite_f32, fits, fold_literal,
 )
 from mhadsl.front.diagnostics import DiagnosticSink, MhaError, Source, Span
 from mhadsl.front.parse import MAX_EXPR_DEPTH, MAX_STMT_DEPTH
 from mhadsl.front.types import (
-    BOOL, COUNTER, DIM3, ERROR, F32, GRID, I32, INT_LITERAL, INTEGERS, MUTABLE_FIELDS,
+    BOOL, DIM3, ERROR, F32, GRID, I32, INT_LITERAL, INTEGERS, MUTABLE_FIELDS,
     NONE, NUMBERS, RECORD_FIELDS, RECORD_PROPERTIES, SCHEDULE, SEQ_INFO,
     SLOTS, STATE, SYNC, TILE_SUMMARY, TILE_SUMMARY_FIELDS, TILE_SUMMARY_METHODS,
     TYPE_NAMES, U32, VOID, WORK_INFO, Ty, unify,
@@ -96,7 +96,7 @@ DECLARATION_LIMITS = {ast.SchedulerDecl: (MAX_SCHEDULERS, "schedulers"),
 # What a declaration's name would hide; a cast (`u32`) is a function before it is a type.
 BUILTIN_KINDS = {**{name: "type" for name in TYPE_NAMES},
                  **{name: "name" for name in BUILTIN_VALUES},
-                 **{name: "function" for name in (*FUNCTIONS, *DEVICE_ONLY_FUNCTIONS)}}
+                 **{name: "function" for name in (*FUNCTIONS, *DEVICE_FUNCTIONS)}}
 
 # Why no kernel design runs an attention declaration: its problems (each with the
 # `settings` at fault and a `message`), empty when some design does.
@@ -852,22 +852,13 @@ class Checker:
         record = TYPE_NAMES.get(name)
         if record in RECORD_FIELDS:
             return self.constructor(e, record, scope, ctx)
-        if name in DEVICE_ONLY_FUNCTIONS and ctx.where != DEVICE:
+        if name in DEVICE_FUNCTIONS and ctx.where != DEVICE:
             return self.error(e.span, f"'{name}' is not available in "
                                       f"{'grid_dim' if ctx.where == HOST else 'attention code'}")
-        if name in DEVICE_ONLY_FUNCTIONS and ctx.rule in self.out.fns:
+        if name in DEVICE_FUNCTIONS and ctx.rule in self.out.fns:
             return self.error(e.span, f"'{name}' is not available inside a fn; call it from a rule")
-        if name == "atomic_add":
-            self.call_args(e, (COUNTER, U32), scope, ctx, name)
-            return U32
-        if name == "barrier":
-            if e.args or e.kwargs:
-                self.call_args(e, (SYNC,), scope, ctx, name)
-            if ctx.divergent:
-                # Threads that skip a barrier leave the others waiting forever on the GPU.
-                self.error(e.span, f"barrier {ctx.divergent}: every thread of the CTA must "
-                                   f"reach it (a condition on producer or sync is fine)")
-            return VOID
+        if name in DEVICE_FUNCTIONS:
+            return DEVICE_FUNCTIONS[name].type_rule(self, e, scope, ctx)
         builtin = FUNCTIONS.get(name)
         if builtin is not None:
             types = self.call_args(e, (None,) * builtin.arity, scope, ctx, name)

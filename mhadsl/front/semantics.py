@@ -52,10 +52,6 @@ BUILTIN_VALUES: dict[str, tuple[Ty, tuple[str, ...], tuple[str, ...] | None]] = 
 # compiled: a condition made of them alone may guard a barrier.
 COMPILE_TIME_VALUES = ("producer", "sync", *SCHEDULES, *SYNCS)
 
-# The builtin functions of expressions (exp, min, where, i32, ...) and all their meanings
-# are in mhadsl.front.builtin_functions; these two act on the device only.
-DEVICE_ONLY_FUNCTIONS = ("atomic_add", "barrier")
-
 COMPARISONS = ("==", "!=", "<", "<=", ">", ">=")
 INTEGER_ONLY_OPS = ("<<", ">>", "&", "|", "^", "%")
 
