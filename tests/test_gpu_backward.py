@@ -21,6 +21,11 @@ def kernel(file: str, name: str):
     return mhadsl.compile(REPO / "examples" / file)[name]
 
 
+def backward_builds(kern) -> list:
+    """The backward builds the kernel's calls loaded (`mhadsl.host.launcher.Loaded`)."""
+    return [loaded for loaded in kern.launcher.loaded.values() if loaded.layout.backward]
+
+
 def rand(*shape, dtype=torch.bfloat16):
     return torch.randn(*shape, device="cuda", dtype=dtype)
 
@@ -134,7 +139,6 @@ def test_ragged_calls_run_the_hopper_design(source, name, hq, hkv):
     sequence and after the last (finite), whose gradients stay zero."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper design runs on compute capability 9.0")
-    from mhadsl.host.backward import _state
     from mhadsl.codegen.backends.backward_sm90 import HopperBackwardConfig
     kern = kernel(source, name) if source.endswith(".mha") else \
         mhadsl.compile(source, name="<hopper-ragged>")[name]
@@ -150,17 +154,16 @@ def test_ragged_calls_run_the_hopper_design(source, name, hq, hkv):
     grads = assert_gradients(kern, args)
     for grad, lens in zip(grads, (lens_q, lens_k, lens_k)):
         assert not grad[:before].float().any() and not grad[before + sum(lens):].float().any()
-    for (_device, _group, is_ragged, _deterministic), (_fns, config, _module) in \
-            _state(kern).modules.items():
-        assert is_ragged and isinstance(config, HopperBackwardConfig) and config.ragged
+    for loaded in backward_builds(kern):
+        assert loaded.layout.ragged and isinstance(loaded.config, HopperBackwardConfig) \
+            and loaded.config.ragged
 
 
 def test_a_signature_is_planned_once():
-    from mhadsl.host.backward import _state
     kern = kernel("causal.mha", "causal_fwd")
     for _ in range(2):
         assert_gradients(kern, dense(kern, 1, 130, 130, 2, 2))
-    assert len(_state(kern).plans) == 1
+    assert sum(key[0] == "backward" for key in kern.launcher.plans) == 1
 
 
 def test_torch_op_backward():
@@ -218,7 +221,6 @@ def test_every_fallback_build_is_correct(variant, monkeypatch, tmp_path):
     forced, atomic and deterministic."""
     from dataclasses import replace
 
-    from mhadsl.host.backward import _state
     from mhadsl.codegen.backends import spill_free_build
     from mhadsl.codegen.backends.backward import BACKEND, build_backward_module
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))  # forced builds stay out of the cache
@@ -237,7 +239,7 @@ def test_every_fallback_build_is_correct(variant, monkeypatch, tmp_path):
         assert_gradients(kern, dense(kern, 2, 200, 200, hq, hkv), dense_deterministic)
         assert_gradients(kern, ragged(kern, [129, 0, 300], [129, 64, 300], hq, hkv),
                          not dense_deterministic)
-        configs = {config for _functions, config, _module in _state(kern).modules.values()}
+        configs = {loaded.config for loaded in backward_builds(kern)}
         assert len(configs) == 2 and all(replace(c, **variant) == c for c in configs)
 
 
@@ -258,7 +260,6 @@ def test_deterministic_mode_is_bitwise_repeatable_and_correct(file, name, hq, hk
 def test_deterministic_through_autograd_follows_torch():
     """`torch.use_deterministic_algorithms(True)` (and the operator's `deterministic=True`)
     run the deterministic kernels: bitwise repeatable gradients through `out.backward()`."""
-    from mhadsl.host.backward import _state
     kern = kernel("gqa.mha", "gqa_causal")
     op = kern.torch_op()
     args = dense(kern, 2, 513, 513, 8, 2)
@@ -278,7 +279,7 @@ def test_deterministic_through_autograd_follows_torch():
     finally:
         torch.use_deterministic_algorithms(previous)
     assert all(torch.equal(a, b) for a, b in zip(first, grads(deterministic=True)))
-    assert {key[-1] for key in _state(kern).modules} == {True}
+    assert {loaded.layout.deterministic for loaded in backward_builds(kern)} == {True}
     ref = mhadsl.reference_backward(kern, args["q"], args["k"], args["v"], dout)
     for name, got, want in zip(("dq", "dk", "dv"), first, ref):
         assert_close(name, got, want, dout)

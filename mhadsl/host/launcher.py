@@ -11,9 +11,9 @@ whose values are the call's sizes (`CallSizes.values`), the design's own
 index first, over the row offsets its design names (`Backend.tile_offsets`).
 
 The forward (`mhadsl.host.forward`), decode (`mhadsl.host.serving`) and backward
-(`mhadsl.host.backward`) calls check their arguments, plan through here once per call signature and keep the plans
-in `plans` (by validated signature) and `fast_plans` (by torch signature; a change of the
-kernel's forced design or tracing clears them).
+(`mhadsl.host.backward`) calls check their arguments, plan through here once per call
+signature and keep the plans in `plans` (by validated signature) and `fast_plans` (by torch
+signature; a change of the kernel's forced design or tracing clears them).
 """
 from __future__ import annotations
 
@@ -47,6 +47,9 @@ class Loaded:
 
 
 class Launcher:
+    """One kernel's loaded builds, host schedulers and launch plans (the module's
+    docstring)."""
+
     def __init__(self, kernel):
         self.kernel = kernel  # api.Kernel
         self.loaded: dict[tuple, Loaded] = {}  # by (layout, device, forced design, trace)
