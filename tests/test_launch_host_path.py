@@ -17,10 +17,10 @@ import mhadsl
 from mhadsl import abi
 from mhadsl.host import calls
 from mhadsl.build import RequestError, plan
-from mhadsl.codegen.backends import KernelBuild
+from mhadsl.codegen.backends import CacheLayout, KernelBuild
 from mhadsl.runtime import driver, faults, tensormap, tensors
 from helpers import fake_launcher
-from test_hostile_tensors import SOURCE, FakeDevice, dense, qkv_and_out_interleaved, ragged
+from test_hostile_tensors import D, SOURCE, FakeDevice, dense, qkv_and_out_interleaved, ragged
 
 
 WORKSPACE = 1 << 20  # the stand-in stream workspace's address
@@ -277,3 +277,69 @@ def test_without_torchs_raw_accessor_a_calls_stream_is_its_current_streams(monke
     torch = SimpleNamespace(_C=SimpleNamespace(), cuda=SimpleNamespace(
         current_stream=lambda device: SimpleNamespace(cuda_stream=0x5000 + device)))
     assert [calls.torch_stream(torch, d) for d in (2, 3)] == [0x5002, 0x5003]
+
+
+def _packed(kernel, names) -> dict:
+    """The values the last launch's parameter block holds for `names`."""
+    fmt = {"ptr": "<Q", "i64": "<q", "i32": "<i", "f32": "<f"}
+    return {n: struct.unpack_from(fmt[kernel.abi[n].kind], kernel.blocks[-1],
+                                  kernel.abi.offsets[n])[0] for n in names}
+
+
+DECODE_VALUES = ("q_stride_batch", "q_stride_row", "o_stride_batch", "k_stride_page",
+                 "page_table_stride", "lse_stride_batch", "lse_stride_head", "num_heads",
+                 "query_rows", "cache_capacity", "q_tiles", "num_splits", "kv_chunk",
+                 "work_tiles", "ctas_per_sm")
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged", "ragged"])
+def test_a_decode_launch_packs_the_call_through_the_launcher(kernel, monkeypatch, layout):
+    """A call against a KV cache, planned by the one launcher on the decode design: strides
+    from the tensors (a ragged q's batch stride 0), the cache's capacity and page-table
+    stride, the split the call asks for in whole KV tiles with its stream's workspace of the
+    design's sizes (counters zeroed), K/V heads as the scheduler's."""
+    allocated, zeroed = {}, []
+
+    class Buffer:
+        def __init__(self, nbytes, device=None):
+            self.nbytes, self.ptr = nbytes, (len(allocated) + 1) << 36
+            allocated[self.ptr] = nbytes
+    monkeypatch.setattr(driver, "DeviceBuffer", Buffer)
+    monkeypatch.setattr(driver, "memset_d32_async", lambda ptr, value, words, device=None:
+                        zeroed.append((ptr, value, words)))
+    monkeypatch.setattr(driver, "synchronize", lambda device=None: None)
+    batch, heads, kv_heads, capacity = 2, 4, 2, 256
+    lens = FakeDevice((batch,), "<i4")
+    if layout == "paged":
+        k, v = (FakeDevice((32, 16, kv_heads, D)) for _ in range(2))
+        extra = {"page_table": FakeDevice((batch, capacity // 16), "<i4")}
+    else:
+        k, v = (FakeDevice((batch, capacity, kv_heads, D)) for _ in range(2))
+        extra = {}
+    if layout == "ragged":
+        q = FakeDevice((5, heads, D))
+        extra.update(cu_seqlens_q=FakeDevice((batch + 1,), "<i4"), max_seqlen_q=3)
+    else:
+        q = FakeDevice((batch, 3, heads, D))
+    kernel(q, k, v, cache_seqlens=lens, out=FakeDevice(q.shape), num_splits=2,
+           return_lse=False, **extra)
+    got = _packed(kernel, DECODE_VALUES + ("partial_o", "partial_lse", "split_counters"))
+    config = kernel.config(gqa_group=2, cache=CacheLayout(
+        0 if layout == "ragged" else 3, 16 if layout == "paged" else 0, 64))
+    assert config.block_n == 64 and config.rows == (64 if layout == "ragged" else 16)
+    rows = 2 * batch * kv_heads * config.rows  # two splits of every group's rows
+    assert {allocated[got.pop(n)] for n in ("partial_o", "partial_lse")} == {
+        4 * rows * D, 4 * rows} and allocated[got["split_counters"]] == 4 * batch * kv_heads
+    assert zeroed == [(got.pop("split_counters"), 0, batch * kv_heads)]
+    assert got == {
+        "q_stride_batch": 0 if layout == "ragged" else 3 * heads * D,
+        "q_stride_row": heads * D,
+        "o_stride_batch": 0 if layout == "ragged" else 3 * heads * D,
+        "k_stride_page": k.strides[0],
+        "page_table_stride": capacity // 16 if layout == "paged" else 0,
+        "lse_stride_batch": 0 if layout == "ragged" else heads * 3,
+        "lse_stride_head": 5 if layout == "ragged" else 3,
+        "num_heads": kv_heads, "query_rows": 0 if layout == "ragged" else 3,
+        "cache_capacity": capacity, "q_tiles": 1, "num_splits": 2, "kv_chunk": 128,
+        "work_tiles": 2, "ctas_per_sm": 2,
+    }
