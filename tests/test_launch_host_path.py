@@ -308,10 +308,10 @@ def test_a_decode_launch_packs_the_call_through_the_launcher(kernel, monkeypatch
     monkeypatch.setattr(driver, "memset_d32_async", lambda ptr, value, words, device=None:
                         zeroed.append((ptr, value, words)))
     monkeypatch.setattr(driver, "synchronize", lambda device=None: None)
-    batch, heads, kv_heads, capacity = 2, 4, 2, 256
+    batch, heads, kv_heads, capacity = 2, 4, 2, 208  # 13 pages; halves of 104 rows
     lens = FakeDevice((batch,), "<i4")
     if layout == "paged":
-        k, v = (FakeDevice((32, 16, kv_heads, D)) for _ in range(2))
+        k, v = (FakeDevice((26, 16, kv_heads, D)) for _ in range(2))
         extra = {"page_table": FakeDevice((batch, capacity // 16), "<i4")}
     else:
         k, v = (FakeDevice((batch, capacity, kv_heads, D)) for _ in range(2))
@@ -340,6 +340,6 @@ def test_a_decode_launch_packs_the_call_through_the_launcher(kernel, monkeypatch
         "lse_stride_batch": 0 if layout == "ragged" else heads * 3,
         "lse_stride_head": 5 if layout == "ragged" else 3,
         "num_heads": kv_heads, "query_rows": 0 if layout == "ragged" else 3,
-        "cache_capacity": capacity, "q_tiles": 1, "num_splits": 2, "kv_chunk": 128,
+        "cache_capacity": capacity, "q_tiles": 1, "num_splits": 2, "kv_chunk": 128,  # (104 rounded to whole KV tiles)
         "work_tiles": 2, "ctas_per_sm": 2,
     }
