@@ -283,12 +283,13 @@ def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
     group = heads // kv_heads
     rows_per_seq = 0 if ragged else q.shape[1]
     device = q.device
-    num_sms = driver.device_info(device).multiprocessor_count
+    info = driver.device_info(device)
+    num_sms = info.multiprocessor_count
     q_rows = call.max_seqlen_q if ragged else rows_per_seq
     rows = packed_rows(rows_per_seq, group)
     groups = call.batch * kv_heads * max(1, -(-q_rows * group // rows))
     launcher = kernel.launcher
-    wgmma = select_target(driver.device_info(device).compute_capability).arch == "sm_90a"
+    wgmma = select_target(info.compute_capability).arch == "sm_90a"
     layout = Layout(group, False, want_lse, CacheLayout(
         rows_per_seq, call.page_size or 0,
         kv_tile(rows, groups, num_sms, call.page_size or 0, wgmma=wgmma)))
