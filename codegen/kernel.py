@@ -12,7 +12,9 @@ from dataclasses import replace
 
 from llvmlite import ir
 
+from mhadsl.abi import Param, operand_params
 from mhadsl.front import ast
+from mhadsl.front.attention_spec import operand_key
 from mhadsl.front.check import CheckedProgram
 from mhadsl.analysis.classify import emit_classify, emit_kv_limits, kv_limits
 from mhadsl.analysis.derivative import differentiate_score
@@ -35,21 +37,33 @@ class _NoBuiltins(Builtins):
     gpu = True
 
 
-def _rule_hook(program: CheckedProgram, rule, roles: tuple[str, ...], result_ty):
+def _operand_values(builder: ir.IRBuilder, operands: tuple[Param, ...]) -> dict:
+    """The operands' values in the kernel being emitted (its parameters), by name."""
+    args = {a.name: a for a in builder.function.args}
+    return {p.binding.name: args[p.name] for p in operands}
+
+
+def _rule_hook(program: CheckedProgram, rule, roles: tuple[str, ...], result_ty,
+               operands: tuple[Param, ...]):
     def emit(builder: ir.IRBuilder, *values: ir.Value) -> ir.Value:
         bindings = dict(zip(roles, values))
+        bindings.update({operand_key(name): value
+                         for name, value in _operand_values(builder, operands).items()})
         lower = FunctionLowering(builder, program, _NoBuiltins(), bindings, default_int=I32)
         slot = lower.lower_body(rule.body, result_ty)
         return lower.load_value(slot)
     return emit
 
 
-def expr_hooks(program: CheckedProgram, mask_rule, score_rule) -> ExprHooks:
-    mask = _rule_hook(program, mask_rule, MASK_ROLES, BOOL) if mask_rule else None
-    score = _rule_hook(program, score_rule, SCORE_ROLES, F32) if score_rule else None
+def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=()) -> ExprHooks:
+    """The hooks of a declaration's rules; `operands` its `AttentionOptions.operands`."""
+    params = operand_params(operands)
+    mask = _rule_hook(program, mask_rule, MASK_ROLES, BOOL, params) if mask_rule else None
+    score = _rule_hook(program, score_rule, SCORE_ROLES, F32, params) if score_rule else None
+
     def classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k):
         return emit_classify(builder, mask_rule, program, b, h, q_lo, q_hi, kv_lo, kv_hi,
-                             seqlen_q, seqlen_k)
+                             seqlen_q, seqlen_k, _operand_values(builder, params))
     limits = kv_limits(mask_rule, program)
 
     def row_limits(builder, b, h, q_idx, seqlen_q, seqlen_k):
@@ -58,7 +72,7 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule) -> ExprHooks:
     return ExprHooks(mask=mask, score=score,
                      classify=classify if mask_rule is not None else None,
                      mask_uses_head=mask_rule is not None and _reads(mask_rule, "h"),
-                     kv_limits=row_limits if limits is not None else None)
+                     kv_limits=row_limits if limits is not None else None, operands=params)
 
 
 def _reads(rule, name: str) -> bool:
@@ -72,15 +86,16 @@ def _reads(rule, name: str) -> bool:
     return False
 
 
-def backward_hooks(program: CheckedProgram, mask_rule, score_rule) -> ExprHooks:
+def backward_hooks(program: CheckedProgram, mask_rule, score_rule, operands=()) -> ExprHooks:
     """The forward's hooks plus the score rule's derivative d score / d s
     (`mhadsl.analysis.derivative`), lowered like the score; raises `MhaError` where the score rule
     cannot be differentiated."""
-    hooks = expr_hooks(program, mask_rule, score_rule)
+    hooks = expr_hooks(program, mask_rule, score_rule, operands)
     if score_rule is None:
         return hooks
     rule, derived = differentiate_score(score_rule, program)
-    return replace(hooks, derivative=_rule_hook(derived, rule, SCORE_ROLES, F32))
+    return replace(hooks, derivative=_rule_hook(derived, rule, SCORE_ROLES, F32,
+                                                hooks.operands))
 
 
 def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Target,
@@ -143,5 +158,6 @@ def kernel_source(program: CheckedProgram, options, target: Target,
     def work_loop(tile_m: int, gqa_group: int) -> WorkLoop:
         spec = SchedulerSpec(options.scheduler, options.scheduler_args, tile_m, gqa_group)
         return scheduler_work_loop(program, spec, target, trace)
-    hooks = (backward_hooks if derivative else expr_hooks)(program, options.mask, options.score)
+    hooks = (backward_hooks if derivative else expr_hooks)(program, options.mask, options.score,
+                                                           options.operands)
     return KernelSource(hooks, work_loop, trace)

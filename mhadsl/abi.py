@@ -13,7 +13,9 @@ Plain data, shared by the code generator and the runtime: it imports neither, no
 Bindings, by when the host knows the value:
 - per call signature (planned once, `runtime.launch`): `Stride`, `CallValue`;
 - per call: `Pointer` (a tensor's address), `Workspace` (the stream's), `TensorMap` (over a
-  tensor's address; its box is read from here by the kernel's copies and the host's map alike).
+  tensor's address; its box is read from here by the kernel's copies and the host's map alike),
+  `Scalar` (an operand's value: every kernel of a declaration with operands takes them after
+  its design's parameters, `with_operands`).
 
 The workspace every kernel's `queue` parameter points to (one per device and stream) is laid
 out here too, since the kernel writes it and the host reads it:
@@ -84,10 +86,17 @@ class TensorMap:
 
 
 @dataclass(frozen=True)
+class Scalar:
+    """The value of the declaration's operand `name` (an i32 or f32 its mask and score read)
+    in the call."""
+    name: str
+
+
+@dataclass(frozen=True)
 class Param:
     name: str
     kind: str  # "ptr" (a global address), "i64", "i32", "f32", "tensor_map" (128 B by value)
-    binding: Pointer | Stride | CallValue | Workspace | TensorMap
+    binding: Pointer | Stride | CallValue | Workspace | TensorMap | Scalar
     meaning: str
     align: int = 0  # a pointer's alignment in bytes, which the kernel may assume
 
@@ -111,6 +120,21 @@ class KernelABI:
 
     def __getitem__(self, name: str) -> Param:
         return next(p for p in self.params if p.name == name)
+
+
+OPERAND_PREFIX = "operand_"  # an operand's parameter name: apart from every design's
+
+
+def operand_params(operands) -> tuple[Param, ...]:
+    """The parameters of a declaration's operands (`AttentionOptions.operands`: each a name
+    and a type, "i32" or "f32"), in their order."""
+    return tuple(Param(OPERAND_PREFIX + o.name, o.type, Scalar(o.name),
+                       f"the operand '{o.name}' ({o.type})") for o in operands)
+
+
+def with_operands(abi: KernelABI, operands: tuple[Param, ...]) -> KernelABI:
+    """A design kernel's parameters followed by those of the declaration's operands."""
+    return KernelABI(*abi, *operands) if operands else abi
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from mhadsl import __version__
 from mhadsl.abi import TRACE_WORK_ITEM
-from mhadsl.front.attention_spec import resolve_attention
+from mhadsl.front.attention_spec import operand_values, resolve_attention
 from mhadsl.build import RequestError
 from mhadsl.front.semantics import GRID_LIMITS
 from mhadsl.codegen import backends
@@ -259,6 +259,26 @@ def _parse_params(texts: list[str]) -> tuple[tuple[str, object], ...]:
     return tuple(params.items())
 
 
+def _parse_operands(texts: list[str]) -> dict[str, int | float]:
+    """`--operand NAME=VALUE`s: an integer, else a number (checked against the kernel's
+    declaration where it is known)."""
+    operands: dict[str, int | float] = {}
+    for text in texts:
+        name, sep, value = text.partition("=")
+        if not sep or not name:
+            raise UsageError(f"--operand takes NAME=VALUE, got {text!r}")
+        if name in operands:
+            raise UsageError(f"--operand {name} is given twice")
+        if DECIMAL.fullmatch(value):
+            operands[name] = int(value)
+            continue
+        try:
+            operands[name] = float(value)
+        except ValueError:
+            raise UsageError(f"--operand {name} takes a number, got {value!r}") from None
+    return operands
+
+
 def _parse_param(text: str) -> tuple[str, object]:
     name, sep, value = text.partition("=")
     if not sep or not name:
@@ -332,7 +352,7 @@ def _work_space(args: argparse.Namespace, program):
     """The work space `simulate` runs the scheduler over, its cost model and GQA group."""
     cost, sequences, gqa = args.cost or "causal", args.sequences, args.gqa or 1
     if args.kernel:
-        cost = _kernel_costs(program, args.kernel, args.file)
+        cost = _kernel_costs(program, args.kernel, args.file, args.operands)
         sequences = Batch(args.lengths, args.heads, cost.block_m, ragged=sequences.ragged)
         gqa, declared = _kernel_gqa(program, args)
         print(f"cost model of kernel {args.kernel} ({cost.block_m}x{cost.block_n} tile), "
@@ -371,7 +391,15 @@ def _kernel_gqa(program, args: argparse.Namespace) -> tuple[int, str]:
     return gqa, f"declared {setting}"
 
 
-def _kernel_costs(program, kernel: str, path: str):
+def _operands(options, given: dict) -> dict:
+    """The values of a kernel's operands: `--operand`s, else their defaults."""
+    try:
+        return operand_values(options, given)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"--operand: {err}") from None
+
+
+def _kernel_costs(program, kernel: str, path: str, operands: dict):
     """The cost model of attention `kernel` as the preferred sm_90a design builds it: its
     declared mask and tile, with the constants calibrated for it (`mhadsl trace
     --calibrate`, on any GPU), else the defaults."""
@@ -387,7 +415,8 @@ def _kernel_costs(program, kernel: str, path: str):
     block_n = costs.block_n if source != "defaults" else config.block_n
     return costmodel.KernelCostModel(costs.for_block_n(block_n), program,
                                      resolved.options.mask, config.block_m, block_n, source,
-                                     resolved.backend.producer_ahead)
+                                     resolved.backend.producer_ahead,
+                                     _operands(resolved.options, operands))
 
 
 def _save_plot(draw, path: str, flag: str) -> None:
@@ -419,6 +448,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise UsageError(f"no scheduler '{args.scheduler}' in {args.file} (it has: "
                          f"{', '.join(program.schedulers) or 'none'})")
     gqa = _decode_gqa(program, args) if args.kv_splits is not None else None
+    operands = _operands(program[args.kernel].options, args.operands)
     try:
         require_gpu()
     except (NoGpuError, NoTorch) as err:
@@ -426,7 +456,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
                          f"predicts without)") from None
     if args.calibrate:
         costs, path, runs = trace.calibrate(program, args.kernel, backend=args.backend,
-                                            heads=args.heads)
+                                            heads=args.heads, operands=operands)
         print(f"calibrated {args.kernel} on {runs[0].gpu} ({runs[0].backend}) from "
               f"{sum(len(r.records['start']) for r in runs)} work items of {len(runs)} runs:")
         for c in costs:
@@ -436,11 +466,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.lengths is None:
         return 0
     if args.kv_splits is not None:
-        return _trace_decode(args, program, gqa)
+        return _trace_decode(args, program, gqa, operands)
     workload = trace.Workload(args.heads, args.batch, args.seqlen or 0,
                               tuple(args.lengths) if args.seqlens else None)
     run = trace.run_trace(program, args.kernel, workload, scheduler=args.scheduler,
-                          args=args.params, backend=args.backend)
+                          args=args.params, backend=args.backend, operands=operands)
     model = trace.cost_model(program, run)
     result = trace.predict(program, run, model)
     comparison = trace.compare(run, result)
@@ -464,7 +494,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0 if not problems and result.covered_exactly_once else 3
 
 
-def _trace_decode(args: argparse.Namespace, program, gqa: int) -> int:
+def _trace_decode(args: argparse.Namespace, program, gqa: int, operands: dict) -> int:
     """`mhadsl trace --kv-splits N`: a decode launch traced; its work space covered exactly
     once and every combine complete (`trace.check_combines`), next to the simulator's
     proof for the same work space and grid."""
@@ -472,7 +502,7 @@ def _trace_decode(args: argparse.Namespace, program, gqa: int) -> int:
     workload = trace.DecodeWorkload(args.heads, tuple(args.lengths), args.kv_splits, gqa,
                                     args.query_rows, args.page_size or 0)
     run = trace.run_decode_trace(program, args.kernel, workload, scheduler=args.scheduler,
-                                 args=args.params)
+                                 args=args.params, operands=operands)
     result = trace.predict(program, run, "uniform")
     work, combines = run.work, run.combines
     problems = _coverage_problems(run)
@@ -554,6 +584,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          f"{', '.join(program.attentions) or 'none'})")
     kernel = program[args.kernel]
     problem = _problem(args, kernel)
+    operands = _operands(kernel.options, args.operands)
     try:
         torch = require_gpu()
     except (NoGpuError, NoTorch) as err:
@@ -562,8 +593,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 0
         print(f"error: {err}", file=sys.stderr)
         return 2
-    error, finite = check(torch, kernel, problem)
-    row = measure(torch, kernel, problem)
+    error, finite = check(torch, kernel, problem, operands=operands)
+    row = measure(torch, kernel, problem, operands)
     ok = finite and error < 1e-2
     print(f"{kernel.name} on {problem.describe()}: relative error {error:.2e} "
           f"({'ok' if ok else 'FAILED'}), {row.ms:.3f} ms, {row.tflops:.1f} TFLOP/s")
@@ -620,6 +651,11 @@ def validate(args: argparse.Namespace) -> None:
         _check_output(args.output, "-o", inputs, folder=True)
     if args.command == "run" and args.kv_heads is not None and args.heads % args.kv_heads:
         raise UsageError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
+    if args.command in ("simulate", "run", "trace"):
+        args.operands = _parse_operands(args.operand)
+        if args.command == "simulate" and args.operands and not args.kernel:
+            raise UsageError("--operand gives a value to an operand of --kernel's "
+                             "declaration: give --kernel")
     if args.command in ("simulate", "run"):
         args.lengths = _seqlens(args)
         args.batch = len(args.lengths)
@@ -714,6 +750,13 @@ def _include_argument(p: argparse.ArgumentParser) -> None:
                         "file's folder; repeatable)")
 
 
+def _operand_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--operand", action="append", default=[], metavar="NAME=VALUE",
+                   help="the value of an operand of --kernel's declaration (an i32 or f32 its "
+                        "mask and score read; default: the declared one), e.g. "
+                        "--operand window=512")
+
+
 def _batch_arguments(p: argparse.ArgumentParser) -> None:
     """The batch a scheduler is simulated or a kernel traced on: dense or ragged."""
     p.add_argument("--batch", type=_int, help="sequences (with --seqlen; default 1)")
@@ -780,6 +823,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", action="store_true",
                    help="simulate the backward pass's main kernel: the K/V tiles of the "
                         "lengths (the keys') for --heads K/V heads")
+    _operand_argument(p)
     _include_argument(p)
     p.set_defaults(run=cmd_simulate)
 
@@ -794,6 +838,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=_int, help="key/value heads (GQA/MQA); default --heads")
     p.add_argument("--no-gpu-ok", action="store_true",
                    help="without a GPU, say so and exit 0 (else exit 2)")
+    _operand_argument(p)
     _include_argument(p)
     p.set_defaults(run=cmd_run)
 
@@ -824,6 +869,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=_int,
                    help=f"with --kv-splits: a paged cache with pages of this many positions "
                         f"({', '.join(map(str, PAGE_SIZES))}); default: a contiguous cache")
+    _operand_argument(p)
     _include_argument(p)
     p.set_defaults(run=cmd_trace)
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mhadsl.abi import KernelABI, Pointer, Stride, TensorMap, Workspace
+from mhadsl.abi import KernelABI, Pointer, Scalar, Stride, TensorMap, Workspace
 from mhadsl.runtime import driver, tensormap
 
 _FORMATS = {"ptr": "<Q", "i64": "<q", "i32": "<i", "f32": "<f"}
@@ -87,7 +87,8 @@ class LaunchPlan:
 
     `launch(addresses, stream)` takes device addresses by name (of the call's tensors, and
     of workspaces other than the stream's queue; absent ones are null) and a raw stream
-    handle; `workspace` replaces the stream's (a traced launch records into its own).
+    handle; `workspace` replaces the stream's (a traced launch records into its own);
+    `scalars`, the call's operand values by name (`Scalar` parameters).
     Ragged tensors (`ragged`) have batch stride 0 and are seen as (1, T, H, D) in tensor
     maps. With a `tile_index` (`runtime.tile_index.plan`) the launch builds its tile index
     first, on the device by a kernel of its own, over the row offsets `tile_offsets`."""
@@ -104,6 +105,7 @@ class LaunchPlan:
         self._pointers: list[tuple[str, int]] = []
         self._queue: int | None = None  # the word of the stream's workspace
         self._maps: list[tuple[str, int, str, tuple, tuple, tuple, int]] = []
+        self._scalars: list[tuple[str, str]] = []  # (operand, its parameter's name)
         for p in abi:
             b = p.binding
             if isinstance(b, Workspace) and b.name == "queue":
@@ -111,6 +113,8 @@ class LaunchPlan:
             elif isinstance(b, (Pointer, Workspace)):
                 self._pointers.append((b.tensor if isinstance(b, Pointer) else b.name,
                                        self.block.word(p.name)))
+            elif isinstance(b, Scalar):
+                self._scalars.append((b.name, p.name))
             elif isinstance(b, TensorMap):
                 shape, strides, box = map_request(b, tensors[b.tensor], config)
                 self._maps.append((b.tensor, abi.offsets[p.name], tensors[b.tensor].dtype,
@@ -123,7 +127,7 @@ class LaunchPlan:
         self._last: tuple | None = None  # the addresses the block's maps were made for
 
     def launch(self, addresses: Mapping[str, int], stream: int,
-               workspace: int | None = None) -> None:
+               workspace: int | None = None, scalars: Mapping | None = None) -> None:
         driver.ensure_context(self.device)
         if self._queue is not None and workspace is None:
             # (raises a fault that a launch recorded in the stream's workspace)
@@ -133,6 +137,8 @@ class LaunchPlan:
                 addresses[self._tile_offsets], stream)}
         with self._lock:
             self._patch(addresses)
+            for operand, param in self._scalars:
+                self.block.pack(param, scalars[operand])
             if self._queue is not None:
                 self.block.words[self._queue] = workspace
             self._launch(stream)

@@ -35,12 +35,15 @@ def _fake_map(layout) -> ctypes.Array:
 
 @pytest.fixture
 def kernel(monkeypatch):
-    """The kernel on a stand-in 9.0 device; `kernel.launches` counts launches,
+    yield from stand_in(monkeypatch, mhadsl.compile(SOURCE)["h64"])
+
+
+def stand_in(monkeypatch, kern):
+    """`kern` on a stand-in 9.0 device; `kernel.launches` counts launches,
     `kernel.calls` the builds (each chooses the design) and overlap checks the host ran,
     `kernel.targets` the targets of the builds it loaded, `kernel.encoded` the addresses of
-    the tensor maps it encoded. A build is the real build path's choice of design and config,
-    with no code generated."""
-    kern = mhadsl.compile(SOURCE)["h64"]
+    the tensor maps it encoded, `kernel.blocks` the parameter blocks launched. A build is the
+    real build path's choice of design and config, with no code generated."""
     kern.launches, kern.calls, kern.targets, kern.encoded, kern.blocks = 0, Counter(), [], [], []
 
     def counted(name, fn):
@@ -61,7 +64,8 @@ def kernel(monkeypatch):
         except RequestError as err:
             raise RuntimeError(f"kernel '{kern.name}': {err}") from None
         kern.targets.append(arch)
-        kern.abi = resolved.backend.abi
+        kern.abi = abi.with_operands(resolved.backend.abi,
+                                     abi.operand_params(kern.options.operands))
         return KernelBuild(resolved.backend.name, arch, "", "", None, resolved.configs[0])
 
     function = SimpleNamespace(max_active_blocks=lambda *a: 2, launcher=fake_launcher(launch),

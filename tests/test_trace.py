@@ -486,7 +486,7 @@ def test_decode_trace_report(damage, rc, line, monkeypatch, capsys, tmp_path):
     rows = damage(rows) if damage else rows
     records = _columns([dict(r, cta=k, sm=k % 4) for k, r in enumerate(rows)])
 
-    def run_decode_trace(program, kernel, workload, scheduler=None, args=()):
+    def run_decode_trace(program, kernel, workload, scheduler=None, args=(), operands=None):
         run = trace.DecodeTraceRun(kernel, "Queued", (), workload, "test GPU", "decode",
                                    "sm_90a", 1, 64, 4, 2, (8, 1, 1), records, len(rows),
                                    0.010, 0.011, 0.0, gqa_group=workload.gqa,

@@ -14,9 +14,9 @@ A backend is one kernel design. It says
 
 Adding a design: a new module in this package defining `BACKEND`, and its name in `REGISTRY`
 (in preference order: the first registered backend that builds for a target wins). What
-every design derives alike lives here: a work tile's rows, heads and KV tiles and the KV
-tiles its mask proves empty (`WorkTile`), a sequence's rows (`sequence_rows`), the choice
-of a spill-free build (`spill_free_build`).
+every design derives alike lives here (the choice of a spill-free build,
+`spill_free_build`) and in `blocks` (a work tile's rows and the declaration's mask, score and
+tile classification on it).
 
 Targets follow the device's compute capability (`select_target`): `sm_90a` code runs only
 on 9.0, so 9.0 gets sm_90a cubins; 8.x gets sm_80 cubins; any later GPU (10.x, 12.x, ...)
@@ -31,10 +31,12 @@ from typing import Callable
 
 from llvmlite import ir
 
-from mhadsl.abi import CallSizes, CallValue, KernelABI, Param, Pointer, Stride, Workspace
+from mhadsl.abi import (
+    CallSizes, CallValue, KernelABI, Param, Pointer, Stride, Workspace, with_operands,
+)
 from mhadsl.codegen import warp
 from mhadsl.codegen.assemble import Assembled, assemble, find_ptxas
-from mhadsl.codegen.nvptx import i1, i32, i64
+from mhadsl.codegen.nvptx import i32
 from mhadsl.codegen.target import Target, emit_ptx, optimize
 
 # module names here, preferred first
@@ -228,6 +230,9 @@ class ExprHooks:
         kept key or None) of the row, i32, where the mask keeps one run of keys per row
         (`mhadsl.analysis.classify.kv_limits`: causal, a sliding window); None = any other mask.
     All index arguments are i32 values: q_idx and kv_idx count from the start of the sequence.
+    operands: the parameters of the declaration's operands (`mhadsl.abi.operand_params`),
+        which every kernel of the build takes after its design's own (`kernel_abi`): the
+        hooks read them from the kernel's arguments.
     """
 
     mask: Callable | None = None
@@ -236,6 +241,12 @@ class ExprHooks:
     mask_uses_head: bool = False  # the mask reads `h` (its tile classes differ per head)
     derivative: Callable | None = None
     kv_limits: Callable | None = None
+    operands: tuple[Param, ...] = ()
+
+    def kernel_abi(self, abi: KernelABI) -> KernelABI:
+        """The parameters of a design's kernel that applies these hooks: its own, then the
+        operands'."""
+        return with_operands(abi, self.operands)
 
 
 @dataclass
@@ -386,158 +397,6 @@ def declaration_problems(options) -> list[Problem]:
     the (backend, target) pair that comes closest."""
     found = [b.problems(options, arch) for b in backends() for arch in b.targets]
     return [] if any(not p for p in found) else min(found, key=len)
-
-
-def sequence_rows(b: ir.IRBuilder, ragged: bool, cu_seqlens: ir.Value, dense_len: ir.Value,
-                  batch: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """(first row, length) of sequence `batch`: from the row offsets, or (0, dense_len)."""
-    if not ragged:
-        return i32(0), dense_len
-    start = b.load(b.gep(cu_seqlens, [batch], inbounds=True, source_etype=i32), typ=i32)
-    end = b.load(b.gep(cu_seqlens, [b.add(batch, i32(1))], inbounds=True, source_etype=i32),
-                 typ=i32)
-    return start, b.sub(end, start)
-
-
-def last_index(b: ir.IRBuilder, first: ir.Value, size: int, length: ir.Value) -> ir.Value:
-    """The last index of the tile [first, first + size) that lies below `length`."""
-    end = b.add(first, i32(size))
-    return b.sub(b.select(b.icmp_signed("<", end, length), end, length), i32(1))
-
-
-class WorkTile:
-    """What every design derives from the scheduler's SeqInfo (`TileSeq`) for one work tile:
-    its sequence (`bidx`), query head (`h`) and K/V head (`hk`), its query rows from `q0` to
-    `q_hi`, the sequence's first rows in Q (`q_start`) and K/V (`k_start`), its lengths and
-    its number of KV tiles; and which KV tiles the declaration's mask proves empty. `config`
-    is the design's build config (block_m, block_n, gqa_group, ragged)."""
-
-    def __init__(self, b: ir.IRBuilder, config, args: KernelArgs, hooks: ExprHooks,
-                 seq: TileSeq):
-        self.c, self.hooks = config, hooks
-        self.bidx, self.h, self.q0 = seq.prompt_idx, seq.head_idx, seq.prompt_offset
-        self.seqlen_q, self.q_start = seq.seq_len, seq.start_of_seq
-        self.hk = b.udiv(self.h, i32(config.gqa_group)) if config.gqa_group > 1 else self.h
-        self.k_start, self.seqlen_k = self._key_rows(b, args)
-        self.n_blocks = b.udiv(b.add(self.seqlen_k, i32(config.block_n - 1)),
-                               i32(config.block_n))
-        self.q_hi = last_index(b, self.q0, config.block_m, self.seqlen_q)
-
-    def _key_rows(self, b: ir.IRBuilder, args: KernelArgs) -> tuple[ir.Value, ir.Value]:
-        """(first row, length) of the sequence in K and V: from cu_seqlens_k, but the query
-        rows' (the SeqInfo's, which are cu_seqlens_q's) where the call passes the same
-        offsets for both, as self-attention does: no dependent global loads at every work
-        tile's start (it pays on the H200 together with the sm90 epilogue's uniform branch)."""
-        if not self.c.ragged:
-            return sequence_rows(b, False, args.cu_seqlens_k, args.seqlen_k, self.bidx)
-        same = b.icmp_unsigned("==", b.ptrtoint(args.cu_seqlens_k, i64),
-                               b.ptrtoint(args.cu_seqlens_q, i64))
-        return tuple(masked_unless(b, same, [self.q_start, self.seqlen_q], lambda bb: list(
-            sequence_rows(bb, True, args.cu_seqlens_k, args.seqlen_k, self.bidx))))
-
-    # Whether the design finds a work tile's KV range with the warp's lanes asking of 32
-    # tiles at once: a sliding window's query tile skips the tiles before its band, and a
-    # causal one those after the diagonal, in a round or two where one tile a round took a
-    # round per tile skipped (faster on sm90 for a sliding window). Off, the range is found
-    # one tile a round from 0, to `n_blocks` (sm80: the search's registers moved a build
-    # onto its fallback tile).
-    finds_range_together = False
-
-    def kv_range(self, b: ir.IRBuilder) -> tuple[ir.Value, ir.Value]:
-        """(the first KV tile that may hold a kept pair, one past the last; the first is the
-        end where none may): together, each asks of its end tile alone first (tile 0 under
-        a causal mask, the last of a sequence without a window's right edge), then
-        searches."""
-        if self.hooks.classify is None:
-            return i32(0), self.n_blocks
-        if not self.finds_range_together:
-            return self.next_nonempty(b, i32(0), self.n_blocks), self.n_blocks
-        may = self.may_keep
-        first = masked_unless(b, may(b, i32(0)), [i32(0)], lambda bb: [
-            warp.first_true(bb, i32(1), self.n_blocks, may)])[0]
-        return first, self.kept_end(b, first, self.n_blocks, may)
-
-    @staticmethod
-    def kept_end(b: ir.IRBuilder, first: ir.Value, end: ir.Value, may) -> ir.Value:
-        """One past the last KV tile n in [first, end) for which `may(b, n)` holds, `first`
-        where none does (`first` <= `end`): the warp's lanes ask of tile `end - 1` alone
-        first, then search down together."""
-        last = b.sub(end, i32(1))
-        return masked_unless(b, may(b, last), [end], lambda bb: [
-            warp.last_true(bb, first, last, may)])[0]
-
-    def may_keep(self, b: ir.IRBuilder, n: ir.Value) -> ir.Value:
-        """Whether KV tile n may hold a kept pair (`classify`'s first answer)."""
-        return self.classify(b, n)[0]
-
-    def classify(self, b: ir.IRBuilder, n: ir.Value,
-                 rows: tuple[ir.Value, ir.Value] | None = None) -> tuple[ir.Value, ir.Value]:
-        """(may hold a kept pair, every pair kept) for KV tile n, the sequence's tail
-        included (a tile past `seqlen_k` is never all kept), over the work tile's query rows
-        or those from `rows[0]` to `rows[1]` (a part of them: a warpgroup's own)."""
-        block_n = self.c.block_n
-        kv_lo = b.mul(n, i32(block_n))
-        in_bounds = self.in_bounds(b, n)
-        if self.hooks.classify is None:
-            always = in_bounds if self.hooks.mask is None else ir.Constant(i1, 0)
-            return ir.Constant(i1, 1), always
-        kv_hi = last_index(b, kv_lo, block_n, self.seqlen_k)
-        q_lo, q_hi = rows or (self.q0, self.q_hi)
-        may, always = self.hooks.classify(b, self.bidx, self.h, q_lo, q_hi, kv_lo, kv_hi,
-                                          self.seqlen_q, self.seqlen_k)
-        return may, b.and_(always, in_bounds)
-
-    def in_bounds(self, b: ir.IRBuilder, n: ir.Value) -> ir.Value:
-        """Whether KV tile n lies inside the K/V sequence (no key past `seqlen_k`)."""
-        kv_end = b.mul(b.add(n, i32(1)), i32(self.c.block_n))
-        return b.icmp_signed("<=", kv_end, self.seqlen_k)
-
-    def scale_log2(self, b: ir.IRBuilder, softmax_scale: ir.Value) -> ir.Value:
-        """What the softmax multiplies a score by for the log2 domain (ex2): the softmax
-        scale times log2(e) on raw scores; log2(e) alone after a score hook (whose input
-        was scaled, `scored`)."""
-        if self.hooks.score is None:
-            return b.fmul(softmax_scale, warp.fconst(warp.LOG2E))
-        return warp.fconst(warp.LOG2E)
-
-    def scored(self, b: ir.IRBuilder, scaled: ir.Value, q_idx: ir.Value,
-               kv_idx: ir.Value) -> ir.Value:
-        """The declaration's score hook on the scaled score (q.k * scale) of the pair
-        (q_idx, kv_idx)."""
-        return self.hooks.score(b, scaled, self.bidx, self.h, q_idx, kv_idx)
-
-    def masked(self, b: ir.IRBuilder, s: ir.Value, q_idx: ir.Value, kv_idx: ir.Value,
-               bounds: bool = True, mask: bool = True) -> ir.Value:
-        """`s` where the pair (q_idx, kv_idx) is kept (inside the K/V sequence and the mask;
-        either left out where the caller knows it holds), else -inf."""
-        keeps = [b.icmp_signed("<", kv_idx, self.seqlen_k)] if bounds else []
-        if mask and self.hooks.mask is not None:
-            keeps.append(self.hooks.mask(b, self.bidx, self.h, q_idx, kv_idx, self.seqlen_q,
-                                         self.seqlen_k))
-        if not keeps:
-            return s
-        keep = keeps[0] if len(keeps) == 1 else b.and_(*keeps)
-        return b.select(keep, s, warp.fconst(warp.NEG_INF))
-
-    def row_keys(self, b: ir.IRBuilder, q_idx: ir.Value,
-                 first_key: ir.Value) -> tuple[ir.Value | None, ir.Value]:
-        """The keys the row of `q_idx` keeps (`hooks.kv_limits`), as offsets [lo, hi] from
-        `first_key` (lo None: from key 0 on), the sequence's end folded into hi."""
-        lo, hi = self.hooks.kv_limits(b, self.bidx, self.h, q_idx, self.seqlen_q,
-                                      self.seqlen_k)
-        last = b.sub(self.seqlen_k, i32(1))
-        hi = last if hi is None else b.select(b.icmp_signed("<", hi, last), hi, last)
-        return (None if lo is None else b.sub(lo, first_key)), b.sub(hi, first_key)
-
-    def next_nonempty(self, b: ir.IRBuilder, start: ir.Value, end: ir.Value) -> ir.Value:
-        """The first KV tile index n in [start, end) that may hold a kept pair, else `end`
-        (the range's end, `kv_range`): how every design skips the KV tiles the mask proves
-        empty (never loaded, never computed). One candidate per round: inside the KV loop
-        the warp's search (`together`) measured slower on causal prefill (sm90) and moved
-        sm80 builds onto fallback tiles."""
-        if self.hooks.classify is None:
-            return start
-        return warp.first_true(b, start, end, self.may_keep, together=False)
 
 
 def ir_loop(b: ir.IRBuilder, start: ir.Value, end: ir.Value, carried: list[ir.Value], body):

@@ -51,10 +51,10 @@ from mhadsl.abi import CallSizes, CallValue, KernelABI, Param, Pointer, Stride, 
 from mhadsl.codegen import nvptx, signature, warp
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, KernelLaunch,
-    Layout, Problem, RowCopies, TileSeq, WorkLoop, common_problems, ir_loop, last_index,
-    sequence_rows, spill_free_build,
+    Layout, Problem, RowCopies, TileSeq, WorkLoop, common_problems, ir_loop, spill_free_build,
 )
-from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
+from mhadsl.codegen.backends.blocks import TileRules, TileSequence, sequence_rows
+from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.work_loop import count_exit
 from mhadsl.codegen.target import Target, new_module
 
@@ -570,15 +570,7 @@ class _TileKernel:
         head h (`tile_rows`); a K/V tile past seqlen_k is never all kept (query rows past
         the sequence get P = 0 from their LSE, see `_neg_lse`)."""
         q_rows, kv_rows = self.tile_rows
-        hooks = self.hooks
-        seqlen_q, seqlen_k = self.seqlen_q, self.seqlen_k
-        in_bounds = b.icmp_signed("<=", b.add(kv0, i32(kv_rows)), seqlen_k)
-        if hooks.classify is None:
-            return ir.Constant(i1, 1), in_bounds if hooks.mask is None else ir.Constant(i1, 0)
-        may, always = hooks.classify(b, self.bidx, h, q0, last_index(b, q0, q_rows, seqlen_q),
-                                     kv0, last_index(b, kv0, kv_rows, seqlen_k),
-                                     seqlen_q, seqlen_k)
-        return may, b.and_(always, in_bounds)
+        return TileRules(self.hooks, self).classify(b, (h,), q0, q_rows, kv0, kv_rows)
 
     @staticmethod
     def _neg_lse(b, lse, q_idx, seqlen_q):
@@ -602,15 +594,15 @@ class _TileKernel:
         P = [[[None] * 4 for _ in mt] for mt in S]
         G = [[[None] * 4 for _ in mt] for mt in S]
         log2_scale = b.fmul(a.softmax_scale, warp.fconst(warp.LOG2E))
-        bidx = self.bidx if hooks.score is not None else None
+        rules = TileRules(hooks, TileSequence(self.bidx if hooks.score is not None else None))
         for i, j, e in elements:
             s = S[i][j][e]
             if hooks.score is not None:
                 scaled = b.fmul(s, a.softmax_scale)
                 qi, ki = q_idx(i, j, e), kv_idx(i, j, e)
-                score = hooks.score(b, scaled, bidx, h, qi, ki)
+                score = rules.score(b, scaled, h, qi, ki)
                 p = warp.ex2(b, warp.fma(b, score, warp.fconst(warp.LOG2E), neg_lse(i, j, e)))
-                G[i][j][e] = b.fmul(p, hooks.derivative(b, scaled, bidx, h, qi, ki))
+                G[i][j][e] = b.fmul(p, rules.derivative(b, scaled, h, qi, ki))
             else:
                 p = warp.ex2(b, warp.fma(b, s, log2_scale, neg_lse(i, j, e)))
             P[i][j][e] = p
@@ -629,17 +621,13 @@ class _TileKernel:
         """Each of `tiles` ([m-tile][n-tile][4] f32) with the pairs outside the K/V sequence
         or the mask set to 0; pairs of tiles the classification proves full (`always`)
         skip the per-element code (a branch and phis)."""
-        hooks = self.hooks
         pre = b.block
         with b.if_then(b.not_(always)):
             kept = [[[list(t) for t in mt] for mt in tile] for tile in tiles]
-            bidx, seqlen_q, seqlen_k = self.bidx, self.seqlen_q, self.seqlen_k
+            rules = TileRules(self.hooks, TileSequence(self.bidx, self.seqlen_q, self.seqlen_k))
             for i, j, e in elements:
                 ki = kv_idx(i, j, e)
-                keep = b.icmp_signed("<", ki, seqlen_k)
-                if hooks.mask is not None:
-                    keep = b.and_(keep, hooks.mask(b, bidx, h, q_idx(i, j, e), ki, seqlen_q,
-                                                   seqlen_k))
+                keep = rules.keeps(b, h, lambda bb: q_idx(i, j, e), ki)
                 for out, tile in zip(kept, tiles):
                     out[i][j][e] = b.select(keep, tile[i][j][e], warp.fconst(0.0))
             then = b.block
@@ -1138,9 +1126,11 @@ class _DqKernel(_TileKernel):
 
 
 # ============================================================================ module
-def kernel_function(module: ir.Module, name: str, threads: int,
+def kernel_function(module: ir.Module, name: str, threads: int, hooks: ExprHooks,
                     abi: KernelABI = ABI) -> tuple[ir.Function, ir.IRBuilder]:
-    """Kernel `name` of a backward module, taking `abi`'s parameters."""
+    """Kernel `name` of a backward module, taking `abi`'s parameters and the operands'
+    (`ExprHooks.kernel_abi`)."""
+    abi = hooks.kernel_abi(abi)
     fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(abi)), name=name)
     nvptx.mark_kernel(fn)
     # NVVM's attributes are strings; one CTA per SM at least lets ptxas use 255 registers
@@ -1172,19 +1162,19 @@ def build_backward_module(config: BackwardConfig, hooks: ExprHooks | None, targe
     config.validate()
     module, smem, hooks = backward_module(f"mha_bwd_{config.dtype}_d{config.head_dim}", hooks,
                                           target)
-    fn, b = kernel_function(module, PREPROCESS, ROW_THREADS)
+    fn, b = kernel_function(module, PREPROCESS, ROW_THREADS, hooks)
     _emit_preprocess(b, config, KernelArgs(fn, ABI, config))
     b.ret_void()
-    fn, b = kernel_function(module, MAIN, config.threads)
+    fn, b = kernel_function(module, MAIN, config.threads, hooks)
     # (opaque_env: the scheduler's inputs rederived per step, not held across the tile)
     _MainKernel(config, hooks, KernelArgs(fn, ABI, config, opaque_env=config.opaque_env), smem,
                 target.arch).emit(b, work_loop)
     b.ret_void()
     if config.deterministic:
-        fn, b = kernel_function(module, DQ, config.threads)
+        fn, b = kernel_function(module, DQ, config.threads, hooks)
         _DqKernel(config, hooks, KernelArgs(fn, ABI, config), smem).emit(b)
     else:
-        fn, b = kernel_function(module, POSTPROCESS, ROW_THREADS)
+        fn, b = kernel_function(module, POSTPROCESS, ROW_THREADS, hooks)
         _emit_postprocess(b, config, KernelArgs(fn, ABI, config))
     b.ret_void()
     return module

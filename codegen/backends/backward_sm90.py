@@ -76,7 +76,7 @@ from mhadsl.abi import CallSizes, KernelABI, Param, TensorMap
 from mhadsl.codegen import hopper, nvptx, warp
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import (
-    SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource, KernelLaunch,
+    SHARED_MEMORY_LIMIT, ExprHooks, KernelArgs, KernelBuild, KernelSource, KernelLaunch,
     Layout, Problem, common_problems, ir_loop, rename_new_functions, spill_free_build,
 )
 from mhadsl.codegen.backends import backward as sm80
@@ -902,14 +902,14 @@ def build_module(config: HopperBackwardConfig, hooks: ExprHooks | None, target: 
     # (its shared memory is rounded up to 1024 bytes at run time)
     module, smem, hooks = sm80.backward_module(
         f"mha_bwd_sm90_{config.dtype}_d{config.head_dim}", hooks, target, SMEM_SYMBOL)
-    fn, b = sm80.kernel_function(module, PREPROCESS, ROW_THREADS, sm80.ABI)
+    fn, b = sm80.kernel_function(module, PREPROCESS, ROW_THREADS, hooks, sm80.ABI)
     _emit_preprocess(b, config, KernelArgs(fn, sm80.ABI, config), _Rows)
     b.ret_void()
-    fn, b = sm80.kernel_function(module, MAIN, config.threads, ABI)
+    fn, b = sm80.kernel_function(module, MAIN, config.threads, hooks, ABI)
     _HopperMain(config, hooks, KernelArgs(fn, ABI, config, opaque_env=config.opaque_env),
                 smem).emit(b, work_loop)
     b.ret_void()
-    fn, b = sm80.kernel_function(module, POSTPROCESS, ROW_THREADS, sm80.ABI)
+    fn, b = sm80.kernel_function(module, POSTPROCESS, ROW_THREADS, hooks, sm80.ABI)
     _emit_postprocess(b, config, KernelArgs(fn, sm80.ABI, config), _Rows)
     b.ret_void()
     return module

@@ -45,10 +45,10 @@ from mhadsl.abi import (
 from mhadsl.codegen import hopper, nvptx, signature, warp
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, CacheLayout, ExprHooks, KernelArgs, KernelBuild, KernelSource, KernelLaunch, Layout,
-    Problem, RowCopies, TileSeq, common_problems, ir_loop, last_index,
-    masked_unless, spill_free_build,
+    Problem, RowCopies, TileSeq, common_problems, ir_loop, masked_unless, spill_free_build,
 )
-from mhadsl.codegen.nvptx import GLOBAL, SHARED, f32, i1, i32, i64
+from mhadsl.codegen.backends.blocks import TileRules, last_index
+from mhadsl.codegen.nvptx import GLOBAL, SHARED, f32, i32, i64
 from mhadsl.codegen.trace_records import end_record, record_work_item
 from mhadsl.codegen.target import Target, new_module
 
@@ -271,6 +271,7 @@ class _DecodeTile:
     def __init__(self, c: DecodeConfig, hooks: ExprHooks, b: ir.IRBuilder, a: KernelArgs,
                  seq: TileSeq):
         self.c, self.hooks, self.a, self.seq = c, hooks, a, seq
+        self.rules = TileRules(hooks, self)
         G = c.gqa_group
         self.bidx, self.hk = seq.prompt_idx, seq.head_idx
         self.q_tile = b.udiv(seq.prompt_offset, a.num_splits)
@@ -310,21 +311,12 @@ class _DecodeTile:
     def classify(self, b: ir.IRBuilder, n: ir.Value) -> tuple[ir.Value, ir.Value]:
         """(may hold a kept pair, every pair kept) for KV tile n over the tile's rows; a mask
         that reads the head is classified for each head of the group."""
-        c = self.c
-        kv_lo = b.mul(n, i32(c.block_n))
-        inside = b.icmp_signed("<=", b.add(kv_lo, i32(c.block_n)), self.kv_end)
-        if self.hooks.classify is None:
-            always = inside if self.hooks.mask is None else ir.Constant(i1, 0)
-            return ir.Constant(i1, 1), always
-        kv_hi = last_index(b, kv_lo, c.block_n, self.kv_end)
-        heads = range(c.gqa_group) if self.hooks.mask_uses_head else (0,)
-        may, always = ir.Constant(i1, 0), inside
-        for g in heads:
-            h = b.add(b.mul(self.hk, i32(c.gqa_group)), i32(g))
-            m, a = self.hooks.classify(b, self.bidx, h, self.q_lo, self.q_hi, kv_lo, kv_hi,
-                                       self.seqlen_q, self.seqlen_k)
-            may, always = b.or_(may, m), b.and_(always, a)
-        return may, always
+        G = self.c.gqa_group
+        kv_lo = b.mul(n, i32(self.c.block_n))
+        heads = (b.add(b.mul(self.hk, i32(G)), i32(g))
+                 for g in (range(G) if self.hooks.mask_uses_head else (0,)))
+        return self.rules.classify(b, heads, self.q_lo, self.q_hi, kv_lo, self.c.block_n,
+                                   self.kv_end)
 
     def next_nonempty(self, b: ir.IRBuilder, start: ir.Value) -> ir.Value:
         """The first KV tile >= start of the split that may hold a kept pair, else n_end.
@@ -506,8 +498,7 @@ class _Emitter:
         S = c.stages
         DT = c.head_dim // 8
         zero, ninf = warp.fconst(0.0), warp.fconst(warp.NEG_INF)
-        sl2 = b.fmul(a.softmax_scale, warp.fconst(warp.LOG2E)) if self.hooks.score is None \
-            else warp.fconst(warp.LOG2E)
+        sl2 = t.rules.scale_log2(b, a.softmax_scale)
 
         nvptx.barrier_all(b)  # the previous tile is done with shared memory
         self._load_q(b, t)
@@ -618,23 +609,15 @@ class _Emitter:
             return b.add(kv_base, b.add(b.shl(self.t, i32(1)), i32(j * 8 + (e & 1))))
 
         if hooks.score is not None:
-            s = [[hooks.score(b, b.fmul(s[j][e], a.softmax_scale), t.bidx, heads[e >> 1],
-                              q_idx[e >> 1], kv_idx(j, e)) for e in range(4)]
+            s = [[t.rules.score(b, b.fmul(s[j][e], a.softmax_scale), heads[e >> 1],
+                                q_idx[e >> 1], kv_idx(j, e)) for e in range(4)]
                  for j in range(NT)]
 
         _, always = t.classify(b, n)
 
         def mask(bb):
-            kept = []
-            for j in range(NT):
-                for e in range(4):
-                    kv = kv_idx(j, e)
-                    keep = bb.icmp_signed("<", kv, t.kv_end)
-                    if hooks.mask is not None:
-                        keep = bb.and_(keep, hooks.mask(bb, t.bidx, heads[e >> 1], q_idx[e >> 1],
-                                                        kv, t.seqlen_q, t.seqlen_k))
-                    kept.append(bb.select(keep, s[j][e], warp.fconst(warp.NEG_INF)))
-            return kept
+            return [t.rules.masked(bb, s[j][e], heads[e >> 1], q_idx[e >> 1], kv_idx(j, e),
+                                   kv_end=t.kv_end) for j in range(NT) for e in range(4)]
         flat = masked_unless(b, always, [v for row in s for v in row], mask)
         s = [flat[4 * j:4 * j + 4] for j in range(NT)]
 
@@ -941,11 +924,12 @@ class _Emitter:
 def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
                         work_loop, traced: bool = False) -> ir.Module:
     module = new_module(f"mha_decode_{config.dtype}_d{config.head_dim}", target)
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(ABI)),
+    abi = hooks.kernel_abi(ABI)
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(abi)),
                      name=KERNEL_NAME)
     nvptx.mark_kernel(fn)
     set.add(fn.attributes, f'"nvvm.maxntid"="{config.threads}"')
-    signature.declare(ABI, fn)
+    signature.declare(abi, fn)
     smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
     smem.linkage = "external"
     smem.align = SMEM_ALIGN

@@ -33,9 +33,10 @@ from mhadsl.abi import KernelABI
 from mhadsl.codegen import nvptx, signature, warp
 from mhadsl.codegen.backends import (
     FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
-    KernelLaunch, Layout, Problem, RowCopies, TileSeq, WorkTile, common_problems,
-    masked_unless, sequence_rows, spill_free_build,
+    KernelLaunch, Layout, Problem, RowCopies, TileSeq, common_problems, masked_unless,
+    spill_free_build,
 )
+from mhadsl.codegen.backends.blocks import WorkTile, sequence_rows
 from mhadsl.codegen.nvptx import SHARED, f32, i1, i32, i64
 from mhadsl.codegen.work_loop import count_exit
 from mhadsl.codegen.target import Target, new_module
@@ -356,7 +357,7 @@ class _TileEmitter:
             load_kv(b, n_first, "k")
         warp.cp_async_commit(b)
 
-        sl2 = t.scale_log2(b, a.softmax_scale)
+        sl2 = t.rules.scale_log2(b, a.softmax_scale)
 
         # ---- KV loop (a real IR loop); loop-carried: n, O accumulators, row max m, row sum l
         fn = b.function
@@ -628,12 +629,13 @@ def build_attention_module(config: AttentionConfig, hooks: ExprHooks | None, tar
     config.validate()
     hooks = hooks or ExprHooks()
     module = new_module(f"mha_{config.dtype}_d{config.head_dim}", target)
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(ABI)),
+    abi = hooks.kernel_abi(ABI)
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(abi)),
                      name=kernel_name(config))
     nvptx.mark_kernel(fn)
     _add_fn_attr(fn, f'"nvvm.maxntid"="{config.threads}"')
     _add_fn_attr(fn, f'"nvvm.minctasm"="{min_ctas_per_sm(config)}"')
-    signature.declare(ABI, fn)
+    signature.declare(abi, fn)
     smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
     smem.linkage = "external"
     smem.align = 128

@@ -34,9 +34,10 @@ from mhadsl.abi import KernelABI, Param, TensorMap
 from mhadsl.codegen import hopper, nvptx, signature, warp
 from mhadsl.codegen.backends import (
     FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
-    KernelLaunch, Layout, Problem, WorkTile, common_problems, ir_loop, last_index,
-    masked_unless, rename_new_functions, spill_free_build,
+    KernelLaunch, Layout, Problem, common_problems, ir_loop, masked_unless,
+    rename_new_functions, spill_free_build,
 )
+from mhadsl.codegen.backends.blocks import WorkTile, last_index
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.handoff import Handoff, init_handoff
 from mhadsl.codegen.target import Target, new_module
@@ -583,7 +584,7 @@ class _Kernel:
         hopper.mbarrier_wait(b, mem.q_full(b), b.and_(tiles, i32(1)))
         bump_tiles(b)
 
-        sl2 = t.scale_log2(b, args.softmax_scale)
+        sl2 = t.rules.scale_log2(b, args.softmax_scale)
         q_frags = None
         if c.q_in_registers:  # Q's tile may take the next work tile's rows at once
             q_frags = self._q_fragments(b, group, thread)
@@ -770,12 +771,13 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
     role_threads = (hopper.WARPGROUP_THREADS, config.consumer_threads)  # producer, consumers
     producer_registers, consumer_registers = REGISTERS[config.consumer_groups]
     module = new_module(f"mha_sm90_{config.dtype}_d{config.head_dim}", target)
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(ABI)),
+    abi = hooks.kernel_abi(ABI)
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(abi)),
                      name=KERNEL_NAME)
     nvptx.mark_kernel(fn)
     _add_fn_attr(fn, f'"nvvm.maxntid"="{config.threads}"')
     _add_fn_attr(fn, '"nvvm.minctasm"="1"')  # a register cap at entry, as setmaxnreg needs
-    params = signature.declare(ABI, fn)
+    params = signature.declare(abi, fn)
     smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
     smem.linkage = "external"
     smem.align = 128  # rounded up to 1024 at run time (see _Layout.base)

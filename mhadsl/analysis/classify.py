@@ -30,6 +30,7 @@ from typing import Any
 from llvmlite import ir
 
 from mhadsl.front import ast
+from mhadsl.front.attention_spec import operand_key
 from mhadsl.front.builtin_functions import FUNCTIONS
 from mhadsl.front.semantics import I32_MAX, I32_MIN, INT_RANGES, U32_MAX, attention_type, wrap
 from mhadsl.front.check import CheckedProgram
@@ -315,7 +316,8 @@ class _Analysis:
             return _FLOAT
         if isinstance(e, ast.Name):
             sym = self.refs.get(e)
-            if sym is not None and sym.kind in ("rule_param", "local") and sym.node in env:
+            if sym is not None and sym.kind in ("rule_param", "operand", "local") \
+                    and sym.node in env:
                 return env[sym.node]
             return self.top(ty)
         if isinstance(e, ast.Unary):
@@ -464,6 +466,26 @@ def _inputs(b_lo, b_hi, h_lo, h_hi, q_lo, q_hi, kv_lo, kv_hi,
             "seqlen_q": _Int(seqlen_q, seqlen_q, I32), "seqlen_k": _Int(seqlen_k, seqlen_k, I32)}
 
 
+def integer_operands(rule: ast.Rule, program: CheckedProgram) -> tuple[str, ...]:
+    """The i32 operands of the declaration that `rule` reads, in order of first use: the
+    classification's inputs beyond the box (an f32 operand bounds nothing)."""
+    names: dict[str, None] = {}
+    todo = list(reversed(rule.body))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Name):
+            sym = program.refs.get(node)
+            if sym is not None and sym.kind == "operand" and sym.ty == I32:
+                names[sym.name] = None
+        todo.extend(reversed(list(ast.children(node))))
+    return tuple(names)
+
+
+def _operand_env(names: tuple[str, ...], bounds: list) -> dict:
+    """The environment entries of i32 operands `names`, each an interval (lo, hi)."""
+    return {operand_key(n): _Int(lo, hi, I32) for n, (lo, hi) in zip(names, bounds)}
+
+
 def _analyse(analysis: _Analysis, rule: ast.Rule, env: dict) -> _Bool:
     try:
         result = analysis.rule(rule, env)
@@ -477,18 +499,35 @@ _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _python_classifier(mask_rule: ast.Rule, program: CheckedProgram) -> Callable:
-    """The analysis staged as a Python function of `_INPUTS`; built once per rule."""
+    """The analysis staged as a Python function of `_INPUTS` and, after them, the
+    interval of each i32 operand the rule reads (`integer_operands`: lo and hi, by default
+    the full range); built once per rule."""
     fn = _compiled.get(mask_rule)
     if fn is None:
         ops = _PyOps()
         analysis = _Analysis(ops, program)
-        result = _analyse(analysis, mask_rule, _inputs(*_INPUTS))
-        source = (f"def classify({', '.join(_INPUTS)}):\n" + "\n".join(ops.lines)
+        names = integer_operands(mask_rule, program)
+        bounds = [(f"_o{i}_lo", f"_o{i}_hi") for i in range(len(names))]
+        env = {**_inputs(*_INPUTS), **_operand_env(names, bounds)}
+        result = _analyse(analysis, mask_rule, env)
+        params = [*_INPUTS, *(f"{lo}={I32_MIN}, {hi}={I32_MAX}" for lo, hi in bounds)]
+        source = (f"def classify({', '.join(params)}):\n" + "\n".join(ops.lines)
                   + f"\n    return bool({result.may}), bool({result.must})\n")
         namespace = {"_tdiv": _tdiv, "_trem": _trem}
         exec(compile(source, f"<mask classifier {mask_rule.span!r}>", "exec"), namespace)
         fn = _compiled[mask_rule] = namespace["classify"]
+        fn.operands = names
     return fn
+
+
+def operand_bounds(fn, operands: dict | None) -> list[int]:
+    """The classifier `fn`'s operand arguments for a call's `operands` (by name; one not
+    given is unknown: its full range)."""
+    out = []
+    for name in fn.operands:
+        value = (operands or {}).get(name)
+        out += [I32_MIN, I32_MAX] if value is None else [value, value]
+    return out
 
 
 _bands: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rule -> {block: band}
@@ -516,32 +555,37 @@ def _range(v: int | None) -> tuple[int, int]:
 
 def classify_bounds(mask_rule: ast.Rule, program: CheckedProgram, *, b: int | None,
                     h: int | None, q_lo: int, q_hi: int, kv_lo: int, kv_hi: int,
-                    seqlen_q: int, seqlen_k: int) -> tuple[bool, bool]:
-    """`(may_be_true, always_true)` of the mask over the box; `b`/`h` None means any value.
+                    seqlen_q: int, seqlen_k: int,
+                    operands: dict | None = None) -> tuple[bool, bool]:
+    """`(may_be_true, always_true)` of the mask over the box; `b`/`h` None means any value,
+    and so does an i32 operand missing from `operands` (by name).
 
     Ranges are inclusive and must be non-empty; all values are i32.
     """
     fn = _python_classifier(mask_rule, program)
-    return fn(*_range(b), *_range(h), q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k)
+    return fn(*_range(b), *_range(h), q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k,
+              *operand_bounds(fn, operands))
 
 
 def classify_tile(mask_rule: ast.Rule | None, program: CheckedProgram | None, *,
                   b: int | None, h: int | None, q_lo: int, q_hi: int, kv_lo: int, kv_hi: int,
-                  seqlen_q: int, seqlen_k: int) -> str:
+                  seqlen_q: int, seqlen_k: int, operands: dict | None = None) -> str:
     """"empty", "full" or "partial" for the box; no mask (None) is full."""
     if mask_rule is None:
         return "full"
     may, must = classify_bounds(mask_rule, program, b=b, h=h, q_lo=q_lo, q_hi=q_hi,
-                                kv_lo=kv_lo, kv_hi=kv_hi, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+                                kv_lo=kv_lo, kv_hi=kv_hi, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                operands=operands)
     return "full" if must else "partial" if may else "empty"
 
 
 def emit_classify(builder: ir.IRBuilder, mask_rule: ast.Rule, program: CheckedProgram,
                   b: ir.Value | None, h: ir.Value | None, q_lo: ir.Value, q_hi: ir.Value,
                   kv_lo: ir.Value, kv_hi: ir.Value, seqlen_q: ir.Value,
-                  seqlen_k: ir.Value) -> tuple[ir.Value, ir.Value]:
+                  seqlen_k: ir.Value, operands: dict | None = None) -> tuple[ir.Value, ir.Value]:
     """Emit the classification of one box at `builder`; i32 inputs, `(may_be_true,
-    always_true)` as i1. `b`/`h` None means any value."""
+    always_true)` as i1. `b`/`h` None means any value; `operands`: the i32 operands' values
+    by name (the kernel's parameters: the box is classified for the call's values)."""
     ops = _IrOps(builder)
 
     def wide(v: ir.Value) -> ir.Value:
@@ -553,14 +597,18 @@ def emit_classify(builder: ir.IRBuilder, mask_rule: ast.Rule, program: CheckedPr
     analysis = _Analysis(ops, program)
     env = _inputs(*interval(b), *interval(h), wide(q_lo), wide(q_hi), wide(kv_lo),
                   wide(kv_hi), wide(seqlen_q), wide(seqlen_k))
+    names = integer_operands(mask_rule, program)
+    env.update(_operand_env(names, [interval(operands[n]) for n in names]))
     result = _analyse(analysis, mask_rule, env)
     return result.may, result.must
 
 
 def count_visited_kv_tiles(mask_rule: ast.Rule | None, program: CheckedProgram | None, *,
                            q_tile: int, block_m: int, block_n: int, seqlen_q: int,
-                           seqlen_k: int, b: int = 0, h: int = 0) -> int:
-    """How many KV tiles a query tile must visit (the non-empty ones): the default cost."""
+                           seqlen_k: int, b: int = 0, h: int = 0,
+                           operands: dict | None = None) -> int:
+    """How many KV tiles a query tile must visit (the non-empty ones): the default cost;
+    an i32 operand missing from `operands` is unknown."""
     q_lo = q_tile * block_m
     q_hi = min(q_lo + block_m, seqlen_q) - 1
     if q_lo > q_hi or seqlen_k <= 0:
@@ -569,11 +617,12 @@ def count_visited_kv_tiles(mask_rule: ast.Rule | None, program: CheckedProgram |
     if mask_rule is None:
         return num_tiles
     fn = _python_classifier(mask_rule, program)
+    extra = operand_bounds(fn, operands)
     count = 0
     for j in range(num_tiles):
         kv_lo = j * block_n
         may, _ = fn(b, b, h, h, q_lo, q_hi, kv_lo, min(kv_lo + block_n, seqlen_k) - 1,
-                    seqlen_q, seqlen_k)
+                    seqlen_q, seqlen_k, *extra)
         count += may
     return count
 

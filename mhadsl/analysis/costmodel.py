@@ -22,14 +22,14 @@ import dataclasses
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from mhadsl.front import ast
 from mhadsl.front.check import CheckedProgram
-from mhadsl.analysis.classify import _python_classifier
+from mhadsl.analysis.classify import operand_bounds, _python_classifier
 from mhadsl.runtime import cache
 from mhadsl.front.sources import read_regular_file
 
@@ -70,7 +70,9 @@ class KernelCostModel:
     `block_m`/`block_n` are the kernel's tile (BM, BN); `source` says where the constants
     came from (a calibration file, or "defaults"); `producer_ahead`: the kernel design's
     producer takes each work index a tile ahead (`Backend.producer_ahead`), so where the
-    scheduler's roles run apart a queue atomic costs the consumers nothing."""
+    scheduler's roles run apart a queue atomic costs the consumers nothing; `operands`: the
+    values of the declaration's operands the mask reads (one not given is unknown, and
+    classifies no tile)."""
 
     costs: Costs
     program: CheckedProgram | None
@@ -79,13 +81,14 @@ class KernelCostModel:
     block_n: int
     source: str = "defaults"
     producer_ahead: bool = False
+    operands: dict = field(default_factory=dict)
 
     def classes(self, seqlens: list[int], offset: np.ndarray, head: np.ndarray,
                 b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(full, partial) KV tiles of each tile (offset, head, b), as the kernel counts
         them (query and key lengths equal: self-attention)."""
         return tile_classes(self.program, self.mask, seqlens, offset, head, b, self.block_m,
-                            self.block_n)
+                            self.block_n, self.operands)
 
     def item_costs(self, seqlens: list[int], offset: np.ndarray, head: np.ndarray,
                    b: np.ndarray) -> np.ndarray:
@@ -106,7 +109,7 @@ def _names_used(rule: ast.Rule) -> set[str]:
 
 def tile_classes(program: CheckedProgram | None, mask: ast.Rule | None, seqlens: list[int],
                  offset: np.ndarray, head: np.ndarray, b: np.ndarray, block_m: int,
-                 block_n: int) -> tuple[np.ndarray, np.ndarray]:
+                 block_n: int, operands: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Full and partial KV-tile counts of each query tile, from the kernel's own static
     classification of the declared mask: a KV tile is skipped when the mask may keep no
     pair of it, full when it keeps every pair and lies inside the sequence, else partial.
@@ -121,6 +124,7 @@ def tile_classes(program: CheckedProgram | None, mask: ast.Rule | None, seqlens:
         partial[:] = (lens % block_n) > 0
         return full, partial
     classify = _python_classifier(mask, program)
+    extra = operand_bounds(classify, operands)
     params = [p.name for p in mask.params]
     used = _names_used(mask)
     reads_b, reads_h = params[0] in used, params[1] in used
@@ -132,13 +136,13 @@ def tile_classes(program: CheckedProgram | None, mask: ast.Rule | None, seqlens:
         counts = memo.get(key)
         if counts is None:
             counts = memo[key] = _classify_row(classify, key[2], key[3], n, q_lo, block_m,
-                                               block_n)
+                                               block_n, extra)
         full[k], partial[k] = counts
     return full, partial
 
 
 def _classify_row(classify, b: int | None, h: int | None, n: int, q_lo: int, block_m: int,
-                  block_n: int) -> tuple[int, int]:
+                  block_n: int, extra: list[int]) -> tuple[int, int]:
     q_hi = min(q_lo + block_m, n) - 1
     if q_hi < q_lo:
         return 0, 0
@@ -149,7 +153,7 @@ def _classify_row(classify, b: int | None, h: int | None, n: int, q_lo: int, blo
     for kv_lo in range(0, n, block_n):
         kv_end = kv_lo + block_n
         may, must = classify(b_lo, b_hi, h_lo, h_hi, q_lo, q_hi, kv_lo, min(kv_end, n) - 1,
-                             n, n)
+                             n, n, *extra)
         if may:
             if must and kv_end <= n:
                 full += 1

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mhadsl.front import ast
+from mhadsl.front.attention_spec import operand_key, operand_values
 from mhadsl.front.builtin_functions import FUNCTIONS
 from mhadsl.front.semantics import attention_type, convert, int_binary, wrap
 from mhadsl.host.calls import (
@@ -124,10 +125,11 @@ class _Evaluator:
 
     def name(self, e: ast.Name, env: dict, ty: Ty):
         sym = self.refs[e]
-        if sym.kind not in ("rule_param", "fn_param", "local"):
+        if sym.kind not in ("rule_param", "operand", "fn_param", "local"):
             raise NotImplementedError(f"'{e.id}' has no meaning in attention code")
         if sym.node not in env:
-            raise ValueError(f"the rule needs a value for '{sym.node}'")
+            what = f"operand '{sym.name}'" if sym.kind == "operand" else f"'{sym.node}'"
+            raise ValueError(f"the rule needs a value for {what}")
         value, src = env[sym.node]
         return convert(value, src, ty)
 
@@ -190,11 +192,13 @@ def rule_roles(rule: ast.Rule, program: CheckedProgram) -> set[str]:
     return used
 
 
-def evaluate_rule(rule: ast.Rule, program: CheckedProgram, **inputs) -> np.ndarray:
+def evaluate_rule(rule: ast.Rule, program: CheckedProgram, operands: dict | None = None,
+                  **inputs) -> np.ndarray:
     """Evaluate a mask (bool) or score (float64) rule elementwise.
 
     `inputs` are the roles the rule reads — `s`, `b`, `h`, `q_idx`, `kv_idx`, `seqlen_q`,
     `seqlen_k` — as scalars or arrays; they broadcast together and so does the result.
+    `operands`: the declaration's operands by name (an int is an i32, a float an f32).
     """
     unknown = set(inputs) - set(_ROLE_TYPES)
     if unknown:
@@ -204,6 +208,9 @@ def evaluate_rule(rule: ast.Rule, program: CheckedProgram, **inputs) -> np.ndarr
         ty = _ROLE_TYPES[role]
         env[role] = (np.asarray(value, np.float64) if ty == F32 else
                      wrap(np.asarray(value).astype(np.int64), ty), ty)
+    for name, value in (operands or {}).items():
+        env[operand_key(name)] = (np.int64(value), I32) if isinstance(value, int) else \
+            (np.float64(value), F32)
     shape = np.broadcast_shapes(*(np.shape(v) for v, _ in env.values()))
     ret = BOOL if rule.name == "mask" else F32
     with np.errstate(all="ignore"):  # wrapping products, 0/0 in floats: the values are defined
@@ -221,17 +228,19 @@ def evaluate_score_derivative(rule: ast.Rule, program: CheckedProgram, **inputs)
 def attention_reference(q, k, v, *, mask_rule: ast.Rule | None = None,
                         score_rule: ast.Rule | None = None,
                         program: CheckedProgram | None = None, scale: float | None = None,
-                        cu_seqlens_q=None, cu_seqlens_k=None, return_lse: bool = False):
+                        cu_seqlens_q=None, cu_seqlens_k=None, return_lse: bool = False,
+                        operands: dict | None = None):
     """Softmax attention in float64, FlashAttention layout.
 
     Dense: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D[v]). Ragged: q (total_q, Hq, D), k and v
     (total_k, Hkv, D[v]) with `cu_seqlens_q`/`cu_seqlens_k` row offsets (B + 1 each). Query head
     h reads KV head h // (Hq // Hkv). Scores are `scale * q.k` (default 1/sqrt(D)), then the
-    score rule, then the mask. Returns O in q's layout (last dim Dv), and with `return_lse` the
-    log-sum-exp, (B, Hq, Sq) dense or (Hq, total_q) ragged; a row with no key is 0 / -inf.
+    score rule, then the mask; the rules read `operands` (by name). Returns O in q's layout
+    (last dim Dv), and with `return_lse` the log-sum-exp, (B, Hq, Sq) dense or (Hq, total_q)
+    ragged; a row with no key is 0 / -inf.
     """
     problem = _Problem(q, k, v, mask_rule, score_rule, program, scale, cu_seqlens_q,
-                       cu_seqlens_k)
+                       cu_seqlens_k, operands)
     out = np.zeros(problem.q.shape[:-1] + problem.v.shape[-1:])
     lse = np.full(problem.q.shape[:-1], -np.inf)  # in q's layout; moved to (..., Hq, rows) below
     for head in problem.heads():
@@ -244,7 +253,7 @@ def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = 
                                  score_rule: ast.Rule | None = None,
                                  program: CheckedProgram | None = None,
                                  scale: float | None = None, cu_seqlens_q=None,
-                                 cu_seqlens_k=None):
+                                 cu_seqlens_k=None, operands: dict | None = None):
     """The gradients (dq, dk, dv) of `attention_reference` for the output gradient `dout`,
     in float64 and the layouts of q, k and v (same arguments; `dout` in the output's layout).
 
@@ -255,7 +264,7 @@ def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = 
     and sequences with no key get zero gradients.
     """
     problem = _Problem(q, k, v, mask_rule, score_rule, program, scale, cu_seqlens_q,
-                       cu_seqlens_k)
+                       cu_seqlens_k, operands)
     q, k, v = problem.q, problem.k, problem.v
     dout = np.asarray(dout, dtype=np.float64)
     if dout.shape != q.shape[:-1] + v.shape[-1:]:
@@ -274,7 +283,8 @@ def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = 
         if derivative is None:
             ds = dz
         else:  # where P is 0 (masked keys) so is dS, even where score' is not finite
-            score_slope = evaluate_rule(*derivative, s=head.s, **head.rule_inputs)
+            score_slope = evaluate_rule(*derivative, problem.operands, s=head.s,
+                                        **head.rule_inputs)
             ds = dz * np.where(p > 0, score_slope, 0.0)
         dq[head.q_rows][:, head.h] = problem.scale * ds @ k_head
         dk[head.k_rows][:, head.kh] += problem.scale * ds.T @ q_head
@@ -298,7 +308,7 @@ class _Problem:
     the forward and backward references share."""
 
     def __init__(self, q, k, v, mask_rule, score_rule, program, scale, cu_seqlens_q,
-                 cu_seqlens_k):
+                 cu_seqlens_k, operands=None):
         if (mask_rule is not None or score_rule is not None) and program is None:
             raise ValueError("mask and score rules need the checked program they come from")
         if (cu_seqlens_q is None) != (cu_seqlens_k is None):
@@ -329,6 +339,7 @@ class _Problem:
         self.group = hq // hkv
         self.scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
         self.mask_rule, self.score_rule, self.program = mask_rule, score_rule, program
+        self.operands = operands or {}
 
     def heads(self):
         """Yields a `_Head` per sequence and query head, one (Sq, Sk) matrix at a time (a
@@ -344,11 +355,11 @@ class _Problem:
             for h in range(qb.shape[1]):
                 kh = h // self.group
                 s = self.scale * (qb[:, h] @ kb[:, kh].T)
-                z = s if score_rule is None else evaluate_rule(score_rule, program, s=s, h=h,
-                                                               **idx)
+                z = s if score_rule is None else evaluate_rule(score_rule, program,
+                                                               self.operands, s=s, h=h, **idx)
                 if mask_rule is not None:
                     if keep is None or mask_per_head:  # most masks ignore h: evaluate them once
-                        keep = evaluate_rule(mask_rule, program, h=h, **idx)
+                        keep = evaluate_rule(mask_rule, program, self.operands, h=h, **idx)
                     z = np.where(keep, z, -np.inf)
                 p, lse = _softmax_rows(z)
                 yield _Head(q_rows, k_rows, h, kh, s, p, lse, {**idx, "h": h})
@@ -422,49 +433,51 @@ DECODE_ARGUMENTS = ("cache_seqlens", "page_table", "num_splits")
 
 def reference(kernel, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
               max_seqlen_k=None, scale: float | None = None, out=None,
-              return_lse: bool | None = None, stream=None, **decode_arguments):
+              return_lse: bool | None = None, stream=None, **operands):
     """What `kernel(q, k, v, ...)` computes, in NumPy float64: the call's arguments, checked
-    as the call checks them (`mhadsl.host.calls.check_attention_call`). `out` and `stream` are
-    taken so that a call's arguments pass as they are, and not used: the result is a new
-    array. A call against a KV cache has its own reference, `reference_decode`."""
-    if decode_arguments:
-        given = [n for n in decode_arguments if n in DECODE_ARGUMENTS]
-        if given:
-            raise TypeError(f"mhadsl.reference() got {', '.join(given)}: the reference of a "
-                            f"call against a KV cache is mhadsl.reference_decode()")
-        raise TypeError(f"mhadsl.reference() got an unexpected keyword argument "
-                        f"{next(iter(decode_arguments))!r}")
+    as the call checks them (`mhadsl.host.calls.check_attention_call`), the declaration's
+    operands by name. `out` and `stream` are taken so that a call's arguments pass as they
+    are, and not used: the result is a new array. A call against a KV cache has its own
+    reference, `reference_decode`."""
+    given = [n for n in operands if n in DECODE_ARGUMENTS]
+    if given:
+        raise TypeError(f"mhadsl.reference() got {', '.join(given)}: the reference of a "
+                        f"call against a KV cache is mhadsl.reference_decode()")
+    _check_kernel(kernel, "reference")
+    values = operand_values(kernel.options, operands)
     check_flag(return_lse, "return_lse")
     call = _checked_call(kernel, "reference", q, k, v, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, scale)
     want_lse = kernel.options.return_lse if return_lse is None else bool(return_lse)
     return attention_reference(*map(_to_numpy, (q, k, v)), return_lse=want_lse,
                                **_kernel_rules(kernel, call.scale, call.cu_seqlens_q,
-                                               call.cu_seqlens_k))
+                                               call.cu_seqlens_k, values))
 
 
 def reference_backward(kernel, q, k, v, dout, *, cu_seqlens_q=None, cu_seqlens_k=None,
                        max_seqlen_q=None, max_seqlen_k=None, scale: float | None = None,
-                       deterministic: bool | None = None):
+                       deterministic: bool | None = None, **operands):
     """The gradients (dq, dk, dv) of what `kernel(q, k, v, ...)` computes, for the output
     gradient `dout`, in NumPy float64 and the layouts of q, k, v
     (`attention_reference_backward`). The arguments are `Kernel.backward`'s, checked as it
     checks them, but the forward's `out` and `lse` (the reference recomputes them);
     `deterministic` is taken and not used (the reference is one computation)."""
     check_flag(deterministic, "deterministic")
+    _check_kernel(kernel, "reference_backward")
+    values = operand_values(kernel.options, operands)
     call = _checked_call(kernel, "reference_backward", q, k, v, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, scale)
     _float_tensor(dout, "dout")
     check_shape(dout, "dout", q.shape)
     return attention_reference_backward(
         *map(_to_numpy, (q, k, v, dout)),
-        **_kernel_rules(kernel, call.scale, call.cu_seqlens_q, call.cu_seqlens_k))
+        **_kernel_rules(kernel, call.scale, call.cu_seqlens_q, call.cu_seqlens_k, values))
 
 
 def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None,
                      cu_seqlens_q=None, max_seqlen_q=None, scale: float | None = None,
                      out=None, return_lse: bool | None = None, stream=None,
-                     num_splits: int | None = None):
+                     num_splits: int | None = None, **operands):
     """What the decode call `kernel(q, k_cache, v_cache, cache_seqlens=..., ...)` computes, in
     NumPy float64: attention of the query rows over their sequence's cached keys.
 
@@ -483,6 +496,7 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
     the call's, taken so that its arguments pass as they are, and not used.
     """
     _check_kernel(kernel, "reference_decode")
+    values = operand_values(kernel.options, operands)
     check_flag(return_lse, "return_lse")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _float_tensor(t, name)
@@ -506,7 +520,8 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
         where = (pages[sequence, position // call.page_size], position % call.page_size)
     out, lse = attention_reference(q.reshape(-1, *q.shape[-2:]), k_cache[where], v_cache[where],
                                    return_lse=True,
-                                   **_kernel_rules(kernel, call.scale, call.cu_seqlens_q, cu_k))
+                                   **_kernel_rules(kernel, call.scale, call.cu_seqlens_q, cu_k,
+                                                   values))
     if cu_seqlens_q is None:  # back to the dense layouts
         out = out.reshape(q.shape)
         lse = np.moveaxis(lse.reshape(-1, *q.shape[:2]), 0, 1)
@@ -514,9 +529,10 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
     return (out, lse) if want_lse else out
 
 
-def _kernel_rules(kernel, scale: float, cu_seqlens_q, cu_seqlens_k) -> dict:
-    """The reference's keyword arguments for a kernel's checked call: its rules, scale and
-    offsets (host arrays)."""
+def _kernel_rules(kernel, scale: float, cu_seqlens_q, cu_seqlens_k, operands: dict) -> dict:
+    """The reference's keyword arguments for a kernel's checked call: its rules, scale,
+    offsets (host arrays) and operand values."""
     opts = kernel.options
     return dict(mask_rule=opts.mask, score_rule=opts.score, program=kernel.program.checked,
-                scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                operands=operands)

@@ -22,6 +22,7 @@ import numpy as np
 from mhadsl import abi
 
 from mhadsl.analysis import costmodel
+from mhadsl.front.attention_spec import operand_values
 from mhadsl.host.api import Kernel, Program
 from mhadsl.codegen import backends
 from mhadsl.codegen.scheduler import SchedulerSpec
@@ -171,6 +172,7 @@ class TraceRun:
     repeated: list = field(default_factory=list)
     invalid: list = field(default_factory=list)
     gqa_group: int = 1  # the scheduler's `gqa_group` (a decode launch's query heads per K/V head)
+    operands: dict = field(default_factory=dict)  # the values of the kernel's operands
 
     @property
     def overhead(self) -> float:
@@ -204,10 +206,12 @@ def scheduler_kernel(program: Program, kernel: str, scheduler: str | None = None
 
 
 def run_trace(program: Program, kernel: str, workload: Workload, *, scheduler: str | None = None,
-              args: tuple = (), backend: str | None = None, reps: int = 20) -> TraceRun:
-    """Trace one launch of `kernel` on random inputs of `workload` (needs a GPU and torch):
-    the untraced and traced kernel times (medians of `reps`), then the records of one more
-    traced launch, checked for coverage."""
+              args: tuple = (), backend: str | None = None, reps: int = 20,
+              operands: dict | None = None) -> TraceRun:
+    """Trace one launch of `kernel` on random inputs of `workload` (needs a GPU and torch)
+    and its operands' values `operands` (else their defaults): the untraced and traced kernel
+    times (medians of `reps`), then the records of one more traced launch, checked for
+    coverage."""
     import torch
 
     from mhadsl.host.bench import Problem, allowed_pairs, make_inputs
@@ -218,7 +222,8 @@ def run_trace(program: Program, kernel: str, workload: Workload, *, scheduler: s
     w = workload
     problem = Problem(w.batch, w.seqlen, w.seqlen, w.heads, w.heads, plain.options.head_dim,
                       w.seqlens)
-    inputs = make_inputs(torch, plain, problem)
+    inputs = make_inputs(torch, plain, problem, operands=operands)
+    values = {o.name: inputs[o.name] for o in plain.options.operands}
     info = driver.device_info()
     tiles_bound = sum(-(-n // 16) for n in w.lengths) * w.heads  # any tile height >= 16
     records, written, ms_untraced, ms_traced = _record(torch, plain, traced, inputs,
@@ -232,7 +237,8 @@ def run_trace(program: Program, kernel: str, workload: Workload, *, scheduler: s
                    loaded.build.arch, config.block_m, config.block_n,
                    info.multiprocessor_count, ctas_per_sm, grid, records, written,
                    ms_untraced, ms_traced,
-                   4.0 * allowed_pairs(plain, problem) * w.heads * plain.options.head_dim)
+                   4.0 * allowed_pairs(plain, problem, values) * w.heads
+                   * plain.options.head_dim, operands=values)
     run.missing, run.repeated, run.invalid = coverage(records, run.batch)
     return run
 
@@ -406,8 +412,8 @@ class DecodeTraceRun(TraceRun):
 
 
 def run_decode_trace(program: Program, kernel: str, workload: DecodeWorkload, *,
-                     scheduler: str | None = None, args: tuple = (), reps: int = 20
-                     ) -> DecodeTraceRun:
+                     scheduler: str | None = None, args: tuple = (), reps: int = 20,
+                     operands: dict | None = None) -> DecodeTraceRun:
     """Trace one decode launch of `kernel` against a random cache of `workload` (needs a GPU
     and torch), as `run_trace` does a prefill launch; its work items are checked for
     coverage of the launch's work space and its combines with `check_combines`."""
@@ -418,7 +424,8 @@ def run_decode_trace(program: Program, kernel: str, workload: DecodeWorkload, *,
     plain = scheduler_kernel(program, kernel, scheduler, args)
     traced = scheduler_kernel(program, kernel, scheduler, args, trace=True)
     w = workload
-    inputs = _decode_inputs(torch, plain, w)
+    values = operand_values(plain.options, operands or {})
+    inputs = {**_decode_inputs(torch, plain, w), **values}
     rows_bound = -(-w.query_rows * w.gqa // 16)  # any packed tile holds 16 rows or more
     groups_bound = len(w.cache_lens) * w.kv_heads * rows_bound
     records, written, ms_untraced, ms_traced = _record(
@@ -435,7 +442,7 @@ def run_decode_trace(program: Program, kernel: str, workload: DecodeWorkload, *,
                          loaded.design.name, loaded.build.arch, config.block_m,
                          config.block_n, info.multiprocessor_count, ctas_per_sm,
                          planned.plans[0].grid, records, written, ms_untraced, ms_traced, 0.0,
-                         gqa_group=spec.gqa_group, work=work,
+                         gqa_group=spec.gqa_group, operands=values, work=work,
                          kv_bytes=2 * sum(w.cache_lens) * w.kv_heads * head_dim * 2)
     run.check()
     return run
@@ -476,7 +483,8 @@ def cost_model(program: Program, run: TraceRun, costs: costmodel.Costs | None = 
         costs, source = costmodel.load(key, run.gpu, run.block_n)
     return costmodel.KernelCostModel(costs, program.checked, program[run.kernel].options.mask,
                                      run.block_m, run.block_n, source,
-                                     backends.backend(run.backend).producer_ahead)
+                                     backends.backend(run.backend).producer_ahead,
+                                     run.operands)
 
 
 def predict(program: Program, run: TraceRun, model: costmodel.KernelCostModel | str
@@ -489,12 +497,13 @@ def predict(program: Program, run: TraceRun, model: costmodel.KernelCostModel | 
 
 
 def calibrate(program: Program, kernel: str, *, backend: str | None = None, heads: int = 16,
-              reps: int = 5) -> tuple[list[costmodel.Costs], str, list[TraceRun]]:
+              reps: int = 5, operands: dict | None = None
+              ) -> tuple[list[costmodel.Costs], str, list[TraceRun]]:
     """Measure the kernel's constants on this GPU from traced runs (`CALIBRATION_BATCHES`
     under `CALIBRATION_SCHEDULERS`), store them where the simulator finds them; returns
     them (one set per KV tile width the builds chose), the file and the runs."""
     runs = [run_trace(program, kernel, Workload(heads, b, s, lens), scheduler=name, args=args,
-                      backend=backend, reps=reps)
+                      backend=backend, reps=reps, operands=operands)
             for b, s, lens in CALIBRATION_BATCHES for name, args in CALIBRATION_SCHEDULERS]
     costs = fit_runs(program, kernel, runs)
     first = runs[0]

@@ -217,6 +217,7 @@ class FnDecl(Decl):
 
 @node
 class AttentionDecl(Decl):
+    operands: tuple[Param, ...]  # run-time values its mask and score read
     constants: tuple[Constant, ...]
     rules: tuple[Rule, ...]
 

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from mhadsl.front import ast
 from mhadsl.front.builtin_functions import f32_math
 from mhadsl.front.semantics import FLOAT_OPS
 from mhadsl.front.diagnostics import Diagnostic, MhaError
-from mhadsl.front.types import BOOL, DTYPE, F32, SCHEDULER
+from mhadsl.front.semantics import I32_MAX, I32_MIN, finite_f32
+from mhadsl.front.types import BOOL, DTYPE, F32, I32, SCHEDULER
 
 # name -> what the checker expects: a type, "int" (integer constant) or "int_pair".
 ATTENTION_CONSTANTS: dict[str, object] = {
@@ -24,6 +26,64 @@ ATTENTION_CONSTANTS: dict[str, object] = {
     "return_lse": BOOL,
 }
 HEAD_DIMS = (64, 128, 256)
+# An attention declaration's operands: run-time values of each call its mask and score read
+# (`attention windowed(window: i32 = 256) { ... }`), passed by name at the call.
+OPERAND_TYPES = {"i32": I32, "f32": F32}
+# The keyword arguments of kernel calls (forward, against a KV cache, backward, the
+# reference), which an operand may not take as its name.
+CALL_KEYWORDS = frozenset((
+    "q", "k", "v", "out", "lse", "dout", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+    "max_seqlen_k", "scale", "return_lse", "stream", "cache_seqlens", "page_table",
+    "num_splits", "deterministic", "k_cache", "v_cache"))
+
+
+def operand_key(name: str) -> tuple[str, str]:
+    """What an operand's references resolve to (`Symbol.node`): the key of its value in
+    every walker's environment, apart from the rules' parameter roles."""
+    return ("operand", name)
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A declared operand: its name, type ("i32" or "f32") and default (None: every call
+    passes it)."""
+
+    name: str
+    type: str
+    default: int | float | None = None
+
+    def value(self, given) -> int | float:
+        """The operand's value in a call that passes `given` (None: its default), checked:
+        a TypeError or ValueError names what is wrong."""
+        if given is None:
+            if self.default is None:
+                raise TypeError(f"the call needs operand {self.name!r} ({self.type})")
+            return self.default
+        integral = isinstance(given, numbers.Integral) and not isinstance(given, bool)
+        if not (integral if self.type == "i32" else
+                isinstance(given, numbers.Real) and not isinstance(given, bool)):
+            want = "an int" if self.type == "i32" else "a number"
+            raise TypeError(f"operand {self.name!r} is {self.type}: it takes {want}, got "
+                            f"{type(given).__name__} {given!r}")
+        if self.type == "i32":
+            if not I32_MIN <= int(given) <= I32_MAX:
+                raise ValueError(f"operand {self.name!r} is i32: {given} is out of its range")
+            return int(given)
+        if not finite_f32(float(given)):
+            raise ValueError(f"operand {self.name!r} must be a finite f32, got {given!r}")
+        return float(given)
+
+
+def operand_values(options: "AttentionOptions", given: dict) -> dict[str, int | float]:
+    """Each operand's value in a call that passes `given` (by name), checked; a name that
+    is no operand of the declaration is a TypeError."""
+    known = {o.name: o for o in options.operands}
+    for name in given:
+        if name not in known:
+            have = ", ".join(known) or "none"
+            raise TypeError(f"unexpected keyword argument {name!r}: kernel '{options.name}' "
+                            f"has no such operand (its operands: {have})")
+    return {o.name: o.value(given.get(o.name)) for o in options.operands}
 # The default scheduler, by whether the declaration has a mask: fastest measured on the H200
 # (docs/TRACE.md). Under a causal mask LPT (longest tiles first, dynamic) balances unequal
 # tiles; with no mask every tile costs the same, and Queued's order (query tile fastest)
@@ -56,6 +116,7 @@ class AttentionOptions:
     scheduler_named: bool = False  # whether the declaration names it (else a default)
     scale: float | None = None  # None: 1 / sqrt(head_dim)
     return_lse: bool = False
+    operands: tuple[Operand, ...] = ()
     mask: ast.Rule | None = None
     score: ast.Rule | None = None
     # the KV tiles a mid-sequence query tile visits where the mask bounds them (a sliding
@@ -142,6 +203,13 @@ def _scheduler_binding(e: ast.Expr) -> tuple[str, tuple[tuple[str, object], ...]
     return func.id, tuple(args)
 
 
+def _operand(p: ast.Param) -> Operand:
+    if p.default is None:
+        return Operand(p.name, p.type.name)
+    value = constant_number(p.default)
+    return Operand(p.name, p.type.name, int(value) if p.type.name == "i32" else float(value))
+
+
 def resolve_attention(decl: ast.AttentionDecl) -> AttentionOptions:
     """Turn a checked declaration (the checker vetted every value) into options."""
     fields: dict[str, object] = {"name": decl.name, "decl": decl}
@@ -164,6 +232,7 @@ def resolve_attention(decl: ast.AttentionDecl) -> AttentionOptions:
             fields["return_lse"] = v.value
     if "gqa" in fields and "kv_heads" in fields:
         raise MhaError("give either 'gqa' (the ratio) or 'kv_heads', not both", decl.span)
+    fields["operands"] = tuple(_operand(p) for p in decl.operands)
     for rule in decl.rules:
         fields[rule.name] = rule
     if "scheduler" not in fields and "mask" not in fields:

@@ -20,8 +20,8 @@ import numpy as np
 
 from mhadsl.front import ast
 from mhadsl.front.attention_spec import (
-    ATTENTION_CONSTANTS, HEAD_DIMS, AttentionOptions, constant_number, resolve_attention,
-    scale_problem,
+    ATTENTION_CONSTANTS, CALL_KEYWORDS, HEAD_DIMS, OPERAND_TYPES, AttentionOptions,
+    constant_number, operand_key, resolve_attention, scale_problem,
 )
 from mhadsl.front.builtin_functions import DEVICE_FUNCTIONS, FUNCTIONS
 from mhadsl.front.semantics import (
@@ -107,7 +107,7 @@ DesignProblems = Callable[[AttentionOptions], list]
 class Symbol:
     """What a name refers to. `node` is the declaring AST node, where there is one."""
 
-    kind: str  # local | rule_param | sched_param | fn_param | constant | builtin
+    kind: str  # local | rule_param | operand | sched_param | fn_param | constant | builtin
     name: str
     ty: Ty
     node: object = None
@@ -378,6 +378,7 @@ class Checker:
                 self.error(c.span, f"'{c.name}' is set twice")
             seen.add(c.name)
             self.check_attention_constant(c)
+        outer = self.attention_scope(attn)
         for rule in attn.rules:
             if rule.name not in ATTENTION_RULES:
                 self.error(rule.span, f"unknown rule '{rule.name}' in an attention "
@@ -388,13 +389,57 @@ class Checker:
             seen.add(rule.name)
             shapes = ATTENTION_RULES[rule.name]
             params = next((s for s in shapes if len(s) == len(rule.params)), shapes[0])
-            scope = _Scope()
-            for name, ty in ATTENTION_IMPLICIT.items():
-                scope.names[name] = Symbol("rule_param", name, ty, name)
-            self.check_rule(rule, params, (ATTENTION_RESULTS[rule.name],), ATTENTION, scope,
+            for p in rule.params:
+                if p.name in outer.names and outer.names[p.name].kind == "operand":
+                    self.error(p.span, f"'{p.name}' is an operand of attention "
+                                       f"'{attn.name}'; give the parameter another name")
+            self.check_rule(rule, params, (ATTENTION_RESULTS[rule.name],), ATTENTION, outer,
                             default_int=I32)
         if self.errors == errors_before:
             self.check_attention_backends(attn)
+
+    def attention_scope(self, attn: ast.AttentionDecl) -> _Scope:
+        """What the mask and score rules see besides their parameters: the implicit
+        lengths, and the declaration's operands (run-time values of each call: an i32 or
+        an f32, with an optional constant default)."""
+        scope = _Scope()
+        for name, ty in ATTENTION_IMPLICIT.items():
+            scope.names[name] = Symbol("rule_param", name, ty, name)
+        for p in attn.operands:
+            ty = self.check_type_ref(p.type)
+            if ty not in (*OPERAND_TYPES.values(), ERROR):
+                self.error(p.type.span, f"operand '{p.name}' is {ty}; an attention operand "
+                                        f"is a run-time {' or '.join(OPERAND_TYPES)}")
+                ty = ERROR
+            if p.name in CALL_KEYWORDS:
+                self.error(p.span, f"'{p.name}' is an argument of every kernel call; give "
+                                   f"the operand another name")
+            if p.default is not None and ty != ERROR:
+                self.check_operand_default(p, ty)
+            self.declare(scope, p.span, Symbol("operand", p.name, ty, operand_key(p.name)))
+        return scope
+
+    def check_operand_default(self, p: ast.Param, ty: Ty) -> None:
+        """An operand's default is a constant of its type."""
+        errors_before = self.errors
+        got = self.expr(p.default, _Scope(), _Context(HOST, p.name, (), I32))
+        if self.errors != errors_before:
+            return
+        if ty == I32:
+            self.expect_value(p.default, got, I32, f"default of operand '{p.name}'")
+            if self.errors == errors_before and not isinstance(self.out.literals.get(p.default),
+                                                               int):
+                self.error(p.default.span, f"the default of operand '{p.name}' must be an "
+                                           f"integer constant")
+            return
+        if got not in NUMBERS:
+            self.error(p.default.span, f"the default of operand '{p.name}' must be a number")
+            return
+        try:  # (the checker has refused a constant that is no finite f32)
+            constant_number(p.default)
+        except MhaError as err:
+            for d in err.diagnostics:
+                self.error(d.span, d.message)
 
     def check_attention_backends(self, attn: ast.AttentionDecl) -> None:
         """Ask the kernel designs (the one place their limits live) whether any of them runs
@@ -558,6 +603,7 @@ class Checker:
             if not sym.mutable:
                 what = "a `let` constant (use `var`)" if sym.kind == "local" else \
                     {"rule_param": "a parameter", "fn_param": "a parameter",
+                     "operand": "an operand of the kernel",
                      "sched_param": "a scheduler parameter", "constant": "a constant",
                      "builtin": "a builtin"}[sym.kind]
                 self.error(target.span, f"cannot assign to '{target.id}': it is {what}")

@@ -235,9 +235,9 @@ class _ToAst(Transformer_NonRecursive):
             tuple(m for m in members if isinstance(m, ast.Rule)))
 
     def attention_decl(self, children):
-        name, *members = children
+        name, params, *members = children
         return ast.AttentionDecl(
-            self._span(name), self._declared_name(name),
+            self._span(name), self._declared_name(name), params or (),
             tuple(m for m in members if isinstance(m, ast.Constant)),
             tuple(m for m in members if isinstance(m, ast.Rule)))
 

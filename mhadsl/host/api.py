@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mhadsl.front.attention_spec import AttentionOptions, resolve_attention
+from mhadsl.front.attention_spec import AttentionOptions, operand_values, resolve_attention
 from mhadsl.build import KernelRequest, build_kernel, plan
 from mhadsl.host.calls import INT32_LIMIT, check_flag, check_integer
 from mhadsl.front.check import CheckedProgram
@@ -281,16 +281,18 @@ class Kernel:
 
     def backward(self, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k=None,
                  max_seqlen_q=None, max_seqlen_k=None, scale: float | None = None,
-                 deterministic: bool | None = None):
+                 deterministic: bool | None = None, **operands):
         """(dq, dk, dv): the gradients of `self(q, k, v, ...)` for the output gradient `dout`,
         given the forward's `out` and `lse` (`return_lse=True`); torch CUDA tensors, in the
         layouts of q, k and v (`mhadsl.host.backward`). `deterministic=True`: bitwise the same
         gradients every run (dQ without atomics); None: torch's
-        `torch.are_deterministic_algorithms_enabled()`."""
+        `torch.are_deterministic_algorithms_enabled()`. The declaration's operands by name,
+        as the forward call had them."""
         from mhadsl.host.backward import backward
         return backward(self, q, k, v, out, lse, dout, cu_seqlens_q=cu_seqlens_q,
                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                        max_seqlen_k=max_seqlen_k, scale=scale, deterministic=deterministic)
+                        max_seqlen_k=max_seqlen_k, scale=scale, deterministic=deterministic,
+                        **operands)
 
     def backward_build(self, arch: str = "sm_90a", *, gqa_group: int = 1,
                        ragged: bool = False, deterministic: bool = False) -> KernelBuild:
@@ -302,7 +304,10 @@ class Kernel:
     def __call__(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                  max_seqlen_k=None, scale: float | None = None, out=None,
                  return_lse: bool | None = None, stream=None, cache_seqlens=None,
-                 page_table=None, num_splits: int | None = None):
+                 page_table=None, num_splits: int | None = None, **operands):
+        # the declaration's operands by name, checked before anything else (None: it has none)
+        values = operand_values(self.options, operands) \
+            if operands or self.options.operands else None
         if cache_seqlens is not None or page_table is not None or num_splits is not None:
             # k and v are a KV cache (`mhadsl.host.serving`)
             if cache_seqlens is None:
@@ -313,9 +318,9 @@ class Kernel:
                                  "call against a KV cache takes its lengths from "
                                  "cache_seqlens")
             return decode(self, q, k, v, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
-                          scale, out, return_lse, stream, num_splits)
+                          scale, out, return_lse, stream, num_splits, values)
         return forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       scale, out, return_lse, stream)
+                       scale, out, return_lse, stream, values)
 
     def specialize(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                    max_seqlen_k=None, return_lse: bool | None = None):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 
+from mhadsl.front.attention_spec import operand_values
 from mhadsl.host.calls import DTYPE_NAMES, check_flag, check_rows, check_shape, torch_stream
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.backends.backward import BACKEND, BackwardConfig
@@ -35,11 +36,14 @@ def backward_work(lengths: list[int], kv_heads: int, block_n: int = BackwardConf
 
 
 def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None):
+             max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None,
+             **operands):
     """(dq, dk, dv) of `kernel(q, k, v, ...)` for the output gradient `dout`, given the
     forward's `out` and `lse` (`Kernel.backward`); `deterministic` None follows torch's
-    `torch.are_deterministic_algorithms_enabled()`."""
+    `torch.are_deterministic_algorithms_enabled()`; the operands' values by name, as the
+    forward call had them."""
     check_flag(deterministic, "deterministic")
+    values = operand_values(kernel.options, operands)
     from mhadsl.runtime import tensors
     call = check_call(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             scale)
@@ -73,10 +77,10 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     return _run(kernel, torch, call, q, k, v, out, lse.contiguous(), dout, cu_seqlens_q,
-                cu_seqlens_k, bool(deterministic))
+                cu_seqlens_k, bool(deterministic), values)
 
 
-def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic):
+def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic, operands):
     # (ragged: rows outside every sequence get no gradient from the kernels, so zeros)
     alloc = torch.zeros if call.sizes.ragged else torch.empty
     dq = alloc(q.shape, dtype=q.dtype, device=q.device)
@@ -98,7 +102,7 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic
         if t % 16 and name not in ("lse", "delta", "cu_seqlens_q", "cu_seqlens_k"):
             raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned, got a pointer "
                              f"at {t:#x}")
-    launch(plans, addresses, torch_stream(torch, q.device.index))
+    launch(plans, addresses, torch_stream(torch, q.device.index), scalars=operands)
     return dq, dk, dv
 
 

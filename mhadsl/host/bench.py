@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mhadsl.front.attention_spec import operand_values
 from mhadsl.host.api import Kernel
 from mhadsl.analysis.reference import evaluate_rule, reference
 
@@ -52,7 +53,11 @@ class Problem:
         return f"{shape} {heads} D{self.head_dim}"
 
 
-def make_inputs(torch, kernel: Kernel, p: Problem, seed: int = 0) -> dict:
+def make_inputs(torch, kernel: Kernel, p: Problem, seed: int = 0,
+                operands: dict | None = None) -> dict:
+    """Random inputs of problem `p` for `kernel(**inputs)` and `reference(kernel, **inputs)`,
+    with the values of its operands (`operands` by name, else their defaults)."""
+    values = operand_values(kernel.options, operands or {})
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dtype = torch.bfloat16 if kernel.options.dtype == "bf16" else torch.float16
 
@@ -62,17 +67,19 @@ def make_inputs(torch, kernel: Kernel, p: Problem, seed: int = 0) -> dict:
     if p.seqlens is None:
         return {"q": rand(p.batch, p.seqlen_q, p.heads, p.head_dim),
                 "k": rand(p.batch, p.seqlen_k, p.kv_heads, p.head_dim),
-                "v": rand(p.batch, p.seqlen_k, p.kv_heads, p.head_dim)}
+                "v": rand(p.batch, p.seqlen_k, p.kv_heads, p.head_dim), **values}
     offsets = np.concatenate([[0], np.cumsum(p.seqlens)]).astype(np.int32)
     total = int(offsets[-1])
     cu = torch.tensor(offsets, device="cuda")
     return {"q": rand(total, p.heads, p.head_dim), "k": rand(total, p.kv_heads, p.head_dim),
             "v": rand(total, p.kv_heads, p.head_dim), "cu_seqlens_q": cu, "cu_seqlens_k": cu,
-            "max_seqlen_q": max(p.seqlens, default=0), "max_seqlen_k": max(p.seqlens, default=0)}
+            "max_seqlen_q": max(p.seqlens, default=0), "max_seqlen_k": max(p.seqlens, default=0),
+            **values}
 
 
-def allowed_pairs(kernel: Kernel, p: Problem) -> int:
-    """(query, key) pairs the mask keeps: what the FLOP count charges for."""
+def allowed_pairs(kernel: Kernel, p: Problem, operands: dict | None = None) -> int:
+    """(query, key) pairs the mask keeps (for the operands' values `operands`): what the
+    FLOP count charges for."""
     lengths = [(n, n) for n in p.seqlens] if p.seqlens else [(p.seqlen_q, p.seqlen_k)] * p.batch
     rule = kernel.options.mask
     if rule is None:
@@ -80,7 +87,7 @@ def allowed_pairs(kernel: Kernel, p: Problem) -> int:
     total = 0
     for b, (sq, sk) in enumerate(lengths):
         if sq and sk:
-            keep = evaluate_rule(rule, kernel.program.checked, b=b, h=0,
+            keep = evaluate_rule(rule, kernel.program.checked, operands, b=b, h=0,
                                  q_idx=np.arange(sq)[:, None], kv_idx=np.arange(sk)[None, :],
                                  seqlen_q=sq, seqlen_k=sk)
             total += int(np.broadcast_to(keep, (sq, sk)).sum())
@@ -133,9 +140,10 @@ def _timed_runs(torch, fn, warmup: int, reps: int) -> list[float]:
     return [start.elapsed_time(end) for start, end in events]
 
 
-def check(torch, kernel: Kernel, p: Problem, seed: int = 0) -> tuple[float, bool]:
+def check(torch, kernel: Kernel, p: Problem, seed: int = 0,
+          operands: dict | None = None) -> tuple[float, bool]:
     """Relative error ‖out − ref‖ / ‖ref‖ against the float64 reference, and NaN-free."""
-    args = make_inputs(torch, kernel, p, seed)
+    args = make_inputs(torch, kernel, p, seed, operands)
     out = kernel(**args, out=torch.full_like(args["q"], float("nan")))
     ref = reference(kernel, **args)
     got = out.float().cpu().numpy().astype(np.float64)
@@ -154,7 +162,7 @@ def torch_baseline_fns(torch, kernel: Kernel, p: Problem, args: dict) -> dict:
     backend cannot express the mask or take the shape), for `time_side_by_side`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
-    causal = _is_plain_causal(kernel)
+    causal = _is_plain_causal(kernel, {o.name: args[o.name] for o in kernel.options.operands})
     if p.seqlens or kernel.options.score is not None or (kernel.options.mask and not causal) \
             or (causal and p.seqlen_q != p.seqlen_k):  # torch's is_causal is top-left only
         return {"flash": None, "cudnn": None}
@@ -175,14 +183,15 @@ def torch_baseline_fns(torch, kernel: Kernel, p: Problem, args: dict) -> dict:
     return fns
 
 
-def _is_plain_causal(kernel: Kernel) -> bool:
-    """Is the mask torch's is_causal (kv_idx <= q_idx, with Sq == Sk here)?"""
+def _is_plain_causal(kernel: Kernel, operands: dict) -> bool:
+    """Is the mask torch's is_causal (kv_idx <= q_idx, with Sq == Sk here) for these
+    operand values?"""
     rule = kernel.options.mask
     if rule is None:
         return False
     n = 2048  # wide enough that windows and other bands show
     grid = np.arange(n)
-    keep = evaluate_rule(rule, kernel.program.checked, b=0, h=0, q_idx=grid[:, None],
+    keep = evaluate_rule(rule, kernel.program.checked, operands, b=0, h=0, q_idx=grid[:, None],
                          kv_idx=grid[None, :], seqlen_q=n, seqlen_k=n)
     return bool(np.array_equal(np.broadcast_to(keep, (n, n)), np.tril(np.ones((n, n), bool))))
 
@@ -197,9 +206,10 @@ class Row:
     cudnn: float | None
 
 
-def measure(torch, kernel: Kernel, p: Problem) -> Row:
-    args = make_inputs(torch, kernel, p)
-    flops = 4.0 * p.head_dim * p.heads * allowed_pairs(kernel, p)
+def measure(torch, kernel: Kernel, p: Problem, operands: dict | None = None) -> Row:
+    args = make_inputs(torch, kernel, p, operands=operands)
+    values = {o.name: args[o.name] for o in kernel.options.operands}
+    flops = 4.0 * p.head_dim * p.heads * allowed_pairs(kernel, p, values)
     times = time_side_by_side(torch, {"mhadsl": lambda: kernel(**args),
                                       **torch_baseline_fns(torch, kernel, p, args)})
 

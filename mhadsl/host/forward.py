@@ -3,6 +3,7 @@
     o = kern(q, k, v)                                    # q (B,Sq,Hq,D), k/v (B,Sk,Hkv,D)
     o, lse = kern(q, k, v, return_lse=True)
     o = kern(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk)
+    o = kern(q, k, v, window=512)                        # the declaration's operands by name
 
 Every argument is checked before anything is copied or launched (`check_call`: those
 `mhadsl.reference` runs too, then those of device memory). What a call signature fixes is
@@ -27,17 +28,19 @@ from mhadsl.codegen.backends import Layout
 from mhadsl.host.launcher import launch
 
 
-def forward(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, stream):
+def forward(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, stream,
+            operands: dict | None):
     """`kernel`'s attention of q against k and v (`Kernel.__call__`; positional, as each
-    keyword costs the per-call host path)."""
+    keyword costs the per-call host path); `operands`: the operands' values, checked
+    (`operand_values`; None where the declaration has none)."""
     key = torch_signature(q, k, v, out, cu_q, cu_k)
     if key is not None:  # torch tensors: a signature seen before runs its plan
         key = typed_key(key, (max_q, max_k, scale, return_lse))
         planned = kernel.launcher.fast_plans.get(key)
         if planned is not None:
-            return _run_torch(kernel, planned, q, k, v, out, cu_q, cu_k, stream)
+            return _run_torch(kernel, planned, q, k, v, out, cu_q, cu_k, stream, operands)
     return _call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, stream,
-                 key)
+                 key, operands)
 
 
 @dataclass
@@ -59,7 +62,7 @@ class Call:
 
 
 def _call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, stream,
-          torch_key):
+          torch_key, operands):
     """Any call: every check, then the device (without a GPU, NoGpuError before any host
     array is copied or allocated), then the plan of its signature (made once)."""
     from mhadsl.runtime import driver, tensors
@@ -105,7 +108,8 @@ def _call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, str
         # they read lengths on the device
         reusable = torch_key is not None and not kernel.trace and not (
             call.sizes.ragged and (max_q is None or driver.debug_mode()))
-        _launch(kernel, call, views, want_lse, handle, torch_key if reusable else None)
+        _launch(kernel, call, views, want_lse, handle, torch_key if reusable else None,
+                operands)
     if od.on_host:
         tensors.from_device(out_dev, out_obj, stream=handle)
     if want_lse and lse_dev.kind == "numpy" and isinstance(lse_obj, np.ndarray) \
@@ -113,7 +117,7 @@ def _call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, str
         tensors.from_device(lse_dev, lse_obj, stream=handle)
     return (out_obj, lse_obj) if want_lse else out_obj
 
-def _run_torch(kernel, planned: _Planned, q, k, v, out, cu_q, cu_k, stream):
+def _run_torch(kernel, planned: _Planned, q, k, v, out, cu_q, cu_k, stream, operands):
     """A call whose signature has a plan: only what depends on its addresses is checked
     (alignment, and whether out overlaps q, k or v), then the plan launches."""
     torch = sys.modules["torch"]
@@ -132,19 +136,19 @@ def _run_torch(kernel, planned: _Planned, q, k, v, out, cu_q, cu_k, stream):
             cu_k.data_ptr()
     handle = torch_stream(torch, q.get_device()) if stream is None else \
         stream_handle(stream)
-    launch(planned.plans, addresses, handle, kernel.recording_workspace)
+    launch(planned.plans, addresses, handle, kernel.recording_workspace, operands)
     return (out, lse) if planned.want_lse else out
 
 
 def _launch(kernel, call: Call, views: dict, want_lse: bool, stream: int,
-            torch_key: tuple | None) -> None:
+            torch_key: tuple | None, operands: dict | None) -> None:
     """Launch a validated call on device views of its tensors, by its signature's plan
     (remembered for `torch_key`'s calls)."""
     planned = _planned(kernel, call, views, want_lse)
     if torch_key is not None:
         kernel.launcher.fast_plans[torch_key] = planned
     launch(planned.plans, {n: t.ptr for n, t in views.items() if t}, stream,
-           kernel.recording_workspace)
+           kernel.recording_workspace, operands)
 
 def _planned(kernel, call: Call, views: dict, want_lse: bool) -> _Planned:
     """The plan of a validated call's signature: made on its first call, then reused."""

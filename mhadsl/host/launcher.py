@@ -7,8 +7,10 @@ plans a call signature's launches (`plan`): for each kernel its design lists, in
 order (`Backend.kernels`), the grid (the scheduler's own `grid_dim` over the design's work
 space, or the kernel's fixed grid) and the parameter block (`runtime.launch.LaunchPlan`),
 whose values are the call's sizes (`CallSizes.values`), the design's own
-(`Backend.call_values`) and the device's. A ragged call's scheduled kernel builds its tile
-index first, over the row offsets its design names (`Backend.tile_offsets`).
+(`Backend.call_values`) and the device's; every kernel takes the declaration's operands after
+its design's parameters (`mhadsl.abi.with_operands`), their values packed at each launch. A
+ragged call's scheduled kernel builds its tile index first, over the row offsets its design
+names (`Backend.tile_offsets`).
 
 The forward (`mhadsl.host.forward`), decode (`mhadsl.host.serving`) and backward
 (`mhadsl.host.backward`) calls check their arguments, plan through here once per call
@@ -20,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mhadsl.abi import CallSizes
+from mhadsl.abi import CallSizes, operand_params, with_operands
 from mhadsl.build import RequestError, tile_index_kernel
 from mhadsl.codegen import backends
 from mhadsl.codegen.backends import Backend, KernelBuild, Layout
@@ -118,6 +120,7 @@ class Launcher:
         values = {**call.values(), **design.call_values(config, call), "num_sms": num_sms,
                   "ctas_per_sm": ctas_per_sm}
         plans = []
+        operands = operand_params(self.kernel.options.operands)
         for kernel in design.kernels(config):
             index = None
             if kernel.grid is not None:
@@ -132,13 +135,14 @@ class Launcher:
                     index = tile_index.plan(tile_index_kernel(), call.batch,
                                             design.scheduler_shape(config)[0], device)
             plans.append(LaunchPlan(loaded.functions[kernel.name], grid, kernel.threads,
-                                    kernel.shared_bytes, kernel.abi, config, device, tensors,
+                                    kernel.shared_bytes, with_operands(kernel.abi, operands),
+                                    config, device, tensors,
                                     values, index, design.tile_offsets))
         return plans
 
 
 def launch(plans: list[LaunchPlan], addresses: Mapping[str, int], stream: int,
-           workspace: int | None = None) -> None:
-    """Queue a call's launches on `stream`, in order."""
+           workspace: int | None = None, scalars: Mapping | None = None) -> None:
+    """Queue a call's launches on `stream`, in order; `scalars`: its operands' values."""
     for plan in plans:
-        plan.launch(addresses, stream, workspace)
+        plan.launch(addresses, stream, workspace, scalars)

@@ -168,9 +168,10 @@ def _address(buffer) -> int:
 
 
 def decode(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
-           scale, out, return_lse, stream, num_splits):
+           scale, out, return_lse, stream, num_splits, operands):
     """`kernel`'s attention of q against its cache (`Kernel.__call__` with `cache_seqlens`;
-    positional, as each keyword costs the per-call host path)."""
+    positional, as each keyword costs the per-call host path); `operands`: the operands'
+    checked values (None where the declaration has none)."""
     key = torch_signature(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out)
     if key is not None:  # torch tensors: a signature seen before runs its plan
         key = typed_key(key, (max_seqlen_q, scale, return_lse, num_splits))
@@ -178,15 +179,15 @@ def decode(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
         planned = kernel.launcher.fast_plans.get(key)
         if planned is not None and not planned.debug_mode():
             return _run_torch(planned, q, k_cache, v_cache, cache_seqlens, page_table,
-                              cu_seqlens_q, out, stream, kernel.recording_workspace)
+                              cu_seqlens_q, out, stream, kernel.recording_workspace, operands)
     check_flag(return_lse, "return_lse")
     want_lse = kernel.options.return_lse if return_lse is None else bool(return_lse)
     return _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
-                 max_seqlen_q, scale, out, want_lse, stream, num_splits, key)
+                 max_seqlen_q, scale, out, want_lse, stream, num_splits, key, operands)
 
 
 def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, scale, out,
-          want_lse, stream, num_splits, key):
+          want_lse, stream, num_splits, key, operands):
     """Every check, then the device (without a GPU, NoGpuError before any host array is
     copied or allocated), then the signature's plan (made once) and the launch."""
     from mhadsl.runtime import driver, tensors
@@ -263,7 +264,7 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
     if not planned.empty:
         addresses = {n: t.ptr for n, t in dev.items()}
         launch(planned.plans, {**addresses, **planned.split_workspace(handle)}, handle,
-               kernel.recording_workspace)
+               kernel.recording_workspace, operands)
     if out_view.on_host:
         tensors.from_device(dev["o"], out_obj, stream=handle)
     if want_lse and isinstance(lse_obj, np.ndarray):
@@ -323,7 +324,7 @@ def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
 
 # ---------------------------------------------------------------------- torch fast path
 def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_table, cu_q,
-               out, stream, workspace: int | None):
+               out, stream, workspace: int | None, operands: dict | None):
     """A call of a planned torch signature: only what its addresses decide is checked
     (alignment, and out overlapping what the kernel reads), then the plan launches."""
     torch = sys.modules["torch"]
@@ -344,5 +345,5 @@ def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_ta
     handle = torch_stream(torch, q.get_device()) if stream is None else stream_handle(stream)
     addresses.update(planned.split_workspace(handle))
     if not planned.empty:
-        launch(planned.plans, addresses, handle, workspace)
+        launch(planned.plans, addresses, handle, workspace, operands)
     return (out, lse) if planned.lse_shape is not None else out

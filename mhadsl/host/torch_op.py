@@ -19,6 +19,10 @@ output's gradient is not propagated (the LSE is the backward's input, not a loss
 backward is deterministic (bitwise the same gradients every run) under
 `torch.use_deterministic_algorithms(True)`, or for one call with `deterministic=True`
 (`attn(q, k, v, deterministic=True)`; False forces the faster atomic dQ).
+
+A declaration's operands are the operator's last arguments, by name (`attn(q, k, v,
+window=512)`): an i32 is an `int?`, an f32 a `float?`, None taking the declared default. They
+are values of the call: a new value runs the same build.
 """
 
 import hashlib
@@ -47,16 +51,16 @@ def torch_op(kernel):
         return _ops[name]
     if _library is None:
         _library = torch.library.Library("mhadsl", "FRAGMENT")
-    _library.define(name + SCHEMA)
+    _library.define(name + with_operands(SCHEMA, kernel))
 
     def attention(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                  max_seqlen_k=None, scale=None, deterministic=None):
+                  max_seqlen_k=None, scale=None, deterministic=None, *operands):
         return kernel(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale,
-                      return_lse=True)
+                      return_lse=True, **given(kernel, operands))
 
     def fake(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-             max_seqlen_k=None, scale=None, deterministic=None):
+             max_seqlen_k=None, scale=None, deterministic=None, *operands):
         if cu_seqlens_q is None:
             lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
         else:
@@ -70,21 +74,37 @@ def torch_op(kernel):
     return _ops[name]
 
 
+def with_operands(schema: str, kernel) -> str:
+    """`schema` with the kernel's operands after its arguments (`int?`/`float?`, None)."""
+    extra = "".join(f", {'int' if o.type == 'i32' else 'float'}? {o.name}=None"
+                    for o in kernel.options.operands)
+    return schema.replace(") -> ", extra + ") -> ", 1)
+
+
+def given(kernel, operands: tuple) -> dict:
+    """The operands an operator call passed (positional, after the fixed arguments), by
+    name; None leaves an operand at its default."""
+    return {o.name: value for o, value in zip(kernel.options.operands, operands)
+            if value is not None}
+
+
 def _register_autograd(kernel, name: str) -> None:
     """The backward operator of forward operator `name`, and the autograd that calls it."""
     import torch
 
-    _library.define(name + "_backward" + BACKWARD_SCHEMA)
+    _library.define(name + "_backward" + with_operands(BACKWARD_SCHEMA, kernel))
 
     def gradients(q, k, v, out, lse, dout, cu_seqlens_q=None, cu_seqlens_k=None,
-                  max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None):
+                  max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None,
+                  *operands):
         return kernel.backward(q, k, v, out, lse, dout, cu_seqlens_q=cu_seqlens_q,
                                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                max_seqlen_k=max_seqlen_k, scale=scale,
-                               deterministic=deterministic)
+                               deterministic=deterministic, **given(kernel, operands))
 
     def fake(q, k, v, out, lse, dout, cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None):
+             max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None,
+             *operands):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     _library.impl(name + "_backward", gradients, "CUDA")
@@ -92,17 +112,18 @@ def _register_autograd(kernel, name: str) -> None:
     backward_op = getattr(torch.ops.mhadsl, name + "_backward").default
 
     def setup_context(ctx, inputs, output):
-        q, k, v, cu_q, cu_k, max_q, max_k, scale, deterministic = inputs
+        q, k, v, cu_q, cu_k, *options = inputs  # max_q, max_k, scale, deterministic, operands
         ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
-        ctx.options = (max_q, max_k, scale, deterministic)
+        ctx.options = options
 
     def backward(ctx, grad_out, _grad_lse):
+        inputs = 5 + len(ctx.options)  # (no gradient for any but q, k and v)
         if grad_out is None:  # only the LSE was used
-            return (None,) * 9
+            return (None,) * inputs
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         dq, dk, dv = backward_op(q, k, v, out, lse, grad_out.contiguous(), cu_q, cu_k,
                                  *ctx.options)
-        return dq, dk, dv, None, None, None, None, None, None
+        return (dq, dk, dv) + (None,) * (inputs - 3)
 
     torch.library.register_autograd(f"mhadsl::{name}", backward, setup_context=setup_context,
                                     lib=_library)

@@ -1,0 +1,86 @@
+"""Operands on the GPU against the float64 references: `examples/runtime_window.mha` (a
+sliding window and a soft cap passed at each call) in the forward of both designs, dense and
+ragged, decode against contiguous and paged caches, the backward of both designs (atomic and
+deterministic), and the torch operator; a new value never rebuilds, and reaches the kernel
+(a window of one key is the identity on V)."""
+import numpy as np
+import pytest
+
+import mhadsl
+from helpers import REPO
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+from test_gpu_attention import assert_matches, backend, dense, ragged  # noqa: E402,F401
+from test_gpu_backward import assert_close  # noqa: E402
+from test_gpu_decode import cache, check, queries  # noqa: E402
+
+VALUES = [dict(), dict(window=1, cap=5.0), dict(window=300, cap=2.5),
+          dict(window=-3), dict(window=1 << 30, cap=1e4)]
+
+
+def windowed(design=None):
+    kern = mhadsl.compile(REPO / "examples" / "runtime_window.mha")["runtime_window"]
+    kern.backend = design
+    return kern
+
+
+@pytest.mark.parametrize("values", VALUES, ids=str)
+def test_forward_dense_and_ragged(backend, values):
+    kern = windowed(backend)
+    assert_matches(kern, dense(kern, 2, 700, 900, 8, 2, **values), lse=True)
+    assert_matches(kern, ragged(kern, [0, 1, 129, 700], [0, 5, 300, 700], 8, 2, **values))
+
+
+def test_a_new_value_runs_the_same_build_and_reaches_the_kernel(backend):
+    kern = windowed(backend)
+    args = dense(kern, 1, 256, 256, 4, 4)
+    for values in VALUES:
+        assert_matches(kern, dict(args, **values))
+    assert len(kern.launcher.loaded) == 1 and len(kern.launcher.plans) == 1
+    out = kern(**args, window=1)  # each row keeps its own key alone: out = v
+    torch.testing.assert_close(out, args["v"])
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+@pytest.mark.parametrize("values", VALUES[1:3], ids=str)
+def test_decode(page_size, values):
+    kern = windowed()
+    k, v, seqlens, table = cache([1, 700, 4000], 2, 128, page_size=page_size)
+    out = check(kern, queries(3, 4, 8, 128), k, v, seqlens, table, **values)
+    assert out.shape == (3, 4, 8, 128)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("values", VALUES[1:3], ids=str)
+def test_backward(values, deterministic):
+    kern = windowed()
+    for args in (dense(kern, 2, 300, 400, 4, 2), ragged(kern, [1, 129, 300], [5, 200, 300], 4, 2)):
+        offsets = {n: args[n] for n in ("cu_seqlens_q", "cu_seqlens_k") if n in args}
+        out, lse = kern(**args, return_lse=True, **values)
+        dout = torch.randn_like(out)
+        grads = kern.backward(args["q"], args["k"], args["v"], out, lse, dout, **offsets,
+                              deterministic=deterministic, **values)
+        ref = mhadsl.reference_backward(kern, args["q"], args["k"], args["v"], dout,
+                                        **offsets, **values)
+        for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+            assert_close(name, got, want, dout)
+
+
+def test_the_operator_takes_operands_and_compiles_without_a_graph_break():
+    kern = windowed()
+    op = kern.torch_op()
+    args = dense(kern, 1, 300, 300, 4, 4)
+    q, k, v = (args[n].requires_grad_() for n in "qkv")
+    out, _ = op(q, k, v, window=64, cap=3.0)
+    ref = mhadsl.reference(kern, q.detach(), k.detach(), v.detach(), window=64, cap=3.0)
+    err = np.linalg.norm(out.detach().float().cpu().numpy() - ref) / np.linalg.norm(ref)
+    assert err < 1e-2
+    out.sum().backward()
+    want = mhadsl.reference_backward(kern, q.detach(), k.detach(), v.detach(),
+                                     torch.ones_like(out), window=64, cap=3.0)
+    assert_close("dq", q.grad, want[0], torch.ones_like(out))
+    compiled = torch.compile(lambda q, k, v, w: op(q, k, v, window=w)[0], fullgraph=True)
+    for w in (8, 64):
+        torch.testing.assert_close(compiled(q, k, v, w), op(q, k, v, window=w)[0])

@@ -1,0 +1,291 @@
+"""Operands: run-time i32/f32 values a declaration's mask and score read, passed by name at the
+call (`attention windowed(window: i32 = 256) { ... }`, `kern(q, k, v, window=512)`).
+
+The front end checks their declarations; the references and the tile classification take
+their values; every kernel of every design takes them as parameters after its design's own;
+the host checks a call's values before anything runs and packs them at each launch.
+"""
+import re
+
+import numpy as np
+import pytest
+
+import mhadsl
+from helpers import EXAMPLES, checked
+from mhadsl import abi
+from mhadsl.analysis.classify import (
+    classify_tile, count_visited_kv_tiles, integer_operands, kv_band_tiles,
+)
+from mhadsl.analysis.reference import attention_reference, attention_reference_backward
+from mhadsl.codegen.assemble import find_ptxas
+from mhadsl.codegen.backends import CacheLayout, backends
+from mhadsl.front.attention_spec import Operand, operand_values
+from mhadsl.front.diagnostics import MhaError
+
+RUNTIME = next(p for p in EXAMPLES if p.name == "runtime_window.mha")
+CONSTANT = '''import "std/schedulers.mha"
+attention constant_window {
+    dtype    = bf16
+    head_dim = 128
+    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx && q_idx - kv_idx < 5
+    score(s, b, h, q_idx, kv_idx) = 2.5 * tanh(s / 2.5)
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    return mhadsl.compile(str(RUNTIME))["runtime_window"]
+
+
+@pytest.fixture(scope="module")
+def constant():
+    return mhadsl.compile(CONSTANT)["constant_window"]
+
+
+def errors_of(text: str) -> list[str]:
+    with pytest.raises(MhaError) as info:
+        checked('import "std/schedulers.mha"\n' + text, "bad.mha")
+    return [d.render() for d in info.value.diagnostics]
+
+
+# ---------------------------------------------------------------- the language
+def test_operands_resolve_with_their_types_and_defaults(windowed):
+    assert windowed.options.operands == (Operand("window", "i32", 256),
+                                         Operand("cap", "f32", 30.0))
+    program = mhadsl.compile('import "std/schedulers.mha"\nattention a(w: i32, c: f32 = -2.0 * 3.0)'
+                             ' { mask(b, h, q_idx, kv_idx) = q_idx - kv_idx < w }')
+    assert program["a"].options.operands == (Operand("w", "i32"), Operand("c", "f32", -6.0))
+
+
+@pytest.mark.parametrize("decl, message", [
+    ("attention a(w: u32) { mask(b, h, q_idx, kv_idx) = kv_idx < w }",
+     "bad.mha:2:16: error: operand 'w' is u32; an attention operand is a run-time i32 or f32"),
+    ("attention a(w: bool) { mask(b, h, q_idx, kv_idx) = w }", "operand 'w' is bool"),
+    ("attention a(w: i32 = 1.5) { mask(b, h, q_idx, kv_idx) = kv_idx < w }",
+     "default of operand 'w' must be i32"),
+    ("attention a(w: i32 = 3000000000) { mask(b, h, q_idx, kv_idx) = kv_idx < w }",
+     "integer constant 3000000000 does not fit in i32"),
+    ("attention a(w: i32 = seqlen_q) { mask(b, h, q_idx, kv_idx) = kv_idx < w }",
+     "unknown name 'seqlen_q'"),
+    ("attention a(c: f32 = 1e30 * 1e30) { score(s, b, h, q_idx, kv_idx) = s * c }",
+     "constant expression is not a finite f32 value"),
+    ("attention a(c: f32 = true) { score(s, b, h, q_idx, kv_idx) = s * c }",
+     "the default of operand 'c' must be a number"),
+    ("attention a(scale: f32) { score(s, b, h, q_idx, kv_idx) = s * scale }",
+     "'scale' is an argument of every kernel call; give the operand another name"),
+    ("attention a(w: i32, w: i32) { mask(b, h, q_idx, kv_idx) = kv_idx < w }",
+     "'w' is already defined here"),
+    ("attention a(seqlen_k: i32) { mask(b, h, q_idx, kv_idx) = kv_idx < seqlen_k }",
+     "'seqlen_k' is already defined here"),
+    ("attention a(w: i32) { mask(b, h, q_idx, w) = q_idx < w }",
+     "bad.mha:2:41: error: 'w' is an operand of attention 'a'; give the parameter another name"),
+    ("attention a(w: i32) { mask(b, h, q_idx, kv_idx) { w = 3\n return true } }",
+     "cannot assign to 'w': it is an operand of the kernel"),
+    ("fn f(k: i32) -> bool { return k < w }\n"
+     "attention a(w: i32) { mask(b, h, q_idx, kv_idx) = f(kv_idx) }", "unknown name 'w'"),
+])
+def test_bad_operand_declarations_get_diagnostics(decl, message):
+    errors = errors_of(decl)
+    assert any(message in e for e in errors), errors
+    assert all(re.match(r"bad\.mha:\d+:\d+: error: ", e) and "^" in e for e in errors), errors
+
+
+# ---------------------------------------------------------------- a call's values
+def test_a_calls_values_are_checked_with_defaults_filled_in(windowed):
+    o = windowed.options
+    assert operand_values(o, {}) == {"window": 256, "cap": 30.0}
+    assert operand_values(o, {"window": np.int64(7), "cap": 2}) == {"window": 7, "cap": 2.0}
+    for given, error, match in (
+            ({"windw": 3}, TypeError, "unexpected keyword argument 'windw': kernel "
+                                      "'runtime_window' has no such operand \\(its operands: "
+                                      "window, cap\\)"),
+            ({"window": True}, TypeError, "operand 'window' is i32: it takes an int, got bool"),
+            ({"window": 2.0}, TypeError, "takes an int, got float"),
+            ({"cap": "3"}, TypeError, "operand 'cap' is f32: it takes a number, got str"),
+            ({"window": 2 ** 31}, ValueError, "out of its range"),
+            ({"cap": float("nan")}, ValueError, "must be a finite f32"),
+            ({"cap": 1e39}, ValueError, "must be a finite f32")):
+        with pytest.raises(error, match=match):
+            operand_values(o, given)
+    required = Operand("w", "i32")
+    with pytest.raises(TypeError, match="the call needs operand 'w' \\(i32\\)"):
+        required.value(None)
+
+
+def test_a_bad_operand_is_refused_before_anything_runs(windowed, constant):
+    q = np.zeros((1, 4, 2, 128), np.float32)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'depth'"):
+        windowed(q, q, q, depth=3)
+    with pytest.raises(ValueError, match="out of its range"):
+        windowed(q, q, q, window=-2 ** 40)
+    with pytest.raises(TypeError, match="'window': kernel 'constant_window' has no such "
+                                        "operand \\(its operands: none\\)"):
+        constant(q, q, q, window=3)
+
+
+# ---------------------------------------------------------------- the references
+def test_the_reference_with_operands_is_the_constant_declarations(windowed, constant):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 19, 4, 128)) for _ in range(3))
+    got = mhadsl.reference(windowed, q, k, v, window=5, cap=2.5)
+    np.testing.assert_array_equal(got, mhadsl.reference(constant, q, k, v))
+    assert not np.allclose(mhadsl.reference(windowed, q, k, v, window=6, cap=2.5), got)
+    dout = rng.standard_normal(q.shape)
+    for a, b in zip(mhadsl.reference_backward(windowed, q, k, v, dout, window=5, cap=2.5),
+                    mhadsl.reference_backward(constant, q, k, v, dout)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_decode_reference_takes_operands(windowed, constant):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 1, 4, 128))
+    cache = [rng.standard_normal((2, 24, 4, 128)) for _ in range(2)]
+    lengths = np.array([24, 13], np.int32)
+    got = mhadsl.reference_decode(windowed, q, *cache, cache_seqlens=lengths, window=5, cap=2.5)
+    np.testing.assert_array_equal(got, mhadsl.reference_decode(constant, q, *cache,
+                                                               cache_seqlens=lengths))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'page'"):
+        mhadsl.reference_decode(windowed, q, *cache, cache_seqlens=lengths, page=3)
+
+
+def test_attention_reference_needs_the_operands_the_rules_read(windowed):
+    q = np.ones((1, 3, 1, 128))
+    with pytest.raises(ValueError, match="needs a value for"):
+        attention_reference(q, q, q, mask_rule=windowed.options.mask,
+                            program=windowed.program.checked)
+    attention_reference_backward(q, q, q, q, mask_rule=windowed.options.mask,
+                                 program=windowed.program.checked, operands={"window": 2})
+
+
+# ---------------------------------------------------------------- classification
+def test_tiles_are_classified_for_the_calls_values_and_unknown_ones_stay_partial(windowed):
+    mask, program = windowed.options.mask, windowed.program.checked
+    assert integer_operands(mask, program) == ("window",)
+    box = dict(b=0, h=0, q_lo=1000, q_hi=1063, kv_lo=0, kv_hi=63, seqlen_q=4096, seqlen_k=4096)
+    assert classify_tile(mask, program, **box) == "partial"
+    assert classify_tile(mask, program, **box, operands={"window": 256}) == "empty"
+    assert classify_tile(mask, program, **box, operands={"window": 4096}) == "full"
+    tile = dict(q_tile=20, block_m=128, block_n=128, seqlen_q=8192, seqlen_k=8192)
+    assert count_visited_kv_tiles(mask, program, **tile) == 21
+    assert count_visited_kv_tiles(mask, program, **tile, operands={"window": 256}) == 3
+    assert kv_band_tiles(mask, program) is None  # no band the build may assume
+
+
+# ---------------------------------------------------------------- the kernels
+def _params(ptx: str, kernel: str) -> list[str]:
+    entry = ptx[ptx.index(f".entry {kernel}("):]
+    return re.findall(r"\.param \.(\w+)", entry[:entry.index(")")])
+
+
+LAYOUTS = {"prefill": dict(), "decode": dict(cache=CacheLayout(1, 64, 64), gqa_group=4),
+           "backward": dict(backward=True)}
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
+@pytest.mark.parametrize("design", [d.name for w in LAYOUTS for d in backends(w)])
+def test_every_kernel_of_every_design_takes_the_operands_after_its_own(windowed, design):
+    design_ = next(d for w in LAYOUTS for d in backends(w) if d.name == design)
+    arch = design_.targets[0]
+    build = windowed.build(arch, backend=design, **LAYOUTS[design_.workload])
+    assert build.backend == design
+    for kernel in design_.kernels(build.config):
+        params = _params(build.ptx, kernel.name)
+        assert len(params) == len(kernel.abi.params) + 2, kernel.name
+        assert params[-2:] == ["u32", "f32"], kernel.name  # window, then cap
+        assembled = build.assembled.kernels[kernel.name]
+        assert assembled.spills == 0, (kernel.name, assembled)
+    assert "operand_window" in build.llvm and "operand_cap" in build.llvm
+
+
+def test_operand_parameters_follow_the_designs_in_the_hosts_layout():
+    design = next(d for d in backends("prefill"))
+    operands = abi.operand_params((Operand("window", "i32"), Operand("cap", "f32")))
+    full = abi.with_operands(design.abi, operands)
+    assert [p.name for p in full][-2:] == ["operand_window", "operand_cap"]
+    assert full.offsets["operand_cap"] == full.offsets["operand_window"] + 4
+    assert full.offsets["operand_window"] == -(-design.abi.size // 4) * 4
+    assert abi.with_operands(design.abi, ()) is design.abi
+
+
+def test_the_torch_operators_schema_ends_with_the_operands(windowed):
+    from mhadsl.host.torch_op import BACKWARD_SCHEMA, SCHEMA, given, with_operands
+    assert with_operands(SCHEMA, windowed).endswith(
+        "bool? deterministic=None, int? window=None, float? cap=None) -> (Tensor, Tensor)")
+    assert with_operands(BACKWARD_SCHEMA, windowed).endswith(
+        "int? window=None, float? cap=None) -> (Tensor, Tensor, Tensor)")
+    assert given(windowed, (None, 3.0)) == {"cap": 3.0}
+
+
+# ---------------------------------------------------------------- the host
+HOST_SOURCE = '''import "std/schedulers.mha"
+attention h64(window: i32 = 256, cap: f32) {
+    dtype = fp16
+    head_dim = 64
+    scheduler = Queued()
+    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx && q_idx - kv_idx < window
+    score(s, b, h, q_idx, kv_idx) = cap * tanh(s / cap)
+}
+'''
+
+
+@pytest.fixture
+def host_kernel(monkeypatch):
+    from test_launch_host_path import stand_in
+    yield from stand_in(monkeypatch, mhadsl.compile(HOST_SOURCE)["h64"])
+
+
+def _operands_in(kern, block: bytes) -> tuple[int, float]:
+    import struct
+    window = struct.unpack_from("<i", block, kern.abi.offsets["operand_window"])[0]
+    cap = struct.unpack_from("<f", block, kern.abi.offsets["operand_cap"])[0]
+    return window, cap
+
+
+def test_each_launch_packs_its_calls_operands_into_one_plan(host_kernel):
+    from test_hostile_tensors import dense
+    args = dense()
+    host_kernel(**args, cap=2.5)
+    host_kernel(**args, window=-7, cap=30)
+    host_kernel(**dense(batch=3), window=9, cap=0.5)
+    assert host_kernel.launches == 3
+    assert [_operands_in(host_kernel, b) for b in host_kernel.blocks] == [
+        (256, 2.5), (-7, 30.0), (9, 0.5)]
+    assert len(host_kernel.launcher.plans) == 2  # a new value is not a new plan
+    assert host_kernel.calls["build"] == 1  # nor a new build
+    with pytest.raises(TypeError, match="the call needs operand 'cap'"):
+        host_kernel(**args)
+    assert host_kernel.launches == 3
+
+
+# ---------------------------------------------------------------- the command line
+def _simulate(capsys, *extra):
+    from mhadsl.cli import main
+    status = main(["simulate", str(RUNTIME), "--scheduler", "LPT", "--kernel", "runtime_window",
+                   "--seqlen", "4096", "--heads", "4", "--json", *extra])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_simulate_costs_tiles_for_the_operands_values(capsys):
+    import json
+    costs = {}
+    for window in ("256", "4096"):
+        status, out, _ = _simulate(capsys, "--operand", f"window={window}")
+        assert status == 0
+        costs[window] = json.loads(out)["makespan"]
+    status, out, _ = _simulate(capsys)  # the declared default: 256
+    assert json.loads(out)["makespan"] == costs["256"] < costs["4096"] / 4
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--operand", "windw=3"], "--operand: unexpected keyword argument 'windw': kernel "
+                               "'runtime_window' has no such operand"),
+    (["--operand", "window=1.5"], "operand 'window' is i32: it takes an int, got float"),
+    (["--operand", "window=x"], "--operand window takes a number, got 'x'"),
+    (["--operand", "window"], "--operand takes NAME=VALUE"),
+    (["--operand", "window=3", "--operand", "window=4"], "--operand window is given twice"),
+])
+def test_bad_operands_on_the_command_line_are_usage_errors(capsys, extra, message):
+    status, _, err = _simulate(capsys, *extra)
+    assert status == 2 and message in err, err
