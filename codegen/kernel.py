@@ -16,7 +16,7 @@ from mhadsl.abi import Param, operand_params
 from mhadsl.front import ast
 from mhadsl.front.attention_spec import operand_key
 from mhadsl.front.check import CheckedProgram
-from mhadsl.analysis.classify import emit_classify, emit_kv_limits, kv_limits
+from mhadsl.analysis.classify import emit_classify, emit_kv_limits, kv_limits, operand_term
 from mhadsl.analysis.derivative import differentiate_score
 from mhadsl.codegen.backends import ExprHooks, KernelArgs, KernelSource, TileSeq, WorkLoop
 from mhadsl.codegen.lower import Builtins, FunctionLowering
@@ -67,8 +67,10 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=()) -> E
     limits = kv_limits(mask_rule, program)
 
     def row_limits(builder, b, h, q_idx, seqlen_q, seqlen_k):
+        operands = {operand_term(n): v for n, v in _operand_values(builder, params).items()}
         return emit_kv_limits(builder, limits, {"b": b, "h": h, "q_idx": q_idx,
-                                                "seqlen_q": seqlen_q, "seqlen_k": seqlen_k})
+                                                "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
+                                                **operands})
     return ExprHooks(mask=mask, score=score,
                      classify=classify if mask_rule is not None else None,
                      mask_uses_head=mask_rule is not None and _reads(mask_rule, "h"),

@@ -289,3 +289,55 @@ def test_simulate_costs_tiles_for_the_operands_values(capsys):
 def test_bad_operands_on_the_command_line_are_usage_errors(capsys, extra, message):
     status, _, err = _simulate(capsys, *extra)
     assert status == 2 and message in err, err
+
+
+# ---------------------------------------------------------------- a row's run of keys
+def test_a_run_of_keys_with_an_operand_bound_is_the_mask_for_every_value(windowed):
+    """`q_idx - kv_idx < window` keeps one run of keys per row whatever the window: the
+    kernel's row limits (run on the host) hold exactly the keys the mask keeps."""
+    import ctypes
+
+    from llvmlite import ir
+
+    from mhadsl.analysis.classify import emit_kv_limits, kv_limits, operand_term
+    from mhadsl.analysis.reference import evaluate_rule
+    from mhadsl.codegen.target import HOST, HostJit, new_module
+    mask, program = windowed.options.mask, windowed.program.checked
+    limits = kv_limits(mask, program)
+    assert limits.lows == ((("", 1), (operand_term("window"), -1), ("q_idx", 1)),)
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+    module = new_module("operand_limits", HOST)
+    fn = ir.Function(module, ir.FunctionType(i64, [i32] * 3), name="limits")
+    b = ir.IRBuilder(fn.append_basic_block())
+    q_idx, seqlen, window = fn.args
+    lo, hi = emit_kv_limits(b, limits, {"b": i32(0), "h": i32(0), "q_idx": q_idx,
+                                        "seqlen_q": seqlen, "seqlen_k": seqlen,
+                                        operand_term("window"): window})
+    b.ret(b.or_(b.zext(lo, i64), b.shl(b.zext(hi, i64), ir.Constant(i64, 32))))
+    jit = HostJit(module)
+    run = ctypes.CFUNCTYPE(ctypes.c_int64, *[ctypes.c_int32] * 3)(jit.address("limits"))
+    rng = np.random.default_rng(3)
+    for q, w in [(0, 1), (5, 1), (700, 256), (700, -3), (700, 0), (3000, 2 ** 31 - 1),
+                 (3000, -2 ** 31), *zip(rng.integers(0, 4000, 40), rng.integers(-50, 5000, 40))]:
+        bits = run(int(q), 4000, int(w))
+        lo_, hi_ = ((bits & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000, bits >> 32
+        kv = np.arange(4000)
+        kept = evaluate_rule(mask, program, {"window": int(w)}, b=0, h=0, q_idx=np.int64(q),
+                             kv_idx=kv, seqlen_q=4000, seqlen_k=4000)
+        assert np.array_equal(kept, (kv >= lo_) & (kv <= hi_)), (q, w, lo_, hi_)
+    unbounded = mhadsl.compile('import "std/schedulers.mha"\nattention a(w: i32) '
+                               '{ mask(b, h, q_idx, kv_idx) = kv_idx + w > q_idx }')
+    assert kv_limits(unbounded["a"].options.mask, unbounded.checked) is None  # may wrap
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
+def test_a_window_operand_masks_by_bits_where_a_literal_window_would():
+    """At head dim 64 the sm90 design masks a run of keys by bits: with the window an
+    operand too, from the row limits the kernel computes from its parameter."""
+    program = mhadsl.compile('import "std/schedulers.mha"\nattention w64(window: i32 = 256) '
+                             '{ dtype = bf16  head_dim = 64\n  mask(b, h, q_idx, kv_idx) = '
+                             'kv_idx <= q_idx && q_idx - kv_idx < window }')
+    build = program["w64"].build("sm_90a")
+    assert build.backend == "sm90" and build.config.bit_mask
+    assert "operand_window" in build.llvm
+    assert all(k.spills == 0 for k in build.assembled.kernels.values())

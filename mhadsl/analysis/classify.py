@@ -650,9 +650,10 @@ _FLIPPED = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "=="}
 
 def kv_limits(mask_rule: ast.Rule | None, program: CheckedProgram) -> KVLimits | None:
     """The mask as a run of keys per query row where it is one: a conjunction (`&&`) of
-    comparisons (<, <=, >, >=, ==) whose sides are sums of i32 indices and integer
-    literals (times literals), kv_idx on one side with coefficient 1 (`kv_idx <= q_idx`,
-    `q_idx - kv_idx < 256`); None for any other mask, or one that might wrap."""
+    comparisons (<, <=, >, >=, ==) whose sides are sums of i32 indices, i32 operands and
+    integer literals (times literals), kv_idx on one side with coefficient 1
+    (`kv_idx <= q_idx`, `q_idx - kv_idx < 256`, `q_idx - kv_idx < window`); None for any
+    other mask, or one that might wrap. An operand's term is keyed `operand_term(name)`."""
     if mask_rule is None or len(mask_rule.body) != 1 \
             or not isinstance(mask_rule.body[0], ast.Return):
         return None
@@ -695,9 +696,15 @@ def _conjunct(e: ast.Expr, program: CheckedProgram, bounds: dict) -> None:
         bounds["lo"].append(shifted(1 if op == ">" else 0))
 
 
+def operand_term(name: str) -> str:
+    """The key of i32 operand `name` in a `KVLimits` form (apart from every role's)."""
+    return f"operand {name}"
+
+
 def _linear(e: ast.Expr, program: CheckedProgram) -> tuple[dict[str, int], int, int]:
     """(e as {role: coefficient}, its lowest and highest value) for a sum of i32 rule
-    parameters and integer literals, where no step leaves the i32 range."""
+    parameters, i32 operands (any i32) and integer literals, where no step leaves the i32
+    range."""
     literal = program.literals.get(e)
     if isinstance(literal, int) and not isinstance(literal, bool):
         form, lo, hi = {"": literal}, literal, literal  # (an untyped literal takes i32 here)
@@ -705,9 +712,12 @@ def _linear(e: ast.Expr, program: CheckedProgram) -> tuple[dict[str, int], int, 
         raise _Unsupported("not i32")
     elif isinstance(e, ast.Name):
         sym = program.refs.get(e)
-        if sym is None or sym.kind != "rule_param" or sym.node not in _ROLE_RANGES:
-            raise _Unsupported("a name other than a parameter")
-        (lo, hi), form = _ROLE_RANGES[sym.node], {sym.node: 1}
+        if sym is not None and sym.kind == "operand":
+            (lo, hi), form = (I32_MIN, I32_MAX), {operand_term(sym.name): 1}
+        elif sym is None or sym.kind != "rule_param" or sym.node not in _ROLE_RANGES:
+            raise _Unsupported("a name other than a parameter or an operand")
+        else:
+            (lo, hi), form = _ROLE_RANGES[sym.node], {sym.node: 1}
     elif isinstance(e, ast.Unary) and e.op == "-":
         inner, ilo, ihi = _linear(e.operand, program)
         form, lo, hi = {r: -c for r, c in inner.items()}, -ihi, -ilo
@@ -737,7 +747,8 @@ def _linear(e: ast.Expr, program: CheckedProgram) -> tuple[dict[str, int], int, 
 def emit_kv_limits(builder: ir.IRBuilder, limits: KVLimits,
                    values: dict[str, ir.Value]) -> tuple[ir.Value | None, ir.Value | None]:
     """(first kept key, last kept key) of a query row as i32, None where the mask puts no
-    such bound; `values`: the row's i32 indices by role. Computed in 64 bits, then clamped
+    such bound; `values`: the row's i32 indices by role, and the i32 operands' values by
+    `operand_term`. Computed in 64 bits, then clamped
     to [0, I32_MAX] and [-1, I32_MAX] (a key index lies in [0, I32_MAX - 1])."""
     b = builder
 

@@ -254,6 +254,22 @@ class AddressChecks:
             self._passed = key
 
 
+class DeviceCopies:
+    """One call's host arrays copied to `device` (`copies(view, name, dtype)`: a device view
+    is returned as it is), their buffers kept until the call is done with them."""
+
+    def __init__(self, device: int):
+        self.device, self.buffers = device, []
+
+    def __call__(self, view, name: str, dtype: str):
+        if not view.on_host:
+            return view
+        from mhadsl.runtime import tensors
+        copy, buffer = tensors.to_device(view.obj, name, dtype=dtype, device=self.device)
+        self.buffers.append(buffer)
+        return copy
+
+
 def stream_handle(stream) -> int:
     from mhadsl.runtime import driver
     return driver.stream_handle(stream)

@@ -20,7 +20,8 @@ import numpy as np
 
 from mhadsl.abi import CallSizes
 from mhadsl.host.calls import (
-    DTYPE_NAMES, AddressChecks, check_attention_call, check_flag, check_output, check_rows,
+    DTYPE_NAMES, AddressChecks, DeviceCopies, check_attention_call, check_flag, check_output,
+    check_rows,
     host_values, index_view, share_memory, span, stream_handle, torch_signature,
     torch_stream, typed_key,
 )
@@ -74,32 +75,20 @@ def _call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, str
     od = None if out is None else _check_out(kernel, out, call, dtype, device)
     handle = driver.stream_handle(stream, kind=call.q.kind,
                                   device=device if call.q.on_host else call.q.device)
-    device = driver.ensure_context(device)
-    keep_alive = []
-
-    def on_device(t, name, want=dtype):
-        if not t.on_host:
-            return t
-        dev, buf = tensors.to_device(t.obj, name, dtype=want, device=device)
-        keep_alive.append(buf)
-        return dev
-
+    on_device = DeviceCopies(driver.ensure_context(device))
     if od is None:
         od = tensors.as_device_tensor(
             tensors.empty_like_kind(call.q.obj, call.q.shape, dtype), "out")
     out_obj = od.obj
-    qd, kd, vd = on_device(call.q, "q"), on_device(call.k, "k"), on_device(call.v, "v")
+    qd, kd, vd = (on_device(t, n, dtype) for t, n in ((call.q, "q"), (call.k, "k"),
+                                                      (call.v, "v")))
     cu_qd = on_device(call.cu_q, "cu_seqlens_q", "int32") if call.sizes.ragged else None
     cu_kd = on_device(call.cu_k, "cu_seqlens_k", "int32") if call.sizes.ragged else None
-    out_dev = on_device(od, "out") if od.on_host else od
+    out_dev = on_device(od, "out", dtype)
     lse_obj = tensors.empty_like_kind(call.q.obj, call.lse_shape, "float32") \
         if want_lse else None
-    lse_dev = None
-    if want_lse:
-        lse_dev = tensors.as_device_tensor(lse_obj, "lse")
-        if lse_dev.on_host:
-            lse_dev, buf = tensors.to_device(lse_obj, "lse", device=device)
-            keep_alive.append(buf)
+    lse_dev = on_device(tensors.as_device_tensor(lse_obj, "lse"), "lse", "float32") \
+        if want_lse else None
 
     views = {"q": qd, "k": kd, "v": vd, "o": out_dev, "lse": lse_dev,
              "cu_seqlens_q": cu_qd, "cu_seqlens_k": cu_kd}

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mhadsl.host.calls import (
-    DTYPE_NAMES, AddressChecks, check_flag, check_output, check_rows, host_values, index_view,
-    share_memory, span, stream_handle, torch_signature, torch_stream, typed_key,
+    DTYPE_NAMES, AddressChecks, DeviceCopies, check_flag, check_output, check_rows, host_values,
+    index_view, share_memory, span, stream_handle, torch_signature, torch_stream, typed_key,
 )
 from mhadsl.abi import CallSizes
 from mhadsl.codegen.backends import CacheLayout, Layout, select_target
@@ -230,16 +230,7 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
     out_view = None if out is None else check_output(out, qv.shape, dtype, device, reads)
     handle = driver.stream_handle(stream, kind=qv.kind, device=device if qv.on_host else
                                   qv.device)
-    device = driver.ensure_context(device)
-    keep_alive = []
-
-    def on_device(view, name, want):
-        if not view.on_host:
-            return view
-        dev, buf = tensors.to_device(view.obj, name, dtype=want, device=device)
-        keep_alive.append(buf)
-        return dev
-
+    on_device = DeviceCopies(driver.ensure_context(device))
     if out_view is None:
         out_view = tensors.as_device_tensor(tensors.empty_like_kind(qv.obj, qv.shape, dtype),
                                             "out")
