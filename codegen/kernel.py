@@ -12,14 +12,15 @@ from dataclasses import replace
 
 from llvmlite import ir
 
-from mhadsl.abi import Param, operand_params
+from mhadsl.abi import OPERAND_PREFIX, operand_params, tensor_params
 from mhadsl.front import ast
 from mhadsl.front.attention_spec import operand_key
 from mhadsl.front.check import CheckedProgram
-from mhadsl.analysis.classify import emit_classify, emit_kv_limits, kv_limits, operand_term
+from mhadsl.analysis.classify import emit_classify
+from mhadsl.analysis.kv_limits import emit_kv_limits, kv_limits, operand_term
 from mhadsl.analysis.derivative import differentiate_score
 from mhadsl.codegen.backends import ExprHooks, KernelArgs, KernelSource, TileSeq, WorkLoop
-from mhadsl.codegen.lower import Builtins, FunctionLowering
+from mhadsl.codegen.lower import Builtins, FunctionLowering, TensorArgs
 from mhadsl.codegen.nvptx import i32, i64
 from mhadsl.codegen.handoff import runs_apart
 from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
@@ -37,14 +38,23 @@ class _NoBuiltins(Builtins):
     gpu = True
 
 
-def _operand_values(builder: ir.IRBuilder, operands: tuple[Param, ...]) -> dict:
-    """The operands' values in the kernel being emitted (its parameters), by name."""
+def _operand_values(builder: ir.IRBuilder, operands: tuple) -> dict:
+    """The operands' values in the kernel being emitted (its parameters), by name: a
+    scalar's, or a tensor's `TensorArgs`."""
     args = {a.name: a for a in builder.function.args}
-    return {p.binding.name: args[p.name] for p in operands}
+    values = {}
+    for o in operands:
+        value = args[OPERAND_PREFIX + o.name]
+        if o.axes:
+            sizes, strides = tensor_params(o.name, len(o.axes))
+            value = TensorArgs(value, tuple(args[n] for n in sizes),
+                               tuple(args[n] for n in strides))
+        values[o.name] = value
+    return values
 
 
 def _rule_hook(program: CheckedProgram, rule, roles: tuple[str, ...], result_ty,
-               operands: tuple[Param, ...]):
+               operands: tuple):
     def emit(builder: ir.IRBuilder, *values: ir.Value) -> ir.Value:
         bindings = dict(zip(roles, values))
         bindings.update({operand_key(name): value
@@ -58,19 +68,19 @@ def _rule_hook(program: CheckedProgram, rule, roles: tuple[str, ...], result_ty,
 def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=()) -> ExprHooks:
     """The hooks of a declaration's rules; `operands` its `AttentionOptions.operands`."""
     params = operand_params(operands)
-    mask = _rule_hook(program, mask_rule, MASK_ROLES, BOOL, params) if mask_rule else None
-    score = _rule_hook(program, score_rule, SCORE_ROLES, F32, params) if score_rule else None
+    mask = _rule_hook(program, mask_rule, MASK_ROLES, BOOL, operands) if mask_rule else None
+    score = _rule_hook(program, score_rule, SCORE_ROLES, F32, operands) if score_rule else None
 
     def classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k):
         return emit_classify(builder, mask_rule, program, b, h, q_lo, q_hi, kv_lo, kv_hi,
-                             seqlen_q, seqlen_k, _operand_values(builder, params))
+                             seqlen_q, seqlen_k, _operand_values(builder, operands))
     limits = kv_limits(mask_rule, program)
 
     def row_limits(builder, b, h, q_idx, seqlen_q, seqlen_k):
-        operands = {operand_term(n): v for n, v in _operand_values(builder, params).items()}
+        values = {operand_term(n): v for n, v in _operand_values(builder, operands).items()}
         return emit_kv_limits(builder, limits, {"b": b, "h": h, "q_idx": q_idx,
                                                 "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
-                                                **operands})
+                                                **values})
     return ExprHooks(mask=mask, score=score,
                      classify=classify if mask_rule is not None else None,
                      mask_uses_head=mask_rule is not None and _reads(mask_rule, "h"),
@@ -96,8 +106,7 @@ def backward_hooks(program: CheckedProgram, mask_rule, score_rule, operands=()) 
     if score_rule is None:
         return hooks
     rule, derived = differentiate_score(score_rule, program)
-    return replace(hooks, derivative=_rule_hook(derived, rule, SCORE_ROLES, F32,
-                                                hooks.operands))
+    return replace(hooks, derivative=_rule_hook(derived, rule, SCORE_ROLES, F32, operands))
 
 
 def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Target,

@@ -9,7 +9,7 @@ Locals live in allocas that LLVM's mem2reg turns into registers.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from llvmlite import ir
 
@@ -21,10 +21,21 @@ from mhadsl.front.semantics import SLOT_COUNT
 from mhadsl.front.check import CheckedProgram, Symbol
 from mhadsl.front.types import (
     BOOL, COUNTER, DIM3, F32, I32, INT_LITERAL, RECORD_FIELDS, SCHEDULE, SCHEDULES, SEQ_INFO,
-    STATE, SYNC, SYNCS, TILE_SUMMARY, TYPE_NAMES, U32, Ty,
+    STATE, SYNC, SYNCS, TILE_SUMMARY, TYPE_NAMES, U32, TensorTy, Ty,
 )
 
 Value = object  # ir.Value | dict (record) | _Dim3
+
+
+class TensorArgs(NamedTuple):
+    """A tensor operand as the kernel takes it (`mhadsl.abi.operand_params`): its address,
+    and each axis's size and stride (i32, elements)."""
+
+    pointer: ir.Value
+    sizes: tuple[ir.Value, ...]
+    strides: tuple[ir.Value, ...]
+
+
 LLVM_TYPES = {U32: i32, I32: i32, BOOL: i1, F32: f32, SCHEDULE: i32, SYNC: i32}
 
 # Memory layout of the structs the rules exchange, shared by the GPU kernels and the host.
@@ -259,6 +270,8 @@ class FunctionLowering:
         if isinstance(e, ast.Attr):
             return self.attr(e)
         if isinstance(e, ast.Index):
+            if isinstance(self.ty(e.obj), TensorTy):
+                return self.tensor_read(e)
             return self.b.load(self.slot_pointer(e), typ=i32)
         if isinstance(e, ast.Unary):
             v = self.operand(e.operand, self.ty(e))
@@ -281,6 +294,25 @@ class FunctionLowering:
         if dst == F32 and src in (U32, I32):
             return self.b.uitofp(v, f32) if src == U32 else self.b.sitofp(v, f32)
         return v
+
+    def tensor_read(self, e: ast.Index) -> Value:
+        """An element of a tensor operand (`TensorArgs`), 0 where an index lies outside its
+        axis: the load's address stays inside the tensor (its first element), whose axes
+        the call checked are not empty."""
+        indices, node = [], e
+        while isinstance(node, ast.Index):
+            indices.append(node.index)
+            node = node.obj
+        tensor: TensorArgs = self.bindings[self.program.refs[node].node]
+        b, element = self.b, LLVM_TYPES[self.ty(e)]
+        inside, offset = None, i32(0)
+        for index, size, stride in zip(reversed(indices), tensor.sizes, tensor.strides):
+            v = self.expr(index)
+            ok = b.icmp_unsigned("<", v, size)  # (a negative i32 is a huge u32)
+            inside = ok if inside is None else b.and_(inside, ok)
+            offset = b.add(offset, b.mul(v, stride))  # (inside the tensor: below 2**31)
+        at = b.gep(tensor.pointer, [b.select(inside, offset, i32(0))], source_etype=element)
+        return b.select(inside, b.load(at, typ=element), ir.Constant(element, 0))
 
     def operand(self, e: ast.Expr, ty: Ty) -> Value:
         """`e` lowered as a value of type `ty`; a literal meets f32 exactly."""

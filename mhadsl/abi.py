@@ -45,11 +45,18 @@ class Pointer:
 
 @dataclass(frozen=True)
 class Stride:
-    """Elements between consecutive `axis` ("batch", "row", "head") of a call's tensor; a
-    ragged tensor's (rows of all sequences, heads, head_dim: it has no batch axis) batch
-    stride is 0."""
+    """Elements between consecutive `axis` ("batch", "row", "head", or an axis's number, 0
+    first) of a call's tensor; a ragged tensor's (rows of all sequences, heads, head_dim: it
+    has no batch axis) batch stride is 0."""
     tensor: str
-    axis: str
+    axis: str | int
+
+
+@dataclass(frozen=True)
+class Extent:
+    """The size of axis `axis` (0 first) of a call's tensor."""
+    tensor: str
+    axis: int
 
 
 @dataclass(frozen=True)
@@ -96,7 +103,7 @@ class Scalar:
 class Param:
     name: str
     kind: str  # "ptr" (a global address), "i64", "i32", "f32", "tensor_map" (128 B by value)
-    binding: Pointer | Stride | CallValue | Workspace | TensorMap | Scalar
+    binding: Pointer | Stride | Extent | CallValue | Workspace | TensorMap | Scalar
     meaning: str
     align: int = 0  # a pointer's alignment in bytes, which the kernel may assume
 
@@ -126,10 +133,34 @@ OPERAND_PREFIX = "operand_"  # an operand's parameter name: apart from every des
 
 
 def operand_params(operands) -> tuple[Param, ...]:
-    """The parameters of a declaration's operands (`AttentionOptions.operands`: each a name
-    and a type, "i32" or "f32"), in their order."""
-    return tuple(Param(OPERAND_PREFIX + o.name, o.type, Scalar(o.name),
-                       f"the operand '{o.name}' ({o.type})") for o in operands)
+    """The parameters of a declaration's operands (`AttentionOptions.operands`: each a name,
+    a type, "i32" or "f32", and a tensor's axes), in their order: a scalar's value; a
+    tensor's address (the call's tensor `operand_<name>`), then each axis's size and
+    stride (elements, i32: a call's tensor operand spans fewer than 2**31 elements, so a
+    read's offset is 32-bit, as cheap as the kernel's other index math)."""
+    params = []
+    for o in operands:
+        name = OPERAND_PREFIX + o.name
+        if not o.axes:
+            params.append(Param(name, o.type, Scalar(o.name), f"the operand '{o.name}' "
+                                                              f"({o.type})"))
+            continue
+        sizes, strides = tensor_params(o.name, len(o.axes))
+        params.append(Param(name, "ptr", Pointer(name), f"the tensor operand '{o.name}'",
+                            align=4))
+        params += [Param(n, "i32", Extent(name, i), f"its axis {i}'s size")
+                   for i, n in enumerate(sizes)]
+        params += [Param(n, "i32", Stride(name, i), f"elements between its axis {i}'s entries")
+                   for i, n in enumerate(strides)]
+    return tuple(params)
+
+
+def tensor_params(operand: str, rank: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The names of tensor operand `operand`'s size and stride parameters, an axis each (its
+    address is `OPERAND_PREFIX + operand`, as a call's tensors are named)."""
+    name = OPERAND_PREFIX + operand
+    return (tuple(f"{name}_size{i}" for i in range(rank)),
+            tuple(f"{name}_stride{i}" for i in range(rank)))
 
 
 def with_operands(abi: KernelABI, operands: tuple[Param, ...]) -> KernelABI:

@@ -10,6 +10,7 @@ on output paths and `main`, the one place an error becomes an exit code.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -391,10 +392,19 @@ def _kernel_gqa(program, args: argparse.Namespace) -> tuple[int, str]:
     return gqa, f"declared {setting}"
 
 
-def _operands(options, given: dict) -> dict:
-    """The values of a kernel's operands: `--operand`s, else their defaults."""
+def _operands(options, given: dict, runs: bool = True) -> dict:
+    """The values of a kernel's scalar operands: `--operand`s, else their defaults. A
+    command that `runs` the kernel refuses one that reads a tensor operand (the command
+    line makes none); the simulator's cost model takes it as unknown."""
+    tensors = [o for o in options.operands if o.axes]
+    for o in tensors:
+        if runs or o.name in given:
+            raise UsageError(f"kernel '{options.name}' reads tensor operand '{o.name}' "
+                             f"({o.declared}): the command line passes none; call the "
+                             f"kernel from Python")
     try:
-        return operand_values(options, given)
+        return operand_values(dataclasses.replace(options, operands=tuple(
+            o for o in options.operands if not o.axes)), given)
     except (TypeError, ValueError) as err:
         raise UsageError(f"--operand: {err}") from None
 
@@ -416,7 +426,7 @@ def _kernel_costs(program, kernel: str, path: str, operands: dict):
     return costmodel.KernelCostModel(costs.for_block_n(block_n), program,
                                      resolved.options.mask, config.block_m, block_n, source,
                                      resolved.backend.producer_ahead,
-                                     _operands(resolved.options, operands))
+                                     _operands(resolved.options, operands, runs=False))
 
 
 def _save_plot(draw, path: str, flag: str) -> None:

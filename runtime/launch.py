@@ -14,7 +14,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mhadsl.abi import KernelABI, Pointer, Scalar, Stride, TensorMap, Workspace
+from mhadsl.abi import Extent, KernelABI, Pointer, Scalar, Stride, TensorMap, Workspace
 from mhadsl.runtime import driver, tensormap
 
 _FORMATS = {"ptr": "<Q", "i64": "<q", "i32": "<i", "f32": "<f"}
@@ -61,9 +61,14 @@ def ragged(t: TensorShape) -> bool:
 
 
 def signature_value(binding, tensors: Mapping[str, TensorShape | None], values: Mapping):
-    """The value of a parameter the call's signature fixes (`Stride`, `CallValue`)."""
+    """The value of a parameter the call's signature fixes (`Stride`, `Extent`,
+    `CallValue`)."""
+    if isinstance(binding, Extent):
+        return tensors[binding.tensor].shape[binding.axis]
     if isinstance(binding, Stride):
         t = tensors[binding.tensor]
+        if isinstance(binding.axis, int):
+            return t.strides[binding.axis]
         return 0 if ragged(t) and binding.axis == "batch" else t.strides[_AXES[binding.axis]]
     return values[binding.name]
 

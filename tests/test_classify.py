@@ -14,8 +14,9 @@ from llvmlite import ir
 from mhadsl.front.check import check_program
 from mhadsl.analysis.classify import (
     I32_MAX, I32_MIN, classify_bounds, classify_tile, count_visited_kv_tiles, emit_classify,
-    emit_kv_limits, kv_band_tiles, kv_limits,
+    kv_band_tiles,
 )
+from mhadsl.analysis.kv_limits import emit_kv_limits, kv_limits
 from mhadsl.codegen import warp
 from mhadsl.codegen.backends import declaration_problems
 from mhadsl.codegen.target import HOST, HostJit, emit_ptx, gpu_target, new_module, optimize

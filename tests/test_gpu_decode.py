@@ -56,14 +56,16 @@ def cache(lengths, hkv, d, *, page_size=None, dtype=torch.bfloat16, seed=0):
     return k, v, seqlens, table
 
 
-def check(kern, q, k, v, seqlens, table, *, cu_q=None, max_q=None, lse=False, **kw):
+def check(kern, q, k, v, seqlens, pages, *, cu_q=None, max_q=None, lse=False, **kw):
+    """The call against the reference; `kw`: the call's other arguments (num_splits, the
+    declaration's operands), which the reference takes too."""
     out = torch.full_like(q, float("nan"))  # poison: every row must be written
-    result = kern(q, k, v, cache_seqlens=seqlens, page_table=table, cu_seqlens_q=cu_q,
+    result = kern(q, k, v, cache_seqlens=seqlens, page_table=pages, cu_seqlens_q=cu_q,
                   max_seqlen_q=max_q, out=out, return_lse=lse, **kw)
     got, got_lse = result if lse else (result, None)
     assert got is out
-    ref = mhadsl.reference_decode(kern, q, k, v, cache_seqlens=seqlens, page_table=table,
-                                  cu_seqlens_q=cu_q, return_lse=lse)
+    ref = mhadsl.reference_decode(kern, q, k, v, cache_seqlens=seqlens, page_table=pages,
+                                  cu_seqlens_q=cu_q, return_lse=lse, **kw)
     ref, ref_lse = ref if lse else (ref, None)
     got = got.float().cpu().numpy().astype(np.float64)
     assert np.isfinite(got).all(), "NaN or unwritten output"

@@ -84,3 +84,53 @@ def test_the_operator_takes_operands_and_compiles_without_a_graph_break():
     compiled = torch.compile(lambda q, k, v, w: op(q, k, v, window=w)[0], fullgraph=True)
     for w in (8, 64):
         torch.testing.assert_close(compiled(q, k, v, w), op(q, k, v, window=w)[0])
+
+
+# ---------------------------------------------------------------- tensor operands
+def example(name: str, design=None):
+    kern = mhadsl.compile(REPO / "examples" / f"{name}.mha")[name]
+    kern.backend = design
+    return kern
+
+
+def test_prefix_lm_dense_and_ragged(backend):
+    kern = example("prefix_lm", backend)
+    prefix = torch.tensor([0, 700, 5], dtype=torch.int32, device="cuda")
+    assert_matches(kern, dense(kern, 3, 700, 700, 8, 2, prefix=prefix), lse=True)
+    assert_matches(kern, ragged(kern, [1, 700, 129], [1, 700, 129], 8, 2,
+                                prefix=torch.tensor([1, 300, 200], dtype=torch.int32,
+                                                    device="cuda")))
+    host = prefix.cpu().numpy()  # a NumPy tensor operand is copied, as q would be
+    assert_matches(kern, dense(kern, 3, 300, 300, 8, 2, prefix=host))
+
+
+def test_relative_bias_reads_its_table_and_zero_past_it(backend):
+    kern = example("relative_bias", backend)
+    for distances in (4096, 100):  # 100: most scores read past the table's end
+        table = torch.randn(8, distances, device="cuda")
+        assert_matches(kern, dense(kern, 2, 600, 600, 8, 2, table=table))
+    strided = torch.randn(8, 256, device="cuda")[:, ::2]  # strides (256, 2)
+    assert_matches(kern, dense(kern, 1, 300, 300, 8, 8, table=strided))
+
+
+def test_tensor_operands_in_decode_and_the_backward():
+    kern = example("relative_bias")
+    table = torch.randn(8, 1000, device="cuda")
+    k, v, seqlens, pages = cache([1, 700, 4000], 2, 128, page_size=64)
+    check(kern, queries(3, 4, 8, 128), k, v, seqlens, pages, table=table)
+    args = dense(kern, 2, 300, 400, 8, 2)
+    out, lse = kern(**args, table=table, return_lse=True)
+    dout = torch.randn_like(out)
+    grads = kern.backward(args["q"], args["k"], args["v"], out, lse, dout, table=table)
+    ref = mhadsl.reference_backward(kern, args["q"], args["k"], args["v"], dout, table=table)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+        assert_close(name, got, want, dout)
+
+
+def test_document_mask(backend):
+    kern = example("document_mask", backend)
+    lengths = [1, 300, 129, 600, 70]  # documents packed end to end, per sequence
+    ids = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])
+    doc = torch.stack([ids, ids.flip(0)]).cuda()
+    s = len(ids)
+    assert_matches(kern, dense(kern, 2, s, s, 8, 2, doc=doc), lse=True)

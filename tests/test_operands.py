@@ -299,7 +299,7 @@ def test_a_run_of_keys_with_an_operand_bound_is_the_mask_for_every_value(windowe
 
     from llvmlite import ir
 
-    from mhadsl.analysis.classify import emit_kv_limits, kv_limits, operand_term
+    from mhadsl.analysis.kv_limits import emit_kv_limits, kv_limits, operand_term
     from mhadsl.analysis.reference import evaluate_rule
     from mhadsl.codegen.target import HOST, HostJit, new_module
     mask, program = windowed.options.mask, windowed.program.checked
@@ -341,3 +341,221 @@ def test_a_window_operand_masks_by_bits_where_a_literal_window_would():
     assert build.backend == "sm90" and build.config.bit_mask
     assert "operand_window" in build.llvm
     assert all(k.spills == 0 for k in build.assembled.kernels.values())
+
+
+# ---------------------------------------------------------------- tensor operands
+TENSORS = '''import "std/schedulers.mha"
+attention prefix_lm(prefix: i32[batch], bias: f32[heads, _]) {
+    dtype    = bf16
+    head_dim = 128
+    mask(b, h, q_idx, kv_idx) = kv_idx < prefix[b] || kv_idx <= q_idx
+    score(s, b, h, q_idx, kv_idx) = s + bias[h][q_idx - kv_idx + 4]
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def prefix_lm():
+    return mhadsl.compile(TENSORS)["prefix_lm"]
+
+
+def test_tensor_operands_resolve_with_their_axes(prefix_lm):
+    assert prefix_lm.options.operands == (Operand("prefix", "i32", None, ("batch",)),
+                                          Operand("bias", "f32", None, ("heads", "_")))
+
+
+@pytest.mark.parametrize("decl, message", [
+    ("attention a(t: i32[seq]) { mask(b, h, q_idx, kv_idx) = kv_idx < t[b] }",
+     "unknown axis 'seq' of tensor operand 't'"),
+    ("attention a(t: i32[_, _, _, _]) { mask(b, h, q_idx, kv_idx) = true }",
+     "tensor operand 't' has 4 axes; at most 3"),
+    ("attention a(t: i32[batch] = 3) { mask(b, h, q_idx, kv_idx) = kv_idx < t[b] }",
+     "tensor operand 't' takes no default"),
+    ("attention a(t: u32[batch]) { mask(b, h, q_idx, kv_idx) = true }", "operand 't' is u32"),
+    ("attention a(t: i32[batch]) { mask(b, h, q_idx, kv_idx) = kv_idx < t }",
+     "operator '<' does not apply to i32 and i32[batch]"),
+    ("attention a(t: f32[heads, _]) { score(s, b, h, q_idx, kv_idx) = s + t[h] }",
+     "f32[_]"),
+    ("attention a(t: i32[batch]) { mask(b, h, q_idx, kv_idx) = kv_idx < t[1.5] }",
+     "a tensor index is an integer, not f32"),
+    ("attention a(t: i32[batch]) { mask(b, h, q_idx, kv_idx) = kv_idx < t[3000000000] }",
+     "does not fit in i32"),
+    ("fn f(t: i32[batch]) -> i32 { return 0 }\nattention a { mask(b, h, q_idx, kv_idx) = true }",
+     "'i32[...]' is a tensor: only an attention declaration's operand is one"),
+])
+def test_bad_tensor_operands_get_diagnostics(decl, message):
+    errors = errors_of(decl)
+    assert any(message in e for e in errors), errors
+
+
+def _prefix_reference(q, k, v, prefix, bias):
+    import math
+    out = np.zeros_like(q)
+    sq, sk = q.shape[1], k.shape[1]
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    for b in range(q.shape[0]):
+        for h in range(q.shape[2]):
+            s = q[b, :, h] @ k[b, :, h].T / math.sqrt(q.shape[-1])
+            index = i - j + 4
+            s = s + np.where((index >= 0) & (index < bias.shape[1]),
+                             bias[h][np.clip(index, 0, bias.shape[1] - 1)], 0.0)
+            s = np.where((j < prefix[b]) | (j <= i), s, -np.inf)
+            p = np.exp(s - s.max(1, keepdims=True))
+            out[b, :, h] = (p / p.sum(1, keepdims=True)) @ v[b, :, h]
+    return out
+
+
+def test_the_reference_reads_tensor_operands_and_zero_outside_them(prefix_lm):
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 11, 2, 128)) for _ in range(3))
+    prefix = np.array([5, 0], np.int32)
+    bias = rng.standard_normal((2, 9)).astype(np.float32)  # q - k + 4 outside [0, 9): 0
+    got = mhadsl.reference(prefix_lm, q, k, v, prefix=prefix, bias=bias)
+    np.testing.assert_allclose(got, _prefix_reference(q, k, v, prefix, bias), atol=1e-12)
+    for given, error, match in (
+            (dict(prefix=prefix.astype(np.int64), bias=bias), TypeError,
+             "tensor operand 'prefix' \\(i32\\[batch\\]\\) takes int32 elements, got int64"),
+            (dict(prefix=np.zeros(3, np.int32), bias=bias), ValueError,
+             "axis 0 \\(batch\\) has 3 entries, but the call has 2 sequences"),
+            (dict(prefix=prefix, bias=bias[:1]), ValueError,
+             "axis 0 \\(heads\\) has 1 entries, but the call has 2 query heads"),
+            (dict(prefix=prefix, bias=bias[:, :0]), ValueError, "axis 1 is empty"),
+            (dict(prefix=prefix, bias=bias[0]), ValueError, "has 2 axes, got shape \\(9,\\)"),
+            (dict(bias=bias), TypeError, "the call needs operand 'prefix' \\(i32\\[batch\\]\\)"),
+            (dict(prefix=5, bias=bias), TypeError, "expected a NumPy array")):
+        with pytest.raises(error, match=match):
+            mhadsl.reference(prefix_lm, q, k, v, **given)
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
+@pytest.mark.parametrize("design", ["sm80", "sm90", "decode", "backward", "backward_sm90"])
+def test_every_design_reads_tensor_operands_without_spills(prefix_lm, design):
+    design_ = next(d for w in LAYOUTS for d in backends(w) if d.name == design)
+    build = prefix_lm.build(design_.targets[0], backend=design, **LAYOUTS[design_.workload])
+    assert build.backend == design
+    for kernel in design_.kernels(build.config):
+        params = _params(build.ptx, kernel.name)
+        # prefix: address, size, stride; bias: address, two sizes, two strides
+        assert params[len(kernel.abi.params):] == ["u64", "u32", "u32", "u64", "u32", "u32",
+                                                   "u32", "u32"], kernel.name
+        assert build.assembled.kernels[kernel.name].spills == 0
+    assert "operand_bias_stride1" in build.llvm
+
+
+HOST_TENSORS = '''import "std/schedulers.mha"
+attention h64(prefix: i32[batch], bias: f32[heads, _]) {
+    dtype = fp16
+    head_dim = 64
+    scheduler = Queued()
+    mask(b, h, q_idx, kv_idx) = kv_idx < prefix[b] || kv_idx <= q_idx
+    score(s, b, h, q_idx, kv_idx) = s + bias[h][q_idx - kv_idx + 16]
+}
+'''
+
+
+@pytest.fixture
+def host_tensor_kernel(monkeypatch):
+    from test_launch_host_path import stand_in
+    yield from stand_in(monkeypatch, mhadsl.compile(HOST_TENSORS)["h64"])
+
+
+def test_each_launch_passes_its_tensor_operands_address_sizes_and_strides(host_tensor_kernel):
+    import struct
+
+    from test_hostile_tensors import FakeDevice, dense
+    kern = host_tensor_kernel
+    args = dense()  # 2 sequences, 4 query heads
+    prefix = FakeDevice((2,), "<i4")
+    bias = FakeDevice((4, 33), "<f4", strides=(40, 1))
+    kern(**args, prefix=prefix, bias=bias)
+    kern(**args, prefix=FakeDevice((2,), "<i4"), bias=bias)  # the same plan, a new address
+    assert kern.launches == 2 and len(kern.launcher.plans) == 1
+
+    def word(block, name, fmt):
+        return struct.unpack_from(fmt, block, kern.abi.offsets[name])[0]
+    first, second = kern.blocks
+    assert word(first, "operand_prefix", "<Q") == prefix.ptr
+    assert word(second, "operand_prefix", "<Q") != prefix.ptr
+    assert [word(first, f"operand_bias_{f}", fmt) for f, fmt in (
+        ("size0", "<i"), ("size1", "<i"), ("stride0", "<i"), ("stride1", "<i"))] == [4, 33, 40, 1]
+    for bad, error, match in (
+            (dict(prefix=FakeDevice((2,), "<f4")), TypeError, "takes int32 elements"),
+            (dict(prefix=FakeDevice((3,), "<i4")), ValueError, "has 3 entries, but the call "
+                                                               "has 2 sequences"),
+            (dict(prefix=FakeDevice((2,), "<i4", device=1)), ValueError,
+             "is on device 1, the call's other tensors on 0"),
+            (dict(bias=FakeDevice((4, 3), "<f4", strides=(2 ** 30, 1))), ValueError,
+             "tensor operand 'bias' spans 3221225475 elements; at most 2147483648")):
+        with pytest.raises(error, match=match):
+            kern(**args, **{"prefix": prefix, "bias": bias, **bad})
+    assert kern.launches == 2
+
+
+def test_a_tile_classifies_by_the_tensor_element_its_mask_reads_at_one_index(prefix_lm):
+    """`prefix[b]` is one element per tile: the kernel's classification reads it (run here
+    on the host, over a NumPy array) and is exact for it, so a prefix-LM's tiles past both
+    the prefix and the diagonal are empty; a read at many indices stays unknown."""
+    import ctypes
+
+    from llvmlite import ir
+
+    from mhadsl.analysis.classify import emit_classify
+    from mhadsl.codegen.lower import TensorArgs
+    from mhadsl.codegen.target import HOST, HostJit, new_module
+    mask, program = prefix_lm.options.mask, prefix_lm.program.checked
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+    module = new_module("tensor_classes", HOST)
+    fn = ir.Function(module, ir.FunctionType(i32, [i32] * 6 + [ir.PointerType(), i32]),
+                     name="classes")
+    b = ir.IRBuilder(fn.append_basic_block())
+    bidx, q_lo, q_hi, kv_lo, kv_hi, seqlen, pointer, size = fn.args
+    tensor = TensorArgs(pointer, (size,), (ir.Constant(i64, 1),))
+    may, must = emit_classify(b, mask, program, bidx, None, q_lo, q_hi, kv_lo, kv_hi, seqlen,
+                              seqlen, {"prefix": tensor})
+    b.ret(b.or_(b.zext(may, i32), b.shl(b.zext(must, i32), ir.Constant(i32, 1))))
+    jit = HostJit(module)
+    run = ctypes.CFUNCTYPE(ctypes.c_int32, *[ctypes.c_int32] * 6, ctypes.c_void_p,
+                           ctypes.c_int32)(jit.address("classes"))
+    prefix = np.array([0, 300, 2000, -5], np.int32)
+    address = prefix.ctypes.data
+    cases = 0
+    for bb in range(5):  # sequence 4 lies past the tensor: its prefix reads 0
+        for q0 in range(0, 1024, 128):
+            for kv0 in range(0, 1024, 128):
+                got = run(bb, q0, q0 + 127, kv0, kv0 + 127, 1024, address, len(prefix))
+                keep = evaluate_box(mask, program, bb, q0, kv0, prefix)
+                assert (bool(got & 1), bool(got & 2)) == (keep.any(), keep.all()), (bb, q0, kv0)
+                cases += not keep.any()
+    assert cases > 40  # the empty tiles above the diagonal, past the prefix
+
+
+def evaluate_box(mask, program, b, q0, kv0, prefix):
+    from mhadsl.analysis.reference import evaluate_rule
+    value = np.asarray(prefix, np.int64)
+    return np.broadcast_to(evaluate_rule(
+        mask, program, {"prefix": value}, b=b, h=0, q_idx=np.arange(q0, q0 + 128)[:, None],
+        kv_idx=np.arange(kv0, kv0 + 128)[None, :], seqlen_q=1024, seqlen_k=1024), (128, 128))
+
+
+def test_packed_documents_see_their_own_document_alone():
+    kern = mhadsl.compile(str(next(p for p in EXAMPLES if p.name == "document_mask.mha")))[
+        "document_mask"]
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 10, 1, 128)) for _ in range(3))
+    doc = np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2, 3]], np.int32)
+    got = mhadsl.reference(kern, q, k, v, doc=doc)
+    for start, end in ((0, 3), (3, 5), (5, 9), (9, 10)):  # each document alone, causal
+        alone = mhadsl.reference(kern, q[:, start:end], k[:, start:end], v[:, start:end],
+                                 doc=doc[:, start:end])
+        np.testing.assert_allclose(got[:, start:end], alone, atol=1e-12)
+
+
+def test_the_command_line_runs_no_kernel_that_reads_a_tensor_operand(capsys):
+    from mhadsl.cli import main
+    path = str(next(p for p in EXAMPLES if p.name == "prefix_lm.mha"))
+    status = main(["run", path, "--kernel", "prefix_lm", "--seqlen", "128", "--no-gpu-ok"])
+    assert status == 2 and "reads tensor operand 'prefix' (i32[batch]): the command line " \
+                           "passes none" in capsys.readouterr().err
+    assert main(["simulate", path, "--scheduler", "LPT", "--kernel", "prefix_lm", "--seqlen",
+                 "1024", "--json"]) == 0  # the cost model takes the tensor's values as unknown
+    capsys.readouterr()

@@ -466,7 +466,7 @@ def test_the_scheduler_is_built_for_the_launchs_gqa_group(backend):
     ids=["causal", "window", "chunked"])
 def test_a_diagonal_tile_inside_the_sequence_takes_one_select_an_element(head_dim, mask, run):
     """The mask runs on the tiles it may cut. Where it keeps one run of keys per row
-    (`classify.kv_limits`) at head dim 64 or in a short band (`bit_mask`), the mask and the
+    (`analysis.kv_limits`) at head dim 64 or in a short band (`bit_mask`), the mask and the
     sequence's bounds are one pass: one block of the KV loop selects -inf once per S
     element, each on a bit of the row's words (`warp.kept_fragment_bits`, which ptxas turns
     into R2P). Any other mask or build takes compares an element, the bounds apart on the

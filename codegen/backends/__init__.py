@@ -228,7 +228,7 @@ class ExprHooks:
         (the backward pass's; `codegen.kernel.backward_hooks`); None = no score rule.
     kv_limits(builder, b, h, q_idx, seqlen_q, seqlen_k) -> (first kept key or None, last
         kept key or None) of the row, i32, where the mask keeps one run of keys per row
-        (`mhadsl.analysis.classify.kv_limits`: causal, a sliding window); None = any other mask.
+        (`mhadsl.analysis.kv_limits`: causal, a sliding window); None = any other mask.
     All index arguments are i32 values: q_idx and kv_idx count from the start of the sequence.
     operands: the parameters of the declaration's operands (`mhadsl.abi.operand_params`),
         which every kernel of the build takes after its design's own (`kernel_abi`): the

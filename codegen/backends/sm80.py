@@ -690,12 +690,15 @@ def declared_config(options, layout: Layout = Layout()) -> AttentionConfig:
 
 def build_configs(options, layout: Layout = Layout()) -> tuple[AttentionConfig, ...]:
     """The builds to try, best first: the declared config; then, unless the declaration fixes
-    the tile, a 32-row KV tile, which leaves ptxas more registers."""
+    the tile, a 32-row KV tile, which leaves ptxas more registers, and last half the query
+    rows too (a score that reads a tensor at every element: its loads' registers)."""
     primary = declared_config(options, layout).validate()
     narrow = replace(primary, block_n=32)
     if options.block_n is not None or primary.block_n <= 32 or narrow.problems():
         return (primary,)
-    return (primary, narrow)
+    short = replace(narrow, block_m=primary.block_m // 2)
+    return (primary, narrow) if options.block_m is not None or short.problems() else \
+        (primary, narrow, short)
 
 
 def compile_kernel(source: KernelSource, configs: tuple[AttentionConfig, ...],

@@ -34,7 +34,7 @@ from mhadsl.front.attention_spec import operand_key
 from mhadsl.front.builtin_functions import FUNCTIONS
 from mhadsl.front.semantics import I32_MAX, I32_MIN, INT_RANGES, U32_MAX, attention_type, wrap
 from mhadsl.front.check import CheckedProgram
-from mhadsl.front.types import BOOL, F32, I32, U32, Ty, unify
+from mhadsl.front.types import BOOL, F32, I32, U32, TensorTy, Ty, unify
 
 _BOUNDS = INT_RANGES
 _I64, _I1 = ir.IntType(64), ir.IntType(1)
@@ -70,7 +70,7 @@ _FLOAT = _Float()
 _Value = _Int | _Bool | _Float | int
 
 
-class _Unsupported(Exception):
+class Unsupported(Exception):
     """The rule has a shape the analysis does not model; its mask is unknown."""
 
 
@@ -211,6 +211,20 @@ class _IrOps:
     def bnot(self, x):
         return self.b.not_(x)
 
+    def tensor_read(self, tensor, indices: list):
+        """The i32 element of tensor operand `tensor` (`codegen.lower.TensorArgs`) at i64
+        `indices`, as i64; 0 outside it, as the kernel's own read (its address stays at
+        the first element)."""
+        b, zero = self.b, ir.Constant(_I64, 0)
+        inside, offset = None, zero
+        for index, size, stride in zip(indices, tensor.sizes, tensor.strides):
+            ok = b.icmp_unsigned("<", index, b.zext(size, _I64))  # (a negative one is huge)
+            inside = ok if inside is None else b.and_(inside, ok)
+            offset = b.add(offset, b.mul(index, b.sext(stride, _I64)))
+        i32 = ir.IntType(32)
+        at = b.gep(tensor.pointer, [b.select(inside, offset, zero)], source_etype=i32)
+        return b.select(inside, b.sext(b.load(at, typ=i32), _I64), zero)
+
 
 # ------------------------------------------------------------------ the analysis
 _CMP = {"<": "<", "<=": "<=", ">": "<", ">=": "<="}  # > and >= swap their operands
@@ -260,7 +274,7 @@ class _Analysis:
             return self.full(ty)
         if ty == F32:
             return _FLOAT
-        raise _Unsupported(f"no unknown value of type {ty}")
+        raise Unsupported(f"no unknown value of type {ty}")
 
     def lift(self, v: _Value, ty: Ty) -> _Value:
         """Convert an operand to the type its use needs (literals wrap, as the kernel's do)."""
@@ -295,8 +309,8 @@ class _Analysis:
                 rest = self.block(s.orelse + stmts[i + 1:], env)
                 return self.where(cond, then, rest)
             else:
-                raise _Unsupported(f"{type(s).__name__} statements")
-        raise _Unsupported("a path that does not return")
+                raise Unsupported(f"{type(s).__name__} statements")
+        raise Unsupported("a path that does not return")
 
     # ---- expressions
     def expr(self, e: ast.Expr, env: dict) -> _Value:
@@ -334,7 +348,33 @@ class _Analysis:
             return self.binary(e, env, ty)
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Name):
             return self.call(e, e.func.id, env, ty)
+        if isinstance(e, ast.Index) and isinstance(self.types.get(e.obj), TensorTy):
+            return self.tensor_read(e, env, ty)
         return self.top(ty)
+
+    def tensor_read(self, e: ast.Index, env: dict, ty: Ty) -> _Value:
+        """An i32 tensor operand's element: where every index is one value over the box
+        (`b` or `h`, say), the element itself, read at run time (the backend reads tensors:
+        the kernel's, given the tensor); else any i32."""
+        indices, node = [], e
+        while isinstance(node, ast.Index):
+            indices.append(node.index)
+            node = node.obj
+        tensor = env.get(self.refs[node].node)
+        if tensor is None or ty != I32 or not hasattr(self.o, "tensor_read"):
+            return self.top(ty)
+        o, bounds = self.o, []
+        for index in reversed(indices):
+            v = self.lift(self.expr(index, env), self.types[index]
+                          if self.types[index] in _BOUNDS else I32)
+            bounds.append(v)
+        exact = None
+        for v in bounds:
+            same = o.eq(v.lo, v.hi)
+            exact = same if exact is None else o.band(exact, same)
+        value = o.tensor_read(tensor, [v.lo for v in bounds])
+        lo, hi = _BOUNDS[I32]
+        return _Int(o.select(exact, value, o.const(lo)), o.select(exact, value, o.const(hi)), I32)
 
     def binary(self, e: ast.Binary, env: dict, ty: Ty) -> _Value:
         """A chain of operators (`ast.left_chain`), in a loop."""
@@ -469,13 +509,22 @@ def _inputs(b_lo, b_hi, h_lo, h_hi, q_lo, q_hi, kv_lo, kv_hi,
 def integer_operands(rule: ast.Rule, program: CheckedProgram) -> tuple[str, ...]:
     """The i32 operands of the declaration that `rule` reads, in order of first use: the
     classification's inputs beyond the box (an f32 operand bounds nothing)."""
+    return _operands_read(rule, program, lambda ty: ty == I32)
+
+
+def tensor_operands(rule: ast.Rule, program: CheckedProgram) -> tuple[str, ...]:
+    """The tensor operands of the declaration that `rule` reads, in order of first use."""
+    return _operands_read(rule, program, lambda ty: isinstance(ty, TensorTy))
+
+
+def _operands_read(rule: ast.Rule, program: CheckedProgram, wanted) -> tuple[str, ...]:
     names: dict[str, None] = {}
     todo = list(reversed(rule.body))
     while todo:
         node = todo.pop()
         if isinstance(node, ast.Name):
             sym = program.refs.get(node)
-            if sym is not None and sym.kind == "operand" and sym.ty == I32:
+            if sym is not None and sym.kind == "operand" and wanted(sym.ty):
                 names[sym.name] = None
         todo.extend(reversed(list(ast.children(node))))
     return tuple(names)
@@ -489,7 +538,7 @@ def _operand_env(names: tuple[str, ...], bounds: list) -> dict:
 def _analyse(analysis: _Analysis, rule: ast.Rule, env: dict) -> _Bool:
     try:
         result = analysis.rule(rule, env)
-    except _Unsupported:
+    except Unsupported:
         return analysis.top(BOOL)
     return result if isinstance(result, _Bool) else analysis.top(BOOL)
 
@@ -599,6 +648,7 @@ def emit_classify(builder: ir.IRBuilder, mask_rule: ast.Rule, program: CheckedPr
                   wide(kv_hi), wide(seqlen_q), wide(seqlen_k))
     names = integer_operands(mask_rule, program)
     env.update(_operand_env(names, [interval(operands[n]) for n in names]))
+    env.update((operand_key(n), operands[n]) for n in tensor_operands(mask_rule, program))
     result = _analyse(analysis, mask_rule, env)
     return result.may, result.must
 
@@ -625,150 +675,3 @@ def count_visited_kv_tiles(mask_rule: ast.Rule | None, program: CheckedProgram |
                     seqlen_q, seqlen_k, *extra)
         count += may
     return count
-
-
-# ------------------------------------------------------------------ a row's run of keys
-# The range of each index a mask reads: lengths below 2**31, indices below them.
-_ROLE_RANGES = {"b": (0, I32_MAX), "h": (0, I32_MAX), "q_idx": (0, I32_MAX - 1),
-                "kv_idx": (0, I32_MAX - 1), "seqlen_q": (0, I32_MAX), "seqlen_k": (0, I32_MAX)}
-_Linear = tuple[tuple[str, int], ...]  # ((role, coefficient), ...); role "" is the constant
-
-
-@dataclass(frozen=True)
-class KVLimits:
-    """A mask that keeps, in each query row, exactly the keys from the largest of `lows`
-    to the smallest of `highs` (no low: from key 0; no high: to the sequence's end), each
-    bound a linear form of the row's other indices. Exact: no sub-expression of the mask
-    can leave the 32-bit range the kernel computes it in."""
-
-    lows: tuple[_Linear, ...]
-    highs: tuple[_Linear, ...]
-
-
-_FLIPPED = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "=="}
-
-
-def kv_limits(mask_rule: ast.Rule | None, program: CheckedProgram) -> KVLimits | None:
-    """The mask as a run of keys per query row where it is one: a conjunction (`&&`) of
-    comparisons (<, <=, >, >=, ==) whose sides are sums of i32 indices, i32 operands and
-    integer literals (times literals), kv_idx on one side with coefficient 1
-    (`kv_idx <= q_idx`, `q_idx - kv_idx < 256`, `q_idx - kv_idx < window`); None for any
-    other mask, or one that might wrap. An operand's term is keyed `operand_term(name)`."""
-    if mask_rule is None or len(mask_rule.body) != 1 \
-            or not isinstance(mask_rule.body[0], ast.Return):
-        return None
-    bounds: dict[str, list[_Linear]] = {"lo": [], "hi": []}
-    try:
-        _conjunct(mask_rule.body[0].value, program, bounds)
-    except _Unsupported:
-        return None
-    return KVLimits(tuple(bounds["lo"]), tuple(bounds["hi"]))
-
-
-def _conjunct(e: ast.Expr, program: CheckedProgram, bounds: dict) -> None:
-    """Add the bounds on kv_idx that `e` (one conjunct of the mask) puts."""
-    if e in program.literals or not isinstance(e, ast.Binary):
-        raise _Unsupported("not a comparison")
-    if e.op == "&&":
-        _conjunct(e.left, program, bounds)
-        _conjunct(e.right, program, bounds)
-        return
-    if e.op not in _FLIPPED:
-        raise _Unsupported(f"operator {e.op}")
-    left, right = _linear(e.left, program)[0], _linear(e.right, program)[0]
-    diff = dict(left)
-    for role, c in right.items():
-        diff[role] = diff.get(role, 0) - c
-    op, a = e.op, diff.pop("kv_idx", 0)  # a * kv_idx + rest OP 0
-    if a not in (1, -1):
-        raise _Unsupported("kv_idx's coefficient")
-    # kv_idx OP' bound, with bound = -rest / a
-    bound = {role: -c * a for role, c in diff.items() if c}
-    op = op if a == 1 else _FLIPPED[op]
-
-    def shifted(k: int) -> _Linear:
-        form = dict(bound)
-        form[""] = form.get("", 0) + k
-        return tuple(sorted((r, c) for r, c in form.items() if c or r == ""))
-    if op in ("<", "<=", "=="):  # a strict bound moves by one key
-        bounds["hi"].append(shifted(-1 if op == "<" else 0))
-    if op in (">", ">=", "=="):
-        bounds["lo"].append(shifted(1 if op == ">" else 0))
-
-
-def operand_term(name: str) -> str:
-    """The key of i32 operand `name` in a `KVLimits` form (apart from every role's)."""
-    return f"operand {name}"
-
-
-def _linear(e: ast.Expr, program: CheckedProgram) -> tuple[dict[str, int], int, int]:
-    """(e as {role: coefficient}, its lowest and highest value) for a sum of i32 rule
-    parameters, i32 operands (any i32) and integer literals, where no step leaves the i32
-    range."""
-    literal = program.literals.get(e)
-    if isinstance(literal, int) and not isinstance(literal, bool):
-        form, lo, hi = {"": literal}, literal, literal  # (an untyped literal takes i32 here)
-    elif program.types.get(e) != I32:
-        raise _Unsupported("not i32")
-    elif isinstance(e, ast.Name):
-        sym = program.refs.get(e)
-        if sym is not None and sym.kind == "operand":
-            (lo, hi), form = (I32_MIN, I32_MAX), {operand_term(sym.name): 1}
-        elif sym is None or sym.kind != "rule_param" or sym.node not in _ROLE_RANGES:
-            raise _Unsupported("a name other than a parameter or an operand")
-        else:
-            (lo, hi), form = _ROLE_RANGES[sym.node], {sym.node: 1}
-    elif isinstance(e, ast.Unary) and e.op == "-":
-        inner, ilo, ihi = _linear(e.operand, program)
-        form, lo, hi = {r: -c for r, c in inner.items()}, -ihi, -ilo
-    elif isinstance(e, ast.Binary) and e.op in ("+", "-", "*"):
-        (fa, alo, ahi), (fb, blo, bhi) = _linear(e.left, program), _linear(e.right, program)
-        if e.op == "*":
-            if set(fa) == {""}:
-                fa, alo, ahi, fb, blo, bhi = fb, blo, bhi, fa, alo, ahi
-            if set(fb) != {""}:
-                raise _Unsupported("a product of two indices")
-            k = fb[""]
-            form = {r: c * k for r, c in fa.items()}
-            lo, hi = sorted((alo * k, ahi * k))
-        else:
-            sign = 1 if e.op == "+" else -1
-            form = dict(fa)
-            for r, c in fb.items():
-                form[r] = form.get(r, 0) + sign * c
-            lo, hi = (alo + blo, ahi + bhi) if sign == 1 else (alo - bhi, ahi - blo)
-    else:
-        raise _Unsupported(type(e).__name__)
-    if lo < I32_MIN or hi > I32_MAX:
-        raise _Unsupported("may wrap")
-    return form, lo, hi
-
-
-def emit_kv_limits(builder: ir.IRBuilder, limits: KVLimits,
-                   values: dict[str, ir.Value]) -> tuple[ir.Value | None, ir.Value | None]:
-    """(first kept key, last kept key) of a query row as i32, None where the mask puts no
-    such bound; `values`: the row's i32 indices by role, and the i32 operands' values by
-    `operand_term`. Computed in 64 bits, then clamped
-    to [0, I32_MAX] and [-1, I32_MAX] (a key index lies in [0, I32_MAX - 1])."""
-    b = builder
-
-    def form(terms: _Linear) -> ir.Value:
-        total = ir.Constant(_I64, 0)
-        for role, c in terms:
-            term = ir.Constant(_I64, c) if role == "" else \
-                b.mul(b.sext(values[role], _I64), ir.Constant(_I64, c))
-            total = b.add(total, term)
-        return total
-
-    def fold(forms, pick, floor: int):
-        if not forms:
-            return None
-        v = form(forms[0])
-        for f in forms[1:]:
-            w = form(f)
-            v = b.select(b.icmp_signed(pick, v, w), v, w)
-        for pick_, edge in ((">", floor), ("<", I32_MAX)):  # clamp into [floor, I32_MAX]
-            c = ir.Constant(_I64, edge)
-            v = b.select(b.icmp_signed(pick_, v, c), v, c)
-        return b.trunc(v, ir.IntType(32))
-    return fold(limits.lows, ">", 0), fold(limits.highs, "<", -1)

@@ -28,7 +28,8 @@ from mhadsl.front.attention_spec import operand_key, operand_values
 from mhadsl.front.builtin_functions import FUNCTIONS
 from mhadsl.front.semantics import attention_type, convert, int_binary, wrap
 from mhadsl.host.calls import (
-    AttentionCall, check_attention_call, check_flag, check_shape, dtype_name,
+    AttentionCall, check_attention_call, check_flag, check_shape, check_tensor_operand,
+    dtype_name,
 )
 from mhadsl.front.check import CheckedProgram
 from mhadsl.analysis.derivative import differentiate_score
@@ -111,6 +112,8 @@ class _Evaluator:
             return np.float64(e.value)
         if isinstance(e, ast.Name):
             return self.name(e, env, ty)
+        if isinstance(e, ast.Index):
+            return self.tensor_read(e, env)
         if isinstance(e, ast.Unary):
             v = convert(self.expr(e.operand, env), self.types[e.operand], ty)
             if e.op == "!":
@@ -132,6 +135,20 @@ class _Evaluator:
             raise ValueError(f"the rule needs a value for {what}")
         value, src = env[sym.node]
         return convert(value, src, ty)
+
+    def tensor_read(self, e: ast.Index, env: dict):
+        """An element of a tensor operand, 0 where an index lies outside its axis."""
+        indices, node = [], e
+        while isinstance(node, ast.Index):
+            indices.append(np.asarray(self.expr(node.index, env), np.int64))
+            node = node.obj
+        indices.reverse()
+        tensor, _ = env[self.refs[node].node]
+        inside = np.ones(np.broadcast_shapes(*(i.shape for i in indices)), bool)
+        for index, size in zip(indices, tensor.shape):
+            inside = inside & (index >= 0) & (index < size)
+        picked = tensor[tuple(np.where(inside, index, 0) for index in indices)]
+        return np.where(inside, picked, 0)
 
     def binary(self, e: ast.Binary, env: dict, ty: Ty):
         """A chain of operators (`ast.left_chain`), in a loop."""
@@ -198,7 +215,8 @@ def evaluate_rule(rule: ast.Rule, program: CheckedProgram, operands: dict | None
 
     `inputs` are the roles the rule reads — `s`, `b`, `h`, `q_idx`, `kv_idx`, `seqlen_q`,
     `seqlen_k` — as scalars or arrays; they broadcast together and so does the result.
-    `operands`: the declaration's operands by name (an int is an i32, a float an f32).
+    `operands`: the declaration's operands by name (an int is an i32, a float an f32, a
+    NumPy array a tensor: int64 for i32 elements, float64 for f32).
     """
     unknown = set(inputs) - set(_ROLE_TYPES)
     if unknown:
@@ -209,9 +227,12 @@ def evaluate_rule(rule: ast.Rule, program: CheckedProgram, operands: dict | None
         env[role] = (np.asarray(value, np.float64) if ty == F32 else
                      wrap(np.asarray(value).astype(np.int64), ty), ty)
     for name, value in (operands or {}).items():
-        env[operand_key(name)] = (np.int64(value), I32) if isinstance(value, int) else \
-            (np.float64(value), F32)
-    shape = np.broadcast_shapes(*(np.shape(v) for v, _ in env.values()))
+        if isinstance(value, np.ndarray):  # a tensor: int64 or float64 elements
+            env[operand_key(name)] = (value, None)
+        else:
+            env[operand_key(name)] = (np.int64(value), I32) if isinstance(value, int) else \
+                (np.float64(value), F32)
+    shape = np.broadcast_shapes(*(np.shape(v) for v, ty in env.values() if ty is not None))
     ret = BOOL if rule.name == "mask" else F32
     with np.errstate(all="ignore"):  # wrapping products, 0/0 in floats: the values are defined
         return _Evaluator(program, shape).body(rule.body, env, ret)
@@ -451,7 +472,8 @@ def reference(kernel, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
     want_lse = kernel.options.return_lse if return_lse is None else bool(return_lse)
     return attention_reference(*map(_to_numpy, (q, k, v)), return_lse=want_lse,
                                **_kernel_rules(kernel, call.scale, call.cu_seqlens_q,
-                                               call.cu_seqlens_k, values))
+                                               call.cu_seqlens_k, values, call.batch,
+                                               call.heads))
 
 
 def reference_backward(kernel, q, k, v, dout, *, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -471,7 +493,8 @@ def reference_backward(kernel, q, k, v, dout, *, cu_seqlens_q=None, cu_seqlens_k
     check_shape(dout, "dout", q.shape)
     return attention_reference_backward(
         *map(_to_numpy, (q, k, v, dout)),
-        **_kernel_rules(kernel, call.scale, call.cu_seqlens_q, call.cu_seqlens_k, values))
+        **_kernel_rules(kernel, call.scale, call.cu_seqlens_q, call.cu_seqlens_k, values,
+                        call.batch, call.heads))
 
 
 def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None,
@@ -508,6 +531,8 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
                              page_table=page_table, cu_seqlens_q=cu_seqlens_q,
                              max_seqlen_q=max_seqlen_q, scale=scale, num_splits=num_splits,
                              read=_host_ints)
+    rules = _kernel_rules(kernel, call.scale, call.cu_seqlens_q, None, values, call.batch,
+                          q.shape[-2])
     q, k_cache, v_cache = (_to_numpy(x) for x in (q, k_cache, v_cache))
     # Each sequence's keys gathered into one ragged K/V; dense q goes ragged too (B*Sq rows).
     cu_k = np.concatenate([[0], np.cumsum(call.cache_seqlens)])
@@ -519,9 +544,7 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
         pages = _host_ints(page_table)
         where = (pages[sequence, position // call.page_size], position % call.page_size)
     out, lse = attention_reference(q.reshape(-1, *q.shape[-2:]), k_cache[where], v_cache[where],
-                                   return_lse=True,
-                                   **_kernel_rules(kernel, call.scale, call.cu_seqlens_q, cu_k,
-                                                   values))
+                                   return_lse=True, **{**rules, "cu_seqlens_k": cu_k})
     if cu_seqlens_q is None:  # back to the dense layouts
         out = out.reshape(q.shape)
         lse = np.moveaxis(lse.reshape(-1, *q.shape[:2]), 0, 1)
@@ -529,10 +552,18 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
     return (out, lse) if want_lse else out
 
 
-def _kernel_rules(kernel, scale: float, cu_seqlens_q, cu_seqlens_k, operands: dict) -> dict:
+def _kernel_rules(kernel, scale: float, cu_seqlens_q, cu_seqlens_k, operands: dict,
+                  batch: int, heads: int) -> dict:
     """The reference's keyword arguments for a kernel's checked call: its rules, scale,
-    offsets (host arrays) and operand values."""
+    offsets (host arrays) and operand values, its tensors checked against the call's
+    `batch` sequences and `heads` query heads, as host arrays."""
     opts = kernel.options
+    values = dict(operands)
+    for o in opts.operands:
+        if o.axes:
+            t = _tensor(values[o.name], o.name)
+            check_tensor_operand(o, t, batch, heads)
+            values[o.name] = _to_numpy(t).astype(np.int64 if o.type == "i32" else np.float64)
     return dict(mask_rule=opts.mask, score_rule=opts.score, program=kernel.program.checked,
                 scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                operands=operands)
+                operands=values)

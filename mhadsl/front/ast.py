@@ -160,6 +160,7 @@ class ExprStmt(Stmt):
 class TypeRef:
     span: Span
     name: str
+    axes: tuple[str, ...] = ()  # a tensor operand's axes (`i32[batch]`)
 
 
 @node
@@ -239,7 +240,7 @@ class Module:
 
 @functools.cache
 def _child_fields(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls) if f.name != "span")
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("span", "axes"))
 
 
 def children(node) -> Iterator:

@@ -51,14 +51,22 @@ class Operand:
     name: str
     type: str
     default: int | float | None = None
+    axes: tuple[str, ...] = ()  # a tensor's: "batch", "heads" or "_" each
+
+    @property
+    def declared(self) -> str:
+        """Its type as declared: `i32`, `f32[heads, _]`."""
+        return f"{self.type}[{', '.join(self.axes)}]" if self.axes else self.type
 
     def value(self, given) -> int | float:
         """The operand's value in a call that passes `given` (None: its default), checked:
         a TypeError or ValueError names what is wrong."""
         if given is None:
             if self.default is None:
-                raise TypeError(f"the call needs operand {self.name!r} ({self.type})")
+                raise TypeError(f"the call needs operand {self.name!r} ({self.declared})")
             return self.default
+        if self.axes:  # a tensor: its call path checks it against the call's tensors
+            return given
         integral = isinstance(given, numbers.Integral) and not isinstance(given, bool)
         if not (integral if self.type == "i32" else
                 isinstance(given, numbers.Real) and not isinstance(given, bool)):
@@ -205,7 +213,7 @@ def _scheduler_binding(e: ast.Expr) -> tuple[str, tuple[tuple[str, object], ...]
 
 def _operand(p: ast.Param) -> Operand:
     if p.default is None:
-        return Operand(p.name, p.type.name)
+        return Operand(p.name, p.type.name, None, p.type.axes)
     value = constant_number(p.default)
     return Operand(p.name, p.type.name, int(value) if p.type.name == "i32" else float(value))
 

@@ -35,7 +35,7 @@ from mhadsl.front.types import (
     BOOL, DIM3, ERROR, F32, GRID, I32, INT_LITERAL, INTEGERS, MUTABLE_FIELDS,
     NONE, NUMBERS, RECORD_FIELDS, RECORD_PROPERTIES, SCHEDULE, SEQ_INFO,
     SLOTS, STATE, SYNC, TILE_SUMMARY, TILE_SUMMARY_FIELDS, TILE_SUMMARY_METHODS,
-    TYPE_NAMES, U32, VOID, WORK_INFO, Ty, unify,
+    TENSOR_AXES, TYPE_NAMES, U32, VOID, WORK_INFO, TensorTy, Ty, tensor_type, unify,
 )
 
 
@@ -71,6 +71,7 @@ ATTENTION_RULES: dict[str, tuple[tuple[tuple[str, Ty], ...], ...]] = {
 ATTENTION_RESULTS = {"mask": BOOL, "score": F32}
 # Names every mask/score body sees besides its parameters.
 ATTENTION_IMPLICIT = {"seqlen_q": I32, "seqlen_k": I32}
+MAX_TENSOR_AXES = 3
 
 DTYPES = ("bf16", "fp16")
 # Fns are inlined where they are called, and lowered by a recursive walk: a body with its
@@ -303,7 +304,35 @@ class Checker:
 
     def check_type_ref(self, ref: ast.TypeRef) -> Ty:
         ty = TYPE_NAMES.get(ref.name)
+        if ty and ref.axes:
+            return self.error(ref.span, f"'{ref.name}[...]' is a tensor: only an attention "
+                                        f"declaration's operand is one")
         return ty if ty else self.error(ref.span, f"unknown type '{ref.name}'")
+
+    def operand_type(self, p: ast.Param) -> Ty:
+        """An operand's type: a run-time i32 or f32, or a tensor of them along axes."""
+        ref = p.type
+        ty = TYPE_NAMES.get(ref.name)
+        if ty is None:
+            return self.error(ref.span, f"unknown type '{ref.name}'")
+        if ty not in OPERAND_TYPES.values():
+            return self.error(ref.span, f"operand '{p.name}' is {ty}; an attention operand is "
+                                        f"a run-time {' or '.join(OPERAND_TYPES)}, or a "
+                                        f"tensor of them (i32[batch], f32[heads, _])")
+        if not ref.axes:
+            return ty
+        for axis in ref.axes:
+            if axis not in TENSOR_AXES:
+                return self.error(ref.span, f"unknown axis '{axis}' of tensor operand "
+                                            f"'{p.name}': an axis is batch (one per sequence), "
+                                            f"heads (one per query head) or _ (any size)")
+        if len(ref.axes) > MAX_TENSOR_AXES:
+            return self.error(ref.span, f"tensor operand '{p.name}' has {len(ref.axes)} axes; "
+                                        f"at most {MAX_TENSOR_AXES}")
+        if p.default is not None:
+            self.error(p.default.span, f"tensor operand '{p.name}' takes no default: every "
+                                       f"call passes it")
+        return tensor_type(ty, ref.axes)
 
     def check_fn(self, fn: ast.FnDecl) -> None:
         scope = _Scope()
@@ -406,15 +435,11 @@ class Checker:
         for name, ty in ATTENTION_IMPLICIT.items():
             scope.names[name] = Symbol("rule_param", name, ty, name)
         for p in attn.operands:
-            ty = self.check_type_ref(p.type)
-            if ty not in (*OPERAND_TYPES.values(), ERROR):
-                self.error(p.type.span, f"operand '{p.name}' is {ty}; an attention operand "
-                                        f"is a run-time {' or '.join(OPERAND_TYPES)}")
-                ty = ERROR
+            ty = self.operand_type(p)
             if p.name in CALL_KEYWORDS:
                 self.error(p.span, f"'{p.name}' is an argument of every kernel call; give "
                                    f"the operand another name")
-            if p.default is not None and ty != ERROR:
+            if p.default is not None and ty in OPERAND_TYPES.values():
                 self.check_operand_default(p, ty)
             self.declare(scope, p.span, Symbol("operand", p.name, ty, operand_key(p.name)))
         return scope
@@ -490,6 +515,18 @@ class Checker:
             self.error(c.value.span, f"head_dim must be one of {', '.join(map(str, HEAD_DIMS))}")
         elif c.value.value < 1:
             self.error(c.value.span, f"'{c.name}' must be at least 1")
+
+    def tensor_read(self, e: ast.Index, tensor: TensorTy, scope: _Scope, ctx: _Context) -> Ty:
+        """`t[i]`: an element of a rank-1 tensor operand, or the rest of a larger one (to
+        index again: `t[h][j]`); an index outside the axis reads 0."""
+        index = self.expr(e.index, scope, ctx)
+        if index not in (*INTEGERS, ERROR):
+            return self.error(e.index.span, f"a tensor index is an integer, not {index}")
+        if index == INT_LITERAL:
+            self.fit(e.index, I32)
+        if len(tensor.axes) == 1:
+            return tensor.element
+        return tensor_type(tensor.element, tensor.axes[1:])
 
     def check_scale(self, value: ast.Expr) -> None:
         try:
@@ -762,6 +799,8 @@ class Checker:
             return self.attr(e, scope, ctx)
         if isinstance(e, ast.Index):
             obj = self.expr(e.obj, scope, ctx)
+            if isinstance(obj, TensorTy):
+                return self.tensor_read(e, obj, scope, ctx)
             self.expect_value(e.index, self.expr(e.index, scope, ctx), U32, "index")
             if obj not in (SLOTS, ERROR):
                 return self.error(e.span, f"cannot index a value of type {obj}")

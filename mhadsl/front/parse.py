@@ -194,9 +194,10 @@ class _ToAst(Transformer_NonRecursive):
         return tuple(stmts)
 
     # --- declarations
-    @v_args(inline=True)
-    def type(self, tok: Token):
-        return ast.TypeRef(self._span(tok), str(tok))
+    def type(self, children):
+        tok, *axes = children
+        return ast.TypeRef(self._span(tok), str(tok),
+                           tuple(str(a) for a in axes if a is not None))
 
     @v_args(inline=True)
     def param(self, name: Token, typ, default):

@@ -13,6 +13,23 @@ class Ty:
 
 
 U32, I32, BOOL, F32 = Ty("u32"), Ty("i32"), Ty("bool"), Ty("f32")
+
+
+@dataclass(frozen=True)
+class TensorTy(Ty):
+    """A tensor operand of an attention declaration (or what indexing its first axes leaves):
+    `element` (I32 or F32) values along `axes`, each "batch", "heads" or "_" (any size)."""
+
+    element: Ty = None
+    axes: tuple[str, ...] = ()
+
+
+def tensor_type(element: Ty, axes: tuple[str, ...]) -> TensorTy:
+    return TensorTy(f"{element}[{', '.join(axes)}]", element, axes)
+
+
+# A tensor operand's axes: the call's sequences, its query heads, or any size.
+TENSOR_AXES = ("batch", "heads", "_")
 INT_LITERAL = Ty("integer literal")  # adopts the integer type it meets (u32 on its own)
 WORK_INFO, SEQ_INFO, STATE = Ty("WorkInfo"), Ty("SeqInfo"), Ty("State")
 TILE_SUMMARY, SLOTS, COUNTER = Ty("TileSummary"), Ty("Slots"), Ty("Counter")

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import sys
 
+from mhadsl.abi import OPERAND_PREFIX
 from mhadsl.front.attention_spec import operand_values
-from mhadsl.host.calls import DTYPE_NAMES, check_flag, check_rows, check_shape, torch_stream
+from mhadsl.host.calls import (
+    DTYPE_NAMES, check_flag, check_rows, check_shape, operand_views, tensor_operands,
+    torch_stream,
+)
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.backends.backward import BACKEND, BackwardConfig
 from mhadsl.host.forward import check_call
@@ -63,7 +67,8 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
                          "forward's: (batch, heads, seqlen_q) dense, (heads, total_q) ragged)")
     if lse_view.dtype != "float32":
         raise TypeError(f"lse has dtype {lse_view.dtype}, expected float32")
-    given = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
+    given = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout,
+             **tensor_operands(kernel.options, values)}
     if call.sizes.ragged:
         given.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     torch = sys.modules.get("torch")
@@ -74,6 +79,7 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
     if len(devices) > 1:
         raise ValueError(f"the backward's tensors are on different devices: "
                          f"{sorted(map(str, devices))}")
+    operand_views(kernel.options, values, call.sizes.batch, call.sizes.heads, None)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     return _run(kernel, torch, call, q, k, v, out, lse.contiguous(), dout, cu_seqlens_q,
@@ -88,7 +94,8 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic
     dv = alloc(v.shape, dtype=v.dtype, device=v.device)
     if not (call.sizes.batch and call.sizes.heads):  # no CTA to launch (empty ones launch)
         return dq.zero_(), dk.zero_(), dv.zero_()
-    tensors = {"q": q, "k": k, "v": v, "o": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv}
+    tensors = {"q": q, "k": k, "v": v, "o": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv,
+               **tensor_operands(kernel.options, operands)}
     plans, scratch = _plans(kernel, call, tensors, q.device.index, deterministic)
     addresses = {name: t.data_ptr() for name, t in tensors.items()}
     addresses["lse"] = lse.data_ptr()
@@ -99,7 +106,8 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic
     if call.sizes.ragged:
         addresses.update(cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr())
     for name, t in addresses.items():
-        if t % 16 and name not in ("lse", "delta", "cu_seqlens_q", "cu_seqlens_k"):
+        if t % 16 and name not in ("lse", "delta", "cu_seqlens_q", "cu_seqlens_k") \
+                and not name.startswith(OPERAND_PREFIX):
             raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned, got a pointer "
                              f"at {t:#x}")
     launch(plans, addresses, torch_stream(torch, q.device.index), scalars=operands)

@@ -14,6 +14,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from mhadsl.abi import OPERAND_PREFIX
 from mhadsl.front.attention_spec import AttentionOptions, scale_problem
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -160,6 +161,61 @@ def check_shape(t, name: str, shape: tuple) -> None:
 def dtype_name(t) -> str:
     """A tensor's dtype as a plain name ("int32", "bfloat16"), for any kind of tensor."""
     return str(t.dtype).removeprefix("torch.")
+
+
+TENSOR_OPERAND_DTYPES = {"i32": "int32", "f32": "float32"}
+TENSOR_OPERAND_SPAN = 2 ** 31  # elements from a tensor operand's first to its last, at most
+
+
+def check_tensor_operand(operand, t, batch: int, heads: int) -> None:
+    """Tensor operand `operand` (`attention_spec.Operand`) as a call passes it (a tensor of
+    any kind), against the call's sequences and query heads: its element type, rank, the
+    sizes of its `batch` and `heads` axes; no axis empty (a read outside an axis gives 0,
+    one inside reads the tensor)."""
+    what = f"tensor operand {operand.name!r} ({operand.declared})"
+    want = TENSOR_OPERAND_DTYPES[operand.type]
+    if dtype_name(t) != want:
+        raise TypeError(f"{what} takes {want} elements, got {dtype_name(t)}")
+    shape = tuple(t.shape)
+    if len(shape) != len(operand.axes):
+        raise ValueError(f"{what} has {len(operand.axes)} axes, got shape {shape}")
+    for axis, size, n in zip(operand.axes, shape, range(len(shape))):
+        need = {"batch": batch, "heads": heads}.get(axis)
+        if need is not None and size != need:
+            raise ValueError(f"{what}: axis {n} ({axis}) has {size} entries, but the call has "
+                             f"{need} {'sequences' if axis == 'batch' else 'query heads'}")
+        if size == 0:
+            raise ValueError(f"{what}: axis {n} is empty")
+
+
+def tensor_operands(options: AttentionOptions, operands: dict | None) -> dict:
+    """A call's tensor operands among its operand values, by the name the kernels' parameters
+    and the call's tensors give them (`operand_<name>`)."""
+    if not operands:
+        return {}
+    return {OPERAND_PREFIX + o.name: operands[o.name] for o in options.operands if o.axes}
+
+
+def operand_views(options: AttentionOptions, operands: dict | None, batch: int, heads: int,
+                  device: int | None) -> dict:
+    """Views of a call's tensor operands (`tensor_operands`), each checked against the call
+    (`check_tensor_operand`) and on the device of its other tensors where it is on one."""
+    from mhadsl.runtime import tensors
+    views = {}
+    for o in options.operands:
+        if not o.axes:
+            continue
+        view = tensors.as_device_tensor(operands[o.name], o.name)
+        check_tensor_operand(o, view, batch, heads)
+        span = sum((n - 1) * abs(s) for n, s in zip(view.shape, view.strides))
+        if span >= TENSOR_OPERAND_SPAN:  # (the kernels' offsets into it are 32-bit)
+            raise ValueError(f"tensor operand {o.name!r} spans {span + 1} elements; at most "
+                             f"{TENSOR_OPERAND_SPAN}")
+        if not view.on_host and device is not None and view.device != device:
+            raise ValueError(f"tensor operand {o.name!r} is on device {view.device}, the "
+                             f"call's other tensors on {device}")
+        views[OPERAND_PREFIX + o.name] = view
+    return views
 
 
 def index_view(obj, name: str):

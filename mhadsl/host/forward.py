@@ -21,7 +21,7 @@ import numpy as np
 from mhadsl.abi import CallSizes
 from mhadsl.host.calls import (
     DTYPE_NAMES, AddressChecks, DeviceCopies, check_attention_call, check_flag, check_output,
-    check_rows,
+    check_rows, operand_views, tensor_operands,
     host_values, index_view, share_memory, span, stream_handle, torch_signature,
     torch_stream, typed_key,
 )
@@ -34,12 +34,14 @@ def forward(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, s
     """`kernel`'s attention of q against k and v (`Kernel.__call__`; positional, as each
     keyword costs the per-call host path); `operands`: the operands' values, checked
     (`operand_values`; None where the declaration has none)."""
-    key = torch_signature(q, k, v, out, cu_q, cu_k)
+    tensor_ops = tensor_operands(kernel.options, operands)
+    key = torch_signature(q, k, v, out, cu_q, cu_k, *tensor_ops.values())
     if key is not None:  # torch tensors: a signature seen before runs its plan
         key = typed_key(key, (max_q, max_k, scale, return_lse))
         planned = kernel.launcher.fast_plans.get(key)
         if planned is not None:
-            return _run_torch(kernel, planned, q, k, v, out, cu_q, cu_k, stream, operands)
+            return _run_torch(kernel, planned, q, k, v, out, cu_q, cu_k, stream, operands,
+                              tensor_ops)
     return _call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, stream,
                  key, operands)
 
@@ -72,6 +74,8 @@ def _call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, str
     call = check_call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale)
     dtype = DTYPE_NAMES[kernel.options.dtype]
     device = next((t.device for t in (call.q, call.k, call.v) if not t.on_host), None)
+    op_views = operand_views(kernel.options, operands, call.sizes.batch, call.sizes.heads,
+                             device)
     od = None if out is None else _check_out(kernel, out, call, dtype, device)
     handle = driver.stream_handle(stream, kind=call.q.kind,
                                   device=device if call.q.on_host else call.q.device)
@@ -91,7 +95,8 @@ def _call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, str
         if want_lse else None
 
     views = {"q": qd, "k": kd, "v": vd, "o": out_dev, "lse": lse_dev,
-             "cu_seqlens_q": cu_qd, "cu_seqlens_k": cu_kd}
+             "cu_seqlens_q": cu_qd, "cu_seqlens_k": cu_kd,
+             **{n: on_device(t, n, t.dtype) for n, t in op_views.items()}}
     if _launches(call):
         # a torch call's signature fixes all its checks but those of its addresses, unless
         # they read lengths on the device
@@ -106,7 +111,8 @@ def _call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, str
         tensors.from_device(lse_dev, lse_obj, stream=handle)
     return (out_obj, lse_obj) if want_lse else out_obj
 
-def _run_torch(kernel, planned: _Planned, q, k, v, out, cu_q, cu_k, stream, operands):
+def _run_torch(kernel, planned: _Planned, q, k, v, out, cu_q, cu_k, stream, operands,
+               tensor_ops: dict):
     """A call whose signature has a plan: only what depends on its addresses is checked
     (alignment, and whether out overlaps q, k or v), then the plan launches."""
     torch = sys.modules["torch"]
@@ -123,6 +129,7 @@ def _run_torch(kernel, planned: _Planned, q, k, v, out, cu_q, cu_k, stream, oper
     if cu_q is not None:
         addresses["cu_seqlens_q"], addresses["cu_seqlens_k"] = cu_q.data_ptr(), \
             cu_k.data_ptr()
+    addresses.update((n, t.data_ptr()) for n, t in tensor_ops.items())
     handle = torch_stream(torch, q.get_device()) if stream is None else \
         stream_handle(stream)
     launch(planned.plans, addresses, handle, kernel.recording_workspace, operands)

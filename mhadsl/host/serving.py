@@ -28,7 +28,8 @@ import numpy as np
 
 from mhadsl.host.calls import (
     DTYPE_NAMES, AddressChecks, DeviceCopies, check_flag, check_output, check_rows, host_values,
-    index_view, share_memory, span, stream_handle, torch_signature, torch_stream, typed_key,
+    index_view, operand_views, share_memory, span, stream_handle, tensor_operands,
+    torch_signature, torch_stream, typed_key,
 )
 from mhadsl.abi import CallSizes
 from mhadsl.codegen.backends import CacheLayout, Layout, select_target
@@ -172,14 +173,17 @@ def decode(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
     """`kernel`'s attention of q against its cache (`Kernel.__call__` with `cache_seqlens`;
     positional, as each keyword costs the per-call host path); `operands`: the operands'
     checked values (None where the declaration has none)."""
-    key = torch_signature(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out)
+    tensor_ops = tensor_operands(kernel.options, operands)
+    key = torch_signature(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
+                          *tensor_ops.values())
     if key is not None:  # torch tensors: a signature seen before runs its plan
         key = typed_key(key, (max_seqlen_q, scale, return_lse, num_splits))
         key = ("decode", *key)
         planned = kernel.launcher.fast_plans.get(key)
         if planned is not None and not planned.debug_mode():
             return _run_torch(planned, q, k_cache, v_cache, cache_seqlens, page_table,
-                              cu_seqlens_q, out, stream, kernel.recording_workspace, operands)
+                              cu_seqlens_q, out, stream, kernel.recording_workspace, operands,
+                              tensor_ops)
     check_flag(return_lse, "return_lse")
     want_lse = kernel.options.return_lse if return_lse is None else bool(return_lse)
     return _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
@@ -220,6 +224,8 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
     for name in ("q", "k_cache", "v_cache"):
         if not views[name].on_host:
             check_rows(views[name], name)
+    op_views = operand_views(kernel.options, operands, call.batch, views["q"].shape[-2],
+                             device)
     for name in ("cache_seqlens", "page_table", "cu_seqlens_q"):
         view = views.get(name)
         if view is not None and not view.on_host and view.strides[-1] != 1:
@@ -242,6 +248,7 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
     for name in ("cache_seqlens", "page_table", "cu_seqlens_q"):
         if name in views:
             dev[name] = on_device(views[name], name, "int32")
+    dev.update((n, on_device(t, n, t.dtype)) for n, t in op_views.items())
     lse_obj = None
     if want_lse:
         shape = (qv.shape[1], qv.shape[0]) if ragged else (qv.shape[0], qv.shape[2],
@@ -315,7 +322,7 @@ def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
 
 # ---------------------------------------------------------------------- torch fast path
 def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_table, cu_q,
-               out, stream, workspace: int | None, operands: dict | None):
+               out, stream, workspace: int | None, operands: dict | None, tensor_ops: dict):
     """A call of a planned torch signature: only what its addresses decide is checked
     (alignment, and out overlapping what the kernel reads), then the plan launches."""
     torch = sys.modules["torch"]
@@ -328,6 +335,7 @@ def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_ta
         addresses["page_table"] = page_table.data_ptr()
     if cu_q is not None:
         addresses["cu_seqlens_q"] = cu_q.data_ptr()
+    addresses.update((n, t.data_ptr()) for n, t in tensor_ops.items())
     planned.check_addresses(addresses)
     lse = None
     if planned.lse_shape is not None:

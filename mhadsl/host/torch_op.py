@@ -21,8 +21,9 @@ backward is deterministic (bitwise the same gradients every run) under
 (`attn(q, k, v, deterministic=True)`; False forces the faster atomic dQ).
 
 A declaration's operands are the operator's last arguments, by name (`attn(q, k, v,
-window=512)`): an i32 is an `int?`, an f32 a `float?`, None taking the declared default. They
-are values of the call: a new value runs the same build.
+window=512)`): an i32 is an `int?`, an f32 a `float?`, None taking the declared default, a
+tensor a `Tensor?` (every call passes it; no gradient flows to it). They are values of the
+call: a new value runs the same build.
 """
 
 import hashlib
@@ -76,8 +77,8 @@ def torch_op(kernel):
 
 def with_operands(schema: str, kernel) -> str:
     """`schema` with the kernel's operands after its arguments (`int?`/`float?`, None)."""
-    extra = "".join(f", {'int' if o.type == 'i32' else 'float'}? {o.name}=None"
-                    for o in kernel.options.operands)
+    extra = "".join(f", {'Tensor' if o.axes else 'int' if o.type == 'i32' else 'float'}? "
+                    f"{o.name}=None" for o in kernel.options.operands)
     return schema.replace(") -> ", extra + ") -> ", 1)
 
 
