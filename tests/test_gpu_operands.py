@@ -47,7 +47,7 @@ def test_a_new_value_runs_the_same_build_and_reaches_the_kernel(backend):
 @pytest.mark.parametrize("values", VALUES[1:3], ids=str)
 def test_decode(page_size, values):
     kern = windowed()
-    k, v, seqlens, table = cache([1, 700, 4000], 2, 128, page_size=page_size)
+    k, v, seqlens, table = cache([4, 700, 4000], 2, 128, page_size=page_size)
     out = check(kern, queries(3, 4, 8, 128), k, v, seqlens, table, **values)
     assert out.shape == (3, 4, 8, 128)
 
@@ -116,7 +116,7 @@ def test_relative_bias_reads_its_table_and_zero_past_it(backend):
 def test_tensor_operands_in_decode_and_the_backward():
     kern = example("relative_bias")
     table = torch.randn(8, 1000, device="cuda")
-    k, v, seqlens, pages = cache([1, 700, 4000], 2, 128, page_size=64)
+    k, v, seqlens, pages = cache([4, 700, 4000], 2, 128, page_size=64)
     check(kern, queries(3, 4, 8, 128), k, v, seqlens, pages, table=table)
     args = dense(kern, 2, 300, 400, 8, 2)
     out, lse = kern(**args, table=table, return_lse=True)
