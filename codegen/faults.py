@@ -21,11 +21,12 @@ if TYPE_CHECKING:  # annotations only: both import this module (the rules via th
 
 
 def stop_step(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv,
-               too_many: ir.Value, aligned: bool) -> ir.Value:
-    """Whether any thread of the CTA stops after this scheduler step (a CTA-wide vote); a
-    thread that stops records why first."""
+               too_many: ir.Value) -> ir.Value:
+    """Whether any thread of the CTA stops after this scheduler step (a CTA-wide vote that
+    every thread reaches at this one site: `.aligned`); a thread that stops records why
+    first."""
     faulted = record_step_fault(builder, sched, kenv, too_many)
-    return nvptx.barrier_any(builder, faulted, aligned)
+    return nvptx.barrier_any(builder, faulted)
 
 
 def record_step_fault(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv,

@@ -129,14 +129,13 @@ def barrier_arrive(builder: ir.IRBuilder, barrier_id: int | ir.Value,
          [_value(barrier_id), _value(num_threads)])
 
 
-def barrier_any(builder: ir.IRBuilder, pred: ir.Value, aligned: bool = True) -> ir.Value:
-    """A CTA-wide barrier that returns (to every thread) whether `pred` held in any thread
-    (`aligned` as in `barrier_all`)."""
-    if aligned:
-        return call(builder, "llvm.nvvm.barrier.cta.red.or.aligned.all", i1,
-                    [i32(CTA_BARRIER), pred])
-    return call(builder, "llvm.nvvm.barrier.cta.red.or.count", i1,
-                [i32(CTA_BARRIER), _cta_threads(builder), pred])
+def barrier_any(builder: ir.IRBuilder, pred: ir.Value) -> ir.Value:
+    """A CTA-wide barrier, reached by every thread at this one site (`.aligned`), that
+    returns to every thread whether `pred` held in any thread. (Roles that meet from their
+    own branches vote through `work_loop.divergent_vote`: compute-sanitizer's synccheck
+    refuses a `barrier.red` reached from two sites.)"""
+    return call(builder, "llvm.nvvm.barrier.cta.red.or.aligned.all", i1,
+                [i32(CTA_BARRIER), pred])
 
 
 # ----------------------------------------------------------------- kernels

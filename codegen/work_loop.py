@@ -10,7 +10,9 @@ from typing import Callable
 from llvmlite import ir
 
 from mhadsl.codegen import nvptx, warp
-from mhadsl.codegen.faults import num_work, refuel, stop_step, word, workspace_of
+from mhadsl.codegen.faults import (
+    num_work, record_step_fault, refuel, stop_step, word, workspace_of,
+)
 from mhadsl.codegen.handoff import Handoff, handoff_step
 from mhadsl.codegen.lower import ENV_FIELDS, alloca, record_type
 from mhadsl.codegen.nvptx import i1, i32, i64
@@ -82,6 +84,48 @@ def shared_slots(module: ir.Module) -> ir.GlobalVariable:
     return nvptx.shared_array(module, "mhadsl.sched_slots", ir.ArrayType(i32, SLOT_COUNT))
 
 
+# The CTA-wide vote of loops that warp-specialised roles run in their own branches (not
+# `aligned`): one flag per step parity, in shared memory. A `barrier.red` that the roles reach
+# from their two sites is legal PTX, but compute-sanitizer's synccheck reports it ("divergent
+# thread(s) in block", measured on the H200 with a two-branch test kernel); a `barrier.sync`
+# with the thread count reached from two sites it accepts.
+_VOTE_FLAGS = ir.ArrayType(i32, 2)
+
+
+def _vote_flags(module: ir.Module) -> ir.GlobalVariable:
+    return nvptx.shared_array(module, "mhadsl.role_vote", _VOTE_FLAGS)
+
+
+def init_role_votes(builder: ir.IRBuilder) -> None:
+    """Zero the role vote's flags (`divergent_vote`): one thread, before the CTA barrier that
+    precedes the work loops of a kernel whose roles diverge."""
+    for k in range(2):
+        builder.store(i32(0), builder.gep(_vote_flags(builder.module), [i32(0), i32(k)],
+                                          source_etype=_VOTE_FLAGS))
+
+
+def role_vote_flags(builder: ir.IRBuilder) -> ir.Value:
+    """The 32-bit shared address of the role vote's two flags (for a kernel that zeroes them
+    in asm: `init_role_votes`)."""
+    return builder.ptrtoint(_vote_flags(builder.module), i32)
+
+
+def divergent_vote(builder: ir.IRBuilder, sched: LoweredScheduler, kenv: KernelEnv,
+                   too_many: ir.Value, step: ir.Value) -> ir.Value:
+    """`faults.stop_step` for roles that reach the vote from their own branches: a thread
+    that faults sets the flag of the step's parity, every thread meets at a non-`.aligned`
+    `barrier.sync` (the CTA's thread count) and reads the flag. A flag set at step n stops
+    every thread at step n, so it never needs clearing; and no thread writes the flag of
+    step n + 2 before every thread has read step n's, as it passes step n + 1's barrier
+    first. The flags start at zero (`init_role_votes`)."""
+    flag = builder.gep(_vote_flags(builder.module), [i32(0), builder.and_(step, i32(1))],
+                       source_etype=_VOTE_FLAGS)
+    record_step_fault(builder, sched, kenv, too_many,
+                      then=lambda: builder.store(i32(1), flag))
+    nvptx.barrier_all(builder, aligned=False)
+    return builder.icmp_unsigned("!=", builder.load(flag, typ=i32), i32(0))
+
+
 def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
                    fill_env: Callable[[ir.IRBuilder], KernelEnv],
                    body: Callable[[ir.IRBuilder, dict[str, ir.Value]], None], *,
@@ -98,8 +142,9 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     plus one, or a step whose `while` loops run out of fuel (`loop_fuel` of
     `codegen.scheduler`), records a fault in the workspace (`codegen.faults`), and a
     CTA-wide vote after each step ends the loop for every thread at once (a fault seen by
-    one thread alone must not strand the others at a barrier). No `trap`: the CUDA context
-    stays usable.
+    one thread alone must not strand the others at a barrier; where roles run the loop in
+    their own branches, not `aligned`, the vote is `divergent_vote`, whose flags the kernel
+    zeroes first: `init_role_votes`). No `trap`: the CUDA context stays usable.
 
     With `trace_thread`, that thread records each tile it runs into the workspace's trace
     buffer (`trace_records.record_work_item`); other threads run exactly what they run
@@ -154,7 +199,8 @@ def emit_work_loop(builder: ir.IRBuilder, sched: LoweredScheduler,
     too_many = builder.phi(i1)
     too_many.add_incoming(i1(0), entry_bb)
     too_many.add_incoming(i1(0), first_bb)
-    stop = stop_step(builder, sched, kenv, too_many, aligned)
+    stop = stop_step(builder, sched, kenv, too_many) if aligned else \
+        divergent_vote(builder, sched, kenv, too_many, builder.load(taken, typ=i32))
     builder.cbranch(builder.and_(has_work, builder.not_(stop)), loop_bb, exit_bb)
 
     builder.position_at_end(loop_bb)

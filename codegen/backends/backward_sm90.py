@@ -86,7 +86,7 @@ from mhadsl.codegen.backends.backward import (
     _TileKernel,
 )
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
-from mhadsl.codegen.work_loop import count_exit
+from mhadsl.codegen.work_loop import count_exit, role_vote_flags
 from mhadsl.codegen.target import Target
 
 SMEM_SYMBOL = "mha_bwd_sm90_smem"
@@ -520,10 +520,14 @@ class _HopperMain(_MainKernel):
         text += [f"@p prefetch.tensormap [${1 + i}];" for i in range(len(maps))]
         text += [f"@p mbarrier.init.shared::cta.b64 [${1 + len(maps) + i}], {n};"
                  for i, n in enumerate(counts)]
+        # the flags of the roles' votes (`work_loop.divergent_vote`) start at zero
+        votes = 1 + len(maps) + len(bars)
+        text += [f"@p st.shared.u32 [${votes}], 0;", f"@p st.shared.u32 [${votes}+4], 0;"]
         text += ["@p fence.mbarrier_init.release.cluster;", "}"]
-        b.asm(ir.FunctionType(nvptx.void, [i32] + [i64] * len(maps) + [i32] * len(bars)),
-              " ".join(text), ",".join(["r"] + ["l"] * len(maps) + ["r"] * len(bars)
-                                       + ["~{memory}"]), [tid, *maps, *bars], True)
+        b.asm(ir.FunctionType(nvptx.void, [i32] + [i64] * len(maps) + [i32] * (len(bars) + 1)),
+              " ".join(text), ",".join(["r"] + ["l"] * len(maps) + ["r"] * (len(bars) + 1)
+                                       + ["~{memory}"]),
+              [tid, *maps, *bars, role_vote_flags(b)], True)
         nvptx.barrier_all(b)
 
     def _ring_slot(self, b, count=None):

@@ -41,7 +41,7 @@ from mhadsl.codegen.backends.blocks import WorkTile, last_index
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.handoff import Handoff, init_handoff
 from mhadsl.codegen.target import Target, new_module
-from mhadsl.codegen.work_loop import count_exit
+from mhadsl.codegen.work_loop import count_exit, init_role_votes
 
 KERNEL_NAME = "mha_fwd_sm90"
 SMEM_SYMBOL = "mha_fwd_sm90_smem"
@@ -798,6 +798,7 @@ def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
         hopper.mbarrier_init(b, mem.q_empty(b), config.consumer_threads)
         hopper.mbarrier_init(b, mem.o_free(b), 1)
         init_handoff(b, *role_threads)
+        init_role_votes(b)  # (the roles' first vote: `work_loop.divergent_vote`)
         for stage in range(config.stages):
             for which in "kv":
                 hopper.mbarrier_init(b, mem.full(b, which, i32(stage)), 1)
