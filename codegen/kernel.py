@@ -29,7 +29,8 @@ from mhadsl.codegen.work_loop import EnvParams, emit_work_loop, env_filler, shar
 from mhadsl.front.types import BOOL, F32, I32
 
 MASK_ROLES = ("b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k")
-SCORE_ROLES = ("s", "b", "h", "q_idx", "kv_idx")
+SCORE_ROLES = ("s", "b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k")
+SINK_ROLES = ("b", "h", "seqlen_q", "seqlen_k")
 
 
 class _NoBuiltins(Builtins):
@@ -65,11 +66,13 @@ def _rule_hook(program: CheckedProgram, rule, roles: tuple[str, ...], result_ty,
     return emit
 
 
-def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=()) -> ExprHooks:
+def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
+               sink_rule=None) -> ExprHooks:
     """The hooks of a declaration's rules; `operands` its `AttentionOptions.operands`."""
     params = operand_params(operands)
     mask = _rule_hook(program, mask_rule, MASK_ROLES, BOOL, operands) if mask_rule else None
     score = _rule_hook(program, score_rule, SCORE_ROLES, F32, operands) if score_rule else None
+    sink = _rule_hook(program, sink_rule, SINK_ROLES, F32, operands) if sink_rule else None
 
     def classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k):
         return emit_classify(builder, mask_rule, program, b, h, q_lo, q_hi, kv_lo, kv_hi,
@@ -81,9 +84,11 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=()) -> E
         return emit_kv_limits(builder, limits, {"b": b, "h": h, "q_idx": q_idx,
                                                 "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
                                                 **values})
-    return ExprHooks(mask=mask, score=score,
+    return ExprHooks(mask=mask, score=score, sink=sink,
                      classify=classify if mask_rule is not None else None,
                      mask_uses_head=mask_rule is not None and _reads(mask_rule, "h"),
+                     score_reads_lengths=score_rule is not None and any(
+                         _reads(score_rule, n) for n in ("seqlen_q", "seqlen_k")),
                      kv_limits=row_limits if limits is not None else None, operands=params)
 
 
@@ -98,11 +103,12 @@ def _reads(rule, name: str) -> bool:
     return False
 
 
-def backward_hooks(program: CheckedProgram, mask_rule, score_rule, operands=()) -> ExprHooks:
+def backward_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
+                   sink_rule=None) -> ExprHooks:
     """The forward's hooks plus the score rule's derivative d score / d s
     (`mhadsl.analysis.derivative`), lowered like the score; raises `MhaError` where the score rule
     cannot be differentiated."""
-    hooks = expr_hooks(program, mask_rule, score_rule, operands)
+    hooks = expr_hooks(program, mask_rule, score_rule, operands, sink_rule)
     if score_rule is None:
         return hooks
     rule, derived = differentiate_score(score_rule, program)
@@ -170,5 +176,5 @@ def kernel_source(program: CheckedProgram, options, target: Target,
         spec = SchedulerSpec(options.scheduler, options.scheduler_args, tile_m, gqa_group)
         return scheduler_work_loop(program, spec, target, trace)
     hooks = (backward_hooks if derivative else expr_hooks)(program, options.mask, options.score,
-                                                           options.operands)
+                                                           options.operands, options.sink)
     return KernelSource(hooks, work_loop, trace)

@@ -420,6 +420,22 @@ def row_lse(builder: ir.IRBuilder, row_max: ir.Value, scale_log2: ir.Value, tota
     return builder.select(empty, fconst(NEG_INF), value)
 
 
+def sink_finish(builder: ir.IRBuilder, row_max: ir.Value, scale_log2: ir.Value,
+                total: ir.Value, empty: ir.Value, sink_log2: ir.Value
+                ) -> tuple[ir.Value, Callable[[], ir.Value]]:
+    """A row's end with a sink logit in its denominator (log2 domain, finite): (what O's
+    accumulators are multiplied by, a function that emits the row's LSE). Both terms are taken relative to the
+    larger of the row's max and the sink, so neither overflows; a row with no key kept has
+    output 0 and the sink's logit as its LSE."""
+    top = builder.fmul(row_max, scale_log2)  # -inf where no key was kept
+    big = fmax(builder, top, sink_log2)
+    rescale = ex2(builder, builder.fsub(top, big))
+    kept = builder.select(empty, fconst(0.0), builder.fmul(total, rescale))
+    denominator = builder.fadd(kept, ex2(builder, builder.fsub(sink_log2, big)))
+    inv = builder.fmul(rescale, rcp(builder, denominator))
+    return inv, lambda: builder.fmul(builder.fadd(big, lg2(builder, denominator)), fconst(LN2))
+
+
 def fmax(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
     return call(builder, "llvm.maxnum.f32", f32, [a, b])
 

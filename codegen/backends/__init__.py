@@ -219,12 +219,15 @@ class ExprHooks:
     """Callables from the front end that emit the mask and score expressions.
 
     mask(builder, b, h, q_idx, kv_idx, seqlen_q, seqlen_k) -> i1 (true = keep); None = no mask.
-    score(builder, s, b, h, q_idx, kv_idx) -> f32; `s` is the *scaled* score (q.k * scale);
-        None = identity.
+    score(builder, s, b, h, q_idx, kv_idx[, seqlen_q, seqlen_k]) -> f32; `s` is the *scaled*
+        score (q.k * scale); the lengths where `score_reads_lengths`; None = identity.
+    sink(builder, b, h, seqlen_q, seqlen_k) -> f32: the row's sink logit (natural log, in the
+        units of the scored logits), which joins the softmax denominator of every row of
+        query head h of sequence b; None = no sink.
     classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k) -> (may_be_true: i1,
         always_true: i1) over the inclusive index box; None = every tile may be true and is
         full (for `mask=None`) or partial (with a mask).
-    derivative(builder, s, b, h, q_idx, kv_idx) -> f32: d score / d s at the scaled score `s`
+    derivative(builder, s, b, h, q_idx, kv_idx[, ...]) -> f32: d score / d s at the scaled score `s`
         (the backward pass's; `codegen.kernel.backward_hooks`); None = no score rule.
     kv_limits(builder, b, h, q_idx, seqlen_q, seqlen_k) -> (first kept key or None, last
         kept key or None) of the row, i32, where the mask keeps one run of keys per row
@@ -239,6 +242,8 @@ class ExprHooks:
     score: Callable | None = None
     classify: Callable | None = None
     mask_uses_head: bool = False  # the mask reads `h` (its tile classes differ per head)
+    score_reads_lengths: bool = False  # the score reads seqlen_q or seqlen_k
+    sink: Callable | None = None
     derivative: Callable | None = None
     kv_limits: Callable | None = None
     operands: tuple[Param, ...] = ()

@@ -87,6 +87,7 @@ class BackwardConfig(RowCopies):
     # computing S^T and dP^T again: head dim 256's dK and dV would hold 256 f32 per thread
     column_passes: int = 1
     deterministic: bool = False  # dQ from mha_bwd_dq, not atomics (bitwise repeatable)
+    sink: bool = False  # the declaration has a sink rule: the preprocess writes `sink_terms`
     # IR shapes of one computation, for ptxas's allocation at the register cap (`configs`):
     park_work_tile: bool = True  # the work tile's values read from shared memory per use
     opaque_env: bool = True  # the scheduler's inputs rederived per step (`KernelArgs`)
@@ -225,6 +226,14 @@ ABI = KernelABI(
           "K/V tiles (codegen/tile_index.py), built on the device from cu_seqlens_k just "
           "before the main kernel; null when dense", align=4),
 )
+# The preprocess's parameters where the declaration has a sink rule (`BackwardConfig.sink`).
+SINK_ABI = KernelABI(*ABI, Param(
+    "sink_terms", "ptr", Pointer("sink_terms"), "float32 exp(sink - LSE) * delta per row, the "
+    "LSE's layout: summed over a sequence's rows, minus the gradient of its sink", align=4))
+
+
+def preprocess_abi(config: BackwardConfig) -> KernelABI:
+    return SINK_ABI if config.sink else ABI
 
 
 # ============================================================================ helpers
@@ -329,6 +338,21 @@ class _RowKernel:
             off = _lse_offset(b, self.a, self.bidx, self.h, b.add(self.start, row))
             b.store(delta, _gep(b, self.a.delta, off, f32), align=4)
 
+    def store_sink_term(self, b, hooks: ExprHooks, row, valid, delta) -> None:
+        """Row `row`'s term of its sink's gradient, exp(sink - LSE) * delta (0 where the
+        LSE is -inf), in the LSE's layout (`SINK_ABI`)."""
+        with b.if_then(b.and_(valid, b.icmp_unsigned("==", self.chunk, i32(0)))):
+            off = _lse_offset(b, self.a, self.bidx, self.h, b.add(self.start, row))
+            lse = b.load(_gep(b, self.a.lse, off, f32), typ=f32)
+            seqlen_k = sequence_rows(b, self.c.ragged, self.a.cu_seqlens_k, self.a.seqlen_k,
+                                     self.bidx)[1]
+            sink = TileRules(hooks, TileSequence(self.bidx, self.seqlen, seqlen_k)).sink_log2(
+                b, self.h)
+            weight = warp.ex2(b, b.fsub(sink, b.fmul(lse, warp.fconst(warp.LOG2E))))
+            none = b.fcmp_ordered("==", lse, warp.fconst(warp.NEG_INF))
+            term = b.select(none, warp.fconst(0.0), b.fmul(weight, delta))
+            b.store(term, _gep(b, self.a.sink_terms, off, f32), align=4)
+
     def accum_vectors(self, b, row) -> list[ir.Value]:
         """Pointers to the two 4-float vectors of the thread's 8 columns of `row`."""
         first = self.chunk_ptr(b, "dq_accum", row, f32)
@@ -365,9 +389,10 @@ class _RowKernel:
         return _gep(b, self.a[tensor], off, etype)
 
 
-def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs, rows=None):
-    """delta = rowsum(dO * O), and the rows' dQ accumulator zeroed; `rows` (a `_RowKernel`
-    type) says where a design keeps the accumulator."""
+def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs, hooks: ExprHooks, rows=None):
+    """delta = rowsum(dO * O), with a sink each row's term of its gradient
+    (`_RowKernel.store_sink_term`), and the rows' dQ accumulator zeroed; `rows` (a
+    `_RowKernel` type) says where a design keeps the accumulator."""
     k = (rows or _RowKernel)(b, config, args)
     v4i = ir.VectorType(i32, 4)
 
@@ -385,6 +410,8 @@ def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs, rows=None):
         for m in range(k.lanes_per_row.bit_length() - 1):  # the row's lanes: 1, 2, 4, (8)
             partial = b.fadd(partial, warp.shfl_bfly(b, partial, 1 << m))
         k.store_delta(b, r, valid, partial)
+        if config.sink:
+            k.store_sink_term(b, hooks, r, valid, partial)
     k.rows(b, row)
     if not config.deterministic:  # (deterministic: no accumulator, mha_bwd_dq)
         k.zero_accumulator(b)
@@ -594,7 +621,9 @@ class _TileKernel:
         P = [[[None] * 4 for _ in mt] for mt in S]
         G = [[[None] * 4 for _ in mt] for mt in S]
         log2_scale = b.fmul(a.softmax_scale, warp.fconst(warp.LOG2E))
-        rules = TileRules(hooks, TileSequence(self.bidx if hooks.score is not None else None))
+        lengths = (self.seqlen_q, self.seqlen_k) if hooks.score_reads_lengths else ()
+        rules = TileRules(hooks, TileSequence(self.bidx if hooks.score is not None else None,
+                                              *lengths))
         for i, j, e in elements:
             s = S[i][j][e]
             if hooks.score is not None:
@@ -1162,8 +1191,8 @@ def build_backward_module(config: BackwardConfig, hooks: ExprHooks | None, targe
     config.validate()
     module, smem, hooks = backward_module(f"mha_bwd_{config.dtype}_d{config.head_dim}", hooks,
                                           target)
-    fn, b = kernel_function(module, PREPROCESS, ROW_THREADS, hooks)
-    _emit_preprocess(b, config, KernelArgs(fn, ABI, config))
+    fn, b = kernel_function(module, PREPROCESS, ROW_THREADS, hooks, preprocess_abi(config))
+    _emit_preprocess(b, config, KernelArgs(fn, preprocess_abi(config), config), hooks)
     b.ret_void()
     fn, b = kernel_function(module, MAIN, config.threads, hooks)
     # (opaque_env: the scheduler's inputs rederived per step, not held across the tile)
@@ -1228,7 +1257,7 @@ class Backward(BackwardDesign):
         """`configs` from the declaration's config (its dtype, head dim and layout fields;
         another design's config of the same fields too: `backward_sm90`'s fallback)."""
         config = fields_config(config.dtype, config.head_dim, config.gqa_group, config.ragged,
-                               config.deterministic)
+                               config.deterministic, config.sink)
         passes = (1,) if config.deterministic else (1, 2)  # (no dQ product in mha_bwd)
         candidates = [replace(config, block_m=m, step_passes=s, dq_passes=p,
                               park_work_tile=park, opaque_env=opaque)
@@ -1250,7 +1279,7 @@ class Backward(BackwardDesign):
 
         last = KernelLaunch(DQ, ABI, config.threads, dq_shared_bytes(config), query_tiles) \
             if config.deterministic else KernelLaunch(POSTPROCESS, ABI, ROW_THREADS, 0, rows)
-        return (KernelLaunch(PREPROCESS, ABI, ROW_THREADS, 0, rows),
+        return (KernelLaunch(PREPROCESS, preprocess_abi(config), ROW_THREADS, 0, rows),
                 KernelLaunch(MAIN, ABI, config.threads, shared_bytes(config)), last)
 
     def scratch(self, config: BackwardConfig, call: CallSizes) -> dict[str, int]:
@@ -1259,7 +1288,7 @@ class Backward(BackwardDesign):
         q_rows = call.total_q if call.ragged else call.batch * call.seqlen_q
         accum = {} if config.deterministic else {
             "dq_accum": 4 * q_rows * call.heads * config.head_dim}
-        return {**accum, "delta": 4 * q_rows * call.heads}
+        return {**accum, "delta": 4 * q_rows * call.heads, **sink_scratch(config, call)}
 
     def build(self, source: KernelSource, configs: tuple[BackwardConfig, ...],
               target: Target) -> KernelBuild:
@@ -1271,20 +1300,26 @@ class Backward(BackwardDesign):
             for c in configs])
 
 
+def sink_scratch(config: BackwardConfig, call: CallSizes) -> dict[str, int]:
+    """The rows' sink terms (`SINK_ABI`: float32, the LSE's layout), where there is a sink."""
+    q_rows = call.total_q if call.ragged else call.batch * call.seqlen_q
+    return {"sink_terms": 4 * q_rows * call.heads} if config.sink else {}
+
+
 def declared_config(options, layout: Layout) -> BackwardConfig:
     return fields_config(options.dtype, options.head_dim, layout.gqa_group, layout.ragged,
-                         layout.deterministic)
+                         layout.deterministic, options.sink is not None)
 
 
 def fields_config(dtype: str, head_dim: int, gqa_group: int, ragged: bool,
-                  deterministic: bool) -> BackwardConfig:
+                  deterministic: bool, sink: bool = False) -> BackwardConfig:
     """The config of a declaration's dtype and head dim in a layout. Head dim 256: dK and dV
     in two column passes, 32-row query steps (K, V and two stages of 64 rows would pass
     sm_80's shared memory)."""
     wide = head_dim > 128
     return BackwardConfig(dtype, head_dim, block_m=32 if wide else 64,
                           column_passes=2 if wide else 1, gqa_group=gqa_group, ragged=ragged,
-                          deterministic=deterministic)
+                          deterministic=deterministic, sink=sink)
 
 
 BACKEND = Backward()

@@ -906,8 +906,9 @@ def build_module(config: HopperBackwardConfig, hooks: ExprHooks | None, target: 
     # (its shared memory is rounded up to 1024 bytes at run time)
     module, smem, hooks = sm80.backward_module(
         f"mha_bwd_sm90_{config.dtype}_d{config.head_dim}", hooks, target, SMEM_SYMBOL)
-    fn, b = sm80.kernel_function(module, PREPROCESS, ROW_THREADS, hooks, sm80.ABI)
-    _emit_preprocess(b, config, KernelArgs(fn, sm80.ABI, config), _Rows)
+    abi = sm80.preprocess_abi(config)
+    fn, b = sm80.kernel_function(module, PREPROCESS, ROW_THREADS, hooks, abi)
+    _emit_preprocess(b, config, KernelArgs(fn, abi, config), hooks, _Rows)
     b.ret_void()
     fn, b = sm80.kernel_function(module, MAIN, config.threads, hooks, ABI)
     _HopperMain(config, hooks, KernelArgs(fn, ABI, config, opaque_env=config.opaque_env),
@@ -953,7 +954,7 @@ class BackwardSM90(sm80.BackwardDesign):
             bm = config.block_m
             return sm80.row_grid(call, -(-call.max_seqlen_q // bm) * bm)
 
-        return (KernelLaunch(PREPROCESS, sm80.ABI, ROW_THREADS, 0, rows),
+        return (KernelLaunch(PREPROCESS, sm80.preprocess_abi(config), ROW_THREADS, 0, rows),
                 KernelLaunch(MAIN, ABI, config.threads, shared_bytes(config)),
                 KernelLaunch(POSTPROCESS, sm80.ABI, ROW_THREADS,
                              ROW_TILE * _Rows.staging_pitch(config), rows))
@@ -965,7 +966,8 @@ class BackwardSM90(sm80.BackwardDesign):
         tiles = (call.total_q + call.batch * bm) // bm if config.ragged else \
             call.batch * -(-call.seqlen_q // bm)
         return {"dq_accum": 4 * tiles * call.heads * bm * config.head_dim,
-                "delta": 4 * tiles * call.heads * len(STATS) * bm}
+                "delta": 4 * tiles * call.heads * len(STATS) * bm,
+                **sm80.sink_scratch(config, call)}
 
     def build(self, source: KernelSource, configs, target: Target) -> KernelBuild:
         """The first of `configs` that assembles without spills and without a stack frame
@@ -988,6 +990,7 @@ class BackwardSM90(sm80.BackwardDesign):
 def declared_config(options, layout: Layout) -> HopperBackwardConfig:
     return HopperBackwardConfig(options.dtype, options.head_dim, gqa_group=layout.gqa_group,
                                 ragged=layout.ragged, deterministic=layout.deterministic,
+                                sink=options.sink is not None,
                                 block_m=2 * GROUP_ROWS if options.head_dim == 64 else GROUP_ROWS)
 
 

@@ -12,7 +12,7 @@
 """
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 from llvmlite import ir
 
@@ -106,15 +106,40 @@ class TileRules:
         keep = self.keeps(b, h, q_idx, kv_idx, **keeps)
         return s if keep is None else b.select(keep, s, warp.fconst(warp.NEG_INF))
 
+    def _lengths(self) -> tuple[ir.Value, ...]:
+        """The lengths a score hook takes: where it reads them."""
+        return (self.seq.seqlen_q, self.seq.seqlen_k) if self.hooks.score_reads_lengths else ()
+
     def score(self, b: ir.IRBuilder, scaled: ir.Value, h: ir.Value, q_idx: ir.Value,
               kv_idx: ir.Value) -> ir.Value:
         """The score hook on the scaled score (q.k * scale) of the pair."""
-        return self.hooks.score(b, scaled, self.seq.bidx, h, q_idx, kv_idx)
+        return self.hooks.score(b, scaled, self.seq.bidx, h, q_idx, kv_idx, *self._lengths())
 
     def derivative(self, b: ir.IRBuilder, scaled: ir.Value, h: ir.Value, q_idx: ir.Value,
                    kv_idx: ir.Value) -> ir.Value:
         """d score / d s of the score hook at the scaled score `scaled` of the pair."""
-        return self.hooks.derivative(b, scaled, self.seq.bidx, h, q_idx, kv_idx)
+        return self.hooks.derivative(b, scaled, self.seq.bidx, h, q_idx, kv_idx,
+                                     *self._lengths())
+
+    def sink_log2(self, b: ir.IRBuilder, h: ir.Value) -> ir.Value | None:
+        """Query head h's sink logit in the log2 domain, or None without a sink rule."""
+        if self.hooks.sink is None:
+            return None
+        seq = self.seq
+        sink = self.hooks.sink(b, seq.bidx, h, seq.seqlen_q, seq.seqlen_k)
+        return b.fmul(sink, warp.fconst(warp.LOG2E))
+
+    @staticmethod
+    def finish_row(b: ir.IRBuilder, row_max: ir.Value, scale_log2: ir.Value, partial: ir.Value,
+                   sink_log2: ir.Value | None) -> tuple[ir.Value, Callable[[], ir.Value]]:
+        """A row's end from its running max and this thread's part of its sum (`partial`,
+        summed over the row's quad): (what O's accumulators are multiplied by, a function
+        that emits the row's LSE where it is called), with the sink's logit in the
+        denominator where there is one (`sink_log2`)."""
+        total, empty, inv = warp.row_sum(b, partial)
+        if sink_log2 is None:
+            return inv, lambda: warp.row_lse(b, row_max, scale_log2, total, empty)
+        return warp.sink_finish(b, row_max, scale_log2, total, empty, sink_log2)
 
     def scale_log2(self, b: ir.IRBuilder, softmax_scale: ir.Value) -> ir.Value:
         """What the softmax multiplies a score by for the log2 domain (ex2): the softmax

@@ -716,13 +716,26 @@ class _Emitter:
                              warp.row_lse(b, top, sl2, total, empty)))
         with b.if_else(b.icmp_signed("==", t.splits_used, i32(1))) as (single, split):
             with single:
-                for local, o, lse in finished:
+                whole = finished
+                if self.hooks.sink is not None:  # (a split's partial state leaves it out)
+                    whole = []
+                    for local, top, total, o in rows:
+                        empty = b.fcmp_unordered("==", total, warp.fconst(0.0))
+                        inv, lse = warp.sink_finish(b, top, sl2, total, empty,
+                                                    self._sink_log2(b, t, local))
+                        whole.append((local, [b.fmul(x, inv) for x in o], lse()))
+                for local, o, lse in whole:
                     with b.if_then(b.icmp_signed("<", local, t.rows_valid)):
                         store("o", local, o, lse)
             with split:
                 part = b.add(b.mul(self._group(b, t), _i64(b, a.num_splits)), _i64(b, t.split))
                 for local, o, lse in finished:
                     store(part, local, o, lse)
+
+    @staticmethod
+    def _sink_log2(b, t: _DecodeTile, local: ir.Value) -> ir.Value:
+        """The sink logit (log2 domain) of the tile's packed row `local`'s query head."""
+        return t.rules.sink_log2(b, t.head_of(b, b.add(t.r0, local)))
 
     def _store_rows(self, b, t: _DecodeTile, acc, m, total, sl2) -> None:
         """One warp per row: each thread stores its accumulators of rows g and g + 8."""
@@ -906,6 +919,13 @@ class _Emitter:
                 packed = b.add(t.r0, local)
                 q_row = b.add(t.q_start, b.udiv(packed, i32(c.gqa_group)))
                 h = t.head_of(b, packed)
+
+                def lse():  # (natural log: safe_top is)
+                    value = b.fadd(safe_top, b.fmul(warp.lg2(b, total), warp.fconst(warp.LN2)))
+                    return b.select(empty, warp.fconst(warp.NEG_INF), value)
+                if self.hooks.sink is not None:
+                    inv, lse = warp.sink_finish(b, safe_top, warp.fconst(warp.LOG2E), total,
+                                                empty, t.rules.sink_log2(b, h))
                 off = b.add(b.add(b.mul(_i64(b, t.bidx), a.o_stride_batch),
                                   b.mul(_i64(b, q_row), a.o_stride_row)),
                             b.add(b.mul(_i64(b, h), a.o_stride_head), _i64(b, col)))
@@ -915,9 +935,7 @@ class _Emitter:
                         align=8)
                 if c.return_lse:
                     with b.if_then(b.icmp_signed("==", col, i32(0))):
-                        lse = b.fadd(safe_top, b.fmul(warp.lg2(b, total), warp.fconst(warp.LN2)))
-                        self._store_lse(b, t, q_row, h,
-                                        b.select(empty, warp.fconst(warp.NEG_INF), lse))
+                        self._store_lse(b, t, q_row, h, lse())
 
 
 # ============================================================================ module

@@ -531,11 +531,12 @@ class _TileEmitter:
         MT, DT, BM = c.m_tiles, c.head_dim // 8, c.block_m
         inv = [[None] * 2 for _ in range(MT)]
         lse = [[None] * 2 for _ in range(MT)]
+        sink = t.rules.sink_log2(b, h)
         for i in range(MT):
             for r in range(2):
-                total, empty, inv[i][r] = warp.row_sum(b, l[i][r])
+                inv[i][r], row_lse = t.rules.finish_row(b, m[i][r], sl2, l[i][r], sink)
                 if c.return_lse:
-                    lse[i][r] = warp.row_lse(b, m[i][r], sl2, total, empty)
+                    lse[i][r] = row_lse()
 
         # Q's shared memory is free once every cp.async landed and every warp left the loop
         warp.cp_async_wait(b, 0)

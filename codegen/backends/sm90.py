@@ -725,7 +725,8 @@ class _Kernel:
         c = self.c
         rows_q = b.sub(t.seqlen_q, t.q0)
         lane_col = b.and_(_thread_idx(b), i32(3))
-        totals, empties, invs = zip(*(warp.row_sum(b, l[r]) for r in range(2)))
+        sink = t.rules.sink_log2(b, t.h)
+        invs, lses = zip(*(t.rules.finish_row(b, m[r], sl2, l[r], sink) for r in range(2)))
         rows = [b.add(row0, i32(8 * r)) for r in range(2)]
         inside = [b.icmp_signed("<", row, rows_q) for row in rows]
 
@@ -752,11 +753,10 @@ class _Kernel:
             return
         for r in range(2):
             with b.if_then(b.and_(inside[r], b.icmp_unsigned("==", lane_col, i32(0)))):
-                val = warp.row_lse(b, m[r], sl2, totals[r], empties[r])
                 off = b.add(b.add(b.mul(b.sext(t.bidx, i64), args.lse_stride_batch),
                                   b.mul(b.sext(t.h, i64), args.lse_stride_head)),
                             b.sext(b.add(t.q_start, b.add(t.q0, rows[r])), i64))
-                b.store(val, b.gep(args.lse, [off], inbounds=True, source_etype=f32),
+                b.store(lses[r](), b.gep(args.lse, [off], inbounds=True, source_etype=f32),
                         align=4)
 
 

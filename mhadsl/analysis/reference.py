@@ -250,18 +250,20 @@ def attention_reference(q, k, v, *, mask_rule: ast.Rule | None = None,
                         score_rule: ast.Rule | None = None,
                         program: CheckedProgram | None = None, scale: float | None = None,
                         cu_seqlens_q=None, cu_seqlens_k=None, return_lse: bool = False,
-                        operands: dict | None = None):
+                        operands: dict | None = None, sink_rule: ast.Rule | None = None):
     """Softmax attention in float64, FlashAttention layout.
 
     Dense: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D[v]). Ragged: q (total_q, Hq, D), k and v
     (total_k, Hkv, D[v]) with `cu_seqlens_q`/`cu_seqlens_k` row offsets (B + 1 each). Query head
     h reads KV head h // (Hq // Hkv). Scores are `scale * q.k` (default 1/sqrt(D)), then the
-    score rule, then the mask; the rules read `operands` (by name). Returns O in q's layout
-    (last dim Dv), and with `return_lse` the log-sum-exp, (B, Hq, Sq) dense or (Hq, total_q)
-    ragged; a row with no key is 0 / -inf.
+    score rule, then the mask; the rules read `operands` (by name). A sink rule gives each
+    sequence and query head a logit that joins every row's softmax denominator (a key whose
+    value is 0). Returns O in q's layout (last dim Dv), and with `return_lse` the
+    log-sum-exp, (B, Hq, Sq) dense or (Hq, total_q) ragged; a row with no key is 0 / -inf
+    (0 / the sink's logit with a sink).
     """
     problem = _Problem(q, k, v, mask_rule, score_rule, program, scale, cu_seqlens_q,
-                       cu_seqlens_k, operands)
+                       cu_seqlens_k, operands, sink_rule)
     out = np.zeros(problem.q.shape[:-1] + problem.v.shape[-1:])
     lse = np.full(problem.q.shape[:-1], -np.inf)  # in q's layout; moved to (..., Hq, rows) below
     for head in problem.heads():
@@ -274,9 +276,12 @@ def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = 
                                  score_rule: ast.Rule | None = None,
                                  program: CheckedProgram | None = None,
                                  scale: float | None = None, cu_seqlens_q=None,
-                                 cu_seqlens_k=None, operands: dict | None = None):
+                                 cu_seqlens_k=None, operands: dict | None = None,
+                                 sink_rule: ast.Rule | None = None):
     """The gradients (dq, dk, dv) of `attention_reference` for the output gradient `dout`,
     in float64 and the layouts of q, k and v (same arguments; `dout` in the output's layout).
+    With a sink rule, also the gradient of each sequence's and query head's sink logit,
+    (B, Hq): -sum over the rows of P_sink * D, P_sink = exp(sink - LSE).
 
     As FlashAttention's backward defines them, per sequence and query head: P the softmax of
     the scores (0 where masked), O = P V, dV = Pᵀ dO, dP = dO Vᵀ, D = rowsum(dO ∘ O),
@@ -285,7 +290,7 @@ def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = 
     and sequences with no key get zero gradients.
     """
     problem = _Problem(q, k, v, mask_rule, score_rule, program, scale, cu_seqlens_q,
-                       cu_seqlens_k, operands)
+                       cu_seqlens_k, operands, sink_rule)
     q, k, v = problem.q, problem.k, problem.v
     dout = np.asarray(dout, dtype=np.float64)
     if dout.shape != q.shape[:-1] + v.shape[-1:]:
@@ -294,6 +299,7 @@ def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = 
     # Differentiated once; evaluated per sequence and head.
     derivative = None if score_rule is None else differentiate_score(score_rule, program)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    dsink = np.zeros((len(problem.sequences), q.shape[-2]))
     for head in problem.heads():
         q_head, k_head = q[head.q_rows][:, head.h], k[head.k_rows][:, head.kh]
         v_head, dout_head = v[head.k_rows][:, head.kh], dout[head.q_rows][:, head.h]
@@ -301,6 +307,8 @@ def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = 
         dv[head.k_rows][:, head.kh] += p.T @ dout_head
         delta = np.sum(dout_head * (p @ v_head), axis=1)  # D = rowsum(dO ∘ O)
         dz = p * (dout_head @ v_head.T - delta[:, None])
+        if head.sink is not None:
+            dsink[head.b, head.h] = -np.sum(np.exp(head.sink - head.lse) * delta)
         if derivative is None:
             ds = dz
         else:  # where P is 0 (masked keys) so is dS, even where score' is not finite
@@ -309,7 +317,7 @@ def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = 
             ds = dz * np.where(p > 0, score_slope, 0.0)
         dq[head.q_rows][:, head.h] = problem.scale * ds @ k_head
         dk[head.k_rows][:, head.kh] += problem.scale * ds.T @ q_head
-    return dq, dk, dv
+    return (dq, dk, dv) if sink_rule is None else (dq, dk, dv, dsink)
 
 
 class _Head(NamedTuple):
@@ -322,6 +330,8 @@ class _Head(NamedTuple):
     p: np.ndarray  # the softmax of the scored, masked logits; 0 where masked
     lse: np.ndarray  # (Sq,)
     rule_inputs: dict  # b, h, q_idx, kv_idx, seqlen_q, seqlen_k
+    b: int
+    sink: float | None  # the sink's logit, if a rule gives one
 
 
 class _Problem:
@@ -329,9 +339,10 @@ class _Problem:
     the forward and backward references share."""
 
     def __init__(self, q, k, v, mask_rule, score_rule, program, scale, cu_seqlens_q,
-                 cu_seqlens_k, operands=None):
-        if (mask_rule is not None or score_rule is not None) and program is None:
-            raise ValueError("mask and score rules need the checked program they come from")
+                 cu_seqlens_k, operands=None, sink_rule=None):
+        if any(r is not None for r in (mask_rule, score_rule, sink_rule)) and program is None:
+            raise ValueError("mask, score and sink rules need the checked program they come "
+                             "from")
         if (cu_seqlens_q is None) != (cu_seqlens_k is None):
             raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
         q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
@@ -360,6 +371,7 @@ class _Problem:
         self.group = hq // hkv
         self.scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
         self.mask_rule, self.score_rule, self.program = mask_rule, score_rule, program
+        self.sink_rule = sink_rule
         self.operands = operands or {}
 
     def heads(self):
@@ -382,16 +394,23 @@ class _Problem:
                     if keep is None or mask_per_head:  # most masks ignore h: evaluate them once
                         keep = evaluate_rule(mask_rule, program, self.operands, h=h, **idx)
                     z = np.where(keep, z, -np.inf)
-                p, lse = _softmax_rows(z)
-                yield _Head(q_rows, k_rows, h, kh, s, p, lse, {**idx, "h": h})
+                sink = None if self.sink_rule is None else float(evaluate_rule(
+                    self.sink_rule, program, self.operands, b=b, h=h, seqlen_q=sq,
+                    seqlen_k=sk))
+                p, lse = _softmax_rows(z, sink)
+                yield _Head(q_rows, k_rows, h, kh, s, p, lse, {**idx, "h": h}, b, sink)
 
 
-def _softmax_rows(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """softmax(z) and the log-sum-exp per row; a row without a finite score is 0, -inf."""
+def _softmax_rows(z: np.ndarray, sink: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """softmax(z) and the log-sum-exp per row, with the `sink` logit in every row's
+    denominator where there is one; a row without a finite score (or sink) is 0, -inf."""
     m = z.max(axis=1, initial=-np.inf)
+    if sink is not None:
+        m = np.maximum(m, sink)
     dead = np.isneginf(m)
     e = np.exp(z - np.where(dead, 0.0, m)[:, None])
-    total = np.where(dead, 1.0, e.sum(axis=1))
+    total = e.sum(axis=1) + (0.0 if sink is None else np.exp(sink - np.where(dead, 0.0, m)))
+    total = np.where(dead, 1.0, total)
     return e / total[:, None], np.where(dead, -np.inf, m + np.log(total))
 
 
@@ -564,6 +583,7 @@ def _kernel_rules(kernel, scale: float, cu_seqlens_q, cu_seqlens_k, operands: di
             t = _tensor(values[o.name], o.name)
             check_tensor_operand(o, t, batch, heads)
             values[o.name] = _to_numpy(t).astype(np.int64 if o.type == "i32" else np.float64)
-    return dict(mask_rule=opts.mask, score_rule=opts.score, program=kernel.program.checked,
+    return dict(mask_rule=opts.mask, score_rule=opts.score, sink_rule=opts.sink,
+                program=kernel.program.checked,
                 scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                 operands=values)

@@ -127,6 +127,7 @@ class AttentionOptions:
     operands: tuple[Operand, ...] = ()
     mask: ast.Rule | None = None
     score: ast.Rule | None = None
+    sink: ast.Rule | None = None
     # the KV tiles a mid-sequence query tile visits where the mask bounds them (a sliding
     # window; `classify.kv_band_tiles`), set when a build is planned; None: unbounded
     kv_band: int | None = None

@@ -67,8 +67,11 @@ ATTENTION_RULES: dict[str, tuple[tuple[tuple[str, Ty], ...], ...]] = {
              (("b", I32), ("h", I32), ("q_idx", I32), ("kv_idx", I32), ("seqlen_q", I32),
               ("seqlen_k", I32))),
     "score": ((("s", F32), ("b", I32), ("h", I32), ("q_idx", I32), ("kv_idx", I32)),),
+    # an attention sink: a logit per (sequence, query head) that joins every row's softmax
+    # denominator and adds nothing to its output
+    "sink": ((("b", I32), ("h", I32)),),
 }
-ATTENTION_RESULTS = {"mask": BOOL, "score": F32}
+ATTENTION_RESULTS = {"mask": BOOL, "score": F32, "sink": F32}
 # Names every mask/score body sees besides its parameters.
 ATTENTION_IMPLICIT = {"seqlen_q": I32, "seqlen_k": I32}
 MAX_TENSOR_AXES = 3
@@ -411,7 +414,7 @@ class Checker:
         for rule in attn.rules:
             if rule.name not in ATTENTION_RULES:
                 self.error(rule.span, f"unknown rule '{rule.name}' in an attention "
-                                      f"declaration; expected mask or score")
+                                      f"declaration; expected mask, score or sink")
                 continue
             if rule.name in seen:
                 self.error(rule.span, f"rule '{rule.name}' is defined twice")

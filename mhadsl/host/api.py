@@ -287,7 +287,8 @@ class Kernel:
         layouts of q, k and v (`mhadsl.host.backward`). `deterministic=True`: bitwise the same
         gradients every run (dQ without atomics); None: torch's
         `torch.are_deterministic_algorithms_enabled()`. The declaration's operands by name,
-        as the forward call had them."""
+        as the forward call had them. A declaration with a sink rule adds a fourth result:
+        the gradient of each sequence's and query head's sink logit, (batch, heads)."""
         from mhadsl.host.backward import backward
         return backward(self, q, k, v, out, lse, dout, cu_seqlens_q=cu_seqlens_q,
                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,

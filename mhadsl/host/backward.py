@@ -43,7 +43,9 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
              max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None,
              **operands):
     """(dq, dk, dv) of `kernel(q, k, v, ...)` for the output gradient `dout`, given the
-    forward's `out` and `lse` (`Kernel.backward`); `deterministic` None follows torch's
+    forward's `out` and `lse` (`Kernel.backward`), and with a sink rule the gradient of each
+    sequence's and query head's sink logit, (batch, heads) float32 (`_sink_gradient`);
+    `deterministic` None follows torch's
     `torch.are_deterministic_algorithms_enabled()`; the operands' values by name, as the
     forward call had them."""
     check_flag(deterministic, "deterministic")
@@ -92,8 +94,11 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic
     dq = alloc(q.shape, dtype=q.dtype, device=q.device)
     dk = alloc(k.shape, dtype=k.dtype, device=k.device)
     dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+    sink = kernel.options.sink is not None
     if not (call.sizes.batch and call.sizes.heads):  # no CTA to launch (empty ones launch)
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        grads = dq.zero_(), dk.zero_(), dv.zero_()
+        return grads + (torch.zeros(call.sizes.batch, call.sizes.heads, device=q.device),) \
+            if sink else grads
     tensors = {"q": q, "k": k, "v": v, "o": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv,
                **tensor_operands(kernel.options, operands)}
     plans, scratch = _plans(kernel, call, tensors, q.device.index, deterministic)
@@ -103,6 +108,8 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic
     buffers = {name: torch.empty(nbytes, dtype=torch.uint8, device=q.device)
                for name, nbytes in scratch.items()}
     addresses.update((name, t.data_ptr()) for name, t in buffers.items())
+    if sink and call.sizes.ragged:  # (rows outside every sequence get no term)
+        buffers["sink_terms"].zero_()
     if call.sizes.ragged:
         addresses.update(cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr())
     for name, t in addresses.items():
@@ -111,7 +118,23 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic
             raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned, got a pointer "
                              f"at {t:#x}")
     launch(plans, addresses, torch_stream(torch, q.device.index), scalars=operands)
-    return dq, dk, dv
+    if not sink:
+        return dq, dk, dv
+    return dq, dk, dv, _sink_gradient(torch, call, buffers["sink_terms"], cu_q)
+
+
+def _sink_gradient(torch, call, terms, cu_q):
+    """The gradient of each sequence's and query head's sink logit, (batch, heads) float32:
+    minus the sum over the sequence's rows of the preprocess's terms exp(sink - LSE) *
+    delta (the LSE's layout). Summed by torch in a fixed order: the same every run."""
+    sizes = call.sizes
+    terms = terms.view(torch.float32)
+    if not sizes.ragged:
+        return terms.view(sizes.batch, sizes.heads, sizes.seqlen_q).sum(-1).neg_()
+    rows = terms.view(sizes.heads, -1).double().cumsum(1)
+    ends = torch.nn.functional.pad(rows, (1, 0))  # ends[:, i]: the sum of rows before i
+    cu = cu_q.long()
+    return (ends[:, cu[:-1]] - ends[:, cu[1:]]).t().float().contiguous()
 
 
 def _plans(kernel, call, tensors: dict, device: int,

@@ -22,11 +22,15 @@ backward is deterministic (bitwise the same gradients every run) under
 
 A declaration's operands are the operator's last arguments, by name (`attn(q, k, v,
 window=512)`): an i32 is an `int?`, an f32 a `float?`, None taking the declared default, a
-tensor a `Tensor?` (every call passes it; no gradient flows to it). They are values of the
-call: a new value runs the same build.
+tensor a `Tensor?` (every call passes it). They are values of the call: a new value runs the
+same build. A gradient flows to one tensor operand: the one a sink rule reads as its whole
+body, `sink(b, h) = t[h]` (t `f32[heads]`: the sink's gradient summed over the batch) or
+`t[b][h]` (t `f32[batch, heads]`), as a learned sink per head is (`sink_operand`).
 """
 
 import hashlib
+
+from mhadsl.front import ast
 
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
           "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None, "
@@ -89,11 +93,38 @@ def given(kernel, operands: tuple) -> dict:
             if value is not None}
 
 
+def sink_operand(kernel) -> tuple[int, bool] | None:
+    """Where autograd sends the sink's gradient: the f32 tensor operand that a sink rule
+    reads as its whole body, `t[h]` (t `f32[heads]`) or `t[b][h]` (t `f32[batch, heads]`), as
+    (its position among the operands, whether its gradient sums over the batch); else None
+    (the operand of any other sink rule gets no gradient)."""
+    rule = kernel.options.sink
+    if rule is None or len(rule.body) != 1 or not isinstance(rule.body[0], ast.Return):
+        return None
+    indices, e = [], rule.body[0].value
+    while isinstance(e, ast.Index):
+        indices.insert(0, e.index.id if isinstance(e.index, ast.Name) else None)
+        e = e.obj
+    b, h = (p.name for p in rule.params)
+    for i, o in enumerate(kernel.options.operands):
+        if isinstance(e, ast.Name) and e.id == o.name and o.type == "f32":
+            if o.axes == ("heads",) and indices == [h]:
+                return i, True
+            if o.axes == ("batch", "heads") and indices == [b, h]:
+                return i, False
+    return None
+
+
 def _register_autograd(kernel, name: str) -> None:
     """The backward operator of forward operator `name`, and the autograd that calls it."""
     import torch
 
-    _library.define(name + "_backward" + with_operands(BACKWARD_SCHEMA, kernel))
+    sink = kernel.options.sink is not None  # (the backward's fourth result: the sink's)
+    schema = with_operands(BACKWARD_SCHEMA, kernel)
+    if sink:
+        schema = schema.replace("-> (Tensor, Tensor, Tensor)",
+                                "-> (Tensor, Tensor, Tensor, Tensor)")
+    _library.define(name + "_backward" + schema)
 
     def gradients(q, k, v, out, lse, dout, cu_seqlens_q=None, cu_seqlens_k=None,
                   max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None,
@@ -106,7 +137,11 @@ def _register_autograd(kernel, name: str) -> None:
     def fake(q, k, v, out, lse, dout, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None,
              *operands):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if not sink:
+            return grads
+        batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+        return grads + (q.new_empty((batch, q.shape[-2]), dtype=torch.float32),)
 
     _library.impl(name + "_backward", gradients, "CUDA")
     torch.library.register_fake(f"mhadsl::{name}_backward", fake, lib=_library)
@@ -117,14 +152,21 @@ def _register_autograd(kernel, name: str) -> None:
         ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
         ctx.options = options
 
+    target = sink_operand(kernel)
+    first_operand = 9  # q, k, v, cu_seqlens_q/k, max_seqlen_q/k, scale, deterministic
+
     def backward(ctx, grad_out, _grad_lse):
-        inputs = 5 + len(ctx.options)  # (no gradient for any but q, k and v)
+        inputs = 5 + len(ctx.options)  # (no gradient for any but q, k, v and a sink's)
         if grad_out is None:  # only the LSE was used
             return (None,) * inputs
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = backward_op(q, k, v, out, lse, grad_out.contiguous(), cu_q, cu_k,
-                                 *ctx.options)
-        return (dq, dk, dv) + (None,) * (inputs - 3)
+        grads = backward_op(q, k, v, out, lse, grad_out.contiguous(), cu_q, cu_k,
+                            *ctx.options)
+        result = [*grads[:3]] + [None] * (inputs - 3)
+        if target is not None:
+            position, over_batch = target
+            result[first_operand + position] = grads[3].sum(0) if over_batch else grads[3]
+        return tuple(result)
 
     torch.library.register_autograd(f"mhadsl::{name}", backward, setup_context=setup_context,
                                     lib=_library)
