@@ -129,3 +129,51 @@ def test_torch_compile_reduce_overhead_replays_new_inputs(program):
             got = compiled(x).clone()
             assert rel_err(got, block(x).float()) < 1e-2, step
     mhadsl.synchronize()
+
+
+DECODE_SOURCE = '''attention decode_step { dtype = bf16  head_dim = 128
+    mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q }
+'''
+
+
+def test_a_decode_step_compiles_to_graphs_that_replay_new_lengths_and_page_tables():
+    from test_gpu_decode import cache
+    kern = mhadsl.compile(DECODE_SOURCE)["decode_step"]
+    op = kern.torch_op()
+    k, v, lengths, table = cache([700, 33, 2000, 5], 2, 128, page_size=64)
+
+    def step(q, cache_seqlens, page_table):
+        out, lse = op(q, k, v, cache_seqlens=cache_seqlens, page_table=page_table,
+                      num_splits=2)
+        return out.float() * 2, lse
+
+    q = torch.randn(4, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    assert torch._dynamo.explain(step)(q, lengths, table).graph_break_count == 0
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for i in range(5):
+            lens = torch.randint(1, 2001, (4,), generator=g, device="cuda", dtype=torch.int32)
+            pages = table[torch.randperm(4, generator=g, device="cuda")].contiguous()
+            q = torch.randn(4, 1, 8, 128, generator=g, device="cuda").to(torch.bfloat16)
+            out, lse = compiled(q, lens, pages)
+            ref, ref_lse = mhadsl.reference_decode(kern, q, k, v, cache_seqlens=lens,
+                                                   page_table=pages, return_lse=True)
+            assert rel_err(out / 2, torch.from_numpy(ref).float().cuda()) < 1e-2, i
+            assert torch.allclose(lse.cpu().double(), torch.from_numpy(ref_lse), atol=2e-2)
+    mhadsl.synchronize()
+
+
+def test_the_operators_decode_call_refuses_what_it_cannot_do():
+    from test_gpu_decode import cache
+    kern = mhadsl.compile(DECODE_SOURCE)["decode_step"]
+    op = kern.torch_op()
+    k, v, lengths, table = cache([70, 3], 2, 128, page_size=16)
+    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match="needs cache_seqlens"):
+        op(q, k, v, page_table=table)
+    with pytest.raises(ValueError, match="belong to calls with k and v"):
+        op(q, k, v, cache_seqlens=lengths, page_table=table, cu_seqlens_k=lengths)
+    out, _ = op(q, k, v, cache_seqlens=lengths, page_table=table)
+    with pytest.raises(RuntimeError, match="has no backward pass"):
+        out.sum().backward()

@@ -753,10 +753,11 @@ class _Kernel:
             return
         for r in range(2):
             with b.if_then(b.and_(inside[r], b.icmp_unsigned("==", lane_col, i32(0)))):
+                val = lses[r]()
                 off = b.add(b.add(b.mul(b.sext(t.bidx, i64), args.lse_stride_batch),
                                   b.mul(b.sext(t.h, i64), args.lse_stride_head)),
                             b.sext(b.add(t.q_start, b.add(t.q0, rows[r])), i64))
-                b.store(lses[r](), b.gep(args.lse, [off], inbounds=True, source_etype=f32),
+                b.store(val, b.gep(args.lse, [off], inbounds=True, source_etype=f32),
                         align=4)
 
 

@@ -163,7 +163,8 @@ def torch_baseline_fns(torch, kernel: Kernel, p: Problem, args: dict) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     causal = _is_plain_causal(kernel, {o.name: args[o.name] for o in kernel.options.operands})
-    if p.seqlens or kernel.options.score is not None or (kernel.options.mask and not causal) \
+    if p.seqlens or kernel.options.score is not None or kernel.options.sink is not None \
+            or (kernel.options.mask and not causal) \
             or (causal and p.seqlen_q != p.seqlen_k):  # torch's is_causal is top-left only
         return {"flash": None, "cudnn": None}
     q, k, v = (args[n].transpose(1, 2) for n in ("q", "k", "v"))

@@ -4,6 +4,8 @@
     out, lse = attn(q, k, v)                                   # lse float32 (B, Hq, Sq)
     out, lse = attn(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq,
                     max_seqlen_k=mk)                           # lse (Hq, total_q)
+    out, lse = attn(q, k_cache, v_cache, cache_seqlens=lens,  # a decode step against a
+                    page_table=pages, num_splits=2)            # paged KV cache
 
 Each kernel is one operator of the `mhadsl` library (`mhadsl::<kernel>_<hash>`) with a fake
 implementation that gives the outputs' shapes without running anything, so
@@ -11,6 +13,11 @@ implementation that gives the outputs' shapes without running anything, so
 `mode="reduce-overhead"` its launch is captured into CUDA graphs (the queue counter is reset by
 the kernel itself, so replays need no host work), and a dynamic sequence length reuses the
 kernel's build (builds depend on the layout, not the lengths).
+
+A call with `cache_seqlens` is a call against a KV cache (`Kernel.__call__`'s decode: contiguous
+or paged by `page_table`, dense or ragged query rows, `num_splits`), its lengths and page table
+read on the device only, so a captured graph replays new lengths and page tables as they are
+then. A decode call has no gradient (its backward raises).
 
 The operator is differentiable (`torch.library.register_autograd`): `out.backward()` runs the
 kernel's backward pass (`Kernel.backward`) through a second operator,
@@ -34,7 +41,11 @@ from mhadsl.front import ast
 
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
           "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None, "
-          "bool? deterministic=None) -> (Tensor, Tensor)")
+          "bool? deterministic=None, Tensor? cache_seqlens=None, Tensor? page_table=None, "
+          "int? num_splits=None) -> (Tensor, Tensor)")
+# the forward's arguments before the operands: q, k, v, cu_seqlens_q/k, max_seqlen_q/k,
+# scale, deterministic, cache_seqlens, page_table, num_splits
+FIRST_OPERAND = 12
 BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
                    "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
                    "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None, "
@@ -59,13 +70,16 @@ def torch_op(kernel):
     _library.define(name + with_operands(SCHEMA, kernel))
 
     def attention(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                  max_seqlen_k=None, scale=None, deterministic=None, *operands):
+                  max_seqlen_k=None, scale=None, deterministic=None, cache_seqlens=None,
+                  page_table=None, num_splits=None, *operands):
         return kernel(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale,
-                      return_lse=True, **given(kernel, operands))
+                      cache_seqlens=cache_seqlens, page_table=page_table,
+                      num_splits=num_splits, return_lse=True, **given(kernel, operands))
 
     def fake(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-             max_seqlen_k=None, scale=None, deterministic=None, *operands):
+             max_seqlen_k=None, scale=None, deterministic=None, cache_seqlens=None,
+             page_table=None, num_splits=None, *operands):
         if cu_seqlens_q is None:
             lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
         else:
@@ -148,24 +162,27 @@ def _register_autograd(kernel, name: str) -> None:
     backward_op = getattr(torch.ops.mhadsl, name + "_backward").default
 
     def setup_context(ctx, inputs, output):
-        q, k, v, cu_q, cu_k, *options = inputs  # max_q, max_k, scale, deterministic, operands
+        q, k, v, cu_q, cu_k, max_q, max_k, scale, deterministic, cache_seqlens = inputs[:10]
         ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
-        ctx.options = options
+        ctx.options = [max_q, max_k, scale, deterministic, *inputs[FIRST_OPERAND:]]
+        ctx.inputs, ctx.decode = len(inputs), cache_seqlens is not None
 
     target = sink_operand(kernel)
-    first_operand = 9  # q, k, v, cu_seqlens_q/k, max_seqlen_q/k, scale, deterministic
 
     def backward(ctx, grad_out, _grad_lse):
-        inputs = 5 + len(ctx.options)  # (no gradient for any but q, k, v and a sink's)
+        inputs = ctx.inputs  # (no gradient for any but q, k, v and a sink's)
         if grad_out is None:  # only the LSE was used
             return (None,) * inputs
+        if ctx.decode:
+            raise RuntimeError(f"kernel '{kernel.name}': a call against a KV cache "
+                               "(cache_seqlens=...) has no backward pass")
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         grads = backward_op(q, k, v, out, lse, grad_out.contiguous(), cu_q, cu_k,
                             *ctx.options)
         result = [*grads[:3]] + [None] * (inputs - 3)
         if target is not None:
             position, over_batch = target
-            result[first_operand + position] = grads[3].sum(0) if over_batch else grads[3]
+            result[FIRST_OPERAND + position] = grads[3].sum(0) if over_batch else grads[3]
         return tuple(result)
 
     torch.library.register_autograd(f"mhadsl::{name}", backward, setup_context=setup_context,
