@@ -139,12 +139,11 @@ DECODE_SOURCE = '''attention decode_step { dtype = bf16  head_dim = 128
 def test_a_decode_step_compiles_to_graphs_that_replay_new_lengths_and_page_tables():
     from test_gpu_decode import cache
     kern = mhadsl.compile(DECODE_SOURCE)["decode_step"]
-    op = kern.torch_op()
+    op = kern.torch_decode_op()
     k, v, lengths, table = cache([700, 33, 2000, 5], 2, 128, page_size=64)
 
     def step(q, cache_seqlens, page_table):
-        out, lse = op(q, k, v, cache_seqlens=cache_seqlens, page_table=page_table,
-                      num_splits=2)
+        out, lse = op(q, k, v, cache_seqlens, page_table=page_table, num_splits=2)
         return out.float() * 2, lse
 
     q = torch.randn(4, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -164,16 +163,40 @@ def test_a_decode_step_compiles_to_graphs_that_replay_new_lengths_and_page_table
     mhadsl.synchronize()
 
 
-def test_the_operators_decode_call_refuses_what_it_cannot_do():
+def test_a_compiled_decode_step_appends_its_rows_to_the_cache():
     from test_gpu_decode import cache
     kern = mhadsl.compile(DECODE_SOURCE)["decode_step"]
-    op = kern.torch_op()
+    op = kern.torch_decode_op()
+    k, v, _, table = cache([300, 300], 2, 128, page_size=16)
+    lengths = torch.tensor([10, 200], dtype=torch.int32, device="cuda")
+
+    def step(q, k_new, v_new, cache_seqlens):
+        out, _ = op(q, k, v, cache_seqlens, page_table=table, k_new=k_new, v_new=v_new)
+        return out.float()
+
+    compiled = torch.compile(step, fullgraph=True)
+    with torch.no_grad():
+        for i in range(3):
+            q, k_new, v_new = (torch.randn(2, 1, h, 128, device="cuda").to(torch.bfloat16)
+                               for h in (8, 2, 2))
+            k_before = k.clone()
+            out = compiled(q, k_new, v_new, lengths)
+            ref = mhadsl.reference_decode(kern, q, k_before, v, cache_seqlens=lengths,
+                                          page_table=table, k_new=k_new, v_new=v_new)
+            assert rel_err(out, torch.from_numpy(ref).float().cuda()) < 1e-2, i
+            for b in range(2):  # the step's row is in the cache, at its sequence's end
+                pos = int(lengths[b])
+                assert torch.equal(k[int(table[b, pos // 16]), pos % 16], k_new[b, 0])
+            lengths += 1
+
+
+def test_the_decode_operator_refuses_what_it_cannot_do():
+    from test_gpu_decode import cache
+    kern = mhadsl.compile(DECODE_SOURCE)["decode_step"]
+    op = kern.torch_decode_op()
     k, v, lengths, table = cache([70, 3], 2, 128, page_size=16)
-    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with pytest.raises(ValueError, match="needs cache_seqlens"):
-        op(q, k, v, page_table=table)
-    with pytest.raises(ValueError, match="belong to calls with k and v"):
-        op(q, k, v, cache_seqlens=lengths, page_table=table, cu_seqlens_k=lengths)
-    out, _ = op(q, k, v, cache_seqlens=lengths, page_table=table)
-    with pytest.raises(RuntimeError, match="has no backward pass"):
-        out.sum().backward()
+    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="k_new and v_new together"):
+        op(q, k, v, lengths, page_table=table, k_new=q[:, :, :2].contiguous())
+    with pytest.raises(ValueError, match="expected \\(2, 1, 2, 128\\)"):
+        op(q, k, v, lengths, page_table=table, k_new=q, v_new=q)

@@ -211,18 +211,20 @@ def test_operand_parameters_follow_the_designs_in_the_hosts_layout():
 def test_the_torch_operators_schema_ends_with_the_operands(windowed):
     from mhadsl.host.torch_op import BACKWARD_SCHEMA, SCHEMA, given, with_operands
     assert with_operands(SCHEMA, windowed).endswith(
-        "int? num_splits=None, int? window=None, float? cap=None) -> (Tensor, Tensor)")
+        "bool? deterministic=None, int? window=None, float? cap=None) -> (Tensor, Tensor)")
     assert with_operands(BACKWARD_SCHEMA, windowed).endswith(
         "int? window=None, float? cap=None) -> (Tensor, Tensor, Tensor)")
     assert given(windowed, (None, 3.0)) == {"cap": 3.0}
 
 
-def test_the_operators_operands_follow_its_fixed_arguments():
-    from mhadsl.host.torch_op import FIRST_OPERAND, SCHEMA
+def test_the_operators_operands_follow_its_fixed_arguments(windowed):
+    from mhadsl.host.torch_op import DECODE_SCHEMA, FIRST_OPERAND, SCHEMA, with_operands
     arguments = SCHEMA[1:SCHEMA.index(") -> ")].split(", ")
     assert len(arguments) == FIRST_OPERAND  # autograd finds an operand's gradient slot by it
-    assert [a.split()[1].split("=")[0] for a in arguments[-3:]] == [
-        "cache_seqlens", "page_table", "num_splits"]
+    decode = with_operands(DECODE_SCHEMA, windowed)
+    assert "Tensor(a!) k_cache, Tensor(b!) v_cache" in decode  # the append writes them
+    assert decode.endswith("Tensor? v_new=None, int? window=None, float? cap=None) -> "
+                           "(Tensor, Tensor)")
 
 
 # ---------------------------------------------------------------- the host

@@ -134,6 +134,7 @@ class CacheLayout:
     query_rows: int = 1  # query rows per sequence (dense q); 0: ragged q (cu_seqlens_q)
     page_size: int = 0  # 0: a contiguous cache
     block_n: int = 64  # KV rows per KV tile, which the call's planner picks for its shape
+    appends: bool = False  # the call writes the step's k_new/v_new rows into the cache first
 
 
 @dataclass(frozen=True)

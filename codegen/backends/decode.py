@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from llvmlite import ir
 
 from mhadsl.abi import (
-    TRACE_COMBINE, CallSizes, CallValue, KernelABI, Param, Pointer, Stride, Workspace,
+    TRACE_COMBINE, CallSizes, CallValue, Extent, KernelABI, Param, Pointer, Stride, Workspace,
 )
 from mhadsl.codegen import hopper, nvptx, signature, warp
 from mhadsl.codegen.backends import (
@@ -100,6 +100,9 @@ class DecodeConfig(RowCopies):
     # computes S = Q K^T and O += P V by wgmma from 128-byte-swizzled shared memory, which
     # the cp.async copies fill in wgmma's layout
     wgmma: bool = False
+    # the call writes the step's new K/V rows into the cache first (`mha_decode_append`),
+    # at positions cache_seqlens[b]..., and attends over them too
+    appends: bool = False
 
     # the scheduler's tile height: a work tile is one (query-row tile, split) pair
     block_m = 1
@@ -188,7 +191,7 @@ def decode_config(options, layout: Layout) -> DecodeConfig:
     return DecodeConfig(options.dtype, options.head_dim, layout.gqa_group, cache.query_rows,
                         cache.page_size, layout.return_lse, block_n,
                         max(2, min(MAX_STAGES, room // base.stage_bytes)),
-                        max(1, PAGE_LOOKAHEAD_ROWS // block_n))
+                        max(1, PAGE_LOOKAHEAD_ROWS // block_n), appends=cache.appends)
 
 
 # ============================================================================ kernel parameters
@@ -228,6 +231,28 @@ ABI = KernelABI(
     Param("num_sms", "i32", CallValue("num_sms"), "multiprocessors on the device"),
     Param("ctas_per_sm", "i32", CallValue("ctas_per_sm"), "CTAs of this kernel that fit on one multiprocessor"),
 )
+
+
+# A call that appends the step's rows (`DecodeConfig.appends`): both of its kernels take
+# these parameters after the decode kernel's.
+APPEND_ABI = KernelABI(
+    *ABI,
+    *(Param(f"{t}_new", "ptr", Pointer(f"{t}_new"), f"the step's new {what}: q's layout with "
+            "Hkv heads, a row per query row", align=16) for t, what in (("k", "keys"),
+                                                                      ("v", "values"))),
+    *(Param(f"{t}_new_stride_{axis}", "i64", Stride(f"{t}_new", axis),
+            f"elements between {axis}s of {t}_new (batch: 0 ragged)")
+      for t in "kv" for axis in ("batch", "row", "head")),
+    Param("cache_pages", "i32", Extent("k_cache", 0), "pages of a paged cache (sequences of a "
+          "contiguous one): a page-table entry outside them is not written"),
+)
+APPEND_NAME = "mha_decode_append"
+APPEND_THREADS = 128
+APPEND_ROW_BLOCKS = 64  # the append's grid is (batch, up to this many query rows)
+
+
+def decode_abi(config: DecodeConfig) -> KernelABI:
+    return APPEND_ABI if config.appends else ABI
 
 
 def _scheduler_view(args: KernelArgs) -> None:
@@ -287,6 +312,8 @@ class _DecodeTile:
         self.packed_rows = b.mul(self.seqlen_q, i32(G))
         self.rows_valid = b.sub(self.packed_rows, self.r0)
         stored = b.load(b.gep(a.cache_seqlens, [self.bidx], source_etype=i32), typ=i32)
+        if c.appends:  # the step's rows, now in the cache, follow cache_seqlens[b] of it
+            stored = b.add(stored, self.seqlen_q)
         clamped = _min(b, stored, a.cache_capacity)  # (unchecked device values stay in bounds)
         self.seqlen_k = b.select(b.icmp_signed("<", clamped, i32(0)), i32(0), clamped)
         self.kv_begin = b.mul(self.split, a.kv_chunk)
@@ -938,11 +965,73 @@ class _Emitter:
                         self._store_lse(b, t, q_row, h, lse())
 
 
+# ============================================================================ the append
+def _emit_append(module: ir.Module, config: DecodeConfig, hooks: ExprHooks) -> None:
+    """`mha_decode_append`: CTA (b, y) copies query rows y, y + grid_dim.y, ... of sequence
+    b's new K and V rows to cache positions cache_seqlens[b] + row, 16 bytes a thread; a
+    position outside the cache's capacity, or whose page-table entry names no page of the
+    cache, is not written (the host checks the values it has: `check_decode_call`)."""
+    abi = hooks.kernel_abi(APPEND_ABI)
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(abi)),
+                     name=APPEND_NAME)
+    nvptx.mark_kernel(fn)
+    set.add(fn.attributes, f'"nvvm.maxntid"="{APPEND_THREADS}"')
+    signature.declare(abi, fn)
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    a = KernelArgs(fn, APPEND_ABI, config)
+    tid = nvptx.special_register(b, "thread_idx", "x")
+    bidx = nvptx.special_register(b, "block_idx", "x")
+    if config.query_rows:
+        first, rows = i32(0), a.query_rows
+    else:
+        first = b.load(b.gep(a.query_offsets, [bidx], source_etype=i32), typ=i32)
+        end = b.load(b.gep(a.query_offsets, [b.add(bidx, i32(1))], source_etype=i32), typ=i32)
+        rows = b.sub(end, first)
+    stored = b.load(b.gep(a.cache_seqlens, [bidx], source_etype=i32), typ=i32)
+    chunks = config.head_dim // 8
+    vector = ir.VectorType(i32, 4)
+
+    def row_step(b, row, _):
+        pos = b.add(stored, row)
+        if config.page_size:
+            entry = b.gep(a.page_table, [b.add(b.mul(_i64(b, bidx), a.page_table_stride),
+                                               _i64(b, b.lshr(pos, i32(config.page_shift))))],
+                          source_etype=i32)
+            inside = b.icmp_unsigned("<", pos, a.cache_capacity)
+            page = b.load(b.select(inside, entry, a.page_table), typ=i32)
+            in_page = b.and_(pos, i32(config.page_size - 1))
+        else:
+            inside, page, in_page = b.icmp_unsigned("<", pos, a.cache_capacity), bidx, pos
+        writes = b.and_(inside, b.icmp_unsigned("<", page, a.cache_pages))
+        with b.if_then(writes):
+            for t in "kv":
+                src = b.add(b.mul(_i64(b, bidx), a[f"{t}_new_stride_batch"]),
+                            b.mul(_i64(b, b.add(first, row)), a[f"{t}_new_stride_row"]))
+                dst = b.add(b.mul(_i64(b, page), a[f"{t}_stride_page"]),
+                            b.mul(_i64(b, in_page), a[f"{t}_stride_row"]))
+
+                def copy(b, j, _, t=t, src=src, dst=dst):
+                    h, chunk = b.udiv(j, i32(chunks)), b.shl(b.urem(j, i32(chunks)), i32(3))
+                    at = (lambda base, stride: b.add(b.add(base, b.mul(_i64(b, h), stride)),
+                                                     _i64(b, chunk)))
+                    value = b.load(b.gep(a[f"{t}_new"], [at(src, a[f"{t}_new_stride_head"])],
+                                         source_etype=nvptx.i16), typ=vector, align=16)
+                    b.store(value, b.gep(a[f"{t}_cache"], [at(dst, a[f"{t}_stride_head"])],
+                                         source_etype=nvptx.i16), align=16)
+                    return b.add(j, i32(APPEND_THREADS)), []
+                ir_loop(b, tid, b.mul(a.num_heads, i32(chunks)), [], copy)
+        return b.add(row, nvptx.special_register(b, "grid_dim", "y")), []
+    ir_loop(b, nvptx.special_register(b, "block_idx", "y"), rows, [], row_step)
+    b.ret_void()
+
+
 # ============================================================================ module
 def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
                         work_loop, traced: bool = False) -> ir.Module:
     module = new_module(f"mha_decode_{config.dtype}_d{config.head_dim}", target)
-    abi = hooks.kernel_abi(ABI)
+    if config.appends:
+        _emit_append(module, config, hooks)
+    abi = hooks.kernel_abi(decode_abi(config))
     fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(abi)),
                      name=KERNEL_NAME)
     nvptx.mark_kernel(fn)
@@ -952,7 +1041,8 @@ def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
     smem.linkage = "external"
     smem.align = SMEM_ALIGN
     builder = ir.IRBuilder(fn.append_basic_block("entry"))
-    args = KernelArgs(fn, ABI, config, zero_after_none=False, advance_in_tile=True)
+    args = KernelArgs(fn, decode_abi(config), config, zero_after_none=False,
+                      advance_in_tile=True)
     _scheduler_view(args)
 
     def tile(b: ir.IRBuilder, seq: TileSeq) -> None:
@@ -983,7 +1073,16 @@ class Decode(Backend):
         return (config, replace(config, page_lookahead=1))
 
     def kernels(self, config: DecodeConfig) -> tuple[KernelLaunch, ...]:
-        return (KernelLaunch(KERNEL_NAME, ABI, config.threads, config.shared_bytes),)
+        """The decode kernel; first, where the call appends the step's rows, the append."""
+        decode = KernelLaunch(KERNEL_NAME, decode_abi(config), config.threads,
+                              config.shared_bytes)
+        if not config.appends:
+            return (decode,)
+
+        def rows(call: CallSizes) -> tuple[int, int, int]:
+            q_rows = call.max_seqlen_q if call.ragged else call.query_rows
+            return max(1, call.batch), max(1, min(q_rows, APPEND_ROW_BLOCKS)), 1
+        return KernelLaunch(APPEND_NAME, APPEND_ABI, APPEND_THREADS, 0, rows), decode
 
     def work_space(self, config: DecodeConfig, call: CallSizes) -> tuple[int, int, int, int]:
         """A dense batch of (query-row tile x KV split) prompt tiles per (sequence, K/V

@@ -519,7 +519,7 @@ def reference_backward(kernel, q, k, v, dout, *, cu_seqlens_q=None, cu_seqlens_k
 def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None,
                      cu_seqlens_q=None, max_seqlen_q=None, scale: float | None = None,
                      out=None, return_lse: bool | None = None, stream=None,
-                     num_splits: int | None = None, **operands):
+                     num_splits: int | None = None, k_new=None, v_new=None, **operands):
     """What the decode call `kernel(q, k_cache, v_cache, cache_seqlens=..., ...)` computes, in
     NumPy float64: attention of the query rows over their sequence's cached keys.
 
@@ -531,7 +531,10 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
     rules see q_idx 0..Sq_b-1, seqlen_q = Sq_b and seqlen_k = cache_seqlens[b]. The mask is
     the declaration's, as it is: one without a mask sees every cached key, so decode kernels
     declare the bottom-right causal mask `kv_idx <= q_idx + seqlen_k - seqlen_q` (row i then
-    sees positions up to seqlen_k - Sq_b + i). All index values are checked here (they are
+    sees positions up to seqlen_k - Sq_b + i). With `k_new`/`v_new` (the step's rows, q's
+    layout with Hkv heads) the call first writes them at positions cache_seqlens[b] ... of a
+    copy of the cache (the caller's arrays are left as they are) and attends over
+    cache_seqlens[b] + Sq_b keys. All index values are checked here (they are
     read to the host); the kernels' call checks device-side ones only under MHADSL_DEBUG=1.
     Returns O in q's layout and, with `return_lse` (default: the declaration's), the LSE:
     (B, Hq, Sq) dense, (Hq, total_q) ragged. `out`, `stream` and `num_splits` (checked) are
@@ -543,16 +546,29 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _float_tensor(t, name)
     for name, t in (("cache_seqlens", cache_seqlens), ("page_table", page_table),
-                    ("cu_seqlens_q", cu_seqlens_q)):
+                    ("cu_seqlens_q", cu_seqlens_q), ("k_new", k_new), ("v_new", v_new)):
         if t is not None:
             _tensor(t, name)
     call = check_decode_call(kernel.options, q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                              page_table=page_table, cu_seqlens_q=cu_seqlens_q,
                              max_seqlen_q=max_seqlen_q, scale=scale, num_splits=num_splits,
-                             read=_host_ints)
+                             k_new=k_new, v_new=v_new, read=_host_ints)
     rules = _kernel_rules(kernel, call.scale, call.cu_seqlens_q, None, values, call.batch,
                           q.shape[-2])
     q, k_cache, v_cache = (_to_numpy(x) for x in (q, k_cache, v_cache))
+    pages = None if page_table is None else _host_ints(page_table)
+    if call.appends:  # the new rows, written into copies of the cache
+        k_cache, v_cache = k_cache.copy(), v_cache.copy()
+        cu_q = call.cu_seqlens_q
+        first = call.cache_seqlens - np.diff(cu_q)  # each sequence's first new position
+        rows = np.arange(cu_q[-1] - cu_q[0])
+        sequence = np.searchsorted(cu_q, rows + cu_q[0], side="right") - 1
+        position = first[sequence] + rows + cu_q[0] - cu_q[sequence]
+        where = (sequence, position) if pages is None else \
+            (pages[sequence, position // call.page_size], position % call.page_size)
+        for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+            new = _to_numpy(new)
+            cache[where] = new.reshape(-1, *new.shape[-2:])[rows + cu_q[0]]
     # Each sequence's keys gathered into one ragged K/V; dense q goes ragged too (B*Sq rows).
     cu_k = np.concatenate([[0], np.cumsum(call.cache_seqlens)])
     sequence = np.repeat(np.arange(call.batch), call.cache_seqlens)
@@ -560,7 +576,6 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
     if page_table is None:
         where = (sequence, position)
     else:
-        pages = _host_ints(page_table)
         where = (pages[sequence, position // call.page_size], position % call.page_size)
     out, lse = attention_reference(q.reshape(-1, *q.shape[-2:]), k_cache[where], v_cache[where],
                                    return_lse=True, **{**rules, "cu_seqlens_k": cu_k})

@@ -8,6 +8,11 @@ p % page_size]`; without one they are contiguous, (B, max_cache_len, Hkv, D), an
 q holds 1..16 query rows per sequence, dense (B, Sq, Hq, D), or any number ragged
 (total_q, Hq, D) with `cu_seqlens_q` (chunked prefill). Query rows are the last positions of
 their sequence's cache, so no sequence has more query rows than cached keys.
+
+A call may append the step's new rows first: `k_new`/`v_new` in q's layout with Hkv heads,
+one row per query row, which the call writes into the cache at positions cache_seqlens[b] ...
+cache_seqlens[b] + Sq_b - 1 before it attends over cache_seqlens[b] + Sq_b keys (the caller
+then advances cache_seqlens, as FlashAttention's `flash_attn_with_kvcache` has it).
 """
 from __future__ import annotations
 
@@ -33,11 +38,31 @@ class DecodeCall(NamedTuple):
     cache_seqlens: np.ndarray | None  # (B,)
     max_seqlen_q: int  # query rows of the longest sequence (dense: Sq)
     scale: float
+    appends: bool = False  # k_new/v_new given; then cache_seqlens counts the new rows too
+
+
+def _check_new_rows(q, k_cache, k_new, v_new) -> bool:
+    """Whether the call appends new rows (`k_new`/`v_new`, both or neither), checked: q's
+    layout with the cache's K/V heads and head dim, the cache's dtype."""
+    if (k_new is None) != (v_new is None):
+        raise TypeError("give k_new and v_new together (the step's new keys and values), or "
+                        "neither")
+    if k_new is None:
+        return False
+    want = tuple(q.shape[:-2]) + tuple(k_cache.shape[-2:])
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want}: q's rows "
+                             f"with the cache's K/V heads and head dim")
+        if dtype_name(t) != dtype_name(k_cache):
+            raise TypeError(f"{name} has dtype {dtype_name(t)}; the cache's is "
+                            f"{dtype_name(k_cache)}")
+    return True
 
 
 def check_decode_call(options: AttentionOptions, q, k_cache, v_cache, *, cache_seqlens,
                       page_table=None, cu_seqlens_q=None, max_seqlen_q=None, scale=None,
-                      num_splits=None,
+                      num_splits=None, k_new=None, v_new=None,
                       read: Callable[[object], np.ndarray | None] = np.asarray) -> DecodeCall:
     """Refuse, with a ValueError or TypeError saying why, a decode call the kernel cannot run.
 
@@ -67,6 +92,7 @@ def check_decode_call(options: AttentionOptions, q, k_cache, v_cache, *, cache_s
                              f"is declared head_dim = {options.head_dim}")
     if problem := options.heads_problem(q.shape[-2], k_cache.shape[-2]):
         raise ValueError(problem)
+    appends = _check_new_rows(q, k_cache, k_new, v_new)
 
     if ragged:
         _check_int32(cu_seqlens_q, "cu_seqlens_q", 1, "batch + 1 entries")
@@ -104,6 +130,13 @@ def check_decode_call(options: AttentionOptions, q, k_cache, v_cache, *, cache_s
     seqlens = read(cache_seqlens)
     if seqlens is not None:
         _check_cache_seqlens(seqlens, capacity)
+        if appends and cu_q is not None:  # the keys the call attends over: with the new rows
+            seqlens = np.asarray(seqlens, np.int64) + np.diff(np.asarray(cu_q, np.int64))
+            if np.any(seqlens > capacity):
+                b = int(np.argmax(seqlens > capacity))
+                raise ValueError(f"sequence {b}'s {seqlens[b] - int(read(cache_seqlens)[b])} "
+                                 f"new rows after its {int(read(cache_seqlens)[b])} cached "
+                                 f"keys go beyond the cache's {capacity} positions")
     if cu_q is not None:
         _check_query_rows(cu_q, q.shape[0] if ragged else None, seqlens)
     if page_table is not None and seqlens is not None:
@@ -129,7 +162,8 @@ def check_decode_call(options: AttentionOptions, q, k_cache, v_cache, *, cache_s
         if isinstance(num_splits, bool) or not 1 <= num_splits <= MAX_KV_SPLITS:
             raise ValueError(words)
     return DecodeCall(batch, page_size, cu_q,
-                      None if seqlens is None else np.asarray(seqlens, np.int64), max_q, scale)
+                      None if seqlens is None else np.asarray(seqlens, np.int64), max_q, scale,
+                      appends)
 
 
 def _check_int32(t, name: str, rank: int, layout: str) -> None:

@@ -164,18 +164,28 @@ def _split_buffers(nbytes: dict[str, int], device: int) -> dict:
     return buffers
 
 
+def check_new_rows_aligned(addresses: dict) -> None:
+    """The new rows are copied 16 bytes at a time: their pointers must be 16-byte aligned
+    (their strides are, by `check_rows`)."""
+    for name in ("k_new", "v_new"):
+        if addresses[name] & 15:
+            raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned, got a pointer at "
+                             f"{addresses[name]:#x}")
+
+
 def _address(buffer) -> int:
     return buffer.data_ptr() if hasattr(buffer, "data_ptr") else buffer.ptr
 
 
 def decode(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
-           scale, out, return_lse, stream, num_splits, operands):
+           scale, out, return_lse, stream, num_splits, operands, k_new=None, v_new=None):
     """`kernel`'s attention of q against its cache (`Kernel.__call__` with `cache_seqlens`;
     positional, as each keyword costs the per-call host path); `operands`: the operands'
-    checked values (None where the declaration has none)."""
+    checked values (None where the declaration has none); `k_new`/`v_new`: the step's rows,
+    written into the cache first (`mhadsl.host.paged`)."""
     tensor_ops = tensor_operands(kernel.options, operands)
     key = torch_signature(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
-                          *tensor_ops.values())
+                          k_new, v_new, *tensor_ops.values())
     if key is not None:  # torch tensors: a signature seen before runs its plan
         key = typed_key(key, (max_seqlen_q, scale, return_lse, num_splits))
         key = ("decode", *key)
@@ -183,21 +193,25 @@ def decode(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
         if planned is not None and not planned.debug_mode():
             return _run_torch(planned, q, k_cache, v_cache, cache_seqlens, page_table,
                               cu_seqlens_q, out, stream, kernel.recording_workspace, operands,
-                              tensor_ops)
+                              tensor_ops, k_new, v_new)
     check_flag(return_lse, "return_lse")
     want_lse = kernel.options.return_lse if return_lse is None else bool(return_lse)
     return _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
-                 max_seqlen_q, scale, out, want_lse, stream, num_splits, key, operands)
+                 max_seqlen_q, scale, out, want_lse, stream, num_splits, key, operands,
+                 {"k_new": k_new, "v_new": v_new} if k_new is not None or v_new is not None
+                 else {})
 
 
 def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, scale, out,
-          want_lse, stream, num_splits, key, operands):
+          want_lse, stream, num_splits, key, operands, new_rows):
     """Every check, then the device (without a GPU, NoGpuError before any host array is
     copied or allocated), then the signature's plan (made once) and the launch."""
     from mhadsl.runtime import driver, tensors
     dtype = DTYPE_NAMES[kernel.options.dtype]
     views = {}
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), *new_rows.items()):
+        if t is None:  # (a lone k_new or v_new: check_decode_call says so)
+            continue
         view = tensors.as_device_tensor(t, name)
         if not view.on_host and view.dtype != dtype:
             raise TypeError(f"tensor {name!r} has dtype {view.dtype}, but kernel "
@@ -220,8 +234,9 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
                              cache_seqlens=views.get("cache_seqlens"),
                              page_table=views.get("page_table"),
                              cu_seqlens_q=views.get("cu_seqlens_q"), max_seqlen_q=max_q,
-                             scale=scale, num_splits=num_splits, read=read)
-    for name in ("q", "k_cache", "v_cache"):
+                             scale=scale, num_splits=num_splits, k_new=views.get("k_new"),
+                             v_new=views.get("v_new"), read=read)
+    for name in ("q", "k_cache", "v_cache", *new_rows):
         if not views[name].on_host:
             check_rows(views[name], name)
     op_views = operand_views(kernel.options, operands, call.batch, views["q"].shape[-2],
@@ -245,6 +260,7 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
            "k_cache": on_device(views["k_cache"], "k_cache", dtype),
            "v_cache": on_device(views["v_cache"], "v_cache", dtype),
            "o": on_device(out_view, "out", dtype)}
+    dev.update((name, on_device(views[name], name, dtype)) for name in new_rows)
     for name in ("cache_seqlens", "page_table", "cu_seqlens_q"):
         if name in views:
             dev[name] = on_device(views[name], name, "int32")
@@ -257,6 +273,8 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
         dev["lse"] = on_device(tensors.as_device_tensor(lse_obj, "lse"), "lse", "float32")
 
     planned = _plan(kernel, call, dev, ragged, want_lse, num_splits)
+    if new_rows:
+        check_new_rows_aligned({n: dev[n].ptr for n in new_rows})
     if key is not None and not driver.debug_mode():
         kernel.launcher.fast_plans[key] = planned
     if not planned.empty:
@@ -265,6 +283,10 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
                kernel.recording_workspace, operands)
     if out_view.on_host:
         tensors.from_device(dev["o"], out_obj, stream=handle)
+    if new_rows:  # the cache the call appended to, back to host arrays
+        for name in ("k_cache", "v_cache"):
+            if views[name].on_host:
+                tensors.from_device(dev[name], views[name].obj, stream=handle)
     if want_lse and isinstance(lse_obj, np.ndarray):
         tensors.from_device(dev["lse"], lse_obj, stream=handle)
     return (out_obj, lse_obj) if want_lse else out_obj
@@ -291,7 +313,7 @@ def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
     wgmma = select_target(info.compute_capability).arch == "sm_90a"
     layout = Layout(group, False, want_lse, CacheLayout(
         rows_per_seq, call.page_size or 0,
-        kv_tile(rows, groups, num_sms, call.page_size or 0, wgmma=wgmma)))
+        kv_tile(rows, groups, num_sms, call.page_size or 0, wgmma=wgmma), call.appends))
     loaded = launcher.load(layout, device)
     config, design = loaded.config, loaded.design
     _, ctas_per_sm = launcher.occupancy(loaded)
@@ -322,7 +344,8 @@ def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
 
 # ---------------------------------------------------------------------- torch fast path
 def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_table, cu_q,
-               out, stream, workspace: int | None, operands: dict | None, tensor_ops: dict):
+               out, stream, workspace: int | None, operands: dict | None, tensor_ops: dict,
+               k_new, v_new):
     """A call of a planned torch signature: only what its addresses decide is checked
     (alignment, and out overlapping what the kernel reads), then the plan launches."""
     torch = sys.modules["torch"]
@@ -335,6 +358,9 @@ def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_ta
         addresses["page_table"] = page_table.data_ptr()
     if cu_q is not None:
         addresses["cu_seqlens_q"] = cu_q.data_ptr()
+    if k_new is not None:
+        addresses.update(k_new=k_new.data_ptr(), v_new=v_new.data_ptr())
+        check_new_rows_aligned(addresses)
     addresses.update((n, t.data_ptr()) for n, t in tensor_ops.items())
     planned.check_addresses(addresses)
     lse = None

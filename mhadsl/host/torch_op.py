@@ -4,8 +4,8 @@
     out, lse = attn(q, k, v)                                   # lse float32 (B, Hq, Sq)
     out, lse = attn(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq,
                     max_seqlen_k=mk)                           # lse (Hq, total_q)
-    out, lse = attn(q, k_cache, v_cache, cache_seqlens=lens,  # a decode step against a
-                    page_table=pages, num_splits=2)            # paged KV cache
+    step = kern.torch_decode_op()                             # against a KV cache:
+    out, lse = step(q, k_cache, v_cache, lens, page_table=pages, k_new=k, v_new=v)
 
 Each kernel is one operator of the `mhadsl` library (`mhadsl::<kernel>_<hash>`) with a fake
 implementation that gives the outputs' shapes without running anything, so
@@ -14,10 +14,12 @@ implementation that gives the outputs' shapes without running anything, so
 the kernel itself, so replays need no host work), and a dynamic sequence length reuses the
 kernel's build (builds depend on the layout, not the lengths).
 
-A call with `cache_seqlens` is a call against a KV cache (`Kernel.__call__`'s decode: contiguous
-or paged by `page_table`, dense or ragged query rows, `num_splits`), its lengths and page table
-read on the device only, so a captured graph replays new lengths and page tables as they are
-then. A decode call has no gradient (its backward raises).
+A call against a KV cache is a second operator (`Kernel.torch_decode_op()`,
+`mhadsl::<kernel>_<hash>_decode`): `Kernel.__call__`'s decode (contiguous or paged by
+`page_table`, dense or ragged query rows, `num_splits`, the step's `k_new`/`v_new` written into
+the cache first, which its schema marks as mutated). Its lengths and page table are read on
+the device only, so a captured graph replays new lengths and page tables as they are then. It
+has no gradient.
 
 The operator is differentiable (`torch.library.register_autograd`): `out.backward()` runs the
 kernel's backward pass (`Kernel.backward`) through a second operator,
@@ -41,11 +43,14 @@ from mhadsl.front import ast
 
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
           "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None, "
-          "bool? deterministic=None, Tensor? cache_seqlens=None, Tensor? page_table=None, "
-          "int? num_splits=None) -> (Tensor, Tensor)")
+          "bool? deterministic=None) -> (Tensor, Tensor)")
 # the forward's arguments before the operands: q, k, v, cu_seqlens_q/k, max_seqlen_q/k,
-# scale, deterministic, cache_seqlens, page_table, num_splits
-FIRST_OPERAND = 12
+# scale, deterministic
+FIRST_OPERAND = 9
+DECODE_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
+                 "Tensor? page_table=None, Tensor? cu_seqlens_q=None, SymInt? max_seqlen_q=None, "
+                 "float? scale=None, int? num_splits=None, Tensor? k_new=None, "
+                 "Tensor? v_new=None) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
                    "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
                    "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None, "
@@ -54,43 +59,84 @@ _library = None
 _ops: dict[str, object] = {}
 
 
-def torch_op(kernel):
-    """The operator for `kernel` (`mhadsl.host.api.Kernel`), registered once per process. Defined
-    through `torch.library.Library` rather than the `custom_op` decorator, whose Python
-    wrappers cost more host time a call than many kernels take."""
+def _name(kernel, suffix: str = "") -> str:
+    """The operator's name: the kernel's and a digest of its program (`suffix`: which)."""
+    digest = hashlib.sha256(f"{kernel.program.text}\0{kernel.name}".encode()).hexdigest()[:12]
+    return f"{kernel.name}_{digest}{suffix}"
+
+
+def _define(name: str, schema: str, impl, fake):
+    """Operator `mhadsl::<name>`: its schema, its CUDA implementation and its fake one.
+    Defined through `torch.library.Library` rather than the `custom_op` decorator, whose
+    Python wrappers cost more host time a call than many kernels take."""
     global _library
     import torch
 
-    digest = hashlib.sha256(f"{kernel.program.text}\0{kernel.name}".encode()).hexdigest()[:12]
-    name = f"{kernel.name}_{digest}"
-    if name in _ops:
-        return _ops[name]
     if _library is None:
         _library = torch.library.Library("mhadsl", "FRAGMENT")
-    _library.define(name + with_operands(SCHEMA, kernel))
-
-    def attention(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                  max_seqlen_k=None, scale=None, deterministic=None, cache_seqlens=None,
-                  page_table=None, num_splits=None, *operands):
-        return kernel(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale,
-                      cache_seqlens=cache_seqlens, page_table=page_table,
-                      num_splits=num_splits, return_lse=True, **given(kernel, operands))
-
-    def fake(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-             max_seqlen_k=None, scale=None, deterministic=None, cache_seqlens=None,
-             page_table=None, num_splits=None, *operands):
-        if cu_seqlens_q is None:
-            lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
-        else:
-            lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-        return q.new_empty(q.shape), lse
-
-    _library.impl(name, attention, "CUDA")
+    _library.define(name + schema)
+    _library.impl(name, impl, "CUDA")
     torch.library.register_fake(f"mhadsl::{name}", fake, lib=_library)
     _ops[name] = getattr(torch.ops.mhadsl, name).default
-    _register_autograd(kernel, name)
     return _ops[name]
+
+
+def torch_op(kernel):
+    """The operator for `kernel` (`mhadsl.host.api.Kernel`), registered once per process."""
+    import torch
+
+    name = _name(kernel)
+    if name in _ops:
+        return _ops[name]
+
+    def attention(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                  max_seqlen_k=None, scale=None, deterministic=None, *operands):
+        return kernel(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale,
+                      return_lse=True, **given(kernel, operands))
+
+    def fake(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+             max_seqlen_k=None, scale=None, deterministic=None, *operands):
+        return _outputs(torch, q, cu_seqlens_q)
+
+    op = _define(name, with_operands(SCHEMA, kernel), attention, fake)
+    _register_autograd(kernel, name)
+    return op
+
+
+def _outputs(torch, q, cu_seqlens_q):
+    """Empty outputs of a call's shapes: O like q, the LSE (B, Hq, Sq) dense or (Hq, total)
+    ragged."""
+    if cu_seqlens_q is None:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return q.new_empty(q.shape), lse
+
+
+def torch_decode_op(kernel):
+    """The operator of `kernel`'s calls against a KV cache, registered once per process;
+    its schema marks k_cache and v_cache as written (the step's new rows)."""
+    import torch
+
+    name = _name(kernel, "_decode")
+    if name in _ops:
+        return _ops[name]
+
+    def step(q, k_cache, v_cache, cache_seqlens, page_table=None, cu_seqlens_q=None,
+             max_seqlen_q=None, scale=None, num_splits=None, k_new=None, v_new=None,
+             *operands):
+        return kernel(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
+                      cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, scale=scale,
+                      num_splits=num_splits, k_new=k_new, v_new=v_new, return_lse=True,
+                      **given(kernel, operands))
+
+    def fake(q, k_cache, v_cache, cache_seqlens, page_table=None, cu_seqlens_q=None,
+             max_seqlen_q=None, scale=None, num_splits=None, k_new=None, v_new=None,
+             *operands):
+        return _outputs(torch, q, cu_seqlens_q)
+
+    return _define(name, with_operands(DECODE_SCHEMA, kernel), step, fake)
 
 
 def with_operands(schema: str, kernel) -> str:
@@ -138,7 +184,6 @@ def _register_autograd(kernel, name: str) -> None:
     if sink:
         schema = schema.replace("-> (Tensor, Tensor, Tensor)",
                                 "-> (Tensor, Tensor, Tensor, Tensor)")
-    _library.define(name + "_backward" + schema)
 
     def gradients(q, k, v, out, lse, dout, cu_seqlens_q=None, cu_seqlens_k=None,
                   max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None,
@@ -157,25 +202,19 @@ def _register_autograd(kernel, name: str) -> None:
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
         return grads + (q.new_empty((batch, q.shape[-2]), dtype=torch.float32),)
 
-    _library.impl(name + "_backward", gradients, "CUDA")
-    torch.library.register_fake(f"mhadsl::{name}_backward", fake, lib=_library)
-    backward_op = getattr(torch.ops.mhadsl, name + "_backward").default
+    backward_op = _define(name + "_backward", schema, gradients, fake)
 
     def setup_context(ctx, inputs, output):
-        q, k, v, cu_q, cu_k, max_q, max_k, scale, deterministic, cache_seqlens = inputs[:10]
+        q, k, v, cu_q, cu_k, *options = inputs  # max_q, max_k, scale, deterministic, operands
         ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
-        ctx.options = [max_q, max_k, scale, deterministic, *inputs[FIRST_OPERAND:]]
-        ctx.inputs, ctx.decode = len(inputs), cache_seqlens is not None
+        ctx.options = options
 
     target = sink_operand(kernel)
 
     def backward(ctx, grad_out, _grad_lse):
-        inputs = ctx.inputs  # (no gradient for any but q, k, v and a sink's)
+        inputs = 5 + len(ctx.options)  # (no gradient for any but q, k, v and a sink's)
         if grad_out is None:  # only the LSE was used
             return (None,) * inputs
-        if ctx.decode:
-            raise RuntimeError(f"kernel '{kernel.name}': a call against a KV cache "
-                               "(cache_seqlens=...) has no backward pass")
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         grads = backward_op(q, k, v, out, lse, grad_out.contiguous(), cu_q, cu_k,
                             *ctx.options)
