@@ -71,7 +71,7 @@ def test_rows_past_the_cache_on_the_device_are_not_written():
                        for h in (8, 2, 2))
     k_before = k.clone()
     full = torch.tensor([63, 64], dtype=torch.int32, device="cuda")  # unchecked on the device
-    out = kern(q, k, v, cache_seqlens=full, k_new=k_new, v_new=v_new)
+    out, _ = kern(q, k, v, cache_seqlens=full, k_new=k_new, v_new=v_new)  # (return_lse)
     torch.cuda.synchronize()
     assert torch.isfinite(out.float()).all()
     assert torch.equal(k[0, 63], k_new[0, 0])  # sequence 0's last position: written
