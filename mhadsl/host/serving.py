@@ -210,8 +210,8 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
     dtype = DTYPE_NAMES[kernel.options.dtype]
     views = {}
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), *new_rows.items()):
-        if t is None:  # (a lone k_new or v_new: check_decode_call says so)
-            continue
+        if t is None and name in new_rows:  # (a lone k_new or v_new: check_decode_call
+            continue                          # says so)
         view = tensors.as_device_tensor(t, name)
         if not view.on_host and view.dtype != dtype:
             raise TypeError(f"tensor {name!r} has dtype {view.dtype}, but kernel "
