@@ -260,24 +260,41 @@ def _parse_params(texts: list[str]) -> tuple[tuple[str, object], ...]:
     return tuple(params.items())
 
 
-def _parse_operands(texts: list[str]) -> dict[str, int | float]:
-    """`--operand NAME=VALUE`s: an integer, else a number (checked against the kernel's
-    declaration where it is known)."""
-    operands: dict[str, int | float] = {}
+def _parse_operands(texts: list[str]) -> dict[str, object]:
+    """`--operand NAME=VALUE`s: an integer, else a number; a tensor as numbers separated by
+    commas (one axis) or a `.npy` file (checked against the kernel's declaration where it
+    is known)."""
+    operands: dict[str, object] = {}
     for text in texts:
         name, sep, value = text.partition("=")
         if not sep or not name:
             raise UsageError(f"--operand takes NAME=VALUE, got {text!r}")
         if name in operands:
             raise UsageError(f"--operand {name} is given twice")
-        if DECIMAL.fullmatch(value):
-            operands[name] = int(value)
-            continue
-        try:
-            operands[name] = float(value)
-        except ValueError:
-            raise UsageError(f"--operand {name} takes a number, got {value!r}") from None
+        if value.endswith(".npy"):
+            operands[name] = _load_npy(name, value)
+        elif "," in value:
+            operands[name] = tuple(_number(name, v) for v in value.split(","))
+        else:
+            operands[name] = _number(name, value)
     return operands
+
+
+def _number(name: str, text: str) -> int | float:
+    if DECIMAL.fullmatch(text):
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        raise UsageError(f"--operand {name} takes a number, got {text!r}") from None
+
+
+def _load_npy(name: str, path: str):
+    import numpy as np
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--operand {name}: cannot read {path}: {err}") from None
 
 
 def _parse_param(text: str) -> tuple[str, object]:
@@ -353,7 +370,8 @@ def _work_space(args: argparse.Namespace, program):
     """The work space `simulate` runs the scheduler over, its cost model and GQA group."""
     cost, sequences, gqa = args.cost or "causal", args.sequences, args.gqa or 1
     if args.kernel:
-        cost = _kernel_costs(program, args.kernel, args.file, args.operands)
+        cost = _kernel_costs(program, args.kernel, args.file, args.operands,
+                             len(args.lengths), args.heads)
         sequences = Batch(args.lengths, args.heads, cost.block_m, ragged=sequences.ragged)
         gqa, declared = _kernel_gqa(program, args)
         print(f"cost model of kernel {args.kernel} ({cost.block_m}x{cost.block_n} tile), "
@@ -392,24 +410,47 @@ def _kernel_gqa(program, args: argparse.Namespace) -> tuple[int, str]:
     return gqa, f"declared {setting}"
 
 
-def _operands(options, given: dict, runs: bool = True) -> dict:
-    """The values of a kernel's scalar operands: `--operand`s, else their defaults. A
-    command that `runs` the kernel refuses one that reads a tensor operand (the command
-    line makes none); the simulator's cost model takes it as unknown."""
-    tensors = [o for o in options.operands if o.axes]
-    for o in tensors:
-        if runs or o.name in given:
+def _operands(options, given: dict, runs: bool = True, batch: int = 0,
+              heads: int = 0) -> dict:
+    """The values of a kernel's operands: `--operand`s, else their defaults. A command that
+    `runs` the kernel refuses one that reads a tensor operand (it would need it on the
+    device: call the kernel from Python); the simulator's cost model reads a tensor given
+    (checked against the `batch` sequences and `heads` query heads), else takes its
+    elements as unknown."""
+    import numpy as np
+    from mhadsl.host.calls import TENSOR_OPERAND_DTYPES, check_tensor_operand
+    tensors = {}
+    for o in options.operands:
+        if not o.axes:
+            continue
+        if runs:
             raise UsageError(f"kernel '{options.name}' reads tensor operand '{o.name}' "
-                             f"({o.declared}): the command line passes none; call the "
-                             f"kernel from Python")
+                             f"({o.declared}): run and trace take none; call the kernel "
+                             f"from Python (simulate takes one)")
+        if o.name in given:
+            value = np.asarray(given[o.name])
+            want = TENSOR_OPERAND_DTYPES[o.type]
+            if value.dtype.kind not in ("iu" if o.type == "i32" else "iuf"):
+                raise UsageError(f"--operand {o.name}: tensor operand '{o.name}' "
+                                 f"({o.declared}) takes {want} elements, got {value.dtype}")
+            if o.type == "i32" and value.size and not (
+                    -2**31 <= value.min() and value.max() < 2**31):
+                raise UsageError(f"--operand {o.name}: an element is out of i32's range")
+            try:
+                tensors[o.name] = value.astype(want)
+                check_tensor_operand(o, tensors[o.name], batch, heads)
+            except (TypeError, ValueError, OverflowError) as err:
+                raise UsageError(f"--operand {o.name}: {err}") from None
     try:
-        return operand_values(dataclasses.replace(options, operands=tuple(
-            o for o in options.operands if not o.axes)), given)
+        scalars = operand_values(dataclasses.replace(options, operands=tuple(
+            o for o in options.operands if not o.axes)),
+            {n: v for n, v in given.items() if n not in tensors})
     except (TypeError, ValueError) as err:
         raise UsageError(f"--operand: {err}") from None
+    return {**scalars, **tensors}
 
 
-def _kernel_costs(program, kernel: str, path: str, operands: dict):
+def _kernel_costs(program, kernel: str, path: str, operands: dict, batch: int, heads: int):
     """The cost model of attention `kernel` as the preferred sm_90a design builds it: its
     declared mask and tile, with the constants calibrated for it (`mhadsl trace
     --calibrate`, on any GPU), else the defaults."""
@@ -426,7 +467,8 @@ def _kernel_costs(program, kernel: str, path: str, operands: dict):
     return costmodel.KernelCostModel(costs.for_block_n(block_n), program,
                                      resolved.options.mask, config.block_m, block_n, source,
                                      resolved.backend.producer_ahead,
-                                     _operands(resolved.options, operands, runs=False))
+                                     _operands(resolved.options, operands, False, batch,
+                                               heads))
 
 
 def _save_plot(draw, path: str, flag: str) -> None:

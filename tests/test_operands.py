@@ -5,6 +5,7 @@ The front end checks their declarations; the references and the tile classificat
 their values; every kernel of every design takes them as parameters after its design's own;
 the host checks a call's values before anything runs and packs them at each launch.
 """
+import json
 import re
 
 import numpy as np
@@ -564,8 +565,58 @@ def test_the_command_line_runs_no_kernel_that_reads_a_tensor_operand(capsys):
     from mhadsl.cli import main
     path = str(next(p for p in EXAMPLES if p.name == "prefix_lm.mha"))
     status = main(["run", path, "--kernel", "prefix_lm", "--seqlen", "128", "--no-gpu-ok"])
-    assert status == 2 and "reads tensor operand 'prefix' (i32[batch]): the command line " \
-                           "passes none" in capsys.readouterr().err
+    assert status == 2 and "reads tensor operand 'prefix' (i32[batch]): run and trace " \
+                           "take none" in capsys.readouterr().err
     assert main(["simulate", path, "--scheduler", "LPT", "--kernel", "prefix_lm", "--seqlen",
                  "1024", "--json"]) == 0  # the cost model takes the tensor's values as unknown
     capsys.readouterr()
+
+
+def test_the_simulators_cost_model_reads_a_tensor_operand_it_is_given():
+    from mhadsl.analysis.costmodel import tile_classes
+    kern = mhadsl.compile(str(next(p for p in EXAMPLES if p.name == "prefix_lm.mha")))[
+        "prefix_lm"]
+    program, mask = kern.program.checked, kern.options.mask
+    offsets, b = np.array([0, 1024, 0, 1024]), np.array([0, 0, 1, 1])
+    prefix = np.array([100, 2500], np.int32)
+    unknown = tile_classes(program, mask, [3000, 3000], offsets, np.zeros(4), b, 128, 128)
+    known = tile_classes(program, mask, [3000, 3000], offsets, np.zeros(4), b, 128, 128,
+                         {"prefix": prefix})
+    # each query tile against the mask itself: a KV tile is visited iff it keeps a pair
+    for k, (q0, bb) in enumerate(zip(offsets, b)):
+        q = np.arange(q0, q0 + 128)[:, None]
+        kv = np.arange(3000)[None, :]
+        keep = (kv < prefix[bb]) | (kv <= q)
+        tiles = [keep[:, n:n + 128] for n in range(0, 3000, 128)]
+        full = sum(t.all() and t.shape[1] == 128 for t in tiles)
+        visited = sum(t.any() for t in tiles)
+        assert (known[0][k], known[0][k] + known[1][k]) == (full, visited)
+        assert unknown[0][k] + unknown[1][k] >= visited  # unknown: sound, never exact here
+    assert sum(known[1]) < sum(unknown[1])
+
+
+@pytest.mark.parametrize("value, message", [
+    ("100,2500,3", "has 3 entries, but the call has 2 sequences"),
+    ("100,2.5", "takes int32 elements, got float64"),
+    ("1,4294967296", "out of i32's range"),
+    ("missing.npy", "cannot read missing.npy"),
+])
+def test_the_simulator_refuses_a_bad_tensor_operand(capsys, value, message):
+    from mhadsl.cli import main
+    path = str(next(p for p in EXAMPLES if p.name == "prefix_lm.mha"))
+    status = main(["simulate", path, "--scheduler", "LPT", "--kernel", "prefix_lm",
+                   "--seqlens", "3000,3000", "--operand", f"prefix={value}"])
+    assert status == 2 and message in capsys.readouterr().err
+
+
+def test_the_simulator_takes_a_tensor_operand_from_a_list_or_a_file(capsys, tmp_path):
+    from mhadsl.cli import main
+    path = str(next(p for p in EXAMPLES if p.name == "prefix_lm.mha"))
+    np.save(tmp_path / "prefix.npy", np.array([100, 2500], np.int32))
+    runs = {}
+    for label, extra in (("unknown", []), ("list", ["--operand", "prefix=100,2500"]),
+                         ("file", ["--operand", f"prefix={tmp_path / 'prefix.npy'}"])):
+        assert main(["simulate", path, "--scheduler", "LPT", "--kernel", "prefix_lm",
+                     "--seqlens", "3000,3000", "--heads", "4", "--json", *extra]) == 0
+        runs[label] = json.loads(capsys.readouterr().out)
+    assert runs["list"] == runs["file"] != runs["unknown"]

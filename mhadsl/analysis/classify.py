@@ -85,6 +85,14 @@ def _trem(a: int, b: int) -> int:
     return a - b * _tdiv(a, b)
 
 
+def _tread(tensor, *indices: int) -> int:
+    """Element `indices` of a host tensor operand (a NumPy array), 0 outside it, as the
+    kernel reads one; 0 for an unknown tensor (None), whose reads are then not exact."""
+    if tensor is None or any(not 0 <= i < n for i, n in zip(indices, tensor.shape)):
+        return 0
+    return int(tensor[indices])
+
+
 class _PyOps:
     """Stages the analysis as Python source over ints; an operand is a constant or a name."""
 
@@ -103,6 +111,18 @@ class _PyOps:
 
     def bconst(self, v: bool):
         return v
+
+    def tensor_read(self, tensor: str, indices: list):
+        """Element `indices` of the classifier's tensor argument `tensor` (`_tread`)."""
+        name = f"v{len(self.lines)}"
+        self.lines.append(f"    {name} = _tread({tensor}, {', '.join(map(str, indices))})")
+        return name
+
+    def tensor_known(self, tensor: str):
+        """Whether the call gave the tensor (else its reads are any value)."""
+        name = f"v{len(self.lines)}"
+        self.lines.append(f"    {name} = {tensor} is not None")
+        return name
 
     def add(self, a, b):
         return self._op(operator.add, "{} + {}", a, b)
@@ -368,7 +388,7 @@ class _Analysis:
             v = self.lift(self.expr(index, env), self.types[index]
                           if self.types[index] in _BOUNDS else I32)
             bounds.append(v)
-        exact = None
+        exact = o.tensor_known(tensor) if hasattr(o, "tensor_known") else None
         for v in bounds:
             same = o.eq(v.lo, v.hi)
             exact = same if exact is None else o.band(exact, same)
@@ -550,33 +570,37 @@ _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _python_classifier(mask_rule: ast.Rule, program: CheckedProgram) -> Callable:
     """The analysis staged as a Python function of `_INPUTS` and, after them, the
     interval of each i32 operand the rule reads (`integer_operands`: lo and hi, by default
-    the full range); built once per rule."""
+    the full range), then each tensor operand it reads (`tensor_operands`: a NumPy array of
+    its i32 elements, by default None: unknown); built once per rule."""
     fn = _compiled.get(mask_rule)
     if fn is None:
         ops = _PyOps()
         analysis = _Analysis(ops, program)
         names = integer_operands(mask_rule, program)
+        tensors = tensor_operands(mask_rule, program)
         bounds = [(f"_o{i}_lo", f"_o{i}_hi") for i in range(len(names))]
-        env = {**_inputs(*_INPUTS), **_operand_env(names, bounds)}
+        env = {**_inputs(*_INPUTS), **_operand_env(names, bounds),
+               **{operand_key(n): f"_t{i}" for i, n in enumerate(tensors)}}
         result = _analyse(analysis, mask_rule, env)
-        params = [*_INPUTS, *(f"{lo}={I32_MIN}, {hi}={I32_MAX}" for lo, hi in bounds)]
+        params = [*_INPUTS, *(f"{lo}={I32_MIN}, {hi}={I32_MAX}" for lo, hi in bounds),
+                  *(f"_t{i}=None" for i in range(len(tensors)))]
         source = (f"def classify({', '.join(params)}):\n" + "\n".join(ops.lines)
                   + f"\n    return bool({result.may}), bool({result.must})\n")
-        namespace = {"_tdiv": _tdiv, "_trem": _trem}
+        namespace = {"_tdiv": _tdiv, "_trem": _trem, "_tread": _tread}
         exec(compile(source, f"<mask classifier {mask_rule.span!r}>", "exec"), namespace)
         fn = _compiled[mask_rule] = namespace["classify"]
-        fn.operands = names
+        fn.operands, fn.tensors = names, tensors
     return fn
 
 
-def operand_bounds(fn, operands: dict | None) -> list[int]:
+def operand_bounds(fn, operands: dict | None) -> list:
     """The classifier `fn`'s operand arguments for a call's `operands` (by name; one not
-    given is unknown: its full range)."""
+    given is unknown: an i32's full range, a tensor None)."""
     out = []
     for name in fn.operands:
         value = (operands or {}).get(name)
         out += [I32_MIN, I32_MAX] if value is None else [value, value]
-    return out
+    return out + [(operands or {}).get(name) for name in fn.tensors]
 
 
 _bands: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rule -> {block: band}
