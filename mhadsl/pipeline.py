@@ -38,10 +38,11 @@ MANY_SCHEDULERS = 100
 # What a declaration is built for: its forward (prefill) call, the backward pass of that
 # call, and a decode step against a KV cache.
 PASSES = ("forward", "backward", "decode")
-# The cache a decode unit is built for: one new query row per sequence, pages of 64
+# The cache a decode unit is built for: one new query row per sequence, appended to the
+# cache by the step (`k_new`/`v_new`: the append's kernel, then decode), pages of 64
 # positions, and the 64-row KV tile `serving.kv_tile` picks for such a call (32 only once
 # the batch gives 1.5 work tiles per multiprocessor).
-DECODE_CACHE = CacheLayout(query_rows=1, page_size=64, block_n=64)
+DECODE_CACHE = CacheLayout(query_rows=1, page_size=64, block_n=64, appends=True)
 
 
 @dataclass(frozen=True)
