@@ -424,9 +424,9 @@ def sink_finish(builder: ir.IRBuilder, row_max: ir.Value, scale_log2: ir.Value,
                 total: ir.Value, empty: ir.Value, sink_log2: ir.Value
                 ) -> tuple[ir.Value, Callable[[], ir.Value]]:
     """A row's end with a sink logit in its denominator (log2 domain, finite): (what O's
-    accumulators are multiplied by, a function that emits the row's LSE). Both terms are taken relative to the
-    larger of the row's max and the sink, so neither overflows; a row with no key kept has
-    output 0 and the sink's logit as its LSE."""
+    accumulators are multiplied by, a function that emits the row's LSE). Both terms are
+    taken relative to the larger of the row's max and the sink, so neither overflows; a row
+    with no key kept has output 0 and the sink's logit as its LSE."""
     top = builder.fmul(row_max, scale_log2)  # -inf where no key was kept
     big = fmax(builder, top, sink_log2)
     rescale = ex2(builder, builder.fsub(top, big))

@@ -325,8 +325,9 @@ def test_bad_page_table_entries_raise():
              cache_seqlens=np.array([3, 4], np.int32), page_table=table)
 
 
-def _planned_shapes():
-    """A planned decode signature's shapes (no GPU: nothing is launched)."""
+def _planned_shapes(appends: bool = False):
+    """A planned decode signature's shapes (no GPU: nothing is launched); `appends`: its
+    calls give the step's new rows."""
     from mhadsl.runtime.launch import TensorShape
     from mhadsl.host.serving import _READ_AND_WRITTEN, _DecodePlan
     q = TensorShape((2, 1, 8, 128), (1024, 1024, 128, 1), "bfloat16")
@@ -335,7 +336,7 @@ def _planned_shapes():
     spans = {n: 2 * (sum((d - 1) * s for d, s in zip(t.shape, t.strides)) + 1) - 1
              for n, t in shapes.items() if n in _READ_AND_WRITTEN}
     return _DecodePlan(None, q.shape, None, (0, 0, 0), 0, {}, 1, 1, 64, False, shapes, spans,
-                       True, lambda: False)
+                       True, lambda: False, appends)
 
 
 def test_planned_calls_check_their_addresses():
@@ -352,6 +353,11 @@ def test_planned_calls_check_their_addresses():
     for _ in range(2):  # a refused call's addresses are never taken for checked ones
         with pytest.raises(ValueError, match="out overlaps k_cache"):
             planned.check_addresses({**base, "o": 0x100000 + 4096})
+    appending = _planned_shapes(appends=True)  # the new rows are copied 16 bytes at a time
+    rows = {"k_new": 0x400000, "v_new": 0x500000}
+    appending.check_addresses({**base, **rows})
+    with pytest.raises(ValueError, match="tensor 'v_new': rows must be 16-byte aligned"):
+        appending.check_addresses({**base, **rows, "v_new": 0x500002})
 
 
 SPLITTING = """

@@ -1285,7 +1285,7 @@ class Backward(BackwardDesign):
     def scratch(self, config: BackwardConfig, call: CallSizes) -> dict[str, int]:
         """delta (fp32, the LSE's layout) and the atomic mode's fp32 dQ accumulator (q's
         shape; deterministic mode has none: `mha_bwd_dq` writes dQ)."""
-        q_rows = call.total_q if call.ragged else call.batch * call.seqlen_q
+        q_rows = query_rows(call)
         accum = {} if config.deterministic else {
             "dq_accum": 4 * q_rows * call.heads * config.head_dim}
         return {**accum, "delta": 4 * q_rows * call.heads, **sink_scratch(config, call)}
@@ -1300,10 +1300,14 @@ class Backward(BackwardDesign):
             for c in configs])
 
 
+def query_rows(call: CallSizes) -> int:
+    """The query rows of q (and of the LSE's layout, per head)."""
+    return call.total_q if call.ragged else call.batch * call.seqlen_q
+
+
 def sink_scratch(config: BackwardConfig, call: CallSizes) -> dict[str, int]:
     """The rows' sink terms (`SINK_ABI`: float32, the LSE's layout), where there is a sink."""
-    q_rows = call.total_q if call.ragged else call.batch * call.seqlen_q
-    return {"sink_terms": 4 * q_rows * call.heads} if config.sink else {}
+    return {"sink_terms": 4 * query_rows(call) * call.heads} if config.sink else {}
 
 
 def declared_config(options, layout: Layout) -> BackwardConfig:

@@ -735,22 +735,21 @@ class _Emitter:
         to `store(dst, local, columns, lse)`: dst "o" (O and the LSE, rows inside the
         sequence) with one split in use, else the split's index (its partial state)."""
         a = self.a
-        finished = []
-        for local, top, total, o in rows:
+
+        def finish(local, top, total, o, sink=False):
+            """The row normalised, and its LSE; with `sink`, the sink's logit in both."""
             empty = b.fcmp_unordered("==", total, warp.fconst(0.0))
+            if sink:
+                inv, lse = warp.sink_finish(b, top, sl2, total, empty,
+                                            self._sink_log2(b, t, local))
+                return local, [b.fmul(x, inv) for x in o], lse()
             inv = b.select(empty, warp.fconst(0.0), warp.rcp(b, total))
-            finished.append((local, [b.fmul(x, inv) for x in o],
-                             warp.row_lse(b, top, sl2, total, empty)))
+            return local, [b.fmul(x, inv) for x in o], warp.row_lse(b, top, sl2, total, empty)
+        finished = [finish(*row) for row in rows]
         with b.if_else(b.icmp_signed("==", t.splits_used, i32(1))) as (single, split):
-            with single:
-                whole = finished
-                if self.hooks.sink is not None:  # (a split's partial state leaves it out)
-                    whole = []
-                    for local, top, total, o in rows:
-                        empty = b.fcmp_unordered("==", total, warp.fconst(0.0))
-                        inv, lse = warp.sink_finish(b, top, sl2, total, empty,
-                                                    self._sink_log2(b, t, local))
-                        whole.append((local, [b.fmul(x, inv) for x in o], lse()))
+            with single:  # (a split's partial state leaves the sink out: the merge adds it)
+                whole = finished if self.hooks.sink is None else \
+                    [finish(*row, sink=True) for row in rows]
                 for local, o, lse in whole:
                     with b.if_then(b.icmp_signed("<", local, t.rows_valid)):
                         store("o", local, o, lse)

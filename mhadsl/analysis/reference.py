@@ -500,8 +500,9 @@ def reference_backward(kernel, q, k, v, dout, *, cu_seqlens_q=None, cu_seqlens_k
                        deterministic: bool | None = None, **operands):
     """The gradients (dq, dk, dv) of what `kernel(q, k, v, ...)` computes, for the output
     gradient `dout`, in NumPy float64 and the layouts of q, k, v
-    (`attention_reference_backward`; with a sink rule also dsink, as `Kernel.backward`). The arguments are `Kernel.backward`'s, checked as it
-    checks them, but the forward's `out` and `lse` (the reference recomputes them);
+    (`attention_reference_backward`; with a sink rule also dsink, as `Kernel.backward`).
+    The arguments are `Kernel.backward`'s, checked as it checks them, but the forward's `out`
+    and `lse` (the reference recomputes them);
     `deterministic` is taken and not used (the reference is one computation)."""
     check_flag(deterministic, "deterministic")
     _check_kernel(kernel, "reference_backward")

@@ -110,18 +110,22 @@ class _DecodePlan(AddressChecks):
     # runtime's driver.debug_mode, held so that a planned call imports nothing: under
     # MHADSL_DEBUG=1 every call takes the full path (it checks device-side values)
     debug_mode: Callable[[], bool]
-    checked_addresses = operator.itemgetter(*_READ_AND_WRITTEN)
+    appends: bool  # the call's new rows (k_new, v_new) are copied 16 bytes at a time too
+
+    def __post_init__(self):
+        self.aligned = _READ_AND_WRITTEN + (("k_new", "v_new") if self.appends else ())
+        self.checked_addresses = operator.itemgetter(*self.aligned)
 
     def check_new_addresses(self, addresses: dict) -> None:
         """The checks of a first call that depend on the tensors' addresses: 16-byte
         aligned rows, and an output that shares no element with q or the cache (exact,
         where their byte ranges meet)."""
-        q, k, v, o = self.checked_addresses(addresses)
-        if (q | k | v | o) & 15:
-            name = next(n for n in _READ_AND_WRITTEN if addresses[n] & 15)
+        if any(a & 15 for a in self.checked_addresses(addresses)):
+            name = next(n for n in self.aligned if addresses[n] & 15)
             raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer and "
                              f"strides multiples of 8 elements), got a pointer at "
                              f"{addresses[name]:#x}")
+        q, k, v, o = (addresses[n] for n in _READ_AND_WRITTEN)
         o_end = o + self.spans["o"]
         for name, lo in (("q", q), ("k_cache", k), ("v_cache", v)):
             if lo <= o_end and o <= lo + self.spans[name] and self._overlap(addresses, name):
@@ -162,15 +166,6 @@ def _split_buffers(nbytes: dict[str, int], device: int) -> dict:
     driver.memset_d32_async(counters.ptr, 0, counters.nbytes // 4, device=device)
     driver.synchronize(device)
     return buffers
-
-
-def check_new_rows_aligned(addresses: dict) -> None:
-    """The new rows are copied 16 bytes at a time: their pointers must be 16-byte aligned
-    (their strides are, by `check_rows`)."""
-    for name in ("k_new", "v_new"):
-        if addresses[name] & 15:
-            raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned, got a pointer at "
-                             f"{addresses[name]:#x}")
 
 
 def _address(buffer) -> int:
@@ -273,8 +268,6 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
         dev["lse"] = on_device(tensors.as_device_tensor(lse_obj, "lse"), "lse", "float32")
 
     planned = _plan(kernel, call, dev, ragged, want_lse, num_splits)
-    if new_rows:
-        check_new_rows_aligned({n: dev[n].ptr for n in new_rows})
     if key is not None and not driver.debug_mode():
         kernel.launcher.fast_plans[key] = planned
     if not planned.empty:
@@ -339,7 +332,7 @@ def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
                        design.scratch(config, sizes), device, {}, values["num_splits"],
                        values["q_tiles"], values["kv_chunk"], empty, shapes, spans,
                        shapes["q"].strides == contiguous_strides(shapes["q"].shape),
-                       driver.debug_mode)
+                       driver.debug_mode, call.appends)
 
 
 # ---------------------------------------------------------------------- torch fast path
@@ -360,7 +353,6 @@ def _run_torch(planned: _DecodePlan, q, k_cache, v_cache, cache_seqlens, page_ta
         addresses["cu_seqlens_q"] = cu_q.data_ptr()
     if k_new is not None:
         addresses.update(k_new=k_new.data_ptr(), v_new=v_new.data_ptr())
-        check_new_rows_aligned(addresses)
     addresses.update((n, t.data_ptr()) for n, t in tensor_ops.items())
     planned.check_addresses(addresses)
     lse = None
