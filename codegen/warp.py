@@ -101,11 +101,56 @@ def pack2(builder: ir.IRBuilder, dtype: str, lo: ir.Value, hi: ir.Value) -> ir.V
     return builder.bitcast(narrow, i32)
 
 
+def unpack2(builder: ir.IRBuilder, dtype: str, word: ir.Value) -> list[ir.Value]:
+    """`pack2`'s inverse: an i32 of two 16-bit values -> [lo, hi] as f32 (exact)."""
+    pair = builder.fpext(builder.bitcast(word, ir.VectorType(element_type(dtype), 2)),
+                         ir.VectorType(f32, 2))
+    return [builder.extract_element(pair, i32(e)) for e in range(2)]
+
+
 def mul2(builder: ir.IRBuilder, dtype: str, x: ir.Value, y: ir.Value) -> ir.Value:
     """The elementwise product of two i32s of two 16-bit values each (`pack2`'s), rounded
     to nearest: one `mul.rn.{bf16,f16}x2`."""
     pair = ir.VectorType(element_type(dtype), 2)
     return builder.bitcast(builder.fmul(builder.bitcast(x, pair), builder.bitcast(y, pair)), i32)
+
+
+# ----------------------------------------------------------------- FP8 (e4m3)
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
+# an e4m3 byte's bits in an f16's places (`e4m3_pair_to_f16`) make the value / 256
+E4M3_PER_F16 = 256.0
+
+
+def e4m3_pair_to_f16(builder: ir.IRBuilder, word: ir.Value, odd: bool) -> ir.Value:
+    """Two e4m3 bytes of the i32 `word` -> one i32 of two f16 holding each value / 256
+    (`E4M3_PER_F16`), exactly, subnormals too: bytes 1 and 3 (`odd`) or 0 and 2, the lower
+    byte in the low half. An e4m3 byte after its sign is an f16's exponent (top bit clear)
+    and mantissa bits, 7 places lower: two masks and a shift, no conversion unit."""
+    if not odd:
+        word = builder.shl(word, i32(8))
+    sign = builder.and_(word, i32(0x80008000))
+    return builder.or_(sign, builder.and_(builder.lshr(word, i32(1)), i32(0x3F803F80)))
+
+
+def e4m3_from_f32(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """The float8_e4m3fn byte (low byte of an i32) nearest f32 `x`, ties to even, saturated
+    to +-448 (infinities too), NaN to 0x7f: `cvt.rn.satfinite.e4m3x2.f32`'s rounding,
+    written in integer steps that every target runs."""
+    bits = builder.bitcast(x, i32)
+    sign = builder.and_(builder.lshr(bits, i32(24)), i32(0x80))
+    magnitude = builder.and_(bits, i32(0x7FFFFFFF))
+    a = builder.bitcast(magnitude, f32)
+    # normal: the mantissa rounded to 3 bits (a carry moves into the exponent), rebiased
+    lsb = builder.and_(builder.lshr(magnitude, i32(20)), i32(1))
+    rounded = builder.add(magnitude, builder.add(i32(0x7FFFF), lsb))
+    normal = builder.sub(builder.lshr(rounded, i32(20)), i32((127 - 7) << 3))
+    # below 2^-6: multiples of 2^-9 (a code of 8 is the smallest normal)
+    tiny = builder.fptosi(call(builder, "llvm.rint.f32", f32, [builder.fmul(a, fconst(512.0))]),
+                          i32)
+    code = builder.select(builder.fcmp_ordered("<", a, fconst(2.0 ** -6)), tiny, normal)
+    code = builder.select(builder.fcmp_ordered(">=", a, fconst(E4M3_MAX)), i32(0x7E), code)
+    code = builder.select(builder.fcmp_unordered("uno", a, a), i32(0x7F), code)
+    return builder.or_(code, sign)
 
 
 # ----------------------------------------------------------------- async copies

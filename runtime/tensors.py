@@ -15,8 +15,8 @@ import numpy as np
 
 from mhadsl.runtime.driver import DeviceBuffer, current_device, memcpy_dtoh, pointer_device, stream_handle
 
-DTYPES = ("bfloat16", "float16", "float32", "int32")
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}
+DTYPES = ("bfloat16", "float16", "float32", "int32", "float8_e4m3fn")
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "float8_e4m3fn": 1}
 _NUMPY_DTYPES = {
     np.dtype(np.float16): "float16",
     np.dtype(np.float32): "float32",

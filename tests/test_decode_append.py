@@ -74,7 +74,7 @@ def test_the_reference_appends_to_a_copy_and_attends_over_the_new_rows(page_size
     (dict(v_new=None), TypeError, "k_new and v_new together"),
     (dict(k_new=np.zeros((2, 1, 8, 128), np.float32)), ValueError,
      "expected \\(2, 1, 2, 128\\)"),
-    (dict(k_new=np.zeros((2, 1, 2, 128), np.float16)), TypeError, "the cache's is float32"),
+    (dict(k_new=np.zeros((2, 1, 2, 128), np.float16)), TypeError, "q's is float32"),
     (dict(cache_seqlens=np.array([3, 64], np.int32)), ValueError,
      "sequence 1's 1 new rows after its 64 cached keys go beyond the cache's 64 positions"),
 ])

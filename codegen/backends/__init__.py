@@ -135,6 +135,7 @@ class CacheLayout:
     page_size: int = 0  # 0: a contiguous cache
     block_n: int = 64  # KV rows per KV tile, which the call's planner picks for its shape
     appends: bool = False  # the call writes the step's k_new/v_new rows into the cache first
+    fp8: bool = False  # the cache is float8_e4m3fn, with a scale per tensor (k_scale, v_scale)
 
 
 @dataclass(frozen=True)

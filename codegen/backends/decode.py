@@ -103,6 +103,9 @@ class DecodeConfig(RowCopies):
     # the call writes the step's new K/V rows into the cache first (`mha_decode_append`),
     # at positions cache_seqlens[b]..., and attends over them too
     appends: bool = False
+    # the cache holds float8_e4m3fn, scaled per tensor (`FP8_PARAMS`): K/V tiles of 1-byte
+    # rows, turned into f16 in registers (`warp.e4m3_pair_to_f16`), both products in fp16
+    fp8: bool = False
 
     # the scheduler's tile height: a work tile is one (query-row tile, split) pair
     block_m = 1
@@ -136,8 +139,22 @@ class DecodeConfig(RowCopies):
         return self.block_n // self.warps_n
 
     @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of a K or V row in shared memory (a cache row as it is)."""
+        return self.head_dim if self.fp8 else self.row_bytes
+
+    @property
+    def kv_rows_per_pass(self) -> int:
+        """KV rows one CTA-wide pass of 16-byte copies covers."""
+        return self.threads // (self.kv_row_bytes // 16)
+
+    @property
+    def mma_dtype(self) -> str:
+        return "fp16" if self.fp8 else self.dtype
+
+    @property
     def stage_bytes(self) -> int:
-        return 2 * self.block_n * self.row_bytes
+        return 2 * self.block_n * self.kv_row_bytes
 
     @property
     def merge_bytes(self) -> int:
@@ -158,7 +175,7 @@ class DecodeConfig(RowCopies):
     def wgmma_fits(self) -> bool:
         """Whether the tile's rows are whole warpgroups (64 rows, 4 warps each, every warp
         over the whole KV tile) and the rounded-up shared memory fits an sm_90a CTA."""
-        return (self.rows % WGMMA_ROWS == 0 and self.warps_n == 1
+        return (self.rows % WGMMA_ROWS == 0 and self.warps_n == 1 and not self.fp8
                 and replace(self, wgmma=True).shared_bytes <= SHARED_MEMORY_LIMIT["sm_90a"])
 
     def problems(self) -> list[Problem]:
@@ -167,7 +184,7 @@ class DecodeConfig(RowCopies):
             found.append(Problem(("head_dim",), f"decode supports head_dim "
                                                 f"{', '.join(map(str, HEAD_DIMS))}, got "
                                                 f"{self.head_dim}"))
-        elif self.warp_cols < 16 or self.block_n % self.rows_per_pass:
+        elif self.warp_cols < 16 or self.block_n % self.kv_rows_per_pass:
             found.append(Problem(("tile",), f"a KV tile of {self.block_n} rows is too small "
                                             f"for {self.num_warps} warps"))
         elif self.shared_bytes > SHARED_BUDGET:
@@ -186,12 +203,11 @@ def decode_config(options, layout: Layout) -> DecodeConfig:
     cache = layout.cache
     block_n = cache.block_n
     base = DecodeConfig(options.dtype, options.head_dim, layout.gqa_group, cache.query_rows,
-                        cache.page_size, layout.return_lse, block_n, 1)
+                        cache.page_size, layout.return_lse, block_n, 1, fp8=cache.fp8)
     room = SHARED_BUDGET - 16 - base.rows * base.row_bytes
-    return DecodeConfig(options.dtype, options.head_dim, layout.gqa_group, cache.query_rows,
-                        cache.page_size, layout.return_lse, block_n,
-                        max(2, min(MAX_STAGES, room // base.stage_bytes)),
-                        max(1, PAGE_LOOKAHEAD_ROWS // block_n), appends=cache.appends)
+    return replace(base, stages=max(2, min(MAX_STAGES, room // base.stage_bytes)),
+                   page_lookahead=max(1, PAGE_LOOKAHEAD_ROWS // block_n),
+                   appends=cache.appends)
 
 
 # ============================================================================ kernel parameters
@@ -246,13 +262,19 @@ APPEND_ABI = KernelABI(
     Param("cache_pages", "i32", Extent("k_cache", 0), "pages of a paged cache (sequences of a "
           "contiguous one): a page-table entry outside them is not written"),
 )
+# An FP8 cache's scales (`DecodeConfig.fp8`): both kernels take them after the others.
+FP8_PARAMS = tuple(
+    Param(f"{t}_scale", "f32", CallValue(f"{t}_scale"), f"{what} = {t}_cache's element x "
+          f"{t}_scale (float8_e4m3fn); the append stores its new rows / {t}_scale")
+    for t, what in (("k", "keys"), ("v", "values")))
 APPEND_NAME = "mha_decode_append"
 APPEND_THREADS = 128
 APPEND_ROW_BLOCKS = 64  # the append's grid is (batch, up to this many query rows)
 
 
 def decode_abi(config: DecodeConfig) -> KernelABI:
-    return APPEND_ABI if config.appends else ABI
+    abi = APPEND_ABI if config.appends else ABI
+    return KernelABI(*abi, *FP8_PARAMS) if config.fp8 else abi
 
 
 def _scheduler_view(args: KernelArgs) -> None:
@@ -362,7 +384,10 @@ class _Emitter:
                  smem: ir.Value, traced: bool = False):
         self.c, self.hooks, self.a, self.smem = c, hooks, a, smem
         self.traced = traced  # `mhadsl trace`: record each combine, after its splits' ends
-        self.RB = c.row_bytes
+        self.RB, self.KRB = c.row_bytes, c.kv_row_bytes
+        # q.k's scale; an FP8 cache's (its f16 tiles hold each key / 256) folds in k_scale
+        self.qk_scale = b.fmul(a.softmax_scale, b.fmul(a.k_scale, warp.fconst(
+            warp.E4M3_PER_F16))) if c.fp8 else a.softmax_scale
         if c.wgmma:  # offsets count from the first 1024-byte boundary (the swizzle atom)
             pad = b.and_(b.sub(i32(0), hopper.shared_address(b, smem)),
                          i32(hopper.SWIZZLE_ATOM_BYTES - 1))
@@ -386,10 +411,17 @@ class _Emitter:
         # ldmatrix lane offsets {lo: row*RB + (x16 ^ lo)} (as the sm80 design's _lane_bases)
         self.q_lanes = self._lane_offsets(b, b.add(self.warp_row, b.add(b.shl(m_lo, i32(3)), r8)),
                                           b.shl(b.xor(m_hi, r8), i32(4)))
-        self.k_lanes = self._lane_offsets(b, b.add(self.warp_col, b.add(b.shl(m_hi, i32(3)), r8)),
-                                          b.shl(b.xor(m_lo, r8), i32(4)))
-        self.v_lanes = self._lane_offsets(b, b.add(self.warp_col, b.add(b.shl(m_lo, i32(3)), r8)),
-                                          b.shl(b.xor(m_hi, r8), i32(4)))
+        if c.fp8:  # one pattern for K and V: matrices (rows 0-7, 8-15) x (chunks x, x + 1)
+            self.k_lanes = self.v_lanes = self._lane_offsets(
+                b, b.add(self.warp_col, b.add(b.shl(m_lo, i32(3)), r8)),
+                b.shl(b.xor(m_hi, self._kv_swizzle(b, r8)), i32(4)), self.KRB)
+        else:
+            self.k_lanes = self._lane_offsets(
+                b, b.add(self.warp_col, b.add(b.shl(m_hi, i32(3)), r8)),
+                b.shl(b.xor(m_lo, r8), i32(4)))
+            self.v_lanes = self._lane_offsets(
+                b, b.add(self.warp_col, b.add(b.shl(m_lo, i32(3)), r8)),
+                b.shl(b.xor(m_hi, r8), i32(4)))
         # cp.async pattern: thread -> (row in pass, 16-byte chunk)
         cpr = c.head_dim // 8
         self.ld_row = b.udiv(tid, i32(cpr))
@@ -409,10 +441,32 @@ class _Emitter:
                                        b.shl(warp.swizzle_chunk(b, chunk, row), i32(4)))
         self.ld_box = b.lshr(self.ld_chunk, i32(3))  # the wgmma layout's 64-column box
         self.ld_elem = b.zext(b.shl(self.ld_chunk, i32(3)), i64)
+        # the K/V copies: an FP8 cache's rows are head_dim bytes, 16 elements a chunk
+        self.kv_ld_row, self.kv_ld_swz, self.kv_ld_elem = self.ld_row, self.ld_swz, self.ld_elem
+        if c.fp8:
+            chunks = c.kv_row_bytes // 16
+            self.kv_ld_row, chunk = b.udiv(tid, i32(chunks)), b.urem(tid, i32(chunks))
+            self.kv_ld_swz = {
+                phase: b.add(b.mul(self.kv_ld_row, i32(self.KRB)), b.shl(b.xor(
+                    chunk, self._kv_swizzle(b, b.add(self.kv_ld_row, i32(phase)))), i32(4)))
+                for phase in sorted({p * c.kv_rows_per_pass % 8 for p in range(c.block_n)})}
+            self.kv_ld_elem = b.zext(b.shl(chunk, i32(4)), i64)
 
-    def _copy_dst(self, b, p: int, base: int | ir.Value, tile_rows: int) -> ir.Value:
+    def _kv_swizzle(self, b, row):
+        """What an FP8 K/V tile's 16-byte chunk index is XORed with in `row`: row % 8, as
+        `warp.swizzle_chunk`; rows of 64 bytes (head dim 64) pair up into 128-byte lines,
+        (row / 2) % 4, so 8 rows at one chunk still meet 8 bank groups."""
+        if self.KRB >= 128:
+            return b.and_(row, i32(7))
+        return b.and_(b.lshr(row, i32(1)), i32(3))
+
+    def _copy_dst(self, b, p: int, base: int | ir.Value, tile_rows: int,
+                  kv: bool = False) -> ir.Value:
         """Shared byte offset of this thread's 16 bytes in copy pass p of a tile of
-        `tile_rows` rows at `base`."""
+        `tile_rows` rows at `base` (`kv`: a K or V tile, whose rows may be FP8's)."""
+        if kv and self.c.fp8:
+            rows = p * self.c.kv_rows_per_pass
+            return b.add(self.kv_ld_swz[rows % 8], b.add(base, i32(rows * self.KRB)))
         rows = p * self.c.rows_per_pass
         RS = self.row_stride
         if self.c.wgmma:
@@ -423,15 +477,17 @@ class _Emitter:
         return b.add(swz, b.add(base, i32(rows * RS)) if
                      isinstance(base, ir.Value) else i32(base + rows * RS))
 
-    def _lane_offsets(self, b, row, x16):
-        row_off = b.mul(row, i32(self.RB))
+    def _lane_offsets(self, b, row, x16, row_bytes: int | None = None):
+        row_bytes = row_bytes or self.RB
+        row_off = b.mul(row, i32(row_bytes))
         return {lo: b.add(row_off, b.xor(x16, i32(lo))) for lo in (0, 32, 64, 96)
-                if lo < self.RB}
+                if lo < row_bytes}
 
-    def _ld(self, b, lanes, region: ir.Value, row_const: int, chunk_const: int, trans=False):
+    def _ld(self, b, lanes, region: ir.Value, row_const: int, chunk_const: int, trans=False,
+            row_bytes: int | None = None):
         c16 = chunk_const * 16
         lo, hi = c16 & 127, c16 & ~127
-        off = b.add(b.add(region, lanes[lo]), i32(row_const * self.RB + hi))
+        off = b.add(b.add(region, lanes[lo]), i32(row_const * (row_bytes or self.RB) + hi))
         return warp.ldmatrix_x4(b, warp.smem_ptr(b, self.smem, off), trans=trans)
 
     # ------------------------------------------------------------------ global -> shared
@@ -440,7 +496,7 @@ class _Emitter:
         k-th page, the same for every thread; ("pass", p) where pages are shorter than a
         pass, so each thread reads its own row's."""
         c = self.c
-        rpp, passes = c.rows_per_pass, c.block_n // c.rows_per_pass
+        rpp, passes = c.kv_rows_per_pass, c.block_n // c.kv_rows_per_pass
         if c.page_size >= c.block_n:
             return [0] * passes
         if c.page_size >= rpp:
@@ -461,7 +517,8 @@ class _Emitter:
         fallback = b.gep(a.cache_seqlens, [t.bidx], source_etype=i32)
         pages = []
         for key in dict.fromkeys(self._page_keys()):
-            row = b.add(self.ld_row, i32(key[1] * c.rows_per_pass)) if isinstance(key, tuple) \
+            row = b.add(self.kv_ld_row, i32(key[1] * c.kv_rows_per_pass)) \
+                if isinstance(key, tuple) \
                 else i32(key * c.page_size)
             pos = b.add(base, row)
             entry = b.gep(seq_pages, [b.lshr(pos, i32(c.page_shift))], source_etype=i32)
@@ -474,26 +531,27 @@ class _Emitter:
         """cp.async KV tile n (K, then V) into the stage at slot_off; positions at or past
         the split's end are zero-filled (nothing read)."""
         c, a = self.c, self.a
-        rpp = c.rows_per_pass
+        rpp = c.kv_rows_per_pass
         keys = self._page_keys()
         distinct = list(dict.fromkeys(keys))
         base = b.mul(n, i32(c.block_n))
         for gptr, s_page, s_row, s_head, region in (
                 (a.k_cache, a.k_stride_page, a.k_stride_row, a.k_stride_head, 0),
                 (a.v_cache, a.v_stride_page, a.v_stride_row, a.v_stride_head,
-                 c.block_n * self.RB)):
-            head = b.add(b.mul(_i64(b, t.hk), s_head), self.ld_elem)
+                 c.block_n * self.KRB)):
+            head = b.add(b.mul(_i64(b, t.hk), s_head), self.kv_ld_elem)
             tile_base = b.add(slot_off, i32(self.kv_off + region))
             for p, key in enumerate(keys):
-                row = b.add(self.ld_row, i32(p * rpp))
+                row = b.add(self.kv_ld_row, i32(p * rpp))
                 pos = b.add(base, row)
                 page = pages[distinct.index(key)] if c.page_size else pages[0]
                 in_page = pos if c.page_size == 0 else b.and_(pos, i32(c.page_size - 1))
                 off = b.add(b.add(b.mul(_i64(b, page), s_page), b.mul(_i64(b, in_page), s_row)),
                             head)
                 valid = b.icmp_signed("<", pos, t.kv_end)
-                src = b.gep(gptr, [off], source_etype=nvptx.i16)
-                dst = warp.smem_ptr(b, self.smem, self._copy_dst(b, p, tile_base, c.block_n))
+                src = b.gep(gptr, [off], source_etype=nvptx.i8 if c.fp8 else nvptx.i16)
+                dst = warp.smem_ptr(b, self.smem, self._copy_dst(b, p, tile_base, c.block_n,
+                                                                 kv=True))
                 warp.cp_async_16(b, dst, b.select(valid, src, gptr),
                                  b.select(valid, i32(16), i32(0)))
 
@@ -525,7 +583,7 @@ class _Emitter:
         S = c.stages
         DT = c.head_dim // 8
         zero, ninf = warp.fconst(0.0), warp.fconst(warp.NEG_INF)
-        sl2 = t.rules.scale_log2(b, a.softmax_scale)
+        sl2 = t.rules.scale_log2(b, self.qk_scale)
 
         nvptx.barrier_all(b)  # the previous tile is done with shared memory
         self._load_q(b, t)
@@ -543,6 +601,10 @@ class _Emitter:
         for _ in range(c.page_lookahead - 1):
             ahead.append(t.next_nonempty(b, b.add(ahead[-1], i32(1))))
         ahead_pages = [self._fetch_pages(b, t, x) for x in ahead]
+        if c.fp8:  # Q landed with the first tile: into the FP8 tiles' fp16 and order
+            warp.cp_async_wait(b, S - 2)
+            nvptx.barrier_all(b)
+            self._q_to_f16(b)
         if t.seq.advance is not None:  # its atomics under the first tiles' loads
             t.seq.advance(b)
 
@@ -608,16 +670,50 @@ class _Emitter:
         nvptx.barrier_all(b)  # every stage is free: the merge may reuse it
         self._epilogue(b, t, acc, m, l, sl2)
 
+    def _q_to_f16(self, b) -> None:
+        """Q's tile in shared memory, in fp16 and each 16 columns reordered to meet an FP8
+        K tile's fragments: a K register holds a row's columns 4t..4t+3 as pairs (4t, 4t+2)
+        and (4t+1, 4t+3) (`warp.e4m3_pair_to_f16`), which the mma pairs with Q's columns
+        (2t, 2t+1) and (2t+8, 2t+9); so those now hold Q's 4t, 4t+2 and 4t+1, 4t+3."""
+        c = self.c
+        groups = c.head_dim // 16  # 16 columns: two 16-byte chunks
+        items = c.rows * groups
+        vec = ir.VectorType(i32, 4)
+        for k in range(-(-items // c.threads)):
+            item = b.add(self.tid, i32(k * c.threads))
+            with b.if_then(b.icmp_unsigned("<", item, i32(items))):
+                row, group = b.udiv(item, i32(groups)), b.urem(item, i32(groups))
+                ptrs = [warp.smem_ptr(b, self.smem, b.add(b.mul(row, i32(self.RB)), b.shl(
+                    warp.swizzle_chunk(b, b.add(b.shl(group, i32(1)), i32(h)), row), i32(4))))
+                    for h in range(2)]
+                words = [b.extract_element(b.load(ptr, typ=vec, align=16), i32(e))
+                         for ptr in ptrs for e in range(4)]
+                q = [x for w in words for x in warp.unpack2(b, c.dtype, w)]
+                for h, ptr in enumerate(ptrs):
+                    pairs = [warp.pack2(b, "fp16", q[4 * j + h], q[4 * j + h + 2])
+                             for j in range(4)]
+                    warp.store(b, warp.vector(b, pairs), ptr, align=16)
+
     def _kv_tile(self, b, t: _DecodeTile, n, stage, acc_in, m_in, l_in, sl2):
         """One KV tile for this warp's 16 rows and its columns: S = Q K^T, score, mask,
         online softmax, O += P V."""
         c, a, hooks = self.c, self.a, self.hooks
         NT, DT = c.warp_cols // 8, c.head_dim // 8
-        dt = c.dtype
+        dt = c.mma_dtype
         zero = warp.fconst(0.0)
-        k_region, v_region = stage, b.add(stage, i32(c.block_n * self.RB))
+        k_region, v_region = stage, b.add(stage, i32(c.block_n * self.KRB))
         if c.wgmma:
             s = self._wgmma_scores(b, k_region)
+        elif c.fp8:  # a K load: 16 rows x 32 columns, two k-steps of two n-tiles
+            s = [[zero] * 4 for _ in range(NT)]
+            for kp in range(c.head_dim // 32):
+                qa = [self._ld(b, self.q_lanes, i32(0), 0, 2 * kk) for kk in (2 * kp, 2 * kp + 1)]
+                for jp in range(NT // 2):
+                    kb = self._ld(b, self.k_lanes, k_region, jp * 16, 2 * kp,
+                                  row_bytes=self.KRB)
+                    for m, (j, kk) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
+                        s[2 * jp + j] = warp.mma_m16n8k16(b, dt, qa[kk], self._f16(b, kb[m]),
+                                                          s[2 * jp + j])
         else:
             s = [[zero] * 4 for _ in range(NT)]
             for kk in range(c.head_dim // 16):
@@ -636,7 +732,7 @@ class _Emitter:
             return b.add(kv_base, b.add(b.shl(self.t, i32(1)), i32(j * 8 + (e & 1))))
 
         if hooks.score is not None:
-            s = [[t.rules.score(b, b.fmul(s[j][e], a.softmax_scale), heads[e >> 1],
+            s = [[t.rules.score(b, b.fmul(s[j][e], self.qk_scale), heads[e >> 1],
                                 q_idx[e >> 1], kv_idx(j, e)) for e in range(4)]
                  for j in range(NT)]
 
@@ -666,11 +762,35 @@ class _Emitter:
                   warp.pack2(b, dt, p_vals[2 * ks][2], p_vals[2 * ks][3]),
                   warp.pack2(b, dt, p_vals[2 * ks + 1][0], p_vals[2 * ks + 1][1]),
                   warp.pack2(b, dt, p_vals[2 * ks + 1][2], p_vals[2 * ks + 1][3])]
+            if c.fp8:
+                self._fp8_pv(b, v_region, ks, pa, acc)
+                continue
             for jp in range(DT // 2):
                 vb = self._ld(b, self.v_lanes, v_region, ks * 16, 2 * jp, trans=True)
                 acc[2 * jp] = warp.mma_m16n8k16(b, dt, pa, vb[0:2], acc[2 * jp])
                 acc[2 * jp + 1] = warp.mma_m16n8k16(b, dt, pa, vb[2:4], acc[2 * jp + 1])
         return acc, m_new, l_new
+
+    @staticmethod
+    def _f16(b, word):
+        """A B fragment (two i32 of f16 pairs) from an FP8 K or V register: bytes 0 and 2,
+        then 1 and 3."""
+        return [warp.e4m3_pair_to_f16(b, word, odd) for odd in (False, True)]
+
+    def _fp8_pv(self, b, v_region, ks: int, pa, acc) -> None:
+        """O += P V over KV rows 16 ks.. of an FP8 V tile. A transposed load of 8 rows x 16
+        bytes gives thread (g, t) rows 2t, 2t+1 of columns 2g, 2g+1, so each 16 columns x
+        make two n-tiles: acc[2x] holds columns 16x + 2n, acc[2x + 1] columns 16x + 2n + 1
+        (`_row_values` puts them back in order)."""
+        c = self.c
+        for jq in range(c.head_dim // 32):
+            vb = self._ld(b, self.v_lanes, v_region, ks * 16, 2 * jq, trans=True,
+                          row_bytes=self.KRB)
+            for h in range(2):  # columns 16 (2 jq + h)..: rows 0-7 in vb[2h], 8-15 in vb[2h+1]
+                for odd in (False, True):
+                    j = 2 * (2 * jq + h) + odd
+                    frag = [warp.e4m3_pair_to_f16(b, vb[2 * h + e], odd) for e in range(2)]
+                    acc[j] = warp.mma_m16n8k16(b, c.mma_dtype, pa, frag, acc[j])
 
     def _wgmma_scores(self, b, k_region):
         """S = Q K^T of this warpgroup's 64 rows by wgmma (Q and K K-major in shared
@@ -723,6 +843,9 @@ class _Emitter:
         (`_merge_warps`). With more than one split in use, the group's last split to finish
         then merges the splits' partial states (`_finish_split`)."""
         total = [warp.quad_allreduce(b, l[r], warp.fadd) for r in range(2)]
+        if self.c.fp8:  # the values' scale, and the f16 tiles' 1 / 256
+            v = b.fmul(self.a.v_scale, warp.fconst(warp.E4M3_PER_F16))
+            acc = [[b.fmul(x, v) for x in row] for row in acc]
         if self.c.warps_n == 1:
             self._store_rows(b, t, acc, m, total, sl2)
         else:
@@ -765,16 +888,29 @@ class _Emitter:
 
     def _store_rows(self, b, t: _DecodeTile, acc, m, total, sl2) -> None:
         """One warp per row: each thread stores its accumulators of rows g and g + 8."""
-        c = self.c
-        col0 = b.shl(self.t, i32(1))
+        col0, width, run = self._thread_columns(b)
         rows = [(b.add(self.warp_row, b.add(self.g, i32(8 * r))), m[r], total[r],
-                 [acc[j][2 * r + e] for j in range(c.head_dim // 8) for e in range(2)])
-                for r in range(2)]
-        # this thread's columns: col0 + 8j + e, pairs (2j, 2j + 1) of the row's values
-        pairs = [(i32(8 * j), 2 * j) for j in range(c.head_dim // 8)]
+                 self._row_values(acc, r)) for r in range(2)]
+        # this thread's columns: col0 + width j + e, runs of `run` of the row's values
+        pieces = [(i32(width * j), run * j) for j in range(self.c.head_dim // width)]
         self._finish_rows(b, t, rows, sl2, lambda dst, local, o, lse: self._store_columns(
-            b, t, dst, local, col0, [(off, o[k:k + 2]) for off, k in pairs],
+            b, t, dst, local, col0, [(off, o[k:k + run]) for off, k in pieces],
             lse, self.t))
+
+    def _thread_columns(self, b) -> tuple[ir.Value, int, int]:
+        """(first column, columns apart, values a run) of the O columns this thread's
+        accumulators hold: pairs 2t, 2t + 1 every 8 columns, or with an FP8 cache
+        (`_fp8_pv`) runs 4t..4t + 3 every 16."""
+        if self.c.fp8:
+            return b.shl(self.t, i32(2)), 16, 4
+        return b.shl(self.t, i32(1)), 8, 2
+
+    def _row_values(self, acc, r: int) -> list[ir.Value]:
+        """This thread's accumulators of its row g + 8r, in column order."""
+        if not self.c.fp8:
+            return [acc[j][2 * r + e] for j in range(self.c.head_dim // 8) for e in range(2)]
+        return [acc[2 * x + odd][2 * r + e] for x in range(self.c.head_dim // 16)
+                for e in range(2) for odd in range(2)]
 
     def _merge_warps(self, b, t: _DecodeTile, acc, m, total, sl2) -> None:
         """The warps that share rows merge their states through shared memory (over the
@@ -796,13 +932,15 @@ class _Emitter:
         def stat(k, row):  # the row's max (k = 0) or sum (k = 1)
             return fptr(b.add(i32(stats + k * W * R * 4), b.shl(row, i32(2))))
 
-        col0 = b.shl(self.t, i32(1))
+        col0, width, run = self._thread_columns(b)
         for r in range(2):
             row = part_row(self.wn, b.add(self.warp_row, b.add(self.g, i32(8 * r))))
-            for j in range(D // 8):
-                off = b.shl(b.add(b.mul(row, i32(stride)), b.add(col0, i32(8 * j))), i32(2))
-                warp.store(b, warp.vector(b, [acc[j][2 * r], acc[j][2 * r + 1]]),
-                           fptr(b.add(off, i32(o_base))), align=8)
+            values = self._row_values(acc, r)
+            for j in range(D // width):
+                off = b.shl(b.add(b.mul(row, i32(stride)), b.add(col0, i32(width * j))),
+                            i32(2))
+                warp.store(b, warp.vector(b, values[run * j:run * j + run]),
+                           fptr(b.add(off, i32(o_base))), align=4 * run)
             with b.if_then(b.icmp_unsigned("==", self.t, i32(0))):
                 warp.store(b, m[r], stat(0, row), align=4)
                 warp.store(b, total[r], stat(1, row), align=4)
@@ -970,14 +1108,14 @@ def _emit_append(module: ir.Module, config: DecodeConfig, hooks: ExprHooks) -> N
     b's new K and V rows to cache positions cache_seqlens[b] + row, 16 bytes a thread; a
     position outside the cache's capacity, or whose page-table entry names no page of the
     cache, is not written (the host checks the values it has: `check_decode_call`)."""
-    abi = hooks.kernel_abi(APPEND_ABI)
+    abi = hooks.kernel_abi(decode_abi(config))
     fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(abi)),
                      name=APPEND_NAME)
     nvptx.mark_kernel(fn)
     set.add(fn.attributes, f'"nvvm.maxntid"="{APPEND_THREADS}"')
     signature.declare(abi, fn)
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    a = KernelArgs(fn, APPEND_ABI, config)
+    a = KernelArgs(fn, decode_abi(config), config)
     tid = nvptx.special_register(b, "thread_idx", "x")
     bidx = nvptx.special_register(b, "block_idx", "x")
     if config.query_rows:
@@ -1015,13 +1153,31 @@ def _emit_append(module: ir.Module, config: DecodeConfig, hooks: ExprHooks) -> N
                                                      _i64(b, chunk)))
                     value = b.load(b.gep(a[f"{t}_new"], [at(src, a[f"{t}_new_stride_head"])],
                                          source_etype=nvptx.i16), typ=vector, align=16)
+                    if config.fp8:
+                        value = _quantized(b, config, value, a[f"{t}_scale"])
                     b.store(value, b.gep(a[f"{t}_cache"], [at(dst, a[f"{t}_stride_head"])],
-                                         source_etype=nvptx.i16), align=16)
+                                         source_etype=nvptx.i8 if config.fp8 else nvptx.i16),
+                            align=8 if config.fp8 else 16)
                     return b.add(j, i32(APPEND_THREADS)), []
                 ir_loop(b, tid, b.mul(a.num_heads, i32(chunks)), [], copy)
         return b.add(row, nvptx.special_register(b, "grid_dim", "y")), []
     ir_loop(b, nvptx.special_register(b, "block_idx", "y"), rows, [], row_step)
     b.ret_void()
+
+
+def _quantized(b: ir.IRBuilder, config: DecodeConfig, value: ir.Value, scale: ir.Value):
+    """Eight 16-bit elements (four i32) / `scale` as eight float8_e4m3fn bytes (two i32),
+    `warp.e4m3_from_f32`'s rounding: the FP8 cache's row, as the host reference makes it."""
+    codes = [warp.e4m3_from_f32(b, b.fdiv(x, scale))
+             for e in range(4) for x in warp.unpack2(b, config.dtype,
+                                                     b.extract_element(value, i32(e)))]
+    words = []
+    for w in range(2):
+        word = codes[4 * w]
+        for k in range(1, 4):
+            word = b.or_(word, b.shl(codes[4 * w + k], i32(8 * k)))
+        words.append(word)
+    return warp.vector(b, words)
 
 
 # ============================================================================ module
@@ -1081,7 +1237,7 @@ class Decode(Backend):
         def rows(call: CallSizes) -> tuple[int, int, int]:
             q_rows = call.max_seqlen_q if call.ragged else call.query_rows
             return max(1, call.batch), max(1, min(q_rows, APPEND_ROW_BLOCKS)), 1
-        return KernelLaunch(APPEND_NAME, APPEND_ABI, APPEND_THREADS, 0, rows), decode
+        return KernelLaunch(APPEND_NAME, decode_abi(config), APPEND_THREADS, 0, rows), decode
 
     def work_space(self, config: DecodeConfig, call: CallSizes) -> tuple[int, int, int, int]:
         """A dense batch of (query-row tile x KV split) prompt tiles per (sequence, K/V
@@ -1100,7 +1256,8 @@ class Decode(Backend):
         q_tiles = max(1, -(-q_rows * config.gqa_group // config.rows))
         return {"query_rows": call.query_rows, "cache_capacity": call.cache_capacity,
                 "page_table_stride": call.page_table_stride, "q_tiles": q_tiles,
-                "num_splits": splits, "kv_chunk": chunk, "work_tiles": q_tiles * splits}
+                "num_splits": splits, "kv_chunk": chunk, "work_tiles": q_tiles * splits,
+                "k_scale": call.kv_scales[0], "v_scale": call.kv_scales[1]}
 
     def scratch(self, config: DecodeConfig, call: CallSizes) -> dict[str, int]:
         """A split call's partial O and LSE (fp32) and its groups' split counters (u32)."""

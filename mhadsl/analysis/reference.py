@@ -520,7 +520,8 @@ def reference_backward(kernel, q, k, v, dout, *, cu_seqlens_q=None, cu_seqlens_k
 def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None,
                      cu_seqlens_q=None, max_seqlen_q=None, scale: float | None = None,
                      out=None, return_lse: bool | None = None, stream=None,
-                     num_splits: int | None = None, k_new=None, v_new=None, **operands):
+                     num_splits: int | None = None, k_new=None, v_new=None, k_scale=None,
+                     v_scale=None, **operands):
     """What the decode call `kernel(q, k_cache, v_cache, cache_seqlens=..., ...)` computes, in
     NumPy float64: attention of the query rows over their sequence's cached keys.
 
@@ -535,7 +536,9 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
     sees positions up to seqlen_k - Sq_b + i). With `k_new`/`v_new` (the step's rows, q's
     layout with Hkv heads) the call first writes them at positions cache_seqlens[b] ... of a
     copy of the cache (the caller's arrays are left as they are) and attends over
-    cache_seqlens[b] + Sq_b keys. All index values are checked here (they are
+    cache_seqlens[b] + Sq_b keys. A float8_e4m3fn cache holds keys / k_scale and values /
+    v_scale: the reference reads it as elements x scale, and stores new rows as
+    `e4m3_bytes(row / scale)` (the kernel's rounding). All index values are checked here (they are
     read to the host); the kernels' call checks device-side ones only under MHADSL_DEBUG=1.
     Returns O in q's layout and, with `return_lse` (default: the declaration's), the LSE:
     (B, Hq, Sq) dense, (Hq, total_q) ragged. `out`, `stream` and `num_splits` (checked) are
@@ -553,13 +556,18 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
     call = check_decode_call(kernel.options, q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                              page_table=page_table, cu_seqlens_q=cu_seqlens_q,
                              max_seqlen_q=max_seqlen_q, scale=scale, num_splits=num_splits,
-                             k_new=k_new, v_new=v_new, read=_host_ints)
+                             k_new=k_new, v_new=v_new, k_scale=k_scale, v_scale=v_scale,
+                             read=_host_ints)
     rules = _kernel_rules(kernel, call.scale, call.cu_seqlens_q, None, values, call.batch,
                           q.shape[-2])
     q, k_cache, v_cache = (_to_numpy(x) for x in (q, k_cache, v_cache))
+    scales = call.kv_scales
+    if scales is not None:  # an FP8 cache, dequantised (new arrays)
+        k_cache, v_cache = (c.astype(np.float64) * s for c, s in zip((k_cache, v_cache), scales))
     pages = None if page_table is None else _host_ints(page_table)
     if call.appends:  # the new rows, written into copies of the cache
-        k_cache, v_cache = k_cache.copy(), v_cache.copy()
+        if scales is None:
+            k_cache, v_cache = k_cache.copy(), v_cache.copy()
         cu_q = call.cu_seqlens_q
         first = call.cache_seqlens - np.diff(cu_q)  # each sequence's first new position
         rows = np.arange(cu_q[-1] - cu_q[0])
@@ -567,8 +575,11 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
         position = first[sequence] + rows + cu_q[0] - cu_q[sequence]
         where = (sequence, position) if pages is None else \
             (pages[sequence, position // call.page_size], position % call.page_size)
-        for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+        for cache, new, s in ((k_cache, k_new, scales and scales[0]),
+                              (v_cache, v_new, scales and scales[1])):
             new = _to_numpy(new)
+            if s is not None:  # stored quantised, read back dequantised
+                new = e4m3_values(e4m3_bytes(np.float32(new) / np.float32(s))) * s
             cache[where] = new.reshape(-1, *new.shape[-2:])[rows + cu_q[0]]
     # Each sequence's keys gathered into one ragged K/V; dense q goes ragged too (B*Sq rows).
     cu_k = np.concatenate([[0], np.cumsum(call.cache_seqlens)])
@@ -585,6 +596,32 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
         lse = np.moveaxis(lse.reshape(-1, *q.shape[:2]), 0, 1)
     want_lse = kernel.options.return_lse if return_lse is None else bool(return_lse)
     return (out, lse) if want_lse else out
+
+
+def e4m3_values(codes) -> np.ndarray:
+    """float8_e4m3fn bytes as float64: sign, 4 exponent bits (bias 7), 3 mantissa bits;
+    exponent 0 subnormal; 0x7f / 0xff NaN."""
+    codes = np.asarray(codes, np.int64)
+    exponent, mantissa = (codes >> 3) & 15, codes & 7
+    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0 ** -6,
+                         (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    magnitude = np.where(codes & 0x7F == 0x7F, np.nan, magnitude)
+    return np.where(codes & 0x80, -magnitude, magnitude)
+
+
+def e4m3_bytes(x) -> np.ndarray:
+    """The float8_e4m3fn byte nearest each float32 of `x`, ties to the even byte, +-448 for
+    anything beyond (infinities too), NaN as 0x7f: the FP8 cache append's rounding."""
+    x = np.asarray(x, np.float32)
+    a = np.abs(x).astype(np.float64)
+    finite = e4m3_values(np.arange(127))  # ascending: 0 .. 448
+    hi = np.clip(np.searchsorted(finite, a), 1, 126)
+    lo = hi - 1
+    below, above = a - finite[lo], finite[hi] - a
+    code = np.where(below < above, lo, np.where(above < below, hi, np.where(lo % 2 == 0, lo, hi)))
+    code = np.where(a >= 448, 126, np.where(a <= 0, 0, code))
+    code = np.where(np.isnan(a), 127, code)
+    return (code | np.where(np.signbit(x), 0x80, 0)).astype(np.uint8)
 
 
 def _kernel_rules(kernel, scale: float, cu_seqlens_q, cu_seqlens_k, operands: dict,

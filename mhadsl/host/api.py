@@ -275,15 +275,16 @@ class Kernel:
 
     def torch_op(self):
         """This kernel as a PyTorch operator returning (out, lse), which torch.compile traces
-        without a graph break (`mhadsl.host.torch_op`)."""
+        without a graph break; `out=` a preallocated output (`mhadsl.host.torch_op`)."""
         from mhadsl.host.torch_op import torch_op
         return torch_op(self)
 
     def torch_decode_op(self):
         """This kernel's calls against a KV cache as a PyTorch operator returning (out, lse):
         `op(q, k_cache, v_cache, cache_seqlens, page_table=None, cu_seqlens_q=None,
-        max_seqlen_q=None, scale=None, num_splits=None, k_new=None, v_new=None, *operands)`,
-        which torch.compile traces without a graph break (`mhadsl.host.torch_op`)."""
+        max_seqlen_q=None, scale=None, num_splits=None, k_new=None, v_new=None, *operands,
+        out=None)`, which torch.compile traces without a graph break
+        (`mhadsl.host.torch_op`)."""
         from mhadsl.host.torch_op import torch_decode_op
         return torch_decode_op(self)
 
@@ -314,12 +315,13 @@ class Kernel:
                  max_seqlen_k=None, scale: float | None = None, out=None,
                  return_lse: bool | None = None, stream=None, cache_seqlens=None,
                  page_table=None, num_splits: int | None = None, k_new=None, v_new=None,
-                 **operands):
+                 k_scale: float | None = None, v_scale: float | None = None, **operands):
         # the declaration's operands by name, checked before anything else (None: it has none)
         values = operand_values(self.options, operands) \
             if operands or self.options.operands else None
         if cache_seqlens is not None or page_table is not None or num_splits is not None \
-                or k_new is not None or v_new is not None:
+                or k_new is not None or v_new is not None or k_scale is not None \
+                or v_scale is not None:
             # k and v are a KV cache (`mhadsl.host.serving`)
             if cache_seqlens is None:
                 raise ValueError("a call against a KV cache needs cache_seqlens (int32, one "
@@ -329,7 +331,8 @@ class Kernel:
                                  "call against a KV cache takes its lengths from "
                                  "cache_seqlens")
             return decode(self, q, k, v, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
-                          scale, out, return_lse, stream, num_splits, values, k_new, v_new)
+                          scale, out, return_lse, stream, num_splits, values, k_new, v_new,
+                          k_scale, v_scale)
         return forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        scale, out, return_lse, stream, values)
 

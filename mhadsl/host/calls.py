@@ -341,9 +341,10 @@ def check_rows(t, name: str) -> None:
     if any(s < 0 for s in t.strides):
         raise ValueError(f"tensor {name!r} has negative strides {t.strides}; pass a copy "
                          "with non-negative strides")
-    if t.ptr % 16 or any(s % 8 for s in t.strides[:-1]):
+    per_row = 16 // t.itemsize  # elements in 16 bytes
+    if t.ptr % 16 or any(s % per_row for s in t.strides[:-1]):
         raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer and strides "
-                         f"multiples of 8 elements), got strides {t.strides}")
+                         f"multiples of {per_row} elements), got strides {t.strides}")
 
 
 def self_overlapping(t) -> bool:

@@ -13,6 +13,10 @@ A call may append the step's new rows first: `k_new`/`v_new` in q's layout with 
 one row per query row, which the call writes into the cache at positions cache_seqlens[b] ...
 cache_seqlens[b] + Sq_b - 1 before it attends over cache_seqlens[b] + Sq_b keys (the caller
 then advances cache_seqlens, as FlashAttention's `flash_attn_with_kvcache` has it).
+
+The cache may be float8_e4m3fn (torch tensors) with one scale per tensor, `k_scale` and
+`v_scale` (default 1): key = k_cache's element x k_scale, value likewise. New rows come in q's
+dtype and are stored as round-to-nearest-even(row / scale), saturated to +-448.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from mhadsl.host.calls import check_max_seqlen, dtype_name, softmax_scale
 PAGE_SIZES = (16, 32, 64, 128, 256, 512)
 MAX_DECODE_ROWS = 16  # query rows per sequence of a dense decode call
 MAX_KV_SPLITS = 128  # KV splits of a decode launch
+FP8_CACHE = "float8_e4m3fn"
 _CACHE_LAYOUT = ("(num_pages, page_size, kv_heads, head_dim) with a page_table, else "
                  "(batch, max_cache_len, kv_heads, head_dim)")
 
@@ -39,11 +44,37 @@ class DecodeCall(NamedTuple):
     max_seqlen_q: int  # query rows of the longest sequence (dense: Sq)
     scale: float
     appends: bool = False  # k_new/v_new given; then cache_seqlens counts the new rows too
+    kv_scales: tuple[float, float] | None = None  # an FP8 cache's (k_scale, v_scale)
+
+
+def _check_cache_dtype(k_cache, v_cache, k_scale, v_scale) -> tuple[float, float] | None:
+    """An FP8 cache's (k_scale, v_scale), checked (finite, above 0; default 1); None for a
+    cache in the kernel's dtype, which takes no scale."""
+    fp8 = [dtype_name(t) == FP8_CACHE for t in (k_cache, v_cache)]
+    if fp8[0] != fp8[1]:
+        raise TypeError(f"k_cache and v_cache must both be {FP8_CACHE} or neither, got "
+                        f"{dtype_name(k_cache)} and {dtype_name(v_cache)}")
+    if not fp8[0]:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale and v_scale dequantise a {FP8_CACHE} cache; this "
+                             f"cache is {dtype_name(k_cache)}")
+        return None
+    scales = []
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if x is None:
+            x = 1.0
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(x).__name__}")
+        if not (np.isfinite(x) and 0 < x < 3.4e38):
+            raise ValueError(f"{name} must be finite and above 0, got {x!r}")
+        scales.append(float(x))
+    return scales[0], scales[1]
 
 
 def _check_new_rows(q, k_cache, k_new, v_new) -> bool:
     """Whether the call appends new rows (`k_new`/`v_new`, both or neither), checked: q's
-    layout with the cache's K/V heads and head dim, the cache's dtype."""
+    layout with the cache's K/V heads and head dim, q's dtype (an FP8 cache stores them
+    quantised)."""
     if (k_new is None) != (v_new is None):
         raise TypeError("give k_new and v_new together (the step's new keys and values), or "
                         "neither")
@@ -54,15 +85,14 @@ def _check_new_rows(q, k_cache, k_new, v_new) -> bool:
         if tuple(t.shape) != want:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want}: q's rows "
                              f"with the cache's K/V heads and head dim")
-        if dtype_name(t) != dtype_name(k_cache):
-            raise TypeError(f"{name} has dtype {dtype_name(t)}; the cache's is "
-                            f"{dtype_name(k_cache)}")
+        if dtype_name(t) != dtype_name(q):
+            raise TypeError(f"{name} has dtype {dtype_name(t)}; q's is {dtype_name(q)}")
     return True
 
 
 def check_decode_call(options: AttentionOptions, q, k_cache, v_cache, *, cache_seqlens,
                       page_table=None, cu_seqlens_q=None, max_seqlen_q=None, scale=None,
-                      num_splits=None, k_new=None, v_new=None,
+                      num_splits=None, k_new=None, v_new=None, k_scale=None, v_scale=None,
                       read: Callable[[object], np.ndarray | None] = np.asarray) -> DecodeCall:
     """Refuse, with a ValueError or TypeError saying why, a decode call the kernel cannot run.
 
@@ -92,6 +122,7 @@ def check_decode_call(options: AttentionOptions, q, k_cache, v_cache, *, cache_s
                              f"is declared head_dim = {options.head_dim}")
     if problem := options.heads_problem(q.shape[-2], k_cache.shape[-2]):
         raise ValueError(problem)
+    kv_scales = _check_cache_dtype(k_cache, v_cache, k_scale, v_scale)
     appends = _check_new_rows(q, k_cache, k_new, v_new)
 
     if ragged:
@@ -163,7 +194,7 @@ def check_decode_call(options: AttentionOptions, q, k_cache, v_cache, *, cache_s
             raise ValueError(words)
     return DecodeCall(batch, page_size, cu_q,
                       None if seqlens is None else np.asarray(seqlens, np.int64), max_q, scale,
-                      appends)
+                      appends, kv_scales)
 
 
 def _check_int32(t, name: str, rank: int, layout: str) -> None:

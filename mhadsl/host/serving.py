@@ -4,6 +4,7 @@
     o = kern(q, k_cache, v_cache, cache_seqlens=lens, page_table=pt)   # paged cache
     o, lse = kern(q, k_cache, v_cache, cache_seqlens=lens, cu_seqlens_q=cq, max_seqlen_q=mq,
                   return_lse=True)                                     # chunked prefill
+    o = kern(q, k8, v8, cache_seqlens=lens, page_table=pt, k_scale=ks, v_scale=vs)  # FP8 cache
 
 Layouts and checks are `mhadsl.host.paged`'s (the float64 `mhadsl.reference_decode` shares them).
 The kernel is the decode design (`codegen.backends.decode`), driven by the declaration's own
@@ -36,7 +37,7 @@ from mhadsl.codegen.backends import CacheLayout, Layout, select_target
 from mhadsl.codegen.backends.decode import packed_rows
 from mhadsl.host.launcher import launch
 from mhadsl.host.paged import MAX_KV_SPLITS as MAX_SPLITS
-from mhadsl.host.paged import check_decode_call
+from mhadsl.host.paged import FP8_CACHE, check_decode_call
 
 _READ_AND_WRITTEN = ("q", "k_cache", "v_cache", "o")
 MIN_SPLIT_TILES = 4  # KV tiles a split covers at least (shorter ones cost more than they gain)
@@ -173,16 +174,18 @@ def _address(buffer) -> int:
 
 
 def decode(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
-           scale, out, return_lse, stream, num_splits, operands, k_new=None, v_new=None):
+           scale, out, return_lse, stream, num_splits, operands, k_new=None, v_new=None,
+           k_scale=None, v_scale=None):
     """`kernel`'s attention of q against its cache (`Kernel.__call__` with `cache_seqlens`;
     positional, as each keyword costs the per-call host path); `operands`: the operands'
     checked values (None where the declaration has none); `k_new`/`v_new`: the step's rows,
-    written into the cache first (`mhadsl.host.paged`)."""
+    written into the cache first; `k_scale`/`v_scale`: a float8_e4m3fn cache's scales
+    (`mhadsl.host.paged`)."""
     tensor_ops = tensor_operands(kernel.options, operands)
     key = torch_signature(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                           k_new, v_new, *tensor_ops.values())
     if key is not None:  # torch tensors: a signature seen before runs its plan
-        key = typed_key(key, (max_seqlen_q, scale, return_lse, num_splits))
+        key = typed_key(key, (max_seqlen_q, scale, return_lse, num_splits, k_scale, v_scale))
         key = ("decode", *key)
         planned = kernel.launcher.fast_plans.get(key)
         if planned is not None and not planned.debug_mode():
@@ -194,11 +197,11 @@ def decode(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
     return _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
                  max_seqlen_q, scale, out, want_lse, stream, num_splits, key, operands,
                  {"k_new": k_new, "v_new": v_new} if k_new is not None or v_new is not None
-                 else {})
+                 else {}, (k_scale, v_scale))
 
 
 def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, scale, out,
-          want_lse, stream, num_splits, key, operands, new_rows):
+          want_lse, stream, num_splits, key, operands, new_rows, kv_scales):
     """Every check, then the device (without a GPU, NoGpuError before any host array is
     copied or allocated), then the signature's plan (made once) and the launch."""
     from mhadsl.runtime import driver, tensors
@@ -208,7 +211,8 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
         if t is None and name in new_rows:  # (a lone k_new or v_new: check_decode_call
             continue                          # says so)
         view = tensors.as_device_tensor(t, name)
-        if not view.on_host and view.dtype != dtype:
+        if not view.on_host and view.dtype != dtype and not (
+                name in ("k_cache", "v_cache") and view.dtype == FP8_CACHE):
             raise TypeError(f"tensor {name!r} has dtype {view.dtype}, but kernel "
                             f"'{kernel.name}' is declared {kernel.options.dtype} ({dtype})")
         views[name] = view
@@ -230,7 +234,8 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
                              page_table=views.get("page_table"),
                              cu_seqlens_q=views.get("cu_seqlens_q"), max_seqlen_q=max_q,
                              scale=scale, num_splits=num_splits, k_new=views.get("k_new"),
-                             v_new=views.get("v_new"), read=read)
+                             v_new=views.get("v_new"), k_scale=kv_scales[0],
+                             v_scale=kv_scales[1], read=read)
     for name in ("q", "k_cache", "v_cache", *new_rows):
         if not views[name].on_host:
             check_rows(views[name], name)
@@ -252,8 +257,8 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
                                             "out")
     out_obj = out_view.obj
     dev = {"q": on_device(qv, "q", dtype),
-           "k_cache": on_device(views["k_cache"], "k_cache", dtype),
-           "v_cache": on_device(views["v_cache"], "v_cache", dtype),
+           "k_cache": on_device(views["k_cache"], "k_cache", views["k_cache"].dtype),
+           "v_cache": on_device(views["v_cache"], "v_cache", views["v_cache"].dtype),
            "o": on_device(out_view, "out", dtype)}
     dev.update((name, on_device(views[name], name, dtype)) for name in new_rows)
     for name in ("cache_seqlens", "page_table", "cu_seqlens_q"):
@@ -304,9 +309,11 @@ def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
     groups = call.batch * kv_heads * max(1, -(-q_rows * group // rows))
     launcher = kernel.launcher
     wgmma = select_target(info.compute_capability).arch == "sm_90a"
+    fp8 = call.kv_scales is not None
     layout = Layout(group, False, want_lse, CacheLayout(
         rows_per_seq, call.page_size or 0,
-        kv_tile(rows, groups, num_sms, call.page_size or 0, wgmma=wgmma), call.appends))
+        kv_tile(rows, groups, num_sms, call.page_size or 0, wgmma=wgmma and not fp8),
+        call.appends, fp8))
     loaded = launcher.load(layout, device)
     config, design = loaded.config, loaded.design
     _, ctas_per_sm = launcher.occupancy(loaded)
@@ -320,7 +327,7 @@ def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
                       q.shape[0] if ragged else call.batch * rows_per_seq, ragged, call.scale,
                       query_rows=rows_per_seq, cache_capacity=capacity,
                       page_table_stride=dev["page_table"].strides[0] if call.page_size else 0,
-                      num_splits=splits)
+                      num_splits=splits, kv_scales=call.kv_scales or (1.0, 1.0))
     shapes = {n: TensorShape(tuple(t.shape), tuple(t.strides), t.dtype) for n, t in dev.items()}
     values = design.call_values(config, sizes)
     lse_shape = tuple(dev["lse"].shape) if want_lse else None
