@@ -131,6 +131,26 @@ def test_torch_compile_reduce_overhead_replays_new_inputs(program):
     mhadsl.synchronize()
 
 
+def test_the_operator_writes_out_and_returns_it_as_its_output(program):
+    """out=: the kernel writes the caller's tensor, and the call returns it with the LSE,
+    bitwise what a call without out= returns, eager and under torch.compile."""
+    op = program["queued"].torch_op()
+
+    def attend(q, k, v, out):
+        return op(q, k, v, out=out)
+
+    q, k, v = rand(2, 300, 4, D), rand(2, 300, 4, D), rand(2, 300, 4, D)
+    want, want_lse = op(q, k, v)
+    with torch.no_grad():
+        for fn in (attend, torch.compile(attend, fullgraph=True)):
+            out = torch.full_like(q, float("nan"))
+            got, lse = fn(q, k, v, out)
+            assert got.data_ptr() == out.data_ptr()
+            assert torch.equal(out, want) and torch.equal(lse, want_lse)
+        assert torch._dynamo.explain(attend)(q, k, v, out).graph_break_count == 0
+    mhadsl.synchronize()
+
+
 DECODE_SOURCE = '''attention decode_step { dtype = bf16  head_dim = 128
     mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q }
 '''
@@ -188,6 +208,60 @@ def test_a_compiled_decode_step_appends_its_rows_to_the_cache():
                 pos = int(lengths[b])
                 assert torch.equal(k[int(table[b, pos // 16]), pos % 16], k_new[b, 0])
             lengths += 1
+
+
+def test_the_decode_operator_writes_out_and_returns_it_as_its_output():
+    from test_gpu_decode import cache
+    kern = mhadsl.compile(DECODE_SOURCE)["decode_step"]
+    op = kern.torch_decode_op()
+    k, v, lengths, table = cache([700, 33, 2000, 5], 2, 128, page_size=64)
+
+    def step(q, out):
+        return op(q, k, v, lengths, page_table=table, num_splits=2, out=out)
+
+    q = torch.randn(4, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    want, want_lse = op(q, k, v, lengths, page_table=table, num_splits=2)
+    with torch.no_grad():
+        for fn in (step, torch.compile(step, fullgraph=True)):
+            out = torch.full_like(q, float("nan"))
+            got, lse = fn(q, out)
+            assert got.data_ptr() == out.data_ptr()
+            assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    mhadsl.synchronize()
+
+
+def test_a_decode_step_replays_its_graph_into_a_static_out():
+    """A serving engine's step: a preallocated output at a static address (and the cache,
+    which the operator writes), compiled with reduce-overhead, is captured into CUDA graphs
+    and written at each replay."""
+    from torch._dynamo.utils import counters
+
+    from test_gpu_decode import cache
+    kern = mhadsl.compile(DECODE_SOURCE)["decode_step"]
+    op = kern.torch_decode_op()
+    k, v, _, table = cache([2000] * 4, 2, 128, page_size=64)
+    out = torch.empty(4, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    for t in (k, v, out):
+        torch._dynamo.mark_static_address(t)
+
+    def step(q, cache_seqlens):
+        return op(q, k, v, cache_seqlens, page_table=table, out=out)[1]
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    counters.clear()
+    g = torch.Generator(device="cuda").manual_seed(2)
+    with torch.no_grad():
+        for i in range(5):
+            lens = torch.randint(1, 2001, (4,), generator=g, device="cuda", dtype=torch.int32)
+            q = torch.randn(4, 1, 8, 128, generator=g, device="cuda").to(torch.bfloat16)
+            out.fill_(float("nan"))
+            lse = compiled(q, lens)
+            ref, ref_lse = mhadsl.reference_decode(kern, q, k, v, cache_seqlens=lens,
+                                                   page_table=table, return_lse=True)
+            assert rel_err(out, torch.from_numpy(ref).float().cuda()) < 1e-2, i
+            assert torch.allclose(lse.cpu().double(), torch.from_numpy(ref_lse), atol=2e-2)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    mhadsl.synchronize()
 
 
 def test_the_decode_operator_refuses_what_it_cannot_do():

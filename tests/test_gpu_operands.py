@@ -84,6 +84,12 @@ def test_the_operator_takes_operands_and_compiles_without_a_graph_break():
     compiled = torch.compile(lambda q, k, v, w: op(q, k, v, window=w)[0], fullgraph=True)
     for w in (8, 64):
         torch.testing.assert_close(compiled(q, k, v, w), op(q, k, v, window=w)[0])
+    with torch.no_grad():  # out= with the operands by name, then in their places
+        want = op(q, k, v, window=64, cap=3.0)[0]
+        for call in (lambda out: op(q, k, v, window=64, cap=3.0, out=out),
+                     lambda out: op(q, k, v, *(None,) * 6, 64, 3.0, out=out)):
+            out = torch.empty_like(want)
+            assert call(out)[0] is out and torch.equal(out, want)
 
 
 # ---------------------------------------------------------------- tensor operands

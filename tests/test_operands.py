@@ -228,6 +228,25 @@ def test_the_operators_operands_follow_its_fixed_arguments(windowed):
                            "(Tensor, Tensor)")
 
 
+def test_the_out_operators_take_out_last_written_under_a_letter_of_its_own(windowed):
+    from mhadsl.host.torch_op import DECODE_SCHEMA, SCHEMA, with_operands, with_out
+    assert with_out(with_operands(SCHEMA, windowed)).endswith(
+        "bool? deterministic=None, int? window=None, float? cap=None, *, Tensor(a!) out) -> "
+        "Tensor")
+    decode = with_out(with_operands(DECODE_SCHEMA, windowed))
+    assert "Tensor(a!) k_cache, Tensor(b!) v_cache" in decode
+    assert decode.endswith("float? cap=None, *, Tensor(c!) out) -> Tensor")
+
+
+def test_an_out_call_refuses_inputs_that_need_a_gradient(windowed):
+    torch = pytest.importorskip("torch")
+    op = windowed.torch_op()
+    q, k, v = (torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    with pytest.raises(RuntimeError, match="autograd cannot differentiate"):
+        op(q, k, v, out=torch.empty_like(q))
+
+
 # ---------------------------------------------------------------- the host
 HOST_SOURCE = '''import "std/schedulers.mha"
 attention h64(window: i32 = 256, cap: f32) {

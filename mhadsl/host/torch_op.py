@@ -4,6 +4,7 @@
     out, lse = attn(q, k, v)                                   # lse float32 (B, Hq, Sq)
     out, lse = attn(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq,
                     max_seqlen_k=mk)                           # lse (Hq, total_q)
+    out, lse = attn(q, k, v, out=o)                           # O written into o (o is out)
     step = kern.torch_decode_op()                             # against a KV cache:
     out, lse = step(q, k_cache, v_cache, lens, page_table=pages, k_new=k, v_new=v)
 
@@ -20,6 +21,16 @@ A call against a KV cache is a second operator (`Kernel.torch_decode_op()`,
 the cache first, which its schema marks as mutated). Its lengths and page table are read on
 the device only, so a captured graph replays new lengths and page tables as they are then. It
 has no gradient.
+
+Both take `out=`, a preallocated output that the kernel writes (checked as `Kernel.__call__`
+checks it) and the call returns as its O: `attn(q, k, v, out=o)` is `(o, lse)`. A custom
+operator may not return a tensor aliasing an argument, so `torch_op()` and `torch_decode_op()`
+return a function (torch.compile inlines it) that runs such a call through a second operator,
+`mhadsl::<name>_out`: `out` its last, keyword-only argument, marked as written in its schema,
+and the LSE its one result. Under `mode="reduce-overhead"` the graph is captured only where
+`out` has a static address (`torch._dynamo.mark_static_address(out)`): Inductor skips CUDA
+graphs for a graph that writes any other input. An `out=` call has no gradient: with inputs
+that require one it raises (train without `out=`).
 
 The operator is differentiable (`torch.library.register_autograd`): `out.backward()` runs the
 kernel's backward pass (`Kernel.backward`) through a second operator,
@@ -38,6 +49,7 @@ body, `sink(b, h) = t[h]` (t `f32[heads]`: the sink's gradient summed over the b
 """
 
 import hashlib
+import string
 
 from mhadsl.front import ast
 
@@ -56,7 +68,7 @@ BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tenso
                    "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None, "
                    "bool? deterministic=None) -> (Tensor, Tensor, Tensor)")
 _library = None
-_ops: dict[str, object] = {}
+_calls_by_name: dict[str, object] = {}  # operator name -> the call `torch_op` returns
 
 
 def _name(kernel, suffix: str = "") -> str:
@@ -77,8 +89,36 @@ def _define(name: str, schema: str, impl, fake):
     _library.define(name + schema)
     _library.impl(name, impl, "CUDA")
     torch.library.register_fake(f"mhadsl::{name}", fake, lib=_library)
-    _ops[name] = getattr(torch.ops.mhadsl, name).default
-    return _ops[name]
+    return getattr(torch.ops.mhadsl, name).default
+
+
+def with_out(schema: str) -> str:
+    """The out= variant of operator `schema` (its operands included): `out` last and
+    keyword-only, as in aten's out variants, so positional operands keep their places;
+    written, under an alias letter no other argument uses; the LSE its one result, since an
+    operator may not return a tensor aliasing an argument."""
+    letter = next(c for c in string.ascii_lowercase if f"Tensor({c}!)" not in schema)
+    return schema[:schema.index(") -> ")] + f", *, Tensor({letter}!) out) -> Tensor"
+
+
+def _calls(op, out_op, differentiable: bool):
+    """A call of `op` that takes `out=`: `out_op` writes O into `out` and returns the LSE,
+    and the call returns (out, lse) as `op` does."""
+    import torch
+
+    def call(*args, out=None, **kwargs):
+        if out is None:
+            return op(*args, **kwargs)
+        # (autograd cannot be registered for an operator that writes an argument)
+        if differentiable and torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad
+                for a in (*args, *kwargs.values())):
+            raise RuntimeError("out= writes the output in place, which autograd cannot "
+                               "differentiate: call without out= for gradients, or under "
+                               "torch.no_grad()")
+        return out, out_op(*args, out=out, **kwargs)
+
+    return call
 
 
 def torch_op(kernel):
@@ -86,32 +126,38 @@ def torch_op(kernel):
     import torch
 
     name = _name(kernel)
-    if name in _ops:
-        return _ops[name]
+    if name in _calls_by_name:
+        return _calls_by_name[name]
 
     def attention(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                  max_seqlen_k=None, scale=None, deterministic=None, *operands):
+                  max_seqlen_k=None, scale=None, deterministic=None, *operands, out=None):
         return kernel(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale,
-                      return_lse=True, **given(kernel, operands))
+                      out=out, return_lse=True, **given(kernel, operands))
 
     def fake(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
              max_seqlen_k=None, scale=None, deterministic=None, *operands):
-        return _outputs(torch, q, cu_seqlens_q)
+        return q.new_empty(q.shape), _lse(torch, q, cu_seqlens_q)
 
-    op = _define(name, with_operands(SCHEMA, kernel), attention, fake)
+    def attention_out(*args, out):
+        return attention(*args, out=out)[1]
+
+    def fake_out(q, k, v, cu_seqlens_q=None, *rest, out):
+        return _lse(torch, q, cu_seqlens_q)
+
+    schema = with_operands(SCHEMA, kernel)
+    op = _define(name, schema, attention, fake)
     _register_autograd(kernel, name)
-    return op
+    out_op = _define(name + "_out", with_out(schema), attention_out, fake_out)
+    _calls_by_name[name] = _calls(op, out_op, differentiable=True)
+    return _calls_by_name[name]
 
 
-def _outputs(torch, q, cu_seqlens_q):
-    """Empty outputs of a call's shapes: O like q, the LSE (B, Hq, Sq) dense or (Hq, total)
-    ragged."""
+def _lse(torch, q, cu_seqlens_q):
+    """An empty LSE of a call's shape: (B, Hq, Sq) dense or (Hq, total) ragged."""
     if cu_seqlens_q is None:
-        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
-    else:
-        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    return q.new_empty(q.shape), lse
+        return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def torch_decode_op(kernel):
@@ -120,23 +166,34 @@ def torch_decode_op(kernel):
     import torch
 
     name = _name(kernel, "_decode")
-    if name in _ops:
-        return _ops[name]
+    if name in _calls_by_name:
+        return _calls_by_name[name]
 
     def step(q, k_cache, v_cache, cache_seqlens, page_table=None, cu_seqlens_q=None,
              max_seqlen_q=None, scale=None, num_splits=None, k_new=None, v_new=None,
-             *operands):
+             *operands, out=None):
         return kernel(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
                       cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, scale=scale,
-                      num_splits=num_splits, k_new=k_new, v_new=v_new, return_lse=True,
-                      **given(kernel, operands))
+                      num_splits=num_splits, k_new=k_new, v_new=v_new, out=out,
+                      return_lse=True, **given(kernel, operands))
 
     def fake(q, k_cache, v_cache, cache_seqlens, page_table=None, cu_seqlens_q=None,
              max_seqlen_q=None, scale=None, num_splits=None, k_new=None, v_new=None,
              *operands):
-        return _outputs(torch, q, cu_seqlens_q)
+        return q.new_empty(q.shape), _lse(torch, q, cu_seqlens_q)
 
-    return _define(name, with_operands(DECODE_SCHEMA, kernel), step, fake)
+    def step_out(*args, out):
+        return step(*args, out=out)[1]
+
+    def fake_out(q, k_cache, v_cache, cache_seqlens, page_table=None, cu_seqlens_q=None,
+                 *rest, out):
+        return _lse(torch, q, cu_seqlens_q)
+
+    schema = with_operands(DECODE_SCHEMA, kernel)
+    op = _define(name, schema, step, fake)
+    out_op = _define(name + "_out", with_out(schema), step_out, fake_out)
+    _calls_by_name[name] = _calls(op, out_op, differentiable=False)
+    return _calls_by_name[name]
 
 
 def with_operands(schema: str, kernel) -> str:
