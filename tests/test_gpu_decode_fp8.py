@@ -27,7 +27,7 @@ def fp8_cache(lengths, hkv, d, page_size=None, seed=0):
                                      ("causal_d256", 256)])
 @pytest.mark.parametrize("page_size", [None, 16, 64])
 def test_an_fp8_cache_matches_the_dequantised_reference(name, d, page_size):
-    lengths = [0, 1, 63, 64, 65, 700, 2049]
+    lengths = [1, 2, 63, 64, 65, 700, 2049]
     k, v, seqlens, table = fp8_cache(lengths, 2, d, page_size)
     q = torch.randn(len(lengths), 1, 8, d, device="cuda").to(torch.bfloat16)
     check(PROGRAM[name], q, k, v, seqlens, table, **SCALES)
@@ -85,3 +85,27 @@ def test_an_fp8_cache_is_checked():
     with pytest.raises(ValueError, match="dequantise a float8_e4m3fn cache"):
         kern(q, k.to(torch.bfloat16), v.to(torch.bfloat16), cache_seqlens=seqlens,
              v_scale=2.0)
+
+
+def test_a_compiled_decode_step_reads_and_appends_to_an_fp8_cache():
+    k, v, _, table = fp8_cache([300, 300], 2, 128, page_size=16)
+    kern = PROGRAM["causal"]
+    op = kern.torch_decode_op()
+    lengths = torch.tensor([10, 200], dtype=torch.int32, device="cuda")
+
+    def step(q, k_new, v_new, cache_seqlens):
+        out, _ = op(q, k, v, cache_seqlens, page_table=table, k_new=k_new, v_new=v_new,
+                    **SCALES)
+        return out.float()
+
+    compiled = torch.compile(step, fullgraph=True)
+    with torch.no_grad():
+        for i in range(3):
+            q, k_new, v_new = (torch.randn(2, 1, h, 128, device="cuda").to(torch.bfloat16)
+                               for h in (8, 2, 2))
+            k_before, v_before = k.clone(), v.clone()
+            out = compiled(q, k_new, v_new, lengths).cpu().numpy()
+            ref = mhadsl.reference_decode(kern, q, k_before, v_before, cache_seqlens=lengths,
+                                          page_table=table, k_new=k_new, v_new=v_new, **SCALES)
+            assert np.linalg.norm(out - ref[0]) / np.linalg.norm(ref[0]) < 2e-2, i
+            lengths += 1

@@ -282,8 +282,8 @@ class Kernel:
     def torch_decode_op(self):
         """This kernel's calls against a KV cache as a PyTorch operator returning (out, lse):
         `op(q, k_cache, v_cache, cache_seqlens, page_table=None, cu_seqlens_q=None,
-        max_seqlen_q=None, scale=None, num_splits=None, k_new=None, v_new=None, *operands,
-        out=None)`, which torch.compile traces without a graph break
+        max_seqlen_q=None, scale=None, num_splits=None, k_new=None, v_new=None, k_scale=None,
+        v_scale=None, *operands, out=None)`, which torch.compile traces without a graph break
         (`mhadsl.host.torch_op`)."""
         from mhadsl.host.torch_op import torch_decode_op
         return torch_decode_op(self)

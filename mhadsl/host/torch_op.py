@@ -18,7 +18,8 @@ kernel's build (builds depend on the layout, not the lengths).
 A call against a KV cache is a second operator (`Kernel.torch_decode_op()`,
 `mhadsl::<kernel>_<hash>_decode`): `Kernel.__call__`'s decode (contiguous or paged by
 `page_table`, dense or ragged query rows, `num_splits`, the step's `k_new`/`v_new` written into
-the cache first, which its schema marks as mutated). Its lengths and page table are read on
+the cache first, which its schema marks as mutated, a float8_e4m3fn cache's `k_scale` and
+`v_scale`). Its lengths and page table are read on
 the device only, so a captured graph replays new lengths and page tables as they are then. It
 has no gradient.
 
@@ -62,7 +63,8 @@ FIRST_OPERAND = 9
 DECODE_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
                  "Tensor? page_table=None, Tensor? cu_seqlens_q=None, SymInt? max_seqlen_q=None, "
                  "float? scale=None, int? num_splits=None, Tensor? k_new=None, "
-                 "Tensor? v_new=None) -> (Tensor, Tensor)")
+                 "Tensor? v_new=None, float? k_scale=None, float? v_scale=None) "
+                 "-> (Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
                    "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
                    "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None, "
@@ -171,15 +173,15 @@ def torch_decode_op(kernel):
 
     def step(q, k_cache, v_cache, cache_seqlens, page_table=None, cu_seqlens_q=None,
              max_seqlen_q=None, scale=None, num_splits=None, k_new=None, v_new=None,
-             *operands, out=None):
+             k_scale=None, v_scale=None, *operands, out=None):
         return kernel(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
                       cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, scale=scale,
-                      num_splits=num_splits, k_new=k_new, v_new=v_new, out=out,
-                      return_lse=True, **given(kernel, operands))
+                      num_splits=num_splits, k_new=k_new, v_new=v_new, k_scale=k_scale,
+                      v_scale=v_scale, out=out, return_lse=True, **given(kernel, operands))
 
     def fake(q, k_cache, v_cache, cache_seqlens, page_table=None, cu_seqlens_q=None,
              max_seqlen_q=None, scale=None, num_splits=None, k_new=None, v_new=None,
-             *operands):
+             k_scale=None, v_scale=None, *operands):
         return q.new_empty(q.shape), _lse(torch, q, cu_seqlens_q)
 
     def step_out(*args, out):
