@@ -224,7 +224,7 @@ def test_the_operators_operands_follow_its_fixed_arguments(windowed):
     assert len(arguments) == FIRST_OPERAND  # autograd finds an operand's gradient slot by it
     decode = with_operands(DECODE_SCHEMA, windowed)
     assert "Tensor(a!) k_cache, Tensor(b!) v_cache" in decode  # the append writes them
-    assert decode.endswith("Tensor? v_new=None, int? window=None, float? cap=None) -> "
+    assert decode.endswith("float? v_scale=None, int? window=None, float? cap=None) -> "
                            "(Tensor, Tensor)")
 
 
