@@ -15,6 +15,7 @@ from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import CacheLayout, decode
 from mhadsl.codegen.nvptx import f32, i32
 from mhadsl.host.paged import check_decode_call
+from mhadsl.host.serving import kv_tile
 
 from test_decode import PROGRAM
 
@@ -95,6 +96,7 @@ FP8_BUILDS = [  # kernel, GQA group, cache layout (query rows, page size, KV til
     ("causal_d64", 8, CacheLayout(2, 32, fp8=True)),
     ("softcap", 4, CacheLayout(4, 16, appends=True, fp8=True)),
     ("plain_d256", 4, CacheLayout(1, 64, fp8=True)),
+    ("causal", 32, CacheLayout(1, 64, 128, fp8=True)),  # MQA's 32 rows take 128-row tiles
 ]
 
 
@@ -127,12 +129,20 @@ def test_the_scales_are_the_last_parameters_of_both_kernels():
     assert all([p.name for p in k.abi] == names for k in launches)
 
 
-def test_the_fp8_build_reads_one_byte_rows_and_stages_twice_the_tiles():
+def test_the_fp8_build_reads_one_byte_rows_and_keeps_twice_the_tiles_in_flight():
     kern = PROGRAM["causal"]
     bf16 = kern.build("sm_80", gqa_group=4, cache=CacheLayout(1, 64)).config
     fp8 = kern.build("sm_80", gqa_group=4, cache=CacheLayout(1, 64, fp8=True)).config
     assert fp8.stage_bytes * 2 == bf16.stage_bytes
+    assert fp8.stages == 2 * bf16.stages  # the same bytes in flight
     assert fp8.mma_dtype == "fp16" and bf16.mma_dtype == "bf16"
+
+
+@pytest.mark.parametrize("rows, want", [(16, 64), (32, 128), (64, 64)])
+def test_an_fp8_cache_takes_its_own_kv_tile(rows, want):
+    # (a bf16 cache of this shape takes 32-row tiles: many 16-row work tiles)
+    assert kv_tile(rows, 10_000, 132, 64, wgmma=True, fp8=True) == want
+    assert kv_tile(16, 10_000, 132, 64) == 32
 
 
 class _Tensor:

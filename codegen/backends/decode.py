@@ -59,7 +59,8 @@ MAX_ROWS = 128  # packed rows per work tile
 RAGGED_ROWS = 64  # packed rows per tile of a ragged (chunked-prefill) call
 SHARED_BUDGET = 160 * 1024  # what one CTA may use on every target (sm_80 allows 163 KiB)
 # KV tiles in flight per CTA: three leave room for two CTAs per multiprocessor on sm_90a,
-# which measured faster than one CTA with four (benchmarks/log/BENCHMARKS_LOG.md, decode)
+# which measured faster than one CTA with four (benchmarks/log/BENCHMARKS_LOG.md, decode);
+# an FP8 cache's tiles hold half the bytes, and twice as many in flight measured fastest
 MAX_STAGES = 3
 # how far ahead of its copies a tile's page entries are read, in KV rows: a page-table read
 # (L2, under a saturated memory system) takes about as long as streaming that many rows
@@ -205,7 +206,8 @@ def decode_config(options, layout: Layout) -> DecodeConfig:
     base = DecodeConfig(options.dtype, options.head_dim, layout.gqa_group, cache.query_rows,
                         cache.page_size, layout.return_lse, block_n, 1, fp8=cache.fp8)
     room = SHARED_BUDGET - 16 - base.rows * base.row_bytes
-    return replace(base, stages=max(2, min(MAX_STAGES, room // base.stage_bytes)),
+    most = MAX_STAGES * (2 if cache.fp8 else 1)
+    return replace(base, stages=max(2, min(most, room // base.stage_bytes)),
                    page_lookahead=max(1, PAGE_LOOKAHEAD_ROWS // block_n),
                    appends=cache.appends)
 
@@ -1223,9 +1225,12 @@ class Decode(Backend):
 
     def configs(self, options, layout: Layout) -> tuple[DecodeConfig, ...]:
         """The config, then (should ptxas spill) one that reads page entries one tile
-        ahead instead of two, which holds fewer registers across the KV loop."""
+        ahead instead of two, which holds fewer registers across the KV loop, then that
+        with an FP8 cache's extra stages given up."""
         config = decode_config(options, layout)
-        return (config, replace(config, page_lookahead=1))
+        nearer = replace(config, page_lookahead=1)
+        return tuple(dict.fromkeys(
+            (config, nearer, replace(nearer, stages=min(nearer.stages, MAX_STAGES)))))
 
     def kernels(self, config: DecodeConfig) -> tuple[KernelLaunch, ...]:
         """The decode kernel; first, where the call appends the step's rows, the append."""

@@ -65,13 +65,16 @@ def default_splits(groups: int, slots: int, capacity: int, block_n: int) -> int:
 
 
 def kv_tile(rows: int, groups: int, num_sms: int, page_size: int = 0,
-            wgmma: bool = False) -> int:
+            wgmma: bool = False, fp8: bool = False) -> int:
     """The KV tile for a call's shape: 32 rows (small CTAs, four per multiprocessor) where
     16-row work tiles are many enough to give most multiprocessors two and pages hold 64
     rows or more; else 64 (two CTAs per multiprocessor, each with more bytes in flight).
     `wgmma` (sm_90a, whose 64-row work tiles compute by wgmma): 64-row work tiles take the
-    32-row KV tile under the same rule (three CTAs per multiprocessor). Both fastest measured
-    on the H200 (benchmarks/log/BENCHMARKS_LOG.md, decode)."""
+    32-row KV tile under the same rule (three CTAs per multiprocessor). An FP8 cache
+    (`fp8`): 64 rows, 128 for 32-row work tiles. All fastest measured on the H200
+    (benchmarks/log/BENCHMARKS_LOG.md, decode)."""
+    if fp8:
+        return 128 if rows == 32 else 64
     small_pages = 0 < page_size < 64
     small_work = rows == 16 or (wgmma and rows == 64)
     return 32 if small_work and groups >= 1.5 * num_sms and not small_pages else 64
@@ -154,11 +157,13 @@ class _DecodePlan(AddressChecks):
 
 def _split_buffers(nbytes: dict[str, int], device: int) -> dict:
     """Partial O, partial LSE and zeroed split counters (each launch leaves them at 0: the
-    last split of a group resets its counter). With torch at hand they come from torch's
-    allocator on the current stream, so a first launch inside CUDA-graph capture allocates
-    from the graph's pool and the graph zeroes the counters it replays with."""
+    last split of a group resets its counter). Made by the driver, outside torch's memory
+    pools: torch.compile's CUDA graphs warm up in their graph's pool and refuse tensors left
+    there that no output holds. A first launch inside CUDA-graph capture (which may not
+    synchronise) takes them from torch's allocator, the graph's pool, and the graph zeroes
+    the counters it replays with."""
     torch = sys.modules.get("torch")
-    if torch is not None:
+    if torch is not None and torch.cuda.is_current_stream_capturing():
         return {name: (torch.zeros if name == "split_counters" else torch.empty)(
             n, dtype=torch.uint8, device=f"cuda:{device}") for name, n in nbytes.items()}
     from mhadsl.runtime import driver
@@ -312,7 +317,7 @@ def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
     fp8 = call.kv_scales is not None
     layout = Layout(group, False, want_lse, CacheLayout(
         rows_per_seq, call.page_size or 0,
-        kv_tile(rows, groups, num_sms, call.page_size or 0, wgmma=wgmma and not fp8),
+        kv_tile(rows, groups, num_sms, call.page_size or 0, wgmma=wgmma, fp8=fp8),
         call.appends, fp8))
     loaded = launcher.load(layout, device)
     config, design = loaded.config, loaded.design
