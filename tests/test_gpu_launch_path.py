@@ -1,6 +1,7 @@
 """The launch path on the GPU: plans per call signature with torch tensors, the kernel's own
 reset of the queue counter (graph replays, many launches), and the torch operator under
 torch.compile (fullgraph, reduce-overhead, dynamic lengths)."""
+import numpy as np
 import pytest
 
 import mhadsl
@@ -183,15 +184,23 @@ def test_a_decode_step_compiles_to_graphs_that_replay_new_lengths_and_page_table
     mhadsl.synchronize()
 
 
-def test_a_compiled_decode_step_appends_its_rows_to_the_cache():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_compiled_decode_step_appends_its_rows_to_the_cache(fp8):
+    """Also on a float8_e4m3fn cache, whose new rows are stored as the reference rounds them."""
+    from mhadsl.analysis.reference import e4m3_bytes
     from test_gpu_decode import cache
     kern = mhadsl.compile(DECODE_SOURCE)["decode_step"]
     op = kern.torch_decode_op()
     k, v, _, table = cache([300, 300], 2, 128, page_size=16)
+    scales = {}
+    if fp8:
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        scales = dict(k_scale=0.07, v_scale=1.5)
     lengths = torch.tensor([10, 200], dtype=torch.int32, device="cuda")
 
     def step(q, k_new, v_new, cache_seqlens):
-        out, _ = op(q, k, v, cache_seqlens, page_table=table, k_new=k_new, v_new=v_new)
+        out, _ = op(q, k, v, cache_seqlens, page_table=table, k_new=k_new, v_new=v_new,
+                    **scales)
         return out.float()
 
     compiled = torch.compile(step, fullgraph=True)
@@ -202,11 +211,17 @@ def test_a_compiled_decode_step_appends_its_rows_to_the_cache():
             k_before = k.clone()
             out = compiled(q, k_new, v_new, lengths)
             ref = mhadsl.reference_decode(kern, q, k_before, v, cache_seqlens=lengths,
-                                          page_table=table, k_new=k_new, v_new=v_new)
-            assert rel_err(out, torch.from_numpy(ref).float().cuda()) < 1e-2, i
+                                          page_table=table, k_new=k_new, v_new=v_new, **scales)
+            bound = 2e-2 if fp8 else 1e-2
+            assert rel_err(out, torch.from_numpy(ref).float().cuda()) < bound, i
             for b in range(2):  # the step's row is in the cache, at its sequence's end
                 pos = int(lengths[b])
-                assert torch.equal(k[int(table[b, pos // 16]), pos % 16], k_new[b, 0])
+                row = k[int(table[b, pos // 16]), pos % 16]
+                if fp8:
+                    want = e4m3_bytes(k_new[b, 0].float().cpu().numpy() / np.float32(0.07))
+                    assert np.array_equal(row.view(torch.uint8).cpu().numpy(), want)
+                else:
+                    assert torch.equal(row, k_new[b, 0])
             lengths += 1
 
 
