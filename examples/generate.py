@@ -82,6 +82,10 @@ class PagedCache:
         order = torch.randperm(batch * pages_each, device="cuda")  # pages anywhere
         self.page_table = order.reshape(batch, pages_each).to(torch.int32)
         self.lengths = torch.zeros(batch, dtype=torch.int32, device="cuda")
+        # the compiled step writes the pages and the lengths: CUDA graphs capture a step that
+        # writes its inputs only where their addresses are static
+        for t in (*self.k, *self.v, self.page_table, self.lengths):
+            torch._dynamo.mark_static_address(t)
 
 
 def generate(model: Model, prompts: list[torch.Tensor], steps: int) -> tuple[list, float]:
