@@ -468,7 +468,8 @@ def _checked_call(kernel, function: str, q, k, v, cu_seqlens_q, cu_seqlens_k, ma
                                 max_seqlen_k=max_seqlen_k, scale=scale, read=_read_offsets)
 
 
-DECODE_ARGUMENTS = ("cache_seqlens", "page_table", "num_splits", "k_new", "v_new")
+DECODE_ARGUMENTS = ("cache_seqlens", "page_table", "num_splits", "k_new", "v_new", "k_scale",
+                    "v_scale")
 
 
 def reference(kernel, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
