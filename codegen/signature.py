@@ -29,3 +29,18 @@ def declare(abi: KernelABI, fn: ir.Function) -> dict[str, ir.Argument]:
             if p.align:
                 arg.attributes.align = p.align
     return {p.name: arg for p, arg in zip(abi, fn.args)}
+
+
+def kernel(module: ir.Module, abi: KernelABI, name: str, threads: int | None = None,
+           min_ctas: int | None = None) -> tuple[ir.Function, dict[str, ir.Argument]]:
+    """Kernel `name` of `module` taking `abi`'s parameters (`declare`: the function and its
+    arguments by name), bounded to `threads` threads a CTA and `min_ctas` CTAs a
+    multiprocessor (which caps its registers) where given."""
+    fn = ir.Function(module, ir.FunctionType(nvptx.void, llvm_types(abi)), name=name)
+    nvptx.mark_kernel(fn)
+    # (NVVM's launch bounds are string attributes, which llvmlite has no class for)
+    if threads is not None:
+        set.add(fn.attributes, f'"nvvm.maxntid"="{threads}"')
+    if min_ctas is not None:
+        set.add(fn.attributes, f'"nvvm.minctasm"="{min_ctas}"')
+    return fn, declare(abi, fn)

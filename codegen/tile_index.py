@@ -35,10 +35,7 @@ ABI = KernelABI(
 
 
 def build_tile_index_kernel(module: ir.Module) -> ir.Function:
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(ABI)),
-                     name=KERNEL_NAME)
-    nvptx.mark_kernel(fn)
-    signature.declare(ABI, fn)
+    fn, _ = signature.kernel(module, ABI, KERNEL_NAME)
     cu_seqlens, batch, tile_m, index = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
 

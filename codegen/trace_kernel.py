@@ -40,10 +40,7 @@ def build_trace_kernel(module: ir.Module, sched: LoweredScheduler) -> ir.Functio
     """A kernel that drives the scheduler over the whole grid and records every tile; its
     parameters are `TRACE_ABI`'s. Thread 0 of each CTA records its steps.
     """
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(TRACE_ABI)),
-                     name=f"trace_{sched.spec.name}")
-    nvptx.mark_kernel(fn)
-    arg = signature.declare(TRACE_ABI, fn)
+    fn, arg = signature.kernel(module, TRACE_ABI, f"trace_{sched.spec.name}")
     out, max_steps, overflow = arg["trace"], arg["max_steps"], arg["overflow"]
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     fill_env = env_filler(b, sched, shared_slots(module), lambda _: EnvParams(

@@ -1159,13 +1159,8 @@ def kernel_function(module: ir.Module, name: str, threads: int, hooks: ExprHooks
                     abi: KernelABI = ABI) -> tuple[ir.Function, ir.IRBuilder]:
     """Kernel `name` of a backward module, taking `abi`'s parameters and the operands'
     (`ExprHooks.kernel_abi`)."""
-    abi = hooks.kernel_abi(abi)
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(abi)), name=name)
-    nvptx.mark_kernel(fn)
-    # NVVM's attributes are strings; one CTA per SM at least lets ptxas use 255 registers
-    set.add(fn.attributes, f'"nvvm.maxntid"="{threads}"')
-    set.add(fn.attributes, '"nvvm.minctasm"="1"')
-    signature.declare(abi, fn)
+    # (one CTA a multiprocessor at least lets ptxas use 255 registers)
+    fn, _ = signature.kernel(module, hooks.kernel_abi(abi), name, threads, 1)
     return fn, ir.IRBuilder(fn.append_basic_block("entry"))
 
 

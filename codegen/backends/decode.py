@@ -1110,12 +1110,8 @@ def _emit_append(module: ir.Module, config: DecodeConfig, hooks: ExprHooks) -> N
     b's new K and V rows to cache positions cache_seqlens[b] + row, 16 bytes a thread; a
     position outside the cache's capacity, or whose page-table entry names no page of the
     cache, is not written (the host checks the values it has: `check_decode_call`)."""
-    abi = hooks.kernel_abi(decode_abi(config))
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(abi)),
-                     name=APPEND_NAME)
-    nvptx.mark_kernel(fn)
-    set.add(fn.attributes, f'"nvvm.maxntid"="{APPEND_THREADS}"')
-    signature.declare(abi, fn)
+    fn, _ = signature.kernel(module, hooks.kernel_abi(decode_abi(config)), APPEND_NAME,
+                             APPEND_THREADS)
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     a = KernelArgs(fn, decode_abi(config), config)
     tid = nvptx.special_register(b, "thread_idx", "x")
@@ -1188,12 +1184,8 @@ def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
     module = new_module(f"mha_decode_{config.dtype}_d{config.head_dim}", target)
     if config.appends:
         _emit_append(module, config, hooks)
-    abi = hooks.kernel_abi(decode_abi(config))
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(abi)),
-                     name=KERNEL_NAME)
-    nvptx.mark_kernel(fn)
-    set.add(fn.attributes, f'"nvvm.maxntid"="{config.threads}"')
-    signature.declare(abi, fn)
+    fn, _ = signature.kernel(module, hooks.kernel_abi(decode_abi(config)), KERNEL_NAME,
+                             config.threads)
     smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
     smem.linkage = "external"
     smem.align = SMEM_ALIGN

@@ -617,10 +617,6 @@ def transient_work_loop(builder: ir.IRBuilder, args: KernelArgs, body: Callable)
 
 
 # ============================================================================ module
-def _add_fn_attr(fn: ir.Function, text: str) -> None:
-    set.add(fn.attributes, text)  # llvmlite only knows enum attributes; NVVM's are strings
-
-
 def build_attention_module(config: AttentionConfig, hooks: ExprHooks | None, target: Target,
                            work_loop: Callable = transient_work_loop,
                            tuning: Tuning = Tuning()) -> ir.Module:
@@ -630,13 +626,8 @@ def build_attention_module(config: AttentionConfig, hooks: ExprHooks | None, tar
     config.validate()
     hooks = hooks or ExprHooks()
     module = new_module(f"mha_{config.dtype}_d{config.head_dim}", target)
-    abi = hooks.kernel_abi(ABI)
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(abi)),
-                     name=kernel_name(config))
-    nvptx.mark_kernel(fn)
-    _add_fn_attr(fn, f'"nvvm.maxntid"="{config.threads}"')
-    _add_fn_attr(fn, f'"nvvm.minctasm"="{min_ctas_per_sm(config)}"')
-    signature.declare(abi, fn)
+    fn, _ = signature.kernel(module, hooks.kernel_abi(ABI), kernel_name(config),
+                             config.threads, min_ctas_per_sm(config))
     smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
     smem.linkage = "external"
     smem.align = 128

@@ -762,23 +762,15 @@ class _Kernel:
 
 
 # ============================================================================ module
-def _add_fn_attr(fn: ir.Function, text: str) -> None:
-    set.add(fn.attributes, text)  # llvmlite only knows enum attributes; NVVM's are strings
-
-
 def build_module(config: HopperConfig, hooks: ExprHooks | None, target: Target,
                  work_loop: Callable) -> ir.Module:
     hooks = hooks or ExprHooks()
     role_threads = (hopper.WARPGROUP_THREADS, config.consumer_threads)  # producer, consumers
     producer_registers, consumer_registers = REGISTERS[config.consumer_groups]
     module = new_module(f"mha_sm90_{config.dtype}_d{config.head_dim}", target)
-    abi = hooks.kernel_abi(ABI)
-    fn = ir.Function(module, ir.FunctionType(nvptx.void, signature.llvm_types(abi)),
-                     name=KERNEL_NAME)
-    nvptx.mark_kernel(fn)
-    _add_fn_attr(fn, f'"nvvm.maxntid"="{config.threads}"')
-    _add_fn_attr(fn, '"nvvm.minctasm"="1"')  # a register cap at entry, as setmaxnreg needs
-    params = signature.declare(abi, fn)
+    # (one CTA a multiprocessor: a register cap at entry, as setmaxnreg needs)
+    fn, params = signature.kernel(module, hooks.kernel_abi(ABI), KERNEL_NAME, config.threads,
+                                  1)
     smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
     smem.linkage = "external"
     smem.align = 128  # rounded up to 1024 at run time (see _Layout.base)
