@@ -789,10 +789,11 @@ class _Emitter:
             vb = self._ld(b, self.v_lanes, v_region, ks * 16, 2 * jq, trans=True,
                           row_bytes=self.KRB)
             for h in range(2):  # columns 16 (2 jq + h)..: rows 0-7 in vb[2h], 8-15 in vb[2h+1]
-                for odd in (False, True):
+                top, bottom = self._f16(b, vb[2 * h]), self._f16(b, vb[2 * h + 1])
+                for odd in (0, 1):
                     j = 2 * (2 * jq + h) + odd
-                    frag = [warp.e4m3_pair_to_f16(b, vb[2 * h + e], odd) for e in range(2)]
-                    acc[j] = warp.mma_m16n8k16(b, c.mma_dtype, pa, frag, acc[j])
+                    acc[j] = warp.mma_m16n8k16(b, c.mma_dtype, pa, [top[odd], bottom[odd]],
+                                               acc[j])
 
     def _wgmma_scores(self, b, k_region):
         """S = Q K^T of this warpgroup's 64 rows by wgmma (Q and K K-major in shared

@@ -127,7 +127,7 @@ class _DecodePlan(AddressChecks):
         if any(a & 15 for a in self.checked_addresses(addresses)):
             name = next(n for n in self.aligned if addresses[n] & 15)
             raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned (pointer and "
-                             f"strides multiples of 8 elements), got a pointer at "
+                             f"strides multiples of 16 bytes), got a pointer at "
                              f"{addresses[name]:#x}")
         q, k, v, o = (addresses[n] for n in _READ_AND_WRITTEN)
         o_end = o + self.spans["o"]
