@@ -19,7 +19,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from mhadsl.abi import CallValue, KernelABI, Param, Pointer, Workspace
-from mhadsl.codegen import nvptx, signature
+from mhadsl.codegen import nvptx, signature, warp
 from mhadsl.codegen.nvptx import i32
 
 KERNEL_NAME = "mhadsl_tile_index"
@@ -42,10 +42,23 @@ def build_tile_index_kernel(module: ir.Module) -> ir.Function:
     def row(k: ir.Value) -> ir.Value:
         return b.load(b.gep(cu_seqlens, [k], source_etype=i32), typ=i32)
 
-    def tiles(start: ir.Value, end: ir.Value) -> ir.Value:
+    def tiles(j: ir.Value) -> ir.Value:
+        start, end = row(j), row(b.add(j, i32(1)))
         rows = b.sub(end, start)
         rows = b.select(b.icmp_signed("<", rows, i32(0)), i32(0), rows)  # as builtins: 0
         return b.udiv(b.add(rows, b.sub(tile_m, i32(1))), tile_m)
+
+    write_tile_index(b, batch, index, lambda me, lane: tiles)
+    return fn
+
+
+def write_tile_index(b: ir.IRBuilder, batch: ir.Value, index: ir.Value, counter) -> None:
+    """The body of a tile index kernel whose grid holds a warp per sequence, ending the
+    function: `counter(me, lane)` (emitted once in warp `me`'s sequence block, where it may
+    read what every sequence's count depends on) returns `tiles(j)`, an i32 count of
+    sequence j's work tiles, which the warp emits once for its own sequence, then for every
+    sequence in one lane-strided pass."""
+    fn = b.function
 
     def word(k: ir.Value) -> ir.Value:
         return b.gep(index, [k], source_etype=i32)
@@ -59,7 +72,8 @@ def build_tile_index_kernel(module: ir.Module) -> ir.Function:
     b.cbranch(b.icmp_unsigned("<", me, batch), work, finish)  # the same in a whole warp
 
     b.position_at_end(work)
-    mine = tiles(row(me), row(b.add(me, i32(1))))
+    tiles = counter(me, lane)
+    mine = tiles(me)
     entry = b.block
     head, body, done = (fn.append_basic_block(n) for n in ("scan", "scan_step", "scan_done"))
     b.branch(head)
@@ -73,7 +87,7 @@ def build_tile_index_kernel(module: ir.Module) -> ir.Function:
     b.cbranch(b.icmp_unsigned("<", j, batch), body, done)
 
     b.position_at_end(body)  # lane l takes sequences l, l + 32, ...
-    theirs = tiles(row(j), row(b.add(j, i32(1))))
+    theirs = tiles(j)
     earlier = b.icmp_unsigned("<", j, me)
     ahead = b.or_(b.icmp_unsigned(">", theirs, mine),
                   b.and_(b.icmp_unsigned("==", theirs, mine), earlier))
@@ -81,13 +95,13 @@ def build_tile_index_kernel(module: ir.Module) -> ir.Function:
             "prefix": b.add(phis["prefix"], b.select(earlier, theirs, i32(0))),
             "rank": b.add(phis["rank"], b.zext(ahead, i32)),
             "before": b.add(phis["before"], b.select(ahead, theirs, i32(0)))}
-    j.add_incoming(b.add(j, i32(32)), body)
+    j.add_incoming(b.add(j, i32(32)), b.block)
     for n in sums:
-        phis[n].add_incoming(step[n], body)
+        phis[n].add_incoming(step[n], b.block)
     b.branch(head)
 
     b.position_at_end(done)
-    total, prefix, rank, before = (_warp_sum(b, phis[n]) for n in sums)
+    total, prefix, rank, before = (warp.warp_sum(b, phis[n]) for n in sums)
     with b.if_then(b.icmp_unsigned("==", lane, i32(0))):
         b.store(prefix, word(me))
         ranked_at = b.add(batch, i32(1))
@@ -101,13 +115,3 @@ def build_tile_index_kernel(module: ir.Module) -> ir.Function:
 
     b.position_at_end(finish)
     b.ret_void()
-    return fn
-
-
-def _warp_sum(b: ir.IRBuilder, value: ir.Value) -> ir.Value:
-    """The sum of `value` over the 32 lanes of the warp (every lane gets it)."""
-    for mask in (16, 8, 4, 2, 1):
-        other = nvptx.call(b, "llvm.nvvm.shfl.sync.bfly.i32", i32,
-                           [i32(0xFFFFFFFF), value, i32(mask), i32(31)])
-        value = b.add(value, other)
-    return value

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from llvmlite import ir
 
 from mhadsl.codegen import nvptx
-from mhadsl.codegen.nvptx import call, f32, i32, void
+from mhadsl.codegen.nvptx import call, f32, i32, i64, void
 
 DTYPES = ("bf16", "fp16")
 ELEMENT_BYTES = 2
@@ -176,7 +176,12 @@ def cp_async_wait(builder: ir.IRBuilder, pending: int = 0) -> None:
 
 # ----------------------------------------------------------------- lanes and math
 def shfl_bfly(builder: ir.IRBuilder, value: ir.Value, lane_mask: int) -> ir.Value:
-    """The f32 or i32 `value` of lane (this lane xor `lane_mask`)."""
+    """The f32, i32 or i64 `value` of lane (this lane xor `lane_mask`)."""
+    if value.type == i64:  # as two 32-bit halves
+        halves = [shfl_bfly(builder, builder.trunc(builder.lshr(value, i64(s)), i32), lane_mask)
+                  for s in (0, 32)]
+        return builder.or_(builder.zext(halves[0], i64),
+                           builder.shl(builder.zext(halves[1], i64), i64(32)))
     kind = "i32" if value.type == i32 else "f32"
     return call(builder, f"llvm.nvvm.shfl.sync.bfly.{kind}", value.type,
                 [i32(FULL_MASK), value, i32(lane_mask), i32(31)])
@@ -332,6 +337,13 @@ def keep_bit(builder: ir.IRBuilder, value: ir.Value, words: list[ir.Value],
     """`value` where bit i of `words` (`kept_fragment_bits`) is set, else -inf."""
     bit = builder.and_(words[i // 32], i32(1 << (i % 32)))
     return builder.select(builder.icmp_unsigned("!=", bit, i32(0)), value, fconst(NEG_INF))
+
+
+def warp_sum(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """The integer `value` summed over the warp's 32 lanes (every lane gets the sum)."""
+    for m in (16, 8, 4, 2, 1):
+        value = builder.add(value, shfl_bfly(builder, value, m))
+    return value
 
 
 def quad_allreduce(builder: ir.IRBuilder, value: ir.Value, op) -> ir.Value:

@@ -174,8 +174,9 @@ class CallSizes:
     (`values`). Dense calls have `seqlen_q`/`seqlen_k` rows per sequence; ragged ones
     `total_q` query rows in all. A call against a KV cache adds its cache's positions
     (`cache_capacity`), its query rows per sequence (`query_rows`, 0 ragged), the page
-    table's row stride (0: a contiguous cache), the KV splits its planner asks for and an FP8
-    cache's scales."""
+    table's row stride (0: a contiguous cache), the KV splits its planner asks for (at most
+    that many a sequence, where they follow the lengths, aiming at `kv_slots` chunks in all)
+    and an FP8 cache's scales."""
 
     batch: int
     heads: int
@@ -192,6 +193,7 @@ class CallSizes:
     page_table_stride: int = 0
     num_splits: int = 1
     kv_scales: tuple[float, float] = (1.0, 1.0)  # an FP8 cache's k_scale, v_scale
+    kv_slots: int = 0  # chunks a decode call's batch aims at where its splits follow lengths
 
     def values(self) -> dict[str, int | float]:
         """The shared call values: sizes, the LSE's strides ((batch, heads, seqlen_q) dense,

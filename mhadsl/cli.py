@@ -240,6 +240,7 @@ def _write(path: Path, data: str | bytes, inputs: list[Path]) -> None:
 # What a command line's integers are written with: int() would also read "1_000", " 12" and
 # other scripts' digits ("١٢").
 DECIMAL = re.compile(r"-?[0-9]+")
+AUTO = "auto"  # `simulate --kv-splits auto`
 PARAM_INTEGER = re.compile(r"-?(0[xX][0-9a-fA-F]+|0[oO][0-7]+|0[bB][01]+|[0-9]+)")
 
 
@@ -248,6 +249,11 @@ def _int(text: str) -> int:
     if not DECIMAL.fullmatch(text):
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
     return int(text)
+
+
+def _splits(text: str) -> int | str:
+    """`--kv-splits`: a count, or auto (simulate: the splits follow the lengths)."""
+    return AUTO if text == AUTO else _int(text)
 
 
 def _parse_params(texts: list[str]) -> tuple[tuple[str, object], ...]:
@@ -384,13 +390,33 @@ def _work_space(args: argparse.Namespace, program):
         print(f"backward work space: {len(args.lengths)} sequences x {args.heads} K/V heads, "
               f"K/V tiles of {args.tile} rows (prompt tile t is K/V tile n-1-t; a work tile "
               f"loops over the query tiles of its K/V head's query heads)", file=sys.stderr)
-    if args.kv_splits:
+    if args.kv_splits == AUTO:
+        sequences, cost = _balanced_decode_work(args), "uniform"
+    elif args.kv_splits:
         from mhadsl.host.serving import decode_work
         sequences, cost = decode_work(len(args.lengths), args.heads, args.kv_splits), "uniform"
         print(f"decode work space: {len(args.lengths)} sequences x {args.heads} K/V heads x "
               f"{args.kv_splits} KV splits (a work tile packs a K/V head's query heads)",
               file=sys.stderr)
     return sequences, cost, gqa
+
+
+def _balanced_decode_work(args: argparse.Namespace) -> Batch:
+    """`simulate --kv-splits auto`: the work space of a decode launch whose splits follow
+    the lengths (`--seqlens`: cache lengths; one query row, 64-row KV tiles, `--num-sms`
+    chunks), as the split index kernel builds it (`valid_work.balanced_splits`)."""
+    from mhadsl.analysis.valid_work import balanced_splits
+    from mhadsl.codegen.backends.decode import MIN_SPLIT_TILES, packed_rows
+    group = args.gqa or 1
+    q_tiles, splits = balanced_splits(
+        args.lengths, 1, gqa_group=group, rows=packed_rows(1, group), block_n=64,
+        capacity=max(args.lengths, default=0), appends=False, kv_heads=args.heads,
+        slots=args.num_sms or args.ctas, max_splits=MAX_KV_SPLITS, min_tiles=MIN_SPLIT_TILES,
+        max_q_tiles=1)
+    print(f"decode work space: {len(args.lengths)} sequences x {args.heads} K/V heads; KV "
+          f"splits by length ({args.num_sms or args.ctas} chunks, 64-row KV tiles): "
+          f"{', '.join(map(str, splits.tolist()))}", file=sys.stderr)
+    return Batch((q_tiles * splits).tolist(), args.heads, 1, ragged=True)
 
 
 def _kernel_gqa(program, args: argparse.Namespace) -> tuple[int, str]:
@@ -551,15 +577,19 @@ def _trace_decode(args: argparse.Namespace, program, gqa: int, operands: dict) -
     once and every combine complete (`trace.check_combines`), next to the simulator's
     proof for the same work space and grid."""
     from mhadsl.analysis import trace
-    workload = trace.DecodeWorkload(args.heads, tuple(args.lengths), args.kv_splits, gqa,
+    by_length = args.kv_splits == AUTO
+    workload = trace.DecodeWorkload(args.heads, tuple(args.lengths),
+                                    0 if by_length else args.kv_splits, gqa,
                                     args.query_rows, args.page_size or 0)
     run = trace.run_decode_trace(program, args.kernel, workload, scheduler=args.scheduler,
                                  args=args.params, operands=operands)
     result = trace.predict(program, run, "uniform")
     work, combines = run.work, run.combines
     problems = _coverage_problems(run)
+    splits = f"splits by length {', '.join(map(str, work.by_length))}, " if by_length else \
+        f"{work.num_splits} splits of {work.kv_chunk} positions, "
     _print_trace_header(args, run, "every (sequence, K/V head, q tile, split) exactly once",
-                        problems, f"{work.num_splits} splits of {work.kv_chunk} positions, ")
+                        problems, splits)
     wrong = combines.problems()
     print(f"  combines: {combines.needed} groups ran more than one split: "
           + ("each combined once, after its last split" if not wrong else "; ".join(wrong)))
@@ -571,6 +601,7 @@ def _trace_decode(args: argparse.Namespace, program, gqa: int, operands: dict) -
     if args.json:
         _write(Path(args.json), json.dumps(_trace_json(args, run, {
             "num_splits": work.num_splits, "kv_chunk": work.kv_chunk,
+            "splits_by_length": list(work.by_length),
             "q_tiles": work.q_tiles, "covered_exactly_once": not problems,
             "combines": {"needed": combines.needed, "missing": combines.missing,
                          "repeated": combines.repeated, "early": combines.early,
@@ -729,9 +760,10 @@ def validate(args: argparse.Namespace) -> None:
     if args.command == "simulate":
         if args.kernel and args.cost:
             raise UsageError("--kernel costs tiles as that kernel runs them: drop --cost")
-        if args.kv_splits is not None and (args.kernel or
+        if args.kv_splits is not None and (args.kernel or args.kv_splits != AUTO and
                                            not 1 <= args.kv_splits <= MAX_KV_SPLITS):
-            raise UsageError(f"--kv-splits takes 1 to {MAX_KV_SPLITS} splits, without --kernel")
+            raise UsageError(f"--kv-splits takes 1 to {MAX_KV_SPLITS} splits or auto, "
+                             f"without --kernel")
         if args.backward and (args.kernel or args.kv_splits is not None or args.gqa):
             raise UsageError("--backward simulates the backward's K/V tiles of --heads K/V "
                              "heads: without --kernel, --kv-splits or --gqa")
@@ -760,8 +792,9 @@ def _check_decode_trace(args: argparse.Namespace) -> None:
         if decode_only:
             raise UsageError(f"{decode_only[0]} belongs to a decode trace: give --kv-splits N")
         return
-    if not 1 <= args.kv_splits <= MAX_KV_SPLITS:
-        raise UsageError(f"--kv-splits takes 1 to {MAX_KV_SPLITS} splits, got {args.kv_splits}")
+    if args.kv_splits != AUTO and not 1 <= args.kv_splits <= MAX_KV_SPLITS:
+        raise UsageError(f"--kv-splits takes 1 to {MAX_KV_SPLITS} splits or auto, got "
+                         f"{args.kv_splits}")
     prefill_only = [flag for flag, given in (("--calibrate", args.calibrate),
                                              ("--out", args.out), ("--backend", args.backend))
                     if given]
@@ -869,9 +902,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bind a scheduler parameter, e.g. --param order=PROMPT_ROTATE")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="draw a per-CTA timeline")
-    p.add_argument("--kv-splits", type=_int, metavar="N",
+    p.add_argument("--kv-splits", type=_splits, metavar="N|auto",
                    help="simulate a decode launch: --heads K/V heads, N KV splits per "
-                        "(sequence, K/V head); the lengths give the batch size")
+                        "(sequence, K/V head), the lengths giving the batch size; or auto: "
+                        "the splits follow the lengths (cache lengths), as a call's default")
     p.add_argument("--backward", action="store_true",
                    help="simulate the backward pass's main kernel: the K/V tiles of the "
                         "lengths (the keys') for --heads K/V heads")
@@ -908,9 +942,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="first measure the kernel's cost constants on this GPU and store "
                         "them for the simulator")
-    p.add_argument("--kv-splits", type=_int, metavar="N",
+    p.add_argument("--kv-splits", type=_splits, metavar="N|auto",
                    help="trace a decode launch with N KV splits (the planner may use fewer, "
-                        "none empty): the lengths are the sequences' cache lengths, --heads "
+                        "none empty), or auto: splits that follow the lengths, as a call's "
+                        "default; the lengths are the sequences' cache lengths, --heads "
                         "counts K/V heads; checks every (sequence, K/V head, q tile, split) "
                         "ran once and every split group combined once, after its last split")
     p.add_argument("--gqa", type=_int,

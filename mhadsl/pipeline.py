@@ -197,7 +197,9 @@ def _build_pass(program: CheckedProgram, attention: str, pass_name: str,
     layout = pass_layout(pass_name, declared)
     request = KernelRequest(attention, options.arch, options.backend, layout,
                             options.ptx_version,
-                            scheduler=declared.scheduler_for(layout.workload))
+                            scheduler=declared.scheduler_for(
+                                layout.workload, layout.cache is not None and
+                                layout.cache.balanced))
     try:
         return build_kernel(program, request)
     except MhaError as err:

@@ -85,3 +85,24 @@ def test_decode_trace_covers_every_split_once_and_combines_after_the_last(kernel
     assert len(trace.record_kind(run.records, abi.TRACE_COMBINE)["start"]) == \
         run.combines.needed
     assert trace.predict(program, run, "uniform").covered_exactly_once
+
+
+@pytest.mark.parametrize("kernel", ["decode", "persistent_decode"])
+def test_a_decode_trace_by_length_covers_each_sequences_own_splits_once(kernel):
+    """Splits that follow the lengths (no `num_splits`): the split index kernel's counts
+    are `balanced_splits`' (the work items the launch records are exactly those), the long
+    sequences split and the short ones do not, and every split group combines once, after
+    its last split; a declaration that names no scheduler runs it by LPT."""
+    program = mhadsl.compile(DECODE, name="decode_trace")
+    workload = trace.DecodeWorkload(kv_heads=2, cache_lens=(50, 900, 60000, 1200, 30000, 1),
+                                    kv_splits=0, gqa=4, page_size=64)
+    run = trace.run_decode_trace(program, kernel, workload, reps=1)
+    assert run.scheduler == ("LPT" if kernel == "decode" else "Persistent")
+    splits = run.work.by_length
+    assert splits[2] > splits[4] > 1 and splits[0] == splits[-1] == 1
+    assert run.written == len(run.records["start"])
+    items = trace.record_kind(run.records, abi.TRACE_WORK_ITEM)
+    assert len(items["start"]) == len(run.batch.valid_tiles()) == 2 * sum(splits)
+    assert (run.missing, run.repeated, run.invalid) == ([], [], [])
+    assert run.combines.needed == 2 * sum(n > 1 for n in splits)
+    assert run.combines.problems() == []

@@ -42,9 +42,11 @@ def stand_in(monkeypatch, kern):
     """`kern` on a stand-in 9.0 device; `kernel.launches` counts launches,
     `kernel.calls` the builds (each chooses the design) and overlap checks the host ran,
     `kernel.targets` the targets of the builds it loaded, `kernel.encoded` the addresses of
-    the tensor maps it encoded, `kernel.blocks` the parameter blocks launched. A build is the
+    the tensor maps it encoded, `kernel.blocks` the parameter blocks launched (and
+    `kernel.grids` their grids and threads). A build is the
     real build path's choice of design and config, with no code generated."""
     kern.launches, kern.calls, kern.targets, kern.encoded, kern.blocks = 0, Counter(), [], [], []
+    kern.grids = []
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -54,6 +56,7 @@ def stand_in(monkeypatch, kern):
 
     def launch(grid, threads, shared_bytes, stream, params):
         kern.launches += 1
+        kern.grids.append((grid, threads))
         kern.blocks.append(ctypes.string_at(ctypes.cast(params, ctypes.POINTER(
             ctypes.c_void_p))[0], kern.abi.size))  # the parameter block as launched
 
@@ -64,8 +67,8 @@ def stand_in(monkeypatch, kern):
         except RequestError as err:
             raise RuntimeError(f"kernel '{kern.name}': {err}") from None
         kern.targets.append(arch)
-        kern.abi = abi.with_operands(resolved.backend.abi,
-                                     abi.operand_params(kern.options.operands))
+        scheduled = resolved.backend.scheduled(resolved.configs[0])
+        kern.abi = abi.with_operands(scheduled.abi, abi.operand_params(kern.options.operands))
         return KernelBuild(resolved.backend.name, arch, "", "", None, resolved.configs[0])
 
     function = SimpleNamespace(max_active_blocks=lambda *a: 2, launcher=fake_launcher(launch),
@@ -296,12 +299,11 @@ DECODE_VALUES = ("q_stride_batch", "q_stride_row", "o_stride_batch", "k_stride_p
                  "work_tiles", "ctas_per_sm")
 
 
-@pytest.mark.parametrize("layout", ["dense", "paged", "ragged"])
-def test_a_decode_launch_packs_the_call_through_the_launcher(kernel, monkeypatch, layout):
-    """A call against a KV cache, planned by the one launcher on the decode design: strides
-    from the tensors (a ragged q's batch stride 0), the cache's capacity and page-table
-    stride, the split the call asks for in whole KV tiles with its stream's workspace of the
-    design's sizes (counters zeroed), K/V heads as the scheduler's."""
+def _decode_call(monkeypatch, layout: str, batch: int, heads: int, kv_heads: int,
+                 capacity: int, total_q: int) -> tuple[dict, dict, list]:
+    """A decode call's tensors (3 query rows a sequence, or ragged over `total_q` rows; a
+    contiguous cache or pages of 16) on stand-in buffers: (the call's arguments, the bytes
+    of each buffer the driver allocated, by address, the memsets queued)."""
     allocated, zeroed = {}, []
 
     class Buffer:
@@ -312,21 +314,33 @@ def test_a_decode_launch_packs_the_call_through_the_launcher(kernel, monkeypatch
     monkeypatch.setattr(driver, "memset_d32_async", lambda ptr, value, words, device=None:
                         zeroed.append((ptr, value, words)))
     monkeypatch.setattr(driver, "synchronize", lambda device=None: None)
-    batch, heads, kv_heads, capacity = 2, 4, 2, 208  # 13 pages; halves of 104 rows
-    lens = FakeDevice((batch,), "<i4")
+    call = {"cache_seqlens": FakeDevice((batch,), "<i4")}
     if layout == "paged":
-        k, v = (FakeDevice((26, 16, kv_heads, D)) for _ in range(2))
-        extra = {"page_table": FakeDevice((batch, capacity // 16), "<i4")}
+        call["k"], call["v"] = (FakeDevice((batch * capacity // 16, 16, kv_heads, D))
+                                for _ in range(2))
+        call["page_table"] = FakeDevice((batch, capacity // 16), "<i4")
     else:
-        k, v = (FakeDevice((batch, capacity, kv_heads, D)) for _ in range(2))
-        extra = {}
+        call["k"], call["v"] = (FakeDevice((batch, capacity, kv_heads, D)) for _ in range(2))
     if layout == "ragged":
-        q = FakeDevice((5, heads, D))
-        extra.update(cu_seqlens_q=FakeDevice((batch + 1,), "<i4"), max_seqlen_q=3)
+        call["q"] = FakeDevice((total_q, heads, D))
+        call.update(cu_seqlens_q=FakeDevice((batch + 1,), "<i4"), max_seqlen_q=3)
     else:
-        q = FakeDevice((batch, 3, heads, D))
-    kernel(q, k, v, cache_seqlens=lens, out=FakeDevice(q.shape), num_splits=2,
-           return_lse=False, **extra)
+        call["q"] = FakeDevice((batch, 3, heads, D))
+    call["out"] = FakeDevice(call["q"].shape)
+    return call, allocated, zeroed
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged", "ragged"])
+def test_a_decode_launch_packs_the_call_through_the_launcher(kernel, monkeypatch, layout):
+    """A call against a KV cache, planned by the one launcher on the decode design: strides
+    from the tensors (a ragged q's batch stride 0), the cache's capacity and page-table
+    stride, the split the call asks for in whole KV tiles with its stream's workspace of the
+    design's sizes (counters zeroed), K/V heads as the scheduler's."""
+    batch, heads, kv_heads, capacity = 2, 4, 2, 208  # 13 pages; halves of 104 rows
+    call, allocated, zeroed = _decode_call(monkeypatch, layout, batch, heads, kv_heads,
+                                           capacity, 5)
+    k = call["k"]
+    kernel(num_splits=2, return_lse=False, **call)
     got = _packed(kernel, DECODE_VALUES + ("partial_o", "partial_lse", "split_counters"))
     config = kernel.config(gqa_group=2, cache=CacheLayout(
         0 if layout == "ragged" else 3, 16 if layout == "paged" else 0, 64))
@@ -347,3 +361,32 @@ def test_a_decode_launch_packs_the_call_through_the_launcher(kernel, monkeypatch
         "cache_capacity": capacity, "q_tiles": 1, "num_splits": 2, "kv_chunk": 128,  # (104 rounded to whole KV tiles)
         "work_tiles": 2, "ctas_per_sm": 2,
     }
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged", "ragged"])
+def test_a_decode_launch_whose_splits_follow_the_lengths_builds_its_split_index_first(
+        kernel, monkeypatch, layout):
+    """Without `num_splits` (and a queue scheduler) a call's splits follow its lengths: the
+    split index kernel runs first, a warp per sequence, into its stream's index buffer,
+    which the decode kernel reads; at most one split per KV tile of the cache, up to
+    MAX_KV_SPLITS, a sequence; partial states for the groups plus a chunk per multiprocessor."""
+    batch, heads, kv_heads, capacity = 40, 4, 2, 208
+    call, allocated, _ = _decode_call(monkeypatch, layout, batch, heads, kv_heads, capacity, 50)
+    kernel(**call)
+    from mhadsl.codegen.backends import decode
+    config = kernel.config(gqa_group=2, cache=CacheLayout(
+        0 if layout == "ragged" else 3, 16 if layout == "paged" else 0, 64, balanced=True))
+    assert kernel.launches == 2 and kernel.grids[0] == ((5, 1, 1), decode.SPLITS_THREADS)
+    names = ("split_index", "split_slots", "partial_o", "partial_lse", "split_counters")
+    got = _packed(kernel, DECODE_VALUES + names)
+    first = struct.unpack_from("<Q", kernel.blocks[0], kernel.abi.offsets["split_index"])[0]
+    assert first == got["split_index"]  # the index the first kernel writes, the second reads
+    groups = batch * kv_heads  # one query-row tile a sequence
+    rows = (groups + 132) * config.rows  # fewer than groups x 4 splits
+    assert allocated[got.pop("split_index")] == 4 * abi.tile_index_words(batch)
+    assert allocated[got.pop("partial_o")] == 4 * rows * D
+    assert allocated[got.pop("partial_lse")] == 4 * rows
+    assert allocated[got.pop("split_counters")] == 4 * groups
+    assert {n: got[n] for n in ("num_splits", "kv_chunk", "work_tiles", "split_slots",
+                                "q_tiles")} == {
+        "num_splits": 4, "kv_chunk": 0, "work_tiles": 4, "split_slots": 132, "q_tiles": 1}

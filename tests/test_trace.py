@@ -355,13 +355,14 @@ def _decode_records(work: trace.DecodeWork) -> list[dict]:
     when its last split ended."""
     rows, clock = [], 0
     for (b, h, q), used in work.splits_used().items():
-        for split in range(work.num_splits):
-            rows.append(dict(prompt_offset=q * work.num_splits + split, head=h, batch=b,
+        splits = work.splits_of(b)
+        for split in range(splits):
+            rows.append(dict(prompt_offset=q * splits + split, head=h, batch=b,
                              start=clock, end=clock + 100, kind=abi.TRACE_WORK_ITEM))
             clock += 10
         if used > 1:
-            last_end = max(r["end"] for r in rows[-work.num_splits:][:used])
-            rows.append(dict(prompt_offset=q * work.num_splits + used - 1, head=h, batch=b,
+            last_end = max(r["end"] for r in rows[-splits:][:used])
+            rows.append(dict(prompt_offset=q * splits + used - 1, head=h, batch=b,
                              start=last_end, end=last_end + 50, kind=abi.TRACE_COMBINE))
     return rows
 
@@ -427,6 +428,39 @@ def test_decode_trace_checks_every_split_once_and_every_combine(damage, coverage
              if getattr(check, k)}
     assert found == combines_found
     assert bool(check.problems()) == bool(combines_found)
+
+
+# splits that follow the lengths: 3, 1 and 6 splits of 2 q tiles; a ragged work space
+BY_LENGTH = trace.DecodeWork(kv_heads=2, cache_lens=(300, 40, 5000), q_tiles=2, num_splits=8,
+                             kv_chunk=0, by_length=(3, 1, 6))
+
+
+def _late(rows, b, h, q):
+    return [dict(r, start=r["start"] - 1) if r["kind"] == abi.TRACE_COMBINE and
+            (r["batch"], r["head"], r["prompt_offset"] // BY_LENGTH.by_length[b]) == (b, h, q)
+            else r for r in rows]
+
+
+@pytest.mark.parametrize("damage, coverage_found, combines_found", [
+    (None, ([], [], []), {}),
+    (lambda rows: [r for r in rows if (r["batch"], r["head"], r["prompt_offset"], r["kind"])
+                   != (2, 1, 11, abi.TRACE_COMBINE)], ([], [], []), {"missing": [(2, 1, 1)]}),
+    (lambda rows: _late(rows, 0, 0, 1), ([], [], []), {"early": [(0, 0, 1)]}),
+    # a split past a sequence's own count is no work item of the launch
+    (lambda rows: rows + [dict(rows[0], batch=1, prompt_offset=2)], ([], [], [(2, 0, 1)]), {}),
+])
+def test_a_trace_by_length_checks_each_sequences_own_splits(damage, coverage_found,
+                                                            combines_found):
+    assert BY_LENGTH.batch.ragged and len(BY_LENGTH.batch.valid_tiles()) == 2 * 2 * (3 + 1 + 6)
+    rows = _decode_records(BY_LENGTH)
+    records = _columns(damage(rows) if damage else rows)
+    items = trace.record_kind(records, abi.TRACE_WORK_ITEM)
+    assert trace.coverage(items, BY_LENGTH.batch) == coverage_found
+    check = trace.check_combines(records, BY_LENGTH)
+    assert check.needed == 8  # sequences 0 and 2: 2 K/V heads x 2 q tiles each
+    found = {k: getattr(check, k) for k in ("missing", "repeated", "early", "unexpected")
+             if getattr(check, k)}
+    assert found == combines_found
 
 
 def test_decode_work_counts_the_splits_the_kernel_runs():

@@ -136,6 +136,7 @@ class CacheLayout:
     block_n: int = 64  # KV rows per KV tile, which the call's planner picks for its shape
     appends: bool = False  # the call writes the step's k_new/v_new rows into the cache first
     fp8: bool = False  # the cache is float8_e4m3fn, with a scale per tensor (k_scale, v_scale)
+    balanced: bool = False  # each sequence's KV splits follow the lengths, on the device
 
 
 @dataclass(frozen=True)
@@ -388,6 +389,12 @@ class Backend(ABC):
         """Whether the design runs a call of this layout (beyond what `problems` says of the
         declaration); a design that does not is passed over in its target's preference."""
         return True
+
+    def scheduler_of(self, options, config) -> tuple[str, tuple]:
+        """The scheduler (name, arguments) that drives a build of `config` of declaration
+        `options`: the one it names for the design's workload, else that workload's
+        default (`AttentionOptions.scheduler_for`)."""
+        return options.scheduler_for(self.workload)
 
     def scheduler_shape(self, config) -> tuple[int, int]:
         """(tile height, query heads per head) of the work space the design hands its

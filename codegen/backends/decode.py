@@ -40,9 +40,9 @@ from dataclasses import dataclass, replace
 from llvmlite import ir
 
 from mhadsl.abi import (
-    TRACE_COMBINE, CallSizes, CallValue, Extent, KernelABI, Param, Pointer, Stride, Workspace,
+    TRACE_COMBINE, CallSizes, tile_index_words, CallValue, Extent, KernelABI, Param, Pointer, Stride, Workspace,
 )
-from mhadsl.codegen import hopper, nvptx, signature, warp
+from mhadsl.codegen import hopper, nvptx, signature, tile_index, warp
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, Backend, CacheLayout, ExprHooks, KernelArgs, KernelBuild, KernelSource, KernelLaunch, Layout,
     Problem, RowCopies, TileSeq, common_problems, ir_loop, masked_unless, spill_free_build,
@@ -107,10 +107,19 @@ class DecodeConfig(RowCopies):
     # the cache holds float8_e4m3fn, scaled per tensor (`FP8_PARAMS`): K/V tiles of 1-byte
     # rows, turned into f16 in registers (`warp.e4m3_pair_to_f16`), both products in fp16
     fp8: bool = False
+    # each sequence's splits follow its own length and the batch's (`mha_decode_splits`
+    # counts them on the device, `valid_work.balanced_splits` is their meaning): the
+    # scheduler numbers only the (query-row tile, split) work tiles that exist
+    balanced: bool = False
 
     # the scheduler's tile height: a work tile is one (query-row tile, split) pair
     block_m = 1
-    ragged = False  # the scheduler's work space is dense (empty splits exit at once)
+
+    @property
+    def ragged(self) -> bool:
+        """Whether the scheduler's work space is ragged (the balanced split's tile index),
+        else dense (a sequence's unused splits exit at once)."""
+        return self.balanced
 
     @property
     def rows(self) -> int:
@@ -209,7 +218,7 @@ def decode_config(options, layout: Layout) -> DecodeConfig:
     most = MAX_STAGES * (2 if cache.fp8 else 1)
     return replace(base, stages=max(2, min(most, room // base.stage_bytes)),
                    page_lookahead=max(1, PAGE_LOOKAHEAD_ROWS // block_n),
-                   appends=cache.appends)
+                   appends=cache.appends, balanced=cache.balanced)
 
 
 # ============================================================================ kernel parameters
@@ -274,16 +283,37 @@ APPEND_THREADS = 128
 APPEND_ROW_BLOCKS = 64  # the append's grid is (batch, up to this many query rows)
 
 
+# Splits that follow the lengths (`DecodeConfig.balanced`): every kernel of the call takes
+# these after the others; `mha_decode_splits` writes the index the decode kernel reads.
+BALANCE_PARAMS = (
+    Param("split_index", "ptr", Workspace("split_index"), "u32 tile index of the (query-row "
+          "tile x split) work tiles of each sequence (mhadsl.abi.tile_index_words(B) words), "
+          "built on the device from the lengths by mha_decode_splits", align=4),
+    Param("split_slots", "i32", CallValue("kv_slots"), "chunks the batch's work aims at (the "
+          "multiprocessors)"),
+)
+SPLITS_NAME = "mha_decode_splits"
+SPLITS_THREADS = tile_index.THREADS  # a warp per sequence
+MIN_SPLIT_TILES = 4  # KV tiles a split covers at least (shorter ones cost more than they gain)
+MAX_CHUNK_TILES = 1 << 30  # (keeps the splits' arithmetic in 32 bits)
+
+
 def decode_abi(config: DecodeConfig) -> KernelABI:
     abi = APPEND_ABI if config.appends else ABI
-    return KernelABI(*abi, *FP8_PARAMS) if config.fp8 else abi
+    extra = (FP8_PARAMS if config.fp8 else ()) + (BALANCE_PARAMS if config.balanced else ())
+    return KernelABI(*abi, *extra) if extra else abi
 
 
-def _scheduler_view(args: KernelArgs) -> None:
-    """What the scheduler's work loop reads, in decode's work space: a dense batch of
-    `max_seqlen_q` prompt tiles (query-row tile x split) per (sequence, K/V head)."""
-    null = ir.Constant(nvptx.ptr(GLOBAL), None)
+def _scheduler_view(args: KernelArgs, config: DecodeConfig) -> None:
+    """What the scheduler's work loop reads, in decode's work space: per (sequence, K/V
+    head) up to `work_tiles` prompt tiles (query-row tile x split); balanced, as many as
+    the split index gives the sequence (its prefix words are the work's row offsets), else
+    a dense batch."""
     args.max_seqlen_q = args.seqlen_q = args.work_tiles
+    if config.balanced:
+        args.cu_seqlens_q = args.tile_index = args.split_index
+        return
+    null = ir.Constant(nvptx.ptr(GLOBAL), None)
     args.cu_seqlens_q, args.tile_index = null, null
 
 
@@ -294,6 +324,10 @@ def _i64(b, v):
 
 def _min(b, x, y):
     return b.select(b.icmp_signed("<", x, y), x, y)
+
+
+def _max1(b, x):
+    return b.select(b.icmp_signed("<", x, i32(1)), i32(1), x)
 
 
 def _fence(b: ir.IRBuilder) -> None:
@@ -321,34 +355,92 @@ class _DecodeTile:
                  seq: TileSeq):
         self.c, self.hooks, self.a, self.seq = c, hooks, a, seq
         self.rules = TileRules(hooks, self)
-        G = c.gqa_group
         self.bidx, self.hk = seq.prompt_idx, seq.head_idx
-        self.q_tile = b.udiv(seq.prompt_offset, a.num_splits)
-        self.split = b.urem(seq.prompt_offset, a.num_splits)
-        if c.query_rows:
+        if c.balanced:
+            self._balanced_split(b)
+        else:
+            self._even_split(b)
+        self.n_begin = b.udiv(self.kv_begin, i32(c.block_n))
+        self.n_end = b.udiv(b.add(self.kv_end, i32(c.block_n - 1)), i32(c.block_n))
+        self.q_lo = b.udiv(self.r0, i32(c.gqa_group))
+        self.q_hi = b.udiv(last_index(b, self.r0, c.rows, self.packed_rows), i32(c.gqa_group))
+
+    def _even_split(self, b: ir.IRBuilder) -> None:
+        """Splits of `kv_chunk` positions: split s covers [s kv_chunk, (s + 1) kv_chunk) of
+        the sequence's keys, and a sequence uses the chunks its keys reach."""
+        a = self.a
+        self.q_tile = b.udiv(self.seq.prompt_offset, a.num_splits)
+        self.split = b.urem(self.seq.prompt_offset, a.num_splits)
+        self._rows(b)
+        self.seqlen_k = self._keys(b)
+        self.kv_begin = b.mul(self.split, a.kv_chunk)
+        self.kv_end = _min(b, b.add(self.kv_begin, a.kv_chunk), self.seqlen_k)
+        chunks = b.udiv(b.add(self.seqlen_k, b.sub(a.kv_chunk, i32(1))), a.kv_chunk)
+        self.splits_used = b.select(b.icmp_signed("<", chunks, i32(1)), i32(1),
+                                    _min(b, chunks, a.num_splits))
+
+    def _balanced_split(self, b: ir.IRBuilder) -> None:
+        """Splits that follow the lengths: the split index gives the sequence's work tiles
+        (query-row tiles x its splits) and where its first one is; its n KV tiles go to its
+        splits, ceil(n / splits) each (every split has some: `balanced_splits`)."""
+        c, a = self.c, self.a
+        index = a.split_index
+        self._query_rows(b)
+        self.first_work = b.load(b.gep(index, [self.bidx], source_etype=i32), typ=i32)
+        end = b.load(b.gep(index, [b.add(self.bidx, i32(1))], source_etype=i32), typ=i32)
+        self.work = b.sub(end, self.first_work)
+        packed = b.mul(self.seqlen_q, i32(c.gqa_group))
+        q_tiles = _max1(b, _min(b, b.udiv(b.add(packed, i32(c.rows - 1)), i32(c.rows)),
+                                a.q_tiles))
+        self.splits_used = _max1(b, b.udiv(self.work, q_tiles))
+        self.q_tile = b.udiv(self.seq.prompt_offset, self.splits_used)
+        self.split = b.urem(self.seq.prompt_offset, self.splits_used)
+        self._rows(b)
+        self.seqlen_k = self._keys(b)
+        n = b.udiv(b.add(self.seqlen_k, i32(c.block_n - 1)), i32(c.block_n))
+        per = b.udiv(b.add(n, b.sub(self.splits_used, i32(1))), self.splits_used)
+        chunk = b.mul(per, i32(c.block_n))
+        self.kv_begin = b.mul(self.split, chunk)
+        self.kv_end = _min(b, b.add(self.kv_begin, chunk), self.seqlen_k)
+
+    def _query_rows(self, b: ir.IRBuilder) -> None:
+        a = self.a
+        if self.c.query_rows:
             self.q_start, self.seqlen_q = i32(0), a.query_rows
         else:
             cu = a.query_offsets
             self.q_start = b.load(b.gep(cu, [self.bidx], source_etype=i32), typ=i32)
             end = b.load(b.gep(cu, [b.add(self.bidx, i32(1))], source_etype=i32), typ=i32)
             self.seqlen_q = b.sub(end, self.q_start)
-        self.r0 = b.mul(self.q_tile, i32(c.rows))
-        self.packed_rows = b.mul(self.seqlen_q, i32(G))
+
+    def _rows(self, b: ir.IRBuilder) -> None:
+        """The sequence's query rows (balanced: read already) and the tile's packed rows."""
+        if not self.c.balanced:
+            self._query_rows(b)
+        self.r0 = b.mul(self.q_tile, i32(self.c.rows))
+        self.packed_rows = b.mul(self.seqlen_q, i32(self.c.gqa_group))
         self.rows_valid = b.sub(self.packed_rows, self.r0)
+
+    def _keys(self, b: ir.IRBuilder) -> ir.Value:
+        """The sequence's keys: its cache length (and the rows it appends), within the
+        cache (unchecked device values stay in bounds)."""
+        a = self.a
         stored = b.load(b.gep(a.cache_seqlens, [self.bidx], source_etype=i32), typ=i32)
-        if c.appends:  # the step's rows, now in the cache, follow cache_seqlens[b] of it
+        if self.c.appends:  # the step's rows, now in the cache, follow cache_seqlens[b] of it
             stored = b.add(stored, self.seqlen_q)
-        clamped = _min(b, stored, a.cache_capacity)  # (unchecked device values stay in bounds)
-        self.seqlen_k = b.select(b.icmp_signed("<", clamped, i32(0)), i32(0), clamped)
-        self.kv_begin = b.mul(self.split, a.kv_chunk)
-        self.kv_end = _min(b, b.add(self.kv_begin, a.kv_chunk), self.seqlen_k)
-        chunks = b.udiv(b.add(self.seqlen_k, b.sub(a.kv_chunk, i32(1))), a.kv_chunk)
-        self.splits_used = b.select(b.icmp_signed("<", chunks, i32(1)), i32(1),
-                                    _min(b, chunks, a.num_splits))
-        self.n_begin = b.udiv(self.kv_begin, i32(c.block_n))
-        self.n_end = b.udiv(b.add(self.kv_end, i32(c.block_n - 1)), i32(c.block_n))
-        self.q_lo = b.udiv(self.r0, i32(G))
-        self.q_hi = b.udiv(last_index(b, self.r0, c.rows, self.packed_rows), i32(G))
+        clamped = _min(b, stored, a.cache_capacity)
+        return b.select(b.icmp_signed("<", clamped, i32(0)), i32(0), clamped)
+
+    def partial_first(self, b: ir.IRBuilder, group: ir.Value) -> ir.Value:
+        """The partial-state slot (i64) of split 0 of the tile's group (`group`: its index,
+        `_Emitter._group`): num_splits slots a group; balanced, the work tiles' own order,
+        K/V head by K/V head within each sequence (at most kv_heads x q_tiles x B +
+        kv_slots slots: `Decode.scratch`)."""
+        if not self.c.balanced:
+            return b.mul(group, _i64(b, self.a.num_splits))
+        heads_before = b.add(b.mul(_i64(b, self.first_work), _i64(b, self.a.num_heads)),
+                             b.mul(_i64(b, self.hk), _i64(b, self.work)))
+        return b.add(heads_before, b.mul(_i64(b, self.q_tile), _i64(b, self.splits_used)))
 
     def runs(self, b: ir.IRBuilder) -> ir.Value:
         """Whether the tile has rows and is one of its sequence's used splits."""
@@ -880,7 +972,7 @@ class _Emitter:
                     with b.if_then(b.icmp_signed("<", local, t.rows_valid)):
                         store("o", local, o, lse)
             with split:
-                part = b.add(b.mul(self._group(b, t), _i64(b, a.num_splits)), _i64(b, t.split))
+                part = b.add(t.partial_first(b, self._group(b, t)), _i64(b, t.split))
                 for local, o, lse in finished:
                     store(part, local, o, lse)
 
@@ -1053,7 +1145,7 @@ class _Emitter:
         per_row = D // 4
         items = c.rows * per_row
         splits = t.splits_used
-        first = b.mul(group, _i64(b, a.num_splits))
+        first = t.partial_first(b, group)
         for k in range(-(-items // c.threads)):
             item = b.add(self.tid, i32(k * c.threads))
             local = b.udiv(item, i32(per_row))
@@ -1164,6 +1256,83 @@ def _emit_append(module: ir.Module, config: DecodeConfig, hooks: ExprHooks) -> N
     b.ret_void()
 
 
+# ============================================================================ the split index
+class SplitRule:
+    """`valid_work.balanced_splits` in IR, over the kernel's values (`a`: the parameters
+    it reads, by name): a sequence's extent, the batch's chunk, a sequence's splits."""
+
+    def __init__(self, c: DecodeConfig, a):
+        self.c, self.a = c, a
+
+    def extent(self, b: ir.IRBuilder, j: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """(query-row tiles, KV tiles) of sequence j, as the decode kernel's tile sees it."""
+        c, a = self.c, self.a
+        if c.query_rows:
+            rows = a.query_rows
+        else:
+            lo = b.load(b.gep(a.query_offsets, [j], source_etype=i32), typ=i32)
+            hi = b.load(b.gep(a.query_offsets, [b.add(j, i32(1))], source_etype=i32), typ=i32)
+            rows = b.sub(hi, lo)
+            rows = b.select(b.icmp_signed("<", rows, i32(0)), i32(0), rows)
+        q_tiles = b.udiv(b.add(b.mul(rows, i32(c.gqa_group)), i32(c.rows - 1)), i32(c.rows))
+        q_tiles = _min(b, q_tiles, a.q_tiles)  # (unchecked device values stay in bounds)
+        stored = b.load(b.gep(a.cache_seqlens, [j], source_etype=i32), typ=i32)
+        if c.appends:
+            stored = b.add(stored, rows)
+        keys = _min(b, stored, a.cache_capacity)
+        keys = b.select(b.icmp_signed("<", keys, i32(0)), i32(0), keys)
+        return q_tiles, b.udiv(b.add(keys, i32(c.block_n - 1)), i32(c.block_n))
+
+    def chunk(self, b: ir.IRBuilder, work: ir.Value) -> ir.Value:
+        """KV tiles a chunk aims at, from the batch's `work` (i64: query-row tiles x KV
+        tiles, summed over the sequences) over every K/V head and `split_slots` chunks."""
+        a = self.a
+        work = b.mul(work, b.zext(a.num_heads, i64))
+        slots = b.zext(_max1(b, a.split_slots), i64)
+        chunk = b.udiv(b.add(work, b.sub(slots, i64(1))), slots)
+        chunk = b.select(b.icmp_unsigned("<", chunk, i64(MIN_SPLIT_TILES)),
+                         i64(MIN_SPLIT_TILES), chunk)
+        return b.trunc(b.select(b.icmp_unsigned(">", chunk, i64(MAX_CHUNK_TILES)),
+                                i64(MAX_CHUNK_TILES), chunk), i32)
+
+    def splits(self, b: ir.IRBuilder, n: ir.Value, chunk: ir.Value) -> ir.Value:
+        """A sequence of n KV tiles: n / chunk splits to the nearest, 1 to num_splits, as
+        few as share its tiles out evenly with none left empty."""
+        most = _max1(b, self.a.num_splits)
+        spread = b.udiv(b.add(n, b.sub(most, i32(1))), most)
+        per = b.select(b.icmp_unsigned(">", spread, chunk), spread, chunk)
+        nearest = b.udiv(b.add(b.add(n, n), per), b.add(per, per))
+        splits = _max1(b, _min(b, nearest, most))
+        per = _max1(b, b.udiv(b.add(n, b.sub(splits, i32(1))), splits))
+        return _max1(b, b.udiv(b.add(n, b.sub(per, i32(1))), per))
+
+
+def _emit_split_index(module: ir.Module, config: DecodeConfig, hooks: ExprHooks) -> None:
+    """`mha_decode_splits` (balanced builds): from the lengths on the device, each
+    sequence's work tiles (query-row tiles x its KV splits, `SplitRule`) as a tile index
+    (`codegen.tile_index`), which the decode kernel's scheduler numbers and its tiles read.
+    A warp per sequence; each first sums the batch's work itself."""
+    abi = decode_abi(config)
+    fn, _ = signature.kernel(module, hooks.kernel_abi(abi), SPLITS_NAME, SPLITS_THREADS)
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    a = KernelArgs(fn, abi, config)
+    rule = SplitRule(config, a)
+
+    def counter(me: ir.Value, lane: ir.Value):
+        def add_work(bb, j, work):
+            q_tiles, n = rule.extent(bb, j)
+            return bb.add(j, i32(32)), [bb.add(work[0], bb.mul(bb.zext(q_tiles, i64),
+                                                                bb.zext(n, i64)))]
+        work, = ir_loop(b, lane, a.batch, [i64(0)], add_work)
+        chunk = rule.chunk(b, warp.warp_sum(b, work))
+
+        def tiles(j: ir.Value) -> ir.Value:
+            q_tiles, n = rule.extent(b, j)
+            return b.mul(q_tiles, rule.splits(b, n, chunk))
+        return tiles
+    tile_index.write_tile_index(b, a.batch, a.split_index, counter)
+
+
 def _quantized(b: ir.IRBuilder, config: DecodeConfig, value: ir.Value, scale: ir.Value):
     """Eight 16-bit elements (four i32) / `scale` as eight float8_e4m3fn bytes (two i32),
     `warp.e4m3_from_f32`'s rounding: the FP8 cache's row, as the host reference makes it."""
@@ -1185,6 +1354,8 @@ def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
     module = new_module(f"mha_decode_{config.dtype}_d{config.head_dim}", target)
     if config.appends:
         _emit_append(module, config, hooks)
+    if config.balanced:
+        _emit_split_index(module, config, hooks)
     fn, _ = signature.kernel(module, hooks.kernel_abi(decode_abi(config)), KERNEL_NAME,
                              config.threads)
     smem = ir.GlobalVariable(module, ir.ArrayType(nvptx.i8, 0), SMEM_SYMBOL, addrspace=SHARED)
@@ -1193,7 +1364,7 @@ def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
     builder = ir.IRBuilder(fn.append_basic_block("entry"))
     args = KernelArgs(fn, decode_abi(config), config, zero_after_none=False,
                       advance_in_tile=True)
-    _scheduler_view(args)
+    _scheduler_view(args, config)
 
     def tile(b: ir.IRBuilder, seq: TileSeq) -> None:
         _Emitter(config, hooks, b, args, smem, traced).emit_tile(b, seq)
@@ -1226,46 +1397,66 @@ class Decode(Backend):
             (config, nearer, replace(nearer, stages=min(nearer.stages, MAX_STAGES)))))
 
     def kernels(self, config: DecodeConfig) -> tuple[KernelLaunch, ...]:
-        """The decode kernel; first, where the call appends the step's rows, the append."""
-        decode = KernelLaunch(KERNEL_NAME, decode_abi(config), config.threads,
-                              config.shared_bytes)
-        if not config.appends:
-            return (decode,)
+        """The decode kernel; first, where the call appends the step's rows, the append,
+        and where the splits follow the lengths, the split index."""
+        abi = decode_abi(config)
+        first = []
+        if config.appends:
+            def rows(call: CallSizes) -> tuple[int, int, int]:
+                q_rows = call.max_seqlen_q if call.ragged else call.query_rows
+                return max(1, call.batch), max(1, min(q_rows, APPEND_ROW_BLOCKS)), 1
+            first.append(KernelLaunch(APPEND_NAME, abi, APPEND_THREADS, 0, rows))
+        if config.balanced:
+            first.append(KernelLaunch(SPLITS_NAME, abi, SPLITS_THREADS, 0, lambda call: (
+                max(1, -(-call.batch * 32 // SPLITS_THREADS)), 1, 1)))
+        return (*first, KernelLaunch(KERNEL_NAME, abi, config.threads, config.shared_bytes))
 
-        def rows(call: CallSizes) -> tuple[int, int, int]:
-            q_rows = call.max_seqlen_q if call.ragged else call.query_rows
-            return max(1, call.batch), max(1, min(q_rows, APPEND_ROW_BLOCKS)), 1
-        return KernelLaunch(APPEND_NAME, decode_abi(config), APPEND_THREADS, 0, rows), decode
+    def scheduler_of(self, options, config: DecodeConfig) -> tuple[str, tuple]:
+        """The named scheduler, else the decode default for the build's splits."""
+        return options.scheduler_for(self.workload, config.balanced)
+
+    def call_values(self, config: DecodeConfig, call: CallSizes) -> dict[str, int]:
+        """The split of the cache the call's planner asks for (`call.num_splits`): chunks
+        of whole KV tiles and none left empty; balanced, at most that many splits a
+        sequence (its chunks come from the lengths, on the device: no `kv_chunk`). The work
+        tiles a sequence has at most."""
+        capacity = max(call.cache_capacity, 1)
+        q_rows = call.max_seqlen_q if call.ragged else call.query_rows
+        q_tiles = max(1, -(-q_rows * config.gqa_group // config.rows))
+        if config.balanced:
+            chunk, splits = 0, min(call.num_splits, -(-capacity // config.block_n))
+        else:
+            chunk = -(-capacity // call.num_splits)
+            chunk = -(-chunk // config.block_n) * config.block_n
+            splits = -(-capacity // chunk)
+        return {"query_rows": call.query_rows, "cache_capacity": call.cache_capacity,
+                "page_table_stride": call.page_table_stride, "q_tiles": q_tiles,
+                "num_splits": splits, "kv_chunk": chunk, "work_tiles": q_tiles * splits,
+                "k_scale": call.kv_scales[0], "v_scale": call.kv_scales[1],
+                "kv_slots": call.kv_slots}
 
     def work_space(self, config: DecodeConfig, call: CallSizes) -> tuple[int, int, int, int]:
-        """A dense batch of (query-row tile x KV split) prompt tiles per (sequence, K/V
+        """Up to `work_tiles` (query-row tile x KV split) prompt tiles per (sequence, K/V
         head): `_scheduler_view`."""
         tiles = self.call_values(config, call)["work_tiles"]
         return call.batch, tiles, tiles, call.kv_heads
 
-    def call_values(self, config: DecodeConfig, call: CallSizes) -> dict[str, int]:
-        """The split of the cache the call's planner asks for (`call.num_splits`), in
-        chunks of whole KV tiles and none left empty; the work tiles it makes."""
-        capacity = max(call.cache_capacity, 1)
-        chunk = -(-capacity // call.num_splits)
-        chunk = -(-chunk // config.block_n) * config.block_n
-        splits = -(-capacity // chunk)
-        q_rows = call.max_seqlen_q if call.ragged else call.query_rows
-        q_tiles = max(1, -(-q_rows * config.gqa_group // config.rows))
-        return {"query_rows": call.query_rows, "cache_capacity": call.cache_capacity,
-                "page_table_stride": call.page_table_stride, "q_tiles": q_tiles,
-                "num_splits": splits, "kv_chunk": chunk, "work_tiles": q_tiles * splits,
-                "k_scale": call.kv_scales[0], "v_scale": call.kv_scales[1]}
-
     def scratch(self, config: DecodeConfig, call: CallSizes) -> dict[str, int]:
-        """A split call's partial O and LSE (fp32) and its groups' split counters (u32)."""
+        """A split call's partial O and LSE (fp32) and its groups' split counters (u32);
+        balanced, the split index too, and partial states for every work tile there can
+        be: a sequence's splits exceed its KV tiles / chunk by less than one, and the
+        chunks of the whole batch number at most `kv_slots` (`balanced_splits`)."""
         values = self.call_values(config, call)
+        index = {"split_index": 4 * tile_index_words(call.batch)} if config.balanced else {}
         if values["num_splits"] == 1:
-            return {}
+            return index
         groups = call.batch * call.kv_heads * values["q_tiles"]
-        rows = groups * values["num_splits"] * config.rows
+        slots = groups * values["num_splits"]
+        if config.balanced:
+            slots = min(slots, groups + max(call.kv_slots, 1))
+        rows = slots * config.rows
         return {"partial_o": 4 * rows * config.head_dim, "partial_lse": 4 * rows,
-                "split_counters": 4 * groups}
+                "split_counters": 4 * groups, **index}
 
     def build(self, source: KernelSource, configs: tuple[DecodeConfig, ...],
               target: Target) -> KernelBuild:

@@ -29,6 +29,8 @@ from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.runtime import trace_records
 from mhadsl.host.serving import decode_work, splits_used
 from mhadsl.analysis.simulate import Batch, SimulationResult, simulate
+from mhadsl.analysis.valid_work import balanced_splits
+from mhadsl.codegen.backends.decode import MIN_SPLIT_TILES
 
 # The calibration runs: one batch per layout, one scheduler per constant it measures.
 CALIBRATION_BATCHES = ((4, 4096, None), (0, 0, (8192, 4096, 2048, 1024, 512, 256, 128, 64) * 2))
@@ -287,7 +289,8 @@ def _traced_build(traced: Kernel):
 class DecodeWorkload:
     """One decode launch's shape: a cache of `cache_lens` positions per sequence (contiguous,
     or pages of `page_size`), `query_rows` per sequence, `kv_heads` K/V heads of `gqa` query
-    heads each, and the KV splits asked for (the planner may use fewer: none left empty)."""
+    heads each, and the KV splits asked for (the planner may use fewer: none left empty;
+    0: none, the splits follow the lengths as a call's default)."""
 
     kv_heads: int
     cache_lens: tuple[int, ...]
@@ -301,29 +304,40 @@ class DecodeWorkload:
         lens = self.cache_lens
         return (f"decode B{len(lens)} cache {min(lens)}..{max(lens)} ({cache}) "
                 f"Sq{self.query_rows} H{self.kv_heads * self.gqa}:{self.kv_heads}, "
-                f"{self.kv_splits} KV splits")
+                + (f"{self.kv_splits} KV splits" if self.kv_splits else "KV splits by length"))
 
 
 @dataclass(frozen=True)
 class DecodeWork:
     """The work space a decode launch planned (`serving._DecodePlan`): per (sequence, K/V
-    head), `q_tiles` x `num_splits` work tiles, prompt_offset = q_tile * num_splits + split;
-    split s covers cache positions [s * kv_chunk, (s + 1) * kv_chunk)."""
+    head), `q_tiles` x its splits work tiles, prompt_offset = q_tile * splits + split.
+    Fixed splits: `num_splits` for every sequence, split s covering cache positions
+    [s * kv_chunk, (s + 1) * kv_chunk) (those past its length exit at once). Splits that
+    follow the lengths (`by_length`, `valid_work.balanced_splits`): the sequence's own
+    count, a ragged work space with no split left empty."""
 
     kv_heads: int
     cache_lens: tuple[int, ...]
     q_tiles: int
     num_splits: int
     kv_chunk: int
+    by_length: tuple[int, ...] = ()  # each sequence's splits, where they follow the lengths
+
+    def splits_of(self, b: int) -> int:
+        """The work tiles per q tile of sequence b."""
+        return self.by_length[b] if self.by_length else self.num_splits
 
     @property
     def batch(self) -> Batch:
         """The work space as the simulator sees it (`serving.decode_work`)."""
+        if self.by_length:
+            return Batch([self.q_tiles * n for n in self.by_length], self.kv_heads, 1, True)
         return decode_work(len(self.cache_lens), self.kv_heads, self.q_tiles * self.num_splits)
 
     def splits_used(self) -> dict[tuple[int, int, int], int]:
         """(sequence, K/V head, q tile) -> how many of its splits run (`serving.splits_used`)."""
-        return {(b, h, q): splits_used(n, self.kv_chunk, self.num_splits)
+        return {(b, h, q): self.by_length[b] if self.by_length else
+                splits_used(n, self.kv_chunk, self.num_splits)
                 for b, n in enumerate(self.cache_lens) for h in range(self.kv_heads)
                 for q in range(self.q_tiles)}
 
@@ -359,17 +373,19 @@ def check_combines(records: dict[str, np.ndarray], work: DecodeWork) -> CombineC
     than every split of it ended (the traced decode kernel ends a split's record where its
     result is published, before its count; a combine's record starts after the count that
     made it last, so on one clock a correct kernel can only pass); no other group combined."""
-    splits = work.num_splits
+    def split(b: int) -> int:
+        return work.splits_of(b) if 0 <= b < len(work.cache_lens) else work.num_splits
+
     ends: dict[tuple, dict[int, int]] = {}
     items = record_kind(records, abi.TRACE_WORK_ITEM)
     for offset, head, b, end in zip(*(items[k].tolist() for k in
                                       ("prompt_offset", "head", "batch", "end"))):
-        ends.setdefault((b, head, offset // splits), {})[offset % splits] = end
+        ends.setdefault((b, head, offset // split(b)), {})[offset % split(b)] = end
     starts: dict[tuple, list[int]] = {}
     combines = record_kind(records, abi.TRACE_COMBINE)
     for offset, head, b, start in zip(*(combines[k].tolist() for k in
                                         ("prompt_offset", "head", "batch", "start"))):
-        starts.setdefault((b, head, offset // splits), []).append(start)
+        starts.setdefault((b, head, offset // split(b)), []).append(start)
     used = work.splits_used()
     needed = {g for g, n in used.items() if n > 1}
     check = CombineCheck(len(needed), [], [], [], sorted(starts.keys() - needed))
@@ -428,24 +444,39 @@ def run_decode_trace(program: Program, kernel: str, workload: DecodeWorkload, *,
     inputs = {**_decode_inputs(torch, plain, w), **values}
     rows_bound = -(-w.query_rows * w.gqa // 16)  # any packed tile holds 16 rows or more
     groups_bound = len(w.cache_lens) * w.kv_heads * rows_bound
+    info = driver.device_info()
+    # a split work tile and its combine, per split; by length, one more a multiprocessor
+    records_bound = groups_bound * (w.kv_splits + 1) if w.kv_splits else \
+        2 * groups_bound + info.multiprocessor_count
     records, written, ms_untraced, ms_traced = _record(
-        torch, plain, traced, inputs, groups_bound * (w.kv_splits + 1), reps)
+        torch, plain, traced, inputs, records_bound, reps)
     planned, = traced.launcher.fast_plans.values()
     loaded, ctas_per_sm = _traced_build(traced)
     config = loaded.config
     spec = traced.scheduler_spec(config, loaded.design)
-    info = driver.device_info()
+    by_length = () if w.kv_splits else tuple(balanced_splits(
+        w.cache_lens, w.query_rows, gqa_group=w.gqa, rows=config.rows,
+        block_n=config.block_n, capacity=_decode_capacity(w), appends=False,
+        kv_heads=w.kv_heads, slots=info.multiprocessor_count, max_splits=planned.num_splits,
+        min_tiles=MIN_SPLIT_TILES, max_q_tiles=planned.q_tiles)[1].tolist())
     work = DecodeWork(w.kv_heads, w.cache_lens, planned.q_tiles, planned.num_splits,
-                      planned.kv_chunk)
+                      planned.kv_chunk, by_length)
     head_dim = plain.options.head_dim
     run = DecodeTraceRun(kernel, spec.name, spec.args, workload, info.name,
                          loaded.design.name, loaded.build.arch, config.block_m,
                          config.block_n, info.multiprocessor_count, ctas_per_sm,
-                         planned.plans[0].grid, records, written, ms_untraced, ms_traced, 0.0,
+                         planned.plans[-1].grid, records, written, ms_untraced, ms_traced,
+                         0.0,
                          gqa_group=spec.gqa_group, operands=values, work=work,
                          kv_bytes=2 * sum(w.cache_lens) * w.kv_heads * head_dim * 2)
     run.check()
     return run
+
+
+def _decode_capacity(w: DecodeWorkload) -> int:
+    """The cache positions per sequence `_decode_inputs` makes (whole pages)."""
+    capacity = max(max(w.cache_lens), 1)
+    return -(-capacity // w.page_size) * w.page_size if w.page_size else capacity
 
 
 def _decode_inputs(torch, kernel: Kernel, w: DecodeWorkload) -> dict:
@@ -461,7 +492,7 @@ def _decode_inputs(torch, kernel: Kernel, w: DecodeWorkload) -> dict:
     capacity = max(max(w.cache_lens), 1)
     inputs = {"q": rand(batch, w.query_rows, w.kv_heads * w.gqa, d),
               "cache_seqlens": torch.tensor(w.cache_lens, dtype=torch.int32, device="cuda"),
-              "num_splits": w.kv_splits}
+              "num_splits": w.kv_splits or None}
     if not w.page_size:
         return {**inputs, "k": rand(batch, capacity, w.kv_heads, d),
                 "v": rand(batch, capacity, w.kv_heads, d)}

@@ -74,3 +74,33 @@ def valid_work_order(counts, heads: int, order: str, heads_per_section: int = 0
                 out += [(n - 1 - q if order == "PROMPT_ROTATE" and h % 2 else q, h, b)
                         for q in range(n)]
     return out
+
+
+def balanced_splits(cache_lens, query_rows, *, gqa_group: int, rows: int, block_n: int,
+                    capacity: int, appends: bool, kv_heads: int, slots: int, max_splits: int,
+                    min_tiles: int, max_q_tiles: int, max_chunk: int = 1 << 30
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(query-row tiles, KV splits) of each sequence of a decode call whose splits follow
+    its lengths (the decode design's split index kernel computes the same on the device):
+
+    - a sequence's keys are its cache length (plus its query rows where the call appends
+      them), clamped to [0, capacity]: n KV tiles of `block_n`; its query-row tiles hold
+      query_rows x gqa_group packed rows, `rows` a tile (at most `max_q_tiles`);
+    - the chunk aims at one chunk per multiprocessor (`slots`) over the whole batch's work
+      (KV tiles x query-row tiles x K/V heads), `min_tiles` KV tiles at least, and never
+      fewer tiles than spread a sequence over `max_splits`;
+    - a sequence takes its tiles / chunk splits rounded to the nearest (1 to max_splits),
+      as few as give every split the same whole KV tiles but one (none left empty).
+    """
+    lens = np.asarray(cache_lens, np.int64)
+    q_rows = np.maximum(np.broadcast_to(np.asarray(query_rows, np.int64), lens.shape), 0)
+    q_tiles = np.minimum(-(-q_rows * gqa_group // rows), max_q_tiles)
+    keys = np.clip(lens + (q_rows if appends else 0), 0, capacity)
+    n = -(-keys // block_n)
+    work = int((q_tiles * n).sum()) * kv_heads
+    chunk = min(max(min_tiles, -(-work // max(slots, 1))), max_chunk)
+    most = max(max_splits, 1)
+    per = np.maximum(chunk, -(-n // most))
+    splits = np.clip((2 * n + per) // (2 * per), 1, most)
+    splits = np.where(n > 0, -(-n // np.maximum(-(-n // splits), 1)), 1)
+    return q_tiles, splits

@@ -98,12 +98,15 @@ def operand_values(options: "AttentionOptions", given: dict) -> dict[str, int | 
 # keeps fewer heads' K/V in flight than LPT's.
 DEFAULT_SCHEDULER = "LPT"
 UNMASKED_DEFAULT_SCHEDULER = "Queued"
-# Decode calls of a declaration that names no scheduler: one work tile per CTA. A decode
-# launch rarely holds more work tiles than CTAs fit at once, and every tile of a dense call
-# costs the same, so a queue has nothing to balance, while its step (an atomic and a
-# CTA-wide barrier, behind the tile's first K/V loads) delays every CTA's first tile
-# (faster than LPT on decode rows: benchmarks/log/BENCHMARKS_LOG.md, decode).
+# Decode calls of a declaration that names no scheduler, with splits fixed per call: one
+# work tile per CTA. A decode launch rarely holds more work tiles than CTAs fit at once,
+# and every tile of a dense call costs the same, so a queue has nothing to balance, while
+# its step (an atomic and a CTA-wide barrier, behind the tile's first K/V loads) delays
+# every CTA's first tile (faster than LPT on decode rows: benchmarks/log/BENCHMARKS_LOG.md,
+# decode). Where each sequence's splits follow its length (`CacheLayout.balanced`), the
+# work tiles differ in number and cost per sequence: LPT, longest first from the queue.
 DECODE_DEFAULT_SCHEDULER = "Transient"
+BALANCED_DECODE_SCHEDULER = DEFAULT_SCHEDULER
 
 
 @dataclass(frozen=True)
@@ -133,12 +136,14 @@ class AttentionOptions:
     kv_band: int | None = None
     decl: ast.AttentionDecl | None = field(default=None, compare=False, repr=False)
 
-    def scheduler_for(self, workload: str) -> tuple[str, tuple[tuple[str, object], ...]]:
+    def scheduler_for(self, workload: str, balanced: bool = False
+                      ) -> tuple[str, tuple[tuple[str, object], ...]]:
         """The scheduler (name, arguments) that runs a `workload` build ("prefill",
         "decode", "backward"): the one named, else the default, which for decode calls is
-        DECODE_DEFAULT_SCHEDULER."""
+        DECODE_DEFAULT_SCHEDULER, or BALANCED_DECODE_SCHEDULER where a decode build's splits
+        follow the lengths (`balanced`)."""
         if workload == "decode" and not self.scheduler_named:
-            return DECODE_DEFAULT_SCHEDULER, ()
+            return (BALANCED_DECODE_SCHEDULER if balanced else DECODE_DEFAULT_SCHEDULER), ()
         return self.scheduler, self.scheduler_args
 
     def softmax_scale(self) -> float:

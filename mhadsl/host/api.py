@@ -146,8 +146,9 @@ class Kernel:
         self.builds_compiled = 0  # how many times a kernel was generated (for tests)
         self.launcher = Launcher(self)  # loaded builds and launch plans
         from mhadsl.runtime import faults
-        for workload in ("prefill", "decode"):  # remembered, so a fault record names it
-            faults.scheduler_id(options.scheduler_for(workload)[0])
+        for workload, balanced in (("prefill", False), ("decode", False), ("decode", True)):
+            # remembered, so a fault record names it
+            faults.scheduler_id(options.scheduler_for(workload, balanced)[0])
         self._backend: str | None = None
         self._trace = False
         self.trace_workspace: int | None = None
@@ -239,20 +240,24 @@ class Kernel:
 
     def _request(self, layout: Layout, arch: str, backend: str | None) -> KernelRequest:
         return KernelRequest(self.name, arch, backend or self.backend, layout,
-                             scheduler=self.options.scheduler_for(layout.workload),
+                             scheduler=self.options.scheduler_for(
+                                 layout.workload, layout.cache is not None and
+                                 layout.cache.balanced),
                              trace=self.trace)
 
     def scheduler_spec(self, config, design: Backend | None = None) -> SchedulerSpec:
         """The scheduler's specialisation for a build of `config` by `design` (None: the
-        prefill design's): the scheduler that runs the design's workload
-        (`AttentionOptions.scheduler_for`), its tile height and group those of the work space
+        prefill design's): the scheduler that drives the design's build (`Backend.scheduler_of`),
+        its tile height and group those of the work space
         the design hands it (`Backend.scheduler_shape`; by default a query tile of a query
         head)."""
         if design is None:
-            tile_m, group, workload = config.block_m, config.gqa_group, "prefill"
+            (tile_m, group), scheduler = (config.block_m, config.gqa_group), \
+                self.options.scheduler_for("prefill")
         else:
-            (tile_m, group), workload = design.scheduler_shape(config), design.workload
-        return SchedulerSpec(*self.options.scheduler_for(workload), tile_m, group)
+            (tile_m, group), scheduler = design.scheduler_shape(config), \
+                design.scheduler_of(self.options, config)
+        return SchedulerSpec(*scheduler, tile_m, group)
 
     def build(self, arch: str = "sm_90a", *, gqa_group: int = 1, ragged: bool = False,
               return_lse: bool = False, backend: str | None = None,

@@ -34,13 +34,13 @@ from mhadsl.host.calls import (
 )
 from mhadsl.abi import CallSizes
 from mhadsl.codegen.backends import CacheLayout, Layout, select_target
-from mhadsl.codegen.backends.decode import packed_rows
+from mhadsl.codegen.backends.decode import BACKEND as DECODE
+from mhadsl.codegen.backends.decode import MIN_SPLIT_TILES, DecodeConfig, packed_rows
 from mhadsl.host.launcher import launch
 from mhadsl.host.paged import MAX_KV_SPLITS as MAX_SPLITS
 from mhadsl.host.paged import FP8_CACHE, check_decode_call
 
 _READ_AND_WRITTEN = ("q", "k_cache", "v_cache", "o")
-MIN_SPLIT_TILES = 4  # KV tiles a split covers at least (shorter ones cost more than they gain)
 
 
 def default_splits(groups: int, slots: int, capacity: int, block_n: int) -> int:
@@ -62,6 +62,21 @@ def default_splits(groups: int, slots: int, capacity: int, block_n: int) -> int:
     if efficiency(one_wave) >= 0.85 * best:
         return one_wave
     return next(s for s in range(1, most + 1) if efficiency(s) >= 0.85 * best)
+
+
+def splits_follow_lengths(kernel, gqa_group: int, num_splits: int | None) -> bool:
+    """Whether a decode call's KV splits follow its lengths, on the device
+    (`CacheLayout.balanced`; one chunk per multiprocessor over the batch's work, so a few
+    long sequences split where the rest do not): unless the call (`num_splits`) or the
+    scheduler's `kv_splits` rule fixes them, or the scheduler the declaration names runs one
+    work tile per CTA (it would launch a CTA for every split a sequence may take). A
+    declaration that names none runs these calls by `BALANCED_DECODE_SCHEDULER`."""
+    if num_splits:
+        return False
+    if not kernel.options.scheduler_named:
+        return True
+    host = kernel.launcher.host_scheduler(DecodeConfig(gqa_group=gqa_group), DECODE)
+    return host.may_advance and host.splits_rule is None
 
 
 def kv_tile(rows: int, groups: int, num_sms: int, page_size: int = 0,
@@ -315,24 +330,29 @@ def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
     launcher = kernel.launcher
     wgmma = select_target(info.compute_capability).arch == "sm_90a"
     fp8 = call.kv_scales is not None
+    balanced = splits_follow_lengths(kernel, group, num_splits)
     layout = Layout(group, False, want_lse, CacheLayout(
         rows_per_seq, call.page_size or 0,
         kv_tile(rows, groups, num_sms, call.page_size or 0, wgmma=wgmma, fp8=fp8),
-        call.appends, fp8))
+        call.appends, fp8, balanced))
     loaded = launcher.load(layout, device)
     config, design = loaded.config, loaded.design
     _, ctas_per_sm = launcher.occupancy(loaded)
     capacity = k_cache.shape[1] if call.page_size is None else \
         dev["page_table"].shape[1] * call.page_size
-    host = launcher.host_scheduler(config, design)
-    splits = (num_splits or host.kv_splits(call.batch, capacity, kv_heads, num_sms,
-                                           ctas_per_sm)
-              or default_splits(groups, num_sms, capacity, config.block_n))
+    if balanced:  # at most this many a sequence; the device splits each by the lengths
+        splits = MAX_SPLITS
+    else:
+        host = launcher.host_scheduler(config, design)
+        splits = (num_splits or host.kv_splits(call.batch, capacity, kv_heads, num_sms,
+                                               ctas_per_sm)
+                  or default_splits(groups, num_sms, capacity, config.block_n))
     sizes = CallSizes(call.batch, heads, kv_heads, rows_per_seq, capacity, q_rows, capacity,
                       q.shape[0] if ragged else call.batch * rows_per_seq, ragged, call.scale,
                       query_rows=rows_per_seq, cache_capacity=capacity,
                       page_table_stride=dev["page_table"].strides[0] if call.page_size else 0,
-                      num_splits=splits, kv_scales=call.kv_scales or (1.0, 1.0))
+                      num_splits=splits, kv_scales=call.kv_scales or (1.0, 1.0),
+                      kv_slots=num_sms)
     shapes = {n: TensorShape(tuple(t.shape), tuple(t.strides), t.dtype) for n, t in dev.items()}
     values = design.call_values(config, sizes)
     lse_shape = tuple(dev["lse"].shape) if want_lse else None
