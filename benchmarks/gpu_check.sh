@@ -2,7 +2,8 @@
 # Everything this project verifies on a GPU, in one go (the HARDENING.md figures and the
 # benchmark figures recorded in benchmarks/results.json): the GPU test layer,
 # compute-sanitizer over every standard scheduler, and the benchmark tables (both designs
-# side by side, the default design's, tile variants). Logs go to $1 (default gpu-check/).
+# side by side, the default design's, tile variants; decode on uniform and heavy-tailed
+# batches). Logs go to $1 (default gpu-check/).
 #     bash benchmarks/gpu_check.sh [LOG_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,4 +30,5 @@ done
 python3 benchmarks/hopper.py 2>&1 | tee "$logs/hopper.log" | tail -18 || status=1
 python3 benchmarks/attention.py 2>&1 | tee "$logs/bench.log" | tail -16 || status=1
 python3 benchmarks/tiles.py 2>&1 | tee "$logs/tiles.log" | tail -18 || status=1
+python3 benchmarks/decode.py --workload all 2>&1 | tee "$logs/decode.log" | tail -24 || status=1
 exit $status

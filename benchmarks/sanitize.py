@@ -74,6 +74,9 @@ DECODE_CASES = [  # lengths, K/V heads, query heads, query rows (0: ragged), pag
     ([5, 64, 65, 400], 2, 16, 2, 16, 1),
     ([3, 200, 33], 2, 8, 0, 16, 2),
     ([300, 1000, 17], 2, 8, 16, 64, 2),  # 128 packed rows (wgmma on sm_90a)
+    # no splits given: each sequence's follow its length (the split index kernel first)
+    ([1, 70, 9000, 300, 5000], 2, 8, 1, 64, None),
+    ([3, 12000, 33, 1], 2, 8, 0, 16, None),
 ]
 
 BACKWARD_CASES = [  # example file or source, kernel, query heads, K/V heads, lengths (None:

@@ -36,6 +36,11 @@ CASES = [  # lengths, K/V heads, query heads, query rows (0: ragged), page size,
     ([300, 1000, 17], 2, 8, 16, 64, 2),
     ([500, 90], 1, 8, 16, None, 1),
     ([40 + i for i in range(200)], 1, 4, 16, 64, None),
+    # heavy tails: the long sequences split, the short ones do not (splits by length)
+    ([1, 70, 9000, 300, 5000], 2, 8, 1, 64, None),
+    ([3, 12000, 33, 1], 2, 8, 0, 16, None),
+    ([6000, 100, 17], 2, 8, 16, 64, None),
+    ([50 + 7 * i for i in range(60)] + [20000], 1, 8, 1, 16, None),
 ]
 
 

@@ -403,18 +403,19 @@ def _work_space(args: argparse.Namespace, program):
 
 def _balanced_decode_work(args: argparse.Namespace) -> Batch:
     """`simulate --kv-splits auto`: the work space of a decode launch whose splits follow
-    the lengths (`--seqlens`: cache lengths; one query row, 64-row KV tiles, `--num-sms`
-    chunks), as the split index kernel builds it (`valid_work.balanced_splits`)."""
+    the lengths (`--seqlens`: cache lengths; one query row, 64-row KV tiles, the planner's
+    chunks for `--num-sms` multiprocessors), as the split index kernel builds it
+    (`valid_work.balanced_splits`)."""
     from mhadsl.analysis.valid_work import balanced_splits
     from mhadsl.codegen.backends.decode import MIN_SPLIT_TILES, packed_rows
-    group = args.gqa or 1
+    from mhadsl.host.serving import CHUNKS_PER_SM
+    group, slots = args.gqa or 1, CHUNKS_PER_SM * (args.num_sms or args.ctas)
     q_tiles, splits = balanced_splits(
         args.lengths, 1, gqa_group=group, rows=packed_rows(1, group), block_n=64,
         capacity=max(args.lengths, default=0), appends=False, kv_heads=args.heads,
-        slots=args.num_sms or args.ctas, max_splits=MAX_KV_SPLITS, min_tiles=MIN_SPLIT_TILES,
-        max_q_tiles=1)
+        slots=slots, max_splits=MAX_KV_SPLITS, min_tiles=MIN_SPLIT_TILES, max_q_tiles=1)
     print(f"decode work space: {len(args.lengths)} sequences x {args.heads} K/V heads; KV "
-          f"splits by length ({args.num_sms or args.ctas} chunks, 64-row KV tiles): "
+          f"splits by length ({slots} chunks, 64-row KV tiles): "
           f"{', '.join(map(str, splits.tolist()))}", file=sys.stderr)
     return Batch((q_tiles * splits).tolist(), args.heads, 1, ragged=True)
 

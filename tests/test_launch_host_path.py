@@ -369,7 +369,7 @@ def test_a_decode_launch_whose_splits_follow_the_lengths_builds_its_split_index_
     """Without `num_splits` (and a queue scheduler) a call's splits follow its lengths: the
     split index kernel runs first, a warp per sequence, into its stream's index buffer,
     which the decode kernel reads; at most one split per KV tile of the cache, up to
-    MAX_KV_SPLITS, a sequence; partial states for the groups plus a chunk per multiprocessor."""
+    MAX_KV_SPLITS, a sequence; partial states for the groups plus the chunks aimed at."""
     batch, heads, kv_heads, capacity = 40, 4, 2, 208
     call, allocated, _ = _decode_call(monkeypatch, layout, batch, heads, kv_heads, capacity, 50)
     kernel(**call)
@@ -382,11 +382,25 @@ def test_a_decode_launch_whose_splits_follow_the_lengths_builds_its_split_index_
     first = struct.unpack_from("<Q", kernel.blocks[0], kernel.abi.offsets["split_index"])[0]
     assert first == got["split_index"]  # the index the first kernel writes, the second reads
     groups = batch * kv_heads  # one query-row tile a sequence
-    rows = (groups + 132) * config.rows  # fewer than groups x 4 splits
+    rows = min(groups * 4, groups + 2 * 132) * config.rows  # 2 chunks a multiprocessor
     assert allocated[got.pop("split_index")] == 4 * abi.tile_index_words(batch)
     assert allocated[got.pop("partial_o")] == 4 * rows * D
     assert allocated[got.pop("partial_lse")] == 4 * rows
     assert allocated[got.pop("split_counters")] == 4 * groups
     assert {n: got[n] for n in ("num_splits", "kv_chunk", "work_tiles", "split_slots",
                                 "q_tiles")} == {
-        "num_splits": 4, "kv_chunk": 0, "work_tiles": 4, "split_slots": 132, "q_tiles": 1}
+        "num_splits": 4, "kv_chunk": 0, "work_tiles": 4, "split_slots": 264, "q_tiles": 1}
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_a_cache_of_one_kv_tile_splits_nothing_and_needs_only_the_split_index(
+        kernel, monkeypatch, layout):
+    """Capacity of one KV tile: at most one split a sequence, so the workspace is the split
+    index alone (no partial states, no counters to zero), and calls keep working."""
+    call, allocated, zeroed = _decode_call(monkeypatch, layout, 4, 4, 2, 64, 12)
+    for _ in range(2):
+        kernel(**call)
+    got = _packed(kernel, ("split_index", "partial_o", "split_counters", "num_splits"))
+    assert got["num_splits"] == 1 and got["partial_o"] == got["split_counters"] == 0
+    assert list(allocated.values()) == [4 * abi.tile_index_words(4)] and zeroed == []
+    assert kernel.launches == 4

@@ -10,11 +10,15 @@ The work tile (what the scheduler hands out, `TileSeq`) is decode's own:
   rows (packed row r = query row r // group, head hk * group + r % group), so each K/V tile
   is read once per group, not once per query head. The scheduler's heads are K/V heads.
 - **Split-KV**: the scheduler's "prompt tiles" are (query-row tile, KV split) pairs, split
-  fastest, with a tile height of 1: prompt_offset = q_tile * num_splits + split. Split s of a
-  sequence covers cache positions [s * kv_chunk, (s + 1) * kv_chunk). With one split the
-  tile writes O; with more, each split writes its fp32 partial O and LSE to the workspace,
-  and the last split of a group to finish (a counter per group, which that split resets to
-  0, so CUDA-graph replays need no host work) merges them into O and the LSE.
+  fastest, with a tile height of 1: prompt_offset = q_tile * splits + split. Fixed splits:
+  num_splits a sequence, split s covering cache positions [s * kv_chunk, (s + 1) *
+  kv_chunk). Splits that follow the lengths (`DecodeConfig.balanced`): `mha_decode_splits`
+  first counts each sequence's from its own length and the batch's work (`SplitRule`) into
+  a tile index, so the scheduler's work space is ragged and holds no empty split; a
+  sequence's KV tiles are shared evenly by its splits. With one split the tile writes O;
+  with more, each split writes its fp32 partial O and LSE to the workspace, and the last
+  split of a group to finish (a counter per group, which that split resets to 0, so
+  CUDA-graph replays need no host work) merges them into O and the LSE.
 - **Paged KV**: position p of sequence b lives in page `page_table[b, p // page_size]`, row
   p % page_size; a contiguous cache is the same with page b and no page size. The page
   entries a tile needs are read PAGE_LOOKAHEAD_ROWS KV rows ahead of its copies, while the
@@ -31,7 +35,8 @@ query rows, seqlen_q the sequence's query rows and seqlen_k its cache length (th
 the last positions of the cache, so `kv_idx <= q_idx + seqlen_k - seqlen_q` is causal).
 
 It stays one module: the copy pipeline, the warps' merge and the splits' combine are one
-kernel (`_Emitter`) over one shared-memory layout and one config.
+kernel (`_Emitter`) over one shared-memory layout and one config, and the append and split
+index kernels that run before it read that config and its parameters.
 """
 from __future__ import annotations
 
@@ -40,7 +45,8 @@ from dataclasses import dataclass, replace
 from llvmlite import ir
 
 from mhadsl.abi import (
-    TRACE_COMBINE, CallSizes, tile_index_words, CallValue, Extent, KernelABI, Param, Pointer, Stride, Workspace,
+    TRACE_COMBINE, CallSizes, CallValue, Extent, KernelABI, Param, Pointer, Stride, Workspace,
+    tile_index_words,
 )
 from mhadsl.codegen import hopper, nvptx, signature, tile_index, warp
 from mhadsl.codegen.backends import (
@@ -251,8 +257,8 @@ ABI = KernelABI(
     Param("kv_chunk", "i32", CallValue("kv_chunk"), "cache positions per split, a multiple of the KV tile"),
     Param("work_tiles", "i32", CallValue("work_tiles"), "q_tiles * num_splits: the scheduler's prompt tiles"),
     Param("softmax_scale", "f32", CallValue("softmax_scale"), "scale applied to q.k before the score rule / softmax"),
-    Param("partial_o", "ptr", Workspace("partial_o"), "fp32 (groups, num_splits, rows, D) partial outputs of split groups", align=16),
-    Param("partial_lse", "ptr", Workspace("partial_lse"), "fp32 (groups, num_splits, rows) partial LSEs", align=4),
+    Param("partial_o", "ptr", Workspace("partial_o"), "fp32 (slots, rows, D) partial outputs of split groups: num_splits slots a group (balanced: a slot a work tile)", align=16),
+    Param("partial_lse", "ptr", Workspace("partial_lse"), "fp32 (slots, rows) partial LSEs", align=4),
     Param("split_counters", "ptr", Workspace("split_counters"), "u32 per (batch, K/V head, q tile): splits finished; zero between launches", align=4),
     Param("queue", "ptr", Workspace("queue"), "per-stream u32 workspace: the work-queue counter and the scheduler fault record (mhadsl/abi.py)", align=4),
     Param("num_sms", "i32", CallValue("num_sms"), "multiprocessors on the device"),
@@ -289,8 +295,8 @@ BALANCE_PARAMS = (
     Param("split_index", "ptr", Workspace("split_index"), "u32 tile index of the (query-row "
           "tile x split) work tiles of each sequence (mhadsl.abi.tile_index_words(B) words), "
           "built on the device from the lengths by mha_decode_splits", align=4),
-    Param("split_slots", "i32", CallValue("kv_slots"), "chunks the batch's work aims at (the "
-          "multiprocessors)"),
+    Param("split_slots", "i32", CallValue("kv_slots"), "chunks the batch's work aims at (a "
+          "few per multiprocessor: serving.CHUNKS_PER_SM)"),
 )
 SPLITS_NAME = "mha_decode_splits"
 SPLITS_THREADS = tile_index.THREADS  # a warp per sequence
@@ -443,9 +449,14 @@ class _DecodeTile:
         return b.add(heads_before, b.mul(_i64(b, self.q_tile), _i64(b, self.splits_used)))
 
     def runs(self, b: ir.IRBuilder) -> ir.Value:
-        """Whether the tile has rows and is one of its sequence's used splits."""
-        return b.and_(b.icmp_signed(">", self.rows_valid, i32(0)),
+        """Whether the tile has rows and is one of its sequence's used splits (balanced:
+        one of the work tiles the index gives it, whatever offsets its scheduler hands out,
+        so no tile of an unchecked longer sequence reaches past the planned groups)."""
+        runs = b.and_(b.icmp_signed(">", self.rows_valid, i32(0)),
                       b.icmp_signed("<", self.split, self.splits_used))
+        if self.c.balanced:
+            runs = b.and_(runs, b.icmp_unsigned("<", self.seq.prompt_offset, self.work))
+        return runs
 
     def head_of(self, b, packed_row):
         return b.add(b.mul(self.hk, i32(self.c.gqa_group)),

@@ -27,7 +27,7 @@ from mhadsl.host.api import Kernel, Program
 from mhadsl.codegen import backends
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.runtime import trace_records
-from mhadsl.host.serving import decode_work, splits_used
+from mhadsl.host.serving import CHUNKS_PER_SM, decode_work, splits_used
 from mhadsl.analysis.simulate import Batch, SimulationResult, simulate
 from mhadsl.analysis.valid_work import balanced_splits
 from mhadsl.codegen.backends.decode import MIN_SPLIT_TILES
@@ -445,19 +445,21 @@ def run_decode_trace(program: Program, kernel: str, workload: DecodeWorkload, *,
     rows_bound = -(-w.query_rows * w.gqa // 16)  # any packed tile holds 16 rows or more
     groups_bound = len(w.cache_lens) * w.kv_heads * rows_bound
     info = driver.device_info()
-    # a split work tile and its combine, per split; by length, one more a multiprocessor
+    # a split work tile and its combine, per split; by length, a work tile and a combine
+    # per group and one more work tile per chunk aimed at
     records_bound = groups_bound * (w.kv_splits + 1) if w.kv_splits else \
-        2 * groups_bound + info.multiprocessor_count
+        2 * groups_bound + CHUNKS_PER_SM * info.multiprocessor_count
     records, written, ms_untraced, ms_traced = _record(
         torch, plain, traced, inputs, records_bound, reps)
     planned, = traced.launcher.fast_plans.values()
     loaded, ctas_per_sm = _traced_build(traced)
     config = loaded.config
     spec = traced.scheduler_spec(config, loaded.design)
-    by_length = () if w.kv_splits else tuple(balanced_splits(
+    by_length = () if not config.balanced else tuple(balanced_splits(
         w.cache_lens, w.query_rows, gqa_group=w.gqa, rows=config.rows,
         block_n=config.block_n, capacity=_decode_capacity(w), appends=False,
-        kv_heads=w.kv_heads, slots=info.multiprocessor_count, max_splits=planned.num_splits,
+        kv_heads=w.kv_heads, slots=CHUNKS_PER_SM * info.multiprocessor_count,
+        max_splits=planned.num_splits,
         min_tiles=MIN_SPLIT_TILES, max_q_tiles=planned.q_tiles)[1].tolist())
     work = DecodeWork(w.kv_heads, w.cache_lens, planned.q_tiles, planned.num_splits,
                       planned.kv_chunk, by_length)

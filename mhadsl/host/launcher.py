@@ -57,6 +57,9 @@ class Launcher:
         self.loaded: dict[tuple, Loaded] = {}  # by (layout, device, forced design, trace)
         self.plans: dict[tuple, object] = {}
         self.fast_plans: dict[tuple, object] = {}
+        # per-stream scratch buffers (stream -> {name: buffer}), by (device, the bytes of
+        # each): a call planned again (not a torch signature's) reuses its stream's
+        self.scratch: dict[tuple, dict] = {}
 
     def load(self, layout: Layout, device: int) -> Loaded:
         """The build of `layout` for `device`, loaded (once)."""
