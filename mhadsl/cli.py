@@ -439,21 +439,21 @@ def _kernel_gqa(program, args: argparse.Namespace) -> tuple[int, str]:
 
 def _operands(options, given: dict, runs: bool = True, batch: int = 0,
               heads: int = 0) -> dict:
-    """The values of a kernel's operands: `--operand`s, else their defaults. A command that
-    `runs` the kernel refuses one that reads a tensor operand (it would need it on the
-    device: call the kernel from Python); the simulator's cost model reads a tensor given
-    (checked against the `batch` sequences and `heads` query heads), else takes its
-    elements as unknown."""
+    """The values of a kernel's operands: `--operand`s, else their defaults. A tensor
+    given is checked against the `batch` sequences and `heads` query heads as a call checks
+    it; a command that `runs` the kernel needs one for each tensor operand (a tensor has no
+    default, and the call copies it to the device), while the simulator's cost model takes
+    the elements of one not given as unknown."""
     import numpy as np
     from mhadsl.host.calls import TENSOR_OPERAND_DTYPES, check_tensor_operand
     tensors = {}
     for o in options.operands:
         if not o.axes:
             continue
-        if runs:
+        if runs and o.name not in given:
             raise UsageError(f"kernel '{options.name}' reads tensor operand '{o.name}' "
-                             f"({o.declared}): run and trace take none; call the kernel "
-                             f"from Python (simulate takes one)")
+                             f"({o.declared}): give --operand {o.name}=V1,V2,... (or a "
+                             f".npy file)")
         if o.name in given:
             value = np.asarray(given[o.name])
             want = TENSOR_OPERAND_DTYPES[o.type]
@@ -527,7 +527,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise UsageError(f"no scheduler '{args.scheduler}' in {args.file} (it has: "
                          f"{', '.join(program.schedulers) or 'none'})")
     gqa = _decode_gqa(program, args) if args.kv_splits is not None else None
-    operands = _operands(program[args.kernel].options, args.operands)
+    options = program[args.kernel].options
+    if args.calibrate and any(o.axes for o in options.operands):
+        raise UsageError(f"--calibrate runs batches of its own: kernel '{args.kernel}' reads "
+                         f"a tensor operand, which fits one batch; trace a batch instead")
+    operands = _operands(options, args.operands, True, len(args.lengths or ()),
+                         args.heads * (gqa or 1))
     try:
         require_gpu()
     except (NoGpuError, NoTorch) as err:
@@ -668,7 +673,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          f"{', '.join(program.attentions) or 'none'})")
     kernel = program[args.kernel]
     problem = _problem(args, kernel)
-    operands = _operands(kernel.options, args.operands)
+    operands = _operands(kernel.options, args.operands, True, args.batch, args.heads)
     try:
         torch = require_gpu()
     except (NoGpuError, NoTorch) as err:
@@ -840,7 +845,8 @@ def _operand_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--operand", action="append", default=[], metavar="NAME=VALUE",
                    help="the value of an operand of --kernel's declaration (an i32 or f32 its "
                         "mask and score read; default: the declared one), e.g. "
-                        "--operand window=512")
+                        "--operand window=512; a tensor operand's elements, comma-separated, "
+                        "or a .npy file (--operand prefix=100,2500)")
 
 
 def _batch_arguments(p: argparse.ArgumentParser) -> None:

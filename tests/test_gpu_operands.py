@@ -140,3 +140,16 @@ def test_document_mask(backend):
     doc = torch.stack([ids, ids.flip(0)]).cuda()
     s = len(ids)
     assert_matches(kern, dense(kern, 2, s, s, 8, 2, doc=doc), lse=True)
+
+
+def test_run_and_trace_take_a_tensor_operand_from_the_command_line(capsys):
+    """`mhadsl run` checks the kernel with the tensor against the float64 reference;
+    `mhadsl trace` records every tile exactly once with it."""
+    from mhadsl.cli import main
+    path = str(REPO / "examples" / "prefix_lm.mha")
+    assert main(["run", path, "--kernel", "prefix_lm", "--batch", "2", "--seqlen", "700",
+                 "--heads", "4", "--operand", "prefix=100,650"]) == 0
+    assert "(ok)" in capsys.readouterr().out
+    assert main(["trace", path, "--kernel", "prefix_lm", "--seqlens", "300,1000,90",
+                 "--heads", "2", "--operand", "prefix=0,999,45"]) == 0
+    assert "every valid tile exactly once" in capsys.readouterr().out

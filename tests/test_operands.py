@@ -580,12 +580,30 @@ def test_packed_documents_see_their_own_document_alone():
         np.testing.assert_allclose(got[:, start:end], alone, atol=1e-12)
 
 
-def test_the_command_line_runs_no_kernel_that_reads_a_tensor_operand(capsys):
+def test_the_command_line_takes_a_tensor_operand_checked_before_it_runs(capsys, tmp_path):
+    """run and trace take a tensor operand as simulate does (a tensor has no default: one
+    is required), checked against the batch before anything runs; without a GPU, `run
+    --no-gpu-ok` then says so and exits 0, trace exits 2."""
     from mhadsl.cli import main
     path = str(next(p for p in EXAMPLES if p.name == "prefix_lm.mha"))
-    status = main(["run", path, "--kernel", "prefix_lm", "--seqlen", "128", "--no-gpu-ok"])
-    assert status == 2 and "reads tensor operand 'prefix' (i32[batch]): run and trace " \
-                           "take none" in capsys.readouterr().err
+    base = ["run", path, "--kernel", "prefix_lm", "--seqlen", "128", "--batch", "2",
+            "--no-gpu-ok"]
+    assert main(base) == 2
+    assert "reads tensor operand 'prefix' (i32[batch]): give --operand prefix=" in \
+        capsys.readouterr().err
+    assert main(base + ["--operand", "prefix=10,20,30"]) == 2
+    assert "axis 0 (batch) has 3 entries, but the call has 2 sequences" in \
+        capsys.readouterr().err
+    assert main(base + ["--operand", "prefix=10,20"]) == 0
+    assert "skipped the run" in capsys.readouterr().out
+    np.save(tmp_path / "prefix.npy", np.array([5, 60, 7], np.int32))
+    trace = ["trace", path, "--kernel", "prefix_lm", "--seqlens", "100,200,300"]
+    assert main(trace + ["--operand", f"prefix={tmp_path / 'prefix.npy'}"]) == 2
+    assert "runs the kernel" in capsys.readouterr().err  # checked; then no GPU here
+    assert main(trace + ["--operand", "prefix=1,2"]) == 2
+    assert "has 2 entries, but the call has 3 sequences" in capsys.readouterr().err
+    assert main(["trace", path, "--kernel", "prefix_lm", "--calibrate"]) == 2
+    assert "--calibrate runs batches of its own" in capsys.readouterr().err
     assert main(["simulate", path, "--scheduler", "LPT", "--kernel", "prefix_lm", "--seqlen",
                  "1024", "--json"]) == 0  # the cost model takes the tensor's values as unknown
     capsys.readouterr()
