@@ -300,3 +300,17 @@ def test_cli_simulates_the_splits_that_follow_the_lengths(capsys):
         in err
     summary = json.loads(out)
     assert rc == 0 and summary["covered_exactly_once"] and summary["tiles"] == 8 * sum(splits)
+
+
+@needs_ptxas
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_a_traced_balanced_build_assembles_without_spills(arch):
+    """`mhadsl trace --kv-splits auto` runs the traced build of the same layout."""
+    kern = mhadsl.compile(SOURCE, name="decode_balanced_trace")["causal"]
+    kern.trace = True
+    build = kern.build(arch, gqa_group=4, cache=CacheLayout(1, 64, 64, balanced=True))
+    kernels = build.assembled.kernels
+    assert set(kernels) == {decode.KERNEL_NAME, decode.SPLITS_NAME}
+    assert all(k.spill_stores == 0 and k.spill_loads == 0 for k in kernels.values())
+    assert build.ptx != PROGRAM["causal"].build(  # (the records' stores)
+        arch, gqa_group=4, cache=CacheLayout(1, 64, 64, balanced=True)).ptx
