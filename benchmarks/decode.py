@@ -106,7 +106,32 @@ def checked(torch, fns: dict, ours, sq: int) -> dict:
     return fns
 
 
-def table_row(torch, kern, fa4, B, Hq, Hkv, Sq, Sk, sweep: bool):
+def chunk_variants(run, chunks) -> dict:
+    """`run(kernel)` on a kernel of its own planned at each of `chunks` chunks per
+    multiprocessor (`serving.CHUNKS_PER_SM`, read when a call signature is planned, which
+    each first call does here), as callables by column name."""
+    from mhadsl.host import serving
+    saved, fns = serving.CHUNKS_PER_SM, {}
+    try:
+        for c in chunks:
+            serving.CHUNKS_PER_SM = c
+            kern = mhadsl.compile(SOURCE, name=f"decode_bench_chunks{c}")["decode"]
+            run(kern)
+            fns[f"chunks={c}"] = lambda kern=kern: run(kern)
+    finally:
+        serving.CHUNKS_PER_SM = saved
+    return fns
+
+
+def chunk_column(torch, fns: dict, nbytes: int) -> str:
+    """The chunk variants timed side by side: each one's TB/s, the best first."""
+    t = time_side_by_side(torch, fns, rounds=3)
+    ranked = sorted(t, key=lambda n: t[n].ms)
+    return " " + ", ".join(f"{n.removeprefix('chunks=')}: {tbps(nbytes, t[n]):.2f}"
+                           for n in ranked) + " |"
+
+
+def table_row(torch, kern, fa4, B, Hq, Hkv, Sq, Sk, sweep: bool, chunks=()):
     q = torch.randn(B, Sq, Hq, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, Sk, Hkv, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -132,6 +157,9 @@ def table_row(torch, kern, fa4, B, Hq, Hkv, Sq, Sk, sweep: bool):
         st = time_side_by_side(torch, {**sweeps, "default": ours}, rounds=3)
         best = min(SPLITS, key=lambda s: st[s].ms)
         line += (f" {best} ({st['default'].ms / st[best].ms:.3f}) |")
+    if chunks:
+        line += chunk_column(torch, chunk_variants(
+            lambda kn: kn(q, k, v, cache_seqlens=lens, out=out), chunks), nbytes)
     print(line, flush=True)
     del q, k, v, out
 
@@ -357,7 +385,7 @@ def worst_sequence_error(got, ref) -> float:
     return float((diff / ref.flatten(1).norm(dim=1).clamp_min(1e-30)).max())
 
 
-def tail_row(torch, kern, B, Hq, Hkv, sweep: bool, runs: list):
+def tail_row(torch, kern, B, Hq, Hkv, sweep: bool, runs: list, chunks=()):
     lengths = tail_lengths(B)
     q = torch.randn(B, 1, Hq, 128, device="cuda", dtype=torch.bfloat16)
     k, v, lens, table = paged_tail_cache(torch, lengths, Hkv)
@@ -399,6 +427,10 @@ def tail_row(torch, kern, B, Hq, Hkv, sweep: bool, runs: list):
         st = time_side_by_side(torch, {**sweeps, "default": ours}, rounds=3)
         best = min(SPLITS, key=lambda s: st[s].ms)
         line += f" {best} ({st['default'].ms / st[best].ms:.3f}) |"
+    if chunks:
+        line += chunk_column(torch, chunk_variants(
+            lambda kn: kn(q, k, v, cache_seqlens=lens, page_table=table, out=out), chunks),
+            nbytes)
     print(line, flush=True)
     runs.append({"shape": tail_shape(B, Hq, Hkv, lengths), "result": result,
                  "fa4_form": fns["fa4"] and fa4_form, "split": split,
@@ -456,7 +488,16 @@ def main():
                         help="print the heavy-tailed batches' lengths and exit (no GPU)")
     parser.add_argument("--json", metavar="FILE",
                         help="write the heavy-tailed rows in results.json's row format")
+    parser.add_argument("--chunks-per-sm", metavar="N,N,...", default="",
+                        help="also time the default split at each of these chunks per "
+                        "multiprocessor (serving.CHUNKS_PER_SM), side by side, e.g. 1,2,4")
     args = parser.parse_args()
+    try:
+        chunks = tuple(int(c) for c in args.chunks_per_sm.split(",") if c)
+    except ValueError:
+        parser.error(f"--chunks-per-sm takes integers, got {args.chunks_per_sm!r}")
+    if any(c < 1 for c in chunks):
+        parser.error("--chunks-per-sm takes positive integers")
     if args.show_lengths:
         show_lengths()
         return
@@ -469,9 +510,10 @@ def main():
           f"TB/s of K and V read; FlashAttention-4 {'present' if fa4 else 'absent'}")
     if args.workload in ("table", "all"):
         print("| B, Hq:Hkv, Sq, Sk | mhadsl | cuDNN | FA4 | torch flash | vs best peer | "
-              "splits |" + (" best splits (default/best time) |" if args.sweep else ""))
+              "splits |" + (" best splits (default/best time) |" if args.sweep else "")
+              + (" chunks per SM: TB/s, best first |" if chunks else ""))
         for row in TABLE:
-            table_row(torch, kern, fa4, *row, sweep=args.sweep)
+            table_row(torch, kern, fa4, *row, sweep=args.sweep, chunks=chunks)
         if not args.quick:
             paged_rows(torch, kern)
             ragged_row(torch, kern)
@@ -481,9 +523,10 @@ def main():
         print("heavy-tailed lengths, 1 query row, default split (lengths: --show-lengths)")
         print("| shape | mhadsl | FA4 | torch flash varlen | vs best peer | mhadsl's "
               "splits a sequence | FA4 form |" + (" best forced splits (default/best time) |"
-                                           if args.sweep else ""))
+                                           if args.sweep else "")
+              + (" chunks per SM: TB/s, best first |" if chunks else ""))
         for row in TAILS:
-            tail_row(torch, kern, *row, sweep=args.sweep, runs=runs)
+            tail_row(torch, kern, *row, sweep=args.sweep, runs=runs, chunks=chunks)
         if args.json:
             command = "python3 benchmarks/decode.py " + " ".join(sys.argv[1:])
             with open(args.json, "w", encoding="utf-8") as f:

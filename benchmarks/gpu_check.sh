@@ -30,5 +30,5 @@ done
 python3 benchmarks/hopper.py 2>&1 | tee "$logs/hopper.log" | tail -18 || status=1
 python3 benchmarks/attention.py 2>&1 | tee "$logs/bench.log" | tail -16 || status=1
 python3 benchmarks/tiles.py 2>&1 | tee "$logs/tiles.log" | tail -18 || status=1
-python3 benchmarks/decode.py --workload all 2>&1 | tee "$logs/decode.log" | tail -24 || status=1
+python3 benchmarks/decode.py --workload all --chunks-per-sm 1,2,4 2>&1 | tee "$logs/decode.log" | tail -24 || status=1
 exit $status
