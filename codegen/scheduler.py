@@ -197,6 +197,14 @@ class LoweredScheduler:
         return f"advance.{int(producer)}.{sync}"
 
 
+def may_advance(program: CheckedProgram, spec: SchedulerSpec) -> bool:
+    """The scheduler's `may_advance` for its arguments: whether a CTA runs more than one
+    work tile (a persistent scheduler), else one."""
+    decl = program.schedulers[spec.name]
+    constants = {c.name: c for c in decl.constants}
+    return bool(const_eval(constants["may_advance"].value, program, spec.arg_dict(), decl))
+
+
 def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerSpec,
                     target: Target, *, advance_variants=((True, "ALL"),),
                     producer_threads: int = 0, aligned_barriers: bool = True,
@@ -216,8 +224,7 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
             raise MhaError(f"scheduler '{spec.name}' has no parameter '{name}' (it has: "
                            f"{', '.join(params) or 'none'})", decl.span)
         _check_argument(spec.name, params[name], value)
-    constants = {c.name: c for c in decl.constants}
-    may_advance = bool(const_eval(constants["may_advance"].value, program, args, decl))
+    advances = may_advance(program, spec)
     rules = {r.name: r for r in decl.rules}
     prefix = f"{spec.name}.{spec.tile_m}.{spec.gqa_group}." + ".".join(
         f"{k}={v}" for k, v in spec.args)
@@ -286,7 +293,7 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
     for producer, sync in advance_variants:
         emit("advance", f"advance.{int(producer)}.{sync}", producer, sync)
     b0 = _TargetBuiltins(target, True, 0, producer_threads)
-    return LoweredScheduler(spec, decl, may_advance, functions, b0.env_struct, b0.ts_struct,
+    return LoweredScheduler(spec, decl, advances, functions, b0.env_struct, b0.ts_struct,
                             b0.state_struct, sid,
                             any(builtins.reads_queue for builtins in lowered_with))
 

@@ -30,6 +30,7 @@ from mhadsl.codegen import backends, tile_index
 from mhadsl.codegen.assemble import Assembled, KernelResources, find_ptxas, run_ptxas
 from mhadsl.codegen.backends import Backend, KernelBuild, Layout
 from mhadsl.codegen.kernel import kernel_source
+from mhadsl.codegen.scheduler import SchedulerSpec, may_advance
 from mhadsl.codegen.target import (
     DEFAULT_PTX_VERSION, Target, emit_ptx, gpu_target, new_module, optimize,
 )
@@ -80,6 +81,20 @@ def plan(program: CheckedProgram, request: KernelRequest) -> Plan:
     if problems := backend.problems(options, request.arch):
         raise options.backend_error(problems)
     return Plan(options, backend, target, backend.configs(options, request.layout))
+
+
+def decode_splits_by_length(program: CheckedProgram, options: AttentionOptions) -> bool:
+    """Whether a decode call of declaration `options` that fixes no split count splits each
+    sequence by its own length (`CacheLayout.balanced`): unless the scheduler it names has
+    a `kv_splits` rule or runs one work tile per CTA (`may_advance = false`: it would launch
+    a CTA for every split a sequence may take). One that names none runs these calls by
+    `attention_spec.BALANCED_DECODE_SCHEDULER`."""
+    if not options.scheduler_named:
+        return True
+    name, args = options.scheduler_for("decode")
+    if any(r.name == "kv_splits" for r in program.schedulers[name].rules):
+        return False
+    return may_advance(program, SchedulerSpec(name, args))
 
 
 def build_kernel(program: CheckedProgram, request: KernelRequest,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -22,7 +22,7 @@ from mhadsl.front.check import CheckedProgram, check_program
 from mhadsl.codegen import target as targets
 from mhadsl.codegen.assemble import Assembled, assemble
 from mhadsl.front.attention_spec import AttentionOptions, resolve_attention
-from mhadsl.build import KernelRequest, RequestError, build_kernel
+from mhadsl.build import KernelRequest, RequestError, build_kernel, decode_splits_by_length
 from mhadsl.codegen import backends
 from mhadsl.codegen.backends import CacheLayout, KernelBuild, KernelLaunch, Layout
 from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
@@ -160,16 +160,19 @@ def unit_name(attention: str, pass_name: str) -> str:
     return attention if pass_name == "forward" else f"{attention}.{pass_name}"
 
 
-def pass_layout(pass_name: str, declared: AttentionOptions) -> Layout:
+def pass_layout(pass_name: str, declared: AttentionOptions, program: CheckedProgram
+                ) -> Layout:
     """The call a pass builds a declaration for: its declared GQA ratio (1 where it declares
     none); the forward and decode with its declared log-sum-exp, decode against
-    `DECODE_CACHE`; the backward dense, in its default (atomic) mode, as
-    `Kernel.backward_build()` asks for it."""
+    `DECODE_CACHE` with the splits a call that fixes none takes (by length, where its
+    scheduler allows: `build.decode_splits_by_length`); the backward dense, in its default
+    (atomic) mode, as `Kernel.backward_build()` asks for it."""
     group = declared.gqa or 1
     if pass_name == "backward":
         return Layout(gqa_group=group, backward=True)
-    return Layout(gqa_group=group, return_lse=declared.return_lse,
-                  cache=DECODE_CACHE if pass_name == "decode" else None)
+    cache = None if pass_name != "decode" else replace(
+        DECODE_CACHE, balanced=decode_splits_by_length(program, declared))
+    return Layout(gqa_group=group, return_lse=declared.return_lse, cache=cache)
 
 
 class PassError(MhaError):
@@ -194,7 +197,7 @@ class PassError(MhaError):
 def _build_pass(program: CheckedProgram, attention: str, pass_name: str,
                 options: CompileOptions) -> KernelBuild:
     declared = resolve_attention(program.attentions[attention])
-    layout = pass_layout(pass_name, declared)
+    layout = pass_layout(pass_name, declared, program)
     request = KernelRequest(attention, options.arch, options.backend, layout,
                             options.ptx_version,
                             scheduler=declared.scheduler_for(

@@ -19,7 +19,8 @@ from mhadsl.codegen.backends.decode import MIN_SPLIT_TILES, DecodeConfig, SplitR
 from mhadsl.codegen.nvptx import i32, i64
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.host.paged import MAX_KV_SPLITS
-from mhadsl.host.serving import CHUNKS_PER_SM, default_splits, splits_follow_lengths
+from mhadsl.build import decode_splits_by_length
+from mhadsl.host.serving import CHUNKS_PER_SM, default_splits
 
 CAUSAL = "mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q"
 SOURCE = f"""
@@ -240,16 +241,21 @@ def test_an_even_split_build_has_no_split_index():
 
 
 def test_which_calls_split_by_the_lengths():
-    """Unless the call or a `kv_splits` rule fixes the splits, or the named scheduler runs
-    one tile per CTA; a declaration that names none runs them by LPT."""
-    assert splits_follow_lengths(PROGRAM["causal"], 4, None)
-    assert not splits_follow_lengths(PROGRAM["causal"], 4, 3)
-    assert splits_follow_lengths(PROGRAM["queued"], 4, None)
-    assert splits_follow_lengths(PROGRAM["persistent"], 1, None)
-    assert not splits_follow_lengths(PROGRAM["transient"], 4, None)
+    """Unless a `kv_splits` rule fixes the splits (or the call's `num_splits`), or the named
+    scheduler runs one tile per CTA; a declaration that names none runs them by LPT."""
+    def by_length(kern):
+        return decode_splits_by_length(kern.program.checked, kern.options)
+    assert by_length(PROGRAM["causal"]) and by_length(PROGRAM["queued"])
+    assert by_length(PROGRAM["persistent"]) and not by_length(PROGRAM["transient"])
     splitting = mhadsl.compile(SOURCE.replace("scheduler = Queued()", "scheduler = Splits()") +
                                SPLITS_RULE, name="splitting.mha")
-    assert not splits_follow_lengths(splitting["queued"], 4, None)
+    assert not by_length(splitting["queued"])
+    one_each = mhadsl.compile(SOURCE.replace("scheduler = Queued()", "scheduler = OneEach()") +
+                              SPLITS_RULE.replace("Splits", "OneEach").replace(
+                                  "may_advance = true", "may_advance = false").replace(
+                                  "    kv_splits(batch_size, max_seq_len) = 2\n", ""),
+                              name="one_each.mha")
+    assert not by_length(one_each["queued"])
     default = PROGRAM["causal"]
     balanced = default.config(gqa_group=4, cache=CacheLayout(1, 0, 64, balanced=True))
     even = default.config(gqa_group=4, cache=CacheLayout(1, 0, 64))

@@ -34,8 +34,8 @@ from mhadsl.host.calls import (
 )
 from mhadsl.abi import CallSizes
 from mhadsl.codegen.backends import CacheLayout, Layout, select_target
-from mhadsl.codegen.backends.decode import BACKEND as DECODE
-from mhadsl.codegen.backends.decode import MIN_SPLIT_TILES, DecodeConfig, packed_rows
+from mhadsl.build import decode_splits_by_length
+from mhadsl.codegen.backends.decode import MIN_SPLIT_TILES, packed_rows
 from mhadsl.host.launcher import launch
 from mhadsl.host.paged import MAX_KV_SPLITS as MAX_SPLITS
 from mhadsl.host.paged import FP8_CACHE, check_decode_call
@@ -68,21 +68,6 @@ def default_splits(groups: int, slots: int, capacity: int, block_n: int) -> int:
     if efficiency(one_wave) >= 0.85 * best:
         return one_wave
     return next(s for s in range(1, most + 1) if efficiency(s) >= 0.85 * best)
-
-
-def splits_follow_lengths(kernel, gqa_group: int, num_splits: int | None) -> bool:
-    """Whether a decode call's KV splits follow its lengths, on the device
-    (`CacheLayout.balanced`; CHUNKS_PER_SM chunks per multiprocessor over the batch's work,
-    so a few long sequences split where the rest do not): unless the call (`num_splits`) or the
-    scheduler's `kv_splits` rule fixes them, or the scheduler the declaration names runs one
-    work tile per CTA (it would launch a CTA for every split a sequence may take). A
-    declaration that names none runs these calls by `BALANCED_DECODE_SCHEDULER`."""
-    if num_splits:
-        return False
-    if not kernel.options.scheduler_named:
-        return True
-    host = kernel.launcher.host_scheduler(DecodeConfig(gqa_group=gqa_group), DECODE)
-    return host.may_advance and host.splits_rule is None
 
 
 def kv_tile(rows: int, groups: int, num_sms: int, page_size: int = 0,
@@ -337,7 +322,8 @@ def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
     launcher = kernel.launcher
     wgmma = select_target(info.compute_capability).arch == "sm_90a"
     fp8 = call.kv_scales is not None
-    balanced = splits_follow_lengths(kernel, group, num_splits)
+    balanced = not num_splits and decode_splits_by_length(kernel.program.checked,
+                                                          kernel.options)
     layout = Layout(group, False, want_lse, CacheLayout(
         rows_per_seq, call.page_size or 0,
         kv_tile(rows, groups, num_sms, call.page_size or 0, wgmma=wgmma, fp8=fp8),
