@@ -6,9 +6,10 @@ no generated code.
 
 Builds, for both arches (sm_90a, sm_80): every attention declaration of `examples/` with
 every design that runs it (forward dense, ragged, with the log-sum-exp; decode against a
-contiguous and a paged cache, one and sixteen query rows and ragged; the backward, atomic and
-deterministic, dense and ragged), the four standard schedulers driving the causal example,
-each example's scheduler trace module, and the ragged launch's tile-index kernel.
+contiguous and a paged cache, one and sixteen query rows and ragged, splits fixed and by
+length; the backward, atomic and deterministic, dense and ragged), the four standard
+schedulers driving the causal example, each example's scheduler trace module, and the ragged
+launch's tile-index kernel.
 
 `--tree DIR` digests another checkout of this repository (e.g. `git worktree add /tmp/base
 main`) in a child process, with the package laid out as an install maps it, and its own
@@ -45,6 +46,9 @@ def layouts():
     yield "gqa4", Layout(gqa_group=4)
     for rows, page, block_n in ((1, 0, 64), (1, 64, 64), (16, 64, 64), (0, 0, 64)):
         yield f"decode-q{rows}-page{page}", Layout(gqa_group=4, cache=CacheLayout(rows, page, block_n))
+    for rows, page, block_n in ((1, 64, 64), (0, 16, 64)):  # splits by length
+        yield f"decode-q{rows}-page{page}-by-length", Layout(
+            gqa_group=4, cache=CacheLayout(rows, page, block_n, balanced=True))
     for ragged in (False, True):
         for deterministic in (False, True):
             yield (f"backward{'-ragged' if ragged else ''}{'-det' if deterministic else ''}",
