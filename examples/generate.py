@@ -88,47 +88,62 @@ class PagedCache:
             torch._dynamo.mark_static_address(t)
 
 
-def generate(model: Model, prompts: list[torch.Tensor], steps: int) -> tuple[list, float]:
-    """Greedy decoding of `steps` tokens after each prompt: (each sequence's tokens, tokens
-    per second of the decode steps)."""
+def prefill(model: Model, prompts: list[torch.Tensor], capacity: int):
+    """Every prompt attended and written into a new paged cache of `capacity` keys a
+    sequence: (the cache, each sequence's first generated token, the decode step compiled
+    with `mode="reduce-overhead"`: tokens (batch,) -> the next ones, appending to the cache)."""
     kern = mhadsl.compile(STEP)["step"]
     op = kern.torch_decode_op()
-    batch = len(prompts)
-    cache = PagedCache(len(model.layers), batch, max(map(len, prompts)) + steps)
+    cache = PagedCache(len(model.layers), len(prompts), capacity)
     lengths = [len(p) for p in prompts]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
                       device="cuda")
 
-    def prefill(i, q, k, v):  # ragged rows: every prompt's, appended and attended causally
+    def attend_prompts(i, q, k, v):  # ragged rows: the prompts, appended and attended causally
         out, _ = op(q, cache.k[i], cache.v[i], cache.lengths, page_table=cache.page_table,
                     cu_seqlens_q=cu, max_seqlen_q=max(lengths), k_new=k, v_new=v)
         return out
 
     with torch.no_grad():
-        logits = model(torch.cat(prompts), prefill)
+        logits = model(torch.cat(prompts), attend_prompts)
         cache.lengths += torch.tensor(lengths, dtype=torch.int32, device="cuda")
         last = cu[1:].long() - 1
         token = logits[last].argmax(-1)
 
-        def decode(i, q, k, v):  # one row per sequence: (batch, 1, heads, head dim)
-            out, _ = op(q, cache.k[i], cache.v[i], cache.lengths, page_table=cache.page_table,
-                        k_new=k, v_new=v)
-            return out
+    def decode(i, q, k, v):  # one row per sequence: (batch, 1, heads, head dim)
+        out, _ = op(q, cache.k[i], cache.v[i], cache.lengths, page_table=cache.page_table,
+                    k_new=k, v_new=v)
+        return out
 
-        def one_step(token):
-            logits = model(token[:, None], decode)[:, 0]
-            cache.lengths += 1
-            return logits.argmax(-1)
+    def one_step(token):
+        logits = model(token[:, None], decode)[:, 0]
+        cache.lengths += 1
+        return logits.argmax(-1)
 
-        compiled = torch.compile(one_step, mode="reduce-overhead", fullgraph=True)
-        tokens = [token]
+    return cache, token, torch.compile(one_step, mode="reduce-overhead", fullgraph=True)
+
+
+def decode_loop(step, token: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The `steps` tokens that `step` (tokens -> next tokens) generates after `token`, each
+    copied out of the step's CUDA graph (whose next replay overwrites its output)."""
+    tokens = []
+    for _ in range(steps):
+        token = step(token.clone()).clone()
+        tokens.append(token)
+    return tokens
+
+
+def generate(model: Model, prompts: list[torch.Tensor], steps: int) -> tuple[list, float]:
+    """Greedy decoding of `steps` tokens after each prompt: (each sequence's tokens, tokens
+    per second of the decode steps)."""
+    batch = len(prompts)
+    cache, token, compiled = prefill(model, prompts, max(map(len, prompts)) + steps)
+    with torch.no_grad():
         compiled(token.clone())  # (compiling and capturing: not timed; its step is undone)
         cache.lengths -= 1
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for _ in range(steps - 1):
-            token = compiled(token.clone()).clone()
-            tokens.append(token)
+        tokens = [token, *decode_loop(compiled, token, steps - 1)]
         torch.cuda.synchronize()
         rate = batch * (steps - 1) / (time.perf_counter() - start)
     generated = torch.stack(tokens, 1)

@@ -391,7 +391,7 @@ def _work_space(args: argparse.Namespace, program):
               f"K/V tiles of {args.tile} rows (prompt tile t is K/V tile n-1-t; a work tile "
               f"loops over the query tiles of its K/V head's query heads)", file=sys.stderr)
     if args.kv_splits == AUTO:
-        sequences, cost = _balanced_decode_work(args), "uniform"
+        sequences, cost = _balanced_decode_work(args)
     elif args.kv_splits:
         from mhadsl.host.serving import decode_work
         sequences, cost = decode_work(len(args.lengths), args.heads, args.kv_splits), "uniform"
@@ -401,11 +401,11 @@ def _work_space(args: argparse.Namespace, program):
     return sequences, cost, gqa
 
 
-def _balanced_decode_work(args: argparse.Namespace) -> Batch:
+def _balanced_decode_work(args: argparse.Namespace):
     """`simulate --kv-splits auto`: the work space of a decode launch whose splits follow
     the lengths (`--seqlens`: cache lengths; one query row, 64-row KV tiles, the planner's
     chunks for `--num-sms` multiprocessors), as the split index kernel builds it
-    (`valid_work.balanced_splits`)."""
+    (`valid_work.balanced_splits`), and its cost: the KV tiles of each work tile's split."""
     from mhadsl.analysis.valid_work import balanced_splits
     from mhadsl.codegen.backends.decode import MIN_SPLIT_TILES, packed_rows
     from mhadsl.host.serving import CHUNKS_PER_SM
@@ -417,7 +417,13 @@ def _balanced_decode_work(args: argparse.Namespace) -> Batch:
     print(f"decode work space: {len(args.lengths)} sequences x {args.heads} K/V heads; KV "
           f"splits by length ({slots} chunks, 64-row KV tiles): "
           f"{', '.join(map(str, splits.tolist()))}", file=sys.stderr)
-    return Batch((q_tiles * splits).tolist(), args.heads, 1, ragged=True)
+    tiles = [-(-max(n, 0) // 64) for n in args.lengths]
+
+    def cost(tile) -> int:  # (prompt offset = q tile x splits + split, head, sequence)
+        offset, _, b = tile
+        per = -(-tiles[b] // int(splits[b]))
+        return max(min(per, tiles[b] - offset % int(splits[b]) * per), 0)
+    return Batch((q_tiles * splits).tolist(), args.heads, 1, ragged=True), cost
 
 
 def _kernel_gqa(program, args: argparse.Namespace) -> tuple[int, str]:

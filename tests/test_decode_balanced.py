@@ -297,7 +297,7 @@ def test_cli_simulates_the_splits_that_follow_the_lengths(capsys):
     lens = [1500, 1200, 70_000, 900, 2000, 50_000]
     rc = main(["simulate", str(REPO / "mhadsl/std/schedulers.mha"), "--scheduler", "LPT",
                "--seqlens", ",".join(map(str, lens)), "--heads", "8", "--gqa", "4",
-               "--kv-splits", "auto", "--ctas", "264", "--num-sms", "132", "--json"])
+               "--kv-splits", "auto", "--ctas", "132", "--num-sms", "132", "--json"])
     out, err = capsys.readouterr()
     _, splits = splits_of(lens, slots=CHUNKS_PER_SM * 132, capacity=max(lens), max_q_tiles=1)
     # 1,966 KV tiles x 8 K/V heads over 264 chunks: 60 tiles; 1,094 / 60 and 782 / 60
@@ -306,6 +306,10 @@ def test_cli_simulates_the_splits_that_follow_the_lengths(capsys):
         in err
     summary = json.loads(out)
     assert rc == 0 and summary["covered_exactly_once"] and summary["tiles"] == 8 * sum(splits)
+    # each work tile costs its split's KV tiles: the batch's, in all, and LPT's longest
+    # first ends near the bound on 132 multiprocessors
+    assert summary["total_work"] == 8 * sum(-(-n // 64) for n in lens)
+    assert summary["efficiency"] > 0.85
 
 
 @needs_ptxas
