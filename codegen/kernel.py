@@ -26,7 +26,7 @@ from mhadsl.codegen.handoff import runs_apart
 from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
 from mhadsl.codegen.target import Target
 from mhadsl.codegen.work_loop import EnvParams, emit_work_loop, env_filler, shared_slots
-from mhadsl.front.types import BOOL, F32, I32
+from mhadsl.front.types import BOOL, F32, I32, POSITION_AXES
 
 MASK_ROLES = ("b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k")
 SCORE_ROLES = ("s", "b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k")
@@ -39,27 +39,31 @@ class _NoBuiltins(Builtins):
     gpu = True
 
 
-def _operand_values(builder: ir.IRBuilder, operands: tuple) -> dict:
+def _operand_values(builder: ir.IRBuilder, operands: tuple, extents=None) -> dict:
     """The operands' values in the kernel being emitted (its parameters), by name: a
-    scalar's, or a tensor's `TensorArgs`."""
+    scalar's, or a tensor's `TensorArgs`, its `queries`/`keys` axes read at the sequence's
+    rows where `extents` gives them (`TileRules.extents`: first query row, query rows,
+    first key, keys)."""
     args = {a.name: a for a in builder.function.args}
     values = {}
     for o in operands:
         value = args[OPERAND_PREFIX + o.name]
         if o.axes:
             sizes, strides = tensor_params(o.name, len(o.axes))
+            positions = () if extents is None else tuple(
+                {"queries": extents[:2], "keys": extents[2:]}.get(axis) for axis in o.axes)
             value = TensorArgs(value, tuple(args[n] for n in sizes),
-                               tuple(args[n] for n in strides))
+                               tuple(args[n] for n in strides), positions)
         values[o.name] = value
     return values
 
 
 def _rule_hook(program: CheckedProgram, rule, roles: tuple[str, ...], result_ty,
                operands: tuple):
-    def emit(builder: ir.IRBuilder, *values: ir.Value) -> ir.Value:
+    def emit(builder: ir.IRBuilder, *values: ir.Value, extents=None) -> ir.Value:
         bindings = dict(zip(roles, values))
-        bindings.update({operand_key(name): value
-                         for name, value in _operand_values(builder, operands).items()})
+        bindings.update({operand_key(name): value for name, value in
+                         _operand_values(builder, operands, extents).items()})
         lower = FunctionLowering(builder, program, _NoBuiltins(), bindings, default_int=I32)
         slot = lower.lower_body(rule.body, result_ty)
         return lower.load_value(slot)
@@ -85,6 +89,7 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
                                                 "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
                                                 **values})
     return ExprHooks(mask=mask, score=score, sink=sink,
+                     positions=any(set(o.axes) & set(POSITION_AXES) for o in operands),
                      classify=classify if mask_rule is not None else None,
                      mask_uses_head=mask_rule is not None and _reads(mask_rule, "h"),
                      score_reads_lengths=score_rule is not None and any(

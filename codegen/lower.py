@@ -29,11 +29,14 @@ Value = object  # ir.Value | dict (record) | _Dim3
 
 class TensorArgs(NamedTuple):
     """A tensor operand as the kernel takes it (`mhadsl.abi.operand_params`): its address,
-    and each axis's size and stride (i32, elements)."""
+    and each axis's size and stride (i32, elements); for a `queries` or `keys` axis, the
+    sequence's (first row, rows) there (`positions`, None elsewhere): a read at index i is
+    row first + i, of the sequence's rows only."""
 
     pointer: ir.Value
     sizes: tuple[ir.Value, ...]
     strides: tuple[ir.Value, ...]
+    positions: tuple = ()
 
 
 LLVM_TYPES = {U32: i32, I32: i32, BOOL: i1, F32: f32, SCHEDULE: i32, SYNC: i32}
@@ -306,9 +309,17 @@ class FunctionLowering:
         tensor: TensorArgs = self.bindings[self.program.refs[node].node]
         b, element = self.b, LLVM_TYPES[self.ty(e)]
         inside, offset = None, i32(0)
-        for index, size, stride in zip(reversed(indices), tensor.sizes, tensor.strides):
+        positions = tensor.positions or (None,) * len(tensor.sizes)
+        for index, size, stride, rows in zip(reversed(indices), tensor.sizes, tensor.strides,
+                                             positions):
             v = self.expr(index)
-            ok = b.icmp_unsigned("<", v, size)  # (a negative i32 is a huge u32)
+            if rows is None:
+                ok = b.icmp_unsigned("<", v, size)  # (a negative i32 is a huge u32)
+            else:  # the sequence's own rows of the axis
+                first, count = rows
+                ok = b.icmp_unsigned("<", v, count)
+                v = b.add(first, v)
+                ok = b.and_(ok, b.icmp_unsigned("<", v, size))
             inside = ok if inside is None else b.and_(inside, ok)
             offset = b.add(offset, b.mul(v, stride))  # (inside the tensor: below 2**31)
         at = b.gep(tensor.pointer, [b.select(inside, offset, i32(0))], source_etype=element)

@@ -239,6 +239,9 @@ class ExprHooks:
     operands: the parameters of the declaration's operands (`mhadsl.abi.operand_params`),
         which every kernel of the build takes after its design's own (`kernel_abi`): the
         hooks read them from the kernel's arguments.
+    positions: an operand has a `queries` or `keys` axis; then mask, score, derivative and
+        sink take `extents=` (the sequence's first query row, query rows, first key, keys:
+        `blocks.TileRules`), where such an axis is read.
     """
 
     mask: Callable | None = None
@@ -250,6 +253,7 @@ class ExprHooks:
     derivative: Callable | None = None
     kv_limits: Callable | None = None
     operands: tuple[Param, ...] = ()
+    positions: bool = False
 
     def kernel_abi(self, abi: KernelABI) -> KernelABI:
         """The parameters of a design's kernel that applies these hooks: its own, then the

@@ -344,10 +344,10 @@ class _RowKernel:
         with b.if_then(b.and_(valid, b.icmp_unsigned("==", self.chunk, i32(0)))):
             off = _lse_offset(b, self.a, self.bidx, self.h, b.add(self.start, row))
             lse = b.load(_gep(b, self.a.lse, off, f32), typ=f32)
-            seqlen_k = sequence_rows(b, self.c.ragged, self.a.cu_seqlens_k, self.a.seqlen_k,
-                                     self.bidx)[1]
-            sink = TileRules(hooks, TileSequence(self.bidx, self.seqlen, seqlen_k)).sink_log2(
-                b, self.h)
+            k_start, seqlen_k = sequence_rows(b, self.c.ragged, self.a.cu_seqlens_k,
+                                              self.a.seqlen_k, self.bidx)
+            sink = TileRules(hooks, TileSequence(self.bidx, self.seqlen, seqlen_k, self.start,
+                                                 k_start)).sink_log2(b, self.h)
             weight = warp.ex2(b, b.fsub(sink, b.fmul(lse, warp.fconst(warp.LOG2E))))
             none = b.fcmp_ordered("==", lse, warp.fconst(warp.NEG_INF))
             term = b.select(none, warp.fconst(0.0), b.fmul(weight, delta))
@@ -592,6 +592,11 @@ class _TileKernel:
         return acc
 
     # ------------------------------------------------------------------ P and dS
+    def _starts(self) -> tuple:
+        """The sequence's first query row and key, where a rule reads an operand along
+        them (`ExprHooks.positions`; read from where the kernel keeps them only then)."""
+        return (self.q_start, self.k_start) if self.hooks.positions else ()
+
     def _classify(self, b, h, q0, kv0):
         """(may hold a kept pair, every pair kept) for the pair of tiles at q0 and kv0 of
         head h (`tile_rows`); a K/V tile past seqlen_k is never all kept (query rows past
@@ -622,8 +627,12 @@ class _TileKernel:
         G = [[[None] * 4 for _ in mt] for mt in S]
         log2_scale = b.fmul(a.softmax_scale, warp.fconst(warp.LOG2E))
         lengths = (self.seqlen_q, self.seqlen_k) if hooks.score_reads_lengths else ()
-        rules = TileRules(hooks, TileSequence(self.bidx if hooks.score is not None else None,
-                                              *lengths))
+        if hooks.positions:  # (a score reads an operand along the rows: their extents)
+            rules = TileRules(hooks, TileSequence(self.bidx, self.seqlen_q, self.seqlen_k,
+                                                  self.q_start, self.k_start))
+        else:
+            rules = TileRules(hooks, TileSequence(
+                self.bidx if hooks.score is not None else None, *lengths))
         for i, j, e in elements:
             s = S[i][j][e]
             if hooks.score is not None:
@@ -653,7 +662,8 @@ class _TileKernel:
         pre = b.block
         with b.if_then(b.not_(always)):
             kept = [[[list(t) for t in mt] for mt in tile] for tile in tiles]
-            rules = TileRules(self.hooks, TileSequence(self.bidx, self.seqlen_q, self.seqlen_k))
+            rules = TileRules(self.hooks, TileSequence(self.bidx, self.seqlen_q, self.seqlen_k,
+                                                       *self._starts()))
             for i, j, e in elements:
                 ki = kv_idx(i, j, e)
                 keep = rules.keeps(b, h, lambda bb: q_idx(i, j, e), ki)
@@ -1089,6 +1099,7 @@ class _DqKernel(_TileKernel):
                                                self.bidx)
         k_start, self.seqlen_k = sequence_rows(b, c.ragged, a.cu_seqlens_k, a.seqlen_k,
                                                self.bidx)
+        self.q_start, self.k_start = q_start, k_start
         q0 = b.mul(tile, i32(c.block_n))
         with b.if_then(b.icmp_signed("<", q0, self.seqlen_q)):
             q_row = b.add(q_start, q0)

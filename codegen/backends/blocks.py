@@ -44,16 +44,27 @@ class TileSequence(NamedTuple):
     bidx: ir.Value | None
     seqlen_q: ir.Value | None = None
     seqlen_k: ir.Value | None = None
+    q_start: ir.Value | None = None
+    k_start: ir.Value | None = None
 
 
 class TileRules:
     """The declaration's mask, score and tile classification (`ExprHooks`) on one work
     tile's sequence. `seq` gives the tile's `bidx`, `seqlen_q` and `seqlen_k` (i32), read
-    where a rule needs them: a design that keeps them in shared memory, where each read is
-    a load (the backward's `_parked`), hands a `TileSequence` of the values it read once."""
+    where a rule needs them, and its first query row and key among the call's (`q_start`,
+    `k_start`) where a rule reads an operand along them: a design that keeps them in shared
+    memory, where each read is a load (the backward's `_parked`), hands a `TileSequence` of
+    the values it read once."""
 
     def __init__(self, hooks: ExprHooks, seq):
         self.hooks, self.seq = hooks, seq
+
+    def _extents(self) -> dict:
+        """The hooks' `extents` keyword where an operand follows the query rows or keys."""
+        if not self.hooks.positions:
+            return {}
+        seq = self.seq
+        return {"extents": (seq.q_start, seq.seqlen_q, seq.k_start, seq.seqlen_k)}
 
     def classify(self, b: ir.IRBuilder, heads: Iterable[ir.Value], q_lo: ir.Value,
                  q_hi: ir.Value | int, kv_lo: ir.Value, kv_rows: int,
@@ -95,7 +106,7 @@ class TileRules:
             seq = self.seq
             row = q_idx(b) if callable(q_idx) else q_idx
             keeps.append(self.hooks.mask(b, seq.bidx, h, row, kv_idx, seq.seqlen_q,
-                                         seq.seqlen_k))
+                                         seq.seqlen_k, **self._extents()))
         if not keeps:
             return None
         return keeps[0] if len(keeps) == 1 else b.and_(*keeps)
@@ -113,20 +124,21 @@ class TileRules:
     def score(self, b: ir.IRBuilder, scaled: ir.Value, h: ir.Value, q_idx: ir.Value,
               kv_idx: ir.Value) -> ir.Value:
         """The score hook on the scaled score (q.k * scale) of the pair."""
-        return self.hooks.score(b, scaled, self.seq.bidx, h, q_idx, kv_idx, *self._lengths())
+        return self.hooks.score(b, scaled, self.seq.bidx, h, q_idx, kv_idx, *self._lengths(),
+                                **self._extents())
 
     def derivative(self, b: ir.IRBuilder, scaled: ir.Value, h: ir.Value, q_idx: ir.Value,
                    kv_idx: ir.Value) -> ir.Value:
         """d score / d s of the score hook at the scaled score `scaled` of the pair."""
         return self.hooks.derivative(b, scaled, self.seq.bidx, h, q_idx, kv_idx,
-                                     *self._lengths())
+                                     *self._lengths(), **self._extents())
 
     def sink_log2(self, b: ir.IRBuilder, h: ir.Value) -> ir.Value | None:
         """Query head h's sink logit in the log2 domain, or None without a sink rule."""
         if self.hooks.sink is None:
             return None
         seq = self.seq
-        sink = self.hooks.sink(b, seq.bidx, h, seq.seqlen_q, seq.seqlen_k)
+        sink = self.hooks.sink(b, seq.bidx, h, seq.seqlen_q, seq.seqlen_k, **self._extents())
         return b.fmul(sink, warp.fconst(warp.LOG2E))
 
     @staticmethod

@@ -362,6 +362,7 @@ class _DecodeTile:
         self.c, self.hooks, self.a, self.seq = c, hooks, a, seq
         self.rules = TileRules(hooks, self)
         self.bidx, self.hk = seq.prompt_idx, seq.head_idx
+        self.k_start = i32(0)  # (keys are cache positions: every sequence's from 0)
         if c.balanced:
             self._balanced_split(b)
         else:

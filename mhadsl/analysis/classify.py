@@ -34,7 +34,7 @@ from mhadsl.front.attention_spec import operand_key
 from mhadsl.front.builtin_functions import FUNCTIONS
 from mhadsl.front.semantics import I32_MAX, I32_MIN, INT_RANGES, U32_MAX, attention_type, wrap
 from mhadsl.front.check import CheckedProgram
-from mhadsl.front.types import BOOL, F32, I32, U32, TensorTy, Ty, unify
+from mhadsl.front.types import BOOL, F32, I32, POSITION_AXES, U32, TensorTy, Ty, unify
 
 _BOUNDS = INT_RANGES
 _I64, _I1 = ir.IntType(64), ir.IntType(1)
@@ -375,13 +375,15 @@ class _Analysis:
     def tensor_read(self, e: ast.Index, env: dict, ty: Ty) -> _Value:
         """An i32 tensor operand's element: where every index is one value over the box
         (`b` or `h`, say), the element itself, read at run time (the backend reads tensors:
-        the kernel's, given the tensor); else any i32."""
+        the kernel's, given the tensor); else any i32, as for a tensor along the call's
+        query rows or keys (read at the sequence's rows, which the box does not carry)."""
         indices, node = [], e
         while isinstance(node, ast.Index):
             indices.append(node.index)
             node = node.obj
         tensor = env.get(self.refs[node].node)
-        if tensor is None or ty != I32 or not hasattr(self.o, "tensor_read"):
+        if tensor is None or ty != I32 or not hasattr(self.o, "tensor_read") or \
+                set(self.types[node].axes) & set(POSITION_AXES):
             return self.top(ty)
         o, bounds = self.o, []
         for index in reversed(indices):

@@ -33,7 +33,7 @@ from mhadsl.host.calls import (
 )
 from mhadsl.front.check import CheckedProgram
 from mhadsl.analysis.derivative import differentiate_score
-from mhadsl.host.paged import check_decode_call
+from mhadsl.host.paged import check_decode_call, decode_operand_rows
 from mhadsl.front.types import BOOL, F32, I32, TYPE_NAMES, U32, Ty, unify
 
 _ROLE_TYPES = {"s": F32, "b": I32, "h": I32, "q_idx": I32, "kv_idx": I32, "seqlen_q": I32,
@@ -312,7 +312,7 @@ def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = 
         if derivative is None:
             ds = dz
         else:  # where P is 0 (masked keys) so is dS, even where score' is not finite
-            score_slope = evaluate_rule(*derivative, problem.operands, s=head.s,
+            score_slope = evaluate_rule(*derivative, head.operands, s=head.s,
                                         **head.rule_inputs)
             ds = dz * np.where(p > 0, score_slope, 0.0)
         dq[head.q_rows][:, head.h] = problem.scale * ds @ k_head
@@ -332,6 +332,7 @@ class _Head(NamedTuple):
     rule_inputs: dict  # b, h, q_idx, kv_idx, seqlen_q, seqlen_k
     b: int
     sink: float | None  # the sink's logit, if a rule gives one
+    operands: dict  # the rules' operands, as the sequence's rules read them
 
 
 class _Problem:
@@ -382,6 +383,8 @@ class _Problem:
         for b, (q_rows, k_rows) in enumerate(self.sequences):
             qb, kb = self.q[q_rows], self.k[k_rows]
             sq, sk = len(qb), len(kb)
+            operands = {n: v.of_sequence(q_rows, k_rows) if isinstance(v, _Positions) else v
+                        for n, v in self.operands.items()}
             idx = dict(b=b, q_idx=np.arange(sq)[:, None], kv_idx=np.arange(sk)[None, :],
                        seqlen_q=sq, seqlen_k=sk)
             keep = None
@@ -389,16 +392,45 @@ class _Problem:
                 kh = h // self.group
                 s = self.scale * (qb[:, h] @ kb[:, kh].T)
                 z = s if score_rule is None else evaluate_rule(score_rule, program,
-                                                               self.operands, s=s, h=h, **idx)
+                                                               operands, s=s, h=h, **idx)
                 if mask_rule is not None:
                     if keep is None or mask_per_head:  # most masks ignore h: evaluate them once
-                        keep = evaluate_rule(mask_rule, program, self.operands, h=h, **idx)
+                        keep = evaluate_rule(mask_rule, program, operands, h=h, **idx)
                     z = np.where(keep, z, -np.inf)
                 sink = None if self.sink_rule is None else float(evaluate_rule(
-                    self.sink_rule, program, self.operands, b=b, h=h, seqlen_q=sq,
+                    self.sink_rule, program, operands, b=b, h=h, seqlen_q=sq,
                     seqlen_k=sk))
                 p, lse = _softmax_rows(z, sink)
-                yield _Head(q_rows, k_rows, h, kh, s, p, lse, {**idx, "h": h}, b, sink)
+                yield _Head(q_rows, k_rows, h, kh, s, p, lse, {**idx, "h": h}, b, sink,
+                            operands)
+
+
+class _Positions(NamedTuple):
+    """A tensor operand with `queries`/`keys` axes (`_kernel_rules`): its elements, axes and
+    whether those axes hold every sequence's rows one after another (`ragged`: query rows,
+    keys), where a sequence reads its own (`of_sequence`)."""
+
+    array: np.ndarray
+    axes: tuple[str, ...]
+    ragged: tuple[bool, bool]
+
+    def of_sequence(self, q_rows, k_rows) -> np.ndarray:
+        """The tensor as the rules of the sequence of rows `q_rows` and keys `k_rows`
+        (slices, where ragged) read it: its ragged position axes cut to those rows."""
+        cut = [slice(None)] * len(self.axes)
+        for axis, ragged, rows in (("queries", self.ragged[0], q_rows),
+                                   ("keys", self.ragged[1], k_rows)):
+            if ragged and axis in self.axes:
+                cut[self.axes.index(axis)] = rows
+        return self.array[tuple(cut)]
+
+
+def ragged_sequence_operands(options, operands: dict, q_rows: slice, k_rows: slice) -> dict:
+    """A ragged call's operand values as the rules of its sequence of rows `q_rows` and
+    keys `k_rows` read them: tensors along the query rows or keys cut to the sequence's."""
+    axes = {o.name: o.axes for o in options.operands}
+    return {n: _Positions(np.asarray(v), axes[n], (True, True)).of_sequence(q_rows, k_rows)
+            if set(axes.get(n, ())) & {"queries", "keys"} else v for n, v in operands.items()}
 
 
 def _softmax_rows(z: np.ndarray, sink: float | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -493,7 +525,15 @@ def reference(kernel, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
     return attention_reference(*map(_to_numpy, (q, k, v)), return_lse=want_lse,
                                **_kernel_rules(kernel, call.scale, call.cu_seqlens_q,
                                                call.cu_seqlens_k, values, call.batch,
-                                               call.heads))
+                                               call.heads, *_operand_rows(q, k, call)))
+
+
+def _operand_rows(q, k, call) -> tuple[tuple[int, int], tuple[bool, bool]]:
+    """A forward call's query rows and keys for tensor operands' position axes (as
+    `host.forward.operand_rows`)."""
+    if call.cu_seqlens_q is not None:
+        return (q.shape[0], k.shape[0]), (True, True)
+    return (q.shape[1], k.shape[1]), (False, False)
 
 
 def reference_backward(kernel, q, k, v, dout, *, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -515,7 +555,7 @@ def reference_backward(kernel, q, k, v, dout, *, cu_seqlens_q=None, cu_seqlens_k
     return attention_reference_backward(
         *map(_to_numpy, (q, k, v, dout)),
         **_kernel_rules(kernel, call.scale, call.cu_seqlens_q, call.cu_seqlens_k, values,
-                        call.batch, call.heads))
+                        call.batch, call.heads, *_operand_rows(q, k, call)))
 
 
 def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None,
@@ -560,7 +600,9 @@ def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=N
                              k_new=k_new, v_new=v_new, k_scale=k_scale, v_scale=v_scale,
                              read=_host_ints)
     rules = _kernel_rules(kernel, call.scale, call.cu_seqlens_q, None, values, call.batch,
-                          q.shape[-2])
+                          q.shape[-2], *decode_operand_rows(
+                              call, q.shape, k_cache.shape,
+                              None if page_table is None else page_table.shape))
     q, k_cache, v_cache = (_to_numpy(x) for x in (q, k_cache, v_cache))
     scales = call.kv_scales
     if scales is not None:  # an FP8 cache, dequantised (new arrays)
@@ -626,17 +668,20 @@ def e4m3_bytes(x) -> np.ndarray:
 
 
 def _kernel_rules(kernel, scale: float, cu_seqlens_q, cu_seqlens_k, operands: dict,
-                  batch: int, heads: int) -> dict:
+                  batch: int, heads: int, rows: tuple, ragged_rows: tuple[bool, bool]) -> dict:
     """The reference's keyword arguments for a kernel's checked call: its rules, scale,
     offsets (host arrays) and operand values, its tensors checked against the call's
-    `batch` sequences and `heads` query heads, as host arrays."""
+    `batch` sequences, `heads` query heads and `rows` (`calls.check_tensor_operand`), as host
+    arrays; one with `queries`/`keys` axes as `_Positions`."""
     opts = kernel.options
     values = dict(operands)
     for o in opts.operands:
         if o.axes:
             t = _tensor(values[o.name], o.name)
-            check_tensor_operand(o, t, batch, heads)
+            check_tensor_operand(o, t, batch, heads, rows, ragged_rows)
             values[o.name] = _to_numpy(t).astype(np.int64 if o.type == "i32" else np.float64)
+            if set(o.axes) & {"queries", "keys"}:
+                values[o.name] = _Positions(values[o.name], o.axes, ragged_rows)
     return dict(mask_rule=opts.mask, score_rule=opts.score, sink_rule=opts.sink,
                 program=kernel.program.checked,
                 scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

@@ -35,7 +35,8 @@ from mhadsl.front.types import (
     BOOL, DIM3, ERROR, F32, GRID, I32, INT_LITERAL, INTEGERS, MUTABLE_FIELDS,
     NONE, NUMBERS, RECORD_FIELDS, RECORD_PROPERTIES, SCHEDULE, SEQ_INFO,
     SLOTS, STATE, SYNC, TILE_SUMMARY, TILE_SUMMARY_FIELDS, TILE_SUMMARY_METHODS,
-    TENSOR_AXES, TYPE_NAMES, U32, VOID, WORK_INFO, TensorTy, Ty, tensor_type, unify,
+    POSITION_AXES, TENSOR_AXES, TYPE_NAMES, U32, VOID, WORK_INFO, TensorTy, Ty, tensor_type,
+    unify,
 )
 
 
@@ -328,7 +329,13 @@ class Checker:
             if axis not in TENSOR_AXES:
                 return self.error(ref.span, f"unknown axis '{axis}' of tensor operand "
                                             f"'{p.name}': an axis is batch (one per sequence), "
-                                            f"heads (one per query head) or _ (any size)")
+                                            f"heads (one per query head), queries or keys (one "
+                                            f"per query row or key, as q and k lay them out) "
+                                            f"or _ (any size)")
+        for axis in POSITION_AXES:
+            if ref.axes.count(axis) > 1:
+                return self.error(ref.span, f"tensor operand '{p.name}' has two {axis} axes; "
+                                            f"a tensor follows the call's {axis} once")
         if len(ref.axes) > MAX_TENSOR_AXES:
             return self.error(ref.span, f"tensor operand '{p.name}' has {len(ref.axes)} axes; "
                                         f"at most {MAX_TENSOR_AXES}")

@@ -18,7 +18,8 @@ U32, I32, BOOL, F32 = Ty("u32"), Ty("i32"), Ty("bool"), Ty("f32")
 @dataclass(frozen=True)
 class TensorTy(Ty):
     """A tensor operand of an attention declaration (or what indexing its first axes leaves):
-    `element` (I32 or F32) values along `axes`, each "batch", "heads" or "_" (any size)."""
+    `element` (I32 or F32) values along `axes`, each "batch", "heads", "queries", "keys" or
+    "_" (any size)."""
 
     element: Ty = None
     axes: tuple[str, ...] = ()
@@ -28,8 +29,10 @@ def tensor_type(element: Ty, axes: tuple[str, ...]) -> TensorTy:
     return TensorTy(f"{element}[{', '.join(axes)}]", element, axes)
 
 
-# A tensor operand's axes: the call's sequences, its query heads, or any size.
-TENSOR_AXES = ("batch", "heads", "_")
+# A tensor operand's axes: the call's sequences, its query heads, its query rows or keys (as
+# q and k lay them out; a rule reads them by position in the sequence), or any size.
+TENSOR_AXES = ("batch", "heads", "queries", "keys", "_")
+POSITION_AXES = ("queries", "keys")
 INT_LITERAL = Ty("integer literal")  # adopts the integer type it meets (u32 on its own)
 WORK_INFO, SEQ_INFO, STATE = Ty("WorkInfo"), Ty("SeqInfo"), Ty("State")
 TILE_SUMMARY, SLOTS, COUNTER = Ty("TileSummary"), Ty("Slots"), Ty("Counter")

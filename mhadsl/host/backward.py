@@ -24,7 +24,7 @@ from mhadsl.host.calls import (
 )
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.backends.backward import BACKEND, BackwardConfig
-from mhadsl.host.forward import check_call
+from mhadsl.host.forward import check_call, operand_rows
 from mhadsl.host.launcher import launch
 
 
@@ -81,7 +81,8 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
     if len(devices) > 1:
         raise ValueError(f"the backward's tensors are on different devices: "
                          f"{sorted(map(str, devices))}")
-    operand_views(kernel.options, values, call.sizes.batch, call.sizes.heads, None)
+    operand_views(kernel.options, values, call.sizes.batch, call.sizes.heads, None,
+                  *operand_rows(call))
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     return _run(kernel, torch, call, q, k, v, out, lse.contiguous(), dout, cu_seqlens_q,

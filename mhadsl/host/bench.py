@@ -13,7 +13,7 @@ import numpy as np
 
 from mhadsl.front.attention_spec import operand_values
 from mhadsl.host.api import Kernel
-from mhadsl.analysis.reference import evaluate_rule, reference
+from mhadsl.analysis.reference import evaluate_rule, ragged_sequence_operands, reference
 
 
 class NoTorch(RuntimeError):
@@ -84,10 +84,14 @@ def allowed_pairs(kernel: Kernel, p: Problem, operands: dict | None = None) -> i
     rule = kernel.options.mask
     if rule is None:
         return sum(a * b for a, b in lengths)
-    total = 0
+    total, first = 0, 0
     for b, (sq, sk) in enumerate(lengths):
+        rows = slice(first, first + sq)  # (a ragged call's: as many queries as keys)
+        first += sq
+        ops = ragged_sequence_operands(kernel.options, operands or {}, rows, rows) \
+            if p.seqlens else operands
         if sq and sk:
-            keep = evaluate_rule(rule, kernel.program.checked, operands, b=b, h=0,
+            keep = evaluate_rule(rule, kernel.program.checked, ops, b=b, h=0,
                                  q_idx=np.arange(sq)[:, None], kv_idx=np.arange(sk)[None, :],
                                  seqlen_q=sq, seqlen_k=sk)
             total += int(np.broadcast_to(keep, (sq, sk)).sum())

@@ -167,11 +167,20 @@ TENSOR_OPERAND_DTYPES = {"i32": "int32", "f32": "float32"}
 TENSOR_OPERAND_SPAN = 2 ** 31  # elements from a tensor operand's first to its last, at most
 
 
-def check_tensor_operand(operand, t, batch: int, heads: int) -> None:
+AXIS_WORDS = {"batch": "sequences", "heads": "query heads", "queries": "query rows",
+              "keys": "keys"}
+
+
+def check_tensor_operand(operand, t, batch: int, heads: int,
+                         rows: tuple[int | None, int | None] = (None, None),
+                         ragged_rows: tuple[bool, bool] = (False, False)) -> None:
     """Tensor operand `operand` (`attention_spec.Operand`) as a call passes it (a tensor of
-    any kind), against the call's sequences and query heads: its element type, rank, the
-    sizes of its `batch` and `heads` axes; no axis empty (a read outside an axis gives 0,
-    one inside reads the tensor)."""
+    any kind), against the call's sequences, query heads and `rows` (the query rows and
+    keys a `queries` and a `keys` axis hold: a dense call's per sequence, a ragged call's in
+    all, `ragged_rows`; None where unknown): its element type, rank, the sizes of those
+    axes, no `batch` axis beside a ragged position axis (which already spans every
+    sequence); no axis empty (a read outside an axis gives 0, one inside reads the
+    tensor)."""
     what = f"tensor operand {operand.name!r} ({operand.declared})"
     want = TENSOR_OPERAND_DTYPES[operand.type]
     if dtype_name(t) != want:
@@ -179,11 +188,18 @@ def check_tensor_operand(operand, t, batch: int, heads: int) -> None:
     shape = tuple(t.shape)
     if len(shape) != len(operand.axes):
         raise ValueError(f"{what} has {len(operand.axes)} axes, got shape {shape}")
+    spans = [axis for axis, ragged in zip(("queries", "keys"), ragged_rows)
+             if ragged and axis in operand.axes]
+    if spans and "batch" in operand.axes:
+        raise ValueError(f"{what}: this call is ragged, so its {spans[0]} axis holds every "
+                         f"sequence's {AXIS_WORDS[spans[0]]} one after another; the tensor "
+                         f"takes no batch axis beside it")
+    sizes = {"batch": batch, "heads": heads, "queries": rows[0], "keys": rows[1]}
     for axis, size, n in zip(operand.axes, shape, range(len(shape))):
-        need = {"batch": batch, "heads": heads}.get(axis)
+        need = sizes.get(axis)
         if need is not None and size != need:
             raise ValueError(f"{what}: axis {n} ({axis}) has {size} entries, but the call has "
-                             f"{need} {'sequences' if axis == 'batch' else 'query heads'}")
+                             f"{need} {AXIS_WORDS[axis]}")
         if size == 0:
             raise ValueError(f"{what}: axis {n} is empty")
 
@@ -197,7 +213,8 @@ def tensor_operands(options: AttentionOptions, operands: dict | None) -> dict:
 
 
 def operand_views(options: AttentionOptions, operands: dict | None, batch: int, heads: int,
-                  device: int | None) -> dict:
+                  device: int | None, rows: tuple[int | None, int | None] = (None, None),
+                  ragged_rows: tuple[bool, bool] = (False, False)) -> dict:
     """Views of a call's tensor operands (`tensor_operands`), each checked against the call
     (`check_tensor_operand`) and on the device of its other tensors where it is on one."""
     from mhadsl.runtime import tensors
@@ -206,7 +223,7 @@ def operand_views(options: AttentionOptions, operands: dict | None, batch: int, 
         if not o.axes:
             continue
         view = tensors.as_device_tensor(operands[o.name], o.name)
-        check_tensor_operand(o, view, batch, heads)
+        check_tensor_operand(o, view, batch, heads, rows, ragged_rows)
         span = sum((n - 1) * abs(s) for n, s in zip(view.shape, view.strides))
         if span >= TENSOR_OPERAND_SPAN:  # (the kernels' offsets into it are 32-bit)
             raise ValueError(f"tensor operand {o.name!r} spans {span + 1} elements; at most "

@@ -75,7 +75,7 @@ def _call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, str
     dtype = DTYPE_NAMES[kernel.options.dtype]
     device = next((t.device for t in (call.q, call.k, call.v) if not t.on_host), None)
     op_views = operand_views(kernel.options, operands, call.sizes.batch, call.sizes.heads,
-                             device)
+                             device, *operand_rows(call))
     od = None if out is None else _check_out(kernel, out, call, dtype, device)
     handle = driver.stream_handle(stream, kind=call.q.kind,
                                   device=device if call.q.on_host else call.q.device)
@@ -163,6 +163,16 @@ def _planned(kernel, call: Call, views: dict, want_lse: bool) -> _Planned:
         planned = launcher.plans[key] = _Planned(launcher.plan(loaded, sizes, shapes), call,
                                                  want_lse, shapes, device)
     return planned
+
+def operand_rows(call: Call) -> tuple[tuple[int, int], tuple[bool, bool]]:
+    """The query rows and keys a tensor operand's `queries` and `keys` axes hold in `call`
+    (per sequence dense, in all ragged), and whether they are ragged
+    (`calls.check_tensor_operand`)."""
+    n = call.sizes
+    if n.ragged:
+        return (n.total_q, call.k.shape[0]), (True, True)
+    return (n.seqlen_q, n.seqlen_k), (False, False)
+
 
 def check_call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale=None) -> Call:
     """Every check of a call's arguments, before anything is copied or launched: those

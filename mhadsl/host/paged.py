@@ -242,3 +242,14 @@ def _check_pages(pages: np.ndarray, seqlens: np.ndarray, page_size: int,
         b, j = np.argwhere(bad)[0]
         raise ValueError(f"page_table[{b}, {j}] = {pages[b, j]} is not a page of the cache "
                          f"(0 to {num_pages - 1})")
+
+
+def decode_operand_rows(call, q_shape, k_shape, table_shape
+                        ) -> tuple[tuple[int, int], tuple[bool, bool]]:
+    """The query rows and keys a tensor operand's `queries` and `keys` axes hold in a decode
+    call (`paged.DecodeCall`; the shapes of q, k_cache and page_table): its query rows, per
+    sequence dense or in all ragged; the cache's positions a sequence (every sequence's keys
+    sit at the same positions, so a `keys` axis is never ragged)."""
+    ragged = len(q_shape) == 3
+    capacity = k_shape[1] if call.page_size is None else table_shape[1] * call.page_size
+    return (q_shape[0] if ragged else q_shape[1], capacity), (ragged, False)

@@ -38,7 +38,7 @@ from mhadsl.build import decode_splits_by_length
 from mhadsl.codegen.backends.decode import MIN_SPLIT_TILES, packed_rows
 from mhadsl.host.launcher import launch
 from mhadsl.host.paged import MAX_KV_SPLITS as MAX_SPLITS
-from mhadsl.host.paged import FP8_CACHE, check_decode_call
+from mhadsl.host.paged import FP8_CACHE, check_decode_call, decode_operand_rows
 
 _READ_AND_WRITTEN = ("q", "k_cache", "v_cache", "o")
 # Where the splits follow the lengths: chunks of the batch's work per multiprocessor. With
@@ -252,7 +252,9 @@ def _call(kernel, q, k_cache, v_cache, cache_seqlens, page_table, cu_q, max_q, s
         if not views[name].on_host:
             check_rows(views[name], name)
     op_views = operand_views(kernel.options, operands, call.batch, views["q"].shape[-2],
-                             device)
+                             device, *decode_operand_rows(
+                                 call, views["q"].shape, views["k_cache"].shape,
+                                 views["page_table"].shape if call.page_size else None))
     for name in ("cache_seqlens", "page_table", "cu_seqlens_q"):
         view = views.get(name)
         if view is not None and not view.on_host and view.strides[-1] != 1:
