@@ -9,6 +9,7 @@ body. Which kernel design is built around them is the backend's business
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 from llvmlite import ir
 
@@ -20,7 +21,7 @@ from mhadsl.analysis.classify import emit_classify
 from mhadsl.analysis.kv_limits import emit_kv_limits, kv_limits, operand_term
 from mhadsl.analysis.derivative import differentiate_score
 from mhadsl.codegen.backends import ExprHooks, KernelArgs, KernelSource, TileSeq, WorkLoop
-from mhadsl.codegen.lower import Builtins, FunctionLowering, TensorArgs
+from mhadsl.codegen.lower import Builtins, FunctionLowering
 from mhadsl.codegen.nvptx import i32, i64
 from mhadsl.codegen.handoff import runs_apart
 from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
@@ -37,6 +38,18 @@ class _NoBuiltins(Builtins):
     """Mask and score expressions see only their parameters (the checker enforces it)."""
 
     gpu = True
+
+
+class TensorArgs(NamedTuple):
+    """A tensor operand as the kernel takes it (`mhadsl.abi.operand_params`): its address,
+    and each axis's size and stride (i32, elements); for a `queries` or `keys` axis, the
+    sequence's (first row, rows) there (`positions`, None elsewhere): a read at index i is
+    row first + i, of the sequence's rows only (`lower.FunctionLowering.tensor_read`)."""
+
+    pointer: ir.Value
+    sizes: tuple[ir.Value, ...]
+    strides: tuple[ir.Value, ...]
+    positions: tuple = ()
 
 
 def _operand_values(builder: ir.IRBuilder, operands: tuple, extents=None) -> dict:

@@ -9,7 +9,7 @@ Locals live in allocas that LLVM's mem2reg turns into registers.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable
 
 from llvmlite import ir
 
@@ -25,18 +25,6 @@ from mhadsl.front.types import (
 )
 
 Value = object  # ir.Value | dict (record) | _Dim3
-
-
-class TensorArgs(NamedTuple):
-    """A tensor operand as the kernel takes it (`mhadsl.abi.operand_params`): its address,
-    and each axis's size and stride (i32, elements); for a `queries` or `keys` axis, the
-    sequence's (first row, rows) there (`positions`, None elsewhere): a read at index i is
-    row first + i, of the sequence's rows only."""
-
-    pointer: ir.Value
-    sizes: tuple[ir.Value, ...]
-    strides: tuple[ir.Value, ...]
-    positions: tuple = ()
 
 
 LLVM_TYPES = {U32: i32, I32: i32, BOOL: i1, F32: f32, SCHEDULE: i32, SYNC: i32}
@@ -299,14 +287,14 @@ class FunctionLowering:
         return v
 
     def tensor_read(self, e: ast.Index) -> Value:
-        """An element of a tensor operand (`TensorArgs`), 0 where an index lies outside its
-        axis: the load's address stays inside the tensor (its first element), whose axes
-        the call checked are not empty."""
+        """An element of a tensor operand (`codegen.kernel.TensorArgs`), 0 where an index
+        lies outside its axis: the load's address stays inside the tensor (its first
+        element), whose axes the call checked are not empty."""
         indices, node = [], e
         while isinstance(node, ast.Index):
             indices.append(node.index)
             node = node.obj
-        tensor: TensorArgs = self.bindings[self.program.refs[node].node]
+        tensor = self.bindings[self.program.refs[node].node]
         b, element = self.b, LLVM_TYPES[self.ty(e)]
         inside, offset = None, i32(0)
         positions = tensor.positions or (None,) * len(tensor.sizes)

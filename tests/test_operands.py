@@ -530,7 +530,7 @@ def test_a_tile_classifies_by_the_tensor_element_its_mask_reads_at_one_index(pre
     from llvmlite import ir
 
     from mhadsl.analysis.classify import emit_classify
-    from mhadsl.codegen.lower import TensorArgs
+    from mhadsl.codegen.kernel import TensorArgs
     from mhadsl.codegen.target import HOST, HostJit, new_module
     mask, program = prefix_lm.options.mask, prefix_lm.program.checked
     i32, i64 = ir.IntType(32), ir.IntType(64)

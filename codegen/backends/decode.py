@@ -685,7 +685,7 @@ class _Emitter:
             self._emit(b, t)
 
     def _emit(self, b: ir.IRBuilder, t: _DecodeTile) -> None:
-        c, a = self.c, self.a
+        c = self.c
         S = c.stages
         DT = c.head_dim // 8
         zero, ninf = warp.fconst(0.0), warp.fconst(warp.NEG_INF)
@@ -803,7 +803,7 @@ class _Emitter:
     def _kv_tile(self, b, t: _DecodeTile, n, stage, acc_in, m_in, l_in, sl2):
         """One KV tile for this warp's 16 rows and its columns: S = Q K^T, score, mask,
         online softmax, O += P V."""
-        c, a, hooks = self.c, self.a, self.hooks
+        c, hooks = self.c, self.hooks
         NT, DT = c.warp_cols // 8, c.head_dim // 8
         dt = c.mma_dtype
         zero = warp.fconst(0.0)
@@ -964,8 +964,6 @@ class _Emitter:
         """Normalise each of `rows` (local row, row max, row sum, O columns) and hand it
         to `store(dst, local, columns, lse)`: dst "o" (O and the LSE, rows inside the
         sequence) with one split in use, else the split's index (its partial state)."""
-        a = self.a
-
         def finish(local, top, total, o, sink=False):
             """The row normalised, and its LSE; with `sink`, the sink's logit in both."""
             empty = b.fcmp_unordered("==", total, warp.fconst(0.0))

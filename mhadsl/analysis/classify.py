@@ -232,7 +232,7 @@ class _IrOps:
         return self.b.not_(x)
 
     def tensor_read(self, tensor, indices: list):
-        """The i32 element of tensor operand `tensor` (`codegen.lower.TensorArgs`) at i64
+        """The i32 element of tensor operand `tensor` (`codegen.kernel.TensorArgs`) at i64
         `indices`, as i64; 0 outside it, as the kernel's own read (its address stays at
         the first element)."""
         b, zero = self.b, ir.Constant(_I64, 0)
