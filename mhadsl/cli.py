@@ -394,10 +394,17 @@ def _work_space(args: argparse.Namespace, program):
         sequences, cost = _balanced_decode_work(args)
     elif args.kv_splits:
         from mhadsl.host.serving import decode_work
-        sequences, cost = decode_work(len(args.lengths), args.heads, args.kv_splits), "uniform"
+        sequences = decode_work(len(args.lengths), args.heads, args.kv_splits)
+        # the planner's chunk: the longest cache over the splits, in whole 64-row KV tiles
+        chunk = -(-max(args.lengths, default=0) // args.kv_splits // 64) * 64 or 64
+        tiles = [max(n, 0) for n in args.lengths]
+
+        def cost(tile) -> int:  # (prompt offset = split, head, sequence): its KV tiles
+            offset, _, b = tile
+            return -(-max(min(chunk, tiles[b] - offset * chunk), 0) // 64)
         print(f"decode work space: {len(args.lengths)} sequences x {args.heads} K/V heads x "
-              f"{args.kv_splits} KV splits (a work tile packs a K/V head's query heads)",
-              file=sys.stderr)
+              f"{args.kv_splits} KV splits of {chunk} keys (a work tile packs a K/V head's "
+              f"query heads)", file=sys.stderr)
     return sequences, cost, gqa
 
 
@@ -916,9 +923,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="draw a per-CTA timeline")
     p.add_argument("--kv-splits", type=_splits, metavar="N|auto",
-                   help="simulate a decode launch: --heads K/V heads, N KV splits per "
-                        "(sequence, K/V head), the lengths giving the batch size; or auto: "
-                        "the splits follow the lengths (cache lengths), as a call's default")
+                   help="simulate a decode launch: --heads K/V heads, the lengths cache "
+                        "lengths; N KV splits per (sequence, K/V head), or auto: the splits "
+                        "follow the lengths, as a call's default")
     p.add_argument("--backward", action="store_true",
                    help="simulate the backward pass's main kernel: the K/V tiles of the "
                         "lengths (the keys') for --heads K/V heads")

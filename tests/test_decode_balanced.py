@@ -324,3 +324,25 @@ def test_a_traced_balanced_build_assembles_without_spills(arch):
     assert all(k.spill_stores == 0 and k.spill_loads == 0 for k in kernels.values())
     assert build.ptx != PROGRAM["causal"].build(  # (the records' stores)
         arch, gqa_group=4, cache=CacheLayout(1, 64, 64, balanced=True)).ptx
+
+
+def test_cli_simulates_fixed_splits_at_their_real_cost(capsys):
+    """`--kv-splits N` costs each split the KV tiles of its chunk of the sequence (the
+    planner's: the longest cache over N, in whole KV tiles; a split past the sequence
+    costs nothing): on a heavy tail one split a sequence ends with its longest, where the
+    splits by length end near the bound."""
+    from mhadsl.cli import main
+    from helpers import REPO
+    lens = [1500, 1200, 70_000, 900, 50_000]
+    ends = {}
+    for splits in ("1", "4", "auto"):
+        rc = main(["simulate", str(REPO / "mhadsl/std/schedulers.mha"), "--scheduler", "LPT",
+                   "--seqlens", ",".join(map(str, lens)), "--heads", "8", "--gqa", "4",
+                   "--kv-splits", splits, "--ctas", "132", "--json"])
+        summary = json.loads(capsys.readouterr().out)
+        assert rc == 0 and summary["covered_exactly_once"]
+        assert summary["total_work"] == 8 * sum(-(-n // 64) for n in lens)
+        ends[splits] = summary["makespan"]
+    assert ends["1"] == -(-70_000 // 64)  # the longest sequence, whole
+    assert ends["4"] == -(-70_000 // 4 // 64)  # a quarter of it (17,500 keys: 274 tiles)
+    assert ends["auto"] < 0.5 * ends["4"]
