@@ -393,15 +393,16 @@ def _work_space(args: argparse.Namespace, program):
     if args.kv_splits == AUTO:
         sequences, cost = _balanced_decode_work(args)
     elif args.kv_splits:
+        from mhadsl.analysis.valid_work import split_tiles
+        from mhadsl.codegen.backends.decode import even_chunk
         from mhadsl.host.serving import decode_work
         sequences = decode_work(len(args.lengths), args.heads, args.kv_splits)
-        # the planner's chunk: the longest cache over the splits, in whole 64-row KV tiles
-        chunk = -(-max(args.lengths, default=0) // args.kv_splits // 64) * 64 or 64
-        tiles = [max(n, 0) for n in args.lengths]
+        chunk = even_chunk(max(max(args.lengths, default=0), 1), args.kv_splits, 64)
+        tiles = [-(-max(n, 0) // 64) for n in args.lengths]
 
         def cost(tile) -> int:  # (prompt offset = split, head, sequence): its KV tiles
             offset, _, b = tile
-            return -(-max(min(chunk, tiles[b] - offset * chunk), 0) // 64)
+            return split_tiles(tiles[b], chunk // 64, offset)
         print(f"decode work space: {len(args.lengths)} sequences x {args.heads} K/V heads x "
               f"{args.kv_splits} KV splits of {chunk} keys (a work tile packs a K/V head's "
               f"query heads)", file=sys.stderr)
@@ -413,7 +414,7 @@ def _balanced_decode_work(args: argparse.Namespace):
     the lengths (`--seqlens`: cache lengths; one query row, 64-row KV tiles, the planner's
     chunks for `--num-sms` multiprocessors), as the split index kernel builds it
     (`valid_work.balanced_splits`), and its cost: the KV tiles of each work tile's split."""
-    from mhadsl.analysis.valid_work import balanced_splits
+    from mhadsl.analysis.valid_work import balanced_splits, split_tiles
     from mhadsl.codegen.backends.decode import MIN_SPLIT_TILES, packed_rows
     from mhadsl.host.serving import CHUNKS_PER_SM
     group, slots = args.gqa or 1, CHUNKS_PER_SM * (args.num_sms or args.ctas)
@@ -428,8 +429,8 @@ def _balanced_decode_work(args: argparse.Namespace):
 
     def cost(tile) -> int:  # (prompt offset = q tile x splits + split, head, sequence)
         offset, _, b = tile
-        per = -(-tiles[b] // int(splits[b]))
-        return max(min(per, tiles[b] - offset % int(splits[b]) * per), 0)
+        n, s = tiles[b], int(splits[b])
+        return split_tiles(n, -(-n // s), offset % s)
     return Batch((q_tiles * splits).tolist(), args.heads, 1, ragged=True), cost
 
 

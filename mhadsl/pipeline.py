@@ -201,8 +201,7 @@ def _build_pass(program: CheckedProgram, attention: str, pass_name: str,
     request = KernelRequest(attention, options.arch, options.backend, layout,
                             options.ptx_version,
                             scheduler=declared.scheduler_for(
-                                layout.workload, layout.cache is not None and
-                                layout.cache.balanced))
+                                layout.workload, layout.splits_by_length))
     try:
         return build_kernel(program, request)
     except MhaError as err:

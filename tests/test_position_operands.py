@@ -163,8 +163,8 @@ def test_every_design_reads_position_operands_without_spills(name, arch, backend
     ("decode", dict(gqa_group=4, cache=CacheLayout(0, 16, 64))),
     ("backward", dict(ragged=True, backward=True))])
 def test_a_position_axis_is_read_at_the_sequences_rows(backend, layout):
-    """The same rule over a free axis (`_`: index as given) builds other code: the read
-    adds the sequence's first row and bounds the index by its rows."""
+    """Every design takes the position path: the same rule over free axes (`_`: index as
+    given) builds other code (what the path reads: the host test above)."""
     free = SOURCE.replace("qdoc: i32[queries], kdoc: i32[keys]", "qdoc: i32[_], kdoc: i32[_]")
     builds = [mhadsl.compile(text, name=f"positions_ir_{n}")["packed"].build(
         "sm_90a", backend=backend, **layout).llvm for n, text in enumerate((SOURCE, free))]
@@ -179,3 +179,49 @@ def test_the_flop_count_of_a_ragged_call_reads_each_sequences_rows():
     p = Problem(0, 0, 0, 1, 1, 64, (5, 4))
     pairs = allowed_pairs(PROGRAM["packed"], p, dict(qdoc=docs, kdoc=docs))
     assert pairs == (6 + 3) + 10  # causal within each document
+
+
+def test_the_kernels_rule_reads_each_sequences_own_rows():
+    """The mask hook every design calls, compiled for the host with a ragged call's
+    extents (`TileRules`: first query row, query rows, first key, keys): it reads
+    qdoc[first + q_idx], 0 past the sequence's rows, as the reference does."""
+    import ctypes
+
+    from llvmlite import ir
+
+    from mhadsl.abi import operand_params
+    from mhadsl.codegen.kernel import expr_hooks
+    from mhadsl.codegen.target import HOST, HostJit, new_module
+    kern = PROGRAM["packed"]
+    params = operand_params(kern.options.operands)
+    i32 = ir.IntType(32)
+    types = {"ptr": ir.PointerType(), "i32": i32}
+    module = new_module("position_reads", HOST)
+    fn = ir.Function(module, ir.FunctionType(i32, [i32] * 5 + [types[p.kind] for p in params]),
+                     name="keeps")
+    for arg, p in zip(fn.args[5:], params):
+        arg.name = p.name
+    b = ir.IRBuilder(fn.append_basic_block())
+    seq, q, k, first, rows = fn.args[:5]  # (self-attention: keys are the rows)
+    hooks = expr_hooks(kern.program.checked, kern.options.mask, None, kern.options.operands)
+    keep = hooks.mask(b, seq, i32(0), q, k, rows, rows, extents=(first, rows, first, rows))
+    b.ret(b.zext(keep, i32))
+    jit = HostJit(module)
+    run = ctypes.CFUNCTYPE(ctypes.c_int32, *[ctypes.c_int32] * 5, *(
+        ctypes.c_void_p if p.kind == "ptr" else ctypes.c_int32 for p in params))(
+        jit.address("keeps"))
+    lens = [5, 9, 4]
+    cu = np.concatenate(([0], np.cumsum(lens)))
+    docs = np.array([0, 0, 1, 1, 1, 3, 3, 3, 5, 5, 5, 5, 5, 6, 2, 2, 9, 9], np.int32)
+    tensor = (docs.ctypes.data, len(docs), 1)  # address, size, stride (one axis)
+    checked = 0
+    for b_ in range(3):
+        for q_ in range(-1, lens[b_] + 1):
+            for k_ in range(-1, lens[b_] + 1):
+                got = run(b_, q_, k_, cu[b_], lens[b_], *tensor, *tensor)
+
+                def doc(i):  # the reference's read: the sequence's own rows, else 0
+                    return docs[cu[b_] + i] if 0 <= i < lens[b_] else 0
+                assert got == int(doc(q_) == doc(k_) and k_ <= q_), (b_, q_, k_)
+                checked += 1
+    assert checked == sum((n + 2) ** 2 for n in lens)

@@ -154,6 +154,11 @@ class Layout:
     def workload(self) -> str:
         return "backward" if self.backward else "prefill" if self.cache is None else "decode"
 
+    @property
+    def splits_by_length(self) -> bool:
+        """A decode call's KV splits follow its lengths (`CacheLayout.balanced`)."""
+        return self.cache is not None and self.cache.balanced
+
 
 @dataclass(frozen=True)
 class Problem:

@@ -304,6 +304,13 @@ MIN_SPLIT_TILES = 4  # KV tiles a split covers at least (shorter ones cost more 
 MAX_CHUNK_TILES = 1 << 30  # (keeps the splits' arithmetic in 32 bits)
 
 
+def even_chunk(capacity: int, num_splits: int, block_n: int) -> int:
+    """Cache positions a fixed split covers: the capacity over the splits, in whole KV
+    tiles (the planner may then use fewer splits, none left empty)."""
+    per_split = -(-capacity // num_splits)
+    return -(-per_split // block_n) * block_n
+
+
 def decode_abi(config: DecodeConfig) -> KernelABI:
     abi = APPEND_ABI if config.appends else ABI
     extra = (FP8_PARAMS if config.fp8 else ()) + (BALANCE_PARAMS if config.balanced else ())
@@ -1436,8 +1443,7 @@ class Decode(Backend):
         if config.balanced:
             chunk, splits = 0, min(call.num_splits, -(-capacity // config.block_n))
         else:
-            chunk = -(-capacity // call.num_splits)
-            chunk = -(-chunk // config.block_n) * config.block_n
+            chunk = even_chunk(capacity, call.num_splits, config.block_n)
             splits = -(-capacity // chunk)
         return {"query_rows": call.query_rows, "cache_capacity": call.cache_capacity,
                 "page_table_stride": call.page_table_stride, "q_tiles": q_tiles,

@@ -104,3 +104,9 @@ def balanced_splits(cache_lens, query_rows, *, gqa_group: int, rows: int, block_
     splits = np.clip((2 * n + per) // (2 * per), 1, most)
     splits = np.where(n > 0, -(-n // np.maximum(-(-n // splits), 1)), 1)
     return q_tiles, splits
+
+
+def split_tiles(n: int, per: int, split: int) -> int:
+    """The KV tiles split `split` of a sequence of `n` reads, `per` a split from the first:
+    the last takes what is left, one past the sequence none."""
+    return max(min(per, n - split * per), 0)

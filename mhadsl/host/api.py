@@ -241,8 +241,7 @@ class Kernel:
     def _request(self, layout: Layout, arch: str, backend: str | None) -> KernelRequest:
         return KernelRequest(self.name, arch, backend or self.backend, layout,
                              scheduler=self.options.scheduler_for(
-                                 layout.workload, layout.cache is not None and
-                                 layout.cache.balanced),
+                                 layout.workload, layout.splits_by_length),
                              trace=self.trace)
 
     def scheduler_spec(self, config, design: Backend | None = None) -> SchedulerSpec:

@@ -251,5 +251,11 @@ def decode_operand_rows(call, q_shape, k_shape, table_shape
     sequence dense or in all ragged; the cache's positions a sequence (every sequence's keys
     sit at the same positions, so a `keys` axis is never ragged)."""
     ragged = len(q_shape) == 3
-    capacity = k_shape[1] if call.page_size is None else table_shape[1] * call.page_size
-    return (q_shape[0] if ragged else q_shape[1], capacity), (ragged, False)
+    return (q_shape[0] if ragged else q_shape[1], cache_capacity(call, k_shape, table_shape)), \
+        (ragged, False)
+
+
+def cache_capacity(call: DecodeCall, k_shape, table_shape) -> int:
+    """Positions a sequence's cache holds: the contiguous cache's length, or the page
+    table's pages of `page_size`."""
+    return k_shape[1] if call.page_size is None else table_shape[1] * call.page_size

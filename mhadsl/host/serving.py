@@ -38,14 +38,15 @@ from mhadsl.build import decode_splits_by_length
 from mhadsl.codegen.backends.decode import MIN_SPLIT_TILES, packed_rows
 from mhadsl.host.launcher import launch
 from mhadsl.host.paged import MAX_KV_SPLITS as MAX_SPLITS
-from mhadsl.host.paged import FP8_CACHE, check_decode_call, decode_operand_rows
+from mhadsl.host.paged import (
+    FP8_CACHE, cache_capacity, check_decode_call, decode_operand_rows,
+)
 
 _READ_AND_WRITTEN = ("q", "k_cache", "v_cache", "o")
 # Where the splits follow the lengths: chunks of the batch's work per multiprocessor. With
-# two, longest-first scheduling of 64-128 heavy-tailed sequences (a few 30-60x the median)
-# ends within 4-12 % of the ideal in the list-scheduling model of
-# tests/test_decode_balanced.py, against 10-45 % with one, while uniform batches keep the
-# splits of the fixed rule's one wave or double them; not yet measured on a GPU.
+# two, longest-first scheduling of 64-128 heavy-tailed sequences (one in 16 30-60x the
+# median) ends 4-6 % over the ideal at GQA 32:8, 12-14 % at MQA, in the list-scheduling
+# model of tests/test_decode_balanced.py, against 5-22 % with one; not yet measured.
 CHUNKS_PER_SM = 2
 
 
@@ -333,8 +334,8 @@ def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
     loaded = launcher.load(layout, device)
     config, design = loaded.config, loaded.design
     _, ctas_per_sm = launcher.occupancy(loaded)
-    capacity = k_cache.shape[1] if call.page_size is None else \
-        dev["page_table"].shape[1] * call.page_size
+    capacity = cache_capacity(call, k_cache.shape,
+                              dev["page_table"].shape if call.page_size else None)
     if balanced:  # at most this many a sequence; the device splits each by the lengths
         splits = MAX_SPLITS
     else:
