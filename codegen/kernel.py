@@ -13,13 +13,16 @@ from typing import NamedTuple
 
 from llvmlite import ir
 
-from mhadsl.abi import OPERAND_PREFIX, operand_params, tensor_params
+from mhadsl.abi import (
+    BLOCK_CLASS_PARAMS, OPERAND_PREFIX, classifies_per_call, operand_params, tensor_params,
+)
 from mhadsl.front import ast
-from mhadsl.front.attention_spec import operand_key
+from mhadsl.front.attention_spec import operand_key, rule_reads
 from mhadsl.front.check import CheckedProgram
 from mhadsl.analysis.classify import emit_classify
 from mhadsl.analysis.kv_limits import emit_kv_limits, kv_limits, operand_term
 from mhadsl.analysis.derivative import differentiate_score
+from mhadsl.codegen import block_classes
 from mhadsl.codegen.backends import ExprHooks, KernelArgs, KernelSource, TileSeq, WorkLoop
 from mhadsl.codegen.lower import Builtins, FunctionLowering
 from mhadsl.codegen.nvptx import i32, i64
@@ -84,16 +87,24 @@ def _rule_hook(program: CheckedProgram, rule, roles: tuple[str, ...], result_ty,
 
 
 def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
-               sink_rule=None) -> ExprHooks:
-    """The hooks of a declaration's rules; `operands` its `AttentionOptions.operands`."""
-    params = operand_params(operands)
+               sink_rule=None, per_call: bool = False) -> ExprHooks:
+    """The hooks of a declaration's rules; `operands` its `AttentionOptions.operands`;
+    `per_call`: the call classifies its tiles on the device (`mhadsl.abi.classifies_per_call`),
+    whose classes the tile classification joins (`block_classes.lookup`)."""
+    params = operand_params(operands) + (BLOCK_CLASS_PARAMS if per_call else ())
     mask = _rule_hook(program, mask_rule, MASK_ROLES, BOOL, operands) if mask_rule else None
     score = _rule_hook(program, score_rule, SCORE_ROLES, F32, operands) if score_rule else None
     sink = _rule_hook(program, sink_rule, SINK_ROLES, F32, operands) if sink_rule else None
 
     def classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k):
-        return emit_classify(builder, mask_rule, program, b, h, q_lo, q_hi, kv_lo, kv_hi,
-                             seqlen_q, seqlen_k, _operand_values(builder, operands))
+        may, every = emit_classify(builder, mask_rule, program, b, h, q_lo, q_hi, kv_lo,
+                                   kv_hi, seqlen_q, seqlen_k, _operand_values(builder, operands))
+        if not per_call:
+            return may, every
+        found = block_classes.lookup(builder, b, h if mask_uses_head else None, q_lo, q_hi,
+                                     kv_lo, kv_hi)
+        return builder.and_(may, found[0]), builder.or_(every, found[1])
+    mask_uses_head = mask_rule is not None and rule_reads(mask_rule, "h")
     limits = kv_limits(mask_rule, program)
 
     def row_limits(builder, b, h, q_idx, seqlen_q, seqlen_k):
@@ -104,29 +115,18 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
     return ExprHooks(mask=mask, score=score, sink=sink,
                      positions=any(set(o.axes) & set(POSITION_AXES) for o in operands),
                      classify=classify if mask_rule is not None else None,
-                     mask_uses_head=mask_rule is not None and _reads(mask_rule, "h"),
+                     mask_uses_head=mask_uses_head,
                      score_reads_lengths=score_rule is not None and any(
-                         _reads(score_rule, n) for n in ("seqlen_q", "seqlen_k")),
+                         rule_reads(score_rule, n) for n in ("seqlen_q", "seqlen_k")),
                      kv_limits=row_limits if limits is not None else None, operands=params)
 
 
-def _reads(rule, name: str) -> bool:
-    """Whether the rule's body reads its parameter `name`."""
-    stack = list(rule.body)
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.Name) and node.id == name:
-            return True
-        stack.extend(ast.children(node))
-    return False
-
-
 def backward_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
-                   sink_rule=None) -> ExprHooks:
+                   sink_rule=None, per_call: bool = False) -> ExprHooks:
     """The forward's hooks plus the score rule's derivative d score / d s
     (`mhadsl.analysis.derivative`), lowered like the score; raises `MhaError` where the score rule
     cannot be differentiated."""
-    hooks = expr_hooks(program, mask_rule, score_rule, operands, sink_rule)
+    hooks = expr_hooks(program, mask_rule, score_rule, operands, sink_rule, per_call)
     if score_rule is None:
         return hooks
     rule, derived = differentiate_score(score_rule, program)
@@ -186,13 +186,14 @@ def _opaque(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
 
 
 def kernel_source(program: CheckedProgram, options, target: Target,
-                  trace: bool = False, derivative: bool = False) -> KernelSource:
-    """The hooks and work loop of declaration `options` (`AttentionOptions`); `trace`
-    builds the loop that records every work item; `derivative` adds the score rule's
-    derivative to the hooks (the backward pass: `backward_hooks`)."""
+                  trace: bool = False, workload: str = "prefill") -> KernelSource:
+    """The hooks and work loop of a `workload` build of declaration `options`
+    (`AttentionOptions`); `trace` builds the loop that records every work item; a backward
+    build's hooks add the score rule's derivative (`backward_hooks`)."""
     def work_loop(tile_m: int, gqa_group: int) -> WorkLoop:
         spec = SchedulerSpec(options.scheduler, options.scheduler_args, tile_m, gqa_group)
         return scheduler_work_loop(program, spec, target, trace)
-    hooks = (backward_hooks if derivative else expr_hooks)(program, options.mask, options.score,
-                                                           options.operands, options.sink)
+    hooks = (backward_hooks if workload == "backward" else expr_hooks)(
+        program, options.mask, options.score, options.operands, options.sink,
+        per_call=classifies_per_call(options, workload))
     return KernelSource(hooks, work_loop, trace)

@@ -29,6 +29,7 @@ _PUBLIC = {
     "reference": "mhadsl.analysis.reference",
     "reference_backward": "mhadsl.analysis.reference",
     "reference_decode": "mhadsl.analysis.reference",
+    "reference_block_classes": "mhadsl.analysis.reference",
 }
 
 
@@ -53,4 +54,5 @@ def synchronize(device: int | None = None) -> None:
 
 __all__ = ["MhaError", "SchedulerError", "CudaError", "NoGpuError", "Kernel", "Program",
            "compile", "reference", "reference_backward", "reference_decode",
+           "reference_block_classes",
            "synchronize", "__version__"]

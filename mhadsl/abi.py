@@ -68,7 +68,8 @@ class CallValue:
 
 @dataclass(frozen=True)
 class Workspace:
-    """A per-stream device buffer: "queue" (the workspace above) or "tile_index"."""
+    """A per-stream device buffer: "queue" (the workspace above), "tile_index" or
+    "block_classes"."""
     name: str
 
 
@@ -161,6 +162,58 @@ def tensor_params(operand: str, rank: int) -> tuple[tuple[str, ...], tuple[str, 
     name = OPERAND_PREFIX + operand
     return (tuple(f"{name}_size{i}" for i in range(rank)),
             tuple(f"{name}_stride{i}" for i in range(rank)))
+
+
+# A call whose mask reads data (`AttentionOptions.mask_reads_data`) classifies its tiles on
+# the device before its kernels run (`codegen.block_classes`): a byte per cell of each
+# sequence (and query head, where the mask reads `h`), bit 0 set where the mask keeps some
+# pair of the cell, bit 1 where it keeps every pair of it (the cell's part inside the
+# sequence). A cell is the call's scheduled kernel's tile (query rows by keys), so a tile
+# of that kernel reads one byte; a box across cells is partial.
+CELL_MAY, CELL_ALL = 1, 2
+BLOCK_CLASS_PARAMS: tuple[Param, ...] = (
+    Param("block_classes", "ptr", Workspace("block_classes"), "u8 classes of the call's "
+          "cells, (B, block_heads, block_rows, block_cols) (codegen/block_classes.py)",
+          align=4),
+    Param("block_rows", "i32", CallValue("block_rows"), "cells along the query rows: "
+          "ceil(max_seqlen_q / cell_rows)"),
+    Param("block_cols", "i32", CallValue("block_cols"), "cells along the keys: "
+          "ceil(max_seqlen_k / cell_keys)"),
+    Param("block_heads", "i32", CallValue("block_heads"), "query heads the classes differ "
+          "by: Hq where the mask reads h, else 1"),
+    Param("cell_rows", "i32", CallValue("cell_rows"), "query rows of a cell"),
+    Param("cell_keys", "i32", CallValue("cell_keys"), "keys of a cell"),
+)
+
+
+def classifies_per_call(options, workload: str) -> bool:
+    """Whether a `workload` call of declaration `options` classifies its tiles on the
+    device first: a prefill or backward call whose mask reads data (a decode call's KV
+    tiles stay classified by the interval analysis alone)."""
+    return options.mask_reads_data and workload != "decode"
+
+
+def declaration_params(options, workload: str) -> tuple[Param, ...]:
+    """The parameters every kernel of a `workload` build of declaration `options` takes
+    after its design's own: its operands', then the tile classes' where the call makes
+    them (`classifies_per_call`)."""
+    params = operand_params(options.operands)
+    return params + BLOCK_CLASS_PARAMS if classifies_per_call(options, workload) else params
+
+
+def block_class_values(call: "CallSizes", per_head: bool,
+                       cell: tuple[int, int]) -> dict[str, int]:
+    """The `CallValue`s of `BLOCK_CLASS_PARAMS` for a call (`per_head`: the mask reads h,
+    `AttentionOptions.mask_reads_head`) and cells of `cell` (query rows, keys)."""
+    return {"block_rows": -(-call.max_seqlen_q // cell[0]),
+            "block_cols": -(-call.max_seqlen_k // cell[1]),
+            "block_heads": call.heads if per_head else 1,
+            "cell_rows": cell[0], "cell_keys": cell[1]}
+
+
+def block_class_bytes(values: dict[str, int], batch: int) -> int:
+    """Bytes (cells) of a call's tile classes (`block_class_values`, `batch` sequences)."""
+    return batch * values["block_heads"] * values["block_rows"] * values["block_cols"]
 
 
 def with_operands(abi: KernelABI, operands: tuple[Param, ...]) -> KernelABI:

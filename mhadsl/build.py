@@ -12,8 +12,10 @@ program loaded (imports and the standard library included), the declaration's na
 backend, the call's layout, the target (arch, PTX ISA), LLVM's and llvmlite's versions,
 ptxas's version, and a hash of the compiler's own sources.
 
-The tile index kernel that ragged launches run first (`codegen.tile_index`) is built here
-too (`build_tile_index`), so the runtime only loads and launches what it is handed.
+The tile index kernel that ragged launches run first (`codegen.tile_index`) and the classes
+kernel of a declaration whose mask reads data (`codegen.block_classes`) are built here too
+(`build_tile_index`, `build_block_classes`), so the runtime only loads and launches what it
+is handed.
 """
 from __future__ import annotations
 
@@ -26,10 +28,10 @@ from mhadsl.abi import KernelABI
 from mhadsl.front.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.front.check import CheckedProgram
 from mhadsl.analysis.classify import kv_band_tiles
-from mhadsl.codegen import backends, tile_index
+from mhadsl.codegen import backends, block_classes, tile_index
 from mhadsl.codegen.assemble import Assembled, KernelResources, find_ptxas, run_ptxas
 from mhadsl.codegen.backends import Backend, KernelBuild, Layout
-from mhadsl.codegen.kernel import kernel_source
+from mhadsl.codegen.kernel import expr_hooks, kernel_source
 from mhadsl.codegen.scheduler import SchedulerSpec, may_advance
 from mhadsl.codegen.target import (
     DEFAULT_PTX_VERSION, Target, emit_ptx, gpu_target, new_module, optimize,
@@ -113,7 +115,7 @@ def build_kernel(program: CheckedProgram, request: KernelRequest,
         configs = (build_kernel(program, dataclasses.replace(request, trace=False),
                                 store).config,)
     source = kernel_source(program, resolved.options, resolved.target, request.trace,
-                           derivative=request.layout.workload == "backward")
+                           request.layout.workload)
     build = resolved.backend.build(source, configs, resolved.target)
     store.put(key, _to_entry(build))
     return build
@@ -161,6 +163,40 @@ def tile_index_kernel() -> TileIndexBuild:
     """The tile index kernel ragged launches run, once per process (a backward call asks
     for it on every call): sm_80 PTX, which every later GPU compiles when it loads it."""
     return build_tile_index("sm_80")
+
+
+@dataclass(frozen=True)
+class BlockClassesBuild:
+    """A declaration's classes kernel (`codegen.block_classes`) as the launcher loads and
+    launches it before a call's kernels."""
+
+    ptx: str
+    abi: KernelABI
+    name: str = block_classes.KERNEL_NAME
+    threads: int = block_classes.THREADS  # per CTA
+
+
+def build_block_classes(program: CheckedProgram, kernel: str, ragged: bool,
+                        arch: str = "sm_80",
+                        store: cache.CompileCache | None = None) -> BlockClassesBuild:
+    """The classes kernel of declaration `kernel` (whose mask reads data) for dense or
+    `ragged` calls, as `arch` PTX (sm_80: every later GPU compiles it when it loads it):
+    from the cache when an entry for exactly these inputs is there, else generated and
+    stored (`store`: the default cache if None)."""
+    options = resolve_attention(program.attentions[kernel])
+    hooks = expr_hooks(program, options.mask, None, options.operands)
+    target = gpu_target(arch)
+    store = store if store is not None else cache.CompileCache()
+    key = cache.cache_key(what="block classes kernel", sources=[s.text for s in program.sources],
+                          kernel=kernel, ragged=ragged, **target.cache_fields(),
+                          compiler=cache.compiler_hash())
+    entry = store.get(key)
+    if entry is None or "ptx" not in entry:
+        module = new_module("block_classes", target)
+        block_classes.build_block_classes_kernel(module, hooks, ragged)
+        entry = {"ptx": emit_ptx(optimize(module, target), target).encode()}
+        store.put(key, entry)
+    return BlockClassesBuild(entry["ptx"].decode(), hooks.kernel_abi(block_classes.ABI))
 
 
 @functools.cache

@@ -383,6 +383,29 @@ def _new_workspace(stream: int, device: int) -> _Workspace:
         return ws
 
 
+_stream_buffers: dict[tuple[str, int, int], list[DeviceBuffer]] = {}
+_stream_buffers_lock = threading.Lock()
+
+
+def stream_buffer(name: str, nbytes: int, handle: int, device: int, what: str) -> int:
+    """Device pointer to buffer `name` of (`device`, raw stream `handle`), holding at least
+    `nbytes`: two streams never overwrite each other's. It grows (doubling) when a call needs
+    more; the old one is kept, since a captured graph may still point to it. A stream under
+    CUDA-graph capture cannot allocate: a call that would grow it there raises, naming
+    `what` needs it (run such a call once before capturing, as graphs' warm-up does)."""
+    with _stream_buffers_lock:
+        held = _stream_buffers.setdefault((name, device, handle), [])
+        if not held or held[-1].nbytes < nbytes:
+            if _capturing(handle):
+                raise RuntimeError(
+                    f"{what} needs a larger buffer ({nbytes} bytes) than this stream holds, "
+                    f"and a stream under CUDA-graph capture cannot allocate one: run the "
+                    f"kernel once on a call at least this large before capturing")
+            size = max(nbytes, 2 * held[-1].nbytes if held else 4096)
+            held.append(DeviceBuffer(size, device))
+        return held[-1].ptr
+
+
 def queue_workspace(stream: object = None, device: int | None = None) -> int:
     """Device pointer to the workspace of (`device`, `stream`): the u32 words a kernel's
     `queue` parameter points to (`mhadsl.abi`)."""

@@ -24,7 +24,6 @@ from mhadsl.runtime.launch import LaunchPlan
 
 _lock = threading.Lock()
 _functions: dict[tuple[str, int], driver.Function] = {}  # by (PTX, device)
-_buffers: dict[tuple[int, int], list[driver.DeviceBuffer]] = {}
 
 
 def _function(kernel, device: int) -> driver.Function:
@@ -40,20 +39,9 @@ def buffer(batch: int, stream: object = None, device: int | None = None) -> int:
     """Device pointer to the index buffer of (`device`, `stream`), holding at least
     `tile_index_words(batch)` words."""
     dev = driver.ensure_context(device)
-    handle = driver.stream_handle(stream)
-    nbytes = 4 * tile_index_words(batch)
-    with _lock:
-        held = _buffers.setdefault((dev, handle), [])
-        if not held or held[-1].nbytes < nbytes:
-            if driver._capturing(handle):
-                raise RuntimeError(
-                    f"a ragged launch of {batch} sequences needs a larger tile index than this "
-                    f"stream holds, and a stream under CUDA-graph capture cannot allocate "
-                    f"one: run the kernel once with at least {batch} sequences before "
-                    f"capturing")
-            size = max(nbytes, 2 * held[-1].nbytes if held else 4096)
-            held.append(driver.DeviceBuffer(size, dev))
-        return held[-1].ptr
+    return driver.stream_buffer("tile_index", 4 * tile_index_words(batch),
+                                driver.stream_handle(stream), dev,
+                                f"a ragged launch of {batch} sequences")
 
 
 class IndexPlan:

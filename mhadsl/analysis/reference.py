@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from mhadsl.abi import CELL_ALL, CELL_MAY
 from mhadsl.front import ast
 from mhadsl.front.attention_spec import operand_key, operand_values
 from mhadsl.front.builtin_functions import FUNCTIONS
@@ -526,6 +527,55 @@ def reference(kernel, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
                                **_kernel_rules(kernel, call.scale, call.cu_seqlens_q,
                                                call.cu_seqlens_k, values, call.batch,
                                                call.heads, *_operand_rows(q, k, call)))
+
+
+def reference_block_classes(kernel, q, k, *, cell: tuple[int, int], cu_seqlens_q=None,
+                            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                            **operands) -> np.ndarray:
+    """The tile classes a call `kernel(q, k, v, ...)` of a declaration whose mask reads data
+    finds on the device before its kernels run (`codegen.block_classes`), for cells of
+    `cell` (query rows, keys: the scheduled kernel's tile), from the mask's NumPy meaning:
+    uint8 (B, heads the classes differ by (Hq where the mask reads h, else 1),
+    ceil(max_seqlen_q / rows), ceil(max_seqlen_k / keys)), each cell's bits as `mhadsl.abi`
+    lays them out (0 for a cell outside its sequence). q and k give the call's shapes
+    only."""
+    _check_kernel(kernel, "reference_block_classes")
+    opts = kernel.options
+    if not opts.mask_reads_data:
+        raise ValueError(f"kernel '{kernel.name}' classifies its tiles at compile time: its "
+                         f"mask reads no tensor operand per pair")
+    values = operand_values(opts, operands)
+    call = _checked_call(kernel, "reference_block_classes", q, k, k, cu_seqlens_q,
+                         cu_seqlens_k, max_seqlen_q, max_seqlen_k, None)
+    rules = _kernel_rules(kernel, call.scale, call.cu_seqlens_q, call.cu_seqlens_k, values,
+                          call.batch, call.heads, *_operand_rows(q, k, call))
+    cell_rows, cell_keys = cell
+    rows, cols = -(-call.max_seqlen_q // cell_rows), -(-call.max_seqlen_k // cell_keys)
+    heads = call.heads if opts.mask_reads_head else 1
+    found = np.zeros((call.batch, heads, rows, cols), np.uint8)
+    for b in range(call.batch):
+        if call.ragged:
+            q_rows = slice(call.cu_seqlens_q[b], call.cu_seqlens_q[b + 1])
+            k_rows = slice(call.cu_seqlens_k[b], call.cu_seqlens_k[b + 1])
+            sq, sk = q_rows.stop - q_rows.start, k_rows.stop - k_rows.start
+        else:
+            q_rows = k_rows = b
+            sq, sk = call.seqlen_q, call.seqlen_k
+        seq_operands = {n: v.of_sequence(q_rows, k_rows) if isinstance(v, _Positions) else v
+                        for n, v in rules["operands"].items()}
+        for h in range(heads):
+            keep = np.broadcast_to(evaluate_rule(
+                opts.mask, rules["program"], seq_operands, b=b, h=h,
+                q_idx=np.arange(sq)[:, None], kv_idx=np.arange(sk)[None, :], seqlen_q=sq,
+                seqlen_k=sk), (sq, sk))
+            some = np.zeros((rows * cell_rows, cols * cell_keys), bool)
+            every = np.ones_like(some)
+            some[:sq, :sk] = keep
+            every[:sq, :sk] = keep
+            some = some.reshape(rows, cell_rows, cols, cell_keys).any(axis=(1, 3))
+            every = every.reshape(rows, cell_rows, cols, cell_keys).all(axis=(1, 3))
+            found[b, h] = np.where(some, CELL_MAY | np.where(every, CELL_ALL, 0), 0)
+    return found
 
 
 def _operand_rows(q, k, call) -> tuple[tuple[int, int], tuple[bool, bool]]:

@@ -234,7 +234,7 @@ def run_trace(program: Program, kernel: str, workload: Workload, *, scheduler: s
     config = loaded.config
     spec = traced.scheduler_spec(config, loaded.design)
     planned, = traced.launcher.plans.values()  # (the one call signature it ran)
-    grid = planned.plans[0].grid
+    grid = planned.plans[-1].grid
     run = TraceRun(kernel, spec.name, spec.args, workload, info.name, loaded.design.name,
                    loaded.build.arch, config.block_m, config.block_n,
                    info.multiprocessor_count, ctas_per_sm, grid, records, written,

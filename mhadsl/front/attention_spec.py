@@ -134,6 +134,9 @@ class AttentionOptions:
     # the KV tiles a mid-sequence query tile visits where the mask bounds them (a sliding
     # window; `classify.kv_band_tiles`), set when a build is planned; None: unbounded
     kv_band: int | None = None
+    # the mask reads a tensor operand at elements that differ between a tile's pairs
+    # (`mask_reads_data`): a call classifies its tiles on the device (`codegen.block_classes`)
+    mask_reads_data: bool = False
     decl: ast.AttentionDecl | None = field(default=None, compare=False, repr=False)
 
     def scheduler_for(self, workload: str, balanced: bool = False
@@ -145,6 +148,11 @@ class AttentionOptions:
         if workload == "decode" and not self.scheduler_named:
             return (BALANCED_DECODE_SCHEDULER if balanced else DECODE_DEFAULT_SCHEDULER), ()
         return self.scheduler, self.scheduler_args
+
+    @property
+    def mask_reads_head(self) -> bool:
+        """Whether the mask reads `h` (its tiles' classes may differ per query head)."""
+        return self.mask is not None and rule_reads(self.mask, "h")
 
     def softmax_scale(self) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
@@ -251,4 +259,62 @@ def resolve_attention(decl: ast.AttentionDecl) -> AttentionOptions:
         fields[rule.name] = rule
     if "scheduler" not in fields and "mask" not in fields:
         fields["scheduler"] = UNMASKED_DEFAULT_SCHEDULER
+    if "mask" in fields:
+        fields["mask_reads_data"] = mask_reads_data(fields["mask"], fields["operands"])
     return AttentionOptions(**fields)
+
+
+def mask_reads_data(mask: ast.Rule, operands: tuple[Operand, ...]) -> bool:
+    """Whether `mask` reads a tensor operand at an element that may differ between the
+    pairs of one (query tile, KV tile) box: along a `queries` or `keys` axis, or at an index
+    made of anything but the sequence, the head, the lengths, scalar operands and literals
+    (a local, a tensor element, `q_idx`, `kv_idx`). The interval classification takes such
+    an element as any value, so these masks' tiles are classified per call."""
+    tensors = {o.name: o for o in operands if o.axes}
+    if not tensors:
+        return False
+    fixed = {"b", "h", "seqlen_q", "seqlen_k"} | {o.name for o in operands if not o.axes}
+    todo = list(mask.body)
+    while todo:
+        node = todo.pop()
+        todo.extend(ast.children(node))
+        if not isinstance(node, ast.Index):
+            continue
+        base = node
+        while isinstance(base, ast.Index):
+            base = base.obj
+        if not (isinstance(base, ast.Name) and base.id in tensors):
+            continue
+        if set(tensors[base.id].axes) & {"queries", "keys"} or not _over_box(
+                node, base, fixed):
+            return True
+    return False
+
+
+def rule_reads(rule: ast.Rule, name: str) -> bool:
+    """Whether the rule's body reads its parameter (or implicit length) `name`."""
+    stack = list(rule.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Name) and node.id == name:
+            return True
+        stack.extend(ast.children(node))
+    return False
+
+
+def _over_box(read: ast.Index, base: ast.Name, fixed: set[str]) -> bool:
+    """Whether every index of the tensor read `read` (of `base`) is one value over a box:
+    made of the names in `fixed`, literals and builtin calls on them."""
+    node = read
+    while node is not base:
+        todo = [node.index]
+        while todo:
+            e = todo.pop()
+            if isinstance(e, ast.Name) and e.id not in fixed:
+                return False
+            if isinstance(e, ast.Index):
+                return False
+            todo.extend(x for x in ast.children(e) if not (
+                isinstance(e, ast.Call) and x is e.func))
+        node = node.obj
+    return True

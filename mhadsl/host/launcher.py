@@ -10,7 +10,8 @@ whose values are the call's sizes (`CallSizes.values`), the design's own
 (`Backend.call_values`) and the device's; every kernel takes the declaration's operands after
 its design's parameters (`mhadsl.abi.with_operands`), their values packed at each launch. A
 ragged call's scheduled kernel builds its tile index first, over the row offsets its design
-names (`Backend.tile_offsets`).
+names (`Backend.tile_offsets`). A call whose mask reads data classifies its tiles first
+(`ClassesPlan`: the declaration's classes kernel, `codegen.block_classes`).
 
 The forward (`mhadsl.host.forward`), decode (`mhadsl.host.serving`) and backward
 (`mhadsl.host.backward`) calls check their arguments, plan through here once per call
@@ -22,8 +23,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mhadsl.abi import CallSizes, operand_params, with_operands
-from mhadsl.build import RequestError, tile_index_kernel
+from mhadsl.abi import (
+    CallSizes, block_class_bytes, block_class_values, classifies_per_call,
+    declaration_params, with_operands,
+)
+from mhadsl.build import RequestError, build_block_classes, tile_index_kernel
 from mhadsl.codegen import backends
 from mhadsl.codegen.backends import Backend, KernelBuild, Layout
 from mhadsl.runtime.launch import LaunchPlan, TensorShape
@@ -60,6 +64,9 @@ class Launcher:
         # per-stream scratch buffers (stream -> {name: buffer}), by (device, the bytes of
         # each): a call planned again (not a torch signature's) reuses its stream's
         self.scratch: dict[tuple, dict] = {}
+        # the classes kernel (`classes_plan`), loaded: (build, module, function) by
+        # (ragged, device)
+        self.classes: dict[tuple, tuple] = {}
 
     def load(self, layout: Layout, device: int) -> Loaded:
         """The build of `layout` for `device`, loaded (once)."""
@@ -123,7 +130,12 @@ class Launcher:
         values = {**call.values(), **design.call_values(config, call), "num_sms": num_sms,
                   "ctas_per_sm": ctas_per_sm}
         plans = []
-        operands = operand_params(self.kernel.options.operands)
+        options = self.kernel.options
+        operands = declaration_params(options, loaded.layout.workload)
+        if classifies_per_call(options, loaded.layout.workload):
+            values.update(block_class_values(call, options.mask_reads_head,
+                                             (config.block_m, config.block_n)))
+            plans.append(self.classes_plan(loaded, call, tensors, values))
         for kernel in design.kernels(config):
             index = None
             if kernel.grid is not None:
@@ -144,8 +156,64 @@ class Launcher:
         return plans
 
 
-def launch(plans: list[LaunchPlan], addresses: Mapping[str, int], stream: int,
+    def classes_plan(self, loaded: Loaded, call: CallSizes,
+                     tensors: Mapping[str, TensorShape | None], values: dict) -> ClassesPlan:
+        """The launch of the declaration's classes kernel (`codegen.block_classes`) for a
+        call of these sizes."""
+        from mhadsl.runtime import driver
+        kernel, ragged = self.kernel, loaded.layout.ragged
+        key = (ragged, loaded.device)
+        if key not in self.classes:
+            build = build_block_classes(kernel.program.checked, kernel.name, ragged)
+            module = driver.Module.from_ptx(build.ptx.encode(), loaded.device)
+            self.classes[key] = (build, module, module.function(build.name))
+        build, _, function = self.classes[key]
+        cells = block_class_bytes(values, call.batch)
+        if cells > MAX_CELLS:
+            raise ValueError(f"kernel '{kernel.name}': the call's tile classes would take "
+                             f"{cells} cells, more than one launch classifies ({MAX_CELLS})")
+        grid = (max(1, -(-cells * 32 // build.threads)), 1, 1)
+        return ClassesPlan(LaunchPlan(function, grid, build.threads, 0, build.abi, None,
+                                      loaded.device, tensors, values), cells, loaded.device)
+
+
+# the cells one classes launch covers: a warp each, at most 2**31 - 1 CTAs of 4 warps
+MAX_CELLS = (2**31 - 1) * 4
+
+
+@dataclass
+class ClassesPlan:
+    """A call's classes kernel (`codegen.block_classes`), which fills its stream's
+    `block_classes` buffer before the call's kernels read it, unless the call passes its
+    own (`mhadsl.BlockClasses`)."""
+
+    plan: LaunchPlan
+    nbytes: int
+    device: int
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return self.plan.grid
+
+    def prepare(self, addresses: Mapping[str, int], stream: int,
+                scalars: Mapping | None) -> Mapping[str, int]:
+        """`addresses` with the call's classes: those passed, else its stream's buffer,
+        filled by the kernel queued on `stream` here."""
+        if addresses.get("block_classes"):
+            return addresses
+        from mhadsl.runtime import driver
+        buffer = driver.stream_buffer("block_classes", self.nbytes, stream, self.device,
+                                      "a call whose mask reads data")
+        addresses = {**addresses, "block_classes": buffer}
+        self.plan.launch(addresses, stream, scalars=scalars)
+        return addresses
+
+
+def launch(plans: list, addresses: Mapping[str, int], stream: int,
            workspace: int | None = None, scalars: Mapping | None = None) -> None:
     """Queue a call's launches on `stream`, in order; `scalars`: its operands' values."""
     for plan in plans:
-        plan.launch(addresses, stream, workspace, scalars)
+        if isinstance(plan, ClassesPlan):
+            addresses = plan.prepare(addresses, stream, scalars)
+        else:
+            plan.launch(addresses, stream, workspace, scalars)

@@ -1,0 +1,289 @@
+"""Tile classes found per call for masks that read data (`codegen.block_classes`): which
+declarations need them, the classes kernel's walk over a cell and the kernels' lookup, each
+compiled for the host from the same IR builders and compared with the mask's NumPy meaning
+(`mhadsl.reference_block_classes`), and the builds that take them (no GPU needed)."""
+import ctypes
+
+import numpy as np
+import pytest
+from llvmlite import binding, ir
+
+import mhadsl
+from mhadsl.abi import CELL_ALL, CELL_MAY, Extent, Pointer, Stride, operand_params
+from mhadsl.codegen import block_classes
+from mhadsl.codegen.assemble import find_ptxas
+from mhadsl.codegen.kernel import expr_hooks
+from mhadsl.codegen.nvptx import i32, i64
+
+SOURCE = """
+import "std/schedulers.mha"
+attention packed(doc: i32[queries], doc_k: i32[keys]) {
+    dtype = bf16  head_dim = 64
+    mask(b, h, q_idx, kv_idx) = doc[q_idx] == doc_k[kv_idx] && kv_idx <= q_idx
+}
+attention per_batch(doc: i32[batch, _]) {
+    dtype = bf16  head_dim = 64
+    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx && doc[b][q_idx] == doc[b][kv_idx]
+}
+attention per_head(table: i32[heads, _]) {
+    dtype = bf16  head_dim = 64
+    mask(b, h, q_idx, kv_idx) = table[h][q_idx / 16] >= kv_idx / 16 || kv_idx == 0
+}
+attention prefix_lm(prefix: i32[batch]) {
+    dtype = bf16  head_dim = 64
+    mask(b, h, q_idx, kv_idx) = kv_idx < prefix[b] || kv_idx <= q_idx
+}
+attention shifted(table: i32[heads, _], w: i32) {
+    dtype = bf16  head_dim = 64
+    mask(b, h, q_idx, kv_idx) = table[h][min(h, w)] > kv_idx
+}
+attention scored(bias: f32[heads, _]) {
+    dtype = bf16  head_dim = 64
+    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx
+    score(s, b, h, q_idx, kv_idx) = s + bias[h][q_idx - kv_idx]
+}
+"""
+PROGRAM = mhadsl.compile(SOURCE, name="block_classes")
+RNG = np.random.default_rng(0)
+
+
+@pytest.mark.parametrize("name, reads", [
+    ("packed", True), ("per_batch", True), ("per_head", True),
+    ("prefix_lm", False),  # one element per sequence: the interval analysis reads it
+    ("shifted", False),  # an index of the head and a scalar: one element per tile
+    ("scored", False),  # the score reads data, the mask does not
+])
+def test_which_masks_read_data(name, reads):
+    assert PROGRAM[name].options.mask_reads_data is reads
+
+
+def _documents(lengths):
+    return np.concatenate([np.sort(RNG.integers(0, 3, n)) for n in lengths]).astype(np.int32)
+
+
+def _call(name, lengths, ragged):
+    """A call's q, k, keyword arguments and host operand arrays, heads 4."""
+    heads = 4
+    if ragged:
+        cu = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+        total = int(cu[-1])
+        q = np.zeros((total, heads, 64))
+        kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                      max_seqlen_k=max(lengths))
+    else:
+        total = lengths[0]
+        q = np.zeros((len(lengths), total, heads, 64))
+        kwargs = {}
+    if name == "packed":
+        docs = _documents(lengths if ragged else [total])
+        operands = dict(doc=docs, doc_k=docs)
+    elif name == "per_batch":
+        operands = dict(doc=np.stack([_documents([total]) for _ in lengths]))
+    else:
+        width = -(-max(lengths) // 16)
+        operands = dict(table=RNG.integers(-2, width + 2, (heads, width)).astype(np.int32))
+    return q, kwargs, operands
+
+
+@pytest.fixture(scope="module")
+def host_walk():
+    """The classes kernel's walk over a cell (`block_classes.cell_function`), compiled for
+    the host per (declaration, ragged): walk(cell, lane, lanes, values) -> class bits."""
+    binding.initialize_native_target()
+    binding.initialize_native_asmprinter()
+    engines = {}
+
+    def build(name, ragged):
+        if (name, ragged) in engines:
+            return engines[name, ragged][1]
+        options = PROGRAM[name].options
+        hooks = expr_hooks(PROGRAM.checked, options.mask, None, options.operands)
+        abi = hooks.kernel_abi(block_classes.ABI)
+        module = ir.Module("walk")
+        module.triple = binding.get_default_triple()
+        block_classes.cell_function(module, abi, hooks, ragged, ir.PointerType())
+        machine = binding.Target.from_default_triple().create_target_machine()
+        engine = binding.create_mcjit_compiler(binding.parse_assembly(str(module)), machine)
+        engine.finalize_object()
+        kinds = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64}
+        fn = ctypes.CFUNCTYPE(ctypes.c_int32, *[kinds[p.kind] for p in abi], ctypes.c_int64,
+                              ctypes.c_int32, ctypes.c_int32)(
+            engine.get_function_address(block_classes.CELL_FUNCTION))
+
+        def walk(cell, lane, lanes, values):
+            return fn(*[values[p.name] for p in abi], cell, lane, lanes)
+        engines[name, ragged] = (engine, walk)
+        return walk
+    return build
+
+
+def _values(name, q, kwargs, operands, want, cell):
+    """The walk's arguments by parameter name, for a call (`want`: the reference table) and
+    cells of `cell`."""
+    options = PROGRAM[name].options
+    batch, heads, rows, cols = want.shape
+    ragged = "cu_seqlens_q" in kwargs
+    held = []
+
+    def address(array):
+        array = np.ascontiguousarray(array)
+        held.append(array)
+        return array.ctypes.data
+    values = {"batch": batch, "block_heads": heads, "block_rows": rows, "block_cols": cols,
+              "seqlen_q": 0 if ragged else q.shape[1], "seqlen_k": 0 if ragged else q.shape[1],
+              "block_classes": 0, "cell_rows": cell[0], "cell_keys": cell[1]}
+    for offsets in ("cu_seqlens_q", "cu_seqlens_k"):
+        values[offsets] = address(kwargs[offsets]) if ragged else 0
+    arrays = {"operand_" + n: np.ascontiguousarray(v) for n, v in operands.items()}
+    for p in operand_params(options.operands):
+        b = p.binding
+        if isinstance(b, Pointer):
+            values[p.name] = address(arrays[b.tensor])
+        elif isinstance(b, Extent):
+            values[p.name] = arrays[b.tensor].shape[b.axis]
+        elif isinstance(b, Stride):
+            values[p.name] = arrays[b.tensor].strides[b.axis] // 4
+    return values, held
+
+
+@pytest.mark.parametrize("name, lengths, ragged, cell", [
+    ("packed", [1, 300, 129, 64, 70], True, (64, 64)),
+    ("packed", [400, 400], False, (128, 112)),
+    ("per_batch", [450, 450, 450], False, (192, 128)),
+    ("per_head", [130, 7, 256], True, (64, 128)),
+    ("per_head", [150], False, (128, 176)),
+])
+def test_the_walk_over_a_cell_is_the_masks_meaning(host_walk, name, lengths, ragged, cell):
+    """Every cell's class, from the walk of one lane over all its keys and from 32 lanes'
+    walks joined as the kernel's vote joins them, is the class of its pairs under the
+    mask's NumPy meaning (cells outside their sequence 0, the sequences' edges inside)."""
+    q, kwargs, operands = _call(name, lengths, ragged)
+    want = mhadsl.reference_block_classes(PROGRAM[name], q, q, cell=cell, **kwargs,
+                                          **operands)
+    values, _held = _values(name, q, kwargs, operands, want, cell)
+    walk = host_walk(name, ragged)
+    got = np.zeros_like(want)
+    joined = np.zeros_like(want)
+    for cell in range(want.size):
+        got.flat[cell] = walk(cell, 0, 1, values)
+        lanes = [walk(cell, lane, 32, values) for lane in range(32)]
+        some = any(bits & CELL_MAY for bits in lanes)
+        every = all(bits & CELL_ALL for bits in lanes)
+        joined.flat[cell] = (CELL_MAY | (CELL_ALL if every else 0)) if some else 0
+    assert CELL_MAY in want  # partial cells, which the walk decides pair by pair
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(joined, want)
+
+
+def test_the_reference_classes_of_packed_documents():
+    """Two documents of 64 rows each, causal inside, in cells of 32 by 32: partial on the
+    diagonal, full below it inside a document, empty across documents."""
+    doc = np.repeat(np.array([0, 1], np.int32), 64)
+    q = np.zeros((1, 128, 4, 64))
+    got = mhadsl.reference_block_classes(PROGRAM["per_batch"], q, q, cell=(32, 32),
+                                         doc=doc[None])
+    assert got.shape == (1, 1, 4, 4)
+    full = CELL_MAY | CELL_ALL
+    np.testing.assert_array_equal(got[0, 0], [[CELL_MAY, 0, 0, 0], [full, CELL_MAY, 0, 0],
+                                              [0, 0, CELL_MAY, 0], [0, 0, full, CELL_MAY]])
+    with pytest.raises(ValueError, match="classifies its tiles at compile time"):
+        mhadsl.reference_block_classes(PROGRAM["prefix_lm"], q, q, cell=(64, 64),
+                                       prefix=np.array([3]))
+
+
+@pytest.fixture(scope="module")
+def host_lookup():
+    """`block_classes.lookup` compiled for the host: lookup(table, rows, cols, heads,
+    cell_rows, cell_keys, b, h, q_lo, q_hi, kv_lo, kv_hi) -> may | every << 1, by whether
+    the classes differ by head."""
+    binding.initialize_native_target()
+    binding.initialize_native_asmprinter()
+    module = ir.Module("lookup")
+    module.triple = binding.get_default_triple()
+    names = ("block_classes", "block_rows", "block_cols", "block_heads", "cell_rows",
+             "cell_keys", "b", "h", "q_lo", "q_hi", "kv_lo", "kv_hi")
+    for per_head in (False, True):
+        fn = ir.Function(module, ir.FunctionType(i32, [ir.PointerType()] + [i32] * 11),
+                         f"lookup{int(per_head)}")
+        for arg, n in zip(fn.args, names):
+            arg.name = n
+        a = dict(zip(names, fn.args))
+        b = ir.IRBuilder(fn.append_basic_block())
+        may, every = block_classes.lookup(b, a["b"], a["h"] if per_head else None, a["q_lo"],
+                                          a["q_hi"], a["kv_lo"], a["kv_hi"])
+        b.ret(b.or_(b.zext(may, i32), b.shl(b.zext(every, i32), i32(1))))
+    machine = binding.Target.from_default_triple().create_target_machine()
+    engine = binding.create_mcjit_compiler(binding.parse_assembly(str(module)), machine)
+    engine.finalize_object()
+    yield {per_head: ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, *[ctypes.c_int32] * 11)(
+        engine.get_function_address(f"lookup{int(per_head)}")) for per_head in (False, True)}
+    del engine
+
+
+def test_a_boxs_class_is_its_cells(host_lookup):
+    """A box inside one cell takes the cell's class; one across cells, or in a cell past
+    the table (a sequence longer than the call said: never read), is partial; an empty box
+    keeps nothing."""
+    seen = set()
+    for trial in range(600):
+        batch, heads, rows, cols = (int(x) for x in RNG.integers(1, 5, 4))
+        cell_rows, cell_keys = (int(x) for x in RNG.choice([64, 112, 128, 192], 2))
+        table = RNG.choice([0, CELL_MAY, CELL_MAY | CELL_ALL], (batch, heads, rows, cols),
+                           p=[0.3, 0.3, 0.4]).astype(np.uint8)
+        per_head = bool(trial % 2)
+        b, h = int(RNG.integers(batch)), int(RNG.integers(heads))
+        qc, kc = int(RNG.integers(rows + 1)), int(RNG.integers(cols + 1))
+        q_lo = qc * cell_rows + int(RNG.integers(0, cell_rows))
+        kv_lo = kc * cell_keys + int(RNG.integers(0, cell_keys))
+        q_hi = q_lo + int(RNG.integers(-1, cell_rows))
+        kv_hi = kv_lo + int(RNG.integers(-1, cell_keys))
+        if q_hi < q_lo or kv_hi < kv_lo:
+            want, case = CELL_ALL, "empty"
+        elif q_hi // cell_rows != qc or kv_hi // cell_keys != kc:
+            want, case = CELL_MAY, "across"
+        elif qc >= rows or kc >= cols:
+            want, case = CELL_MAY, "past"
+        else:
+            want, case = int(table[b, h if per_head else 0, qc, kc]), "inside"
+            want = want if want else CELL_ALL * 0
+        seen.add(case)
+        got = host_lookup[per_head](table.ctypes.data, rows, cols, heads, cell_rows,
+                                    cell_keys, b, h if per_head else 0, q_lo, q_hi, kv_lo,
+                                    kv_hi)
+        assert got == want, (trial, case)
+    assert seen == {"empty", "across", "past", "inside"}
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_every_build_of_a_data_mask_takes_the_classes(arch, ragged):
+    """The forward designs (dense, ragged) and the backward's take the call's classes after
+    the operands and assemble without spills; the classes kernel too; a mask the interval
+    analysis reads takes none."""
+    kern = PROGRAM["packed"]
+    builds = [kern.build(arch, ragged=ragged, backend=backend) for backend in
+              (("sm80", "sm90") if arch == "sm_90a" else ("sm80",))]
+    builds.append(kern.build(arch, ragged=ragged, backward=True))
+    for build in builds:
+        assert "%\"block_classes\"" in build.llvm, build.backend
+        for name, k in build.assembled.kernels.items():
+            assert k.spills == 0, (build.backend, name)
+    from mhadsl.build import build_block_classes
+    from mhadsl.codegen.assemble import assemble
+    classes = build_block_classes(PROGRAM.checked, "packed", ragged, arch)
+    assert classes.abi["block_classes"].name == "block_classes"
+    assert all(k.spills == 0 for k in assemble(classes.ptx, arch).kernels.values())
+    plain = PROGRAM["prefix_lm"].build(arch, ragged=ragged)
+    assert "block_classes" not in plain.llvm
+
+
+def test_a_calls_cells_are_its_scheduled_kernels_tiles():
+    from mhadsl.abi import CallSizes, block_class_bytes, block_class_values
+    call = CallSizes(batch=3, heads=8, kv_heads=2, seqlen_q=0, seqlen_k=0, max_seqlen_q=300,
+                     max_seqlen_k=129, total_q=500, ragged=True, scale=1.0)
+    values = block_class_values(call, False, (128, 64))
+    assert values == {"block_rows": 3, "block_cols": 3, "block_heads": 1, "cell_rows": 128,
+                      "cell_keys": 64}
+    assert block_class_bytes(values, call.batch) == 27
+    assert block_class_values(call, True, (64, 64))["block_heads"] == 8
