@@ -287,3 +287,17 @@ def test_a_calls_cells_are_its_scheduled_kernels_tiles():
                       "cell_keys": 64}
     assert block_class_bytes(values, call.batch) == 27
     assert block_class_values(call, True, (64, 64))["block_heads"] == 8
+
+
+def test_classes_are_refused_where_a_call_makes_none():
+    """Without a GPU: the checks that come before the device."""
+    q = np.zeros((1, 64, 4, 64), np.float32)
+    with pytest.raises(TypeError, match="classifies its tiles at compile time"):
+        PROGRAM["prefix_lm"].block_classes(q, q, q, prefix=np.array([3], np.int32))
+    with pytest.raises(TypeError, match="a call against a KV cache classifies"):
+        PROGRAM["packed"](q[:, :1], q, q, cache_seqlens=np.array([64], np.int32),
+                          block_classes=object(), doc=np.zeros(1, np.int32),
+                          doc_k=np.zeros(64, np.int32))
+    with pytest.raises(mhadsl.MhaError, match="block_classes"):
+        mhadsl.compile("attention a(block_classes: i32) { dtype = bf16  head_dim = 64 }",
+                       name="bad.mha")

@@ -507,12 +507,12 @@ DECODE_ARGUMENTS = ("cache_seqlens", "page_table", "num_splits", "k_new", "v_new
 
 def reference(kernel, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
               max_seqlen_k=None, scale: float | None = None, out=None,
-              return_lse: bool | None = None, stream=None, **operands):
+              return_lse: bool | None = None, stream=None, block_classes=None, **operands):
     """What `kernel(q, k, v, ...)` computes, in NumPy float64: the call's arguments, checked
     as the call checks them (`mhadsl.host.calls.check_attention_call`), the declaration's
-    operands by name. `out` and `stream` are taken so that a call's arguments pass as they
-    are, and not used: the result is a new array. A call against a KV cache has its own
-    reference, `reference_decode`."""
+    operands by name. `out`, `stream` and `block_classes` are taken so that a call's
+    arguments pass as they are, and not used: the result is a new array. A call against a
+    KV cache has its own reference, `reference_decode`."""
     given = [n for n in operands if n in DECODE_ARGUMENTS]
     if given:
         raise TypeError(f"mhadsl.reference() got {', '.join(given)}: the reference of a "

@@ -34,7 +34,7 @@ OPERAND_TYPES = {"i32": I32, "f32": F32}
 CALL_KEYWORDS = frozenset((
     "q", "k", "v", "out", "lse", "dout", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
     "max_seqlen_k", "scale", "return_lse", "stream", "cache_seqlens", "page_table",
-    "num_splits", "deterministic", "k_cache", "v_cache", "k_new", "v_new"))
+    "num_splits", "deterministic", "k_cache", "v_cache", "k_new", "v_new", "block_classes"))
 
 
 def operand_key(name: str) -> tuple[str, str]:

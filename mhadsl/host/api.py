@@ -319,13 +319,17 @@ class Kernel:
                  max_seqlen_k=None, scale: float | None = None, out=None,
                  return_lse: bool | None = None, stream=None, cache_seqlens=None,
                  page_table=None, num_splits: int | None = None, k_new=None, v_new=None,
-                 k_scale: float | None = None, v_scale: float | None = None, **operands):
+                 k_scale: float | None = None, v_scale: float | None = None,
+                 block_classes=None, **operands):
         # the declaration's operands by name, checked before anything else (None: it has none)
         values = operand_values(self.options, operands) \
             if operands or self.options.operands else None
         if cache_seqlens is not None or page_table is not None or num_splits is not None \
                 or k_new is not None or v_new is not None or k_scale is not None \
                 or v_scale is not None:
+            if block_classes is not None:
+                raise TypeError("block_classes= is for calls with k and v; a call against a "
+                                "KV cache classifies its tiles at compile time")
             # k and v are a KV cache (`mhadsl.host.serving`)
             if cache_seqlens is None:
                 raise ValueError("a call against a KV cache needs cache_seqlens (int32, one "
@@ -338,7 +342,20 @@ class Kernel:
                           scale, out, return_lse, stream, num_splits, values, k_new, v_new,
                           k_scale, v_scale)
         return forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       scale, out, return_lse, stream, values)
+                       scale, out, return_lse, stream, values, block_classes)
+
+    def block_classes(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None,
+                      max_seqlen_q=None, max_seqlen_k=None, return_lse: bool | None = None,
+                      stream=None, **operands):
+        """The tile classes of the call `self(q, k, v, ...)` with these arguments, for a
+        declaration whose mask reads tensor operands per pair: made once on the device,
+        passed to many calls as `block_classes=` (each then runs no classes kernel of its
+        own). Device tensors only; what they are keyed by: `mhadsl.host.forward.BlockClasses`."""
+        from mhadsl.host.forward import block_classes
+        values = operand_values(self.options, operands) \
+            if operands or self.options.operands else None
+        return block_classes(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, return_lse, stream, values)
 
     def specialize(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                    max_seqlen_k=None, return_lse: bool | None = None):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mhadsl.abi import CallSizes
+from mhadsl.abi import OPERAND_PREFIX, CallSizes
 from mhadsl.host.calls import (
     DTYPE_NAMES, AddressChecks, DeviceCopies, check_attention_call, check_flag, check_output,
     check_rows, operand_views, tensor_operands,
@@ -26,14 +26,15 @@ from mhadsl.host.calls import (
     torch_stream, typed_key,
 )
 from mhadsl.codegen.backends import Layout
-from mhadsl.host.launcher import launch
+from mhadsl.host.launcher import ClassesPlan, launch
 
 
 def forward(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, stream,
-            operands: dict | None):
+            operands: dict | None, classes: BlockClasses | None = None):
     """`kernel`'s attention of q against k and v (`Kernel.__call__`; positional, as each
     keyword costs the per-call host path); `operands`: the operands' values, checked
-    (`operand_values`; None where the declaration has none)."""
+    (`operand_values`; None where the declaration has none); `classes`: tile classes the
+    caller made (`block_classes`)."""
     tensor_ops = tensor_operands(kernel.options, operands)
     key = torch_signature(q, k, v, out, cu_q, cu_k, *tensor_ops.values())
     if key is not None:  # torch tensors: a signature seen before runs its plan
@@ -41,9 +42,120 @@ def forward(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, s
         planned = kernel.launcher.fast_plans.get(key)
         if planned is not None:
             return _run_torch(kernel, planned, q, k, v, out, cu_q, cu_k, stream, operands,
-                              tensor_ops)
+                              tensor_ops, classes)
     return _call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, stream,
-                 key, operands)
+                 key, operands, classes)
+
+
+@dataclass(frozen=True)
+class BlockClasses:
+    """The tile classes of a call of a declaration whose mask reads data
+    (`Kernel.block_classes`), made once on the device and passed to many calls
+    (`kern(q, k, v, ..., block_classes=c)`: every layer of a model reads the same document
+    ids), which then run no classes kernel of their own. They are keyed by the kernel, the
+    device, the call's sizes and tiles, and the addresses of its row offsets and tensor
+    operands and the values of its scalar operands: a call that differs in any of them is
+    refused (ValueError). What they cannot see is new contents at the same addresses: make
+    them again after writing new documents into the same tensors (a CUDA graph that
+    captures the calls without them classifies at each replay instead)."""
+
+    kernel: str
+    device: int
+    sizes: tuple[int, ...]  # `ClassesPlan.sizes`
+    inputs: tuple  # what the classes were made from (`_class_inputs`)
+    buffer: object  # runtime.driver.DeviceBuffer
+
+    @property
+    def ptr(self) -> int:
+        return self.buffer.ptr
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(sequences, heads the classes differ by, query tiles, KV tiles)."""
+        batch, rows, cols, heads = self.sizes[:4]
+        return batch, heads, rows, cols
+
+    def numpy(self) -> np.ndarray:
+        """The classes as uint8 (`shape`), bits as `mhadsl.abi` lays them out (what
+        `mhadsl.reference_block_classes` gives for cells of the kernel's tiles)."""
+        from mhadsl.runtime import driver
+        out = np.empty(self.shape, np.uint8)
+        driver.synchronize(self.device)  # (the kernel that made them ran on the call's stream)
+        driver.memcpy_dtoh(out, self.ptr, device=self.device)
+        return out
+
+
+def _described(sizes: tuple[int, ...]) -> str:
+    """A call's `ClassesPlan.sizes` in words."""
+    batch, rows, cols, heads, cell_rows, cell_keys = sizes
+    return (f"{batch} sequences, {heads} head(s) of {rows} x {cols} tiles of {cell_rows} "
+            f"query rows by {cell_keys} keys")
+
+
+def _class_inputs(kernel, addresses: dict, operands: dict | None) -> tuple:
+    """What a call's tile classes depend on beyond its sizes: the addresses of its row
+    offsets and tensor operands, and its scalar operands' values."""
+    scalars = tuple((o.name, operands[o.name]) for o in kernel.options.operands if not o.axes)
+    names = ("cu_seqlens_q", "cu_seqlens_k",
+             *(OPERAND_PREFIX + o.name for o in kernel.options.operands if o.axes))
+    return tuple(addresses.get(n) or 0 for n in names) + scalars
+
+
+def _given_classes(kernel, plans: list, classes, addresses: dict, operands) -> dict:
+    """`addresses` with the caller's tile classes, checked against the call."""
+    if not isinstance(classes, BlockClasses):
+        raise TypeError(f"block_classes must be what Kernel.block_classes() returns, got "
+                        f"{type(classes).__name__}")
+    plan = next((p for p in plans if isinstance(p, ClassesPlan)), None)
+    if plan is None:
+        raise TypeError(f"kernel '{kernel.name}' classifies its tiles at compile time: "
+                        f"block_classes= is for masks that read tensor operands per pair")
+    if (classes.kernel, classes.device, classes.sizes) != (kernel.name, plan.device,
+                                                            plan.sizes):
+        raise ValueError(f"block_classes were made for a call of kernel '{classes.kernel}' "
+                         f"on device {classes.device} with {_described(classes.sizes)}; "
+                         f"this call is of kernel '{kernel.name}' on device {plan.device} "
+                         f"with {_described(plan.sizes)}")
+    if classes.inputs != _class_inputs(kernel, addresses, operands):
+        raise ValueError("block_classes were made from other row offsets or operands than "
+                         "this call passes (other tensors, or other scalar values): make "
+                         "them from this call's")
+    return {**addresses, "block_classes": classes.ptr}
+
+
+def block_classes(kernel, q, k, v, cu_q, cu_k, max_q, max_k, return_lse, stream,
+                  operands: dict | None) -> BlockClasses:
+    """The tile classes of the call `kernel(q, k, v, ...)` with these arguments
+    (`Kernel.block_classes`), made on the device on `stream` (the call's default)."""
+    from mhadsl.runtime import driver
+    from mhadsl.runtime.launch import TensorShape
+    if not kernel.options.mask_reads_data:
+        raise TypeError(f"kernel '{kernel.name}' classifies its tiles at compile time: its "
+                        f"mask reads no tensor operand per pair")
+    check_flag(return_lse, "return_lse")
+    want_lse = kernel.options.return_lse if return_lse is None else bool(return_lse)
+    call = check_call(kernel, q, k, v, cu_q, cu_k, max_q, max_k)
+    op_views = operand_views(kernel.options, operands, call.sizes.batch, call.sizes.heads,
+                             call.q.device, *operand_rows(call))
+    views = {"q": call.q, "k": call.k, "v": call.v, "cu_seqlens_q": call.cu_q,
+             "cu_seqlens_k": call.cu_k, **op_views}
+    host = [n for n, t in views.items() if t is not None and t.on_host]
+    if host:
+        raise ValueError(f"Kernel.block_classes() takes device tensors (the classes are "
+                         f"keyed by their addresses); {', '.join(host)} on the host")
+    sizes, device = call.sizes, call.q.device
+    launcher = kernel.launcher
+    loaded = launcher.load(Layout(sizes.heads // sizes.kv_heads, sizes.ragged, want_lse),
+                           device)
+    shapes = {n: TensorShape(tuple(t.shape), tuple(t.strides), t.dtype)
+              for n, t in views.items() if t is not None}
+    plan = launcher.classes_plan(loaded, sizes, shapes, launcher.values(loaded, sizes))
+    addresses = {n: t.ptr for n, t in views.items() if t is not None}
+    buffer = driver.DeviceBuffer(plan.nbytes, device)
+    handle = driver.stream_handle(stream, kind=call.q.kind, device=device)
+    plan.run(addresses, buffer.ptr, handle, operands)
+    return BlockClasses(kernel.name, device, plan.sizes,
+                        _class_inputs(kernel, addresses, operands), buffer)
 
 
 @dataclass
@@ -65,7 +177,7 @@ class Call:
 
 
 def _call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, stream,
-          torch_key, operands):
+          torch_key, operands, classes):
     """Any call: every check, then the device (without a GPU, NoGpuError before any host
     array is copied or allocated), then the plan of its signature (made once)."""
     from mhadsl.runtime import driver, tensors
@@ -103,7 +215,7 @@ def _call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, str
         reusable = torch_key is not None and not kernel.trace and not (
             call.sizes.ragged and (max_q is None or driver.debug_mode()))
         _launch(kernel, call, views, want_lse, handle, torch_key if reusable else None,
-                operands)
+                operands, classes)
     if od.on_host:
         tensors.from_device(out_dev, out_obj, stream=handle)
     if want_lse and lse_dev.kind == "numpy" and isinstance(lse_obj, np.ndarray) \
@@ -112,7 +224,7 @@ def _call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, str
     return (out_obj, lse_obj) if want_lse else out_obj
 
 def _run_torch(kernel, planned: _Planned, q, k, v, out, cu_q, cu_k, stream, operands,
-               tensor_ops: dict):
+               tensor_ops: dict, classes):
     """A call whose signature has a plan: only what depends on its addresses is checked
     (alignment, and whether out overlaps q, k or v), then the plan launches."""
     torch = sys.modules["torch"]
@@ -130,6 +242,8 @@ def _run_torch(kernel, planned: _Planned, q, k, v, out, cu_q, cu_k, stream, oper
         addresses["cu_seqlens_q"], addresses["cu_seqlens_k"] = cu_q.data_ptr(), \
             cu_k.data_ptr()
     addresses.update((n, t.data_ptr()) for n, t in tensor_ops.items())
+    if classes is not None:
+        addresses = _given_classes(kernel, planned.plans, classes, addresses, operands)
     handle = torch_stream(torch, q.get_device()) if stream is None else \
         stream_handle(stream)
     launch(planned.plans, addresses, handle, kernel.recording_workspace, operands)
@@ -137,14 +251,16 @@ def _run_torch(kernel, planned: _Planned, q, k, v, out, cu_q, cu_k, stream, oper
 
 
 def _launch(kernel, call: Call, views: dict, want_lse: bool, stream: int,
-            torch_key: tuple | None, operands: dict | None) -> None:
+            torch_key: tuple | None, operands: dict | None, classes) -> None:
     """Launch a validated call on device views of its tensors, by its signature's plan
     (remembered for `torch_key`'s calls)."""
     planned = _planned(kernel, call, views, want_lse)
     if torch_key is not None:
         kernel.launcher.fast_plans[torch_key] = planned
-    launch(planned.plans, {n: t.ptr for n, t in views.items() if t}, stream,
-           kernel.recording_workspace, operands)
+    addresses = {n: t.ptr for n, t in views.items() if t}
+    if classes is not None:
+        addresses = _given_classes(kernel, planned.plans, classes, addresses, operands)
+    launch(planned.plans, addresses, stream, kernel.recording_workspace, operands)
 
 def _planned(kernel, call: Call, views: dict, want_lse: bool) -> _Planned:
     """The plan of a validated call's signature: made on its first call, then reused."""

@@ -121,20 +121,29 @@ class Launcher:
                 loaded.functions[scheduled.name].max_active_blocks(scheduled.threads,
                                                                    scheduled.shared_bytes))
 
+    def values(self, loaded: Loaded, call: CallSizes) -> dict:
+        """The `CallValue`s of a call of these sizes: the shared ones, the design's, the
+        device's, and the sizes of its tile classes where it makes them."""
+        num_sms, ctas_per_sm = self.occupancy(loaded)
+        config, options = loaded.config, self.kernel.options
+        values = {**call.values(), **loaded.design.call_values(config, call),
+                  "num_sms": num_sms, "ctas_per_sm": ctas_per_sm}
+        if classifies_per_call(options, loaded.layout.workload):
+            values.update(block_class_values(call, options.mask_reads_head,
+                                             (config.block_m, config.block_n)))
+        return values
+
     def plan(self, loaded: Loaded, call: CallSizes,
              tensors: Mapping[str, TensorShape | None]) -> list[LaunchPlan]:
         """The launches of a call of these sizes on tensors of these shapes, in order; a
         scheduled kernel whose work space has no tiles is left out (nothing to do)."""
         design, config, device = loaded.design, loaded.config, loaded.device
-        num_sms, ctas_per_sm = self.occupancy(loaded)
-        values = {**call.values(), **design.call_values(config, call), "num_sms": num_sms,
-                  "ctas_per_sm": ctas_per_sm}
+        values = self.values(loaded, call)
+        num_sms, ctas_per_sm = values["num_sms"], values["ctas_per_sm"]
         plans = []
         options = self.kernel.options
         operands = declaration_params(options, loaded.layout.workload)
         if classifies_per_call(options, loaded.layout.workload):
-            values.update(block_class_values(call, options.mask_reads_head,
-                                             (config.block_m, config.block_n)))
             plans.append(self.classes_plan(loaded, call, tensors, values))
         for kernel in design.kernels(config):
             index = None
@@ -174,11 +183,14 @@ class Launcher:
                              f"{cells} cells, more than one launch classifies ({MAX_CELLS})")
         grid = (max(1, -(-cells * 32 // build.threads)), 1, 1)
         return ClassesPlan(LaunchPlan(function, grid, build.threads, 0, build.abi, None,
-                                      loaded.device, tensors, values), cells, loaded.device)
+                                      loaded.device, tensors, values), cells, loaded.device,
+                           (call.batch, *(values[n] for n in CLASS_SIZES)))
 
 
 # the cells one classes launch covers: a warp each, at most 2**31 - 1 CTAs of 4 warps
 MAX_CELLS = (2**31 - 1) * 4
+# the values that size a call's classes (`abi.block_class_values`)
+CLASS_SIZES = ("block_rows", "block_cols", "block_heads", "cell_rows", "cell_keys")
 
 
 @dataclass
@@ -190,6 +202,12 @@ class ClassesPlan:
     plan: LaunchPlan
     nbytes: int
     device: int
+    sizes: tuple[int, ...]  # the call's sequences, then its values of CLASS_SIZES
+
+    def run(self, addresses: Mapping[str, int], buffer: int, stream: int,
+            scalars: Mapping | None) -> None:
+        """Queue the kernel on `stream`, writing the classes to device address `buffer`."""
+        self.plan.launch({**addresses, "block_classes": buffer}, stream, scalars=scalars)
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -204,9 +222,8 @@ class ClassesPlan:
         from mhadsl.runtime import driver
         buffer = driver.stream_buffer("block_classes", self.nbytes, stream, self.device,
                                       "a call whose mask reads data")
-        addresses = {**addresses, "block_classes": buffer}
-        self.plan.launch(addresses, stream, scalars=scalars)
-        return addresses
+        self.run(addresses, buffer, stream, scalars)
+        return {**addresses, "block_classes": buffer}
 
 
 def launch(plans: list, addresses: Mapping[str, int], stream: int,

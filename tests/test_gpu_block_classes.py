@@ -1,0 +1,120 @@
+"""Tile classes found per call for masks that read data, on the GPU: the classes kernel's
+table against `mhadsl.reference_block_classes`, classes made once and passed to many calls,
+their checks, the backward, and CUDA-graph replay with new documents."""
+import numpy as np
+import pytest
+
+import mhadsl
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+from test_block_classes import SOURCE  # noqa: E402
+from test_gpu_attention import assert_matches, backend, dense, ragged  # noqa: E402,F401
+from test_gpu_backward import assert_close  # noqa: E402
+
+
+def kernel(name, design=None):
+    kern = mhadsl.compile(SOURCE, name="gpu_block_classes")[name]
+    kern.backend = design
+    return kern
+
+
+def documents(lengths, seed=0, most=4):
+    """Each sequence's rows split into a few documents, ids rising (int32, on the GPU)."""
+    rng = np.random.default_rng(seed)
+    return torch.tensor(np.concatenate([np.sort(rng.integers(0, most, n)) for n in lengths]),
+                        dtype=torch.int32, device="cuda")
+
+
+def _cell(kern, args):
+    config = kern.specialize(**{n: args[n] for n in ("q", "k", "v", "cu_seqlens_q",
+                                                      "cu_seqlens_k") if n in args})
+    return config.block_m, config.block_n
+
+
+def test_the_device_classes_are_the_masks_meaning(backend):
+    kern = kernel("packed", backend)
+    lens = [1, 700, 129, 1500, 70]
+    docs = documents(lens)
+    args = ragged(kern, lens, lens, 8, 2, doc=docs, doc_k=docs)
+    made = kern.block_classes(**args)
+    want = mhadsl.reference_block_classes(kern, args["q"], args["k"], cell=_cell(kern, args),
+                                          **{n: v for n, v in args.items()
+                                             if n not in ("q", "k", "v")})
+    np.testing.assert_array_equal(made.numpy(), want)
+    assert (want == 0).mean() > 0.3  # documents leave most tiles empty
+    per = kernel("per_head", backend)  # the classes differ per head
+    args = dense(per, 2, 600, 600, 4, 4,
+                 table=torch.randint(0, 40, (4, 38), dtype=torch.int32, device="cuda"))
+    want = mhadsl.reference_block_classes(per, args["q"], args["k"], cell=_cell(per, args),
+                                          table=args["table"])
+    assert want.shape[1] == 4
+    np.testing.assert_array_equal(per.block_classes(**args).numpy(), want)
+    assert_matches(per, args, lse=True)
+
+
+def test_classes_made_once_serve_many_calls(backend):
+    kern = kernel("packed", backend)
+    lens = [300, 1000, 64]
+    docs = documents(lens, 1)
+    args = ragged(kern, lens, lens, 8, 2, one_offsets=True, doc=docs, doc_k=docs,
+                  max_seqlen_q=1000, max_seqlen_k=1000)
+    classes = kern.block_classes(**args)
+    plain = kern(**args)
+    for _ in range(2):  # the planned (torch fast path) call too
+        given = kern(**args, block_classes=classes)
+        assert torch.equal(given, plain)
+    assert_matches(kern, {**args, "block_classes": classes}, lse=True)
+    other = docs.clone()
+    with pytest.raises(ValueError, match="other row offsets or operands"):
+        kern(**{**args, "doc": other}, block_classes=classes)
+    with pytest.raises(ValueError, match="made for a call of kernel 'packed'"):
+        kern(**{**args, "max_seqlen_q": 1100, "max_seqlen_k": 1100}, block_classes=classes)
+    with pytest.raises(TypeError, match="classifies its tiles at compile time"):
+        kernel("prefix_lm", backend)(args["q"], args["k"], args["v"],
+                                     block_classes=classes, cu_seqlens_q=args["cu_seqlens_q"],
+                                     cu_seqlens_k=args["cu_seqlens_q"],
+                                     prefix=torch.tensor([3, 4, 5], dtype=torch.int32,
+                                                         device="cuda"))
+    with pytest.raises(TypeError, match="what Kernel.block_classes"):
+        kern(**args, block_classes=np.zeros(4, np.uint8))
+
+
+@pytest.mark.parametrize("design", ["backward", "backward_sm90"])
+def test_the_backward_of_packed_documents(design):
+    kern = kernel("packed")
+    lens = [64, 513, 5, 300]
+    docs = documents(lens, 2)
+    args = ragged(kern, lens, lens, 8, 2, doc=docs, doc_k=docs)
+    out, lse = kern(**args, return_lse=True)
+    dout = torch.randn_like(out)
+    kern.backend = design
+    grads = kern.backward(args["q"], args["k"], args["v"], out, lse, dout,
+                          cu_seqlens_q=args["cu_seqlens_q"], cu_seqlens_k=args["cu_seqlens_k"],
+                          max_seqlen_q=513, max_seqlen_k=513, doc=docs, doc_k=docs)
+    ref = mhadsl.reference_backward(kern, args["q"], args["k"], args["v"], dout,
+                                    cu_seqlens_q=args["cu_seqlens_q"],
+                                    cu_seqlens_k=args["cu_seqlens_k"], doc=docs, doc_k=docs)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+        assert_close(name, got, want, dout)
+
+
+def test_a_graph_replay_classifies_new_documents():
+    kern = kernel("packed")
+    lens = [400, 900]
+    docs = documents(lens, 3)
+    args = ragged(kern, lens, lens, 8, 2, one_offsets=True, doc=docs, doc_k=docs,
+                  max_seqlen_q=900, max_seqlen_k=900)
+    out = torch.empty_like(args["q"])
+    kern(**args, out=out)  # warm-up: plans, loads, and the stream's buffers
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kern(**args, out=out)
+    docs.copy_(documents(lens, 4, most=9))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = mhadsl.reference(kern, **args)
+    got = out.float().cpu().numpy()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
