@@ -509,7 +509,7 @@ def _kernel_costs(program, kernel: str, path: str, operands: dict, batch: int, h
                                      resolved.options.mask, config.block_m, block_n, source,
                                      resolved.backend.producer_ahead,
                                      _operands(resolved.options, operands, False, batch,
-                                               heads))
+                                               heads), resolved.options.operands)
 
 
 def _save_plot(draw, path: str, flag: str) -> None:

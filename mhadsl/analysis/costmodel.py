@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from mhadsl.front import ast
+from mhadsl.front.attention_spec import mask_reads_data, rule_reads
 from mhadsl.front.check import CheckedProgram
 from mhadsl.analysis.classify import operand_bounds, _python_classifier
 from mhadsl.runtime import cache
@@ -82,13 +83,14 @@ class KernelCostModel:
     source: str = "defaults"
     producer_ahead: bool = False
     operands: dict = field(default_factory=dict)
+    declared: tuple = ()  # the declaration's `Operand`s (a mask that reads data: exact)
 
     def classes(self, seqlens: list[int], offset: np.ndarray, head: np.ndarray,
                 b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(full, partial) KV tiles of each tile (offset, head, b), as the kernel counts
         them (query and key lengths equal: self-attention)."""
         return tile_classes(self.program, self.mask, seqlens, offset, head, b, self.block_m,
-                            self.block_n, self.operands)
+                            self.block_n, self.operands, self.declared)
 
     def item_costs(self, seqlens: list[int], offset: np.ndarray, head: np.ndarray,
                    b: np.ndarray) -> np.ndarray:
@@ -109,12 +111,14 @@ def _names_used(rule: ast.Rule) -> set[str]:
 
 def tile_classes(program: CheckedProgram | None, mask: ast.Rule | None, seqlens: list[int],
                  offset: np.ndarray, head: np.ndarray, b: np.ndarray, block_m: int,
-                 block_n: int, operands: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 block_n: int, operands: dict | None = None,
+                 declared: tuple = ()) -> tuple[np.ndarray, np.ndarray]:
     """Full and partial KV-tile counts of each query tile, from the kernel's own static
     classification of the declared mask: a KV tile is skipped when the mask may keep no
     pair of it, full when it keeps every pair and lies inside the sequence, else partial.
     Memoised per distinct (length, query tile), and per batch and head only when the mask
-    reads them."""
+    reads them. A mask that reads data (`declared`: the declaration's operands) given its
+    tensors is classified as a call classifies it, from its pairs (`_data_classes`)."""
     lens = np.asarray(seqlens, np.int64)[np.asarray(b, np.int64)] if len(b) else \
         np.zeros(0, np.int64)
     offset = np.asarray(offset, np.int64)
@@ -122,6 +126,14 @@ def tile_classes(program: CheckedProgram | None, mask: ast.Rule | None, seqlens:
     if mask is None:  # every KV tile is kept: full ones, and the tail tile partial
         full[:] = lens // block_n
         partial[:] = (lens % block_n) > 0
+        return full, partial
+    if mask_reads_data(mask, declared) and all(
+            isinstance((operands or {}).get(o.name), np.ndarray) for o in declared if o.axes):
+        counts = _data_classes(program, mask, seqlens, block_m, block_n, operands, declared)
+        per_head = rule_reads(mask, "h")
+        for k, (q_lo, bb, hh) in enumerate(zip(offset.tolist(), np.asarray(b).tolist(),
+                                               np.asarray(head).tolist())):
+            full[k], partial[k] = counts(bb, hh if per_head else 0, q_lo // block_m)
         return full, partial
     classify = _python_classifier(mask, program)
     extra = operand_bounds(classify, operands)
@@ -139,6 +151,46 @@ def tile_classes(program: CheckedProgram | None, mask: ast.Rule | None, seqlens:
                                                block_n, extra)
         full[k], partial[k] = counts
     return full, partial
+
+
+def _data_classes(program: CheckedProgram, mask: ast.Rule, seqlens: list[int], block_m: int,
+                  block_n: int, operands: dict, declared: tuple):
+    """counts(b, h, query tile) -> (full, partial) KV tiles, from the mask's pairs (what the
+    classes kernel finds, `codegen.block_classes`; a KV tile past the sequence's end is
+    partial). Tensor operands along `queries`/`keys` hold every sequence's rows one after
+    another, as a ragged call's do, unless they have a `batch` axis."""
+    from mhadsl.analysis.reference import _Positions, evaluate_rule
+    values = {}
+    for o in declared:
+        value = operands.get(o.name)
+        if o.axes:
+            value = np.asarray(value).astype(np.int64 if o.type == "i32" else np.float64)
+            if set(o.axes) & {"queries", "keys"}:
+                ragged = "batch" not in o.axes
+                value = _Positions(value, o.axes, (ragged, ragged))
+        values[o.name] = value
+    starts = np.concatenate(([0], np.cumsum(seqlens))).tolist()
+    memo: dict[tuple, np.ndarray] = {}
+
+    def tiles(b: int, h: int) -> np.ndarray:
+        if (b, h) not in memo:
+            n, rows = seqlens[b], slice(starts[b], starts[b + 1])
+            seq = {k: v.of_sequence(rows, rows) if isinstance(v, _Positions) else v
+                   for k, v in values.items()}
+            keep = np.broadcast_to(evaluate_rule(
+                mask, program, seq, b=b, h=h, q_idx=np.arange(n)[:, None],
+                kv_idx=np.arange(n)[None, :], seqlen_q=n, seqlen_k=n), (n, n))
+            q_tiles, kv_tiles = -(-n // block_m), -(-n // block_n)
+            some = np.zeros((q_tiles * block_m, kv_tiles * block_n), bool)
+            every = np.ones_like(some)
+            some[:n, :n] = keep
+            every[:n, :n] = keep
+            every[:, n:] = False  # a tile past the sequence's end is never full
+            some = some.reshape(q_tiles, block_m, kv_tiles, block_n).any(axis=(1, 3))
+            every = every.reshape(q_tiles, block_m, kv_tiles, block_n).all(axis=(1, 3))
+            memo[b, h] = np.stack([(some & every).sum(1), (some & ~every).sum(1)], axis=1)
+        return memo[b, h]
+    return lambda b, h, q_tile: tuple(tiles(b, h)[q_tile])
 
 
 def _classify_row(classify, b: int | None, h: int | None, n: int, q_lo: int, block_m: int,

@@ -517,7 +517,7 @@ def cost_model(program: Program, run: TraceRun, costs: costmodel.Costs | None = 
     return costmodel.KernelCostModel(costs, program.checked, program[run.kernel].options.mask,
                                      run.block_m, run.block_n, source,
                                      backends.backend(run.backend).producer_ahead,
-                                     run.operands)
+                                     run.operands, program[run.kernel].options.operands)
 
 
 def predict(program: Program, run: TraceRun, model: costmodel.KernelCostModel | str
