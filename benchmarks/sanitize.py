@@ -8,7 +8,8 @@ compute capability 9.0), torch and compute-sanitizer on PATH.
 Designs (`DESIGNS`; each forces its registered design, `mhadsl.codegen.backends.REGISTRY`):
 `sm90` and `sm80` (the forward: Transient, Persistent, Queued and LPT, the persistent ones
 on 8 CTAs so each runs several work tiles, causal D64 over a dense batch of 1,000 rows, a
-ragged one and a ragged one with one offsets tensor; causal D128 dense), `decode`
+ragged one and a ragged one with one offsets tensor; causal D128 dense; packed documents,
+a mask that reads data, ragged), `decode`
 (contiguous and paged caches, KV splits, ragged query rows, packed rows), `backward_sm90`
 and `backward` (atomic backward: causal D128, ragged GQA 8:2 with lengths 70, 0, 129, ragged
 fp16 D64) and `backward_deterministic` (the same, deterministic). `--backend X` is
@@ -60,7 +61,10 @@ FORWARD_SOURCE = 'import "std/schedulers.mha"\n' + "\n".join(
     f"attention {s.split('(')[0].lower()} {{ dtype = bf16  head_dim = 64  scheduler = {s}\n"
     f"    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }}" for s in SCHEDULERS) + (
     "\nattention causal_d128 { dtype = bf16  head_dim = 128\n"
-    "    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }\n")
+    "    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }\n"
+    # a mask that reads data: each call classifies its tiles first (codegen.block_classes)
+    "attention documents(doc: i32[queries], doc_k: i32[keys]) { dtype = bf16  head_dim = 64\n"
+    "    mask(b, h, q_idx, kv_idx) = doc[q_idx] == doc_k[kv_idx] && kv_idx <= q_idx }\n")
 RAGGED_Q, RAGGED_K = (0, 1, 130, 77), (5, 1, 130, 200)
 DENSE_ROWS = 1000
 
@@ -117,6 +121,12 @@ def forward_cases(torch):
     yield "causal_d128", "dense", dict(q=rand(1, DENSE_ROWS, 2, 128),
                                        k=rand(1, DENSE_ROWS, 2, 128),
                                        v=rand(1, DENSE_ROWS, 2, 128))
+    total = sum(RAGGED_K)
+    docs = torch.arange(total, device="cuda", dtype=torch.int32) // 97  # documents of 97 rows
+    rows = _offsets(torch, RAGGED_K)
+    yield "documents", "ragged self", dict(q=rand(total, 2, 64), k=rand(total, 2, 64),
+                                           v=rand(total, 2, 64), cu_seqlens_q=rows,
+                                           cu_seqlens_k=rows, doc=docs, doc_k=docs)
 
 
 def relative_error(tensor, reference) -> float:
