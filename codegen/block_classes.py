@@ -32,6 +32,7 @@ from mhadsl.codegen.backends.blocks import TileRules, TileSequence, sequence_row
 from mhadsl.codegen.nvptx import i8, i32, i64
 
 KERNEL_NAME = "mha_block_classes"
+BLOCK_CLASS_NAMES = frozenset(p.name for p in BLOCK_CLASS_PARAMS)
 CELL_FUNCTION = "mha_cell_class"
 THREADS = 128  # a warp per cell
 ABI = KernelABI(
@@ -47,24 +48,42 @@ ABI = KernelABI(
 
 
 def lookup(b: ir.IRBuilder, bidx: ir.Value, h: ir.Value | None, q_lo: ir.Value,
-           q_hi: ir.Value, kv_lo: ir.Value, kv_hi: ir.Value) -> tuple[ir.Value, ir.Value]:
+           q_hi: ir.Value, kv_lo: ir.Value, kv_hi: ir.Value, q_rows: int | None = None,
+           kv_rows: int | None = None) -> tuple[ir.Value, ir.Value]:
     """(may hold a kept pair, every pair kept) of the inclusive box from the call's cell
     classes (the kernel's `BLOCK_CLASS_PARAMS`), of query head `h` (None: the classes do not
     differ by head): its cell's, where it lies in one; a box across cells, or in a cell
     outside the table (a sequence longer than the call said, which nothing checks on the
-    device), is partial, so the mask decides its pairs. An empty box holds no kept pair."""
-    a = {arg.name: arg for arg in b.function.args}
-    qc, kc = b.udiv(q_lo, a["cell_rows"]), b.udiv(kv_lo, a["cell_keys"])
-    one = b.and_(b.icmp_unsigned("==", qc, b.udiv(q_hi, a["cell_rows"])),
-                 b.icmp_unsigned("==", kc, b.udiv(kv_hi, a["cell_keys"])))
+    device), is partial, so the mask decides its pairs. An empty box holds no kept pair.
+    `q_rows`, `kv_rows`: the box's query rows and keys from q_lo and kv_lo at most (its
+    tile's, which its cells share where the box is one of the call's tiles), constants
+    where the caller knows them: the cell is then found by dividing by them."""
+    # (the table's sizes read where they are used: held across a design's KV loop, they
+    # would take registers it needs)
+    a = {arg.name: nvptx.opaque(b, arg) for arg in b.function.args
+         if arg.name in BLOCK_CLASS_NAMES}
+
+    def cell_of(lo, hi, size, static):
+        """(the cell index along one axis, whether the box's span there lies in it)."""
+        if static is None:
+            index = b.udiv(lo, size)
+            return index, b.icmp_unsigned("<", b.sub(hi, b.mul(index, size)), size)
+        # a tile's span: in one cell where the cells are the call's tiles of its size
+        return b.udiv(lo, i32(static)), b.and_(
+            b.icmp_unsigned("==", size, i32(static)),
+            b.icmp_unsigned("==", b.urem(lo, i32(static)), i32(0)))
+    qc, q_one = cell_of(q_lo, q_hi, a["cell_rows"], q_rows)
+    kc, kv_one = cell_of(kv_lo, kv_hi, a["cell_keys"], kv_rows)
+    one = b.and_(q_one, kv_one)
     one = b.and_(one, b.and_(b.icmp_unsigned("<", qc, a["block_rows"]),
                              b.icmp_unsigned("<", kc, a["block_cols"])))
-    plane = b.mul(b.zext(bidx, i64), b.zext(a["block_heads"], i64))
+    # (a call's classes hold fewer than 2**31 cells: 32-bit offsets, as cheap as the
+    # kernel's other index math)
+    plane = b.mul(bidx, a["block_heads"])
     if h is not None:
-        plane = b.add(plane, b.zext(h, i64))
-    row = b.add(b.mul(plane, b.zext(a["block_rows"], i64)), b.zext(qc, i64))
-    cell = b.add(b.mul(row, b.zext(a["block_cols"], i64)), b.zext(kc, i64))
-    at = b.gep(a["block_classes"], [b.select(one, cell, i64(0))], source_etype=i8)
+        plane = b.add(plane, h)
+    cell = b.add(b.mul(b.add(b.mul(plane, a["block_rows"]), qc), a["block_cols"]), kc)
+    at = b.gep(a["block_classes"], [b.select(one, cell, i32(0))], source_etype=i8)
     bits = b.select(one, b.zext(b.load(at, typ=i8), i32), i32(CELL_MAY))
     empty = b.or_(b.icmp_signed(">", q_lo, q_hi), b.icmp_signed(">", kv_lo, kv_hi))
     return (b.and_(b.not_(empty), b.icmp_unsigned("!=", b.and_(bits, i32(CELL_MAY)), i32(0))),

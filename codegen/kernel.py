@@ -16,16 +16,15 @@ from llvmlite import ir
 from mhadsl.abi import (
     BLOCK_CLASS_PARAMS, OPERAND_PREFIX, classifies_per_call, operand_params, tensor_params,
 )
-from mhadsl.front import ast
 from mhadsl.front.attention_spec import operand_key, rule_reads
 from mhadsl.front.check import CheckedProgram
 from mhadsl.analysis.classify import emit_classify
 from mhadsl.analysis.kv_limits import emit_kv_limits, kv_limits, operand_term
 from mhadsl.analysis.derivative import differentiate_score
-from mhadsl.codegen import block_classes
+from mhadsl.codegen import block_classes, nvptx
 from mhadsl.codegen.backends import ExprHooks, KernelArgs, KernelSource, TileSeq, WorkLoop
 from mhadsl.codegen.lower import Builtins, FunctionLowering
-from mhadsl.codegen.nvptx import i32, i64
+from mhadsl.codegen.nvptx import i32
 from mhadsl.codegen.handoff import runs_apart
 from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
 from mhadsl.codegen.target import Target
@@ -96,13 +95,14 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
     score = _rule_hook(program, score_rule, SCORE_ROLES, F32, operands) if score_rule else None
     sink = _rule_hook(program, sink_rule, SINK_ROLES, F32, operands) if sink_rule else None
 
-    def classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k):
+    def classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k, q_rows=None,
+                 kv_rows=None):
         may, every = emit_classify(builder, mask_rule, program, b, h, q_lo, q_hi, kv_lo,
                                    kv_hi, seqlen_q, seqlen_k, _operand_values(builder, operands))
         if not per_call:
             return may, every
         found = block_classes.lookup(builder, b, h if mask_uses_head else None, q_lo, q_hi,
-                                     kv_lo, kv_hi)
+                                     kv_lo, kv_hi, q_rows, kv_rows)
         return builder.and_(may, found[0]), builder.or_(every, found[1])
     mask_uses_head = mask_rule is not None and rule_reads(mask_rule, "h")
     limits = kv_limits(mask_rule, program)
@@ -157,7 +157,7 @@ def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Ta
             # In a persistent loop the scheduler's inputs pass through an opaque identity,
             # so what the rules derive from them is recomputed per step (from parameter
             # space) instead of being held in registers across the tile body.
-            fence = _opaque if lowered.may_advance and args.opaque_env else (lambda _, v: v)
+            fence = nvptx.opaque if lowered.may_advance and args.opaque_env else (lambda _, v: v)
             max_q = fence(b, args.max_seqlen_q)
             tiles = b.udiv(b.add(max_q, i32(spec.tile_m - 1)), i32(spec.tile_m))
             # A dense build has no tile index: the valid-work lookups fold to closed forms.
@@ -173,16 +173,6 @@ def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Ta
                        aligned=aligned, trace_thread=args.trace_thread if trace else None,
                        handoff=handoff, advance_in_tile=args.advance_in_tile)
     return work_loop
-
-
-def _opaque(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
-    """`value`, through an empty volatile asm LLVM cannot see through or hoist."""
-    ty = value.type
-    if isinstance(ty, ir.PointerType):
-        as_int = builder.ptrtoint(value, i64)
-        return builder.inttoptr(_opaque(builder, as_int), ty)
-    constraint = "=l,0" if ty == i64 else "=r,0"
-    return builder.asm(ir.FunctionType(ty, [ty]), "", constraint, [value], True)
 
 
 def kernel_source(program: CheckedProgram, options, target: Target,

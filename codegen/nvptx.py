@@ -74,6 +74,17 @@ def opaque_special_register(builder: ir.IRBuilder, name: str, ty: ir.IntType = i
                        [], True)
 
 
+def opaque(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """`value`, through an empty volatile asm LLVM cannot see through or hoist: what is
+    derived from it is computed where it is used, not held in registers from earlier."""
+    ty = value.type
+    if isinstance(ty, ir.PointerType):
+        as_int = builder.ptrtoint(value, i64)
+        return builder.inttoptr(opaque(builder, as_int), ty)
+    constraint = "=l,0" if ty == i64 else "=r,0"
+    return builder.asm(ir.FunctionType(ty, [ty]), "", constraint, [value], True)
+
+
 def reload_shared(builder: ir.IRBuilder, address: ir.Value) -> ir.Value:
     """The u32 at 32-bit shared address `address`, read by a volatile asm exactly where it
     stands: neither LLVM nor ptxas keeps the value live from an earlier read, so a value a

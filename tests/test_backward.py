@@ -61,8 +61,13 @@ def test_every_example_backward_assembles_without_spills(path, name, layout, arc
                        deterministic=layout.deterministic, backend=forced)
     hopper = arch == "sm_90a" and forced is None and not layout.deterministic
     # (every example fits the Hopper design's registers, softcap's tanh and its derivative
-    # included: test_backward_sm90 holds one that does not to the sm80 design's build)
-    assert build.backend == ("backward_sm90" if hopper else "backward")
+    # included: test_backward_sm90 holds one that does not to the sm80 design's build; but
+    # a mask that reads data, whose tile classes are read per step, may not at head dim 128
+    # in a ragged GQA build, where ptxas's allocation at the cap decides)
+    if hopper and layout.ragged and kern.options.mask_reads_data:
+        assert build.backend in ("backward_sm90", "backward")
+    else:
+        assert build.backend == ("backward_sm90" if hopper else "backward")
     hopper = build.backend == "backward_sm90"
     assert f".target {arch}" in build.ptx
     for instruction in DESIGN_INSTRUCTIONS[build.backend]:

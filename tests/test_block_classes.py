@@ -13,7 +13,7 @@ from mhadsl.abi import CELL_ALL, CELL_MAY, Extent, Pointer, Stride, operand_para
 from mhadsl.codegen import block_classes
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.kernel import expr_hooks
-from mhadsl.codegen.nvptx import i32, i64
+from mhadsl.codegen.nvptx import i32
 
 SOURCE = """
 import "std/schedulers.mha"
@@ -202,22 +202,29 @@ def host_lookup():
     module.triple = binding.get_default_triple()
     names = ("block_classes", "block_rows", "block_cols", "block_heads", "cell_rows",
              "cell_keys", "b", "h", "q_lo", "q_hi", "kv_lo", "kv_hi")
-    for per_head in (False, True):
+    variants = [(per_head, tile) for per_head in (False, True) for tile in (None, TILE)]
+    for per_head, tile in variants:
         fn = ir.Function(module, ir.FunctionType(i32, [ir.PointerType()] + [i32] * 11),
-                         f"lookup{int(per_head)}")
+                         f"lookup{int(per_head)}{int(tile is not None)}")
         for arg, n in zip(fn.args, names):
             arg.name = n
         a = dict(zip(names, fn.args))
         b = ir.IRBuilder(fn.append_basic_block())
         may, every = block_classes.lookup(b, a["b"], a["h"] if per_head else None, a["q_lo"],
-                                          a["q_hi"], a["kv_lo"], a["kv_hi"])
+                                          a["q_hi"], a["kv_lo"], a["kv_hi"],
+                                          *(tile or (None, None)))
         b.ret(b.or_(b.zext(may, i32), b.shl(b.zext(every, i32), i32(1))))
     machine = binding.Target.from_default_triple().create_target_machine()
     engine = binding.create_mcjit_compiler(binding.parse_assembly(str(module)), machine)
     engine.finalize_object()
-    yield {per_head: ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, *[ctypes.c_int32] * 11)(
-        engine.get_function_address(f"lookup{int(per_head)}")) for per_head in (False, True)}
+    yield {(per_head, tile): ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p,
+                                              *[ctypes.c_int32] * 11)(
+        engine.get_function_address(f"lookup{int(per_head)}{int(tile is not None)}"))
+        for per_head, tile in variants}
     del engine
+
+
+TILE = (64, 112)  # the box's static extents of the lookup's second form (a design's tile)
 
 
 def test_a_boxs_class_is_its_cells(host_lookup):
@@ -245,13 +252,41 @@ def test_a_boxs_class_is_its_cells(host_lookup):
             want, case = CELL_MAY, "past"
         else:
             want, case = int(table[b, h if per_head else 0, qc, kc]), "inside"
-            want = want if want else CELL_ALL * 0
         seen.add(case)
-        got = host_lookup[per_head](table.ctypes.data, rows, cols, heads, cell_rows,
-                                    cell_keys, b, h if per_head else 0, q_lo, q_hi, kv_lo,
-                                    kv_hi)
+        got = host_lookup[per_head, None](table.ctypes.data, rows, cols, heads, cell_rows,
+                                          cell_keys, b, h if per_head else 0, q_lo, q_hi,
+                                          kv_lo, kv_hi)
         assert got == want, (trial, case)
     assert seen == {"empty", "across", "past", "inside"}
+
+
+def test_a_tiles_box_is_its_cell_where_the_cells_are_its_tiles(host_lookup):
+    """The lookup's form for a design's tile (its extents constants): a tile of the cells'
+    size starting at a cell takes the cell's class (the sequence's tail cut off or not);
+    where the call's cells are of another size, or the box starts inside a cell, partial."""
+    rng = np.random.default_rng(1)
+    seen = set()
+    for trial in range(400):
+        rows, cols = (int(x) for x in rng.integers(1, 5, 2))
+        cell = TILE if trial % 3 else (128, 112)
+        table = rng.choice([0, CELL_MAY, CELL_MAY | CELL_ALL], (2, 1, rows, cols)).astype(
+            np.uint8)
+        qc, kc = int(rng.integers(rows)), int(rng.integers(cols))
+        q_lo, kv_lo = qc * TILE[0], kc * TILE[1]
+        shifted = trial % 5 == 0
+        if shifted:
+            kv_lo += int(rng.integers(1, TILE[1]))
+        q_hi = q_lo + int(rng.integers(0, TILE[0]))  # a tail cut by the sequence's end
+        kv_hi = kv_lo + int(rng.integers(0, TILE[1]))
+        if cell != TILE or shifted:
+            want, case = CELL_MAY, "not a cell"
+        else:
+            want, case = int(table[1, 0, qc, kc]), "cell"
+        seen.add(case)
+        got = host_lookup[False, TILE](table.ctypes.data, rows, cols, 1, *cell, 1, 0, q_lo,
+                                       q_hi, kv_lo, kv_hi)
+        assert got == want, (trial, case)
+    assert seen == {"cell", "not a cell"}
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")

@@ -82,12 +82,14 @@ class TileRules:
         if self.hooks.classify is None:
             return ir.Constant(i1, 1), inside if self.hooks.mask is None else ir.Constant(i1, 0)
         bidx = self.seq.bidx
-        if isinstance(q_hi, int):
-            q_hi = last_index(b, q_lo, q_hi, seqlen_q)
+        q_rows = q_hi if isinstance(q_hi, int) else None
+        if q_rows is not None:
+            q_hi = last_index(b, q_lo, q_rows, seqlen_q)
         kv_hi = last_index(b, kv_lo, kv_rows, end)
         may = always = None
         for h in heads:
-            m, a = self.hooks.classify(b, bidx, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k)
+            m, a = self.hooks.classify(b, bidx, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k,
+                                       q_rows=q_rows, kv_rows=kv_rows)
             may, always = (m, a) if may is None else (b.or_(may, m), b.and_(always, a))
         return may, b.and_(always, inside)
 

@@ -180,15 +180,16 @@ class Launcher:
         cells = block_class_bytes(values, call.batch)
         if cells > MAX_CELLS:
             raise ValueError(f"kernel '{kernel.name}': the call's tile classes would take "
-                             f"{cells} cells, more than one launch classifies ({MAX_CELLS})")
+                             f"{cells} cells (sequences x heads x query tiles x KV tiles), "
+                             f"more than {MAX_CELLS}")
         grid = (max(1, -(-cells * 32 // build.threads)), 1, 1)
         return ClassesPlan(LaunchPlan(function, grid, build.threads, 0, build.abi, None,
                                       loaded.device, tensors, values), cells, loaded.device,
                            (call.batch, *(values[n] for n in CLASS_SIZES)))
 
 
-# the cells one classes launch covers: a warp each, at most 2**31 - 1 CTAs of 4 warps
-MAX_CELLS = (2**31 - 1) * 4
+# the cells of a call's classes: the kernels' offsets into them are 32-bit
+MAX_CELLS = 2**31 - 1
 # the values that size a call's classes (`abi.block_class_values`)
 CLASS_SIZES = ("block_rows", "block_cols", "block_heads", "cell_rows", "cell_keys")
 
