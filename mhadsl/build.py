@@ -29,7 +29,9 @@ from mhadsl.front.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.front.check import CheckedProgram
 from mhadsl.analysis.classify import kv_band_tiles
 from mhadsl.codegen import backends, block_classes, tile_index
-from mhadsl.codegen.assemble import Assembled, KernelResources, find_ptxas, run_ptxas
+from mhadsl.codegen.assemble import (
+    Assembled, KernelResources, assemble, find_ptxas, run_ptxas,
+)
 from mhadsl.codegen.backends import Backend, KernelBuild, Layout
 from mhadsl.codegen.kernel import expr_hooks, kernel_source
 from mhadsl.codegen.scheduler import SchedulerSpec, may_advance
@@ -168,9 +170,11 @@ def tile_index_kernel() -> TileIndexBuild:
 @dataclass(frozen=True)
 class BlockClassesBuild:
     """A declaration's classes kernel (`codegen.block_classes`) as the launcher loads and
-    launches it before a call's kernels."""
+    launches it before a call's kernels (and `mhadsl compile` shows it)."""
 
+    llvm: str
     ptx: str
+    assembled: Assembled | None  # None when no ptxas is at hand
     abi: KernelABI
     name: str = block_classes.KERNEL_NAME
     threads: int = block_classes.THREADS  # per CTA
@@ -180,23 +184,34 @@ def build_block_classes(program: CheckedProgram, kernel: str, ragged: bool,
                         arch: str = "sm_80",
                         store: cache.CompileCache | None = None) -> BlockClassesBuild:
     """The classes kernel of declaration `kernel` (whose mask reads data) for dense or
-    `ragged` calls, as `arch` PTX (sm_80: every later GPU compiles it when it loads it):
-    from the cache when an entry for exactly these inputs is there, else generated and
-    stored (`store`: the default cache if None)."""
+    `ragged` calls, for `arch` (sm_80 PTX runs on every later GPU, which compiles it when it
+    loads it): from the cache when an entry for exactly these inputs is there, else
+    generated and stored (`store`: the default cache if None)."""
     options = resolve_attention(program.attentions[kernel])
     hooks = expr_hooks(program, options.mask, None, options.operands)
     target = gpu_target(arch)
     store = store if store is not None else cache.CompileCache()
     key = cache.cache_key(what="block classes kernel", sources=[s.text for s in program.sources],
                           kernel=kernel, ragged=ragged, **target.cache_fields(),
-                          compiler=cache.compiler_hash())
+                          ptxas=_ptxas_version(), compiler=cache.compiler_hash())
     entry = store.get(key)
     if entry is None or "ptx" not in entry:
         module = new_module("block_classes", target)
         block_classes.build_block_classes_kernel(module, hooks, ragged)
-        entry = {"ptx": emit_ptx(optimize(module, target), target).encode()}
+        ptx = emit_ptx(optimize(module, target), target)
+        entry = {"llvm": str(module).encode(), "ptx": ptx.encode()}
+        if find_ptxas() is not None:
+            assembled = assemble(ptx, arch)
+            entry["cubin"] = assembled.cubin
+            entry["meta"] = json.dumps({name: dataclasses.asdict(k) for name, k in
+                                        assembled.kernels.items()}).encode()
         store.put(key, entry)
-    return BlockClassesBuild(entry["ptx"].decode(), hooks.kernel_abi(block_classes.ABI))
+    assembled = None
+    if "cubin" in entry:
+        resources = {name: KernelResources(**k) for name, k in json.loads(entry["meta"]).items()}
+        assembled = Assembled(entry["cubin"], resources, "")
+    return BlockClassesBuild(entry["llvm"].decode(), entry["ptx"].decode(), assembled,
+                             hooks.kernel_abi(block_classes.ABI))
 
 
 @functools.cache

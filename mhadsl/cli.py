@@ -106,7 +106,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     units = _units(comp, args.emit)
     if args.kernel:  # its units alone: the scheduler trace kernels belong to no declaration
-        units = {name: unit for name, unit in units.items() if name in comp.kernels}
+        units = {name: unit for name, unit in units.items()
+                 if name in comp.kernels or name in comp.classes}
     if not units:
         raise UsageError(f"{args.file} declares no scheduler and no attention kernel")
     if any(v is None for v in units.values()):
@@ -130,6 +131,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
             resources.append((f"{name} ({build.backend}, {rows}x{kv_rows} tile, "
                               f"{launch.threads} threads, {launch.shared_bytes} B dynamic "
                               f"shared)", build.assembled.kernels[kernel]))
+    for unit, classes in comp.classes.items():
+        resources.append((f"{unit} ({classes.name}, a warp per tile, {classes.threads} "
+                          f"threads)", classes.assembled.kernels[classes.name]))
     for name, k in resources:
         print(f"  {name}: {k.registers} registers, {k.spills} bytes spilled, "
               f"{k.shared_bytes} bytes shared, {k.stack_bytes} bytes stack", file=summary)
@@ -138,11 +142,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def _units(comp, emit: str) -> dict[str, str | bytes | None]:
     """What `--emit` writes: the scheduler trace kernels' module and each attention unit (a
-    declaration's build for a pass)."""
+    declaration's build for a pass, and its classes kernel where its mask reads data)."""
     units: dict[str, str | bytes | None] = {}
     if "llvm" in comp.artifacts:
         units["schedulers"] = comp.text(emit) if emit in comp.artifacts else None
-    for name, build in comp.kernels.items():
+    for name, build in (*comp.kernels.items(), *comp.classes.items()):
         units[name] = {"llvm": build.llvm, "ptx": build.ptx,
                        "cubin": build.assembled.cubin if build.assembled else None}[emit]
     return units

@@ -22,7 +22,11 @@ from mhadsl.front.check import CheckedProgram, check_program
 from mhadsl.codegen import target as targets
 from mhadsl.codegen.assemble import Assembled, assemble
 from mhadsl.front.attention_spec import AttentionOptions, resolve_attention
-from mhadsl.build import KernelRequest, RequestError, build_kernel, decode_splits_by_length
+from mhadsl.abi import classifies_per_call
+from mhadsl.build import (
+    BlockClassesBuild, KernelRequest, RequestError, build_block_classes, build_kernel,
+    decode_splits_by_length,
+)
 from mhadsl.codegen import backends
 from mhadsl.codegen.backends import CacheLayout, KernelBuild, KernelLaunch, Layout
 from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
@@ -67,6 +71,8 @@ class Compilation:
     artifacts: dict[str, object] = field(default_factory=dict)
     # one unit per (attention declaration, pass), named by `unit_name`
     kernels: dict[str, KernelBuild] = field(default_factory=dict)
+    # the classes kernel of each declaration whose mask reads data, by `classes_unit`
+    classes: dict[str, BlockClassesBuild] = field(default_factory=dict)
 
     @property
     def checked(self) -> CheckedProgram:
@@ -152,7 +158,17 @@ def compile_stages(text: str, name: str, options: CompileOptions, *, until: str 
             for pass_name in options.passes:
                 c.kernels[unit_name(attention, pass_name)] = _build_pass(
                     c.checked, attention, pass_name, options)
+            # a call of these passes classifies its tiles first (`codegen.block_classes`)
+            declared = resolve_attention(declarations[attention])
+            if any(classifies_per_call(declared, p) for p in options.passes):
+                c.classes[classes_unit(attention)] = build_block_classes(
+                    c.checked, attention, False, options.arch)
     return c
+
+
+def classes_unit(attention: str) -> str:
+    """The unit of a declaration's classes kernel."""
+    return f"{attention}.classes"
 
 
 def unit_name(attention: str, pass_name: str) -> str:

@@ -111,3 +111,20 @@ def test_a_pass_the_declaration_cannot_build_is_one_line(tmp_path, capsys):
     assert status == 1 and "Traceback" not in err
     assert err == f"{source}:6:37: error: no backward build of attention 'capped' for sm_90a: " \
                   f"cannot differentiate the score through fn 'cap' (not supported yet)\n", err
+
+
+def test_a_mask_that_reads_data_shows_its_classes_kernel(tmp_path, capsys):
+    """The classes kernel a forward or backward call of such a declaration runs first is a
+    unit of its own, with its registers; a decode pass has none."""
+    status, out, err = compile_cli(capsys, "examples/document_mask.mha", "--pass", "forward",
+                                   "-o", f"{tmp_path}/out/")
+    assert status == 0, err
+    files = {p.name: p.read_text() for p in (tmp_path / "out").iterdir()}
+    assert entries(files["document_mask.classes.ptx"]) == ["mha_block_classes"]
+    assert re.search(r"^  document_mask.classes \(mha_block_classes, a warp per tile, 128 "
+                     r"threads\): \d+ registers, 0 bytes spilled", out, re.M), out
+    status, out, err = compile_cli(capsys, "examples/document_mask.mha", "--pass", "decode",
+                                   "-o", f"{tmp_path}/decode/")
+    assert status == 0, err
+    assert "document_mask.classes" not in out
+    assert not (tmp_path / "decode" / "document_mask.classes.ptx").exists()
