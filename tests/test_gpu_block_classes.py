@@ -120,3 +120,31 @@ def test_a_graph_replay_classifies_new_documents():
     want = mhadsl.reference(kern, **args)
     got = out.float().cpu().numpy()
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+def test_the_operator_compiles_whole_with_classes_per_call():
+    """`torch.compile(fullgraph=True)` of the operator on packed documents, forward and
+    backward (each classifying its tiles inside the operator): the float64 references."""
+    kern = kernel("packed")
+    op = kern.torch_op()
+    lens = [100, 640, 1]
+    docs = documents(lens, 5)
+    args = ragged(kern, lens, lens, 4, 2, one_offsets=True)
+    q, k, v = (args[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    cu = args["cu_seqlens_q"]
+
+    def step(q, k, v, doc):
+        out, _ = op(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=640,
+                    max_seqlen_k=640, doc=doc, doc_k=doc)
+        return out
+    compiled = torch.compile(step, fullgraph=True)
+    out = compiled(q, k, v, docs)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    want = mhadsl.reference(kern, args["q"], args["k"], args["v"], cu_seqlens_q=cu,
+                            cu_seqlens_k=cu, doc=docs, doc_k=docs)
+    assert_close("out", out.detach(), want, dout)
+    grads = mhadsl.reference_backward(kern, args["q"], args["k"], args["v"], dout,
+                                      cu_seqlens_q=cu, cu_seqlens_k=cu, doc=docs, doc_k=docs)
+    for name, got, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), grads):
+        assert_close(name, got, ref, dout)
