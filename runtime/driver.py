@@ -389,10 +389,11 @@ _stream_buffers_lock = threading.Lock()
 
 def stream_buffer(name: str, nbytes: int, handle: int, device: int, what: str) -> int:
     """Device pointer to buffer `name` of (`device`, raw stream `handle`), holding at least
-    `nbytes`: two streams never overwrite each other's. It grows (doubling) when a call needs
-    more; the old one is kept, since a captured graph may still point to it. A stream under
-    CUDA-graph capture cannot allocate: a call that would grow it there raises, naming
-    `what` needs it (run such a call once before capturing, as graphs' warm-up does)."""
+    `nbytes` (zeroed when it is allocated): two streams never overwrite each other's. It
+    grows (doubling) when a call needs more; the old one is kept, since a captured graph may
+    still point to it. A stream under CUDA-graph capture cannot allocate: a call that would
+    grow it there raises, naming `what` needs it (run such a call once on that stream before
+    capturing, as graphs' warm-up does)."""
     with _stream_buffers_lock:
         held = _stream_buffers.setdefault((name, device, handle), [])
         if not held or held[-1].nbytes < nbytes:
@@ -402,7 +403,11 @@ def stream_buffer(name: str, nbytes: int, handle: int, device: int, what: str) -
                     f"and a stream under CUDA-graph capture cannot allocate one: run the "
                     f"kernel once on a call at least this large before capturing")
             size = max(nbytes, 2 * held[-1].nbytes if held else 4096)
-            held.append(DeviceBuffer(size, device))
+            buffer = DeviceBuffer(size, device)
+            # zeroed once on its stream (before any launch there), so a byte a kernel may
+            # read before a launch wrote it is defined
+            call(cu.cuMemsetD8Async, buffer.ptr, 0, size, handle)
+            held.append(buffer)
         return held[-1].ptr
 
 

@@ -656,7 +656,7 @@ def causal_hooks(bottom_right: bool = False) -> ExprHooks:
     def mask(b, bi, h, q, kv, sq, sk):
         return b.icmp_signed("<=", kv, b.add(q, shift(b, sq, sk)))
 
-    def classify(b, bi, h, q_lo, q_hi, kv_lo, kv_hi, sq, sk):
+    def classify(b, bi, h, q_lo, q_hi, kv_lo, kv_hi, sq, sk, q_rows=None, kv_rows=None):
         d = shift(b, sq, sk)
         return (b.icmp_signed("<=", kv_lo, b.add(q_hi, d)),
                 b.icmp_signed("<=", kv_hi, b.add(q_lo, d)))

@@ -170,27 +170,28 @@ def _data_classes(program: CheckedProgram, mask: ast.Rule, seqlens: list[int], b
                 value = _Positions(value, o.axes, (ragged, ragged))
         values[o.name] = value
     starts = np.concatenate(([0], np.cumsum(seqlens))).tolist()
-    memo: dict[tuple, np.ndarray] = {}
+    memo: dict[tuple, tuple[int, int]] = {}
 
-    def tiles(b: int, h: int) -> np.ndarray:
-        if (b, h) not in memo:
+    def tiles(b: int, h: int, q_tile: int) -> tuple[int, int]:
+        if (b, h, q_tile) not in memo:  # (one query tile's rows at a time: long sequences)
             n, rows = seqlens[b], slice(starts[b], starts[b + 1])
             seq = {k: v.of_sequence(rows, rows) if isinstance(v, _Positions) else v
                    for k, v in values.items()}
+            q = np.arange(q_tile * block_m, min(n, (q_tile + 1) * block_m))
             keep = np.broadcast_to(evaluate_rule(
-                mask, program, seq, b=b, h=h, q_idx=np.arange(n)[:, None],
-                kv_idx=np.arange(n)[None, :], seqlen_q=n, seqlen_k=n), (n, n))
-            q_tiles, kv_tiles = -(-n // block_m), -(-n // block_n)
-            some = np.zeros((q_tiles * block_m, kv_tiles * block_n), bool)
+                mask, program, seq, b=b, h=h, q_idx=q[:, None],
+                kv_idx=np.arange(n)[None, :], seqlen_q=n, seqlen_k=n), (len(q), n))
+            kv_tiles = -(-n // block_n)
+            some = np.zeros((len(q), kv_tiles * block_n), bool)
             every = np.ones_like(some)
-            some[:n, :n] = keep
-            every[:n, :n] = keep
+            some[:, :n] = keep
+            every[:, :n] = keep
             every[:, n:] = False  # a tile past the sequence's end is never full
-            some = some.reshape(q_tiles, block_m, kv_tiles, block_n).any(axis=(1, 3))
-            every = every.reshape(q_tiles, block_m, kv_tiles, block_n).all(axis=(1, 3))
-            memo[b, h] = np.stack([(some & every).sum(1), (some & ~every).sum(1)], axis=1)
-        return memo[b, h]
-    return lambda b, h, q_tile: tuple(tiles(b, h)[q_tile])
+            some = some.reshape(len(q), kv_tiles, block_n).any(axis=(0, 2))
+            every = every.reshape(len(q), kv_tiles, block_n).all(axis=(0, 2))
+            memo[b, h, q_tile] = (int((some & every).sum()), int((some & ~every).sum()))
+        return memo[b, h, q_tile]
+    return tiles
 
 
 def _classify_row(classify, b: int | None, h: int | None, n: int, q_lo: int, block_m: int,

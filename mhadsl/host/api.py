@@ -345,12 +345,14 @@ class Kernel:
                        scale, out, return_lse, stream, values, block_classes)
 
     def block_classes(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                      max_seqlen_q=None, max_seqlen_k=None, return_lse: bool | None = None,
-                      stream=None, **operands):
+                      max_seqlen_q=None, max_seqlen_k=None, scale: float | None = None,
+                      out=None, return_lse: bool | None = None, stream=None, **operands):
         """The tile classes of the call `self(q, k, v, ...)` with these arguments, for a
-        declaration whose mask reads tensor operands per pair: made once on the device,
-        passed to many calls as `block_classes=` (each then runs no classes kernel of its
-        own). Device tensors only; what they are keyed by: `mhadsl.host.forward.BlockClasses`."""
+        declaration whose mask reads tensor operands per pair: made once on the device (on
+        `stream`), passed to many calls as `block_classes=` (each then runs no classes
+        kernel of its own). Device tensors only; `scale` and `out` are taken so that a
+        call's arguments pass as they are, and not used; what they are keyed by:
+        `mhadsl.host.forward.BlockClasses`."""
         from mhadsl.host.forward import block_classes
         values = operand_values(self.options, operands) \
             if operands or self.options.operands else None

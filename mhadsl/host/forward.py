@@ -60,8 +60,10 @@ class BlockClasses:
     captures the calls without them classifies at each replay instead)."""
 
     kernel: str
+    program: str  # the text of the kernel's program (with the name: its declaration)
     device: int
     sizes: tuple[int, ...]  # `ClassesPlan.sizes`
+    lengths: tuple[int, ...]  # `ClassesPlan.lengths`
     inputs: tuple  # what the classes were made from (`_class_inputs`)
     buffer: object  # runtime.driver.DeviceBuffer
 
@@ -85,24 +87,38 @@ class BlockClasses:
         return out
 
 
-def _described(sizes: tuple[int, ...]) -> str:
-    """A call's `ClassesPlan.sizes` in words."""
+def _described(sizes: tuple[int, ...], lengths: tuple[int, ...]) -> str:
+    """A call's `ClassesPlan.sizes` and `.lengths` in words."""
     batch, rows, cols, heads, cell_rows, cell_keys = sizes
-    return (f"{batch} sequences, {heads} head(s) of {rows} x {cols} tiles of {cell_rows} "
-            f"query rows by {cell_keys} keys")
+    seqlen_q, seqlen_k, max_q, max_k = lengths
+    rows_of = f"{max_q} query rows and {max_k} keys at most" if not seqlen_q and not \
+        seqlen_k else f"{seqlen_q} query rows and {seqlen_k} keys"
+    return (f"{batch} sequences of {rows_of}, {heads} head(s) of {rows} x {cols} tiles of "
+            f"{cell_rows} query rows by {cell_keys} keys")
 
 
-def _class_inputs(kernel, addresses: dict, operands: dict | None) -> tuple:
+def _class_inputs(kernel, addresses: dict, shapes: dict, operands: dict | None) -> tuple:
     """What a call's tile classes depend on beyond its sizes: the addresses of its row
-    offsets and tensor operands, and its scalar operands' values."""
+    offsets, the addresses, shapes and strides of its tensor operands (`shapes`: name ->
+    (shape, strides)), and its scalar operands' values."""
     scalars = tuple((o.name, operands[o.name]) for o in kernel.options.operands if not o.axes)
-    names = ("cu_seqlens_q", "cu_seqlens_k",
-             *(OPERAND_PREFIX + o.name for o in kernel.options.operands if o.axes))
-    return tuple(addresses.get(n) or 0 for n in names) + scalars
+    tensors = tuple((addresses.get(OPERAND_PREFIX + o.name) or 0,
+                     shapes.get(OPERAND_PREFIX + o.name)) for o in kernel.options.operands
+                    if o.axes)
+    return (addresses.get("cu_seqlens_q") or 0, addresses.get("cu_seqlens_k") or 0) + \
+        tensors + scalars
 
 
-def _given_classes(kernel, plans: list, classes, addresses: dict, operands) -> dict:
-    """`addresses` with the caller's tile classes, checked against the call."""
+def _operand_shapes(views: dict) -> dict:
+    """(shape, strides) of each tensor operand among a call's device views."""
+    return {n: (tuple(t.shape), tuple(t.strides)) for n, t in views.items()
+            if n.startswith(OPERAND_PREFIX) and t is not None}
+
+
+def _given_classes(kernel, plans: list, classes, addresses: dict, shapes: dict,
+                   operands) -> dict:
+    """`addresses` with the caller's tile classes, checked against the call (`shapes`: its
+    tensor operands', `_operand_shapes`)."""
     if not isinstance(classes, BlockClasses):
         raise TypeError(f"block_classes must be what Kernel.block_classes() returns, got "
                         f"{type(classes).__name__}")
@@ -110,13 +126,16 @@ def _given_classes(kernel, plans: list, classes, addresses: dict, operands) -> d
     if plan is None:
         raise TypeError(f"kernel '{kernel.name}' classifies its tiles at compile time: "
                         f"block_classes= is for masks that read tensor operands per pair")
-    if (classes.kernel, classes.device, classes.sizes) != (kernel.name, plan.device,
-                                                            plan.sizes):
-        raise ValueError(f"block_classes were made for a call of kernel '{classes.kernel}' "
-                         f"on device {classes.device} with {_described(classes.sizes)}; "
-                         f"this call is of kernel '{kernel.name}' on device {plan.device} "
-                         f"with {_described(plan.sizes)}")
-    if classes.inputs != _class_inputs(kernel, addresses, operands):
+    if (classes.kernel, classes.program) != (kernel.name, kernel.program.text):
+        raise ValueError(f"block_classes were made for another kernel (declaration "
+                         f"'{classes.kernel}' of another program, or another declaration)")
+    if (classes.device, classes.sizes, classes.lengths) != (plan.device, plan.sizes,
+                                                            plan.lengths):
+        raise ValueError(f"block_classes were made for a call on device {classes.device} "
+                         f"with {_described(classes.sizes, classes.lengths)}; this call is "
+                         f"on device {plan.device} with "
+                         f"{_described(plan.sizes, plan.lengths)}")
+    if classes.inputs != _class_inputs(kernel, addresses, shapes, operands):
         raise ValueError("block_classes were made from other row offsets or operands than "
                          "this call passes (other tensors, or other scalar values): make "
                          "them from this call's")
@@ -154,8 +173,9 @@ def block_classes(kernel, q, k, v, cu_q, cu_k, max_q, max_k, return_lse, stream,
     buffer = driver.DeviceBuffer(plan.nbytes, device)
     handle = driver.stream_handle(stream, kind=call.q.kind, device=device)
     plan.run(addresses, buffer.ptr, handle, operands)
-    return BlockClasses(kernel.name, device, plan.sizes,
-                        _class_inputs(kernel, addresses, operands), buffer)
+    return BlockClasses(kernel.name, kernel.program.text, device, plan.sizes, plan.lengths,
+                        _class_inputs(kernel, addresses, _operand_shapes(views), operands),
+                        buffer)
 
 
 @dataclass
@@ -243,7 +263,9 @@ def _run_torch(kernel, planned: _Planned, q, k, v, out, cu_q, cu_k, stream, oper
             cu_k.data_ptr()
     addresses.update((n, t.data_ptr()) for n, t in tensor_ops.items())
     if classes is not None:
-        addresses = _given_classes(kernel, planned.plans, classes, addresses, operands)
+        shapes = {n: (tuple(t.shape), tuple(t.stride())) for n, t in tensor_ops.items()}
+        addresses = _given_classes(kernel, planned.plans, classes, addresses, shapes,
+                                   operands)
     handle = torch_stream(torch, q.get_device()) if stream is None else \
         stream_handle(stream)
     launch(planned.plans, addresses, handle, kernel.recording_workspace, operands)
@@ -259,7 +281,8 @@ def _launch(kernel, call: Call, views: dict, want_lse: bool, stream: int,
         kernel.launcher.fast_plans[torch_key] = planned
     addresses = {n: t.ptr for n, t in views.items() if t}
     if classes is not None:
-        addresses = _given_classes(kernel, planned.plans, classes, addresses, operands)
+        addresses = _given_classes(kernel, planned.plans, classes, addresses,
+                                   _operand_shapes(views), operands)
     launch(planned.plans, addresses, stream, kernel.recording_workspace, operands)
 
 def _planned(kernel, call: Call, views: dict, want_lse: bool) -> _Planned:

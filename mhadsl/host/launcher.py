@@ -185,7 +185,8 @@ class Launcher:
         grid = (max(1, -(-cells * 32 // build.threads)), 1, 1)
         return ClassesPlan(LaunchPlan(function, grid, build.threads, 0, build.abi, None,
                                       loaded.device, tensors, values), cells, loaded.device,
-                           (call.batch, *(values[n] for n in CLASS_SIZES)))
+                           (call.batch, *(values[n] for n in CLASS_SIZES)),
+                           (call.seqlen_q, call.seqlen_k, call.max_seqlen_q, call.max_seqlen_k))
 
 
 # the cells of a call's classes: the kernels' offsets into them are 32-bit
@@ -204,6 +205,7 @@ class ClassesPlan:
     nbytes: int
     device: int
     sizes: tuple[int, ...]  # the call's sequences, then its values of CLASS_SIZES
+    lengths: tuple[int, ...]  # its dense seqlen_q and seqlen_k, its max_seqlen_q and _k
 
     def run(self, addresses: Mapping[str, int], buffer: int, stream: int,
             scalars: Mapping | None) -> None:
