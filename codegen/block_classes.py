@@ -28,7 +28,9 @@ from mhadsl.abi import (
 )
 from mhadsl.codegen import nvptx, signature, warp
 from mhadsl.codegen.backends import ExprHooks, ir_loop
-from mhadsl.codegen.backends.blocks import TileRules, TileSequence, sequence_rows
+from mhadsl.codegen.backends.blocks import (
+    TileRules, TileSequence, last_index, sequence_rows,
+)
 from mhadsl.codegen.nvptx import i8, i32, i64
 
 KERNEL_NAME = "mha_block_classes"
@@ -90,12 +92,6 @@ def lookup(b: ir.IRBuilder, bidx: ir.Value, h: ir.Value | None, q_lo: ir.Value,
             b.or_(empty, b.icmp_unsigned("!=", b.and_(bits, i32(CELL_ALL)), i32(0))))
 
 
-def _last(b: ir.IRBuilder, first: ir.Value, size: ir.Value, length: ir.Value) -> ir.Value:
-    """The last index of [first, first + size) below `length`."""
-    end = b.add(first, size)
-    return b.sub(b.select(b.icmp_signed("<", end, length), end, length), i32(1))
-
-
 class _Cell:
     """Cell `cell` of the call (`ABI`'s arguments `a`, by name): its sequence, head, rows
     and keys."""
@@ -145,10 +141,10 @@ def cell_function(module: ir.Module, abi: KernelABI, hooks: ExprHooks, ragged: b
 
     b.position_at_end(decided)
     rules = c.tile_rules(hooks)
-    q_hi = _last(b, c.q_lo, c.rows, c.seqlen_q)
-    kv_hi = _last(b, c.kv_lo, c.keys, c.seqlen_k)
+    q_hi = last_index(b, c.q_lo, c.rows, c.seqlen_q)
+    kv_hi = last_index(b, c.kv_lo, c.keys, c.seqlen_k)
     head = c.h if hooks.mask_uses_head else i32(0)
-    may, every = rules.hooks.classify(b, c.bidx, head, c.q_lo, q_hi, c.kv_lo, kv_hi,
+    may, every = hooks.classify(b, c.bidx, head, c.q_lo, q_hi, c.kv_lo, kv_hi,
                                       c.seqlen_q, c.seqlen_k)
     static = b.select(may, b.select(every, i32(CELL_MAY | CELL_ALL), i32(CELL_MAY)), i32(0))
     known = fn.append_basic_block("known")
@@ -159,19 +155,20 @@ def cell_function(module: ir.Module, abi: KernelABI, hooks: ExprHooks, ragged: b
     b.position_at_end(scan)
     first = b.add(c.kv_lo, lane)
 
+    def mixed(some, every):
+        """Both a kept and a dropped pair seen: the cell is partial whatever the rest are."""
+        return b.and_(b.icmp_unsigned("!=", some, i32(0)), b.icmp_unsigned("==", every, i32(0)))
+
     def key(bk, kv, acc):
         def row(br, q, carried):
             keep = rules.keeps(br, head, q, kv, bounds=False)
             some = br.or_(carried[0], br.zext(keep, i32))
             every = br.and_(carried[1], br.select(keep, i32(CELL_ALL), i32(0)))
-            # both seen: the cell is partial whatever the other pairs are
-            mixed = br.and_(br.icmp_unsigned("!=", some, i32(0)),
-                            br.icmp_unsigned("==", every, i32(0)))
-            return br.select(mixed, br.add(q_hi, i32(1)), br.add(q, i32(1))), [some, every]
+            return br.select(mixed(some, every), br.add(q_hi, i32(1)),
+                             br.add(q, i32(1))), [some, every]
         some, every = ir_loop(bk, c.q_lo, bk.add(q_hi, i32(1)), acc, row)
-        mixed = bk.and_(bk.icmp_unsigned("!=", some, i32(0)),
-                        bk.icmp_unsigned("==", every, i32(0)))
-        return bk.select(mixed, bk.add(kv_hi, i32(1)), bk.add(kv, lanes)), [some, every]
+        return bk.select(mixed(some, every), bk.add(kv_hi, i32(1)),
+                         bk.add(kv, lanes)), [some, every]
     some, every = ir_loop(b, first, b.add(kv_hi, i32(1)), [i32(0), i32(CELL_ALL)], key)
     b.ret(b.or_(some, every))
     return fn

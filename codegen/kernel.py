@@ -94,6 +94,7 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
     mask = _rule_hook(program, mask_rule, MASK_ROLES, BOOL, operands) if mask_rule else None
     score = _rule_hook(program, score_rule, SCORE_ROLES, F32, operands) if score_rule else None
     sink = _rule_hook(program, sink_rule, SINK_ROLES, F32, operands) if sink_rule else None
+    mask_uses_head = mask_rule is not None and rule_reads(mask_rule, "h")
 
     def classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k, q_rows=None,
                  kv_rows=None):
@@ -104,7 +105,6 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
         found = block_classes.lookup(builder, b, h if mask_uses_head else None, q_lo, q_hi,
                                      kv_lo, kv_hi, q_rows, kv_rows)
         return builder.and_(may, found[0]), builder.or_(every, found[1])
-    mask_uses_head = mask_rule is not None and rule_reads(mask_rule, "h")
     limits = kv_limits(mask_rule, program)
 
     def row_limits(builder, b, h, q_idx, seqlen_q, seqlen_k):

@@ -32,9 +32,10 @@ def sequence_rows(b: ir.IRBuilder, ragged: bool, cu_seqlens: ir.Value, dense_len
     return start, b.sub(end, start)
 
 
-def last_index(b: ir.IRBuilder, first: ir.Value, size: int, length: ir.Value) -> ir.Value:
+def last_index(b: ir.IRBuilder, first: ir.Value, size: int | ir.Value,
+               length: ir.Value) -> ir.Value:
     """The last index of the tile [first, first + size) that lies below `length`."""
-    end = b.add(first, i32(size))
+    end = b.add(first, size if isinstance(size, ir.Value) else i32(size))
     return b.sub(b.select(b.icmp_signed("<", end, length), end, length), i32(1))
 
 

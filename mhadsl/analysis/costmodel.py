@@ -159,7 +159,7 @@ def _data_classes(program: CheckedProgram, mask: ast.Rule, seqlens: list[int], b
     classes kernel finds, `codegen.block_classes`; a KV tile past the sequence's end is
     partial). Tensor operands along `queries`/`keys` hold every sequence's rows one after
     another, as a ragged call's do, unless they have a `batch` axis."""
-    from mhadsl.analysis.reference import _Positions, evaluate_rule
+    from mhadsl.analysis.reference import _Positions, cell_classes, evaluate_rule
     values = {}
     for o in declared:
         value = operands.get(o.name)
@@ -182,13 +182,10 @@ def _data_classes(program: CheckedProgram, mask: ast.Rule, seqlens: list[int], b
                 mask, program, seq, b=b, h=h, q_idx=q[:, None],
                 kv_idx=np.arange(n)[None, :], seqlen_q=n, seqlen_k=n), (len(q), n))
             kv_tiles = -(-n // block_n)
-            some = np.zeros((len(q), kv_tiles * block_n), bool)
-            every = np.ones_like(some)
-            some[:, :n] = keep
-            every[:, :n] = keep
-            every[:, n:] = False  # a tile past the sequence's end is never full
-            some = some.reshape(len(q), kv_tiles, block_n).any(axis=(0, 2))
-            every = every.reshape(len(q), kv_tiles, block_n).all(axis=(0, 2))
+            some, every = cell_classes(keep, (block_m, block_n), 1, kv_tiles)
+            # a tile past the sequence's end is never full
+            every = every[0] & ((np.arange(kv_tiles) + 1) * block_n <= n)
+            some = some[0]
             memo[b, h, q_tile] = (int((some & every).sum()), int((some & ~every).sum()))
         return memo[b, h, q_tile]
     return tiles

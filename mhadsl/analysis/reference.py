@@ -568,14 +568,22 @@ def reference_block_classes(kernel, q, k, *, cell: tuple[int, int], cu_seqlens_q
                 opts.mask, rules["program"], seq_operands, b=b, h=h,
                 q_idx=np.arange(sq)[:, None], kv_idx=np.arange(sk)[None, :], seqlen_q=sq,
                 seqlen_k=sk), (sq, sk))
-            some = np.zeros((rows * cell_rows, cols * cell_keys), bool)
-            every = np.ones_like(some)
-            some[:sq, :sk] = keep
-            every[:sq, :sk] = keep
-            some = some.reshape(rows, cell_rows, cols, cell_keys).any(axis=(1, 3))
-            every = every.reshape(rows, cell_rows, cols, cell_keys).all(axis=(1, 3))
+            some, every = cell_classes(keep, cell, rows, cols)
             found[b, h] = np.where(some, CELL_MAY | np.where(every, CELL_ALL, 0), 0)
     return found
+
+
+def cell_classes(keep: np.ndarray, cell: tuple[int, int], rows: int,
+                 cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """(some pair kept, every pair kept) of each of `rows` x `cols` cells of `cell` (query
+    rows, keys) pairs, the first starting at `keep`'s pair (0, 0) (bool; the cells hold all
+    of it): pairs past `keep` are neither kept nor dropped."""
+    some = np.zeros((rows * cell[0], cols * cell[1]), bool)
+    every = np.ones_like(some)
+    some[:keep.shape[0], :keep.shape[1]] = keep
+    every[:keep.shape[0], :keep.shape[1]] = keep
+    shape = (rows, cell[0], cols, cell[1])
+    return some.reshape(shape).any(axis=(1, 3)), every.reshape(shape).all(axis=(1, 3))
 
 
 def _operand_rows(q, k, call) -> tuple[tuple[int, int], tuple[bool, bool]]:

@@ -164,7 +164,6 @@ class Launcher:
                                     values, index, design.tile_offsets))
         return plans
 
-
     def classes_plan(self, loaded: Loaded, call: CallSizes,
                      tensors: Mapping[str, TensorShape | None], values: dict) -> ClassesPlan:
         """The launch of the declaration's classes kernel (`codegen.block_classes`) for a
@@ -211,10 +210,6 @@ class ClassesPlan:
             scalars: Mapping | None) -> None:
         """Queue the kernel on `stream`, writing the classes to device address `buffer`."""
         self.plan.launch({**addresses, "block_classes": buffer}, stream, scalars=scalars)
-
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return self.plan.grid
 
     def prepare(self, addresses: Mapping[str, int], stream: int,
                 scalars: Mapping | None) -> Mapping[str, int]:
