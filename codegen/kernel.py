@@ -14,13 +14,14 @@ from typing import NamedTuple
 from llvmlite import ir
 
 from mhadsl.abi import (
-    BLOCK_CLASS_PARAMS, OPERAND_PREFIX, classifies_per_call, operand_params, tensor_params,
+    BLOCK_CLASS_PARAMS, GRAD_PREFIX, OPERAND_PREFIX, classifies_per_call, float_tensors,
+    operand_grad_params, operand_params, tensor_params,
 )
 from mhadsl.front.attention_spec import operand_key, rule_reads
 from mhadsl.front.check import CheckedProgram
 from mhadsl.analysis.classify import emit_classify
 from mhadsl.analysis.kv_limits import emit_kv_limits, kv_limits, operand_term
-from mhadsl.analysis.derivative import differentiate_score
+from mhadsl.analysis.derivative import differentiate_score, float_reads, read_operand
 from mhadsl.codegen import block_classes, nvptx
 from mhadsl.codegen.backends import ExprHooks, KernelArgs, KernelSource, TileSeq, WorkLoop
 from mhadsl.codegen.lower import Builtins, FunctionLowering
@@ -122,15 +123,61 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
 
 
 def backward_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
-                   sink_rule=None, per_call: bool = False) -> ExprHooks:
+                   sink_rule=None, per_call: bool = False,
+                   operand_grads: bool = False) -> ExprHooks:
     """The forward's hooks plus the score rule's derivative d score / d s
     (`mhadsl.analysis.derivative`), lowered like the score; raises `MhaError` where the score rule
-    cannot be differentiated."""
+    cannot be differentiated. With `operand_grads`, the hook that adds a pair's share of
+    the gradients of the f32 tensors the score reads (`ExprHooks.scatter_reads`) and those
+    gradients' parameters (`mhadsl.abi.operand_grad_params`)."""
     hooks = expr_hooks(program, mask_rule, score_rule, operands, sink_rule, per_call)
     if score_rule is None:
         return hooks
     rule, derived = differentiate_score(score_rule, program)
-    return replace(hooks, derivative=_rule_hook(derived, rule, SCORE_ROLES, F32, operands))
+    hooks = replace(hooks, derivative=_rule_hook(derived, rule, SCORE_ROLES, F32, operands))
+    if not operand_grads:
+        return hooks
+    return replace(hooks, scatter_reads=_scatter_hook(program, score_rule, operands),
+                   operands=hooks.operands + operand_grad_params(float_tensors(operands)))
+
+
+def _scatter_hook(program: CheckedProgram, score_rule, operands: tuple):
+    """`ExprHooks.scatter_reads`: per f32 tensor read r of the score rule, dz * d score / d
+    (the element r picks) added into that element of the operand's gradient (contiguous,
+    in the operand's shape), where the read lies inside the tensor and the term is not 0.
+    The score rule is lowered again with the reads observed (`FunctionLowering.on_read`),
+    so a read adds where, and only where, the rule's own control flow reads it; the score
+    it computes is dead code."""
+    reads = float_reads(score_rule, program)
+    slopes = [_rule_hook(derived, rule, SCORE_ROLES, F32, operands)
+              for rule, derived in (differentiate_score(score_rule, program, r) for r in reads)]
+
+    def scatter(builder: ir.IRBuilder, dz: ir.Value, *values: ir.Value, extents=None) -> None:
+        terms = {r: builder.fmul(dz, slope(builder, *values, extents=extents))
+                 for r, slope in zip(reads, slopes)}
+        tensors = _operand_values(builder, operands, extents)
+        args = {a.name: a for a in builder.function.args}
+
+        def on_read(read, at_axes, inside) -> None:
+            term = terms.get(read)
+            if term is None:  # (an i32 tensor's)
+                return
+            name = read_operand(read)
+            offset = i32(0)
+            for index, size in zip(at_axes, tensors[name].sizes):  # (row-major)
+                offset = builder.add(builder.mul(offset, size), index)
+            pointer = builder.gep(args[GRAD_PREFIX + name], [builder.select(inside, offset,
+                                                                            i32(0))],
+                                  source_etype=ir.FloatType())
+            nvptx.red_add_f32_if(builder, pointer, term, builder.and_(
+                inside, builder.fcmp_unordered("!=", term, ir.Constant(ir.FloatType(), 0.0))))
+
+        bindings = dict(zip(SCORE_ROLES, values))
+        bindings.update({operand_key(name): value for name, value in tensors.items()})
+        lower = FunctionLowering(builder, program, _NoBuiltins(), bindings, default_int=I32)
+        lower.on_read = on_read
+        lower.lower_body(score_rule.body, F32)
+    return scatter
 
 
 def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Target,
@@ -176,14 +223,20 @@ def scheduler_work_loop(program: CheckedProgram, spec: SchedulerSpec, target: Ta
 
 
 def kernel_source(program: CheckedProgram, options, target: Target,
-                  trace: bool = False, workload: str = "prefill") -> KernelSource:
+                  trace: bool = False, workload: str = "prefill",
+                  operand_grads: bool = False) -> KernelSource:
     """The hooks and work loop of a `workload` build of declaration `options`
     (`AttentionOptions`); `trace` builds the loop that records every work item; a backward
-    build's hooks add the score rule's derivative (`backward_hooks`)."""
+    build's hooks add the score rule's derivative (`backward_hooks`), and with
+    `operand_grads` the gradients of the f32 tensors it reads."""
     def work_loop(tile_m: int, gqa_group: int) -> WorkLoop:
         spec = SchedulerSpec(options.scheduler, options.scheduler_args, tile_m, gqa_group)
         return scheduler_work_loop(program, spec, target, trace)
-    hooks = (backward_hooks if workload == "backward" else expr_hooks)(
-        program, options.mask, options.score, options.operands, options.sink,
-        per_call=classifies_per_call(options, workload))
+    per_call = classifies_per_call(options, workload)
+    if workload == "backward":
+        hooks = backward_hooks(program, options.mask, options.score, options.operands,
+                               options.sink, per_call, operand_grads)
+    else:
+        hooks = expr_hooks(program, options.mask, options.score, options.operands,
+                           options.sink, per_call)
     return KernelSource(hooks, work_loop, trace)

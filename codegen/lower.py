@@ -118,6 +118,9 @@ class FunctionLowering:
         self.ret_slot: object = None
         self.ret_block: ir.Block | None = None
         self.ret_ty: Ty | None = None
+        # called at each tensor read with the read, its element's index per axis (i32)
+        # and whether it lies inside the tensor (`codegen.kernel`'s gradient scatter)
+        self.on_read: Callable[[ast.Index, list[Value], Value], None] | None = None
 
     # ------------------------------------------------------------ helpers
     def entry_alloca(self, ty: ir.Type, name: str = "") -> ir.AllocaInstr:
@@ -296,7 +299,7 @@ class FunctionLowering:
             node = node.obj
         tensor = self.bindings[self.program.refs[node].node]
         b, element = self.b, LLVM_TYPES[self.ty(e)]
-        inside, offset = None, i32(0)
+        inside, offset, at_axes = None, i32(0), []
         positions = tensor.positions or (None,) * len(tensor.sizes)
         for index, size, stride, rows in zip(reversed(indices), tensor.sizes, tensor.strides,
                                              positions):
@@ -310,6 +313,9 @@ class FunctionLowering:
                 ok = b.and_(ok, b.icmp_unsigned("<", v, size))
             inside = ok if inside is None else b.and_(inside, ok)
             offset = b.add(offset, b.mul(v, stride))  # (inside the tensor: below 2**31)
+            at_axes.append(v)
+        if self.on_read is not None:
+            self.on_read(e, at_axes, inside)
         at = b.gep(tensor.pointer, [b.select(inside, offset, i32(0))], source_etype=element)
         return b.select(inside, b.load(at, typ=element), ir.Constant(element, 0))
 

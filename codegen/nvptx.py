@@ -85,6 +85,17 @@ def opaque(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
     return builder.asm(ir.FunctionType(ty, [ty]), "", constraint, [value], True)
 
 
+def red_add_f32_if(builder: ir.IRBuilder, pointer: ir.Value, value: ir.Value,
+                   predicate: ir.Value) -> None:
+    """`red.global.add.f32` of `value` at global `pointer`, where `predicate` (i1) holds:
+    predicated in PTX, so the IR around it keeps one block (a caller lowering an
+    expression may hold its current block for a phi)."""
+    builder.asm(ir.FunctionType(void, [i64, f32, i32]),
+                "{ .reg .pred %p; setp.ne.u32 %p, $2, 0; @%p red.global.add.f32 [$0], $1; }",
+                "l,f,r", [builder.ptrtoint(pointer, i64), value, builder.zext(predicate, i32)],
+                True)
+
+
 def reload_shared(builder: ir.IRBuilder, address: ir.Value) -> ir.Value:
     """The u32 at 32-bit shared address `address`, read by a volatile asm exactly where it
     stands: neither LLVM nor ptxas keeps the value live from an earlier read, so a value a

@@ -156,6 +156,24 @@ def operand_params(operands) -> tuple[Param, ...]:
     return tuple(params)
 
 
+GRAD_PREFIX = "operand_grad_"  # the parameter of an operand's gradient (a call's tensor)
+
+
+def float_tensors(operands) -> tuple[str, ...]:
+    """The names of the f32 tensor operands among a declaration's operands: those with a
+    gradient."""
+    return tuple(o.name for o in operands if o.axes and o.type == "f32")
+
+
+def operand_grad_params(names) -> tuple[Param, ...]:
+    """The parameters of a backward build that adds the gradients of f32 tensor operands
+    `names` (`Layout.operand_grads`): each one's float32 gradient, contiguous in the
+    operand's shape (whose sizes the operand's own parameters give)."""
+    return tuple(Param(GRAD_PREFIX + n, "ptr", Pointer(GRAD_PREFIX + n),
+                       f"float32 gradient of the tensor operand '{n}', contiguous in its "
+                       f"shape; the kernels add into it", align=4) for n in names)
+
+
 def tensor_params(operand: str, rank: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The names of tensor operand `operand`'s size and stride parameters, an axis each (its
     address is `OPERAND_PREFIX + operand`, as a call's tensors are named)."""
@@ -193,12 +211,18 @@ def classifies_per_call(options, workload: str) -> bool:
     return options.mask_reads_data and workload != "decode"
 
 
-def declaration_params(options, workload: str) -> tuple[Param, ...]:
+def declaration_params(options, workload: str, operand_grads: bool = False
+                       ) -> tuple[Param, ...]:
     """The parameters every kernel of a `workload` build of declaration `options` takes
     after its design's own: its operands', then the tile classes' where the call makes
-    them (`classifies_per_call`)."""
+    them (`classifies_per_call`), then with `operand_grads` (a backward build's,
+    `Layout.operand_grads`) the gradients of its f32 tensor operands."""
     params = operand_params(options.operands)
-    return params + BLOCK_CLASS_PARAMS if classifies_per_call(options, workload) else params
+    if classifies_per_call(options, workload):
+        params += BLOCK_CLASS_PARAMS
+    if operand_grads:
+        params += operand_grad_params(float_tensors(options.operands))
+    return params
 
 
 def block_class_values(call: "CallSizes", per_head: bool,

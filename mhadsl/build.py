@@ -117,7 +117,7 @@ def build_kernel(program: CheckedProgram, request: KernelRequest,
         configs = (build_kernel(program, dataclasses.replace(request, trace=False),
                                 store).config,)
     source = kernel_source(program, resolved.options, resolved.target, request.trace,
-                           request.layout.workload)
+                           request.layout.workload, request.layout.operand_grads)
     build = resolved.backend.build(source, configs, resolved.target)
     store.put(key, _to_entry(build))
     return build

@@ -149,6 +149,9 @@ class Layout:
     cache: CacheLayout | None = None  # a decode call's cache (None: q, k, v)
     backward: bool = False  # the backward pass's kernels
     deterministic: bool = False  # the backward's, bitwise repeatable (no dQ atomics)
+    # the backward's kernels add the gradients of the f32 tensors the score reads too
+    # (`ExprHooks.scatter_reads`)
+    operand_grads: bool = False
 
     @property
     def workload(self) -> str:
@@ -242,13 +245,18 @@ class ExprHooks:
     kv_limits(builder, b, h, q_idx, seqlen_q, seqlen_k) -> (first kept key or None, last
         kept key or None) of the row, i32, where the mask keeps one run of keys per row
         (`mhadsl.analysis.kv_limits`: causal, a sliding window); None = any other mask.
+    scatter_reads(builder, dz, s, b, h, q_idx, kv_idx[, ...]): the pair's share of the gradients
+        of the f32 tensors the score rule reads (`Layout.operand_grads`): dz (the gradient
+        of the pair's scored logit) times d score / d the element each read picks, at the
+        scaled score `s`, added into that element where the read lies inside its tensor
+        (`codegen.kernel`); None = the build adds no operand's gradient.
     All index arguments are i32 values: q_idx and kv_idx count from the start of the sequence.
     operands: the parameters of the declaration's operands (`mhadsl.abi.operand_params`),
         which every kernel of the build takes after its design's own (`kernel_abi`): the
         hooks read them from the kernel's arguments.
-    positions: an operand has a `queries` or `keys` axis; then mask, score, derivative and
-        sink take `extents=` (the sequence's first query row, query rows, first key, keys:
-        `blocks.TileRules`), where such an axis is read.
+    positions: an operand has a `queries` or `keys` axis; then mask, score, derivative, the
+        read hooks and sink take `extents=` (the sequence's first query row, query rows,
+        first key, keys: `blocks.TileRules`), where such an axis is read.
     """
 
     mask: Callable | None = None
@@ -261,6 +269,7 @@ class ExprHooks:
     kv_limits: Callable | None = None
     operands: tuple[Param, ...] = ()
     positions: bool = False
+    scatter_reads: Callable | None = None
 
     def kernel_abi(self, abi: KernelABI) -> KernelABI:
         """The parameters of a design's kernel that applies these hooks: its own, then the

@@ -60,6 +60,7 @@ from mhadsl.codegen.target import Target, new_module
 
 PREPROCESS, MAIN, POSTPROCESS, DQ = ("mha_bwd_preprocess", "mha_bwd", "mha_bwd_postprocess",
                                      "mha_bwd_dq")
+OPERAND_GRADS = "mha_bwd_operand_grads"
 SMEM_SYMBOL = "mha_bwd_smem"
 HEAD_DIMS = (64, 128, 256)
 MAX_REGISTERS = 255
@@ -88,6 +89,8 @@ class BackwardConfig(RowCopies):
     column_passes: int = 1
     deterministic: bool = False  # dQ from mha_bwd_dq, not atomics (bitwise repeatable)
     sink: bool = False  # the declaration has a sink rule: the preprocess writes `sink_terms`
+    # mha_bwd_operand_grads adds the gradients of the f32 tensors the score reads, last
+    operand_grads: bool = False
     # IR shapes of one computation, for ptxas's allocation at the register cap (`configs`):
     park_work_tile: bool = True  # the work tile's values read from shared memory per use
     opaque_env: bool = True  # the scheduler's inputs rederived per step (`KernelArgs`)
@@ -678,15 +681,18 @@ class _TileKernel:
                 out[i][j][e] = phi
         return merged
 
+    def _unpacked(self, b, packed_p, n_tiles: int):
+        """P ([m-tile][n-tile][4] f32) from its 16-bit A operands (`_pack`)."""
+        return [[_unpack_pairs(b, self.c.dtype, [frags[j // 2][2 * (j % 2)],
+                                                 frags[j // 2][2 * (j % 2) + 1]])
+                 for j in range(n_tiles)] for frags in packed_p]
+
     def _ds(self, b, packed_p, G, dP_delta):
         """dS = G * (dP - delta) ([m-tile][n-tile][4] f32) from dP - delta (the product
         started from -delta, so delta takes no registers of its own beside dP), G = P
         without a score rule (its 16-bit values, from the A operands they are in)."""
-        dt = self.c.dtype
         if G is None:
-            G = [[_unpack_pairs(b, dt, [frags[j // 2][2 * (j % 2)],
-                                        frags[j // 2][2 * (j % 2) + 1]])
-                  for j in range(len(dP_delta[0]))] for frags in packed_p]
+            G = self._unpacked(b, packed_p, len(dP_delta[0]))
         else:
             G = [[_unpack_pairs(b, "bf16", t) for t in mt] for mt in G]
         return [[[b.fmul(g, x) for g, x in zip(gt, xt)] for gt, xt in zip(gm, xm)]
@@ -1079,6 +1085,8 @@ class _DqKernel(_TileKernel):
     tile, head, batch), the query tiles from the last (under a causal mask the longest
     first)."""
 
+    writes_dq = True
+
     def __init__(self, config: BackwardConfig, hooks: ExprHooks, args: KernelArgs,
                  smem: ir.Value):
         super().__init__(config, hooks, args, smem)
@@ -1141,8 +1149,9 @@ class _DqKernel(_TileKernel):
 
             steps = b.udiv(b.add(self.seqlen_k, i32(c.dq_step - 1)), i32(c.dq_step))
             dq = self._step_loop(b, steps, pair_of, issue, compute,
-                                 [warp.fconst(0.0)] * (MT * c.head_dim // 2))
-            self._store_own(b, "dq", h, q_row, rows_valid, dq, a.softmax_scale)
+                                 [warp.fconst(0.0)] * (MT * c.head_dim // 2 * self.writes_dq))
+            if self.writes_dq:
+                self._store_own(b, "dq", h, q_row, rows_valid, dq, a.softmax_scale)
 
     def _step(self, b, h, q0, kv0, stage, dq, neg_lse, neg_delta):
         """One K/V tile at kv0, its K and V in `stage`: dQ += dS K."""
@@ -1163,6 +1172,45 @@ class _DqKernel(_TileKernel):
                                                      c.head_dim,
                                                      lambda i, j, e: neg_delta[2 * i + (e >> 1)]))
         return self._mma_registers(b, self._pack(b, dS), k_tile, dq)
+
+
+class _OperandGradKernel(_DqKernel):
+    """`mha_bwd_operand_grads` (`BackwardConfig.operand_grads`): the dQ kernel's walk over a
+    query tile's K/V tiles, without dQ: per pair, dZ = P * (dP - delta) (P 16-bit, as dS
+    takes it; 0 outside the mask and the sequence, where nothing is added) goes to the
+    gradients of the f32 tensors the score reads (`TileRules.scatter_reads`). A kernel of
+    its own: beside dQ's accumulators, S, P and dP would not fit the registers."""
+
+    writes_dq = False
+
+    def _step(self, b, h, q0, kv0, stage, dq, neg_lse, neg_delta):
+        c = self.c
+        lanes = self._lanes(b)
+
+        def q_idx(i, j, e):
+            return b.add(q0, lanes.own_row(b, i, e >> 1))
+
+        def kv_idx(i, j, e):
+            return b.add(kv0, lanes.step_column(b, j, e))
+
+        S = self._mma_rows(b, self.q_off, self._stage(b, stage, "k"), c.dq_step, c.head_dim)
+        packed_p, _ = self._probabilities(b, h, q0, kv0, S, q_idx, kv_idx,
+                                          lambda i, j, e: neg_lse[2 * i + (e >> 1)])
+        dP_delta = self._mma_rows(b, self.do_off, self._stage(b, stage, "v"), c.dq_step,
+                                  c.head_dim, lambda i, j, e: neg_delta[2 * i + (e >> 1)])
+        rules = TileRules(self.hooks, TileSequence(self.bidx, self.seqlen_q, self.seqlen_k,
+                                                   *self._starts()))
+        P = self._unpacked(b, packed_p, len(dP_delta[0]))
+        # (the pairs' rows and keys from opaque values: what the reads' offsets derive from
+        # them is computed here, not hoisted out of the loop into a register per pair)
+        q0, kv0, h = (nvptx.opaque(b, x) for x in (q0, kv0, h))
+        for i, mt in enumerate(dP_delta):
+            for j, tile in enumerate(mt):
+                for e, x in enumerate(tile):
+                    rules.scatter_reads(b, b.fmul(P[i][j][e], x),
+                                        b.fmul(S[i][j][e], self.a.softmax_scale), h,
+                                        q_idx(i, j, e), kv_idx(i, j, e))
+        return dq
 
 
 # ============================================================================ module
@@ -1212,6 +1260,12 @@ def build_backward_module(config: BackwardConfig, hooks: ExprHooks | None, targe
         fn, b = kernel_function(module, POSTPROCESS, ROW_THREADS, hooks)
         _emit_postprocess(b, config, KernelArgs(fn, ABI, config))
     b.ret_void()
+    if config.operand_grads:
+        if hooks.scatter_reads is None:
+            raise ValueError("an operand_grads build needs the scatter_reads hook")
+        fn, b = kernel_function(module, OPERAND_GRADS, config.threads, hooks)
+        _OperandGradKernel(config, hooks, KernelArgs(fn, ABI, config), smem).emit(b)
+        b.ret_void()
     return module
 
 
@@ -1263,7 +1317,7 @@ class Backward(BackwardDesign):
         """`configs` from the declaration's config (its dtype, head dim and layout fields;
         another design's config of the same fields too: `backward_sm90`'s fallback)."""
         config = fields_config(config.dtype, config.head_dim, config.gqa_group, config.ragged,
-                               config.deterministic, config.sink)
+                               config.deterministic, config.sink, config.operand_grads)
         passes = (1,) if config.deterministic else (1, 2)  # (no dQ product in mha_bwd)
         candidates = [replace(config, block_m=m, step_passes=s, dq_passes=p,
                               park_work_tile=park, opaque_env=opaque)
@@ -1272,7 +1326,8 @@ class Backward(BackwardDesign):
         candidates.append(replace(config, block_n=128, num_warps=8))
         fits = min(SHARED_MEMORY_LIMIT.values())  # (a config is chosen before the arch)
         return tuple(c for c in candidates if not c.problems() and max(
-            shared_bytes(c), dq_shared_bytes(c) if c.deterministic else 0) <= fits)
+            shared_bytes(c), dq_shared_bytes(c) if c.deterministic or c.operand_grads else 0
+        ) <= fits)
 
     def kernels(self, config: BackwardConfig) -> tuple[KernelLaunch, ...]:
         """The preprocess, the main kernel, then the postprocess (atomic mode) or the dQ
@@ -1285,8 +1340,10 @@ class Backward(BackwardDesign):
 
         last = KernelLaunch(DQ, ABI, config.threads, dq_shared_bytes(config), query_tiles) \
             if config.deterministic else KernelLaunch(POSTPROCESS, ABI, ROW_THREADS, 0, rows)
+        grads = (KernelLaunch(OPERAND_GRADS, ABI, config.threads, dq_shared_bytes(config),
+                              query_tiles),) if config.operand_grads else ()
         return (KernelLaunch(PREPROCESS, preprocess_abi(config), ROW_THREADS, 0, rows),
-                KernelLaunch(MAIN, ABI, config.threads, shared_bytes(config)), last)
+                KernelLaunch(MAIN, ABI, config.threads, shared_bytes(config)), last, *grads)
 
     def scratch(self, config: BackwardConfig, call: CallSizes) -> dict[str, int]:
         """delta (fp32, the LSE's layout) and the atomic mode's fp32 dQ accumulator (q's
@@ -1318,18 +1375,19 @@ def sink_scratch(config: BackwardConfig, call: CallSizes) -> dict[str, int]:
 
 def declared_config(options, layout: Layout) -> BackwardConfig:
     return fields_config(options.dtype, options.head_dim, layout.gqa_group, layout.ragged,
-                         layout.deterministic, options.sink is not None)
+                         layout.deterministic, options.sink is not None, layout.operand_grads)
 
 
 def fields_config(dtype: str, head_dim: int, gqa_group: int, ragged: bool,
-                  deterministic: bool, sink: bool = False) -> BackwardConfig:
+                  deterministic: bool, sink: bool = False,
+                  operand_grads: bool = False) -> BackwardConfig:
     """The config of a declaration's dtype and head dim in a layout. Head dim 256: dK and dV
     in two column passes, 32-row query steps (K, V and two stages of 64 rows would pass
     sm_80's shared memory)."""
     wide = head_dim > 128
     return BackwardConfig(dtype, head_dim, block_m=32 if wide else 64,
                           column_passes=2 if wide else 1, gqa_group=gqa_group, ragged=ragged,
-                          deterministic=deterministic, sink=sink)
+                          deterministic=deterministic, sink=sink, operand_grads=operand_grads)
 
 
 BACKEND = Backward()

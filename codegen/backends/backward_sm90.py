@@ -935,7 +935,7 @@ class BackwardSM90(sm80.BackwardDesign):
         return found
 
     def runs_layout(self, layout: Layout) -> bool:
-        return not layout.deterministic
+        return not (layout.deterministic or layout.operand_grads)
 
     def configs(self, options, layout: Layout) -> tuple[HopperBackwardConfig, ...]:
         """The declaration's config in its IR shapes: P^T under dP^T's GEMM or after it, the

@@ -24,11 +24,12 @@ from mhadsl.front.diagnostics import DiagnosticSink
 from mhadsl.front.types import BOOL, F32, TYPE_NAMES, Ty
 
 
-def differentiate_score(rule: ast.Rule, program: CheckedProgram
+def differentiate_score(rule: ast.Rule, program: CheckedProgram, read: ast.Index | None = None
                         ) -> tuple[ast.Rule, CheckedProgram]:
-    """The rule computing d score / d s, and `program` extended with its new expressions'
-    types and names. Raises `MhaError` for what cannot be differentiated."""
-    d = _Differentiator(rule, program)
+    """The rule computing d score / d s (with `read`, one of `float_reads(rule, program)`:
+    d score / d the tensor element that read gives), and `program` extended with its new
+    expressions' types and names. Raises `MhaError` for what cannot be differentiated."""
+    d = _Differentiator(rule, program, read)
     body = d.block(rule.body)
     d.sink.raise_if_any()
     derived = replace(program, types={**program.types, **d.types},
@@ -36,12 +37,45 @@ def differentiate_score(rule: ast.Rule, program: CheckedProgram
     return ast.Rule(rule.span, rule.name, rule.params, body), derived
 
 
+def read_operand(read: ast.Index) -> str:
+    """The name of the tensor a read (`t[i][j]`) picks its element from."""
+    while isinstance(read, ast.Index):
+        read = read.obj
+    return read.id
+
+
+def float_reads(rule: ast.Rule, program: CheckedProgram) -> tuple[ast.Index, ...]:
+    """The reads of f32 tensor operands in a score rule's body, in source order: each the
+    outermost index of its chain (`bias[h][i]`). (A fn sees no operand: what it gets of one
+    is a value the rule read, which `differentiate_score` follows into the call.)"""
+    found = []
+    todo = list(reversed(rule.body))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Index) and program.types.get(node) == F32:
+            found.append(node)
+            todo.extend(reversed(_indices(node)))
+        else:
+            todo.extend(reversed(list(ast.children(node))))
+    return tuple(found)
+
+
+def _indices(read: ast.Index) -> list[ast.Expr]:
+    out = []
+    while isinstance(read, ast.Index):
+        out.append(read.index)
+        read = read.obj
+    return out[::-1]
+
+
 class _Differentiator:
     """Builds derivative expressions (the `d` the builtins' derivative rules are written
     against) and simplifies them as it goes."""
 
-    def __init__(self, rule: ast.Rule, program: CheckedProgram):
+    def __init__(self, rule: ast.Rule, program: CheckedProgram, read: ast.Index | None):
         self.program, self.span = program, rule.span
+        self.read = read  # the variable: this tensor read, or (None) the score s
+        self.wrt = "s" if read is None else f"operand '{read_operand(read)}'"
         self.types: dict[ast.Expr, Ty] = {}  # of the expressions made here
         self.refs: dict[ast.Name, Symbol] = {}
         self.sink = DiagnosticSink()
@@ -79,13 +113,15 @@ class _Differentiator:
         return self.dependent[e]
 
     def _depends(self, e) -> bool:
+        if e is self.read:
+            return True
         if isinstance(e, ast.Name):
             sym = self.program.refs.get(e)
             if sym is None:
                 return False
             if sym.kind == "local":
                 return self.depends(sym.node.value)
-            return sym.kind == "rule_param" and sym.node == "s"
+            return self.read is None and sym.kind == "rule_param" and sym.node == "s"
         return any(self.depends(child) for child in ast.children(e))
 
     def type(self, e: ast.Expr) -> Ty:
@@ -98,6 +134,10 @@ class _Differentiator:
             return self.const(0.0)
         if self.type(e) != F32:
             return self.not_differentiable(e)
+        if e is self.read:
+            return self.const(1.0)
+        if isinstance(e, ast.Index):  # an element picked by an index made from the variable
+            return self.not_differentiable(e.index)
         if isinstance(e, ast.Name):
             sym = self.program.refs[e]
             if sym.kind == "rule_param":
@@ -126,13 +166,14 @@ class _Differentiator:
         return self.sub(self.div(da, b), self.div(self.mul(a, db), self.mul(b, b)))
 
     def not_differentiable(self, e: ast.Expr) -> ast.Expr:
-        """Report where `s` becomes an integer or a bool inside `e`."""
+        """Report where the variable becomes an integer or a bool inside `e`."""
         at = self.culprit(e)
         what = {ast.Call: lambda: f"'{at.func.id}'", ast.Binary: lambda: f"'{at.op}'",
                 ast.Unary: lambda: f"'{at.op}'"}.get(type(at), lambda: "this")()
         kind = "a bool" if self.type(at) == BOOL else "an integer"
-        self.sink.error(at.span, f"cannot differentiate the score with respect to s: {what} "
-                                 f"makes {kind} of a value computed from s")
+        self.sink.error(at.span, f"cannot differentiate the score with respect to "
+                                 f"{self.wrt}: {what} makes {kind} of a value computed from "
+                                 f"{'s' if self.read is None else 'it'}")
         return self.const(0.0)
 
     def culprit(self, e: ast.Expr) -> ast.Expr:

@@ -29,11 +29,11 @@ from mhadsl.front.attention_spec import operand_key, operand_values
 from mhadsl.front.builtin_functions import FUNCTIONS
 from mhadsl.front.semantics import attention_type, convert, int_binary, wrap
 from mhadsl.host.calls import (
-    AttentionCall, check_attention_call, check_flag, check_shape, check_tensor_operand,
-    dtype_name,
+    AttentionCall, check_attention_call, check_flag, check_operand_grads, check_shape,
+    check_tensor_operand, dtype_name,
 )
 from mhadsl.front.check import CheckedProgram
-from mhadsl.analysis.derivative import differentiate_score
+from mhadsl.analysis.derivative import differentiate_score, float_reads, read_operand
 from mhadsl.host.paged import check_decode_call, decode_operand_rows
 from mhadsl.front.types import BOOL, F32, I32, TYPE_NAMES, U32, Ty, unify
 
@@ -58,10 +58,11 @@ class _Return:
 class _Evaluator:
     """Evaluates rules and fns over arrays; statements run per lane under `self.live`."""
 
-    def __init__(self, program: CheckedProgram, shape: tuple[int, ...]):
+    def __init__(self, program: CheckedProgram, shape: tuple[int, ...], reads: dict | None = None):
         self.program, self.types, self.refs = program, program.types, program.refs
         self.shape = shape
         self.live = np.ones(shape, bool)
+        self.reads = {} if reads is None else reads  # (`evaluate_rule`'s)
 
     def body(self, stmts: tuple[ast.Stmt, ...], env: dict, ret_ty: Ty) -> np.ndarray:
         frame = _Return(self.shape, ret_ty)
@@ -149,6 +150,10 @@ class _Evaluator:
         for index, size in zip(indices, tensor.shape):
             inside = inside & (index >= 0) & (index < size)
         picked = tensor[tuple(np.where(inside, index, 0) for index in indices)]
+        if e in self.reads:
+            full = np.broadcast_shapes(inside.shape, self.shape)
+            self.reads[e] = (tuple(np.broadcast_to(i, full) for i in indices),
+                             np.broadcast_to(inside & self.live, full))
         return np.where(inside, picked, 0)
 
     def binary(self, e: ast.Binary, env: dict, ty: Ty):
@@ -211,7 +216,7 @@ def rule_roles(rule: ast.Rule, program: CheckedProgram) -> set[str]:
 
 
 def evaluate_rule(rule: ast.Rule, program: CheckedProgram, operands: dict | None = None,
-                  **inputs) -> np.ndarray:
+                  reads: dict | None = None, **inputs) -> np.ndarray:
     """Evaluate a mask (bool) or score (float64) rule elementwise.
 
     `inputs` are the roles the rule reads — `s`, `b`, `h`, `q_idx`, `kv_idx`, `seqlen_q`,
@@ -236,7 +241,7 @@ def evaluate_rule(rule: ast.Rule, program: CheckedProgram, operands: dict | None
     shape = np.broadcast_shapes(*(np.shape(v) for v, ty in env.values() if ty is not None))
     ret = BOOL if rule.name == "mask" else F32
     with np.errstate(all="ignore"):  # wrapping products, 0/0 in floats: the values are defined
-        return _Evaluator(program, shape).body(rule.body, env, ret)
+        return _Evaluator(program, shape, reads).body(rule.body, env, ret)
 
 
 def evaluate_score_derivative(rule: ast.Rule, program: CheckedProgram, **inputs) -> np.ndarray:
@@ -278,11 +283,15 @@ def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = 
                                  program: CheckedProgram | None = None,
                                  scale: float | None = None, cu_seqlens_q=None,
                                  cu_seqlens_k=None, operands: dict | None = None,
-                                 sink_rule: ast.Rule | None = None):
+                                 sink_rule: ast.Rule | None = None,
+                                 operand_grads: tuple[str, ...] = ()):
     """The gradients (dq, dk, dv) of `attention_reference` for the output gradient `dout`,
     in float64 and the layouts of q, k and v (same arguments; `dout` in the output's layout).
     With a sink rule, also the gradient of each sequence's and query head's sink logit,
-    (B, Hq): -sum over the rows of P_sink * D, P_sink = exp(sink - LSE).
+    (B, Hq): -sum over the rows of P_sink * D, P_sink = exp(sink - LSE). With
+    `operand_grads` (names of f32 tensor operands), last a dict of their gradients, each in
+    its operand's shape: per pair, dZ times d score / d the element a read of the score rule
+    picks, summed into that element (`mhadsl.analysis.derivative.float_reads`).
 
     As FlashAttention's backward defines them, per sequence and query head: P the softmax of
     the scores (0 where masked), O = P V, dV = Pᵀ dO, dP = dO Vᵀ, D = rowsum(dO ∘ O),
@@ -299,6 +308,12 @@ def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = 
                          f"{q.shape[:-1] + v.shape[-1:]}")
     # Differentiated once; evaluated per sequence and head.
     derivative = None if score_rule is None else differentiate_score(score_rule, program)
+    reads = [] if score_rule is None or not operand_grads else [
+        (read, differentiate_score(score_rule, program, read))
+        for read in float_reads(score_rule, program) if read_operand(read) in operand_grads]
+    grads = {name: np.zeros(np.shape(getattr(problem.operands[name], "array",
+                                             problem.operands[name])))
+             for name in operand_grads}
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     dsink = np.zeros((len(problem.sequences), q.shape[-2]))
     for head in problem.heads():
@@ -318,7 +333,32 @@ def attention_reference_backward(q, k, v, dout, *, mask_rule: ast.Rule | None = 
             ds = dz * np.where(p > 0, score_slope, 0.0)
         dq[head.q_rows][:, head.h] = problem.scale * ds @ k_head
         dk[head.k_rows][:, head.kh] += problem.scale * ds.T @ q_head
-    return (dq, dk, dv) if sink_rule is None else (dq, dk, dv, dsink)
+        if reads:
+            _scatter_reads(problem, head, reads, dz, grads)
+    out = (dq, dk, dv) if sink_rule is None else (dq, dk, dv, dsink)
+    return out + (grads,) if operand_grads else out
+
+
+def _scatter_reads(problem, head, reads, dz, grads: dict) -> None:
+    """Adds one head's share to the operands' gradients: at each pair, dZ times d score /
+    d the element each float read picks, into that element (of the sequence's rows, where
+    the operand follows them)."""
+    where = {read: None for read, _ in reads}
+    evaluate_rule(problem.score_rule, problem.program, head.operands, reads=where, s=head.s,
+                  **head.rule_inputs)
+    for read, slope_rule in reads:
+        if where[read] is None:  # (on no path of this head's pairs)
+            continue
+        indices, inside = where[read]
+        slope = evaluate_rule(*slope_rule, head.operands, s=head.s, **head.rule_inputs)
+        term = dz * np.where(head.p > 0, slope, 0.0)
+        take = inside & (term != 0)
+        name = read_operand(read)
+        given = problem.operands[name]
+        grad = grads[name]
+        if isinstance(given, _Positions):  # the sequence's rows of the gradient, as a view
+            grad = given._replace(array=grad).of_sequence(head.q_rows, head.k_rows)
+        np.add.at(grad, tuple(i[take] for i in indices), term[take])
 
 
 class _Head(NamedTuple):
@@ -596,10 +636,11 @@ def _operand_rows(q, k, call) -> tuple[tuple[int, int], tuple[bool, bool]]:
 
 def reference_backward(kernel, q, k, v, dout, *, cu_seqlens_q=None, cu_seqlens_k=None,
                        max_seqlen_q=None, max_seqlen_k=None, scale: float | None = None,
-                       deterministic: bool | None = None, **operands):
+                       deterministic: bool | None = None, operand_grads=(), **operands):
     """The gradients (dq, dk, dv) of what `kernel(q, k, v, ...)` computes, for the output
     gradient `dout`, in NumPy float64 and the layouts of q, k, v
-    (`attention_reference_backward`; with a sink rule also dsink, as `Kernel.backward`).
+    (`attention_reference_backward`; with a sink rule also dsink, and with `operand_grads`
+    the dict of those operands' gradients, as `Kernel.backward`).
     The arguments are `Kernel.backward`'s, checked as it checks them, but the forward's `out`
     and `lse` (the reference recomputes them);
     `deterministic` is taken and not used (the reference is one computation)."""
@@ -613,7 +654,9 @@ def reference_backward(kernel, q, k, v, dout, *, cu_seqlens_q=None, cu_seqlens_k
     return attention_reference_backward(
         *map(_to_numpy, (q, k, v, dout)),
         **_kernel_rules(kernel, call.scale, call.cu_seqlens_q, call.cu_seqlens_k, values,
-                        call.batch, call.heads, *_operand_rows(q, k, call)))
+                        call.batch, call.heads, *_operand_rows(q, k, call)),
+        operand_grads=check_operand_grads(kernel.options, kernel.program.checked,
+                                          operand_grads))
 
 
 def reference_decode(kernel, q, k_cache, v_cache, *, cache_seqlens, page_table=None,

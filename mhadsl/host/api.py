@@ -26,7 +26,7 @@ import numpy as np
 
 from mhadsl.front.attention_spec import AttentionOptions, operand_values, resolve_attention
 from mhadsl.build import KernelRequest, build_kernel, plan
-from mhadsl.host.calls import INT32_LIMIT, check_flag, check_integer
+from mhadsl.host.calls import INT32_LIMIT, check_flag, check_integer, score_read_floats
 from mhadsl.front.check import CheckedProgram
 from mhadsl.codegen import backends
 from mhadsl.codegen.backends import Backend, CacheLayout, KernelBuild, Layout
@@ -193,20 +193,25 @@ class Kernel:
         return self._configs(layout, arch, backend)[0]
 
     def _layout(self, arch, backend, gqa_group, ragged, return_lse, cache, backward=False,
-                deterministic=False) -> Layout:
+                deterministic=False, operand_grads=False) -> Layout:
         """A build's layout, checked before any work: a layout no call can select, or a
         design that does not make it, is refused rather than built as something else."""
         if not isinstance(arch, str):
             raise TypeError(f"arch must be a str such as 'sm_90a', got {arch!r}")
         flags = {"ragged": ragged, "return_lse": return_lse, "backward": backward,
-                 "deterministic": deterministic}
+                 "deterministic": deterministic, "operand_grads": operand_grads}
         for name, flag in flags.items():
             if not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if operand_grads and not backward:
+            raise ValueError("operand_grads is a backward build's (backward=True)")
+        if operand_grads and not score_read_floats(self.options, self.program.checked):
+            raise ValueError(f"operand_grads: kernel '{self.name}' has no score rule that "
+                             f"reads an f32 tensor operand")
         if cache is not None and not isinstance(cache, CacheLayout):
             raise TypeError(f"cache must be a CacheLayout or None, got {cache!r}")
         layout = Layout(self._group(gqa_group), *map(bool, (ragged, return_lse)), cache,
-                        *map(bool, (backward, deterministic)))
+                        *map(bool, (backward, deterministic, operand_grads)))
         if backend is not None:
             if not isinstance(backend, str):
                 raise TypeError(f"backend must be a design's name (a str) or None, got "
@@ -261,15 +266,16 @@ class Kernel:
     def build(self, arch: str = "sm_90a", *, gqa_group: int = 1, ragged: bool = False,
               return_lse: bool = False, backend: str | None = None,
               cache: CacheLayout | None = None, backward: bool = False,
-              deterministic: bool = False) -> KernelBuild:
+              deterministic: bool = False, operand_grads: bool = False) -> KernelBuild:
         """The kernel for `arch` (from the on-disk cache when it holds it): LLVM IR, PTX
         and, with ptxas, the cubin and its resources. With `cache`, the decode kernel of
         calls against a KV cache of that layout; with `backward`, the backward pass's
-        (`deterministic`: its bitwise repeatable kernels). `backend` forces a design of
+        (`deterministic`: its bitwise repeatable kernels; `operand_grads`: those adding the
+        gradients of the f32 tensors the score reads too). `backend` forces a design of
         that build: "sm80" or "sm90" for the forward's, "decode" with `cache`, "backward"
         or "backward_sm90" with `backward`."""
         layout = self._layout(arch, backend, gqa_group, ragged, return_lse, cache, backward,
-                              deterministic)
+                              deterministic, operand_grads)
         build = build_kernel(self.program.checked, self._request(layout, arch, backend))
         self.builds_compiled += not build.cached
         return build
@@ -294,25 +300,30 @@ class Kernel:
 
     def backward(self, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k=None,
                  max_seqlen_q=None, max_seqlen_k=None, scale: float | None = None,
-                 deterministic: bool | None = None, **operands):
+                 deterministic: bool | None = None, operand_grads=(), **operands):
         """(dq, dk, dv): the gradients of `self(q, k, v, ...)` for the output gradient `dout`,
         given the forward's `out` and `lse` (`return_lse=True`); torch CUDA tensors, in the
         layouts of q, k and v (`mhadsl.host.backward`). `deterministic=True`: bitwise the same
         gradients every run (dQ without atomics); None: torch's
         `torch.are_deterministic_algorithms_enabled()`. The declaration's operands by name,
         as the forward call had them. A declaration with a sink rule adds a fourth result:
-        the gradient of each sequence's and query head's sink logit, (batch, heads)."""
+        the gradient of each sequence's and query head's sink logit, (batch, heads).
+        `operand_grads`: names of f32 tensor operands the score reads (a learned bias
+        table); then the last result is a dict of their float32 gradients, in their shapes.
+        """
         from mhadsl.host.backward import backward
         return backward(self, q, k, v, out, lse, dout, cu_seqlens_q=cu_seqlens_q,
                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                         max_seqlen_k=max_seqlen_k, scale=scale, deterministic=deterministic,
-                        **operands)
+                        operand_grads=operand_grads, **operands)
 
     def backward_build(self, arch: str = "sm_90a", *, gqa_group: int = 1,
-                       ragged: bool = False, deterministic: bool = False) -> KernelBuild:
-        """The backward pass's kernels for `arch` (LLVM IR, PTX, and with ptxas the cubin)."""
+                       ragged: bool = False, deterministic: bool = False,
+                       operand_grads: bool = False) -> KernelBuild:
+        """The backward pass's kernels for `arch` (LLVM IR, PTX, and with ptxas the cubin);
+        `operand_grads`: those that add the f32 tensor operands' gradients too."""
         return self.build(arch, gqa_group=gqa_group, ragged=ragged, backward=True,
-                          deterministic=deterministic)
+                          deterministic=deterministic, operand_grads=operand_grads)
 
     # ---------------------------------------------------------------- calls
     def __call__(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,

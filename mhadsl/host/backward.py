@@ -8,7 +8,8 @@ preprocess (delta = rowsum(dO * O), the fp32 dQ accumulator zeroed), the main ke
 declaration's scheduler hands out its K/V tiles; dK and dV summed over the GQA group, dQ
 added atomically) and the postprocess (dQ in q's dtype). In deterministic mode the last
 kernel computes dQ itself, one CTA per query tile, and nothing is added atomically: the
-gradients are bitwise the same every run. Every argument is checked before anything runs;
+gradients are bitwise the same every run. With `operand_grads`, a last kernel adds the
+gradients of the f32 tensors the score reads (`mha_bwd_operand_grads`). Every argument is checked before anything runs;
 a call signature's three launch plans are made once (`runtime.launch`), the main kernel's
 grid by its scheduler's `grid_dim`.
 """
@@ -16,11 +17,11 @@ from __future__ import annotations
 
 import sys
 
-from mhadsl.abi import OPERAND_PREFIX
+from mhadsl.abi import GRAD_PREFIX, OPERAND_PREFIX, float_tensors
 from mhadsl.front.attention_spec import operand_values
 from mhadsl.host.calls import (
-    DTYPE_NAMES, check_flag, check_rows, check_shape, operand_views, tensor_operands,
-    torch_stream,
+    DTYPE_NAMES, check_flag, check_operand_grads, check_rows, check_shape, operand_views,
+    score_read_floats, tensor_operands, torch_stream,
 )
 from mhadsl.codegen.backends import Layout
 from mhadsl.codegen.backends.backward import BACKEND, BackwardConfig
@@ -41,15 +42,18 @@ def backward_work(lengths: list[int], kv_heads: int, block_n: int = BackwardConf
 
 def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None,
-             **operands):
+             operand_grads=(), **operands):
     """(dq, dk, dv) of `kernel(q, k, v, ...)` for the output gradient `dout`, given the
     forward's `out` and `lse` (`Kernel.backward`), and with a sink rule the gradient of each
     sequence's and query head's sink logit, (batch, heads) float32 (`_sink_gradient`);
     `deterministic` None follows torch's
     `torch.are_deterministic_algorithms_enabled()`; the operands' values by name, as the
-    forward call had them."""
+    forward call had them; `operand_grads`, names of f32 tensor operands: last, a dict of
+    their float32 gradients (added by `mha_bwd_operand_grads` with atomics, so not bitwise
+    repeatable even in deterministic mode)."""
     check_flag(deterministic, "deterministic")
     values = operand_values(kernel.options, operands)
+    grad_names = check_operand_grads(kernel.options, kernel.program.checked, operand_grads)
     from mhadsl.runtime import tensors
     call = check_call(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             scale)
@@ -86,23 +90,37 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     return _run(kernel, torch, call, q, k, v, out, lse.contiguous(), dout, cu_seqlens_q,
-                cu_seqlens_k, bool(deterministic), values)
+                cu_seqlens_k, bool(deterministic), values, grad_names)
 
 
-def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic, operands):
+def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic, operands,
+         grad_names):
     # (ragged: rows outside every sequence get no gradient from the kernels, so zeros)
     alloc = torch.zeros if call.sizes.ragged else torch.empty
     dq = alloc(q.shape, dtype=q.dtype, device=q.device)
     dk = alloc(k.shape, dtype=k.dtype, device=k.device)
     dv = alloc(v.shape, dtype=v.dtype, device=v.device)
     sink = kernel.options.sink is not None
+    # every f32 tensor's gradient where the kernels add some (they take them all), zeros
+    # where the score reads none of those asked for
+    added = bool(set(score_read_floats(kernel.options, kernel.program.checked)) &
+                 set(grad_names))
+    grads = {name: torch.zeros(tuple(operands[name].shape), dtype=torch.float32,
+                               device=q.device)
+             for name in (float_tensors(kernel.options.operands) if added else grad_names)}
+
+    def result(*gradients):
+        return gradients + ({n: grads[n] for n in grad_names},) if grad_names else gradients
+
     if not (call.sizes.batch and call.sizes.heads):  # no CTA to launch (empty ones launch)
-        grads = dq.zero_(), dk.zero_(), dv.zero_()
-        return grads + (torch.zeros(call.sizes.batch, call.sizes.heads, device=q.device),) \
-            if sink else grads
+        found = dq.zero_(), dk.zero_(), dv.zero_()
+        return result(*found, torch.zeros(call.sizes.batch, call.sizes.heads,
+                                          device=q.device)) if sink else result(*found)
     tensors = {"q": q, "k": k, "v": v, "o": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv,
                **tensor_operands(kernel.options, operands)}
-    plans, scratch = _plans(kernel, call, tensors, q.device.index, deterministic)
+    if added:
+        tensors.update((GRAD_PREFIX + n, t) for n, t in grads.items())
+    plans, scratch = _plans(kernel, call, tensors, q.device.index, deterministic, added)
     addresses = {name: t.data_ptr() for name, t in tensors.items()}
     addresses["lse"] = lse.data_ptr()
     # held until the launches are queued: a freed buffer's memory would go to the next one
@@ -120,8 +138,8 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic
                              f"at {t:#x}")
     launch(plans, addresses, torch_stream(torch, q.device.index), scalars=operands)
     if not sink:
-        return dq, dk, dv
-    return dq, dk, dv, _sink_gradient(torch, call, buffers["sink_terms"], cu_q)
+        return result(dq, dk, dv)
+    return result(dq, dk, dv, _sink_gradient(torch, call, buffers["sink_terms"], cu_q))
 
 
 def _sink_gradient(torch, call, terms, cu_q):
@@ -138,8 +156,8 @@ def _sink_gradient(torch, call, terms, cu_q):
     return (ends[:, cu[:-1]] - ends[:, cu[1:]]).t().float().contiguous()
 
 
-def _plans(kernel, call, tensors: dict, device: int,
-           deterministic: bool) -> tuple[list, dict[str, int]]:
+def _plans(kernel, call, tensors: dict, device: int, deterministic: bool,
+           operand_grads: bool) -> tuple[list, dict[str, int]]:
     """The launch plans of a validated call's signature, in launch order, and the bytes of
     each scratch buffer (delta and the dQ accumulator, in the design's layouts): made once,
     then reused."""
@@ -153,12 +171,13 @@ def _plans(kernel, call, tensors: dict, device: int,
     q_shape = tuple(tensors["q"].shape)
     shapes["dq_accum"] = TensorShape(q_shape, contiguous_strides(q_shape), "float32")
     key = ("backward", device, tuple(shapes.items()), call.sizes, deterministic,
-           kernel.backend, kernel.trace)
+           operand_grads, kernel.backend, kernel.trace)
     launcher = kernel.launcher
     if key not in launcher.plans:
         sizes = call.sizes
         loaded = launcher.load(Layout(sizes.heads // sizes.kv_heads, sizes.ragged,
-                                      backward=True, deterministic=deterministic), device)
+                                      backward=True, deterministic=deterministic,
+                                      operand_grads=operand_grads), device)
         launcher.plans[key] = (launcher.plan(loaded, call.sizes, shapes),
                                loaded.design.scratch(loaded.config, call.sizes))
     return launcher.plans[key]

@@ -204,6 +204,49 @@ def check_tensor_operand(operand, t, batch: int, heads: int,
             raise ValueError(f"{what}: axis {n} is empty")
 
 
+def check_operand_grads(options: AttentionOptions, program, names) -> tuple[str, ...]:
+    """The f32 tensor operands whose gradients a backward call asks for (`operand_grads`:
+    names), in declaration order, checked: each an operand of the declaration, an f32
+    tensor, not read by a sink rule, and the score differentiable with respect to what it
+    reads of them (`mhadsl.analysis.derivative`); what fails is a TypeError or ValueError
+    naming it (with the rule's diagnostic)."""
+    from mhadsl.analysis.derivative import differentiate_score, float_reads, read_operand
+    from mhadsl.front.attention_spec import rule_reads
+    from mhadsl.front.diagnostics import MhaError
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"operand_grads takes operand names (a tuple of str), got {names!r}")
+    known = {o.name: o for o in options.operands}
+    for name in names:
+        operand = known.get(name)
+        if operand is None:
+            raise TypeError(f"operand_grads: kernel '{options.name}' has no operand {name!r}")
+        if operand.type != "f32" or not operand.axes:
+            raise ValueError(f"operand_grads: operand {name!r} ({operand.declared}) has no "
+                             f"gradient: only f32 tensor operands have one")
+        if options.sink is not None and rule_reads(options.sink, name):
+            raise ValueError(f"operand_grads: the sink rule reads {name!r}; gradients through "
+                             f"a sink rule are not supported yet")
+    if names and options.score is not None:
+        try:
+            for read in float_reads(options.score, program):
+                if read_operand(read) in names:
+                    differentiate_score(options.score, program, read)
+        except MhaError as err:
+            raise ValueError(f"operand_grads: the score cannot be differentiated with respect "
+                             f"to the tensors it reads:\n{err.render()}") from None
+    return tuple(o.name for o in options.operands if o.name in set(names))
+
+
+def score_read_floats(options: AttentionOptions, program) -> tuple[str, ...]:
+    """The f32 tensor operands the declaration's score rule reads, in declaration order:
+    those a backward build can add the gradients of (`Layout.operand_grads`)."""
+    from mhadsl.analysis.derivative import float_reads, read_operand
+    if options.score is None:
+        return ()
+    read = {read_operand(r) for r in float_reads(options.score, program)}
+    return tuple(o.name for o in options.operands if o.name in read)
+
+
 def tensor_operands(options: AttentionOptions, operands: dict | None) -> dict:
     """A call's tensor operands among its operand values, by the name the kernels' parameters
     and the call's tensors give them (`operand_<name>`)."""

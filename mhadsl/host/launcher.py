@@ -97,7 +97,8 @@ class Launcher:
             return kernel.build(arch, gqa_group=layout.gqa_group, ragged=layout.ragged,
                                 return_lse=layout.return_lse, backend=forced,
                                 cache=layout.cache, backward=layout.backward,
-                                deterministic=layout.deterministic)
+                                deterministic=layout.deterministic,
+                                operand_grads=layout.operand_grads)
         except RequestError as err:
             raise RuntimeError(f"kernel '{kernel.name}': {err}") from None
 
@@ -142,7 +143,8 @@ class Launcher:
         num_sms, ctas_per_sm = values["num_sms"], values["ctas_per_sm"]
         plans = []
         options = self.kernel.options
-        operands = declaration_params(options, loaded.layout.workload)
+        operands = declaration_params(options, loaded.layout.workload,
+                                      loaded.layout.operand_grads)
         if classifies_per_call(options, loaded.layout.workload):
             plans.append(self.classes_plan(loaded, call, tensors, values))
         for kernel in design.kernels(config):

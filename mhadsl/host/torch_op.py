@@ -44,15 +44,19 @@ backward is deterministic (bitwise the same gradients every run) under
 A declaration's operands are the operator's last arguments, by name (`attn(q, k, v,
 window=512)`): an i32 is an `int?`, an f32 a `float?`, None taking the declared default, a
 tensor a `Tensor?` (every call passes it). They are values of the call: a new value runs the
-same build. A gradient flows to one tensor operand: the one a sink rule reads as its whole
-body, `sink(b, h) = t[h]` (t `f32[heads]`: the sink's gradient summed over the batch) or
-`t[b][h]` (t `f32[batch, heads]`), as a learned sink per head is (`sink_operand`).
+same build. Gradients flow to the f32 tensors the score rule reads (`score_operands`: the
+backward operator computes them, `Kernel.backward`'s `operand_grads`, only where one of them
+requires a gradient, and returns them after dq, dk, dv and a sink's) and to the tensor a
+sink rule reads as its whole body, `sink(b, h) = t[h]` (t `f32[heads]`: the sink's gradient
+summed over the batch) or `t[b][h]` (t `f32[batch, heads]`), as a learned sink per head is
+(`sink_operand`).
 """
 
 import hashlib
 import string
 
 from mhadsl.front import ast
+from mhadsl.host.calls import score_read_floats
 
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
           "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None, "
@@ -68,7 +72,8 @@ DECODE_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cach
 BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
                    "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
                    "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None, "
-                   "bool? deterministic=None) -> (Tensor, Tensor, Tensor)")
+                   "bool? deterministic=None, bool operand_grads=False) "
+                   "-> (Tensor, Tensor, Tensor)")
 _library = None
 _calls_by_name: dict[str, object] = {}  # operator name -> the call `torch_op` returns
 
@@ -234,32 +239,49 @@ def sink_operand(kernel) -> tuple[int, bool] | None:
     return None
 
 
+def score_operands(kernel) -> tuple[int, ...]:
+    """The positions among the operands of the f32 tensors the score rule reads: autograd
+    sends them their gradients (`Kernel.backward`'s `operand_grads`)."""
+    names = score_read_floats(kernel.options, kernel.program.checked)
+    return tuple(i for i, o in enumerate(kernel.options.operands) if o.name in names)
+
+
 def _register_autograd(kernel, name: str) -> None:
     """The backward operator of forward operator `name`, and the autograd that calls it."""
     import torch
 
     sink = kernel.options.sink is not None  # (the backward's fourth result: the sink's)
-    schema = with_operands(BACKWARD_SCHEMA, kernel)
-    if sink:
-        schema = schema.replace("-> (Tensor, Tensor, Tensor)",
-                                "-> (Tensor, Tensor, Tensor, Tensor)")
+    # then one result per f32 tensor operand the score reads: its gradient where the call
+    # asks for them (`operand_grads`), else empty
+    scored = score_operands(kernel)
+    schema = with_operands(BACKWARD_SCHEMA, kernel).replace(
+        "-> (Tensor, Tensor, Tensor)",
+        "-> (" + ", ".join(["Tensor"] * (3 + sink + len(scored))) + ")")
 
     def gradients(q, k, v, out, lse, dout, cu_seqlens_q=None, cu_seqlens_k=None,
                   max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None,
-                  *operands):
-        return kernel.backward(q, k, v, out, lse, dout, cu_seqlens_q=cu_seqlens_q,
-                               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                               max_seqlen_k=max_seqlen_k, scale=scale,
-                               deterministic=deterministic, **given(kernel, operands))
+                  operand_grads=False, *operands):
+        names = tuple(kernel.options.operands[i].name for i in scored) if operand_grads else ()
+        grads = kernel.backward(q, k, v, out, lse, dout, cu_seqlens_q=cu_seqlens_q,
+                                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                max_seqlen_k=max_seqlen_k, scale=scale,
+                                deterministic=deterministic, operand_grads=names,
+                                **given(kernel, operands))
+        if not scored:
+            return grads
+        if not names:
+            return grads + tuple(q.new_empty(0, dtype=torch.float32) for _ in scored)
+        return grads[:-1] + tuple(grads[-1].values())
 
     def fake(q, k, v, out, lse, dout, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None,
-             *operands):
+             operand_grads=False, *operands):
         grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        if not sink:
-            return grads
-        batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
-        return grads + (q.new_empty((batch, q.shape[-2]), dtype=torch.float32),)
+        if sink:
+            batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+            grads += (q.new_empty((batch, q.shape[-2]), dtype=torch.float32),)
+        return grads + tuple(q.new_empty(operands[i].shape if operand_grads else 0,
+                                         dtype=torch.float32) for i in scored)
 
     backward_op = _define(name + "_backward", schema, gradients, fake)
 
@@ -271,16 +293,21 @@ def _register_autograd(kernel, name: str) -> None:
     target = sink_operand(kernel)
 
     def backward(ctx, grad_out, _grad_lse):
-        inputs = 5 + len(ctx.options)  # (no gradient for any but q, k, v and a sink's)
+        inputs = 5 + len(ctx.options)  # (no gradient for any but q, k, v and the operands')
         if grad_out is None:  # only the LSE was used
             return (None,) * inputs
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        grads = backward_op(q, k, v, out, lse, grad_out.contiguous(), cu_q, cu_k,
-                            *ctx.options)
+        wanted = any(ctx.needs_input_grad[FIRST_OPERAND + i] for i in scored)
+        fixed, operands = ctx.options[:FIRST_OPERAND - 5], ctx.options[FIRST_OPERAND - 5:]
+        grads = backward_op(q, k, v, out, lse, grad_out.contiguous(), cu_q, cu_k, *fixed,
+                            wanted, *operands)
         result = [*grads[:3]] + [None] * (inputs - 3)
         if target is not None:
             position, over_batch = target
             result[FIRST_OPERAND + position] = grads[3].sum(0) if over_batch else grads[3]
+        if wanted:
+            for i, grad in zip(scored, grads[3 + sink:]):
+                result[FIRST_OPERAND + i] = grad
         return tuple(result)
 
     torch.library.register_autograd(f"mhadsl::{name}", backward, setup_context=setup_context,

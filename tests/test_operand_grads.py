@@ -1,0 +1,291 @@
+"""Gradients of the f32 tensors a score reads, without a GPU: the derivative with respect to
+one read (`differentiate_score(..., read)`), the float64 reference's gradients against
+central differences of the reference forward (dense, ragged, reads along the query rows,
+slopes that depend on s, reads on s's branches), the backward build that adds them
+(`mha_bwd_operand_grads`: a predicated reduction per read and pair, 0 spills on sm_80 and
+sm_90a, the sm80-style design on Hopper too), and the call's refusals before anything
+runs."""
+import numpy as np
+import pytest
+
+import mhadsl
+from helpers import REPO
+from mhadsl.analysis.derivative import differentiate_score, float_reads, read_operand
+from mhadsl.analysis.reference import attention_reference, evaluate_rule
+from mhadsl.codegen.assemble import find_ptxas
+from mhadsl.codegen.backends.backward import ABI, OPERAND_GRADS
+from mhadsl.front.diagnostics import MhaError
+from mhadsl.abi import declaration_params, float_tensors, with_operands
+from mhadsl.codegen import backends
+
+from mhadsl.host.calls import check_operand_grads, score_read_floats
+from test_abi import ptx_params
+
+needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="ptxas not found")
+
+# (the GPU tests, tests/test_gpu_operand_grads.py, run these too)
+SCORES = """
+import "std/schedulers.mha"
+attention scaled(gain: f32[heads]) {
+    dtype = bf16
+    head_dim = 64
+    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx
+    score(s, b, h, q_idx, kv_idx) = s * gain[h]
+}
+attention capped(table: f32[heads, _]) {
+    dtype = bf16
+    head_dim = 128
+    score(s, b, h, q_idx, kv_idx) = 4.0 * tanh((s + table[h][kv_idx - q_idx + 512]) / 4.0)
+}
+attention branchy(low: f32[heads], high: f32[heads]) {
+    dtype = bf16
+    head_dim = 64
+    score(s, b, h, q_idx, kv_idx) {
+        if s > 0.0 {
+            return s + high[h]
+        }
+        return s + low[h] * 2.0
+    }
+}
+attention row_bias(bias: f32[queries]) {
+    dtype = bf16
+    head_dim = 64
+    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx
+    score(s, b, h, q_idx, kv_idx) = s + bias[q_idx]
+}
+"""
+
+
+def scores():
+    return mhadsl.compile(SCORES, name="scores.mha")
+
+
+def relative_bias():
+    return mhadsl.compile(REPO / "examples" / "relative_bias.mha")["relative_bias"]
+
+
+# ---------------------------------------------------------------- the derivative of a read
+def test_the_derivative_with_respect_to_a_read():
+    kern = scores()["scaled"]
+    program, rule = kern.program.checked, kern.options.score
+    (read,) = float_reads(rule, program)
+    assert read_operand(read) == "gain"
+    slope = differentiate_score(rule, program, read)
+    s = np.array([[-2.0, 0.5, 3.0]])
+    gain = np.array([1.5, -4.0])
+    for h in (0, 1):  # d (s * gain[h]) / d gain[h] = s; d / ds = gain[h]
+        np.testing.assert_array_equal(evaluate_rule(*slope, {"gain": gain}, s=s, h=h), s)
+        np.testing.assert_array_equal(evaluate_rule(
+            *differentiate_score(rule, program), {"gain": gain}, s=s, h=h), gain[h] + 0 * s)
+
+
+def test_branches_give_each_read_its_own_path():
+    kern = scores()["branchy"]
+    program, rule = kern.program.checked, kern.options.score
+    low, high = float_reads(rule, program)[::-1] if read_operand(
+        float_reads(rule, program)[0]) == "high" else float_reads(rule, program)
+    s = np.array([-1.0, 2.0])
+    values = {"low": np.array([0.0]), "high": np.array([0.0])}
+    np.testing.assert_array_equal(evaluate_rule(*differentiate_score(rule, program, high),
+                                                values, s=s, h=0), [0.0, 1.0])
+    np.testing.assert_array_equal(evaluate_rule(*differentiate_score(rule, program, low),
+                                                values, s=s, h=0), [2.0, 0.0])
+
+
+def test_a_read_the_score_makes_an_integer_of_cannot_be_differentiated():
+    program = mhadsl.compile("""
+import "std/schedulers.mha"
+attention bucketed(t: f32[heads], bins: f32[_]) {
+    dtype = bf16
+    head_dim = 64
+    score(s, b, h, q_idx, kv_idx) = s + bins[i32(t[h])]
+}
+""", name="bucketed.mha")["bucketed"]
+    rule, checked = program.options.score, program.program.checked
+    reads = {read_operand(r): r for r in float_reads(rule, checked)}
+    with pytest.raises(MhaError, match="operand 't': 'i32' makes an integer") as err:
+        differentiate_score(rule, checked, reads["t"])
+    assert err.value.diagnostics[0].span.line == 6
+    differentiate_score(rule, checked, reads["bins"])  # (bins' element itself is fine)
+    with pytest.raises(ValueError, match="(?s)cannot be differentiated.*bucketed.mha:6:46"):
+        check_operand_grads(program.options, checked, ("t",))
+
+
+# ---------------------------------------------------------------- the reference
+def _loss_and_grads(kern, args: dict, dout, names, operands: dict, ragged=None):
+    """The reference's operand gradients and a function giving <O, dout> for new operand
+    values (float64)."""
+    offsets = {} if ragged is None else dict(cu_seqlens_q=ragged, cu_seqlens_k=ragged)
+    *_, grads = mhadsl.reference_backward(kern, **args, dout=dout, operand_grads=names,
+                                          **offsets, **operands)
+    opts = kern.options
+
+    def loss(values: dict) -> float:
+        from mhadsl.analysis.reference import _Positions
+        wrapped = {n: _Positions(v, next(o.axes for o in opts.operands if o.name == n),
+                                 (True, True)) if ragged is not None and n == "bias" else v
+                   for n, v in values.items()}
+        out = attention_reference(*(args[n].astype(np.float64) for n in ("q", "k", "v")),
+                                  mask_rule=opts.mask, score_rule=opts.score,
+                                  program=kern.program.checked, operands=wrapped, **offsets)
+        return float((out * dout).sum())
+    return loss, grads
+
+
+def _central_differences(loss, operands: dict, name: str, step=1e-6) -> np.ndarray:
+    base = {n: np.asarray(v, np.float64) for n, v in operands.items()}
+    out = np.zeros_like(base[name])
+    for idx in np.ndindex(*out.shape):
+        up, down = dict(base), dict(base)
+        up[name], down[name] = base[name].copy(), base[name].copy()
+        up[name][idx] += step
+        down[name][idx] -= step
+        out[idx] = (loss(up) - loss(down)) / (2 * step)
+    return out
+
+
+def _tensors(rng, shape_q, shape_kv, d):
+    return dict(q=rng.standard_normal((*shape_q, d)).astype(np.float32),
+                k=rng.standard_normal((*shape_kv, d)).astype(np.float32),
+                v=rng.standard_normal((*shape_kv, d)).astype(np.float32))
+
+
+CASES = [  # (kernel, its operands, dense (B, S) or ragged lengths, heads, kv heads)
+    ("relative_bias", lambda r: {"table": r.standard_normal((4, 6))}, (2, 7), 4, 2),
+    ("scaled", lambda r: {"gain": r.random(2) + 0.5}, (2, 6), 2, 2),
+    ("capped", lambda r: {"table": r.standard_normal((2, 1024))}, (1, 5), 2, 1),
+    ("branchy", lambda r: {"low": r.standard_normal(2), "high": r.standard_normal(2)},
+     (2, 6), 2, 2),
+    ("relative_bias", lambda r: {"table": r.standard_normal((2, 9))}, [3, 0, 1, 8], 2, 2),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_reference_gradients_are_the_forwards_central_differences(case):
+    name, make, shape, hq, hkv = CASES[case]
+    kern = relative_bias() if name == "relative_bias" else scores()[name]
+    rng = np.random.default_rng(case)
+    d = kern.options.head_dim
+    if isinstance(shape, list):
+        cu = np.concatenate([[0], np.cumsum(shape)]).astype(np.int32)
+        args = _tensors(rng, (int(cu[-1]), hq), (int(cu[-1]), hkv), d)
+    else:
+        cu = None
+        args = _tensors(rng, (*shape, hq), (*shape, hkv), d)
+    operands = {n: v.astype(np.float32) for n, v in make(rng).items()}
+    dout = rng.standard_normal(args["q"].shape)
+    loss, grads = _loss_and_grads(kern, args, dout, tuple(operands), operands, cu)
+    moved = 0
+    for n in operands:
+        want = _central_differences(loss, operands, n)
+        np.testing.assert_allclose(grads[n], want, atol=1e-6, rtol=1e-5)
+        moved += np.abs(want).max() > 1e-3
+    assert moved  # (the check is not 0 == 0)
+
+
+def test_a_bias_along_the_query_rows_of_a_ragged_batch():
+    kern = scores()["row_bias"]
+    rng = np.random.default_rng(7)
+    lens = [2, 0, 5]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    args = _tensors(rng, (7, 2), (7, 2), 64)
+    bias = rng.standard_normal(7).astype(np.float32)
+    dout = rng.standard_normal(args["q"].shape)
+    loss, grads = _loss_and_grads(kern, args, dout, ("bias",), {"bias": bias}, cu)
+    np.testing.assert_allclose(grads["bias"], _central_differences(loss, {"bias": bias}, "bias"),
+                               atol=1e-6)
+    # a row's bias shifts every key of its softmax alike: no gradient at all
+    np.testing.assert_allclose(grads["bias"], 0.0, atol=1e-9)
+
+
+# ---------------------------------------------------------------- the build
+@needs_ptxas
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("name, ragged", [("relative_bias", False), ("relative_bias", True),
+                                          ("capped", False), ("branchy", True),
+                                          ("row_bias", True)])
+def test_the_build_that_adds_operand_gradients(name, ragged, arch):
+    kern = relative_bias() if name == "relative_bias" else scores()[name]
+    group = 2 if name == "relative_bias" else 1
+    build = kern.backward_build(arch, gqa_group=group, ragged=ragged, operand_grads=True)
+    plain = kern.build(arch, gqa_group=group, ragged=ragged, backward=True, backend="backward")
+    assert build.backend == "backward" and build.config.operand_grads
+    assert set(build.assembled.kernels) == set(plain.assembled.kernels) | {OPERAND_GRADS}
+    for resources in build.assembled.kernels.values():
+        assert resources.spills == 0 and resources.stack_bytes == 0, resources
+    grads = build.ptx[build.ptx.index(f".entry {OPERAND_GRADS}"):]
+    assert "mma.sync.aligned.m16n8k16.row.col.f32" in grads
+    # a predicated reduction per read and pair of this thread's tile (16 rows x 64 keys
+    # over 32 lanes at head dim 64 and 128 alike), none elsewhere
+    reads = len(float_reads(kern.options.score, kern.program.checked))
+    assert grads.count("red.global.add.f32") == 32 * reads
+    assert build.ptx.count("red.global.add.f32") == 32 * reads
+    # every kernel of the build takes the gradients' addresses last, one per f32 tensor
+    takes = declaration_params(kern.options, "backward", operand_grads=True)
+    assert [p.name for p in takes[-len(float_tensors(kern.options.operands)):]] == [
+        f"operand_grad_{n}" for n in float_tensors(kern.options.operands)]
+    for name in build.assembled.kernels:
+        want = with_operands(backends.backend("backward").kernels(build.config)[0].abi
+                             if name == "mha_bwd_preprocess" else ABI, takes)
+        assert len(ptx_params(build.ptx, name)) == len(want.params), name
+
+
+def test_an_operand_grads_build_is_a_backward_one_of_a_score_that_reads_floats():
+    kern = relative_bias()
+    with pytest.raises(ValueError, match="backward build's"):
+        kern.build("sm_90a", operand_grads=True)
+    plain = mhadsl.compile(REPO / "examples" / "document_mask.mha")["document_mask"]
+    with pytest.raises(ValueError, match="no score rule that reads an f32 tensor"):
+        plain.backward_build("sm_90a", operand_grads=True)
+    with pytest.raises(TypeError, match="operand_grads must be True or False"):
+        kern.backward_build("sm_90a", operand_grads="yes")
+
+
+# ---------------------------------------------------------------- the call's checks
+def test_which_operands_have_gradients():
+    kern = relative_bias()
+    opts, program = kern.options, kern.program.checked
+    assert check_operand_grads(opts, program, ()) == ()
+    assert check_operand_grads(opts, program, ["table"]) == ("table",)
+    with pytest.raises(TypeError, match="no operand 'bias'"):
+        check_operand_grads(opts, program, ("bias",))
+    with pytest.raises(TypeError, match="operand names"):
+        check_operand_grads(opts, program, "table")
+    docs = mhadsl.compile(REPO / "examples" / "document_mask.mha")["document_mask"]
+    (doc,) = (o.name for o in docs.options.operands)
+    with pytest.raises(ValueError, match="only f32 tensor operands"):
+        check_operand_grads(docs.options, docs.program.checked, (doc,))
+    sinks = mhadsl.compile(REPO / "examples" / "sinks.mha")["sinks"]
+    with pytest.raises(ValueError, match="sink rule reads 'sink_logits'"):
+        check_operand_grads(sinks.options, sinks.program.checked, ("sink_logits",))
+    branchy = scores()["branchy"]
+    assert score_read_floats(branchy.options, branchy.program.checked) == ("low", "high")
+
+
+def test_a_read_passed_to_a_fn_is_named_when_its_gradient_is_asked_for():
+    kern = mhadsl.compile("""
+import "std/schedulers.mha"
+fn shifted(s: f32, x: f32) -> f32 { return s + x }
+attention through_fn(t: f32[heads], u: f32[heads]) {
+    dtype = bf16
+    head_dim = 64
+    score(s, b, h, q_idx, kv_idx) = shifted(s, t[h]) + u[h]
+}
+""", name="fn.mha")["through_fn"]
+    opts, program = kern.options, kern.program.checked
+    assert check_operand_grads(opts, program, ("u",)) == ("u",)
+    with pytest.raises(ValueError, match=r"fn.mha:7:37: error: cannot differentiate the score "
+                                         r"through fn 'shifted'"):
+        check_operand_grads(opts, program, ("t",))
+
+
+def test_reference_backward_refuses_what_the_call_refuses():
+    kern = relative_bias()
+    rng = np.random.default_rng(0)
+    args = _tensors(rng, (1, 4, 8), (1, 4, 8), 128)
+    dout = rng.standard_normal(args["q"].shape)
+    table = rng.standard_normal((8, 4)).astype(np.float32)
+    with pytest.raises(TypeError, match="no operand 'tabel'"):
+        mhadsl.reference_backward(kern, **args, dout=dout, table=table,
+                                  operand_grads=("tabel",))
+    assert len(mhadsl.reference_backward(kern, **args, dout=dout, table=table)) == 3
