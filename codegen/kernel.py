@@ -17,12 +17,12 @@ from mhadsl.abi import (
     BLOCK_CLASS_PARAMS, GRAD_PREFIX, OPERAND_PREFIX, classifies_per_call, float_tensors,
     operand_grad_params, operand_params, tensor_params,
 )
-from mhadsl.front.attention_spec import operand_key, rule_reads
+from mhadsl.front.attention_spec import operand_key, read_over_tile, rule_reads
 from mhadsl.front.check import CheckedProgram
 from mhadsl.analysis.classify import emit_classify
 from mhadsl.analysis.kv_limits import emit_kv_limits, kv_limits, operand_term
 from mhadsl.analysis.derivative import differentiate_score, float_reads, read_operand
-from mhadsl.codegen import block_classes, nvptx
+from mhadsl.codegen import block_classes, nvptx, warp
 from mhadsl.codegen.backends import ExprHooks, KernelArgs, KernelSource, TileSeq, WorkLoop
 from mhadsl.codegen.lower import Builtins, FunctionLowering
 from mhadsl.codegen.nvptx import i32
@@ -142,41 +142,72 @@ def backward_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
 
 
 def _scatter_hook(program: CheckedProgram, score_rule, operands: tuple):
-    """`ExprHooks.scatter_reads`: per f32 tensor read r of the score rule, dz * d score / d
-    (the element r picks) added into that element of the operand's gradient (contiguous,
-    in the operand's shape), where the read lies inside the tensor and the term is not 0.
-    The score rule is lowered again with the reads observed (`FunctionLowering.on_read`),
-    so a read adds where, and only where, the rule's own control flow reads it; the score
-    it computes is dead code."""
-    reads = float_reads(score_rule, program)
-    slopes = [_rule_hook(derived, rule, SCORE_ROLES, F32, operands)
-              for rule, derived in (differentiate_score(score_rule, program, r) for r in reads)]
+    """`ExprHooks.scatter_reads`: per f32 tensor read r of the score rule and pair, dz *
+    d score / d (the element r picks) added into that element of the operand's gradient
+    (contiguous, in the operand's shape), where the read lies inside the tensor.
 
-    def scatter(builder: ir.IRBuilder, dz: ir.Value, *values: ir.Value, extents=None) -> None:
-        terms = {r: builder.fmul(dz, slope(builder, *values, extents=extents))
-                 for r, slope in zip(reads, slopes)}
+    A read whose element is one over the tile (`gain[h]`: `read_over_tile`) sums its terms
+    over the thread's pairs and the warp's lanes first, and lane 0 adds the sum: one
+    reduction per warp and step, not one per pair. For any other read the score rule is
+    lowered again per pair with its reads observed (`FunctionLowering.on_read`), so a read
+    adds where, and only where, the rule's own control flow reads it (a predicated
+    reduction, skipped for a term of 0); the score it computes is dead code."""
+    reads = float_reads(score_rule, program)
+    slopes = dict(zip(reads, (_rule_hook(derived, rule, SCORE_ROLES, F32, operands)
+                              for rule, derived in (differentiate_score(score_rule, program, r)
+                                                    for r in reads))))
+    over_tile = [r for r in reads if read_over_tile(r, score_rule, operands)]
+    per_pair = [r for r in reads if r not in over_tile]
+
+    def scatter(builder: ir.IRBuilder, pairs, b: ir.Value, h: ir.Value, *lengths: ir.Value,
+                extents=None) -> None:
         tensors = _operand_values(builder, operands, extents)
         args = {a.name: a for a in builder.function.args}
+        zero = ir.Constant(ir.FloatType(), 0.0)
 
-        def on_read(read, at_axes, inside) -> None:
-            term = terms.get(read)
-            if term is None:  # (an i32 tensor's)
-                return
+        def lowering(s, q_idx, kv_idx, on_read) -> FunctionLowering:
+            bindings = dict(zip(SCORE_ROLES, (s, b, h, q_idx, kv_idx, *lengths)))
+            bindings.update({operand_key(name): value for name, value in tensors.items()})
+            lower = FunctionLowering(builder, program, _NoBuiltins(), bindings,
+                                     default_int=I32)
+            lower.on_read = on_read
+            return lower
+
+        def add(read, at_axes, inside, term, predicate) -> None:
             name = read_operand(read)
             offset = i32(0)
             for index, size in zip(at_axes, tensors[name].sizes):  # (row-major)
                 offset = builder.add(builder.mul(offset, size), index)
-            pointer = builder.gep(args[GRAD_PREFIX + name], [builder.select(inside, offset,
-                                                                            i32(0))],
+            pointer = builder.gep(args[GRAD_PREFIX + name],
+                                  [builder.select(inside, offset, i32(0))],
                                   source_etype=ir.FloatType())
-            nvptx.red_add_f32_if(builder, pointer, term, builder.and_(
-                inside, builder.fcmp_unordered("!=", term, ir.Constant(ir.FloatType(), 0.0))))
+            nvptx.red_add_f32_if(builder, pointer, term, builder.and_(inside, predicate))
 
-        bindings = dict(zip(SCORE_ROLES, values))
-        bindings.update({operand_key(name): value for name, value in tensors.items()})
-        lower = FunctionLowering(builder, program, _NoBuiltins(), bindings, default_int=I32)
-        lower.on_read = on_read
-        lower.lower_body(score_rule.body, F32)
+        def term(read, dz, s, q_idx, kv_idx) -> ir.Value:
+            return builder.fmul(dz, slopes[read](builder, s, b, h, q_idx, kv_idx, *lengths,
+                                                 extents=extents))
+
+        for read in over_tile:
+            total = None
+            for dz, s, q_idx, kv_idx in pairs:
+                x = term(read, dz, s, q_idx, kv_idx)
+                total = x if total is None else builder.fadd(total, x)
+            total = warp.warp_sum(builder, total)
+            dz, s, q_idx, kv_idx = pairs[0]  # (its indices are the same at every pair)
+            lowering(s, q_idx, kv_idx, lambda r, at_axes, inside: add(
+                r, at_axes, inside, total, builder.and_(
+                    builder.icmp_unsigned("==", nvptx.lane_id(builder), i32(0)),
+                    builder.fcmp_unordered("!=", total, zero)))).expr(read)
+        if not per_pair:
+            return
+        for dz, s, q_idx, kv_idx in pairs:
+            terms = {r: term(r, dz, s, q_idx, kv_idx) for r in per_pair}
+
+            def on_read(read, at_axes, inside) -> None:
+                if read in terms:  # (not an i32 tensor's, nor a read over the tile)
+                    add(read, at_axes, inside, terms[read],
+                        builder.fcmp_unordered("!=", terms[read], zero))
+            lowering(s, q_idx, kv_idx, on_read).lower_body(score_rule.body, F32)
     return scatter
 
 

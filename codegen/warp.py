@@ -340,9 +340,10 @@ def keep_bit(builder: ir.IRBuilder, value: ir.Value, words: list[ir.Value],
 
 
 def warp_sum(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
-    """The integer `value` summed over the warp's 32 lanes (every lane gets the sum)."""
+    """The i32 or f32 `value` summed over the warp's 32 lanes (every lane gets the sum)."""
+    add = builder.fadd if value.type == f32 else builder.add
     for m in (16, 8, 4, 2, 1):
-        value = builder.add(value, shfl_bfly(builder, value, m))
+        value = add(value, shfl_bfly(builder, value, m))
     return value
 
 

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import mhadsl
-from helpers import REPO
+from helpers import REPO, STD
+from mhadsl.front.attention_spec import RULE_ROLES, read_over_tile
+from mhadsl.front.check import ATTENTION_RULES
 from mhadsl.analysis.derivative import differentiate_score, float_reads, read_operand
 from mhadsl.analysis.reference import attention_reference, evaluate_rule
 from mhadsl.codegen.assemble import find_ptxas
@@ -199,11 +201,27 @@ def test_a_bias_along_the_query_rows_of_a_ragged_batch():
 
 
 # ---------------------------------------------------------------- the build
+def test_which_reads_are_one_element_over_a_tile():
+    """By the parameters' roles, whatever the rule names them (`b` here is q_idx's)."""
+    program = mhadsl.compile(STD + """
+attention renamed(t: f32[_], u: f32[heads, _], n: i32) {
+    dtype = bf16
+    head_dim = 64
+    score(s, x, y, b, h) = s + t[b] + u[y][n] + u[y][seqlen_q - 1] + u[y][h]
+}
+""", name="renamed.mha")["renamed"]
+    rule, operands = program.options.score, program.options.operands
+    reads = float_reads(rule, program.program.checked)
+    assert [read_over_tile(r, rule, operands) for r in reads] == [False, True, True, False]
+    assert RULE_ROLES == {name: tuple(role for role, _ in max(shapes, key=len))
+                          for name, shapes in ATTENTION_RULES.items()}
+
+
 @needs_ptxas
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-@pytest.mark.parametrize("name, ragged", [("relative_bias", False), ("relative_bias", True),
-                                          ("capped", False), ("branchy", True),
-                                          ("row_bias", True)])
+@pytest.mark.parametrize("name, ragged, arch", [
+    ("relative_bias", False, "sm_80"), ("relative_bias", False, "sm_90a"),
+    ("relative_bias", True, "sm_90a"), ("capped", False, "sm_90a"), ("branchy", True, "sm_80"),
+    ("row_bias", True, "sm_90a"), ("scaled", True, "sm_90a")])
 def test_the_build_that_adds_operand_gradients(name, ragged, arch):
     kern = relative_bias() if name == "relative_bias" else scores()[name]
     group = 2 if name == "relative_bias" else 1
@@ -216,10 +234,16 @@ def test_the_build_that_adds_operand_gradients(name, ragged, arch):
     grads = build.ptx[build.ptx.index(f".entry {OPERAND_GRADS}"):]
     assert "mma.sync.aligned.m16n8k16.row.col.f32" in grads
     # a predicated reduction per read and pair of this thread's tile (16 rows x 64 keys
-    # over 32 lanes at head dim 64 and 128 alike), none elsewhere
-    reads = len(float_reads(kern.options.score, kern.program.checked))
-    assert grads.count("red.global.add.f32") == 32 * reads
-    assert build.ptx.count("red.global.add.f32") == 32 * reads
+    # over 32 lanes at head dim 64 and 128 alike); one per warp for a read of one element
+    # over the tile, after a warp sum; none elsewhere
+    rule, opts = kern.options.score, kern.options
+    over_tile = [read_over_tile(r, rule, opts.operands)
+                 for r in float_reads(rule, kern.program.checked)]
+    assert any(over_tile) == (name in ("scaled", "branchy"))
+    reductions = sum(1 if over else 32 for over in over_tile)
+    assert grads.count("red.global.add.f32") == reductions
+    assert build.ptx.count("red.global.add.f32") == reductions
+    assert grads.count("shfl.sync.bfly") == 5 * sum(over_tile)
     # every kernel of the build takes the gradients' addresses last, one per f32 tensor
     takes = declaration_params(kern.options, "backward", operand_grads=True)
     assert [p.name for p in takes[-len(float_tensors(kern.options.operands)):]] == [

@@ -245,11 +245,12 @@ class ExprHooks:
     kv_limits(builder, b, h, q_idx, seqlen_q, seqlen_k) -> (first kept key or None, last
         kept key or None) of the row, i32, where the mask keeps one run of keys per row
         (`mhadsl.analysis.kv_limits`: causal, a sliding window); None = any other mask.
-    scatter_reads(builder, dz, s, b, h, q_idx, kv_idx[, ...]): the pair's share of the gradients
-        of the f32 tensors the score rule reads (`Layout.operand_grads`): dz (the gradient
-        of the pair's scored logit) times d score / d the element each read picks, at the
-        scaled score `s`, added into that element where the read lies inside its tensor
-        (`codegen.kernel`); None = the build adds no operand's gradient.
+    scatter_reads(builder, pairs, b, h[, seqlen_q, seqlen_k]): the share of the gradients of
+        the f32 tensors the score rule reads (`Layout.operand_grads`) of this thread's pairs
+        of one tile, each (dz, s, q_idx, kv_idx): dz (the gradient of the pair's scored
+        logit) times d score / d the element each read picks, at the scaled score `s`, added
+        into that element where the read lies inside its tensor (`codegen.kernel`); every
+        lane of the warp calls it; None = the build adds no operand's gradient.
     All index arguments are i32 values: q_idx and kv_idx count from the start of the sequence.
     operands: the parameters of the declaration's operands (`mhadsl.abi.operand_params`),
         which every kernel of the build takes after its design's own (`kernel_abi`): the

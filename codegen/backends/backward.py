@@ -1204,12 +1204,11 @@ class _OperandGradKernel(_DqKernel):
         # (the pairs' rows and keys from opaque values: what the reads' offsets derive from
         # them is computed here, not hoisted out of the loop into a register per pair)
         q0, kv0, h = (nvptx.opaque(b, x) for x in (q0, kv0, h))
-        for i, mt in enumerate(dP_delta):
-            for j, tile in enumerate(mt):
-                for e, x in enumerate(tile):
-                    rules.scatter_reads(b, b.fmul(P[i][j][e], x),
-                                        b.fmul(S[i][j][e], self.a.softmax_scale), h,
-                                        q_idx(i, j, e), kv_idx(i, j, e))
+        scale = self.a.softmax_scale
+        rules.scatter_reads(b, [(b.fmul(P[i][j][e], x), b.fmul(S[i][j][e], scale),
+                                 q_idx(i, j, e), kv_idx(i, j, e))
+                                for i, mt in enumerate(dP_delta) for j, tile in enumerate(mt)
+                                for e, x in enumerate(tile)], h)
         return dq
 
 

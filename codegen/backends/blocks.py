@@ -136,13 +136,13 @@ class TileRules:
         return self.hooks.derivative(b, scaled, self.seq.bidx, h, q_idx, kv_idx,
                                      *self._lengths(), **self._extents())
 
-    def scatter_reads(self, b: ir.IRBuilder, dz: ir.Value, scaled: ir.Value, h: ir.Value,
-                      q_idx: ir.Value, kv_idx: ir.Value) -> None:
-        """The pair's share of the gradients of the f32 tensors the score reads: `dz` (the
-        gradient of the scored logit) times d score / d each element read, at the scaled
-        score `scaled`."""
-        self.hooks.scatter_reads(b, dz, scaled, self.seq.bidx, h, q_idx, kv_idx,
-                                 *self._lengths(), **self._extents())
+    def scatter_reads(self, b: ir.IRBuilder, pairs, h: ir.Value) -> None:
+        """The pairs' share of the gradients of the f32 tensors the score reads, for the
+        thread's pairs of head h in one tile, each (dz: the gradient of its scored logit, its
+        scaled score, q_idx, kv_idx): dz times d score / d each element read. Every lane of
+        the warp calls it (a warp sum)."""
+        self.hooks.scatter_reads(b, pairs, self.seq.bidx, h, *self._lengths(),
+                                 **self._extents())
 
     def sink_log2(self, b: ir.IRBuilder, h: ir.Value) -> ir.Value | None:
         """Query head h's sink logit in the log2 domain, or None without a sink rule."""

@@ -264,6 +264,32 @@ def resolve_attention(decl: ast.AttentionDecl) -> AttentionOptions:
     return AttentionOptions(**fields)
 
 
+# each rule's parameter roles by position (`check.ATTENTION_RULES`: a rule names its
+# parameters as it likes), and the roles that are one value over a box of pairs
+RULE_ROLES = {"mask": ("b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k"),
+              "score": ("s", "b", "h", "q_idx", "kv_idx"), "sink": ("b", "h")}
+_BOX_ROLES = ("b", "h", "seqlen_q", "seqlen_k")
+
+
+def read_over_tile(read: ast.Index, rule: ast.Rule, operands: tuple[Operand, ...]) -> bool:
+    """Whether a tensor read of `rule` picks one element for every pair of a (query tile,
+    KV tile) box: its indices made of the sequence, the head, the lengths, scalar operands
+    and literals (`table[h][0]`, not `table[h][q_idx]`)."""
+    base = read
+    while isinstance(base, ast.Index):
+        base = base.obj
+    return _over_box(read, base, _fixed_names(rule, operands))
+
+
+def _fixed_names(rule: ast.Rule, operands: tuple[Operand, ...]) -> set[str]:
+    """The names in `rule` that are one value over a box of pairs: its parameters in those
+    roles, and the lengths and scalar operands no parameter's name hides."""
+    params = [p.name for p in rule.params]
+    fixed = {n for n, role in zip(params, RULE_ROLES[rule.name]) if role in _BOX_ROLES}
+    return fixed | {n for n in ("seqlen_q", "seqlen_k", *(o.name for o in operands
+                                                          if not o.axes)) if n not in params}
+
+
 def mask_reads_data(mask: ast.Rule, operands: tuple[Operand, ...]) -> bool:
     """Whether `mask` reads a tensor operand at an element that may differ between the
     pairs of one (query tile, KV tile) box: along a `queries` or `keys` axis, or at an index
@@ -273,7 +299,7 @@ def mask_reads_data(mask: ast.Rule, operands: tuple[Operand, ...]) -> bool:
     tensors = {o.name: o for o in operands if o.axes}
     if not tensors:
         return False
-    fixed = {"b", "h", "seqlen_q", "seqlen_k"} | {o.name for o in operands if not o.axes}
+    fixed = _fixed_names(mask, operands)
     todo = list(mask.body)
     while todo:
         node = todo.pop()
