@@ -3,7 +3,8 @@
 # benchmark figures recorded in benchmarks/results.json): the GPU test layer,
 # compute-sanitizer over every standard scheduler, and the benchmark tables (both designs
 # side by side, the default design's, tile variants; decode on uniform and heavy-tailed
-# batches; token generation with a small model; packed documents). Logs go to $1 (default gpu-check/).
+# batches; token generation with a small model; packed documents; a learned score tensor's
+# gradient). Logs go to $1 (default gpu-check/).
 #     bash benchmarks/gpu_check.sh [LOG_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,4 +34,5 @@ python3 benchmarks/tiles.py 2>&1 | tee "$logs/tiles.log" | tail -18 || status=1
 python3 benchmarks/decode.py --workload all --chunks-per-sm 1,2,4 2>&1 | tee "$logs/decode.log" | tail -24 || status=1
 python3 benchmarks/generate.py 2>&1 | tee "$logs/generate.log" | tail -24 || status=1
 python3 benchmarks/documents.py 2>&1 | tee "$logs/documents.log" | tail -8 || status=1
+python3 benchmarks/operand_grads.py 2>&1 | tee "$logs/operand_grads.log" | tail -12 || status=1
 exit $status
