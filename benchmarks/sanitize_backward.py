@@ -1,6 +1,7 @@
 """compute-sanitizer's memcheck and racecheck over the backward pass: dense and ragged batches
-(lengths 0 and 1 among them), causal, GQA, softcap, fp16 D64, D256, each in atomic and
-deterministic mode (on sm_90a, atomic calls run the Hopper design but D256's).
+(lengths 0 and 1 among them), causal, GQA, softcap, fp16 D64, D256, a learned bias table's
+gradient (`operand_grads`), each in atomic and deterministic mode (on sm_90a, atomic calls
+run the Hopper design but D256's and the operand gradients').
 Needs an NVIDIA GPU, torch and compute-sanitizer on PATH.
 
     python3 benchmarks/sanitize_backward.py [--tools memcheck,racecheck]
@@ -22,15 +23,17 @@ from sanitize import relative_error, worker_main  # noqa: E402
 
 KERNELS = "mha_"  # what compute-sanitizer watches
 CASES = [  # example file or source, kernel, query heads, K/V heads, lengths (None: dense
-    # B1 S130); atomic calls on sm_90a run the Hopper design (dense or ragged; not D256's),
-    # deterministic ones the sm80-style design
-    ("examples/causal.mha", "causal_fwd", 2, 2, None),
-    ("examples/gqa.mha", "gqa_causal", 8, 2, [70, 0, 129]),
-    ("examples/softcap.mha", "softcap_causal", 2, 2, [1, 200]),
-    ("examples/plain.mha", "plain_fp16_d64", 2, 2, None),
-    ("examples/plain.mha", "plain_fp16_d64", 2, 2, [1, 0, 127, 65]),
+    # B1 S130), the f32 tensor operands whose gradients it asks for (their shapes); atomic
+    # calls on sm_90a run the Hopper design (dense or ragged; not D256's), deterministic
+    # ones the sm80-style design
+    ("examples/causal.mha", "causal_fwd", 2, 2, None, {}),
+    ("examples/gqa.mha", "gqa_causal", 8, 2, [70, 0, 129], {}),
+    ("examples/softcap.mha", "softcap_causal", 2, 2, [1, 200], {}),
+    ("examples/plain.mha", "plain_fp16_d64", 2, 2, None, {}),
+    ("examples/plain.mha", "plain_fp16_d64", 2, 2, [1, 0, 127, 65], {}),
     ("attention causal_d256 { dtype = bf16  head_dim = 256\n"  # two column passes
-     "  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }", "causal_d256", 4, 2, [1, 0, 150]),
+     "  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }", "causal_d256", 4, 2, [1, 0, 150], {}),
+    ("examples/relative_bias.mha", "relative_bias", 4, 2, [1, 0, 150], {"table": (4, 100)}),
 ]
 
 
@@ -38,7 +41,7 @@ def worker() -> int:
     import torch
     g = torch.Generator(device="cuda").manual_seed(0)
     worst = 0.0
-    for file, name, hq, hkv, lengths in CASES:
+    for file, name, hq, hkv, lengths, learned in CASES:
         kern = mhadsl.compile(file)[name]
         d = kern.options.head_dim
         dtype = torch.bfloat16 if kern.options.dtype == "bf16" else torch.float16
@@ -54,12 +57,22 @@ def worker() -> int:
             total = sum(lengths)
             q, k, v = randn(total, hq, d), randn(total, hkv, d), randn(total, hkv, d)
             ragged = dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
-        out, lse = kern(q, k, v, return_lse=True, **ragged)
+        operands = {n: torch.randn(*shape, generator=g, device="cuda")
+                    for n, shape in learned.items()}
+        grads = tuple(learned)
+        out, lse = kern(q, k, v, return_lse=True, **ragged, **operands)
         dout = randn(*out.shape)
-        want = mhadsl.reference_backward(kern, q, k, v, dout, **ragged)
+        want = mhadsl.reference_backward(kern, q, k, v, dout, operand_grads=grads, **ragged,
+                                         **operands)
         for deterministic in (False, True):
-            got = kern.backward(q, k, v, out, lse, dout, deterministic=deterministic, **ragged)
-            worst = max(worst, *map(relative_error, got, want))
+            got = kern.backward(q, k, v, out, lse, dout, deterministic=deterministic,
+                                operand_grads=grads, **ragged, **operands)
+            if grads:  # (the operands' gradients last, by name)
+                got = (*got[:-1], *got[-1].values())
+                want_all = (*want[:-1], *want[-1].values())
+            else:
+                want_all = want
+            worst = max(worst, *map(relative_error, got, want_all))
     print(f"{len(CASES)} backward cases x 2 modes, worst relative error {worst:.2e}")
     return 0 if worst < 1e-2 else 1
 
