@@ -19,6 +19,7 @@ from mhadsl.abi import (
 )
 from mhadsl.front.attention_spec import operand_key, read_over_tile, rule_reads
 from mhadsl.front.check import CheckedProgram
+from mhadsl.front.diagnostics import MhaError
 from mhadsl.analysis.classify import emit_classify
 from mhadsl.analysis.kv_limits import emit_kv_limits, kv_limits, operand_term
 from mhadsl.analysis.derivative import differentiate_score, float_reads, read_operand
@@ -152,12 +153,15 @@ def _scatter_hook(program: CheckedProgram, score_rule, operands: tuple):
     lowered again per pair with its reads observed (`FunctionLowering.on_read`), so a read
     adds where, and only where, the rule's own control flow reads it (a predicated
     reduction, skipped for a term of 0); the score it computes is dead code."""
-    reads = float_reads(score_rule, program)
-    slopes = dict(zip(reads, (_rule_hook(derived, rule, SCORE_ROLES, F32, operands)
-                              for rule, derived in (differentiate_score(score_rule, program, r)
-                                                    for r in reads))))
-    over_tile = [r for r in reads if read_over_tile(r, score_rule, operands)]
-    per_pair = [r for r in reads if r not in over_tile]
+    slopes = {}
+    for read in float_reads(score_rule, program):
+        try:
+            slopes[read] = _rule_hook(*differentiate_score(score_rule, program, read)[::-1],
+                                      SCORE_ROLES, F32, operands)
+        except MhaError:  # (no call asks for its gradient: `check_operand_grads`)
+            continue
+    over_tile = [r for r in slopes if read_over_tile(r, score_rule, operands)]
+    per_pair = [r for r in slopes if r not in over_tile]
 
     def scatter(builder: ir.IRBuilder, pairs, b: ir.Value, h: ir.Value, *lengths: ir.Value,
                 extents=None) -> None:
@@ -178,14 +182,20 @@ def _scatter_hook(program: CheckedProgram, score_rule, operands: tuple):
             offset = i32(0)
             for index, size in zip(at_axes, tensors[name].sizes):  # (row-major)
                 offset = builder.add(builder.mul(offset, size), index)
-            pointer = builder.gep(args[GRAD_PREFIX + name],
-                                  [builder.select(inside, offset, i32(0))],
+            base = args[GRAD_PREFIX + name]
+            asked = builder.icmp_unsigned("!=", builder.ptrtoint(base, nvptx.i64),
+                                          nvptx.i64(0))
+            pointer = builder.gep(base, [builder.select(inside, offset, i32(0))],
                                   source_etype=ir.FloatType())
-            nvptx.red_add_f32_if(builder, pointer, term, builder.and_(inside, predicate))
+            nvptx.red_add_f32_if(builder, pointer, term,
+                                 builder.and_(builder.and_(inside, asked), predicate))
 
         def term(read, dz, s, q_idx, kv_idx) -> ir.Value:
-            return builder.fmul(dz, slopes[read](builder, s, b, h, q_idx, kv_idx, *lengths,
-                                                 extents=extents))
+            """dz * the slope, 0 where dz is (a pair outside the mask or the sequence, or
+            of P = 0, where the slope may not be finite: the reference's convention)."""
+            slope = slopes[read](builder, s, b, h, q_idx, kv_idx, *lengths, extents=extents)
+            return builder.select(builder.fcmp_ordered("==", dz, zero), zero,
+                                  builder.fmul(dz, slope))
 
         for read in over_tile:
             total = None

@@ -156,7 +156,9 @@ def operand_params(operands) -> tuple[Param, ...]:
     return tuple(params)
 
 
-GRAD_PREFIX = "operand_grad_"  # the parameter of an operand's gradient (a call's tensor)
+# the parameter of an operand's gradient (a call's tensor): apart from the operands' own
+# (`OPERAND_PREFIX`) and every design's
+GRAD_PREFIX = "grad_"
 
 
 def float_tensors(operands) -> tuple[str, ...]:
@@ -168,10 +170,12 @@ def float_tensors(operands) -> tuple[str, ...]:
 def operand_grad_params(names) -> tuple[Param, ...]:
     """The parameters of a backward build that adds the gradients of f32 tensor operands
     `names` (`Layout.operand_grads`): each one's float32 gradient, contiguous in the
-    operand's shape (whose sizes the operand's own parameters give)."""
+    operand's shape (whose sizes the operand's own parameters give), or null where the
+    call asks for none."""
     return tuple(Param(GRAD_PREFIX + n, "ptr", Pointer(GRAD_PREFIX + n),
                        f"float32 gradient of the tensor operand '{n}', contiguous in its "
-                       f"shape; the kernels add into it", align=4) for n in names)
+                       f"shape, which the kernels add into; null: not asked for", align=4)
+                 for n in names)
 
 
 def tensor_params(operand: str, rank: int) -> tuple[tuple[str, ...], tuple[str, ...]]:

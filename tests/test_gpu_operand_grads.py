@@ -69,6 +69,16 @@ def test_slopes_that_depend_on_s_and_reads_on_its_branches():
     assert found["low"].abs().sum() > 0 and found["high"].abs().sum() > 0
 
 
+def test_pairs_of_no_probability_add_nothing_where_the_slope_is_infinite():
+    """log(prior) at a prior of 0: those pairs' scores are -inf (P = 0) and their slope
+    1 / 0; they add 0, as in the reference, not NaN."""
+    kern = kernels()["log_prior"]
+    prior = torch.rand(4, 300, device="cuda") + 0.1
+    prior[:, 3] = 0.0
+    found = check(kern, dense(kern, 2, 200, 300, 4, 4, prior=prior), ("prior",))
+    assert torch.isfinite(found["prior"]).all() and (found["prior"][:, 3] == 0).all()
+
+
 def test_a_bias_along_the_query_rows_of_a_ragged_batch():
     kern = kernels()["row_bias"]
     lens = [1, 129, 300]
@@ -84,13 +94,12 @@ def test_asking_for_no_operand_gradient_adds_nothing():
     args = dense(kern, 1, 200, 200, 8, 8, table=table)
     out, lse = kern(**args, return_lse=True)
     dout = torch.randn_like(out)
-    plain = kern.backward(args["q"], args["k"], args["v"], out, lse, dout, table=table,
-                          deterministic=True)
-    *grads, _ = kern.backward(args["q"], args["k"], args["v"], out, lse, dout, table=table,
-                              deterministic=True, operand_grads=("table",))
-    assert len(plain) == 3
-    for a, b in zip(plain, grads):
-        assert torch.equal(a, b)
+    plain = kern.backward(args["q"], args["k"], args["v"], out, lse, dout, table=table)
+    *grads, found = kern.backward(args["q"], args["k"], args["v"], out, lse, dout, table=table,
+                                  operand_grads=("table",))
+    assert len(plain) == 3 and set(found) == {"table"}
+    for a, b in zip(plain, grads):  # (the builds' tiles may differ: not bitwise)
+        assert_close("same", a, b.float().cpu().numpy().astype(np.float64), dout)
 
 
 def test_autograd_sends_the_table_its_gradient_eager_and_compiled():

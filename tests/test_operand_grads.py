@@ -49,6 +49,11 @@ attention branchy(low: f32[heads], high: f32[heads]) {
         return s + low[h] * 2.0
     }
 }
+attention log_prior(prior: f32[heads, keys]) {
+    dtype = bf16
+    head_dim = 64
+    score(s, b, h, q_idx, kv_idx) = s + log(prior[h][kv_idx])
+}
 attention row_bias(bias: f32[queries]) {
     dtype = bf16
     head_dim = 64
@@ -111,6 +116,23 @@ attention bucketed(t: f32[heads], bins: f32[_]) {
     differentiate_score(rule, checked, reads["bins"])  # (bins' element itself is fine)
     with pytest.raises(ValueError, match="(?s)cannot be differentiated.*bucketed.mha:6:46"):
         check_operand_grads(program.options, checked, ("t",))
+    assert check_operand_grads(program.options, checked, ("bins",)) == ("bins",)
+    # the build adds what it can differentiate: bins' gradient, none of t's
+    build = program.backward_build("sm_80", operand_grads=True)
+    grads = build.ptx[build.ptx.index(f".entry {OPERAND_GRADS}"):]
+    assert grads.count("red.global.add.f32") == 32
+
+
+def test_a_gradient_parameter_never_meets_an_operand_of_the_same_name():
+    kern = mhadsl.compile(STD + """
+attention named(table: f32[heads, _], grad_table: f32[heads], operand_grad_table: f32[_]) {
+    dtype = bf16
+    head_dim = 64
+    score(s, b, h, q_idx, kv_idx) = s + table[h][0] + grad_table[h] + operand_grad_table[0]
+}
+""", name="named.mha")["named"]
+    names = [p.name for p in declaration_params(kern.options, "backward", operand_grads=True)]
+    assert len(names) == len(set(names))
 
 
 # ---------------------------------------------------------------- the reference
@@ -247,7 +269,7 @@ def test_the_build_that_adds_operand_gradients(name, ragged, arch):
     # every kernel of the build takes the gradients' addresses last, one per f32 tensor
     takes = declaration_params(kern.options, "backward", operand_grads=True)
     assert [p.name for p in takes[-len(float_tensors(kern.options.operands)):]] == [
-        f"operand_grad_{n}" for n in float_tensors(kern.options.operands)]
+        f"grad_{n}" for n in float_tensors(kern.options.operands)]
     for name in build.assembled.kernels:
         want = with_operands(backends.backend("backward").kernels(build.config)[0].abi
                              if name == "mha_bwd_preprocess" else ABI, takes)

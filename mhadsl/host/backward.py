@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-from mhadsl.abi import GRAD_PREFIX, OPERAND_PREFIX, float_tensors
+from mhadsl.abi import GRAD_PREFIX, OPERAND_PREFIX
 from mhadsl.front.attention_spec import operand_values
 from mhadsl.host.calls import (
     DTYPE_NAMES, check_flag, check_operand_grads, check_rows, check_shape, operand_views,
@@ -54,6 +54,10 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
     check_flag(deterministic, "deterministic")
     values = operand_values(kernel.options, operands)
     grad_names = check_operand_grads(kernel.options, kernel.program.checked, operand_grads)
+    for name in grad_names:  # (the kernels' offsets into a gradient are 32-bit)
+        if values[name].numel() >= 2**31:
+            raise ValueError(f"operand_grads: operand {name!r} has {values[name].numel()} "
+                             f"elements; a gradient holds fewer than 2**31")
     from mhadsl.runtime import tensors
     call = check_call(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             scale)
@@ -101,13 +105,11 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic
     dk = alloc(k.shape, dtype=k.dtype, device=k.device)
     dv = alloc(v.shape, dtype=v.dtype, device=v.device)
     sink = kernel.options.sink is not None
-    # every f32 tensor's gradient where the kernels add some (they take them all), zeros
-    # where the score reads none of those asked for
-    added = bool(set(score_read_floats(kernel.options, kernel.program.checked)) &
-                 set(grad_names))
+    # the gradients asked for, zeros until the kernels add into those the score reads (the
+    # others' addresses stay null, and the kernels add nothing there)
+    read = set(score_read_floats(kernel.options, kernel.program.checked)) & set(grad_names)
     grads = {name: torch.zeros(tuple(operands[name].shape), dtype=torch.float32,
-                               device=q.device)
-             for name in (float_tensors(kernel.options.operands) if added else grad_names)}
+                               device=q.device) for name in grad_names}
 
     def result(*gradients):
         return gradients + ({n: grads[n] for n in grad_names},) if grad_names else gradients
@@ -118,9 +120,8 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic
                                           device=q.device)) if sink else result(*found)
     tensors = {"q": q, "k": k, "v": v, "o": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv,
                **tensor_operands(kernel.options, operands)}
-    if added:
-        tensors.update((GRAD_PREFIX + n, t) for n, t in grads.items())
-    plans, scratch = _plans(kernel, call, tensors, q.device.index, deterministic, added)
+    tensors.update((GRAD_PREFIX + n, grads[n]) for n in read)
+    plans, scratch = _plans(kernel, call, tensors, q.device.index, deterministic, bool(read))
     addresses = {name: t.data_ptr() for name, t in tensors.items()}
     addresses["lse"] = lse.data_ptr()
     # held until the launches are queued: a freed buffer's memory would go to the next one
@@ -133,7 +134,7 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic
         addresses.update(cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr())
     for name, t in addresses.items():
         if t % 16 and name not in ("lse", "delta", "cu_seqlens_q", "cu_seqlens_k") \
-                and not name.startswith(OPERAND_PREFIX):
+                and not name.startswith((OPERAND_PREFIX, GRAD_PREFIX)):
             raise ValueError(f"tensor {name!r}: rows must be 16-byte aligned, got a pointer "
                              f"at {t:#x}")
     launch(plans, addresses, torch_stream(torch, q.device.index), scalars=operands)

@@ -56,7 +56,7 @@ import hashlib
 import string
 
 from mhadsl.front import ast
-from mhadsl.host.calls import score_read_floats
+from mhadsl.host.calls import check_operand_grads, score_read_floats
 
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
           "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None, "
@@ -72,7 +72,7 @@ DECODE_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cach
 BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
                    "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
                    "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, float? scale=None, "
-                   "bool? deterministic=None, bool operand_grads=False) "
+                   "bool? deterministic=None, int operand_grads=0) "
                    "-> (Tensor, Tensor, Tensor)")
 _library = None
 _calls_by_name: dict[str, object] = {}  # operator name -> the call `torch_op` returns
@@ -240,10 +240,19 @@ def sink_operand(kernel) -> tuple[int, bool] | None:
 
 
 def score_operands(kernel) -> tuple[int, ...]:
-    """The positions among the operands of the f32 tensors the score rule reads: autograd
-    sends them their gradients (`Kernel.backward`'s `operand_grads`)."""
-    names = score_read_floats(kernel.options, kernel.program.checked)
-    return tuple(i for i, o in enumerate(kernel.options.operands) if o.name in names)
+    """The positions among the operands of the f32 tensors the score rule reads whose
+    gradients `Kernel.backward` gives (`operand_grads`, `check_operand_grads`): autograd
+    sends them theirs."""
+    options, program = kernel.options, kernel.program.checked
+    found = []
+    for i, o in enumerate(options.operands):
+        if o.name in score_read_floats(options, program):
+            try:
+                check_operand_grads(options, program, (o.name,))
+            except ValueError:
+                continue
+            found.append(i)
+    return tuple(found)
 
 
 def _register_autograd(kernel, name: str) -> None:
@@ -252,36 +261,37 @@ def _register_autograd(kernel, name: str) -> None:
 
     sink = kernel.options.sink is not None  # (the backward's fourth result: the sink's)
     # then one result per f32 tensor operand the score reads: its gradient where the call
-    # asks for them (`operand_grads`), else empty
+    # asks for it (bit n of `operand_grads` for scored[n]), else empty
     scored = score_operands(kernel)
+    read = score_read_floats(kernel.options, kernel.program.checked)
     schema = with_operands(BACKWARD_SCHEMA, kernel).replace(
         "-> (Tensor, Tensor, Tensor)",
         "-> (" + ", ".join(["Tensor"] * (3 + sink + len(scored))) + ")")
 
     def gradients(q, k, v, out, lse, dout, cu_seqlens_q=None, cu_seqlens_k=None,
                   max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None,
-                  operand_grads=False, *operands):
-        names = tuple(kernel.options.operands[i].name for i in scored) if operand_grads else ()
+                  operand_grads=0, *operands):
+        names = tuple(kernel.options.operands[i].name for n, i in enumerate(scored)
+                      if operand_grads >> n & 1)
         grads = kernel.backward(q, k, v, out, lse, dout, cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                 max_seqlen_k=max_seqlen_k, scale=scale,
                                 deterministic=deterministic, operand_grads=names,
                                 **given(kernel, operands))
-        if not scored:
-            return grads
-        if not names:
-            return grads + tuple(q.new_empty(0, dtype=torch.float32) for _ in scored)
-        return grads[:-1] + tuple(grads[-1].values())
+        found = grads[-1] if names else {}
+        grads = grads[:-1] if names else grads
+        return grads + tuple(found.get(kernel.options.operands[i].name,
+                                       q.new_empty(0, dtype=torch.float32)) for i in scored)
 
     def fake(q, k, v, out, lse, dout, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, scale=None, deterministic=None,
-             operand_grads=False, *operands):
+             operand_grads=0, *operands):
         grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if sink:
             batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
             grads += (q.new_empty((batch, q.shape[-2]), dtype=torch.float32),)
-        return grads + tuple(q.new_empty(operands[i].shape if operand_grads else 0,
-                                         dtype=torch.float32) for i in scored)
+        return grads + tuple(q.new_empty(operands[i].shape if operand_grads >> n & 1 else 0,
+                                         dtype=torch.float32) for n, i in enumerate(scored))
 
     backward_op = _define(name + "_backward", schema, gradients, fake)
 
@@ -297,7 +307,12 @@ def _register_autograd(kernel, name: str) -> None:
         if grad_out is None:  # only the LSE was used
             return (None,) * inputs
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        wanted = any(ctx.needs_input_grad[FIRST_OPERAND + i] for i in scored)
+        needs = ctx.needs_input_grad[FIRST_OPERAND:]
+        refused = [o.name for i, o in enumerate(kernel.options.operands)
+                   if needs[i] and o.name in read and i not in scored]
+        if refused:  # (its error says why)
+            check_operand_grads(kernel.options, kernel.program.checked, refused)
+        wanted = sum(1 << n for n, i in enumerate(scored) if needs[i])
         fixed, operands = ctx.options[:FIRST_OPERAND - 5], ctx.options[FIRST_OPERAND - 5:]
         grads = backward_op(q, k, v, out, lse, grad_out.contiguous(), cu_q, cu_k, *fixed,
                             wanted, *operands)
@@ -305,9 +320,9 @@ def _register_autograd(kernel, name: str) -> None:
         if target is not None:
             position, over_batch = target
             result[FIRST_OPERAND + position] = grads[3].sum(0) if over_batch else grads[3]
-        if wanted:
-            for i, grad in zip(scored, grads[3 + sink:]):
-                result[FIRST_OPERAND + i] = grad
+        for n, i in enumerate(scored):
+            if wanted >> n & 1:
+                result[FIRST_OPERAND + i] = grads[3 + sink + n]
         return tuple(result)
 
     torch.library.register_autograd(f"mhadsl::{name}", backward, setup_context=setup_context,
