@@ -138,14 +138,17 @@ def backward_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
     hooks = replace(hooks, derivative=_rule_hook(derived, rule, SCORE_ROLES, F32, operands))
     if not operand_grads:
         return hooks
-    return replace(hooks, scatter_reads=_scatter_hook(program, score_rule, operands),
+    return replace(hooks, scatter_reads=scatter_hook(program, score_rule, operands),
                    operands=hooks.operands + operand_grad_params(float_tensors(operands)))
 
 
-def _scatter_hook(program: CheckedProgram, score_rule, operands: tuple):
+def scatter_hook(program: CheckedProgram, score_rule, operands: tuple,
+                 add_if=nvptx.red_add_f32_if):
     """`ExprHooks.scatter_reads`: per f32 tensor read r of the score rule and pair, dz *
     d score / d (the element r picks) added into that element of the operand's gradient
-    (contiguous, in the operand's shape), where the read lies inside the tensor.
+    (contiguous, in the operand's shape), where the read lies inside the tensor
+    (`add_if(builder, pointer, value, predicate)`: the GPU's predicated reduction; the
+    tests' host build adds without one).
 
     A read whose element is one over the tile (`gain[h]`: `read_over_tile`) sums its terms
     over the thread's pairs and the warp's lanes first, and lane 0 adds the sum: one
@@ -187,8 +190,7 @@ def _scatter_hook(program: CheckedProgram, score_rule, operands: tuple):
                                           nvptx.i64(0))
             pointer = builder.gep(base, [builder.select(inside, offset, i32(0))],
                                   source_etype=ir.FloatType())
-            nvptx.red_add_f32_if(builder, pointer, term,
-                                 builder.and_(builder.and_(inside, asked), predicate))
+            add_if(builder, pointer, term, builder.and_(builder.and_(inside, asked), predicate))
 
         def term(read, dz, s, q_idx, kv_idx) -> ir.Value:
             """dz * the slope, 0 where dz is (a pair outside the mask or the sequence, or

@@ -335,3 +335,105 @@ def test_reference_backward_refuses_what_the_call_refuses():
         mhadsl.reference_backward(kern, **args, dout=dout, table=table,
                                   operand_grads=("tabel",))
     assert len(mhadsl.reference_backward(kern, **args, dout=dout, table=table)) == 3
+
+
+# ---------------------------------------------------------------- the scatter, on the host
+HOST_SCORE = STD + """
+attention per_pair(table: f32[heads, _], hi: f32[_], lo: f32[_], n: i32) {
+    dtype = bf16
+    head_dim = 64
+    score(s, b, h, q_idx, kv_idx) {
+        let x = s + table[h][q_idx - kv_idx + n]
+        if s > 0.0 {
+            return x * x + hi[kv_idx]
+        }
+        return x * lo[q_idx] * 2.0
+    }
+}
+"""
+
+
+def test_the_scatter_adds_each_pairs_terms_where_its_reads_pick():
+    """The kernels' scatter hook (`codegen.kernel.scatter_hook`), compiled for the host with
+    a plain add for the GPU's predicated reduction, over random pairs: each pair adds dz *
+    d score / d each element into the element it reads, on the branch the pair takes, where
+    the read is inside its tensor, as the reference's evaluation gives them; a gradient
+    whose address is null gets nothing."""
+    import ctypes
+
+    from llvmlite import binding, ir
+
+    from mhadsl.codegen import signature
+    from mhadsl.codegen.kernel import scatter_hook
+
+    kern = mhadsl.compile(HOST_SCORE, name="host.mha")["per_pair"]
+    opts, program = kern.options, kern.program.checked
+    params = declaration_params(opts, "backward", operand_grads=True)
+    f32, i32 = ir.FloatType(), ir.IntType(32)
+    module = ir.Module("scatter")
+    module.triple = binding.get_default_triple()
+    spare = ir.GlobalVariable(module, f32, "spare")  # where a predicated-off term goes
+    spare.initializer = ir.Constant(f32, 0.0)
+    types = [ir.PointerType() if p.kind == "ptr" else signature.llvm_type(p) for p in params]
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), types + [f32, f32, i32, i32, i32,
+                                                                       i32]), "scatter")
+    for p, arg in zip(params, fn.args):
+        arg.name = p.name
+    dz, s, b, h, q, k = fn.args[-6:]
+    builder = ir.IRBuilder(fn.append_basic_block("entry"))
+
+    def add_if(bb, pointer, value, predicate):
+        at = bb.select(predicate, pointer, bb.bitcast(spare, pointer.type))
+        bb.store(bb.fadd(bb.load(at, typ=f32), value), at)
+    scatter_hook(program, opts.score, opts.operands, add_if)(builder, [(dz, s, q, k)], b, h)
+    builder.ret_void()
+    binding.initialize_native_target()
+    binding.initialize_native_asmprinter()
+    machine = binding.Target.from_default_triple().create_target_machine()
+    engine = binding.create_mcjit_compiler(binding.parse_assembly(str(module)), machine)
+    engine.finalize_object()
+    kinds = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32}
+    run = ctypes.CFUNCTYPE(None, *[kinds[p.kind] for p in params], ctypes.c_float,
+                           ctypes.c_float, *[ctypes.c_int32] * 4)(
+        engine.get_function_address("scatter"))
+
+    rng = np.random.default_rng(3)
+    shapes = {"table": (3, 20), "hi": (12,), "lo": (9,)}
+    tensors = {n: rng.standard_normal(shape).astype(np.float32) for n, shape in shapes.items()}
+    grads = {n: np.zeros(shape, np.float32) for n, shape in shapes.items()}
+    scalars = {"n": 4}
+    values = {}
+    for name, t in tensors.items():
+        values[f"operand_{name}"] = t.ctypes.data
+        for axis, (size, stride) in enumerate(zip(t.shape, t.strides)):
+            values[f"operand_{name}_size{axis}"] = size
+            values[f"operand_{name}_stride{axis}"] = stride // 4
+        values[f"grad_{name}"] = grads[name].ctypes.data if name != "lo" else None
+    values["operand_n"] = scalars["n"]
+    pairs = 400
+    pair = dict(dz=rng.standard_normal(pairs).astype(np.float32),
+                s=rng.standard_normal(pairs).astype(np.float32),
+                b=np.zeros(pairs, int), h=rng.integers(0, 4, pairs),  # (h 3: past table's)
+                q_idx=rng.integers(0, 14, pairs), kv_idx=rng.integers(0, 14, pairs))
+    pair["dz"][:40] = 0.0
+    for i in range(pairs):
+        run(*[values[p.name] for p in params], *(pair[n][i].item() for n in
+                                                ("dz", "s", "b", "h", "q_idx", "kv_idx")))
+
+    # the reference's terms at the same pairs (float64), at the elements the reads pick
+    rule = opts.score
+    env = {**{n: t.astype(np.float64) for n, t in tensors.items()}, **scalars}
+    roles = {n: pair[n] for n in ("b", "h", "q_idx", "kv_idx")}
+    where = {r: None for r in float_reads(rule, program)}
+    evaluate_rule(rule, program, env, reads=where, s=pair["s"].astype(np.float64), **roles)
+    want = {n: np.zeros(shape) for n, shape in shapes.items()}
+    for read, (indices, inside) in where.items():
+        slope = evaluate_rule(*differentiate_score(rule, program, read), env,
+                              s=pair["s"].astype(np.float64), **roles)
+        term = pair["dz"] * slope
+        take = inside & (term != 0)
+        np.add.at(want[read_operand(read)], tuple(i[take] for i in indices), term[take])
+    for name in ("table", "hi"):
+        assert np.abs(want[name]).max() > 0.1, name  # (many pairs reach it)
+        np.testing.assert_allclose(grads[name], want[name], rtol=2e-5, atol=2e-5)
+    assert not grads["lo"].any() and np.abs(want["lo"]).max() > 0.1  # (null: nothing added)
