@@ -158,7 +158,7 @@ def _sink_gradient(torch, call, terms, cu_q):
 
 
 def _plans(kernel, call, tensors: dict, device: int, deterministic: bool,
-           operand_grads: bool) -> tuple[list, dict[str, int]]:
+           operand_grads: bool = False) -> tuple[list, dict[str, int]]:
     """The launch plans of a validated call's signature, in launch order, and the bytes of
     each scratch buffer (delta and the dQ accumulator, in the design's layouts): made once,
     then reused."""
