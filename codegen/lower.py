@@ -118,8 +118,7 @@ class FunctionLowering:
         self.ret_slot: object = None
         self.ret_block: ir.Block | None = None
         self.ret_ty: Ty | None = None
-        # called at each tensor read with the read, its element's index per axis (i32)
-        # and whether it lies inside the tensor (`codegen.kernel`'s gradient scatter)
+        # on_read(read, its index per axis, inside the tensor): `kernel.scatter_hook`'s
         self.on_read: Callable[[ast.Index, list[Value], Value], None] | None = None
 
     # ------------------------------------------------------------ helpers
@@ -314,7 +313,7 @@ class FunctionLowering:
             inside = ok if inside is None else b.and_(inside, ok)
             offset = b.add(offset, b.mul(v, stride))  # (inside the tensor: below 2**31)
             at_axes.append(v)
-        if self.on_read is not None:
+        if self.on_read:
             self.on_read(e, at_axes, inside)
         at = b.gep(tensor.pointer, [b.select(inside, offset, i32(0))], source_etype=element)
         return b.select(inside, b.load(at, typ=element), ir.Constant(element, 0))
