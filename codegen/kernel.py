@@ -206,10 +206,10 @@ def scatter_hook(program: CheckedProgram, score_rule, operands: tuple,
                 total = x if total is None else builder.fadd(total, x)
             total = warp.warp_sum(builder, total)
             dz, s, q_idx, kv_idx = pairs[0]  # (its indices are the same at every pair)
-            lowering(s, q_idx, kv_idx, lambda r, at_axes, inside: add(
+            lane0 = builder.icmp_unsigned("==", nvptx.lane_id(builder), i32(0))
+            lowering(s, q_idx, kv_idx, lambda r, at_axes, inside, read=read: r is read and add(
                 r, at_axes, inside, total, builder.and_(
-                    builder.icmp_unsigned("==", nvptx.lane_id(builder), i32(0)),
-                    builder.fcmp_unordered("!=", total, zero)))).expr(read)
+                    lane0, builder.fcmp_unordered("!=", total, zero)))).expr(read)
         if not per_pair:
             return
         for dz, s, q_idx, kv_idx in pairs:

@@ -44,7 +44,7 @@ attention branchy(low: f32[heads], high: f32[heads]) {
     head_dim = 64
     score(s, b, h, q_idx, kv_idx) {
         if s > 0.0 {
-            return s + high[h]
+            return s * high[h]
         }
         return s + low[h] * 2.0
     }
@@ -54,11 +54,11 @@ attention log_prior(prior: f32[heads, keys]) {
     head_dim = 64
     score(s, b, h, q_idx, kv_idx) = s + log(prior[h][kv_idx])
 }
-attention row_bias(bias: f32[queries]) {
+attention row_gain(gain: f32[queries]) {
     dtype = bf16
     head_dim = 64
     mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx
-    score(s, b, h, q_idx, kv_idx) = s + bias[q_idx]
+    score(s, b, h, q_idx, kv_idx) = s * gain[q_idx]
 }
 """
 
@@ -94,7 +94,7 @@ def test_branches_give_each_read_its_own_path():
     s = np.array([-1.0, 2.0])
     values = {"low": np.array([0.0]), "high": np.array([0.0])}
     np.testing.assert_array_equal(evaluate_rule(*differentiate_score(rule, program, high),
-                                                values, s=s, h=0), [0.0, 1.0])
+                                                values, s=s, h=0), [0.0, 2.0])
     np.testing.assert_array_equal(evaluate_rule(*differentiate_score(rule, program, low),
                                                 values, s=s, h=0), [2.0, 0.0])
 
@@ -146,8 +146,9 @@ def _loss_and_grads(kern, args: dict, dout, names, operands: dict, ragged=None):
 
     def loss(values: dict) -> float:
         from mhadsl.analysis.reference import _Positions
-        wrapped = {n: _Positions(v, next(o.axes for o in opts.operands if o.name == n),
-                                 (True, True)) if ragged is not None and n == "bias" else v
+        axes = {o.name: o.axes for o in opts.operands}
+        wrapped = {n: _Positions(v, axes[n], (True, True))
+                   if ragged is not None and {"queries", "keys"} & set(axes[n]) else v
                    for n, v in values.items()}
         out = attention_reference(*(args[n].astype(np.float64) for n in ("q", "k", "v")),
                                   mask_rule=opts.mask, score_rule=opts.score,
@@ -207,19 +208,18 @@ def test_reference_gradients_are_the_forwards_central_differences(case):
     assert moved  # (the check is not 0 == 0)
 
 
-def test_a_bias_along_the_query_rows_of_a_ragged_batch():
-    kern = scores()["row_bias"]
+def test_a_gain_along_the_query_rows_of_a_ragged_batch():
+    kern = scores()["row_gain"]
     rng = np.random.default_rng(7)
     lens = [2, 0, 5]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     args = _tensors(rng, (7, 2), (7, 2), 64)
-    bias = rng.standard_normal(7).astype(np.float32)
+    gain = (rng.random(7) + 0.5).astype(np.float32)
     dout = rng.standard_normal(args["q"].shape)
-    loss, grads = _loss_and_grads(kern, args, dout, ("bias",), {"bias": bias}, cu)
-    np.testing.assert_allclose(grads["bias"], _central_differences(loss, {"bias": bias}, "bias"),
-                               atol=1e-6)
-    # a row's bias shifts every key of its softmax alike: no gradient at all
-    np.testing.assert_allclose(grads["bias"], 0.0, atol=1e-9)
+    loss, grads = _loss_and_grads(kern, args, dout, ("gain",), {"gain": gain}, cu)
+    want = _central_differences(loss, {"gain": gain}, "gain")
+    np.testing.assert_allclose(grads["gain"], want, atol=1e-6)
+    assert abs(grads["gain"][0]) < 1e-12 and np.abs(want[1:]).max() > 1e-2  # (row 0: P = 1)
 
 
 # ---------------------------------------------------------------- the build
@@ -243,7 +243,7 @@ attention renamed(t: f32[_], u: f32[heads, _], n: i32) {
 @pytest.mark.parametrize("name, ragged, arch", [
     ("relative_bias", False, "sm_80"), ("relative_bias", False, "sm_90a"),
     ("relative_bias", True, "sm_90a"), ("capped", False, "sm_90a"), ("branchy", True, "sm_80"),
-    ("row_bias", True, "sm_90a"), ("scaled", True, "sm_90a")])
+    ("row_gain", True, "sm_90a"), ("scaled", True, "sm_90a")])
 def test_the_build_that_adds_operand_gradients(name, ragged, arch):
     kern = relative_bias() if name == "relative_bias" else scores()[name]
     group = 2 if name == "relative_bias" else 1

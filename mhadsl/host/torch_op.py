@@ -299,6 +299,8 @@ def _register_autograd(kernel, name: str) -> None:
         q, k, v, cu_q, cu_k, *options = inputs  # max_q, max_k, scale, deterministic, operands
         ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
         ctx.options = options
+        ctx.learned = [isinstance(x, torch.Tensor) and x.requires_grad
+                       for x in options[FIRST_OPERAND - 5:]]
 
     target = sink_operand(kernel)
 
@@ -307,7 +309,7 @@ def _register_autograd(kernel, name: str) -> None:
         if grad_out is None:  # only the LSE was used
             return (None,) * inputs
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        needs = ctx.needs_input_grad[FIRST_OPERAND:]
+        needs = ctx.learned  # (per operand: a tensor that requires a gradient)
         refused = [o.name for i, o in enumerate(kernel.options.operands)
                    if needs[i] and o.name in read and i not in scored]
         if refused:  # (its error says why)
