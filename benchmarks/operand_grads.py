@@ -45,6 +45,7 @@ attention gain(gain: f32[heads]) {
 }
 """
 HEADS, HEAD_DIM = 16, 128
+OPERAND = {"bias": "table", "gain": "gain"}  # each declaration's learned tensor
 ROWS = [(1, 4096), (2, 4096), (4, 2048), (1, 8192)]  # (batch, tokens)
 
 
@@ -82,7 +83,7 @@ def main() -> None:
                 def run():
                     for x in (q, k, v, learned):
                         x.grad = None
-                    out, _ = op(q, k, v, **{name: t})
+                    out, _ = op(q, k, v, **{OPERAND[name]: t})
                     out.backward(dout)
                     return [x.grad for x in (q, k, v, t)]
                 return run
