@@ -31,13 +31,12 @@ them): the largest relative error must be below 1e-2. `--json FILE` writes those
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 
 import numpy as np
 
 import mhadsl
-from mhadsl.host.bench import require_gpu, time_side_by_side
+from mhadsl.host.bench import require_gpu, source_commit, time_side_by_side
 
 sys.path.insert(0, "benchmarks")
 
@@ -442,11 +441,7 @@ def tail_row(torch, kern, B, Hq, Hkv, sweep: bool, runs: list, chunks=()):
 
 def tail_json_rows(runs: list, torch, fa4: bool, command: str) -> list[dict]:
     """The heavy-tailed rows in `benchmarks/results.json`'s row format (kind "decode")."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = ""
+    commit = source_commit()
     software = f"torch {torch.__version__}"
     if fa4:
         try:

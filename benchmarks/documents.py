@@ -22,7 +22,6 @@ first checked against mhadsl's (relative difference < 2e-2); one that disagrees 
 """
 import argparse
 import datetime
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import mhadsl  # noqa: E402
-from mhadsl.host.bench import require_gpu, time_side_by_side  # noqa: E402
+from mhadsl.host.bench import require_gpu, source_commit, time_side_by_side  # noqa: E402
 
 SOURCE = """
 import "std/schedulers.mha"
@@ -99,8 +98,7 @@ def main() -> None:
     program = mhadsl.compile(SOURCE, name="documents.mha")
     packed, causal = program["packed"], program["causal"]
     gpu = torch.cuda.get_device_name()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()
+    commit = source_commit()
     print(f"# packed documents, {gpu}, {datetime.date.today()}, commit {commit}: TFLOP/s of "
           f"the kept pairs (ms)")
     print("| batch | documents | mhadsl per call | mhadsl classes given | mhadsl ragged | "

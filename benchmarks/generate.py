@@ -47,7 +47,6 @@ import datetime
 import importlib.util
 import json
 import random
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -513,11 +512,8 @@ def software(torch) -> str:
 
 def json_rows(torch, results: list[dict], command: str) -> list[dict]:
     """The workloads' rows in `benchmarks/results.json`'s row format (kind `KIND["id"]`)."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True, cwd=REPO).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = ""
+    from mhadsl.host.bench import source_commit
+    commit = source_commit()
     rows = []
     for r in results:
         detail = ("ms per step: " + ", ".join(f"{n} {ms:.3f}" for n, ms in r["ms"].items())

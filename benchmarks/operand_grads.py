@@ -21,7 +21,6 @@ Each column's gradients (q, k, v and the tensor's) are first checked against mha
 """
 import argparse
 import datetime
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import mhadsl  # noqa: E402
-from mhadsl.host.bench import require_gpu, time_side_by_side  # noqa: E402
+from mhadsl.host.bench import require_gpu, source_commit, time_side_by_side  # noqa: E402
 
 SOURCE = """
 import "std/schedulers.mha"
@@ -60,8 +59,7 @@ def main() -> None:
     torch = require_gpu()
     program = mhadsl.compile(SOURCE, name="operand_grads.mha")
     gpu = torch.cuda.get_device_name()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()
+    commit = source_commit()
     print(f"# a learned score tensor, forward + backward, {gpu}, {datetime.date.today()}, "
           f"commit {commit}: ms per step")
     print("| score | batch x tokens | mhadsl, learned | mhadsl, fixed | FlexAttention | "

@@ -205,11 +205,14 @@ def scatter_hook(program: CheckedProgram, score_rule, operands: tuple,
                 x = term(read, dz, s, q_idx, kv_idx)
                 total = x if total is None else builder.fadd(total, x)
             total = warp.warp_sum(builder, total)
+            once = builder.and_(builder.icmp_unsigned("==", nvptx.lane_id(builder), i32(0)),
+                                builder.fcmp_unordered("!=", total, zero))
+
+            def on_read(r, at_axes, inside, read=read, total=total, once=once) -> None:
+                if r is read:  # (not a read inside its index)
+                    add(r, at_axes, inside, total, once)
             dz, s, q_idx, kv_idx = pairs[0]  # (its indices are the same at every pair)
-            lane0 = builder.icmp_unsigned("==", nvptx.lane_id(builder), i32(0))
-            lowering(s, q_idx, kv_idx, lambda r, at_axes, inside, read=read: r is read and add(
-                r, at_axes, inside, total, builder.and_(
-                    lane0, builder.fcmp_unordered("!=", total, zero)))).expr(read)
+            lowering(s, q_idx, kv_idx, on_read).expr(read)
         if not per_pair:
             return
         for dz, s, q_idx, kv_idx in pairs:

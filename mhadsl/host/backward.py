@@ -107,7 +107,8 @@ def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic
     sink = kernel.options.sink is not None
     # the gradients asked for, zeros until the kernels add into those the score reads (the
     # others' addresses stay null, and the kernels add nothing there)
-    read = set(score_read_floats(kernel.options, kernel.program.checked)) & set(grad_names)
+    read = set(score_read_floats(kernel.options, kernel.program.checked)) & set(grad_names) \
+        if grad_names else set()
     grads = {name: torch.zeros(tuple(operands[name].shape), dtype=torch.float32,
                                device=q.device) for name in grad_names}
 

@@ -6,8 +6,10 @@ PyTorch (for random inputs, CUDA events and the torch baselines).
 from __future__ import annotations
 
 import statistics
+import subprocess
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -18,6 +20,17 @@ from mhadsl.analysis.reference import evaluate_rule, ragged_sequence_operands, r
 
 class NoTorch(RuntimeError):
     """PyTorch, which makes the inputs and times the runs, is not installed."""
+
+
+def source_commit() -> str:
+    """The short hash of the checkout this package runs from, for a measurement's record
+    ("" outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True,
+                              cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
 
 
 def require_gpu():
