@@ -132,6 +132,20 @@ def e4m3_pair_to_f16(builder: ir.IRBuilder, word: ir.Value, odd: bool) -> ir.Val
     return builder.or_(sign, builder.and_(builder.lshr(word, i32(1)), i32(0x3F803F80)))
 
 
+def e4m3_quad_to_f16(builder: ir.IRBuilder, word: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """The four e4m3 bytes of the i32 `word` -> two i32 of two f16 each, at their values
+    (not / 256): bytes 0 and 2, then 1 and 3, the lower byte in the low half, as
+    `e4m3_pair_to_f16`'s pairs. One `prmt` and two `cvt.rn.f16x2.e4m3x2` (sm_89 and later):
+    a third of the integer steps' instructions."""
+    pair = ir.LiteralStructType([i32, i32])
+    both = builder.asm(
+        ir.FunctionType(pair, [i32]),
+        "{ .reg .b32 %t; .reg .b16 %lo, %hi; prmt.b32 %t, $2, 0, 0x3120; "
+        "mov.b32 {%lo, %hi}, %t; cvt.rn.f16x2.e4m3x2 $0, %lo; cvt.rn.f16x2.e4m3x2 $1, %hi; }",
+        "=r,=r,r", [word], False)
+    return builder.extract_value(both, 0), builder.extract_value(both, 1)
+
+
 def e4m3_from_f32(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
     """The float8_e4m3fn byte (low byte of an i32) nearest f32 `x`, ties to even, saturated
     to +-448 (infinities too), NaN to 0x7f: `cvt.rn.satfinite.e4m3x2.f32`'s rounding,

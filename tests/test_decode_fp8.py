@@ -113,6 +113,8 @@ def test_fp8_builds_assemble_without_spills(arch, name, group, cache):
     body = build.ptx.split(f".entry {decode.KERNEL_NAME}(")[1]
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in body
     assert "wgmma" not in body and ".bf16.bf16" not in body
+    # sm_90a converts FP8 by its conversion unit; sm_80, which has none, by integer steps
+    assert config.fp8_cvt == ("cvt.rn.f16x2.e4m3x2" in body) == (arch == "sm_90a")
     params = body.split(")")[0].strip().splitlines()
     assert len(params) == len(decode.decode_abi(config).params)
     assert all(".f32" in line for line in params[-2:])  # k_scale, v_scale

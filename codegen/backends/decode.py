@@ -113,6 +113,9 @@ class DecodeConfig(RowCopies):
     # the cache holds float8_e4m3fn, scaled per tensor (`FP8_PARAMS`): K/V tiles of 1-byte
     # rows, turned into f16 in registers (`warp.e4m3_pair_to_f16`), both products in fp16
     fp8: bool = False
+    # sm_90a only (`Decode.build` sets it with `fp8`): the conversion unit turns FP8 into
+    # f16 (`warp.e4m3_quad_to_f16`), not integer steps
+    fp8_cvt: bool = False
     # each sequence's splits follow its own length and the batch's (`mha_decode_splits`
     # counts them on the device, `valid_work.balanced_splits` is their meaning): the
     # scheduler numbers only the (query-row tile, split) work tiles that exist
@@ -498,9 +501,11 @@ class _Emitter:
         self.c, self.hooks, self.a, self.smem = c, hooks, a, smem
         self.traced = traced  # `mhadsl trace`: record each combine, after its splits' ends
         self.RB, self.KRB = c.row_bytes, c.kv_row_bytes
-        # q.k's scale; an FP8 cache's (its f16 tiles hold each key / 256) folds in k_scale
+        # q.k's scale; an FP8 cache's folds in k_scale (and the integer steps' f16 tiles
+        # hold each key / 256)
+        self.fp8_unit = 1.0 if c.fp8_cvt else warp.E4M3_PER_F16
         self.qk_scale = b.fmul(a.softmax_scale, b.fmul(a.k_scale, warp.fconst(
-            warp.E4M3_PER_F16))) if c.fp8 else a.softmax_scale
+            self.fp8_unit))) if c.fp8 else a.softmax_scale
         if c.wgmma:  # offsets count from the first 1024-byte boundary (the swizzle atom)
             pad = b.and_(b.sub(i32(0), hopper.shared_address(b, smem)),
                          i32(hopper.SWIZZLE_ATOM_BYTES - 1))
@@ -884,10 +889,11 @@ class _Emitter:
                 acc[2 * jp + 1] = warp.mma_m16n8k16(b, dt, pa, vb[2:4], acc[2 * jp + 1])
         return acc, m_new, l_new
 
-    @staticmethod
-    def _f16(b, word):
+    def _f16(self, b, word):
         """A B fragment (two i32 of f16 pairs) from an FP8 K or V register: bytes 0 and 2,
         then 1 and 3."""
+        if self.c.fp8_cvt:
+            return list(warp.e4m3_quad_to_f16(b, word))
         return [warp.e4m3_pair_to_f16(b, word, odd) for odd in (False, True)]
 
     def _fp8_pv(self, b, v_region, ks: int, pa, acc) -> None:
@@ -957,8 +963,8 @@ class _Emitter:
         (`_merge_warps`). With more than one split in use, the group's last split to finish
         then merges the splits' partial states (`_finish_split`)."""
         total = [warp.quad_allreduce(b, l[r], warp.fadd) for r in range(2)]
-        if self.c.fp8:  # the values' scale, and the f16 tiles' 1 / 256
-            v = b.fmul(self.a.v_scale, warp.fconst(warp.E4M3_PER_F16))
+        if self.c.fp8:  # the values' scale, and the integer steps' 1 / 256
+            v = b.fmul(self.a.v_scale, warp.fconst(self.fp8_unit))
             acc = [[b.fmul(x, v) for x in row] for row in acc]
         if self.c.warps_n == 1:
             self._store_rows(b, t, acc, m, total, sl2)
@@ -1477,7 +1483,7 @@ class Decode(Backend):
     def build(self, source: KernelSource, configs: tuple[DecodeConfig, ...],
               target: Target) -> KernelBuild:
         if target.arch == "sm_90a":  # whole warpgroups of rows compute by wgmma there
-            configs = tuple(replace(c, wgmma=c.wgmma_fits) for c in configs)
+            configs = tuple(replace(c, wgmma=c.wgmma_fits, fp8_cvt=c.fp8) for c in configs)
         return spill_free_build(self.name, target, [
             (c, lambda c=c: build_decode_module(c, source.hooks, target,
                                                 source.work_loop(*self.scheduler_shape(c)),
