@@ -79,6 +79,7 @@ def load_example(hidden: int, heads: int, kv_heads: int):
     spec = importlib.util.spec_from_file_location("generate_example",
                                                   REPO / "examples" / "generate.py")
     ex = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = ex  # torch.compile imports the model's module by its name
     spec.loader.exec_module(ex)
     ex.HIDDEN, ex.HEADS, ex.KV_HEADS = hidden, heads, kv_heads
     return ex
