@@ -20,7 +20,9 @@ from mhadsl.codegen.nvptx import i32, i64
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.host.paged import MAX_KV_SPLITS
 from mhadsl.build import decode_splits_by_length
-from mhadsl.host.serving import CHUNKS_PER_SM, default_splits
+from mhadsl.host.serving import (
+    BALANCED_MIN_KEYS, CHUNKS_PER_SM, default_splits, splits_follow_lengths,
+)
 
 CAUSAL = "mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q"
 SOURCE = f"""
@@ -261,6 +263,18 @@ def test_which_calls_split_by_the_lengths():
     even = default.config(gqa_group=4, cache=CacheLayout(1, 0, 64))
     assert default.scheduler_spec(balanced, decode.BACKEND).name == "LPT"
     assert default.scheduler_spec(even, decode.BACKEND).name == "Transient"
+
+
+def test_short_caches_take_the_hosts_split_count():
+    """A call whose sequences hold at most `BALANCED_MIN_KEYS` keys (the cache's capacity)
+    does not split by length: there the splits kernel and combines cost more than a long
+    sequence's tail can; nor does one that fixes `num_splits`."""
+    kern = PROGRAM["causal"]
+    assert splits_follow_lengths(kern, None, BALANCED_MIN_KEYS + 1)
+    assert not splits_follow_lengths(kern, None, BALANCED_MIN_KEYS)
+    assert not splits_follow_lengths(kern, None, 1120)
+    assert not splits_follow_lengths(kern, 4, 65536)
+    assert not splits_follow_lengths(PROGRAM["transient"], None, 65536)
 
 
 SPLITS_RULE = """

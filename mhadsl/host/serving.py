@@ -48,6 +48,20 @@ _READ_AND_WRITTEN = ("q", "k_cache", "v_cache", "o")
 # median) ends 4-6 % over the ideal at GQA 32:8, 12-14 % at MQA, in the list-scheduling
 # model of tests/test_decode_balanced.py, against 5-22 % with one; not yet measured.
 CHUNKS_PER_SM = 2
+# Splits that follow the lengths only where a sequence may hold more keys than this: below,
+# the splits kernel and the combines cost more than a long sequence's tail can (an H200, B32
+# 32:8, 8 layers' calls in a CUDA graph: a capacity of 1,120 keys ran 5.9 µs a call slower by
+# length than with the host's split count, 4,098 keys at B16 3.4 µs faster).
+BALANCED_MIN_KEYS = 2048
+
+
+def splits_follow_lengths(kernel, num_splits: int | None, capacity: int) -> bool:
+    """Whether a decode call of `kernel` whose sequences hold up to `capacity` keys splits
+    each sequence by its own length (`CacheLayout.balanced`): where it fixes no split count,
+    the cache may hold more than `BALANCED_MIN_KEYS` and the declaration's scheduler allows
+    it (`build.decode_splits_by_length`)."""
+    return (not num_splits and capacity > BALANCED_MIN_KEYS
+            and decode_splits_by_length(kernel.program.checked, kernel.options))
 
 
 def default_splits(groups: int, slots: int, capacity: int, block_n: int) -> int:
@@ -325,8 +339,9 @@ def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
     launcher = kernel.launcher
     wgmma = select_target(info.compute_capability).arch == "sm_90a"
     fp8 = call.kv_scales is not None
-    balanced = not num_splits and decode_splits_by_length(kernel.program.checked,
-                                                          kernel.options)
+    capacity = cache_capacity(call, k_cache.shape,
+                              dev["page_table"].shape if call.page_size else None)
+    balanced = splits_follow_lengths(kernel, num_splits, capacity)
     layout = Layout(group, False, want_lse, CacheLayout(
         rows_per_seq, call.page_size or 0,
         kv_tile(rows, groups, num_sms, call.page_size or 0, wgmma=wgmma, fp8=fp8),
@@ -334,8 +349,6 @@ def _plan(kernel, call, dev: dict, ragged: bool, want_lse: bool,
     loaded = launcher.load(layout, device)
     config, design = loaded.config, loaded.design
     _, ctas_per_sm = launcher.occupancy(loaded)
-    capacity = cache_capacity(call, k_cache.shape,
-                              dev["page_table"].shape if call.page_size else None)
     if balanced:  # at most this many a sequence; the device splits each by the lengths
         splits = MAX_SPLITS
     else:
