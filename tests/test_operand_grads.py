@@ -323,6 +323,26 @@ attention through_fn(t: f32[heads], u: f32[heads]) {
     with pytest.raises(ValueError, match=r"fn.mha:7:37: error: cannot differentiate the score "
                                          r"through fn 'shifted'"):
         check_operand_grads(opts, program, ("t",))
+    with pytest.raises(ValueError, match="through fn 'shifted'"):  # (asked again: same answer)
+        check_operand_grads(opts, program, ("t", "u"))
+
+
+def test_a_declarations_score_is_differentiated_once(monkeypatch):
+    """Every backward call checks its operand_grads; the derivatives behind that answer are
+    worked out at the first call of a declaration, not at each."""
+    from mhadsl.analysis import derivative
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return differentiate_score(*args)
+    monkeypatch.setattr(derivative, "differentiate_score", counted)
+    kern = scores()["branchy"]
+    opts, program = kern.options, kern.program.checked
+    for _ in range(3):
+        assert check_operand_grads(opts, program, ("low", "high")) == ("low", "high")
+        assert score_read_floats(opts, program) == ("low", "high")
+    assert len(calls) == len(float_reads(opts.score, program)) > 0
 
 
 def test_reference_backward_refuses_what_the_call_refuses():

@@ -208,11 +208,10 @@ def check_operand_grads(options: AttentionOptions, program, names) -> tuple[str,
     """The f32 tensor operands whose gradients a backward call asks for (`operand_grads`:
     names), in declaration order, checked: each an operand of the declaration, an f32
     tensor, not read by a sink rule, and the score differentiable with respect to what it
-    reads of them (`mhadsl.analysis.derivative`); what fails is a TypeError or ValueError
-    naming it (with the rule's diagnostic)."""
-    from mhadsl.analysis.derivative import differentiate_score, float_reads, read_operand
+    reads of them (`mhadsl.analysis.derivative`, worked out once per declaration:
+    `_score_reads`); what fails is a TypeError or ValueError naming it (with the rule's
+    diagnostic)."""
     from mhadsl.front.attention_spec import rule_reads
-    from mhadsl.front.diagnostics import MhaError
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise TypeError(f"operand_grads takes operand names (a tuple of str), got {names!r}")
     known = {o.name: o for o in options.operands}
@@ -226,25 +225,47 @@ def check_operand_grads(options: AttentionOptions, program, names) -> tuple[str,
         if options.sink is not None and rule_reads(options.sink, name):
             raise ValueError(f"operand_grads: the sink rule reads {name!r}; gradients through "
                              f"a sink rule are not supported yet")
-    if names and options.score is not None:
-        try:
-            for read in float_reads(options.score, program):
-                if read_operand(read) in names:
-                    differentiate_score(options.score, program, read)
-        except MhaError as err:
+    for name, error in _score_reads(options, program):
+        if error is not None and name in names:
             raise ValueError(f"operand_grads: the score cannot be differentiated with respect "
-                             f"to the tensors it reads:\n{err.render()}") from None
+                             f"to the tensors it reads:\n{error}")
     return tuple(o.name for o in options.operands if o.name in set(names))
 
 
 def score_read_floats(options: AttentionOptions, program) -> tuple[str, ...]:
     """The f32 tensor operands the declaration's score rule reads, in declaration order:
     those a backward build can add the gradients of (`Layout.operand_grads`)."""
-    from mhadsl.analysis.derivative import float_reads, read_operand
-    if options.score is None:
-        return ()
-    read = {read_operand(r) for r in float_reads(options.score, program)}
+    read = {name for name, _ in _score_reads(options, program)}
     return tuple(o.name for o in options.operands if o.name in read)
+
+
+# (program id, options) -> (program, its score's reads): kept with the program, whose id
+# names it only while it lives; the oldest go past SCORE_READS_KEPT declarations
+_SCORE_READS: dict = {}
+SCORE_READS_KEPT = 256
+
+
+def _score_reads(options: AttentionOptions, program) -> tuple[tuple[str, str | None], ...]:
+    """Each read of an f32 tensor operand in the score rule, in source order: the operand's
+    name and why the score cannot be differentiated with respect to it (the diagnostic,
+    rendered), else None. Worked out once per declaration: a backward call asks again."""
+    key = (id(program), options)
+    cached = _SCORE_READS.get(key)
+    if cached is not None and cached[0] is program:
+        return cached[1]
+    from mhadsl.analysis.derivative import differentiate_score, float_reads, read_operand
+    from mhadsl.front.diagnostics import MhaError
+    reads = []
+    for read in float_reads(options.score, program) if options.score is not None else ():
+        try:
+            differentiate_score(options.score, program, read)
+            reads.append((read_operand(read), None))
+        except MhaError as err:
+            reads.append((read_operand(read), err.render()))
+    if len(_SCORE_READS) >= SCORE_READS_KEPT:
+        del _SCORE_READS[next(iter(_SCORE_READS))]
+    _SCORE_READS[key] = (program, tuple(reads))
+    return tuple(reads)
 
 
 def tensor_operands(options: AttentionOptions, operands: dict | None) -> dict:
