@@ -14,8 +14,8 @@ from typing import NamedTuple
 from llvmlite import ir
 
 from mhadsl.abi import (
-    BLOCK_CLASS_PARAMS, GRAD_PREFIX, OPERAND_PREFIX, classifies_per_call, float_tensors,
-    operand_grad_params, operand_params, tensor_params,
+    GRAD_PREFIX, OPERAND_PREFIX, classifies_per_call, declaration_params, operand_params,
+    tensor_params,
 )
 from mhadsl.front.attention_spec import operand_key, read_over_tile, rule_reads
 from mhadsl.front.check import CheckedProgram
@@ -91,8 +91,8 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
                sink_rule=None, per_call: bool = False) -> ExprHooks:
     """The hooks of a declaration's rules; `operands` its `AttentionOptions.operands`;
     `per_call`: the call classifies its tiles on the device (`mhadsl.abi.classifies_per_call`),
-    whose classes the tile classification joins (`block_classes.lookup`)."""
-    params = operand_params(operands) + (BLOCK_CLASS_PARAMS if per_call else ())
+    whose classes the tile classification joins (`block_classes.lookup`). Their parameters
+    are the operands'; a design build's are `kernel_source`'s."""
     mask = _rule_hook(program, mask_rule, MASK_ROLES, BOOL, operands) if mask_rule else None
     score = _rule_hook(program, score_rule, SCORE_ROLES, F32, operands) if score_rule else None
     sink = _rule_hook(program, sink_rule, SINK_ROLES, F32, operands) if sink_rule else None
@@ -120,7 +120,8 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
                      mask_uses_head=mask_uses_head,
                      score_reads_lengths=score_rule is not None and any(
                          rule_reads(score_rule, n) for n in ("seqlen_q", "seqlen_k")),
-                     kv_limits=row_limits if limits is not None else None, operands=params)
+                     kv_limits=row_limits if limits is not None else None,
+                     operands=operand_params(operands))
 
 
 def backward_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
@@ -130,7 +131,7 @@ def backward_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
     (`mhadsl.analysis.derivative`), lowered like the score; raises `MhaError` where the score rule
     cannot be differentiated. With `operand_grads`, the hook that adds a pair's share of
     the gradients of the f32 tensors the score reads (`ExprHooks.scatter_reads`) and those
-    gradients' parameters (`mhadsl.abi.operand_grad_params`)."""
+    gradients' parameters (`kernel_source`'s)."""
     hooks = expr_hooks(program, mask_rule, score_rule, operands, sink_rule, per_call)
     if score_rule is None:
         return hooks
@@ -138,8 +139,7 @@ def backward_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
     hooks = replace(hooks, derivative=_rule_hook(derived, rule, SCORE_ROLES, F32, operands))
     if not operand_grads:
         return hooks
-    return replace(hooks, scatter_reads=scatter_hook(program, score_rule, operands),
-                   operands=hooks.operands + operand_grad_params(float_tensors(operands)))
+    return replace(hooks, scatter_reads=scatter_hook(program, score_rule, operands))
 
 
 def scatter_hook(program: CheckedProgram, score_rule, operands: tuple,
@@ -274,7 +274,8 @@ def kernel_source(program: CheckedProgram, options, target: Target,
     """The hooks and work loop of a `workload` build of declaration `options`
     (`AttentionOptions`); `trace` builds the loop that records every work item; a backward
     build's hooks add the score rule's derivative (`backward_hooks`), and with
-    `operand_grads` the gradients of the f32 tensors it reads."""
+    `operand_grads` the gradients of the f32 tensors it reads. The hooks' parameters are
+    the build's after its design's own (`mhadsl.abi.declaration_params`)."""
     def work_loop(tile_m: int, gqa_group: int) -> WorkLoop:
         spec = SchedulerSpec(options.scheduler, options.scheduler_args, tile_m, gqa_group)
         return scheduler_work_loop(program, spec, target, trace)
@@ -285,4 +286,5 @@ def kernel_source(program: CheckedProgram, options, target: Target,
     else:
         hooks = expr_hooks(program, options.mask, options.score, options.operands,
                            options.sink, per_call)
+    hooks = replace(hooks, operands=declaration_params(options, workload, operand_grads))
     return KernelSource(hooks, work_loop, trace)
