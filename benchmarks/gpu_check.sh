@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Everything this project verifies on a GPU, in one go (the HARDENING.md figures and the
 # benchmark figures recorded in benchmarks/results.json): the GPU test layer,
-# compute-sanitizer over every standard scheduler, and the benchmark tables (both designs
+# compute-sanitizer over every design, and the benchmark tables (both designs
 # side by side, the default design's, tile variants; decode on uniform and heavy-tailed
 # batches; token generation with a small model; packed documents; a learned score tensor's
-# gradient). Logs go to $1 (default gpu-check/).
+# gradient; an FP8 cache and a serving step's pieces). Logs go to $1 (default gpu-check/).
 #     bash benchmarks/gpu_check.sh [LOG_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,9 +24,11 @@ gpu_tests() {  # LIMIT_SECONDS PYTEST_ARGS...
 }
 gpu_tests 400 tests/test_gpu_attention.py
 gpu_tests 700 tests --deselect tests/test_gpu_attention.py
-for backend in sm90 sm80; do
-    python3 benchmarks/sanitize.py --backend $backend --log-dir "$logs/sanitize-$backend" 2>&1 \
-        | tee "$logs/sanitize-$backend.log" | tail -4 || status=1
+# every design under all four tools, then the larger decode and backward case lists
+python3 benchmarks/sanitize.py --log-dir "$logs/sanitize" 2>&1 | tee "$logs/sanitize.log" \
+    | tail -10 || status=1
+for script in sanitize_decode sanitize_backward; do
+    python3 benchmarks/$script.py 2>&1 | tee "$logs/$script.log" | tail -4 || status=1
 done
 python3 benchmarks/hopper.py 2>&1 | tee "$logs/hopper.log" | tail -18 || status=1
 python3 benchmarks/attention.py 2>&1 | tee "$logs/bench.log" | tail -16 || status=1
@@ -35,4 +37,6 @@ python3 benchmarks/decode.py --workload all --chunks-per-sm 1,2,4 2>&1 | tee "$l
 python3 benchmarks/generate.py 2>&1 | tee "$logs/generate.log" | tail -24 || status=1
 python3 benchmarks/documents.py 2>&1 | tee "$logs/documents.log" | tail -8 || status=1
 python3 benchmarks/operand_grads.py 2>&1 | tee "$logs/operand_grads.log" | tail -12 || status=1
+python3 benchmarks/decode_fp8.py 2>&1 | tee "$logs/decode_fp8.log" | tail -10 || status=1
+python3 benchmarks/serving_step.py 2>&1 | tee "$logs/serving_step.log" | tail -10 || status=1
 exit $status
