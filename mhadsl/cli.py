@@ -381,7 +381,7 @@ def _work_space(args: argparse.Namespace, program):
     cost, sequences, gqa = args.cost or "causal", args.sequences, args.gqa or 1
     if args.kernel:
         cost = _kernel_costs(program, args.kernel, args.file, args.operands,
-                             len(args.lengths), args.heads)
+                             len(args.lengths), args.heads, args.lengths)
         sequences = Batch(args.lengths, args.heads, cost.block_m, ragged=sequences.ragged)
         gqa, declared = _kernel_gqa(program, args)
         print(f"cost model of kernel {args.kernel} ({cost.block_m}x{cost.block_n} tile), "
@@ -456,12 +456,14 @@ def _kernel_gqa(program, args: argparse.Namespace) -> tuple[int, str]:
 
 
 def _operands(options, given: dict, runs: bool = True, batch: int = 0,
-              heads: int = 0) -> dict:
+              heads: int = 0, lengths=None) -> dict:
     """The values of a kernel's operands: `--operand`s, else their defaults. A tensor
     given is checked against the `batch` sequences and `heads` query heads as a call checks
-    it; a command that `runs` the kernel needs one for each tensor operand (a tensor has no
-    default, and the call copies it to the device), while the simulator's cost model takes
-    the elements of one not given as unknown."""
+    it, and, given the sequences' `lengths` (the simulator's), its `queries`/`keys` axes
+    against the rows its cost model reads (every sequence's one after another, or with a
+    `batch` axis the longest sequence's); a command that `runs` the kernel needs one for
+    each tensor operand (a tensor has no default, and the call copies it to the device),
+    while the simulator's cost model takes the elements of one not given as unknown."""
     import numpy as np
     from mhadsl.host.calls import TENSOR_OPERAND_DTYPES, check_tensor_operand
     tensors = {}
@@ -481,9 +483,17 @@ def _operands(options, given: dict, runs: bool = True, batch: int = 0,
             if o.type == "i32" and value.size and not (
                     -2**31 <= value.min() and value.max() < 2**31):
                 raise UsageError(f"--operand {o.name}: an element is out of i32's range")
+            if o.type == "f32" and value.dtype.kind == "f":
+                with np.errstate(over="ignore"):  # a finite number no f32 holds
+                    if np.any(np.isfinite(value) & ~np.isfinite(value.astype(want))):
+                        raise UsageError(f"--operand {o.name}: an element is out of f32's "
+                                         f"range")
             try:
                 tensors[o.name] = value.astype(want)
-                check_tensor_operand(o, tensors[o.name], batch, heads)
+                rows = None
+                if lengths is not None and {"queries", "keys"} & set(o.axes):
+                    rows = max(lengths, default=0) if "batch" in o.axes else sum(lengths)
+                check_tensor_operand(o, tensors[o.name], batch, heads, (rows, rows))
             except (TypeError, ValueError, OverflowError) as err:
                 raise UsageError(f"--operand {o.name}: {err}") from None
     try:
@@ -495,7 +505,8 @@ def _operands(options, given: dict, runs: bool = True, batch: int = 0,
     return {**scalars, **tensors}
 
 
-def _kernel_costs(program, kernel: str, path: str, operands: dict, batch: int, heads: int):
+def _kernel_costs(program, kernel: str, path: str, operands: dict, batch: int, heads: int,
+                  lengths=None):
     """The cost model of attention `kernel` as the preferred sm_90a design builds it: its
     declared mask and tile, with the constants calibrated for it (`mhadsl trace
     --calibrate`, on any GPU), else the defaults."""
@@ -513,7 +524,7 @@ def _kernel_costs(program, kernel: str, path: str, operands: dict, batch: int, h
                                      resolved.options.mask, config.block_m, block_n, source,
                                      resolved.backend.producer_ahead,
                                      _operands(resolved.options, operands, False, batch,
-                                               heads), resolved.options.operands)
+                                               heads, lengths), resolved.options.operands)
 
 
 def _save_plot(draw, path: str, flag: str) -> None:

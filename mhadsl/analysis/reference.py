@@ -29,8 +29,8 @@ from mhadsl.front.attention_spec import operand_key, operand_values
 from mhadsl.front.builtin_functions import FUNCTIONS
 from mhadsl.front.semantics import attention_type, convert, int_binary, wrap
 from mhadsl.host.calls import (
-    AttentionCall, check_attention_call, check_flag, check_operand_grads, check_shape,
-    check_tensor_operand, dtype_name,
+    AttentionCall, check_attention_call, check_cell, check_flag, check_operand_grads,
+    check_shape, check_tensor_operand, dtype_name,
 )
 from mhadsl.front.check import CheckedProgram
 from mhadsl.analysis.derivative import differentiate_score, float_reads, read_operand
@@ -589,7 +589,7 @@ def reference_block_classes(kernel, q, k, *, cell: tuple[int, int], cu_seqlens_q
                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, None)
     rules = _kernel_rules(kernel, call.scale, call.cu_seqlens_q, call.cu_seqlens_k, values,
                           call.batch, call.heads, *_operand_rows(q, k, call))
-    cell_rows, cell_keys = cell
+    cell_rows, cell_keys = cell = check_cell(cell)
     rows, cols = -(-call.max_seqlen_q // cell_rows), -(-call.max_seqlen_k // cell_keys)
     heads = call.heads if opts.mask_reads_head else 1
     found = np.zeros((call.batch, heads, rows, cols), np.uint8)
@@ -618,12 +618,19 @@ def cell_classes(keep: np.ndarray, cell: tuple[int, int], rows: int,
     """(some pair kept, every pair kept) of each of `rows` x `cols` cells of `cell` (query
     rows, keys) pairs, the first starting at `keep`'s pair (0, 0) (bool; the cells hold all
     of it): pairs past `keep` are neither kept nor dropped."""
-    some = np.zeros((rows * cell[0], cols * cell[1]), bool)
-    every = np.ones_like(some)
-    some[:keep.shape[0], :keep.shape[1]] = keep
-    every[:keep.shape[0], :keep.shape[1]] = keep
-    shape = (rows, cell[0], cols, cell[1])
-    return some.reshape(shape).any(axis=(1, 3)), every.reshape(shape).all(axis=(1, 3))
+    some, every = np.zeros((rows, cols), bool), np.ones((rows, cols), bool)
+    (sq, sk), (cell_rows, cell_keys) = keep.shape, cell
+    # the cells that hold pairs of `keep` (counted, not padded: a cell larger than the
+    # sequence costs no memory); the others keep none and drop none
+    r, c = min(rows, -(-sq // cell_rows)), min(cols, -(-sk // cell_keys))
+    if r and c:
+        starts_q, starts_k = np.arange(r) * cell_rows, np.arange(c) * cell_keys
+        held = keep[:r * cell_rows, :c * cell_keys].astype(np.int64)
+        kept = np.add.reduceat(np.add.reduceat(held, starts_q, axis=0), starts_k, axis=1)
+        pairs = np.outer(np.minimum(starts_q + cell_rows, held.shape[0]) - starts_q,
+                         np.minimum(starts_k + cell_keys, held.shape[1]) - starts_k)
+        some[:r, :c], every[:r, :c] = kept > 0, kept == pairs
+    return some, every
 
 
 def _operand_rows(q, k, call) -> tuple[tuple[int, int], tuple[bool, bool]]:

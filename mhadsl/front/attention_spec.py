@@ -9,7 +9,7 @@ from mhadsl.front import ast
 from mhadsl.front.builtin_functions import f32_math
 from mhadsl.front.semantics import FLOAT_OPS
 from mhadsl.front.diagnostics import Diagnostic, MhaError
-from mhadsl.front.semantics import I32_MAX, I32_MIN, finite_f32
+from mhadsl.front.semantics import I32_MAX, I32_MIN, LiteralError, finite_f32, fold_literal
 from mhadsl.front.types import BOOL, DTYPE, F32, I32, SCHEDULER
 
 # name -> what the checker expects: a type, "int" (integer constant) or "int_pair".
@@ -35,6 +35,10 @@ CALL_KEYWORDS = frozenset((
     "q", "k", "v", "out", "lse", "dout", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
     "max_seqlen_k", "scale", "return_lse", "stream", "cache_seqlens", "page_table",
     "num_splits", "deterministic", "k_cache", "v_cache", "k_new", "v_new", "block_classes"))
+# Other parameters of the calls that take operands as keywords (`Kernel.__call__`'s self and
+# the decode scales, `Kernel.backward`'s operand_grads, the references' kernel and cell, the
+# torch operators' schemas): an operand of one of these names could never be passed.
+API_KEYWORDS = frozenset(("self", "kernel", "cell", "operand_grads", "k_scale", "v_scale"))
 
 
 def operand_key(name: str) -> tuple[str, str]:
@@ -75,11 +79,24 @@ class Operand:
                             f"{type(given).__name__} {given!r}")
         if self.type == "i32":
             if not I32_MIN <= int(given) <= I32_MAX:
-                raise ValueError(f"operand {self.name!r} is i32: {given} is out of its range")
+                raise ValueError(f"operand {self.name!r} is i32: {_shown(given)} is out of its "
+                                 f"range ({I32_MIN} to {I32_MAX})")
             return int(given)
-        if not finite_f32(float(given)):
-            raise ValueError(f"operand {self.name!r} must be a finite f32, got {given!r}")
-        return float(given)
+        try:
+            value = float(given)
+        except OverflowError:  # an int past any float's range
+            value = math.inf
+        if not finite_f32(value):
+            raise ValueError(f"operand {self.name!r} must be a finite f32, got {_shown(given)}")
+        return value
+
+
+def _shown(value) -> str:
+    """A value for a message: an int too long to print (or to read) by its size."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        bits = abs(int(value)).bit_length()
+        return f"an integer of {bits} bits" if bits > 128 else str(int(value))
+    return repr(value)
 
 
 def operand_values(options: "AttentionOptions", given: dict) -> dict[str, int | float]:
@@ -190,22 +207,39 @@ def scale_problem(scale) -> str | None:
     return None
 
 
-def constant_number(e: ast.Expr) -> float:
-    """The value of a constant number setting (`scale = 1.0 / sqrt(128.0)`)."""
+def constant_number(e: ast.Expr, number: bool = False) -> float | int:
+    """The value of a constant number setting (`scale = 1.0 / sqrt(128.0)`) or operand
+    default, as the language computes it: integer literals that meet only integer literals
+    stay exact integers (`7 / 2` is 3, `1 / 0` is 0: `fold_literal`, the checker's folding),
+    anything meeting a float is a float. `number`: the value is an f32 (a scale, an f32
+    operand's default), where a division of integer literals that is not exact (`1 / 8`,
+    0 in the language, not 0.125) is an error at it rather than a surprise."""
     if isinstance(e, ast.Unary) and e.op == "-":
-        return -constant_number(e.operand)
+        return -constant_number(e.operand, number)
     if isinstance(e, (ast.IntLit, ast.FloatLit)):
         return e.value
     if isinstance(e, ast.Binary):
         first, ops = ast.left_chain(e)  # a loop: a long sum is not deep
         if all(op.op in FLOAT_OPS for op in ops):
-            value = constant_number(first)
-            for op in ops:  # the checker has refused a division by a constant 0
-                value = FLOAT_OPS[op.op](value, constant_number(op.right))
+            value = constant_number(first, number)
+            for op in ops:  # the checker has refused a division by a constant 0.0
+                right = constant_number(op.right, number)
+                if isinstance(value, int) and isinstance(right, int):
+                    if number and op.op == "/" and (right == 0 or value % right):
+                        raise MhaError(
+                            f"{value} / {right} divides two integers, which gives "
+                            f"{fold_literal('/', value, right)} (integer division); write "
+                            f"{value}.0 / {right} for a float", op.span)
+                    try:
+                        value = fold_literal(op.op, value, right)
+                    except LiteralError as err:  # (the checker has reported it)
+                        raise MhaError(str(err), op.span) from None
+                else:
+                    value = FLOAT_OPS[op.op](value, right)
             return value
     if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and not e.kwargs and (
             fold := f32_math(e.func.id, len(e.args))) is not None:
-        return fold([constant_number(a) for a in e.args])
+        return fold([constant_number(a, number) for a in e.args])
     raise MhaError("this must be a constant number", e.span)
 
 

@@ -39,7 +39,8 @@ from mhadsl.front.semantics import (
     INT_RANGES, SYNCS, attention_type, convert, int_binary, tdiv, wrap,
 )
 from mhadsl.front.types import (
-    BOOL, COUNTER, ERROR, F32, I32, INT_LITERAL, INTEGERS, NUMBERS, SYNC, U32, VOID, unify,
+    BOOL, COUNTER, ERROR, F32, GRID, I32, INT_LITERAL, INTEGERS, NUMBERS, SYNC, U32, VOID,
+    TensorTy, unify,
 )
 
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
@@ -83,6 +84,15 @@ def _type_cdiv(check, e, types, ctx):
 
 def _type_where(check, e, types, ctx):
     check.expect(types[0], BOOL, e.args[0].span, "condition of where")
+    for arg, ty in zip(e.args[1:], types[1:]):
+        if isinstance(ty, TensorTy):  # a tensor is read where it is indexed, never chosen
+            return check.error(arg.span, f"'where' cannot choose a tensor ({ty}): index each "
+                                         f"side to choose between elements "
+                                         f"(where(c, t[i], u[j]))")
+        if ty == GRID:  # (grid_dim returns a grid where it builds it)
+            return check.error(arg.span, "'where' cannot choose a grid: choose each "
+                                         "dimension ((where(c, x1, x2), 1, 1)) or return "
+                                         "each grid from an if")
     return _meet(check, e, e.args[1:], types[1:], ctx, None, numbers=False)
 
 

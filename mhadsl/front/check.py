@@ -20,7 +20,7 @@ import numpy as np
 
 from mhadsl.front import ast
 from mhadsl.front.attention_spec import (
-    ATTENTION_CONSTANTS, CALL_KEYWORDS, HEAD_DIMS, OPERAND_TYPES, AttentionOptions,
+    API_KEYWORDS, ATTENTION_CONSTANTS, CALL_KEYWORDS, HEAD_DIMS, OPERAND_TYPES, AttentionOptions,
     constant_number, operand_key, resolve_attention, scale_problem,
 )
 from mhadsl.front.builtin_functions import DEVICE_FUNCTIONS, FUNCTIONS
@@ -146,6 +146,11 @@ class _Scope:
                 return scope.names[name]
             scope = scope.parent
         return None
+
+
+# Values of scheduler code that attention code (mask, score, sink) may not hold: records
+# and grids (the reference and the attention lowering know none of them).
+_SCHEDULER_VALUES = frozenset((WORK_INFO, SEQ_INFO, STATE, TILE_SUMMARY, SLOTS, GRID))
 
 
 @dataclass
@@ -449,6 +454,13 @@ class Checker:
             if p.name in CALL_KEYWORDS:
                 self.error(p.span, f"'{p.name}' is an argument of every kernel call; give "
                                    f"the operand another name")
+            elif p.name in API_KEYWORDS:
+                self.error(p.span, f"'{p.name}' is a parameter of the calls that take "
+                                   f"operands by name (the kernel's, its backward's, the "
+                                   f"references'); give the operand another name")
+            elif p.name in FUNCTIONS or p.name in DEVICE_FUNCTIONS:
+                self.error(p.span, f"'{p.name}' is a builtin function; give the operand "
+                                   f"another name")
             if p.default is not None and ty in OPERAND_TYPES.values():
                 self.check_operand_default(p, ty)
             self.declare(scope, p.span, Symbol("operand", p.name, ty, operand_key(p.name)))
@@ -471,7 +483,7 @@ class Checker:
             self.error(p.default.span, f"the default of operand '{p.name}' must be a number")
             return
         try:  # (the checker has refused a constant that is no finite f32)
-            constant_number(p.default)
+            constant_number(p.default, number=True)
         except MhaError as err:
             for d in err.diagnostics:
                 self.error(d.span, d.message)
@@ -540,7 +552,7 @@ class Checker:
 
     def check_scale(self, value: ast.Expr) -> None:
         try:
-            problem = scale_problem(constant_number(value))
+            problem = scale_problem(constant_number(value, number=True))
         except MhaError as err:
             problem = err.diagnostics[0].message
         if problem:
@@ -601,6 +613,13 @@ class Checker:
                 self.fit(s.value, ty)
             if ty in (VOID, NONE):
                 ty = self.error(s.value.span, f"'{s.name}' cannot hold a value of type {ty}")
+            elif ty == GRID:  # (a grid is grid_dim's result, returned where it is built)
+                ty = self.error(s.value.span, f"'{s.name}' cannot hold a grid: return the "
+                                              f"grid (x, y, z) where it is built")
+            elif isinstance(ty, TensorTy):  # a tensor is read where it is indexed
+                ty = self.error(s.value.span, f"'{s.name}' cannot hold a tensor ({ty}): index "
+                                              f"the operand once per axis where its element "
+                                              f"is read (t[h][d])")
             self.declare(scope, s.span, Symbol("local", s.name, ty, s, s.mutable))
             return False
         if isinstance(s, ast.Assign):
@@ -784,6 +803,10 @@ class Checker:
                 ty = self.out.types[op] = self.binary(op, ty, scope, ctx)
             return ty
         ty = self._expr(e, scope, ctx)
+        if ctx.where == ATTENTION and ty in _SCHEDULER_VALUES:
+            ty = self.error(e.span, f"a {ty} value has no meaning in attention code: a mask, "
+                                    f"score or sink computes with i32, u32, f32 and bool "
+                                    f"(records and grids are a scheduler's)")
         self.out.types[e] = ty
         return ty
 
@@ -811,6 +834,9 @@ class Checker:
             obj = self.expr(e.obj, scope, ctx)
             if isinstance(obj, TensorTy):
                 return self.tensor_read(e, obj, scope, ctx)
+            if obj == ERROR:  # (reported): check the index alone
+                self.expr(e.index, scope, ctx)
+                return ERROR
             self.expect_value(e.index, self.expr(e.index, scope, ctx), U32, "index")
             if obj not in (SLOTS, ERROR):
                 return self.error(e.span, f"cannot index a value of type {obj}")

@@ -204,6 +204,18 @@ def check_tensor_operand(operand, t, batch: int, heads: int,
             raise ValueError(f"{what}: axis {n} is empty")
 
 
+def check_cell(cell) -> tuple[int, int]:
+    """`reference_block_classes`'s `cell`: (query rows, keys), two positive integers."""
+    if isinstance(cell, (tuple, list)) and len(cell) == 2 and all(
+            isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_))
+            for n in cell):
+        if all(1 <= n < 2**31 for n in cell):
+            return int(cell[0]), int(cell[1])
+        raise ValueError(f"cell must be two sizes from 1 to 2**31 - 1 (query rows, keys), got "
+                         f"{tuple(cell)!r}")
+    raise TypeError(f"cell takes (query rows, keys), two ints such as (128, 128), got {cell!r}")
+
+
 def check_operand_grads(options: AttentionOptions, program, names) -> tuple[str, ...]:
     """The f32 tensor operands whose gradients a backward call asks for (`operand_grads`:
     names), in declaration order, checked: each an operand of the declaration, an f32
@@ -212,7 +224,12 @@ def check_operand_grads(options: AttentionOptions, program, names) -> tuple[str,
     `_score_reads`); what fails is a TypeError or ValueError naming it (with the rule's
     diagnostic)."""
     from mhadsl.front.attention_spec import rule_reads
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+    if not isinstance(names, (str, bytes)):
+        try:  # any iterable of names, read once (a generator too)
+            names = tuple(names)
+        except TypeError:
+            pass
+    if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
         raise TypeError(f"operand_grads takes operand names (a tuple of str), got {names!r}")
     known = {o.name: o for o in options.operands}
     for name in names:
