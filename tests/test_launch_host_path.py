@@ -370,7 +370,7 @@ def test_a_decode_launch_whose_splits_follow_the_lengths_builds_its_split_index_
     split index kernel runs first, a warp per sequence, into its stream's index buffer,
     which the decode kernel reads; at most one split per KV tile of the cache, up to
     MAX_KV_SPLITS, a sequence; partial states for the groups plus the chunks aimed at."""
-    batch, heads, kv_heads, capacity = 40, 4, 2, 208
+    batch, heads, kv_heads, capacity = 40, 4, 2, 2112  # 33 KV tiles: over BALANCED_MIN_KEYS
     call, allocated, _ = _decode_call(monkeypatch, layout, batch, heads, kv_heads, capacity, 50)
     kernel(**call)
     from mhadsl.codegen.backends import decode
@@ -382,25 +382,31 @@ def test_a_decode_launch_whose_splits_follow_the_lengths_builds_its_split_index_
     first = struct.unpack_from("<Q", kernel.blocks[0], kernel.abi.offsets["split_index"])[0]
     assert first == got["split_index"]  # the index the first kernel writes, the second reads
     groups = batch * kv_heads  # one query-row tile a sequence
-    rows = min(groups * 4, groups + 2 * 132) * config.rows  # 2 chunks a multiprocessor
+    rows = min(groups * 33, groups + 2 * 132) * config.rows  # 2 chunks a multiprocessor
     assert allocated[got.pop("split_index")] == 4 * abi.tile_index_words(batch)
     assert allocated[got.pop("partial_o")] == 4 * rows * D
     assert allocated[got.pop("partial_lse")] == 4 * rows
     assert allocated[got.pop("split_counters")] == 4 * groups
     assert {n: got[n] for n in ("num_splits", "kv_chunk", "work_tiles", "split_slots",
                                 "q_tiles")} == {
-        "num_splits": 4, "kv_chunk": 0, "work_tiles": 4, "split_slots": 264, "q_tiles": 1}
+        "num_splits": 33, "kv_chunk": 0, "work_tiles": 33, "split_slots": 264, "q_tiles": 1}
 
 
-@pytest.mark.parametrize("layout", ["dense", "paged"])
-def test_a_cache_of_one_kv_tile_splits_nothing_and_needs_only_the_split_index(
+@pytest.mark.parametrize("layout", ["dense", "paged", "ragged"])
+def test_a_short_cache_takes_the_hosts_split_count_and_no_split_index(
         kernel, monkeypatch, layout):
-    """Capacity of one KV tile: at most one split a sequence, so the workspace is the split
-    index alone (no partial states, no counters to zero), and calls keep working."""
-    call, allocated, zeroed = _decode_call(monkeypatch, layout, 4, 4, 2, 64, 12)
+    """A cache of at most BALANCED_MIN_KEYS keys a sequence: the decode kernel alone, on a
+    build whose splits do not follow the lengths, with the host's split count (one here:
+    the groups fill the multiprocessors), so no split index, partial states or counters."""
+    from mhadsl.host.serving import BALANCED_MIN_KEYS
+    capacity = 2048
+    assert capacity <= BALANCED_MIN_KEYS
+    call, allocated, zeroed = _decode_call(monkeypatch, layout, 160, 4, 2, capacity, 480)
     for _ in range(2):
         kernel(**call)
-    got = _packed(kernel, ("split_index", "partial_o", "split_counters", "num_splits"))
-    assert got["num_splits"] == 1 and got["partial_o"] == got["split_counters"] == 0
-    assert list(allocated.values()) == [4 * abi.tile_index_words(4)] and zeroed == []
-    assert kernel.launches == 4
+    assert kernel.launches == 2  # one kernel a call
+    assert not any(getattr(b.config, "balanced", True) for b in kernel.launcher.loaded.values()
+                   if getattr(b.config, "page_size", None) is not None)
+    got = _packed(kernel, ("num_splits", "work_tiles"))
+    assert got == {"num_splits": 1, "work_tiles": 1}
+    assert allocated == {} and zeroed == []

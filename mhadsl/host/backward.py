@@ -15,6 +15,7 @@ grid by its scheduler's `grid_dim`.
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 from mhadsl.abi import GRAD_PREFIX, OPERAND_PREFIX
@@ -61,7 +62,7 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
     from mhadsl.runtime import tensors
     call = check_call(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             scale)
-    if problems := BACKEND.problems(kernel.options, "sm_80"):  # (the same on either target)
+    if problems := _design_problems(kernel.options):
         raise kernel.options.backend_error(problems)
     dtype = DTYPE_NAMES[kernel.options.dtype]
     for name, t in (("out", out), ("dout", dout)):
@@ -95,6 +96,13 @@ def backward(kernel, q, k, v, out, lse, dout, *, cu_seqlens_q=None, cu_seqlens_k
         deterministic = torch.are_deterministic_algorithms_enabled()
     return _run(kernel, torch, call, q, k, v, out, lse.contiguous(), dout, cu_seqlens_q,
                 cu_seqlens_k, bool(deterministic), values, grad_names)
+
+
+@functools.lru_cache(maxsize=256)
+def _design_problems(options) -> tuple:
+    """What the backward design cannot run of a declaration (the same on either target),
+    worked out once per declaration, not at each call."""
+    return tuple(BACKEND.problems(options, "sm_80"))
 
 
 def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic, operands,
