@@ -941,7 +941,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-splits", type=_splits, metavar="N|auto",
                    help="simulate a decode launch: --heads K/V heads, the lengths cache "
                         "lengths; N KV splits per (sequence, K/V head), or auto: the splits "
-                        "follow the lengths, as a call's default")
+                        "follow the lengths, as a call's default does where its cache holds "
+                        "more than 2,048 keys a sequence")
     p.add_argument("--backward", action="store_true",
                    help="simulate the backward pass's main kernel: the K/V tiles of the "
                         "lengths (the keys') for --heads K/V heads")
@@ -980,10 +981,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "them for the simulator")
     p.add_argument("--kv-splits", type=_splits, metavar="N|auto",
                    help="trace a decode launch with N KV splits (the planner may use fewer, "
-                        "none empty), or auto: splits that follow the lengths, as a call's "
-                        "default; the lengths are the sequences' cache lengths, --heads "
-                        "counts K/V heads; checks every (sequence, K/V head, q tile, split) "
-                        "ran once and every split group combined once, after its last split")
+                        "none empty), or auto: the call's default (splits that follow the "
+                        "lengths where the cache holds more than 2,048 keys a sequence); the "
+                        "lengths are the sequences' cache lengths, --heads counts K/V heads; "
+                        "checks every (sequence, K/V head, q tile, split) ran once and every "
+                        "split group combined once, after its last split")
     p.add_argument("--gqa", type=_int,
                    help="with --kv-splits: query heads per K/V head (default 1, or the "
                         "kernel's declared gqa)")
