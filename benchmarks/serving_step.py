@@ -15,6 +15,12 @@ the same step with one piece added; the ratio is the piece's time over decode al
 
 Each variant's output is checked against the float64 references (`mhadsl.reference_decode`,
 the first 4 sequences): relative error below 2e-2.
+
+Then the split rule (`serving.BALANCED_MIN_KEYS`) on a generation step's batches: 8 calls
+(a model's layers) with the step's row appended, captured in one CUDA graph and replayed,
+the call's default split beside `num_splits=1`, µs per call; `short`: B32 with 169-992 keys
+a sequence + 64 in a 1,120-key cache, `long`: B16 with 677-3,970 + 64 in 4,098
+(`benchmarks/generate.py`'s prompts), paged 64.
 """
 import argparse
 import datetime
@@ -107,6 +113,51 @@ def row(torch, program, piece, B, Hq, Hkv, Sq, Sk, page, rounds):
     return err < TOLERANCE
 
 
+SPLIT_BATCHES = {  # name: (batch, shortest, longest prompt), as benchmarks/generate.py's
+    "short": (32, 128, 1024), "long": (16, 512, 4096)}
+LAYERS = 8
+
+
+def split_rule_row(torch, program, name, rounds):
+    """The default split against one split on a generation step's batch, in a CUDA graph."""
+    import random
+    op = program["decode"].torch_decode_op()
+    batch, shortest, longest = SPLIT_BATCHES[name]
+    rng = random.Random(0)
+    prompts = [rng.randint(shortest, longest) for _ in range(batch)]
+    capacity, page, Hq, Hkv, D = max(prompts) + 128, 64, 32, 8, 128
+    pages = -(-capacity // page)
+    table = torch.randperm(batch * pages, device="cuda").reshape(batch, pages).int()
+    k, v = (torch.randn(batch * pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    lens = torch.tensor([n + 64 for n in prompts], dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
+    k_new, v_new = (torch.randn(batch, 1, Hkv, D, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2))
+
+    def layers(**kw):
+        def run():
+            for _ in range(LAYERS):
+                op(q, k, v, lens, page_table=table, k_new=k_new, v_new=v_new, **kw)
+        return run
+    graphs = {}
+    stream = torch.cuda.Stream()
+    for column, run in (("default", layers()), ("1 split", layers(num_splits=1))):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # (warmed up on the stream it is captured on)
+            for _ in range(3):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs[column] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[column], stream=stream):
+            run()
+    t = time_side_by_side(torch, {c: g.replay for c, g in graphs.items()}, rounds=rounds)
+    per_call = {c: x.ms * 1e3 / LAYERS for c, x in t.items()}
+    print(f"| {name} | B{batch} 32:8, {min(prompts) + 64}-{max(prompts) + 64} keys, capacity "
+          f"{capacity}, page {page} | {per_call['default']:.1f} | {per_call['1 split']:.1f} | "
+          f"**{per_call['1 split'] / per_call['default']:.3f}×** |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -118,6 +169,11 @@ def main():
     print("| piece | shape | decode alone | with the piece | × decode alone | error vs float64 |")
     print("|---|---|---|---|---|---|")
     ok = all([row(torch, program, *r, args.rounds) for r in ROWS])
+    print("\nthe split rule in a CUDA graph of 8 calls, the step's row appended; µs per call")
+    print("| batch | shape | default | 1 split | 1 split ÷ default |")
+    print("|---|---|---|---|---|")
+    for name in SPLIT_BATCHES:
+        split_rule_row(torch, program, name, args.rounds)
     raise SystemExit(0 if ok else 1)
 
 
