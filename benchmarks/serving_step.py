@@ -25,10 +25,12 @@ a sequence + 64 in a 1,120-key cache, `long`: B16 with 677-3,970 + 64 in 4,098
 import argparse
 import datetime
 
-import numpy as np
-
 import mhadsl
 from mhadsl.host.bench import require_gpu, source_commit, time_side_by_side
+
+# (this folder's: a generation step's batches, and the error against a float64 reference)
+from generate import WORKLOADS, prompt_lengths
+from sanitize import relative_error
 
 MASK = "mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q"
 SOURCE = f"""
@@ -48,11 +50,6 @@ ROWS = [  # piece, B, Hq, Hkv, Sq, Sk, page size (0: contiguous)
 SCALES = dict(k_scale=0.05, v_scale=0.05)
 FEW = 4  # sequences checked against the float64 reference
 TOLERANCE = 2e-2
-
-
-def relative_error(got, ref) -> float:
-    got = got.float().cpu().numpy()
-    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
 def row(torch, program, piece, B, Hq, Hkv, Sq, Sk, page, rounds):
@@ -113,18 +110,14 @@ def row(torch, program, piece, B, Hq, Hkv, Sq, Sk, page, rounds):
     return err < TOLERANCE
 
 
-SPLIT_BATCHES = {  # name: (batch, shortest, longest prompt), as benchmarks/generate.py's
-    "short": (32, 128, 1024), "long": (16, 512, 4096)}
 LAYERS = 8
 
 
 def split_rule_row(torch, program, name, rounds):
     """The default split against one split on a generation step's batch, in a CUDA graph."""
-    import random
     op = program["decode"].torch_decode_op()
-    batch, shortest, longest = SPLIT_BATCHES[name]
-    rng = random.Random(0)
-    prompts = [rng.randint(shortest, longest) for _ in range(batch)]
+    batch, shortest, longest = WORKLOADS[name]
+    prompts = prompt_lengths(batch, shortest, longest)
     capacity, page, Hq, Hkv, D = max(prompts) + 128, 64, 32, 8, 128
     pages = -(-capacity // page)
     table = torch.randperm(batch * pages, device="cuda").reshape(batch, pages).int()
@@ -172,7 +165,7 @@ def main():
     print("\nthe split rule in a CUDA graph of 8 calls, the step's row appended; µs per call")
     print("| batch | shape | default | 1 split | 1 split ÷ default |")
     print("|---|---|---|---|---|")
-    for name in SPLIT_BATCHES:
+    for name in ("short", "long"):
         split_rule_row(torch, program, name, args.rounds)
     raise SystemExit(0 if ok else 1)
 

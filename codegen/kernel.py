@@ -130,8 +130,8 @@ def backward_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
     """The forward's hooks plus the score rule's derivative d score / d s
     (`mhadsl.analysis.derivative`), lowered like the score; raises `MhaError` where the score rule
     cannot be differentiated. With `operand_grads`, the hook that adds a pair's share of
-    the gradients of the f32 tensors the score reads (`ExprHooks.scatter_reads`) and those
-    gradients' parameters (`kernel_source`'s)."""
+    the gradients of the f32 tensors the score reads (`ExprHooks.scatter_reads`; their
+    parameters are `kernel_source`'s)."""
     hooks = expr_hooks(program, mask_rule, score_rule, operands, sink_rule, per_call)
     if score_rule is None:
         return hooks
