@@ -500,8 +500,8 @@ class FunctionLowering:
         return ptr
 
     def inline_fn(self, fn: ast.FnDecl, args: list[Value]) -> Value:
-        # The callee sees the caller's environment (env, ts) but none of its names.
-        bindings = {k: v for k, v in self.bindings.items() if k in ("env", "ts")}
+        # The callee sees the caller's env, ts and step slot (the memo's) but none of its names.
+        bindings = {k: v for k, v in self.bindings.items() if k in ("env", "ts", "pipeline_idx")}
         for p, a in zip(fn.params, args):
             slot = self.alloc_like(a)
             self.store_value(slot, a)

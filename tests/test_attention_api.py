@@ -61,7 +61,10 @@ def test_default_scale_scheduler_and_options():
     assert plain.options.scheduler == "Queued" and plain.options.dtype == "bf16"  # no mask
     masked = mhadsl.compile('import "std/schedulers.mha"\nattention c {\n'
                             '    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx\n}\n')["c"]
-    assert masked.options.scheduler == "LPT"  # a mask: the longest tiles first
+    # a mask: Queued or longest tiles first, by the batch; the backward takes LPT
+    assert masked.options.scheduler == "Adaptive"
+    assert masked.options.scheduler_for("backward") == ("LPT", ())
+    assert plain.options.scheduler_for("backward") == ("Queued", ())
     assert plain.options.softmax_scale() == pytest.approx(128 ** -0.5)
     assert fp16.options.softmax_scale() == 0.125 and fp16.options.return_lse
     assert fp16.options.scheduler == "Persistent"

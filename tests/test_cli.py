@@ -25,7 +25,7 @@ def test_help(command):
 def test_check_examples():
     out = mhadsl("check", "std/schedulers.mha", *map(str, EXAMPLES))
     assert out.returncode == 0, out.stderr
-    assert "std/schedulers.mha: ok (4 schedulers" in out.stdout
+    assert "std/schedulers.mha: ok (5 schedulers" in out.stdout
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
@@ -41,7 +41,7 @@ def test_compile_emits_ptx_and_summary(arch, tmp_path):
     assert llvm.returncode == 0 and "define ptx_kernel" in llvm.stdout
 
 
-@pytest.mark.parametrize("name", ["Transient", "Persistent", "Queued", "LPT"])
+@pytest.mark.parametrize("name", ["Transient", "Persistent", "Queued", "LPT", "Adaptive"])
 def test_simulate_must_show(name):
     out = mhadsl("simulate", "std/schedulers.mha", "--scheduler", name, "--seqlens",
                  "0,1,127,128,129,3000,8192", "--heads", "5", "--tile", "128", "--ctas", "7",
@@ -322,5 +322,5 @@ def test_compile_of_many_schedulers_shows_progress(tmp_path, capsys, monkeypatch
     assert main(["compile", "std/schedulers.mha", "--emit", "llvm", "-o",
                  str(tmp_path / "s.ll")]) == 0
     err = capsys.readouterr().err
-    assert "std/schedulers.mha: llvm of 4 schedulers...\n" in err
-    assert "std/schedulers.mha: ptx of 4 schedulers...\n" in err
+    assert "std/schedulers.mha: llvm of 5 schedulers...\n" in err
+    assert "std/schedulers.mha: ptx of 5 schedulers...\n" in err

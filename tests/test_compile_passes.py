@@ -94,7 +94,7 @@ def test_the_default_pass_is_forward(capsys):
     status, forward, err = compile_cli(capsys, CAUSAL, "--pass", "forward")
     assert status == 0 and forward == default, err
     assert entries(default) == ["trace_Transient", "trace_Persistent", "trace_Queued",
-                                "trace_LPT", "mha_fwd_sm90"]
+                                "trace_LPT", "trace_Adaptive", "mha_fwd_sm90"]
 
 
 def test_a_bad_pass_is_one_line(capsys):

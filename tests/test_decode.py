@@ -29,6 +29,7 @@ attention softcap {{ dtype = bf16  head_dim = 128  scheduler = Persistent()  {CA
 attention plain_d256 {{ dtype = bf16  head_dim = 256 }}
 attention causal_lpt {{ dtype = bf16  head_dim = 128  scheduler = LPT()  {CAUSAL} }}
 attention causal_transient {{ dtype = bf16  head_dim = 128  scheduler = Transient()  {CAUSAL} }}
+attention causal_adaptive {{ dtype = bf16  head_dim = 128  scheduler = Adaptive()  {CAUSAL} }}
 """
 PROGRAM = mhadsl.compile(SOURCE, name="decode_cpu")
 needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
@@ -205,17 +206,17 @@ def test_a_transient_decode_build_ends_without_counting_its_exit():
 def test_decode_calls_run_transient_where_the_declaration_names_no_scheduler():
     """A declaration that names no scheduler runs its decode calls one work tile per CTA
     (Transient: no queue step to wait for; faster than LPT on the H200) and its prefill
-    calls by LPT; one that names a scheduler runs it for both."""
+    calls by Adaptive; one that names a scheduler runs it for both."""
     cache = CacheLayout(1, 0, 64)
     default, lpt = PROGRAM["causal"], PROGRAM["causal_lpt"]
     config = default.config(gqa_group=8, cache=cache)
     assert default.scheduler_spec(config, decode.BACKEND).name == "Transient"
-    assert default.scheduler_spec(default.config()).name == "LPT"
+    assert default.scheduler_spec(default.config()).name == "Adaptive"
     assert lpt.scheduler_spec(config, decode.BACKEND).name == "LPT"
     built = default.build("sm_90a", gqa_group=8, cache=cache).ptx
     assert built == PROGRAM["causal_transient"].build("sm_90a", gqa_group=8, cache=cache).ptx
     assert built != lpt.build("sm_90a", gqa_group=8, cache=cache).ptx
-    assert default.build("sm_90a").ptx == lpt.build("sm_90a").ptx
+    assert default.build("sm_90a").ptx == PROGRAM["causal_adaptive"].build("sm_90a").ptx
 
 
 def test_decode_abi_is_the_kernel_signature():

@@ -22,7 +22,8 @@ def errors_of(text: str) -> list[str]:
 
 def test_std_library_and_examples_check():
     program = checked(STD)
-    assert set(program.schedulers) == {"Transient", "Persistent", "Queued", "LPT"}
+    assert set(program.schedulers) == {"Transient", "Persistent", "Queued", "LPT",
+                                       "Adaptive"}
     for path in EXAMPLES:
         front_end(path.read_text(), str(path), REPO / "examples")
 

@@ -87,7 +87,8 @@ def test_static_schedulers_match_host_order(name, args):
     assert visits == host.visits
 
 
-@pytest.mark.parametrize("name, args", [("Queued", (("order", "DEFAULT"),)), ("LPT", ())])
+@pytest.mark.parametrize("name, args", [("Queued", (("order", "DEFAULT"),)), ("LPT", ()),
+                                        ("Adaptive", ())])
 @pytest.mark.parametrize("threads", [32, 256])
 def test_dynamic_schedulers_cover_every_tile_once_on_gpu(name, args, threads):
     spec = SchedulerSpec(name, args, 128)

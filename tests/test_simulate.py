@@ -17,7 +17,7 @@ from mhadsl.analysis.simulate import (
 
 MUST_SHOW = Batch([0, 1, 127, 128, 129, 3000, 8192], heads=5, tile=128, ragged=True)
 STD_CASES = [(name, order) for name in ("Transient", "Persistent", "Queued")
-             for order in ("DEFAULT", "PROMPT_ROTATE")] + [("LPT", None)]
+             for order in ("DEFAULT", "PROMPT_ROTATE")] + [("LPT", None), ("Adaptive", None)]
 
 
 @pytest.mark.parametrize("name, order", STD_CASES)
@@ -158,6 +158,25 @@ def test_lpt_beats_static_stride_on_long_causal():
     assert lpt.efficiency > 0.95
 
 
+
+@pytest.mark.parametrize("lengths, takes", [
+    ([4096] * 4, "LPT"),               # 64 pairs of 32 tiles on 132 CTAs
+    ([16384] + [128] * 64, "LPT"),     # one long sequence's 16 pairs hold most of the work
+    ([2048] * 16, "Queued"),           # 256 full-length pairs: more than the CTAs
+    ([512] * 40, "Queued"),
+])
+def test_adaptive_takes_lpt_or_queued_by_the_batch(lengths, takes):
+    """Adaptive runs LPT's order where the work is fewer full-length (sequence, head) pairs
+    than CTAs, else Queued's: every CTA's visits are the chosen one's, in order."""
+    program = checked(STD)
+    batch = Batch(lengths, heads=16, tile=128, ragged=True)
+    runs = {name: simulate(program, SchedulerSpec(name, (), 128), batch, ctas=132)
+            for name in ("Adaptive", "LPT", "Queued")}
+    assert all(r.covered_exactly_once for r in runs.values())
+    other = "Queued" if takes == "LPT" else "LPT"
+    assert runs["Adaptive"].visits == runs[takes].visits
+    assert runs["Adaptive"].visits != runs[other].visits
+
 def grid_variant(grid: str) -> str:
     return persistent_variant("state.idx += grid_dim.x").replace(
         "grid_dim(batch_size, max_num_prompt_tiles) = (num_sms, 1, 1)",
@@ -211,7 +230,7 @@ def test_a_repeating_scheduler_stops_when_it_has_done_more_than_all_tiles():
     assert "stopped after 9 tiles, more than the batch's 8" in result.message
 
 
-@pytest.mark.parametrize("name", ["Transient", "Persistent", "Queued", "LPT"])
+@pytest.mark.parametrize("name", ["Transient", "Persistent", "Queued", "LPT", "Adaptive"])
 def test_ten_thousand_sequences_simulate_in_seconds(name):
     """~1.1M work items; the Python event loop took 25-70 s, the compiled one 1-2 s."""
     rng = random.Random(0)

@@ -210,7 +210,8 @@ def test_a_warpgroup_with_no_row_inside_the_sequence_only_drains_the_kv_loop(mas
     its own rows' last kept KV tile and drains the tiles past it."""
     from mhadsl.codegen.backends import sm90
     from mhadsl.runtime import cache
-    program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = 64  {mask} }}\n"
+    program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = 64  {mask}\n"
+                             "    scheduler = LPT() }\n"
                              f"attention b {{ dtype = bf16  head_dim = 128  {mask} }}")
 
     def consumers(name, store=None):

@@ -109,12 +109,15 @@ def operand_values(options: "AttentionOptions", given: dict) -> dict[str, int | 
             raise TypeError(f"unexpected keyword argument {name!r}: kernel '{options.name}' "
                             f"has no such operand (its operands: {have})")
     return {o.name: o.value(given.get(o.name)) for o in options.operands}
-# The default scheduler, by whether the declaration has a mask: fastest measured on the H200
-# (docs/TRACE.md). Under a causal mask LPT (longest tiles first, dynamic) balances unequal
-# tiles; with no mask every tile costs the same, and Queued's order (query tile fastest)
-# keeps fewer heads' K/V in flight than LPT's.
-DEFAULT_SCHEDULER = "LPT"
+# The default scheduler, by whether the declaration has a mask (benchmarks/schedulers.py).
+# Under a mask, Adaptive: Queued or LPT (longest tiles first), chosen per launch on the
+# device from the batch. With no mask every tile costs the same, and Queued's order (query
+# tile fastest) keeps fewer heads' K/V in flight than LPT's.
+DEFAULT_SCHEDULER = "Adaptive"
 UNMASKED_DEFAULT_SCHEDULER = "Queued"
+# The backward pass of a masked declaration that names no scheduler: its work tiles are K/V
+# tiles, whose cost under a causal mask falls with their index; LPT starts the longest first.
+BACKWARD_DEFAULT_SCHEDULER = "LPT"
 # Decode calls of a declaration that names no scheduler, with splits fixed per call: one
 # work tile per CTA. A decode launch rarely holds more work tiles than CTAs fit at once,
 # and every tile of a dense call costs the same, so a queue has nothing to balance, while
@@ -123,7 +126,7 @@ UNMASKED_DEFAULT_SCHEDULER = "Queued"
 # decode). Where each sequence's splits follow its length (`CacheLayout.balanced`), the
 # work tiles differ in number and cost per sequence: LPT, longest first from the queue.
 DECODE_DEFAULT_SCHEDULER = "Transient"
-BALANCED_DECODE_SCHEDULER = DEFAULT_SCHEDULER
+BALANCED_DECODE_SCHEDULER = "LPT"
 
 
 @dataclass(frozen=True)
@@ -159,11 +162,15 @@ class AttentionOptions:
     def scheduler_for(self, workload: str, balanced: bool = False
                       ) -> tuple[str, tuple[tuple[str, object], ...]]:
         """The scheduler (name, arguments) that runs a `workload` build ("prefill",
-        "decode", "backward"): the one named, else the default, which for decode calls is
+        "decode", "backward"): the one named, else the default: for decode calls
         DECODE_DEFAULT_SCHEDULER, or BALANCED_DECODE_SCHEDULER where a decode build's splits
-        follow the lengths (`balanced`)."""
-        if workload == "decode" and not self.scheduler_named:
-            return (BALANCED_DECODE_SCHEDULER if balanced else DECODE_DEFAULT_SCHEDULER), ()
+        follow the lengths (`balanced`); for a masked declaration's backward
+        BACKWARD_DEFAULT_SCHEDULER."""
+        if not self.scheduler_named:
+            if workload == "decode":
+                return (BALANCED_DECODE_SCHEDULER if balanced else DECODE_DEFAULT_SCHEDULER), ()
+            if workload == "backward" and self.scheduler == DEFAULT_SCHEDULER:
+                return BACKWARD_DEFAULT_SCHEDULER, ()
         return self.scheduler, self.scheduler_args
 
     @property

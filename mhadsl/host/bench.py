@@ -131,12 +131,15 @@ def time_side_by_side(torch, fns: dict, rounds: int = 5, warmup: int = 3,
     """Each of `fns` (name -> callable, or None: not timed) over `rounds` rounds of `reps`
     runs. Each round times every function in turn, starting from a different one each round,
     so all of them meet the GPU's clock and temperature as they drift over a run (a row timed
-    once moves by several percent between runs)."""
+    once moves by several percent between runs); odd rounds go through the others in reverse,
+    so no function always follows the same one (what ran just before a kernel can move its
+    time)."""
     names = [name for name, fn in fns.items() if fn is not None]
     samples = {name: [] for name in names}
     for r in range(rounds):
+        step = 1 if r % 2 == 0 else -1
         for i in range(len(names)):
-            name = names[(r + i) % len(names)]
+            name = names[(r + step * i) % len(names)]
             samples[name].append(_timed_runs(torch, fns[name], warmup, reps))
     return {name: Timing(statistics.median(x for runs in samples[name] for x in runs),
                          tuple(statistics.median(runs) for runs in samples[name]))
