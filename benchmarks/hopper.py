@@ -42,7 +42,13 @@ attention plain_d256 { dtype = bf16  head_dim = 256 }
 attention causal_d256 { dtype = bf16  head_dim = 256  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 attention window { dtype = bf16  head_dim = 128
                    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx && q_idx - kv_idx < 256 }
+attention softcap { dtype = bf16  head_dim = 128  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx
+                    score(s, b, h, q_idx, kv_idx) = 30.0 * tanh(s / 30.0) }
+attention chunked_prefill { dtype = bf16  head_dim = 128  gqa = 4
+    mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q }
 """
+# a chunk of 512 new rows per sequence over its cached keys (bottom-right causal)
+CACHED = (1536, 2560, 3584, 1024, 3072, 2048, 4096, 2560)
 WORKLOADS = [
     ("plain_d128", Problem(4, 4096, 4096, 16, 16, 128)),
     ("causal_d128", Problem(4, 4096, 4096, 16, 16, 128)),
@@ -61,6 +67,12 @@ WORKLOADS = [
     ("causal_d128", Problem(0, 0, 0, 16, 16, 128, (2048,) * 16)),
     ("causal_d128", Problem(0, 0, 0, 16, 16, 128, (96,) * 1024)),
     ("causal_d128", Problem(0, 0, 0, 16, 16, 128, (128,) * 768)),
+    ("causal_d128", Problem(0, 0, 0, 16, 16, 128, (16384,) + (128,) * 64)),
+    ("plain_d128", Problem(8, 512, 512, 32, 32, 128)),
+    ("plain_d128", Problem(16, 1024, 1024, 16, 16, 128)),
+    ("softcap", Problem(4, 4096, 4096, 16, 16, 128)),
+    ("chunked_prefill", Problem(0, 0, 0, 32, 8, 128, (512,) * len(CACHED),
+                                tuple(512 + n for n in CACHED))),
 ]
 DESIGNS = ("sm80", "sm90")
 
@@ -75,7 +87,10 @@ FLEX_MASKS = {
     "causal_d128": _causal, "causal_d64": _causal, "causal_lpt": _causal,
     "causal_d256": _causal, "gqa_causal": _causal, "gqa8_plain": None, "gqa8_causal": _causal,
     "window": lambda b, h, q, kv: _causal(b, h, q, kv) & (q - kv < 256),
+    "softcap": _causal,
 }
+# Each declaration's score as FlexAttention's score_mod (None: the plain score).
+FLEX_SCORES = {"softcap": lambda s, b, h, q, kv: 30.0 * (s / 30.0).tanh()}
 
 
 # Each declaration's mask as FlashAttention-4's (causal, window_size).
@@ -86,7 +101,10 @@ FA4_MASKS = {
     "causal_d256": (True, (None, None)), "gqa_causal": (True, (None, None)),
     "gqa8_plain": (False, (None, None)), "gqa8_causal": (True, (None, None)),
     "window": (True, (255, 0)),  # q_idx - kv_idx < 256: 255 keys to the left
+    "softcap": (True, (None, None)),
+    "chunked_prefill": (True, (None, None)),  # its causal is bottom-right where Sq < Sk
 }
+FA4_SOFTCAP = {"softcap": 30.0}
 
 
 def agrees(peer: str, name: str, out, expected) -> bool:
@@ -108,16 +126,18 @@ def fa4_fn(torch, name: str, problem: Problem, args: dict, expected):
     # (its CuTe DSL warns on every compile that an argument is no JitArgument: a table's worth)
     warnings.filterwarnings("ignore", message="Argument aux_data")
     causal, window = FA4_MASKS[name]
+    softcap = FA4_SOFTCAP.get(name, 0.0)
     if problem.seqlens:
         def run():
             return flash_attn_varlen_func(
                 args["q"], args["k"], args["v"], cu_seqlens_q=args["cu_seqlens_q"],
                 cu_seqlens_k=args["cu_seqlens_k"], max_seqlen_q=args["max_seqlen_q"],
-                max_seqlen_k=args["max_seqlen_k"], causal=causal, window_size=window)[0]
+                max_seqlen_k=args["max_seqlen_k"], causal=causal, window_size=window,
+                softcap=softcap)[0]
     else:
         def run():
             return flash_attn_func(args["q"], args["k"], args["v"], causal=causal,
-                                   window_size=window)[0]
+                                   window_size=window, softcap=softcap)[0]
     try:
         out = run().float()
     except Exception as err:  # noqa: BLE001 - the CuTe DSL raises many types; optional column
@@ -146,7 +166,9 @@ def flex_fn(torch, kernel, name: str, problem: Problem, args: dict, expected):
     the mask within a document); None where it cannot run or disagrees with `expected`
     (the sm90 kernel's output)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    mask = FLEX_MASKS[name]
+    if name not in FLEX_MASKS or problem.seqlens_k is not None:
+        return None  # (a mask of its own lengths: not written here)
+    mask, score = FLEX_MASKS[name], FLEX_SCORES.get(name)
     if problem.seqlens:  # (total, H, D) -> (1, H, total, D); both sides share the offsets
         q, k, v = (args[n].unsqueeze(0).transpose(1, 2) for n in ("q", "k", "v"))
         lengths = torch.tensor(problem.seqlens, device="cuda")
@@ -163,7 +185,8 @@ def flex_fn(torch, kernel, name: str, problem: Problem, args: dict, expected):
         compiled = torch.compile(flex_attention, dynamic=False)
 
         def run():
-            return compiled(q, k, v, block_mask=block_mask, scale=kernel.options.softmax_scale(),
+            return compiled(q, k, v, score_mod=score, block_mask=block_mask,
+                            scale=kernel.options.softmax_scale(),
                             enable_gqa=problem.heads != problem.kv_heads)
         out = run().transpose(1, 2).reshape(expected.shape).float()
     except Exception as err:  # noqa: BLE001 - inductor raises many types; the column is optional
@@ -206,8 +229,10 @@ def main() -> None:
                                                    problem.head_dim))[0] for d in DESIGNS]
         fns = {d: lambda k=kernels[d]: k(**args) for d in DESIGNS}
         fns.update(torch_baseline_fns(torch, kernels["sm90"], problem, args))
-        if problem.seqlens:  # torch's packed-varlen flash kernel stands in for the flash column
-            fns["flash"] = varlen_flash_fn(torch, args, causal=name.startswith("causal"))
+        if problem.seqlens and kernels["sm90"].options.score is None:
+            # torch's packed-varlen flash kernel stands in for the flash column (its causal
+            # is bottom-right where a sequence has more keys than queries)
+            fns["flash"] = varlen_flash_fn(torch, args, causal=FA4_MASKS[name][0])
         expected = fns["sm90"]()
         fns["flex"] = None if cli.no_flex else \
             flex_fn(torch, kernels["sm90"], name, problem, args, expected)

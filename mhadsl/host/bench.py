@@ -48,7 +48,8 @@ def require_gpu():
 
 @dataclass(frozen=True)
 class Problem:
-    """One workload: dense when `seqlens` is None, else ragged with those lengths."""
+    """One workload: dense when `seqlens` is None, else ragged with those lengths (of the
+    queries; the keys' are `seqlens_k`, where given, else the same)."""
 
     batch: int
     seqlen_q: int
@@ -57,9 +58,16 @@ class Problem:
     kv_heads: int
     head_dim: int
     seqlens: tuple[int, ...] | None = None
+    seqlens_k: tuple[int, ...] | None = None
+
+    @property
+    def key_lengths(self) -> tuple[int, ...] | None:
+        return self.seqlens_k if self.seqlens_k is not None else self.seqlens
 
     def describe(self) -> str:
-        shape = (f"ragged {len(self.seqlens)} seqs, {sum(self.seqlens)} tokens" if self.seqlens
+        keys = "" if self.seqlens_k is None else f" / {sum(self.seqlens_k)} keys"
+        shape = (f"ragged {len(self.seqlens)} seqs, {sum(self.seqlens)} tokens{keys}"
+                 if self.seqlens
                  else f"B{self.batch} S{self.seqlen_q}" + (f"/{self.seqlen_k}"
                                                           if self.seqlen_k != self.seqlen_q else ""))
         heads = f"H{self.heads}" + (f":{self.kv_heads}" if self.kv_heads != self.heads else "")
@@ -81,27 +89,31 @@ def make_inputs(torch, kernel: Kernel, p: Problem, seed: int = 0,
         return {"q": rand(p.batch, p.seqlen_q, p.heads, p.head_dim),
                 "k": rand(p.batch, p.seqlen_k, p.kv_heads, p.head_dim),
                 "v": rand(p.batch, p.seqlen_k, p.kv_heads, p.head_dim), **values}
-    offsets = np.concatenate([[0], np.cumsum(p.seqlens)]).astype(np.int32)
-    total = int(offsets[-1])
-    cu = torch.tensor(offsets, device="cuda")
-    return {"q": rand(total, p.heads, p.head_dim), "k": rand(total, p.kv_heads, p.head_dim),
-            "v": rand(total, p.kv_heads, p.head_dim), "cu_seqlens_q": cu, "cu_seqlens_k": cu,
-            "max_seqlen_q": max(p.seqlens, default=0), "max_seqlen_k": max(p.seqlens, default=0),
-            **values}
+    def offsets(lengths):
+        return torch.tensor(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+                            device="cuda")
+    cu_q = offsets(p.seqlens)
+    cu_k = cu_q if p.seqlens_k is None else offsets(p.seqlens_k)
+    rows, keys = sum(p.seqlens), sum(p.key_lengths)
+    return {"q": rand(rows, p.heads, p.head_dim), "k": rand(keys, p.kv_heads, p.head_dim),
+            "v": rand(keys, p.kv_heads, p.head_dim), "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
+            "max_seqlen_q": max(p.seqlens, default=0),
+            "max_seqlen_k": max(p.key_lengths, default=0), **values}
 
 
 def allowed_pairs(kernel: Kernel, p: Problem, operands: dict | None = None) -> int:
     """(query, key) pairs the mask keeps (for the operands' values `operands`): what the
     FLOP count charges for."""
-    lengths = [(n, n) for n in p.seqlens] if p.seqlens else [(p.seqlen_q, p.seqlen_k)] * p.batch
+    lengths = list(zip(p.seqlens, p.key_lengths)) if p.seqlens \
+        else [(p.seqlen_q, p.seqlen_k)] * p.batch
     rule = kernel.options.mask
     if rule is None:
         return sum(a * b for a, b in lengths)
-    total, first = 0, 0
+    total, first_q, first_k = 0, 0, 0
     for b, (sq, sk) in enumerate(lengths):
-        rows = slice(first, first + sq)  # (a ragged call's: as many queries as keys)
-        first += sq
-        ops = ragged_sequence_operands(kernel.options, operands or {}, rows, rows) \
+        rows, keys = slice(first_q, first_q + sq), slice(first_k, first_k + sk)
+        first_q, first_k = first_q + sq, first_k + sk
+        ops = ragged_sequence_operands(kernel.options, operands or {}, rows, keys) \
             if p.seqlens else operands
         if sq and sk:
             keep = evaluate_rule(rule, kernel.program.checked, ops, b=b, h=0,
