@@ -6,6 +6,7 @@ one process.
     python benchmarks/hopper.py --no-flex  # without FlexAttention (its compiles take minutes)
     python benchmarks/hopper.py --only window,causal_d64  # the rows of these declarations
     python benchmarks/hopper.py --only causal_d64 --runs 3  # each row timed 3 times
+    python benchmarks/hopper.py --only softcap --warm  # only build the rows' kernels, in parallel
 
 Each row checks both designs against the float64 reference first (relative error), then
 times them and torch's kernels in turn, round after round (`mhadsl.host.bench.time_side_by_side`:
@@ -20,6 +21,8 @@ arguments (`FA4_MASKS`).
 import argparse
 import datetime
 import warnings
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 
 import mhadsl
 from mhadsl.host.bench import Problem, allowed_pairs, check, make_inputs, require_gpu, \
@@ -196,10 +199,20 @@ def flex_fn(torch, kernel, name: str, problem: Problem, args: dict, expected):
     return run if agrees("FlexAttention", name, out, expected) else None
 
 
+def build(job: tuple[str, str, bool]) -> str:
+    """One row's kernel for one design and layout, into the on-disk cache (a worker)."""
+    name, design, ragged = job
+    kernel = mhadsl.compile(SOURCE, name=f"<hopper {design}>")[name]
+    kernel.build("sm_90a", ragged=ragged, backend=design)
+    return f"{name} {design} {'ragged' if ragged else 'dense'}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
     parser.add_argument("--only", help="comma-separated declarations: only their rows")
+    parser.add_argument("--warm", action="store_true",
+                        help="only build the rows' kernels (parallel processes), then exit")
     parser.add_argument("--runs", type=int, default=1, help=(
         "time each row this many times, one line each (a noisy row's range over runs)"))
     cli = parser.parse_args()
@@ -210,6 +223,13 @@ def main() -> None:
     if only - names:
         parser.error(f"--only: no rows for {', '.join(sorted(only - names))} "
                      f"(the declarations: {', '.join(sorted(names))})")
+    if cli.warm:  # each row's layout, and the dense batch every row is checked on first
+        jobs = sorted({(name, d, ragged) for name, problem in WORKLOADS if name in only
+                       for d in DESIGNS for ragged in {problem.seqlens is not None, False}})
+        with ProcessPoolExecutor(16, mp_context=get_context("spawn")) as pool:
+            for done in pool.map(build, jobs):
+                print("built", done, flush=True)
+        return
     torch = require_gpu()
     programs = {d: mhadsl.compile(SOURCE, name=f"<hopper {d}>") for d in DESIGNS}
     print(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
