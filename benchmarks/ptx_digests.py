@@ -7,7 +7,8 @@ no generated code.
 Builds, for both arches (sm_90a, sm_80): every attention declaration of `examples/` with
 every design that runs it (forward dense, ragged, with the log-sum-exp; decode against a
 contiguous and a paged cache, one and sixteen query rows and ragged, splits fixed and by
-length; the backward, atomic and deterministic, dense and ragged), the four standard
+length; the backward, atomic and deterministic, dense and ragged), each driven by the
+scheduler a call of that layout runs (`AttentionOptions.scheduler_for`), the four standard
 schedulers driving the causal example, each example's scheduler trace module, and the ragged
 launch's tile-index kernel.
 
@@ -59,6 +60,7 @@ def digests(examples: Path) -> dict[str, str]:
     import mhadsl
     from mhadsl.build import KernelRequest, RequestError, build_kernel
     from mhadsl.codegen import backends
+    from mhadsl.front.attention_spec import resolve_attention
     from mhadsl.front.diagnostics import MhaError
     from mhadsl.pipeline import CompileOptions, compile_stages
 
@@ -71,11 +73,16 @@ def digests(examples: Path) -> dict[str, str]:
                                   until="ptx", base_dir=path.parent)
             out[f"{path.name} trace-module {arch}"] = _digest(comp.text("ptx"))
             for name in program.attentions:
+                options = resolve_attention(checked.attentions[name])
                 for label, layout in layouts():
                     for design in backends.backends(layout.workload):
                         if arch not in design.targets or not design.runs_layout(layout):
                             continue
-                        request = KernelRequest(name, arch, design.name, layout)
+                        # the scheduler a call of this layout runs
+                        scheduler = options.scheduler_for(layout.workload,
+                                                          layout.splits_by_length)
+                        request = KernelRequest(name, arch, design.name, layout,
+                                                scheduler=scheduler)
                         try:
                             build = build_kernel(checked, request)
                         except (MhaError, RequestError):
