@@ -19,7 +19,8 @@ SOURCE = 'import "std/schedulers.mha"\n' + "\n".join(
     for name, binding in (("queued", "Queued()"), ("queued_rotate", "Queued(order = PROMPT_ROTATE)"),
                           ("queued_longest", "Queued(order = LONGEST_FIRST, heads_per_section = 1)"),
                           ("lpt", "LPT()"), ("lpt_sections", "LPT(heads_per_section = 2)"),
-                          ("persistent", "Persistent(num_ctas = 37)")))
+                          ("persistent", "Persistent(num_ctas = 37)"),
+                          ("adaptive", "Adaptive()")))
 # Queued, whose advance decodes a second index after this step's: on sm90 the producer
 # publishes that one last, so the consumers' lookup of this step's misses the handoff's memo
 # and decodes it itself (`scheduler._TargetBuiltins.memoized`, `handoff._MEMO_ENTRIES`).
@@ -51,7 +52,7 @@ attention queued_peek { dtype = bf16  head_dim = 128  scheduler = PeekQueued()
     mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 """
 KERNELS = ("queued", "queued_rotate", "queued_longest", "lpt", "lpt_sections", "persistent",
-           "queued_peek")
+           "queued_peek", "adaptive")
 
 
 @pytest.fixture(params=["sm80", "sm90"])
@@ -130,6 +131,21 @@ def test_ragged_causal_against_sdpa(name, backend):
     assert {b.design.name for b in kern.launcher.loaded.values()} == {backend}
     assert torch.isfinite(out).all()
     assert rel_err(out, sdpa_reference(q, k, v, LENGTHS)) < 1e-2
+
+
+def test_adaptive_in_queueds_order_against_sdpa(backend):
+    """Adaptive takes LPT's order on LENGTHS (few pairs, one long sequence:
+    `test_ragged_causal_against_sdpa`) and Queued's on many short sequences (more
+    full-length pairs than CTAs): each order's launch writes every row right."""
+    lengths = [96, 1, 130] * 100
+    kern = kernel("adaptive", backend)
+    q, k, v = random_batch(lengths, seed=5)
+    cu = offsets(lengths)
+    out = torch.full_like(q, float("nan"))
+    kern(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, out=out)
+    mhadsl.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, sdpa_reference(q, k, v, lengths)) < 1e-2
 
 
 def test_ragged_matches_the_float64_reference(backend):
