@@ -2,7 +2,8 @@
 # Everything this project verifies on a GPU, in one go (the HARDENING.md figures and the
 # benchmark figures recorded in benchmarks/results.json): the GPU test layer,
 # compute-sanitizer over every design, and the benchmark tables (both designs
-# side by side, the default design's, tile variants; decode on uniform and heavy-tailed
+# side by side, the default design's, tile variants; the default scheduler against the
+# standard ones; decode on uniform and heavy-tailed
 # batches; token generation with a small model; packed documents; a learned score tensor's
 # gradient; an FP8 cache and a serving step's pieces). Logs go to $1 (default gpu-check/).
 #     bash benchmarks/gpu_check.sh [LOG_DIR]
@@ -32,6 +33,8 @@ for script in sanitize_decode sanitize_backward; do
 done
 python3 benchmarks/hopper.py 2>&1 | tee "$logs/hopper.log" | tail -18 || status=1
 python3 benchmarks/attention.py 2>&1 | tee "$logs/bench.log" | tail -16 || status=1
+python3 benchmarks/schedulers.py --runs 3 --control --json "$logs/schedulers.json" 2>&1 \
+    | tee "$logs/schedulers.log" | tail -16 || status=1
 python3 benchmarks/tiles.py 2>&1 | tee "$logs/tiles.log" | tail -18 || status=1
 python3 benchmarks/decode.py --workload all --chunks-per-sm 1,2,4 2>&1 | tee "$logs/decode.log" | tail -24 || status=1
 python3 benchmarks/generate.py 2>&1 | tee "$logs/generate.log" | tail -24 || status=1
