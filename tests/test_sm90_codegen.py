@@ -134,7 +134,8 @@ def test_consumers_take_the_producers_decoding_where_roles_run_apart():
     """Running apart, the producer's advance publishes its decoding of each step (the valid
     work item: a binary search over the tile index; the sequence's offsets) in the handoff's
     memo, and the consumers' advance reads it back where the key matches instead of
-    decoding again. Lock-step roles (MyQueued) never read it, so LLVM drops it whole."""
+    decoding again, also where a `fn` the advance calls decodes (Adaptive). Lock-step roles
+    (MyQueued) never read it, so LLVM drops it whole."""
     def memo_uses(scheduler: str) -> dict[str, int]:
         source = (f'import "std/schedulers.mha"\nimport "{REPO}/examples/queued_rotate.mha"\n'
                   f"attention a {{ head_dim = 64  scheduler = {scheduler}() }}\n")
@@ -149,6 +150,7 @@ def test_consumers_take_the_producers_decoding_where_roles_run_apart():
     assert together == {"st.shared": 0, "ld.shared": 0, "mov": 0}, together
     # both entries' flags cleared at the start, then addressed by pipeline slot
     assert apart == {"st.shared": 4, "ld.shared": 0, "mov": 2}, apart
+    assert memo_uses("Adaptive") == apart
 
 
 @needs_ptxas

@@ -169,7 +169,7 @@ class AttentionOptions:
         if not self.scheduler_named:
             if workload == "decode":
                 return (BALANCED_DECODE_SCHEDULER if balanced else DECODE_DEFAULT_SCHEDULER), ()
-            if workload == "backward" and self.scheduler == DEFAULT_SCHEDULER:
+            if workload == "backward" and self.mask is not None:
                 return BACKWARD_DEFAULT_SCHEDULER, ()
         return self.scheduler, self.scheduler_args
 
