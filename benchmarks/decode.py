@@ -4,7 +4,8 @@ cuDNN and flash through torch SDPA and, when installed, FlashAttention-4.
     python benchmarks/decode.py                     # the table, paged and ragged rows, host time
     python benchmarks/decode.py --quick             # the table only
     python benchmarks/decode.py --workload tails    # heavy-tailed batches only
-    python benchmarks/decode.py --workload all      # both
+    python benchmarks/decode.py --workload paged    # paged against contiguous, shapes x pages
+    python benchmarks/decode.py --workload all      # table and tails
     python benchmarks/decode.py --show-lengths      # the heavy-tailed lengths (no GPU needed)
 
 Bandwidth is bytes of K and V read (each K/V head once: B x Hkv x Sk x D x 2 x 2 bytes, the
@@ -44,7 +45,12 @@ SOURCE = """
 import "std/schedulers.mha"
 attention decode { dtype = bf16  head_dim = 128
     mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q }
+attention decode_d64 { dtype = bf16  head_dim = 64
+    mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q }
+attention decode_d256 { dtype = bf16  head_dim = 256
+    mask(b, h, q_idx, kv_idx, seqlen_q, seqlen_k) = kv_idx <= q_idx + seqlen_k - seqlen_q }
 """
+KERNELS = {128: "decode", 64: "decode_d64", 256: "decode_d256"}
 TABLE = [  # B, Hq, Hkv, Sq, Sk
     (32, 32, 8, 1, 8192), (8, 32, 8, 1, 32768), (64, 32, 8, 1, 2048), (32, 32, 4, 1, 8192),
     (32, 32, 8, 16, 8192), (1, 32, 8, 1, 131072),
@@ -53,6 +59,11 @@ SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 TAILS = [  # B, Hq, Hkv: 1 query row, pages of TAIL_PAGE rows, lengths from tail_lengths(B)
     (64, 32, 8), (128, 32, 8), (64, 32, 1),
 ]
+PAGED = [  # B, Hq, Hkv, Sk, D: a paged cache against the contiguous one, 1 query row
+    (32, 32, 8, 8192, 128), (32, 32, 1, 8192, 128), (32, 16, 4, 8192, 64),
+    (16, 64, 8, 16384, 128), (16, 32, 8, 8192, 256),
+]
+PAGE_SIZES = (16, 64, 256, 512)
 TAIL_PAGE = 64
 TAIL_MEDIAN = 1536
 
@@ -163,13 +174,14 @@ def table_row(torch, kern, fa4, B, Hq, Hkv, Sq, Sk, sweep: bool, chunks=()):
     del q, k, v, out
 
 
-def paged_rows(torch, kern):
-    B, Hq, Hkv, Sk = 32, 32, 8, 8192
-    q = torch.randn(B, 1, Hq, 128, device="cuda", dtype=torch.bfloat16)
+def paged_rows(torch, kerns, B=32, Hq=32, Hkv=8, Sk=8192, D=128, pages=(16, 64, 256)):
+    """The same cache contiguous and paged by each page size (pages in random order)."""
+    kern = kerns[D]
+    q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((B,), Sk, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    nbytes = B * Hkv * Sk * 128 * 2 * 2
-    k = torch.randn(B, Sk, Hkv, 128, device="cuda", dtype=torch.bfloat16)
+    nbytes = B * Hkv * Sk * D * 2 * 2
+    k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     fns = {"contiguous": lambda: kern(q, k, v, cache_seqlens=lens, out=out)}
     # fp32 attention of the one query row over the whole cache; the planner picks another KV
@@ -177,15 +189,15 @@ def paged_rows(torch, kern):
     ref = torch.nn.functional.scaled_dot_product_attention(
         *(x.transpose(1, 2).float() for x in (q, k, v)), enable_gqa=True).transpose(1, 2)
     assert float((fns["contiguous"]().float() - ref).norm() / ref.norm()) < 1e-2
-    for page in (16, 64, 256):
+    for page in pages:
         pages_per_seq = Sk // page
         perm = torch.randperm(B * pages_per_seq, device="cuda")
         table = perm.reshape(B, pages_per_seq).to(torch.int32)
         # page p of the shuffled cache holds the contiguous cache's rows of page perm^-1
-        kp = torch.empty(B * pages_per_seq, page, Hkv, 128, device="cuda", dtype=k.dtype)
+        kp = torch.empty(B * pages_per_seq, page, Hkv, D, device="cuda", dtype=k.dtype)
         vp = torch.empty_like(kp)
-        kp[perm] = k.reshape(B * pages_per_seq, page, Hkv, 128)
-        vp[perm] = v.reshape(B * pages_per_seq, page, Hkv, 128)
+        kp[perm] = k.reshape(B * pages_per_seq, page, Hkv, D)
+        vp[perm] = v.reshape(B * pages_per_seq, page, Hkv, D)
         fn = (lambda kp=kp, vp=vp, table=table:
               kern(q, kp, vp, cache_seqlens=lens, page_table=table, out=out))
         err = float((fn().float() - ref).norm() / ref.norm())
@@ -194,8 +206,9 @@ def paged_rows(torch, kern):
     t = time_side_by_side(torch, fns)
     base = t["contiguous"].ms
     for name, x in t.items():
-        print(f"| B32 32:8 Sk 8192, {name} | {tbps(nbytes, x):.2f} TB/s | "
+        print(f"| B{B} {Hq}:{Hkv} Sk {Sk} D{D}, {name} | {tbps(nbytes, x):.2f} TB/s | "
               f"{base / x.ms:.3f}× contiguous |", flush=True)
+    del q, k, v, out, fns
 
 
 def ragged_row(torch, kern):
@@ -476,9 +489,10 @@ def main():
     parser.add_argument("--quick", action="store_true",
                         help="the table's rows only (no paged, ragged or host-time rows)")
     parser.add_argument("--sweep", action="store_true", help="time every split count too")
-    parser.add_argument("--workload", choices=("table", "tails", "all"), default="table",
-                        help="table: the uniform rows (default); tails: the heavy-tailed "
-                        "batches; all: both")
+    parser.add_argument("--workload", choices=("table", "tails", "paged", "all"),
+                        default="table", help="table: the uniform rows (default); tails: "
+                        "the heavy-tailed batches; paged: paged against contiguous caches "
+                        "over shapes and page sizes; all: table and tails")
     parser.add_argument("--show-lengths", action="store_true",
                         help="print the heavy-tailed batches' lengths and exit (no GPU)")
     parser.add_argument("--json", metavar="FILE",
@@ -496,10 +510,12 @@ def main():
     if args.show_lengths:
         show_lengths()
         return
-    if args.json and args.workload == "table":
+    if args.json and args.workload in ("table", "paged"):
         parser.error("--json writes the heavy-tailed rows: add --workload tails or all")
     torch = require_gpu()
-    kern = mhadsl.compile(SOURCE, name="decode_bench")["decode"]
+    program = mhadsl.compile(SOURCE, name="decode_bench")
+    kerns = {d: program[name] for d, name in KERNELS.items()}
+    kern = kerns[128]
     fa4 = fa4_fn(torch)
     print(f"decode, {datetime.date.today()}, {torch.cuda.get_device_name()}, bf16 D128; "
           f"TB/s of K and V read; FlashAttention-4 {'present' if fa4 else 'absent'}")
@@ -510,9 +526,13 @@ def main():
         for row in TABLE:
             table_row(torch, kern, fa4, *row, sweep=args.sweep, chunks=chunks)
         if not args.quick:
-            paged_rows(torch, kern)
+            paged_rows(torch, kerns)
             ragged_row(torch, kern)
             host_time(torch, kern)
+    if args.workload == "paged":
+        print("| shape, cache | mhadsl | vs contiguous |")
+        for B, Hq, Hkv, Sk, D in PAGED:
+            paged_rows(torch, kerns, B, Hq, Hkv, Sk, D, PAGE_SIZES)
     if args.workload in ("tails", "all"):
         runs = []
         print("heavy-tailed lengths, 1 query row, default split (lengths: --show-lengths)")

@@ -347,7 +347,8 @@ class FunctionLowering:
         if ty == F32 or a.type == f32:
             if op in ("==", "!=", "<", "<=", ">", ">="):
                 return B.fcmp_ordered(op, a, b)
-            return {"+": B.fadd, "-": B.fsub, "*": B.fmul, "/": B.fdiv}[op](a, b)
+            divide = (lambda x, y: nvptx.divide(B, x, y)) if self.gpu else B.fdiv
+            return {"+": B.fadd, "-": B.fsub, "*": B.fmul, "/": divide}[op](a, b)
         if op in ("==", "!=", "<", "<=", ">", ">="):
             return (B.icmp_signed if signed else B.icmp_unsigned)(op, a, b)
         if op in ("/", "%"):
@@ -474,8 +475,7 @@ class FunctionLowering:
 
     @property
     def gpu(self) -> bool:
-        """Whether f32 math lowers to the GPU's approximations
-        (`mhadsl.front.builtin_functions`)."""
+        """Whether f32 math lowers to the GPU's fast math (`builtin_functions`, `nvptx.divide`)."""
         return self.builtins.gpu
 
     def intrinsic(self, name: str, *args: ir.Value) -> ir.Value:

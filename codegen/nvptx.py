@@ -5,12 +5,15 @@ the scheduler lowering and the attention kernel share one vocabulary.
 """
 from __future__ import annotations
 
+import math
+
 from llvmlite import ir
 
 GENERIC, GLOBAL, SHARED, CONSTANT, LOCAL = 0, 1, 3, 4, 5
 
 i1, i8, i16, i32, i64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 f32 = ir.FloatType()
+FLT_MIN, FLT_MAX = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127  # f32's normal range
 void = ir.VoidType()
 
 
@@ -44,6 +47,17 @@ def call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -
     fn = intrinsic(builder.module, name, ret, [a.type for a in args])
     return builder.call(fn, args)
 
+
+
+def divide(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
+    """f32 `a / b` as fast-math GPU code divides, not by the IEEE division's subroutine: by a
+    constant whose reciprocal is a normal float, a multiplication by that reciprocal (LLVM's
+    `arcp`); otherwise `div.full.f32` (at most 2 ulp, the full range)."""
+    if isinstance(b, ir.Constant):
+        reciprocal = 1.0 / b.constant if b.constant else math.inf
+        if math.isfinite(reciprocal) and FLT_MIN <= abs(reciprocal) <= FLT_MAX:
+            return builder.fdiv(a, b, flags=("arcp",))
+    return call(builder, "llvm.nvvm.div.full", f32, [a, b])
 
 # ----------------------------------------------------------------- special registers
 SPECIAL_REGISTERS = {

@@ -9,6 +9,8 @@ import subprocess
 import pytest
 from llvmlite import ir
 
+import mhadsl
+
 from mhadsl.codegen.backends import sm80 as A
 from mhadsl.codegen.target import emit_ptx, gpu_target, optimize
 
@@ -134,3 +136,20 @@ def test_score_hook_and_custom_work_loop():
     for instruction in ("bar.sync", "cp.async.cg.shared.global", "ldmatrix.sync",
                         "mma.sync.aligned", "ex2.approx"):
         assert two.count(instruction) == 2 * one.count(instruction) > 0, instruction
+
+
+def test_a_score_divides_with_fast_math_on_the_gpu():
+    """A division by a constant is a multiplication by its reciprocal and one by a run-time
+    value `div.full.f32`: never the IEEE division's subroutine (`div.rn.f32`), which cost a
+    softcapped score a tenth of its speed."""
+    program = mhadsl.compile('''
+        attention by_constant { dtype = bf16  head_dim = 64
+            score(s, b, h, q_idx, kv_idx) = 30.0 * tanh(s / 30.0) }
+        attention by_operand(cap: f32 = 30.0) { dtype = bf16  head_dim = 64
+            score(s, b, h, q_idx, kv_idx) = cap * tanh(s / cap) }''')
+    for arch in ARCHS:
+        by_constant = program["by_constant"].build(arch, backend="sm80").ptx
+        by_operand = program["by_operand"].build(arch, backend="sm80").ptx
+        assert "div.rn.f32" not in by_constant + by_operand
+        assert "div.full.f32" not in by_constant and "0f3D088889" in by_constant  # 1 / 30
+        assert by_operand.count("div.full.f32") == by_operand.count("tanh.approx.f32") > 0

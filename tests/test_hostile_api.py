@@ -467,3 +467,8 @@ def test_an_argument_of_the_wrong_type_is_a_type_error_naming_it(kernel, call, a
     with pytest.raises(TypeError) as info:
         call(kernel)
     assert argument in str(info.value)
+
+
+def test_a_build_without_a_group_takes_the_declared_one(program, kernel):
+    assert program["grouped"].config(arch="sm_80").gqa_group == 4
+    assert kernel.config(arch="sm_80").gqa_group == 1

@@ -185,7 +185,7 @@ class Kernel:
         return self.trace_workspace if self.trace else None
 
     # ---------------------------------------------------------------- builds
-    def config(self, *, gqa_group: int = 1, ragged: bool = False, return_lse: bool = False,
+    def config(self, *, gqa_group: int | None = None, ragged: bool = False, return_lse: bool = False,
                arch: str = "sm_90a", backend: str | None = None,
                cache: CacheLayout | None = None):
         """The build a call of this layout selects (its key; see `build` for the tile)."""
@@ -225,8 +225,10 @@ class Kernel:
 
     def _group(self, gqa_group) -> int:
         """A build's GQA group: query heads per K/V head, as a call's tensors could have
-        them (fewer than 2**31 query heads, the kernels' int32) and the declaration allows."""
-        group = check_integer(gqa_group, "gqa_group")
+        them (fewer than 2**31 query heads, the kernels' int32) and the declaration allows;
+        None: the declared `gqa`, else 1."""
+        group = self.options.gqa or 1 if gqa_group is None else check_integer(gqa_group,
+                                                                              "gqa_group")
         if not 1 <= group < INT32_LIMIT:
             raise ValueError(f"gqa_group must be from 1 to 2**31 - 1, got {group}")
         declared, kv_heads = self.options.gqa, self.options.kv_heads
@@ -263,7 +265,7 @@ class Kernel:
                 design.scheduler_of(self.options, config)
         return SchedulerSpec(*scheduler, tile_m, group)
 
-    def build(self, arch: str = "sm_90a", *, gqa_group: int = 1, ragged: bool = False,
+    def build(self, arch: str = "sm_90a", *, gqa_group: int | None = None, ragged: bool = False,
               return_lse: bool = False, backend: str | None = None,
               cache: CacheLayout | None = None, backward: bool = False,
               deterministic: bool = False, operand_grads: bool = False) -> KernelBuild:
@@ -317,7 +319,7 @@ class Kernel:
                         max_seqlen_k=max_seqlen_k, scale=scale, deterministic=deterministic,
                         operand_grads=operand_grads, **operands)
 
-    def backward_build(self, arch: str = "sm_90a", *, gqa_group: int = 1,
+    def backward_build(self, arch: str = "sm_90a", *, gqa_group: int | None = None,
                        ragged: bool = False, deterministic: bool = False,
                        operand_grads: bool = False) -> KernelBuild:
         """The backward pass's kernels for `arch` (LLVM IR, PTX, and with ptxas the cubin);
