@@ -1,15 +1,22 @@
 """Benchmark: the backward pass, side by side in one process with cuDNN and
-flash through torch SDPA and, when installed, FlashAttention-4.
+flash through torch SDPA and, when installed, FlashAttention-4; score rules (softcap, ALiBi)
+against FlexAttention's backward of the same `score_mod`.
 
-    python benchmarks/backward.py
+    python benchmarks/backward.py                    # every row
+    python benchmarks/backward.py --only wide,d256   # the rows of these groups (ROWS' first field)
+    python benchmarks/backward.py --scores           # the score rules' rows only
+    python benchmarks/backward.py --runs 3           # each row timed three times
 
 TFLOP/s = 2.5 x the forward's FLOPs (4 B H Sq Sk D, halved under a causal mask) / the median
 backward time (`mhadsl.host.bench.time_side_by_side`: every column timed in turn over rounds).
 mhadsl's gradients, atomic and deterministic (`deterministic=True`), are checked against
 SDPA's (math backend, fp32) first; each peer's against mhadsl's. Each row ends with the main
 kernel's build (its design, `backward_sm90` on the H200 for atomic dense calls, and query rows
-per step: `BackwardConfig.block_m`) of either mode.
+per step: `BackwardConfig.block_m`) of either mode. The score rows check mhadsl's gradients
+against the float64 reference's (`mhadsl.reference_backward`) and FlexAttention's against
+mhadsl's; FlexAttention runs torch.compile'd with its causal block mask built before timing.
 """
+import argparse
 import datetime
 
 import mhadsl
@@ -19,13 +26,28 @@ SOURCE = """
 import "std/schedulers.mha"
 attention plain { dtype = bf16  head_dim = 128 }
 attention causal { dtype = bf16  head_dim = 128  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention plain_d64 { dtype = bf16  head_dim = 64 }
 attention causal_d64 { dtype = bf16  head_dim = 64  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention causal_d256 { dtype = bf16  head_dim = 256  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention softcap { dtype = bf16  head_dim = 128  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx
+                    score(s, b, h, q_idx, kv_idx) = 30.0 * tanh(s / 30.0) }
+attention alibi { dtype = bf16  head_dim = 128  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx
+                  score(s, b, h, q_idx, kv_idx) = s - exp2(-1.0 - f32(h)) * f32(q_idx - kv_idx) }
 """
-ROWS = [  # kernel, B, Hq, Hkv, S, D
-    ("plain", 4, 16, 16, 4096, 128), ("causal", 4, 16, 16, 4096, 128),
-    ("causal_d64", 4, 32, 32, 4096, 64), ("causal", 4, 32, 8, 4096, 128),
-    ("causal", 1, 16, 16, 16384, 128),
+ROWS = [  # group, kernel, B, Hq, Hkv, S, D
+    ("dense", "plain", 4, 16, 16, 4096, 128), ("dense", "causal", 4, 16, 16, 4096, 128),
+    ("d64", "causal_d64", 4, 32, 32, 4096, 64), ("gqa", "causal", 4, 32, 8, 4096, 128),
+    ("long", "causal", 1, 16, 16, 16384, 128),
+    ("d256", "causal_d256", 2, 8, 8, 4096, 256), ("wide", "causal", 2, 48, 8, 4096, 128),
+    ("long", "plain", 2, 16, 16, 8192, 128), ("short", "causal", 16, 16, 16, 1024, 128),
+    ("d64", "plain_d64", 4, 32, 32, 4096, 64), ("gqa", "causal", 8, 32, 8, 2048, 128),
 ]
+SCORE_ROWS = [("softcap", 4, 16, 16, 4096, 128), ("alibi", 4, 16, 16, 4096, 128)]
+# each score rule as FlexAttention's score_mod
+FLEX_SCORES = {
+    "softcap": lambda s, b, h, q, kv: 30.0 * (s / 30.0).tanh(),
+    "alibi": lambda s, b, h, q, kv: s - (2.0 ** (-1.0 - h)) * (q - kv),
+}
 
 
 def relative(torch, got, want) -> float:
@@ -34,7 +56,7 @@ def relative(torch, got, want) -> float:
 
 def row(torch, program, name, B, Hq, Hkv, S, D):
     kern = program[name]
-    causal = name != "plain"
+    causal = not name.startswith("plain")
     q = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -73,7 +95,11 @@ def row(torch, program, name, B, Hq, Hkv, S, D):
         qf, kf, vf = (x.detach().requires_grad_() for x in (q, k, v))
         of = flash_attn_func(qf, kf, vf, causal=causal)[0]
         fns["fa4"] = lambda: torch.autograd.grad(of, (qf, kf, vf), dout, retain_graph=True)
+        fns["fa4"]()
     except ImportError:
+        fns["fa4"] = None
+    except Exception as err:  # noqa: BLE001 - a shape FlashAttention-4 does not take
+        print(f"  (fa4 unavailable: {type(err).__name__}: {str(err).splitlines()[0][:100]})")
         fns["fa4"] = None
     t = time_side_by_side(torch, fns)
     flops = 2.5 * 4 * B * Hq * S * S * D / (2 if causal else 1)
@@ -81,21 +107,81 @@ def row(torch, program, name, B, Hq, Hkv, S, D):
     builds = [kern.backward_build(gqa_group=Hq // Hkv, deterministic=d) for d in (False, True)]
     # (the builds the calls loaded, from the cache): design and query step of either mode
     steps = "/".join(f"{b.backend} m{b.config.block_m}" for b in builds)
+    best = max(tf.get(n) or 0 for n in ("cudnn", "fa4", "flash"))
+    vs_best = f"{tf['mhadsl'] / best:.3f}x" if best else "—"
     print(f"| B{B} H{Hq}:{Hkv} S{S} D{D} {'causal' if causal else 'plain'} | "
           f"**{tf['mhadsl']:.0f}** | {tf['deterministic']:.0f} | "
           + " | ".join(f"{tf[n]:.0f}" if tf.get(n) else "—" for n in ("cudnn", "fa4", "flash"))
-          + f" | {max(errors):.1e} | {steps} |", flush=True)
+          + f" | {vs_best} | {tf['deterministic'] / tf['mhadsl']:.2f} | {max(errors):.1e} | "
+          f"{steps} |",
+          flush=True)
+
+
+def score_row(torch, program, name, B, Hq, Hkv, S, D):
+    """A score rule's backward (causal) against FlexAttention's of the same score_mod."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    kern = program[name]
+    q = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    out, lse = kern(q, k, v, return_lse=True)
+    ours = kern.backward(q, k, v, out, lse, dout)
+    small = [x[:1, :512].contiguous() for x in (q, k, v, dout)]  # the float64 check's size
+    o1, l1 = kern(*small[:3], return_lse=True)
+    want = mhadsl.reference_backward(kern, *small)
+    got = kern.backward(*small[:3], o1, l1, small[3])
+    error = max(relative(torch, g, torch.as_tensor(w, device="cuda")) for g, w in zip(got, want))
+    assert error < 1e-2, f"{name}: gradients {error:.1e} from float64"
+    qf, kf, vf = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+    block_mask = torch.compile(create_block_mask)(lambda b, h, qi, kv: kv <= qi, None, None, S,
+                                                  S, device="cuda")
+    of = torch.compile(flex_attention, dynamic=False)(
+        qf, kf, vf, score_mod=FLEX_SCORES[name], block_mask=block_mask,
+        scale=kern.options.softmax_scale(), enable_gqa=Hq != Hkv)
+    flex_grads = torch.autograd.grad(of, (qf, kf, vf), dout.transpose(1, 2), retain_graph=True)
+    agree = relative(torch, flex_grads[0].transpose(1, 2), ours[0]) < 2e-2
+    fns = {"mhadsl": lambda: kern.backward(q, k, v, out, lse, dout),
+           "flex": (lambda: torch.autograd.grad(of, (qf, kf, vf), dout.transpose(1, 2),
+                                                retain_graph=True)) if agree else None}
+    t = time_side_by_side(torch, fns)
+    flops = 2.5 * 4 * B * Hq * S * S * D / 2
+    tf = {n: None if x is None else flops / (x.ms * 1e-3) / 1e12 for n, x in t.items()}
+    flex = f"{tf['flex']:.0f} | {tf['mhadsl'] / tf['flex']:.2f}x" if tf["flex"] else "— | —"
+    print(f"| {name}, B{B} H{Hq}:{Hkv} S{S} D{D} causal | **{tf['mhadsl']:.0f}** | {flex} | "
+          f"{error:.1e} |", flush=True)
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    groups = sorted({r[0] for r in ROWS})
+    parser.add_argument("--only", help=f"comma-separated row groups ({', '.join(groups)})")
+    parser.add_argument("--scores", action="store_true", help="the score rules' rows only")
+    parser.add_argument("--runs", type=int, default=1, help="time each row this many times")
+    cli = parser.parse_args()
+    only = set(cli.only.split(",")) if cli.only else set(groups)
+    if only - set(groups):
+        parser.error(f"--only: no group {', '.join(sorted(only - set(groups)))} "
+                     f"(the groups: {', '.join(groups)})")
+    if cli.runs < 1:
+        parser.error(f"--runs {cli.runs}: at least 1")
     torch = require_gpu()
     program = mhadsl.compile(SOURCE, name="backward_bench")
     print(f"backward, {datetime.date.today()}, {torch.cuda.get_device_name()}, bf16; TFLOP/s "
           f"= 2.5 x forward FLOPs / time")
-    print("| shape | mhadsl | mhadsl deterministic | cuDNN | FA4 | torch flash | max relative "
-          "error vs SDPA math | main kernel's design and query step |")
-    for spec in ROWS:
-        row(torch, program, *spec)
+    if not cli.scores:
+        print("| shape | mhadsl | mhadsl deterministic | cuDNN | FA4 | torch flash | vs best "
+              "peer | deterministic / atomic | max relative error vs SDPA math | main "
+              "kernel's design and query step |")
+        for group, *spec in ROWS:
+            for _ in range(cli.runs if group in only else 0):
+                row(torch, program, *spec)
+    if cli.scores or not cli.only:
+        print("| score rule | mhadsl | FlexAttention | vs FlexAttention | max relative error "
+              "vs float64 (B1 S512) |")
+        for spec in SCORE_ROWS:
+            for _ in range(cli.runs):
+                score_row(torch, program, *spec)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ attention decode_d256 { dtype = bf16  head_dim = 256
 KERNELS = {128: "decode", 64: "decode_d64", 256: "decode_d256"}
 TABLE = [  # B, Hq, Hkv, Sq, Sk
     (32, 32, 8, 1, 8192), (8, 32, 8, 1, 32768), (64, 32, 8, 1, 2048), (32, 32, 4, 1, 8192),
-    (32, 32, 8, 16, 8192), (1, 32, 8, 1, 131072),
+    (32, 32, 8, 16, 8192), (1, 32, 8, 1, 131072), (32, 32, 1, 1, 8192), (16, 64, 8, 1, 16384),
 ]
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 TAILS = [  # B, Hq, Hkv: 1 query row, pages of TAIL_PAGE rows, lengths from tail_lengths(B)
