@@ -27,8 +27,10 @@ def test_examples_cover_the_promised_variants():
 # lookups (binary search over cu_seqlens' tile prefix sums) under LPT moved two of them onto
 # the fallback and softcap_causal off it (the dense sliding window too); the work loop's
 # zeroed SeqInfo after the last advance (fewer registers live) moved the sliding window's,
-# and K's rows taken from Q's where a call passes one offsets tensor moved it back.
-NARROW_TILE_BUILDS = {(name, "sm_90a", True) for name in ("causal_fwd", "gqa_causal")}
+# and K's rows taken from Q's where a call passes one offsets tensor moved it back;
+# softcap_causal's returned with its division by a constant taken as a multiplication.
+NARROW_TILE_BUILDS = {(name, "sm_90a", True)
+                      for name in ("causal_fwd", "gqa_causal", "softcap_causal")}
 # A mask or score that reads a tensor at every element (a relative-position bias table, a
 # document id per position) holds its loads' registers: the narrow KV tile, and for the
 # bias table on sm_90a half the query rows too.
