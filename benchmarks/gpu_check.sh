@@ -4,7 +4,8 @@
 # compute-sanitizer over every design, and the benchmark tables (both designs
 # side by side, the default design's, tile variants; the default scheduler against the
 # standard ones; decode on uniform and heavy-tailed
-# batches; token generation with a small model; packed documents; a learned score tensor's
+# batches, paged against contiguous caches; the backward pass and its score rules against
+# FlexAttention; token generation with a small model; packed documents; a learned score tensor's
 # gradient; an FP8 cache and a serving step's pieces). Logs go to $1 (default gpu-check/).
 #     bash benchmarks/gpu_check.sh [LOG_DIR]
 set -uo pipefail
@@ -37,6 +38,8 @@ python3 benchmarks/schedulers.py --runs 3 --control --json "$logs/schedulers.jso
     | tee "$logs/schedulers.log" | tail -16 || status=1
 python3 benchmarks/tiles.py 2>&1 | tee "$logs/tiles.log" | tail -18 || status=1
 python3 benchmarks/decode.py --workload all --chunks-per-sm 1,2,4 2>&1 | tee "$logs/decode.log" | tail -24 || status=1
+python3 benchmarks/decode.py --workload paged 2>&1 | tee "$logs/decode_paged.log" | tail -26 || status=1
+python3 benchmarks/backward.py 2>&1 | tee "$logs/backward.log" | tail -16 || status=1
 python3 benchmarks/generate.py 2>&1 | tee "$logs/generate.log" | tail -24 || status=1
 python3 benchmarks/documents.py 2>&1 | tee "$logs/documents.log" | tail -8 || status=1
 python3 benchmarks/operand_grads.py 2>&1 | tee "$logs/operand_grads.log" | tail -12 || status=1
