@@ -11,6 +11,7 @@ from llvmlite import ir
 
 import mhadsl
 
+from mhadsl.codegen.backends import CacheLayout
 from mhadsl.codegen.backends import sm80 as A
 from mhadsl.codegen.target import emit_ptx, gpu_target, optimize
 
@@ -153,3 +154,7 @@ def test_a_score_divides_with_fast_math_on_the_gpu():
         assert "div.rn.f32" not in by_constant + by_operand
         assert "div.full.f32" not in by_constant and "0f3D088889" in by_constant  # 1 / 30
         assert by_operand.count("div.full.f32") == by_operand.count("tanh.approx.f32") > 0
+    # the backward's derivative and the decode kernel lower the same rule
+    for build in (program["by_constant"].build("sm_90a", backward=True),
+                  program["by_operand"].build("sm_90a", cache=CacheLayout())):
+        assert "div.rn.f32" not in build.ptx and "tanh.approx.f32" in build.ptx
