@@ -48,7 +48,6 @@ def call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -
     return builder.call(fn, args)
 
 
-
 def divide(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
     """f32 `a / b` as fast-math GPU code divides, not by the IEEE division's subroutine: by a
     constant whose reciprocal is a normal float, a multiplication by that reciprocal (LLVM's
@@ -58,6 +57,7 @@ def divide(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
         if math.isfinite(reciprocal) and FLT_MIN <= abs(reciprocal) <= FLT_MAX:
             return builder.fdiv(a, b, flags=("arcp",))
     return call(builder, "llvm.nvvm.div.full", f32, [a, b])
+
 
 # ----------------------------------------------------------------- special registers
 SPECIAL_REGISTERS = {

@@ -185,8 +185,8 @@ class Kernel:
         return self.trace_workspace if self.trace else None
 
     # ---------------------------------------------------------------- builds
-    def config(self, *, gqa_group: int | None = None, ragged: bool = False, return_lse: bool = False,
-               arch: str = "sm_90a", backend: str | None = None,
+    def config(self, *, gqa_group: int | None = None, ragged: bool = False,
+               return_lse: bool = False, arch: str = "sm_90a", backend: str | None = None,
                cache: CacheLayout | None = None):
         """The build a call of this layout selects (its key; see `build` for the tile)."""
         layout = self._layout(arch, backend, gqa_group, ragged, return_lse, cache)
@@ -227,8 +227,8 @@ class Kernel:
         """A build's GQA group: query heads per K/V head, as a call's tensors could have
         them (fewer than 2**31 query heads, the kernels' int32) and the declaration allows;
         None: the declared `gqa`, else 1."""
-        group = self.options.gqa or 1 if gqa_group is None else check_integer(gqa_group,
-                                                                              "gqa_group")
+        group = (self.options.gqa or 1) if gqa_group is None else \
+            check_integer(gqa_group, "gqa_group")
         if not 1 <= group < INT32_LIMIT:
             raise ValueError(f"gqa_group must be from 1 to 2**31 - 1, got {group}")
         declared, kv_heads = self.options.gqa, self.options.kv_heads
