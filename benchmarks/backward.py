@@ -54,6 +54,12 @@ def relative(torch, got, want) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
+def tflops(timings: dict, B, Hq, S, D, causal: bool) -> dict:
+    """Each column's TFLOP/s (None: not timed): 2.5 x the forward's FLOPs over its time."""
+    flops = 2.5 * 4 * B * Hq * S * S * D / (2 if causal else 1)
+    return {n: None if x is None else flops / (x.ms * 1e-3) / 1e12 for n, x in timings.items()}
+
+
 def row(torch, program, name, B, Hq, Hkv, S, D):
     kern = program[name]
     causal = not name.startswith("plain")
@@ -101,9 +107,7 @@ def row(torch, program, name, B, Hq, Hkv, S, D):
     except Exception as err:  # noqa: BLE001 - a shape FlashAttention-4 does not take
         print(f"  (fa4 unavailable: {type(err).__name__}: {str(err).splitlines()[0][:100]})")
         fns["fa4"] = None
-    t = time_side_by_side(torch, fns)
-    flops = 2.5 * 4 * B * Hq * S * S * D / (2 if causal else 1)
-    tf = {n: None if x is None else flops / (x.ms * 1e-3) / 1e12 for n, x in t.items()}
+    tf = tflops(time_side_by_side(torch, fns), B, Hq, S, D, causal)
     builds = [kern.backward_build(gqa_group=Hq // Hkv, deterministic=d) for d in (False, True)]
     # (the builds the calls loaded, from the cache): design and query step of either mode
     steps = "/".join(f"{b.backend} m{b.config.block_m}" for b in builds)
@@ -144,9 +148,7 @@ def score_row(torch, program, name, B, Hq, Hkv, S, D):
     fns = {"mhadsl": lambda: kern.backward(q, k, v, out, lse, dout),
            "flex": (lambda: torch.autograd.grad(of, (qf, kf, vf), dout.transpose(1, 2),
                                                 retain_graph=True)) if agree else None}
-    t = time_side_by_side(torch, fns)
-    flops = 2.5 * 4 * B * Hq * S * S * D / 2
-    tf = {n: None if x is None else flops / (x.ms * 1e-3) / 1e12 for n, x in t.items()}
+    tf = tflops(time_side_by_side(torch, fns), B, Hq, S, D, causal=True)
     flex = f"{tf['flex']:.0f} | {tf['mhadsl'] / tf['flex']:.2f}x" if tf["flex"] else "— | —"
     print(f"| {name}, B{B} H{Hq}:{Hkv} S{S} D{D} causal | **{tf['mhadsl']:.0f}** | {flex} | "
           f"{error:.1e} |", flush=True)

@@ -10,7 +10,6 @@ import pytest
 from llvmlite import ir
 
 import mhadsl
-
 from mhadsl.codegen.backends import CacheLayout
 from mhadsl.codegen.backends import sm80 as A
 from mhadsl.codegen.target import emit_ptx, gpu_target, optimize
