@@ -11,6 +11,7 @@ import pytest
 from llvmlite import binding, ir
 
 import mhadsl
+from mhadsl.abi import CallSizes
 from mhadsl.analysis.simulate import Batch, simulate
 from mhadsl.analysis.valid_work import balanced_splits
 from mhadsl.codegen.assemble import find_ptxas
@@ -263,6 +264,27 @@ def test_which_calls_split_by_the_lengths():
     even = default.config(gqa_group=4, cache=CacheLayout(1, 0, 64))
     assert default.scheduler_spec(balanced, decode.BACKEND).name == "LPT"
     assert default.scheduler_spec(even, decode.BACKEND).name == "Transient"
+
+
+def test_a_balanced_launch_plans_a_cta_for_each_chunk():
+    """Where the splits follow the lengths the launch plans `kv_slots / num_sms` CTAs a
+    multiprocessor (at most as many as fit): a uniform batch's work tiles, about
+    `kv_slots`, then fill every multiprocessor evenly. The default scheduler's grid follows
+    (LPT: num_sms x ctas_per_sm); a fixed split keeps every CTA that fits."""
+    call = CallSizes(32, 32, 8, 1, 8192, 1, 8192, 32, False, 0.1, query_rows=1,
+                     cache_capacity=8192, num_splits=MAX_KV_SPLITS,
+                     kv_slots=CHUNKS_PER_SM * SMS)
+    kern = PROGRAM["causal"]
+    balanced = kern.config(gqa_group=4, cache=CacheLayout(1, 0, 32, balanced=True))
+    even = kern.config(gqa_group=4, cache=CacheLayout(1, 0, 32))
+    design = decode.BACKEND
+    assert design.resident_ctas(balanced, call, SMS, 4) == CHUNKS_PER_SM
+    assert design.resident_ctas(balanced, call, SMS, 1) == 1
+    assert design.resident_ctas(even, call, SMS, 4) == 4
+    host = kern.launcher.host_scheduler(balanced, design)
+    grid = host.grid(*design.work_space(balanced, call), SMS,
+                     design.resident_ctas(balanced, call, SMS, 4))
+    assert grid == (CHUNKS_PER_SM * SMS, 1, 1)
 
 
 def test_short_caches_take_the_hosts_split_count():

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 import mhadsl
+from mhadsl.codegen.backends.decode import SPLITS_NAME
+from mhadsl.host.serving import CHUNKS_PER_SM
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -178,6 +180,14 @@ def test_heavy_tails(page_size, kv_heads, sq):
     check(c, queries((32, sq)))
     assert balanced_build(KERN, page_size, HQ // kv_heads, sq), \
         "the default path loaded no build whose splits follow the lengths"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if kv_heads == 8 and sq == 1 and page_size != 16 and 32 * 8 >= 1.5 * sms:
+        # 256 16-row work tiles take two-warp CTAs, several of which fit a multiprocessor
+        # (`serving.kv_tile`); the launch plans a CTA for each chunk the split aims at
+        grids = {planned.plans[-1].grid for planned in KERN.launcher.fast_plans.values()
+                 if planned.plans[-1].threads == 64
+                 and any(p.function.name == SPLITS_NAME for p in planned.plans)}
+        assert grids == {(CHUNKS_PER_SM * sms, 1, 1)}
 
 
 @pytest.mark.parametrize("page_size", [None, 16, 64])

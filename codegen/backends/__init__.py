@@ -401,6 +401,11 @@ class Backend(ABC):
         """The design's own `CallValue`s for a call, beyond `CallSizes.values`."""
         return {}
 
+    def resident_ctas(self, config, call: CallSizes, num_sms: int, fit: int) -> int:
+        """The scheduled kernel's CTAs a multiprocessor that a call plans for (the value of
+        `ctas_per_sm`, host and device alike), of the `fit` that fit on one: all of them."""
+        return fit
+
     def scratch(self, config, call: CallSizes) -> dict[str, int]:
         """Bytes of each scratch buffer (a `Pointer` or `Workspace` parameter the call does
         not pass) a call needs."""

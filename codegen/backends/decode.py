@@ -1457,6 +1457,17 @@ class Decode(Backend):
                 "k_scale": call.kv_scales[0], "v_scale": call.kv_scales[1],
                 "kv_slots": call.kv_slots}
 
+    def resident_ctas(self, config: DecodeConfig, call: CallSizes, num_sms: int,
+                      fit: int) -> int:
+        """Balanced, a CTA for each chunk the split aims at (`kv_slots`), where they fit: a
+        uniform batch's work tiles then number about its CTAs. Resident CTAs beyond the
+        work tiles cost the launch its balance: the block dispatcher fills some
+        multiprocessors with several of the first CTAs, which take the work tiles, while
+        others hold one (benchmarks/log/BENCHMARKS_LOG.md, decode split placement)."""
+        if not config.balanced:
+            return fit
+        return max(1, min(fit, -(-call.kv_slots // max(num_sms, 1))))
+
     def work_space(self, config: DecodeConfig, call: CallSizes) -> tuple[int, int, int, int]:
         """Up to `work_tiles` (query-row tile x KV split) prompt tiles per (sequence, K/V
         head): `_scheduler_view`."""

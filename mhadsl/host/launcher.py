@@ -125,8 +125,9 @@ class Launcher:
     def values(self, loaded: Loaded, call: CallSizes) -> dict:
         """The `CallValue`s of a call of these sizes: the shared ones, the design's, the
         device's, and the sizes of its tile classes where it makes them."""
-        num_sms, ctas_per_sm = self.occupancy(loaded)
+        num_sms, fit = self.occupancy(loaded)
         config, options = loaded.config, self.kernel.options
+        ctas_per_sm = loaded.design.resident_ctas(config, call, num_sms, fit)
         values = {**call.values(), **loaded.design.call_values(config, call),
                   "num_sms": num_sms, "ctas_per_sm": ctas_per_sm}
         if classifies_per_call(options, loaded.layout.workload):
