@@ -104,6 +104,7 @@ class LaunchPlan:
                  tile_index=None, tile_offsets: str = "cu_seqlens_q"):
         self.function, self.grid, self.threads = function, grid, threads
         self.shared_bytes, self.device = shared_bytes, device
+        self.ctas_per_sm = values.get("ctas_per_sm")  # what the grid was planned for
         self.block = ParamBlock(abi)
         self._tile_index, self._tile_offsets = tile_index, tile_offsets
         # (tensor or workspace name, the block's word of its address)

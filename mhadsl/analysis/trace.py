@@ -230,10 +230,10 @@ def run_trace(program: Program, kernel: str, workload: Workload, *, scheduler: s
     tiles_bound = sum(-(-n // 16) for n in w.lengths) * w.heads  # any tile height >= 16
     records, written, ms_untraced, ms_traced = _record(torch, plain, traced, inputs,
                                                        tiles_bound, reps)
-    loaded, ctas_per_sm = _traced_build(traced)
+    planned, = traced.launcher.plans.values()  # (the one call signature it ran)
+    loaded, ctas_per_sm = _traced_build(traced, planned)
     config = loaded.config
     spec = traced.scheduler_spec(config, loaded.design)
-    planned, = traced.launcher.plans.values()  # (the one call signature it ran)
     grid = planned.plans[-1].grid
     run = TraceRun(kernel, spec.name, spec.args, workload, info.name, loaded.design.name,
                    loaded.build.arch, config.block_m, config.block_n,
@@ -277,11 +277,11 @@ def _record(torch, plain: Kernel, traced: Kernel, inputs: dict, items_bound: int
     return records, written, ms_untraced, ms_traced
 
 
-def _traced_build(traced: Kernel):
-    """(the loaded build, CTAs of it per multiprocessor) of the one build a traced kernel
-    ran."""
+def _traced_build(traced: Kernel, planned) -> tuple:
+    """(the loaded build, CTAs of it per multiprocessor its launch planned for) of the one
+    build a traced kernel ran, by `planned`, its call signature's plan."""
     loaded, = traced.launcher.loaded.values()
-    return loaded, traced.launcher.occupancy(loaded)[1]
+    return loaded, planned.plans[-1].ctas_per_sm
 
 
 # ------------------------------------------------------------------ decode with split-KV
@@ -452,7 +452,7 @@ def run_decode_trace(program: Program, kernel: str, workload: DecodeWorkload, *,
     records, written, ms_untraced, ms_traced = _record(
         torch, plain, traced, inputs, records_bound, reps)
     planned, = traced.launcher.fast_plans.values()
-    loaded, ctas_per_sm = _traced_build(traced)
+    loaded, ctas_per_sm = _traced_build(traced, planned)
     config = loaded.config
     spec = traced.scheduler_spec(config, loaded.design)
     by_length = () if not config.balanced else tuple(balanced_splits(
