@@ -10,8 +10,7 @@ import pytest
 from llvmlite import ir
 
 import mhadsl
-from mhadsl.codegen.backends import CacheLayout
-from mhadsl.codegen.backends import sm80 as A
+from mhadsl.codegen.backends import CacheLayout, sm80 as A
 from mhadsl.codegen.target import emit_ptx, gpu_target, optimize
 
 PTXAS = shutil.which("ptxas")

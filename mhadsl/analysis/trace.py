@@ -231,7 +231,7 @@ def run_trace(program: Program, kernel: str, workload: Workload, *, scheduler: s
     records, written, ms_untraced, ms_traced = _record(torch, plain, traced, inputs,
                                                        tiles_bound, reps)
     planned, = traced.launcher.plans.values()  # (the one call signature it ran)
-    loaded, ctas_per_sm = _traced_build(traced, planned)
+    loaded, ctas_per_sm = _traced_build(traced), planned.plans[-1].ctas_per_sm
     config = loaded.config
     spec = traced.scheduler_spec(config, loaded.design)
     grid = planned.plans[-1].grid
@@ -277,11 +277,10 @@ def _record(torch, plain: Kernel, traced: Kernel, inputs: dict, items_bound: int
     return records, written, ms_untraced, ms_traced
 
 
-def _traced_build(traced: Kernel, planned) -> tuple:
-    """(the loaded build, CTAs of it per multiprocessor its launch planned for) of the one
-    build a traced kernel ran, by `planned`, its call signature's plan."""
+def _traced_build(traced: Kernel):
+    """The one build a traced kernel ran, loaded."""
     loaded, = traced.launcher.loaded.values()
-    return loaded, planned.plans[-1].ctas_per_sm
+    return loaded
 
 
 # ------------------------------------------------------------------ decode with split-KV
@@ -452,7 +451,7 @@ def run_decode_trace(program: Program, kernel: str, workload: DecodeWorkload, *,
     records, written, ms_untraced, ms_traced = _record(
         torch, plain, traced, inputs, records_bound, reps)
     planned, = traced.launcher.fast_plans.values()
-    loaded, ctas_per_sm = _traced_build(traced, planned)
+    loaded, ctas_per_sm = _traced_build(traced), planned.plans[-1].ctas_per_sm
     config = loaded.config
     spec = traced.scheduler_spec(config, loaded.design)
     by_length = () if not config.balanced else tuple(balanced_splits(
