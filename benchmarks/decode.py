@@ -7,6 +7,7 @@ cuDNN and flash through torch SDPA and, when installed, FlashAttention-4.
     python benchmarks/decode.py --workload paged    # paged against contiguous, shapes x pages
     python benchmarks/decode.py --workload all      # table and tails
     python benchmarks/decode.py --show-lengths      # the heavy-tailed lengths (no GPU needed)
+    python benchmarks/decode.py --quick --sweep --kernels  # each row's kernels and gaps, µs
 
 Bandwidth is bytes of K and V read (each K/V head once: B x Hkv x Sk x D x 2 x 2 bytes, the
 sequences' own lengths on the ragged and heavy-tailed rows) over the kernel's median time
@@ -37,7 +38,7 @@ import sys
 import numpy as np
 
 import mhadsl
-from mhadsl.host.bench import require_gpu, source_commit, time_side_by_side
+from mhadsl.host.bench import kernel_times, require_gpu, source_commit, time_side_by_side
 
 sys.path.insert(0, "benchmarks")
 
@@ -141,7 +142,14 @@ def chunk_column(torch, fns: dict, nbytes: int) -> str:
                            for n in ranked) + " |"
 
 
-def table_row(torch, kern, fa4, B, Hq, Hkv, Sq, Sk, sweep: bool, chunks=()):
+def kernels_line(torch, fns: dict) -> str:
+    """Each call's kernels and the idle time before them (`kernel_times`), µs."""
+    return "; ".join(f"{name}: " + ", ".join(f"{k} {us:.1f}" for k, us in
+                                            kernel_times(torch, fn).items())
+                     for name, fn in fns.items())
+
+
+def table_row(torch, kern, fa4, B, Hq, Hkv, Sq, Sk, sweep: bool, chunks=(), kernels=False):
     q = torch.randn(B, Sq, Hq, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, Sk, Hkv, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -171,6 +179,9 @@ def table_row(torch, kern, fa4, B, Hq, Hkv, Sq, Sk, sweep: bool, chunks=()):
         line += chunk_column(torch, chunk_variants(
             lambda kn: kn(q, k, v, cache_seqlens=lens, out=out), chunks), nbytes)
     print(line, flush=True)
+    if kernels:
+        fns = {"default": ours, **({f"{best} splits": lambda: ours(best)} if sweep else {})}
+        print(f"  kernels, µs: {kernels_line(torch, fns)}", flush=True)
     del q, k, v, out
 
 
@@ -497,6 +508,10 @@ def main():
                         help="print the heavy-tailed batches' lengths and exit (no GPU)")
     parser.add_argument("--json", metavar="FILE",
                         help="write the heavy-tailed rows in results.json's row format")
+    parser.add_argument("--kernels", action="store_true",
+                        help="under each table row, the default call's kernels and the idle "
+                        "time before each (CUPTI, median µs of 20 calls); with --sweep, the "
+                        "best fixed split's too")
     parser.add_argument("--chunks-per-sm", metavar="N,N,...", default="",
                         help="also time the default split at each of these chunks per "
                         "multiprocessor (serving.CHUNKS_PER_SM), side by side, e.g. 1,2,4")
@@ -524,7 +539,8 @@ def main():
               "splits |" + (" best splits (default/best time) |" if args.sweep else "")
               + (" chunks per SM: TB/s, best first |" if chunks else ""))
         for row in TABLE:
-            table_row(torch, kern, fa4, *row, sweep=args.sweep, chunks=chunks)
+            table_row(torch, kern, fa4, *row, sweep=args.sweep, chunks=chunks,
+                      kernels=args.kernels)
         if not args.quick:
             paged_rows(torch, kerns)
             ragged_row(torch, kern)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mhadsl.host.bench import time_ms, time_side_by_side
+from mhadsl.host.bench import kernel_times, time_ms, time_side_by_side
 
 
 class FakeGpu:
@@ -69,6 +69,54 @@ def test_side_by_side_ratios_follow_a_drifting_gpu():
     for ours, theirs in zip(times["ours"].round_ms, times["theirs"].round_ms):
         assert ours == pytest.approx(theirs, rel=0.02)
     assert times["ours"].ms == pytest.approx(times["theirs"].ms, rel=0.02)
+
+
+class FakeProfiler:
+    """torch with a profiler whose CUDA events come from the timed function: each call
+    launches `kernels` ((name, µs or a function giving them) pairs) after `gaps` (µs of
+    idle time before each)."""
+
+    def __init__(self, kernels, gaps):
+        self.kernels, self.gaps, self.clock, self.events = kernels, gaps, 0.0, []
+        fake = self
+        self.autograd = SimpleNamespace(DeviceType=SimpleNamespace(CUDA="cuda"))
+        self.cuda = SimpleNamespace(synchronize=lambda: None)
+
+        class Profile:
+            def __init__(self, activities):
+                assert activities == ["cuda"]
+
+            def __enter__(self):
+                fake.events = []
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def events(self):
+                host = SimpleNamespace(name="cudaLaunchKernel", device_type="cpu",
+                                       time_range=SimpleNamespace(start=0.0, end=1.0))
+                return [host, *reversed(fake.events)]  # any order: sorted by start
+
+        self.profiler = SimpleNamespace(profile=Profile,
+                                        ProfilerActivity=SimpleNamespace(CUDA="cuda"))
+
+    def call(self):
+        for (name, us), gap in zip(self.kernels, self.gaps):
+            start = self.clock + gap
+            self.clock = start + (us() if callable(us) else us)
+            self.events.append(SimpleNamespace(name=name, device_type="cuda",
+                                               time_range=SimpleNamespace(start=start,
+                                                                          end=self.clock)))
+
+
+def test_kernel_times_are_each_kernels_median_and_the_idle_time_before_it():
+    decode = iter([300.0, 300.0, 900.0, 300.0, 310.0, 290.0])  # a warm-up call, then 5
+    gpu = FakeProfiler([("splits", 2.5), ("decode", lambda: next(decode))], [1.5, 1.25])
+    times = kernel_times(gpu, gpu.call, calls=5)
+    assert list(times) == ["splits", "decode", "gap before decode", "gap before splits"]
+    assert times == {"splits": 2.5, "decode": 300.0, "gap before decode": 1.25,
+                     "gap before splits": 1.5}
 
 
 def test_hopper_benchmark_refuses_rows_it_does_not_have():

@@ -158,6 +158,29 @@ def time_side_by_side(torch, fns: dict, rounds: int = 5, warmup: int = 3,
             if name in samples else None for name in fns}
 
 
+def kernel_times(torch, fn, calls: int = 20) -> dict[str, float]:
+    """Where a call's GPU time goes: the median microseconds of each kernel `fn()` launches
+    (CUPTI's kernel times, through torch.profiler) over `calls` calls, in launch order, and
+    of the idle time before each (`"gap before NAME"`; before a call's first kernel, the
+    time since the call before it ended)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    gpu = torch.autograd.DeviceType.CUDA
+    kernels = sorted((e for e in prof.events() if e.device_type == gpu),
+                     key=lambda e: e.time_range.start)
+    samples: dict[str, list[float]] = {}
+    for event in kernels:
+        samples.setdefault(event.name, []).append(event.time_range.end - event.time_range.start)
+    for before, event in zip(kernels, kernels[1:]):
+        samples.setdefault(f"gap before {event.name}", []).append(
+            event.time_range.start - before.time_range.end)
+    return {name: statistics.median(x) for name, x in samples.items()}
+
+
 def _timed_runs(torch, fn, warmup: int, reps: int) -> list[float]:
     for _ in range(warmup):
         fn()
