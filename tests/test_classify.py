@@ -45,6 +45,8 @@ MASKS = {
     "bool_eq": "mask(b, h, q_idx, kv_idx) = ((kv_idx <= q_idx) == (b == 1)) != (h > 0)",
     "literals": "mask(b, h, q_idx, kv_idx) = where(q_idx > 10, 1, 2) + 3 < kv_idx - (7 - 10) / 2",
     "by_head": "mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx + h * 16 - b",
+    "literal_abs": "mask(b, h, q_idx, kv_idx) = "
+                   "kv_idx + abs(where(q_idx % 2 == 0, -300, 40)) <= q_idx + 100",
     "assign": "mask(b, h, q_idx, kv_idx) { var x = q_idx if x > kv_idx { x -= 1000 } "
               "return x == kv_idx }",
 }

@@ -218,9 +218,10 @@ def _interval_where(A, args, types, ty):
 
 
 def _interval_abs(A, args, types, ty):
+    ty = attention_type(ty)  # (abs of a `where` of literals computes in i32)
     if ty != I32:
-        return A.top(F32)  # abs of a u32 or f32 is not modelled: unknown
-    (v,) = args
+        return A.top(ty)  # abs of a u32 or f32 is not modelled: unknown
+    v = A.lift(args[0], ty)
     o = A.o
     zero = o.const(0)
     lo = o.select(o.le(zero, v.lo), v.lo, o.select(o.le(v.hi, zero), o.sub(zero, v.hi), zero))
