@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from llvmlite import ir
 
 from mhadsl.front.check import check_program
+from mhadsl.front.diagnostics import MhaError
 from mhadsl.analysis.classify import (
     I32_MAX, I32_MIN, classify_bounds, classify_tile, count_visited_kv_tiles, emit_classify,
     kv_band_tiles,
@@ -115,6 +116,51 @@ def test_sound_near_i32_limits(box):
     shift = I32_MAX - 3000
     big = {**box, "q_lo": box["q_lo"] + shift, "q_hi": box["q_hi"] + shift}
     check_sound("bottom_right", big, *classify_bounds(rule, program, **big))
+
+
+# Random masks from the i32 builtins and operators (ill-typed ones are diagnostics, skipped):
+# the classification must neither fail nor lie on them.
+ATOMS = ["b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k", "0", "1", "-3", "64", "300",
+         "where(q_idx > kv_idx, 3, -5)", "where(h > 1, 9, 4)"]
+
+
+@st.composite
+def integer_exprs(draw, depth: int = 3):
+    if depth == 0 or draw(st.integers(0, 3)) == 0:
+        return draw(st.sampled_from(ATOMS))
+    kind = draw(st.sampled_from(["binary", "call", "call2", "where", "neg"]))
+    a, b = draw(integer_exprs(depth - 1)), draw(integer_exprs(depth - 1))
+    if kind == "binary":
+        op = draw(st.sampled_from(["+", "-", "*", "/", "%", "&", "|", "^", "<<", ">>"]))
+        return f"({a} {op} {b})"
+    if kind == "call":
+        return f"{draw(st.sampled_from(['abs', 'i32', 'u32']))}({a})"
+    if kind == "call2":
+        return f"{draw(st.sampled_from(['min', 'max', 'cdiv']))}({a}, {b})"
+    if kind == "where":
+        return f"where({a} < {b}, {b}, {a})"
+    return f"-{a}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(left=integer_exprs(), right=integer_exprs(),
+       op=st.sampled_from(["==", "!=", "<", "<=", ">", ">="]), box=boxes(span=40))
+def test_sound_for_random_masks(left, right, op, box):
+    src = (f"attention a {{ dtype = bf16  head_dim = 128  "
+           f"mask(b, h, q_idx, kv_idx) = {left} {op} {right} }}")
+    try:
+        program = check_program(load_program(src, "t.mha", Path(".")), declaration_problems)
+    except MhaError:
+        return  # (a type error, or a constant the checker refuses)
+    rule = next(r for r in program.attentions["a"].rules if r.name == "mask")
+    may, must = classify_bounds(rule, program, **box)
+    grid = evaluate_rule(rule, program, b=box["b"], h=box["h"],
+                         q_idx=np.arange(box["q_lo"], box["q_hi"] + 1)[:, None],
+                         kv_idx=np.arange(box["kv_lo"], box["kv_hi"] + 1)[None, :],
+                         seqlen_q=box["seqlen_q"], seqlen_k=box["seqlen_k"])
+    grid = np.broadcast_to(grid, (box["q_hi"] - box["q_lo"] + 1, box["kv_hi"] - box["kv_lo"] + 1))
+    assert may or not grid.any(), f"called EMPTY, an element is kept: {src} {box}"
+    assert not must or grid.all(), f"called FULL, an element is dropped: {src} {box}"
 
 
 # ------------------------------------------------------------------ precision
