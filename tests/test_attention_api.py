@@ -63,9 +63,10 @@ def test_default_scale_scheduler_and_options():
     assert plain.options.scheduler == "Queued" and plain.options.dtype == "bf16"  # no mask
     masked = mhadsl.compile('import "std/schedulers.mha"\nattention c {\n'
                             '    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx\n}\n')["c"]
-    # a mask: Queued or longest tiles first, by the batch; the backward takes LPT
+    # a mask: Queued or longest tiles first, by the batch; the backward takes LPT, a head at
+    # a time
     assert masked.options.scheduler == "Adaptive"
-    assert masked.options.scheduler_for("backward") == ("LPT", ())
+    assert masked.options.scheduler_for("backward") == ("LPT", (("heads_per_section", 1),))
     assert plain.options.scheduler_for("backward") == ("Queued", ())
     assert plain.options.softmax_scale() == pytest.approx(128 ** -0.5)
     assert fp16.options.softmax_scale() == 0.125 and fp16.options.return_lse

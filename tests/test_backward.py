@@ -24,6 +24,7 @@ from mhadsl.codegen.backends.backward import (
 from mhadsl.codegen.kernel import backward_hooks
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.analysis.simulate import simulate
+from mhadsl.analysis.valid_work import tile_counts, valid_work_order
 from test_abi import offsets, ptx_params
 
 needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="ptxas not found")
@@ -133,6 +134,29 @@ def test_the_main_kernel_runs_the_declarations_scheduler(scheduler, queue):
     config = kern.backward_build("sm_80").config
     assert kern.scheduler_spec(config, BACKEND) == SchedulerSpec(scheduler, (), config.block_n,
                                                                  1)
+
+
+def test_a_masked_backward_by_default_runs_one_kv_head_at_a_time():
+    """A masked declaration's backward (no scheduler named) hands out its K/V tiles longest
+    first within sections of one K/V head: a K/V tile rereads its group's Q, dO and dQ rows,
+    and one head's stay in L2. LPT's default sections (sized by the forward's K and V) would
+    interleave two heads here."""
+    kern = mhadsl.compile('import "std/schedulers.mha"\nattention c { dtype = bf16\n'
+                          '    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }')["c"]
+    spec = kern.scheduler_spec(BackwardConfig(head_dim=128), BACKEND)
+    lengths, kv_heads = [4096] * 4, 8
+    counts = tile_counts(lengths, spec.tile_m)
+
+    def order(spec: SchedulerSpec) -> list:
+        one_cta = SchedulerSpec(spec.name, (("num_ctas", 1),) + spec.args, spec.tile_m, 1)
+        result = simulate(STD, one_cta, backward_work(lengths, kv_heads, spec.tile_m), ctas=1)
+        assert result.covered_exactly_once, result.message
+        return result.visits[0]
+
+    by_head = [(q * spec.tile_m, h, b)
+               for q, h, b in valid_work_order(counts, kv_heads, "LONGEST_FIRST", 1)]
+    assert spec.name == "LPT" and order(spec) == by_head
+    assert order(SchedulerSpec("LPT", (), spec.tile_m, 1)) != by_head
 
 
 def test_config_problems_name_the_setting():

@@ -118,6 +118,10 @@ UNMASKED_DEFAULT_SCHEDULER = "Queued"
 # The backward pass of a masked declaration that names no scheduler: its work tiles are K/V
 # tiles, whose cost under a causal mask falls with their index; LPT starts the longest first.
 BACKWARD_DEFAULT_SCHEDULER = "LPT"
+# ... in sections of one head: a K/V tile rereads its group's Q, dO and dQ rows for every
+# query tile, which the L2 budget of LPT's default sections (sized for the forward's K and V)
+# does not count; one head's rows at a time stay in L2.
+BACKWARD_DEFAULT_ARGS = (("heads_per_section", 1),)
 # Decode calls of a declaration that names no scheduler, with splits fixed per call: one
 # work tile per CTA. A decode launch rarely holds more work tiles than CTAs fit at once,
 # and every tile of a dense call costs the same, so a queue has nothing to balance, while
@@ -165,12 +169,12 @@ class AttentionOptions:
         "decode", "backward"): the one named, else the default: for decode calls
         DECODE_DEFAULT_SCHEDULER, or BALANCED_DECODE_SCHEDULER where a decode build's splits
         follow the lengths (`balanced`); for a masked declaration's backward
-        BACKWARD_DEFAULT_SCHEDULER."""
+        BACKWARD_DEFAULT_SCHEDULER with BACKWARD_DEFAULT_ARGS."""
         if not self.scheduler_named:
             if workload == "decode":
                 return (BALANCED_DECODE_SCHEDULER if balanced else DECODE_DEFAULT_SCHEDULER), ()
             if workload == "backward" and self.mask is not None:
-                return BACKWARD_DEFAULT_SCHEDULER, ()
+                return BACKWARD_DEFAULT_SCHEDULER, BACKWARD_DEFAULT_ARGS
         return self.scheduler, self.scheduler_args
 
     @property
