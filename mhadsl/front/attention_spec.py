@@ -118,6 +118,10 @@ UNMASKED_DEFAULT_SCHEDULER = "Queued"
 # The backward pass of a masked declaration that names no scheduler: its work tiles are K/V
 # tiles, whose cost under a causal mask falls with their index; LPT starts the longest first.
 BACKWARD_DEFAULT_SCHEDULER = "LPT"
+# The deterministic backward of a declaration that names no scheduler: Queued hands out each
+# (sequence, K/V head)'s K/V tiles in order, last K/V tile first, the order in which the
+# Hopper design adds their dQ (`codegen.backends.backward_sm90`).
+DETERMINISTIC_BACKWARD_SCHEDULER = "Queued"
 # Decode calls of a declaration that names no scheduler, with splits fixed per call: one
 # work tile per CTA. A decode launch rarely holds more work tiles than CTAs fit at once,
 # and every tile of a dense call costs the same, so a queue has nothing to balance, while
@@ -159,16 +163,20 @@ class AttentionOptions:
     mask_reads_data: bool = False
     decl: ast.AttentionDecl | None = field(default=None, compare=False, repr=False)
 
-    def scheduler_for(self, workload: str, balanced: bool = False
+    def scheduler_for(self, workload: str, balanced: bool = False,
+                      deterministic: bool = False
                       ) -> tuple[str, tuple[tuple[str, object], ...]]:
         """The scheduler (name, arguments) that runs a `workload` build ("prefill",
         "decode", "backward"): the one named, else the default: for decode calls
         DECODE_DEFAULT_SCHEDULER, or BALANCED_DECODE_SCHEDULER where a decode build's splits
-        follow the lengths (`balanced`); for a masked declaration's backward
+        follow the lengths (`balanced`); for a `deterministic` backward
+        DETERMINISTIC_BACKWARD_SCHEDULER, else for a masked declaration's backward
         BACKWARD_DEFAULT_SCHEDULER."""
         if not self.scheduler_named:
             if workload == "decode":
                 return (BALANCED_DECODE_SCHEDULER if balanced else DECODE_DEFAULT_SCHEDULER), ()
+            if workload == "backward" and deterministic:
+                return DETERMINISTIC_BACKWARD_SCHEDULER, ()
             if workload == "backward" and self.mask is not None:
                 return BACKWARD_DEFAULT_SCHEDULER, ()
         return self.scheduler, self.scheduler_args
