@@ -176,6 +176,12 @@ def bulk_reduce_add_f32(builder: ir.IRBuilder, dst: ir.Value, src: ir.Value, nby
          [builder.ptrtoint(dst, i64), shared_address(builder, src), i32(nbytes)])
 
 
+def fence_proxy_async_global(builder: ir.IRBuilder) -> None:
+    """Order this thread's global-memory accesses in the generic proxy (an acquire load, say)
+    before its later async-proxy ones (a bulk reduce-add)."""
+    _asm(builder, void, "fence.proxy.async.global;", "~{memory}", [])
+
+
 def bulk_writes_released(builder: ir.IRBuilder, counter: ir.Value) -> None:
     """Once this thread's bulk groups are complete, their global writes made visible
     before global u32 `counter` goes up by one (release at GPU scope): a thread that reads

@@ -691,3 +691,14 @@ def test_the_ordered_schedulers_hand_out_each_heads_kv_tiles_in_order(name):
             offsets = [o for o, h, b in handed if (h, b) == pair]
             in_order &= offsets == sorted(offsets)
     assert in_order == H.adds_in_order((name, ()))
+
+
+def test_an_order_wait_that_gives_up_is_a_scheduler_error_that_says_why():
+    """The fault a deterministic CTA records when the tiles it waits for never add (a
+    scheduler that hands them out after it, or more CTAs than fit at once)."""
+    from mhadsl import abi
+    from mhadsl.runtime import faults
+    error = faults.SchedulerError(abi.fault_code(abi.DQ_ORDER_WAIT, "advance"),
+                                  faults.scheduler_id("Queued"), 3)
+    assert (error.scheduler, error.rule, error.cta) == ("Queued", "advance", 3)
+    assert "deterministic backward" in str(error) and "waited 4 s" in str(error)

@@ -932,6 +932,7 @@ class _HopperMain(_MainKernel):
             with b.if_then(lane0):
                 record = faults.word(b, self.a.queue, abi.RECORD_WORD)
                 late = hopper.wait_for_count(b, count, place, abi.DQ_ORDER_WAIT_NS, record)
+                hopper.fence_proxy_async_global(b)  # (the adds seen before this one's)
                 with b.if_then(late, likely=False):
                     faults.record_fault(b, self.a.queue, i32(abi.fault_code(
                         abi.DQ_ORDER_WAIT, "advance")), abi.scheduler_id(self.scheduler))
