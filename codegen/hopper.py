@@ -46,6 +46,7 @@ from typing import Callable
 
 from llvmlite import ir
 
+from mhadsl.codegen import nvptx
 from mhadsl.codegen.nvptx import call, f32, i32, i64, void
 from mhadsl.codegen.warp import DTYPES, pack2
 
@@ -173,6 +174,50 @@ def bulk_reduce_add_f32(builder: ir.IRBuilder, dst: ir.Value, src: ir.Value, nby
     _asm(builder, void, "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 "
          "[$0], [$1], $2;", "l,r,n,~{memory}",
          [builder.ptrtoint(dst, i64), shared_address(builder, src), i32(nbytes)])
+
+
+def fence_proxy_async_global(builder: ir.IRBuilder) -> None:
+    """Order this thread's global-memory accesses in the generic proxy (an acquire load, say)
+    before its later async-proxy ones (a bulk reduce-add)."""
+    _asm(builder, void, "fence.proxy.async.global;", "~{memory}", [])
+
+
+def bulk_writes_released(builder: ir.IRBuilder, counter: ir.Value) -> None:
+    """Once this thread's bulk groups are complete, their global writes made visible
+    before global u32 `counter` goes up by one (release at GPU scope): a thread that reads
+    the new count with acquire (`wait_for_count`) sees those writes."""
+    bulk_wait_group(builder, 0)
+    _asm(builder, void, "fence.proxy.async.global; red.release.gpu.global.add.u32 [$0], 1;",
+         "l,~{memory}", [builder.ptrtoint(counter, i64)])
+
+
+def wait_for_count(builder: ir.IRBuilder, counter: ir.Value, count: ir.Value,
+                   timeout_ns: int, abandon: ir.Value) -> ir.Value:
+    """Spin (acquire loads at GPU scope, backing off between them) until global u32
+    `counter` equals `count`; returns whether it gave up instead: at once where global u32
+    `abandon` is not zero, else after `timeout_ns` (below 2^32) of %globaltimer."""
+    fn = builder.function
+    entry = builder.block
+    given_up = _asm(builder, i32, "ld.relaxed.gpu.global.u32 $0, [$1];", "=r,l,~{memory}",
+                    [builder.ptrtoint(abandon, i64)])
+    start = nvptx.opaque_special_register(builder, "globaltimer_lo")
+    loop, back_off, done = (fn.append_basic_block(f"count_wait.{n}")
+                            for n in ("poll", "sleep", "done"))
+    builder.cbranch(builder.icmp_unsigned("!=", given_up, i32(0)), done, loop)
+    builder.position_at_end(loop)
+    now = _asm(builder, i32, "ld.acquire.gpu.global.u32 $0, [$1];", "=r,l,~{memory}",
+               [builder.ptrtoint(counter, i64)])
+    waited = builder.sub(nvptx.opaque_special_register(builder, "globaltimer_lo"), start)
+    late = builder.icmp_unsigned(">", waited, i32(timeout_ns))
+    builder.cbranch(builder.or_(builder.icmp_unsigned("==", now, count), late), done, back_off)
+    builder.position_at_end(back_off)
+    _asm(builder, void, "nanosleep.u32 64;", "~{memory}", [])
+    builder.branch(loop)
+    builder.position_at_end(done)
+    result = builder.phi(ir.IntType(1))
+    result.add_incoming(ir.Constant(ir.IntType(1), 1), entry)
+    result.add_incoming(late, loop)
+    return result
 
 
 def fence_proxy_async(builder: ir.IRBuilder) -> None:

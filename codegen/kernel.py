@@ -287,4 +287,4 @@ def kernel_source(program: CheckedProgram, options, target: Target,
         hooks = expr_hooks(program, options.mask, options.score, options.operands,
                            options.sink, per_call)
     hooks = replace(hooks, operands=declaration_params(options, workload, operand_grads))
-    return KernelSource(hooks, work_loop, trace)
+    return KernelSource(hooks, work_loop, trace, (options.scheduler, options.scheduler_args))

@@ -217,7 +217,8 @@ def _build_pass(program: CheckedProgram, attention: str, pass_name: str,
     request = KernelRequest(attention, options.arch, options.backend, layout,
                             options.ptx_version,
                             scheduler=declared.scheduler_for(
-                                layout.workload, layout.splits_by_length))
+                                layout.workload, layout.splits_by_length,
+                                layout.deterministic))
     try:
         return build_kernel(program, request)
     except MhaError as err:

@@ -6,7 +6,9 @@ first fault wins until the runtime reports it and clears it (`runtime.driver`).
 from __future__ import annotations
 
 from mhadsl import abi
-from mhadsl.abi import ENDLESS_WHILE, RULES, TOO_MANY_TILES, WHILE_MIN, WHILE_SLACK
+from mhadsl.abi import (
+    DQ_ORDER_WAIT, DQ_ORDER_WAIT_NS, ENDLESS_WHILE, RULES, TOO_MANY_TILES, WHILE_MIN, WHILE_SLACK,
+)
 
 _names: dict[int, str] = {}
 
@@ -35,6 +37,11 @@ class SchedulerError(RuntimeError):
             ENDLESS_WHILE: "ran a `while` loop far past what a correct rule needs "
                            f"({WHILE_SLACK} x (tiles + CTAs) + {WHILE_MIN} iterations per "
                            "scheduler step)",
+            DQ_ORDER_WAIT: "handed out a K/V tile of a deterministic backward before the "
+                           "K/V tiles whose dQ it adds after: its CTA waited "
+                           f"{DQ_ORDER_WAIT_NS / 1e9:g} s for them (deterministic mode on "
+                           "Hopper adds each head's K/V tiles in the order Queued hands "
+                           "them out)",
         }.get(kind, f"stopped with fault kind {kind}")
         super().__init__(f"scheduler '{self.scheduler}': rule '{self.rule}' {what} (CTA {cta}); "
                          "the kernel stopped early and its output is incomplete")

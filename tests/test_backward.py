@@ -21,6 +21,7 @@ from mhadsl.codegen.backends.backward import (
     BACKEND, DQ, MAIN, POSTPROCESS, PREPROCESS, BackwardConfig, dq_shared_bytes, pass_swizzle,
     shared_bytes,
 )
+from mhadsl.codegen.backends.backward_sm90 import adds_in_order
 from mhadsl.codegen.kernel import backward_hooks
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.analysis.simulate import simulate
@@ -53,14 +54,18 @@ DESIGN_INSTRUCTIONS = {
 @pytest.mark.parametrize("path, name", DECLARATIONS,
                          ids=[f"{p.stem}-{n}" for p, n in DECLARATIONS])
 def test_every_example_backward_assembles_without_spills(path, name, layout, arch, forced):
-    """On sm_90a an atomic build, dense or ragged, is the Hopper design's (TMA + wgmma);
-    deterministic builds, and any build forced to it, the sm80-style design's."""
+    """On sm_90a a build, dense or ragged, is the Hopper design's (TMA + wgmma), a
+    deterministic one where its scheduler hands out each head's K/V tiles in order
+    (`adds_in_order`); other deterministic builds, and any build forced to it, the
+    sm80-style design's."""
     kern = mhadsl.compile(path)[name]
     # (a declared ratio is the only group its builds take)
     build = kern.build(arch, gqa_group=kern.options.gqa or layout.gqa_group,
                        ragged=layout.ragged, backward=True,
                        deterministic=layout.deterministic, backend=forced)
-    hopper = arch == "sm_90a" and forced is None and not layout.deterministic
+    scheduler = kern.options.scheduler_for("backward", deterministic=layout.deterministic)
+    hopper = arch == "sm_90a" and forced is None and (
+        not layout.deterministic or adds_in_order(scheduler))
     # (every example fits the Hopper design's registers, softcap's tanh and its derivative
     # included: test_backward_sm90 holds one that does not to the sm80 design's build; but
     # a mask that reads data, whose tile classes are read per step, may not at head dim 128
@@ -73,14 +78,15 @@ def test_every_example_backward_assembles_without_spills(path, name, layout, arc
     assert f".target {arch}" in build.ptx
     for instruction in DESIGN_INSTRUCTIONS[build.backend]:
         assert instruction in build.ptx, instruction
-    # dQ's reduction: a bulk reduce-add per warpgroup and step (Hopper), vectors where the
-    # arch has them; none deterministic
+    # dQ's reduction: a bulk reduce-add per warpgroup and step (Hopper, in a fixed order
+    # when deterministic), vectors where the arch has them; none in the sm80-style
+    # design's deterministic mode (`mha_bwd_dq`)
     reductions = {"red.global.add.v4.f32", "red.global.add.v2.f32", "atom.global.add.f32",
                   "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"
                   } & set(build.ptx.split())
     expected = ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" if hopper else
                 "red.global.add.v4.f32" if arch == "sm_90a" else "atom.global.add.f32")
-    assert reductions == (set() if layout.deterministic else {expected})
+    assert reductions == (set() if layout.deterministic and not hopper else {expected})
     assert build.config.deterministic == layout.deterministic
     assert set(build.assembled.kernels) == {
         k.name for k in backends.backend(build.backend).kernels(build.config)}

@@ -39,12 +39,12 @@ def _options(source: str):
     (Layout(gqa_group=4, backward=True), "sm_90a", "backward_sm90"),
     (Layout(ragged=True, backward=True), "sm_90a", "backward_sm90"),
     (Layout(gqa_group=4, ragged=True, backward=True), "sm_90a", "backward_sm90"),
-    (Layout(deterministic=True, backward=True), "sm_90a", "backward"),
-    (Layout(ragged=True, deterministic=True, backward=True), "sm_90a", "backward"),
+    (Layout(deterministic=True, backward=True), "sm_90a", "backward_sm90"),
+    (Layout(ragged=True, deterministic=True, backward=True), "sm_90a", "backward_sm90"),
     (Layout(backward=True), "sm_80", "backward"),
     (Layout(ragged=True, backward=True), "sm_80", "backward"),
 ])
-def test_the_hopper_design_runs_atomic_calls_dense_or_ragged_on_sm90a(layout, arch, expected):
+def test_the_hopper_design_runs_calls_dense_or_ragged_on_sm90a(layout, arch, expected):
     options = _options("attention t { dtype = bf16  head_dim = 128 }")
     assert backend_for_arch(arch, None, options, "backward", layout).name == expected
 
@@ -71,8 +71,8 @@ def test_config_problems_and_shared_memory():
     assert H.HopperBackwardConfig(head_dim=64, block_m=128, stages=3).problems()[0].settings \
         == ("stages",)
     assert not H.HopperBackwardConfig(ragged=True).problems()
-    assert H.HopperBackwardConfig(deterministic=True).problems()
-    assert H.HopperBackwardConfig(ragged=True, deterministic=True).problems()
+    assert not H.HopperBackwardConfig(deterministic=True).problems()
+    assert not H.HopperBackwardConfig(ragged=True, deterministic=True).problems()
     for d in (64, 128):
         config = H.HopperBackwardConfig(head_dim=d)
         assert H.shared_bytes(config) <= SHARED_MEMORY_LIMIT["sm_90a"]
@@ -378,30 +378,34 @@ def test_dq_accumulator_places_every_sequences_rows_apart_within_its_size(ragged
 
 
 def _host_stats_offset(config, which):
-    """`_stats_offset` compiled for the host: (bidx, start, row, head, seqlen_q, num_heads)
-    -> float offset."""
+    """`_stats_offset` (`_count_offset` for which="count") compiled for the host: (bidx,
+    start, row, head, seqlen_q, num_heads) -> float (word) offset."""
     from mhadsl.codegen.target import HostJit
     module = ir.Module("stats")
     fn = ir.Function(module, ir.FunctionType(nvptx.i64, [nvptx.i32] * 6), "stats_offset")
     b = ir.IRBuilder(fn.append_basic_block())
     bidx, start, row, head, seqlen_q, num_heads = fn.args
     args = SimpleNamespace(seqlen_q=seqlen_q, num_heads=num_heads)
-    b.ret(H._stats_offset(b, config, args, bidx, start, row, head, which))
+    b.ret(H._count_offset(b, config, args, bidx, start, row, head) if which == "count" else
+          H._stats_offset(b, config, args, bidx, start, row, head, which))
     jit = HostJit(str(module))
     call = ctypes.CFUNCTYPE(ctypes.c_int64, *[ctypes.c_int32] * 6)(jit.address("stats_offset"))
     call.jit = jit
     return call
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("ragged", [False, True])
-def test_a_query_tiles_stats_are_one_bulk_copy_of_their_own(ragged):
+def test_a_query_tiles_stats_are_one_bulk_copy_of_their_own(ragged, deterministic):
     """The stats (`_stats_offset`, run on the host): a query tile's LSE rows then its delta
     rows, contiguous from the tile's first LSE (the step's one bulk copy of 2 block_m
-    floats), the rows past the sequence up to the tile's end included (the preprocess
-    zeroes them); no two (sequence, row, head, stat) share a float, and all fit in
-    the design's scratch."""
-    config = H.HopperBackwardConfig("bf16", 128, ragged=ragged)
-    offsets = {which: _host_stats_offset(config, which) for which in H.STATS}
+    floats, 16-byte aligned), the rows past the sequence up to the tile's end included (the
+    preprocess zeroes them); in deterministic mode each tile's dQ count (`_count_offset`)
+    after them; no two (sequence, row, head, stat) share a float, and all fit in the
+    design's scratch."""
+    config = H.HopperBackwardConfig("bf16", 128, ragged=ragged, deterministic=deterministic)
+    offsets = {which: _host_stats_offset(config, which)
+               for which in H.STATS + (("count",) if deterministic else ())}
     heads, bm = 3, config.block_m
     lengths = [0, 1, 63, 64, 65, 130] if ragged else [70] * 3
     starts = np.concatenate([[0], np.cumsum(lengths)])[:-1]
@@ -412,11 +416,17 @@ def test_a_query_tiles_stats_are_one_bulk_copy_of_their_own(ragged):
             for h in range(heads):
                 tile_start = offsets[H.STATS[0]](bidx, int(start), row - row % bm, h,
                                                  lengths[0], heads)
+                assert tile_start % 4 == 0  # (a bulk copy's 16-byte alignment)
                 for i, which in enumerate(H.STATS):
                     got = offsets[which](bidx, int(start), row, h, lengths[0], heads)
                     assert got == tile_start + i * bm + row % bm
                     assert 0 <= got < size and got not in places
                     places.add(got)
+                if deterministic and row % bm == 0:
+                    count = offsets["count"](bidx, int(start), row, h, lengths[0], heads)
+                    assert count == tile_start + len(H.STATS) * bm
+                    assert 0 <= count < size and count not in places
+                    places.add(count)
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
@@ -603,3 +613,92 @@ def test_at_128_query_rows_the_next_steps_s_is_issued_before_the_stage_is_freed(
     assert config.s_ahead == ahead
     assert ([["wait1", 1], ["arrive", 1]] in _runs(events, 2)) == ahead, events
     assert ([["wait0", 1], ["arrive", 1]] in _runs(events, 2)) != ahead, events
+
+
+DETERMINISTIC = """import "std/schedulers.mha"
+attention t { dtype = bf16  head_dim = %d  %s
+    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+"""
+
+
+def test_a_deterministic_backward_adds_dq_in_a_fixed_order_on_hopper(monkeypatch, tmp_path):
+    """Deterministic mode on sm_90a runs the Hopper design (Queued, the default there,
+    hands out each head's K/V tiles in order): its writer warp waits for each query tile's
+    count (acquire loads, backing off, given up after a bound or once a fault is recorded),
+    adds by bulk reduce-add, waits for the adds to complete and releases the count; the
+    preprocess zeroes the counts in the stats blocks. The atomic build has none of it."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    kern = mhadsl.compile(DETERMINISTIC % (128, ""))["t"]
+    assert kern.options.scheduler_for("backward", deterministic=True) == ("Queued", ())
+    exact = kern.backward_build("sm_90a", deterministic=True)
+    atomic = kern.backward_build("sm_90a")
+    assert exact.backend == atomic.backend == "backward_sm90"
+    ordered_main, atomic_main = (b.ptx[b.ptx.index(f".entry {H.MAIN}("):]
+                                 for b in (exact, atomic))
+    for instruction in ("ld.acquire.gpu.global.u32", "nanosleep.u32", "%globaltimer",
+                        "red.release.gpu.global.add.u32"):
+        assert instruction in ordered_main and instruction not in atomic_main, instruction
+    release = ordered_main.index("red.release.gpu.global.add.u32")
+    done = ordered_main.rindex("cp.async.bulk.wait_group 0;", 0, release)
+    assert ordered_main.index("fence.proxy.async.global", done) < release
+    assert ordered_main.count("cp.reduce.async.bulk.global") == 2  # a part per warpgroup
+    scratch = H.BACKEND.scratch(exact.config, CallSizes(2, 4, 4, 100, 100, 100, 100, 200,
+                                                         False, 1.0))
+    atomic_scratch = H.BACKEND.scratch(atomic.config, CallSizes(2, 4, 4, 100, 100, 100, 100,
+                                                                200, False, 1.0))
+    blocks = 2 * 2 * 4  # (batch x query tiles of 64 rows) x heads
+    assert scratch["delta"] - atomic_scratch["delta"] == 16 * blocks
+    if find_ptxas() is not None:
+        for resources in exact.assembled.kernels.values():
+            assert resources.spills == 0 and resources.stack_bytes == 0, resources
+
+
+@pytest.mark.parametrize("scheduler", ["scheduler = LPT()",
+                                       "scheduler = Persistent(order = PROMPT_ROTATE)",
+                                       "scheduler = Queued(order = LONGEST_FIRST)"])
+def test_a_deterministic_backward_whose_scheduler_hands_out_tiles_out_of_order_is_sm80s(
+        scheduler, monkeypatch, tmp_path):
+    """Where the scheduler does not hand out each head's K/V tiles in order, the Hopper
+    design's fixed order could wait for a tile queued behind the waiting one: the
+    sm80-style design's deterministic kernels (`mha_bwd_dq`) run it."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    kern = mhadsl.compile(DETERMINISTIC % (64, scheduler))["t"]
+    assert not H.adds_in_order(kern.options.scheduler_for("backward", deterministic=True))
+    build = kern.backward_build("sm_90a", deterministic=True)
+    assert build.backend == "backward" and "mha_bwd_dq" in build.ptx
+
+
+@pytest.mark.parametrize("name", H.ORDERED_SCHEDULERS + ("LPT",))
+def test_the_ordered_schedulers_hand_out_each_heads_kv_tiles_in_order(name):
+    """What deterministic mode on Hopper relies on, simulated: in the order the tiles are
+    handed out (a queue's, or the CTAs' indices and strides) each (sequence, K/V head)'s
+    prompt tiles come first to last (the last K/V tile first), over random ragged key
+    lengths; LPT (longest first) does not, which `adds_in_order` says."""
+    from mhadsl.analysis.simulate import simulate
+    from mhadsl.codegen.scheduler import SchedulerSpec
+    from mhadsl.host.backward import backward_work
+    std = mhadsl.compile('import "std/schedulers.mha"', name="std").checked
+    rng = np.random.default_rng(7)
+    in_order = True
+    for _ in range(6):
+        lengths = [int(n) for n in rng.choice([0, 1, 64, 65, 300, 1000, 2100], 5)]
+        heads = int(rng.integers(1, 4))
+        result = simulate(std, SchedulerSpec(name, (), 64, 1), backward_work(lengths, heads),
+                          ctas=1)
+        assert result.covered_exactly_once
+        handed = [tile for cta in sorted(result.visits) for tile in result.visits[cta]]
+        for pair in {(h, b) for _, h, b in handed}:
+            offsets = [o for o, h, b in handed if (h, b) == pair]
+            in_order &= offsets == sorted(offsets)
+    assert in_order == H.adds_in_order((name, ()))
+
+
+def test_an_order_wait_that_gives_up_is_a_scheduler_error_that_says_why():
+    """The fault a deterministic CTA records when the tiles it waits for never add (a
+    scheduler that hands them out after it, or more CTAs than fit at once)."""
+    from mhadsl import abi
+    from mhadsl.runtime import faults
+    error = faults.SchedulerError(abi.fault_code(abi.DQ_ORDER_WAIT, "advance"),
+                                  faults.scheduler_id("Queued"), 3)
+    assert (error.scheduler, error.rule, error.cta) == ("Queued", "advance", 3)
+    assert "deterministic backward" in str(error) and "waited 4 s" in str(error)

@@ -338,11 +338,12 @@ class KernelSource:
     """What a declaration gives a backend: its hooks, and the scheduler's work loop for a
     tile height and GQA group (the config's `block_m` and `gqa_group`); `trace`: the loop
     records its work items (`mhadsl trace`), and a design may record more (decode: its
-    combines)."""
+    combines); `scheduler`: which scheduler that loop runs."""
 
     hooks: ExprHooks
     work_loop: Callable[[int, int], WorkLoop]
     trace: bool = False
+    scheduler: tuple[str, tuple] = ("", ())  # the scheduler's (name, arguments)
 
 
 @dataclass(frozen=True)

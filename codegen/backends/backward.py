@@ -100,6 +100,12 @@ class BackwardConfig(RowCopies):
         return 32 * self.num_warps
 
     @property
+    def accumulates_dq(self) -> bool:
+        """Whether the main kernel adds dQ into the fp32 accumulator, which the preprocess
+        zeroes (deterministic mode: `mha_bwd_dq` writes dQ instead)."""
+        return not self.deterministic
+
+    @property
     def tiles_per_warp(self) -> int:
         """16-row m-tiles of the CTA's own rows each warp computes."""
         return self.block_n // self.num_warps // 16
@@ -416,7 +422,7 @@ def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs, hooks: ExprHoo
         if config.sink:
             k.store_sink_term(b, hooks, r, valid, partial)
     k.rows(b, row)
-    if not config.deterministic:  # (deterministic: no accumulator, mha_bwd_dq)
+    if config.accumulates_dq:
         k.zero_accumulator(b)
 
 
@@ -1275,6 +1281,9 @@ class BackwardDesign(Backend):
 
     workload = "backward"
     tile_offsets = "cu_seqlens_k"
+
+    def scheduler_of(self, options, config: BackwardConfig) -> tuple[str, tuple]:
+        return options.scheduler_for(self.workload, deterministic=config.deterministic)
 
     def scheduler_shape(self, config: BackwardConfig) -> tuple[int, int]:
         return config.block_n, 1

@@ -53,8 +53,18 @@ row-major accumulator are all slower. The staging stores are the remaining cost,
 compete for shared memory's bandwidth; a third stage does not pay (measurements:
 benchmarks/log/BENCHMARKS_LOG.md).
 
-It runs dense and ragged layouts in atomic mode at head dims 64 and 128; deterministic calls
-keep the sm80-style design (`Backend.runs_layout`). Ragged tensors are mapped as the
+Deterministic mode (`BackwardConfig.deterministic`) keeps this kernel and fixes the order of
+each query tile's dQ adds, FlashAttention-3's way: the stats block of a (query tile, head)
+ends with a count of the K/V tiles that have added into it (zeroed by the preprocess); the
+writer warp waits until the count equals this K/V tile's place (`_dq_place`: the K/V tiles
+after it that the mask's classification keeps for the query tile), adds, waits for its
+adds to complete and releases the count. Last K/V tile first: under a causal mask those
+reach their first query tile first, so CTAs rarely wait. A CTA only waits for tiles handed
+out before its own where the scheduler hands out each head's K/V tiles in order
+(`ORDERED_SCHEDULERS`, `adds_in_order`); under any other, deterministic calls run the
+sm80-style design. A wait past `abi.DQ_ORDER_WAIT_NS` records a fault and stops waiting.
+
+It runs dense and ragged layouts at head dims 64 and 128. Ragged tensors are mapped as the
 forward's (`codegen.backends.sm90`): (1, total rows, H, D), a sequence's rows `start + row`
 of batch 0 (`hopper.map_batch`). A box that crosses a sequence's end holds the next
 sequence's rows where a dense build's holds zeros: the keys there are masked as the dense
@@ -72,8 +82,9 @@ from dataclasses import dataclass, replace
 
 from llvmlite import ir
 
+from mhadsl import abi
 from mhadsl.abi import CallSizes, KernelABI, Param, TensorMap
-from mhadsl.codegen import hopper, nvptx, warp
+from mhadsl.codegen import faults, hopper, nvptx, warp
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import (
     SHARED_MEMORY_LIMIT, ExprHooks, KernelArgs, KernelBuild, KernelSource, KernelLaunch,
@@ -101,6 +112,10 @@ SWIZZLE_SLACK = hopper.SWIZZLE_ATOM_BYTES
 # (producer, consumer) registers per thread after setmaxnreg: 24 + 2 x 240 of the 512 per
 # thread of a warpgroup of one CTA per SM
 REGISTERS = (24, 240)
+# deterministic mode's second choice: its writer warp also counts its K/V tile's place and
+# waits on the query tile's count, which spills at 24 registers under a mask that reads the
+# lengths (bottom-right causal)
+WRITER_REGISTERS = (40, 232)
 
 
 @dataclass(frozen=True)
@@ -115,6 +130,7 @@ class HopperBackwardConfig(BackwardConfig):
     # dP^T's GEMM issued with S^T's, P^T computed under it; without, after P^T (fewer live
     # registers: a score rule's G beside P^T)
     overlap_dp: bool = True
+    registers: tuple[int, int] = REGISTERS  # (producer, consumer) after setmaxnreg
 
     @property
     def s_ahead(self) -> bool:
@@ -152,6 +168,16 @@ class HopperBackwardConfig(BackwardConfig):
         return 4 * len(STATS) * self.block_m
 
     @property
+    def block_floats(self) -> int:
+        """Floats from one block of the stats buffer to the next: the stats, and in
+        deterministic mode the block's dQ count (a u32, padded to 16 bytes)."""
+        return len(STATS) * self.block_m + (4 if self.deterministic else 0)
+
+    @property
+    def accumulates_dq(self) -> bool:
+        return True  # (deterministic mode too, in a fixed order: `_HopperMain._write_dq`)
+
+    @property
     def kv_bytes(self) -> int:
         return self.block_n * self.row_bytes
 
@@ -178,8 +204,6 @@ class HopperBackwardConfig(BackwardConfig):
             found.append(Problem(("stages",), (
                 f"the sm90 backward's {self.stages} stages need {shared_bytes(self)} bytes of "
                 f"shared memory; a CTA has {SHARED_MEMORY_LIMIT['sm_90a']}")))
-        if self.deterministic:
-            found.append(Problem((), "the sm90 backward runs in atomic mode"))
         return found
 
 
@@ -264,8 +288,16 @@ def _stats_offset(b, config: HopperBackwardConfig, args, bidx, start, row, head,
     row, its LSE begins the block's bulk copy."""
     bm = config.block_m
     block = _block(b, config, args, bidx, start, row, head)
-    first = b.mul(block, i64(len(STATS) * bm))
+    first = b.mul(block, i64(config.block_floats))
     return b.add(first, b.zext(b.add(b.urem(row, i32(bm)), i32(STATS.index(which) * bm)), i64))
+
+
+def _count_offset(b, config: HopperBackwardConfig, args, bidx, start, row, head) -> ir.Value:
+    """The word offset (i64) of the dQ count of query row `row`'s block (deterministic mode):
+    how many K/V tiles have added their dQ into the block's accumulator, which the
+    preprocess zeroes."""
+    block = _block(b, config, args, bidx, start, row, head)
+    return b.add(b.mul(block, i64(config.block_floats)), i64(len(STATS) * config.block_m))
 
 
 def vector_origin(b, config: HopperBackwardConfig, thread, i: int) -> tuple[ir.Value, ir.Value]:
@@ -303,6 +335,10 @@ class _Rows(_RowKernel):
                 off = _stats_offset(b, self.c, self.a, self.bidx, self.start, row, self.h,
                                     which)
                 b.store(value, _gep(b, self.a.delta, off, f32), align=4)
+            if self.c.deterministic:  # a tile's first row zeroes its dQ count
+                with b.if_then(b.icmp_unsigned("==", b.urem(row, i32(self.c.block_m)), i32(0))):
+                    off = _count_offset(b, self.c, self.a, self.bidx, self.start, row, self.h)
+                    b.store(i32(0), _gep(b, self.a.delta, off, i32), align=4)
 
     # A row CTA's ROW_TILE rows are one contiguous run of the accumulator (a block, or the
     # part of one that a warpgroup computes: `dq_tile`), in register order; its 128 threads
@@ -414,8 +450,9 @@ class _HopperMain(_MainKernel):
     shared memory as in the sm80 design (`backward._parked`)."""
 
     def __init__(self, config: HopperBackwardConfig, hooks: ExprHooks, args: KernelArgs,
-                 smem: ir.GlobalVariable):
+                 smem: ir.GlobalVariable, scheduler: str = ""):
         _TileKernel.__init__(self, config, hooks, args, smem)
+        self.scheduler = scheduler  # (named by a deterministic order fault)
         self.tile_rows = (config.block_m, config.block_n)
         self.off = _offsets(config)
 
@@ -487,7 +524,7 @@ class _HopperMain(_MainKernel):
                             + [2 * hopper.WARPGROUP_THREADS] * c.stages)
         module = b.module
         tid = nvptx.special_register(b, "thread_idx", "x")
-        producer_registers, consumer_registers = REGISTERS
+        producer_registers, consumer_registers = c.registers
         with b.if_else(b.icmp_unsigned("<", tid, i32(hopper.WARPGROUP_THREADS))) as (
                 producer, consumer):
             with producer:
@@ -879,13 +916,26 @@ class _HopperMain(_MainKernel):
         """The writer warp's part of a step: it frees each staging tile once its last bulk
         reduce-add has read it, then adds each, once written, into the accumulator's block
         of the query tile at q0 of head h with one bulk reduce-add (`dq_accum_position`),
-        issued by its first lane."""
+        issued by its first lane. In deterministic mode the block's adds come in a fixed
+        order: the first lane waits until the block's count says every K/V tile before
+        this one has added (`_dq_place`), and counts this one's add once it is done."""
         c = self.c
         lane0 = self._writer_lane(b)
         for g in range(2):  # the groups are committed in order: g's is the (2 - g)-th last
             with b.if_then(lane0):
                 hopper.bulk_wait_group_read(b, 1 - g)
             nvptx.barrier_arrive(b, i32(nvptx.DQ_EMPTY_BARRIER + g), DQ_PARTIES)
+        if c.deterministic:
+            count = _gep(b, self.a.delta, _count_offset(b, c, self.a, self.bidx, self.q_start,
+                                                        q0, h), i32)
+            place = self._dq_place(b, h, q0)
+            with b.if_then(lane0):
+                record = faults.word(b, self.a.queue, abi.RECORD_WORD)
+                late = hopper.wait_for_count(b, count, place, abi.DQ_ORDER_WAIT_NS, record)
+                hopper.fence_proxy_async_global(b)  # (the adds seen before this one's)
+                with b.if_then(late, likely=False):
+                    faults.record_fault(b, self.a.queue, i32(abi.fault_code(
+                        abi.DQ_ORDER_WAIT, "advance")), abi.scheduler_id(self.scheduler))
         for g in range(2):
             nvptx.barrier_named(b, i32(nvptx.DQ_FULL_BARRIER + g), DQ_PARTIES, aligned=False)
             with b.if_then(lane0):
@@ -896,23 +946,48 @@ class _HopperMain(_MainKernel):
                                            self._ptr(b, self._dq_tile(b, g)),
                                            self._dq_part_bytes)
                 hopper.bulk_commit_group(b)
+        if c.deterministic:
+            with b.if_then(lane0):
+                hopper.bulk_writes_released(b, count)
+
+    def _dq_place(self, b, h, q0) -> ir.Value:
+        """This K/V tile's place among those that add into the query tile at q0 of head h
+        (deterministic mode): how many of the sequence's K/V tiles after it the mask's
+        classification keeps for that query tile, as `_next_step` does in their CTAs.
+        Prompt tile t is K/V tile n - 1 - t (`sm80.scheduler_view`), so a scheduler that
+        hands out each head's prompt tiles in order (`ORDERED_SCHEDULERS`) has handed those
+        out before this one. The writer warp's lanes count 32 K/V tiles at a time."""
+        c = self.c
+        n = b.udiv(self.kv0, i32(c.block_n))
+        tiles = b.udiv(b.add(self.seqlen_k, i32(c.block_n - 1)), i32(c.block_n))
+        if self.hooks.classify is None:
+            return b.sub(b.sub(tiles, n), i32(1))
+        lane = b.and_(nvptx.opaque_special_register(b, "tid.x"), i32(31))
+
+        def count(b, j, kept):
+            keeps = self._classify(b, h, q0, b.mul(j, i32(c.block_n)))[0]
+            return b.add(j, i32(32)), [b.add(kept[0], b.zext(keeps, i32))]
+        kept, = ir_loop(b, b.add(b.add(n, i32(1)), lane), tiles, [i32(0)], count)
+        return warp.warp_sum(b, kept)
 
 
 # ============================================================================ module
 def build_module(config: HopperBackwardConfig, hooks: ExprHooks | None, target: Target,
-                 work_loop) -> ir.Module:
+                 work_loop, scheduler: str = "") -> ir.Module:
+    """The three kernels; `scheduler` names the work loop's scheduler (a fault record
+    names it)."""
     if found := config.problems():
         raise ValueError("invalid HopperBackwardConfig: " + "; ".join(p.message for p in found))
     # (its shared memory is rounded up to 1024 bytes at run time)
     module, smem, hooks = sm80.backward_module(
         f"mha_bwd_sm90_{config.dtype}_d{config.head_dim}", hooks, target, SMEM_SYMBOL)
-    abi = sm80.preprocess_abi(config)
-    fn, b = sm80.kernel_function(module, PREPROCESS, ROW_THREADS, hooks, abi)
-    _emit_preprocess(b, config, KernelArgs(fn, abi, config), hooks, _Rows)
+    rows_abi = sm80.preprocess_abi(config)
+    fn, b = sm80.kernel_function(module, PREPROCESS, ROW_THREADS, hooks, rows_abi)
+    _emit_preprocess(b, config, KernelArgs(fn, rows_abi, config), hooks, _Rows)
     b.ret_void()
     fn, b = sm80.kernel_function(module, MAIN, config.threads, hooks, ABI)
     _HopperMain(config, hooks, KernelArgs(fn, ABI, config, opaque_env=config.opaque_env),
-                smem).emit(b, work_loop)
+                smem, scheduler).emit(b, work_loop)
     b.ret_void()
     fn, b = sm80.kernel_function(module, POSTPROCESS, ROW_THREADS, hooks, sm80.ABI)
     _emit_postprocess(b, config, KernelArgs(fn, sm80.ABI, config), _Rows)
@@ -935,7 +1010,7 @@ class BackwardSM90(sm80.BackwardDesign):
         return found
 
     def runs_layout(self, layout: Layout) -> bool:
-        return not (layout.deterministic or layout.operand_grads)
+        return not layout.operand_grads
 
     def configs(self, options, layout: Layout) -> tuple[HopperBackwardConfig, ...]:
         """The declaration's config in its IR shapes: P^T under dP^T's GEMM or after it, the
@@ -943,8 +1018,11 @@ class BackwardSM90(sm80.BackwardDesign):
         back to the sm80 design's only after trying them all."""
         config = declared_config(options, layout)
         tiles = dict.fromkeys((config.block_m, 64))  # (128 query rows at head dim 64 first)
-        return tuple(replace(config, block_m=rows, opaque_env=opaque, overlap_dp=overlap)
-                     for rows in tiles for overlap in (True, False) for opaque in (True, False))
+        splits = (REGISTERS, WRITER_REGISTERS) if config.deterministic else (REGISTERS,)
+        return tuple(replace(config, block_m=rows, opaque_env=opaque, overlap_dp=overlap,
+                             registers=registers)
+                     for registers in splits for rows in tiles for overlap in (True, False)
+                     for opaque in (True, False))
 
     def kernels(self, config: HopperBackwardConfig) -> tuple[KernelLaunch, ...]:
         """The preprocess, the main kernel and the postprocess; the row kernels take the
@@ -966,16 +1044,20 @@ class BackwardSM90(sm80.BackwardDesign):
         tiles = (call.total_q + call.batch * bm) // bm if config.ragged else \
             call.batch * -(-call.seqlen_q // bm)
         return {"dq_accum": 4 * tiles * call.heads * bm * config.head_dim,
-                "delta": 4 * tiles * call.heads * len(STATS) * bm,
+                "delta": 4 * tiles * call.heads * config.block_floats,
                 **sm80.sink_scratch(config, call)}
 
     def build(self, source: KernelSource, configs, target: Target) -> KernelBuild:
         """The first of `configs` that assembles without spills and without a stack frame
         (at the register cap, ptxas may keep a value in local memory without counting it
         as a spill), else `spill_free_build`'s choice."""
+        if configs[0].deterministic and not adds_in_order(source.scheduler):
+            return sm80.BACKEND.build(source, sm80.BACKEND.configs_for(configs[0]), target)
+
         def make(c):
             return lambda: build_module(c, source.hooks, target,
-                                        source.work_loop(*self.scheduler_shape(c)))
+                                        source.work_loop(*self.scheduler_shape(c)),
+                                        source.scheduler[0])
         if find_ptxas() is None:
             return spill_free_build(self.name, target, [(configs[0], make(configs[0]))])
         for c in configs:
@@ -985,6 +1067,19 @@ class BackwardSM90(sm80.BackwardDesign):
         # none fits the registers (a score rule's G beside P^T, say): the sm80-style design's
         # build, which the host launches as that design's (`KernelBuild.backend`)
         return sm80.BACKEND.build(source, sm80.BACKEND.configs_for(configs[0]), target)
+
+
+# The standard schedulers that hand out each (sequence, K/V head)'s prompt tiles in order
+# in their DEFAULT order (a queue's index, or a persistent CTA's index and its strides), which
+# deterministic mode's dQ order follows (`_HopperMain._dq_place`).
+ORDERED_SCHEDULERS = ("Queued", "Persistent")
+
+
+def adds_in_order(scheduler: tuple[str, tuple]) -> bool:
+    """Whether deterministic mode can add dQ in the order `scheduler` ((name, arguments))
+    hands out K/V tiles; else the sm80-style design runs it (`mha_bwd_dq`)."""
+    name, args = scheduler
+    return name in ORDERED_SCHEDULERS and dict(args).get("order", "DEFAULT") == "DEFAULT"
 
 
 def declared_config(options, layout: Layout) -> HopperBackwardConfig:

@@ -122,6 +122,10 @@ BACKWARD_DEFAULT_SCHEDULER = "LPT"
 # query tile, which the L2 budget of LPT's default sections (sized for the forward's K and V)
 # does not count; one head's rows at a time stay in L2.
 BACKWARD_DEFAULT_ARGS = (("heads_per_section", 1),)
+# The deterministic backward of a declaration that names no scheduler: Queued hands out each
+# (sequence, K/V head)'s K/V tiles in order, last K/V tile first, the order in which the
+# Hopper design adds their dQ (`codegen.backends.backward_sm90`).
+DETERMINISTIC_BACKWARD_SCHEDULER = "Queued"
 # Decode calls of a declaration that names no scheduler, with splits fixed per call: one
 # work tile per CTA. A decode launch rarely holds more work tiles than CTAs fit at once,
 # and every tile of a dense call costs the same, so a queue has nothing to balance, while
@@ -163,16 +167,20 @@ class AttentionOptions:
     mask_reads_data: bool = False
     decl: ast.AttentionDecl | None = field(default=None, compare=False, repr=False)
 
-    def scheduler_for(self, workload: str, balanced: bool = False
+    def scheduler_for(self, workload: str, balanced: bool = False,
+                      deterministic: bool = False
                       ) -> tuple[str, tuple[tuple[str, object], ...]]:
         """The scheduler (name, arguments) that runs a `workload` build ("prefill",
         "decode", "backward"): the one named, else the default: for decode calls
         DECODE_DEFAULT_SCHEDULER, or BALANCED_DECODE_SCHEDULER where a decode build's splits
-        follow the lengths (`balanced`); for a masked declaration's backward
+        follow the lengths (`balanced`); for a `deterministic` backward
+        DETERMINISTIC_BACKWARD_SCHEDULER, else for a masked declaration's backward
         BACKWARD_DEFAULT_SCHEDULER with BACKWARD_DEFAULT_ARGS."""
         if not self.scheduler_named:
             if workload == "decode":
                 return (BALANCED_DECODE_SCHEDULER if balanced else DECODE_DEFAULT_SCHEDULER), ()
+            if workload == "backward" and deterministic:
+                return DETERMINISTIC_BACKWARD_SCHEDULER, ()
             if workload == "backward" and self.mask is not None:
                 return BACKWARD_DEFAULT_SCHEDULER, BACKWARD_DEFAULT_ARGS
         return self.scheduler, self.scheduler_args

@@ -146,9 +146,11 @@ class Kernel:
         self.builds_compiled = 0  # how many times a kernel was generated (for tests)
         self.launcher = Launcher(self)  # loaded builds and launch plans
         from mhadsl.runtime import faults
-        for workload, balanced in (("prefill", False), ("decode", False), ("decode", True)):
+        for workload, balanced, exact in (("prefill", False, False), ("decode", False, False),
+                                          ("decode", True, False), ("backward", False, False),
+                                          ("backward", False, True)):
             # remembered, so a fault record names it
-            faults.scheduler_id(options.scheduler_for(workload, balanced)[0])
+            faults.scheduler_id(options.scheduler_for(workload, balanced, exact)[0])
         self._backend: str | None = None
         self._trace = False
         self.trace_workspace: int | None = None
@@ -248,7 +250,8 @@ class Kernel:
     def _request(self, layout: Layout, arch: str, backend: str | None) -> KernelRequest:
         return KernelRequest(self.name, arch, backend or self.backend, layout,
                              scheduler=self.options.scheduler_for(
-                                 layout.workload, layout.splits_by_length),
+                                 layout.workload, layout.splits_by_length,
+                                 layout.deterministic),
                              trace=self.trace)
 
     def scheduler_spec(self, config, design: Backend | None = None) -> SchedulerSpec:
