@@ -9,10 +9,11 @@ declaration's scheduler hands out its K/V tiles; dK and dV summed over the GQA g
 added atomically) and the postprocess (dQ in q's dtype). In deterministic mode the
 gradients are bitwise the same every run: the Hopper design adds each query tile's dQ in a
 fixed order of K/V tiles (`codegen.backends.backward_sm90`), the sm80-style design's last
-kernel computes dQ itself, one CTA per query tile, with nothing added atomically. With `operand_grads`, a last kernel adds the
-gradients of the f32 tensors the score reads (`mha_bwd_operand_grads`). Every argument is checked before anything runs;
-a call signature's three launch plans are made once (`runtime.launch`), the main kernel's
-grid by its scheduler's `grid_dim`.
+kernel computes dQ itself, one CTA per query tile, with nothing added atomically. With
+`operand_grads`, a last kernel adds the gradients of the f32 tensors the score reads
+(`mha_bwd_operand_grads`). Every argument is checked before anything runs; a call
+signature's three launch plans are made once (`runtime.launch`), the main kernel's grid by
+its scheduler's `grid_dim`.
 """
 from __future__ import annotations
 
