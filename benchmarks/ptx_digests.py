@@ -80,7 +80,8 @@ def digests(examples: Path) -> dict[str, str]:
                             continue
                         # the scheduler a call of this layout runs
                         scheduler = options.scheduler_for(layout.workload,
-                                                          layout.splits_by_length)
+                                                          layout.splits_by_length,
+                                                          layout.deterministic)
                         request = KernelRequest(name, arch, design.name, layout,
                                                 scheduler=scheduler)
                         try:
