@@ -91,7 +91,11 @@ EXTENSIONS = {"llvm": ".ll", "ptx": ".ptx", "cubin": ".cubin"}
 def cmd_compile(args: argparse.Namespace) -> int:
     text, base = read_source(args.file)
     passes = PASSES if args.pass_name == "all" else (args.pass_name,)
-    options = CompileOptions(arch=args.arch, tile_m=args.tile, passes=passes)
+    if args.deterministic and "backward" not in passes:
+        raise UsageError("--deterministic selects the backward pass's kernels: give it with "
+                         "--pass backward or --pass all")
+    options = CompileOptions(arch=args.arch, tile_m=args.tile, passes=passes,
+                             deterministic=args.deterministic)
     start = time.perf_counter()
     try:  # a bad $MHADSL_PTXAS or $MHADSL_PTXAS_TIMEOUT is found before compiling
         until = "cubin" if args.emit == "cubin" or find_ptxas() else "ptx"
@@ -909,6 +913,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which build of each attention kernel: the forward (default), the "
                         "backward pass's kernels, a decode step against a paged KV cache, "
                         "or all three")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the backward pass in deterministic mode (bitwise repeatable "
+                        "gradients, as a call with deterministic=True runs it)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
     _include_argument(p)
     p.set_defaults(run=cmd_compile)

@@ -58,6 +58,7 @@ class CompileOptions:
     tile_m: int = 128  # tile height schedulers compiled on their own are specialised for
     backend: str | None = None  # attention kernel design; None: the arch's first
     passes: tuple[str, ...] = ("forward",)  # which builds of each declaration (`PASSES`)
+    deterministic: bool = False  # the backward pass's deterministic (bitwise repeatable) mode
 
     @property
     def target(self) -> targets.Target:
@@ -176,16 +177,16 @@ def unit_name(attention: str, pass_name: str) -> str:
     return attention if pass_name == "forward" else f"{attention}.{pass_name}"
 
 
-def pass_layout(pass_name: str, declared: AttentionOptions, program: CheckedProgram
-                ) -> Layout:
+def pass_layout(pass_name: str, declared: AttentionOptions, program: CheckedProgram,
+                deterministic: bool = False) -> Layout:
     """The call a pass builds a declaration for: its declared GQA ratio (1 where it declares
     none); the forward and decode with its declared log-sum-exp, decode against
     `DECODE_CACHE` with the splits a call that fixes none takes (by length, where its
     scheduler allows: `build.decode_splits_by_length`); the backward dense, in its default
-    (atomic) mode, as `Kernel.backward_build()` asks for it."""
+    (atomic) mode or its `deterministic` one, as `Kernel.backward_build()` asks for it."""
     group = declared.gqa or 1
     if pass_name == "backward":
-        return Layout(gqa_group=group, backward=True)
+        return Layout(gqa_group=group, backward=True, deterministic=deterministic)
     cache = None if pass_name != "decode" else replace(
         DECODE_CACHE, balanced=decode_splits_by_length(program, declared))
     return Layout(gqa_group=group, return_lse=declared.return_lse, cache=cache)
@@ -213,7 +214,7 @@ class PassError(MhaError):
 def _build_pass(program: CheckedProgram, attention: str, pass_name: str,
                 options: CompileOptions) -> KernelBuild:
     declared = resolve_attention(program.attentions[attention])
-    layout = pass_layout(pass_name, declared, program)
+    layout = pass_layout(pass_name, declared, program, options.deterministic)
     request = KernelRequest(attention, options.arch, options.backend, layout,
                             options.ptx_version,
                             scheduler=declared.scheduler_for(

@@ -128,3 +128,29 @@ def test_a_mask_that_reads_data_shows_its_classes_kernel(tmp_path, capsys):
     assert status == 0, err
     assert "document_mask.classes" not in out
     assert not (tmp_path / "decode" / "document_mask.classes.ptx").exists()
+
+
+@pytest.mark.parametrize("name, entry_points, ordered", [
+    # no scheduler named: Queued, which hands out each head's K/V tiles in order, so the
+    # Hopper design adds dQ in that order
+    ("plain_fwd", ["mha_bwd_preprocess", "mha_bwd", "mha_bwd_postprocess"], True),
+    # LPT does not: the sm80-style design's own dQ kernel
+    ("causal_fwd", ["mha_bwd_preprocess", "mha_bwd", "mha_bwd_dq"], False)])
+def test_deterministic_emits_the_backward_a_deterministic_call_runs(name, entry_points,
+                                                                    ordered, capsys):
+    path = "examples/plain.mha" if name == "plain_fwd" else CAUSAL
+    status, out, err = compile_cli(capsys, path, "--pass", "backward", "--deterministic",
+                                   "--kernel", name)
+    assert status == 0, err
+    assert entries(out) == entry_points
+    assert ("red.release.gpu.global.add.u32" in out) == ordered
+    assert not re.search(r"(red|atom)\.global\.add(\.v\d)?\.f32", out)  # no dQ atomics
+    # the build the API makes for the call, from the same compile cache
+    build = mhadsl.compile(path)[name].backward_build(deterministic=True)
+    assert build.cached and build.ptx.strip() == out.strip()
+
+
+def test_deterministic_without_the_backward_pass_is_a_usage_error(capsys):
+    status, out, err = compile_cli(capsys, CAUSAL, "--deterministic")
+    assert status == 2 and not out
+    assert "--deterministic selects the backward pass's kernels" in err
