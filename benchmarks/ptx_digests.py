@@ -79,9 +79,7 @@ def digests(examples: Path) -> dict[str, str]:
                         if arch not in design.targets or not design.runs_layout(layout):
                             continue
                         # the scheduler a call of this layout runs
-                        scheduler = options.scheduler_for(layout.workload,
-                                                          layout.splits_by_length,
-                                                          layout.deterministic)
+                        scheduler = options.scheduler_for_layout(layout)
                         request = KernelRequest(name, arch, design.name, layout,
                                                 scheduler=scheduler)
                         try:

@@ -217,9 +217,7 @@ def _build_pass(program: CheckedProgram, attention: str, pass_name: str,
     layout = pass_layout(pass_name, declared, program, options.deterministic)
     request = KernelRequest(attention, options.arch, options.backend, layout,
                             options.ptx_version,
-                            scheduler=declared.scheduler_for(
-                                layout.workload, layout.splits_by_length,
-                                layout.deterministic))
+                            scheduler=declared.scheduler_for_layout(layout))
     try:
         return build_kernel(program, request)
     except MhaError as err:

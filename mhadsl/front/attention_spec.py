@@ -185,6 +185,12 @@ class AttentionOptions:
                 return BACKWARD_DEFAULT_SCHEDULER, BACKWARD_DEFAULT_ARGS
         return self.scheduler, self.scheduler_args
 
+    def scheduler_for_layout(self, layout) -> tuple[str, tuple[tuple[str, object], ...]]:
+        """`scheduler_for` the call a `codegen.backends.Layout` describes: its workload, its
+        decode splits by length and its deterministic mode."""
+        return self.scheduler_for(layout.workload, layout.splits_by_length,
+                                  layout.deterministic)
+
     @property
     def mask_reads_head(self) -> bool:
         """Whether the mask reads `h` (its tiles' classes may differ per query head)."""

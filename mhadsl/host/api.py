@@ -249,9 +249,7 @@ class Kernel:
 
     def _request(self, layout: Layout, arch: str, backend: str | None) -> KernelRequest:
         return KernelRequest(self.name, arch, backend or self.backend, layout,
-                             scheduler=self.options.scheduler_for(
-                                 layout.workload, layout.splits_by_length,
-                                 layout.deterministic),
+                             scheduler=self.options.scheduler_for_layout(layout),
                              trace=self.trace)
 
     def scheduler_spec(self, config, design: Backend | None = None) -> SchedulerSpec:
