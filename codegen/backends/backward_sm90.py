@@ -57,9 +57,10 @@ Deterministic mode (`BackwardConfig.deterministic`) keeps this kernel and fixes 
 each query tile's dQ adds, FlashAttention-3's way: the stats block of a (query tile, head)
 ends with a count of the K/V tiles that have added into it (zeroed by the preprocess); the
 writer warp waits until the count equals this K/V tile's place (`_dq_place`: the K/V tiles
-after it that the mask's classification keeps for the query tile), adds, waits for its
-adds to complete and releases the count. Last K/V tile first: under a causal mask those
-reach their first query tile first, so CTAs rarely wait. A CTA only waits for tiles handed
+after it that the mask's classification keeps for the query tile), adds, and releases the
+count once its adds are complete: at its next step, after it has freed the staging tiles,
+so the consumers stage the next dQ meanwhile. Last K/V tile first: under a causal mask
+those reach their first query tile first. A CTA only waits for tiles handed
 out before its own where the scheduler hands out each head's K/V tiles in order
 (`ORDERED_SCHEDULERS`, `adds_in_order`); under any other, deterministic calls run the
 sm80-style design. A wait past `abi.DQ_ORDER_WAIT_NS` records a fault and stops waiting.
