@@ -57,9 +57,10 @@ Deterministic mode (`BackwardConfig.deterministic`) keeps this kernel and fixes 
 each query tile's dQ adds, FlashAttention-3's way: the stats block of a (query tile, head)
 ends with a count of the K/V tiles that have added into it (zeroed by the preprocess); the
 writer warp waits until the count equals this K/V tile's place (`_dq_place`: the K/V tiles
-after it that the mask's classification keeps for the query tile), adds, waits for its
-adds to complete and releases the count. Last K/V tile first: under a causal mask those
-reach their first query tile first, so CTAs rarely wait. A CTA only waits for tiles handed
+after it that the mask's classification keeps for the query tile), adds, and releases the
+count once its adds are complete: at its next step, after it has freed the staging tiles,
+so the consumers stage the next dQ meanwhile. Last K/V tile first: under a causal mask
+those reach their first query tile first. A CTA only waits for tiles handed
 out before its own where the scheduler hands out each head's K/V tiles in order
 (`ORDERED_SCHEDULERS`, `adds_in_order`); under any other, deterministic calls run the
 sm80-style design. A wait past `abi.DQ_ORDER_WAIT_NS` records a fault and stops waiting.
@@ -219,9 +220,12 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     dq = stats + c.stages * c.stats_bytes  # per stage: the tile's stats block
     dq_bytes = 4 * c.block_m * c.head_dim  # dQ's staging tile: a part per warpgroup
     bars = dq + dq_bytes
-    end = bars + (1 + 2 * c.stages) * hopper.MBARRIER_BYTES  # K/V's; per stage full, empty
+    # K/V's mbarrier; per stage full, empty; deterministic mode: the count the writer's last
+    # adds release (`_write_dq`; in shared memory, as the producer's registers are few)
+    pending = bars + (1 + 2 * c.stages) * hopper.MBARRIER_BYTES
+    end = pending + (8 if c.deterministic else 0)
     return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, ds_bytes=ds_bytes,
-                stats=stats, dq=dq, dq_bytes=dq_bytes, bars=bars, end=end)
+                stats=stats, dq=dq, dq_bytes=dq_bytes, bars=bars, pending=pending, end=end)
 
 
 def shared_bytes(config: HopperBackwardConfig) -> int:
@@ -605,7 +609,12 @@ class _HopperMain(_MainKernel):
                 self._each_step(b, load)
             with other:
                 with b.if_then(b.icmp_unsigned("<", tid, i32(32 * (WRITER_WARP + 1)))):
+                    if self.c.deterministic:
+                        with b.if_then(self._writer_lane(b)):
+                            b.store(i64(0), self._pending_count(b))
                     self._each_step(b, lambda b, pair: self._write_dq(b, *pair()))
+                    if self.c.deterministic:
+                        self._release_pending_count(b)
 
     def _each_step(self, b, visit) -> None:
         """visit(b, pair) for each of the work tile's steps `_next_step` keeps (the
@@ -918,7 +927,9 @@ class _HopperMain(_MainKernel):
         of the query tile at q0 of head h with one bulk reduce-add (`dq_accum_position`),
         issued by its first lane. In deterministic mode the block's adds come in a fixed
         order: the first lane waits until the block's count says every K/V tile before
-        this one has added (`_dq_place`), and counts this one's add once it is done."""
+        this one has added (`_dq_place`), and counts this one's add once it is done: at the
+        next step, once the staging tiles are free (the consumers stage the next dQ while the
+        adds complete), or at the work tile's end (`_release_pending_count`)."""
         c = self.c
         lane0 = self._writer_lane(b)
         for g in range(2):  # the groups are committed in order: g's is the (2 - g)-th last
@@ -926,6 +937,7 @@ class _HopperMain(_MainKernel):
                 hopper.bulk_wait_group_read(b, 1 - g)
             nvptx.barrier_arrive(b, i32(nvptx.DQ_EMPTY_BARRIER + g), DQ_PARTIES)
         if c.deterministic:
+            self._release_pending_count(b)
             count = _gep(b, self.a.delta, _count_offset(b, c, self.a, self.bidx, self.q_start,
                                                         q0, h), i32)
             place = self._dq_place(b, h, q0)
@@ -948,7 +960,21 @@ class _HopperMain(_MainKernel):
                 hopper.bulk_commit_group(b)
         if c.deterministic:
             with b.if_then(lane0):
-                hopper.bulk_writes_released(b, count)
+                b.store(b.ptrtoint(count, i64), self._pending_count(b))
+
+    def _pending_count(self, b) -> ir.Value:
+        """The shared word holding the address of the count the last step's adds release
+        (0: none)."""
+        return self._ptr(b, self.off["pending"])
+
+    def _release_pending_count(self, b) -> None:
+        """The writer's first lane: once the last step's adds are done, their count goes up
+        (`hopper.bulk_writes_released`), if a step left one."""
+        with b.if_then(self._writer_lane(b)):
+            pending = b.load(self._pending_count(b), typ=i64)
+            with b.if_then(b.icmp_unsigned("!=", pending, i64(0))):
+                hopper.bulk_writes_released(b, b.inttoptr(pending, self.a.delta.type))
+                b.store(i64(0), self._pending_count(b))
 
     def _dq_place(self, b, h, q0) -> ir.Value:
         """This K/V tile's place among those that add into the query tile at q0 of head h
