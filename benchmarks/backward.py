@@ -6,6 +6,8 @@ against FlexAttention's backward of the same `score_mod`.
     python benchmarks/backward.py --only wide,d256   # the rows of these groups (ROWS' first field)
     python benchmarks/backward.py --scores           # the score rules' rows only
     python benchmarks/backward.py --runs 3           # each row timed three times
+    python benchmarks/backward.py --only ragged      # the ragged causal batch against
+                                                     # FlashAttention-4's varlen backward
 
 TFLOP/s = 2.5 x the forward's FLOPs (4 B H Sq Sk D, halved under a causal mask) / the median
 backward time (`mhadsl.host.bench.time_side_by_side`: every column timed in turn over rounds).
@@ -18,6 +20,7 @@ mhadsl's; FlexAttention runs torch.compile'd with its causal block mask built be
 """
 import argparse
 import datetime
+import itertools
 
 import mhadsl
 from mhadsl.host.bench import require_gpu, time_side_by_side
@@ -43,6 +46,10 @@ ROWS = [  # group, kernel, B, Hq, Hkv, S, D
     ("d64", "plain_d64", 4, 32, 32, 4096, 64), ("gqa", "causal", 8, 32, 8, 2048, 128),
 ]
 SCORE_ROWS = [("softcap", 4, 16, 16, 4096, 128), ("alibi", 4, 16, 16, 4096, 128)]
+# a ragged causal batch (the benchmarks' skewed one: 32640 tokens), against FlashAttention-4's
+# varlen backward: group, kernel, lengths, Hq, Hkv, D
+RAGGED_ROWS = [("ragged", "causal", [8192, 4096, 2048, 1024, 512, 256, 128, 64] * 2, 16, 16,
+                128)]
 # each score rule as FlexAttention's score_mod
 FLEX_SCORES = {
     "softcap": lambda s, b, h, q, kv: 30.0 * (s / 30.0).tanh(),
@@ -121,6 +128,58 @@ def row(torch, program, name, B, Hq, Hkv, S, D):
           flush=True)
 
 
+def ragged_row(torch, program, name, lengths, Hq, Hkv, D):
+    """A ragged causal batch's backward (packed (total, H, D) tensors, `cu_seqlens`) against
+    FlashAttention-4's varlen backward; the gradients of the sequences up to 2048 rows are
+    checked against SDPA's math backend (fp32), FlashAttention-4's against mhadsl's."""
+    kern = program[name]
+    total, longest = sum(lengths), max(lengths)
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32,
+                      device="cuda")
+    ragged = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+    q = torch.randn(total, Hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(total, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    out, lse = kern(q, k, v, return_lse=True, **ragged)
+    ours = kern.backward(q, k, v, out, lse, dout, **ragged)
+    exact = kern.backward(q, k, v, out, lse, dout, deterministic=True, **ragged)
+    errors = []
+    for start, n in zip(cu.tolist(), lengths):
+        if n > 2048:
+            continue
+        qt, kt, vt = (x[start:start + n].transpose(0, 1).float().requires_grad_()
+                      for x in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
+                                                             enable_gqa=Hq != Hkv)
+        reference = torch.autograd.grad(o, (qt, kt, vt), dout[start:start + n].transpose(0, 1)
+                                        .float())
+        errors += [relative(torch, g[start:start + n], r.transpose(0, 1))
+                   for grads in (ours, exact) for g, r in zip(grads, reference)]
+    fns = {"mhadsl": lambda: kern.backward(q, k, v, out, lse, dout, **ragged),
+           "deterministic": lambda: kern.backward(q, k, v, out, lse, dout, deterministic=True,
+                                                  **ragged)}
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+        qf, kf, vf = (x.detach().requires_grad_() for x in (q, k, v))
+        of = flash_attn_varlen_func(qf, kf, vf, causal=True, **ragged)[0]
+        fa4 = torch.autograd.grad(of, (qf, kf, vf), dout, retain_graph=True)
+        fns["fa4"] = (lambda: torch.autograd.grad(of, (qf, kf, vf), dout, retain_graph=True)) \
+            if relative(torch, fa4[0], ours[0]) < 2e-2 else None
+    except ImportError:
+        fns["fa4"] = None
+    except Exception as err:  # noqa: BLE001 - a shape FlashAttention-4 does not take
+        print(f"  (fa4 unavailable: {type(err).__name__}: {str(err).splitlines()[0][:100]})")
+        fns["fa4"] = None
+    timings = time_side_by_side(torch, fns)
+    flops = 2.5 * sum(4 * Hq * n * n * D / 2 for n in lengths)
+    tf = {n: None if x is None else flops / (x.ms * 1e-3) / 1e12 for n, x in timings.items()}
+    fa4 = f"{tf['fa4']:.0f} | {tf['mhadsl'] / tf['fa4']:.3f}x" if tf.get("fa4") else "— | —"
+    print(f"| ragged causal {len(lengths)} seqs, {total} tokens, H{Hq}:{Hkv} D{D} | "
+          f"**{tf['mhadsl']:.0f}** | {tf['deterministic']:.0f} | {fa4} | "
+          f"{tf['deterministic'] / tf['mhadsl']:.2f} | {max(errors):.1e} |", flush=True)
+
+
 def score_row(torch, program, name, B, Hq, Hkv, S, D):
     """A score rule's backward (causal) against FlexAttention's of the same score_mod."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -156,7 +215,7 @@ def score_row(torch, program, name, B, Hq, Hkv, S, D):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    groups = sorted({r[0] for r in ROWS})
+    groups = sorted({r[0] for r in ROWS + RAGGED_ROWS})
     parser.add_argument("--only", help=f"comma-separated row groups ({', '.join(groups)})")
     parser.add_argument("--scores", action="store_true", help="the score rules' rows only")
     parser.add_argument("--runs", type=int, default=1, help="time each row this many times")
@@ -178,6 +237,13 @@ def main():
         for group, *spec in ROWS:
             for _ in range(cli.runs if group in only else 0):
                 row(torch, program, *spec)
+        if any(group in only for group, *_ in RAGGED_ROWS):
+            print("| ragged batch | mhadsl | mhadsl deterministic | FA4 varlen | vs FA4 | "
+                  "deterministic / atomic | max relative error vs SDPA math (sequences "
+                  "up to 2048) |")
+        for group, *spec in RAGGED_ROWS:
+            for _ in range(cli.runs if group in only else 0):
+                ragged_row(torch, program, *spec)
     if cli.scores or not cli.only:
         print("| score rule | mhadsl | FlexAttention | vs FlexAttention | max relative error "
               "vs float64 (B1 S512) |")
