@@ -102,12 +102,15 @@ from mhadsl.codegen.work_loop import count_exit, role_vote_flags
 from mhadsl.codegen.target import Target
 
 SMEM_SYMBOL = "mha_bwd_sm90_smem"
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 GROUP_ROWS = 64  # K/V rows per warpgroup (wgmma's M)
+WIDE_HEAD_DIM = 256  # where the consumers share their K/V rows and split dK's, dV's columns
 STATS = ("neg_lse", "delta")  # a query tile's stats block's rows, in order
 WRITER_WARP = 1  # the producer warpgroup's warp that adds dQ into the accumulator
 DQ_PARTIES = hopper.WARPGROUP_THREADS + 32  # a dQ staging tile's barriers: warpgroup, writer
 BOX_COLUMNS = 64  # head-dim columns per TMA box: 128 bytes, the swizzle's row
+# k-steps of a head-dim GEMM (S^T, dP^T) whose descriptors are made together (`_k_major_runs`)
+DESCRIPTOR_RUN = 8
 SW = hopper.SWIZZLE_BYTES
 SWIZZLE_SLACK = hopper.SWIZZLE_ATOM_BYTES
 # (producer, consumer) registers per thread after setmaxnreg: 24 + 2 x 240 of the 512 per
@@ -148,6 +151,32 @@ class HopperBackwardConfig(BackwardConfig):
     @property
     def boxes(self) -> int:
         return self.head_dim // BOX_COLUMNS
+
+    @property
+    def splits_kv_columns(self) -> bool:
+        """Whether both consumer warpgroups work on the same GROUP_ROWS K/V rows, warpgroup
+        g owning head-dim columns g D/2.. of their dK and dV (`kv_columns`): at head dim 256,
+        where 64 rows x D of both in fp32 would take 256 registers a thread. Else warpgroup
+        g owns K/V rows 64 g.. and every column of theirs."""
+        return self.block_n == GROUP_ROWS
+
+    @property
+    def kv_columns(self) -> int:
+        """Head-dim columns of dK and dV that one consumer warpgroup accumulates."""
+        return self.head_dim // 2 if self.splits_kv_columns else self.head_dim
+
+    @property
+    def tiles_per_warp(self) -> int:
+        """16-row m-tiles of K/V rows per consumer warp: a quarter of its warpgroup's 64
+        (wgmma's M), whether or not the warpgroups share them."""
+        return GROUP_ROWS // 4 // 16
+
+    @property
+    def dq_chunk(self) -> int:
+        """dQ's columns per GEMM (wgmma's N): a warpgroup's part (`dq_tile`) in chunks of a
+        TMA box of K at most, each chunk's 32 accumulators staged before the next is
+        computed (a part of 128 columns at once would hold 64 beside dK and dV)."""
+        return min(self.dq_tile[1], BOX_COLUMNS)
 
     @property
     def dq_tile(self) -> tuple[int, int]:
@@ -192,11 +221,11 @@ class HopperBackwardConfig(BackwardConfig):
             found.append(Problem(("head_dim",), (
                 f"the sm90 backward runs head_dim {', '.join(map(str, HEAD_DIMS))}, not "
                 f"{self.head_dim}")))
-        if (self.block_m not in (64, 128) or self.block_n != 128 or self.num_warps != 8
-                or (self.block_m == 128 and self.head_dim != 64)):
+        if (self.block_m not in (64, 128) or self.block_n != kv_tile_rows(self.head_dim)
+                or self.num_warps != 8 or (self.block_m == 128 and self.head_dim != 64)):
             found.append(Problem(("tile",), "the sm90 backward steps 64 query rows (128 at head "
-                                            "dim 64) over K/V tiles of 128 rows with two "
-                                            "consumer warpgroups"))
+                                            "dim 64) over K/V tiles of 128 rows (64 at head "
+                                            "dim 256) with two consumer warpgroups"))
         if self.s_ahead and self.stages < 2:
             # a step issues the next one's S^T while it still holds its own stage
             found.append(Problem(("stages",), "the sm90 backward's ring has at least 2 stages "
@@ -206,6 +235,12 @@ class HopperBackwardConfig(BackwardConfig):
                 f"the sm90 backward's {self.stages} stages need {shared_bytes(self)} bytes of "
                 f"shared memory; a CTA has {SHARED_MEMORY_LIMIT['sm_90a']}")))
         return found
+
+
+def kv_tile_rows(head_dim: int) -> int:
+    """K/V rows of a work tile: a warpgroup's each, or at head dim 256 one set shared by
+    both (`splits_kv_columns`)."""
+    return GROUP_ROWS if head_dim == WIDE_HEAD_DIM else 2 * GROUP_ROWS
 
 
 # shared memory, from the base rounded up to 1024 bytes
@@ -475,6 +510,25 @@ class _HopperMain(_MainKernel):
     def _ptr(self, b, offset) -> ir.Value:
         return b.inttoptr(self._addr(b, offset), nvptx.ptr(SHARED))
 
+    @property
+    def _reloads_base(self) -> bool:
+        """Whether a head-dim GEMM makes its descriptors in several runs (`_k_major_runs`)."""
+        return self.c.head_dim // 16 > DESCRIPTOR_RUN
+
+    def _base_word(self, b) -> ir.Value:
+        """The 32-bit shared address of the word holding the aligned base (`_base`), which
+        thread 0 writes at the start (`_init_barriers`)."""
+        return b.ptrtoint(nvptx.shared_array(b.module, "mha_bwd_sm90.base",
+                                             ir.ArrayType(i32, 1)), i32)
+
+    def _reloaded_ptr(self, b, offset) -> ir.Value:
+        """`_ptr` from the base read back from shared memory where it stands
+        (`nvptx.reload_shared`): ptxas cannot make what derives from it any earlier."""
+        offset = i32(offset) if isinstance(offset, int) else offset
+        return b.inttoptr(b.add(nvptx.reload_shared(b, self._base_word(b)), offset),
+                          nvptx.ptr(SHARED))
+
+
     def _bar(self, b, index) -> ir.Value:
         """mbarrier `index`: 0 K and V's, 1 + stage a stage's full, 1 + stages + stage its
         empty."""
@@ -510,8 +564,44 @@ class _HopperMain(_MainKernel):
         """The index in its consumer warpgroup of consumer thread `tid` (`_tid`)."""
         return b.and_(tid, i32(hopper.WARPGROUP_THREADS - 1))
 
-    def _lanes(self, b) -> _Lanes:
-        return _Lanes(b, self.c, self._tid(b))
+    def _lanes(self, b, tid=None) -> _Lanes:
+        """The lanes of consumer thread `tid` (`_tid`; by default this thread): warp w's
+        K/V rows are 16 (w mod 4).. of its warpgroup's (`_own_rows`)."""
+        tid = self._tid(b) if tid is None else tid
+        lanes = _Lanes(b, self.c, tid)
+        if self.c.splits_kv_columns:
+            lanes.warp_row = self._warp_row(b, tid)
+        return lanes
+
+    def _warp_row(self, b, tid) -> ir.Value:
+        """The first K/V row of consumer thread `tid`'s warp (warps w and w + 4 share
+        theirs where the warpgroups share their rows)."""
+        warp_id = b.lshr(tid, i32(5))
+        if self.c.splits_kv_columns:
+            warp_id = b.and_(warp_id, i32(3))
+        return b.shl(warp_id, i32(4))
+
+    def _own_rows(self, b, group) -> ir.Value:
+        """Byte offset in each box of K and V of warpgroup `group`'s K/V rows
+        (`splits_kv_columns`: the same rows for both)."""
+        if self.c.splits_kv_columns:
+            return i32(0)
+        return b.mul(group, i32(GROUP_ROWS * SW))
+
+    def _own_columns(self, b, group) -> ir.Value:
+        """The first head-dim column of warpgroup `group` (an i32, or a callable giving it)'s
+        dK and dV (`kv_columns`)."""
+        if not self.c.splits_kv_columns:
+            return i32(0)
+        group = group() if callable(group) else group
+        return b.mul(group, i32(self.c.kv_columns))
+
+    def _column_boxes(self, b, group, rows: int) -> ir.Value:
+        """Byte offset of warpgroup `group`'s dK and dV columns in a tile of `rows` rows in
+        TMA boxes (Q, dO: the B operands of dK's and dV's GEMMs)."""
+        if not self.c.splits_kv_columns:
+            return i32(0)
+        return b.mul(group, i32(self.c.kv_columns // BOX_COLUMNS * rows * SW))
 
     # ------------------------------------------------------------------ the kernel
     def emit(self, b, work_loop) -> None:
@@ -564,11 +654,15 @@ class _HopperMain(_MainKernel):
         # the flags of the roles' votes (`work_loop.divergent_vote`) start at zero
         votes = 1 + len(maps) + len(bars)
         text += [f"@p st.shared.u32 [${votes}], 0;", f"@p st.shared.u32 [${votes}+4], 0;"]
+        words = [*bars, role_vote_flags(b)]  # (32-bit operands)
+        if self._reloads_base:  # the base `_reloaded_ptr` reads back
+            text += [f"@p st.shared.u32 [${votes + 1}], ${votes + 2};"]
+            words += [self._base_word(b), self._base(b)]
         text += ["@p fence.mbarrier_init.release.cluster;", "}"]
-        b.asm(ir.FunctionType(nvptx.void, [i32] + [i64] * len(maps) + [i32] * (len(bars) + 1)),
-              " ".join(text), ",".join(["r"] + ["l"] * len(maps) + ["r"] * (len(bars) + 1)
+        b.asm(ir.FunctionType(nvptx.void, [i32] + [i64] * len(maps) + [i32] * len(words)),
+              " ".join(text), ",".join(["r"] + ["l"] * len(maps) + ["r"] * len(words)
                                        + ["~{memory}"]),
-              [tid, *maps, *bars, role_vote_flags(b)], True)
+              [tid, *maps, *words], True)
         nvptx.barrier_all(b)
 
     def _ring_slot(self, b, count=None):
@@ -661,7 +755,7 @@ class _HopperMain(_MainKernel):
         steps_of, pair_of = self._query_steps()
         steps = steps_of(b)
 
-        n_acc = hopper.accumulator_count(c.head_dim)
+        n_acc = hopper.accumulator_count(c.kv_columns)
 
         def body(b, s, carried):
             count, stage, phase = self._ring_slot(b)
@@ -691,8 +785,11 @@ class _HopperMain(_MainKernel):
         if c.s_ahead:
             hopper.wgmma_wait_group(b, 0)  # the S^T issued past the last step, unused
         kv_row, rows_valid = b.add(self.k_start, self.kv0), b.sub(self.seqlen_k, self.kv0)
-        self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:n_acc], a.softmax_scale)
-        self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[n_acc:2 * n_acc], None)
+        column = self._own_columns(b, lambda: b.lshr(self._tid(b), i32(7)))
+        self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:n_acc], a.softmax_scale,
+                        column)
+        self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[n_acc:2 * n_acc], None,
+                        column)
 
     def _columns(self, b, stage, which: str, lanes) -> list[list[ir.Value]]:
         """This thread's query columns' -LSE log2(e) or delta (`STATS`): [n-tile][e & 1]."""
@@ -706,21 +803,41 @@ class _HopperMain(_MainKernel):
         return [box * rows * SW + off
                 for box, off in (divmod(32 * k, SW) for k in range(self.c.head_dim // 16))]
 
-    def _s_operands(self, b, own, q_off) -> list[tuple[ir.Value, ir.Value]]:
-        """S^T = K Q^T's descriptors per k-step: the warpgroup's K/V rows (`own` bytes into
-        K), the Q tile at `q_off`."""
+    def _k_major_runs(self, b, kv_off, q_off) -> list:
+        """The descriptors per k-step of a head-dim GEMM (S^T = K Q^T, dP^T = V dO^T) of the
+        K/V rows at `kv_off` and the query tile at `q_off` (K-major both), in runs of
+        DESCRIPTOR_RUN k-steps: the first run's pairs, then per later run a callable that
+        makes them where they are issued, from the base read back from shared memory
+        (`_reloaded_ptr`). From one base ptxas makes all of a GEMM's descriptors before its
+        first wgmma: at head dim 256, 32 of them, which spills."""
         c = self.c
-        k_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(self.off["k"]), own)),
-                                          self._k_major(c.block_n))
-        q_descs = hopper.smem_descriptors(b, self._ptr(b, q_off), self._k_major(c.block_m))
-        return list(zip(k_descs, q_descs))
+        kv_slices, q_slices = self._k_major(c.block_n), self._k_major(c.block_m)
+
+        def run(ptr, first):
+            return list(zip(
+                hopper.smem_descriptors(b, ptr(b, kv_off), kv_slices[first:first + DESCRIPTOR_RUN]),
+                hopper.smem_descriptors(b, ptr(b, q_off), q_slices[first:first + DESCRIPTOR_RUN])))
+        return [run(self._ptr, 0)] + [lambda first=first: run(self._reloaded_ptr, first)
+                                      for first in range(DESCRIPTOR_RUN, len(kv_slices),
+                                                         DESCRIPTOR_RUN)]
+
+    def _k_major_gemm(self, b, runs) -> list[ir.Value]:
+        """The wgmmas of a head-dim GEMM from `_k_major_runs` (m64n{block_m})."""
+        acc = None
+        for run in runs:
+            for kv_desc, q_desc in (run() if callable(run) else run):
+                acc = hopper.wgmma(b, self.c.dtype, self.c.block_m, kv_desc, q_desc, acc)
+        return acc
+
+    def _s_operands(self, b, own, q_off) -> list:
+        """S^T = K Q^T's descriptors (`_k_major_runs`): the warpgroup's K/V rows (`own`
+        bytes into K), the Q tile at `q_off`."""
+        return self._k_major_runs(b, b.add(i32(self.off["k"]), own), q_off)
 
     def _issue_s(self, b, operands) -> list[ir.Value]:
         """S^T = K Q^T from `_s_operands` as its own wgmma group."""
         hopper.wgmma_fence(b)
-        s = None
-        for kd, qd in operands:
-            s = hopper.wgmma(b, self.c.dtype, self.c.block_m, kd, qd, s)
+        s = self._k_major_gemm(b, operands)
         hopper.wgmma_commit_group(b)
         return s
 
@@ -731,7 +848,7 @@ class _HopperMain(_MainKernel):
         _, stage, phase = self._ring_slot(b, count)
         with b.if_then(exists):
             hopper.mbarrier_wait(b, self._full(b, stage), phase)
-        own = b.mul(b.lshr(self._tid(b), i32(7)), i32(GROUP_ROWS * SW))
+        own = self._own_rows(b, b.lshr(self._tid(b), i32(7)))
         return self._issue_s(b, self._s_operands(
             b, own, b.select(exists, self._stage_off(b, stage, "q"), i32(self.off["k"]))))
 
@@ -745,7 +862,7 @@ class _HopperMain(_MainKernel):
         o = self.off
         tid = self._tid(b)
         group = b.lshr(tid, i32(7))
-        lanes = _Lanes(b, c, tid)
+        lanes = self._lanes(b, tid)
         kv0 = self.kv0
 
         def q_idx(i, j, e):
@@ -758,7 +875,7 @@ class _HopperMain(_MainKernel):
         # parked (volatile shared loads, `_parked`), which, read where P^T is computed,
         # stalled it behind S^T's wait
         always = self._classify(b, h, q0, kv0)[1]
-        own = b.mul(group, i32(GROUP_ROWS * SW))  # the warpgroup's K/V rows
+        own = self._own_rows(b, group)
         q_off, do_off = self._stage_off(b, stage, "q"), self._stage_off(b, stage, "dout")
 
         s_operands = None if c.s_ahead else self._s_operands(b, own, q_off)
@@ -771,12 +888,7 @@ class _HopperMain(_MainKernel):
             s = self._issue_s(b, s_operands)
 
         def issue_dp():
-            v_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["v"]), own)),
-                                              self._k_major(BN))
-            do_descs = hopper.smem_descriptors(b, self._ptr(b, do_off), self._k_major(BM))
-            dp = None
-            for vd, dd in zip(v_descs, do_descs):
-                dp = hopper.wgmma(b, dt, BM, vd, dd, dp)
+            dp = self._k_major_gemm(b, self._k_major_runs(b, b.add(i32(o["v"]), own), do_off))
             hopper.wgmma_commit_group(b)
             return dp
 
@@ -813,11 +925,13 @@ class _HopperMain(_MainKernel):
         flat = hopper.fence_operands(b, dv + frags)
         dv, frags = flat[:len(dv)], flat[len(dv):]
         mn_slices = [16 * k * SW for k in range(BM // 16)]
-        do_mn = hopper.smem_descriptors(b, self._ptr(b, do_off), mn_slices,
+        own_boxes = self._column_boxes(b, group, BM)  # (of dO and Q)
+        do_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(do_off, own_boxes)), mn_slices,
                                         leading_bytes=BM * SW)
         hopper.wgmma_fence(b)
         for k, desc in enumerate(do_mn):
-            dv = hopper.wgmma(b, dt, D, frags[4 * k: 4 * k + 4], desc, dv, trans_b=True)
+            dv = hopper.wgmma(b, dt, c.kv_columns, frags[4 * k: 4 * k + 4], desc, dv,
+                              trans_b=True)
         hopper.wgmma_commit_group(b)
 
         # dS^T = P^T (dP^T - delta)
@@ -837,51 +951,57 @@ class _HopperMain(_MainKernel):
         # columns (128 bytes, swizzled: chunk n-tile xor row % 8; box b at b BN rows)
         lane = b.and_(tid, i32(31))
         g8 = b.lshr(lane, i32(2))
-        row_byte = b.add(b.mul(b.add(b.shl(b.lshr(tid, i32(5)), i32(4)), g8), i32(SW)),
+        row_byte = b.add(b.mul(b.add(self._warp_row(b, tid), g8), i32(SW)),
                          b.shl(b.and_(lane, i32(3)), i32(2)))
         ds_off = b.add(i32(o["ds"]), b.mul(ds_buffer, i32(o["ds_bytes"])))
         ds_base = b.add(self._addr(b, ds_off), row_byte)
-        for k, slice_ in enumerate(ds_packed):
-            for x, (r, nt) in zip(slice_, ((0, 2 * k), (1, 2 * k), (0, 2 * k + 1),
-                                            (1, 2 * k + 1))):
-                box, nt = divmod(nt, BOX_COLUMNS // 8)
-                chunk = b.shl(b.xor(g8, i32(nt)), i32(4))
-                _st_shared_b32(b, b.add(b.add(ds_base, chunk), i32((8 * r + box * BN) * SW)),
-                               x)
+
+        def store_ds(slices):
+            for k in slices:
+                for x, (r, nt) in zip(ds_packed[k], ((0, 2 * k), (1, 2 * k), (0, 2 * k + 1),
+                                                     (1, 2 * k + 1))):
+                    box, nt = divmod(nt, BOX_COLUMNS // 8)
+                    chunk = b.shl(b.xor(g8, i32(nt)), i32(4))
+                    _st_shared_b32(b, b.add(b.add(ds_base, chunk),
+                                            i32((8 * r + box * BN) * SW)), x)
+        if c.splits_kv_columns:
+            # both warpgroups hold the whole dS^T: each stores half of its query columns
+            half = len(ds_packed) // 2
+            with b.if_else(b.icmp_unsigned("==", group, i32(0))) as (first, second):
+                with first:
+                    store_ds(range(half))
+                with second:
+                    store_ds(range(half, 2 * half))
+        else:
+            store_ds(range(len(ds_packed)))
 
         # the warpgroup's part of dQ (`dq_tile`) = dS K: every warpgroup's dS^T rows are in
         hopper.fence_proxy_async(b)
         nvptx.barrier_named(b, nvptx.DS_BARRIER, 2 * hopper.WARPGROUP_THREADS)
-        dq_rows, dq_cols = c.dq_tile
-        # dS's rows: at 128 query rows, dS^T's box g (64 query columns)
-        row_box = b.mul(group, i32(BN * SW if dq_rows < BM else 0))
-        ds_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(ds_off, row_box)),
-                                           [16 * k * SW for k in range(BN // 16)],
-                                           leading_bytes=BN * SW)
-        # K's columns: TMA box g at head dim 128; at 64 split in two, the box's second half
-        # (64 bytes into each swizzled row, as a K-major slice starts 32 k bytes in)
-        col_byte = i32(0) if dq_cols == D else b.mul(
-            group, i32(BN * SW if D == 2 * BOX_COLUMNS else dq_cols * 2))
-        k_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["k"]), col_byte)),
-                                       [16 * k * SW for k in range(BN // 16)],
-                                       leading_bytes=BN * SW)
-        hopper.wgmma_fence(b)
-        dq = None
-        for dsd, kd in zip(ds_descs, k_mn):
-            dq = hopper.wgmma(b, dt, dq_cols, dsd, kd, dq, trans_a=True, trans_b=True)
-        hopper.wgmma_commit_group(b)
+        dq = self._issue_dq(b, group, ds_off, 0)
 
         # dK += dS^T Q, after dQ's GEMM: dQ is staged under it
         frags = [x for slice_ in ds_packed for x in slice_]
         flat = hopper.fence_operands(b, dk + frags)
         dk, frags = flat[:len(dk)], flat[len(dk):]
-        q_mn = hopper.smem_descriptors(b, self._ptr(b, q_off), mn_slices, leading_bytes=BM * SW)
+        q_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(q_off, own_boxes)), mn_slices,
+                                       leading_bytes=BM * SW)
         hopper.wgmma_fence(b)
         for k, desc in enumerate(q_mn):
-            dk = hopper.wgmma(b, dt, D, frags[4 * k: 4 * k + 4], desc, dk, trans_b=True)
+            dk = hopper.wgmma(b, dt, c.kv_columns, frags[4 * k: 4 * k + 4], desc, dk,
+                              trans_b=True)
         hopper.wgmma_commit_group(b)
-        hopper.wgmma_wait_group(b, 1)  # dV's and dQ's groups are done
-        self._stage_dq(b, group, hopper.fence_operands(b, dq))
+        hopper.wgmma_wait_group(b, 1)  # dV's and dQ's (first chunk's) groups are done
+        self._stage_dq(b, group, hopper.fence_operands(b, dq), 0)
+        for chunk in range(1, c.dq_tile[1] // c.dq_chunk):
+            # after dK's GEMM: a chunk issued under it serialises the wgmmas (ptxas C7512,
+            # too few registers)
+            hopper.wgmma_wait_group(b, 0)
+            flat = hopper.fence_operands(b, dk + dv)
+            dk, dv = flat[:len(dk)], flat[len(dk):]
+            dq = self._issue_dq(b, group, ds_off, chunk)
+            hopper.wgmma_wait_group(b, 0)
+            self._stage_dq(b, group, hopper.fence_operands(b, dq), chunk)
         s_next = issue_next_s() if issue_next_s else []
         hopper.wgmma_wait_group(b, 1 if issue_next_s else 0)  # all but the next S^T's
         flat = hopper.fence_operands(b, dk + dv)
@@ -890,19 +1010,56 @@ class _HopperMain(_MainKernel):
         hopper.mbarrier_arrive(b, self._empty(b, stage))
         return dk, dv, s_next
 
-    def _stage_dq(self, b, group, dq):
-        """This warpgroup's dQ values (its part: `dq_origin`) into its staging tile in
-        register order, once the writer warp's last bulk reduce-add has read it; the writer
-        adds it into the accumulator (`_write_dq`)."""
+    def _issue_dq(self, b, group, ds_off, chunk: int) -> list[ir.Value]:
+        """Columns chunk dq_chunk.. of the warpgroup's part of dQ (`dq_tile`, `dq_origin`) =
+        dS K as a wgmma group of its own: dS^T (the tile at `ds_off`) a transposed, M-major
+        shared A operand, K an MN-major B operand."""
+        c, o = self.c, self.off
+        BM, BN = c.block_m, c.block_n
+        dq_rows, dq_cols = c.dq_tile
+        # dS's rows: at 128 query rows, dS^T's box g (64 query columns)
+        row_box = b.mul(group, i32(BN * SW if dq_rows < BM else 0))
+        ds_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(ds_off, row_box)),
+                                           [16 * k * SW for k in range(BN // 16)],
+                                           leading_bytes=BN * SW)
+        # K's columns: the chunk's TMA box of the warpgroup's columns (every column where
+        # the warpgroups split the tile's rows), or at head dim 64 and 64 query rows half a
+        # box (64 bytes into each swizzled row, as a K-major slice starts 32 k bytes in)
+        if dq_rows < BM:
+            col_byte = i32(chunk * BN * SW)
+        elif dq_cols < BOX_COLUMNS:
+            col_byte = b.mul(group, i32(dq_cols * 2))
+        else:
+            col_byte = b.add(b.mul(group, i32(dq_cols // BOX_COLUMNS * BN * SW)),
+                             i32(chunk * BN * SW))
+        k_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["k"]), col_byte)),
+                                       [16 * k * SW for k in range(BN // 16)],
+                                       leading_bytes=BN * SW)
+        hopper.wgmma_fence(b)
+        dq = None
+        for dsd, kd in zip(ds_descs, k_mn):
+            dq = hopper.wgmma(b, c.dtype, c.dq_chunk, dsd, kd, dq, trans_a=True, trans_b=True)
+        hopper.wgmma_commit_group(b)
+        return dq
+
+    def _stage_dq(self, b, group, dq, chunk: int):
+        """Chunk `chunk` of this warpgroup's dQ values (`_issue_dq`) into its staging tile
+        in register order (the chunks' accumulators follow one another there), the first
+        once the writer warp's last bulk reduce-add has read the tile; after the last the
+        writer adds the tile into the accumulator (`_write_dq`)."""
         thread = self._group_thread(b, self._tid(b))
-        nvptx.barrier_named(b, b.add(group, i32(nvptx.DQ_EMPTY_BARRIER)), DQ_PARTIES,
-                            aligned=False)
-        start = b.add(self._addr(b, self._dq_tile(b, group)), b.shl(thread, i32(4)))
+        if chunk == 0:
+            nvptx.barrier_named(b, b.add(group, i32(nvptx.DQ_EMPTY_BARRIER)), DQ_PARTIES,
+                                aligned=False)
+        start = b.add(self._addr(b, self._dq_tile(b, group)),
+                      b.add(b.shl(thread, i32(4)),
+                            i32(chunk * 4 * len(dq) * hopper.WARPGROUP_THREADS)))
         for k in range(len(dq) // 4):
             _st_shared_v4f32(b, b.add(start, i32(16 * hopper.WARPGROUP_THREADS * k)),
                              dq[4 * k: 4 * k + 4])
-        hopper.fence_proxy_async(b)
-        nvptx.barrier_arrive(b, b.add(group, i32(nvptx.DQ_FULL_BARRIER)), DQ_PARTIES)
+        if chunk == self.c.dq_tile[1] // self.c.dq_chunk - 1:
+            hopper.fence_proxy_async(b)
+            nvptx.barrier_arrive(b, b.add(group, i32(nvptx.DQ_FULL_BARRIER)), DQ_PARTIES)
 
     @staticmethod
     def _writer_lane(b) -> ir.Value:
@@ -1109,10 +1266,15 @@ def adds_in_order(scheduler: tuple[str, tuple]) -> bool:
 
 
 def declared_config(options, layout: Layout) -> HopperBackwardConfig:
+    """The declaration's config; at head dim 256 one stage of Q and dO, as K, V (32 KB each),
+    dS^T and dQ's staging tile (64 KB) leave no room for a second."""
+    wide = options.head_dim == WIDE_HEAD_DIM
     return HopperBackwardConfig(options.dtype, options.head_dim, gqa_group=layout.gqa_group,
                                 ragged=layout.ragged, deterministic=layout.deterministic,
                                 sink=options.sink is not None,
-                                block_m=2 * GROUP_ROWS if options.head_dim == 64 else GROUP_ROWS)
+                                block_m=2 * GROUP_ROWS if options.head_dim == 64 else GROUP_ROWS,
+                                block_n=kv_tile_rows(options.head_dim),
+                                stages=1 if wide else 2)
 
 
 BACKEND = BackwardSM90()
