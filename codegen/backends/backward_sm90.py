@@ -172,6 +172,19 @@ class HopperBackwardConfig(BackwardConfig):
         return GROUP_ROWS // 4 // 16
 
     @property
+    def frees_stage_in_parts(self) -> bool:
+        """Whether the consumers free a stage's dO and stats once dV's GEMM is done and its
+        Q once dK's is, each part on an empty mbarrier of its own: with one stage (head dim
+        256) the producer then loads the next step's dO, and its Q, under the step's last
+        GEMMs, where it would wait for the whole step."""
+        return self.stages == 1
+
+    @property
+    def empty_barriers(self) -> int:
+        """A stage's empty mbarriers (`frees_stage_in_parts`)."""
+        return 2 if self.frees_stage_in_parts else 1
+
+    @property
     def dq_chunk(self) -> int:
         """dQ's columns per GEMM (wgmma's N): a warpgroup's part (`dq_tile`) in chunks of a
         TMA box of K at most, each chunk's 32 accumulators staged before the next is
@@ -255,9 +268,10 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     dq = stats + c.stages * c.stats_bytes  # per stage: the tile's stats block
     dq_bytes = 4 * c.block_m * c.head_dim  # dQ's staging tile: a part per warpgroup
     bars = dq + dq_bytes
-    # K/V's mbarrier; per stage full, empty; deterministic mode: the count the writer's last
-    # adds release (`_write_dq`; in shared memory, as the producer's registers are few)
-    pending = bars + (1 + 2 * c.stages) * hopper.MBARRIER_BYTES
+    # K/V's mbarrier; per stage full, empty (`empty_barriers`); deterministic mode: the count
+    # the writer's last adds release (`_write_dq`; in shared memory, as the producer's
+    # registers are few)
+    pending = bars + (1 + (1 + c.empty_barriers) * c.stages) * hopper.MBARRIER_BYTES
     end = pending + (8 if c.deterministic else 0)
     return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, ds_bytes=ds_bytes,
                 stats=stats, dq=dq, dq_bytes=dq_bytes, bars=bars, pending=pending, end=end)
@@ -531,7 +545,8 @@ class _HopperMain(_MainKernel):
 
     def _bar(self, b, index) -> ir.Value:
         """mbarrier `index`: 0 K and V's, 1 + stage a stage's full, 1 + stages + stage its
-        empty."""
+        empty (its Q's where it is freed in parts: `frees_stage_in_parts`), then 1 + 2 stages
+        + stage its dO's and stats' empty."""
         index = i32(index) if isinstance(index, int) else index
         return self._ptr(b, b.add(i32(self.off["bars"]), b.mul(index, i32(8))))
 
@@ -540,6 +555,9 @@ class _HopperMain(_MainKernel):
 
     def _empty(self, b, stage) -> ir.Value:
         return self._bar(b, b.add(stage, i32(1 + self.c.stages)))
+
+    def _dout_empty(self, b, stage) -> ir.Value:
+        return self._bar(b, b.add(stage, i32(1 + 2 * self.c.stages)))
 
     def _stage_off(self, b, stage, which: str) -> ir.Value:
         """Offset of Q or dO ("q", "dout") of `stage`, or of one of its stats rows (`STATS`)."""
@@ -615,7 +633,7 @@ class _HopperMain(_MainKernel):
         b.store(i32(0), self.tile_count)
         # full: the first producer lane's expect_tx; empty: every consumer thread
         self._init_barriers(b, [1] + [1] * c.stages
-                            + [2 * hopper.WARPGROUP_THREADS] * c.stages)
+                            + [2 * hopper.WARPGROUP_THREADS] * c.stages * c.empty_barriers)
         module = b.module
         tid = nvptx.special_register(b, "thread_idx", "x")
         producer_registers, consumer_registers = c.registers
@@ -696,8 +714,7 @@ class _HopperMain(_MainKernel):
 
                 def load(b, pair):
                     count, stage, phase = self._ring_slot(b)
-                    hopper.mbarrier_wait(b, self._empty(b, stage), b.xor(phase, i32(1)))
-                    self._load_step(b, *pair(), stage)
+                    self._load_step(b, pair, stage, phase)
                     b.store(b.add(count, i32(1)), self.step_count)
 
                 self._each_step(b, load)
@@ -723,26 +740,37 @@ class _HopperMain(_MainKernel):
 
         ir_loop(b, self._next_step(b, i32(0), steps, pair_of), steps, [], body)
 
-    def _load_step(self, b, h, q0, stage) -> None:
-        """The producer's first lane: Q and dO of the query tile at q0 of head h by TMA into
-        `stage`, and the tile's stats block (its LSE and delta rows, zeros past the
-        sequence: `STATS`) by one bulk copy, all completing on the stage's full mbarrier."""
+    def _load_step(self, b, pair, stage, phase) -> None:
+        """The producer's first warp: once the consumers have freed `stage` (the phase of
+        its empty mbarriers before `phase`; its parts in turn where they free it in parts:
+        `frees_stage_in_parts`), its first lane loads Q and dO of the step's query tile
+        (`pair()`: the query head, q0) by TMA, and the tile's stats block (its LSE and delta
+        rows, zeros past the sequence: `STATS`) by one bulk copy, all completing on the
+        stage's full mbarrier."""
         c, a = self.c, self.a
-        lane = nvptx.opaque_special_register(b, "tid.x")  # (the first warp's)
-        q_row = b.add(self.q_start, q0)
-        full = self._full(b, stage)
-        with b.if_then(b.icmp_unsigned("==", lane, i32(0))):
-            hopper.mbarrier_arrive_expect_tx(b, full, 2 * c.q_bytes + c.stats_bytes)
-            for which in ("q", "dout"):
-                tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
-                base = self._stage_off(b, stage, which)
-                for box in range(c.boxes):
-                    dst = self._ptr(b, b.add(base, i32(box * c.block_m * SW)))
-                    hopper.tma_load(b, dst, tmap,
-                                    [self._map_batch(), q_row, h, i32(box * BOX_COLUMNS)], full)
-            stats = _stats_offset(b, c, a, self.bidx, self.q_start, q0, h, STATS[0])
-            hopper.bulk_load(b, self._ptr(b, self._stage_off(b, stage, STATS[0])),
-                             _gep(b, a.delta, stats, f32), c.stats_bytes, full)
+        parts = ([(("dout", "stats"), self._dout_empty(b, stage)), (("q",), self._empty(b, stage))]
+                 if c.frees_stage_in_parts else [(("q", "dout", "stats"), self._empty(b, stage))])
+        for first, (names, empty) in zip((True, False), parts):
+            hopper.mbarrier_wait(b, empty, b.xor(phase, i32(1)))
+            h, q0 = pair()
+            lane = nvptx.opaque_special_register(b, "tid.x")  # (the first warp's)
+            q_row = b.add(self.q_start, q0)
+            full = self._full(b, stage)
+            with b.if_then(b.icmp_unsigned("==", lane, i32(0))):
+                if first:
+                    hopper.mbarrier_arrive_expect_tx(b, full, 2 * c.q_bytes + c.stats_bytes)
+                for which in names:
+                    if which == "stats":
+                        stats = _stats_offset(b, c, a, self.bidx, self.q_start, q0, h, STATS[0])
+                        hopper.bulk_load(b, self._ptr(b, self._stage_off(b, stage, STATS[0])),
+                                         _gep(b, a.delta, stats, f32), c.stats_bytes, full)
+                        continue
+                    tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
+                    base = self._stage_off(b, stage, which)
+                    for box in range(c.boxes):
+                        dst = self._ptr(b, b.add(base, i32(box * c.block_m * SW)))
+                        hopper.tma_load(b, dst, tmap, [self._map_batch(), q_row, h,
+                                                       i32(box * BOX_COLUMNS)], full)
 
     def _consumer_tile(self, b, seq) -> None:
         """The consumers: per query step, once its stage is full, `_step` (which frees the
@@ -992,13 +1020,19 @@ class _HopperMain(_MainKernel):
                               trans_b=True)
         hopper.wgmma_commit_group(b)
         hopper.wgmma_wait_group(b, 1)  # dV's and dQ's (first chunk's) groups are done
+        if c.frees_stage_in_parts:  # dO and the stats are read
+            hopper.mbarrier_arrive(b, self._dout_empty(b, stage))
         self._stage_dq(b, group, hopper.fence_operands(b, dq), 0)
+        q_freed = False
         for chunk in range(1, c.dq_tile[1] // c.dq_chunk):
             # after dK's GEMM: a chunk issued under it serialises the wgmmas (ptxas C7512,
             # too few registers)
             hopper.wgmma_wait_group(b, 0)
             flat = hopper.fence_operands(b, dk + dv)
             dk, dv = flat[:len(dk)], flat[len(dk):]
+            if c.frees_stage_in_parts and not q_freed:  # dK's GEMM has read Q
+                hopper.mbarrier_arrive(b, self._empty(b, stage))
+                q_freed = True
             dq = self._issue_dq(b, group, ds_off, chunk)
             hopper.wgmma_wait_group(b, 0)
             self._stage_dq(b, group, hopper.fence_operands(b, dq), chunk)
@@ -1006,8 +1040,8 @@ class _HopperMain(_MainKernel):
         hopper.wgmma_wait_group(b, 1 if issue_next_s else 0)  # all but the next S^T's
         flat = hopper.fence_operands(b, dk + dv)
         dk, dv = flat[:len(dk)], flat[len(dk):]
-        # Q, dO and the stats are read: the stage is the producer's again
-        hopper.mbarrier_arrive(b, self._empty(b, stage))
+        if not q_freed:  # Q (and dO and the stats) are read: the producer's again
+            hopper.mbarrier_arrive(b, self._empty(b, stage))
         return dk, dv, s_next
 
     def _issue_dq(self, b, group, ds_off, chunk: int) -> list[ir.Value]:
