@@ -10,9 +10,11 @@ built for Hopper in FlashAttention-3's layout:
   (batch, K/V head), handed out by the declaration's scheduler (the same work space as the
   sm80 design: `backward.scheduler_view`). Warpgroup 0 is the producer (`setmaxnreg.dec`
   to 24 registers), warpgroups 1 and 2 the consumers (`setmaxnreg.inc` to 240); consumer g
-  owns K/V rows 64g..64g+63. Both roles run the scheduler's work loop, each in its own
-  branch, and meet at each work tile's CTA barriers (which park its values in shared
-  memory), never per query step;
+  owns K/V rows 64g..64g+63. At head dim 256 (`splits_kv_columns`) the tile has 64 rows
+  and both consumers work on all of them, consumer g owning head-dim columns 128g.. of
+  their dK and dV: 64 + 64 f32 registers a thread, where all 256 columns would take 256.
+  Both roles run the scheduler's work loop, each in its own branch, and meet at each work
+  tile's CTA barriers (which park its values in shared memory), never per query step;
 - the producer's first warp loads K and V by TMA once per work tile (128-byte swizzle, one
   box per 64 head-dim columns), then, for each query tile (`block_m` = 64 rows; 128 at
   head dim 64, as FlashAttention-4 steps, with 64 as the fallback where that build
@@ -20,7 +22,9 @@ built for Hopper in FlashAttention-3's layout:
   prove empty, waits
   until a stage of the ring (`stages`) is empty and loads the step's Q and dO into it by
   TMA and the tile's stats block (its LSE and delta rows, which the preprocess wrote with
-  zeros past the sequence) by one bulk copy, all by lane 0 on the stage's full mbarrier;
+  zeros past the sequence) by one bulk copy, all by lane 0 on the stage's full mbarrier.
+  At head dim 256 shared memory holds one stage, which the consumers free in two parts
+  (`frees_stage_in_parts`): dO and the stats once dV's GEMM is done, Q once dK's is;
 - per step each consumer warpgroup classifies the step's pair of tiles (full, or masked
   per element; its parked reads before the GEMMs), waits until the stage is full and
   computes by wgmma:
@@ -30,14 +34,18 @@ built for Hopper in FlashAttention-3's layout:
   design's `_probabilities`), dS^T = P^T (dP^T - delta) (with the score's derivative),
   then dV += P^T dO with P^T as the register A operand and dO as an MN-major B operand
   (the forward's P V form). dS^T goes to shared memory (16-bit, swizzled, one tile per
-  step parity) and, after a named barrier of the two consumers (dQ needs both halves of
-  dS^T), warpgroup g issues its part of dQ (`dq_tile`: head-dim columns g D/2.. of a
+  step parity; at head dim 256, where both consumers hold all of it, each stores half of
+  its query columns) and, after a named barrier of the two consumers (dQ needs both halves
+  of dS^T), warpgroup g issues its part of dQ (`dq_tile`: head-dim columns g D/2.. of a
   64-row tile, query rows 64 g.. of a 128-row tile) = dS K (dS^T a transposed,
-  M-major shared A operand, K an MN-major B operand), then dK += dS^T Q (dS^T from
-  registers). Under dK's GEMM it stores its dQ values to its staging tile in register
-  order, once the writer has freed the tile, and arrives on the tile's full barrier; once
-  dK is done every consumer thread arrives on the stage's empty mbarrier. With two dS^T
-  tiles, a consumer writes the next step's while the other still reads this one's;
+  M-major shared A operand, K an MN-major B operand; in chunks of 64 columns, `dq_chunk`),
+  then dK += dS^T Q (dS^T from registers). Under dK's GEMM it stores its dQ values (the
+  first chunk's) to its staging tile in register order, once the writer has freed the
+  tile, computes and stores any further chunk once dK is done, and arrives on the tile's
+  full barrier; once dK is done every consumer thread arrives on the stage's empty
+  mbarrier. With two dS^T tiles, a consumer writes the next step's while the other still
+  reads this one's. A GEMM over the head dim (S^T, dP^T) makes its descriptors 8 k-steps
+  at a time (`_k_major_runs`): at head dim 256 all 32 at once spill;
 - the producer's second warp, the writer, walks the same steps: it frees each staging
   tile once its last bulk reduce-add has read it, then adds each tile, once written, into
   the fp32 accumulator with one bulk reduce-add (`dq_accum_position`: the accumulator
@@ -65,7 +73,7 @@ out before its own where the scheduler hands out each head's K/V tiles in order
 (`ORDERED_SCHEDULERS`, `adds_in_order`); under any other, deterministic calls run the
 sm80-style design. A wait past `abi.DQ_ORDER_WAIT_NS` records a fault and stops waiting.
 
-It runs dense and ragged layouts at head dims 64 and 128. Ragged tensors are mapped as the
+It runs dense and ragged layouts at head dims 64, 128 and 256. Ragged tensors are mapped as the
 forward's (`codegen.backends.sm90`): (1, total rows, H, D), a sequence's rows `start + row`
 of batch 0 (`hopper.map_batch`). A box that crosses a sequence's end holds the next
 sequence's rows where a dense build's holds zeros: the keys there are masked as the dense
@@ -192,6 +200,10 @@ class HopperBackwardConfig(BackwardConfig):
         return min(self.dq_tile[1], BOX_COLUMNS)
 
     @property
+    def dq_chunks(self) -> int:
+        return self.dq_tile[1] // self.dq_chunk
+
+    @property
     def dq_tile(self) -> tuple[int, int]:
         """(rows, columns) of a query tile's dQ that one consumer warpgroup computes: the
         tile's columns split in two at 64 query rows, its rows at 128 (FlashAttention-4's
@@ -300,6 +312,45 @@ def dq_accum_position(config: HopperBackwardConfig, row: int, col: int) -> int:
     t = 32 * (r // 16) + 4 * (r % 8) + (c % 8) // 2
     return g * rows * cols + 4 * (hopper.WARPGROUP_THREADS * (c // 8) + t) \
         + 2 * ((r % 16) // 8) + c % 2
+
+
+def dq_chunk_vector(config: HopperBackwardConfig, chunk: int, k: int) -> int:
+    """The place among a thread's 16-byte vectors of its warpgroup's part of dQ (the
+    staging tile's and the accumulator block's: `dq_accum_position`) of vector k
+    (accumulators 4k..4k+3) of its chunk `chunk` (`dq_chunk`): the chunks' accumulators
+    follow one another, as one wgmma over the part's columns would hold them."""
+    return chunk * hopper.accumulator_count(config.dq_chunk) // 4 + k
+
+
+def own_column(b, config: HopperBackwardConfig, group) -> ir.Value:
+    """The first head-dim column of warpgroup `group`'s dK and dV (`kv_columns`; `group`
+    an i32, or a callable giving it where it is needed)."""
+    if not config.splits_kv_columns:
+        return i32(0)
+    return b.mul(group() if callable(group) else group, i32(config.kv_columns))
+
+
+def own_column_byte(b, config: HopperBackwardConfig, group, rows: int) -> ir.Value:
+    """Byte offset of warpgroup `group`'s first dK and dV column (`own_column`) in a tile
+    of `rows` rows in TMA boxes: Q's and dO's, the B operands of its dK and dV GEMMs."""
+    if not config.splits_kv_columns:
+        return i32(0)
+    return b.mul(group, i32(config.kv_columns // BOX_COLUMNS * rows * SW))
+
+
+def dq_column_byte(b, config: HopperBackwardConfig, group, chunk: int) -> ir.Value:
+    """Byte offset in K's tile (TMA boxes of block_n rows) of the first column of chunk
+    `chunk` of warpgroup `group`'s part of dQ (`dq_origin`, `dq_chunk`), the B operand of
+    its dQ GEMM: the chunk's box of the part's columns (every column where the parts split
+    the tile's rows), or at head dim 64 and 64 query rows half a box (64 bytes into each
+    swizzled row, as a K-major slice starts 32 k bytes in)."""
+    rows, cols = config.dq_tile
+    box = config.block_n * SW
+    if rows < config.block_m:
+        return i32(chunk * box)
+    if cols < BOX_COLUMNS:
+        return b.mul(group, i32(cols * 2))
+    return b.add(b.mul(group, i32(cols // BOX_COLUMNS * box)), i32(chunk * box))
 
 
 def _block(b, config: HopperBackwardConfig, args, bidx, start, row, head) -> ir.Value:
@@ -606,21 +657,6 @@ class _HopperMain(_MainKernel):
             return i32(0)
         return b.mul(group, i32(GROUP_ROWS * SW))
 
-    def _own_columns(self, b, group) -> ir.Value:
-        """The first head-dim column of warpgroup `group` (an i32, or a callable giving it)'s
-        dK and dV (`kv_columns`)."""
-        if not self.c.splits_kv_columns:
-            return i32(0)
-        group = group() if callable(group) else group
-        return b.mul(group, i32(self.c.kv_columns))
-
-    def _column_boxes(self, b, group, rows: int) -> ir.Value:
-        """Byte offset of warpgroup `group`'s dK and dV columns in a tile of `rows` rows in
-        TMA boxes (Q, dO: the B operands of dK's and dV's GEMMs)."""
-        if not self.c.splits_kv_columns:
-            return i32(0)
-        return b.mul(group, i32(self.c.kv_columns // BOX_COLUMNS * rows * SW))
-
     # ------------------------------------------------------------------ the kernel
     def emit(self, b, work_loop) -> None:
         """The producer warpgroup (after `setmaxnreg.dec`) and the consumers (`inc`) each
@@ -813,7 +849,7 @@ class _HopperMain(_MainKernel):
         if c.s_ahead:
             hopper.wgmma_wait_group(b, 0)  # the S^T issued past the last step, unused
         kv_row, rows_valid = b.add(self.k_start, self.kv0), b.sub(self.seqlen_k, self.kv0)
-        column = self._own_columns(b, lambda: b.lshr(self._tid(b), i32(7)))
+        column = own_column(b, c, lambda: b.lshr(self._tid(b), i32(7)))
         self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:n_acc], a.softmax_scale,
                         column)
         self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[n_acc:2 * n_acc], None,
@@ -953,7 +989,7 @@ class _HopperMain(_MainKernel):
         flat = hopper.fence_operands(b, dv + frags)
         dv, frags = flat[:len(dv)], flat[len(dv):]
         mn_slices = [16 * k * SW for k in range(BM // 16)]
-        own_boxes = self._column_boxes(b, group, BM)  # (of dO and Q)
+        own_boxes = own_column_byte(b, c, group, BM)  # (of dO and Q)
         do_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(do_off, own_boxes)), mn_slices,
                                         leading_bytes=BM * SW)
         hopper.wgmma_fence(b)
@@ -1024,7 +1060,7 @@ class _HopperMain(_MainKernel):
             hopper.mbarrier_arrive(b, self._dout_empty(b, stage))
         self._stage_dq(b, group, hopper.fence_operands(b, dq), 0)
         q_freed = False
-        for chunk in range(1, c.dq_tile[1] // c.dq_chunk):
+        for chunk in range(1, c.dq_chunks):
             # after dK's GEMM: a chunk issued under it serialises the wgmmas (ptxas C7512,
             # too few registers)
             hopper.wgmma_wait_group(b, 0)
@@ -1050,22 +1086,13 @@ class _HopperMain(_MainKernel):
         shared A operand, K an MN-major B operand."""
         c, o = self.c, self.off
         BM, BN = c.block_m, c.block_n
-        dq_rows, dq_cols = c.dq_tile
+        dq_rows = c.dq_tile[0]
         # dS's rows: at 128 query rows, dS^T's box g (64 query columns)
         row_box = b.mul(group, i32(BN * SW if dq_rows < BM else 0))
         ds_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(ds_off, row_box)),
                                            [16 * k * SW for k in range(BN // 16)],
                                            leading_bytes=BN * SW)
-        # K's columns: the chunk's TMA box of the warpgroup's columns (every column where
-        # the warpgroups split the tile's rows), or at head dim 64 and 64 query rows half a
-        # box (64 bytes into each swizzled row, as a K-major slice starts 32 k bytes in)
-        if dq_rows < BM:
-            col_byte = i32(chunk * BN * SW)
-        elif dq_cols < BOX_COLUMNS:
-            col_byte = b.mul(group, i32(dq_cols * 2))
-        else:
-            col_byte = b.add(b.mul(group, i32(dq_cols // BOX_COLUMNS * BN * SW)),
-                             i32(chunk * BN * SW))
+        col_byte = dq_column_byte(b, c, group, chunk)
         k_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["k"]), col_byte)),
                                        [16 * k * SW for k in range(BN // 16)],
                                        leading_bytes=BN * SW)
@@ -1085,13 +1112,12 @@ class _HopperMain(_MainKernel):
         if chunk == 0:
             nvptx.barrier_named(b, b.add(group, i32(nvptx.DQ_EMPTY_BARRIER)), DQ_PARTIES,
                                 aligned=False)
-        start = b.add(self._addr(b, self._dq_tile(b, group)),
-                      b.add(b.shl(thread, i32(4)),
-                            i32(chunk * 4 * len(dq) * hopper.WARPGROUP_THREADS)))
+        start = b.add(self._addr(b, self._dq_tile(b, group)), b.shl(thread, i32(4)))
         for k in range(len(dq) // 4):
-            _st_shared_v4f32(b, b.add(start, i32(16 * hopper.WARPGROUP_THREADS * k)),
+            vector = dq_chunk_vector(self.c, chunk, k)
+            _st_shared_v4f32(b, b.add(start, i32(16 * hopper.WARPGROUP_THREADS * vector)),
                              dq[4 * k: 4 * k + 4])
-        if chunk == self.c.dq_tile[1] // self.c.dq_chunk - 1:
+        if chunk == self.c.dq_chunks - 1:
             hopper.fence_proxy_async(b)
             nvptx.barrier_arrive(b, b.add(group, i32(nvptx.DQ_FULL_BARRIER)), DQ_PARTIES)
 
