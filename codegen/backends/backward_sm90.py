@@ -1325,16 +1325,20 @@ def adds_in_order(scheduler: tuple[str, tuple]) -> bool:
     return name in ORDERED_SCHEDULERS and dict(args).get("order", "DEFAULT") == "DEFAULT"
 
 
+def declared_tile(head_dim: int) -> dict[str, int]:
+    """The tile and stages a declaration of this head dim builds: 128 query rows a step at
+    head dim 64, 64 elsewhere; K/V tiles of `kv_tile_rows`; at head dim 256 one stage of Q
+    and dO, as K, V (32 KB each), dS^T and dQ's staging tile (64 KB) leave no room for a
+    second."""
+    return dict(block_m=2 * GROUP_ROWS if head_dim == 64 else GROUP_ROWS,
+                block_n=kv_tile_rows(head_dim), stages=1 if head_dim == WIDE_HEAD_DIM else 2)
+
+
 def declared_config(options, layout: Layout) -> HopperBackwardConfig:
-    """The declaration's config; at head dim 256 one stage of Q and dO, as K, V (32 KB each),
-    dS^T and dQ's staging tile (64 KB) leave no room for a second."""
-    wide = options.head_dim == WIDE_HEAD_DIM
     return HopperBackwardConfig(options.dtype, options.head_dim, gqa_group=layout.gqa_group,
                                 ragged=layout.ragged, deterministic=layout.deterministic,
                                 sink=options.sink is not None,
-                                block_m=2 * GROUP_ROWS if options.head_dim == 64 else GROUP_ROWS,
-                                block_n=kv_tile_rows(options.head_dim),
-                                stages=1 if wide else 2)
+                                **declared_tile(options.head_dim))
 
 
 BACKEND = BackwardSM90()
