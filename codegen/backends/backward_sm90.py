@@ -593,7 +593,6 @@ class _HopperMain(_MainKernel):
         return b.inttoptr(b.add(nvptx.reload_shared(b, self._base_word(b)), offset),
                           nvptx.ptr(SHARED))
 
-
     def _bar(self, b, index) -> ir.Value:
         """mbarrier `index`: 0 K and V's, 1 + stage a stage's full, 1 + stages + stage its
         empty (its Q's where it is freed in parts: `frees_stage_in_parts`), then 1 + 2 stages
@@ -922,7 +921,7 @@ class _HopperMain(_MainKernel):
         stage. With `s_ahead`, the step's S^T is `s`, in flight, and `issue_next_s` issues
         the next step's under dK's GEMM. Returns (dK, dV, the next S^T or nothing)."""
         c, dt = self.c, self.c.dtype
-        BM, BN, D = c.block_m, c.block_n, c.head_dim
+        BM, BN = c.block_m, c.block_n
         o = self.off
         tid = self._tid(b)
         group = b.lshr(tid, i32(7))
