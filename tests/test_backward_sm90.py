@@ -489,6 +489,21 @@ def test_each_warpgroups_gemms_read_the_columns_it_owns(head_dim, block_m):
         assert owned == [set(range(head_dim))] * 2
 
 
+@pytest.mark.parametrize("head_dim, block_m", [(64, 64), (128, 64), (64, 128), (256, 64)])
+def test_the_warpgroups_store_every_slice_of_ds_once(head_dim, block_m):
+    """dS^T's 16-column slices (of the step's query rows) each warpgroup stores
+    (`ds_slices`): at head dim 256, where both hold all of dS^T for the same K/V rows, one
+    half each; elsewhere each all of them, for its own K/V rows."""
+    config = _config(head_dim, block_m=block_m)
+    slices = [set(H.ds_slices(config, g)) for g in range(2)]
+    every = set(range(block_m // 16))
+    if head_dim == 256:
+        assert slices[0] | slices[1] == every and not slices[0] & slices[1]
+        assert len(slices[0]) == len(slices[1])
+    else:
+        assert slices == [every, every]
+
+
 def test_128_query_rows_only_at_head_dim_64():
     assert H.HopperBackwardConfig("bf16", 128, block_m=128).problems()[0].settings == ("tile",)
     assert not H.HopperBackwardConfig("bf16", 64, block_m=128).problems()

@@ -322,6 +322,16 @@ def dq_chunk_vector(config: HopperBackwardConfig, chunk: int, k: int) -> int:
     return chunk * hopper.accumulator_count(config.dq_chunk) // 4 + k
 
 
+def ds_slices(config: HopperBackwardConfig, group: int) -> range:
+    """The 16-column slices of the step's query columns of dS^T that warpgroup `group`
+    stores (for its K/V rows): all of them, or half where both warpgroups hold all of dS^T
+    (`splits_kv_columns`)."""
+    slices = config.block_m // 16
+    if not config.splits_kv_columns:
+        return range(slices)
+    return range(group * slices // 2, (group + 1) * slices // 2)
+
+
 def own_column(b, config: HopperBackwardConfig, group) -> ir.Value:
     """The first head-dim column of warpgroup `group`'s dK and dV (`kv_columns`; `group`
     an i32, or a callable giving it where it is needed)."""
@@ -1028,15 +1038,13 @@ class _HopperMain(_MainKernel):
                     _st_shared_b32(b, b.add(b.add(ds_base, chunk),
                                             i32((8 * r + box * BN) * SW)), x)
         if c.splits_kv_columns:
-            # both warpgroups hold the whole dS^T: each stores half of its query columns
-            half = len(ds_packed) // 2
             with b.if_else(b.icmp_unsigned("==", group, i32(0))) as (first, second):
                 with first:
-                    store_ds(range(half))
+                    store_ds(ds_slices(c, 0))
                 with second:
-                    store_ds(range(half, 2 * half))
+                    store_ds(ds_slices(c, 1))
         else:
-            store_ds(range(len(ds_packed)))
+            store_ds(ds_slices(c, 0))
 
         # the warpgroup's part of dQ (`dq_tile`) = dS K: every warpgroup's dS^T rows are in
         hopper.fence_proxy_async(b)
