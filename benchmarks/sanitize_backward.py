@@ -1,7 +1,7 @@
 """compute-sanitizer's memcheck and racecheck over the backward pass: dense and ragged batches
 (lengths 0 and 1 among them), causal, GQA, softcap, fp16 D64, D256, a learned bias table's
 gradient (`operand_grads`), each in atomic and deterministic mode (on sm_90a, both modes
-run the Hopper design but D256's and the operand gradients').
+run the Hopper design but the operand gradients').
 Needs an NVIDIA GPU, torch and compute-sanitizer on PATH.
 
     python3 benchmarks/sanitize_backward.py [--tools memcheck,racecheck]
@@ -24,7 +24,7 @@ from sanitize import relative_error, worker_main  # noqa: E402
 KERNELS = "mha_"  # what compute-sanitizer watches
 CASES = [  # example file or source, kernel, query heads, K/V heads, lengths (None: dense
     # B1 S130), the f32 tensor operands whose gradients it asks for (their shapes); atomic
-    # calls on sm_90a run the Hopper design (dense or ragged; not D256's), and deterministic
+    # calls on sm_90a run the Hopper design (dense or ragged), and deterministic
     # ones too where their scheduler hands out K/V tiles in order (the default, Queued: the
     # softcap and GQA D64 cases, whose dQ is added in that order)
     ("examples/causal.mha", "causal_fwd", 2, 2, None, {}),
@@ -34,7 +34,7 @@ CASES = [  # example file or source, kernel, query heads, K/V heads, lengths (No
     ("attention gqa_d64 { dtype = bf16  head_dim = 64\n"
      "  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }", "gqa_d64", 8, 2, [70, 0, 129, 1], {}),
     ("examples/plain.mha", "plain_fp16_d64", 2, 2, [1, 0, 127, 65], {}),
-    ("attention causal_d256 { dtype = bf16  head_dim = 256\n"  # two column passes
+    ("attention causal_d256 { dtype = bf16  head_dim = 256\n"  # a 64-row K/V tile
      "  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }", "causal_d256", 4, 2, [1, 0, 150], {}),
     ("examples/relative_bias.mha", "relative_bias", 4, 2, [1, 0, 150], {"table": (4, 100)}),
 ]

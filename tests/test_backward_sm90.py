@@ -7,6 +7,8 @@ import ctypes
 import math
 import re
 import struct
+from collections import Counter
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,7 +26,7 @@ from mhadsl.codegen.backends import backward_sm90 as H
 from mhadsl.codegen.backends.backward import ROW_TILE, BackwardConfig
 from mhadsl.runtime import driver, tensors, tile_index
 from test_hostile_tensors import D, SOURCE
-from test_launch_host_path import kernel  # noqa: F401 (a fixture)
+from test_launch_host_path import kernel, stand_in  # noqa: F401 (a fixture)
 
 needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="ptxas not found")
 CAUSAL = EXAMPLES[0].parent / "causal.mha"
@@ -34,6 +36,13 @@ def _options(source: str):
     return mhadsl.compile(source)["t"].options
 
 
+def _config(head_dim: int = 128, **fields) -> H.HopperBackwardConfig:
+    """The config of a declaration of this head dim (its tile and stages: `declared_tile`),
+    with `fields` changed."""
+    return H.HopperBackwardConfig("bf16", head_dim, **{**H.declared_tile(head_dim), **fields})
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("layout, arch, expected", [
     (Layout(backward=True), "sm_90a", "backward_sm90"),
     (Layout(gqa_group=4, backward=True), "sm_90a", "backward_sm90"),
@@ -44,22 +53,57 @@ def _options(source: str):
     (Layout(backward=True), "sm_80", "backward"),
     (Layout(ragged=True, backward=True), "sm_80", "backward"),
 ])
-def test_the_hopper_design_runs_calls_dense_or_ragged_on_sm90a(layout, arch, expected):
-    options = _options("attention t { dtype = bf16  head_dim = 128 }")
+def test_the_hopper_design_runs_calls_dense_or_ragged_on_sm90a(layout, arch, expected,
+                                                                head_dim):
+    options = _options(f"attention t {{ dtype = bf16  head_dim = {head_dim} }}")
     assert backend_for_arch(arch, None, options, "backward", layout).name == expected
 
 
-def test_a_head_dim_the_hopper_design_cannot_run_takes_the_sm80_design():
+def test_at_head_dim_256_the_warpgroups_share_64_kv_rows_and_split_their_columns():
+    """A head dim 256 declaration's config: K/V tiles of 64 rows that both consumer
+    warpgroups work on, each owning 128 of dK's and dV's columns (64 + 64 accumulators a
+    thread), dQ's 64 x 128 part computed 64 columns at a time, one stage of Q and dO;
+    head dims 64 and 128 keep a warpgroup's 64 rows each with all their columns. A head
+    dim the design has no tile for is a problem of the config."""
     options = _options("attention t { dtype = bf16  head_dim = 256 }")
-    assert H.BACKEND.problems(options, "sm_90a")[0].settings == ("head_dim",)
-    assert backend_for_arch("sm_90a", None, options, "backward",
-                            Layout(backward=True)).name == "backward"
+    assert not H.BACKEND.problems(options, "sm_90a")
+    config = H.declared_config(options, Layout(backward=True))
+    assert config == _config(256)
+    # the scheduler hands out K/V tiles of 64 rows
+    assert H.BACKEND.scheduler_shape(config) == (64, 1)
+    call = CallSizes(2, 4, 2, 300, 300, 300, 300, 600, False, 1.0)
+    assert H.BACKEND.work_space(config, call) == (2, 5, 300, 2)
+    assert (config.block_m, config.block_n, config.stages) == (64, 64, 1)
+    assert config.splits_kv_columns and config.kv_columns == 128
+    assert hopper.accumulator_count(2 * config.kv_columns) == 128  # dK and dV together
+    assert (config.dq_tile, config.dq_chunk, config.dq_chunks) == ((64, 128), 64, 2)
+    assert config.frees_stage_in_parts and config.empty_barriers == 2
+    for d in (64, 128):
+        narrow = _config(d)
+        assert (narrow.block_n, narrow.stages, narrow.kv_columns) == (128, 2, d)
+        assert not narrow.splits_kv_columns and narrow.dq_chunks == 1
+        assert not narrow.frees_stage_in_parts and narrow.empty_barriers == 1
+    assert H.HopperBackwardConfig(head_dim=96).problems()[0].settings == ("head_dim",)
 
 
 def test_config_problems_and_shared_memory():
     assert not H.HopperBackwardConfig().problems()
     assert not H.HopperBackwardConfig(head_dim=64).problems()
-    assert H.HopperBackwardConfig(head_dim=256).problems()[0].settings == ("head_dim",)
+    # the K/V tile: 64 rows at head dim 256 (both warpgroups'), 128 elsewhere
+    assert H.HopperBackwardConfig(head_dim=256).problems()[0].settings == ("tile",)
+    assert H.HopperBackwardConfig(block_n=64).problems()[0].settings == ("tile",)
+    # at head dim 256 one stage fits, two do not (32 KB more of each of Q and dO)
+    wide = _config(256)
+    assert not wide.problems()
+    assert H.shared_bytes(wide) <= SHARED_MEMORY_LIMIT["sm_90a"]
+    assert H.shared_bytes(replace(wide, stages=2)) > SHARED_MEMORY_LIMIT["sm_90a"]
+    assert replace(wide, stages=2).problems()[0].settings == ("stages",)
+    assert H.BACKEND.scheduled(wide).threads == 384
+    offsets = H._offsets(wide)
+    assert offsets["dq_bytes"] == 4 * 64 * 256  # both warpgroups' 64 x 128 floats
+    assert offsets["k"] % 1024 == offsets["v"] % 1024 == offsets["stage0"] % 1024 \
+        == offsets["ds"] % 1024 == 0  # (the swizzle's atom)
+    assert offsets["pending"] - offsets["bars"] == 8 * (1 + 1 + 2)  # K/V, full, 2 empty
     assert H.HopperBackwardConfig(block_m=32).problems()[0].settings == ("tile",)
     assert H.HopperBackwardConfig(head_dim=64, block_m=128, stages=1).problems()[0].settings \
         == ("stages",)
@@ -111,8 +155,40 @@ def test_the_causal_build_assembles_without_spills(head_dim, monkeypatch, tmp_pa
     assert "C7519" not in build.assembled.log  # no injected warpgroup.arrive
 
 
+def _entry(ptx: str, name: str) -> str:
+    """Kernel `name`'s PTX."""
+    text = ptx[ptx.index(f".entry {name}("):]
+    return text[:text.index("\n}\n")]
+
+
 @needs_ptxas
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_head_dim_256_build_is_the_hopper_designs_without_spills(causal, monkeypatch,
+                                                                     tmp_path):
+    """Head dim 256 builds the Hopper design, not the sm80 fallback, without spills or a
+    stack frame, ptxas neither ignoring setmaxnreg (C7508) nor serialising the wgmmas
+    (C7512, C7519). Per step each consumer warpgroup issues S^T and dP^T over the head dim
+    (16 k-steps each, 64 x 64: both warpgroups the same) and dQ's part in two chunks of 64
+    columns (4 k-steps each: the tile's 64 K/V rows) as m64n64k16, dV and dK over its 128
+    columns (4 k-steps each: the step's 64 query rows) as m64n128k16; the writer adds each
+    warpgroup's 64 x 128 floats of dQ with one bulk reduce-add."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    build = mhadsl.compile(_source(256, causal))["t"].backward_build("sm_90a")
+    assert build.backend == "backward_sm90" and build.config == _config(256)
+    main = _entry(build.ptx, H.MAIN)
+    shapes = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.", main))
+    assert shapes == {"m64n64k16": 16 + 16 + 2 * 4, "m64n128k16": 4 + 4}
+    reduces = re.findall(r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32"
+                         r"\s+\[%rd\d+\], \[%r\d+\], (\d+);", main)
+    assert reduces == [str(4 * 64 * 128)] * 2
+    for resources in build.assembled.kernels.values():
+        assert resources.spills == 0 and resources.stack_bytes == 0, resources
+    for warning in ("C7508", "C7512", "C7519"):
+        assert warning not in build.assembled.log, warning
+
+
+@needs_ptxas
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_a_producer_warpgroup_feeds_two_consumers(head_dim, tmp_path, monkeypatch):
     """FlashAttention-3's layout: the producer gives registers back and loads each query
     step by its first lane (TMA of Q and dO, one bulk copy of the tile's LSE and delta,
@@ -181,13 +257,14 @@ def _source(head_dim: int, causal: bool) -> str:
 @needs_ptxas
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("gqa_group", [1, 4])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_the_ragged_build_assembles_without_spills(head_dim, gqa_group, causal, monkeypatch,
                                                    tmp_path):
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     build = mhadsl.compile(_source(head_dim, causal))["t"].backward_build(
         "sm_90a", gqa_group=gqa_group, ragged=True)
     assert build.backend == "backward_sm90" and build.config.ragged
+    assert build.config.block_n == H.kv_tile_rows(head_dim)
     for name, resources in build.assembled.kernels.items():
         assert resources.spills == 0 and resources.stack_bytes == 0, (name, resources)
     for warning in ("C7508", "C7519"):  # setmaxnreg honoured; no injected warpgroup.arrive
@@ -226,14 +303,30 @@ class _TorchLike:
         return tensors.contiguous_strides(self.shape)
 
 
-def test_a_ragged_call_maps_all_rows_in_the_boxes_its_copies_expect(kernel, monkeypatch,
+WIDE = """import "std/schedulers.mha"
+attention d256 { dtype = fp16  head_dim = 256  scheduler = Queued()
+                 mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+"""
+
+
+@pytest.fixture
+def wide_kernel(monkeypatch):
+    yield from stand_in(monkeypatch, mhadsl.compile(WIDE)["d256"])
+
+
+@pytest.mark.parametrize("stand_in_kernel, source, d", [("kernel", SOURCE, D),
+                                                        ("wide_kernel", WIDE, 256)])
+def test_a_ragged_call_maps_all_rows_in_the_boxes_its_copies_expect(stand_in_kernel, source, d,
+                                                                    request, monkeypatch,
                                                                     tmp_path):
     """The host's plans for a ragged call of the Hopper design: tensor maps over
     (1, total rows, H, D) whose boxes fill exactly the bytes the kernel's copies expect on
     their mbarriers, and the tile index built just before the main kernel over the K/V
     tiles of cu_seqlens_k (no other)."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
-    build = mhadsl.compile(SOURCE)["h64"].backward_build("sm_90a", gqa_group=2, ragged=True)
+    kernel = request.getfixturevalue(stand_in_kernel)
+    build = mhadsl.compile(source)[kernel.name].backward_build("sm_90a", gqa_group=2,
+                                                               ragged=True)
     config = build.config
     assert build.backend == "backward_sm90" and config.ragged
     blocks, indexed = {}, []
@@ -256,9 +349,9 @@ def test_a_ragged_call_maps_all_rows_in_the_boxes_its_copies_expect(kernel, monk
         return SimpleNamespace(prepare=prepare)
     monkeypatch.setattr(tile_index, "plan", index_plan)
     total_q, total_k, heads, kv_heads = 14, 9, 4, 2
-    shapes = {"q": (total_q, heads, D), "o": (total_q, heads, D), "dout": (total_q, heads, D),
-              "dq": (total_q, heads, D), "k": (total_k, kv_heads, D), "v": (total_k, kv_heads, D),
-              "dk": (total_k, kv_heads, D), "dv": (total_k, kv_heads, D)}
+    shapes = {"q": (total_q, heads, d), "o": (total_q, heads, d), "dout": (total_q, heads, d),
+              "dq": (total_q, heads, d), "k": (total_k, kv_heads, d), "v": (total_k, kv_heads, d),
+              "dk": (total_k, kv_heads, d), "dv": (total_k, kv_heads, d)}
     call = SimpleNamespace(sizes=CallSizes(3, heads, kv_heads, 0, 0, 9, 7, total_q, True,
                                            0.125))
     plans, _ = host._plans(kernel, call, {n: _TorchLike(s) for n, s in shapes.items()}, 0,
@@ -275,7 +368,7 @@ def test_a_ragged_call_maps_all_rows_in_the_boxes_its_copies_expect(kernel, monk
         address, *words = struct.unpack_from("<9Q", main, H.ABI.offsets[p.name])
         box, dims = words[:4], words[4:]  # innermost first: D, H, rows, batch
         rows, heads_of = (total_q, heads) if tensor in ("q", "dout") else (total_k, kv_heads)
-        assert address == addresses[tensor] and dims == [D, heads_of, rows, 1], p.name
+        assert address == addresses[tensor] and dims == [d, heads_of, rows, 1], p.name
         assert box == [H.BOX_COLUMNS, 1, getattr(config, p.binding.rows), 1], p.name
         expected.add(math.prod(box) * 2 * config.boxes)  # bytes of one tile of the tensor
     assert expected == {config.q_bytes, config.kv_bytes}
@@ -299,14 +392,14 @@ def test_wgmma_takes_a_transposed_shared_a_operand():
         hopper.wgmma(b, "bf16", 64, [fn.args[0]] * 4, fn.args[1], trans_a=True)
 
 
-@pytest.mark.parametrize("head_dim, block_m", [(64, 64), (128, 64), (64, 128)])
+@pytest.mark.parametrize("head_dim, block_m", [(64, 64), (128, 64), (64, 128), (256, 64)])
 def test_dq_accumulator_blocks_hold_the_warpgroups_registers_in_order(head_dim, block_m):
     """Within a query tile's block, warpgroup g's accumulator j of thread t (its wgmma
     position within its part of dQ, `dq_origin`) sits at g * part + 4 (128 (j // 4) + t) +
     j % 4: where `_stage_dq`'s st.shared.v4 puts it in the staging tile, so one bulk copy
     of the tile adds it in place; and every (row, column) of the tile has a place of its
     own. The parts split the tile's columns at 64 rows and its rows at 128."""
-    config = H.HopperBackwardConfig("bf16", head_dim, block_m=block_m)
+    config = _config(head_dim, block_m=block_m)
     assert not config.problems()
     rows, cols = config.dq_tile
     assert (rows, cols) == ((64, head_dim) if block_m == 128 else (64, head_dim // 2))
@@ -320,6 +413,95 @@ def test_dq_accumulator_blocks_hold_the_warpgroups_registers_in_order(head_dim, 
                 assert place == g * rows * cols + 4 * (128 * (j // 4) + t) + j % 4
                 seen.add(place)
     assert seen == set(range(config.block_m * head_dim))
+
+
+@pytest.mark.parametrize("head_dim, block_m", [(64, 64), (128, 64), (64, 128), (256, 64)])
+def test_dq_chunks_follow_one_another_in_their_warpgroups_part(head_dim, block_m):
+    """A warpgroup computes its part of dQ `dq_chunk` columns at a time (two chunks of 64
+    at head dim 256, one elsewhere): accumulator j of thread t of chunk h holds the
+    part's column h dq_chunk + its wgmma column, and `_stage_dq` stores its 16-byte vector
+    (`dq_chunk_vector`) where `dq_accum_position` keeps that (row, column); the chunks
+    cover the part once."""
+    config = _config(head_dim, block_m=block_m)
+    rows, cols = config.dq_tile
+    assert config.dq_chunks * config.dq_chunk == cols
+    for g in range(2):
+        row0, col0 = config.dq_origin(g)
+        seen = set()
+        for chunk in range(config.dq_chunks):
+            for t in range(hopper.WARPGROUP_THREADS):
+                for j in range(hopper.accumulator_count(config.dq_chunk)):
+                    row, col = hopper.accumulator_position(t, j)
+                    place = H.dq_accum_position(config, row0 + row,
+                                                col0 + chunk * config.dq_chunk + col)
+                    vector = H.dq_chunk_vector(config, chunk, j // 4)
+                    assert place == g * rows * cols + 4 * (128 * vector + t) + j % 4
+                    seen.add(place)
+        assert seen == set(range(g * rows * cols, (g + 1) * rows * cols))
+
+
+def _host_column_bytes(config):
+    """(`own_column`, `own_column_byte` of Q's and dO's tiles, `dq_column_byte` of each of
+    dQ's chunks) compiled for the host: group -> int each."""
+    from mhadsl.codegen.target import HostJit
+    module = ir.Module("columns")
+    makers = {"own": lambda b, g: H.own_column(b, config, g),
+              "own_byte": lambda b, g: H.own_column_byte(b, config, g, config.block_m),
+              **{f"dq_byte{h}": lambda b, g, h=h: H.dq_column_byte(b, config, g, h)
+                 for h in range(config.dq_chunks)}}
+    for name, make in makers.items():
+        fn = ir.Function(module, ir.FunctionType(nvptx.i32, [nvptx.i32]), name)
+        b = ir.IRBuilder(fn.append_basic_block())
+        b.ret(make(b, fn.args[0]))
+    jit = HostJit(str(module))
+    calls = {name: ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32)(jit.address(name))
+             for name in makers}
+    return jit, calls
+
+
+def _box_byte(column: int, rows: int) -> int:
+    """The byte offset of head-dim column `column` in a tile of `rows` rows that TMA wrote
+    in boxes of 64 columns (128 bytes a row, box after box)."""
+    return column // H.BOX_COLUMNS * rows * H.SW + column % H.BOX_COLUMNS * 2
+
+
+@pytest.mark.parametrize("head_dim, block_m", [(64, 64), (128, 64), (64, 128), (256, 64)])
+def test_each_warpgroups_gemms_read_the_columns_it_owns(head_dim, block_m):
+    """The B operands' starts, run on the host: warpgroup g's dV and dK GEMMs read dO's and
+    Q's columns from its first own column on (`own_column_byte`: where `own_column`, the
+    first column it stores, lies in their boxes), and the GEMM of its dQ chunk h reads K's
+    from its part's column (`dq_origin`, where the accumulator keeps it) + h dq_chunk on.
+    At head dim 256 the warpgroups' dK and dV columns are the head's two halves; elsewhere
+    each warpgroup has all of them (for its own K/V rows)."""
+    config = _config(head_dim, block_m=block_m)
+    _jit, calls = _host_column_bytes(config)
+    owned = []
+    for g in range(2):
+        own = calls["own"](g)
+        owned.append(set(range(own, own + config.kv_columns)))
+        assert calls["own_byte"](g) == _box_byte(own, config.block_m)
+        for h in range(config.dq_chunks):
+            column = config.dq_origin(g)[1] + h * config.dq_chunk
+            assert calls[f"dq_byte{h}"](g) == _box_byte(column, config.block_n), (g, h)
+    if head_dim == 256:
+        assert owned == [set(range(128)), set(range(128, 256))]
+    else:
+        assert owned == [set(range(head_dim))] * 2
+
+
+@pytest.mark.parametrize("head_dim, block_m", [(64, 64), (128, 64), (64, 128), (256, 64)])
+def test_the_warpgroups_store_every_slice_of_ds_once(head_dim, block_m):
+    """dS^T's 16-column slices (of the step's query rows) each warpgroup stores
+    (`ds_slices`): at head dim 256, where both hold all of dS^T for the same K/V rows, one
+    half each; elsewhere each all of them, for its own K/V rows."""
+    config = _config(head_dim, block_m=block_m)
+    slices = [set(H.ds_slices(config, g)) for g in range(2)]
+    every = set(range(block_m // 16))
+    if head_dim == 256:
+        assert slices[0] | slices[1] == every and not slices[0] & slices[1]
+        assert len(slices[0]) == len(slices[1])
+    else:
+        assert slices == [every, every]
 
 
 def test_128_query_rows_only_at_head_dim_64():
@@ -460,7 +642,7 @@ def _host_vector_origins(config, count):
     return jit, [lambda t, f=f: divmod(f(t), 1 << 16) for f in calls]
 
 
-@pytest.mark.parametrize("head_dim, block_m", [(64, 64), (128, 64), (64, 128)])
+@pytest.mark.parametrize("head_dim, block_m", [(64, 64), (128, 64), (64, 128), (256, 64)])
 def test_the_row_kernels_walk_each_run_of_the_accumulator_16_bytes_a_thread(head_dim, block_m):
     """A row CTA's ROW_TILE rows are one contiguous run of the accumulator. Thread t's vector
     i, the 16 bytes at 4 (t + 128 i) of the run, holds (row, column), (row, column + 1) and
@@ -468,7 +650,7 @@ def test_the_row_kernels_walk_each_run_of_the_accumulator_16_bytes_a_thread(head
     puts them, every place of the run once. In the postprocess's shared tile
     (`staging_pitch` bytes a row) a warp's 32 lanes store each half of a vector to 32
     distinct banks."""
-    config = H.HopperBackwardConfig("bf16", head_dim, block_m=block_m)
+    config = _config(head_dim, block_m=block_m)
     count = ROW_TILE * head_dim // (4 * hopper.WARPGROUP_THREADS)
     _jit, origins = _host_vector_origins(config, count)
     pitch = H._Rows.staging_pitch(config)
@@ -489,20 +671,22 @@ def test_the_row_kernels_walk_each_run_of_the_accumulator_16_bytes_a_thread(head
         assert seen == set(range(run, run + ROW_TILE * head_dim))
 
 
-def test_the_backward_moves_whole_16_byte_vectors(monkeypatch, tmp_path):
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_the_backward_moves_whole_16_byte_vectors(monkeypatch, tmp_path, head_dim):
     """The preprocess zeroes the accumulator, and the postprocess reads it and writes dQ, in
     16-byte vectors (two-float pieces of it make the row kernels several times slower); the
     main kernel writes dK and dV in 16-byte vectors too (its quads trade
-    pairs: `warp.quad_transpose`), and nothing else."""
+    pairs: `warp.quad_transpose`), and nothing else: a thread two rows of its
+    warpgroup's 128 columns of each (at head dim 256, half of the head)."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
-    kern = mhadsl.compile("attention p { dtype = bf16  head_dim = 128 }", name="x")["p"]
+    kern = mhadsl.compile(f"attention p {{ dtype = bf16  head_dim = {head_dim} }}",
+                          name="x")["p"]
     build = kern.backward_build("sm_90a")
     assert build.backend == "backward_sm90"
 
     def entry(name):
-        text = build.ptx[build.ptx.index(f".entry {name}("):]
-        return text[:text.index("\n}\n")]
-    vectors = ROW_TILE * 128 // (4 * hopper.WARPGROUP_THREADS)
+        return _entry(build.ptx, name)
+    vectors = ROW_TILE * head_dim // (4 * hopper.WARPGROUP_THREADS)
     pre, post = entry(H.PREPROCESS), entry(H.POSTPROCESS)
     assert len(re.findall(r"st\.global\.v4\.(?:f32|b32)", pre)) == vectors
     assert not re.findall(r"st\.global\.v2", pre)
@@ -613,6 +797,23 @@ def test_at_128_query_rows_the_next_steps_s_is_issued_before_the_stage_is_freed(
     assert config.s_ahead == ahead
     assert ([["wait1", 1], ["arrive", 1]] in _runs(events, 2)) == ahead, events
     assert ([["wait0", 1], ["arrive", 1]] in _runs(events, 2)) != ahead, events
+
+
+@pytest.mark.parametrize("head_dim, parts", [(256, True), (128, False)])
+def test_with_one_stage_a_step_frees_do_once_dv_is_done_and_q_once_dk_is(
+        monkeypatch, tmp_path, head_dim, parts):
+    """With one stage (head dim 256) the consumers free it in two parts, so that the
+    producer loads the next step's dO, then its Q, under the step's last GEMMs: dO's (and
+    the stats') empty mbarrier once dV's GEMM is done (`wgmma.wait_group 1` after dK's
+    issue), Q's once dK's is (a wait for all groups), before dQ's second chunk's four
+    wgmmas; the producer waits on each before it loads its part. With two stages a step
+    frees its stage at its end, once."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    config, events = _main_events(head_dim)
+    assert config.frees_stage_in_parts == parts
+    assert ([["wait1", 1], ["arrive", 1], ["wait0", 1]] in _runs(events, 3)) == parts, events
+    assert ([["wait0", 1], ["arrive", 1], ["wgmma", 4]] in _runs(events, 3)) == parts, events
+    assert sum(n for kind, n in events if kind == "arrive") == (2 if parts else 1)
 
 
 DETERMINISTIC = """import "std/schedulers.mha"

@@ -107,31 +107,48 @@ def test_gqa_and_mqa_sum_dk_dv_over_the_group(name, hq, hkv):
 
 WIDE = """import "std/schedulers.mha"
 attention causal_d256 { dtype = bf16  head_dim = 256  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention plain_d256 { dtype = bf16  head_dim = 256 }
 attention softcap_fp16_d256 { dtype = fp16  head_dim = 256
     score(s, b, h, q_idx, kv_idx) = 30.0 * tanh(s / 30.0) }
 """
 
 
-@pytest.mark.parametrize("name", ["causal_d256", "softcap_fp16_d256"])
+@pytest.mark.parametrize("design", ["backward", "backward_sm90"])
+@pytest.mark.parametrize("name", ["causal_d256", "plain_d256", "softcap_fp16_d256"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_head_dim_256(name, deterministic):
-    """dK and dV in two column passes over the query tiles (each recomputing S^T and dP^T);
-    GQA, dense and ragged (lengths 0 and 1 among them)."""
+def test_head_dim_256(name, deterministic, design):
+    """The sm80-style design computes dK and dV in two column passes over the query tiles
+    (each recomputing S^T and dP^T); the Hopper design's two consumer warpgroups share
+    K/V tiles of 64 rows, each owning half of dK's and dV's columns. GQA, dense and ragged
+    (lengths 0 and 1 among them)."""
+    from mhadsl.codegen.backends.backward_sm90 import HopperBackwardConfig
+    if design == "backward_sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper design runs on compute capability 9.0")
     kern = mhadsl.compile(WIDE, name="<d256>")[name]
-    assert kern.backward_build("sm_90a", deterministic=deterministic).config.column_passes == 2
+    kern.backend = design
     assert_gradients(kern, dense(kern, 2, 300, 300, 4, 2), deterministic=deterministic)
     assert_gradients(kern, ragged(kern, RAGGED, RAGGED, 2, 1), deterministic=deterministic)
+    configs = [loaded.config for loaded in backward_builds(kern)]
+    assert len(configs) == 2
+    if design == "backward":
+        assert all(c.column_passes == 2 for c in configs)
+    else:
+        assert all(isinstance(c, HopperBackwardConfig) and c.block_n == 64 for c in configs)
 
 
 HOPPER_RAGGED = """import "std/schedulers.mha"
 attention causal_gqa_d64 { dtype = fp16  head_dim = 64  gqa = 4
                            mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention causal_gqa_d256 { dtype = bf16  head_dim = 256  gqa = 2
+                            mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 """
 
 
 @pytest.mark.parametrize("source, name, hq, hkv", [
     ("plain.mha", "plain_fwd", 2, 2), ("causal.mha", "causal_fwd", 2, 2),
-    ("gqa.mha", "gqa_causal", 8, 2), (HOPPER_RAGGED, "causal_gqa_d64", 8, 2)])
+    ("gqa.mha", "gqa_causal", 8, 2), (HOPPER_RAGGED, "causal_gqa_d64", 8, 2),
+    (HOPPER_RAGGED, "causal_gqa_d256", 4, 2)],
+    ids=["plain_fwd", "causal_fwd", "gqa_causal", "causal_gqa_d64", "causal_gqa_d256"])
 def test_ragged_calls_run_the_hopper_design(source, name, hq, hkv):
     """On compute capability 9.0 a ragged atomic call runs backward_sm90, whose tiles read
     past a sequence's end into the next sequence's rows (and past the last into the

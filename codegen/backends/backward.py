@@ -741,12 +741,13 @@ class _TileKernel:
                    first_column: int = 0):
         """The warp's accumulator `flat` of the CTA's own rows (times `scale` unless None),
         in the input dtype, to rows first_row.. of `tensor`'s head `head`, those below
-        rows_valid, columns first_column.. (as many as `flat` holds)."""
+        rows_valid, columns first_column.. (an int or an i32; as many as `flat` holds)."""
         c, a = self.c, self.a
         MT = c.tiles_per_warp
         DT = len(flat) // (4 * MT)
         # whole quads of 8-column tiles (head dims 64, 128, 256), inside the head
-        assert DT % 4 == 0 and len(flat) == 4 * MT * DT and first_column + 8 * DT <= c.head_dim
+        assert DT % 4 == 0 and len(flat) == 4 * MT * DT
+        assert not isinstance(first_column, int) or first_column + 8 * DT <= c.head_dim
         lanes = self._lanes(b)
         for i in range(MT):
             for r in range(2):
@@ -764,7 +765,7 @@ class _TileKernel:
                 with b.if_then(b.icmp_signed("<", row, rows_valid)):
                     off = _row_offset(b, a, c.ragged, tensor, self.bidx, b.add(first_row, row),
                                       head)
-                    column = b.add(b.shl(lanes.t, i32(3)), i32(first_column))
+                    column = b.add(b.shl(lanes.t, i32(3)), _i32(first_column))
                     base = _gep(b, a[tensor], b.add(off, b.zext(column, i64)), nvptx.i16)
                     for k, group in enumerate(groups):
                         warp.store(b, warp.vector(b, group), _gep(b, base, i64(32 * k), nvptx.i16),

@@ -10,9 +10,11 @@ built for Hopper in FlashAttention-3's layout:
   (batch, K/V head), handed out by the declaration's scheduler (the same work space as the
   sm80 design: `backward.scheduler_view`). Warpgroup 0 is the producer (`setmaxnreg.dec`
   to 24 registers), warpgroups 1 and 2 the consumers (`setmaxnreg.inc` to 240); consumer g
-  owns K/V rows 64g..64g+63. Both roles run the scheduler's work loop, each in its own
-  branch, and meet at each work tile's CTA barriers (which park its values in shared
-  memory), never per query step;
+  owns K/V rows 64g..64g+63. At head dim 256 (`splits_kv_columns`) the tile has 64 rows
+  and both consumers work on all of them, consumer g owning head-dim columns 128g.. of
+  their dK and dV: 64 + 64 f32 registers a thread, where all 256 columns would take 256.
+  Both roles run the scheduler's work loop, each in its own branch, and meet at each work
+  tile's CTA barriers (which park its values in shared memory), never per query step;
 - the producer's first warp loads K and V by TMA once per work tile (128-byte swizzle, one
   box per 64 head-dim columns), then, for each query tile (`block_m` = 64 rows; 128 at
   head dim 64, as FlashAttention-4 steps, with 64 as the fallback where that build
@@ -20,7 +22,9 @@ built for Hopper in FlashAttention-3's layout:
   prove empty, waits
   until a stage of the ring (`stages`) is empty and loads the step's Q and dO into it by
   TMA and the tile's stats block (its LSE and delta rows, which the preprocess wrote with
-  zeros past the sequence) by one bulk copy, all by lane 0 on the stage's full mbarrier;
+  zeros past the sequence) by one bulk copy, all by lane 0 on the stage's full mbarrier.
+  At head dim 256 shared memory holds one stage, which the consumers free in two parts
+  (`frees_stage_in_parts`): dO and the stats once dV's GEMM is done, Q once dK's is;
 - per step each consumer warpgroup classifies the step's pair of tiles (full, or masked
   per element; its parked reads before the GEMMs), waits until the stage is full and
   computes by wgmma:
@@ -30,14 +34,18 @@ built for Hopper in FlashAttention-3's layout:
   design's `_probabilities`), dS^T = P^T (dP^T - delta) (with the score's derivative),
   then dV += P^T dO with P^T as the register A operand and dO as an MN-major B operand
   (the forward's P V form). dS^T goes to shared memory (16-bit, swizzled, one tile per
-  step parity) and, after a named barrier of the two consumers (dQ needs both halves of
-  dS^T), warpgroup g issues its part of dQ (`dq_tile`: head-dim columns g D/2.. of a
+  step parity; at head dim 256, where both consumers hold all of it, each stores half of
+  its query columns) and, after a named barrier of the two consumers (dQ needs both halves
+  of dS^T), warpgroup g issues its part of dQ (`dq_tile`: head-dim columns g D/2.. of a
   64-row tile, query rows 64 g.. of a 128-row tile) = dS K (dS^T a transposed,
-  M-major shared A operand, K an MN-major B operand), then dK += dS^T Q (dS^T from
-  registers). Under dK's GEMM it stores its dQ values to its staging tile in register
-  order, once the writer has freed the tile, and arrives on the tile's full barrier; once
-  dK is done every consumer thread arrives on the stage's empty mbarrier. With two dS^T
-  tiles, a consumer writes the next step's while the other still reads this one's;
+  M-major shared A operand, K an MN-major B operand; in chunks of 64 columns, `dq_chunk`),
+  then dK += dS^T Q (dS^T from registers). Under dK's GEMM it stores its dQ values (the
+  first chunk's) to its staging tile in register order, once the writer has freed the
+  tile, computes and stores any further chunk once dK is done, and arrives on the tile's
+  full barrier; once dK is done every consumer thread arrives on the stage's empty
+  mbarrier. With two dS^T tiles, a consumer writes the next step's while the other still
+  reads this one's. A GEMM over the head dim (S^T, dP^T) makes its descriptors 8 k-steps
+  at a time (`_k_major_runs`): at head dim 256 all 32 at once spill;
 - the producer's second warp, the writer, walks the same steps: it frees each staging
   tile once its last bulk reduce-add has read it, then adds each tile, once written, into
   the fp32 accumulator with one bulk reduce-add (`dq_accum_position`: the accumulator
@@ -65,7 +73,7 @@ out before its own where the scheduler hands out each head's K/V tiles in order
 (`ORDERED_SCHEDULERS`, `adds_in_order`); under any other, deterministic calls run the
 sm80-style design. A wait past `abi.DQ_ORDER_WAIT_NS` records a fault and stops waiting.
 
-It runs dense and ragged layouts at head dims 64 and 128. Ragged tensors are mapped as the
+It runs dense and ragged layouts at head dims 64, 128 and 256. Ragged tensors are mapped as the
 forward's (`codegen.backends.sm90`): (1, total rows, H, D), a sequence's rows `start + row`
 of batch 0 (`hopper.map_batch`). A box that crosses a sequence's end holds the next
 sequence's rows where a dense build's holds zeros: the keys there are masked as the dense
@@ -102,12 +110,15 @@ from mhadsl.codegen.work_loop import count_exit, role_vote_flags
 from mhadsl.codegen.target import Target
 
 SMEM_SYMBOL = "mha_bwd_sm90_smem"
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 GROUP_ROWS = 64  # K/V rows per warpgroup (wgmma's M)
+WIDE_HEAD_DIM = 256  # where the consumers share their K/V rows and split dK's, dV's columns
 STATS = ("neg_lse", "delta")  # a query tile's stats block's rows, in order
 WRITER_WARP = 1  # the producer warpgroup's warp that adds dQ into the accumulator
 DQ_PARTIES = hopper.WARPGROUP_THREADS + 32  # a dQ staging tile's barriers: warpgroup, writer
 BOX_COLUMNS = 64  # head-dim columns per TMA box: 128 bytes, the swizzle's row
+# k-steps of a head-dim GEMM (S^T, dP^T) whose descriptors are made together (`_k_major_runs`)
+DESCRIPTOR_RUN = 8
 SW = hopper.SWIZZLE_BYTES
 SWIZZLE_SLACK = hopper.SWIZZLE_ATOM_BYTES
 # (producer, consumer) registers per thread after setmaxnreg: 24 + 2 x 240 of the 512 per
@@ -148,6 +159,49 @@ class HopperBackwardConfig(BackwardConfig):
     @property
     def boxes(self) -> int:
         return self.head_dim // BOX_COLUMNS
+
+    @property
+    def splits_kv_columns(self) -> bool:
+        """Whether both consumer warpgroups work on the same GROUP_ROWS K/V rows, warpgroup
+        g owning head-dim columns g D/2.. of their dK and dV (`kv_columns`): at head dim 256,
+        where 64 rows x D of both in fp32 would take 256 registers a thread. Else warpgroup
+        g owns K/V rows 64 g.. and every column of theirs."""
+        return self.block_n == GROUP_ROWS
+
+    @property
+    def kv_columns(self) -> int:
+        """Head-dim columns of dK and dV that one consumer warpgroup accumulates."""
+        return self.head_dim // 2 if self.splits_kv_columns else self.head_dim
+
+    @property
+    def tiles_per_warp(self) -> int:
+        """16-row m-tiles of K/V rows per consumer warp: a quarter of its warpgroup's 64
+        (wgmma's M), whether or not the warpgroups share them."""
+        return GROUP_ROWS // 4 // 16
+
+    @property
+    def frees_stage_in_parts(self) -> bool:
+        """Whether the consumers free a stage's dO and stats once dV's GEMM is done and its
+        Q once dK's is, each part on an empty mbarrier of its own: with one stage (head dim
+        256) the producer then loads the next step's dO, and its Q, under the step's last
+        GEMMs, where it would wait for the whole step."""
+        return self.stages == 1
+
+    @property
+    def empty_barriers(self) -> int:
+        """A stage's empty mbarriers (`frees_stage_in_parts`)."""
+        return 2 if self.frees_stage_in_parts else 1
+
+    @property
+    def dq_chunk(self) -> int:
+        """dQ's columns per GEMM (wgmma's N): a warpgroup's part (`dq_tile`) in chunks of a
+        TMA box of K at most, each chunk's 32 accumulators staged before the next is
+        computed (a part of 128 columns at once would hold 64 beside dK and dV)."""
+        return min(self.dq_tile[1], BOX_COLUMNS)
+
+    @property
+    def dq_chunks(self) -> int:
+        return self.dq_tile[1] // self.dq_chunk
 
     @property
     def dq_tile(self) -> tuple[int, int]:
@@ -192,11 +246,11 @@ class HopperBackwardConfig(BackwardConfig):
             found.append(Problem(("head_dim",), (
                 f"the sm90 backward runs head_dim {', '.join(map(str, HEAD_DIMS))}, not "
                 f"{self.head_dim}")))
-        if (self.block_m not in (64, 128) or self.block_n != 128 or self.num_warps != 8
-                or (self.block_m == 128 and self.head_dim != 64)):
+        if (self.block_m not in (64, 128) or self.block_n != kv_tile_rows(self.head_dim)
+                or self.num_warps != 8 or (self.block_m == 128 and self.head_dim != 64)):
             found.append(Problem(("tile",), "the sm90 backward steps 64 query rows (128 at head "
-                                            "dim 64) over K/V tiles of 128 rows with two "
-                                            "consumer warpgroups"))
+                                            "dim 64) over K/V tiles of 128 rows (64 at head "
+                                            "dim 256) with two consumer warpgroups"))
         if self.s_ahead and self.stages < 2:
             # a step issues the next one's S^T while it still holds its own stage
             found.append(Problem(("stages",), "the sm90 backward's ring has at least 2 stages "
@@ -206,6 +260,12 @@ class HopperBackwardConfig(BackwardConfig):
                 f"the sm90 backward's {self.stages} stages need {shared_bytes(self)} bytes of "
                 f"shared memory; a CTA has {SHARED_MEMORY_LIMIT['sm_90a']}")))
         return found
+
+
+def kv_tile_rows(head_dim: int) -> int:
+    """K/V rows of a work tile: a warpgroup's each, or at head dim 256 one set shared by
+    both (`splits_kv_columns`)."""
+    return GROUP_ROWS if head_dim == WIDE_HEAD_DIM else 2 * GROUP_ROWS
 
 
 # shared memory, from the base rounded up to 1024 bytes
@@ -220,9 +280,10 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     dq = stats + c.stages * c.stats_bytes  # per stage: the tile's stats block
     dq_bytes = 4 * c.block_m * c.head_dim  # dQ's staging tile: a part per warpgroup
     bars = dq + dq_bytes
-    # K/V's mbarrier; per stage full, empty; deterministic mode: the count the writer's last
-    # adds release (`_write_dq`; in shared memory, as the producer's registers are few)
-    pending = bars + (1 + 2 * c.stages) * hopper.MBARRIER_BYTES
+    # K/V's mbarrier; per stage full, empty (`empty_barriers`); deterministic mode: the count
+    # the writer's last adds release (`_write_dq`; in shared memory, as the producer's
+    # registers are few)
+    pending = bars + (1 + (1 + c.empty_barriers) * c.stages) * hopper.MBARRIER_BYTES
     end = pending + (8 if c.deterministic else 0)
     return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, ds_bytes=ds_bytes,
                 stats=stats, dq=dq, dq_bytes=dq_bytes, bars=bars, pending=pending, end=end)
@@ -251,6 +312,55 @@ def dq_accum_position(config: HopperBackwardConfig, row: int, col: int) -> int:
     t = 32 * (r // 16) + 4 * (r % 8) + (c % 8) // 2
     return g * rows * cols + 4 * (hopper.WARPGROUP_THREADS * (c // 8) + t) \
         + 2 * ((r % 16) // 8) + c % 2
+
+
+def dq_chunk_vector(config: HopperBackwardConfig, chunk: int, k: int) -> int:
+    """The place among a thread's 16-byte vectors of its warpgroup's part of dQ (the
+    staging tile's and the accumulator block's: `dq_accum_position`) of vector k
+    (accumulators 4k..4k+3) of its chunk `chunk` (`dq_chunk`): the chunks' accumulators
+    follow one another, as one wgmma over the part's columns would hold them."""
+    return chunk * hopper.accumulator_count(config.dq_chunk) // 4 + k
+
+
+def ds_slices(config: HopperBackwardConfig, group: int) -> range:
+    """The 16-column slices of the step's query columns of dS^T that warpgroup `group`
+    stores (for its K/V rows): all of them, or half where both warpgroups hold all of dS^T
+    (`splits_kv_columns`)."""
+    slices = config.block_m // 16
+    if not config.splits_kv_columns:
+        return range(slices)
+    return range(group * slices // 2, (group + 1) * slices // 2)
+
+
+def own_column(b, config: HopperBackwardConfig, group) -> ir.Value:
+    """The first head-dim column of warpgroup `group`'s dK and dV (`kv_columns`; `group`
+    an i32, or a callable giving it where it is needed)."""
+    if not config.splits_kv_columns:
+        return i32(0)
+    return b.mul(group() if callable(group) else group, i32(config.kv_columns))
+
+
+def own_column_byte(b, config: HopperBackwardConfig, group, rows: int) -> ir.Value:
+    """Byte offset of warpgroup `group`'s first dK and dV column (`own_column`) in a tile
+    of `rows` rows in TMA boxes: Q's and dO's, the B operands of its dK and dV GEMMs."""
+    if not config.splits_kv_columns:
+        return i32(0)
+    return b.mul(group, i32(config.kv_columns // BOX_COLUMNS * rows * SW))
+
+
+def dq_column_byte(b, config: HopperBackwardConfig, group, chunk: int) -> ir.Value:
+    """Byte offset in K's tile (TMA boxes of block_n rows) of the first column of chunk
+    `chunk` of warpgroup `group`'s part of dQ (`dq_origin`, `dq_chunk`), the B operand of
+    its dQ GEMM: the chunk's box of the part's columns (every column where the parts split
+    the tile's rows), or at head dim 64 and 64 query rows half a box (64 bytes into each
+    swizzled row, as a K-major slice starts 32 k bytes in)."""
+    rows, cols = config.dq_tile
+    box = config.block_n * SW
+    if rows < config.block_m:
+        return i32(chunk * box)
+    if cols < BOX_COLUMNS:
+        return b.mul(group, i32(cols * 2))
+    return b.add(b.mul(group, i32(cols // BOX_COLUMNS * box)), i32(chunk * box))
 
 
 def _block(b, config: HopperBackwardConfig, args, bidx, start, row, head) -> ir.Value:
@@ -475,9 +585,28 @@ class _HopperMain(_MainKernel):
     def _ptr(self, b, offset) -> ir.Value:
         return b.inttoptr(self._addr(b, offset), nvptx.ptr(SHARED))
 
+    @property
+    def _reloads_base(self) -> bool:
+        """Whether a head-dim GEMM makes its descriptors in several runs (`_k_major_runs`)."""
+        return self.c.head_dim // 16 > DESCRIPTOR_RUN
+
+    def _base_word(self, b) -> ir.Value:
+        """The 32-bit shared address of the word holding the aligned base (`_base`), which
+        thread 0 writes at the start (`_init_barriers`)."""
+        return b.ptrtoint(nvptx.shared_array(b.module, "mha_bwd_sm90.base",
+                                             ir.ArrayType(i32, 1)), i32)
+
+    def _reloaded_ptr(self, b, offset) -> ir.Value:
+        """`_ptr` from the base read back from shared memory where it stands
+        (`nvptx.reload_shared`): ptxas cannot make what derives from it any earlier."""
+        offset = i32(offset) if isinstance(offset, int) else offset
+        return b.inttoptr(b.add(nvptx.reload_shared(b, self._base_word(b)), offset),
+                          nvptx.ptr(SHARED))
+
     def _bar(self, b, index) -> ir.Value:
         """mbarrier `index`: 0 K and V's, 1 + stage a stage's full, 1 + stages + stage its
-        empty."""
+        empty (its Q's where it is freed in parts: `frees_stage_in_parts`), then 1 + 2 stages
+        + stage its dO's and stats' empty."""
         index = i32(index) if isinstance(index, int) else index
         return self._ptr(b, b.add(i32(self.off["bars"]), b.mul(index, i32(8))))
 
@@ -486,6 +615,9 @@ class _HopperMain(_MainKernel):
 
     def _empty(self, b, stage) -> ir.Value:
         return self._bar(b, b.add(stage, i32(1 + self.c.stages)))
+
+    def _dout_empty(self, b, stage) -> ir.Value:
+        return self._bar(b, b.add(stage, i32(1 + 2 * self.c.stages)))
 
     def _stage_off(self, b, stage, which: str) -> ir.Value:
         """Offset of Q or dO ("q", "dout") of `stage`, or of one of its stats rows (`STATS`)."""
@@ -510,8 +642,29 @@ class _HopperMain(_MainKernel):
         """The index in its consumer warpgroup of consumer thread `tid` (`_tid`)."""
         return b.and_(tid, i32(hopper.WARPGROUP_THREADS - 1))
 
-    def _lanes(self, b) -> _Lanes:
-        return _Lanes(b, self.c, self._tid(b))
+    def _lanes(self, b, tid=None) -> _Lanes:
+        """The lanes of consumer thread `tid` (`_tid`; by default this thread): warp w's
+        K/V rows are 16 (w mod 4).. of its warpgroup's (`_own_rows`)."""
+        tid = self._tid(b) if tid is None else tid
+        lanes = _Lanes(b, self.c, tid)
+        if self.c.splits_kv_columns:
+            lanes.warp_row = self._warp_row(b, tid)
+        return lanes
+
+    def _warp_row(self, b, tid) -> ir.Value:
+        """The first K/V row of consumer thread `tid`'s warp (warps w and w + 4 share
+        theirs where the warpgroups share their rows)."""
+        warp_id = b.lshr(tid, i32(5))
+        if self.c.splits_kv_columns:
+            warp_id = b.and_(warp_id, i32(3))
+        return b.shl(warp_id, i32(4))
+
+    def _own_rows(self, b, group) -> ir.Value:
+        """Byte offset in each box of K and V of warpgroup `group`'s K/V rows
+        (`splits_kv_columns`: the same rows for both)."""
+        if self.c.splits_kv_columns:
+            return i32(0)
+        return b.mul(group, i32(GROUP_ROWS * SW))
 
     # ------------------------------------------------------------------ the kernel
     def emit(self, b, work_loop) -> None:
@@ -525,7 +678,7 @@ class _HopperMain(_MainKernel):
         b.store(i32(0), self.tile_count)
         # full: the first producer lane's expect_tx; empty: every consumer thread
         self._init_barriers(b, [1] + [1] * c.stages
-                            + [2 * hopper.WARPGROUP_THREADS] * c.stages)
+                            + [2 * hopper.WARPGROUP_THREADS] * c.stages * c.empty_barriers)
         module = b.module
         tid = nvptx.special_register(b, "thread_idx", "x")
         producer_registers, consumer_registers = c.registers
@@ -564,11 +717,15 @@ class _HopperMain(_MainKernel):
         # the flags of the roles' votes (`work_loop.divergent_vote`) start at zero
         votes = 1 + len(maps) + len(bars)
         text += [f"@p st.shared.u32 [${votes}], 0;", f"@p st.shared.u32 [${votes}+4], 0;"]
+        words = [*bars, role_vote_flags(b)]  # (32-bit operands)
+        if self._reloads_base:  # the base `_reloaded_ptr` reads back
+            text += [f"@p st.shared.u32 [${votes + 1}], ${votes + 2};"]
+            words += [self._base_word(b), self._base(b)]
         text += ["@p fence.mbarrier_init.release.cluster;", "}"]
-        b.asm(ir.FunctionType(nvptx.void, [i32] + [i64] * len(maps) + [i32] * (len(bars) + 1)),
-              " ".join(text), ",".join(["r"] + ["l"] * len(maps) + ["r"] * (len(bars) + 1)
+        b.asm(ir.FunctionType(nvptx.void, [i32] + [i64] * len(maps) + [i32] * len(words)),
+              " ".join(text), ",".join(["r"] + ["l"] * len(maps) + ["r"] * len(words)
                                        + ["~{memory}"]),
-              [tid, *maps, *bars, role_vote_flags(b)], True)
+              [tid, *maps, *words], True)
         nvptx.barrier_all(b)
 
     def _ring_slot(self, b, count=None):
@@ -602,8 +759,7 @@ class _HopperMain(_MainKernel):
 
                 def load(b, pair):
                     count, stage, phase = self._ring_slot(b)
-                    hopper.mbarrier_wait(b, self._empty(b, stage), b.xor(phase, i32(1)))
-                    self._load_step(b, *pair(), stage)
+                    self._load_step(b, pair, stage, phase)
                     b.store(b.add(count, i32(1)), self.step_count)
 
                 self._each_step(b, load)
@@ -629,26 +785,37 @@ class _HopperMain(_MainKernel):
 
         ir_loop(b, self._next_step(b, i32(0), steps, pair_of), steps, [], body)
 
-    def _load_step(self, b, h, q0, stage) -> None:
-        """The producer's first lane: Q and dO of the query tile at q0 of head h by TMA into
-        `stage`, and the tile's stats block (its LSE and delta rows, zeros past the
-        sequence: `STATS`) by one bulk copy, all completing on the stage's full mbarrier."""
+    def _load_step(self, b, pair, stage, phase) -> None:
+        """The producer's first warp: once the consumers have freed `stage` (the phase of
+        its empty mbarriers before `phase`; its parts in turn where they free it in parts:
+        `frees_stage_in_parts`), its first lane loads Q and dO of the step's query tile
+        (`pair()`: the query head, q0) by TMA, and the tile's stats block (its LSE and delta
+        rows, zeros past the sequence: `STATS`) by one bulk copy, all completing on the
+        stage's full mbarrier."""
         c, a = self.c, self.a
-        lane = nvptx.opaque_special_register(b, "tid.x")  # (the first warp's)
-        q_row = b.add(self.q_start, q0)
-        full = self._full(b, stage)
-        with b.if_then(b.icmp_unsigned("==", lane, i32(0))):
-            hopper.mbarrier_arrive_expect_tx(b, full, 2 * c.q_bytes + c.stats_bytes)
-            for which in ("q", "dout"):
-                tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
-                base = self._stage_off(b, stage, which)
-                for box in range(c.boxes):
-                    dst = self._ptr(b, b.add(base, i32(box * c.block_m * SW)))
-                    hopper.tma_load(b, dst, tmap,
-                                    [self._map_batch(), q_row, h, i32(box * BOX_COLUMNS)], full)
-            stats = _stats_offset(b, c, a, self.bidx, self.q_start, q0, h, STATS[0])
-            hopper.bulk_load(b, self._ptr(b, self._stage_off(b, stage, STATS[0])),
-                             _gep(b, a.delta, stats, f32), c.stats_bytes, full)
+        parts = ([(("dout", "stats"), self._dout_empty(b, stage)), (("q",), self._empty(b, stage))]
+                 if c.frees_stage_in_parts else [(("q", "dout", "stats"), self._empty(b, stage))])
+        for first, (names, empty) in zip((True, False), parts):
+            hopper.mbarrier_wait(b, empty, b.xor(phase, i32(1)))
+            h, q0 = pair()
+            lane = nvptx.opaque_special_register(b, "tid.x")  # (the first warp's)
+            q_row = b.add(self.q_start, q0)
+            full = self._full(b, stage)
+            with b.if_then(b.icmp_unsigned("==", lane, i32(0))):
+                if first:
+                    hopper.mbarrier_arrive_expect_tx(b, full, 2 * c.q_bytes + c.stats_bytes)
+                for which in names:
+                    if which == "stats":
+                        stats = _stats_offset(b, c, a, self.bidx, self.q_start, q0, h, STATS[0])
+                        hopper.bulk_load(b, self._ptr(b, self._stage_off(b, stage, STATS[0])),
+                                         _gep(b, a.delta, stats, f32), c.stats_bytes, full)
+                        continue
+                    tmap = hopper.tensor_map_address(b, a[f"{which}_map"])
+                    base = self._stage_off(b, stage, which)
+                    for box in range(c.boxes):
+                        dst = self._ptr(b, b.add(base, i32(box * c.block_m * SW)))
+                        hopper.tma_load(b, dst, tmap, [self._map_batch(), q_row, h,
+                                                       i32(box * BOX_COLUMNS)], full)
 
     def _consumer_tile(self, b, seq) -> None:
         """The consumers: per query step, once its stage is full, `_step` (which frees the
@@ -661,7 +828,7 @@ class _HopperMain(_MainKernel):
         steps_of, pair_of = self._query_steps()
         steps = steps_of(b)
 
-        n_acc = hopper.accumulator_count(c.head_dim)
+        n_acc = hopper.accumulator_count(c.kv_columns)
 
         def body(b, s, carried):
             count, stage, phase = self._ring_slot(b)
@@ -691,8 +858,11 @@ class _HopperMain(_MainKernel):
         if c.s_ahead:
             hopper.wgmma_wait_group(b, 0)  # the S^T issued past the last step, unused
         kv_row, rows_valid = b.add(self.k_start, self.kv0), b.sub(self.seqlen_k, self.kv0)
-        self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:n_acc], a.softmax_scale)
-        self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[n_acc:2 * n_acc], None)
+        column = own_column(b, c, lambda: b.lshr(self._tid(b), i32(7)))
+        self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:n_acc], a.softmax_scale,
+                        column)
+        self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[n_acc:2 * n_acc], None,
+                        column)
 
     def _columns(self, b, stage, which: str, lanes) -> list[list[ir.Value]]:
         """This thread's query columns' -LSE log2(e) or delta (`STATS`): [n-tile][e & 1]."""
@@ -706,21 +876,41 @@ class _HopperMain(_MainKernel):
         return [box * rows * SW + off
                 for box, off in (divmod(32 * k, SW) for k in range(self.c.head_dim // 16))]
 
-    def _s_operands(self, b, own, q_off) -> list[tuple[ir.Value, ir.Value]]:
-        """S^T = K Q^T's descriptors per k-step: the warpgroup's K/V rows (`own` bytes into
-        K), the Q tile at `q_off`."""
+    def _k_major_runs(self, b, kv_off, q_off) -> list:
+        """The descriptors per k-step of a head-dim GEMM (S^T = K Q^T, dP^T = V dO^T) of the
+        K/V rows at `kv_off` and the query tile at `q_off` (K-major both), in runs of
+        DESCRIPTOR_RUN k-steps: the first run's pairs, then per later run a callable that
+        makes them where they are issued, from the base read back from shared memory
+        (`_reloaded_ptr`). From one base ptxas makes all of a GEMM's descriptors before its
+        first wgmma: at head dim 256, 32 of them, which spills."""
         c = self.c
-        k_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(self.off["k"]), own)),
-                                          self._k_major(c.block_n))
-        q_descs = hopper.smem_descriptors(b, self._ptr(b, q_off), self._k_major(c.block_m))
-        return list(zip(k_descs, q_descs))
+        kv_slices, q_slices = self._k_major(c.block_n), self._k_major(c.block_m)
+
+        def run(ptr, first):
+            return list(zip(
+                hopper.smem_descriptors(b, ptr(b, kv_off), kv_slices[first:first + DESCRIPTOR_RUN]),
+                hopper.smem_descriptors(b, ptr(b, q_off), q_slices[first:first + DESCRIPTOR_RUN])))
+        return [run(self._ptr, 0)] + [lambda first=first: run(self._reloaded_ptr, first)
+                                      for first in range(DESCRIPTOR_RUN, len(kv_slices),
+                                                         DESCRIPTOR_RUN)]
+
+    def _k_major_gemm(self, b, runs) -> list[ir.Value]:
+        """The wgmmas of a head-dim GEMM from `_k_major_runs` (m64n{block_m})."""
+        acc = None
+        for run in runs:
+            for kv_desc, q_desc in (run() if callable(run) else run):
+                acc = hopper.wgmma(b, self.c.dtype, self.c.block_m, kv_desc, q_desc, acc)
+        return acc
+
+    def _s_operands(self, b, own, q_off) -> list:
+        """S^T = K Q^T's descriptors (`_k_major_runs`): the warpgroup's K/V rows (`own`
+        bytes into K), the Q tile at `q_off`."""
+        return self._k_major_runs(b, b.add(i32(self.off["k"]), own), q_off)
 
     def _issue_s(self, b, operands) -> list[ir.Value]:
         """S^T = K Q^T from `_s_operands` as its own wgmma group."""
         hopper.wgmma_fence(b)
-        s = None
-        for kd, qd in operands:
-            s = hopper.wgmma(b, self.c.dtype, self.c.block_m, kd, qd, s)
+        s = self._k_major_gemm(b, operands)
         hopper.wgmma_commit_group(b)
         return s
 
@@ -731,7 +921,7 @@ class _HopperMain(_MainKernel):
         _, stage, phase = self._ring_slot(b, count)
         with b.if_then(exists):
             hopper.mbarrier_wait(b, self._full(b, stage), phase)
-        own = b.mul(b.lshr(self._tid(b), i32(7)), i32(GROUP_ROWS * SW))
+        own = self._own_rows(b, b.lshr(self._tid(b), i32(7)))
         return self._issue_s(b, self._s_operands(
             b, own, b.select(exists, self._stage_off(b, stage, "q"), i32(self.off["k"]))))
 
@@ -741,11 +931,11 @@ class _HopperMain(_MainKernel):
         stage. With `s_ahead`, the step's S^T is `s`, in flight, and `issue_next_s` issues
         the next step's under dK's GEMM. Returns (dK, dV, the next S^T or nothing)."""
         c, dt = self.c, self.c.dtype
-        BM, BN, D = c.block_m, c.block_n, c.head_dim
+        BM, BN = c.block_m, c.block_n
         o = self.off
         tid = self._tid(b)
         group = b.lshr(tid, i32(7))
-        lanes = _Lanes(b, c, tid)
+        lanes = self._lanes(b, tid)
         kv0 = self.kv0
 
         def q_idx(i, j, e):
@@ -758,7 +948,7 @@ class _HopperMain(_MainKernel):
         # parked (volatile shared loads, `_parked`), which, read where P^T is computed,
         # stalled it behind S^T's wait
         always = self._classify(b, h, q0, kv0)[1]
-        own = b.mul(group, i32(GROUP_ROWS * SW))  # the warpgroup's K/V rows
+        own = self._own_rows(b, group)
         q_off, do_off = self._stage_off(b, stage, "q"), self._stage_off(b, stage, "dout")
 
         s_operands = None if c.s_ahead else self._s_operands(b, own, q_off)
@@ -771,12 +961,7 @@ class _HopperMain(_MainKernel):
             s = self._issue_s(b, s_operands)
 
         def issue_dp():
-            v_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["v"]), own)),
-                                              self._k_major(BN))
-            do_descs = hopper.smem_descriptors(b, self._ptr(b, do_off), self._k_major(BM))
-            dp = None
-            for vd, dd in zip(v_descs, do_descs):
-                dp = hopper.wgmma(b, dt, BM, vd, dd, dp)
+            dp = self._k_major_gemm(b, self._k_major_runs(b, b.add(i32(o["v"]), own), do_off))
             hopper.wgmma_commit_group(b)
             return dp
 
@@ -813,11 +998,13 @@ class _HopperMain(_MainKernel):
         flat = hopper.fence_operands(b, dv + frags)
         dv, frags = flat[:len(dv)], flat[len(dv):]
         mn_slices = [16 * k * SW for k in range(BM // 16)]
-        do_mn = hopper.smem_descriptors(b, self._ptr(b, do_off), mn_slices,
+        own_boxes = own_column_byte(b, c, group, BM)  # (of dO and Q)
+        do_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(do_off, own_boxes)), mn_slices,
                                         leading_bytes=BM * SW)
         hopper.wgmma_fence(b)
         for k, desc in enumerate(do_mn):
-            dv = hopper.wgmma(b, dt, D, frags[4 * k: 4 * k + 4], desc, dv, trans_b=True)
+            dv = hopper.wgmma(b, dt, c.kv_columns, frags[4 * k: 4 * k + 4], desc, dv,
+                              trans_b=True)
         hopper.wgmma_commit_group(b)
 
         # dS^T = P^T (dP^T - delta)
@@ -837,72 +1024,109 @@ class _HopperMain(_MainKernel):
         # columns (128 bytes, swizzled: chunk n-tile xor row % 8; box b at b BN rows)
         lane = b.and_(tid, i32(31))
         g8 = b.lshr(lane, i32(2))
-        row_byte = b.add(b.mul(b.add(b.shl(b.lshr(tid, i32(5)), i32(4)), g8), i32(SW)),
+        row_byte = b.add(b.mul(b.add(self._warp_row(b, tid), g8), i32(SW)),
                          b.shl(b.and_(lane, i32(3)), i32(2)))
         ds_off = b.add(i32(o["ds"]), b.mul(ds_buffer, i32(o["ds_bytes"])))
         ds_base = b.add(self._addr(b, ds_off), row_byte)
-        for k, slice_ in enumerate(ds_packed):
-            for x, (r, nt) in zip(slice_, ((0, 2 * k), (1, 2 * k), (0, 2 * k + 1),
-                                            (1, 2 * k + 1))):
-                box, nt = divmod(nt, BOX_COLUMNS // 8)
-                chunk = b.shl(b.xor(g8, i32(nt)), i32(4))
-                _st_shared_b32(b, b.add(b.add(ds_base, chunk), i32((8 * r + box * BN) * SW)),
-                               x)
+
+        def store_ds(slices):
+            for k in slices:
+                for x, (r, nt) in zip(ds_packed[k], ((0, 2 * k), (1, 2 * k), (0, 2 * k + 1),
+                                                     (1, 2 * k + 1))):
+                    box, nt = divmod(nt, BOX_COLUMNS // 8)
+                    chunk = b.shl(b.xor(g8, i32(nt)), i32(4))
+                    _st_shared_b32(b, b.add(b.add(ds_base, chunk),
+                                            i32((8 * r + box * BN) * SW)), x)
+        if c.splits_kv_columns:
+            with b.if_else(b.icmp_unsigned("==", group, i32(0))) as (first, second):
+                with first:
+                    store_ds(ds_slices(c, 0))
+                with second:
+                    store_ds(ds_slices(c, 1))
+        else:
+            store_ds(ds_slices(c, 0))
 
         # the warpgroup's part of dQ (`dq_tile`) = dS K: every warpgroup's dS^T rows are in
         hopper.fence_proxy_async(b)
         nvptx.barrier_named(b, nvptx.DS_BARRIER, 2 * hopper.WARPGROUP_THREADS)
-        dq_rows, dq_cols = c.dq_tile
+        dq = self._issue_dq(b, group, ds_off, 0)
+
+        # dK += dS^T Q, after dQ's GEMM: dQ is staged under it
+        frags = [x for slice_ in ds_packed for x in slice_]
+        flat = hopper.fence_operands(b, dk + frags)
+        dk, frags = flat[:len(dk)], flat[len(dk):]
+        q_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(q_off, own_boxes)), mn_slices,
+                                       leading_bytes=BM * SW)
+        hopper.wgmma_fence(b)
+        for k, desc in enumerate(q_mn):
+            dk = hopper.wgmma(b, dt, c.kv_columns, frags[4 * k: 4 * k + 4], desc, dk,
+                              trans_b=True)
+        hopper.wgmma_commit_group(b)
+        hopper.wgmma_wait_group(b, 1)  # dV's and dQ's (first chunk's) groups are done
+        if c.frees_stage_in_parts:  # dO and the stats are read
+            hopper.mbarrier_arrive(b, self._dout_empty(b, stage))
+        self._stage_dq(b, group, hopper.fence_operands(b, dq), 0)
+        q_freed = False
+        for chunk in range(1, c.dq_chunks):
+            # after dK's GEMM: a chunk issued under it serialises the wgmmas (ptxas C7512,
+            # too few registers)
+            hopper.wgmma_wait_group(b, 0)
+            flat = hopper.fence_operands(b, dk + dv)
+            dk, dv = flat[:len(dk)], flat[len(dk):]
+            if c.frees_stage_in_parts and not q_freed:  # dK's GEMM has read Q
+                hopper.mbarrier_arrive(b, self._empty(b, stage))
+                q_freed = True
+            dq = self._issue_dq(b, group, ds_off, chunk)
+            hopper.wgmma_wait_group(b, 0)
+            self._stage_dq(b, group, hopper.fence_operands(b, dq), chunk)
+        s_next = issue_next_s() if issue_next_s else []
+        hopper.wgmma_wait_group(b, 1 if issue_next_s else 0)  # all but the next S^T's
+        flat = hopper.fence_operands(b, dk + dv)
+        dk, dv = flat[:len(dk)], flat[len(dk):]
+        if not q_freed:  # Q (and dO and the stats) are read: the producer's again
+            hopper.mbarrier_arrive(b, self._empty(b, stage))
+        return dk, dv, s_next
+
+    def _issue_dq(self, b, group, ds_off, chunk: int) -> list[ir.Value]:
+        """Columns chunk dq_chunk.. of the warpgroup's part of dQ (`dq_tile`, `dq_origin`) =
+        dS K as a wgmma group of its own: dS^T (the tile at `ds_off`) a transposed, M-major
+        shared A operand, K an MN-major B operand."""
+        c, o = self.c, self.off
+        BM, BN = c.block_m, c.block_n
+        dq_rows = c.dq_tile[0]
         # dS's rows: at 128 query rows, dS^T's box g (64 query columns)
         row_box = b.mul(group, i32(BN * SW if dq_rows < BM else 0))
         ds_descs = hopper.smem_descriptors(b, self._ptr(b, b.add(ds_off, row_box)),
                                            [16 * k * SW for k in range(BN // 16)],
                                            leading_bytes=BN * SW)
-        # K's columns: TMA box g at head dim 128; at 64 split in two, the box's second half
-        # (64 bytes into each swizzled row, as a K-major slice starts 32 k bytes in)
-        col_byte = i32(0) if dq_cols == D else b.mul(
-            group, i32(BN * SW if D == 2 * BOX_COLUMNS else dq_cols * 2))
+        col_byte = dq_column_byte(b, c, group, chunk)
         k_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(i32(o["k"]), col_byte)),
                                        [16 * k * SW for k in range(BN // 16)],
                                        leading_bytes=BN * SW)
         hopper.wgmma_fence(b)
         dq = None
         for dsd, kd in zip(ds_descs, k_mn):
-            dq = hopper.wgmma(b, dt, dq_cols, dsd, kd, dq, trans_a=True, trans_b=True)
+            dq = hopper.wgmma(b, c.dtype, c.dq_chunk, dsd, kd, dq, trans_a=True, trans_b=True)
         hopper.wgmma_commit_group(b)
+        return dq
 
-        # dK += dS^T Q, after dQ's GEMM: dQ is staged under it
-        frags = [x for slice_ in ds_packed for x in slice_]
-        flat = hopper.fence_operands(b, dk + frags)
-        dk, frags = flat[:len(dk)], flat[len(dk):]
-        q_mn = hopper.smem_descriptors(b, self._ptr(b, q_off), mn_slices, leading_bytes=BM * SW)
-        hopper.wgmma_fence(b)
-        for k, desc in enumerate(q_mn):
-            dk = hopper.wgmma(b, dt, D, frags[4 * k: 4 * k + 4], desc, dk, trans_b=True)
-        hopper.wgmma_commit_group(b)
-        hopper.wgmma_wait_group(b, 1)  # dV's and dQ's groups are done
-        self._stage_dq(b, group, hopper.fence_operands(b, dq))
-        s_next = issue_next_s() if issue_next_s else []
-        hopper.wgmma_wait_group(b, 1 if issue_next_s else 0)  # all but the next S^T's
-        flat = hopper.fence_operands(b, dk + dv)
-        dk, dv = flat[:len(dk)], flat[len(dk):]
-        # Q, dO and the stats are read: the stage is the producer's again
-        hopper.mbarrier_arrive(b, self._empty(b, stage))
-        return dk, dv, s_next
-
-    def _stage_dq(self, b, group, dq):
-        """This warpgroup's dQ values (its part: `dq_origin`) into its staging tile in
-        register order, once the writer warp's last bulk reduce-add has read it; the writer
-        adds it into the accumulator (`_write_dq`)."""
+    def _stage_dq(self, b, group, dq, chunk: int):
+        """Chunk `chunk` of this warpgroup's dQ values (`_issue_dq`) into its staging tile
+        in register order (the chunks' accumulators follow one another there), the first
+        once the writer warp's last bulk reduce-add has read the tile; after the last the
+        writer adds the tile into the accumulator (`_write_dq`)."""
         thread = self._group_thread(b, self._tid(b))
-        nvptx.barrier_named(b, b.add(group, i32(nvptx.DQ_EMPTY_BARRIER)), DQ_PARTIES,
-                            aligned=False)
+        if chunk == 0:
+            nvptx.barrier_named(b, b.add(group, i32(nvptx.DQ_EMPTY_BARRIER)), DQ_PARTIES,
+                                aligned=False)
         start = b.add(self._addr(b, self._dq_tile(b, group)), b.shl(thread, i32(4)))
         for k in range(len(dq) // 4):
-            _st_shared_v4f32(b, b.add(start, i32(16 * hopper.WARPGROUP_THREADS * k)),
+            vector = dq_chunk_vector(self.c, chunk, k)
+            _st_shared_v4f32(b, b.add(start, i32(16 * hopper.WARPGROUP_THREADS * vector)),
                              dq[4 * k: 4 * k + 4])
-        hopper.fence_proxy_async(b)
-        nvptx.barrier_arrive(b, b.add(group, i32(nvptx.DQ_FULL_BARRIER)), DQ_PARTIES)
+        if chunk == self.c.dq_chunks - 1:
+            hopper.fence_proxy_async(b)
+            nvptx.barrier_arrive(b, b.add(group, i32(nvptx.DQ_FULL_BARRIER)), DQ_PARTIES)
 
     @staticmethod
     def _writer_lane(b) -> ir.Value:
@@ -1108,11 +1332,20 @@ def adds_in_order(scheduler: tuple[str, tuple]) -> bool:
     return name in ORDERED_SCHEDULERS and dict(args).get("order", "DEFAULT") == "DEFAULT"
 
 
+def declared_tile(head_dim: int) -> dict[str, int]:
+    """The tile and stages a declaration of this head dim builds: 128 query rows a step at
+    head dim 64, 64 elsewhere; K/V tiles of `kv_tile_rows`; at head dim 256 one stage of Q
+    and dO, as K, V (32 KB each), dS^T and dQ's staging tile (64 KB) leave no room for a
+    second."""
+    return dict(block_m=2 * GROUP_ROWS if head_dim == 64 else GROUP_ROWS,
+                block_n=kv_tile_rows(head_dim), stages=1 if head_dim == WIDE_HEAD_DIM else 2)
+
+
 def declared_config(options, layout: Layout) -> HopperBackwardConfig:
     return HopperBackwardConfig(options.dtype, options.head_dim, gqa_group=layout.gqa_group,
                                 ragged=layout.ragged, deterministic=layout.deterministic,
                                 sink=options.sink is not None,
-                                block_m=2 * GROUP_ROWS if options.head_dim == 64 else GROUP_ROWS)
+                                **declared_tile(options.head_dim))
 
 
 BACKEND = BackwardSM90()
