@@ -253,11 +253,11 @@ def with_operands(abi: KernelABI, operands: tuple[Param, ...]) -> KernelABI:
 class CallSizes:
     """A call's sizes, from which the host binds the `CallValue`s every design shares
     (`values`). Dense calls have `seqlen_q`/`seqlen_k` rows per sequence; ragged ones
-    `total_q` query rows in all. A call against a KV cache adds its cache's positions
-    (`cache_capacity`), its query rows per sequence (`query_rows`, 0 ragged), the page
-    table's row stride (0: a contiguous cache), the KV splits its planner asks for (at most
-    that many a sequence, where they follow the lengths, aiming at `kv_slots` chunks in all)
-    and an FP8 cache's scales."""
+    `total_q` query rows and `total_k` key rows in all. A call against a KV cache adds its
+    cache's positions (`cache_capacity`), its query rows per sequence (`query_rows`, 0
+    ragged), the page table's row stride (0: a contiguous cache), the KV splits its planner
+    asks for (at most that many a sequence, where they follow the lengths, aiming at
+    `kv_slots` chunks in all) and an FP8 cache's scales."""
 
     batch: int
     heads: int
@@ -275,6 +275,7 @@ class CallSizes:
     num_splits: int = 1
     kv_scales: tuple[float, float] = (1.0, 1.0)  # an FP8 cache's k_scale, v_scale
     kv_slots: int = 0  # chunks a decode call's batch aims at where its splits follow lengths
+    total_k: int = 0  # ragged: k's rows (the backward zeroes gradient rows outside sequences)
 
     def values(self) -> dict[str, int | float]:
         """The shared call values: sizes, the LSE's strides ((batch, heads, seqlen_q) dense,
@@ -284,7 +285,7 @@ class CallSizes:
                 "batch": self.batch, "num_heads": self.heads, "kv_heads": self.kv_heads,
                 "max_seqlen_q": self.max_seqlen_q, "max_seqlen_k": self.max_seqlen_k,
                 "seqlen_q": self.seqlen_q, "seqlen_k": self.seqlen_k,
-                "softmax_scale": self.scale}
+                "total_q": self.total_q, "total_k": self.total_k, "softmax_scale": self.scale}
 
 
 # ============================================================================ the workspace

@@ -176,6 +176,34 @@ def test_ragged_calls_run_the_hopper_design(source, name, hq, hkv):
             and loaded.config.ragged
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_rows_outside_every_sequence_get_zero_gradients(deterministic):
+    """The gradients are allocated empty: the preprocess zeroes dQ's, dK's and dV's rows
+    before the first sequence and after the last, which no other kernel writes. The
+    allocator is handed NaN-filled blocks of the gradients' sizes just before, so a row left
+    unwritten shows. causal_fwd's scheduler is LPT: its deterministic calls run the
+    sm80-style design, its atomic ones on compute capability 9.0 the Hopper design."""
+    kern = kernel("causal.mha", "causal_fwd")
+    lens_q, lens_k, before, after = [129, 1, 0, 200], [64, 1, 300, 127], 3, 70
+    args = ragged(kern, lens_q, lens_k, 2, 2)
+    for name in ("q", "k", "v"):
+        t = args[name]
+        args[name] = torch.cat([rand(before, *t.shape[1:]), t, rand(after, *t.shape[1:])])
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+        args[name] = args[name] + before
+    out, lse = kern(**args, return_lse=True)
+    dout = torch.randn_like(out)
+    offsets = {n: args[n] for n in ("cu_seqlens_q", "cu_seqlens_k")}
+    stale = [torch.full_like(args[n], float("nan")) for n in ("q", "k", "v")]
+    del stale
+    grads = kern.backward(args["q"], args["k"], args["v"], out, lse, dout, **offsets,
+                          deterministic=deterministic)
+    for grad, lens in zip(grads, (lens_q, lens_k, lens_k)):
+        inside = grad[before:before + sum(lens)].float()
+        assert not grad[:before].float().any() and not grad[before + sum(lens):].float().any()
+        assert torch.isfinite(inside).all()
+
+
 def test_a_signature_is_planned_once():
     kern = kernel("causal.mha", "causal_fwd")
     for _ in range(2):

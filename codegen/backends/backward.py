@@ -217,6 +217,10 @@ ABI = KernelABI(
     Param("lse_stride_head", "i64", CallValue("lse_stride_head"), "floats between heads of "
           "lse and delta: Sq dense, total_q ragged"),
     Param("batch", "i32", CallValue("batch"), "number of sequences B"),
+    Param("total_q", "i32", CallValue("total_q"), "rows of q, dQ (ragged; 0 dense): the "
+          "preprocess zeroes dQ's rows outside every sequence"),
+    Param("total_k", "i32", CallValue("total_k"), "rows of k, dK, dV (ragged; 0 dense): the "
+          "preprocess zeroes dK's and dV's rows outside every sequence"),
     Param("num_heads", "i32", CallValue("num_heads"), "query heads Hq (= gqa_group * Hkv)"),
     Param("seqlen_q", "i32", CallValue("seqlen_q"), "dense query length (ignored when ragged)"),
     Param("seqlen_k", "i32", CallValue("seqlen_k"), "dense key length (ignored when ragged)"),
@@ -391,6 +395,38 @@ class _RowKernel:
                 b.store(out, self.chunk_ptr(b, "dq", r, nvptx.i16), align=16)
         self.rows(b, row)
 
+    def zero_spare_rows(self, b) -> None:
+        """Ragged: the rows of dQ, dK and dV outside every sequence (before cu_seqlens[0],
+        from cu_seqlens[B] on), which no other kernel writes, set to zero, so the host need
+        not fill the gradients first. Sequence 0's CTAs take the rows before, the last
+        sequence's the rows after; a CTA's tile and head its share of them (dK's and dV's
+        at K/V head h, for h below Hkv)."""
+        a = self.a
+        stride = b.mul(nvptx.special_register(b, "grid_dim", "x"), i32(ROW_TILE))
+        rows_per_pass = ROW_THREADS // self.lanes_per_row
+        zero = ir.Constant(ir.VectorType(i32, 4), [0] * 4)
+        last = b.sub(a.batch, i32(1))
+        for tensors, cu, total, heads in ((("dq",), a.cu_seqlens_q, a.total_q, a.num_heads),
+                                          (("dk", "dv"), a.cu_seqlens_k, a.total_k,
+                                           a.kv_heads)):
+            first = b.load(cu, typ=i32)
+            end = b.load(b.gep(cu, [a.batch], inbounds=True, source_etype=i32), typ=i32)
+            for owner, lo, hi in ((i32(0), i32(0), first), (last, end, total)):
+                with b.if_then(b.and_(b.icmp_unsigned("==", self.bidx, owner),
+                                      b.icmp_unsigned("<", self.h, heads))):
+                    def body(b, base, _):
+                        for p in range(ROW_TILE // rows_per_pass):
+                            row = b.add(base, b.add(self.row_in_pass, i32(p * rows_per_pass)))
+                            with b.if_then(b.icmp_signed("<", row, hi)):
+                                for tensor in tensors:
+                                    off = b.add(_row_offset(b, a, True, tensor, self.bidx, row,
+                                                            self.h),
+                                                b.zext(b.shl(self.chunk, i32(3)), i64))
+                                    b.store(zero, _gep(b, a[tensor], off, nvptx.i16),
+                                            align=16)
+                        return b.add(base, stride), []
+                    ir_loop(b, b.add(lo, b.mul(self.tile, i32(ROW_TILE))), hi, [], body)
+
     def chunk_ptr(self, b, tensor: str, row, etype):
         off = _row_offset(b, self.a, self.c.ragged, tensor, self.bidx, b.add(self.start, row),
                           self.h)
@@ -424,6 +460,8 @@ def _emit_preprocess(b, config: BackwardConfig, args: KernelArgs, hooks: ExprHoo
     k.rows(b, row)
     if config.accumulates_dq:
         k.zero_accumulator(b)
+    if config.ragged:
+        k.zero_spare_rows(b)
 
 
 def _emit_postprocess(b, config: BackwardConfig, args: KernelArgs, rows=None):

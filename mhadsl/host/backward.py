@@ -109,11 +109,10 @@ def _design_problems(options) -> tuple:
 
 def _run(kernel, torch, call, q, k, v, out, lse, dout, cu_q, cu_k, deterministic, operands,
          grad_names):
-    # (ragged: rows outside every sequence get no gradient from the kernels, so zeros)
-    alloc = torch.zeros if call.sizes.ragged else torch.empty
-    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
-    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
-    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+    # (ragged: the preprocess zeroes the rows outside every sequence)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     sink = kernel.options.sink is not None
     # the gradients asked for, zeros until the kernels add into those the score reads (the
     # others' addresses stay null, and the kernels add nothing there)

@@ -33,6 +33,7 @@ class AttentionCall(NamedTuple):
     max_seqlen_q: int
     max_seqlen_k: int
     total_q: int  # ragged: q's rows; 0 dense
+    total_k: int  # ragged: k's rows; 0 dense
     scale: float
     cu_seqlens_q: np.ndarray | None  # the values read (int64); None: left on the device
     cu_seqlens_k: np.ndarray | None
@@ -82,7 +83,7 @@ def check_attention_call(options: AttentionOptions, q, k, v, *, cu_seqlens_q, cu
         batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
         if max(sq, sk) >= INT32_LIMIT:
             raise ValueError("sequence lengths must be below 2**31")
-        return AttentionCall(False, batch, heads, kv_heads, sq, sk, sq, sk, 0,
+        return AttentionCall(False, batch, heads, kv_heads, sq, sk, sq, sk, 0, 0,
                              softmax_scale(options, scale), None, None)
     cu_q = _offsets(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, read)
     cu_k = _offsets(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, read)
@@ -92,7 +93,7 @@ def check_attention_call(options: AttentionOptions, q, k, v, *, cu_seqlens_q, cu
     max_q = check_max_seqlen(cu_q, max_seqlen_q, "max_seqlen_q")
     max_k = check_max_seqlen(cu_k, max_seqlen_k, "max_seqlen_k")
     return AttentionCall(True, cu_seqlens_q.shape[0] - 1, heads, kv_heads, 0, 0, max_q, max_k,
-                         q.shape[0], softmax_scale(options, scale), cu_q, cu_k)
+                         q.shape[0], k.shape[0], softmax_scale(options, scale), cu_q, cu_k)
 
 
 def _offsets(offsets, name: str, rows: int, max_seqlen, read: ReadOffsets

@@ -359,7 +359,7 @@ def check_call(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale=None) -> Call:
     return Call(views["q"], views["k"], views["v"], offsets["cu_seqlens_q"],
                 offsets["cu_seqlens_k"], CallSizes(
                     c.batch, c.heads, c.kv_heads, c.seqlen_q, c.seqlen_k, c.max_seqlen_q,
-                    c.max_seqlen_k, c.total_q, c.ragged, c.scale))
+                    c.max_seqlen_k, c.total_q, c.ragged, c.scale, total_k=c.total_k))
 
 def _check_out(kernel, out, call: Call, dtype: str, device: int | None):
     return check_output(out, call.q.shape, dtype, device,
