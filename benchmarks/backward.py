@@ -234,16 +234,14 @@ def main():
         print("| shape | mhadsl | mhadsl deterministic | cuDNN | FA4 | torch flash | vs best "
               "peer | deterministic / atomic | max relative error vs SDPA math | main "
               "kernel's design and query step |")
-        for group, *spec in ROWS:
-            for _ in range(cli.runs if group in only else 0):
-                row(torch, program, *spec)
-        if any(group in only for group, *_ in RAGGED_ROWS):
-            print("| ragged batch | mhadsl | mhadsl deterministic | FA4 varlen | vs FA4 | "
-                  "deterministic / atomic | max relative error vs SDPA math (sequences "
-                  "up to 2048) |")
-        for group, *spec in RAGGED_ROWS:
-            for _ in range(cli.runs if group in only else 0):
-                ragged_row(torch, program, *spec)
+        for measure, rows in ((row, ROWS), (ragged_row, RAGGED_ROWS)):
+            if measure is ragged_row and any(group in only for group, *_ in rows):
+                print("| ragged batch | mhadsl | mhadsl deterministic | FA4 varlen | vs FA4 | "
+                      "deterministic / atomic | max relative error vs SDPA math (sequences "
+                      "up to 2048) |")
+            for group, *spec in rows:
+                for _ in range(cli.runs if group in only else 0):
+                    measure(torch, program, *spec)
     if cli.scores or not cli.only:
         print("| score rule | mhadsl | FlexAttention | vs FlexAttention | max relative error "
               "vs float64 (B1 S512) |")
