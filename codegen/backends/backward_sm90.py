@@ -3,16 +3,17 @@
 The same three kernels as `codegen.backends.backward` (preprocess, main, postprocess: the
 row kernels are that module's, over this design's scratch buffers, which keep one block per
 query tile: the stats and dQ's accumulator below, which `_Rows` zeroes and reads 16 bytes a
-thread, the postprocess through a shared tile of its rows), with a main kernel `mha_bwd`
-built for Hopper in FlashAttention-3's layout:
+thread, the postprocess through a shared tile of its rows; a split GQA group adds a fourth,
+below), with a main kernel `mha_bwd` built for Hopper in FlashAttention-3's layout:
 
 - a CTA of three warpgroups (384 threads) owns one K/V tile of `block_n` = 128 rows of one
   (batch, K/V head), handed out by the declaration's scheduler (the same work space as the
-  sm80 design: `backward.scheduler_view`). Warpgroup 0 is the producer (`setmaxnreg.dec`
-  to 24 registers), warpgroups 1 and 2 the consumers (`setmaxnreg.inc` to 240); consumer g
-  owns K/V rows 64g..64g+63. At head dim 256 (`splits_kv_columns`) the tile has 64 rows
-  and both consumers work on all of them, consumer g owning head-dim columns 128g.. of
-  their dK and dV: 64 + 64 f32 registers a thread, where all 256 columns would take 256.
+  sm80 design: `backward.scheduler_view`; a split group's: below). Warpgroup 0 is the
+  producer (`setmaxnreg.dec` to 24 registers), warpgroups 1 and 2 the consumers
+  (`setmaxnreg.inc` to 240); consumer g owns K/V rows 64g..64g+63. At head dim 256
+  (`splits_kv_columns`) the tile has 64 rows and both consumers work on all of them,
+  consumer g owning head-dim columns 128g.. of their dK and dV: 64 + 64 f32 registers a
+  thread, where all 256 columns would take 256.
   Both roles run the scheduler's work loop, each in its own branch, and meet at each work
   tile's CTA barriers (which park its values in shared memory), never per query step;
 - the producer's first warp loads K and V by TMA once per work tile (128-byte swizzle, one
@@ -52,7 +53,8 @@ built for Hopper in FlashAttention-3's layout:
   keeps each query tile's values in register order, and the row kernels read and zero it
   there), FlashAttention-4's schedule. The consumers never wait for a bulk copy;
 - dK (times the softmax scale) and dV are stored from registers at the end of the work tile,
-  16 bytes a thread after each accumulator row's quad trades its pairs (`warp.quad_transpose`).
+  16 bytes a thread after each accumulator row's quad trades its pairs (`warp.quad_transpose`)
+  (a split group adds them instead: below).
 
 dQ's reduction is what limits it. dQ is staged in shared memory under dK's GEMM and added
 by the writer warp with one bulk reduce-add per tile into blocks in register order: adding
@@ -60,6 +62,29 @@ from registers (`red.global.add.v2/.v4.f32`), a consumer thread issuing the redu
 row-major accumulator are all slower. The staging stores are the remaining cost, as they
 compete for shared memory's bandwidth; a third stage does not pay (measurements:
 benchmarks/log/BENCHMARKS_LOG.md).
+
+A wide GQA group's query heads are split over CTAs (`HopperBackwardConfig.split_group`),
+FlashAttention-4's way: a work tile is then one (K/V tile, query head, sequence), the
+scheduler's heads the query heads (`scheduler_view`; the K/V head is h // gqa_group), and
+its steps that one head's query tiles. At its end the work tile adds its dK and dV, unscaled,
+into fp32 accumulators in k's layout (`kv_accum_offset`) straight from the registers, a pair
+of columns per `red.global.add.v2.f32` (a quad adds a row's 32 bytes; once per work tile,
+so nothing is staged, and it takes no more registers than the store); the
+preprocess zeroes the accumulators (a group's query heads' CTAs share their K/V head's
+rows) and a fourth kernel, `mha_bwd_kv_postprocess` (`KV_POSTPROCESS`), turns them into dK
+(times the softmax scale) and dV, one CTA per tile of ROW_TILE K/V rows, K/V head and
+sequence, never past a sequence's rows. The rule (`declared_config`, `splits_group`): atomic
+calls split from SPLIT_GROUP_MIN = 6 query heads per K/V head. A work tile that walks every
+query head of its group is gqa_group times one head's: at 48:8 (group 6) the longest causal
+one is half an SM's average load, the schedule cannot balance, and this kernel took 2.11 ms
+where FlashAttention-4's split one took 1.67 ms (B2 H48:8 S4096 D128 causal, H100), while at
+32:8 (group 4) the two were level. A split costs gqa_group times the work tiles (each
+loading its K/V tile) and, per element of dK and dV, an fp32 value zeroed, added into
+gqa_group times and read back, and it makes dK and dV, like dQ, sums in no fixed order; so
+deterministic mode never splits (its dQ order wants a group's K/V tiles handed out in one
+order), nor does a group of one. `benchmarks/backward_split_group.py` times both builds of
+the same calls (the threshold is monkeypatched there). A split build that spills in every IR
+shape gives way to the same configs without the split (`BackwardSM90.configs`).
 
 Deterministic mode (`BackwardConfig.deterministic`) keeps this kernel and fixes the order of
 each query tile's dQ adds, FlashAttention-3's way: the stats block of a (query tile, head)
@@ -82,8 +107,8 @@ and no gradient row past the end is written, so those rows add exact zeros as lo
 hold finite values (0 * inf is NaN inside a GEMM; the forward's ragged build shares this).
 
 It stays one module: the main kernel's roles (producer, consumers, writer) meet at one
-shared-memory layout (`_offsets`) and one set of barriers, which a split would spread over
-several files.
+shared-memory layout (`_offsets`) and one set of barriers, which dividing it would spread
+over several files.
 """
 from __future__ import annotations
 
