@@ -2,10 +2,9 @@
 dQ, dK and dV of fresh random inputs within 1e-2 relative error (Frobenius norm) for dense
 and ragged batches with lengths 0, 1, 127, 129 and 3000, Sq != Sk, the mask and score
 examples (causal, bottom-right causal, a window, ALiBi, softcap), GQA and MQA (on Hopper a
-group of 6 split over CTAs too), head dims
-64/128/256, bf16 and fp16; through the torch operator's autograd (`out.backward()`); the main
-kernel driven by each standard scheduler and a user's; and deterministic mode bitwise
-repeatable over 20 runs."""
+group of 6 split over CTAs too), head dims 64/128/256, bf16 and fp16; through the torch
+operator's autograd (`out.backward()`); the main kernel driven by each standard scheduler
+and a user's; and deterministic mode bitwise repeatable over 20 runs."""
 import numpy as np
 import pytest
 
