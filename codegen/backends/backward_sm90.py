@@ -69,11 +69,11 @@ scheduler's heads the query heads (`scheduler_view`; the K/V head is h // gqa_gr
 its steps that one head's query tiles. At its end the work tile adds its dK and dV, unscaled,
 into fp32 accumulators in k's layout (`kv_accum_offset`) straight from the registers, a pair
 of columns per `red.global.add.v2.f32` (a quad adds a row's 32 bytes; once per work tile,
-so nothing is staged, and it takes no more registers than the store); the
-preprocess zeroes the accumulators (a group's query heads' CTAs share their K/V head's
-rows) and a fourth kernel, `mha_bwd_kv_postprocess` (`KV_POSTPROCESS`), turns them into dK
-(times the softmax scale) and dV, one CTA per tile of ROW_TILE K/V rows, K/V head and
-sequence, never past a sequence's rows. The rule (`declared_config`, `splits_group`): atomic
+so nothing is staged, and it takes no more registers than the store); the preprocess zeroes
+the accumulators (a group's query heads' CTAs share their K/V head's rows) and a fourth
+kernel, `mha_bwd_kv_postprocess` (`KV_POSTPROCESS`), turns them into dK (times the softmax
+scale) and dV, one CTA per tile of ROW_TILE K/V rows, K/V head and sequence, never past a
+sequence's rows. The rule (`declared_config`, `splits_group`): atomic
 calls split from SPLIT_GROUP_MIN = 6 query heads per K/V head. A work tile that walks every
 query head of its group is gqa_group times one head's: at 48:8 (group 6) the longest causal
 one is half an SM's average load, the schedule cannot balance, and this kernel took 2.11 ms
@@ -983,7 +983,8 @@ class _HopperMain(_MainKernel):
 
     def _consumer_tile(self, b, seq) -> None:
         """The consumers: per query step, once its stage is full, `_step` (which frees the
-        stage); dK and dV stored at the end of the work tile."""
+        stage); dK and dV stored at the end of the work tile (added where the build splits
+        its group: `_add_own`)."""
         c, a = self.c, self.a
         self._start_work_tile(b, seq)
         tiles = b.load(self.tile_count, typ=i32)
