@@ -14,7 +14,8 @@ backward time (`mhadsl.host.bench.time_side_by_side`: every column timed in turn
 mhadsl's gradients, atomic and deterministic (`deterministic=True`), are checked against
 SDPA's (math backend, fp32) first; each peer's against mhadsl's. Each row ends with the main
 kernel's build (its design, `backward_sm90` on the H200 for atomic dense calls, and query rows
-per step: `BackwardConfig.block_m`) of either mode. The score rows check mhadsl's gradients
+per step: `BackwardConfig.block_m`; "split" where a GQA group is split over CTAs) of either
+mode. The score rows check mhadsl's gradients
 against the float64 reference's (`mhadsl.reference_backward`) and FlexAttention's against
 mhadsl's; FlexAttention runs torch.compile'd with its causal block mask built before timing.
 """
@@ -117,7 +118,9 @@ def row(torch, program, name, B, Hq, Hkv, S, D):
     tf = tflops(time_side_by_side(torch, fns), B, Hq, S, D, causal)
     builds = [kern.backward_build(gqa_group=Hq // Hkv, deterministic=d) for d in (False, True)]
     # (the builds the calls loaded, from the cache): design and query step of either mode
-    steps = "/".join(f"{b.backend} m{b.config.block_m}" for b in builds)
+    steps = "/".join(f"{b.backend} m{b.config.block_m}"
+                     + (" split" if getattr(b.config, "split_group", False) else "")
+                     for b in builds)
     best = max(tf.get(n) or 0 for n in ("cudnn", "fa4", "flash"))
     vs_best = f"{tf['mhadsl'] / best:.3f}x" if best else "—"
     print(f"| B{B} H{Hq}:{Hkv} S{S} D{D} {'causal' if causal else 'plain'} | "

@@ -910,3 +910,191 @@ def test_an_order_wait_that_gives_up_is_a_scheduler_error_that_says_why():
                                   faults.scheduler_id("Queued"), 3)
     assert (error.scheduler, error.rule, error.cta) == ("Queued", "advance", 3)
     assert "deterministic backward" in str(error) and "waited 4 s" in str(error)
+
+
+# ---------------------------------------------------------------- a split GQA group
+def test_atomic_calls_split_groups_of_six_query_heads_or_more(monkeypatch):
+    """`declared_config`'s rule: an atomic call with SPLIT_GROUP_MIN (6) or more query heads
+    per K/V head splits its group over CTAs; fewer, and deterministic mode, do not; the
+    threshold is the module's constant (a benchmark sets it to measure both). A split
+    layout tries its split configs first, then the same without the split; a split config
+    is a problem in deterministic mode and without GQA."""
+    options = _options("attention t { dtype = bf16  head_dim = 128 }")
+
+    def splits(group, deterministic=False):
+        layout = Layout(gqa_group=group, backward=True, deterministic=deterministic)
+        return H.declared_config(options, layout).split_group
+
+    assert H.SPLIT_GROUP_MIN == 6
+    assert [splits(g) for g in (1, 2, 4, 5, 6, 8, 16)] == [False] * 4 + [True] * 3
+    assert not splits(6, deterministic=True) and not splits(16, deterministic=True)
+    monkeypatch.setattr(H, "SPLIT_GROUP_MIN", 2)
+    assert [splits(g) for g in (1, 2, 4)] == [False, True, True]
+    monkeypatch.setattr(H, "SPLIT_GROUP_MIN", 1)
+    assert not splits(1)
+    monkeypatch.setattr(H, "SPLIT_GROUP_MIN", 6)
+    configs = H.BACKEND.configs(options, Layout(gqa_group=6, backward=True))
+    assert [c.split_group for c in configs] == [True] * 4 + [False] * 4
+    narrow = H.BACKEND.configs(options, Layout(gqa_group=4, backward=True))
+    assert configs[4:] == tuple(replace(c, gqa_group=6) for c in narrow)
+    assert not any(c.split_group for c in narrow)
+    assert not _config(gqa_group=6, split_group=True).problems()
+    for fields in (dict(gqa_group=6, deterministic=True), dict(gqa_group=1)):
+        assert _config(split_group=True, **fields).problems()[0].settings == ("split_group",)
+
+
+def test_a_split_groups_scheduler_hands_out_the_k_v_tiles_of_query_heads():
+    """A split build's work space: the K/V tiles of every query head (its scheduler's
+    heads: `scheduler_view`), gqa_group of them per K/V head; a build that does not split
+    hands out those of the K/V heads."""
+    split = _config(gqa_group=6, split_group=True)
+    whole = _config(gqa_group=6)
+    call = CallSizes(2, 12, 2, 300, 300, 300, 300, 600, False, 1.0)
+    assert H.BACKEND.work_space(split, call) == (2, 3, 300, 12)
+    assert H.BACKEND.work_space(whole, call) == (2, 3, 300, 2)
+    assert H.BACKEND.scheduler_shape(split) == (128, 6)
+    assert H.BACKEND.scheduler_shape(whole) == (128, 1)
+    args = SimpleNamespace(num_heads="Hq", kv_heads="Hkv", seqlen_q="Sq", seqlen_k="Sk",
+                           max_seqlen_q="max Sq", max_seqlen_k="max Sk",
+                           cu_seqlens_q="cu_q", cu_seqlens_k="cu_k", config=split)
+    view = H.scheduler_view(args)
+    assert (view.num_heads, view.seqlen_q, view.max_seqlen_q, view.cu_seqlens_q) == \
+        ("Hq", "Sk", "max Sk", "cu_k")
+    args.config = whole
+    assert H.scheduler_view(args).num_heads == "Hkv"
+
+
+def _host_kv_accum_offset(config):
+    """`kv_accum_offset` compiled for the host: (bidx, row, head, seqlen_k, kv_heads) ->
+    float offset."""
+    from mhadsl.codegen.target import HostJit
+    module = ir.Module("kv_accum")
+    fn = ir.Function(module, ir.FunctionType(nvptx.i64, [nvptx.i32] * 5), "kv_accum_offset")
+    b = ir.IRBuilder(fn.append_basic_block())
+    bidx, row, head, seqlen_k, kv_heads = fn.args
+    b.ret(H.kv_accum_offset(b, config, SimpleNamespace(seqlen_k=seqlen_k, kv_heads=kv_heads),
+                            bidx, row, head))
+    jit = HostJit(str(module))
+    call = ctypes.CFUNCTYPE(ctypes.c_int64, *[ctypes.c_int32] * 5)(
+        jit.address("kv_accum_offset"))
+    call.jit = jit
+    return call
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_split_groups_dk_dv_accumulators_hold_ks_rows_in_fp32(ragged):
+    """dK's and dV's accumulators of a split build (`kv_accum_offset`, run on the host):
+    k's layout in fp32, (row, K/V head, column 0) at (row of all, head) head_dim floats
+    apart, no two (sequence, row, head) the same, all within the scratch buffers (ragged:
+    k's rows, spare rows before and after the sequences among them); a build that does not
+    split has none."""
+    config = _config(64, gqa_group=6, ragged=ragged, split_group=True)
+    offset = _host_kv_accum_offset(config)
+    kv_heads, d = 3, config.head_dim
+    lengths = [0, 1, 63, 64, 65, 130] if ragged else [150] * 3
+    before, after = (5, 7) if ragged else (0, 0)
+    starts = before + np.concatenate([[0], np.cumsum(lengths)])[:-1]
+    total_k = before + sum(lengths) + after
+    call = CallSizes(len(lengths), 6 * kv_heads, kv_heads, lengths[0], lengths[0],
+                     max(lengths), max(lengths), sum(lengths), ragged, 1.0, total_k=total_k)
+    scratch = H.BACKEND.scratch(config, call)
+    rows = total_k if ragged else len(lengths) * lengths[0]
+    assert scratch["dk_accum"] == scratch["dv_accum"] == 4 * rows * kv_heads * d
+    places = set()
+    for bidx, (start, length) in enumerate(zip(starts, lengths)):
+        for row in range(length):
+            first = start + row if ragged else row
+            for h in range(kv_heads):
+                got = offset(bidx, int(first), h, lengths[0], kv_heads)
+                row_of_all = start + row if ragged else bidx * lengths[0] + row
+                assert got == (row_of_all * kv_heads + h) * d
+                assert 0 <= got and got + d <= rows * kv_heads * d and got not in places
+                places.add(got)
+    assert not {"dk_accum", "dv_accum"} & set(H.BACKEND.scratch(replace(
+        config, split_group=False), call))
+
+
+def test_a_split_call_plans_query_heads_work_tiles_then_converts_dk_and_dv(kernel,
+                                                                          monkeypatch):
+    """Planned on the host (a stand-in 9.0 device, 132 multiprocessors): a dense call of 12
+    query heads on 2 K/V heads launches the preprocess, the main kernel over the K/V tiles
+    of the 12 query heads (Queued: a CTA per work tile, as they are fewer than the CTAs),
+    dQ's postprocess, then `KV_POSTPROCESS` over the rows of the 2 K/V heads; the
+    preprocess, the main kernel and `KV_POSTPROCESS` get the accumulators the call's
+    scratch holds. 8 query heads on 2 (a group below SPLIT_GROUP_MIN) launch the main
+    kernel over the K/V heads' tiles and no conversion."""
+    def function(name):
+        return SimpleNamespace(name=name, max_active_blocks=lambda *a: 1,
+                               launcher=fake_launcher(lambda *a: None),
+                               set_max_dynamic_shared=lambda nbytes: None)
+    monkeypatch.setattr(driver.Module, "from_ptx", staticmethod(
+        lambda ptx, device=None: SimpleNamespace(function=function)))
+    batch, seqlen, kv_heads = 2, 300, 2
+    launched = {}
+    for heads in (12, 8):
+        shapes = {n: (batch, seqlen, heads, D) for n in ("q", "o", "dout", "dq")}
+        shapes.update((n, (batch, seqlen, kv_heads, D)) for n in ("k", "v", "dk", "dv"))
+        call = SimpleNamespace(sizes=CallSizes(batch, heads, kv_heads, seqlen, seqlen, seqlen,
+                                               seqlen, batch * seqlen, False, 0.125))
+        plans, scratch = host._plans(kernel, call, {n: _TorchLike(s) for n, s in
+                                                     shapes.items()}, 0, False)
+        addresses = {name: (i + 1) << 32 for i, name in enumerate(
+            [*shapes, "lse", *scratch])}
+        for plan in plans:
+            plan.launch(addresses, 0)
+        launched[heads] = [(plan.function.name, plan.grid) for plan in plans]
+        accumulators = {plan.function.name: [plan.block.words[plan.block.word(name)]
+                                             for name in ("dk_accum", "dv_accum")]
+                        for plan in plans if "dk_accum" in plan.block.abi.offsets}
+        if heads == 12:
+            assert scratch["dk_accum"] == scratch["dv_accum"] == \
+                4 * batch * seqlen * kv_heads * D
+            assert accumulators == dict.fromkeys(
+                (H.PREPROCESS, H.MAIN, H.KV_POSTPROCESS),
+                [addresses["dk_accum"], addresses["dv_accum"]])
+        else:
+            assert "dk_accum" not in scratch and not accumulators
+    kv_tiles = -(-seqlen // 128)
+    query_rows = -(-seqlen // 128) * 128 // ROW_TILE  # (whole 128-row steps at head dim 64)
+    assert launched[12] == [(H.PREPROCESS, (query_rows, 12, batch)),
+                            (H.MAIN, (kv_tiles * 12 * batch, 1, 1)),
+                            (H.POSTPROCESS, (query_rows, 12, batch)),
+                            (H.KV_POSTPROCESS, (-(-seqlen // ROW_TILE), kv_heads, batch))]
+    assert launched[8] == [(H.PREPROCESS, (query_rows, 8, batch)),
+                           (H.MAIN, (kv_tiles * kv_heads * batch, 1, 1)),
+                           (H.POSTPROCESS, (query_rows, 8, batch))]
+
+
+def _param_loads(ptx: str, name: str) -> set[int]:
+    """The parameters (by index) kernel `name` reads."""
+    return {int(i) for i in re.findall(rf"\[{name}_param_(\d+)\]", _entry(ptx, name))}
+
+
+@needs_ptxas
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_split_build_adds_dk_and_dv_into_accumulators_without_spills(head_dim, ragged,
+                                                                      monkeypatch, tmp_path):
+    """A causal build at 6 query heads per K/V head is the Hopper design's split build,
+    without spills or a stack frame: its main kernel adds dK and dV, each consumer
+    thread's 2 rows of head_dim / 8 column pairs each by `red.global.add.v2.f32`, into the
+    accumulators, which the preprocess (zeroing them) and `KV_POSTPROCESS` read too; at 4
+    per K/V head the build stores dK and dV, adds nothing and has no such kernel."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    kern = mhadsl.compile(_source(head_dim, True))["t"]
+    build = kern.backward_build("sm_90a", gqa_group=6, ragged=ragged)
+    assert build.backend == "backward_sm90" and build.config.split_group
+    for name, resources in build.assembled.kernels.items():
+        assert resources.spills == 0 and resources.stack_bytes == 0, (name, resources)
+    for warning in ("C7508", "C7512", "C7519"):
+        assert warning not in build.assembled.log, warning
+    adds = re.findall(r"red\.global\.add\.v2\.f32 \[%rd\d+\+(\d+)\]", build.ptx)
+    assert Counter(adds) == {str(32 * j): 2 * 2 for j in range(head_dim // 8)}
+    accumulators = {len(H.ABI.params), len(H.ABI.params) + 1}
+    assert accumulators <= _param_loads(build.ptx, H.MAIN)
+    for name in (H.PREPROCESS, H.KV_POSTPROCESS):  # (after the sm80 design's parameters)
+        assert {len(H.sm80.ABI.params), len(H.sm80.ABI.params) + 1} <= \
+            _param_loads(build.ptx, name), name
+    whole = kern.backward_build("sm_90a", gqa_group=4, ragged=ragged)
+    assert not whole.config.split_group
+    assert "red.global" not in whole.ptx and f".entry {H.KV_POSTPROCESS}(" not in whole.ptx

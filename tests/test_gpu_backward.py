@@ -1,10 +1,10 @@
 """The backward pass on the GPU against the float64 reference (`mhadsl.reference_backward`):
 dQ, dK and dV of fresh random inputs within 1e-2 relative error (Frobenius norm) for dense
 and ragged batches with lengths 0, 1, 127, 129 and 3000, Sq != Sk, the mask and score
-examples (causal, bottom-right causal, a window, ALiBi, softcap), GQA and MQA, head dims
-64/128/256, bf16 and fp16; through the torch operator's autograd (`out.backward()`); the main
-kernel driven by each standard scheduler and a user's; and deterministic mode bitwise
-repeatable over 20 runs."""
+examples (causal, bottom-right causal, a window, ALiBi, softcap), GQA and MQA (on Hopper a
+group of 6 split over CTAs too), head dims 64/128/256, bf16 and fp16; through the torch
+operator's autograd (`out.backward()`); the main kernel driven by each standard scheduler
+and a user's; and deterministic mode bitwise repeatable over 20 runs."""
 import numpy as np
 import pytest
 
@@ -174,6 +174,73 @@ def test_ragged_calls_run_the_hopper_design(source, name, hq, hkv):
     for loaded in backward_builds(kern):
         assert loaded.layout.ragged and isinstance(loaded.config, HopperBackwardConfig) \
             and loaded.config.ragged
+
+
+SPLIT_GROUP = """import "std/schedulers.mha"
+attention causal_gqa6 { dtype = bf16  head_dim = 128  gqa = 6
+                        mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+attention plain_gqa6 { dtype = bf16  head_dim = 128  gqa = 6 }
+attention causal_gqa6_d64 { dtype = fp16  head_dim = 64  gqa = 6
+                            mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
+"""
+
+
+def split_group_kernel(name: str):
+    """A declaration of 6 query heads per K/V head, whose atomic calls on compute capability
+    9.0 split the group over CTAs (`backward_sm90.SPLIT_GROUP_MIN`)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper design runs on compute capability 9.0")
+    return mhadsl.compile(SPLIT_GROUP, name="<split-group>")[name]
+
+
+def assert_split_builds(kern):
+    """Every backward build the kernel's calls loaded is the Hopper design's split one."""
+    from mhadsl.codegen.backends.backward_sm90 import HopperBackwardConfig
+    builds = backward_builds(kern)
+    assert builds and all(isinstance(loaded.config, HopperBackwardConfig)
+                          and loaded.config.split_group for loaded in builds)
+
+
+@pytest.mark.parametrize("name", ["causal_gqa6", "causal_gqa6_d64"])
+def test_a_split_group_sums_dk_dv_over_its_query_heads_ctas(name):
+    """Dense causal calls of 12 query heads on 2 K/V heads: each CTA works on one query
+    head's share of a K/V tile and adds its dK and dV into fp32 accumulators, which the
+    last kernel turns into dK (times the scale) and dV."""
+    kern = split_group_kernel(name)
+    assert_gradients(kern, dense(kern, 2, 1000, 1000, 12, 2))
+    assert_gradients(kern, dense(kern, 1, 129, 129, 6, 1))
+    assert_split_builds(kern)
+
+
+def test_a_split_group_without_a_mask_and_with_more_keys_than_queries():
+    """No mask, 20 times more keys than queries: the preprocess zeroes the accumulators'
+    K/V rows in strides over its few query-row CTAs."""
+    kern = split_group_kernel("plain_gqa6")
+    assert_gradients(kern, dense(kern, 2, 100, 2000, 12, 2))
+    assert_gradients(kern, dense(kern, 1, 300, 300, 12, 2))
+    assert_split_builds(kern)
+
+
+@pytest.mark.parametrize("name", ["causal_gqa6", "causal_gqa6_d64"])
+def test_a_split_group_runs_ragged_calls(name):
+    """Ragged: lengths 0, 1, 127, 129 and 3000, then spare rows (finite) before the first
+    sequence and after the last, whose gradients stay zero: no accumulator row outside a
+    sequence is converted."""
+    kern = split_group_kernel(name)
+    assert_gradients(kern, ragged(kern, RAGGED, RAGGED, 6, 1))
+    lens_q, lens_k, before, after = [129, 1, 0, 200], [64, 1, 300, 127], 3, 70
+    args = ragged(kern, lens_q, lens_k, 12, 2)
+    for tensor in ("q", "k", "v"):
+        t = args[tensor]
+        args[tensor] = torch.cat([rand(before, *t.shape[1:], dtype=t.dtype), t,
+                                  rand(after, *t.shape[1:], dtype=t.dtype)])
+    for offsets in ("cu_seqlens_q", "cu_seqlens_k"):
+        args[offsets] = args[offsets] + before
+    grads = assert_gradients(kern, args)
+    for grad, lens in zip(grads, (lens_q, lens_k, lens_k)):
+        assert not grad[:before].float().any() and not grad[before + sum(lens):].float().any()
+    assert_split_builds(kern)
+    assert all(loaded.layout.ragged for loaded in backward_builds(kern))
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -336,10 +336,11 @@ class _RowKernel:
         self.start, self.seqlen = sequence_rows(b, config.ragged, args.cu_seqlens_q,
                                                 args.seqlen_q, self.bidx)
 
-    def rows(self, b, each):
-        """each(b, row (in the sequence), valid) for every row of the CTA's tile, per thread."""
+    def rows(self, b, each, tile=None):
+        """each(b, row (in the sequence), valid) for every row of the CTA's tile (or of tile
+        `tile`, an i32), per thread."""
         rows_per_pass = ROW_THREADS // self.lanes_per_row
-        first = b.mul(self.tile, i32(ROW_TILE))
+        first = b.mul(self.tile if tile is None else tile, i32(ROW_TILE))
         for p in range(ROW_TILE // rows_per_pass):
             row = b.add(first, b.add(self.row_in_pass, i32(p * rows_per_pass)))
             each(b, row, b.icmp_signed("<", row, self.seqlen))
@@ -824,8 +825,8 @@ def scheduler_view(args: KernelArgs) -> KernelArgs:
 
 
 def _parked(field: str) -> property:
-    """A work tile's value (`WORK_TILE_FIELDS`), read back from shared memory where the code
-    being emitted uses it (at the builder's point: `_MainKernel.builder`)."""
+    """A work tile's value (`_MainKernel.work_tile_fields`), read back from shared memory
+    where the code being emitted uses it (at the builder's point: `_MainKernel.builder`)."""
     def reload(kernel: _MainKernel) -> ir.Value:
         if not kernel.c.park_work_tile:
             return kernel.held[field]
@@ -842,6 +843,7 @@ class _MainKernel(_TileKernel):
     # False where warp-specialised roles meet at the work tile's barriers from their own
     # branches (`nvptx.barrier_all`)
     aligned_barriers = True
+    work_tile_fields = WORK_TILE_FIELDS  # the values parked (a design may park more)
 
     def __init__(self, config: BackwardConfig, hooks: ExprHooks, args: KernelArgs,
                  smem: ir.Value, target_arch: str):
@@ -872,9 +874,14 @@ class _MainKernel(_TileKernel):
                                           seq.prompt_idx)
         # prompt tile t is K/V tile n - 1 - t (`scheduler_view`); seq_len > prompt_offset
         last = b.mul(b.udiv(b.sub(seq.seq_len, i32(1)), i32(c.block_n)), i32(c.block_n))
-        self._park(b, dict(bidx=seq.prompt_idx, hk=seq.head_idx, k_start=seq.start_of_seq,
-                           seqlen_k=seq.seq_len, kv0=b.sub(last, seq.prompt_offset),
-                           q_start=q_start, seqlen_q=seqlen_q))
+        self._park(b, dict(bidx=seq.prompt_idx, **self._work_tile_heads(b, seq.head_idx),
+                           k_start=seq.start_of_seq, seqlen_k=seq.seq_len,
+                           kv0=b.sub(last, seq.prompt_offset), q_start=q_start,
+                           seqlen_q=seqlen_q))
+
+    def _work_tile_heads(self, b, head) -> dict[str, ir.Value]:
+        """The parked values of the scheduler's head `head`: here a K/V head (`hk`)."""
+        return dict(hk=head)
 
     def _work_tile(self, b, seq: TileSeq) -> None:
         c, a = self.c, self.a
@@ -935,8 +942,8 @@ class _MainKernel(_TileKernel):
     def _record(self, b, field: str) -> ir.Value:
         """The 32-bit shared address of the work tile's value `field`."""
         record = nvptx.shared_array(b.module, "mha_bwd.work_tile",
-                                    ir.ArrayType(i32, len(WORK_TILE_FIELDS)))
-        return b.add(b.ptrtoint(record, i32), i32(4 * WORK_TILE_FIELDS.index(field)))
+                                    ir.ArrayType(i32, len(self.work_tile_fields)))
+        return b.add(b.ptrtoint(record, i32), i32(4 * self.work_tile_fields.index(field)))
 
     def _park(self, b, values: dict[str, ir.Value]) -> None:
         """Thread 0 parks the work tile's values in shared memory; each use reads them back

@@ -3,16 +3,17 @@
 The same three kernels as `codegen.backends.backward` (preprocess, main, postprocess: the
 row kernels are that module's, over this design's scratch buffers, which keep one block per
 query tile: the stats and dQ's accumulator below, which `_Rows` zeroes and reads 16 bytes a
-thread, the postprocess through a shared tile of its rows), with a main kernel `mha_bwd`
-built for Hopper in FlashAttention-3's layout:
+thread, the postprocess through a shared tile of its rows; a split GQA group adds a fourth,
+below), with a main kernel `mha_bwd` built for Hopper in FlashAttention-3's layout:
 
 - a CTA of three warpgroups (384 threads) owns one K/V tile of `block_n` = 128 rows of one
   (batch, K/V head), handed out by the declaration's scheduler (the same work space as the
-  sm80 design: `backward.scheduler_view`). Warpgroup 0 is the producer (`setmaxnreg.dec`
-  to 24 registers), warpgroups 1 and 2 the consumers (`setmaxnreg.inc` to 240); consumer g
-  owns K/V rows 64g..64g+63. At head dim 256 (`splits_kv_columns`) the tile has 64 rows
-  and both consumers work on all of them, consumer g owning head-dim columns 128g.. of
-  their dK and dV: 64 + 64 f32 registers a thread, where all 256 columns would take 256.
+  sm80 design: `backward.scheduler_view`; a split group's: below). Warpgroup 0 is the
+  producer (`setmaxnreg.dec` to 24 registers), warpgroups 1 and 2 the consumers
+  (`setmaxnreg.inc` to 240); consumer g owns K/V rows 64g..64g+63. At head dim 256
+  (`splits_kv_columns`) the tile has 64 rows and both consumers work on all of them,
+  consumer g owning head-dim columns 128g.. of their dK and dV: 64 + 64 f32 registers a
+  thread, where all 256 columns would take 256.
   Both roles run the scheduler's work loop, each in its own branch, and meet at each work
   tile's CTA barriers (which park its values in shared memory), never per query step;
 - the producer's first warp loads K and V by TMA once per work tile (128-byte swizzle, one
@@ -52,7 +53,8 @@ built for Hopper in FlashAttention-3's layout:
   keeps each query tile's values in register order, and the row kernels read and zero it
   there), FlashAttention-4's schedule. The consumers never wait for a bulk copy;
 - dK (times the softmax scale) and dV are stored from registers at the end of the work tile,
-  16 bytes a thread after each accumulator row's quad trades its pairs (`warp.quad_transpose`).
+  16 bytes a thread after each accumulator row's quad trades its pairs (`warp.quad_transpose`)
+  (a split group adds them instead: below).
 
 dQ's reduction is what limits it. dQ is staged in shared memory under dK's GEMM and added
 by the writer warp with one bulk reduce-add per tile into blocks in register order: adding
@@ -60,6 +62,29 @@ from registers (`red.global.add.v2/.v4.f32`), a consumer thread issuing the redu
 row-major accumulator are all slower. The staging stores are the remaining cost, as they
 compete for shared memory's bandwidth; a third stage does not pay (measurements:
 benchmarks/log/BENCHMARKS_LOG.md).
+
+A wide GQA group's query heads are split over CTAs (`HopperBackwardConfig.split_group`),
+FlashAttention-4's way: a work tile is then one (K/V tile, query head, sequence), the
+scheduler's heads the query heads (`scheduler_view`; the K/V head is h // gqa_group), and
+its steps that one head's query tiles. At its end the work tile adds its dK and dV, unscaled,
+into fp32 accumulators in k's layout (`kv_accum_offset`) straight from the registers, a pair
+of columns per `red.global.add.v2.f32` (a quad adds a row's 32 bytes; once per work tile,
+so nothing is staged, and it takes no more registers than the store); the preprocess zeroes
+the accumulators (a group's query heads' CTAs share their K/V head's rows) and a fourth
+kernel, `mha_bwd_kv_postprocess` (`KV_POSTPROCESS`), turns them into dK (times the softmax
+scale) and dV, one CTA per tile of ROW_TILE K/V rows, K/V head and sequence, never past a
+sequence's rows. The rule (`declared_config`, `splits_group`): atomic
+calls split from SPLIT_GROUP_MIN = 6 query heads per K/V head. A work tile that walks every
+query head of its group is gqa_group times one head's: at 48:8 (group 6) the longest causal
+one is half an SM's average load, the schedule cannot balance, and this kernel took 2.11 ms
+where FlashAttention-4's split one took 1.67 ms (B2 H48:8 S4096 D128 causal, H100), while at
+32:8 (group 4) the two were level. A split costs gqa_group times the work tiles (each
+loading its K/V tile) and, per element of dK and dV, an fp32 value zeroed, added into
+gqa_group times and read back, and it makes dK and dV, like dQ, sums in no fixed order; so
+deterministic mode never splits (its dQ order wants a group's K/V tiles handed out in one
+order), nor does a group of one. `benchmarks/backward_split_group.py` times both builds of
+the same calls (the threshold is monkeypatched there). A split build that spills in every IR
+shape gives way to the same configs without the split (`BackwardSM90.configs`).
 
 Deterministic mode (`BackwardConfig.deterministic`) keeps this kernel and fixes the order of
 each query tile's dQ adds, FlashAttention-3's way: the stats block of a (query tile, head)
@@ -82,8 +107,8 @@ and no gradient row past the end is written, so those rows add exact zeros as lo
 hold finite values (0 * inf is NaN inside a GEMM; the forward's ragged build shares this).
 
 It stays one module: the main kernel's roles (producer, consumers, writer) meet at one
-shared-memory layout (`_offsets`) and one set of barriers, which a split would spread over
-several files.
+shared-memory layout (`_offsets`) and one set of barriers, which dividing it would spread
+over several files.
 """
 from __future__ import annotations
 
@@ -92,7 +117,7 @@ from dataclasses import dataclass, replace
 from llvmlite import ir
 
 from mhadsl import abi
-from mhadsl.abi import CallSizes, KernelABI, Param, TensorMap
+from mhadsl.abi import CallSizes, KernelABI, Param, Pointer, TensorMap
 from mhadsl.codegen import faults, hopper, nvptx, warp
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import (
@@ -101,10 +126,11 @@ from mhadsl.codegen.backends import (
 )
 from mhadsl.codegen.backends import backward as sm80
 from mhadsl.codegen.backends.backward import (
-    MAIN, POSTPROCESS, PREPROCESS, ROW_THREADS, ROW_TILE, BackwardConfig, _emit_postprocess,
-    _emit_preprocess, _gep, _lse_offset, _Lanes, _MainKernel, _RowKernel,
-    _TileKernel,
+    MAIN, POSTPROCESS, PREPROCESS, ROW_THREADS, ROW_TILE, WORK_TILE_FIELDS, BackwardConfig,
+    _emit_postprocess, _emit_preprocess, _gep, _lse_offset, _Lanes, _MainKernel, _parked,
+    _RowKernel, _TileKernel,
 )
+from mhadsl.codegen.backends.blocks import sequence_rows
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.work_loop import count_exit, role_vote_flags
 from mhadsl.codegen.target import Target
@@ -128,6 +154,12 @@ REGISTERS = (24, 240)
 # waits on the query tile's count, which spills at 24 registers under a mask that reads the
 # lengths (bottom-right causal)
 WRITER_REGISTERS = (40, 232)
+# query heads per K/V head from which an atomic build splits the group's query heads over
+# CTAs (`HopperBackwardConfig.split_group`, chosen by `declared_config`; the module's
+# docstring says why)
+SPLIT_GROUP_MIN = 6
+# the kernel of a split group that turns its dK and dV accumulators into dK and dV
+KV_POSTPROCESS = "mha_bwd_kv_postprocess"
 
 
 @dataclass(frozen=True)
@@ -143,6 +175,10 @@ class HopperBackwardConfig(BackwardConfig):
     # registers: a score rule's G beside P^T)
     overlap_dp: bool = True
     registers: tuple[int, int] = REGISTERS  # (producer, consumer) after setmaxnreg
+    # a work tile is one query head's share of a K/V tile: the scheduler's heads are query
+    # heads, and dK and dV are added into fp32 accumulators that `KV_POSTPROCESS` converts
+    # (atomic mode, gqa_group > 1)
+    split_group: bool = False
 
     @property
     def s_ahead(self) -> bool:
@@ -251,6 +287,10 @@ class HopperBackwardConfig(BackwardConfig):
             found.append(Problem(("tile",), "the sm90 backward steps 64 query rows (128 at head "
                                             "dim 64) over K/V tiles of 128 rows (64 at head "
                                             "dim 256) with two consumer warpgroups"))
+        if self.split_group and (self.deterministic or self.gqa_group == 1):
+            found.append(Problem(("split_group",), "the sm90 backward splits a GQA group's "
+                                                   "query heads over CTAs only in atomic mode "
+                                                   "and with more than one per K/V head"))
         if self.s_ahead and self.stages < 2:
             # a step issues the next one's S^T while it still holds its own stage
             found.append(Problem(("stages",), "the sm90 backward's ring has at least 2 stages "
@@ -517,6 +557,80 @@ class _Rows(_RowKernel):
         self.rows(b, row)
 
 
+# ============================================================================ per K/V row
+# A split group's dK and dV accumulators (`HopperBackwardConfig.split_group`) hold fp32 in
+# k's layout: k's rows (B Sk dense, total_k ragged, the rows outside every sequence never
+# touched), Hkv heads of head_dim floats each. The preprocess zeroes a sequence's rows, the
+# main kernel adds each work tile's rows, `KV_POSTPROCESS` converts them.
+def kv_accum_offset(b, config: HopperBackwardConfig, args, bidx, row, head) -> ir.Value:
+    """The float offset (i64) of column 0 of K/V row `row` of sequence bidx (counted from
+    the start of all rows when ragged, as `_row_offset` counts) and K/V head `head` in dK's
+    and dV's accumulators."""
+    rows = b.zext(row, i64)
+    if not config.ragged:
+        rows = b.add(b.mul(b.zext(bidx, i64), b.zext(args.seqlen_k, i64)), rows)
+    return b.mul(b.add(b.mul(rows, b.zext(args.kv_heads, i64)), b.zext(head, i64)),
+                 i64(config.head_dim))
+
+
+class _KVRows(_RowKernel):
+    """The row kernels' walk over a sequence's K/V rows for a split group's accumulators
+    (`kv_accum_offset`): tiles of ROW_TILE rows, a thread a 16-byte chunk of a row's 16-bit
+    values (8 floats of an accumulator's), as `_RowKernel`'s."""
+
+    def __init__(self, b, config: HopperBackwardConfig, args: KernelArgs):
+        super().__init__(b, config, args)
+        self.start, self.seqlen = sequence_rows(b, config.ragged, args.cu_seqlens_k,
+                                                args.seqlen_k, self.bidx)
+
+    def _vectors(self, b, name: str, head, row) -> list[ir.Value]:
+        """Pointers to the thread's two 4-float vectors of row `row` of K/V head `head` in
+        accumulator `name`."""
+        off = kv_accum_offset(b, self.c, self.a, self.bidx, b.add(self.start, row), head)
+        first = _gep(b, self.a[name], b.add(off, b.zext(b.shl(self.chunk, i32(3)), i64)), f32)
+        return [first, _gep(b, first, i64(4), f32)]
+
+    def zero_accumulators(self, b) -> None:
+        """(The preprocess: a CTA per query tile x, query head h and sequence.) The CTA's
+        share of its sequence's rows of K/V head h // gqa_group zeroed in both accumulators:
+        row tiles x gqa_group + h % gqa_group, then every gridDim.x gqa_group-th, so that
+        all of the group's CTAs share the rows."""
+        group = i32(self.c.gqa_group)
+        head = b.udiv(self.h, group)
+        stride = b.mul(nvptx.special_register(b, "grid_dim", "x"), group)
+        tiles = b.udiv(b.add(self.seqlen, i32(ROW_TILE - 1)), i32(ROW_TILE))
+        zero = ir.Constant(ir.VectorType(f32, 4), [0.0] * 4)
+
+        def row(b, r, valid):
+            with b.if_then(valid):
+                for name in ("dk_accum", "dv_accum"):
+                    for ptr in self._vectors(b, name, head, r):
+                        b.store(zero, ptr, align=16)
+
+        def body(b, tile, _):
+            self.rows(b, row, tile)
+            return b.add(tile, stride), []
+        ir_loop(b, b.add(b.mul(self.tile, group), b.urem(self.h, group)), tiles, [], body)
+
+    def write_kv(self, b) -> None:
+        """(`KV_POSTPROCESS`: a CTA per row tile, K/V head and sequence.) dK = its
+        accumulator times the softmax scale and dV = its accumulator, in k's dtype, for the
+        CTA's rows of the sequence."""
+        def row(b, r, valid):
+            with b.if_then(valid):
+                for name, scale in (("dk", self.a.softmax_scale), ("dv", None)):
+                    x = []
+                    for ptr in self._vectors(b, f"{name}_accum", self.h, r):
+                        part = b.load(ptr, typ=ir.VectorType(f32, 4), align=16)
+                        x += [b.extract_element(part, i32(e)) for e in range(4)]
+                    if scale is not None:
+                        x = [b.fmul(v, scale) for v in x]
+                    out = warp.vector(b, [warp.pack2(b, self.c.dtype, x[2 * e], x[2 * e + 1])
+                                          for e in range(4)])
+                    b.store(out, self.chunk_ptr(b, name, r, nvptx.i16), align=16)
+        self.rows(b, row)
+
+
 # The main kernel's parameters: the tensor maps first (LLVM 22 emits a byval map `.align 128`;
 # first, every one sits at a multiple of 128 bytes, where the ABI's rule puts it too), then
 # the sm80 design's.
@@ -529,6 +643,23 @@ ABI = KernelABI(*(
                          "(1,BN,1,64)"),
         ("v", "block_n", "CUtensorMap over v, as k_map"),
         ("dout", "block_m", "CUtensorMap over dO, as q_map"))), *sm80.ABI)
+# A split group's accumulators (`kv_accum_offset`): the last parameters of its preprocess,
+# main kernel and `KV_POSTPROCESS` (whose others are the sm80 design's).
+KV_ACCUMULATORS = tuple(
+    Param(f"{t}_accum", "ptr", Pointer(f"{t}_accum"), f"fp32 {t} accumulator of a split "
+          "group: k's rows (B*Sk dense, total_k ragged) x Hkv x D", align=16)
+    for t in ("dk", "dv"))
+SPLIT_ABI = KernelABI(*ABI, *KV_ACCUMULATORS)
+KV_ROWS_ABI = KernelABI(*sm80.ABI, *KV_ACCUMULATORS)
+
+
+def main_abi(config: HopperBackwardConfig) -> KernelABI:
+    return SPLIT_ABI if config.split_group else ABI
+
+
+def preprocess_abi(config: HopperBackwardConfig) -> KernelABI:
+    abi = sm80.preprocess_abi(config)
+    return KernelABI(*abi, *KV_ACCUMULATORS) if config.split_group else abi
 
 
 def _st_shared_v4f32(b, address: ir.Value, values: list[ir.Value]) -> None:
@@ -540,6 +671,14 @@ def _st_shared_v4f32(b, address: ir.Value, values: list[ir.Value]) -> None:
 def _st_shared_b32(b, address: ir.Value, value: ir.Value) -> None:
     b.asm(ir.FunctionType(nvptx.void, [i32, i32]), "st.shared.b32 [$0], $1;",
           "r,r,~{memory}", [address, value], True)
+
+
+def _red_add_v2_f32(b, address: ir.Value, offset: int, values: list[ir.Value]) -> None:
+    """`red.global.add.v2.f32` of two floats at global address `address` (i64) plus
+    `offset` bytes."""
+    b.asm(ir.FunctionType(nvptx.void, [i64, f32, f32]),
+          f"red.global.add.v2.f32 [$0+{offset}], {{$1, $2}};", "l,f,f", [address, *values],
+          True)
 
 
 def _ld_shared_v2f32(b, address: ir.Value) -> list[ir.Value]:
@@ -569,8 +708,11 @@ class _HopperMain(_MainKernel):
         self.scheduler = scheduler  # (named by a deterministic order fault)
         self.tile_rows = (config.block_m, config.block_n)
         self.off = _offsets(config)
+        if config.split_group:
+            self.work_tile_fields = WORK_TILE_FIELDS + ("hq",)
 
     aligned_barriers = False  # the roles meet at the work tile's barriers from their branches
+    hq = _parked("hq")  # a split group's work tile's query head (`_work_tile_heads`)
 
     # ------------------------------------------------------------------ addresses
     def _base(self, b) -> ir.Value:
@@ -666,6 +808,28 @@ class _HopperMain(_MainKernel):
             return i32(0)
         return b.mul(group, i32(GROUP_ROWS * SW))
 
+    # ------------------------------------------------------------------ the work tile
+    def _work_tile_heads(self, b, head) -> dict[str, ir.Value]:
+        """A split group's scheduler hands out query heads: the work tile's (`hq`) and its
+        group's K/V head (`hk`)."""
+        if not self.c.split_group:
+            return super()._work_tile_heads(b, head)
+        return dict(hk=b.udiv(head, i32(self.c.gqa_group)), hq=head)
+
+    def _query_steps(self):
+        """The work tile's steps (`_MainKernel._query_steps`): a split group's are its query
+        head's query tiles."""
+        if not self.c.split_group:
+            return super()._query_steps()
+        c = self.c
+
+        def steps(b):
+            return b.udiv(b.add(self.seqlen_q, i32(c.block_m - 1)), i32(c.block_m))
+
+        def pair_of(b, s):
+            return self.hq, b.mul(s, i32(c.block_m)), self.kv0
+        return steps, pair_of
+
     # ------------------------------------------------------------------ the kernel
     def emit(self, b, work_loop) -> None:
         """The producer warpgroup (after `setmaxnreg.dec`) and the consumers (`inc`) each
@@ -686,19 +850,19 @@ class _HopperMain(_MainKernel):
                 producer, consumer):
             with producer:
                 hopper.setmaxnreg(b, producer_registers, increase=False)
-                args = KernelArgs(self.a.function, ABI, c, opaque_env=c.opaque_env,
+                args = KernelArgs(self.a.function, main_abi(c), c, opaque_env=c.opaque_env,
                                   divergent_roles=True, trace_thread=None)  # consumers record
                 before = set(module.globals)
-                work_loop(b, sm80.scheduler_view(args), self._producer_tile)
+                work_loop(b, scheduler_view(args), self._producer_tile)
                 rename_new_functions(module, before, ".producer")
                 # dQ's last bulk reduce-adds have read the staging tiles and are done
                 with b.if_then(self._writer_lane(b)):
                     hopper.bulk_wait_group(b, 0)
             with consumer:
                 hopper.setmaxnreg(b, consumer_registers, increase=True)
-                args = KernelArgs(self.a.function, ABI, c, opaque_env=c.opaque_env,
+                args = KernelArgs(self.a.function, main_abi(c), c, opaque_env=c.opaque_env,
                                   divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS)
-                work_loop(b, sm80.scheduler_view(args), self._consumer_tile)
+                work_loop(b, scheduler_view(args), self._consumer_tile)
         count_exit(b, self.a.queue)
         _hoist_allocas(b.function)
 
@@ -819,7 +983,8 @@ class _HopperMain(_MainKernel):
 
     def _consumer_tile(self, b, seq) -> None:
         """The consumers: per query step, once its stage is full, `_step` (which frees the
-        stage); dK and dV stored at the end of the work tile."""
+        stage); dK and dV stored at the end of the work tile (added where the build splits
+        its group: `_add_own`)."""
         c, a = self.c, self.a
         self._start_work_tile(b, seq)
         tiles = b.load(self.tile_count, typ=i32)
@@ -859,10 +1024,32 @@ class _HopperMain(_MainKernel):
             hopper.wgmma_wait_group(b, 0)  # the S^T issued past the last step, unused
         kv_row, rows_valid = b.add(self.k_start, self.kv0), b.sub(self.seqlen_k, self.kv0)
         column = own_column(b, c, lambda: b.lshr(self._tid(b), i32(7)))
-        self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:n_acc], a.softmax_scale,
-                        column)
-        self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[n_acc:2 * n_acc], None,
-                        column)
+        if c.split_group:  # (dK's softmax scale: `KV_POSTPROCESS`'s)
+            self._add_own(b, a.dk_accum, kv_row, rows_valid, final[:n_acc], column)
+            self._add_own(b, a.dv_accum, kv_row, rows_valid, final[n_acc:2 * n_acc], column)
+        else:
+            self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:n_acc],
+                            a.softmax_scale, column)
+            self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[n_acc:2 * n_acc], None,
+                            column)
+
+    def _add_own(self, b, accum, first_row, rows_valid, flat, first_column) -> None:
+        """A split group's `_store_own`: the warp's accumulator `flat` (its rows of dK or dV,
+        unscaled) added into rows first_row.. of the work tile's K/V head in the fp32
+        accumulator `accum` (`kv_accum_offset`), those below rows_valid, columns
+        first_column.. (an i32): a thread's two columns of an 8-column tile by one
+        `red.global.add.v2.f32`, so that a quad adds a row's 32 bytes."""
+        lanes = self._lanes(b)
+        assert self.c.tiles_per_warp == 1
+        for r in range(2):
+            row = lanes.own_row(b, 0, r)
+            with b.if_then(b.icmp_signed("<", row, rows_valid)):
+                off = kv_accum_offset(b, self.c, self.a, self.bidx, b.add(first_row, row),
+                                      self.hk)
+                column = b.add(b.shl(lanes.t, i32(1)), first_column)
+                address = b.ptrtoint(_gep(b, accum, b.add(off, b.zext(column, i64)), f32), i64)
+                for j in range(len(flat) // 4):
+                    _red_add_v2_f32(b, address, 32 * j, flat[4 * j + 2 * r: 4 * j + 2 * r + 2])
 
     def _columns(self, b, stage, which: str, lanes) -> list[list[ir.Value]]:
         """This thread's query columns' -LSE log2(e) or delta (`STATS`): [n-tile][e & 1]."""
@@ -1222,26 +1409,44 @@ class _HopperMain(_MainKernel):
 
 
 # ============================================================================ module
+def scheduler_view(args: KernelArgs) -> KernelArgs:
+    """The main kernel's work space as its scheduler sees it: the sm80 design's
+    (`backward.scheduler_view`: K/V tiles of K/V heads), but a split group's heads are its
+    query heads (`HopperBackwardConfig.split_group`)."""
+    view = sm80.scheduler_view(args)
+    if args.config.split_group:
+        view.num_heads = args.num_heads
+    return view
+
+
 def build_module(config: HopperBackwardConfig, hooks: ExprHooks | None, target: Target,
                  work_loop, scheduler: str = "") -> ir.Module:
-    """The three kernels; `scheduler` names the work loop's scheduler (a fault record
-    names it)."""
+    """The three kernels, and `KV_POSTPROCESS` where the build splits its group; `scheduler`
+    names the work loop's scheduler (a fault record names it)."""
     if found := config.problems():
         raise ValueError("invalid HopperBackwardConfig: " + "; ".join(p.message for p in found))
     # (its shared memory is rounded up to 1024 bytes at run time)
     module, smem, hooks = sm80.backward_module(
         f"mha_bwd_sm90_{config.dtype}_d{config.head_dim}", hooks, target, SMEM_SYMBOL)
-    rows_abi = sm80.preprocess_abi(config)
+    rows_abi = preprocess_abi(config)
     fn, b = sm80.kernel_function(module, PREPROCESS, ROW_THREADS, hooks, rows_abi)
-    _emit_preprocess(b, config, KernelArgs(fn, rows_abi, config), hooks, _Rows)
+    args = KernelArgs(fn, rows_abi, config)
+    _emit_preprocess(b, config, args, hooks, _Rows)
+    if config.split_group:
+        _KVRows(b, config, args).zero_accumulators(b)
     b.ret_void()
-    fn, b = sm80.kernel_function(module, MAIN, config.threads, hooks, ABI)
-    _HopperMain(config, hooks, KernelArgs(fn, ABI, config, opaque_env=config.opaque_env),
+    abi = main_abi(config)
+    fn, b = sm80.kernel_function(module, MAIN, config.threads, hooks, abi)
+    _HopperMain(config, hooks, KernelArgs(fn, abi, config, opaque_env=config.opaque_env),
                 smem, scheduler).emit(b, work_loop)
     b.ret_void()
     fn, b = sm80.kernel_function(module, POSTPROCESS, ROW_THREADS, hooks, sm80.ABI)
     _emit_postprocess(b, config, KernelArgs(fn, sm80.ABI, config), _Rows)
     b.ret_void()
+    if config.split_group:
+        fn, b = sm80.kernel_function(module, KV_POSTPROCESS, ROW_THREADS, hooks, KV_ROWS_ABI)
+        _KVRows(b, config, KernelArgs(fn, KV_ROWS_ABI, config)).write_kv(b)
+        b.ret_void()
     return module
 
 
@@ -1264,38 +1469,67 @@ class BackwardSM90(sm80.BackwardDesign):
 
     def configs(self, options, layout: Layout) -> tuple[HopperBackwardConfig, ...]:
         """The declaration's config in its IR shapes: P^T under dP^T's GEMM or after it, the
-        scheduler's inputs rederived per step or held. Few, as a build that fits none falls
-        back to the sm80 design's only after trying them all."""
+        scheduler's inputs rederived per step or held; a split group's, then the same
+        without the split. Few, as a build that fits none falls back to the sm80 design's
+        only after trying them all."""
         config = declared_config(options, layout)
         tiles = dict.fromkeys((config.block_m, 64))  # (128 query rows at head dim 64 first)
         splits = (REGISTERS, WRITER_REGISTERS) if config.deterministic else (REGISTERS,)
-        return tuple(replace(config, block_m=rows, opaque_env=opaque, overlap_dp=overlap,
-                             registers=registers)
+        return tuple(replace(config, split_group=split, block_m=rows, opaque_env=opaque,
+                             overlap_dp=overlap, registers=registers)
+                     for split in dict.fromkeys((config.split_group, False))
                      for registers in splits for rows in tiles for overlap in (True, False)
                      for opaque in (True, False))
 
+    def scheduler_shape(self, config: HopperBackwardConfig) -> tuple[int, int]:
+        """K/V tiles of block_n rows; a split group's heads are query heads, gqa_group of
+        them per K/V head (`scheduler_view`)."""
+        return config.block_n, config.gqa_group if config.split_group else 1
+
+    def work_space(self, config: HopperBackwardConfig,
+                   call: CallSizes) -> tuple[int, int, int, int]:
+        """The K/V tiles of the K/V heads, or of the query heads where the build splits
+        its group (`scheduler_view`)."""
+        space = super().work_space(config, call)
+        return (*space[:3], call.heads) if config.split_group else space
+
     def kernels(self, config: HopperBackwardConfig) -> tuple[KernelLaunch, ...]:
-        """The preprocess, the main kernel and the postprocess; the row kernels take the
-        sm80 design's parameters and cover every row of a sequence's last query tile (a
-        stats block is read whole, so rows past the sequence need their -inf and zero)."""
+        """The preprocess, the main kernel and the postprocess, then where the build splits
+        its group `KV_POSTPROCESS`, a CTA per tile of ROW_TILE K/V rows, K/V head and
+        sequence; the preprocess and postprocess take the sm80 design's parameters (and
+        a split group's accumulators: `preprocess_abi`) and cover every row of a sequence's
+        last query tile (a stats block is read whole, so rows past the sequence need their
+        -inf and zero)."""
         def rows(call: CallSizes) -> tuple[int, int, int]:
             bm = config.block_m
             return sm80.row_grid(call, -(-call.max_seqlen_q // bm) * bm)
 
-        return (KernelLaunch(PREPROCESS, sm80.preprocess_abi(config), ROW_THREADS, 0, rows),
-                KernelLaunch(MAIN, ABI, config.threads, shared_bytes(config)),
-                KernelLaunch(POSTPROCESS, sm80.ABI, ROW_THREADS,
-                             ROW_TILE * _Rows.staging_pitch(config), rows))
+        def kv_rows(call: CallSizes) -> tuple[int, int, int]:
+            return max(1, -(-call.max_seqlen_k // ROW_TILE)), call.kv_heads, call.batch
+
+        launches = (KernelLaunch(PREPROCESS, preprocess_abi(config), ROW_THREADS, 0, rows),
+                    KernelLaunch(MAIN, main_abi(config), config.threads, shared_bytes(config)),
+                    KernelLaunch(POSTPROCESS, sm80.ABI, ROW_THREADS,
+                                 ROW_TILE * _Rows.staging_pitch(config), rows))
+        if not config.split_group:
+            return launches
+        return (*launches, KernelLaunch(KV_POSTPROCESS, KV_ROWS_ABI, ROW_THREADS, 0, kv_rows))
 
     def scratch(self, config: HopperBackwardConfig, call: CallSizes) -> dict[str, int]:
         """The fp32 dQ accumulator and the stats blocks (-LSE and delta), each in blocks of
-        a query tile of a head (`dq_accum_position`, `_stats_offset`)."""
+        a query tile of a head (`dq_accum_position`, `_stats_offset`); where the build
+        splits its group, dK's and dV's fp32 accumulators in k's layout (`kv_accum_offset`)."""
         bm = config.block_m
         tiles = (call.total_q + call.batch * bm) // bm if config.ragged else \
             call.batch * -(-call.seqlen_q // bm)
-        return {"dq_accum": 4 * tiles * call.heads * bm * config.head_dim,
-                "delta": 4 * tiles * call.heads * config.block_floats,
-                **sm80.sink_scratch(config, call)}
+        found = {"dq_accum": 4 * tiles * call.heads * bm * config.head_dim,
+                 "delta": 4 * tiles * call.heads * config.block_floats,
+                 **sm80.sink_scratch(config, call)}
+        if config.split_group:
+            kv_rows = call.total_k if config.ragged else call.batch * call.seqlen_k
+            found["dk_accum"] = found["dv_accum"] = \
+                4 * kv_rows * call.kv_heads * config.head_dim
+        return found
 
     def build(self, source: KernelSource, configs, target: Target) -> KernelBuild:
         """The first of `configs` that assembles without spills and without a stack frame
@@ -1344,8 +1578,16 @@ def declared_tile(head_dim: int) -> dict[str, int]:
 def declared_config(options, layout: Layout) -> HopperBackwardConfig:
     return HopperBackwardConfig(options.dtype, options.head_dim, gqa_group=layout.gqa_group,
                                 ragged=layout.ragged, deterministic=layout.deterministic,
-                                sink=options.sink is not None,
+                                sink=options.sink is not None, split_group=splits_group(layout),
                                 **declared_tile(options.head_dim))
+
+
+def splits_group(layout: Layout) -> bool:
+    """Whether a call of `layout` splits its GQA group's query heads over CTAs
+    (`HopperBackwardConfig.split_group`): in atomic mode, from SPLIT_GROUP_MIN query heads
+    per K/V head (the module's docstring)."""
+    return not layout.deterministic and layout.gqa_group > 1 \
+        and layout.gqa_group >= SPLIT_GROUP_MIN
 
 
 BACKEND = BackwardSM90()

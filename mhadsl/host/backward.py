@@ -6,7 +6,9 @@
 The three kernels of `codegen.backends.backward` run on the caller's torch stream: the
 preprocess (delta = rowsum(dO * O), the fp32 dQ accumulator zeroed), the main kernel (the
 declaration's scheduler hands out its K/V tiles; dK and dV summed over the GQA group, dQ
-added atomically) and the postprocess (dQ in q's dtype). In deterministic mode the
+added atomically) and the postprocess (dQ in q's dtype; where the Hopper design splits a
+wide GQA group over CTAs, a last kernel turns dK's and dV's fp32 sums into dK and dV too:
+`codegen.backends.backward_sm90`). In deterministic mode the
 gradients are bitwise the same every run: the Hopper design adds each query tile's dQ in a
 fixed order of K/V tiles (`codegen.backends.backward_sm90`), the sm80-style design's last
 kernel computes dQ itself, one CTA per query tile, with nothing added atomically. With
@@ -170,8 +172,8 @@ def _sink_gradient(torch, call, terms, cu_q):
 def _plans(kernel, call, tensors: dict, device: int, deterministic: bool,
            operand_grads: bool = False) -> tuple[list, dict[str, int]]:
     """The launch plans of a validated call's signature, in launch order, and the bytes of
-    each scratch buffer (delta and the dQ accumulator, in the design's layouts): made once,
-    then reused."""
+    each scratch buffer (delta and the dQ accumulator, in the design's layouts, and a split
+    GQA group's dK and dV accumulators): made once, then reused."""
     from mhadsl.runtime.launch import TensorShape
     from mhadsl.runtime.tensors import contiguous_strides
     shapes = {n: TensorShape(tuple(t.shape), tuple(t.stride()),
