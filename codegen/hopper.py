@@ -191,6 +191,14 @@ def bulk_writes_released(builder: ir.IRBuilder, counter: ir.Value) -> None:
          "l,~{memory}", [builder.ptrtoint(counter, i64)])
 
 
+def release_count(builder: ir.IRBuilder, counter: ir.Value) -> None:
+    """Global u32 `counter` up by one (release at GPU scope), after this thread's writes and
+    those of the threads it met at a barrier since: a thread that reads the new count with
+    acquire (`wait_for_count`) sees them."""
+    _asm(builder, void, "red.release.gpu.global.add.u32 [$0], 1;", "l,~{memory}",
+         [builder.ptrtoint(counter, i64)])
+
+
 def wait_for_count(builder: ir.IRBuilder, counter: ir.Value, count: ir.Value,
                    timeout_ns: int, abandon: ir.Value) -> ir.Value:
     """Spin (acquire loads at GPU scope, backing off between them) until global u32

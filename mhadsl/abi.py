@@ -298,8 +298,8 @@ WORKSPACE_WORDS = 16  # 64 bytes: streams' counters never share a 64-byte sector
 
 TOO_MANY_TILES = 1  # advance kept returning work past all the work of the launch, plus one
 ENDLESS_WHILE = 2  # a `while` ran past its bound
-# a deterministic backward's CTA waited past DQ_ORDER_WAIT_NS for the K/V tiles before it
-# to add their dQ: the scheduler handed them out after it
+# a deterministic backward's CTA waited past DQ_ORDER_WAIT_NS for the tiles before it to
+# add their gradients (dQ; a split group's dK and dV): the scheduler handed them out after it
 DQ_ORDER_WAIT = 3
 DQ_ORDER_WAIT_NS = 4_000_000_000  # (below 2**32: the wait reads %globaltimer_lo)
 RULES = ("grid_dim", "initial_state", "get_current_work_info", "advance", "unsafe_seq_info")

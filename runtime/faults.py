@@ -38,7 +38,7 @@ class SchedulerError(RuntimeError):
                            f"({WHILE_SLACK} x (tiles + CTAs) + {WHILE_MIN} iterations per "
                            "scheduler step)",
             DQ_ORDER_WAIT: "handed out a K/V tile of a deterministic backward before the "
-                           "K/V tiles whose dQ it adds after: its CTA waited "
+                           "tiles whose gradients it adds after: its CTA waited "
                            f"{DQ_ORDER_WAIT_NS / 1e9:g} s for them (deterministic mode on "
                            "Hopper adds each head's K/V tiles in the order Queued hands "
                            "them out)",

@@ -80,10 +80,17 @@ one is half an SM's average load, the schedule cannot balance, and this kernel t
 where FlashAttention-4's split one took 1.67 ms (B2 H48:8 S4096 D128 causal, H100), while at
 32:8 (group 4) the two were level. A split costs gqa_group times the work tiles (each
 loading its K/V tile) and, per element of dK and dV, an fp32 value zeroed, added into
-gqa_group times and read back, and it makes dK and dV, like dQ, sums in no fixed order; so
-deterministic mode never splits (its dQ order wants a group's K/V tiles handed out in one
-order), nor does a group of one. `benchmarks/backward_split_group.py` times both builds of
-the same calls (the threshold is monkeypatched there). A split build that spills in every IR
+gqa_group times and read back; a group of one never splits. In deterministic mode, whose
+scheduler hands out each K/V head's longest tile last (below), a whole group makes that
+tail gqa_group times longer, so it splits from DETERMINISTIC_SPLIT_GROUP_MIN = 4, and dK's
+and dV's adds come in a fixed order too (`_kv_turn`): a u32 count per K/V tile (at its
+first row's place among k's (row, head) pairs: `kv_row_index`, zeroed by the preprocess)
+says how many of the group's query heads have added; a work tile's first consumer thread
+waits until it equals the tile's place in the group, the consumers add, meet, and the
+first raises it (release at GPU scope). A query head's CTAs come after the previous head's
+under the ordered schedulers, so it only waits for work handed out before its own.
+`benchmarks/backward_split_group.py` times both builds of the same calls (the thresholds
+are monkeypatched there). A split build that spills in every IR
 shape gives way to the same configs without the split (`BackwardSM90.configs`).
 
 Deterministic mode (`BackwardConfig.deterministic`) keeps this kernel and fixes the order of
@@ -158,6 +165,9 @@ WRITER_REGISTERS = (40, 232)
 # CTAs (`HopperBackwardConfig.split_group`, chosen by `declared_config`; the module's
 # docstring says why)
 SPLIT_GROUP_MIN = 6
+# the same in deterministic mode, whose scheduler hands out each K/V head's longest tile
+# last (`_dq_place`): a whole group's makes that tail gqa_group times longer
+DETERMINISTIC_SPLIT_GROUP_MIN = 4
 # the kernel of a split group that turns its dK and dV accumulators into dK and dV
 KV_POSTPROCESS = "mha_bwd_kv_postprocess"
 
@@ -177,7 +187,7 @@ class HopperBackwardConfig(BackwardConfig):
     registers: tuple[int, int] = REGISTERS  # (producer, consumer) after setmaxnreg
     # a work tile is one query head's share of a K/V tile: the scheduler's heads are query
     # heads, and dK and dV are added into fp32 accumulators that `KV_POSTPROCESS` converts
-    # (atomic mode, gqa_group > 1)
+    # (gqa_group > 1; deterministic mode adds them in the group's order: `_kv_turn`)
     split_group: bool = False
 
     @property
@@ -287,10 +297,10 @@ class HopperBackwardConfig(BackwardConfig):
             found.append(Problem(("tile",), "the sm90 backward steps 64 query rows (128 at head "
                                             "dim 64) over K/V tiles of 128 rows (64 at head "
                                             "dim 256) with two consumer warpgroups"))
-        if self.split_group and (self.deterministic or self.gqa_group == 1):
+        if self.split_group and self.gqa_group == 1:
             found.append(Problem(("split_group",), "the sm90 backward splits a GQA group's "
-                                                   "query heads over CTAs only in atomic mode "
-                                                   "and with more than one per K/V head"))
+                                                   "query heads over CTAs only where there "
+                                                   "are more than one per K/V head"))
         if self.s_ahead and self.stages < 2:
             # a step issues the next one's S^T while it still holds its own stage
             found.append(Problem(("stages",), "the sm90 backward's ring has at least 2 stages "
@@ -562,15 +572,20 @@ class _Rows(_RowKernel):
 # k's layout: k's rows (B Sk dense, total_k ragged, the rows outside every sequence never
 # touched), Hkv heads of head_dim floats each. The preprocess zeroes a sequence's rows, the
 # main kernel adds each work tile's rows, `KV_POSTPROCESS` converts them.
-def kv_accum_offset(b, config: HopperBackwardConfig, args, bidx, row, head) -> ir.Value:
-    """The float offset (i64) of column 0 of K/V row `row` of sequence bidx (counted from
-    the start of all rows when ragged, as `_row_offset` counts) and K/V head `head` in dK's
-    and dV's accumulators."""
+def kv_row_index(b, config: HopperBackwardConfig, args, bidx, row, head) -> ir.Value:
+    """The index (i64) of K/V row `row` of sequence bidx (counted from the start of all
+    rows when ragged, as `_row_offset` counts) and K/V head `head` among k's (row, head)
+    pairs: a deterministic split group's count of a K/V tile sits at its first row's."""
     rows = b.zext(row, i64)
     if not config.ragged:
         rows = b.add(b.mul(b.zext(bidx, i64), b.zext(args.seqlen_k, i64)), rows)
-    return b.mul(b.add(b.mul(rows, b.zext(args.kv_heads, i64)), b.zext(head, i64)),
-                 i64(config.head_dim))
+    return b.add(b.mul(rows, b.zext(args.kv_heads, i64)), b.zext(head, i64))
+
+
+def kv_accum_offset(b, config: HopperBackwardConfig, args, bidx, row, head) -> ir.Value:
+    """The float offset (i64) of column 0 of K/V row `row` of sequence bidx and K/V head
+    `head` in dK's and dV's accumulators (`kv_row_index`)."""
+    return b.mul(kv_row_index(b, config, args, bidx, row, head), i64(config.head_dim))
 
 
 class _KVRows(_RowKernel):
@@ -594,7 +609,8 @@ class _KVRows(_RowKernel):
         """(The preprocess: a CTA per query tile x, query head h and sequence.) The CTA's
         share of its sequence's rows of K/V head h // gqa_group zeroed in both accumulators:
         row tiles x gqa_group + h % gqa_group, then every gridDim.x gqa_group-th, so that
-        all of the group's CTAs share the rows."""
+        all of the group's CTAs share the rows; in deterministic mode the K/V tiles' counts
+        too."""
         group = i32(self.c.gqa_group)
         head = b.udiv(self.h, group)
         stride = b.mul(nvptx.special_register(b, "grid_dim", "x"), group)
@@ -606,6 +622,12 @@ class _KVRows(_RowKernel):
                 for name in ("dk_accum", "dv_accum"):
                     for ptr in self._vectors(b, name, head, r):
                         b.store(zero, ptr, align=16)
+                if self.c.deterministic:  # a K/V tile's first row zeroes its count
+                    first = b.icmp_unsigned("==", b.urem(r, i32(self.c.block_n)), i32(0))
+                    with b.if_then(b.and_(first, b.icmp_unsigned("==", self.chunk, i32(0)))):
+                        index = kv_row_index(b, self.c, self.a, self.bidx,
+                                             b.add(self.start, r), head)
+                        b.store(i32(0), _gep(b, self.a.kv_count, index, i32), align=4)
 
         def body(b, tile, _):
             self.rows(b, row, tile)
@@ -649,17 +671,31 @@ KV_ACCUMULATORS = tuple(
     Param(f"{t}_accum", "ptr", Pointer(f"{t}_accum"), f"fp32 {t} accumulator of a split "
           "group: k's rows (B*Sk dense, total_k ragged) x Hkv x D", align=16)
     for t in ("dk", "dv"))
+# A deterministic split group's counts (`kv_row_index`), after the accumulators.
+KV_COUNT = Param("kv_count", "ptr", Pointer("kv_count"), "u32 per K/V row and head of a "
+                 "deterministic split group: at a K/V tile's first row, how many of the "
+                 "group's query heads have added into its dK and dV", align=4)
 SPLIT_ABI = KernelABI(*ABI, *KV_ACCUMULATORS)
+ORDERED_SPLIT_ABI = KernelABI(*SPLIT_ABI, KV_COUNT)
 KV_ROWS_ABI = KernelABI(*sm80.ABI, *KV_ACCUMULATORS)
 
 
+def _split_params(config: HopperBackwardConfig) -> tuple[Param, ...]:
+    """The parameters a split group adds to the preprocess and the main kernel."""
+    if not config.split_group:
+        return ()
+    return KV_ACCUMULATORS + ((KV_COUNT,) if config.deterministic else ())
+
+
 def main_abi(config: HopperBackwardConfig) -> KernelABI:
-    return SPLIT_ABI if config.split_group else ABI
+    if not config.split_group:
+        return ABI
+    return ORDERED_SPLIT_ABI if config.deterministic else SPLIT_ABI
 
 
 def preprocess_abi(config: HopperBackwardConfig) -> KernelABI:
     abi = sm80.preprocess_abi(config)
-    return KernelABI(*abi, *KV_ACCUMULATORS) if config.split_group else abi
+    return KernelABI(*abi, *_split_params(config)) if config.split_group else abi
 
 
 def _st_shared_v4f32(b, address: ir.Value, values: list[ir.Value]) -> None:
@@ -1025,13 +1061,40 @@ class _HopperMain(_MainKernel):
         kv_row, rows_valid = b.add(self.k_start, self.kv0), b.sub(self.seqlen_k, self.kv0)
         column = own_column(b, c, lambda: b.lshr(self._tid(b), i32(7)))
         if c.split_group:  # (dK's softmax scale: `KV_POSTPROCESS`'s)
+            count = self._kv_turn(b, kv_row) if c.deterministic else None
             self._add_own(b, a.dk_accum, kv_row, rows_valid, final[:n_acc], column)
             self._add_own(b, a.dv_accum, kv_row, rows_valid, final[n_acc:2 * n_acc], column)
+            if count is not None:
+                # every consumer's adds, then the count (`_kv_turn`)
+                nvptx.barrier_named(b, nvptx.DS_BARRIER, 2 * hopper.WARPGROUP_THREADS,
+                                    aligned=False)
+                with b.if_then(b.icmp_unsigned("==", self._tid(b), i32(0))):
+                    hopper.release_count(b, count)
         else:
             self._store_own(b, "dk", self.hk, kv_row, rows_valid, final[:n_acc],
                             a.softmax_scale, column)
             self._store_own(b, "dv", self.hk, kv_row, rows_valid, final[n_acc:2 * n_acc], None,
                             column)
+
+    def _kv_turn(self, b, kv_row) -> ir.Value:
+        """A deterministic split group's order of dK's and dV's adds into a K/V tile's
+        accumulator rows: the group's query heads in turn. The first consumer thread waits
+        until the tile's count (`kv_row_index` of its first row) says every query head of
+        the group before this one has added (under an ordered scheduler: handed out
+        before this one), then the consumers meet; returns the count, which goes up once
+        they have all added."""
+        c = self.c
+        count = _gep(b, self.a.kv_count, kv_row_index(b, c, self.a, self.bidx, kv_row,
+                                                      self.hk), i32)
+        with b.if_then(b.icmp_unsigned("==", self._tid(b), i32(0))):
+            record = faults.word(b, self.a.queue, abi.RECORD_WORD)
+            late = hopper.wait_for_count(b, count, b.urem(self.hq, i32(c.gqa_group)),
+                                         abi.DQ_ORDER_WAIT_NS, record)
+            with b.if_then(late, likely=False):
+                faults.record_fault(b, self.a.queue, i32(abi.fault_code(
+                    abi.DQ_ORDER_WAIT, "advance")), abi.scheduler_id(self.scheduler))
+        nvptx.barrier_named(b, nvptx.DS_BARRIER, 2 * hopper.WARPGROUP_THREADS, aligned=False)
+        return count
 
     def _add_own(self, b, accum, first_row, rows_valid, flat, first_column) -> None:
         """A split group's `_store_own`: the warp's accumulator `flat` (its rows of dK or dV,
@@ -1529,6 +1592,8 @@ class BackwardSM90(sm80.BackwardDesign):
             kv_rows = call.total_k if config.ragged else call.batch * call.seqlen_k
             found["dk_accum"] = found["dv_accum"] = \
                 4 * kv_rows * call.kv_heads * config.head_dim
+            if config.deterministic:
+                found["kv_count"] = 4 * kv_rows * call.kv_heads
         return found
 
     def build(self, source: KernelSource, configs, target: Target) -> KernelBuild:
@@ -1584,10 +1649,10 @@ def declared_config(options, layout: Layout) -> HopperBackwardConfig:
 
 def splits_group(layout: Layout) -> bool:
     """Whether a call of `layout` splits its GQA group's query heads over CTAs
-    (`HopperBackwardConfig.split_group`): in atomic mode, from SPLIT_GROUP_MIN query heads
-    per K/V head (the module's docstring)."""
-    return not layout.deterministic and layout.gqa_group > 1 \
-        and layout.gqa_group >= SPLIT_GROUP_MIN
+    (`HopperBackwardConfig.split_group`): from SPLIT_GROUP_MIN query heads per K/V head,
+    DETERMINISTIC_SPLIT_GROUP_MIN in deterministic mode (the module's docstring)."""
+    least = DETERMINISTIC_SPLIT_GROUP_MIN if layout.deterministic else SPLIT_GROUP_MIN
+    return layout.gqa_group > 1 and layout.gqa_group >= least
 
 
 BACKEND = BackwardSM90()
