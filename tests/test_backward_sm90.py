@@ -880,8 +880,10 @@ def test_a_deterministic_backward_whose_scheduler_hands_out_tiles_out_of_order_i
 def test_the_ordered_schedulers_hand_out_each_heads_kv_tiles_in_order(name):
     """What deterministic mode on Hopper relies on, simulated: in the order the tiles are
     handed out (a queue's, or the CTAs' indices and strides) each (sequence, K/V head)'s
-    prompt tiles come first to last (the last K/V tile first), over random ragged key
-    lengths; LPT (longest first) does not, which `adds_in_order` says."""
+    prompt tiles come first to last (the last K/V tile first), and each sequence's K/V tile
+    of one offset comes head by head in order (a split group's dK and dV order: the heads
+    are then query heads, `_kv_turn`), over random ragged key lengths; LPT (longest first)
+    does not, which `adds_in_order` says."""
     from mhadsl.analysis.simulate import simulate
     from mhadsl.codegen.scheduler import SchedulerSpec
     from mhadsl.host.backward import backward_work
@@ -898,6 +900,9 @@ def test_the_ordered_schedulers_hand_out_each_heads_kv_tiles_in_order(name):
         for pair in {(h, b) for _, h, b in handed}:
             offsets = [o for o, h, b in handed if (h, b) == pair]
             in_order &= offsets == sorted(offsets)
+        for tile in {(o, b) for o, _, b in handed}:
+            heads_in_turn = [h for o, h, b in handed if (o, b) == tile]
+            in_order &= heads_in_turn == sorted(heads_in_turn)
     assert in_order == H.adds_in_order((name, ()))
 
 
@@ -913,12 +918,13 @@ def test_an_order_wait_that_gives_up_is_a_scheduler_error_that_says_why():
 
 
 # ---------------------------------------------------------------- a split GQA group
-def test_atomic_calls_split_groups_of_six_query_heads_or_more(monkeypatch):
+def test_calls_split_groups_of_six_query_heads_or_more_four_when_deterministic(monkeypatch):
     """`declared_config`'s rule: an atomic call with SPLIT_GROUP_MIN (6) or more query heads
-    per K/V head splits its group over CTAs; fewer, and deterministic mode, do not; the
-    threshold is the module's constant (a benchmark sets it to measure both). A split
-    layout tries its split configs first, then the same without the split; a split config
-    is a problem in deterministic mode and without GQA."""
+    per K/V head splits its group over CTAs, a deterministic one from
+    DETERMINISTIC_SPLIT_GROUP_MIN (4); fewer do not; the thresholds are the module's
+    constants (a benchmark sets them to measure both). A split layout tries its split
+    configs first, then the same without the split; a split config is a problem without
+    GQA."""
     options = _options("attention t { dtype = bf16  head_dim = 128 }")
 
     def splits(group, deterministic=False):
@@ -927,7 +933,9 @@ def test_atomic_calls_split_groups_of_six_query_heads_or_more(monkeypatch):
 
     assert H.SPLIT_GROUP_MIN == 6
     assert [splits(g) for g in (1, 2, 4, 5, 6, 8, 16)] == [False] * 4 + [True] * 3
-    assert not splits(6, deterministic=True) and not splits(16, deterministic=True)
+    assert H.DETERMINISTIC_SPLIT_GROUP_MIN == 4
+    assert [splits(g, deterministic=True) for g in (1, 2, 3, 4, 6, 16)] == \
+        [False] * 3 + [True] * 3
     monkeypatch.setattr(H, "SPLIT_GROUP_MIN", 2)
     assert [splits(g) for g in (1, 2, 4)] == [False, True, True]
     monkeypatch.setattr(H, "SPLIT_GROUP_MIN", 1)
@@ -939,7 +947,8 @@ def test_atomic_calls_split_groups_of_six_query_heads_or_more(monkeypatch):
     assert configs[4:] == tuple(replace(c, gqa_group=6) for c in narrow)
     assert not any(c.split_group for c in narrow)
     assert not _config(gqa_group=6, split_group=True).problems()
-    for fields in (dict(gqa_group=6, deterministic=True), dict(gqa_group=1)):
+    assert not _config(gqa_group=6, split_group=True, deterministic=True).problems()
+    for fields in (dict(gqa_group=1), dict(gqa_group=1, deterministic=True)):
         assert _config(split_group=True, **fields).problems()[0].settings == ("split_group",)
 
 
@@ -1098,3 +1107,44 @@ def test_a_split_build_adds_dk_and_dv_into_accumulators_without_spills(head_dim,
     whole = kern.backward_build("sm_90a", gqa_group=4, ragged=ragged)
     assert not whole.config.split_group
     assert "red.global" not in whole.ptx and f".entry {H.KV_POSTPROCESS}(" not in whole.ptx
+
+
+@needs_ptxas
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_a_deterministic_split_build_adds_dk_and_dv_in_the_groups_order(head_dim, ragged,
+                                                                       monkeypatch, tmp_path):
+    """A deterministic causal build at 4 query heads per K/V head splits its group too,
+    without spills or a stack frame: after its last GEMM the main kernel's first consumer
+    thread waits for its K/V tile's count (an acquire loop more than the whole group's
+    build, which has only dQ's), the consumers add dK and dV, meet at a barrier, and one
+    raises the count (a release more), after the last add; the preprocess gets the counts
+    (`kv_count`, a u32 per K/V row and head, the last parameter) as the main kernel does,
+    and the call's scratch holds them, which an atomic split build's does not."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    kern = mhadsl.compile(_source(head_dim, True))["t"]
+    build = kern.backward_build("sm_90a", gqa_group=4, ragged=ragged, deterministic=True)
+    assert build.backend == "backward_sm90"
+    assert build.config.split_group and build.config.deterministic
+    for name, resources in build.assembled.kernels.items():
+        assert resources.spills == 0 and resources.stack_bytes == 0, (name, resources)
+    monkeypatch.setattr(H, "DETERMINISTIC_SPLIT_GROUP_MIN", 5)  # (the cache's key holds none)
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path / "whole"))
+    whole = mhadsl.compile(_source(head_dim, True))["t"].backward_build(
+        "sm_90a", gqa_group=4, ragged=ragged, deterministic=True)
+    assert whole.backend == "backward_sm90" and not whole.config.split_group
+    main, whole_main = (b.ptx[b.ptx.index(f".entry {H.MAIN}("):] for b in (build, whole))
+    for instruction in ("ld.acquire.gpu.global.u32", "red.release.gpu.global.add.u32"):
+        assert main.count(instruction) > whole_main.count(instruction), instruction
+    last_add = main.rindex("red.global.add.v2.f32")
+    released = main.index("red.release.gpu.global.add.u32", last_add)
+    assert re.search(rf"barrier\.sync\s+{nvptx.DS_BARRIER},", main[last_add:released])
+    assert "ld.acquire.gpu.global.u32" in main[:main.index("red.global.add.v2.f32")]
+    count = len(H.ORDERED_SPLIT_ABI.params) - 1
+    assert H.ORDERED_SPLIT_ABI.params[count].name == "kv_count"
+    assert count in _param_loads(build.ptx, H.MAIN)
+    assert len(H.sm80.ABI.params) + 2 in _param_loads(build.ptx, H.PREPROCESS)
+    call = CallSizes(2, 8, 2, 300, 300, 300, 300, 600, ragged, 1.0, total_k=600)
+    scratch = H.BACKEND.scratch(build.config, call)
+    assert scratch["kv_count"] == 4 * 600 * 2
+    assert "kv_count" not in H.BACKEND.scratch(replace(build.config, deterministic=False), call)

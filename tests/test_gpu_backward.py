@@ -186,48 +186,64 @@ attention causal_gqa6_d64 { dtype = fp16  head_dim = 64  gqa = 6
 
 
 def split_group_kernel(name: str):
-    """A declaration of 6 query heads per K/V head, whose atomic calls on compute capability
-    9.0 split the group over CTAs (`backward_sm90.SPLIT_GROUP_MIN`)."""
+    """A declaration of 6 query heads per K/V head, whose calls on compute capability 9.0
+    split the group over CTAs (`backward_sm90.SPLIT_GROUP_MIN`, and
+    `DETERMINISTIC_SPLIT_GROUP_MIN`: their default scheduler, Queued, keeps the order)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper design runs on compute capability 9.0")
     return mhadsl.compile(SPLIT_GROUP, name="<split-group>")[name]
 
 
-def assert_split_builds(kern):
-    """Every backward build the kernel's calls loaded is the Hopper design's split one."""
+def assert_split_builds(kern, deterministic):
+    """Every backward build the kernel's calls loaded is the Hopper design's split one, in
+    the mode asked for."""
     from mhadsl.codegen.backends.backward_sm90 import HopperBackwardConfig
     builds = backward_builds(kern)
     assert builds and all(isinstance(loaded.config, HopperBackwardConfig)
-                          and loaded.config.split_group for loaded in builds)
+                          and loaded.config.split_group
+                          and loaded.config.deterministic == deterministic
+                          for loaded in builds)
 
 
+# deterministic calls run 5 times, bitwise the same: dK and dV added in the group's order
+SPLIT_MODES = pytest.mark.parametrize("deterministic", [False, True],
+                                      ids=["atomic", "deterministic"])
+
+
+def split_runs(deterministic: bool) -> dict:
+    return dict(deterministic=deterministic, runs=5 if deterministic else 1)
+
+
+@SPLIT_MODES
 @pytest.mark.parametrize("name", ["causal_gqa6", "causal_gqa6_d64"])
-def test_a_split_group_sums_dk_dv_over_its_query_heads_ctas(name):
+def test_a_split_group_sums_dk_dv_over_its_query_heads_ctas(name, deterministic):
     """Dense causal calls of 12 query heads on 2 K/V heads: each CTA works on one query
     head's share of a K/V tile and adds its dK and dV into fp32 accumulators, which the
     last kernel turns into dK (times the scale) and dV."""
     kern = split_group_kernel(name)
-    assert_gradients(kern, dense(kern, 2, 1000, 1000, 12, 2))
-    assert_gradients(kern, dense(kern, 1, 129, 129, 6, 1))
-    assert_split_builds(kern)
+    assert_gradients(kern, dense(kern, 2, 1000, 1000, 12, 2), **split_runs(deterministic))
+    assert_gradients(kern, dense(kern, 1, 129, 129, 6, 1), **split_runs(deterministic))
+    assert_split_builds(kern, deterministic)
 
 
-def test_a_split_group_without_a_mask_and_with_more_keys_than_queries():
+@SPLIT_MODES
+def test_a_split_group_without_a_mask_and_with_more_keys_than_queries(deterministic):
     """No mask, 20 times more keys than queries: the preprocess zeroes the accumulators'
     K/V rows in strides over its few query-row CTAs."""
     kern = split_group_kernel("plain_gqa6")
-    assert_gradients(kern, dense(kern, 2, 100, 2000, 12, 2))
-    assert_gradients(kern, dense(kern, 1, 300, 300, 12, 2))
-    assert_split_builds(kern)
+    assert_gradients(kern, dense(kern, 2, 100, 2000, 12, 2), **split_runs(deterministic))
+    assert_gradients(kern, dense(kern, 1, 300, 300, 12, 2), **split_runs(deterministic))
+    assert_split_builds(kern, deterministic)
 
 
+@SPLIT_MODES
 @pytest.mark.parametrize("name", ["causal_gqa6", "causal_gqa6_d64"])
-def test_a_split_group_runs_ragged_calls(name):
+def test_a_split_group_runs_ragged_calls(name, deterministic):
     """Ragged: lengths 0, 1, 127, 129 and 3000, then spare rows (finite) before the first
     sequence and after the last, whose gradients stay zero: no accumulator row outside a
     sequence is converted."""
     kern = split_group_kernel(name)
-    assert_gradients(kern, ragged(kern, RAGGED, RAGGED, 6, 1))
+    assert_gradients(kern, ragged(kern, RAGGED, RAGGED, 6, 1), **split_runs(deterministic))
     lens_q, lens_k, before, after = [129, 1, 0, 200], [64, 1, 300, 127], 3, 70
     args = ragged(kern, lens_q, lens_k, 12, 2)
     for tensor in ("q", "k", "v"):
@@ -236,10 +252,10 @@ def test_a_split_group_runs_ragged_calls(name):
                                   rand(after, *t.shape[1:], dtype=t.dtype)])
     for offsets in ("cu_seqlens_q", "cu_seqlens_k"):
         args[offsets] = args[offsets] + before
-    grads = assert_gradients(kern, args)
+    grads = assert_gradients(kern, args, **split_runs(deterministic))
     for grad, lens in zip(grads, (lens_q, lens_k, lens_k)):
         assert not grad[:before].float().any() and not grad[before + sum(lens):].float().any()
-    assert_split_builds(kern)
+    assert_split_builds(kern, deterministic)
     assert all(loaded.layout.ragged for loaded in backward_builds(kern))
 
 
