@@ -12,7 +12,9 @@ built for Hopper in FlashAttention-3's layout:
   to 24 registers), warpgroups 1 and 2 the consumers (`setmaxnreg.inc` to 240); consumer g
   owns K/V rows 64g..64g+63. At head dim 256 (`splits_kv_columns`) the tile has 64 rows
   and both consumers work on all of them, consumer g owning head-dim columns 128g.. of
-  their dK and dV: 64 + 64 f32 registers a thread, where all 256 columns would take 256.
+  their dK and dV: 64 + 64 f32 registers a thread, where all 256 columns would take 256;
+  of a step's S^T and dP^T it computes query columns 32g.. only (`score_columns`,
+  FlashAttention-3's split), so that neither computes what the other does;
   Both roles run the scheduler's work loop, each in its own branch, and meet at each work
   tile's CTA barriers (which park its values in shared memory), never per query step;
 - the producer's first warp loads K and V by TMA once per work tile (128-byte swizzle, one
@@ -34,18 +36,26 @@ built for Hopper in FlashAttention-3's layout:
   design's `_probabilities`), dS^T = P^T (dP^T - delta) (with the score's derivative),
   then dV += P^T dO with P^T as the register A operand and dO as an MN-major B operand
   (the forward's P V form). dS^T goes to shared memory (16-bit, swizzled, one tile per
-  step parity; at head dim 256, where both consumers hold all of it, each stores half of
-  its query columns) and, after a named barrier of the two consumers (dQ needs both halves
-  of dS^T), warpgroup g issues its part of dQ (`dq_tile`: head-dim columns g D/2.. of a
-  64-row tile, query rows 64 g.. of a 128-row tile) = dS K (dS^T a transposed,
-  M-major shared A operand, K an MN-major B operand; in chunks of 64 columns, `dq_chunk`),
-  then dK += dS^T Q (dS^T from registers). Under dK's GEMM it stores its dQ values (the
+  step parity) and, after a named barrier of the two consumers (dQ's GEMM reads both
+  warpgroups' parts of dS^T), warpgroup g issues its part of dQ (`dq_tile`:
+  head-dim columns g D/2.. of a 64-row tile, query rows 64 g.. of a 128-row tile) = dS K
+  (dS^T a transposed, M-major shared A operand, K an MN-major B operand; in chunks of 64
+  columns, `dq_chunk`), then dK += dS^T Q (dS^T from registers). At head dim 256 a
+  consumer's S^T and dP^T are m64n32 (B: Q's and dO's rows 32g.., whole swizzle atoms
+  into each box), and it stores its 32 columns of P^T, to a tile of its own laid out as
+  dS^T's, and of dS^T; after the barrier (every column of both is in) dV's and dK's GEMMs
+  take them from shared memory as K-major A operands over all 64 query rows (dV's issued
+  before dQ's, dK's after). One P^T tile suffices: a step writes it once its stage is
+  full, and the producer loads the stage's dO only once every consumer thread has freed
+  the step before's (`frees_stage_in_parts`), each after its warpgroup's dV GEMM, the
+  tile's only reader, is done. Under dK's GEMM it stores its dQ values (the
   first chunk's) to its staging tile in register order, once the writer has freed the
   tile, computes and stores any further chunk once dK is done, and arrives on the tile's
   full barrier; once dK is done every consumer thread arrives on the stage's empty
   mbarrier. With two dS^T tiles, a consumer writes the next step's while the other still
   reads this one's. A GEMM over the head dim (S^T, dP^T) makes its descriptors 8 k-steps
-  at a time (`_k_major_runs`): at head dim 256 all 32 at once spill;
+  at a time (`_k_major_runs`): at head dim 256 all 32 at once spilled before the consumers
+  split S^T's query columns;
 - the producer's second warp, the writer, walks the same steps: it frees each staging
   tile once its last bulk reduce-add has read it, then adds each tile, once written, into
   the fp32 accumulator with one bulk reduce-add (`dq_accum_position`: the accumulator
@@ -341,9 +351,9 @@ def dq_chunk_vector(config: HopperBackwardConfig, chunk: int, k: int) -> int:
 
 
 def ds_slices(config: HopperBackwardConfig, group: int) -> range:
-    """The 16-column slices of the step's query columns of dS^T that warpgroup `group`
-    stores (for its K/V rows): all of them, or half where both warpgroups hold all of dS^T
-    (`splits_kv_columns`)."""
+    """The 16-column slices of the step's query columns of dS^T (and P^T) that warpgroup
+    `group` computes and stores (for its K/V rows): all of them, or where the warpgroups
+    share their K/V rows (`splits_kv_columns`) its half (`score_columns`)."""
     slices = config.block_m // 16
     if not config.splits_kv_columns:
         return range(slices)
@@ -364,6 +374,14 @@ def own_column_byte(b, config: HopperBackwardConfig, group, rows: int) -> ir.Val
     if not config.splits_kv_columns:
         return i32(0)
     return b.mul(group, i32(config.kv_columns // BOX_COLUMNS * rows * SW))
+
+
+def score_row_byte(b, config: HopperBackwardConfig, group) -> ir.Value:
+    """Byte offset in Q's and dO's tiles (TMA boxes of block_m rows) of warpgroup `group`'s
+    first query row of S^T and dP^T, where the warpgroups split them (`score_columns`): as
+    many 128-byte rows into each box, a whole number of the swizzle's 8-row atoms, so that
+    the K-major B operands of its GEMMs start there as at a box's first row."""
+    return b.mul(group, i32(config.score_columns * SW))
 
 
 def dq_column_byte(b, config: HopperBackwardConfig, group, chunk: int) -> ir.Value:
@@ -905,7 +923,8 @@ class _HopperMain(_MainKernel):
         DESCRIPTOR_RUN k-steps: the first run's pairs, then per later run a callable that
         makes them where they are issued, from the base read back from shared memory
         (`_reloaded_ptr`). From one base ptxas makes all of a GEMM's descriptors before its
-        first wgmma: at head dim 256, 32 of them, which spills."""
+        first wgmma: at head dim 256, 32 of them, which spilled before the consumers split
+        S^T's query columns (`score_columns`)."""
         c = self.c
         kv_slices, q_slices = self._k_major(c.block_n), self._k_major(c.block_m)
 
@@ -980,10 +999,9 @@ class _HopperMain(_MainKernel):
         own = self._own_rows(b, group)
         q_off, do_off = self._stage_off(b, stage, "q"), self._stage_off(b, stage, "dout")
         s_q_off, s_do_off = q_off, do_off
-        if split:  # S^T's and dP^T's B operands: the warpgroup's rows of Q and dO (32 rows
-            # into each box: whole swizzle atoms)
-            s_q_off = b.add(q_off, b.mul(first, i32(SW)))
-            s_do_off = b.add(do_off, b.mul(first, i32(SW)))
+        if split:  # S^T's and dP^T's B operands: the warpgroup's rows of Q and dO
+            rows = score_row_byte(b, c, group)
+            s_q_off, s_do_off = b.add(q_off, rows), b.add(do_off, rows)
 
         s_operands = None if c.s_ahead else self._s_operands(b, own, s_q_off)
         # the step's -LSE: read before its GEMMs at 64 query rows, where behind their
