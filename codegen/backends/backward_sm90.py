@@ -314,7 +314,8 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     pending = bars + (1 + (1 + c.empty_barriers) * c.stages) * hopper.MBARRIER_BYTES
     end = pending + (8 if c.deterministic else 0)
     return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, ds_bytes=ds_bytes,
-                p=p, p_bytes=p_bytes, stats=stats, dq=dq, dq_bytes=dq_bytes, bars=bars, pending=pending, end=end)
+                p=p, p_bytes=p_bytes, stats=stats, dq=dq, dq_bytes=dq_bytes, bars=bars,
+                pending=pending, end=end)
 
 
 def shared_bytes(config: HopperBackwardConfig) -> int:
@@ -1439,8 +1440,8 @@ def adds_in_order(scheduler: tuple[str, tuple]) -> bool:
 def declared_tile(head_dim: int) -> dict[str, int]:
     """The tile and stages a declaration of this head dim builds: 128 query rows a step at
     head dim 64, 64 elsewhere; K/V tiles of `kv_tile_rows`; at head dim 256 one stage of Q
-    and dO, as K, V (32 KB each), dS^T and dQ's staging tile (64 KB) leave no room for a
-    second."""
+    and dO, as K, V (32 KB each), dS^T, P^T and dQ's staging tile (64 KB) leave no room for
+    a second."""
     return dict(block_m=2 * GROUP_ROWS if head_dim == 64 else GROUP_ROWS,
                 block_n=kv_tile_rows(head_dim), stages=1 if head_dim == WIDE_HEAD_DIM else 2)
 
