@@ -229,14 +229,17 @@ def test_every_head_dim_256_build_splits_s_without_spills(layout, score, monkeyp
                                                            tmp_path):
     """Deterministic, GQA and ragged builds at head dim 256, with and without a score rule
     (G = P^T dscore/ds beside P^T): the Hopper design's, each warpgroup's S^T and dP^T over
-    its 32 query columns, without spills or a stack frame."""
+    its 32 query columns, dV's and dK's A operands from shared memory, without spills or a
+    stack frame."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     source = ('import "std/schedulers.mha"\nattention t { dtype = fp16  head_dim = 256 '
               f'mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx {score} }}')
     build = mhadsl.compile(source)["t"].backward_build("sm_90a", **layout)
     assert build.backend == "backward_sm90" and build.config.score_columns == 32
     main = _entry(build.ptx, H.MAIN)
-    assert "m64n32k16" in main and "m64n64k16.f32.f16.f16 " in main
+    shapes = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.", main))
+    assert shapes == {"m64n32k16": 16 + 16, "m64n64k16": 2 * 4, "m64n128k16": 4 + 4}
+    assert _register_a_wgmmas(main) == 0
     for name, resources in build.assembled.kernels.items():
         assert resources.spills == 0 and resources.stack_bytes == 0, (name, resources)
 
