@@ -29,6 +29,7 @@ from test_hostile_tensors import D, SOURCE
 from test_launch_host_path import kernel, stand_in  # noqa: F401 (a fixture)
 
 needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="ptxas not found")
+_SOFTCAP = "score(s, b, h, q_idx, kv_idx) = 30.0 * tanh(s / 30.0)"
 CAUSAL = EXAMPLES[0].parent / "causal.mha"
 
 
@@ -84,6 +85,28 @@ def test_at_head_dim_256_the_warpgroups_share_64_kv_rows_and_split_their_columns
         assert not narrow.splits_kv_columns and narrow.dq_chunks == 1
         assert not narrow.frees_stage_in_parts and narrow.empty_barriers == 1
     assert H.HopperBackwardConfig(head_dim=96).problems()[0].settings == ("head_dim",)
+
+
+def test_at_head_dim_256_the_warpgroups_split_s_and_dps_query_columns():
+    """At head dim 256 warpgroup g computes S^T and dP^T for query columns 32 g.. of the
+    step's 64 (FlashAttention-3's split), and dV's GEMM reads P^T from a shared tile of its
+    own (64 K/V rows x 64 query columns, 16-bit, at a swizzle atom), which head dims 64 and
+    128 (P^T in registers) do not have: their layout is the same as without it. One tile,
+    which one stage makes race-free; the layout fits a CTA's shared memory."""
+    wide = _config(256)
+    assert wide.score_columns == 32
+    offsets = H._offsets(wide)
+    assert offsets["p_bytes"] == 64 * 64 * 2 and offsets["p"] % 1024 == 0
+    assert offsets["p"] >= offsets["ds"] + 2 * offsets["ds_bytes"]  # (past both dS^T tiles)
+    assert offsets["stats"] == offsets["p"] + offsets["p_bytes"]
+    assert H.shared_bytes(wide) == 222752 <= SHARED_MEMORY_LIMIT["sm_90a"]
+    assert replace(wide, stages=2).problems()[0].settings == ("stages",)
+    for d in (64, 128):
+        narrow = _config(d)
+        assert narrow.score_columns == narrow.block_m
+        offsets = H._offsets(narrow)
+        assert offsets["p_bytes"] == 0
+        assert offsets["stats"] == offsets["ds"] + 2 * offsets["ds_bytes"]
 
 
 def test_config_problems_and_shared_memory():
@@ -161,6 +184,12 @@ def _entry(ptx: str, name: str) -> str:
     return text[:text.index("\n}\n")]
 
 
+def _register_a_wgmmas(ptx: str) -> int:
+    """The wgmmas whose A operand is in registers ({4 registers}, not a descriptor)."""
+    return len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.\w+\.\w+\s+\{[^}]*\},"
+                          r"\s*\{", ptx))
+
+
 @needs_ptxas
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_head_dim_256_build_is_the_hopper_designs_without_spills(causal, monkeypatch,
@@ -168,16 +197,19 @@ def test_the_head_dim_256_build_is_the_hopper_designs_without_spills(causal, mon
     """Head dim 256 builds the Hopper design, not the sm80 fallback, without spills or a
     stack frame, ptxas neither ignoring setmaxnreg (C7508) nor serialising the wgmmas
     (C7512, C7519). Per step each consumer warpgroup issues S^T and dP^T over the head dim
-    (16 k-steps each, 64 x 64: both warpgroups the same) and dQ's part in two chunks of 64
-    columns (4 k-steps each: the tile's 64 K/V rows) as m64n64k16, dV and dK over its 128
-    columns (4 k-steps each: the step's 64 query rows) as m64n128k16; the writer adds each
-    warpgroup's 64 x 128 floats of dQ with one bulk reduce-add."""
+    for its half of the query columns (16 k-steps each, 64 K/V rows x 32 query columns) as
+    m64n32k16, dQ's part in two chunks of 64 columns (4 k-steps each: the tile's 64 K/V
+    rows) as m64n64k16, dV and dK over its 128 columns (4 k-steps each: the step's 64
+    query rows) as m64n128k16, with P^T and dS^T from shared memory (descriptors: no
+    register A operand); the writer adds each warpgroup's 64 x 128 floats of dQ with one
+    bulk reduce-add."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     build = mhadsl.compile(_source(256, causal))["t"].backward_build("sm_90a")
     assert build.backend == "backward_sm90" and build.config == _config(256)
     main = _entry(build.ptx, H.MAIN)
     shapes = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.", main))
-    assert shapes == {"m64n64k16": 16 + 16 + 2 * 4, "m64n128k16": 4 + 4}
+    assert shapes == {"m64n32k16": 16 + 16, "m64n64k16": 2 * 4, "m64n128k16": 4 + 4}
+    assert _register_a_wgmmas(main) == 0
     reduces = re.findall(r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32"
                          r"\s+\[%rd\d+\], \[%r\d+\], (\d+);", main)
     assert reduces == [str(4 * 64 * 128)] * 2
@@ -185,6 +217,31 @@ def test_the_head_dim_256_build_is_the_hopper_designs_without_spills(causal, mon
         assert resources.spills == 0 and resources.stack_bytes == 0, resources
     for warning in ("C7508", "C7512", "C7519"):
         assert warning not in build.assembled.log, warning
+
+
+@needs_ptxas
+@pytest.mark.parametrize("score", ["", _SOFTCAP], ids=["causal", "softcap"])
+@pytest.mark.parametrize("layout", [dict(deterministic=True), dict(gqa_group=4),
+                                    dict(ragged=True, deterministic=True),
+                                    dict(ragged=True, gqa_group=2)],
+                         ids=["deterministic", "gqa", "ragged-deterministic", "ragged-gqa"])
+def test_every_head_dim_256_build_splits_s_without_spills(layout, score, monkeypatch,
+                                                           tmp_path):
+    """Deterministic, GQA and ragged builds at head dim 256, with and without a score rule
+    (G = P^T dscore/ds beside P^T): the Hopper design's, each warpgroup's S^T and dP^T over
+    its 32 query columns, dV's and dK's A operands from shared memory, without spills or a
+    stack frame."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    source = ('import "std/schedulers.mha"\nattention t { dtype = fp16  head_dim = 256 '
+              f'mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx {score} }}')
+    build = mhadsl.compile(source)["t"].backward_build("sm_90a", **layout)
+    assert build.backend == "backward_sm90" and build.config.score_columns == 32
+    main = _entry(build.ptx, H.MAIN)
+    shapes = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.", main))
+    assert shapes == {"m64n32k16": 16 + 16, "m64n64k16": 2 * 4, "m64n128k16": 4 + 4}
+    assert _register_a_wgmmas(main) == 0
+    for name, resources in build.assembled.kernels.items():
+        assert resources.spills == 0 and resources.stack_bytes == 0, (name, resources)
 
 
 @needs_ptxas
@@ -447,6 +504,7 @@ def _host_column_bytes(config):
     module = ir.Module("columns")
     makers = {"own": lambda b, g: H.own_column(b, config, g),
               "own_byte": lambda b, g: H.own_column_byte(b, config, g, config.block_m),
+              "score_byte": lambda b, g: H.score_row_byte(b, config, g),
               **{f"dq_byte{h}": lambda b, g, h=h: H.dq_column_byte(b, config, g, h)
                  for h in range(config.dq_chunks)}}
     for name, make in makers.items():
@@ -487,6 +545,23 @@ def test_each_warpgroups_gemms_read_the_columns_it_owns(head_dim, block_m):
         assert owned == [set(range(128)), set(range(128, 256))]
     else:
         assert owned == [set(range(head_dim))] * 2
+
+
+def test_at_head_dim_256_each_warpgroups_s_reads_its_query_rows():
+    """The B operands of warpgroup g's S^T and dP^T at head dim 256, run on the host: Q's
+    and dO's rows 32 g.. (`score_row_byte`), that many 128-byte rows into each of their
+    boxes of 64 rows (every k-step's slice, `_k_major`, is the box's, offset by it), a
+    multiple of the 128-byte swizzle's 1024-byte atom, so that the swizzle reads as at a
+    box's first row; the warpgroups' rows are the tile's two halves."""
+    config = _config(256)
+    _jit, calls = _host_column_bytes(config)
+    rows = []
+    for g in range(2):
+        offset = calls["score_byte"](g)
+        assert offset % hopper.SWIZZLE_ATOM_BYTES == 0 and offset < config.block_m * H.SW
+        first = offset // H.SW
+        rows.append(set(range(first, first + config.score_columns)))
+    assert rows == [set(range(32)), set(range(32, 64))]
 
 
 @pytest.mark.parametrize("head_dim, block_m", [(64, 64), (128, 64), (64, 128), (256, 64)])
@@ -697,22 +772,19 @@ def test_the_backward_moves_whole_16_byte_vectors(monkeypatch, tmp_path, head_di
     assert stores == ["st.global.v4.b32"] * (2 * 2 * 128 // 8 // 4)
 
 
-_SOFTCAP = "score(s, b, h, q_idx, kv_idx) = 30.0 * tanh(s / 30.0)"
-
-
-@pytest.mark.parametrize("head_dim, score", [(128, ""), (64, ""), (128, _SOFTCAP)])
+@pytest.mark.parametrize("head_dim, score", [(128, ""), (64, ""), (256, ""), (128, _SOFTCAP)])
 def test_a_step_multiplies_ds_in_16_bit_pairs(monkeypatch, tmp_path, head_dim, score):
     """Without a score rule a consumer computes dS^T = P^T (dP^T - delta) two values at a
-    time in 16-bit pairs (`warp.mul2`: block_m / 4 of them per thread and step), from the P^T
-    pairs dV's GEMM took, not by unpacking them to f32; with one, G = P^T dscore/ds takes the
-    f32 path."""
+    time in 16-bit pairs (`warp.mul2`: score_columns / 4 of them per thread and step: at
+    head dim 256 its half of the query columns), from the P^T pairs dV's GEMM took, not by
+    unpacking them to f32; with one, G = P^T dscore/ds takes the f32 path."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
     build = mhadsl.compile(f"attention p {{ dtype = bf16  head_dim = {head_dim}  {score} }}",
                            name="x")["p"].backward_build("sm_90a")
     main = build.ptx[build.ptx.index(f".entry {H.MAIN}("):]
     main = main[:main.index("\n}\n")]
     pairs = len(re.findall(r"mul\.rn\.bf16x2", main))
-    assert pairs == (0 if score else build.config.block_m // 4)
+    assert pairs == (0 if score else build.config.score_columns // 4)
 
 
 def _main_events(head_dim):
@@ -781,6 +853,52 @@ def test_a_step_classifies_its_pair_of_tiles_before_its_gemms(monkeypatch, tmp_p
             before = events[:i]
             assert "classify" in before, events
             assert "wgmma" in before[len(before) - 1 - before[::-1].index("classify"):], events
+
+
+def _gemm_events(main: str) -> list[str]:
+    """The main kernel's PTX as runs of kinds (repeats merged): wgmmas by shape and A operand
+    ("m64n32k16" from shared memory, "m64n128k16.r" from registers), `wgmma.wait_group N`
+    (waitN), exp2s, the consumers' 4-byte shared stores (16-bit pairs of P^T or dS^T, at
+    32-bit addresses: `_st_shared_b32`), async-proxy fences and the consumers' named
+    barrier (`nvptx.DS_BARRIER`)."""
+    events = []
+    for line in main.splitlines():
+        gemm = re.search(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\S*\s+\{[^}]*\},\s*(\{)?",
+                         line)
+        wait = re.search(r"wgmma\.wait_group\.sync\.aligned\s+(\d)", line)
+        kind = (gemm.group(1) + (".r" if gemm.group(2) else "") if gemm
+                else f"wait{wait.group(1)}" if wait
+                else "ex2" if "ex2.approx" in line
+                else "st.b32" if re.search(r"st\.shared\.b32\s+\[%r\d+\]", line)
+                else "fence" if "fence.proxy.async" in line
+                else "ds_barrier" if re.search(rf"bar\.sync\s+{nvptx.DS_BARRIER},", line)
+                else None)
+        if kind and (not events or events[-1] != kind):
+            events.append(kind)
+    return events
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_at_head_dim_256_dv_and_dk_read_p_and_ds_from_shared_memory(monkeypatch, tmp_path,
+                                                                     head_dim):
+    """At head dim 256 a consumer stores its columns of P^T (16-bit pairs) under dP^T's GEMM,
+    once it has computed them (exp2), then its columns of dS^T; only after the async-proxy
+    fence and the consumers' named barrier (both warpgroups' columns of both are in) it
+    issues dV's GEMM, dQ's first chunk, then dK's, dV's and dK's A operands from shared
+    memory. At head dim 128 dV's GEMM takes P^T from registers before the barrier, and dK's
+    dS^T from registers after dQ's."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    build = mhadsl.compile(f"attention p {{ dtype = bf16  head_dim = {head_dim} }}",
+                           name="x")["p"].backward_build("sm_90a")
+    events = _gemm_events(_entry(build.ptx, H.MAIN))
+    stores_p = ["ex2", "st.b32", "wait0"]
+    after_barrier = (["st.b32", "fence", "ds_barrier", "m64n128k16", "m64n64k16", "m64n128k16",
+                      "wait1"] if head_dim == 256
+                     else ["wait0", "m64n128k16.r", "st.b32", "fence", "ds_barrier", "m64n64k16",
+                           "m64n128k16.r", "wait1"])
+    assert after_barrier in _runs(events, len(after_barrier)), events
+    assert (stores_p in _runs(events, 3)) == (head_dim == 256), events
+    assert ("m64n128k16.r" in events) == (head_dim != 256), events
 
 
 @pytest.mark.parametrize("head_dim, ahead", [(64, True), (128, False)])

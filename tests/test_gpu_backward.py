@@ -119,8 +119,9 @@ attention softcap_fp16_d256 { dtype = fp16  head_dim = 256
 def test_head_dim_256(name, deterministic, design):
     """The sm80-style design computes dK and dV in two column passes over the query tiles
     (each recomputing S^T and dP^T); the Hopper design's two consumer warpgroups share
-    K/V tiles of 64 rows, each owning half of dK's and dV's columns. GQA, dense and ragged
-    (lengths 0 and 1 among them)."""
+    K/V tiles of 64 rows, each owning half of dK's and dV's columns and computing S^T and
+    dP^T for half of each step's query rows (300 rows: a last tile whose second half is
+    partly past the sequence). GQA, dense and ragged (lengths 0 and 1 among them)."""
     from mhadsl.codegen.backends.backward_sm90 import HopperBackwardConfig
     if design == "backward_sm90" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper design runs on compute capability 9.0")
@@ -133,7 +134,8 @@ def test_head_dim_256(name, deterministic, design):
     if design == "backward":
         assert all(c.column_passes == 2 for c in configs)
     else:
-        assert all(isinstance(c, HopperBackwardConfig) and c.block_n == 64 for c in configs)
+        assert all(isinstance(c, HopperBackwardConfig) and c.block_n == 64
+                   and c.score_columns == 32 for c in configs)
 
 
 HOPPER_RAGGED = """import "std/schedulers.mha"

@@ -13,7 +13,9 @@ below), with a main kernel `mha_bwd` built for Hopper in FlashAttention-3's layo
   (`setmaxnreg.inc` to 240); consumer g owns K/V rows 64g..64g+63. At head dim 256
   (`splits_kv_columns`) the tile has 64 rows and both consumers work on all of them,
   consumer g owning head-dim columns 128g.. of their dK and dV: 64 + 64 f32 registers a
-  thread, where all 256 columns would take 256.
+  thread, where all 256 columns would take 256;
+  of a step's S^T and dP^T it computes query columns 32g.. only (`score_columns`,
+  FlashAttention-3's split), so that neither computes what the other does;
   Both roles run the scheduler's work loop, each in its own branch, and meet at each work
   tile's CTA barriers (which park its values in shared memory), never per query step;
 - the producer's first warp loads K and V by TMA once per work tile (128-byte swizzle, one
@@ -35,18 +37,26 @@ below), with a main kernel `mha_bwd` built for Hopper in FlashAttention-3's layo
   design's `_probabilities`), dS^T = P^T (dP^T - delta) (with the score's derivative),
   then dV += P^T dO with P^T as the register A operand and dO as an MN-major B operand
   (the forward's P V form). dS^T goes to shared memory (16-bit, swizzled, one tile per
-  step parity; at head dim 256, where both consumers hold all of it, each stores half of
-  its query columns) and, after a named barrier of the two consumers (dQ needs both halves
-  of dS^T), warpgroup g issues its part of dQ (`dq_tile`: head-dim columns g D/2.. of a
-  64-row tile, query rows 64 g.. of a 128-row tile) = dS K (dS^T a transposed,
-  M-major shared A operand, K an MN-major B operand; in chunks of 64 columns, `dq_chunk`),
-  then dK += dS^T Q (dS^T from registers). Under dK's GEMM it stores its dQ values (the
+  step parity) and, after a named barrier of the two consumers (dQ's GEMM reads both
+  warpgroups' parts of dS^T), warpgroup g issues its part of dQ (`dq_tile`:
+  head-dim columns g D/2.. of a 64-row tile, query rows 64 g.. of a 128-row tile) = dS K
+  (dS^T a transposed, M-major shared A operand, K an MN-major B operand; in chunks of 64
+  columns, `dq_chunk`), then dK += dS^T Q (dS^T from registers). At head dim 256 a
+  consumer's S^T and dP^T are m64n32 (B: Q's and dO's rows 32g.., whole swizzle atoms
+  into each box), and it stores its 32 columns of P^T, to a tile of its own laid out as
+  dS^T's, and of dS^T; after the barrier (every column of both is in) dV's and dK's GEMMs
+  take them from shared memory as K-major A operands over all 64 query rows (dV's issued
+  before dQ's, dK's after). One P^T tile suffices: a step writes it once its stage is
+  full, and the producer loads the stage's dO only once every consumer thread has freed
+  the step before's (`frees_stage_in_parts`), each after its warpgroup's dV GEMM, the
+  tile's only reader, is done. Under dK's GEMM it stores its dQ values (the
   first chunk's) to its staging tile in register order, once the writer has freed the
   tile, computes and stores any further chunk once dK is done, and arrives on the tile's
   full barrier; once dK is done every consumer thread arrives on the stage's empty
   mbarrier. With two dS^T tiles, a consumer writes the next step's while the other still
   reads this one's. A GEMM over the head dim (S^T, dP^T) makes its descriptors 8 k-steps
-  at a time (`_k_major_runs`): at head dim 256 all 32 at once spill;
+  at a time (`_k_major_runs`): at head dim 256 all 32 at once spilled before the consumers
+  split S^T's query columns;
 - the producer's second warp, the writer, walks the same steps: it frees each staging
   tile once its last bulk reduce-add has read it, then adds each tile, once written, into
   the fp32 accumulator with one bulk reduce-add (`dq_accum_position`: the accumulator
@@ -215,6 +225,15 @@ class HopperBackwardConfig(BackwardConfig):
         return self.block_n == GROUP_ROWS
 
     @property
+    def score_columns(self) -> int:
+        """Query columns of a step's S^T and dP^T (and so P^T, dS^T) that one consumer
+        warpgroup computes (their wgmmas' N): where the warpgroups share their K/V rows
+        (`splits_kv_columns`) warpgroup g computes columns g block_m / 2.. (FlashAttention-3's
+        head dim 256 split: neither computes what the other does), else all of them, for
+        its own K/V rows."""
+        return self.block_m // 2 if self.splits_kv_columns else self.block_m
+
+    @property
     def kv_columns(self) -> int:
         """Head-dim columns of dK and dV that one consumer warpgroup accumulates."""
         return self.head_dim // 2 if self.splits_kv_columns else self.head_dim
@@ -301,6 +320,9 @@ class HopperBackwardConfig(BackwardConfig):
             found.append(Problem(("split_group",), "the sm90 backward splits a GQA group's "
                                                    "query heads over CTAs only where there "
                                                    "are more than one per K/V head"))
+        if self.splits_kv_columns and self.stages != 1:
+            # its one P^T tile is race-free through the one stage's empty mbarrier (`_offsets`)
+            found.append(Problem(("stages",), "the sm90 backward has one stage at head dim 256"))
         if self.s_ahead and self.stages < 2:
             # a step issues the next one's S^T while it still holds its own stage
             found.append(Problem(("stages",), "the sm90 backward's ring has at least 2 stages "
@@ -326,7 +348,13 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     stage_bytes = 2 * c.q_bytes  # Q, dO
     ds = stage0 + c.stages * stage_bytes
     ds_bytes = c.block_n * c.block_m * 2
-    stats = ds + 2 * ds_bytes  # dS^T: a tile per step parity
+    p = ds + 2 * ds_bytes  # dS^T: a tile per step parity
+    # P^T's tile, where the warpgroups split the query columns (`score_columns`): one, as
+    # a step writes it only after its stage is full, which the producer loads only once
+    # both warpgroups' dV GEMMs of the step before, its only readers, are done and they
+    # freed dO (`frees_stage_in_parts`, one stage)
+    p_bytes = ds_bytes if c.splits_kv_columns else 0
+    stats = p + p_bytes
     dq = stats + c.stages * c.stats_bytes  # per stage: the tile's stats block
     dq_bytes = 4 * c.block_m * c.head_dim  # dQ's staging tile: a part per warpgroup
     bars = dq + dq_bytes
@@ -336,7 +364,8 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     pending = bars + (1 + (1 + c.empty_barriers) * c.stages) * hopper.MBARRIER_BYTES
     end = pending + (8 if c.deterministic else 0)
     return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, ds_bytes=ds_bytes,
-                stats=stats, dq=dq, dq_bytes=dq_bytes, bars=bars, pending=pending, end=end)
+                p=p, p_bytes=p_bytes, stats=stats, dq=dq, dq_bytes=dq_bytes, bars=bars,
+                pending=pending, end=end)
 
 
 def shared_bytes(config: HopperBackwardConfig) -> int:
@@ -373,9 +402,9 @@ def dq_chunk_vector(config: HopperBackwardConfig, chunk: int, k: int) -> int:
 
 
 def ds_slices(config: HopperBackwardConfig, group: int) -> range:
-    """The 16-column slices of the step's query columns of dS^T that warpgroup `group`
-    stores (for its K/V rows): all of them, or half where both warpgroups hold all of dS^T
-    (`splits_kv_columns`)."""
+    """The 16-column slices of the step's query columns of dS^T (and P^T) that warpgroup
+    `group` computes and stores (for its K/V rows): all of them, or where the warpgroups
+    share their K/V rows (`splits_kv_columns`) its half (`score_columns`)."""
     slices = config.block_m // 16
     if not config.splits_kv_columns:
         return range(slices)
@@ -396,6 +425,14 @@ def own_column_byte(b, config: HopperBackwardConfig, group, rows: int) -> ir.Val
     if not config.splits_kv_columns:
         return i32(0)
     return b.mul(group, i32(config.kv_columns // BOX_COLUMNS * rows * SW))
+
+
+def score_row_byte(b, config: HopperBackwardConfig, group) -> ir.Value:
+    """Byte offset in Q's and dO's tiles (TMA boxes of block_m rows) of warpgroup `group`'s
+    first query row of S^T and dP^T, where the warpgroups split them (`score_columns`): as
+    many 128-byte rows into each box, a whole number of the swizzle's 8-row atoms, so that
+    the K-major B operands of its GEMMs start there as at a box's first row."""
+    return b.mul(group, i32(config.score_columns * SW))
 
 
 def dq_column_byte(b, config: HopperBackwardConfig, group, chunk: int) -> ir.Value:
@@ -1114,17 +1151,22 @@ class _HopperMain(_MainKernel):
                 for j in range(len(flat) // 4):
                     _red_add_v2_f32(b, address, 32 * j, flat[4 * j + 2 * r: 4 * j + 2 * r + 2])
 
-    def _columns(self, b, stage, which: str, lanes) -> list[list[ir.Value]]:
-        """This thread's query columns' -LSE log2(e) or delta (`STATS`): [n-tile][e & 1]."""
+    def _columns(self, b, stage, which: str, lanes, first=None) -> list[list[ir.Value]]:
+        """This thread's query columns' -LSE log2(e) or delta (`STATS`): [n-tile][e & 1],
+        of its warpgroup's columns (`score_columns`) from column `first` (i32) on, or from
+        0."""
         start = b.add(self._addr(b, self._stage_off(b, stage, which)), b.shl(lanes.t, i32(3)))
+        if first is not None:
+            start = b.add(start, b.shl(first, i32(2)))
         return [_ld_shared_v2f32(b, b.add(start, i32(32 * j)))
-                for j in range(self.c.block_m // 8)]
+                for j in range(self.c.score_columns // 8)]
 
-    def _k_major(self, rows: int) -> list[int]:
-        """Byte offsets of the 16-column slices of a K-major tile of `rows` rows (in TMA
-        boxes of 64 columns)."""
+    def _k_major(self, rows: int, columns: int | None = None) -> list[int]:
+        """Byte offsets of the 16-column slices of a K-major tile of `rows` rows and
+        `columns` columns (the head dim by default), in TMA boxes of 64 columns."""
+        columns = self.c.head_dim if columns is None else columns
         return [box * rows * SW + off
-                for box, off in (divmod(32 * k, SW) for k in range(self.c.head_dim // 16))]
+                for box, off in (divmod(32 * k, SW) for k in range(columns // 16))]
 
     def _k_major_runs(self, b, kv_off, q_off) -> list:
         """The descriptors per k-step of a head-dim GEMM (S^T = K Q^T, dP^T = V dO^T) of the
@@ -1132,7 +1174,8 @@ class _HopperMain(_MainKernel):
         DESCRIPTOR_RUN k-steps: the first run's pairs, then per later run a callable that
         makes them where they are issued, from the base read back from shared memory
         (`_reloaded_ptr`). From one base ptxas makes all of a GEMM's descriptors before its
-        first wgmma: at head dim 256, 32 of them, which spills."""
+        first wgmma: at head dim 256, 32 of them, which spilled before the consumers split
+        S^T's query columns (`score_columns`)."""
         c = self.c
         kv_slices, q_slices = self._k_major(c.block_n), self._k_major(c.block_m)
 
@@ -1145,11 +1188,11 @@ class _HopperMain(_MainKernel):
                                                          DESCRIPTOR_RUN)]
 
     def _k_major_gemm(self, b, runs) -> list[ir.Value]:
-        """The wgmmas of a head-dim GEMM from `_k_major_runs` (m64n{block_m})."""
+        """The wgmmas of a head-dim GEMM from `_k_major_runs` (m64n{score_columns})."""
         acc = None
         for run in runs:
             for kv_desc, q_desc in (run() if callable(run) else run):
-                acc = hopper.wgmma(b, self.c.dtype, self.c.block_m, kv_desc, q_desc, acc)
+                acc = hopper.wgmma(b, self.c.dtype, self.c.score_columns, kv_desc, q_desc, acc)
         return acc
 
     def _s_operands(self, b, own, q_off) -> list:
@@ -1179,7 +1222,9 @@ class _HopperMain(_MainKernel):
         """One query tile of head h, its inputs in `stage` (full), dS^T in tile `ds_buffer`
         (the step's count, mod 2): dV, dK updated, dQ added into the accumulator; frees the
         stage. With `s_ahead`, the step's S^T is `s`, in flight, and `issue_next_s` issues
-        the next step's under dK's GEMM. Returns (dK, dV, the next S^T or nothing)."""
+        the next step's under dK's GEMM. Returns (dK, dV, the next S^T or nothing). Where
+        the warpgroups split the query columns (`score_columns`), P^T and dS^T go to shared
+        memory, and dV's and dK's GEMMs read them there once both warpgroups' are in."""
         c, dt = self.c, self.c.dtype
         BM, BN = c.block_m, c.block_n
         o = self.off
@@ -1187,9 +1232,13 @@ class _HopperMain(_MainKernel):
         group = b.lshr(tid, i32(7))
         lanes = self._lanes(b, tid)
         kv0 = self.kv0
+        split = c.splits_kv_columns
+        # the warpgroup's first query column of S^T (`score_columns`)
+        first = b.mul(group, i32(c.score_columns)) if split else None
+        q_first = b.add(q0, first) if split else q0
 
         def q_idx(i, j, e):
-            return b.add(q0, lanes.step_column(b, j, e))
+            return b.add(q_first, lanes.step_column(b, j, e))
 
         def kv_idx(i, j, e):
             return b.add(kv0, lanes.own_row(b, i, e >> 1))
@@ -1200,18 +1249,23 @@ class _HopperMain(_MainKernel):
         always = self._classify(b, h, q0, kv0)[1]
         own = self._own_rows(b, group)
         q_off, do_off = self._stage_off(b, stage, "q"), self._stage_off(b, stage, "dout")
+        s_q_off, s_do_off = q_off, do_off
+        if split:  # S^T's and dP^T's B operands: the warpgroup's rows of Q and dO
+            rows = score_row_byte(b, c, group)
+            s_q_off, s_do_off = b.add(q_off, rows), b.add(do_off, rows)
 
-        s_operands = None if c.s_ahead else self._s_operands(b, own, q_off)
+        s_operands = None if c.s_ahead else self._s_operands(b, own, s_q_off)
         # the step's -LSE: read before its GEMMs at 64 query rows, where behind their
         # shared-memory traffic the load stalled P's first FFMA (ncu's largest consumer stall);
         # at 128 rows its registers held across the GEMMs cost more
         lse_early = BM <= 64
-        neg_lse = self._columns(b, stage, "neg_lse", lanes) if lse_early else None
+        neg_lse = self._columns(b, stage, "neg_lse", lanes, first) if lse_early else None
         if not c.s_ahead:
             s = self._issue_s(b, s_operands)
 
         def issue_dp():
-            dp = self._k_major_gemm(b, self._k_major_runs(b, b.add(i32(o["v"]), own), do_off))
+            dp = self._k_major_gemm(b, self._k_major_runs(b, b.add(i32(o["v"]), own),
+                                                          s_do_off))
             hopper.wgmma_commit_group(b)
             return dp
 
@@ -1233,34 +1287,41 @@ class _HopperMain(_MainKernel):
 
         # P^T (and G with a score rule), under dP^T's GEMM
         if not lse_early:
-            neg_lse = self._columns(b, stage, "neg_lse", lanes)
-        S = [[s[4 * j: 4 * j + 4] for j in range(BM // 8)]]
+            neg_lse = self._columns(b, stage, "neg_lse", lanes, first)
+        n_tiles = c.score_columns // 8
+        S = [[s[4 * j: 4 * j + 4] for j in range(n_tiles)]]
         packed_p, G = self._probabilities(b, h, q0, kv0, S, q_idx, kv_idx,
                                           lambda i, j, e: neg_lse[j][e & 1], always)
+        if split:  # the warpgroup's columns of P^T to its tile (dV's A operand)
+            g8, row_byte = self._tile_row(b, tid)
+            self._store_own_slices(b, group, b.add(self._addr(b, o["p"]), row_byte), g8,
+                                   packed_p[0])
         if not c.overlap_dp:
             hopper.wgmma_fence(b)
             dp = issue_dp()
         hopper.wgmma_wait_group(b, 0)
         dp = hopper.fence_operands(b, dp)
 
-        # dV += P^T dO
-        frags = [x for slice_ in packed_p[0] for x in slice_]
-        flat = hopper.fence_operands(b, dv + frags)
-        dv, frags = flat[:len(dv)], flat[len(dv):]
         mn_slices = [16 * k * SW for k in range(BM // 16)]
-        own_boxes = own_column_byte(b, c, group, BM)  # (of dO and Q)
-        do_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(do_off, own_boxes)), mn_slices,
-                                        leading_bytes=BM * SW)
-        hopper.wgmma_fence(b)
-        for k, desc in enumerate(do_mn):
-            dv = hopper.wgmma(b, dt, c.kv_columns, frags[4 * k: 4 * k + 4], desc, dv,
-                              trans_b=True)
-        hopper.wgmma_commit_group(b)
+        own_boxes = None
+        if not split:
+            # dV += P^T dO: P^T the register A operand, dO an MN-major B operand
+            frags = [x for slice_ in packed_p[0] for x in slice_]
+            flat = hopper.fence_operands(b, dv + frags)
+            dv, frags = flat[:len(dv)], flat[len(dv):]
+            own_boxes = own_column_byte(b, c, group, BM)  # (of dO and Q)
+            do_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(do_off, own_boxes)),
+                                            mn_slices, leading_bytes=BM * SW)
+            hopper.wgmma_fence(b)
+            for k, desc in enumerate(do_mn):
+                dv = hopper.wgmma(b, dt, c.kv_columns, frags[4 * k: 4 * k + 4], desc, dv,
+                                  trans_b=True)
+            hopper.wgmma_commit_group(b)
 
         # dS^T = P^T (dP^T - delta)
-        delta = self._columns(b, stage, "delta", lanes)
+        delta = self._columns(b, stage, "delta", lanes, first)
         dP_delta = [[[b.fsub(dp[4 * j + e], delta[j][e & 1]) for e in range(4)]
-                     for j in range(BM // 8)]]
+                     for j in range(n_tiles)]]
         if G is None:
             # dS^T = P^T (dP^T - delta) in 16-bit pairs: P^T is in them already (dV's A
             # operand), so this packs dP^T - delta and multiplies two at a time, where
@@ -1270,49 +1331,43 @@ class _HopperMain(_MainKernel):
         else:
             ds_packed = self._pack(b, self._ds(b, packed_p, G, dP_delta))[0]
 
-        # dS^T (16-bit) to shared memory: row = the warpgroup's K/V row, in boxes of 64 query
-        # columns (128 bytes, swizzled: chunk n-tile xor row % 8; box b at b BN rows)
-        lane = b.and_(tid, i32(31))
-        g8 = b.lshr(lane, i32(2))
-        row_byte = b.add(b.mul(b.add(self._warp_row(b, tid), g8), i32(SW)),
-                         b.shl(b.and_(lane, i32(3)), i32(2)))
+        # dS^T (16-bit) to shared memory (`_store_slices`)
+        if not split:
+            g8, row_byte = self._tile_row(b, tid)
         ds_off = b.add(i32(o["ds"]), b.mul(ds_buffer, i32(o["ds_bytes"])))
         ds_base = b.add(self._addr(b, ds_off), row_byte)
-
-        def store_ds(slices):
-            for k in slices:
-                for x, (r, nt) in zip(ds_packed[k], ((0, 2 * k), (1, 2 * k), (0, 2 * k + 1),
-                                                     (1, 2 * k + 1))):
-                    box, nt = divmod(nt, BOX_COLUMNS // 8)
-                    chunk = b.shl(b.xor(g8, i32(nt)), i32(4))
-                    _st_shared_b32(b, b.add(b.add(ds_base, chunk),
-                                            i32((8 * r + box * BN) * SW)), x)
-        if c.splits_kv_columns:
-            with b.if_else(b.icmp_unsigned("==", group, i32(0))) as (first, second):
-                with first:
-                    store_ds(ds_slices(c, 0))
-                with second:
-                    store_ds(ds_slices(c, 1))
+        if split:
+            self._store_own_slices(b, group, ds_base, g8, ds_packed)
         else:
-            store_ds(ds_slices(c, 0))
+            self._store_slices(b, ds_base, g8, ds_packed, ds_slices(c, 0))
 
         # the warpgroup's part of dQ (`dq_tile`) = dS K: every warpgroup's dS^T rows are in
+        # (and where the warpgroups split the query columns, every column of P^T and dS^T)
         hopper.fence_proxy_async(b)
         nvptx.barrier_named(b, nvptx.DS_BARRIER, 2 * hopper.WARPGROUP_THREADS)
+        if split:  # dV += P^T dO, P^T from shared memory
+            own_boxes = own_column_byte(b, c, group, BM)  # (of dO and Q)
+            dv = self._shared_a_gemm(b, dv, i32(o["p"]), b.add(do_off, own_boxes))
         dq = self._issue_dq(b, group, ds_off, 0)
 
         # dK += dS^T Q, after dQ's GEMM: dQ is staged under it
-        frags = [x for slice_ in ds_packed for x in slice_]
-        flat = hopper.fence_operands(b, dk + frags)
-        dk, frags = flat[:len(dk)], flat[len(dk):]
-        q_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(q_off, own_boxes)), mn_slices,
-                                       leading_bytes=BM * SW)
-        hopper.wgmma_fence(b)
-        for k, desc in enumerate(q_mn):
-            dk = hopper.wgmma(b, dt, c.kv_columns, frags[4 * k: 4 * k + 4], desc, dk,
-                              trans_b=True)
-        hopper.wgmma_commit_group(b)
-        hopper.wgmma_wait_group(b, 1)  # dV's and dQ's (first chunk's) groups are done
+        if split:  # (dS^T from shared memory)
+            dk = self._shared_a_gemm(b, dk, ds_off, b.add(q_off, own_boxes))
+        else:
+            frags = [x for slice_ in ds_packed for x in slice_]
+            flat = hopper.fence_operands(b, dk + frags)
+            dk, frags = flat[:len(dk)], flat[len(dk):]
+            q_mn = hopper.smem_descriptors(b, self._ptr(b, b.add(q_off, own_boxes)), mn_slices,
+                                           leading_bytes=BM * SW)
+            hopper.wgmma_fence(b)
+            for k, desc in enumerate(q_mn):
+                dk = hopper.wgmma(b, dt, c.kv_columns, frags[4 * k: 4 * k + 4], desc, dk,
+                                  trans_b=True)
+            hopper.wgmma_commit_group(b)
+        # dV's and dQ's (first chunk's) groups are done: with one stage, the step's last
+        # reads of dO and the stats and (where the warpgroups split the query columns) of
+        # P^T's tile, which the next step writes only once its stage is full
+        hopper.wgmma_wait_group(b, 1)
         if c.frees_stage_in_parts:  # dO and the stats are read
             hopper.mbarrier_arrive(b, self._dout_empty(b, stage))
         self._stage_dq(b, group, hopper.fence_operands(b, dq), 0)
@@ -1336,6 +1391,56 @@ class _HopperMain(_MainKernel):
         if not q_freed:  # Q (and dO and the stats) are read: the producer's again
             hopper.mbarrier_arrive(b, self._empty(b, stage))
         return dk, dv, s_next
+
+    def _tile_row(self, b, tid) -> tuple[ir.Value, ir.Value]:
+        """(g8, the byte offset of its first value) of consumer thread `tid` in a 16-bit
+        tile of K/V rows x query columns (dS^T's, P^T's: `_store_slices`)."""
+        lane = b.and_(tid, i32(31))
+        g8 = b.lshr(lane, i32(2))
+        row_byte = b.add(b.mul(b.add(self._warp_row(b, tid), g8), i32(SW)),
+                         b.shl(b.and_(lane, i32(3)), i32(2)))
+        return g8, row_byte
+
+    def _store_slices(self, b, base, g8, packed, slices: range) -> None:
+        """The 16-column slices `slices` of the step's query columns of a 16-bit tile (A
+        operands, [slice - slices.start][4]: `_pack`) to shared memory at `base` + the
+        thread's `_tile_row`: row = the warpgroup's K/V row, in boxes of 64 query columns
+        (128 bytes, swizzled: chunk n-tile xor row % 8; box b at b block_n rows)."""
+        for k in slices:
+            for x, (r, nt) in zip(packed[k - slices.start], ((0, 2 * k), (1, 2 * k),
+                                                             (0, 2 * k + 1), (1, 2 * k + 1))):
+                box, nt = divmod(nt, BOX_COLUMNS // 8)
+                chunk = b.shl(b.xor(g8, i32(nt)), i32(4))
+                _st_shared_b32(b, b.add(b.add(base, chunk),
+                                        i32((8 * r + box * self.c.block_n) * SW)), x)
+
+    def _store_own_slices(self, b, group, base, g8, packed) -> None:
+        """`_store_slices` of warpgroup `group`'s slices (`ds_slices`), where the
+        warpgroups share their K/V rows: its query columns (`score_columns`) or its half of
+        dS^T's."""
+        with b.if_else(b.icmp_unsigned("==", group, i32(0))) as (first, second):
+            with first:
+                self._store_slices(b, base, g8, packed, ds_slices(self.c, 0))
+            with second:
+                self._store_slices(b, base, g8, packed, ds_slices(self.c, 1))
+
+    def _shared_a_gemm(self, b, acc, tile_off, b_off) -> list[ir.Value]:
+        """acc += T B over the step's query rows as a wgmma group of its own (m64n{kv_columns},
+        block_m / 16 k-steps), where the warpgroups split the query columns: T the P^T or
+        dS^T tile at `tile_off` (`_store_slices`, a K-major A operand), B the warpgroup's
+        columns of dO or Q at `b_off` (MN-major)."""
+        c = self.c
+        acc = hopper.fence_operands(b, acc)
+        t_descs = hopper.smem_descriptors(b, self._ptr(b, tile_off),
+                                          self._k_major(c.block_n, c.block_m))
+        b_descs = hopper.smem_descriptors(b, self._ptr(b, b_off),
+                                          [16 * k * SW for k in range(c.block_m // 16)],
+                                          leading_bytes=c.block_m * SW)
+        hopper.wgmma_fence(b)
+        for t_desc, b_desc in zip(t_descs, b_descs):
+            acc = hopper.wgmma(b, c.dtype, c.kv_columns, t_desc, b_desc, acc, trans_b=True)
+        hopper.wgmma_commit_group(b)
+        return acc
 
     def _issue_dq(self, b, group, ds_off, chunk: int) -> list[ir.Value]:
         """Columns chunk dq_chunk.. of the warpgroup's part of dQ (`dq_tile`, `dq_origin`) =
@@ -1634,8 +1739,8 @@ def adds_in_order(scheduler: tuple[str, tuple]) -> bool:
 def declared_tile(head_dim: int) -> dict[str, int]:
     """The tile and stages a declaration of this head dim builds: 128 query rows a step at
     head dim 64, 64 elsewhere; K/V tiles of `kv_tile_rows`; at head dim 256 one stage of Q
-    and dO, as K, V (32 KB each), dS^T and dQ's staging tile (64 KB) leave no room for a
-    second."""
+    and dO, as K, V (32 KB each), dS^T, P^T and dQ's staging tile (64 KB) leave no room for
+    a second."""
     return dict(block_m=2 * GROUP_ROWS if head_dim == 64 else GROUP_ROWS,
                 block_n=kv_tile_rows(head_dim), stages=1 if head_dim == WIDE_HEAD_DIM else 2)
 
