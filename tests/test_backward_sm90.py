@@ -1039,10 +1039,10 @@ def test_an_order_wait_that_gives_up_is_a_scheduler_error_that_says_why():
 def test_calls_split_groups_of_six_query_heads_or_more_four_when_deterministic(monkeypatch):
     """`declared_config`'s rule: an atomic call with SPLIT_GROUP_MIN (6) or more query heads
     per K/V head splits its group over CTAs, a deterministic one from
-    DETERMINISTIC_SPLIT_GROUP_MIN (4); fewer do not; the thresholds are the module's
-    constants (a benchmark sets them to measure both). A split layout tries its split
-    configs first, then the same without the split; a split config is a problem without
-    GQA."""
+    DETERMINISTIC_SPLIT_GROUP_MIN (4); fewer do not, nor does head dim 256; the thresholds
+    are the module's constants (a benchmark sets them to measure both). A split layout
+    tries its split configs first, then the same without the split; a split config is a
+    problem without GQA."""
     options = _options("attention t { dtype = bf16  head_dim = 128 }")
 
     def splits(group, deterministic=False):
@@ -1054,6 +1054,10 @@ def test_calls_split_groups_of_six_query_heads_or_more_four_when_deterministic(m
     assert H.DETERMINISTIC_SPLIT_GROUP_MIN == 4
     assert [splits(g, deterministic=True) for g in (1, 2, 3, 4, 6, 16)] == \
         [False] * 3 + [True] * 3
+    wide = _options("attention t { dtype = bf16  head_dim = 256 }")
+    for deterministic in (False, True):  # (no split at head dim 256)
+        layout = Layout(gqa_group=8, backward=True, deterministic=deterministic)
+        assert not H.declared_config(wide, layout).split_group
     monkeypatch.setattr(H, "SPLIT_GROUP_MIN", 2)
     assert [splits(g) for g in (1, 2, 4)] == [False, True, True]
     monkeypatch.setattr(H, "SPLIT_GROUP_MIN", 1)
@@ -1229,7 +1233,7 @@ def test_a_split_build_adds_dk_and_dv_into_accumulators_without_spills(head_dim,
 
 @needs_ptxas
 @pytest.mark.parametrize("ragged", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128])
 def test_a_deterministic_split_build_adds_dk_and_dv_in_the_groups_order(head_dim, ragged,
                                                                        monkeypatch, tmp_path):
     """A deterministic causal build at 4 query heads per K/V head splits its group too,
