@@ -83,9 +83,9 @@ so nothing is staged, and it takes no more registers than the store); the prepro
 the accumulators (a group's query heads' CTAs share their K/V head's rows) and a fourth
 kernel, `mha_bwd_kv_postprocess` (`KV_POSTPROCESS`), turns them into dK (times the softmax
 scale) and dV, one CTA per tile of ROW_TILE K/V rows, K/V head and sequence, never past a
-sequence's rows. The rule (`declared_config`, `splits_group`): atomic
-calls at head dims 64 and 128 split from SPLIT_GROUP_MIN = 6 query heads per K/V head. A work tile that walks every
-query head of its group is gqa_group times one head's: at 48:8 (group 6) the longest causal
+sequence's rows. The rule (`declared_config`, `splits_group`): atomic calls at head dims
+64 and 128 split from SPLIT_GROUP_MIN = 6 query heads per K/V head. A work tile that walks
+every query head of its group is gqa_group times one head's: at 48:8 (group 6) the longest causal
 one is half an SM's average load, the schedule cannot balance, and this kernel took 2.11 ms
 where FlashAttention-4's split one took 1.67 ms (B2 H48:8 S4096 D128 causal, H100), while at
 32:8 (group 4) the two were level. A split costs gqa_group times the work tiles (each
@@ -1124,12 +1124,7 @@ class _HopperMain(_MainKernel):
         count = _gep(b, self.a.kv_count, kv_row_index(b, c, self.a, self.bidx, kv_row,
                                                       self.hk), i32)
         with b.if_then(b.icmp_unsigned("==", self._tid(b), i32(0))):
-            record = faults.word(b, self.a.queue, abi.RECORD_WORD)
-            late = hopper.wait_for_count(b, count, b.urem(self.hq, i32(c.gqa_group)),
-                                         abi.DQ_ORDER_WAIT_NS, record)
-            with b.if_then(late, likely=False):
-                faults.record_fault(b, self.a.queue, i32(abi.fault_code(
-                    abi.DQ_ORDER_WAIT, "advance")), abi.scheduler_id(self.scheduler))
+            self._wait_for_turn(b, count, b.urem(self.hq, i32(c.gqa_group)))
         nvptx.barrier_named(b, nvptx.DS_BARRIER, 2 * hopper.WARPGROUP_THREADS, aligned=False)
         return count
 
@@ -1521,12 +1516,9 @@ class _HopperMain(_MainKernel):
                                                         q0, h), i32)
             place = self._dq_place(b, h, q0)
             with b.if_then(lane0):
-                record = faults.word(b, self.a.queue, abi.RECORD_WORD)
-                late = hopper.wait_for_count(b, count, place, abi.DQ_ORDER_WAIT_NS, record)
-                hopper.fence_proxy_async_global(b)  # (the adds seen before this one's)
-                with b.if_then(late, likely=False):
-                    faults.record_fault(b, self.a.queue, i32(abi.fault_code(
-                        abi.DQ_ORDER_WAIT, "advance")), abi.scheduler_id(self.scheduler))
+                # (the adds seen before this one's bulk adds)
+                self._wait_for_turn(b, count, place,
+                                    then=lambda: hopper.fence_proxy_async_global(b))
         for g in range(2):
             nvptx.barrier_named(b, i32(nvptx.DQ_FULL_BARRIER + g), DQ_PARTIES, aligned=False)
             with b.if_then(lane0):
@@ -1540,6 +1532,17 @@ class _HopperMain(_MainKernel):
         if c.deterministic:
             with b.if_then(lane0):
                 b.store(b.ptrtoint(count, i64), self._pending_count(b))
+
+    def _wait_for_turn(self, b, count, place, then=lambda: None) -> None:
+        """Deterministic mode's wait (this thread) until global u32 `count` equals `place`
+        (`hopper.wait_for_count`), then `then()`; a wait that gives up after
+        abi.DQ_ORDER_WAIT_NS records a DQ_ORDER_WAIT fault naming the scheduler."""
+        record = faults.word(b, self.a.queue, abi.RECORD_WORD)
+        late = hopper.wait_for_count(b, count, place, abi.DQ_ORDER_WAIT_NS, record)
+        then()
+        with b.if_then(late, likely=False):
+            faults.record_fault(b, self.a.queue, i32(abi.fault_code(
+                abi.DQ_ORDER_WAIT, "advance")), abi.scheduler_id(self.scheduler))
 
     def _pending_count(self, b) -> ir.Value:
         """The shared word holding the address of the count the last step's adds release
@@ -1748,7 +1751,8 @@ def declared_tile(head_dim: int) -> dict[str, int]:
 def declared_config(options, layout: Layout) -> HopperBackwardConfig:
     return HopperBackwardConfig(options.dtype, options.head_dim, gqa_group=layout.gqa_group,
                                 ragged=layout.ragged, deterministic=layout.deterministic,
-                                sink=options.sink is not None, split_group=splits_group(layout, options.head_dim),
+                                sink=options.sink is not None,
+                                split_group=splits_group(layout, options.head_dim),
                                 **declared_tile(options.head_dim))
 
 
