@@ -534,12 +534,17 @@ class FunctionLowering:
                             B.trunc(head, i1))
             q_tile = B.select(rotate, B.sub(B.sub(tiles, one), q_tile), q_tile)
             # LONGEST_FIRST: the query tile slowest, from the last; then batch, head fastest.
+            # INTERLEAVED: the same from the first query tile.
             longest = B.icmp_unsigned("==", schedule, i32(SCHEDULES.index("LONGEST_FIRST")))
+            interleaved = B.icmp_unsigned("==", schedule,
+                                          i32(SCHEDULES.index("INTERLEAVED")))
+            by_level = B.or_(longest, interleaved)
             per_level = self.umax(B.mul(heads, batch), one)
             level, rest = B.udiv(idx, per_level), B.urem(idx, per_level)
-            q_tile = B.select(longest, B.sub(B.sub(tiles, one), level), q_tile)
-            head = B.select(longest, B.urem(rest, heads_nz), head)
-            seq = B.select(longest, B.udiv(rest, heads_nz), seq)
+            q_tile = B.select(longest, B.sub(B.sub(tiles, one), level),
+                              B.select(interleaved, level, q_tile))
+            head = B.select(by_level, B.urem(rest, heads_nz), head)
+            seq = B.select(by_level, B.udiv(rest, heads_nz), seq)
             valid = B.icmp_unsigned("<", idx, B.mul(B.mul(tiles, heads), batch))
             return {"prompt_offset": B.mul(q_tile, i32(self.tile_m)), "head_idx": head,
                     "prompt_idx": seq, "is_valid": valid}
@@ -609,10 +614,12 @@ class FunctionLowering:
                 width = self.umax(self.umin(section, B.sub(heads, first_head)), one)
                 longest = B.icmp_unsigned("==", schedule,
                                           i32(SCHEDULES.index("LONGEST_FIRST")))
-                with B.if_else(longest) as (by_level, by_sequence):
+                interleaved = B.icmp_unsigned("==", schedule,
+                                              i32(SCHEDULES.index("INTERLEAVED")))
+                with B.if_else(B.or_(longest, interleaved)) as (by_level, by_sequence):
                     with by_level:
-                        found.append((self.longest_first(index, local, first_head, width),
-                                      B.block))
+                        found.append((self.by_level(index, local, first_head, width,
+                                                    interleaved), B.block))
                     with by_sequence:
                         found.append((self.sequence_order(index, local, first_head, width,
                                                           schedule), B.block))
@@ -641,17 +648,23 @@ class FunctionLowering:
         q_tile = B.select(rotate, B.sub(B.sub(count, i32(1)), q_tile), q_tile)
         return q_tile, head, seq
 
-    def longest_first(self, index: _TileIndex, local: ir.Value, first_head: ir.Value,
-                      width: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
-        """LONGEST_FIRST within the section of `width` heads from `first_head`:
-        (q tile, head, b)."""
+    def by_level(self, index: _TileIndex, local: ir.Value, first_head: ir.Value,
+                 width: ir.Value, from_first: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
+        """LONGEST_FIRST, or where `from_first` (i1) INTERLEAVED, within the section of
+        `width` heads from `first_head`: (q tile, head, b). INTERLEAVED is LONGEST_FIRST's
+        order of (level, rank) positions run backwards, each level's ranks in turn
+        reversed, the head fastest in both."""
         B = self.b
         position, head = B.udiv(local, width), B.add(first_head, B.urem(local, width))
+        position = B.select(from_first, B.sub(B.sub(index.total(), i32(1)), position),
+                            position)
         rank = index.find_block(position)  # levels that exactly ranks 0..rank reach
         reach = B.add(rank, i32(1))
         offset = B.sub(position, index.level(rank))
         q_tile = B.sub(B.sub(index.count(index.ranked(rank)), i32(1)), B.udiv(offset, reach))
-        return q_tile, head, index.ranked(B.urem(offset, reach))
+        within = B.urem(offset, reach)
+        within = B.select(from_first, B.sub(rank, within), within)
+        return q_tile, head, index.ranked(within)
 
     def seq_extent(self, ts: ir.Value, batch_idx: ir.Value) -> tuple[ir.Value, ir.Value]:
         """(seq_len, start) of sequence `batch_idx`; (0, 0) when it is out of range.

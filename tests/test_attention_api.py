@@ -68,6 +68,11 @@ def test_default_scale_scheduler_and_options():
     assert masked.options.scheduler == "Adaptive"
     assert masked.options.scheduler_for("backward") == ("LPT", (("heads_per_section", 1),))
     assert plain.options.scheduler_for("backward") == ("Queued", ())
+    # deterministic: Queued, whose orders hand out each head's K/V tiles in order; without a
+    # mask interleaved, a head a section
+    assert masked.options.scheduler_for("backward", deterministic=True) == ("Queued", ())
+    assert plain.options.scheduler_for("backward", deterministic=True) == (
+        "Queued", (("order", "INTERLEAVED"), ("heads_per_section", 1)))
     assert plain.options.softmax_scale() == pytest.approx(128 ** -0.5)
     assert fp16.options.softmax_scale() == 0.125 and fp16.options.return_lse
     assert fp16.options.scheduler == "Persistent"

@@ -994,14 +994,20 @@ def test_a_deterministic_backward_whose_scheduler_hands_out_tiles_out_of_order_i
     assert build.backend == "backward" and "mha_bwd_dq" in build.ptx
 
 
-@pytest.mark.parametrize("name", H.ORDERED_SCHEDULERS + ("LPT",))
-def test_the_ordered_schedulers_hand_out_each_heads_kv_tiles_in_order(name):
+@pytest.mark.parametrize("name,args", [
+    (name, args) for name in H.ORDERED_SCHEDULERS
+    for args in ((), (("order", "INTERLEAVED"),),
+                 (("order", "INTERLEAVED"), ("heads_per_section", 1)),
+                 (("order", "PROMPT_ROTATE"),), (("order", "LONGEST_FIRST"),))]
+    + [("LPT", ())])
+def test_the_ordered_schedulers_hand_out_each_heads_kv_tiles_in_order(name, args):
     """What deterministic mode on Hopper relies on, simulated: in the order the tiles are
     handed out (a queue's, or the CTAs' indices and strides) each (sequence, K/V head)'s
     prompt tiles come first to last (the last K/V tile first), and each sequence's K/V tile
     of one offset comes head by head in order (a split group's dK and dV order: the heads
-    are then query heads, `_kv_turn`), over random ragged key lengths; LPT (longest first)
-    does not, which `adds_in_order` says."""
+    are then query heads, `_kv_turn`), over random ragged key lengths, in the DEFAULT and
+    INTERLEAVED orders; PROMPT_ROTATE, LONGEST_FIRST and LPT (longest first) do not, which
+    `adds_in_order` says."""
     from mhadsl.analysis.simulate import simulate
     from mhadsl.codegen.scheduler import SchedulerSpec
     from mhadsl.host.backward import backward_work
@@ -1011,8 +1017,8 @@ def test_the_ordered_schedulers_hand_out_each_heads_kv_tiles_in_order(name):
     for _ in range(6):
         lengths = [int(n) for n in rng.choice([0, 1, 64, 65, 300, 1000, 2100], 5)]
         heads = int(rng.integers(1, 4))
-        result = simulate(std, SchedulerSpec(name, (), 64, 1), backward_work(lengths, heads),
-                          ctas=1)
+        result = simulate(std, SchedulerSpec(name, args, 64, 1),
+                          backward_work(lengths, heads), ctas=1)
         assert result.covered_exactly_once
         handed = [tile for cta in sorted(result.visits) for tile in result.visits[cta]]
         for pair in {(h, b) for _, h, b in handed}:
@@ -1021,7 +1027,7 @@ def test_the_ordered_schedulers_hand_out_each_heads_kv_tiles_in_order(name):
         for tile in {(o, b) for o, _, b in handed}:
             heads_in_turn = [h for o, h, b in handed if (o, b) == tile]
             in_order &= heads_in_turn == sorted(heads_in_turn)
-    assert in_order == H.adds_in_order((name, ()))
+    assert in_order == H.adds_in_order((name, args))
 
 
 def test_an_order_wait_that_gives_up_is_a_scheduler_error_that_says_why():

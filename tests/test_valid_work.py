@@ -18,7 +18,7 @@ from mhadsl.analysis.simulate import (
     Batch, HostScheduler, _Env, _SeqInfo, _State, _TileSummary, simulate,
 )
 
-ORDERS = ("DEFAULT", "PROMPT_ROTATE", "LONGEST_FIRST")
+ORDERS = ("DEFAULT", "PROMPT_ROTATE", "LONGEST_FIRST", "INTERLEAVED")
 MUST_SHOW = [0, 1, 127, 128, 129, 3000, 8192]
 SKEWED = [8192, 4096, 2048, 1024, 512, 256, 128, 64] * 2  # the benchmarks' skewed ragged batch
 
@@ -41,6 +41,11 @@ def test_the_definition_by_hand():
         (1, 0, 0), (1, 1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 2), (0, 1, 2)]
     assert valid_work_order([2, 0, 1], 2, "LONGEST_FIRST", heads_per_section=1) == [
         (1, 0, 0), (0, 0, 0), (0, 0, 2), (1, 1, 0), (0, 1, 0), (0, 1, 2)]
+    assert valid_work_order([2, 0, 3], 2, "INTERLEAVED") == [
+        (0, 0, 2), (0, 1, 2), (0, 0, 0), (0, 1, 0), (1, 0, 2), (1, 1, 2), (1, 0, 0),
+        (1, 1, 0), (2, 0, 2), (2, 1, 2)]
+    assert valid_work_order([2, 0, 1], 2, "INTERLEAVED", heads_per_section=1) == [
+        (0, 0, 0), (0, 0, 2), (1, 0, 0), (0, 1, 0), (0, 1, 2), (1, 1, 0)]
 
 
 def stride_order(program, batch: Batch, order: str, section: int) -> list:
@@ -99,7 +104,8 @@ def test_an_advance_that_returns_none_leaves_a_zeroed_seq_info():
 @pytest.mark.parametrize("order", ORDERS)
 def test_dense_valid_orders_are_the_work_info_orders(order):
     """On a dense batch the valid space is the whole space, in `ts.work_info`'s order
-    (LONGEST_FIRST: the query tile slowest from the last, then batch, head fastest)."""
+    (LONGEST_FIRST: the query tile slowest from the last, then batch, head fastest;
+    INTERLEAVED: from the first)."""
     program = checked(DENSE_MAP)
     batch = Batch([300] * 3, heads=4, tile=128, ragged=False)
     dense = simulate(program, SchedulerSpec("DenseMap", (("order", order),), 128), batch, ctas=1)
@@ -107,6 +113,8 @@ def test_dense_valid_orders_are_the_work_info_orders(order):
     if order == "LONGEST_FIRST":
         assert dense.visits[0][:5] == [(256, 0, 0), (256, 1, 0), (256, 2, 0), (256, 3, 0),
                                        (256, 0, 1)]
+    if order == "INTERLEAVED":
+        assert dense.visits[0][:5] == [(0, 0, 0), (0, 1, 0), (0, 2, 0), (0, 3, 0), (0, 0, 1)]
 
 
 def queue_steps(name: str, batch: Batch, args=()) -> tuple[list[bool], int]:

@@ -112,8 +112,10 @@ count once its adds are complete: at its next step, after it has freed the stagi
 so the consumers stage the next dQ meanwhile. Last K/V tile first: under a causal mask
 those reach their first query tile first. A CTA only waits for tiles handed
 out before its own where the scheduler hands out each head's K/V tiles in order
-(`ORDERED_SCHEDULERS`, `adds_in_order`); under any other, deterministic calls run the
-sm80-style design. A wait past `abi.DQ_ORDER_WAIT_NS` records a fault and stops waiting.
+(`ORDERED_SCHEDULERS` in `ORDERED_SCHEDULES`, `adds_in_order`); under any other,
+deterministic calls run the sm80-style design. Without a mask every K/V tile adds into
+every query tile: a head's K/V tiles handed out together wait for one another at each one,
+which the INTERLEAVED order (the unmasked default) spaces apart. A wait past `abi.DQ_ORDER_WAIT_NS` records a fault and stops waiting.
 
 It runs dense and ragged layouts at head dims 64, 128 and 256. Ragged tensors are mapped as the
 forward's (`codegen.backends.sm90`): (1, total rows, H, D), a sequence's rows `start + row`
@@ -1727,16 +1729,18 @@ class BackwardSM90(sm80.BackwardDesign):
 
 
 # The standard schedulers that hand out each (sequence, K/V head)'s prompt tiles in order
-# in their DEFAULT order (a queue's index, or a persistent CTA's index and its strides), which
-# deterministic mode's dQ order follows (`_HopperMain._dq_place`).
+# in their DEFAULT and INTERLEAVED orders (a queue's index, or a persistent CTA's index and its
+# strides), which deterministic mode's dQ order follows (`_HopperMain._dq_place`).
 ORDERED_SCHEDULERS = ("Queued", "Persistent")
+ORDERED_SCHEDULES = ("DEFAULT", "INTERLEAVED")
 
 
 def adds_in_order(scheduler: tuple[str, tuple]) -> bool:
     """Whether deterministic mode can add dQ in the order `scheduler` ((name, arguments))
     hands out K/V tiles; else the sm80-style design runs it (`mha_bwd_dq`)."""
     name, args = scheduler
-    return name in ORDERED_SCHEDULERS and dict(args).get("order", "DEFAULT") == "DEFAULT"
+    return name in ORDERED_SCHEDULERS \
+        and dict(args).get("order", "DEFAULT") in ORDERED_SCHEDULES
 
 
 def declared_tile(head_dim: int) -> dict[str, int]:

@@ -14,12 +14,13 @@ the valid (query tile, head, sequence) work items, so a scheduler never spends a
   last; LONGEST_FIRST: query-tile levels from the highest down (the last tiles of the
   longest sequences first: under a causal mask, the costliest work first), at each level
   the sequences that reach it by tile count, most tiles first (ties by batch index), then
-  heads fastest.
+  heads fastest; INTERLEAVED: as LONGEST_FIRST from the lowest level up, so each (sequence,
+  head) pair's tiles come in order, a level's worth of other pairs' tiles apart.
 
 On a dense launch every sequence has max_num_prompt_tiles tiles, so with one section
 DEFAULT and PROMPT_ROTATE are `ts.work_info`'s orders and LONGEST_FIRST is
 `ts.work_info(idx, LONGEST_FIRST)`: query tile slowest from the last, then batch, head
-fastest. A ragged launch reads the tile index: TILE_INDEX_WORDS(B) u32 words that a small
+fastest (INTERLEAVED: from the first). A ragged launch reads the tile index: TILE_INDEX_WORDS(B) u32 words that a small
 kernel builds on the device from cu_seqlens before each launch (`tile_index`; its size:
 `mhadsl.abi.tile_index_words`).
 """
@@ -64,8 +65,9 @@ def valid_work_order(counts, heads: int, order: str, heads_per_section: int = 0
     out = []
     for first in range(0, heads, max(section, 1)):
         section_heads = range(first, min(first + section, heads))
-        if order == "LONGEST_FIRST":
-            for level in reversed(range(max(counts, default=0))):
+        if order in ("LONGEST_FIRST", "INTERLEAVED"):
+            levels = range(max(counts, default=0))
+            for level in reversed(levels) if order == "LONGEST_FIRST" else levels:
                 out += [(level, h, b) for b in ranked if counts[b] > level
                         for h in section_heads]
             continue

@@ -71,7 +71,7 @@ TILE_SUMMARY_METHODS: dict[str, tuple[tuple[Ty, ...], Ty]] = {
     "valid_work_info": ((U32, SCHEDULE, U32), WORK_INFO),
 }
 
-SCHEDULES = ("DEFAULT", "PROMPT_ROTATE", "LONGEST_FIRST")
+SCHEDULES = ("DEFAULT", "PROMPT_ROTATE", "LONGEST_FIRST", "INTERLEAVED")
 SYNCS = ("NONE", "PRODUCER", "ALL")
 
 TYPE_NAMES = {"u32": U32, "i32": I32, "bool": BOOL, "f32": F32, "Schedule": SCHEDULE,
