@@ -182,11 +182,12 @@ def fence_proxy_async_global(builder: ir.IRBuilder) -> None:
     _asm(builder, void, "fence.proxy.async.global;", "~{memory}", [])
 
 
-def bulk_writes_released(builder: ir.IRBuilder, counter: ir.Value) -> None:
-    """Once this thread's bulk groups are complete, their global writes made visible
-    before global u32 `counter` goes up by one (release at GPU scope): a thread that reads
-    the new count with acquire (`wait_for_count`) sees those writes."""
-    bulk_wait_group(builder, 0)
+def bulk_writes_released(builder: ir.IRBuilder, counter: ir.Value, newer: int = 0) -> None:
+    """Once this thread's bulk groups but the `newer` last committed are complete, their
+    global writes made visible before global u32 `counter` goes up by one (release at GPU
+    scope): a thread that reads the new count with acquire (`wait_for_count`) sees those
+    writes."""
+    bulk_wait_group(builder, newer)
     _asm(builder, void, "fence.proxy.async.global; red.release.gpu.global.add.u32 [$0], 1;",
          "l,~{memory}", [builder.ptrtoint(counter, i64)])
 
@@ -199,22 +200,31 @@ def release_count(builder: ir.IRBuilder, counter: ir.Value) -> None:
          [builder.ptrtoint(counter, i64)])
 
 
+def load_count(builder: ir.IRBuilder, counter: ir.Value) -> ir.Value:
+    """Global u32 `counter`, loaded with acquire at GPU scope (`wait_for_count`'s poll)."""
+    return _asm(builder, i32, "ld.acquire.gpu.global.u32 $0, [$1];", "=r,l,~{memory}",
+                [builder.ptrtoint(counter, i64)])
+
+
 def wait_for_count(builder: ir.IRBuilder, counter: ir.Value, count: ir.Value,
                    timeout_ns: int, abandon: ir.Value) -> ir.Value:
     """Spin (acquire loads at GPU scope, backing off between them) until global u32
     `counter` equals `count`; returns whether it gave up instead: at once where global u32
-    `abandon` is not zero, else after `timeout_ns` (below 2^32) of %globaltimer."""
+    `abandon` is not zero, else after `timeout_ns` (below 2^32) of %globaltimer. The first
+    poll is in flight beside `abandon`'s load."""
     fn = builder.function
     entry = builder.block
     given_up = _asm(builder, i32, "ld.relaxed.gpu.global.u32 $0, [$1];", "=r,l,~{memory}",
                     [builder.ptrtoint(abandon, i64)])
+    first = load_count(builder, counter)
     start = nvptx.opaque_special_register(builder, "globaltimer_lo")
     loop, back_off, done = (fn.append_basic_block(f"count_wait.{n}")
                             for n in ("poll", "sleep", "done"))
-    builder.cbranch(builder.icmp_unsigned("!=", given_up, i32(0)), done, loop)
+    abandoned = builder.icmp_unsigned("!=", given_up, i32(0))
+    builder.cbranch(builder.or_(abandoned, builder.icmp_unsigned("==", first, count)), done,
+                    loop)
     builder.position_at_end(loop)
-    now = _asm(builder, i32, "ld.acquire.gpu.global.u32 $0, [$1];", "=r,l,~{memory}",
-               [builder.ptrtoint(counter, i64)])
+    now = load_count(builder, counter)
     waited = builder.sub(nvptx.opaque_special_register(builder, "globaltimer_lo"), start)
     late = builder.icmp_unsigned(">", waited, i32(timeout_ns))
     builder.cbranch(builder.or_(builder.icmp_unsigned("==", now, count), late), done, back_off)
@@ -223,7 +233,7 @@ def wait_for_count(builder: ir.IRBuilder, counter: ir.Value, count: ir.Value,
     builder.branch(loop)
     builder.position_at_end(done)
     result = builder.phi(ir.IntType(1))
-    result.add_incoming(ir.Constant(ir.IntType(1), 1), entry)
+    result.add_incoming(abandoned, entry)
     result.add_incoming(late, loop)
     return result
 

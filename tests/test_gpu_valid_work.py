@@ -1,6 +1,6 @@
 """Ragged work without waste, on the GPU: the tile index kernel builds what
 `mhadsl.analysis.valid_work.tile_index` defines, and the queued schedulers that read it
-(Queued, LPT, with and without head sections) compute causal attention right on both kernel designs,
+(Queued in each order, LPT, with and without head sections) compute causal attention right on both kernel designs,
 eagerly and under CUDA-graph replay with new cu_seqlens values (needs a GPU)."""
 import numpy as np
 import pytest
@@ -18,6 +18,7 @@ SOURCE = 'import "std/schedulers.mha"\n' + "\n".join(
     f"    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }}"
     for name, binding in (("queued", "Queued()"), ("queued_rotate", "Queued(order = PROMPT_ROTATE)"),
                           ("queued_longest", "Queued(order = LONGEST_FIRST, heads_per_section = 1)"),
+                          ("queued_interleaved", "Queued(order = INTERLEAVED, heads_per_section = 2)"),
                           ("lpt", "LPT()"), ("lpt_sections", "LPT(heads_per_section = 2)"),
                           ("persistent", "Persistent(num_ctas = 37)"),
                           ("adaptive", "Adaptive()")))
@@ -51,7 +52,7 @@ scheduler PeekQueued() {
 attention queued_peek { dtype = bf16  head_dim = 128  scheduler = PeekQueued()
     mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 """
-KERNELS = ("queued", "queued_rotate", "queued_longest", "lpt", "lpt_sections", "persistent",
+KERNELS = ("queued", "queued_rotate", "queued_longest", "queued_interleaved", "lpt", "lpt_sections", "persistent",
            "queued_peek", "adaptive")
 
 

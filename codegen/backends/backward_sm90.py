@@ -108,8 +108,9 @@ each query tile's dQ adds, FlashAttention-3's way: the stats block of a (query t
 ends with a count of the K/V tiles that have added into it (zeroed by the preprocess); the
 writer warp waits until the count equals this K/V tile's place (`_dq_place`: the K/V tiles
 after it that the mask's classification keeps for the query tile), adds, and releases the
-count once its adds are complete: at its next step, after it has freed the staging tiles,
-so the consumers stage the next dQ meanwhile. Last K/V tile first: under a causal mask
+count once its adds are complete: at its next step, after it has freed the staging tiles
+and issued that step's adds, so that neither the consumers nor the writer wait for a bulk
+add to complete. Last K/V tile first: under a causal mask
 those reach their first query tile first. A CTA only waits for tiles handed
 out before its own where the scheduler hands out each head's K/V tiles in order
 (`ORDERED_SCHEDULERS` in `ORDERED_SCHEDULES`, `adds_in_order`); under any other,
@@ -1504,8 +1505,10 @@ class _HopperMain(_MainKernel):
         issued by its first lane. In deterministic mode the block's adds come in a fixed
         order: the first lane waits until the block's count says every K/V tile before
         this one has added (`_dq_place`), and counts this one's add once it is done: at the
-        next step, once the staging tiles are free (the consumers stage the next dQ while the
-        adds complete), or at the work tile's end (`_release_pending_count`)."""
+        next step, once it has issued that step's adds (the consumers stage the next dQ and
+        the writer adds it while the adds complete), or at the work tile's end
+        (`_release_pending_count`). A count a step holds back waits only for K/V tiles added
+        before its own, which hold back nothing of this one's."""
         c = self.c
         lane0 = self._writer_lane(b)
         for g in range(2):  # the groups are committed in order: g's is the (2 - g)-th last
@@ -1513,7 +1516,6 @@ class _HopperMain(_MainKernel):
                 hopper.bulk_wait_group_read(b, 1 - g)
             nvptx.barrier_arrive(b, i32(nvptx.DQ_EMPTY_BARRIER + g), DQ_PARTIES)
         if c.deterministic:
-            self._release_pending_count(b)
             count = _gep(b, self.a.delta, _count_offset(b, c, self.a, self.bidx, self.q_start,
                                                         q0, h), i32)
             place = self._dq_place(b, h, q0)
@@ -1533,6 +1535,10 @@ class _HopperMain(_MainKernel):
                 hopper.bulk_commit_group(b)
         if c.deterministic:
             with b.if_then(lane0):
+                # the last step's adds complete under this one's, then count: waiting for
+                # them before this step's adds made a step of the writer's outlast the
+                # consumers' (at 64 query rows)
+                self._release_pending(b, newer_groups=2)
                 b.store(b.ptrtoint(count, i64), self._pending_count(b))
 
     def _wait_for_turn(self, b, count, place, then=lambda: None) -> None:
@@ -1552,13 +1558,19 @@ class _HopperMain(_MainKernel):
         return self._ptr(b, self.off["pending"])
 
     def _release_pending_count(self, b) -> None:
-        """The writer's first lane: once the last step's adds are done, their count goes up
-        (`hopper.bulk_writes_released`), if a step left one."""
+        """`_release_pending` by the writer's first lane."""
         with b.if_then(self._writer_lane(b)):
-            pending = b.load(self._pending_count(b), typ=i64)
-            with b.if_then(b.icmp_unsigned("!=", pending, i64(0))):
-                hopper.bulk_writes_released(b, b.inttoptr(pending, self.a.delta.type))
-                b.store(i64(0), self._pending_count(b))
+            self._release_pending(b)
+
+    def _release_pending(self, b, newer_groups: int = 0) -> None:
+        """Once the last step's adds are done, their count goes up
+        (`hopper.bulk_writes_released`), if a step left one (the writer's first lane), with
+        `newer_groups` bulk groups committed since left in flight."""
+        pending = b.load(self._pending_count(b), typ=i64)
+        with b.if_then(b.icmp_unsigned("!=", pending, i64(0))):
+            hopper.bulk_writes_released(b, b.inttoptr(pending, self.a.delta.type),
+                                        newer_groups)
+            b.store(i64(0), self._pending_count(b))
 
     def _dq_place(self, b, h, q0) -> ir.Value:
         """This K/V tile's place among those that add into the query tile at q0 of head h
