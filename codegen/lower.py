@@ -536,13 +536,16 @@ class FunctionLowering:
             # LONGEST_FIRST: the query tile slowest, from the last; then batch, head fastest.
             # INTERLEAVED: the same from the first query tile.
             longest = B.icmp_unsigned("==", schedule, i32(SCHEDULES.index("LONGEST_FIRST")))
-            interleaved = B.icmp_unsigned("==", schedule,
-                                          i32(SCHEDULES.index("INTERLEAVED")))
-            by_level = B.or_(longest, interleaved)
+            by_level = longest
+            if _may_be(schedule, "INTERLEAVED"):
+                interleaved = B.icmp_unsigned("==", schedule,
+                                              i32(SCHEDULES.index("INTERLEAVED")))
+                by_level = B.or_(longest, interleaved)
             per_level = self.umax(B.mul(heads, batch), one)
             level, rest = B.udiv(idx, per_level), B.urem(idx, per_level)
-            q_tile = B.select(longest, B.sub(B.sub(tiles, one), level),
-                              B.select(interleaved, level, q_tile))
+            from_last = B.sub(B.sub(tiles, one), level)
+            q_tile = B.select(longest, from_last, q_tile if by_level is longest
+                              else B.select(interleaved, level, q_tile))
             head = B.select(by_level, B.urem(rest, heads_nz), head)
             seq = B.select(by_level, B.udiv(rest, heads_nz), seq)
             valid = B.icmp_unsigned("<", idx, B.mul(B.mul(tiles, heads), batch))
@@ -614,9 +617,12 @@ class FunctionLowering:
                 width = self.umax(self.umin(section, B.sub(heads, first_head)), one)
                 longest = B.icmp_unsigned("==", schedule,
                                           i32(SCHEDULES.index("LONGEST_FIRST")))
-                interleaved = B.icmp_unsigned("==", schedule,
-                                              i32(SCHEDULES.index("INTERLEAVED")))
-                with B.if_else(B.or_(longest, interleaved)) as (by_level, by_sequence):
+                interleaved = None
+                if _may_be(schedule, "INTERLEAVED"):
+                    interleaved = B.icmp_unsigned("==", schedule,
+                                                  i32(SCHEDULES.index("INTERLEAVED")))
+                with B.if_else(longest if interleaved is None else B.or_(longest, interleaved)
+                               ) as (by_level, by_sequence):
                     with by_level:
                         found.append((self.by_level(index, local, first_head, width,
                                                     interleaved), B.block))
@@ -649,21 +655,24 @@ class FunctionLowering:
         return q_tile, head, seq
 
     def by_level(self, index: _TileIndex, local: ir.Value, first_head: ir.Value,
-                 width: ir.Value, from_first: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
-        """LONGEST_FIRST, or where `from_first` (i1) INTERLEAVED, within the section of
-        `width` heads from `first_head`: (q tile, head, b). INTERLEAVED is LONGEST_FIRST's
-        order of (level, rank) positions run backwards, each level's ranks in turn
-        reversed, the head fastest in both."""
+                 width: ir.Value, from_first: ir.Value | None
+                 ) -> tuple[ir.Value, ir.Value, ir.Value]:
+        """LONGEST_FIRST, or where `from_first` (i1; None: never) INTERLEAVED, within the
+        section of `width` heads from `first_head`: (q tile, head, b). INTERLEAVED is
+        LONGEST_FIRST's order of (level, rank) positions run backwards, each level's ranks
+        in turn reversed, the head fastest in both."""
         B = self.b
         position, head = B.udiv(local, width), B.add(first_head, B.urem(local, width))
-        position = B.select(from_first, B.sub(B.sub(index.total(), i32(1)), position),
-                            position)
+        if from_first is not None:
+            position = B.select(from_first, B.sub(B.sub(index.total(), i32(1)), position),
+                                position)
         rank = index.find_block(position)  # levels that exactly ranks 0..rank reach
         reach = B.add(rank, i32(1))
         offset = B.sub(position, index.level(rank))
         q_tile = B.sub(B.sub(index.count(index.ranked(rank)), i32(1)), B.udiv(offset, reach))
         within = B.urem(offset, reach)
-        within = B.select(from_first, B.sub(rank, within), within)
+        if from_first is not None:
+            within = B.select(from_first, B.sub(rank, within), within)
         return q_tile, head, index.ranked(within)
 
     def seq_extent(self, ts: ir.Value, batch_idx: ir.Value) -> tuple[ir.Value, ir.Value]:
@@ -700,6 +709,16 @@ class FunctionLowering:
         end.add_incoming(dense_len, dense_bb)
         seq_len = B.select(in_range, B.sub(end, start), i32(0))
         return {"seq_len": seq_len, "start": start}
+
+
+def _may_be(schedule: ir.Value, name: str) -> bool:
+    """Whether a `Schedule` value can be `name`: not where it is a constant, or a choice
+    between constants, of other schedules (a build for them emits nothing of its order)."""
+    if isinstance(schedule, ir.Constant):
+        return schedule.constant == SCHEDULES.index(name)
+    if isinstance(schedule, ir.SelectInstr):
+        return _may_be(schedule.lhs, name) or _may_be(schedule.rhs, name)
+    return True
 
 
 class _TileIndex:
