@@ -182,12 +182,11 @@ def fence_proxy_async_global(builder: ir.IRBuilder) -> None:
     _asm(builder, void, "fence.proxy.async.global;", "~{memory}", [])
 
 
-def bulk_writes_released(builder: ir.IRBuilder, counter: ir.Value, newer: int = 0) -> None:
-    """Once this thread's bulk groups but the `newer` last committed are complete, their
-    global writes made visible before global u32 `counter` goes up by one (release at GPU
-    scope): a thread that reads the new count with acquire (`wait_for_count`) sees those
-    writes."""
-    bulk_wait_group(builder, newer)
+def bulk_writes_released(builder: ir.IRBuilder, counter: ir.Value) -> None:
+    """Once this thread's bulk groups are complete, their global writes made visible
+    before global u32 `counter` goes up by one (release at GPU scope): a thread that reads
+    the new count with acquire (`wait_for_count`) sees those writes."""
+    bulk_wait_group(builder, 0)
     _asm(builder, void, "fence.proxy.async.global; red.release.gpu.global.add.u32 [$0], 1;",
          "l,~{memory}", [builder.ptrtoint(counter, i64)])
 
@@ -207,16 +206,19 @@ def load_count(builder: ir.IRBuilder, counter: ir.Value) -> ir.Value:
 
 
 def wait_for_count(builder: ir.IRBuilder, counter: ir.Value, count: ir.Value,
-                   timeout_ns: int, abandon: ir.Value) -> ir.Value:
+                   timeout_ns: int, abandon: ir.Value, first: ir.Value | None = None
+                   ) -> ir.Value:
     """Spin (acquire loads at GPU scope, backing off between them) until global u32
     `counter` equals `count`; returns whether it gave up instead: at once where global u32
     `abandon` is not zero, else after `timeout_ns` (below 2^32) of %globaltimer. The first
-    poll is in flight beside `abandon`'s load."""
+    poll is `first` (`load_count`, issued earlier so that its latency hides behind other
+    work), else a load in flight beside `abandon`'s."""
     fn = builder.function
     entry = builder.block
     given_up = _asm(builder, i32, "ld.relaxed.gpu.global.u32 $0, [$1];", "=r,l,~{memory}",
                     [builder.ptrtoint(abandon, i64)])
-    first = load_count(builder, counter)
+    if first is None:
+        first = load_count(builder, counter)
     start = nvptx.opaque_special_register(builder, "globaltimer_lo")
     loop, back_off, done = (fn.append_basic_block(f"count_wait.{n}")
                             for n in ("poll", "sleep", "done"))
