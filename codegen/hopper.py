@@ -199,34 +199,22 @@ def release_count(builder: ir.IRBuilder, counter: ir.Value) -> None:
          [builder.ptrtoint(counter, i64)])
 
 
-def load_count(builder: ir.IRBuilder, counter: ir.Value) -> ir.Value:
-    """Global u32 `counter`, loaded with acquire at GPU scope (`wait_for_count`'s poll)."""
-    return _asm(builder, i32, "ld.acquire.gpu.global.u32 $0, [$1];", "=r,l,~{memory}",
-                [builder.ptrtoint(counter, i64)])
-
-
 def wait_for_count(builder: ir.IRBuilder, counter: ir.Value, count: ir.Value,
-                   timeout_ns: int, abandon: ir.Value, first: ir.Value | None = None
-                   ) -> ir.Value:
+                   timeout_ns: int, abandon: ir.Value) -> ir.Value:
     """Spin (acquire loads at GPU scope, backing off between them) until global u32
     `counter` equals `count`; returns whether it gave up instead: at once where global u32
-    `abandon` is not zero, else after `timeout_ns` (below 2^32) of %globaltimer. The first
-    poll is `first` (`load_count`, issued earlier so that its latency hides behind other
-    work), else a load in flight beside `abandon`'s."""
+    `abandon` is not zero, else after `timeout_ns` (below 2^32) of %globaltimer."""
     fn = builder.function
     entry = builder.block
     given_up = _asm(builder, i32, "ld.relaxed.gpu.global.u32 $0, [$1];", "=r,l,~{memory}",
                     [builder.ptrtoint(abandon, i64)])
-    if first is None:
-        first = load_count(builder, counter)
     start = nvptx.opaque_special_register(builder, "globaltimer_lo")
     loop, back_off, done = (fn.append_basic_block(f"count_wait.{n}")
                             for n in ("poll", "sleep", "done"))
-    abandoned = builder.icmp_unsigned("!=", given_up, i32(0))
-    builder.cbranch(builder.or_(abandoned, builder.icmp_unsigned("==", first, count)), done,
-                    loop)
+    builder.cbranch(builder.icmp_unsigned("!=", given_up, i32(0)), done, loop)
     builder.position_at_end(loop)
-    now = load_count(builder, counter)
+    now = _asm(builder, i32, "ld.acquire.gpu.global.u32 $0, [$1];", "=r,l,~{memory}",
+               [builder.ptrtoint(counter, i64)])
     waited = builder.sub(nvptx.opaque_special_register(builder, "globaltimer_lo"), start)
     late = builder.icmp_unsigned(">", waited, i32(timeout_ns))
     builder.cbranch(builder.or_(builder.icmp_unsigned("==", now, count), late), done, back_off)
@@ -235,7 +223,7 @@ def wait_for_count(builder: ir.IRBuilder, counter: ir.Value, count: ir.Value,
     builder.branch(loop)
     builder.position_at_end(done)
     result = builder.phi(ir.IntType(1))
-    result.add_incoming(abandoned, entry)
+    result.add_incoming(ir.Constant(ir.IntType(1), 1), entry)
     result.add_incoming(late, loop)
     return result
 

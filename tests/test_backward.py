@@ -49,8 +49,10 @@ DESIGN_INSTRUCTIONS = {
                                           ("sm_90a", "backward")],
                          ids=["sm_80", "sm_90a", "sm_90a-sm80design"])
 @pytest.mark.parametrize("layout", [Layout(), Layout(gqa_group=4, ragged=True),
+                                    Layout(deterministic=True),
                                     Layout(gqa_group=4, ragged=True, deterministic=True)],
-                         ids=["dense", "ragged-gqa4", "deterministic-ragged-gqa4"])
+                         ids=["dense", "ragged-gqa4", "deterministic",
+                              "deterministic-ragged-gqa4"])
 @pytest.mark.parametrize("path, name", DECLARATIONS,
                          ids=[f"{p.stem}-{n}" for p, n in DECLARATIONS])
 def test_every_example_backward_assembles_without_spills(path, name, layout, arch, forced):
@@ -203,8 +205,10 @@ def test_every_copy_pass_writes_where_ldmatrix_reads(head_dim, warps):
 @needs_ptxas
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("layout", [Layout(), Layout(gqa_group=4, ragged=True),
+                                    Layout(deterministic=True),
                                     Layout(gqa_group=4, ragged=True, deterministic=True)],
-                         ids=["dense", "ragged-gqa4", "deterministic-ragged-gqa4"])
+                         ids=["dense", "ragged-gqa4", "deterministic",
+                              "deterministic-ragged-gqa4"])
 def test_head_dim_256_runs_two_column_passes_without_spills(layout, arch):
     """dK and dV of 256 columns would hold 320 f32 per thread: the main kernel computes them
     (and dQ's columns) in two passes over the query tiles, in the shared memory of sm_80

@@ -108,15 +108,15 @@ each query tile's dQ adds, FlashAttention-3's way: the stats block of a (query t
 ends with a count of the K/V tiles that have added into it (zeroed by the preprocess); the
 writer warp waits until the count equals this K/V tile's place (`_dq_place`: the K/V tiles
 after it that the mask's classification keeps for the query tile), adds, and releases the
-count once its adds are complete: at its next step, after it has freed the staging tiles
-and polled that step's count once, so the consumers stage the next dQ meanwhile. Last K/V
-tile first: under a causal mask
+count once its adds are complete: at its next step, after it has freed the staging tiles,
+so the consumers stage the next dQ meanwhile. Last K/V tile first: under a causal mask
 those reach their first query tile first. A CTA only waits for tiles handed
 out before its own where the scheduler hands out each head's K/V tiles in order
 (`ORDERED_SCHEDULERS` in `ORDERED_SCHEDULES`, `adds_in_order`); under any other,
 deterministic calls run the sm80-style design. Without a mask every K/V tile adds into
 every query tile: a head's K/V tiles handed out together wait for one another at each one,
-which the INTERLEAVED order (the unmasked default) spaces apart. A wait past `abi.DQ_ORDER_WAIT_NS` records a fault and stops waiting.
+which the INTERLEAVED order (the unmasked default) spaces apart. A wait past
+`abi.DQ_ORDER_WAIT_NS` records a fault and stops waiting.
 
 It runs dense and ragged layouts at head dims 64, 128 and 256. Ragged tensors are mapped as the
 forward's (`codegen.backends.sm90`): (1, total rows, H, D), a sequence's rows `start + row`
@@ -1506,10 +1506,7 @@ class _HopperMain(_MainKernel):
         order: the first lane waits until the block's count says every K/V tile before
         this one has added (`_dq_place`), and counts this one's add once it is done: at the
         next step, once the staging tiles are free (the consumers stage the next dQ while the
-        adds complete) and that step's count is polled once, or at the work tile's end
-        (`_release_pending_count`). (Counting only after the next step's adds held each K/V
-        tile's successors back a step more: slower where a K/V tile reaches its successor's
-        query tiles a step after its first, causal D64, and in split groups.)"""
+        adds complete), or at the work tile's end (`_release_pending_count`)."""
         c = self.c
         lane0 = self._writer_lane(b)
         for g in range(2):  # the groups are committed in order: g's is the (2 - g)-th last
@@ -1517,16 +1514,13 @@ class _HopperMain(_MainKernel):
                 hopper.bulk_wait_group_read(b, 1 - g)
             nvptx.barrier_arrive(b, i32(nvptx.DQ_EMPTY_BARRIER + g), DQ_PARTIES)
         if c.deterministic:
+            self._release_pending_count(b)
             count = _gep(b, self.a.delta, _count_offset(b, c, self.a, self.bidx, self.q_start,
                                                         q0, h), i32)
             place = self._dq_place(b, h, q0)
             with b.if_then(lane0):
-                # this step's place and its count's first poll before the wait for the last
-                # step's adds, whose latency they hide (after it they lengthened each step)
-                first = hopper.load_count(b, count)
-                self._release_pending(b)
                 # (the adds seen before this one's bulk adds)
-                self._wait_for_turn(b, count, place, first=first,
+                self._wait_for_turn(b, count, place,
                                     then=lambda: hopper.fence_proxy_async_global(b))
         for g in range(2):
             nvptx.barrier_named(b, i32(nvptx.DQ_FULL_BARRIER + g), DQ_PARTIES, aligned=False)
@@ -1542,13 +1536,12 @@ class _HopperMain(_MainKernel):
             with b.if_then(lane0):
                 b.store(b.ptrtoint(count, i64), self._pending_count(b))
 
-    def _wait_for_turn(self, b, count, place, first=None, then=lambda: None) -> None:
+    def _wait_for_turn(self, b, count, place, then=lambda: None) -> None:
         """Deterministic mode's wait (this thread) until global u32 `count` equals `place`
-        (`hopper.wait_for_count`, its first poll `first` where given), then `then()`; a
-        wait that gives up after abi.DQ_ORDER_WAIT_NS records a DQ_ORDER_WAIT fault naming
-        the scheduler."""
+        (`hopper.wait_for_count`), then `then()`; a wait that gives up after
+        abi.DQ_ORDER_WAIT_NS records a DQ_ORDER_WAIT fault naming the scheduler."""
         record = faults.word(b, self.a.queue, abi.RECORD_WORD)
-        late = hopper.wait_for_count(b, count, place, abi.DQ_ORDER_WAIT_NS, record, first)
+        late = hopper.wait_for_count(b, count, place, abi.DQ_ORDER_WAIT_NS, record)
         then()
         with b.if_then(late, likely=False):
             faults.record_fault(b, self.a.queue, i32(abi.fault_code(
@@ -1560,17 +1553,13 @@ class _HopperMain(_MainKernel):
         return self._ptr(b, self.off["pending"])
 
     def _release_pending_count(self, b) -> None:
-        """`_release_pending` by the writer's first lane."""
+        """The writer's first lane: once the last step's adds are done, their count goes up
+        (`hopper.bulk_writes_released`), if a step left one."""
         with b.if_then(self._writer_lane(b)):
-            self._release_pending(b)
-
-    def _release_pending(self, b) -> None:
-        """Once the last step's adds are done, their count goes up
-        (`hopper.bulk_writes_released`), if a step left one (the writer's first lane)."""
-        pending = b.load(self._pending_count(b), typ=i64)
-        with b.if_then(b.icmp_unsigned("!=", pending, i64(0))):
-            hopper.bulk_writes_released(b, b.inttoptr(pending, self.a.delta.type))
-            b.store(i64(0), self._pending_count(b))
+            pending = b.load(self._pending_count(b), typ=i64)
+            with b.if_then(b.icmp_unsigned("!=", pending, i64(0))):
+                hopper.bulk_writes_released(b, b.inttoptr(pending, self.a.delta.type))
+                b.store(i64(0), self._pending_count(b))
 
     def _dq_place(self, b, h, q0) -> ir.Value:
         """This K/V tile's place among those that add into the query tile at q0 of head h
