@@ -15,6 +15,7 @@ from llvmlite import ir
 
 from mhadsl.codegen import nvptx
 from mhadsl.codegen.nvptx import f32, i1, i32, i64
+from mhadsl.codegen.valid_work import DenseIndex, RaggedIndex, TileIndex, may_be
 from mhadsl.front import ast
 from mhadsl.front.builtin_functions import DEVICE_FUNCTIONS, FUNCTIONS
 from mhadsl.front.semantics import SLOT_COUNT
@@ -537,7 +538,7 @@ class FunctionLowering:
             # INTERLEAVED: the same from the first query tile.
             longest = B.icmp_unsigned("==", schedule, i32(SCHEDULES.index("LONGEST_FIRST")))
             by_level = longest
-            if _may_be(schedule, "INTERLEAVED"):
+            if may_be(schedule, "INTERLEAVED"):
                 interleaved = B.icmp_unsigned("==", schedule,
                                               i32(SCHEDULES.index("INTERLEAVED")))
                 by_level = B.or_(longest, interleaved)
@@ -576,7 +577,7 @@ class FunctionLowering:
     def umin(self, a: ir.Value, b: ir.Value) -> ir.Value:
         return self.b.select(self.b.icmp_unsigned("<", a, b), a, b)
 
-    def valid_tiles(self, ts: ir.Value, emit: Callable[[_TileIndex], object]) -> object:
+    def valid_tiles(self, ts: ir.Value, emit: Callable[[TileIndex], object]) -> object:
         """`emit(index)` for the launch's tile index: the one built on the device (ragged)
         or the closed form of a dense launch (no tile index); the results are merged."""
         B = self.b
@@ -585,9 +586,9 @@ class FunctionLowering:
         results = []
         with B.if_else(has_index) as (ragged, dense):
             with ragged:
-                results.append((emit(_RaggedIndex(self, ts, index)), B.block))
+                results.append((emit(RaggedIndex(self, ts, index)), B.block))
             with dense:
-                results.append((emit(_DenseIndex(self, ts)), B.block))
+                results.append((emit(DenseIndex(self, ts)), B.block))
         return _merge(B, results)
 
     def valid_work_info(self, ts: ir.Value, idx: ir.Value, schedule: ir.Value,
@@ -606,7 +607,7 @@ class FunctionLowering:
                       B.icmp_unsigned(">", heads_per_section, heads))
         section = self.umax(B.select(whole, heads, heads_per_section), one)
 
-        def emit(index: _TileIndex) -> dict[str, ir.Value]:
+        def emit(index: TileIndex) -> dict[str, ir.Value]:
             valid = B.icmp_unsigned("<", idx, B.mul(heads, index.total()))
             found = []
             entry = B.block
@@ -618,7 +619,7 @@ class FunctionLowering:
                 longest = B.icmp_unsigned("==", schedule,
                                           i32(SCHEDULES.index("LONGEST_FIRST")))
                 interleaved = None
-                if _may_be(schedule, "INTERLEAVED"):
+                if may_be(schedule, "INTERLEAVED"):
                     interleaved = B.icmp_unsigned("==", schedule,
                                                   i32(SCHEDULES.index("INTERLEAVED")))
                 with B.if_else(longest if interleaved is None else B.or_(longest, interleaved)
@@ -639,7 +640,7 @@ class FunctionLowering:
                     "is_valid": valid}
         return self.valid_tiles(ts, emit)
 
-    def sequence_order(self, index: _TileIndex, local: ir.Value, first_head: ir.Value,
+    def sequence_order(self, index: TileIndex, local: ir.Value, first_head: ir.Value,
                        width: ir.Value, schedule: ir.Value
                        ) -> tuple[ir.Value, ir.Value, ir.Value]:
         """DEFAULT / PROMPT_ROTATE within the section of `width` heads from `first_head`:
@@ -654,7 +655,7 @@ class FunctionLowering:
         q_tile = B.select(rotate, B.sub(B.sub(count, i32(1)), q_tile), q_tile)
         return q_tile, head, seq
 
-    def by_level(self, index: _TileIndex, local: ir.Value, first_head: ir.Value,
+    def by_level(self, index: TileIndex, local: ir.Value, first_head: ir.Value,
                  width: ir.Value, from_first: ir.Value | None
                  ) -> tuple[ir.Value, ir.Value, ir.Value]:
         """LONGEST_FIRST, or where `from_first` (i1; None: never) INTERLEAVED, within the
@@ -709,109 +710,6 @@ class FunctionLowering:
         end.add_incoming(dense_len, dense_bb)
         seq_len = B.select(in_range, B.sub(end, start), i32(0))
         return {"seq_len": seq_len, "start": start}
-
-
-def _may_be(schedule: ir.Value, name: str) -> bool:
-    """Whether a `Schedule` value can be `name`: not where it is a constant, or a choice
-    between constants, of other schedules (a build for them emits nothing of its order)."""
-    if isinstance(schedule, ir.Constant):
-        return schedule.constant == SCHEDULES.index(name)
-    if isinstance(schedule, ir.SelectInstr):
-        return _may_be(schedule.lhs, name) or _may_be(schedule.rhs, name)
-    return True
-
-
-class _TileIndex:
-    """The valid work of a launch, as `mhadsl.analysis.valid_work.tile_index` lays it out:
-    `prefix(b)` (tiles of the sequences before b), `count(b)`, `ranked(r)` (the sequence of rank r, most
-    tiles first), `level(r)` (where LONGEST_FIRST's block of rank r starts), `total()`, and
-    the searches over them. Every index is in range for a valid work index."""
-
-    def __init__(self, lower: FunctionLowering, ts: ir.Value):
-        self.lower, self.b = lower, lower.b
-        self.batch = lower.ts_field(ts, "batch_size")
-        self.tiles = lower.ts_field(ts, "max_num_prompt_tiles")
-
-
-class _DenseIndex(_TileIndex):
-    """Every sequence has max_num_prompt_tiles tiles: closed forms, nothing to read."""
-
-    def total(self):
-        return self.b.mul(self.batch, self.tiles)
-
-    def prefix(self, seq):
-        return self.b.mul(seq, self.tiles)
-
-    def count(self, seq):
-        return self.tiles
-
-    def ranked(self, rank):
-        return rank
-
-    def level(self, rank):
-        return i32(0)
-
-    def find_sequence(self, local, width):
-        return self.b.udiv(local, self.lower.umax(self.b.mul(width, self.tiles), i32(1)))
-
-    def find_block(self, position):
-        return self.b.sub(self.batch, i32(1))  # all sequences reach every level
-
-
-class _RaggedIndex(_TileIndex):
-    """The tile index the device built from cu_seqlens before the launch."""
-
-    def __init__(self, lower: FunctionLowering, ts: ir.Value, words: ir.Value):
-        super().__init__(lower, ts)
-        self.words = words
-
-    def word(self, at: ir.Value) -> ir.Value:
-        return self.b.load(self.b.gep(self.words, [at], source_etype=i32), typ=i32)
-
-    def total(self):
-        return self.word(self.batch)
-
-    def prefix(self, seq):
-        return self.word(seq)
-
-    def count(self, seq):
-        return self.b.sub(self.word(self.b.add(seq, i32(1))), self.word(seq))
-
-    def ranked(self, rank):
-        return self.word(self.b.add(self.b.add(self.batch, i32(1)), rank))
-
-    def level(self, rank):
-        b = self.b
-        return self.word(b.add(b.add(b.mul(self.batch, i32(2)), i32(1)), rank))
-
-    def find_sequence(self, local, width):
-        return self.search(lambda seq: self.b.mul(self.prefix(seq), width), local)
-
-    def find_block(self, position):
-        return self.search(self.level, position)
-
-    def search(self, key: Callable[[ir.Value], ir.Value], target: ir.Value) -> ir.Value:
-        """The last r < batch_size with key(r) <= target (key ascending, key(0) <= target):
-        a binary search, ceil(log2(batch_size)) steps."""
-        b = self.b
-        entry = b.block
-        head, body, done = (b.append_basic_block(n) for n in ("search", "search_step",
-                                                              "search_done"))
-        b.branch(head)
-        b.position_at_end(head)
-        low, size = b.phi(i32), b.phi(i32)
-        low.add_incoming(i32(0), entry)
-        size.add_incoming(self.batch, entry)
-        b.cbranch(b.icmp_unsigned(">", size, i32(1)), body, done)
-        b.position_at_end(body)
-        half = b.lshr(size, i32(1))
-        middle = b.add(low, half)
-        low.add_incoming(b.select(b.icmp_unsigned("<=", key(middle), target), middle, low),
-                         b.block)
-        size.add_incoming(b.sub(size, half), b.block)
-        b.branch(head)
-        b.position_at_end(done)
-        return low
 
 
 def _phi(builder: ir.IRBuilder, incoming: list[tuple[ir.Value, ir.Block]]) -> ir.Value:

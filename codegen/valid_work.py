@@ -1,0 +1,114 @@
+"""The valid work of a launch in the scheduler rules' lowering (`codegen.lower`): the tile
+index a dense launch computes in closed form or a ragged one reads (`TileIndex`), and which
+`Schedule` orders a build can take (`may_be`)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from llvmlite import ir
+
+from mhadsl.codegen.nvptx import i32
+from mhadsl.front.types import SCHEDULES
+
+
+def may_be(schedule: ir.Value, name: str) -> bool:
+    """Whether a `Schedule` value can be `name`: not where it is a constant, or a choice
+    between constants, of other schedules (a build for them emits nothing of its order)."""
+    if isinstance(schedule, ir.Constant):
+        return schedule.constant == SCHEDULES.index(name)
+    if isinstance(schedule, ir.SelectInstr):
+        return may_be(schedule.lhs, name) or may_be(schedule.rhs, name)
+    return True
+
+
+class TileIndex:
+    """The valid work of a launch, as `mhadsl.analysis.valid_work.tile_index` lays it out:
+    `prefix(b)` (tiles of the sequences before b), `count(b)`, `ranked(r)` (the sequence of rank r, most
+    tiles first), `level(r)` (where LONGEST_FIRST's block of rank r starts), `total()`, and
+    the searches over them. Every index is in range for a valid work index."""
+
+    def __init__(self, lower, ts: ir.Value):
+        self.lower, self.b = lower, lower.b
+        self.batch = lower.ts_field(ts, "batch_size")
+        self.tiles = lower.ts_field(ts, "max_num_prompt_tiles")
+
+
+class DenseIndex(TileIndex):
+    """Every sequence has max_num_prompt_tiles tiles: closed forms, nothing to read."""
+
+    def total(self):
+        return self.b.mul(self.batch, self.tiles)
+
+    def prefix(self, seq):
+        return self.b.mul(seq, self.tiles)
+
+    def count(self, seq):
+        return self.tiles
+
+    def ranked(self, rank):
+        return rank
+
+    def level(self, rank):
+        return i32(0)
+
+    def find_sequence(self, local, width):
+        return self.b.udiv(local, self.lower.umax(self.b.mul(width, self.tiles), i32(1)))
+
+    def find_block(self, position):
+        return self.b.sub(self.batch, i32(1))  # all sequences reach every level
+
+
+class RaggedIndex(TileIndex):
+    """The tile index the device built from cu_seqlens before the launch."""
+
+    def __init__(self, lower, ts: ir.Value, words: ir.Value):
+        super().__init__(lower, ts)
+        self.words = words
+
+    def word(self, at: ir.Value) -> ir.Value:
+        return self.b.load(self.b.gep(self.words, [at], source_etype=i32), typ=i32)
+
+    def total(self):
+        return self.word(self.batch)
+
+    def prefix(self, seq):
+        return self.word(seq)
+
+    def count(self, seq):
+        return self.b.sub(self.word(self.b.add(seq, i32(1))), self.word(seq))
+
+    def ranked(self, rank):
+        return self.word(self.b.add(self.b.add(self.batch, i32(1)), rank))
+
+    def level(self, rank):
+        b = self.b
+        return self.word(b.add(b.add(b.mul(self.batch, i32(2)), i32(1)), rank))
+
+    def find_sequence(self, local, width):
+        return self.search(lambda seq: self.b.mul(self.prefix(seq), width), local)
+
+    def find_block(self, position):
+        return self.search(self.level, position)
+
+    def search(self, key: Callable[[ir.Value], ir.Value], target: ir.Value) -> ir.Value:
+        """The last r < batch_size with key(r) <= target (key ascending, key(0) <= target):
+        a binary search, ceil(log2(batch_size)) steps."""
+        b = self.b
+        entry = b.block
+        head, body, done = (b.append_basic_block(n) for n in ("search", "search_step",
+                                                              "search_done"))
+        b.branch(head)
+        b.position_at_end(head)
+        low, size = b.phi(i32), b.phi(i32)
+        low.add_incoming(i32(0), entry)
+        size.add_incoming(self.batch, entry)
+        b.cbranch(b.icmp_unsigned(">", size, i32(1)), body, done)
+        b.position_at_end(body)
+        half = b.lshr(size, i32(1))
+        middle = b.add(low, half)
+        low.add_incoming(b.select(b.icmp_unsigned("<=", key(middle), target), middle, low),
+                         b.block)
+        size.add_incoming(b.sub(size, half), b.block)
+        b.branch(head)
+        b.position_at_end(done)
+        return low
