@@ -240,7 +240,7 @@ def test_scheduler_parameter_of_the_wrong_type():
     assert "parameter 'num_ctas' of scheduler 'Queued' takes a u32, got 'many'" in out.stderr
     out = mhadsl("simulate", "std/schedulers.mha", "--scheduler", "Queued", "--seqlen", "9",
                  "--param", "order=SIDEWAYS")
-    assert "takes one of DEFAULT, PROMPT_ROTATE, LONGEST_FIRST, got 'SIDEWAYS'" in out.stderr
+    assert "takes one of DEFAULT, PROMPT_ROTATE, LONGEST_FIRST, INTERLEAVED, got 'SIDEWAYS'" in out.stderr
 
 
 # ---------------------------------------------------------------- runs, flags, progress
