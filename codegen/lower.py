@@ -15,7 +15,7 @@ from llvmlite import ir
 
 from mhadsl.codegen import nvptx
 from mhadsl.codegen.nvptx import f32, i1, i32, i64
-from mhadsl.codegen.valid_work import DenseIndex, RaggedIndex, TileIndex, may_be
+from mhadsl.codegen.valid_work import DenseIndex, RaggedIndex, TileIndex, schedule_is
 from mhadsl.front import ast
 from mhadsl.front.builtin_functions import DEVICE_FUNCTIONS, FUNCTIONS
 from mhadsl.front.semantics import SLOT_COUNT
@@ -537,16 +537,14 @@ class FunctionLowering:
             # LONGEST_FIRST: the query tile slowest, from the last; then batch, head fastest.
             # INTERLEAVED: the same from the first query tile.
             longest = B.icmp_unsigned("==", schedule, i32(SCHEDULES.index("LONGEST_FIRST")))
-            by_level = longest
-            if may_be(schedule, "INTERLEAVED"):
-                interleaved = B.icmp_unsigned("==", schedule,
-                                              i32(SCHEDULES.index("INTERLEAVED")))
-                by_level = B.or_(longest, interleaved)
+            interleaved = schedule_is(B, schedule, "INTERLEAVED")
+            by_level = longest if interleaved is None else B.or_(longest, interleaved)
             per_level = self.umax(B.mul(heads, batch), one)
             level, rest = B.udiv(idx, per_level), B.urem(idx, per_level)
             from_last = B.sub(B.sub(tiles, one), level)
-            q_tile = B.select(longest, from_last, q_tile if by_level is longest
-                              else B.select(interleaved, level, q_tile))
+            if interleaved is not None:
+                q_tile = B.select(interleaved, level, q_tile)
+            q_tile = B.select(longest, from_last, q_tile)
             head = B.select(by_level, B.urem(rest, heads_nz), head)
             seq = B.select(by_level, B.udiv(rest, heads_nz), seq)
             valid = B.icmp_unsigned("<", idx, B.mul(B.mul(tiles, heads), batch))
@@ -618,10 +616,7 @@ class FunctionLowering:
                 width = self.umax(self.umin(section, B.sub(heads, first_head)), one)
                 longest = B.icmp_unsigned("==", schedule,
                                           i32(SCHEDULES.index("LONGEST_FIRST")))
-                interleaved = None
-                if may_be(schedule, "INTERLEAVED"):
-                    interleaved = B.icmp_unsigned("==", schedule,
-                                                  i32(SCHEDULES.index("INTERLEAVED")))
+                interleaved = schedule_is(B, schedule, "INTERLEAVED")
                 with B.if_else(longest if interleaved is None else B.or_(longest, interleaved)
                                ) as (by_level, by_sequence):
                     with by_level:

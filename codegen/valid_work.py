@@ -1,6 +1,6 @@
 """The valid work of a launch in the scheduler rules' lowering (`codegen.lower`): the tile
 index a dense launch computes in closed form or a ragged one reads (`TileIndex`), and which
-`Schedule` orders a build can take (`may_be`)."""
+`Schedule` orders a build can take (`schedule_is`)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -11,13 +11,21 @@ from mhadsl.codegen.nvptx import i32
 from mhadsl.front.types import SCHEDULES
 
 
-def may_be(schedule: ir.Value, name: str) -> bool:
-    """Whether a `Schedule` value can be `name`: not where it is a constant, or a choice
-    between constants, of other schedules (a build for them emits nothing of its order)."""
+def schedule_is(builder: ir.IRBuilder, schedule: ir.Value, name: str) -> ir.Value | None:
+    """i1: whether `Schedule` value `schedule` is `name`; None where it cannot be (a
+    build for other schedules then emits nothing of that order)."""
+    if not _may_be(schedule, name):
+        return None
+    return builder.icmp_unsigned("==", schedule, i32(SCHEDULES.index(name)))
+
+
+def _may_be(schedule: ir.Value, name: str) -> bool:
+    """Whether `schedule` can be `name`: not where it is a constant, or a choice between
+    constants, of other schedules."""
     if isinstance(schedule, ir.Constant):
         return schedule.constant == SCHEDULES.index(name)
     if isinstance(schedule, ir.SelectInstr):
-        return may_be(schedule.lhs, name) or may_be(schedule.rhs, name)
+        return _may_be(schedule.lhs, name) or _may_be(schedule.rhs, name)
     return True
 
 

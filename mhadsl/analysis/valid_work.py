@@ -20,9 +20,9 @@ the valid (query tile, head, sequence) work items, so a scheduler never spends a
 On a dense launch every sequence has max_num_prompt_tiles tiles, so with one section
 DEFAULT and PROMPT_ROTATE are `ts.work_info`'s orders and LONGEST_FIRST is
 `ts.work_info(idx, LONGEST_FIRST)`: query tile slowest from the last, then batch, head
-fastest (INTERLEAVED: from the first). A ragged launch reads the tile index: TILE_INDEX_WORDS(B) u32 words that a small
-kernel builds on the device from cu_seqlens before each launch (`tile_index`; its size:
-`mhadsl.abi.tile_index_words`).
+fastest (INTERLEAVED: from the first). A ragged launch reads the tile index:
+TILE_INDEX_WORDS(B) u32 words that a small kernel builds on the device from cu_seqlens
+before each launch (`tile_index`; its size: `mhadsl.abi.tile_index_words`).
 """
 from __future__ import annotations
 
