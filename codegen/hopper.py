@@ -203,18 +203,22 @@ def wait_for_count(builder: ir.IRBuilder, counter: ir.Value, count: ir.Value,
                    timeout_ns: int, abandon: ir.Value) -> ir.Value:
     """Spin (acquire loads at GPU scope, backing off between them) until global u32
     `counter` equals `count`; returns whether it gave up instead: at once where global u32
-    `abandon` is not zero, else after `timeout_ns` (below 2^32) of %globaltimer."""
+    `abandon` is not zero, else after `timeout_ns` (below 2^32) of %globaltimer. A count
+    already there costs one load (`abandon` and the clock are read only after a miss)."""
     fn = builder.function
-    entry = builder.block
+    first, slow, loop, back_off, done = (fn.append_basic_block(f"count_wait.{n}")
+                                         for n in ("first", "slow", "poll", "sleep", "done"))
+    builder.branch(first)
+    builder.position_at_end(first)
+    arrived = builder.icmp_unsigned("==", _ld_acquire_u32(builder, counter), count)
+    builder.cbranch(arrived, done, slow)
+    builder.position_at_end(slow)
     given_up = _asm(builder, i32, "ld.relaxed.gpu.global.u32 $0, [$1];", "=r,l,~{memory}",
                     [builder.ptrtoint(abandon, i64)])
     start = nvptx.opaque_special_register(builder, "globaltimer_lo")
-    loop, back_off, done = (fn.append_basic_block(f"count_wait.{n}")
-                            for n in ("poll", "sleep", "done"))
     builder.cbranch(builder.icmp_unsigned("!=", given_up, i32(0)), done, loop)
     builder.position_at_end(loop)
-    now = _asm(builder, i32, "ld.acquire.gpu.global.u32 $0, [$1];", "=r,l,~{memory}",
-               [builder.ptrtoint(counter, i64)])
+    now = _ld_acquire_u32(builder, counter)
     waited = builder.sub(nvptx.opaque_special_register(builder, "globaltimer_lo"), start)
     late = builder.icmp_unsigned(">", waited, i32(timeout_ns))
     builder.cbranch(builder.or_(builder.icmp_unsigned("==", now, count), late), done, back_off)
@@ -223,9 +227,15 @@ def wait_for_count(builder: ir.IRBuilder, counter: ir.Value, count: ir.Value,
     builder.branch(loop)
     builder.position_at_end(done)
     result = builder.phi(ir.IntType(1))
-    result.add_incoming(ir.Constant(ir.IntType(1), 1), entry)
+    result.add_incoming(ir.Constant(ir.IntType(1), 0), first)
+    result.add_incoming(ir.Constant(ir.IntType(1), 1), slow)
     result.add_incoming(late, loop)
     return result
+
+
+def _ld_acquire_u32(builder: ir.IRBuilder, address: ir.Value) -> ir.Value:
+    return _asm(builder, i32, "ld.acquire.gpu.global.u32 $0, [$1];", "=r,l,~{memory}",
+                [builder.ptrtoint(address, i64)])
 
 
 def fence_proxy_async(builder: ir.IRBuilder) -> None:

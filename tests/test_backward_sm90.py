@@ -943,7 +943,8 @@ attention t { dtype = bf16  head_dim = %d  %s
 def test_a_deterministic_backward_adds_dq_in_a_fixed_order_on_hopper(monkeypatch, tmp_path):
     """Deterministic mode on sm_90a runs the Hopper design (Queued, the default there,
     hands out each head's K/V tiles in order): its writer warp waits for each query tile's
-    count (acquire loads, backing off, given up after a bound or once a fault is recorded),
+    count (acquire loads, backing off, given up after a bound or once a fault is recorded;
+    the fault word and the clock read only once the first load misses),
     adds by bulk reduce-add, waits for the adds to complete and releases the count (at the
     next step, once it has freed the staging tiles for the consumers, or at the work tile's
     end); the preprocess zeroes the counts in the stats blocks. The atomic build has none
@@ -966,6 +967,10 @@ def test_a_deterministic_backward_adds_dq_in_a_fixed_order_on_hopper(monkeypatch
     freed = re.search(rf"barrier\.arrive\s+{nvptx.DQ_EMPTY_BARRIER + 1},", ordered_main).start()
     assert ordered_main.index("red.release.gpu.global.add.u32", freed) < \
         ordered_main.index("ld.acquire.gpu.global.u32", freed)
+    # a count already there costs one load: the fault word and the clock are read after a miss
+    first_poll = ordered_main.index("ld.acquire.gpu.global.u32", freed)
+    assert first_poll < ordered_main.index("ld.relaxed.gpu.global.u32", freed)
+    assert first_poll < ordered_main.index("%globaltimer", freed)
     assert ordered_main.count("red.release.gpu.global.add.u32") == 2  # and at a tile's end
     assert ordered_main.count("cp.reduce.async.bulk.global") == 2  # a part per warpgroup
     scratch = H.BACKEND.scratch(exact.config, CallSizes(2, 4, 4, 100, 100, 100, 100, 200,
