@@ -206,10 +206,9 @@ def wait_for_count(builder: ir.IRBuilder, counter: ir.Value, count: ir.Value,
     `abandon` is not zero, else after `timeout_ns` (below 2^32) of %globaltimer. A count
     already there costs one load (`abandon` and the clock are read only after a miss)."""
     fn = builder.function
-    first, slow, loop, back_off, done = (fn.append_basic_block(f"count_wait.{n}")
-                                         for n in ("first", "slow", "poll", "sleep", "done"))
-    builder.branch(first)
-    builder.position_at_end(first)
+    first = builder.block
+    slow, loop, back_off, done = (fn.append_basic_block(f"count_wait.{n}")
+                                  for n in ("slow", "poll", "sleep", "done"))
     arrived = builder.icmp_unsigned("==", _ld_acquire_u32(builder, counter), count)
     builder.cbranch(arrived, done, slow)
     builder.position_at_end(slow)
@@ -234,6 +233,7 @@ def wait_for_count(builder: ir.IRBuilder, counter: ir.Value, count: ir.Value,
 
 
 def _ld_acquire_u32(builder: ir.IRBuilder, address: ir.Value) -> ir.Value:
+    """Global u32 at `address`, loaded with acquire at GPU scope."""
     return _asm(builder, i32, "ld.acquire.gpu.global.u32 $0, [$1];", "=r,l,~{memory}",
                 [builder.ptrtoint(address, i64)])
 
