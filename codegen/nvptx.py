@@ -125,6 +125,7 @@ CONSUMER_EPILOGUE_BARRIER = 2  # sm90: around O's staging tile (2 + group: per w
 DS_BARRIER = 3  # sm90 backward (a kernel of its own): the consumers' dS^T tile is complete
 DQ_FULL_BARRIER = 4  # sm90 backward: 4 + group, the warpgroup's dQ staging tile is written
 DQ_EMPTY_BARRIER = 6  # sm90 backward: 6 + group, its last bulk reduce-add has read the tile
+DQ_ODD_STEPS = 4  # sm90 deterministic backward: the two above + 4 (8-11) at odd query steps
 
 
 def _cta_threads(builder: ir.IRBuilder) -> ir.Value:

@@ -115,6 +115,10 @@ def test_config_problems_and_shared_memory():
     # the K/V tile: 64 rows at head dim 256 (both warpgroups'), 128 elsewhere
     assert H.HopperBackwardConfig(head_dim=256).problems()[0].settings == ("tile",)
     assert H.HopperBackwardConfig(block_n=64).problems()[0].settings == ("tile",)
+    # two dQ writers take the steps in turn in deterministic mode only
+    assert not H.HopperBackwardConfig(deterministic=True, dq_writers=2).problems()
+    assert H.HopperBackwardConfig(dq_writers=2).problems()[0].settings == ("dq_writers",)
+    assert H.HopperBackwardConfig(deterministic=True, dq_writers=3).problems()
     # at head dim 256 one stage fits, two do not (32 KB more of each of Q and dO)
     wide = _config(256)
     assert not wide.problems()
@@ -126,7 +130,7 @@ def test_config_problems_and_shared_memory():
     assert offsets["dq_bytes"] == 4 * 64 * 256  # both warpgroups' 64 x 128 floats
     assert offsets["k"] % 1024 == offsets["v"] % 1024 == offsets["stage0"] % 1024 \
         == offsets["ds"] % 1024 == 0  # (the swizzle's atom)
-    assert offsets["pending"] - offsets["bars"] == 8 * (1 + 1 + 2)  # K/V, full, 2 empty
+    assert offsets["counts"] - offsets["bars"] == 8 * (1 + 1 + 2)  # K/V, full, 2 empty
     assert H.HopperBackwardConfig(block_m=32).problems()[0].settings == ("tile",)
     assert H.HopperBackwardConfig(head_dim=64, block_m=128, stages=1).problems()[0].settings \
         == ("stages",)
@@ -1251,7 +1255,7 @@ def test_a_deterministic_split_build_adds_dk_and_dv_in_the_groups_order(head_dim
     without spills or a stack frame: after its last GEMM the main kernel's first consumer
     thread waits for its K/V tile's count (an acquire loop more than the whole group's
     build, which has only dQ's), the consumers add dK and dV, meet at a barrier, and one
-    raises the count (a release more), after the last add; the preprocess gets the counts
+    raises the count after the last add; the preprocess gets the counts
     (`kv_count`, a u32 per K/V row and head, the last parameter) as the main kernel does,
     and the call's scratch holds them, which an atomic split build's does not."""
     monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
@@ -1267,8 +1271,8 @@ def test_a_deterministic_split_build_adds_dk_and_dv_in_the_groups_order(head_dim
         "sm_90a", gqa_group=4, ragged=ragged, deterministic=True)
     assert whole.backend == "backward_sm90" and not whole.config.split_group
     main, whole_main = (b.ptx[b.ptx.index(f".entry {H.MAIN}("):] for b in (build, whole))
-    for instruction in ("ld.acquire.gpu.global.u32", "red.release.gpu.global.add.u32"):
-        assert main.count(instruction) > whole_main.count(instruction), instruction
+    acquire = "ld.acquire.gpu.global.u32"
+    assert main.count(acquire) > whole_main.count(acquire)
     last_add = main.rindex("red.global.add.v2.f32")
     released = main.index("red.release.gpu.global.add.u32", last_add)
     assert re.search(rf"barrier\.sync\s+{nvptx.DS_BARRIER},", main[last_add:released])
@@ -1281,3 +1285,38 @@ def test_a_deterministic_split_build_adds_dk_and_dv_in_the_groups_order(head_dim
     scratch = H.BACKEND.scratch(build.config, call)
     assert scratch["kv_count"] == 4 * 600 * 2
     assert "kv_count" not in H.BACKEND.scratch(replace(build.config, deterministic=False), call)
+
+
+@needs_ptxas
+def test_a_deterministic_split_group_takes_two_dq_writers_where_they_fit(monkeypatch,
+                                                                       tmp_path):
+    """Where a deterministic build splits the GQA group over CTAs, its configs try two dQ
+    writers first, then one (`configs`): the causal example's takes two (warps 1 and 2 of
+    the producer: 96 threads), each waiting for its step's turn, adding, freeing both
+    staging tiles (the next step's barriers) and then releasing its count; the document
+    mask's, whose consumers spill beside them, one; an unsplit group, one."""
+    monkeypatch.setenv("MHADSL_CACHE_DIR", str(tmp_path))
+    kern = mhadsl.compile(DETERMINISTIC % (128, ""))["t"]
+    configs = H.BACKEND.configs(kern.options, Layout(gqa_group=4, backward=True,
+                                                     deterministic=True))
+    split = [c.dq_writers for c in configs if c.split_group]
+    assert split == [2] * (len(split) // 2) + [1] * (len(split) // 2) and split
+    assert {c.dq_writers for c in configs if not c.split_group} == {1}
+    assert {c.dq_writers for c in H.BACKEND.configs(kern.options,
+                                                     Layout(deterministic=True))} == {1}
+    two = kern.backward_build("sm_90a", deterministic=True, gqa_group=4)
+    assert (two.backend, two.config.split_group, two.config.dq_writers) == (
+        "backward_sm90", True, 2)
+    main = two.ptx[two.ptx.index(f".entry {H.MAIN}("):]
+    assert re.search(r"setp\.lt\.u32\s+%p\d+, %r\d+, 96;", main)
+    waited = main.index("ld.acquire.gpu.global.u32")
+    freed = main.index("barrier.arrive", waited)
+    assert freed < main.index("red.release.gpu.global.add.u32", freed)
+    docs = next(p for p in EXAMPLES if p.name == "document_mask.mha")
+    one = mhadsl.compile(docs)["document_mask"].backward_build("sm_90a", deterministic=True,
+                                                                gqa_group=4)
+    assert (one.backend, one.config.split_group, one.config.dq_writers) == (
+        "backward_sm90", True, 1)
+    for build in (one, two):
+        for resources in build.assembled.kernels.values():
+            assert resources.spills == 0 and resources.stack_bytes == 0, resources

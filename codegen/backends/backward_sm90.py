@@ -106,11 +106,15 @@ shape gives way to the same configs without the split (`BackwardSM90.configs`).
 Deterministic mode (`BackwardConfig.deterministic`) keeps this kernel and fixes the order of
 each query tile's dQ adds, FlashAttention-3's way: the stats block of a (query tile, head)
 ends with a count of the K/V tiles that have added into it (zeroed by the preprocess); the
-writer warp waits until the count equals this K/V tile's place (`_dq_place`: the K/V tiles
-after it that the mask's classification keeps for the query tile), adds, and releases the
-count once its adds are complete: at its next step, after it has freed the staging tiles,
-so the consumers stage the next dQ meanwhile. Last K/V tile first: under a causal mask
-those reach their first query tile first. A CTA only waits for tiles handed
+writer warp waits until the count equals this K/V tile's place (`_dq_place`: the K/V
+tiles after it that the mask's classification keeps for the query tile), adds, and releases
+the count once its adds are complete. Where the GQA group is split over CTAs, two writer
+warps take the query steps in turn (`_write_dq_in_turn`), so one waits for its adds while
+the other adds the next step's; elsewhere, and where that build spills, one writer releases
+the count at its next step, after it has freed the staging tiles (`_write_dq`). (On an
+H200 two writers gained 7-9 % on split groups and lost 4-15 % on unmasked rows, head dim 64
+and short sequences: benchmarks/log/BENCHMARKS_LOG.md.) Last K/V tile first: under a causal mask those
+reach their first query tile first. A CTA only waits for tiles handed
 out before its own where the scheduler hands out each head's K/V tiles in order
 (`ORDERED_SCHEDULERS` in `ORDERED_SCHEDULES`, `adds_in_order`); under any other,
 deterministic calls run the sm80-style design. Without a mask every K/V tile adds into
@@ -202,6 +206,10 @@ class HopperBackwardConfig(BackwardConfig):
     # heads, and dK and dV are added into fp32 accumulators that `KV_POSTPROCESS` converts
     # (gqa_group > 1; deterministic mode adds them in the group's order: `_kv_turn`)
     split_group: bool = False
+    # the producer's warps that add dQ: a deterministic split group's first choice is two,
+    # taking the query steps in turn, so one waits for its adds to complete (and releases
+    # their count) while the other adds the next step's (`_write_dq_in_turn`)
+    dq_writers: int = 1
 
     @property
     def s_ahead(self) -> bool:
@@ -323,6 +331,9 @@ class HopperBackwardConfig(BackwardConfig):
             found.append(Problem(("split_group",), "the sm90 backward splits a GQA group's "
                                                    "query heads over CTAs only where there "
                                                    "are more than one per K/V head"))
+        if self.dq_writers not in (1, 2) or (self.dq_writers == 2 and not self.deterministic):
+            found.append(Problem(("dq_writers",), "the sm90 backward adds dQ with one writer "
+                                                  "warp, or two in deterministic mode"))
         if self.splits_kv_columns and self.stages != 1:
             # its one P^T tile is race-free through the one stage's empty mbarrier (`_offsets`)
             found.append(Problem(("stages",), "the sm90 backward has one stage at head dim 256"))
@@ -361,14 +372,14 @@ def _offsets(c: HopperBackwardConfig) -> dict[str, int]:
     dq = stats + c.stages * c.stats_bytes  # per stage: the tile's stats block
     dq_bytes = 4 * c.block_m * c.head_dim  # dQ's staging tile: a part per warpgroup
     bars = dq + dq_bytes
-    # K/V's mbarrier; per stage full, empty (`empty_barriers`); deterministic mode: the count
-    # the writer's last adds release (`_write_dq`; in shared memory, as the producer's
-    # registers are few)
-    pending = bars + (1 + (1 + c.empty_barriers) * c.stages) * hopper.MBARRIER_BYTES
-    end = pending + (8 if c.deterministic else 0)
+    # K/V's mbarrier; per stage full, empty (`empty_barriers`); deterministic mode: each
+    # writer's count to release once its adds are complete (`_write_dq`,
+    # `_write_dq_in_turn`; in shared memory, as the producer's registers are few)
+    counts = bars + (1 + (1 + c.empty_barriers) * c.stages) * hopper.MBARRIER_BYTES
+    end = counts + (8 * c.dq_writers if c.deterministic else 0)
     return dict(k=k, v=v, stage0=stage0, stage_bytes=stage_bytes, ds=ds, ds_bytes=ds_bytes,
                 p=p, p_bytes=p_bytes, stats=stats, dq=dq, dq_bytes=dq_bytes, bars=bars,
-                pending=pending, end=end)
+                counts=counts, end=end)
 
 
 def shared_bytes(config: HopperBackwardConfig) -> int:
@@ -738,6 +749,20 @@ def preprocess_abi(config: HopperBackwardConfig) -> KernelABI:
     return KernelABI(*abi, *_split_params(config)) if config.split_group else abi
 
 
+def _dq_barrier(b, first: int, group, parity: ir.Value) -> ir.Value:
+    """The named barrier of warpgroup `group`'s dQ staging tile (DQ_FULL_BARRIER or
+    DQ_EMPTY_BARRIER: `first`) at a query step of `parity` (deterministic mode's writers)."""
+    group = i32(group) if isinstance(group, int) else group
+    return b.add(b.add(i32(first), group), b.mul(parity, i32(nvptx.DQ_ODD_STEPS)))
+
+
+def _reload_shared_u64(b, address: ir.Value) -> ir.Value:
+    """The u64 at 32-bit shared address `address`, read where it stands (a volatile asm:
+    not kept live in registers from where it was stored)."""
+    return b.asm(ir.FunctionType(i64, [i32]), "ld.volatile.shared.u64 $0, [$1];", "=l,r",
+                 [address], True)
+
+
 def _st_shared_v4f32(b, address: ir.Value, values: list[ir.Value]) -> None:
     b.asm(ir.FunctionType(nvptx.void, [i32] + [f32] * 4),
           "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f,~{memory}",
@@ -916,6 +941,9 @@ class _HopperMain(_MainKernel):
         self.tile_count = b.alloca(i32, name="tile_count")
         b.store(i32(0), self.step_count)
         b.store(i32(0), self.tile_count)
+        if c.dq_writers == 2:  # (the writers' own: the loader's runs ahead of theirs)
+            self.writer_steps = b.alloca(i32, name="writer_steps")
+            b.store(i32(0), self.writer_steps)
         # full: the first producer lane's expect_tx; empty: every consumer thread
         self._init_barriers(b, [1] + [1] * c.stages
                             + [2 * hopper.WARPGROUP_THREADS] * c.stages * c.empty_barriers)
@@ -926,6 +954,11 @@ class _HopperMain(_MainKernel):
                 producer, consumer):
             with producer:
                 hopper.setmaxnreg(b, producer_registers, increase=False)
+                if c.dq_writers == 2:  # the odd writer frees the staging tiles for step 0
+                    odd_writer = b.icmp_unsigned("==", b.lshr(tid, i32(5)), i32(WRITER_WARP + 1))
+                    with b.if_then(odd_writer):
+                        for g in range(2):
+                            nvptx.barrier_arrive(b, i32(nvptx.DQ_EMPTY_BARRIER + g), DQ_PARTIES)
                 args = KernelArgs(self.a.function, main_abi(c), c, opaque_env=c.opaque_env,
                                   divergent_roles=True, trace_thread=None)  # consumers record
                 before = set(module.globals)
@@ -939,6 +972,11 @@ class _HopperMain(_MainKernel):
                 args = KernelArgs(self.a.function, main_abi(c), c, opaque_env=c.opaque_env,
                                   divergent_roles=True, trace_thread=hopper.WARPGROUP_THREADS)
                 work_loop(b, scheduler_view(args), self._consumer_tile)
+                if c.dq_writers == 2:  # the last step's writer freed the tiles for none
+                    group = b.lshr(self._tid(b), i32(7))
+                    parity = b.and_(b.load(self.step_count, typ=i32), i32(1))
+                    nvptx.barrier_named(b, _dq_barrier(b, nvptx.DQ_EMPTY_BARRIER, group, parity),
+                                        DQ_PARTIES, aligned=False)
         count_exit(b, self.a.queue)
         _hoist_allocas(b.function)
 
@@ -979,7 +1017,9 @@ class _HopperMain(_MainKernel):
     def _producer_tile(self, b, seq) -> None:
         """The producer's first warp: K and V of the work tile by TMA, then per query step,
         once the consumers freed its stage, Q, dO and the stats (`_load_step`). Its second
-        warp, the writer, adds each step's dQ into the accumulator (`_write_dq`)."""
+        warp, the writer, adds each step's dQ into the accumulator (`_write_dq`; in
+        deterministic mode the second and third warps, a step each in turn:
+        `_write_dq_in_turn`)."""
         c, a = self.c, self.a
         self._start_work_tile(b, seq)
         tid = nvptx.opaque_special_register(b, "tid.x")
@@ -1004,13 +1044,16 @@ class _HopperMain(_MainKernel):
 
                 self._each_step(b, load)
             with other:
-                with b.if_then(b.icmp_unsigned("<", tid, i32(32 * (WRITER_WARP + 1)))):
-                    if self.c.deterministic:
-                        with b.if_then(self._writer_lane(b)):
-                            b.store(i64(0), self._pending_count(b))
-                    self._each_step(b, lambda b, pair: self._write_dq(b, *pair()))
-                    if self.c.deterministic:
-                        self._release_pending_count(b)
+                with b.if_then(b.icmp_unsigned("<", tid, i32(32 * (WRITER_WARP + c.dq_writers)))):
+                    if c.dq_writers == 2:
+                        self._each_step(b, self._write_dq_in_turn)
+                    else:
+                        if c.deterministic:
+                            with b.if_then(self._writer_lane(b)):
+                                b.store(i64(0), self._pending_count(b))
+                        self._each_step(b, lambda b, pair: self._write_dq(b, *pair()))
+                        if c.deterministic:
+                            self._release_pending_count(b)
 
     def _each_step(self, b, visit) -> None:
         """visit(b, pair) for each of the work tile's steps `_next_step` keeps (the
@@ -1368,7 +1411,7 @@ class _HopperMain(_MainKernel):
         hopper.wgmma_wait_group(b, 1)
         if c.frees_stage_in_parts:  # dO and the stats are read
             hopper.mbarrier_arrive(b, self._dout_empty(b, stage))
-        self._stage_dq(b, group, hopper.fence_operands(b, dq), 0)
+        self._stage_dq(b, group, hopper.fence_operands(b, dq), 0, ds_buffer)
         q_freed = False
         for chunk in range(1, c.dq_chunks):
             # after dK's GEMM: a chunk issued under it serialises the wgmmas (ptxas C7512,
@@ -1381,7 +1424,7 @@ class _HopperMain(_MainKernel):
                 q_freed = True
             dq = self._issue_dq(b, group, ds_off, chunk)
             hopper.wgmma_wait_group(b, 0)
-            self._stage_dq(b, group, hopper.fence_operands(b, dq), chunk)
+            self._stage_dq(b, group, hopper.fence_operands(b, dq), chunk, ds_buffer)
         s_next = issue_next_s() if issue_next_s else []
         hopper.wgmma_wait_group(b, 1 if issue_next_s else 0)  # all but the next S^T's
         flat = hopper.fence_operands(b, dk + dv)
@@ -1463,15 +1506,17 @@ class _HopperMain(_MainKernel):
         hopper.wgmma_commit_group(b)
         return dq
 
-    def _stage_dq(self, b, group, dq, chunk: int):
+    def _stage_dq(self, b, group, dq, chunk: int, parity):
         """Chunk `chunk` of this warpgroup's dQ values (`_issue_dq`) into its staging tile
         in register order (the chunks' accumulators follow one another there), the first
         once the writer warp's last bulk reduce-add has read the tile; after the last the
-        writer adds the tile into the accumulator (`_write_dq`)."""
+        writer adds the tile into the accumulator (`_write_dq`; the barriers of the step's
+        `parity` where two writers take the steps in turn: `_write_dq_in_turn`)."""
         thread = self._group_thread(b, self._tid(b))
         if chunk == 0:
-            nvptx.barrier_named(b, b.add(group, i32(nvptx.DQ_EMPTY_BARRIER)), DQ_PARTIES,
-                                aligned=False)
+            empty = (b.add(group, i32(nvptx.DQ_EMPTY_BARRIER)) if self.c.dq_writers == 1
+                     else _dq_barrier(b, nvptx.DQ_EMPTY_BARRIER, group, parity))
+            nvptx.barrier_named(b, empty, DQ_PARTIES, aligned=False)
         start = b.add(self._addr(b, self._dq_tile(b, group)), b.shl(thread, i32(4)))
         for k in range(len(dq) // 4):
             vector = dq_chunk_vector(self.c, chunk, k)
@@ -1479,7 +1524,9 @@ class _HopperMain(_MainKernel):
                              dq[4 * k: 4 * k + 4])
         if chunk == self.c.dq_chunks - 1:
             hopper.fence_proxy_async(b)
-            nvptx.barrier_arrive(b, b.add(group, i32(nvptx.DQ_FULL_BARRIER)), DQ_PARTIES)
+            full = (b.add(group, i32(nvptx.DQ_FULL_BARRIER)) if self.c.dq_writers == 1
+                    else _dq_barrier(b, nvptx.DQ_FULL_BARRIER, group, parity))
+            nvptx.barrier_arrive(b, full, DQ_PARTIES)
 
     @staticmethod
     def _writer_lane(b) -> ir.Value:
@@ -1502,11 +1549,11 @@ class _HopperMain(_MainKernel):
         """The writer warp's part of a step: it frees each staging tile once its last bulk
         reduce-add has read it, then adds each, once written, into the accumulator's block
         of the query tile at q0 of head h with one bulk reduce-add (`dq_accum_position`),
-        issued by its first lane. In deterministic mode the block's adds come in a fixed
-        order: the first lane waits until the block's count says every K/V tile before
-        this one has added (`_dq_place`), and counts this one's add once it is done: at the
-        next step, once the staging tiles are free (the consumers stage the next dQ while the
-        adds complete), or at the work tile's end (`_release_pending_count`)."""
+        issued by its first lane. In deterministic mode (with one writer) the block's adds
+        come in a fixed order: the first lane waits until the block's count says every K/V
+        tile before this one has added (`_dq_place`), and counts this one's add once it is
+        done: at the next step, once the staging tiles are free (the consumers stage the next
+        dQ while the adds complete), or at the work tile's end (`_release_pending_count`)."""
         c = self.c
         lane0 = self._writer_lane(b)
         for g in range(2):  # the groups are committed in order: g's is the (2 - g)-th last
@@ -1525,16 +1572,78 @@ class _HopperMain(_MainKernel):
         for g in range(2):
             nvptx.barrier_named(b, i32(nvptx.DQ_FULL_BARRIER + g), DQ_PARTIES, aligned=False)
             with b.if_then(lane0):
-                row, col = c.dq_origin(g)
-                run = _accum_offset(b, c, self.a, self.bidx, self.q_start,
-                                    b.add(q0, i32(row)), h, i32(col))
-                hopper.bulk_reduce_add_f32(b, _gep(b, self.a.dq_accum, run, f32),
-                                           self._ptr(b, self._dq_tile(b, g)),
-                                           self._dq_part_bytes)
-                hopper.bulk_commit_group(b)
+                self._add_dq_part(b, h, q0, g)
         if c.deterministic:
             with b.if_then(lane0):
                 b.store(b.ptrtoint(count, i64), self._pending_count(b))
+
+    def _add_dq_part(self, b, h, q0, g: int) -> None:
+        """Warpgroup g's staging tile added into the accumulator's block of the query tile
+        at q0 of head h (this thread: a writer warp's first lane)."""
+        c = self.c
+        row, col = c.dq_origin(g)
+        run = _accum_offset(b, c, self.a, self.bidx, self.q_start, b.add(q0, i32(row)), h,
+                            i32(col))
+        hopper.bulk_reduce_add_f32(b, _gep(b, self.a.dq_accum, run, f32),
+                                   self._ptr(b, self._dq_tile(b, g)), self._dq_part_bytes)
+        hopper.bulk_commit_group(b)
+
+    def _write_dq_in_turn(self, b, pair) -> None:
+        """Deterministic mode's writers take the query steps in turn (the first warp the
+        even ones, by the role's step count, which runs on across work tiles). A writer's
+        step: its first lane waits until the block's count says every K/V tile before this
+        one has added (`_dq_place`), adds each staging tile once written, frees it (the
+        next step's barriers) once the adds have read it, and counts this K/V tile's add
+        once they are complete, while the other writer takes the next step. The odd steps'
+        barriers are the even steps' + DQ_ODD_STEPS; the odd writer frees the tiles for
+        the first step (`emit`), and the consumers meet the last step's freeing after
+        their work loop."""
+        c = self.c
+        step = b.load(self.writer_steps, typ=i32)
+        b.store(b.add(step, i32(1)), self.writer_steps)
+        parity = b.and_(step, i32(1))
+        tid = nvptx.opaque_special_register(b, "tid.x")
+        writer = b.sub(b.lshr(tid, i32(5)), i32(WRITER_WARP))
+        with b.if_then(b.icmp_unsigned("==", parity, writer)):
+            h, q0 = pair()
+            lane0 = b.icmp_unsigned("==", b.and_(tid, i32(31)), i32(0))
+            count = _gep(b, self.a.delta, _count_offset(b, c, self.a, self.bidx, self.q_start,
+                                                        q0, h), i32)
+            parked = b.add(i32(self.off["counts"]), b.shl(writer, i32(3)))
+            place = self._dq_place(b, h, q0)
+            with b.if_then(lane0):
+                b.store(b.ptrtoint(count, i64), b.inttoptr(self._addr(b, parked),
+                                                          i64.as_pointer(SHARED)))
+                # (the adds seen before this one's bulk adds)
+                self._wait_for_turn(b, count, place,
+                                    then=lambda: hopper.fence_proxy_async_global(b))
+            for g in range(2):
+                nvptx.barrier_named(b, _dq_barrier(b, nvptx.DQ_FULL_BARRIER, g, parity),
+                                    DQ_PARTIES, aligned=False)
+                with b.if_then(lane0):
+                    self._add_dq_part(b, h, q0, g)
+            for g in range(2):  # (the groups are committed in order, as in `_write_dq`)
+                with b.if_then(lane0):
+                    hopper.bulk_wait_group_read(b, 1 - g)
+                nvptx.barrier_arrive(b, _dq_barrier(b, nvptx.DQ_EMPTY_BARRIER, g,
+                                                    b.xor(parity, i32(1))), DQ_PARTIES)
+            with b.if_then(lane0):
+                count = _reload_shared_u64(b, self._addr(b, parked))
+                hopper.bulk_writes_released(b, b.inttoptr(count, self.a.delta.type))
+
+    def _pending_count(self, b) -> ir.Value:
+        """The shared word holding the address of the count the last step's adds release
+        (0: none), deterministic mode's with one writer."""
+        return self._ptr(b, self.off["counts"])
+
+    def _release_pending_count(self, b) -> None:
+        """The writer's first lane: once the last step's adds are done, their count goes up
+        (`hopper.bulk_writes_released`), if a step left one."""
+        with b.if_then(self._writer_lane(b)):
+            pending = b.load(self._pending_count(b), typ=i64)
+            with b.if_then(b.icmp_unsigned("!=", pending, i64(0))):
+                hopper.bulk_writes_released(b, b.inttoptr(pending, self.a.delta.type))
+                b.store(i64(0), self._pending_count(b))
 
     def _wait_for_turn(self, b, count, place, then=lambda: None) -> None:
         """Deterministic mode's wait (this thread) until global u32 `count` equals `place`
@@ -1546,20 +1655,6 @@ class _HopperMain(_MainKernel):
         with b.if_then(late, likely=False):
             faults.record_fault(b, self.a.queue, i32(abi.fault_code(
                 abi.DQ_ORDER_WAIT, "advance")), abi.scheduler_id(self.scheduler))
-
-    def _pending_count(self, b) -> ir.Value:
-        """The shared word holding the address of the count the last step's adds release
-        (0: none)."""
-        return self._ptr(b, self.off["pending"])
-
-    def _release_pending_count(self, b) -> None:
-        """The writer's first lane: once the last step's adds are done, their count goes up
-        (`hopper.bulk_writes_released`), if a step left one."""
-        with b.if_then(self._writer_lane(b)):
-            pending = b.load(self._pending_count(b), typ=i64)
-            with b.if_then(b.icmp_unsigned("!=", pending, i64(0))):
-                hopper.bulk_writes_released(b, b.inttoptr(pending, self.a.delta.type))
-                b.store(i64(0), self._pending_count(b))
 
     def _dq_place(self, b, h, q0) -> ir.Value:
         """This K/V tile's place among those that add into the query tile at q0 of head h
@@ -1643,17 +1738,20 @@ class BackwardSM90(sm80.BackwardDesign):
 
     def configs(self, options, layout: Layout) -> tuple[HopperBackwardConfig, ...]:
         """The declaration's config in its IR shapes: P^T under dP^T's GEMM or after it, the
-        scheduler's inputs rederived per step or held; a split group's, then the same
-        without the split. Few, as a build that fits none falls back to the sm80 design's
+        scheduler's inputs rederived per step or held; a split group's (deterministic: with
+        two dQ writers, then one), then the same without the split. Few, as a build that fits none falls back to the sm80 design's
         only after trying them all."""
         config = declared_config(options, layout)
         tiles = dict.fromkeys((config.block_m, 64))  # (128 query rows at head dim 64 first)
         splits = (REGISTERS, WRITER_REGISTERS) if config.deterministic else (REGISTERS,)
+
+        def writers(split: bool) -> tuple[int, ...]:  # (two only pay on a split group)
+            return (2, 1) if config.deterministic and split else (1,)
         return tuple(replace(config, split_group=split, block_m=rows, opaque_env=opaque,
-                             overlap_dp=overlap, registers=registers)
+                             overlap_dp=overlap, registers=registers, dq_writers=n)
                      for split in dict.fromkeys((config.split_group, False))
-                     for registers in splits for rows in tiles for overlap in (True, False)
-                     for opaque in (True, False))
+                     for n in writers(split) for registers in splits for rows in tiles
+                     for overlap in (True, False) for opaque in (True, False))
 
     def scheduler_shape(self, config: HopperBackwardConfig) -> tuple[int, int]:
         """K/V tiles of block_n rows; a split group's heads are query heads, gqa_group of
