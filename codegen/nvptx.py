@@ -110,12 +110,13 @@ def red_add_f32_if(builder: ir.IRBuilder, pointer: ir.Value, value: ir.Value,
                 True)
 
 
-def reload_shared(builder: ir.IRBuilder, address: ir.Value) -> ir.Value:
-    """The u32 at 32-bit shared address `address`, read by a volatile asm exactly where it
-    stands: neither LLVM nor ptxas keeps the value live from an earlier read, so a value a
-    kernel parks in shared memory costs no register between its uses."""
-    return builder.asm(ir.FunctionType(i32, [i32]), "ld.volatile.shared.u32 $0, [$1];",
-                       "=r,r", [address], True)
+def reload_shared(builder: ir.IRBuilder, address: ir.Value, bits: int = 32) -> ir.Value:
+    """The u32 (or u64: `bits`) at 32-bit shared address `address`, read by a volatile asm
+    exactly where it stands: neither LLVM nor ptxas keeps the value live from an earlier
+    read, so a value a kernel parks in shared memory costs no register between its uses."""
+    return builder.asm(ir.FunctionType(ir.IntType(bits), [i32]),
+                       f"ld.volatile.shared.u{bits} $0, [$1];",
+                       ("=r" if bits == 32 else "=l") + ",r", [address], True)
 
 
 # ----------------------------------------------------------------- barriers

@@ -756,13 +756,6 @@ def _dq_barrier(b, first: int, group, parity: ir.Value) -> ir.Value:
     return b.add(b.add(i32(first), group), b.mul(parity, i32(nvptx.DQ_ODD_STEPS)))
 
 
-def _reload_shared_u64(b, address: ir.Value) -> ir.Value:
-    """The u64 at 32-bit shared address `address`, read where it stands (a volatile asm:
-    not kept live in registers from where it was stored)."""
-    return b.asm(ir.FunctionType(i64, [i32]), "ld.volatile.shared.u64 $0, [$1];", "=l,r",
-                 [address], True)
-
-
 def _st_shared_v4f32(b, address: ir.Value, values: list[ir.Value]) -> None:
     b.asm(ir.FunctionType(nvptx.void, [i32] + [f32] * 4),
           "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f,~{memory}",
@@ -1628,7 +1621,7 @@ class _HopperMain(_MainKernel):
                 nvptx.barrier_arrive(b, _dq_barrier(b, nvptx.DQ_EMPTY_BARRIER, g,
                                                     b.xor(parity, i32(1))), DQ_PARTIES)
             with b.if_then(lane0):
-                count = _reload_shared_u64(b, self._addr(b, parked))
+                count = nvptx.reload_shared(b, self._addr(b, parked), 64)
                 hopper.bulk_writes_released(b, b.inttoptr(count, self.a.delta.type))
 
     def _pending_count(self, b) -> ir.Value:
