@@ -346,7 +346,9 @@ class FunctionLowering:
     def arith(self, op: str, a: ir.Value, b: ir.Value, signed: bool, ty: Ty) -> ir.Value:
         B = self.b
         if ty == F32 or a.type == f32:
-            if op in ("==", "!=", "<", "<=", ">", ">="):
+            if op == "!=":  # (IEEE, as NumPy: a NaN is unequal to everything, itself too)
+                return B.fcmp_unordered(op, a, b)
+            if op in ("==", "<", "<=", ">", ">="):
                 return B.fcmp_ordered(op, a, b)
             divide = (lambda x, y: nvptx.divide(B, x, y)) if self.gpu else B.fdiv
             return {"+": B.fadd, "-": B.fsub, "*": B.fmul, "/": divide}[op](a, b)

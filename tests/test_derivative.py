@@ -204,3 +204,27 @@ def test_lowered_derivative_matches_the_reference(expr):
         s = float(np.float32(s))
         want = evaluate_rule(derivative, derived, s=s, b=0, h=h, q_idx=q, kv_idx=kv)
         assert run(s, 0, h, q, kv) == pytest.approx(float(want), rel=1e-4, abs=1e-6)
+
+
+
+NAN_BESIDE_S = "log(f32(q_idx) - 10.0)"  # a NaN at q_idx < 10, 2.30 at q_idx = 20
+
+
+@pytest.mark.parametrize("expr", [f"min(s, {NAN_BESIDE_S})", f"max(s, {NAN_BESIDE_S})",
+                                  f"min({NAN_BESIDE_S}, s)", f"max({NAN_BESIDE_S}, s)"])
+def test_min_and_max_follow_a_number_past_a_nan(expr):
+    """min / max of s and a NaN are s (minnum/maxnum, NumPy's fmin/fmax), so their derivative
+    is 1, in the reference and in the lowering; beside a number it follows the operand
+    returned, as before."""
+    rule, program = score_rule(expr)
+    derivative, derived = differentiate_score(rule, program)
+    run = host_function(derivative, derived)
+    pick = np.fmin if expr.startswith("min") else np.fmax
+    for q_idx in (3, 9, 20):
+        for s in (-2.0, 0.5, 3.0):
+            value = evaluate_rule(rule, program, s=s, b=0, h=0, q_idx=q_idx, kv_idx=0)
+            assert value == pick(s, np.log(q_idx - 10.0) if q_idx > 10 else np.nan)
+            want = 1.0 if value == s else 0.0
+            assert evaluate_score_derivative(rule, program, s=s, b=0, h=0, q_idx=q_idx,
+                                             kv_idx=0) == want
+            assert run(s, 0, 0, q_idx, 0) == want

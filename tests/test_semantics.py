@@ -1,6 +1,8 @@
 """The language's integer semantics are defined, and the same in the host JIT (which the
 simulator runs), the GPU's IR and the NumPy reference (mhadsl.front.semantics)."""
 import ctypes
+import math
+import operator
 import re
 
 import numpy as np
@@ -99,6 +101,24 @@ def test_float_to_int_saturates_the_same_on_the_host():
     assert float_to_int(np.array([1e10, -1e10, np.nan, -2.5]), I32).tolist() == \
         [I32_MAX, I32_MIN, 0, -2]
     assert float_to_int(np.array([-5.0, 1e20]), U32).tolist() == [0, U32_MAX]
+
+
+@pytest.mark.parametrize("op", ["==", "!=", "<", "<=", ">", ">="])
+def test_float_comparisons_with_a_nan_are_ieees_everywhere(op):
+    """A comparison with a NaN is false but `!=`, which is true (IEEE 754, NumPy): in the
+    host JIT, which lowers rules as the kernels do, and in the reference."""
+    meaning = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le,
+               ">": operator.gt, ">=": operator.ge}[op]
+    run = host_jit(f"where(sqrt(f32(x) - 100.0) {op} f32(y), 1, 0)", "i32")
+    program = checked(f"""
+attention a {{
+    mask(b, h, q_idx, kv_idx) = sqrt(f32(q_idx) - 100.0) {op} f32(kv_idx)
+}}""")
+    rule = program.attentions["a"].rules[0]
+    for x, y in ((50, 2), (104, 2), (104, 3), (50, 50)):  # sqrt(-50) is a NaN
+        want = meaning(math.sqrt(x - 100.0) if x >= 100 else math.nan, float(y))
+        assert run(x, y) == int(want), (x, op, y)
+        assert bool(evaluate_rule(rule, program, b=0, h=0, q_idx=x, kv_idx=y)) == want
 
 
 def gpu_ir(body: str, optimized: bool = True) -> str:

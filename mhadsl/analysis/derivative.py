@@ -199,6 +199,10 @@ class _Differentiator:
         self.refs[e] = Symbol("local", let.name, F32, let)
         return e
 
+    def may_be_nan(self, e: ast.Expr) -> bool:
+        """Whether `e` could be a NaN: an f32 value that is no literal."""
+        return self.type(e) == F32 and not isinstance(e, (ast.FloatLit, ast.IntLit))
+
     def value_of(self, e: ast.Expr) -> float | None:
         return e.value if isinstance(e, ast.FloatLit) else None
 

@@ -23,7 +23,8 @@ A derivative is written in forward mode, by the chain rule: from the arguments a
 own derivatives `d.of(arg)` it makes the call's derivative, in expressions the builder `d`
 makes and simplifies. At a kink it takes one side: `abs` has derivative 0 at 0 (PyTorch's
 convention), `max(a, b)` follows `a` when a >= b and `min(a, b)` follows `a` when a <= b
-(so `max(s, 0)` has derivative 1 at 0), and `where(c, a, b)` follows the branch it takes
+(so `max(s, 0)` has derivative 1 at 0; where `b` is a NaN, which loses, they follow `a`),
+and `where(c, a, b)` follows the branch it takes
 (the condition is not differentiated). The casts to integers and `cdiv` have integer
 values: no derivative.
 """
@@ -312,8 +313,13 @@ def _d_abs(d, x):  # sign(x) dx, 0 at x = 0
 
 
 def _d_pick(cmp: str) -> Callable:
-    """min / max follow the operand they return; `a` on a tie."""
-    return lambda d, a, b: d.where(d.compare(cmp, a, b), d.of(a), d.of(b))
+    """min / max follow the operand they return: `a` on a tie, and where `b` is a NaN (which
+    loses to a number)."""
+    def derivative(d, a, b):
+        da, db = d.of(a), d.of(b)
+        picked = d.where(d.compare(cmp, a, b), da, db)
+        return d.where(d.compare("!=", b, b), da, picked) if d.may_be_nan(b) else picked
+    return derivative
 
 
 def _d_where(d, c, a, b):  # the condition is not differentiated
