@@ -134,6 +134,17 @@ class FunctionLowering:
         ty = self.program.types[e]
         return self.default_int if ty == INT_LITERAL else ty
 
+    def operand_types(self, left: ast.Expr, right: ast.Expr) -> tuple[Ty, Ty]:
+        """The types two operands of an operator meet in: a literal takes the other's (as
+        the checker and the reference give it: `u32(x) < 100` compares unsigned)."""
+        lt, rt = self.program.types[left], self.program.types[right]
+        if lt == INT_LITERAL and rt != INT_LITERAL:
+            lt = rt
+        elif rt == INT_LITERAL and lt != INT_LITERAL:
+            rt = lt
+        return self.ty(left) if lt == INT_LITERAL else lt, \
+            self.ty(right) if rt == INT_LITERAL else rt
+
     def signed(self, e: ast.Expr) -> bool:
         return self.ty(e) == I32
 
@@ -238,8 +249,9 @@ class FunctionLowering:
         value = self.operand(s.value, self.ty(target))
         if s.op != "=":
             current = self.expr(target)  # loads the old value
-            value = self.arith(s.op[:-1], current, value, self.ty(s.value) == I32
-                               or self.ty(target) == I32, self.ty(target))
+            value_ty, target_ty = self.operand_types(s.value, target)
+            value = self.arith(s.op[:-1], current, value, I32 in (value_ty, target_ty),
+                               self.ty(target))
         if isinstance(target, ast.Name):
             sym = self.program.refs[target]
             self.b.store(value, self.locals[sym.node])
@@ -338,7 +350,7 @@ class FunctionLowering:
         """One operator; `left` is its left operand already lowered (None: lower it)."""
         if e.op in ("&&", "||"):
             return self.short_circuit(e, self.expr(e.left) if left is None else left)
-        lt, rt = self.ty(e.left), self.ty(e.right)
+        lt, rt = self.operand_types(e.left, e.right)
         common = F32 if F32 in (lt, rt) else (I32 if I32 in (lt, rt) else lt)
         left = self.operand(e.left, common) if left is None else self.coerce(left, lt, common)
         return self.arith(e.op, left, self.operand(e.right, common), common == I32, common)

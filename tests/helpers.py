@@ -1,10 +1,17 @@
 """Small helpers shared by the tests."""
+import ctypes
 import threading
 from pathlib import Path
 
 import pytest
+from llvmlite import ir
 
+from mhadsl.codegen.kernel import SCORE_ROLES
+from mhadsl.codegen.lower import Builtins, FunctionLowering
+from mhadsl.codegen.nvptx import f32, i32
+from mhadsl.codegen.target import HOST, HostJit, new_module
 from mhadsl.front.check import CheckedProgram
+from mhadsl.front.types import F32, I32
 from mhadsl.pipeline import front_end
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,3 +42,18 @@ def fake_launcher(launch):
     def launcher(grid, threads, shared_bytes, params):
         return lambda stream: launch(grid, threads, shared_bytes, stream, params)
     return launcher
+
+
+def host_score(rule, program):
+    """`rule` lowered through the LLVM lowering and compiled for the host (f32, libm math),
+    as a Python callable of (s, b, h, q_idx, kv_idx); it keeps its JIT alive."""
+    module = new_module("score", HOST)
+    fn = ir.Function(module, ir.FunctionType(f32, [f32] + [i32] * 4), "score")
+    builder = ir.IRBuilder(fn.append_basic_block())
+    lower = FunctionLowering(builder, program, Builtins(), dict(zip(SCORE_ROLES, fn.args)),
+                             default_int=I32)
+    builder.ret(lower.load_value(lower.lower_body(rule.body, F32)))
+    jit = HostJit(module)
+    call = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_float, *[ctypes.c_int32] * 4)(
+        jit.address("score"))
+    return lambda *args: (jit, call(*args))[1]

@@ -1,23 +1,16 @@
 """d score / d s (mhadsl.analysis.derivative) against central finite differences, on CPU."""
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
-from llvmlite import ir
 
-from helpers import EXAMPLES, checked
+from helpers import EXAMPLES, checked, host_score
 from mhadsl.front import ast
 from mhadsl.front.builtin_functions import FUNCTIONS
-from mhadsl.codegen.kernel import SCORE_ROLES
-from mhadsl.codegen.lower import Builtins, FunctionLowering
-from mhadsl.codegen.nvptx import f32, i32
-from mhadsl.codegen.target import HOST, HostJit, new_module
 from mhadsl.analysis.derivative import differentiate_score
 from mhadsl.front.diagnostics import MhaError
 from mhadsl.analysis.reference import evaluate_rule, evaluate_score_derivative
-from mhadsl.front.types import BOOL, F32, I32
+from mhadsl.front.types import BOOL, F32
 
 RNG = np.random.default_rng(22)
 N = 400  # random points per case
@@ -179,26 +172,11 @@ def test_assignment_is_not_supported_yet():
 
 
 # ------------------------------------------------------------------ the lowering compiles it
-def host_function(rule, program):
-    """`rule` lowered through the LLVM lowering and compiled for the host (f32, libm math),
-    as a Python callable of (s, b, h, q_idx, kv_idx); it keeps its JIT alive."""
-    module = new_module("score", HOST)
-    fn = ir.Function(module, ir.FunctionType(f32, [f32] + [i32] * 4), "score")
-    builder = ir.IRBuilder(fn.append_basic_block())
-    lower = FunctionLowering(builder, program, Builtins(), dict(zip(SCORE_ROLES, fn.args)),
-                             default_int=I32)
-    builder.ret(lower.load_value(lower.lower_body(rule.body, F32)))
-    jit = HostJit(module)
-    call = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_float, *[ctypes.c_int32] * 4)(
-        jit.address("score"))
-    return lambda *args: (jit, call(*args))[1]
-
-
 @pytest.mark.parametrize("expr", COMPOSITES[:3] + COMPOSITES[4:5] + COMPOSITES[-1:])
 def test_lowered_derivative_matches_the_reference(expr):
     rule, program = score_rule(expr)
     derivative, derived = differentiate_score(rule, program)
-    run = host_function(derivative, derived)
+    run = host_score(derivative, derived)
     for s, h, q, kv in zip(RNG.uniform(-6, 6, 50), RNG.integers(0, 8, 50),
                            RNG.integers(0, 20, 50), RNG.integers(0, 20, 50)):
         s = float(np.float32(s))
@@ -218,7 +196,7 @@ def test_min_and_max_follow_a_number_past_a_nan(expr):
     returned, as before."""
     rule, program = score_rule(expr)
     derivative, derived = differentiate_score(rule, program)
-    run = host_function(derivative, derived)
+    run = host_score(derivative, derived)
     pick = np.fmin if expr.startswith("min") else np.fmax
     for q_idx in (3, 9, 20):
         for s in (-2.0, 0.5, 3.0):

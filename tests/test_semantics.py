@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from helpers import STD, checked
+from helpers import STD, checked, host_score
 from mhadsl.front.semantics import I32_MAX, I32_MIN, U32_MAX, float_to_int, int_binary
 from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
 from mhadsl.codegen.trace_kernel import build_trace_kernel
@@ -119,6 +119,24 @@ attention a {{
         want = meaning(math.sqrt(x - 100.0) if x >= 100 else math.nan, float(y))
         assert run(x, y) == int(want), (x, op, y)
         assert bool(evaluate_rule(rule, program, b=0, h=0, q_idx=x, kv_idx=y)) == want
+
+
+@pytest.mark.parametrize("body, want", [
+    ("= where(u32(q_idx - kv_idx) < 100, 1.0, 0.0)", 0.0),  # 4294962313 < 100: unsigned
+    ("= f32(u32(kv_idx) % 4294967295)", 4993.0),
+    ("= f32(u32(kv_idx) / 4294967295)", 0.0),
+    ("= f32((u32(q_idx) - 20) / 2 >> 30)", 1.0),
+    ("{ var x = u32(q_idx - kv_idx)\n x /= 2\n return f32(x >> 30) }", 1.0),
+    ("{ var x = q_idx - kv_idx\n x /= 2\n return f32(x) }", -2491.0),
+])
+def test_a_literal_takes_the_other_operands_type_in_rules(body, want):
+    """In a mask or score an integer literal beside a u32 is a u32, in the lowering (which
+    the kernels run, here JIT-compiled for the host) as in the checker and the reference:
+    comparisons, division and compound assignment are unsigned (q_idx 10, kv_idx 4993)."""
+    program = checked(f"attention a {{ score(s, b, h, q_idx, kv_idx) {body} }}")
+    rule = program.attentions["a"].rules[0]
+    assert evaluate_rule(rule, program, s=0.0, b=0, h=0, q_idx=10, kv_idx=4993) == want
+    assert host_score(rule, program)(0.0, 0, 0, 10, 4993) == want
 
 
 def gpu_ir(body: str, optimized: bool = True) -> str:
