@@ -7,6 +7,8 @@ import re
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from helpers import STD, checked, host_score
 from mhadsl.front.semantics import I32_MAX, I32_MIN, U32_MAX, float_to_int, int_binary
@@ -137,6 +139,67 @@ def test_a_literal_takes_the_other_operands_type_in_rules(body, want):
     rule = program.attentions["a"].rules[0]
     assert evaluate_rule(rule, program, s=0.0, b=0, h=0, q_idx=10, kv_idx=4993) == want
     assert host_score(rule, program)(0.0, 0, 0, 10, 4993) == want
+
+
+# Random integer rules (i32 and u32 mixed through casts, literals at the types' limits, where,
+# shifts, division, compound assignment): the lowering the kernels run and the reference
+# give the same bits.
+INT_ATOMS = ["b", "h", "q_idx", "kv_idx", "0", "1", "-1", "7", "-13", "31", "32", "33",
+             "2147483647", "-2147483648", "4294967295", "65537", "u32(q_idx)",
+             "u32(q_idx - kv_idx)", "u32(kv_idx - q_idx)", "i32(s)", "u32(s)"]
+OPERATORS = ["+", "-", "*", "/", "%", "&", "|", "^", "<<", ">>"]
+
+
+@st.composite
+def int_rules(draw, depth: int = 3):
+    if depth == 0 or draw(st.integers(0, 3)) == 0:
+        return draw(st.sampled_from(INT_ATOMS))
+    a, b = draw(int_rules(depth - 1)), draw(int_rules(depth - 1))
+    kind = draw(st.sampled_from(["binary", "literal", "call", "call2", "where", "cast",
+                                 "unary"]))
+    if kind == "binary":
+        return f"({a} {draw(st.sampled_from(OPERATORS))} {b})"
+    if kind == "literal":  # (a literal takes the other operand's type)
+        op = draw(st.sampled_from(OPERATORS + ["<", ">="]))
+        literal = draw(st.sampled_from(["3", "31", "33", "2147483647", "3000000000"]))
+        return f"where(u32({a}) {op} {literal}, 1, 0)" if op in ("<", ">=") else \
+            f"(u32({a}) {op} {literal})"
+    if kind == "call":
+        return f"abs({a})"
+    if kind == "call2":
+        return f"{draw(st.sampled_from(['min', 'max', 'cdiv']))}({a}, {b})"
+    if kind == "where":
+        cmp = draw(st.sampled_from(["<", "==", ">=", "!="]))
+        return f"where({a} {cmp} {b}, {draw(int_rules(depth - 1))}, {b})"
+    if kind == "cast":
+        return f"{draw(st.sampled_from(['i32', 'u32']))}({a})"
+    return f"{draw(st.sampled_from(['-', '~']))}{a}"
+
+
+@st.composite
+def int_bodies(draw):
+    if draw(st.booleans()):
+        return f"= f32(i32(u32({draw(int_rules())}) & 65535))"
+    ty, op = draw(st.sampled_from(["i32", "u32"])), draw(st.sampled_from(OPERATORS))
+    return (f"{{ var x = {ty}({draw(int_rules(2))})\n x {op}= {draw(st.sampled_from(INT_ATOMS))}"
+            f"\n return f32(i32(u32(x) & 65535)) }}")
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(body=int_bodies(), seed=st.integers(0, 2**32 - 1))
+def test_the_lowering_is_the_reference_on_random_integer_rules(body, seed):
+    try:
+        program = checked(f"attention a {{ score(s, b, h, q_idx, kv_idx) {body} }}")
+    except MhaError:
+        return  # (a literal that does not fit its type, say)
+    rule = program.attentions["a"].rules[0]
+    run = host_score(rule, program)
+    rng = np.random.default_rng(seed)
+    for s in (float(np.float32(rng.uniform(-1e10, 1e10))), 2.5, math.nan, -3e9):
+        b, h, q_idx, kv_idx = (int(v) for v in rng.integers(0, (4, 8, 5000, 5000)))
+        want = evaluate_rule(rule, program, s=s, b=b, h=h, q_idx=q_idx, kv_idx=kv_idx)
+        assert run(s, b, h, q_idx, kv_idx) == want, (body, s, b, h, q_idx, kv_idx)
 
 
 def gpu_ir(body: str, optimized: bool = True) -> str:
