@@ -53,6 +53,8 @@ attention window_d64 { dtype = bf16  head_dim = 64
                        mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx && q_idx - kv_idx < 300 }
 attention causal_holes { dtype = bf16  head_dim = 128
                          mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx && kv_idx / 128 % 3 != 1 }
+attention unsigned_window { dtype = bf16  head_dim = 128
+                            mask(b, h, q_idx, kv_idx) = u32(q_idx - kv_idx) < 300 }
 """
 SCHEDULER_KERNELS = [n for n in mhadsl.compile(EXTRA, name="x").attentions
                      if n.split("_")[0] in ("transient", "persistent", "queued", "lpt", "user")]
@@ -193,6 +195,14 @@ def test_kv_ranges_past_one_round_of_the_tile_search(name, backend):
     kern = extra(name, backend)
     assert_matches(kern, dense(kern, 1, 9000, 9000, 1, 1))
     assert_matches(kern, ragged(kern, [9000, 40, 4500], [9000, 40, 4500], 1, 1))
+
+
+def test_a_literal_beside_a_u32_is_a_u32(backend):
+    """`u32(q_idx - kv_idx) < 300` is a causal window of 300 keys (a key after its query
+    wraps to a huge u32): the kernels compare unsigned, as the reference does."""
+    kern = extra("unsigned_window", backend)
+    assert_matches(kern, dense(kern, 1, 1000, 1000, 2, 2))
+    assert_matches(kern, ragged(kern, RAGGED, RAGGED, 2, 2))
 
 
 @pytest.mark.parametrize("name", ["lse_fp16", "causal_lse_d256", "plain_lse_d64"])
