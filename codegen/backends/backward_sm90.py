@@ -111,11 +111,10 @@ tiles after it that the mask's classification keeps for the query tile), adds, a
 the count once its adds are complete. Where the GQA group is split over CTAs, two writer
 warps take the query steps in turn (`_write_dq_in_turn`), so one waits for its adds while
 the other adds the next step's; elsewhere, and where that build spills, one writer releases
-the count at its next step, after it has freed the staging tiles (`_write_dq`). (On an
-H200 two writers gained 7-9 % on split groups and lost 4-15 % on unmasked rows, head dim 64
-and short sequences: benchmarks/log/BENCHMARKS_LOG.md.) Last K/V tile first: under a causal mask those
-reach their first query tile first. A CTA only waits for tiles handed
-out before its own where the scheduler hands out each head's K/V tiles in order
+the count at its next step, after it has freed the staging tiles (`_write_dq`). (Two
+writers measured +7-9 % on split groups, -4-15 % elsewhere: benchmarks/log.) Last K/V tile
+first: under a causal mask those reach their first query tile first. A CTA only waits for
+tiles handed out before its own where the scheduler hands out each head's K/V tiles in order
 (`ORDERED_SCHEDULERS` in `ORDERED_SCHEDULES`, `adds_in_order`); under any other,
 deterministic calls run the sm80-style design. Without a mask every K/V tile adds into
 every query tile: a head's K/V tiles handed out together wait for one another at each one,
@@ -749,9 +748,11 @@ def preprocess_abi(config: HopperBackwardConfig) -> KernelABI:
     return KernelABI(*abi, *_split_params(config)) if config.split_group else abi
 
 
-def _dq_barrier(b, first: int, group, parity: ir.Value) -> ir.Value:
+def _dq_barrier(b, first: int, group, parity: ir.Value | None) -> ir.Value:
     """The named barrier of warpgroup `group`'s dQ staging tile (DQ_FULL_BARRIER or
-    DQ_EMPTY_BARRIER: `first`) at a query step of `parity` (deterministic mode's writers)."""
+    DQ_EMPTY_BARRIER: `first`); with two writers, that of a query step of `parity`."""
+    if parity is None:
+        return b.add(group, i32(first))
     group = i32(group) if isinstance(group, int) else group
     return b.add(b.add(i32(first), group), b.mul(parity, i32(nvptx.DQ_ODD_STEPS)))
 
@@ -1506,10 +1507,10 @@ class _HopperMain(_MainKernel):
         writer adds the tile into the accumulator (`_write_dq`; the barriers of the step's
         `parity` where two writers take the steps in turn: `_write_dq_in_turn`)."""
         thread = self._group_thread(b, self._tid(b))
+        parity = parity if self.c.dq_writers == 2 else None
         if chunk == 0:
-            empty = (b.add(group, i32(nvptx.DQ_EMPTY_BARRIER)) if self.c.dq_writers == 1
-                     else _dq_barrier(b, nvptx.DQ_EMPTY_BARRIER, group, parity))
-            nvptx.barrier_named(b, empty, DQ_PARTIES, aligned=False)
+            nvptx.barrier_named(b, _dq_barrier(b, nvptx.DQ_EMPTY_BARRIER, group, parity),
+                                DQ_PARTIES, aligned=False)
         start = b.add(self._addr(b, self._dq_tile(b, group)), b.shl(thread, i32(4)))
         for k in range(len(dq) // 4):
             vector = dq_chunk_vector(self.c, chunk, k)
@@ -1517,9 +1518,8 @@ class _HopperMain(_MainKernel):
                              dq[4 * k: 4 * k + 4])
         if chunk == self.c.dq_chunks - 1:
             hopper.fence_proxy_async(b)
-            full = (b.add(group, i32(nvptx.DQ_FULL_BARRIER)) if self.c.dq_writers == 1
-                    else _dq_barrier(b, nvptx.DQ_FULL_BARRIER, group, parity))
-            nvptx.barrier_arrive(b, full, DQ_PARTIES)
+            nvptx.barrier_arrive(b, _dq_barrier(b, nvptx.DQ_FULL_BARRIER, group, parity),
+                                 DQ_PARTIES)
 
     @staticmethod
     def _writer_lane(b) -> ir.Value:
@@ -1732,8 +1732,8 @@ class BackwardSM90(sm80.BackwardDesign):
     def configs(self, options, layout: Layout) -> tuple[HopperBackwardConfig, ...]:
         """The declaration's config in its IR shapes: P^T under dP^T's GEMM or after it, the
         scheduler's inputs rederived per step or held; a split group's (deterministic: with
-        two dQ writers, then one), then the same without the split. Few, as a build that fits none falls back to the sm80 design's
-        only after trying them all."""
+        two dQ writers, then one), then the same without the split. Few, as a build that
+        fits none falls back to the sm80 design's only after trying them all."""
         config = declared_config(options, layout)
         tiles = dict.fromkeys((config.block_m, 64))  # (128 query rows at head dim 64 first)
         splits = (REGISTERS, WRITER_REGISTERS) if config.deterministic else (REGISTERS,)
