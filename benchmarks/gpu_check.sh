@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Everything this project verifies on a GPU, in one go (the HARDENING.md figures and the
 # benchmark figures recorded in benchmarks/results.json): the GPU test layer,
-# compute-sanitizer over every design, and the benchmark tables (both designs
-# side by side, the default design's, tile variants; the default scheduler against the
-# standard ones; decode on uniform and heavy-tailed
-# batches, paged against contiguous caches; the backward pass and its score rules against
-# FlexAttention; token generation with a small model; packed documents; a learned score tensor's
-# gradient; an FP8 cache and a serving step's pieces). Logs go to $1 (default gpu-check/).
+# compute-sanitizer over every design, and the benchmark tables (both designs side by side,
+# the default design's, tile variants; the default scheduler against the standard ones;
+# decode on uniform and heavy-tailed batches, paged against contiguous caches; the backward
+# pass and its score rules against FlexAttention; token generation with a small model; masks
+# and scores that read operands: packed documents, a bias table, run-time scalars; a learned
+# score tensor's gradient; an FP8 cache and a serving step's pieces). Logs go to $1 (default
+# gpu-check/).
 #     bash benchmarks/gpu_check.sh [LOG_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,7 +42,7 @@ python3 benchmarks/decode.py --workload all --chunks-per-sm 1,2,4 2>&1 | tee "$l
 python3 benchmarks/decode.py --workload paged 2>&1 | tee "$logs/decode_paged.log" | tail -26 || status=1
 python3 benchmarks/backward.py 2>&1 | tee "$logs/backward.log" | tail -16 || status=1
 python3 benchmarks/generate.py 2>&1 | tee "$logs/generate.log" | tail -24 || status=1
-python3 benchmarks/documents.py 2>&1 | tee "$logs/documents.log" | tail -8 || status=1
+python3 benchmarks/operands.py 2>&1 | tee "$logs/operands.log" | tail -30 || status=1
 python3 benchmarks/operand_grads.py 2>&1 | tee "$logs/operand_grads.log" | tail -12 || status=1
 python3 benchmarks/decode_fp8.py 2>&1 | tee "$logs/decode_fp8.log" | tail -10 || status=1
 python3 benchmarks/serving_step.py 2>&1 | tee "$logs/serving_step.log" | tail -10 || status=1

@@ -155,3 +155,23 @@ def test_hopper_benchmark_refuses_fewer_than_one_run():
     done = subprocess.run([sys.executable, str(script), "--runs", "0"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--runs 0: at least 1" in done.stderr
+
+
+def test_operands_benchmark_compares_like_with_like():
+    """`benchmarks/operands.py`: each run-time row's kernel reads exactly the scalars the row
+    passes, and its constant twin reads none; a ratio is the peer's time over ours, run by
+    run, its median first."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    try:
+        import operands
+    finally:
+        sys.path.pop(0)
+    import mhadsl
+    kernels = dict(mhadsl.compile(operands.CONSTANTS, name="operands.mha"))
+    kernels["runtime_window"] = mhadsl.compile(
+        Path(__file__).parent.parent / "examples" / "runtime_window.mha")["runtime_window"]
+    for _, runtime, scalars, constant, _ in operands.RUNTIME_ROWS:
+        assert {o.name for o in kernels[runtime].options.operands} == set(scalars)
+        assert kernels[constant].options.operands == ()
+    assert operands.speedup([1.0, 2.0, 1.0], [1.1, 1.8, 1.0]) == "1.00× (0.90–1.10)"
+    assert operands.speedup(None, [1.0]) == "—"
