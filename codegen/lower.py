@@ -105,8 +105,11 @@ class FunctionLowering:
     def __init__(self, builder: ir.IRBuilder, program: CheckedProgram, builtins: Builtins,
                  bindings: dict[object, Value], *, tile_m: int = 0, gqa_group: int = 1,
                  param_values: dict[str, Callable[[], Value]] | None = None,
-                 default_int: Ty = U32):
+                 default_int: Ty = U32, eager_logic: bool = False):
         self.b = builder
+        # `&&` and `||` evaluate a right side of pure math and reads at once, without a branch
+        # (a mask or score runs once per element, where branches cost more than the work)
+        self.eager_logic = eager_logic
         self.default_int = default_int  # what integer literals are on their own (i32 in masks)
         self.program = program
         self.builtins = builtins
@@ -398,6 +401,11 @@ class FunctionLowering:
         return B.select(big, a.type(0), shifted)
 
     def short_circuit(self, e: ast.Binary, left: ir.Value) -> ir.Value:
+        if self.eager_logic and self.pure(e.right):
+            # (a select, not an and: the right side may be poison where the left decides)
+            right = self.expr(e.right)
+            return self.b.select(left, right, i1(0)) if e.op == "&&" else \
+                self.b.select(left, i1(1), right)
         left_bb = self.b.block
         rhs_bb, end_bb = self.new_block("rhs"), self.new_block("sc_end")
         if e.op == "&&":
@@ -413,6 +421,19 @@ class FunctionLowering:
         phi.add_incoming(i1(0 if e.op == "&&" else 1), left_bb)
         phi.add_incoming(right, right_bb)
         return phi
+
+    def pure(self, e: ast.Expr) -> bool:
+        """Whether `e` calls no fn, method or device function: its value costs a few
+        instructions and reads, none of which can fault (tensor reads stay inside their
+        tensor, division and shifts are defined everywhere)."""
+        stack = [e]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, ast.Call) and not (
+                    isinstance(node.func, ast.Name) and node.func.id in FUNCTIONS):
+                return False
+            stack.extend(ast.children(node))
+        return True
 
     def name(self, e: ast.Name) -> Value:
         sym: Symbol = self.program.refs[e]

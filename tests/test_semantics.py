@@ -202,6 +202,70 @@ def test_the_lowering_is_the_reference_on_random_integer_rules(body, seed):
         assert run(s, b, h, q_idx, kv_idx) == want, (body, s, b, h, q_idx, kv_idx)
 
 
+@st.composite
+def logic_bodies(draw):
+    """A score choosing between two i32 terms by `&&` and `||` over comparisons of others,
+    whose right sides divide by 0 and shift past 31 where the left sides decide."""
+    def term(depth):
+        if depth == 0 or draw(st.integers(0, 2)) == 0:
+            return draw(st.sampled_from(["q_idx", "kv_idx", "b", "h", "0", "3", "40"]))
+        return f"({term(depth - 1)} {draw(st.sampled_from(OPERATORS))} {term(depth - 1)})"
+
+    def condition(depth):
+        if depth == 0 or draw(st.integers(0, 2)) == 0:
+            return f"{term(2)} {draw(st.sampled_from(['<', '==', '>=', '!=']))} {term(2)}"
+        return f"({condition(depth - 1)} {draw(st.sampled_from(['&&', '||']))} " \
+               f"{condition(depth - 1)})"
+    return f"= f32(where({condition(3)}, {term(2)}, {term(1)}) & 65535)"
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(body=logic_bodies(), seed=st.integers(0, 2**32 - 1))
+def test_eager_logic_is_the_reference_on_random_rules(body, seed):
+    """Masks and scores evaluate a pure right side of `&&` and `||` without a branch: the
+    same values as the short-circuit meaning, where the right side would divide by 0 or
+    shift past 31 too."""
+    try:
+        program = checked(f"attention a {{ score(s, b, h, q_idx, kv_idx) {body} }}")
+    except MhaError:
+        return
+    rule = program.attentions["a"].rules[0]
+    run = host_score(rule, program, eager_logic=True)
+    rng = np.random.default_rng(seed)
+    for _ in range(4):
+        b, h, q_idx, kv_idx = (int(v) for v in rng.integers(0, (4, 8, 5000, 5000)))
+        want = evaluate_rule(rule, program, s=1.5, b=b, h=h, q_idx=q_idx, kv_idx=kv_idx)
+        assert run(1.5, b, h, q_idx, kv_idx) == want, (body, b, h, q_idx, kv_idx)
+
+
+def test_a_mask_reading_a_tensor_has_no_branch():
+    """A packed-document mask lowers to selects: no branch per element (the right side of
+    its `&&` reads the tensor, which stays inside it whatever the index), while a
+    scheduler rule's `&&` keeps its short circuit."""
+    from llvmlite import ir
+    from mhadsl.codegen.kernel import MASK_ROLES, expr_hooks
+    from mhadsl.codegen.nvptx import ptr
+    from mhadsl.front.attention_spec import resolve_attention
+    program = checked(STD + """
+attention docs(doc: i32[batch, _]) {
+    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx && doc[b][q_idx] == doc[b][kv_idx]
+}""")
+    options = resolve_attention(program.attentions["docs"])
+    hooks = expr_hooks(program, options.mask, None, options.operands)
+    module = new_module("t", gpu_target("sm_90a"))
+    fn = ir.Function(module, ir.FunctionType(ir.IntType(1), [ir.IntType(32)] * len(MASK_ROLES) + [
+        ptr(1) if p.kind == "ptr" else ir.IntType(32) for p in hooks.operands]), "keeps")
+    for arg, param in zip(fn.args[len(MASK_ROLES):], hooks.operands):
+        arg.name = param.name
+    b = ir.IRBuilder(fn.append_basic_block())
+    b.ret(hooks.mask(b, *fn.args[:len(MASK_ROLES)]))
+    text = str(module)
+    assert "load i32" in text and "br i1" not in text, text
+    assert "br i1" in gpu_ir("state.idx += where(grid_dim.x > 1 && block_idx.y < 2, 1, 0)",
+                             optimized=False)
+
+
 def gpu_ir(body: str, optimized: bool = True) -> str:
     from test_simulate import persistent_variant
     program = checked(persistent_variant(body))
