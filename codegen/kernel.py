@@ -82,7 +82,7 @@ def _rule_hook(program: CheckedProgram, rule, roles: tuple[str, ...], result_ty,
         bindings.update({operand_key(name): value for name, value in
                          _operand_values(builder, operands, extents).items()})
         lower = FunctionLowering(builder, program, _NoBuiltins(), bindings, default_int=I32,
-                                 eager_logic=True)
+                                 per_element=True)
         slot = lower.lower_body(rule.body, result_ty)
         return lower.load_value(slot)
     return emit

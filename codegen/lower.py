@@ -28,6 +28,20 @@ from mhadsl.front.types import (
 Value = object  # ir.Value | dict (record) | _Dim3
 
 
+def _linear_terms(value: ir.Value) -> tuple[list[tuple[int, ir.Value]], int]:
+    """`value` as a signed sum of values plus an integer constant, through the adds and
+    subtractions that built it wherever a constant lies below them (elsewhere a value
+    stays whole)."""
+    if isinstance(value, ir.Constant) and isinstance(value.constant, int):
+        return [], value.constant
+    if isinstance(value, ir.Instruction) and value.opname in ("add", "sub"):
+        (left, left_const), (right, right_const) = map(_linear_terms, value.operands)
+        if left_const or right_const:
+            sign = 1 if value.opname == "add" else -1
+            return left + [(sign * s, v) for s, v in right], left_const + sign * right_const
+    return [(1, value)], 0
+
+
 LLVM_TYPES = {U32: i32, I32: i32, BOOL: i1, F32: f32, SCHEDULE: i32, SYNC: i32}
 
 # Memory layout of the structs the rules exchange, shared by the GPU kernels and the host.
@@ -105,11 +119,13 @@ class FunctionLowering:
     def __init__(self, builder: ir.IRBuilder, program: CheckedProgram, builtins: Builtins,
                  bindings: dict[object, Value], *, tile_m: int = 0, gqa_group: int = 1,
                  param_values: dict[str, Callable[[], Value]] | None = None,
-                 default_int: Ty = U32, eager_logic: bool = False):
+                 default_int: Ty = U32, per_element: bool = False):
         self.b = builder
-        # `&&` and `||` evaluate a right side of pure math and reads at once, without a branch
-        # (a mask or score runs once per element, where branches cost more than the work)
-        self.eager_logic = eager_logic
+        # a mask, score or sink rule, run once per element of a tile: `&&` and `||` evaluate
+        # a right side of pure math and reads at once, without a branch, and a tensor read's
+        # index takes the constants out of its sums (`offset_sum`)
+        self.per_element = per_element
+        self.in_index = False  # lowering a tensor read's index
         self.default_int = default_int  # what integer literals are on their own (i32 in masks)
         self.program = program
         self.builtins = builtins
@@ -318,7 +334,9 @@ class FunctionLowering:
         positions = tensor.positions or (None,) * len(tensor.sizes)
         for index, size, stride, rows in zip(reversed(indices), tensor.sizes, tensor.strides,
                                              positions):
+            self.in_index, outer = True, self.in_index
             v = self.expr(index)
+            self.in_index = outer
             if rows is None:
                 ok = b.icmp_unsigned("<", v, size)  # (a negative i32 is a huge u32)
             else:  # the sequence's own rows of the axis
@@ -385,8 +403,33 @@ class FunctionLowering:
             return B.select(zero, b.type(0), q)
         if op in ("<<", ">>"):
             return self.shift(op, a, b, signed)
+        if op in ("+", "-") and self.per_element and self.in_index:
+            return self.offset_sum(op, a, b)
         return {"+": B.add, "-": B.sub, "*": B.mul, "&": B.and_, "|": B.or_,
                 "^": B.xor}[op](a, b)
+
+    def offset_sum(self, op: str, a: ir.Value, b: ir.Value) -> ir.Value:
+        """`a + b` or `a - b` (wrapping) with the constants of both sides' sums taken out
+        and added last: a rule run per element gets its indices as a tile's bases plus the
+        element's constants, so an index `q_idx - kv_idx` becomes one difference of the
+        bases (the same instructions for every element, which LLVM merges) plus a
+        constant, and the elements of a diagonal read one address. (LLVM leaves a base
+        plus a constant that has other uses as it is, and so cannot see this itself.)"""
+        (terms_a, const_a), (terms_b, const_b) = _linear_terms(a), _linear_terms(b)
+        sign = 1 if op == "+" else -1
+        if const_a == 0 and const_b == 0:
+            return self.b.add(a, b) if op == "+" else self.b.sub(a, b)
+        terms = terms_a + [(sign * s, v) for s, v in terms_b]
+        const = (const_a + sign * const_b + 2**31) % 2**32 - 2**31  # (i32's range)
+        total = None
+        for s, v in terms:
+            if total is None:
+                total = v if s > 0 else self.b.sub(a.type(0), v)
+            else:
+                total = self.b.add(total, v) if s > 0 else self.b.sub(total, v)
+        if total is None:
+            return a.type(const)
+        return total if const == 0 else self.b.add(total, a.type(const))
 
     def shift(self, op: str, a: ir.Value, count: ir.Value, signed: bool) -> ir.Value:
         """Shifts by 32 or more are poison in LLVM; here they saturate (mhadsl.front.semantics):
@@ -401,7 +444,7 @@ class FunctionLowering:
         return B.select(big, a.type(0), shifted)
 
     def short_circuit(self, e: ast.Binary, left: ir.Value) -> ir.Value:
-        if self.eager_logic and self.pure(e.right):
+        if self.per_element and self.pure(e.right):
             # (a select, not an and: the right side may be poison where the left decides)
             right = self.expr(e.right)
             return self.b.select(left, right, i1(0)) if e.op == "&&" else \

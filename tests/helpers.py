@@ -44,15 +44,15 @@ def fake_launcher(launch):
     return launcher
 
 
-def host_score(rule, program, eager_logic: bool = False):
+def host_score(rule, program, per_element: bool = False):
     """`rule` lowered through the LLVM lowering and compiled for the host (f32, libm math),
-    as a Python callable of (s, b, h, q_idx, kv_idx); it keeps its JIT alive. `eager_logic`:
-    `&&` and `||` as a mask or score hook lowers them (`FunctionLowering.eager_logic`)."""
+    as a Python callable of (s, b, h, q_idx, kv_idx); it keeps its JIT alive. `per_element`:
+    as a mask or score hook lowers it (`FunctionLowering.per_element`)."""
     module = new_module("score", HOST)
     fn = ir.Function(module, ir.FunctionType(f32, [f32] + [i32] * 4), "score")
     builder = ir.IRBuilder(fn.append_basic_block())
     lower = FunctionLowering(builder, program, Builtins(), dict(zip(SCORE_ROLES, fn.args)),
-                             default_int=I32, eager_logic=eager_logic)
+                             default_int=I32, per_element=per_element)
     builder.ret(lower.load_value(lower.lower_body(rule.body, F32)))
     jit = HostJit(module)
     call = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_float, *[ctypes.c_int32] * 4)(
