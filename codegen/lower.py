@@ -29,9 +29,8 @@ Value = object  # ir.Value | dict (record) | _Dim3
 
 
 def _linear_terms(value: ir.Value) -> tuple[list[tuple[int, ir.Value]], int]:
-    """`value` as a signed sum of values plus an integer constant, through the adds and
-    subtractions that built it wherever a constant lies below them (elsewhere a value
-    stays whole)."""
+    """`value` as a signed sum of values plus a constant, through the adds and subtractions
+    that built it wherever a constant lies below them (elsewhere a value stays whole)."""
     if isinstance(value, ir.Constant) and isinstance(value.constant, int):
         return [], value.constant
     if isinstance(value, ir.Instruction) and value.opname in ("add", "sub"):
@@ -119,12 +118,13 @@ class FunctionLowering:
     def __init__(self, builder: ir.IRBuilder, program: CheckedProgram, builtins: Builtins,
                  bindings: dict[object, Value], *, tile_m: int = 0, gqa_group: int = 1,
                  param_values: dict[str, Callable[[], Value]] | None = None,
-                 default_int: Ty = U32, per_element: bool = False):
+                 default_int: Ty = U32, per_element: bool = False,
+                 branch_free_reads: bool = False):
         self.b = builder
-        # a mask, score or sink rule, run once per element of a tile: `&&` and `||` evaluate
-        # a right side of pure math and reads at once, without a branch, and a tensor read's
-        # index takes the constants out of its sums (`offset_sum`)
+        # a rule run once per element of a tile: a read's index takes its sums' constants
+        # out (`offset_sum`); `branch_free_reads`: `&&` and `||` read at once (`reads_at_will`)
         self.per_element = per_element
+        self.branch_free_reads = branch_free_reads
         self.in_index = False  # lowering a tensor read's index
         self.default_int = default_int  # what integer literals are on their own (i32 in masks)
         self.program = program
@@ -416,19 +416,15 @@ class FunctionLowering:
         constant, and the elements of a diagonal read one address. (LLVM leaves a base
         plus a constant that has other uses as it is, and so cannot see this itself.)"""
         (terms_a, const_a), (terms_b, const_b) = _linear_terms(a), _linear_terms(b)
-        sign = 1 if op == "+" else -1
         if const_a == 0 and const_b == 0:
             return self.b.add(a, b) if op == "+" else self.b.sub(a, b)
-        terms = terms_a + [(sign * s, v) for s, v in terms_b]
+        sign = 1 if op == "+" else -1
+        total = None  # (a sum of no terms: 0)
+        for s, v in terms_a + [(sign * s, v) for s, v in terms_b]:
+            total = v if s > 0 and total is None else \
+                (self.b.add if s > 0 else self.b.sub)(a.type(0) if total is None else total, v)
+        total = a.type(0) if total is None else total
         const = (const_a + sign * const_b + 2**31) % 2**32 - 2**31  # (i32's range)
-        total = None
-        for s, v in terms:
-            if total is None:
-                total = v if s > 0 else self.b.sub(a.type(0), v)
-            else:
-                total = self.b.add(total, v) if s > 0 else self.b.sub(total, v)
-        if total is None:
-            return a.type(const)
         return total if const == 0 else self.b.add(total, a.type(const))
 
     def shift(self, op: str, a: ir.Value, count: ir.Value, signed: bool) -> ir.Value:
@@ -444,7 +440,7 @@ class FunctionLowering:
         return B.select(big, a.type(0), shifted)
 
     def short_circuit(self, e: ast.Binary, left: ir.Value) -> ir.Value:
-        if self.per_element and self.pure(e.right):
+        if self.branch_free_reads and self.reads_at_will(e.right):
             # (a select, not an and: the right side may be poison where the left decides)
             right = self.expr(e.right)
             return self.b.select(left, right, i1(0)) if e.op == "&&" else \
@@ -465,18 +461,19 @@ class FunctionLowering:
         phi.add_incoming(right, right_bb)
         return phi
 
-    def pure(self, e: ast.Expr) -> bool:
-        """Whether `e` calls no fn, method or device function: its value costs a few
-        instructions and reads, none of which can fault (tensor reads stay inside their
-        tensor, division and shifts are defined everywhere)."""
-        stack = [e]
+    def reads_at_will(self, e: ast.Expr) -> bool:
+        """Whether `e` reads a tensor and calls no fn, method or device function: reads
+        that cannot fault (each stays inside its tensor), which LLVM would not move above
+        a short circuit's branch itself."""
+        stack, reads = [e], False
         while stack:
             node = stack.pop()
             if isinstance(node, ast.Call) and not (
                     isinstance(node.func, ast.Name) and node.func.id in FUNCTIONS):
                 return False
+            reads = reads or isinstance(node, ast.Index)
             stack.extend(ast.children(node))
-        return True
+        return reads
 
     def name(self, e: ast.Name) -> Value:
         sym: Symbol = self.program.refs[e]

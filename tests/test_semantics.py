@@ -207,10 +207,13 @@ def test_the_lowering_is_the_reference_on_random_integer_rules(body, seed):
 @st.composite
 def logic_bodies(draw):
     """A score choosing between two i32 terms by `&&` and `||` over comparisons of others,
-    whose right sides divide by 0 and shift past 31 where the left sides decide."""
+    whose right sides divide by 0, shift past 31 and read the tensor `t` (50 elements)
+    past its ends where the left sides decide; reads' indices are sums with constants."""
     def term(depth):
-        if depth == 0 or draw(st.integers(0, 2)) == 0:
+        if depth == 0 or draw(st.integers(0, 3)) == 0:
             return draw(st.sampled_from(["q_idx", "kv_idx", "b", "h", "0", "3", "40"]))
+        if draw(st.integers(0, 3)) == 0:
+            return f"t[{term(depth - 1)}]"
         return f"({term(depth - 1)} {draw(st.sampled_from(OPERATORS))} {term(depth - 1)})"
 
     def condition(depth):
@@ -225,19 +228,22 @@ def logic_bodies(draw):
           suppress_health_check=list(HealthCheck))
 @given(body=logic_bodies(), seed=st.integers(0, 2**32 - 1))
 def test_per_element_is_the_reference_on_random_rules(body, seed):
-    """Masks and scores evaluate a pure right side of `&&` and `||` without a branch, and
-    take the constants out of sums: the same values as the language's meaning, where the
-    right side would divide by 0 or shift past 31 too, and where sums wrap."""
+    """Masks and scores evaluate a right side of `&&` and `||` that reads a tensor without
+    a branch, and take the constants out of a read's index: the same values as the
+    language's meaning, where the right side would divide by 0, shift past 31 or read
+    outside the tensor too, and where the index sums wrap."""
     try:
-        program = checked(f"attention a {{ score(s, b, h, q_idx, kv_idx) {body} }}")
+        program = checked(f"attention a(t: i32[_]) {{ score(s, b, h, q_idx, kv_idx) {body} }}")
     except MhaError:
         return
     rule = program.attentions["a"].rules[0]
-    run = host_score(rule, program, per_element=True)
     rng = np.random.default_rng(seed)
+    t = rng.integers(-60, 60, 50).astype(np.int32)
+    run = host_score(rule, program, per_element=True, tensors={"t": t})
     for _ in range(4):
-        b, h, q_idx, kv_idx = (int(v) for v in rng.integers(0, (4, 8, 5000, 5000)))
-        want = evaluate_rule(rule, program, s=1.5, b=b, h=h, q_idx=q_idx, kv_idx=kv_idx)
+        b, h, q_idx, kv_idx = (int(v) for v in rng.integers(0, (4, 8, 64, 64)))
+        want = evaluate_rule(rule, program, operands={"t": t.astype(np.int64)}, s=1.5, b=b,
+                             h=h, q_idx=q_idx, kv_idx=kv_idx)
         assert run(1.5, b, h, q_idx, kv_idx) == want, (body, b, h, q_idx, kv_idx)
 
 
