@@ -81,6 +81,18 @@ RUNTIME_ROWS = [
 ]
 
 
+def header(*columns: str) -> None:
+    """A markdown table's header row and rule."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+
+
+def qkv(torch, batch: int, tokens: int) -> tuple:
+    """Random bf16 q, k and v, (batch, tokens, HEADS, HEAD_DIM)."""
+    return tuple(torch.randn(batch, tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                 for _ in range(3))
+
+
 def difference(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
@@ -171,17 +183,15 @@ def documents(rng, tokens: int, shortest: int, longest: int) -> list[int]:
 
 def documents_table(torch, kernels, args) -> None:
     kern, causal = kernels["document_mask"], kernels["causal"]
-    print("| batch | documents | mhadsl, classes given | mhadsl, classes per call | "
-          "classes alone (ms) | mhadsl ragged | FlashAttention-4 varlen | FlexAttention | "
-          "classes / given | given / FA4 | given / Flex |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    header("batch", "documents", "mhadsl, classes given", "mhadsl, classes per call",
+           "classes alone (ms)", "mhadsl ragged", "FlashAttention-4 varlen", "FlexAttention",
+           "classes / given", "given / FA4", "given / Flex")
     rng = np.random.default_rng(0)
     for batch, tokens, shortest, longest in DOCUMENT_ROWS:
         per_seq = [documents(rng, tokens, shortest, longest) for _ in range(batch)]
         doc = torch.tensor(np.stack([np.repeat(np.arange(len(d)), d) for d in per_seq]),
                            dtype=torch.int32, device="cuda")
-        q, k, v = (torch.randn(batch, tokens, HEADS, HEAD_DIM, device="cuda",
-                               dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = qkv(torch, batch, tokens)
         classes = kern.block_classes(q, k, v, doc=doc)
         flat = [n for d in per_seq for n in d]
         cu = torch.tensor(np.concatenate(([0], np.cumsum(flat))), dtype=torch.int32,
@@ -216,12 +226,10 @@ def documents_table(torch, kernels, args) -> None:
 
 def bias_table(torch, kernels, args) -> None:
     kern, causal = kernels["relative_bias"], kernels["causal"]
-    print("| batch x tokens | mhadsl, bias | mhadsl, no bias | FlexAttention, bias | "
-          "bias / no bias | bias / Flex |")
-    print("|---|---|---|---|---|---|")
+    header("batch x tokens", "mhadsl, bias", "mhadsl, no bias", "FlexAttention, bias",
+           "bias / no bias", "bias / Flex")
     for batch, tokens in BIAS_ROWS:
-        q, k, v = (torch.randn(batch, tokens, HEADS, HEAD_DIM, device="cuda",
-                               dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = qkv(torch, batch, tokens)
         table = torch.randn(HEADS, tokens, device="cuda") * 0.5
         expected = kern(q, k, v, table=table)
         fns = {
@@ -245,8 +253,7 @@ def gradient_errors(torch, kern, names, options: dict, operands) -> None:
     """Prints the relative error of each gradient of a call at `GRADIENT_SHAPE` against the
     float64 reference; `operands(tokens)` makes the call's operands."""
     batch, tokens = GRADIENT_SHAPE
-    q, k, v = (torch.randn(batch, tokens, HEADS, HEAD_DIM, device="cuda",
-                           dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = qkv(torch, batch, tokens)
     values = operands(tokens)
     out, lse = kern(q, k, v, return_lse=True, **values)
     dout = torch.randn_like(out)
@@ -263,12 +270,10 @@ def gradient_errors(torch, kern, names, options: dict, operands) -> None:
 
 def sinks_table(torch, kernels, args) -> None:
     kern, causal = kernels["causal_sinks"], kernels["causal"]
-    print("| pass (causal) | batch x tokens | mhadsl, sinks | mhadsl, no sinks | "
-          "sinks / no sinks |")
-    print("|---|---|---|---|---|")
+    header("pass (causal)", "batch x tokens", "mhadsl, sinks", "mhadsl, no sinks",
+           "sinks / no sinks")
     for batch, tokens in BIAS_ROWS:
-        q, k, v = (torch.randn(batch, tokens, HEADS, HEAD_DIM, device="cuda",
-                               dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = qkv(torch, batch, tokens)
         sink_logits = torch.randn(HEADS, device="cuda")
         out, lse = kern(q, k, v, sink_logits=sink_logits, return_lse=True)
         plain_out, plain_lse = causal(q, k, v, return_lse=True)
@@ -293,11 +298,9 @@ def sinks_table(torch, kernels, args) -> None:
 
 def runtime_table(torch, kernels, args) -> None:
     batch, tokens = 4, 4096
-    print(f"| rule (B{batch} S{tokens} H{HEADS}) | mhadsl, scalars per call | "
-          "mhadsl, constants | scalars / constants |")
-    print("|---|---|---|---|")
-    q, k, v = (torch.randn(batch, tokens, HEADS, HEAD_DIM, device="cuda",
-                           dtype=torch.bfloat16) for _ in range(3))
+    header(f"rule (B{batch} S{tokens} H{HEADS})", "mhadsl, scalars per call",
+           "mhadsl, constants", "scalars / constants")
+    q, k, v = qkv(torch, batch, tokens)
     for what, runtime, scalars, constant, window in RUNTIME_ROWS:
         run_kern, const_kern = kernels[runtime], kernels[constant]
         expected = const_kern(q, k, v)
