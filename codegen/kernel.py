@@ -76,26 +76,30 @@ def _operand_values(builder: ir.IRBuilder, operands: tuple, extents=None) -> dic
 
 
 def _rule_hook(program: CheckedProgram, rule, roles: tuple[str, ...], result_ty,
-               operands: tuple):
+               operands: tuple, branch_free_reads: bool = True):
     def emit(builder: ir.IRBuilder, *values: ir.Value, extents=None) -> ir.Value:
         bindings = dict(zip(roles, values))
         bindings.update({operand_key(name): value for name, value in
                          _operand_values(builder, operands, extents).items()})
-        lower = FunctionLowering(builder, program, _NoBuiltins(), bindings, default_int=I32)
+        lower = FunctionLowering(builder, program, _NoBuiltins(), bindings, default_int=I32,
+                                 per_element=True, branch_free_reads=branch_free_reads)
         slot = lower.lower_body(rule.body, result_ty)
         return lower.load_value(slot)
     return emit
 
 
 def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
-               sink_rule=None, per_call: bool = False) -> ExprHooks:
+               sink_rule=None, per_call: bool = False,
+               branch_free_reads: bool = True) -> ExprHooks:
     """The hooks of a declaration's rules; `operands` its `AttentionOptions.operands`;
     `per_call`: the call classifies its tiles on the device (`mhadsl.abi.classifies_per_call`),
-    whose classes the tile classification joins (`block_classes.lookup`). Their parameters
-    are the operands'; a design build's are `kernel_source`'s."""
-    mask = _rule_hook(program, mask_rule, MASK_ROLES, BOOL, operands) if mask_rule else None
-    score = _rule_hook(program, score_rule, SCORE_ROLES, F32, operands) if score_rule else None
-    sink = _rule_hook(program, sink_rule, SINK_ROLES, F32, operands) if sink_rule else None
+    whose classes the tile classification joins (`block_classes.lookup`);
+    `branch_free_reads`: `FunctionLowering.branch_free_reads`. Their parameters are the
+    operands'; a design build's are `kernel_source`'s."""
+    mask, score, sink = (_rule_hook(program, rule, roles, ty, operands, branch_free_reads)
+                         if rule else None for rule, roles, ty in (
+                             (mask_rule, MASK_ROLES, BOOL), (score_rule, SCORE_ROLES, F32),
+                             (sink_rule, SINK_ROLES, F32)))
     mask_uses_head = mask_rule is not None and rule_reads(mask_rule, "h")
 
     def classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k, q_rows=None,
@@ -132,11 +136,14 @@ def backward_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
     cannot be differentiated. With `operand_grads`, the hook that adds a pair's share of
     the gradients of the f32 tensors the score reads (`ExprHooks.scatter_reads`; their
     parameters are `kernel_source`'s)."""
-    hooks = expr_hooks(program, mask_rule, score_rule, operands, sink_rule, per_call)
+    # (the backward designs hold more per element: a mask's reads stay behind its branch)
+    hooks = expr_hooks(program, mask_rule, score_rule, operands, sink_rule, per_call,
+                       branch_free_reads=False)
     if score_rule is None:
         return hooks
     rule, derived = differentiate_score(score_rule, program)
-    hooks = replace(hooks, derivative=_rule_hook(derived, rule, SCORE_ROLES, F32, operands))
+    hooks = replace(hooks, derivative=_rule_hook(derived, rule, SCORE_ROLES, F32, operands,
+                                                 branch_free_reads=False))
     if not operand_grads:
         return hooks
     return replace(hooks, scatter_reads=scatter_hook(program, score_rule, operands))
@@ -160,7 +167,7 @@ def scatter_hook(program: CheckedProgram, score_rule, operands: tuple,
     for read in float_reads(score_rule, program):
         try:
             slopes[read] = _rule_hook(*differentiate_score(score_rule, program, read)[::-1],
-                                      SCORE_ROLES, F32, operands)
+                                      SCORE_ROLES, F32, operands, branch_free_reads=False)
         except MhaError:  # (no call asks for its gradient: `check_operand_grads`)
             continue
     over_tile = [r for r in slopes if read_over_tile(r, score_rule, operands)]

@@ -28,6 +28,19 @@ from mhadsl.front.types import (
 Value = object  # ir.Value | dict (record) | _Dim3
 
 
+def _linear_terms(value: ir.Value) -> tuple[list[tuple[int, ir.Value]], int]:
+    """`value` as a signed sum of values plus a constant, through the adds and subtractions
+    that built it wherever a constant lies below them (elsewhere a value stays whole)."""
+    if isinstance(value, ir.Constant) and isinstance(value.constant, int):
+        return [], value.constant
+    if isinstance(value, ir.Instruction) and value.opname in ("add", "sub"):
+        (left, left_const), (right, right_const) = map(_linear_terms, value.operands)
+        if left_const or right_const:
+            sign = 1 if value.opname == "add" else -1
+            return left + [(sign * s, v) for s, v in right], left_const + sign * right_const
+    return [(1, value)], 0
+
+
 LLVM_TYPES = {U32: i32, I32: i32, BOOL: i1, F32: f32, SCHEDULE: i32, SYNC: i32}
 
 # Memory layout of the structs the rules exchange, shared by the GPU kernels and the host.
@@ -105,8 +118,14 @@ class FunctionLowering:
     def __init__(self, builder: ir.IRBuilder, program: CheckedProgram, builtins: Builtins,
                  bindings: dict[object, Value], *, tile_m: int = 0, gqa_group: int = 1,
                  param_values: dict[str, Callable[[], Value]] | None = None,
-                 default_int: Ty = U32):
+                 default_int: Ty = U32, per_element: bool = False,
+                 branch_free_reads: bool = False):
         self.b = builder
+        # a rule run once per element of a tile: a read's index takes its sums' constants
+        # out (`offset_sum`); `branch_free_reads`: `&&` and `||` read at once (`reads_at_will`)
+        self.per_element = per_element
+        self.branch_free_reads = branch_free_reads
+        self.in_index = False  # lowering a tensor read's index
         self.default_int = default_int  # what integer literals are on their own (i32 in masks)
         self.program = program
         self.builtins = builtins
@@ -315,7 +334,9 @@ class FunctionLowering:
         positions = tensor.positions or (None,) * len(tensor.sizes)
         for index, size, stride, rows in zip(reversed(indices), tensor.sizes, tensor.strides,
                                              positions):
+            self.in_index, outer = True, self.in_index
             v = self.expr(index)
+            self.in_index = outer
             if rows is None:
                 ok = b.icmp_unsigned("<", v, size)  # (a negative i32 is a huge u32)
             else:  # the sequence's own rows of the axis
@@ -382,8 +403,29 @@ class FunctionLowering:
             return B.select(zero, b.type(0), q)
         if op in ("<<", ">>"):
             return self.shift(op, a, b, signed)
+        if op in ("+", "-") and self.per_element and self.in_index:
+            return self.offset_sum(op, a, b)
         return {"+": B.add, "-": B.sub, "*": B.mul, "&": B.and_, "|": B.or_,
                 "^": B.xor}[op](a, b)
+
+    def offset_sum(self, op: str, a: ir.Value, b: ir.Value) -> ir.Value:
+        """`a + b` or `a - b` (wrapping) with the constants of both sides' sums taken out
+        and added last: a rule run per element gets its indices as a tile's bases plus the
+        element's constants, so an index `q_idx - kv_idx` becomes one difference of the
+        bases (the same instructions for every element, which LLVM merges) plus a
+        constant, and the elements of a diagonal read one address. (LLVM leaves a base
+        plus a constant that has other uses as it is, and so cannot see this itself.)"""
+        (terms_a, const_a), (terms_b, const_b) = _linear_terms(a), _linear_terms(b)
+        if const_a == 0 and const_b == 0:
+            return self.b.add(a, b) if op == "+" else self.b.sub(a, b)
+        sign = 1 if op == "+" else -1
+        total = None  # (a sum of no terms: 0)
+        for s, v in terms_a + [(sign * s, v) for s, v in terms_b]:
+            total = v if s > 0 and total is None else \
+                (self.b.add if s > 0 else self.b.sub)(a.type(0) if total is None else total, v)
+        total = a.type(0) if total is None else total
+        const = (const_a + sign * const_b + 2**31) % 2**32 - 2**31  # (i32's range)
+        return total if const == 0 else self.b.add(total, a.type(const))
 
     def shift(self, op: str, a: ir.Value, count: ir.Value, signed: bool) -> ir.Value:
         """Shifts by 32 or more are poison in LLVM; here they saturate (mhadsl.front.semantics):
@@ -398,6 +440,11 @@ class FunctionLowering:
         return B.select(big, a.type(0), shifted)
 
     def short_circuit(self, e: ast.Binary, left: ir.Value) -> ir.Value:
+        if self.branch_free_reads and self.reads_at_will(e.right):
+            # (a select, not an and: the right side may be poison where the left decides)
+            right = self.expr(e.right)
+            return self.b.select(left, right, i1(0)) if e.op == "&&" else \
+                self.b.select(left, i1(1), right)
         left_bb = self.b.block
         rhs_bb, end_bb = self.new_block("rhs"), self.new_block("sc_end")
         if e.op == "&&":
@@ -413,6 +460,20 @@ class FunctionLowering:
         phi.add_incoming(i1(0 if e.op == "&&" else 1), left_bb)
         phi.add_incoming(right, right_bb)
         return phi
+
+    def reads_at_will(self, e: ast.Expr) -> bool:
+        """Whether `e` reads a tensor and calls no fn, method or device function: reads
+        that cannot fault (each stays inside its tensor), which LLVM would not move above
+        a short circuit's branch itself."""
+        stack, reads = [e], False
+        while stack:
+            node = stack.pop()
+            if isinstance(node, ast.Call) and not (
+                    isinstance(node.func, ast.Name) and node.func.id in FUNCTIONS):
+                return False
+            reads = reads or isinstance(node, ast.Index)
+            stack.extend(ast.children(node))
+        return reads
 
     def name(self, e: ast.Name) -> Value:
         sym: Symbol = self.program.refs[e]

@@ -44,16 +44,27 @@ def fake_launcher(launch):
     return launcher
 
 
-def host_score(rule, program):
+def host_score(rule, program, per_element: bool = False, tensors: dict | None = None):
     """`rule` lowered through the LLVM lowering and compiled for the host (f32, libm math),
-    as a Python callable of (s, b, h, q_idx, kv_idx); it keeps its JIT alive."""
+    as a Python callable of (s, b, h, q_idx, kv_idx); it keeps its JIT alive. `per_element`:
+    as a mask or score hook lowers it (`FunctionLowering.per_element`). `tensors`: the
+    declaration's i32 tensor operands by name, C-contiguous int32 arrays."""
+    from mhadsl.codegen.kernel import TensorArgs
+    from mhadsl.front.attention_spec import operand_key
     module = new_module("score", HOST)
     fn = ir.Function(module, ir.FunctionType(f32, [f32] + [i32] * 4), "score")
     builder = ir.IRBuilder(fn.append_basic_block())
-    lower = FunctionLowering(builder, program, Builtins(), dict(zip(SCORE_ROLES, fn.args)),
-                             default_int=I32)
+    bindings = dict(zip(SCORE_ROLES, fn.args))
+    for name, array in (tensors or {}).items():
+        address = builder.inttoptr(ir.Constant(ir.IntType(64), array.ctypes.data),
+                                   ir.PointerType(i32))
+        bindings[operand_key(name)] = TensorArgs(
+            address, tuple(i32(n) for n in array.shape),
+            tuple(i32(n // array.itemsize) for n in array.strides))
+    lower = FunctionLowering(builder, program, Builtins(), bindings, default_int=I32,
+                             per_element=per_element, branch_free_reads=per_element)
     builder.ret(lower.load_value(lower.lower_body(rule.body, F32)))
     jit = HostJit(module)
     call = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_float, *[ctypes.c_int32] * 4)(
         jit.address("score"))
-    return lambda *args: (jit, call(*args))[1]
+    return lambda *args: (jit, tensors, call(*args))[2]

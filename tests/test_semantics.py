@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from llvmlite import ir
 
 from helpers import STD, checked, host_score
 from mhadsl.front.semantics import I32_MAX, I32_MIN, U32_MAX, float_to_int, int_binary
 from mhadsl.codegen.scheduler import SchedulerSpec, lower_scheduler
 from mhadsl.codegen.trace_kernel import build_trace_kernel
+from mhadsl.codegen.nvptx import i32
 from mhadsl.codegen.target import gpu_target, new_module, optimize
 from mhadsl.front.diagnostics import MhaError
 from mhadsl.analysis.reference import evaluate_rule
@@ -200,6 +202,129 @@ def test_the_lowering_is_the_reference_on_random_integer_rules(body, seed):
         b, h, q_idx, kv_idx = (int(v) for v in rng.integers(0, (4, 8, 5000, 5000)))
         want = evaluate_rule(rule, program, s=s, b=b, h=h, q_idx=q_idx, kv_idx=kv_idx)
         assert run(s, b, h, q_idx, kv_idx) == want, (body, s, b, h, q_idx, kv_idx)
+
+
+@st.composite
+def logic_bodies(draw):
+    """A score choosing between two i32 terms by `&&` and `||` over comparisons of others,
+    whose right sides divide by 0, shift past 31 and read the tensor `t` (50 elements)
+    past its ends where the left sides decide; reads' indices are sums with constants."""
+    def term(depth):
+        if depth == 0 or draw(st.integers(0, 3)) == 0:
+            return draw(st.sampled_from(["q_idx", "kv_idx", "b", "h", "0", "3", "40"]))
+        if draw(st.integers(0, 3)) == 0:
+            return f"t[{term(depth - 1)}]"
+        return f"({term(depth - 1)} {draw(st.sampled_from(OPERATORS))} {term(depth - 1)})"
+
+    def condition(depth):
+        if depth == 0 or draw(st.integers(0, 2)) == 0:
+            return f"{term(2)} {draw(st.sampled_from(['<', '==', '>=', '!=']))} {term(2)}"
+        return f"({condition(depth - 1)} {draw(st.sampled_from(['&&', '||']))} " \
+               f"{condition(depth - 1)})"
+    return f"= f32(where({condition(3)}, {term(2)}, {term(1)}) & 65535)"
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(body=logic_bodies(), seed=st.integers(0, 2**32 - 1))
+def test_per_element_is_the_reference_on_random_rules(body, seed):
+    """Masks and scores evaluate a right side of `&&` and `||` that reads a tensor without
+    a branch, and take the constants out of a read's index: the same values as the
+    language's meaning, where the right side would divide by 0, shift past 31 or read
+    outside the tensor too, and where the index sums wrap."""
+    try:
+        program = checked(f"attention a(t: i32[_]) {{ score(s, b, h, q_idx, kv_idx) {body} }}")
+    except MhaError:
+        return
+    rule = program.attentions["a"].rules[0]
+    rng = np.random.default_rng(seed)
+    t = rng.integers(-60, 60, 50).astype(np.int32)
+    run = host_score(rule, program, per_element=True, tensors={"t": t})
+    for _ in range(4):
+        b, h, q_idx, kv_idx = (int(v) for v in rng.integers(0, (4, 8, 64, 64)))
+        want = evaluate_rule(rule, program, operands={"t": t.astype(np.int64)}, s=1.5, b=b,
+                             h=h, q_idx=q_idx, kv_idx=kv_idx)
+        assert run(1.5, b, h, q_idx, kv_idx) == want, (body, b, h, q_idx, kv_idx)
+
+
+@st.composite
+def sums(draw, depth: int = 3):
+    """An add/subtract tree over x, y, z and i32 constants: (builder -> IR value, its
+    value as a function of (x, y, z), wrapped)."""
+    if depth == 0 or draw(st.integers(0, 2)) == 0:
+        leaf = draw(st.sampled_from(["x", "y", "z", "c"]))
+        if leaf == "c":
+            c = draw(st.integers(-2**31, 2**31 - 1))
+            return (lambda b, args: i32(c)), (lambda xyz: c)
+        k = "xyz".index(leaf)
+        return (lambda b, args: args[k]), (lambda xyz: xyz[k])
+    (emit_l, value_l), (emit_r, value_r) = draw(sums(depth - 1)), draw(sums(depth - 1))
+    op = draw(st.sampled_from(["+", "-"]))
+    sign = 1 if op == "+" else -1
+    return ((lambda b, args: (b.add if op == "+" else b.sub)(emit_l(b, args), emit_r(b, args))),
+            (lambda xyz: value_l(xyz) + sign * value_r(xyz)))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(left=sums(), right=sums(), op=st.sampled_from(["+", "-"]),
+       xyz=st.tuples(*[st.integers(-2**31, 2**31 - 1)] * 3))
+def test_a_sum_with_its_constants_taken_out_is_the_sum(left, right, op, xyz):
+    """`FunctionLowering.offset_sum` (a tensor read's index in a mask or score): the wrapped
+    sum or difference, whatever the constants and terms under either side."""
+    from mhadsl.codegen.lower import Builtins, FunctionLowering
+    from mhadsl.codegen.target import HOST, HostJit
+    module = new_module("sum", HOST)
+    fn = ir.Function(module, ir.FunctionType(i32, [i32] * 3), "sum")
+    b = ir.IRBuilder(fn.append_basic_block())
+    lower = FunctionLowering(b, checked("attention a { }"), Builtins(), {}, per_element=True)
+    b.ret(lower.offset_sum(op, left[0](b, fn.args), right[0](b, fn.args)))
+    jit = HostJit(module)
+    run = ctypes.CFUNCTYPE(ctypes.c_int32, *[ctypes.c_int32] * 3)(jit.address("sum"))
+    sign = 1 if op == "+" else -1
+    want = (left[1](xyz) + sign * right[1](xyz) + 2**31) % 2**32 - 2**31
+    assert run(*xyz) == want
+
+
+def test_a_mask_reading_a_tensor_has_no_branch():
+    """A packed-document mask lowers to selects: no branch per element (the right side of
+    its `&&` reads the tensor, which stays inside it whatever the index), while a
+    scheduler rule's `&&` keeps its short circuit."""
+    from mhadsl.codegen.kernel import MASK_ROLES, expr_hooks
+    from mhadsl.codegen.nvptx import ptr
+    from mhadsl.front.attention_spec import resolve_attention
+    program = checked(STD + """
+attention docs(doc: i32[batch, _]) {
+    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx && doc[b][q_idx] == doc[b][kv_idx]
+}""")
+    options = resolve_attention(program.attentions["docs"])
+    hooks = expr_hooks(program, options.mask, None, options.operands)
+    module = new_module("t", gpu_target("sm_90a"))
+    fn = ir.Function(module, ir.FunctionType(ir.IntType(1), [ir.IntType(32)] * len(MASK_ROLES) + [
+        ptr(1) if p.kind == "ptr" else ir.IntType(32) for p in hooks.operands]), "keeps")
+    for arg, param in zip(fn.args[len(MASK_ROLES):], hooks.operands):
+        arg.name = param.name
+    b = ir.IRBuilder(fn.append_basic_block())
+    b.ret(hooks.mask(b, *fn.args[:len(MASK_ROLES)]))
+    text = str(module)
+    assert "load i32" in text and "br i1" not in text, text
+    assert "br i1" in gpu_ir("state.idx += where(grid_dim.x > 1 && block_idx.y < 2, 1, 0)",
+                             optimized=False)
+
+
+def test_the_elements_of_a_diagonal_read_one_address():
+    """`examples/relative_bias.mha`'s Hopper kernel reads its table once per diagonal of
+    a thread's elements, not once per element: the sums' constants are taken out of
+    `q_idx - kv_idx`, so LLVM merges the loads of elements whose rows and keys differ
+    by the same amount (a thread's 32 elements of a 128 x 64 tile lie on 18 diagonals;
+    the score runs in two places, full tiles and partial ones)."""
+    from helpers import REPO
+    import mhadsl
+    kern = mhadsl.compile(REPO / "examples" / "relative_bias.mha")["relative_bias"]
+    build = kern.build("sm_90a")
+    assert (build.config.block_m, build.config.block_n) == (128, 64)
+    kernel = build.ptx[build.ptx.index(".entry mha_fwd_sm90"):]
+    assert kernel.count("ld.global.nc") == 2 * 18
 
 
 def gpu_ir(body: str, optimized: bool = True) -> str:
