@@ -316,15 +316,17 @@ def test_the_elements_of_a_diagonal_read_one_address():
     """`examples/relative_bias.mha`'s Hopper kernel reads its table once per diagonal of
     a thread's elements, not once per element: the sums' constants are taken out of
     `q_idx - kv_idx`, so LLVM merges the loads of elements whose rows and keys differ
-    by the same amount (a thread's 32 elements of a 128 x 64 tile lie on 18 diagonals;
-    the score runs in two places, full tiles and partial ones)."""
+    by the same amount (a thread's 64 elements of a 128 x 128 tile lie on 34 diagonals;
+    the score runs in two places, full tiles and partial ones). So the wide tile
+    assembles without spills, with Q in shared memory (`sm90._q_and_tiles`)."""
     from helpers import REPO
     import mhadsl
     kern = mhadsl.compile(REPO / "examples" / "relative_bias.mha")["relative_bias"]
     build = kern.build("sm_90a")
-    assert (build.config.block_m, build.config.block_n) == (128, 64)
+    assert (build.config.block_m, build.config.block_n) == (128, 128)
+    assert not build.config.q_in_registers
     kernel = build.ptx[build.ptx.index(".entry mha_fwd_sm90"):]
-    assert kernel.count("ld.global.nc") == 2 * 18
+    assert kernel.count("ld.global.nc") == 2 * 34
 
 
 def gpu_ir(body: str, optimized: bool = True) -> str:
