@@ -32,10 +32,9 @@ def test_examples_cover_the_promised_variants():
 NARROW_TILE_BUILDS = {(name, "sm_90a", True)
                       for name in ("causal_fwd", "gqa_causal", "softcap_causal")}
 # A mask or score that reads a tensor at every element (a relative-position bias table, a
-# document id per position) holds its loads' registers: the narrow KV tile.
-FALLBACK_BUILDS = {(name, arch, ragged): 0
-                   for name in ("relative_bias", "document_mask")
-                   for arch in ("sm_80", "sm_90a") for ragged in (False, True)}
+# document id per position) holds its loads' registers: the narrow KV tile too.
+NARROW_TILE_BUILDS |= {(name, arch, ragged) for name in ("relative_bias", "document_mask")
+                       for arch in ("sm_80", "sm_90a") for ragged in (False, True)}
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
@@ -51,9 +50,8 @@ def test_example_kernels_assemble_without_spills_at_their_primary_tile(path, arc
             (res,) = build.assembled.kernels.values()
             assert res.spills == 0 and res.stack_bytes == 0, (kernel.name, ragged, res)
             primary, *fallbacks = sm80.build_configs(kernel.options, layout)
-            key = (kernel.name, arch, ragged)
-            fallback = 0 if key in NARROW_TILE_BUILDS else FALLBACK_BUILDS.get(key)
-            assert build.config == (primary if fallback is None else fallbacks[fallback]), \
+            narrow = (kernel.name, arch, ragged) in NARROW_TILE_BUILDS
+            assert build.config == (fallbacks[0] if narrow else primary), \
                 (kernel.name, ragged, build.config)
 
 

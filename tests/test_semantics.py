@@ -300,8 +300,9 @@ attention docs(doc: i32[batch, _]) {
     options = resolve_attention(program.attentions["docs"])
     hooks = expr_hooks(program, options.mask, None, options.operands)
     module = new_module("t", gpu_target("sm_90a"))
-    fn = ir.Function(module, ir.FunctionType(ir.IntType(1), [ir.IntType(32)] * len(MASK_ROLES) + [
-        ptr(1) if p.kind == "ptr" else ir.IntType(32) for p in hooks.operands]), "keeps")
+    params = [i32] * len(MASK_ROLES) + [ptr(1) if p.kind == "ptr" else i32
+                                         for p in hooks.operands]
+    fn = ir.Function(module, ir.FunctionType(ir.IntType(1), params), "keeps")
     for arg, param in zip(fn.args[len(MASK_ROLES):], hooks.operands):
         arg.name = param.name
     b = ir.IRBuilder(fn.append_basic_block())
