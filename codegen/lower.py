@@ -13,8 +13,10 @@ from typing import Callable
 
 from llvmlite import ir
 
-from mhadsl.codegen import nvptx
+from mhadsl.codegen import nvptx, tensor_reads
 from mhadsl.codegen.nvptx import f32, i1, i32, i64
+from mhadsl.codegen.target import NVPTX_TRIPLE
+from mhadsl.codegen.tensor_reads import linear_terms
 from mhadsl.codegen.valid_work import DenseIndex, RaggedIndex, TileIndex, schedule_is
 from mhadsl.front import ast
 from mhadsl.front.builtin_functions import DEVICE_FUNCTIONS, FUNCTIONS
@@ -26,19 +28,6 @@ from mhadsl.front.types import (
 )
 
 Value = object  # ir.Value | dict (record) | _Dim3
-
-
-def _linear_terms(value: ir.Value) -> tuple[list[tuple[int, ir.Value]], int]:
-    """`value` as a signed sum of values plus a constant, through the adds and subtractions
-    that built it wherever a constant lies below them (elsewhere a value stays whole)."""
-    if isinstance(value, ir.Constant) and isinstance(value.constant, int):
-        return [], value.constant
-    if isinstance(value, ir.Instruction) and value.opname in ("add", "sub"):
-        (left, left_const), (right, right_const) = map(_linear_terms, value.operands)
-        if left_const or right_const:
-            sign = 1 if value.opname == "add" else -1
-            return left + [(sign * s, v) for s, v in right], left_const + sign * right_const
-    return [(1, value)], 0
 
 
 LLVM_TYPES = {U32: i32, I32: i32, BOOL: i1, F32: f32, SCHEDULE: i32, SYNC: i32}
@@ -322,35 +311,29 @@ class FunctionLowering:
 
     def tensor_read(self, e: ast.Index) -> Value:
         """An element of a tensor operand (`codegen.kernel.TensorArgs`), 0 where an index
-        lies outside its axis: the load's address stays inside the tensor (its first
-        element), whose axes the call checked are not empty."""
+        lies outside its axis (`codegen.tensor_reads`); on the GPU, outside the backward,
+        a predicated load whose indices' constants join its address last."""
         indices, node = [], e
         while isinstance(node, ast.Index):
             indices.append(node.index)
             node = node.obj
         tensor = self.bindings[self.program.refs[node].node]
-        b, element = self.b, LLVM_TYPES[self.ty(e)]
-        inside, offset, at_axes = None, i32(0), []
-        positions = tensor.positions or (None,) * len(tensor.sizes)
-        for index, size, stride, rows in zip(reversed(indices), tensor.sizes, tensor.strides,
-                                             positions):
+        predicated = self.branch_free_reads and self.b.module.triple == NVPTX_TRIPLE
+        inside, address, at_axes = tensor_reads.bounds(
+            self.b, tensor, [self.index_value(i) for i in reversed(indices)], predicated)
+        if self.on_read:
+            self.on_read(e, at_axes, inside)
+        return tensor_reads.load(self.b, tensor, LLVM_TYPES[self.ty(e)], inside, address,
+                                 predicated)
+
+    def index_value(self, index: ast.Expr):
+        """A tensor read's index, lowered when it is needed (`offset_sum` applies)."""
+        def value() -> ir.Value:
             self.in_index, outer = True, self.in_index
             v = self.expr(index)
             self.in_index = outer
-            if rows is None:
-                ok = b.icmp_unsigned("<", v, size)  # (a negative i32 is a huge u32)
-            else:  # the sequence's own rows of the axis
-                first, count = rows
-                ok = b.icmp_unsigned("<", v, count)
-                v = b.add(first, v)
-                ok = b.and_(ok, b.icmp_unsigned("<", v, size))
-            inside = ok if inside is None else b.and_(inside, ok)
-            offset = b.add(offset, b.mul(v, stride))  # (inside the tensor: below 2**31)
-            at_axes.append(v)
-        if self.on_read:
-            self.on_read(e, at_axes, inside)
-        at = b.gep(tensor.pointer, [b.select(inside, offset, i32(0))], source_etype=element)
-        return b.select(inside, b.load(at, typ=element), ir.Constant(element, 0))
+            return v
+        return value
 
     def operand(self, e: ast.Expr, ty: Ty) -> Value:
         """`e` lowered as a value of type `ty`; a literal meets f32 exactly."""
@@ -415,7 +398,7 @@ class FunctionLowering:
         bases (the same instructions for every element, which LLVM merges) plus a
         constant, and the elements of a diagonal read one address. (LLVM leaves a base
         plus a constant that has other uses as it is, and so cannot see this itself.)"""
-        (terms_a, const_a), (terms_b, const_b) = _linear_terms(a), _linear_terms(b)
+        (terms_a, const_a), (terms_b, const_b) = linear_terms(a), linear_terms(b)
         if const_a == 0 and const_b == 0:
             return self.b.add(a, b) if op == "+" else self.b.sub(a, b)
         sign = 1 if op == "+" else -1

@@ -110,6 +110,27 @@ def red_add_f32_if(builder: ir.IRBuilder, pointer: ir.Value, value: ir.Value,
                 True)
 
 
+def load_global_if(builder: ir.IRBuilder, pointer: ir.Value, predicate: ir.Value,
+                   offsets: tuple[tuple[ir.Value, int], ...] = ()) -> ir.Value:
+    """The 32 bits at global `pointer` plus `offsets` (pairs of an i32 stride and a constant
+    count of it, in 4-byte elements) where `predicate` (i1) holds, else 0. The load is
+    predicated, so where the predicate fails the address is never read; the offsets are
+    added inside the asm, so LLVM neither hoists their products out of a loop (a register
+    each) nor keeps two loads of one address apart (the asm is pure)."""
+    text = ["{ .reg .b64 %a, %t; mov.b64 %a, $1;"]
+    for i, (_, count) in enumerate(offsets):
+        if abs(count) < 2**29:  # (4 x count is an s32: one multiply-add)
+            text.append(f"mad.wide.s32 %a, ${i + 3}, {4 * count}, %a;")
+        else:
+            text.append(f"mul.wide.s32 %t, ${i + 3}, {count}; shl.b64 %t, %t, 2; "
+                        "add.s64 %a, %a, %t;")
+    text.append("mov.b32 $0, 0; @$2 ld.global.nc.b32 $0, [%a]; }")
+    strides = [stride for stride, _ in offsets]
+    return builder.asm(ir.FunctionType(i32, [i64, i1] + [i32] * len(strides)), " ".join(text),
+                       "=r,l,b" + ",r" * len(strides),
+                       [builder.ptrtoint(pointer, i64), predicate, *strides], False)
+
+
 def reload_shared(builder: ir.IRBuilder, address: ir.Value, bits: int = 32) -> ir.Value:
     """The u32 (or u64: `bits`) at 32-bit shared address `address`, read by a volatile asm
     exactly where it stands: neither LLVM nor ptxas keeps the value live from an earlier

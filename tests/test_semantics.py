@@ -318,8 +318,10 @@ def test_the_elements_of_a_diagonal_read_one_address():
     a thread's elements, not once per element: the sums' constants are taken out of
     `q_idx - kv_idx`, so LLVM merges the loads of elements whose rows and keys differ
     by the same amount (a thread's 64 elements of a 128 x 128 tile lie on 34 diagonals;
-    the score runs in two places, full tiles and partial ones). So the wide tile
-    assembles without spills, with Q in shared memory (`sm90._q_and_tiles`)."""
+    the score runs in two places, full tiles and partial ones). Each load is predicated
+    and its address is one multiply-add from the place's shared row address (no select
+    of an address per element). So the wide tile assembles without spills, with Q in
+    shared memory (`sm90._q_and_tiles`)."""
     from helpers import REPO
     import mhadsl
     kern = mhadsl.compile(REPO / "examples" / "relative_bias.mha")["relative_bias"]
@@ -328,6 +330,12 @@ def test_the_elements_of_a_diagonal_read_one_address():
     assert not build.config.q_in_registers
     kernel = build.ptx[build.ptx.index(".entry mha_fwd_sm90"):]
     assert kernel.count("ld.global.nc") == 2 * 34
+    loads = re.findall(r"mov\.b64 %a, (%rd\d+); (.*?)mov\.b32 %r\d+, 0; "
+                       r"@%p\d+ ld\.global\.nc\.b32", kernel)
+    assert len(loads) == 2 * 34
+    assert len({row for row, _ in loads}) == 2  # one row address per place
+    assert max(offset.count("mad.wide.s32") for _, offset in loads) == 1
+    assert "selp.b64" not in kernel
 
 
 def gpu_ir(body: str, optimized: bool = True) -> str:
