@@ -13,11 +13,13 @@ a design skips empty tiles and masks only partial ones by the same code as for a
     mha_block_classes(cu_seqlens_q, cu_seqlens_k, batch, seqlen_q, seqlen_k, block_classes,
                       block_rows, block_cols, block_heads, cell_rows, cell_keys, <operands>)
 
-A warp classifies a cell: where the static analysis already decides it, that class; else each
-lane walks its keys (lane, lane + 32, ...) over the cell's rows and stops at the first key
-whose pairs it has seen both kept and dropped; a vote joins the lanes. The lanes' walk is a
-function of its own (`CELL_FUNCTION`), which the tests compile for the host and compare with
-the mask's NumPy meaning.
+A warp classifies a cell. First the tile analysis, with each tensor read bounded by the least
+and greatest element the cell can read (the lanes read them between them: `WarpReadOps`):
+packed documents' cells within one document, or between two, are decided so, from a few
+reads a lane. Else each lane walks its keys (lane, lane + 32, ...) over the cell's rows and
+stops at the first key whose pairs it has seen both kept and dropped; a vote joins the
+lanes. Both are functions of their own (`BOUNDS_FUNCTION`, `CELL_FUNCTION`), which the tests
+compile for the host and compare with the mask's NumPy meaning.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ from llvmlite import ir
 from mhadsl.abi import (
     BLOCK_CLASS_PARAMS, CELL_ALL, CELL_MAY, CallValue, KernelABI, Param, Pointer,
 )
-from mhadsl.codegen import nvptx, signature, warp
+from mhadsl.analysis.classify import IrOps
+from mhadsl.codegen import nvptx, signature, tensor_reads, warp
 from mhadsl.codegen.backends import ExprHooks, ir_loop
 from mhadsl.codegen.backends.blocks import (
     TileRules, TileSequence, last_index, sequence_rows,
@@ -36,6 +39,8 @@ from mhadsl.codegen.nvptx import i8, i32, i64
 KERNEL_NAME = "mha_block_classes"
 BLOCK_CLASS_NAMES = frozenset(p.name for p in BLOCK_CLASS_PARAMS)
 CELL_FUNCTION = "mha_cell_class"
+BOUNDS_FUNCTION = "mha_cell_bounds"
+UNDECIDED = -1  # (`bounds_function`: the cell's pairs decide)
 THREADS = 128  # a warp per cell
 ABI = KernelABI(
     Param("cu_seqlens_q", "ptr", Pointer("cu_seqlens_q"), "int32 (B+1) query row offsets "
@@ -97,13 +102,12 @@ class _Cell:
     and keys."""
 
     def __init__(self, b: ir.IRBuilder, a: dict, cell: ir.Value, ragged: bool):
-        cols, rows, heads = (b.zext(a[n], i64) for n in ("block_cols", "block_rows",
-                                                          "block_heads"))
-        self.kc = b.trunc(b.urem(cell, cols), i32)
-        rest = b.udiv(cell, cols)
-        self.qc = b.trunc(b.urem(rest, rows), i32)
-        rest = b.udiv(rest, rows)
-        self.h, self.bidx = b.trunc(b.urem(rest, heads), i32), b.trunc(b.udiv(rest, heads), i32)
+        # (a call has fewer than 2**31 cells, `mhadsl.host.launcher.MAX_CELLS`: 32-bit
+        # divisions, which cost a fraction of 64-bit ones)
+        rest = b.trunc(cell, i32)
+        self.kc, rest = b.urem(rest, a["block_cols"]), b.udiv(rest, a["block_cols"])
+        self.qc, rest = b.urem(rest, a["block_rows"]), b.udiv(rest, a["block_rows"])
+        self.h, self.bidx = b.urem(rest, a["block_heads"]), b.udiv(rest, a["block_heads"])
         self.q_start, self.seqlen_q = sequence_rows(b, ragged, a["cu_seqlens_q"],
                                                     a["seqlen_q"], self.bidx)
         self.k_start, self.seqlen_k = sequence_rows(b, ragged, a["cu_seqlens_k"],
@@ -119,6 +123,40 @@ class _Cell:
                                              self.q_start, self.k_start))
 
 
+def _cell_function(module: ir.Module, abi: KernelABI, pointer: ir.Type, name: str,
+                   extra: list[ir.Type]) -> tuple[ir.Function, dict, ir.IRBuilder]:
+    """Function `name` returning i32 of `abi`'s arguments (`pointer`: the type of its
+    pointers) then `extra`: the function, its ABI arguments by name, a builder at its entry."""
+    types = [pointer if p.kind == "ptr" else signature.llvm_type(p) for p in abi]
+    fn = ir.Function(module, ir.FunctionType(i32, types + extra), name)
+    for p, arg in zip(abi, fn.args):
+        arg.name = p.name
+    return fn, {p.name: arg for p, arg in zip(abi, fn.args)}, \
+        ir.IRBuilder(fn.append_basic_block("entry"))
+
+
+def bounds_function(module: ir.Module, abi: KernelABI, hooks: ExprHooks, ragged: bool,
+                    pointer: ir.Type, lanes: int) -> ir.Function:
+    """`BOUNDS_FUNCTION(<abi's arguments>, cell, lane) -> i32`: the class bits of cell
+    `cell` from the tile analysis with the reads of its tensors bounded over the cell
+    (`WarpReadOps`, by lane `lane` of `lanes`: 32 in the kernel, whose warp calls it
+    together), 0 for a cell outside its sequence, `UNDECIDED` where the analysis leaves the
+    cell partial (its pairs then decide). `hooks` classify statically only."""
+    fn, a, b = _cell_function(module, abi, pointer, BOUNDS_FUNCTION, [i64, i32])
+    cell, lane = fn.args[-2:]
+    c = _Cell(b, a, cell, ragged)
+    may, every = hooks.classify(
+        b, c.bidx, c.h if hooks.mask_uses_head else i32(0), c.q_lo,
+        last_index(b, c.q_lo, c.rows, c.seqlen_q), c.kv_lo,
+        last_index(b, c.kv_lo, c.keys, c.seqlen_k), c.seqlen_q, c.seqlen_k,
+        ops=WarpReadOps(b, lane, lanes), extents=(c.q_start, c.seqlen_q, c.k_start,
+                                                  c.seqlen_k) if hooks.positions else None)
+    known = b.select(may, b.select(every, i32(CELL_MAY | CELL_ALL), i32(CELL_MAY)), i32(0))
+    known = b.select(b.or_(b.not_(may), every), known, i32(UNDECIDED))
+    b.ret(b.select(c.inside, known, i32(0)))
+    return fn
+
+
 def cell_function(module: ir.Module, abi: KernelABI, hooks: ExprHooks, ragged: bool,
                   pointer: ir.Type) -> ir.Function:
     """`CELL_FUNCTION(<abi's arguments>, cell, lane, lanes) -> i32`: the class bits of the
@@ -126,13 +164,8 @@ def cell_function(module: ir.Module, abi: KernelABI, hooks: ExprHooks, ragged: b
     (none: CELL_ALL, which joins any other class as nothing); 0 for a cell outside its
     sequence. `hooks` classify statically only; `pointer` is the type of the ABI's
     pointers (the kernel's, or the host's in the tests)."""
-    types = [pointer if p.kind == "ptr" else signature.llvm_type(p) for p in abi]
-    fn = ir.Function(module, ir.FunctionType(i32, types + [i64, i32, i32]), CELL_FUNCTION)
-    for p, arg in zip(abi, fn.args):
-        arg.name = p.name
+    fn, a, b = _cell_function(module, abi, pointer, CELL_FUNCTION, [i64, i32, i32])
     cell, lane, lanes = fn.args[-3:]
-    a = {p.name: arg for p, arg in zip(abi, fn.args)}
-    b = ir.IRBuilder(fn.append_basic_block("entry"))
     c = _Cell(b, a, cell, ragged)
     outside, decided, scan = (fn.append_basic_block(n) for n in ("outside", "decided", "scan"))
     b.cbranch(c.inside, decided, outside)
@@ -174,13 +207,67 @@ def cell_function(module: ir.Module, abi: KernelABI, hooks: ExprHooks, ragged: b
     return fn
 
 
+class WarpReadOps(IrOps):
+    """The tile analysis (`mhadsl.analysis.classify`) in the classes kernel, where a warp
+    classifies one cell together: a read whose indices vary over the cell is bounded by the
+    least and greatest of the elements in the indices' intervals (0 among them where an
+    interval leaves its axis), which the lanes read between them: at most `RANGE_LIMIT`,
+    else any i32."""
+
+    RANGE_LIMIT = 4096
+
+    def __init__(self, builder: ir.IRBuilder, lane: ir.Value, lanes: int):
+        super().__init__(builder)
+        self.lane, self.lanes = lane, lanes  # (lanes 1: one thread reads them all)
+
+    def tensor_range(self, tensor, bounds: list) -> tuple[ir.Value, ir.Value]:
+        b, limit = self.b, self.RANGE_LIMIT
+        count = i64(1)
+        for lo, hi in bounds:  # (each extent capped first: the product cannot overflow)
+            extent = b.add(b.sub(hi, lo), i64(1))
+            count = b.mul(count, b.select(b.icmp_signed(">", extent, i64(limit)),
+                                          i64(limit + 1), extent))
+        small = b.and_(b.icmp_signed(">", count, i64(0)),
+                       b.icmp_signed("<=", count, i64(limit)))
+
+        def element(bk, e, acc):
+            rest, indices = e, []
+            for lo, hi in reversed(bounds):  # (every value below fits an i32 here)
+                extent = bk.trunc(bk.add(bk.sub(hi, lo), i64(1)), i32)
+                indices.append(bk.add(bk.trunc(lo, i32), bk.urem(rest, extent)))
+                rest = bk.udiv(rest, extent)
+            inside, address, _ = tensor_reads.bounds(
+                bk, tensor, [lambda v=v: v for v in reversed(indices)], False)
+            value = tensor_reads.load(bk, tensor, i32, inside, address, False)
+            return bk.add(e, i32(self.lanes)), [_smin(bk, acc[0], value),
+                                                _smax(bk, acc[1], value)]
+        n = b.trunc(b.select(small, count, i64(0)), i32)
+        lo, hi = ir_loop(b, self.lane, n, [i32(2**31 - 1), i32(-2**31)], element)
+        if self.lanes > 1:
+            lo = warp.warp_allreduce(b, lo, lambda x, y: _smin(b, x, y))
+            hi = warp.warp_allreduce(b, hi, lambda x, y: _smax(b, x, y))
+        return (b.select(small, b.sext(lo, i64), i64(-2**31)),
+                b.select(small, b.sext(hi, i64), i64(2**31 - 1)))
+
+
+def _smin(b: ir.IRBuilder, x: ir.Value, y: ir.Value) -> ir.Value:
+    return b.select(b.icmp_signed("<", x, y), x, y)
+
+
+def _smax(b: ir.IRBuilder, x: ir.Value, y: ir.Value) -> ir.Value:
+    return b.select(b.icmp_signed(">", x, y), x, y)
+
+
 def build_block_classes_kernel(module: ir.Module, hooks: ExprHooks, ragged: bool) -> ir.Function:
     """The classes kernel (the module's docstring) of a declaration's static-only `hooks`
     (`codegen.kernel.expr_hooks(..., per_call=False)`), for dense or ragged calls."""
     abi = hooks.kernel_abi(ABI)
     walk = cell_function(module, abi, hooks, ragged, nvptx.ptr(nvptx.GLOBAL))
-    walk.linkage = "internal"
-    fn, a = signature.kernel(module, abi, KERNEL_NAME, threads=THREADS)
+    decide = bounds_function(module, abi, hooks, ragged, nvptx.ptr(nvptx.GLOBAL), 32)
+    walk.linkage = decide.linkage = "internal"
+    # (no launch bound: with one, ptxas caps the registers at 32 for a full multiprocessor
+    # of CTAs, and the reads' bounds then spill)
+    fn, a = signature.kernel(module, abi, KERNEL_NAME)
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     thread = b.add(b.mul(b.zext(nvptx.special_register(b, "block_idx", "x"), i64),
                          i64(THREADS)),
@@ -192,12 +279,24 @@ def build_block_classes_kernel(module: ir.Module, hooks: ExprHooks, ragged: bool
     work, done = fn.append_basic_block("cell"), fn.append_basic_block("done")
     b.cbranch(b.icmp_unsigned("<", cell, total), work, done)  # the same in a whole warp
     b.position_at_end(work)
+    # the analysis with the cell's reads bounded decides most cells: no pair walked
+    known = b.call(decide, [*fn.args, cell, lane])
+    decided_bb, scan, store = b.block, *(fn.append_basic_block(n) for n in ("scan", "store"))
+    b.cbranch(b.icmp_signed("!=", known, i32(UNDECIDED)), store, scan)
+    b.position_at_end(scan)
     bits = b.call(walk, [*fn.args, cell, lane, i32(32)])
     some = warp.any_lane(b, b.icmp_unsigned("!=", b.and_(bits, i32(CELL_MAY)), i32(0)))
     short = warp.any_lane(b, b.icmp_unsigned("==", b.and_(bits, i32(CELL_ALL)), i32(0)))
-    value = b.or_(b.select(some, i32(CELL_MAY), i32(0)), b.select(short, i32(0), i32(CELL_ALL)))
+    walked = b.or_(b.select(some, i32(CELL_MAY), i32(0)),
+                   b.select(short, i32(0), i32(CELL_ALL)))
     # a cell outside its sequence, or with no kept pair, is 0 alike
-    value = b.select(some, value, i32(0))
+    walked = b.select(some, walked, i32(0))
+    scanned_bb = b.block
+    b.branch(store)
+    b.position_at_end(store)
+    value = b.phi(i32)
+    value.add_incoming(known, decided_bb)
+    value.add_incoming(walked, scanned_bb)
     with b.if_then(b.icmp_unsigned("==", lane, i32(0))):
         b.store(b.trunc(value, i8), b.gep(a["block_classes"], [cell], source_etype=i8))
     b.branch(done)

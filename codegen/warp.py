@@ -355,9 +355,13 @@ def keep_bit(builder: ir.IRBuilder, value: ir.Value, words: list[ir.Value],
 
 def warp_sum(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
     """The i32 or f32 `value` summed over the warp's 32 lanes (every lane gets the sum)."""
-    add = builder.fadd if value.type == f32 else builder.add
+    return warp_allreduce(builder, value, builder.fadd if value.type == f32 else builder.add)
+
+
+def warp_allreduce(builder: ir.IRBuilder, value: ir.Value, op) -> ir.Value:
+    """`op(a, b)` over the warp's 32 lanes' `value` (every lane gets the result)."""
     for m in (16, 8, 4, 2, 1):
-        value = add(value, shfl_bfly(builder, value, m))
+        value = op(value, shfl_bfly(builder, value, m))
     return value
 
 

@@ -85,36 +85,57 @@ def _call(name, lengths, ragged):
     return q, kwargs, operands
 
 
-@pytest.fixture(scope="module")
-def host_walk():
-    """The classes kernel's walk over a cell (`block_classes.cell_function`), compiled for
-    the host per (declaration, ragged): walk(cell, lane, lanes, values) -> class bits."""
+def _host_cell_functions(make, name: str, extra: list):
+    """A fixture's builder of a classes kernel's cell function compiled for the host per
+    (declaration, ragged): `make(module, abi, hooks, ragged)` emits it; it is called as
+    fn(*extra args, values) with the ABI's arguments by name in `values`."""
     binding.initialize_native_target()
     binding.initialize_native_asmprinter()
     engines = {}
 
-    def build(name, ragged):
-        if (name, ragged) in engines:
-            return engines[name, ragged][1]
-        options = PROGRAM[name].options
+    def build(declaration, ragged):
+        if (declaration, ragged) in engines:
+            return engines[declaration, ragged][1]
+        options = PROGRAM[declaration].options
         hooks = expr_hooks(PROGRAM.checked, options.mask, None, options.operands)
         abi = hooks.kernel_abi(block_classes.ABI)
-        module = ir.Module("walk")
+        module = ir.Module(name)
         module.triple = binding.get_default_triple()
-        block_classes.cell_function(module, abi, hooks, ragged, ir.PointerType())
+        make(module, abi, hooks, ragged)
         machine = binding.Target.from_default_triple().create_target_machine()
         engine = binding.create_mcjit_compiler(binding.parse_assembly(str(module)), machine)
         engine.finalize_object()
         kinds = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64}
-        fn = ctypes.CFUNCTYPE(ctypes.c_int32, *[kinds[p.kind] for p in abi], ctypes.c_int64,
-                              ctypes.c_int32, ctypes.c_int32)(
-            engine.get_function_address(block_classes.CELL_FUNCTION))
+        fn = ctypes.CFUNCTYPE(ctypes.c_int32, *[kinds[p.kind] for p in abi], *extra)(
+            engine.get_function_address(name))
 
-        def walk(cell, lane, lanes, values):
-            return fn(*[values[p.name] for p in abi], cell, lane, lanes)
-        engines[name, ragged] = (engine, walk)
-        return walk
+        def call(*args):
+            *args, values = args
+            return fn(*[values[p.name] for p in abi], *args)
+        engines[declaration, ragged] = (engine, call)
+        return call
     return build
+
+
+@pytest.fixture(scope="module")
+def host_walk():
+    """The classes kernel's walk over a cell (`block_classes.cell_function`), compiled for
+    the host per (declaration, ragged): walk(cell, lane, lanes, values) -> class bits."""
+    return _host_cell_functions(
+        lambda module, abi, hooks, ragged: block_classes.cell_function(
+            module, abi, hooks, ragged, ir.PointerType()),
+        block_classes.CELL_FUNCTION, [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32])
+
+
+@pytest.fixture(scope="module")
+def host_bounds():
+    """The classes kernel's analysis of a cell with its reads bounded
+    (`block_classes.bounds_function`), one lane reading every element, compiled for the
+    host per (declaration, ragged): bounds(cell, 0, values) -> class bits or UNDECIDED."""
+    return _host_cell_functions(
+        lambda module, abi, hooks, ragged: block_classes.bounds_function(
+            module, abi, hooks, ragged, ir.PointerType(), 1),
+        block_classes.BOUNDS_FUNCTION, [ctypes.c_int64, ctypes.c_int32])
 
 
 def _values(name, q, kwargs, operands, want, cell):
@@ -173,6 +194,57 @@ def test_the_walk_over_a_cell_is_the_masks_meaning(host_walk, name, lengths, rag
     assert CELL_MAY in want  # partial cells, which the walk decides pair by pair
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(joined, want)
+
+
+def _interval_decided(name, lengths, ragged, operands, shape, cell):
+    """Which cells of `packed` or `per_batch` (sorted document ids) the analysis with the
+    cells' reads bounded decides, in NumPy: `kv_idx <= q_idx` empty or the documents' id
+    intervals apart (no pair kept), or the causal part full and one id on both sides (every
+    pair kept); cells outside their sequence too (0)."""
+    batch, _, rows, cols = shape
+    decided = np.zeros(shape, bool)
+    starts = np.concatenate(([0], np.cumsum(lengths))) if ragged else [0] * len(lengths)
+    for b, qc, kc in np.ndindex(batch, rows, cols):
+        n = lengths[b] if ragged else lengths[0]
+        q_lo, kv_lo = qc * cell[0], kc * cell[1]
+        if q_lo >= n or kv_lo >= n:
+            decided[b, :, qc, kc] = True
+            continue
+        q_hi, kv_hi = min(q_lo + cell[0], n) - 1, min(kv_lo + cell[1], n) - 1
+        ids = operands["doc"][b] if name == "per_batch" else operands["doc"][starts[b]:]
+        dq, dk = ids[q_lo:q_hi + 1], ids[kv_lo:kv_hi + 1]
+        may = kv_lo <= q_hi and dq.min() <= dk.max() and dk.min() <= dq.max()
+        every = kv_hi <= q_lo and dq.min() == dq.max() == dk.min() == dk.max()
+        decided[b, :, qc, kc] = not may or every
+    return decided
+
+
+@pytest.mark.parametrize("name, lengths, ragged, cell", [
+    ("packed", [1, 300, 129, 64, 70], True, (64, 64)),
+    ("packed", [400, 400], False, (128, 112)),
+    ("per_batch", [450, 450, 450], False, (192, 128)),
+    ("per_head", [130, 7, 256], True, (64, 128)),
+    ("per_head", [150], False, (128, 176)),
+])
+def test_the_bounded_reads_decide_cells_without_their_pairs(host_bounds, name, lengths,
+                                                            ragged, cell):
+    """The analysis the classes kernel runs before any walk, each tensor read bounded by
+    the elements the cell can read: every cell it decides has the class of its pairs under
+    the mask's NumPy meaning, and for sorted document ids it decides exactly the cells
+    whose id intervals decide them (the rest, partial ones among them, are walked)."""
+    q, kwargs, operands = _call(name, lengths, ragged)
+    want = mhadsl.reference_block_classes(PROGRAM[name], q, q, cell=cell, **kwargs,
+                                          **operands)
+    values, _held = _values(name, q, kwargs, operands, want, cell)
+    bounds = host_bounds(name, ragged)
+    got = np.array([bounds(c, 0, values) for c in range(want.size)]).reshape(want.shape)
+    decided = got != block_classes.UNDECIDED
+    np.testing.assert_array_equal(got[decided], want[decided])
+    assert not decided[want == CELL_MAY].any()  # (implied: a partial cell is never decided)
+    if name != "per_head":
+        np.testing.assert_array_equal(
+            decided, _interval_decided(name, lengths, ragged, operands, want.shape, cell))
+        assert decided[want == 0].sum() > decided[want == 0].size // 2
 
 
 def test_the_reference_classes_of_packed_documents():

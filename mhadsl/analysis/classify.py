@@ -12,7 +12,7 @@ every data-dependent choice. Two backends run it:
 
 - `_PyOps` generates straight-line Python over plain ints (constants fold as it goes) and
   compiles it once per rule; the host simulator's cost model calls the result per tile.
-- `_IrOps` emits the same reasoning as llvmlite IR, so the GPU kernel can classify tiles at run
+- `IrOps` emits the same reasoning as llvmlite IR, so the GPU kernel can classify tiles at run
   time, when the shapes are known.
 
 Bounds are computed in 64 bits (Python ints, or i64 in IR) from 32-bit inputs, so no single
@@ -177,7 +177,7 @@ class _PyOps:
         return self._op(operator.not_, "not {}", x)
 
 
-class _IrOps:
+class IrOps:
     """Emits the analysis as LLVM IR: bounds are i64, booleans i1."""
 
     def __init__(self, builder: ir.IRBuilder):
@@ -376,20 +376,25 @@ class _Analysis:
         """An i32 tensor operand's element: where every index is one value over the box
         (`b` or `h`, say), the element itself, read at run time (the backend reads tensors:
         the kernel's, given the tensor); else any i32, as for a tensor along the call's
-        query rows or keys (read at the sequence's rows, which the box does not carry)."""
+        query rows or keys (read at the sequence's rows, which the box does not carry) —
+        unless the backend bounds the elements over the indices' intervals
+        (`tensor_range`: `codegen.block_classes`, whose box carries its sequence)."""
         indices, node = [], e
         while isinstance(node, ast.Index):
             indices.append(node.index)
             node = node.obj
         tensor = env.get(self.refs[node].node)
+        ranged = hasattr(self.o, "tensor_range")
         if tensor is None or ty != I32 or not hasattr(self.o, "tensor_read") or \
-                set(self.types[node].axes) & set(POSITION_AXES):
+                (set(self.types[node].axes) & set(POSITION_AXES) and not ranged):
             return self.top(ty)
         o, bounds = self.o, []
         for index in reversed(indices):
             v = self.lift(self.expr(index, env), self.types[index]
                           if self.types[index] in _BOUNDS else I32)
             bounds.append(v)
+        if ranged:
+            return _Int(*o.tensor_range(tensor, [(v.lo, v.hi) for v in bounds]), I32)
         exact = o.tensor_known(tensor) if hasattr(o, "tensor_known") else None
         for v in bounds:
             same = o.eq(v.lo, v.hi)
@@ -657,11 +662,13 @@ def classify_tile(mask_rule: ast.Rule | None, program: CheckedProgram | None, *,
 def emit_classify(builder: ir.IRBuilder, mask_rule: ast.Rule, program: CheckedProgram,
                   b: ir.Value | None, h: ir.Value | None, q_lo: ir.Value, q_hi: ir.Value,
                   kv_lo: ir.Value, kv_hi: ir.Value, seqlen_q: ir.Value,
-                  seqlen_k: ir.Value, operands: dict | None = None) -> tuple[ir.Value, ir.Value]:
+                  seqlen_k: ir.Value, operands: dict | None = None,
+                  ops: IrOps | None = None) -> tuple[ir.Value, ir.Value]:
     """Emit the classification of one box at `builder`; i32 inputs, `(may_be_true,
     always_true)` as i1. `b`/`h` None means any value; `operands`: the i32 operands' values
-    by name (the kernel's parameters: the box is classified for the call's values)."""
-    ops = _IrOps(builder)
+    by name (the kernel's parameters: the box is classified for the call's values); `ops`:
+    the IR backend (an `IrOps` at `builder` by default)."""
+    ops = ops or IrOps(builder)
 
     def wide(v: ir.Value) -> ir.Value:
         return builder.sext(v, _I64)
