@@ -167,13 +167,17 @@ def _values(name, q, kwargs, operands, want, cell):
     return values, held
 
 
-@pytest.mark.parametrize("name, lengths, ragged, cell", [
+# calls and cells: ragged and dense, cells that are the kernels' tiles and others
+CELL_CASES = pytest.mark.parametrize("name, lengths, ragged, cell", [
     ("packed", [1, 300, 129, 64, 70], True, (64, 64)),
     ("packed", [400, 400], False, (128, 112)),
     ("per_batch", [450, 450, 450], False, (192, 128)),
     ("per_head", [130, 7, 256], True, (64, 128)),
     ("per_head", [150], False, (128, 176)),
 ])
+
+
+@CELL_CASES
 def test_the_walk_over_a_cell_is_the_masks_meaning(host_walk, name, lengths, ragged, cell):
     """Every cell's class, from the walk of one lane over all its keys and from 32 lanes'
     walks joined as the kernel's vote joins them, is the class of its pairs under the
@@ -219,13 +223,7 @@ def _interval_decided(name, lengths, ragged, operands, shape, cell):
     return decided
 
 
-@pytest.mark.parametrize("name, lengths, ragged, cell", [
-    ("packed", [1, 300, 129, 64, 70], True, (64, 64)),
-    ("packed", [400, 400], False, (128, 112)),
-    ("per_batch", [450, 450, 450], False, (192, 128)),
-    ("per_head", [130, 7, 256], True, (64, 128)),
-    ("per_head", [150], False, (128, 176)),
-])
+@CELL_CASES
 def test_the_bounded_reads_decide_cells_without_their_pairs(host_bounds, name, lengths,
                                                             ragged, cell):
     """The analysis the classes kernel runs before any walk, each tensor read bounded by
