@@ -122,6 +122,7 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
     return ExprHooks(mask=mask, score=score, sink=sink,
                      positions=any(set(o.axes) & set(POSITION_AXES) for o in operands),
                      classify=classify if mask_rule is not None else None,
+                     classify_loads=per_call,
                      mask_uses_head=mask_uses_head,
                      score_reads_lengths=score_rule is not None and any(
                          rule_reads(score_rule, n) for n in ("seqlen_q", "seqlen_k")),

@@ -383,6 +383,20 @@ def test_every_build_of_a_data_mask_takes_the_classes(arch, ragged):
     assert "block_classes" not in plain.llvm
 
 
+@pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
+def test_the_hopper_consumers_load_a_tiles_class_before_its_scores():
+    """The sm90 consumers read a KV tile's class (one byte of the call's classes) before
+    they issue the tile's S, so the load runs under the wgmma: after the KV loop's wait for
+    S (`wgmma.wait_group 1`) no class is loaded before the tile's P V is waited for."""
+    import re
+    build = PROGRAM["packed"].build("sm_90a", backend="sm90")
+    kernel = build.ptx[build.ptx.index(".entry mha_fwd_sm90"):]
+    after_s = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;(.*?)wgmma\.wait_group", kernel,
+                         re.S)
+    assert after_s and "ld.global.b8" in kernel
+    assert not any("ld.global.b8" in stretch for stretch in after_s)
+
+
 def test_a_calls_cells_are_its_scheduled_kernels_tiles():
     from mhadsl.abi import CallSizes, block_class_bytes, block_class_values
     call = CallSizes(batch=3, heads=8, kv_heads=2, seqlen_q=0, seqlen_k=0, max_seqlen_q=300,

@@ -264,6 +264,7 @@ class ExprHooks:
     mask: Callable | None = None
     score: Callable | None = None
     classify: Callable | None = None
+    classify_loads: bool = False  # classify loads (a call's tile classes): ask it early
     mask_uses_head: bool = False  # the mask reads `h` (its tile classes differ per head)
     score_reads_lengths: bool = False  # the score reads seqlen_q or seqlen_k
     sink: Callable | None = None

@@ -352,10 +352,19 @@ class _ConsumerTile:
         hopper.wgmma_commit_group(bb)
         return o
 
-    def softmax(self, bb, n, s, m_old, l_old):
-        """The score hook and mask on S of KV tile n, then the online softmax (log2
-        domain) over this thread's two rows: (P in f32, m, l, alpha)."""
-        s = self.k._scores(bb, self.args, self.t, n, s, self.row0, self.col0, self.rows)
+    def early_class(self, bb, n):
+        """Whether every pair of KV tile n is kept, where the classification loads it (a
+        call's tile classes): asked before the tile's S is issued, so the load runs under
+        the wgmma instead of after its wait; None elsewhere (`_scores` asks)."""
+        if not self.k.hooks.classify_loads:
+            return None
+        return self.t.classify(bb, n, self.rows)[1]
+
+    def softmax(self, bb, n, s, m_old, l_old, always=None):
+        """The score hook and mask on S of KV tile n (`always`: `early_class`), then the
+        online softmax (log2 domain) over this thread's two rows: (P in f32, m, l, alpha)."""
+        s = self.k._scores(bb, self.args, self.t, n, s, self.row0, self.col0, self.rows,
+                           always)
         m_new, l_new, alpha, p = [None, None], [None, None], [None, None], list(s)
         for r in range(2):
             mine = [j for j in range(len(s)) if (j // 2) % 2 == r]
@@ -435,6 +444,7 @@ class _ConsumerTile:
         b.cbranch(b.icmp_signed("<", first, end), head_bb, done_bb)
 
         b.position_at_end(head_bb)  # the first KV tile: S and softmax alone
+        always = self.early_class(b, first)
         stage, phase, bump = self.stage(b)
         hopper.mbarrier_wait(b, mem.full(b, "k", stage), phase)
         hopper.wgmma_fence(b)
@@ -442,12 +452,13 @@ class _ConsumerTile:
         hopper.wgmma_wait_group(b, 0)
         s = hopper.fence_operands(b, s)
         hopper.mbarrier_arrive(b, mem.empty(b, "k", stage))
-        p, m, l, alpha = self.softmax(b, first, s, m0, l0)
+        p, m, l, alpha = self.softmax(b, first, s, m0, l0, always)
         frags = self.pack(b, p)
         bump(b)
 
         def step(bb, n, state):
             o, m_old, l_old, frags, alpha, (p_stage, p_phase) = self.split(state)
+            always = self.early_class(bb, n)
             stage, phase, bump = self.stage(bb)
             hopper.mbarrier_wait(bb, mem.full(bb, "k", stage), phase)
             # V of the previous tile came with its K, long ago; waiting for it here keeps
@@ -461,7 +472,7 @@ class _ConsumerTile:
             hopper.wgmma_wait_group(bb, 1)
             s = hopper.fence_operands(bb, s)
             hopper.mbarrier_arrive(bb, mem.empty(bb, "k", stage))
-            p, m_new, l_new, alpha = self.softmax(bb, n, s, m_old, l_old)
+            p, m_new, l_new, alpha = self.softmax(bb, n, s, m_old, l_old, always)
             # unheld, ptxas hoists P V's wait above the whole softmax
             hopper.hold_next_wait_below(bb, l_new if self.c.softmax_under_pv else m_new)
             hopper.wgmma_wait_group(bb, 0)
@@ -622,9 +633,10 @@ class _Kernel:
                                                            offset)))
         return frags
 
-    def _scores(self, b, args, t: _Tile, n, s, row0, col0, rows=None):
+    def _scores(self, b, args, t: _Tile, n, s, row0, col0, rows=None, always=None):
         """The score hook, then the mask on tiles partial for the query rows `rows` (the
-        work tile's where None; a branch; S merges in phis)."""
+        work tile's where None; a branch; S merges in phis); `always`: whether the tile is
+        full, where the caller asked already."""
         hooks, c = self.hooks, self.c
         kv_base = b.mul(n, i32(c.block_n))
 
@@ -637,7 +649,8 @@ class _Kernel:
         if hooks.score is not None:
             s = [t.scored(b, b.fmul(v, args.softmax_scale), q_idx(j), kv_idx(j))
                  for j, v in enumerate(s)]
-        _, always = t.classify(b, n, rows)
+        if always is None:
+            _, always = t.classify(b, n, rows)
         if hooks.kv_limits is not None and c.bit_mask:  # a run of keys a row: mask and bounds
             def by_limits(bb):  # (value j: row (j // 2) % 2, fragment index 2 (j // 4) + j % 2)
                 rows = [warp.kept_fragment_bits(bb, *t.row_keys(
