@@ -51,11 +51,15 @@ def call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -
 def divide(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
     """f32 `a / b` as fast-math GPU code divides, not by the IEEE division's subroutine: by a
     constant whose reciprocal is a normal float, a multiplication by that reciprocal (LLVM's
-    `arcp`); otherwise `div.full.f32` (at most 2 ulp, the full range)."""
+    `arcp`); by a kernel parameter (a scalar operand: one value for every element), a
+    multiplication by its reciprocal by `div.full.f32`, which LLVM computes once; otherwise
+    `div.full.f32` (at most 2 ulp, the full range)."""
     if isinstance(b, ir.Constant):
         reciprocal = 1.0 / b.constant if b.constant else math.inf
         if math.isfinite(reciprocal) and FLT_MIN <= abs(reciprocal) <= FLT_MAX:
             return builder.fdiv(a, b, flags=("arcp",))
+    if isinstance(b, ir.Argument) and b.parent.calling_convention == "ptx_kernel":
+        return builder.fmul(a, call(builder, "llvm.nvvm.div.full", f32, [f32(1.0), b]))
     return call(builder, "llvm.nvvm.div.full", f32, [a, b])
 
 
