@@ -215,6 +215,7 @@ class WarpReadOps(IrOps):
     else any i32."""
 
     RANGE_LIMIT = 4096
+    UNROLL = 4  # elements a lane reads a round
 
     def __init__(self, builder: ir.IRBuilder, lane: ir.Value, lanes: int):
         super().__init__(builder)
@@ -230,19 +231,33 @@ class WarpReadOps(IrOps):
         small = b.and_(b.icmp_signed(">", count, i64(0)),
                        b.icmp_signed("<=", count, i64(limit)))
 
-        def element(bk, e, acc):
+        n = b.trunc(b.select(small, count, i64(0)), i32)
+
+        def read(bk, e):
+            """Element e of the indices' box (the last axis fastest), 0 outside the tensor."""
             rest, indices = e, []
-            for lo, hi in reversed(bounds):  # (every value below fits an i32 here)
-                extent = bk.trunc(bk.add(bk.sub(hi, lo), i64(1)), i32)
-                indices.append(bk.add(bk.trunc(lo, i32), bk.urem(rest, extent)))
-                rest = bk.udiv(rest, extent)
+            for axis, (lo, hi) in reversed(list(enumerate(bounds))):  # (all fit an i32 here)
+                offset = rest
+                if axis:  # (the first axis's offset is what is left)
+                    extent = bk.trunc(bk.add(bk.sub(hi, lo), i64(1)), i32)
+                    offset, rest = bk.urem(rest, extent), bk.udiv(rest, extent)
+                indices.append(bk.add(bk.trunc(lo, i32), offset))
             inside, address, _ = tensor_reads.bounds(
                 bk, tensor, [lambda v=v: v for v in reversed(indices)], False)
-            value = tensor_reads.load(bk, tensor, i32, inside, address, False)
-            return bk.add(e, i32(self.lanes)), [_smin(bk, acc[0], value),
-                                                _smax(bk, acc[1], value)]
-        n = b.trunc(b.select(small, count, i64(0)), i32)
-        lo, hi = ir_loop(b, self.lane, n, [i32(2**31 - 1), i32(-2**31)], element)
+            return tensor_reads.load(bk, tensor, i32, inside, address, False)
+
+        def elements(bk, e, acc):
+            # UNROLL reads a round, all issued before any is used: one memory latency
+            # a round, not one a read
+            at = [bk.add(e, i32(k * self.lanes)) for k in range(self.UNROLL)]
+            values = [read(bk, x) for x in at]
+            lo, hi = acc
+            for x, value in zip(at, values):
+                valid = bk.icmp_signed("<", x, n)
+                lo = bk.select(valid, _smin(bk, lo, value), lo)
+                hi = bk.select(valid, _smax(bk, hi, value), hi)
+            return bk.add(e, i32(self.UNROLL * self.lanes)), [lo, hi]
+        lo, hi = ir_loop(b, self.lane, n, [i32(2**31 - 1), i32(-2**31)], elements)
         if self.lanes > 1:
             lo = warp.warp_allreduce(b, lo, lambda x, y: _smin(b, x, y))
             hi = warp.warp_allreduce(b, hi, lambda x, y: _smax(b, x, y))
