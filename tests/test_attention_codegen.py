@@ -138,20 +138,25 @@ def test_score_hook_and_custom_work_loop():
 
 
 def test_a_score_divides_with_fast_math_on_the_gpu():
-    """A division by a constant is a multiplication by its reciprocal and one by a run-time
-    value `div.full.f32`: never the IEEE division's subroutine (`div.rn.f32`), which cost a
-    softcapped score a tenth of its speed."""
+    """A division by a constant is a multiplication by its reciprocal, one by a scalar
+    operand a multiplication by its reciprocal computed once (`div.full.f32` of 1), and one
+    by a value that varies per element `div.full.f32`: never the IEEE division's subroutine
+    (`div.rn.f32`), which cost a softcapped score a tenth of its speed."""
     program = mhadsl.compile('''
         attention by_constant { dtype = bf16  head_dim = 64
             score(s, b, h, q_idx, kv_idx) = 30.0 * tanh(s / 30.0) }
         attention by_operand(cap: f32 = 30.0) { dtype = bf16  head_dim = 64
-            score(s, b, h, q_idx, kv_idx) = cap * tanh(s / cap) }''')
+            score(s, b, h, q_idx, kv_idx) = cap * tanh(s / cap) }
+        attention by_element { dtype = bf16  head_dim = 64
+            score(s, b, h, q_idx, kv_idx) = s / (1.0 + f32(kv_idx)) }''')
     for arch in ARCHS:
         by_constant = program["by_constant"].build(arch, backend="sm80").ptx
         by_operand = program["by_operand"].build(arch, backend="sm80").ptx
-        assert "div.rn.f32" not in by_constant + by_operand
+        by_element = program["by_element"].build(arch, backend="sm80").ptx
+        assert "div.rn.f32" not in by_constant + by_operand + by_element
         assert "div.full.f32" not in by_constant and "0f3D088889" in by_constant  # 1 / 30
-        assert by_operand.count("div.full.f32") == by_operand.count("tanh.approx.f32") > 0
+        assert by_operand.count("div.full.f32") == 1 < by_operand.count("tanh.approx.f32")
+        assert by_element.count("div.full.f32") > 1
     # the backward's derivative and the decode kernel lower the same rule
     for build in (program["by_constant"].build("sm_90a", backward=True),
                   program["by_operand"].build("sm_90a", cache=CacheLayout())):

@@ -364,23 +364,6 @@ def test_gpu_ir_guards_signed_division():
     assert re.search(r"icmp eq i32 %[\w.]+, -2147483648", text)  # the INT_MIN / -1 guard
 
 
-def test_a_division_by_a_scalar_operand_is_one_reciprocal():
-    """`cap * tanh(s / cap)` with `cap` passed per call: every element multiplies by the
-    reciprocal of the kernel's parameter, which LLVM computes once (one `div.full.f32` in
-    the Hopper forward, where dividing each element took 128), while a divisor that varies
-    per element keeps its own division."""
-    from helpers import REPO
-    import mhadsl
-    build = mhadsl.compile(REPO / "examples" / "runtime_window.mha")["runtime_window"].build(
-        "sm_90a")
-    assert build.ptx.count("div.full.f32") == 1
-    source = STD + """
-attention per_element { dtype = bf16  head_dim = 128
-    score(s, b, h, q_idx, kv_idx) = s / (1.0 + f32(kv_idx)) }"""
-    varying = mhadsl.compile(source)["per_element"].build("sm_90a")
-    assert varying.ptx.count("div.full.f32") > 1
-
-
 # ------------------------------------------------------------------ edge cases in scheduler rules
 def persistent(body: str, extra_params: str = "") -> str:
     from test_simulate import persistent_variant
