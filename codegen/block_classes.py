@@ -118,9 +118,24 @@ class _Cell:
         self.inside = b.and_(b.icmp_signed("<", self.q_lo, self.seqlen_q),
                              b.icmp_signed("<", self.kv_lo, self.seqlen_k))
 
+    def classify(self, b: ir.IRBuilder, hooks: ExprHooks, **options) -> tuple:
+        """The cell's box through `hooks.classify` (`options`: its keywords): (may hold a
+        kept pair, every pair kept, the last query row, the last key, the head it asks of)."""
+        q_hi = last_index(b, self.q_lo, self.rows, self.seqlen_q)
+        kv_hi = last_index(b, self.kv_lo, self.keys, self.seqlen_k)
+        head = self.h if hooks.mask_uses_head else i32(0)
+        may, every = hooks.classify(b, self.bidx, head, self.q_lo, q_hi, self.kv_lo, kv_hi,
+                                    self.seqlen_q, self.seqlen_k, **options)
+        return may, every, q_hi, kv_hi, head
+
     def tile_rules(self, hooks: ExprHooks) -> TileRules:
         return TileRules(hooks, TileSequence(self.bidx, self.seqlen_q, self.seqlen_k,
                                              self.q_start, self.k_start))
+
+
+def _class_bits(b: ir.IRBuilder, may: ir.Value, every: ir.Value) -> ir.Value:
+    """A cell's class bits (`mhadsl.abi`) from (may hold a kept pair, every pair kept)."""
+    return b.select(may, b.select(every, i32(CELL_MAY | CELL_ALL), i32(CELL_MAY)), i32(0))
 
 
 def _cell_function(module: ir.Module, abi: KernelABI, pointer: ir.Type, name: str,
@@ -145,14 +160,9 @@ def bounds_function(module: ir.Module, abi: KernelABI, hooks: ExprHooks, ragged:
     fn, a, b = _cell_function(module, abi, pointer, BOUNDS_FUNCTION, [i64, i32])
     cell, lane = fn.args[-2:]
     c = _Cell(b, a, cell, ragged)
-    may, every = hooks.classify(
-        b, c.bidx, c.h if hooks.mask_uses_head else i32(0), c.q_lo,
-        last_index(b, c.q_lo, c.rows, c.seqlen_q), c.kv_lo,
-        last_index(b, c.kv_lo, c.keys, c.seqlen_k), c.seqlen_q, c.seqlen_k,
-        ops=WarpReadOps(b, lane, lanes), extents=(c.q_start, c.seqlen_q, c.k_start,
-                                                  c.seqlen_k) if hooks.positions else None)
-    known = b.select(may, b.select(every, i32(CELL_MAY | CELL_ALL), i32(CELL_MAY)), i32(0))
-    known = b.select(b.or_(b.not_(may), every), known, i32(UNDECIDED))
+    may, every, *_ = c.classify(b, hooks, ops=WarpReadOps(b, lane, lanes), extents=(
+        c.q_start, c.seqlen_q, c.k_start, c.seqlen_k) if hooks.positions else None)
+    known = b.select(b.or_(b.not_(may), every), _class_bits(b, may, every), i32(UNDECIDED))
     b.ret(b.select(c.inside, known, i32(0)))
     return fn
 
@@ -174,12 +184,8 @@ def cell_function(module: ir.Module, abi: KernelABI, hooks: ExprHooks, ragged: b
 
     b.position_at_end(decided)
     rules = c.tile_rules(hooks)
-    q_hi = last_index(b, c.q_lo, c.rows, c.seqlen_q)
-    kv_hi = last_index(b, c.kv_lo, c.keys, c.seqlen_k)
-    head = c.h if hooks.mask_uses_head else i32(0)
-    may, every = hooks.classify(b, c.bidx, head, c.q_lo, q_hi, c.kv_lo, kv_hi,
-                                      c.seqlen_q, c.seqlen_k)
-    static = b.select(may, b.select(every, i32(CELL_MAY | CELL_ALL), i32(CELL_MAY)), i32(0))
+    may, every, q_hi, kv_hi, head = c.classify(b, hooks)
+    static = _class_bits(b, may, every)
     known = fn.append_basic_block("known")
     b.cbranch(b.or_(b.not_(may), every), known, scan)
     b.position_at_end(known)
