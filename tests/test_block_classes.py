@@ -397,6 +397,27 @@ def test_the_hopper_consumers_load_a_tiles_class_before_its_scores():
     assert not any("ld.global.b8" in stretch for stretch in after_s)
 
 
+@pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
+def test_the_hopper_consumers_ask_of_the_next_tile_before_the_gemms():
+    """In the consumers' KV loop (from its head to the branch back to it) two classes are
+    loaded before the tile's S is issued, the tile's own and the next tile's (whether the
+    loop goes on there), and none after: no class load waits behind the GEMMs on the way
+    to the next tile, unless that tile is empty (a search outside the loop's path)."""
+    import re
+    build = PROGRAM["packed"].build("sm_90a", backend="sm90")
+    kernel = build.ptx[build.ptx.index(".entry mha_fwd_sm90"):]
+    loops = []
+    for head in re.finditer(r"^(\$L__BB\d+_\d+):", kernel, re.M):
+        back = re.search(rf"bra(\.uni)?\s+{re.escape(head.group(1))};", kernel[head.end():])
+        body = back and kernel[head.end():head.end() + back.start()]
+        if body and re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", body):
+            loops.append(body)
+    kv_loop = min(loops, key=len)
+    first_gemm = kv_loop.index("wgmma.mma_async")
+    assert kv_loop[:first_gemm].count("ld.global.b8") == 2
+    assert "ld.global.b8" not in kv_loop[first_gemm:]
+
+
 def test_a_calls_cells_are_its_scheduled_kernels_tiles():
     from mhadsl.abi import CallSizes, block_class_bytes, block_class_values
     call = CallSizes(batch=3, heads=8, kv_heads=2, seqlen_q=0, seqlen_k=0, max_seqlen_q=300,

@@ -293,8 +293,17 @@ class _Tile(WorkTile):
         """for n over the non-empty KV tiles in [start, end): carried = step(b, n, carried);
         returns the final values of `carried` (loop-carried phis)."""
         def body(bb, n, values):
-            values = step(bb, n, values)  # (before the next tile's search, in the IR too)
-            return self.next_nonempty(bb, bb.add(n, i32(1)), end), values
+            if not self.hooks.classify_loads:
+                values = step(bb, n, values)  # (before the next tile's search, in the IR too)
+                return self.next_nonempty(bb, bb.add(n, i32(1)), end), values
+            # a classification that loads (a call's tile classes) is asked of tile n + 1
+            # before tile n's step, so its load runs under the step's GEMMs; only where
+            # that tile is empty does the search wait for loads after the step
+            ahead = bb.add(n, i32(1))
+            ahead_may = self.may_keep(bb, ahead)
+            values = step(bb, n, values)
+            return masked_unless(bb, ahead_may, [ahead], lambda bm: [
+                self.next_nonempty(bm, bm.add(ahead, i32(1)), end)])[0], values
         return ir_loop(b, self.next_nonempty(b, start, end), end, carried, body)
 
 
