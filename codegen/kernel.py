@@ -103,11 +103,11 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
     mask_uses_head = mask_rule is not None and rule_reads(mask_rule, "h")
 
     def classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k, q_rows=None,
-                 kv_rows=None, ops=None, extents=None):
+                 kv_rows=None, ops=None, extents=None, cells=True):
         may, every = emit_classify(builder, mask_rule, program, b, h, q_lo, q_hi, kv_lo,
                                    kv_hi, seqlen_q, seqlen_k,
                                    _operand_values(builder, operands, extents), ops)
-        if not per_call:
+        if not (per_call and cells):
             return may, every
         found = block_classes.lookup(builder, b, h if mask_uses_head else None, q_lo, q_hi,
                                      kv_lo, kv_hi, q_rows, kv_rows)

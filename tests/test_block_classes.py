@@ -57,6 +57,29 @@ def test_which_masks_read_data(name, reads):
     assert PROGRAM[name].options.mask_reads_data is reads
 
 
+def test_the_interval_analysis_alone_reads_no_classes():
+    """A per-call build's classification with `cells=False` (a KV range's first search) is
+    the interval analysis's alone: it loads nothing, where the full one loads the tile's
+    class byte from the call's classes."""
+    from mhadsl.codegen.nvptx import ptr
+    from mhadsl.codegen.target import gpu_target, new_module
+    options = PROGRAM["per_batch"].options
+    hooks = expr_hooks(PROGRAM.checked, options.mask, None, options.operands, per_call=True)
+    assert hooks.classify_loads
+    for cells in (True, False):
+        module = new_module("t", gpu_target("sm_90a"))
+        abi = hooks.kernel_abi(block_classes.ABI).params
+        fn = ir.Function(module, ir.FunctionType(ir.IntType(8), [
+            ptr(1) if p.kind == "ptr" else i32 for p in abi] + [i32] * 8), "classify")
+        for arg, p in zip(fn.args, abi):
+            arg.name = p.name
+        b = ir.IRBuilder(fn.append_basic_block())
+        may, every = hooks.classify(b, *fn.args[len(abi):], cells=cells)
+        i8 = ir.IntType(8)
+        b.ret(b.or_(b.zext(may, i8), b.shl(b.zext(every, i8), i8(1))))
+        assert ("load i8" in str(module)) is cells
+
+
 def _documents(lengths):
     return np.concatenate([np.sort(RNG.integers(0, 3, n)) for n in lengths]).astype(np.int32)
 

@@ -39,6 +39,11 @@ def last_index(b: ir.IRBuilder, first: ir.Value, size: int | ir.Value,
     return b.sub(b.select(b.icmp_signed("<", end, length), end, length), i32(1))
 
 
+# the KV tiles each lane asks of a round where a work tile's range is searched in the call's
+# classes: their loads issued together, one memory latency a round for 128 tiles
+CLASS_LOADS_PER_LANE = 4
+
+
 class TileSequence(NamedTuple):
     """A work tile's sequence as values already read (`TileRules.seq`)."""
 
@@ -69,13 +74,14 @@ class TileRules:
 
     def classify(self, b: ir.IRBuilder, heads: Iterable[ir.Value], q_lo: ir.Value,
                  q_hi: ir.Value | int, kv_lo: ir.Value, kv_rows: int,
-                 kv_end: ir.Value | None = None,
-                 inside: ir.Value | None = None) -> tuple[ir.Value, ir.Value]:
+                 kv_end: ir.Value | None = None, inside: ir.Value | None = None,
+                 cells: bool = True) -> tuple[ir.Value, ir.Value]:
         """(may hold a kept pair, every pair kept) for the box of query rows q_lo to q_hi
         (an int: the box's height from q_lo, cut at seqlen_q) by the `kv_rows` keys from
         kv_lo, of each query head in `heads` (a generator emits each head as the box asks
         for it). No key from `kv_end` on (by default seqlen_k) is kept: a box reaching past
-        it is never all kept (`inside`: whether it does not, where the caller knows)."""
+        it is never all kept (`inside`: whether it does not, where the caller knows);
+        `cells` False: without the call's classes (`ExprHooks.classify`)."""
         seqlen_q, seqlen_k = self.seq.seqlen_q, self.seq.seqlen_k
         end = seqlen_k if kv_end is None else kv_end
         if inside is None:
@@ -90,7 +96,8 @@ class TileRules:
         may = always = None
         for h in heads:
             m, a = self.hooks.classify(b, bidx, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k,
-                                       q_rows=q_rows, kv_rows=kv_rows)
+                                       q_rows=q_rows, kv_rows=kv_rows,
+                                       **({} if cells else {"cells": False}))
             may, always = (m, a) if may is None else (b.or_(may, m), b.and_(always, a))
         return may, b.and_(always, inside)
 
@@ -221,10 +228,21 @@ class WorkTile:
             return i32(0), self.n_blocks
         if not self.finds_range_together:
             return self.next_nonempty(b, i32(0), self.n_blocks), self.n_blocks
-        may = self.may_keep
-        first = masked_unless(b, may(b, i32(0)), [i32(0)], lambda bb: [
-            warp.first_true(bb, i32(1), self.n_blocks, may)])[0]
-        return first, self.kept_end(b, first, self.n_blocks, may)
+        start, end = i32(0), self.n_blocks
+        if self.hooks.classify_loads:
+            # the interval analysis's range first (arithmetic: a search round costs no
+            # load), then the call's classes inside it only, four tiles a lane a round
+            start, end = self._range(b, start, end,
+                                     lambda bb, n: self.classify(bb, n, cells=False)[0])
+            return self._range(b, start, end, self.may_keep, per_lane=CLASS_LOADS_PER_LANE)
+        return self._range(b, start, end, self.may_keep)
+
+    def _range(self, b: ir.IRBuilder, start: ir.Value, end: ir.Value, may, per_lane: int = 1):
+        """(the first KV tile n in [start, end) for which `may(b, n)` holds, else `end`; one
+        past the last, from the first); `per_lane`: `warp.first_true`'s."""
+        first = masked_unless(b, may(b, start), [start], lambda bb: [
+            warp.first_true(bb, bb.add(start, i32(1)), end, may, per_lane=per_lane)])[0]
+        return first, self.kept_end(b, first, end, may)
 
     @staticmethod
     def kept_end(b: ir.IRBuilder, first: ir.Value, end: ir.Value, may) -> ir.Value:
@@ -240,14 +258,16 @@ class WorkTile:
         return self.classify(b, n)[0]
 
     def classify(self, b: ir.IRBuilder, n: ir.Value,
-                 rows: tuple[ir.Value, ir.Value] | None = None) -> tuple[ir.Value, ir.Value]:
+                 rows: tuple[ir.Value, ir.Value] | None = None,
+                 cells: bool = True) -> tuple[ir.Value, ir.Value]:
         """(may hold a kept pair, every pair kept) for KV tile n, the sequence's tail
         included (a tile past `seqlen_k` is never all kept), over the work tile's query rows
-        or those from `rows[0]` to `rows[1]` (a part of them: a warpgroup's own)."""
+        or those from `rows[0]` to `rows[1]` (a part of them: a warpgroup's own); `cells`
+        False: the interval analysis's alone, without the call's classes."""
         q_lo, q_hi = rows or (self.q0, self.q_hi)
         kv_lo = b.mul(n, i32(self.c.block_n))
         return self.rules.classify(b, (self.h,), q_lo, q_hi, kv_lo, self.c.block_n,
-                                   inside=self.in_bounds(b, n))
+                                   inside=self.in_bounds(b, n), cells=cells)
 
     def in_bounds(self, b: ir.IRBuilder, n: ir.Value) -> ir.Value:
         """Whether KV tile n lies inside the K/V sequence (no key past `seqlen_k`)."""
