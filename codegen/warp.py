@@ -249,7 +249,7 @@ def _popc(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
 
 def first_true(builder: ir.IRBuilder, start: ir.Value, end: ir.Value,
                pred: Callable[[ir.IRBuilder, ir.Value], ir.Value],
-               together: bool = True, per_lane: int = 1) -> ir.Value:
+               together: bool = True) -> ir.Value:
     """The first n in [start, end) for which `pred(b, n)` (i1, pure: it is also asked of
     n >= end, whose answer is ignored) holds, else `end`. The warp's active lanes search
     together, so all must be on the same search (a caller whose lanes may be at different
@@ -257,9 +257,7 @@ def first_true(builder: ir.IRBuilder, start: ir.Value, end: ir.Value,
     its rank among them) and a ballot picks the first that holds, so k candidates that do
     not cost k / 32 rounds instead of k (a single lane searches alone). `together=False`:
     each lane asks of one candidate per round, which holds fewer registers (a loop at
-    ptxas's register cap). `per_lane`: together, each lane asks of that many consecutive
-    candidates a round, all asked before any answer is used (a `pred` that loads: one
-    memory latency a round for 32 x per_lane candidates)."""
+    ptxas's register cap)."""
     if not together:
         return _rounds(builder, start, end, lambda b, n: (pred(b, n), n, i32(1)))
 
@@ -268,30 +266,14 @@ def first_true(builder: ir.IRBuilder, start: ir.Value, end: ir.Value,
         # nothing of it is held across the caller's loop)
         active = active_lanes(b)
         below = nvptx.opaque_special_register(b, "lanemask_lt")
-        rank = _popc(b, b.and_(active, below))
-        if per_lane == 1:
-            candidate = b.add(base, rank)
-            holds = b.and_(b.icmp_signed("<", candidate, end), pred(b, candidate))
-        else:
-            first = b.add(base, b.mul(rank, i32(per_lane)))
-            answers = [b.and_(b.icmp_signed("<", n, end), pred(b, n))
-                       for n in (b.add(first, i32(j)) for j in range(per_lane))]
-            offset = i32(per_lane)  # (of the lane's first candidate that holds)
-            for j in reversed(range(per_lane)):
-                offset = b.select(answers[j], i32(j), offset)
-            holds = b.icmp_unsigned("<", offset, i32(per_lane))
+        candidate = b.add(base, _popc(b, b.and_(active, below)))
+        holds = b.and_(b.icmp_signed("<", candidate, end), pred(b, candidate))
         votes = b.asm(ir.FunctionType(i32, [i32, i32]),
                       "{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.ballot.b32 $0, p, $2; }",
                       "=r,r,r", [b.zext(holds, i32), active], True)
         lowest = b.and_(votes, b.sub(i32(0), votes))  # (the first lane whose candidate holds)
-        hit = b.icmp_unsigned("!=", votes, i32(0))
-        before = _popc(b, b.and_(active, b.sub(lowest, i32(1))))
-        if per_lane == 1:
-            return hit, b.add(base, before), _popc(b, active)
-        lane = _popc(b, b.sub(lowest, i32(1)))
-        offset = call(b, "llvm.nvvm.shfl.sync.idx.i32", i32, [active, offset, lane, i32(31)])
-        return (hit, b.add(b.add(base, b.mul(before, i32(per_lane))), offset),
-                b.mul(_popc(b, active), i32(per_lane)))
+        return (b.icmp_unsigned("!=", votes, i32(0)),
+                b.add(base, _popc(b, b.and_(active, b.sub(lowest, i32(1))))), _popc(b, active))
     n = _rounds(builder, start, end, round_)
     return builder.select(builder.icmp_signed("<", n, end), n, end)
 

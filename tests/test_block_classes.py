@@ -15,6 +15,8 @@ from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.kernel import expr_hooks
 from mhadsl.codegen.nvptx import i32
 
+from helpers import REPO
+
 SOURCE = """
 import "std/schedulers.mha"
 attention packed(doc: i32[queries], doc_k: i32[keys]) {
@@ -268,6 +270,31 @@ def test_the_bounded_reads_decide_cells_without_their_pairs(host_bounds, name, l
         assert decided[want == 0].sum() > decided[want == 0].size // 2
 
 
+@pytest.mark.parametrize("name", ["packed", "per_batch"])
+def test_a_cell_the_indices_decide_reads_no_element(name):
+    """The classes kernel's bounded analysis evaluates the causal test first (it reads no
+    tensor, wherever it stands in the mask) and reads the document ids only where it may
+    hold: every load of the (dense) bounds function lies behind that branch, so a cell
+    above the diagonal reads nothing."""
+    options = PROGRAM[name].options
+    hooks = expr_hooks(PROGRAM.checked, options.mask, None, options.operands)
+    module = ir.Module(name)
+    fn = block_classes.bounds_function(module, hooks.kernel_abi(block_classes.ABI), hooks,
+                                       False, ir.PointerType(), 32)
+    successors = {block.name: [op.name for op in block.terminator.operands
+                               if isinstance(op, ir.Block)] for block in fn.blocks}
+    reached, todo = set(), [fn.blocks[0].name]
+    while todo:  # (from the entry, never through the branch taken where reads are needed)
+        name_ = todo.pop()
+        if name_ in reached or name_.startswith("needed"):
+            continue
+        reached.add(name_)
+        todo.extend(successors[name_])
+    loads = [block.name for block in fn.blocks for inst in block.instructions
+             if isinstance(inst, ir.LoadInstr)]
+    assert loads and not set(loads) & reached
+
+
 def test_the_reference_classes_of_packed_documents():
     """Two documents of 64 rows each, causal inside, in cells of 32 by 32: partial on the
     diagonal, full below it inside a document, empty across documents."""
@@ -404,6 +431,17 @@ def test_every_build_of_a_data_mask_takes_the_classes(arch, ragged):
     assert all(k.spills == 0 for k in assemble(classes.ptx, arch).kernels.values())
     plain = PROGRAM["prefix_lm"].build(arch, ragged=ragged)
     assert "block_classes" not in plain.llvm
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
+def test_the_document_example_builds_for_hopper_without_spills():
+    """`examples/document_mask.mha` (head dim 128) on the Hopper design, dense: its build
+    with the call's classes keeps every value in registers (a spill there lands in the KV
+    loop of every packed-documents call)."""
+    kern = mhadsl.compile(REPO / "examples" / "document_mask.mha")["document_mask"]
+    build = kern.build("sm_90a", backend="sm90")
+    assert "block_classes" in build.llvm
+    assert all(k.spills == 0 for k in build.assembled.kernels.values())
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")

@@ -39,11 +39,6 @@ def last_index(b: ir.IRBuilder, first: ir.Value, size: int | ir.Value,
     return b.sub(b.select(b.icmp_signed("<", end, length), end, length), i32(1))
 
 
-# the KV tiles each lane asks of a round where a work tile's range is searched in the call's
-# classes: their loads issued together, one memory latency a round for 128 tiles
-CLASS_LOADS_PER_LANE = 4
-
-
 class TileSequence(NamedTuple):
     """A work tile's sequence as values already read (`TileRules.seq`)."""
 
@@ -231,17 +226,16 @@ class WorkTile:
         start, end = i32(0), self.n_blocks
         if self.hooks.classify_loads:
             # the interval analysis's range first (arithmetic: a search round costs no
-            # load), then the call's classes inside it only, four tiles a lane a round
+            # load), then the call's classes inside it only
             start, end = self._range(b, start, end,
                                      lambda bb, n: self.classify(bb, n, cells=False)[0])
-            return self._range(b, start, end, self.may_keep, per_lane=CLASS_LOADS_PER_LANE)
         return self._range(b, start, end, self.may_keep)
 
-    def _range(self, b: ir.IRBuilder, start: ir.Value, end: ir.Value, may, per_lane: int = 1):
+    def _range(self, b: ir.IRBuilder, start: ir.Value, end: ir.Value, may):
         """(the first KV tile n in [start, end) for which `may(b, n)` holds, else `end`; one
-        past the last, from the first); `per_lane`: `warp.first_true`'s."""
+        past the last, from the first)."""
         first = masked_unless(b, may(b, start), [start], lambda bb: [
-            warp.first_true(bb, bb.add(start, i32(1)), end, may, per_lane=per_lane)])[0]
+            warp.first_true(bb, bb.add(start, i32(1)), end, may)])[0]
         return first, self.kept_end(b, first, end, may)
 
     @staticmethod

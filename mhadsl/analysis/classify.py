@@ -70,6 +70,18 @@ _FLOAT = _Float()
 _Value = _Int | _Bool | _Float | int
 
 
+def _reads_tensors(e: ast.Expr) -> bool:
+    """Whether evaluating `e` may read a tensor element (an index, or a call: a function
+    may read one)."""
+    todo = [e]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Index, ast.Call)):
+            return True
+        todo.extend(ast.children(node))
+    return False
+
+
 class Unsupported(Exception):
     """The rule has a shape the analysis does not model; its mask is unknown."""
 
@@ -405,11 +417,39 @@ class _Analysis:
 
     def binary(self, e: ast.Binary, env: dict, ty: Ty) -> _Value:
         """A chain of operators (`ast.left_chain`), in a loop."""
+        if e.op in ("&&", "||") and hasattr(self.o, "when"):
+            operands, node = [e.right], e.left
+            while isinstance(node, ast.Binary) and node.op == e.op and \
+                    node not in self.literals:
+                operands.append(node.right)
+                node = node.left
+            return self.logic_chain(e, [node, *reversed(operands)], env)
         first, ops = ast.left_chain(e, self.literals)
         value = self.expr(first, env)
         for op in ops:
             value = self.lift(self.binary_step(op, value, self.expr(op.right, env),
                                                self.types[op]), self.types[op])
+        return value
+
+    def logic_chain(self, op: ast.Binary, operands: list, env: dict) -> _Value:
+        """`a && b && ...` (or `||`) where the backend evaluates a part only where it is
+        needed (`when`: the classes kernel, whose tensor reads are loads): the operands
+        that read no tensor first, then each of the others only where the result is still
+        open (`&&`: may hold; `||`: may not), so a cell the indices decide (above a
+        causal diagonal) reads nothing. Both connectives commute, so the order changes no
+        bound."""
+        o = self.o
+        operands = sorted(operands, key=_reads_tensors)  # (stable: the source's order)
+        value = self.expr(operands[0], env)
+        for operand in operands[1:]:
+            if _reads_tensors(operand):
+                open_ = value.may if op.op == "&&" else o.bnot(value.must)
+                right = _Bool(*o.when(open_, lambda x=operand: self.expr(x, env),
+                                      (o.bconst(False),) * 2))
+            else:
+                right = self.expr(operand, env)
+            value = self.lift(self.binary_step(op, value, right, self.types[op]),
+                              self.types[op])
         return value
 
     def binary_step(self, e: ast.Binary, a: _Value, b: _Value, ty: Ty) -> _Value:
