@@ -103,13 +103,6 @@ def opaque(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
     return builder.asm(ir.FunctionType(ty, [ty]), "", constraint, [value], True)
 
 
-def prefetch_l1(builder: ir.IRBuilder, pointer: ir.Value) -> None:
-    """`prefetch.L1` of the line holding `pointer` (a generic address): a hint, which
-    nothing waits for (a later load of the line finds it in L1)."""
-    builder.asm(ir.FunctionType(ir.VoidType(), [pointer.type]), "prefetch.L1 [$0];",
-                "l", [pointer], True)
-
-
 def red_add_f32_if(builder: ir.IRBuilder, pointer: ir.Value, value: ir.Value,
                    predicate: ir.Value) -> None:
     """`red.global.add.f32` of `value` at global `pointer`, where `predicate` (i1) holds:

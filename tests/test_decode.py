@@ -417,14 +417,3 @@ def test_kv_splits_is_checked_like_a_host_rule():
                                     "return thread_idx.x")
     with pytest.raises(mhadsl.MhaError, match="thread_idx"):
         mhadsl.compile(device_only, name="bad.mha")
-
-
-@pytest.mark.parametrize("page_size", [0, 16, 64, 512])
-def test_a_paged_build_prefetches_its_page_table_ahead(page_size):
-    """A paged cache's KV loop prefetches one page-table line into L1 each KV tile,
-    `PAGE_PREFETCH_ENTRIES` entries past the tile it reads the pages of (so the page
-    entries' own loads find their line there); a contiguous cache has no table."""
-    build = PROGRAM["causal"].build("sm_90a", gqa_group=4, cache=CacheLayout(1, page_size))
-    kernel = build.ptx[build.ptx.index(f".entry {decode.KERNEL_NAME}("):]
-    kernel = kernel[:kernel.index("\n}\n")]
-    assert kernel.count("prefetch.L1") == (1 if page_size else 0)

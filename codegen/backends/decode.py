@@ -71,10 +71,6 @@ MAX_STAGES = 3
 # how far ahead of its copies a tile's page entries are read, in KV rows: a page-table read
 # (L2, under a saturated memory system) takes about as long as streaming that many rows
 PAGE_LOOKAHEAD_ROWS = 128
-# a page-table line (32 entries) is prefetched into L1 this many entries before a tile reads
-# its first: the read then finds it there and the page entries' registers, rotated each
-# iteration, never wait on a load from L2
-PAGE_PREFETCH_ENTRIES = 32
 # sm_90a, tiles of 64 packed rows or more: each warpgroup's 64 rows compute by wgmma
 WGMMA_ROWS = 64  # packed rows per warpgroup (wgmma's M)
 SMEM_ALIGN = 128  # the declared alignment of the dynamic shared memory
@@ -648,19 +644,6 @@ class _Emitter:
             pages.append(b.load(b.select(live, entry, fallback), typ=i32))
         return pages
 
-    def _prefetch_pages(self, b, t: _DecodeTile, n: ir.Value) -> None:
-        """The page-table line PAGE_PREFETCH_ENTRIES entries past KV tile n's first, into L1
-        (the split's last entry where that lies past it: no address outside the table)."""
-        c, a = self.c, self.a
-        if c.page_size == 0:
-            return
-        first = b.lshr(b.mul(n, i32(c.block_n)), i32(c.page_shift))
-        last = b.lshr(b.sub(t.kv_end, i32(1)), i32(c.page_shift))
-        ahead = _min(b, b.add(first, i32(PAGE_PREFETCH_ENTRIES)), last)
-        seq_pages = b.gep(a.page_table, [b.mul(_i64(b, t.bidx), a.page_table_stride)],
-                          source_etype=i32)
-        nvptx.prefetch_l1(b, b.gep(seq_pages, [ahead], source_etype=i32))
-
     def _load_kv(self, b, t: _DecodeTile, n: ir.Value, slot_off: ir.Value,
                  pages: list[ir.Value]) -> None:
         """cp.async KV tile n (K, then V) into the stage at slot_off; positions at or past
@@ -781,7 +764,6 @@ class _Emitter:
         warp.cp_async_commit(b)
         ld_new = t.next_nonempty(b, b.add(ld_phis[-1], i32(1)))
         pages_new = self._fetch_pages(b, t, ld_new)  # in flight while tiles compute
-        self._prefetch_pages(b, t, ld_new)
         stage = b.add(b.mul(b.urem(it, i32(S)), i32(c.stage_bytes)), i32(self.kv_off))
         acc_new, m_new, l_new = self._kv_tile(b, t, n, stage, acc, m, l, sl2)
         n_next = t.next_nonempty(b, b.add(n, i32(1)))
