@@ -104,9 +104,12 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
 
     def classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k, q_rows=None,
                  kv_rows=None, ops=None, extents=None, cells=True):
+        values = _operand_values(builder, operands, extents)
+        if per_call:  # (the call's classes are exact: the analysis reads no element, which
+            # would be a load a KV tile for a box it rarely decides)
+            values = {n: v for n, v in values.items() if not isinstance(v, TensorArgs)}
         may, every = emit_classify(builder, mask_rule, program, b, h, q_lo, q_hi, kv_lo,
-                                   kv_hi, seqlen_q, seqlen_k,
-                                   _operand_values(builder, operands, extents), ops)
+                                   kv_hi, seqlen_q, seqlen_k, values, ops)
         if not (per_call and cells):
             return may, every
         found = block_classes.lookup(builder, b, h if mask_uses_head else None, q_lo, q_hi,

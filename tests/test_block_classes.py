@@ -62,7 +62,8 @@ def test_which_masks_read_data(name, reads):
 def test_the_interval_analysis_alone_reads_no_classes():
     """A per-call build's classification with `cells=False` (a KV range's first search) is
     the interval analysis's alone: it loads nothing, where the full one loads the tile's
-    class byte from the call's classes."""
+    class byte from the call's classes. Neither reads a document id: the classes are
+    exact, so the analysis takes the tensor's elements as any value."""
     from mhadsl.codegen.nvptx import ptr
     from mhadsl.codegen.target import gpu_target, new_module
     options = PROGRAM["per_batch"].options
@@ -80,6 +81,7 @@ def test_the_interval_analysis_alone_reads_no_classes():
         i8 = ir.IntType(8)
         b.ret(b.or_(b.zext(may, i8), b.shl(b.zext(every, i8), i8(1))))
         assert ("load i8" in str(module)) is cells
+        assert "load i32" not in str(module)
 
 
 def _documents(lengths):
@@ -434,13 +436,17 @@ def test_every_build_of_a_data_mask_takes_the_classes(arch, ragged):
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
-def test_the_document_example_builds_for_hopper_without_spills():
-    """`examples/document_mask.mha` (head dim 128) on the Hopper design, dense: its build
-    with the call's classes keeps every value in registers (a spill there lands in the KV
-    loop of every packed-documents call)."""
+@pytest.mark.parametrize("ragged", [False, True])
+def test_the_document_example_builds_for_hopper_without_spills(ragged):
+    """`examples/document_mask.mha` (head dim 128) on the Hopper design: its build with the
+    call's classes takes the planner's first tile (128 x 128, Q in registers, as a causal
+    mask's) and keeps every value in registers (a spill there lands in the KV loop of
+    every packed-documents call)."""
     kern = mhadsl.compile(REPO / "examples" / "document_mask.mha")["document_mask"]
-    build = kern.build("sm_90a", backend="sm90")
+    build = kern.build("sm_90a", ragged=ragged, backend="sm90")
     assert "block_classes" in build.llvm
+    assert (build.config.block_m, build.config.block_n) == (128, 128)
+    assert build.config.q_in_registers
     assert all(k.spills == 0 for k in build.assembled.kernels.values())
 
 

@@ -706,8 +706,9 @@ def emit_classify(builder: ir.IRBuilder, mask_rule: ast.Rule, program: CheckedPr
                   ops: IrOps | None = None) -> tuple[ir.Value, ir.Value]:
     """Emit the classification of one box at `builder`; i32 inputs, `(may_be_true,
     always_true)` as i1. `b`/`h` None means any value; `operands`: the i32 operands' values
-    by name (the kernel's parameters: the box is classified for the call's values); `ops`:
-    the IR backend (an `IrOps` at `builder` by default)."""
+    by name (the kernel's parameters: the box is classified for the call's values; a tensor
+    left out is read as any value); `ops`: the IR backend (an `IrOps` at `builder` by
+    default)."""
     ops = ops or IrOps(builder)
 
     def wide(v: ir.Value) -> ir.Value:
@@ -721,7 +722,8 @@ def emit_classify(builder: ir.IRBuilder, mask_rule: ast.Rule, program: CheckedPr
                   wide(kv_hi), wide(seqlen_q), wide(seqlen_k))
     names = integer_operands(mask_rule, program)
     env.update(_operand_env(names, [interval(operands[n]) for n in names]))
-    env.update((operand_key(n), operands[n]) for n in tensor_operands(mask_rule, program))
+    env.update((operand_key(n), operands[n]) for n in tensor_operands(mask_rule, program)
+               if n in operands)
     result = _analyse(analysis, mask_rule, env)
     return result.may, result.must
 
