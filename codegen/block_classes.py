@@ -56,7 +56,8 @@ ABI = KernelABI(
 
 def lookup(b: ir.IRBuilder, bidx: ir.Value, h: ir.Value | None, q_lo: ir.Value,
            q_hi: ir.Value, kv_lo: ir.Value, kv_hi: ir.Value, q_rows: int | None = None,
-           kv_rows: int | None = None) -> tuple[ir.Value, ir.Value]:
+           kv_rows: int | None = None,
+           q_tile: tuple[ir.Value, int] | None = None) -> tuple[ir.Value, ir.Value]:
     """(may hold a kept pair, every pair kept) of the inclusive box from the call's cell
     classes (the kernel's `BLOCK_CLASS_PARAMS`), of query head `h` (None: the classes do not
     differ by head): its cell's, where it lies in one; a box across cells, or in a cell
@@ -64,7 +65,9 @@ def lookup(b: ir.IRBuilder, bidx: ir.Value, h: ir.Value | None, q_lo: ir.Value,
     device), is partial, so the mask decides its pairs. An empty box holds no kept pair.
     `q_rows`, `kv_rows`: the box's query rows and keys from q_lo and kv_lo at most (its
     tile's, which its cells share where the box is one of the call's tiles), constants
-    where the caller knows them: the cell is then found by dividing by them."""
+    where the caller knows them: the cell is then found by dividing by them. `q_tile`:
+    (first row, constant rows) of a tile of the call holding the box's rows (a warpgroup's
+    part of a work tile), whose cell is the box's: found so, without a division."""
     # (the table's sizes read where they are used: held across a design's KV loop, they
     # would take registers it needs)
     a = {arg.name: nvptx.opaque(b, arg) for arg in b.function.args
@@ -79,7 +82,8 @@ def lookup(b: ir.IRBuilder, bidx: ir.Value, h: ir.Value | None, q_lo: ir.Value,
         return b.udiv(lo, i32(static)), b.and_(
             b.icmp_unsigned("==", size, i32(static)),
             b.icmp_unsigned("==", b.urem(lo, i32(static)), i32(0)))
-    qc, q_one = cell_of(q_lo, q_hi, a["cell_rows"], q_rows)
+    qc, q_one = cell_of(q_lo, q_hi, a["cell_rows"], q_rows) if q_tile is None else \
+        cell_of(q_tile[0], None, a["cell_rows"], q_tile[1])
     kc, kv_one = cell_of(kv_lo, kv_hi, a["cell_keys"], kv_rows)
     one = b.and_(q_one, kv_one)
     one = b.and_(one, b.and_(b.icmp_unsigned("<", qc, a["block_rows"]),

@@ -103,7 +103,7 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
     mask_uses_head = mask_rule is not None and rule_reads(mask_rule, "h")
 
     def classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k, q_rows=None,
-                 kv_rows=None, ops=None, extents=None, cells=True):
+                 kv_rows=None, ops=None, extents=None, cells=True, q_tile=None):
         values = _operand_values(builder, operands, extents)
         if per_call:  # (the call's classes are exact: the analysis reads no element, which
             # would be a load a KV tile for a box it rarely decides)
@@ -113,7 +113,7 @@ def expr_hooks(program: CheckedProgram, mask_rule, score_rule, operands=(),
         if not (per_call and cells):
             return may, every
         found = block_classes.lookup(builder, b, h if mask_uses_head else None, q_lo, q_hi,
-                                     kv_lo, kv_hi, q_rows, kv_rows)
+                                     kv_lo, kv_hi, q_rows, kv_rows, q_tile)
         return builder.and_(may, found[0]), builder.or_(every, found[1])
     limits = kv_limits(mask_rule, program)
 

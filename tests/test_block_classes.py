@@ -382,6 +382,53 @@ def test_a_boxs_class_is_its_cells(host_lookup):
     assert seen == {"empty", "across", "past", "inside"}
 
 
+def test_a_part_of_a_tile_takes_its_tiles_cell():
+    """The lookup's form for part of a design's tile (`q_tile`: a warpgroup's rows): the
+    box takes the class of the cell of the tile holding it, where the call's cells are of
+    the tile's size and the tile starts at a cell; else partial."""
+    binding.initialize_native_target()
+    binding.initialize_native_asmprinter()
+    module = ir.Module("part")
+    module.triple = binding.get_default_triple()
+    names = ("block_classes", "block_rows", "block_cols", "block_heads", "cell_rows",
+             "cell_keys", "b", "q_lo", "q_hi", "kv_lo", "kv_hi", "tile_lo")
+    fn = ir.Function(module, ir.FunctionType(i32, [ir.PointerType()] + [i32] * 11), "part")
+    for arg, n in zip(fn.args, names):
+        arg.name = n
+    a = dict(zip(names, fn.args))
+    b = ir.IRBuilder(fn.append_basic_block())
+    may, every = block_classes.lookup(b, a["b"], None, a["q_lo"], a["q_hi"], a["kv_lo"],
+                                      a["kv_hi"], None, TILE[1], q_tile=(a["tile_lo"], TILE[0]))
+    b.ret(b.or_(b.zext(may, i32), b.shl(b.zext(every, i32), i32(1))))
+    machine = binding.Target.from_default_triple().create_target_machine()
+    engine = binding.create_mcjit_compiler(binding.parse_assembly(str(module)), machine)
+    engine.finalize_object()
+    part = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, *[ctypes.c_int32] * 11)(
+        engine.get_function_address("part"))
+    rng = np.random.default_rng(2)
+    seen = set()
+    for trial in range(400):
+        rows, cols = (int(x) for x in rng.integers(1, 5, 2))
+        cell_rows = TILE[0] if trial % 3 else int(rng.choice([32, 128]))
+        table = rng.choice([0, CELL_MAY, CELL_MAY | CELL_ALL], (1, 1, rows, cols)).astype(
+            np.uint8)
+        qc, kc = int(rng.integers(rows)), int(rng.integers(cols))
+        tile_lo = qc * TILE[0] + (0 if trial % 5 else 16)
+        q_lo = tile_lo + int(rng.integers(0, TILE[0] // 2))
+        q_hi = q_lo + int(rng.integers(0, TILE[0] // 2))
+        kv_lo, kv_hi = kc * TILE[1], kc * TILE[1] + TILE[1] - 1
+        if cell_rows != TILE[0] or tile_lo % TILE[0]:
+            want, case = CELL_MAY, "not a cell"
+        else:
+            want, case = int(table[0, 0, qc, kc]), "in its cell"
+        seen.add(case)
+        got = part(table.ctypes.data, rows, cols, 1, cell_rows, TILE[1], 0, q_lo, q_hi,
+                   kv_lo, kv_hi, tile_lo)
+        assert got == want, (trial, case)
+    assert seen == {"not a cell", "in its cell"}
+    del engine
+
+
 def test_a_tiles_box_is_its_cell_where_the_cells_are_its_tiles(host_lookup):
     """The lookup's form for a design's tile (its extents constants): a tile of the cells'
     size starting at a cell takes the cell's class (the sequence's tail cut off or not);

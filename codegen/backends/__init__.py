@@ -236,11 +236,12 @@ class ExprHooks:
         units of the scored logits), which joins the softmax denominator of every row of
         query head h of sequence b; None = no sink.
     classify(builder, b, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k, q_rows=None,
-        kv_rows=None, ops=None, extents=None, cells=True) -> (may_be_true: i1, always_true:
-        i1) over the inclusive index box (`q_rows`, `kv_rows`: its rows and keys from q_lo
-        and kv_lo at most, constants, where the caller knows them; `ops`: the analysis's IR
-        backend, `mhadsl.analysis.classify.IrOps`; `extents`: the sequence's, as the mask's;
-        `cells` False: without the call's tile classes where it reads them);
+        kv_rows=None, ops=None, extents=None, cells=True, q_tile=None) -> (may_be_true: i1,
+        always_true: i1) over the inclusive index box (`q_rows`, `kv_rows`: its rows and
+        keys from q_lo and kv_lo at most, constants, where the caller knows them; `ops`: the
+        analysis's IR backend, `mhadsl.analysis.classify.IrOps`; `extents`: the sequence's,
+        as the mask's; `cells` False: without the call's tile classes where it reads them;
+        `q_tile`: `block_classes.lookup`'s);
         None = every tile may be true and is full (for `mask=None`) or partial (with a mask).
     derivative(builder, s, b, h, q_idx, kv_idx[, ...]) -> f32: d score / d s at the scaled score `s`
         (the backward pass's; `codegen.kernel.backward_hooks`); None = no score rule.

@@ -70,13 +70,15 @@ class TileRules:
     def classify(self, b: ir.IRBuilder, heads: Iterable[ir.Value], q_lo: ir.Value,
                  q_hi: ir.Value | int, kv_lo: ir.Value, kv_rows: int,
                  kv_end: ir.Value | None = None, inside: ir.Value | None = None,
-                 cells: bool = True) -> tuple[ir.Value, ir.Value]:
+                 cells: bool = True,
+                 q_tile: tuple[ir.Value, int] | None = None) -> tuple[ir.Value, ir.Value]:
         """(may hold a kept pair, every pair kept) for the box of query rows q_lo to q_hi
         (an int: the box's height from q_lo, cut at seqlen_q) by the `kv_rows` keys from
         kv_lo, of each query head in `heads` (a generator emits each head as the box asks
         for it). No key from `kv_end` on (by default seqlen_k) is kept: a box reaching past
         it is never all kept (`inside`: whether it does not, where the caller knows);
-        `cells` False: without the call's classes (`ExprHooks.classify`)."""
+        `cells` False: without the call's classes; `q_tile`: the call's tile holding the
+        box's rows (`ExprHooks.classify`)."""
         seqlen_q, seqlen_k = self.seq.seqlen_q, self.seq.seqlen_k
         end = seqlen_k if kv_end is None else kv_end
         if inside is None:
@@ -90,9 +92,11 @@ class TileRules:
         kv_hi = last_index(b, kv_lo, kv_rows, end)
         may = always = None
         for h in heads:
+            options = {} if cells else {"cells": False}
+            if q_tile is not None:
+                options["q_tile"] = q_tile
             m, a = self.hooks.classify(b, bidx, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k,
-                                       q_rows=q_rows, kv_rows=kv_rows,
-                                       **({} if cells else {"cells": False}))
+                                       q_rows=q_rows, kv_rows=kv_rows, **options)
             may, always = (m, a) if may is None else (b.or_(may, m), b.and_(always, a))
         return may, b.and_(always, inside)
 
@@ -260,8 +264,10 @@ class WorkTile:
         False: the interval analysis's alone, without the call's classes."""
         q_lo, q_hi = rows or (self.q0, self.q_hi)
         kv_lo = b.mul(n, i32(self.c.block_n))
+        # (the work tile's rows are the call's tile q0 / block_m, whose cell holds them)
+        q_tile = (self.q0, self.c.block_m) if self.hooks.classify_loads else None
         return self.rules.classify(b, (self.h,), q_lo, q_hi, kv_lo, self.c.block_n,
-                                   inside=self.in_bounds(b, n), cells=cells)
+                                   inside=self.in_bounds(b, n), cells=cells, q_tile=q_tile)
 
     def in_bounds(self, b: ir.IRBuilder, n: ir.Value) -> ir.Value:
         """Whether KV tile n lies inside the K/V sequence (no key past `seqlen_k`)."""
