@@ -317,7 +317,8 @@ def test_the_reference_classes_of_packed_documents():
 def host_lookup():
     """`block_classes.lookup` compiled for the host: lookup(table, rows, cols, heads,
     cell_rows, cell_keys, b, h, q_lo, q_hi, kv_lo, kv_hi) -> may | every << 1, by whether
-    the classes differ by head."""
+    the classes differ by head and the box's static extents (`TILE` or None); under "part",
+    the form for part of a tile (`q_tile`), whose first row comes in place of h."""
     binding.initialize_native_target()
     binding.initialize_native_asmprinter()
     module = ir.Module("lookup")
@@ -325,24 +326,28 @@ def host_lookup():
     names = ("block_classes", "block_rows", "block_cols", "block_heads", "cell_rows",
              "cell_keys", "b", "h", "q_lo", "q_hi", "kv_lo", "kv_hi")
     variants = [(per_head, tile) for per_head in (False, True) for tile in (None, TILE)]
-    for per_head, tile in variants:
+    for i, variant in enumerate([*variants, "part"]):
         fn = ir.Function(module, ir.FunctionType(i32, [ir.PointerType()] + [i32] * 11),
-                         f"lookup{int(per_head)}{int(tile is not None)}")
+                         f"lookup{i}")
         for arg, n in zip(fn.args, names):
             arg.name = n
         a = dict(zip(names, fn.args))
         b = ir.IRBuilder(fn.append_basic_block())
-        may, every = block_classes.lookup(b, a["b"], a["h"] if per_head else None, a["q_lo"],
-                                          a["q_hi"], a["kv_lo"], a["kv_hi"],
-                                          *(tile or (None, None)))
+        box = a["b"], a["q_lo"], a["q_hi"], a["kv_lo"], a["kv_hi"]
+        if variant == "part":
+            may, every = block_classes.lookup(b, box[0], None, *box[1:], None, TILE[1],
+                                              q_tile=(a["h"], TILE[0]))
+        else:
+            per_head, tile = variant
+            may, every = block_classes.lookup(b, box[0], a["h"] if per_head else None,
+                                              *box[1:], *(tile or (None, None)))
         b.ret(b.or_(b.zext(may, i32), b.shl(b.zext(every, i32), i32(1))))
     machine = binding.Target.from_default_triple().create_target_machine()
     engine = binding.create_mcjit_compiler(binding.parse_assembly(str(module)), machine)
     engine.finalize_object()
-    yield {(per_head, tile): ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p,
-                                              *[ctypes.c_int32] * 11)(
-        engine.get_function_address(f"lookup{int(per_head)}{int(tile is not None)}"))
-        for per_head, tile in variants}
+    yield {variant: ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, *[ctypes.c_int32] * 11)(
+        engine.get_function_address(f"lookup{i}"))
+        for i, variant in enumerate([*variants, "part"])}
     del engine
 
 
@@ -382,29 +387,10 @@ def test_a_boxs_class_is_its_cells(host_lookup):
     assert seen == {"empty", "across", "past", "inside"}
 
 
-def test_a_part_of_a_tile_takes_its_tiles_cell():
+def test_a_part_of_a_tile_takes_its_tiles_cell(host_lookup):
     """The lookup's form for part of a design's tile (`q_tile`: a warpgroup's rows): the
     box takes the class of the cell of the tile holding it, where the call's cells are of
     the tile's size and the tile starts at a cell; else partial."""
-    binding.initialize_native_target()
-    binding.initialize_native_asmprinter()
-    module = ir.Module("part")
-    module.triple = binding.get_default_triple()
-    names = ("block_classes", "block_rows", "block_cols", "block_heads", "cell_rows",
-             "cell_keys", "b", "q_lo", "q_hi", "kv_lo", "kv_hi", "tile_lo")
-    fn = ir.Function(module, ir.FunctionType(i32, [ir.PointerType()] + [i32] * 11), "part")
-    for arg, n in zip(fn.args, names):
-        arg.name = n
-    a = dict(zip(names, fn.args))
-    b = ir.IRBuilder(fn.append_basic_block())
-    may, every = block_classes.lookup(b, a["b"], None, a["q_lo"], a["q_hi"], a["kv_lo"],
-                                      a["kv_hi"], None, TILE[1], q_tile=(a["tile_lo"], TILE[0]))
-    b.ret(b.or_(b.zext(may, i32), b.shl(b.zext(every, i32), i32(1))))
-    machine = binding.Target.from_default_triple().create_target_machine()
-    engine = binding.create_mcjit_compiler(binding.parse_assembly(str(module)), machine)
-    engine.finalize_object()
-    part = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, *[ctypes.c_int32] * 11)(
-        engine.get_function_address("part"))
     rng = np.random.default_rng(2)
     seen = set()
     for trial in range(400):
@@ -422,11 +408,10 @@ def test_a_part_of_a_tile_takes_its_tiles_cell():
         else:
             want, case = int(table[0, 0, qc, kc]), "in its cell"
         seen.add(case)
-        got = part(table.ctypes.data, rows, cols, 1, cell_rows, TILE[1], 0, q_lo, q_hi,
-                   kv_lo, kv_hi, tile_lo)
+        got = host_lookup["part"](table.ctypes.data, rows, cols, 1, cell_rows, TILE[1], 0,
+                                  tile_lo, q_lo, q_hi, kv_lo, kv_hi)
         assert got == want, (trial, case)
     assert seen == {"not a cell", "in its cell"}
-    del engine
 
 
 def test_a_tiles_box_is_its_cell_where_the_cells_are_its_tiles(host_lookup):
