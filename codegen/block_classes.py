@@ -235,22 +235,10 @@ class WarpReadOps(IrOps):
         """The fields of the boolean `emit()` evaluates, emitted in a branch taken where
         `needed` holds (the warp's cell: the same for every lane), else `otherwise`: a
         cell the indices alone decide (above a causal diagonal) reads no element."""
-        b = self.b
-        before = b.block
-        then_bb, merged = (b.function.append_basic_block(n) for n in ("needed", "merged"))
-        b.cbranch(needed, then_bb, merged)
-        b.position_at_end(then_bb)
-        value = emit()
-        fields, then_end = (value.may, value.must), b.block
-        b.branch(merged)
-        b.position_at_end(merged)
-        phis = []
-        for field, default in zip(fields, otherwise):
-            phi = b.phi(field.type)
-            phi.add_incoming(field, then_end)
-            phi.add_incoming(default, before)
-            phis.append(phi)
-        return tuple(phis)
+        def fields(_):
+            value = emit()
+            return [value.may, value.must]
+        return tuple(warp.guarded(self.b, needed, fields, list(otherwise)))
 
     def tensor_range(self, tensor, bounds: list) -> tuple[ir.Value, ir.Value]:
         b, limit = self.b, self.RANGE_LIMIT

@@ -90,11 +90,11 @@ class TileRules:
         if q_rows is not None:
             q_hi = last_index(b, q_lo, q_rows, seqlen_q)
         kv_hi = last_index(b, kv_lo, kv_rows, end)
+        options = {} if cells else {"cells": False}
+        if q_tile is not None:
+            options["q_tile"] = q_tile
         may = always = None
         for h in heads:
-            options = {} if cells else {"cells": False}
-            if q_tile is not None:
-                options["q_tile"] = q_tile
             m, a = self.hooks.classify(b, bidx, h, q_lo, q_hi, kv_lo, kv_hi, seqlen_q, seqlen_k,
                                        q_rows=q_rows, kv_rows=kv_rows, **options)
             may, always = (m, a) if may is None else (b.or_(may, m), b.and_(always, a))
