@@ -166,3 +166,15 @@ def test_the_operator_compiles_whole_with_classes_per_call():
                                       cu_seqlens_q=cu, cu_seqlens_k=cu, doc=docs, doc_k=docs)
     for name, got, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), grads):
         assert_close(name, got, ref, dout)
+
+
+@pytest.mark.parametrize("scheduler", ["Adaptive()", "LPT()", "LPT(heads_per_section = 1)",
+                                       "Queued()", "Persistent()", "Transient()"])
+def test_packed_documents_under_every_standard_scheduler(scheduler):
+    source = SOURCE.replace("attention per_batch(doc: i32[batch, _]) {",
+                            "attention per_batch(doc: i32[batch, _]) {\n"
+                            f"    scheduler = {scheduler}")
+    kern = mhadsl.compile(source, name="scheduled_documents")["per_batch"]
+    args = dense(kern, 2, 1500, 1500, 4, 4,
+                 doc=documents([1500] * 2, most=5).reshape(2, 1500))
+    assert_matches(kern, args)
