@@ -59,6 +59,34 @@ def test_which_masks_read_data(name, reads):
     assert PROGRAM[name].options.mask_reads_data is reads
 
 
+def test_a_data_masks_forward_default_runs_all_heads_in_one_section():
+    """Packed documents' query tiles read their document's keys, not their head's: the
+    default's LPT order takes every head in one section (`l2_rows = 0`), which the simulator
+    finds ahead of the L2-sized sections on a packed batch (and the H100 measured)."""
+    from mhadsl.analysis.costmodel import DEFAULT_COSTS, KernelCostModel
+    from mhadsl.analysis.simulate import Batch, simulate
+    from mhadsl.codegen.scheduler import SchedulerSpec
+    from mhadsl.front.attention_spec import BACKWARD_DEFAULT_ARGS, BACKWARD_DEFAULT_SCHEDULER
+    options = PROGRAM["per_batch"].options
+    assert options.scheduler_for("prefill") == ("Adaptive", (("l2_rows", 0),))
+    assert options.scheduler_for("backward") == (BACKWARD_DEFAULT_SCHEDULER,
+                                                 BACKWARD_DEFAULT_ARGS)
+    assert PROGRAM["scored"].options.scheduler_for("prefill") == ("Adaptive", ())
+    named = mhadsl.compile(SOURCE.replace("attention per_batch(doc: i32[batch, _]) {",
+                                          "attention per_batch(doc: i32[batch, _]) {\n"
+                                          "    scheduler = Adaptive()"), name="named")
+    assert named["per_batch"].options.scheduler_for("prefill") == ("Adaptive", ())
+    lengths = [3523, 2702, 2219, 1292, 1438, 413, 544, 319, 929, 3005]  # 16,384 rows
+    doc = np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)[None, :]
+    cost = KernelCostModel(DEFAULT_COSTS, PROGRAM.checked, options.mask, 128, 128,
+                           operands={"doc": doc}, declared=options.operands)
+    batch = Batch([16384], 16, 128, ragged=False)
+    efficiency = {args: simulate(PROGRAM.checked, SchedulerSpec("Adaptive", args, 128),
+                                 batch, cost=cost).efficiency
+                  for args in ((), options.scheduler_for("prefill")[1])}
+    assert efficiency[(("l2_rows", 0),)] > efficiency[()] + 0.05, efficiency
+
+
 def test_the_interval_analysis_alone_reads_no_classes():
     """A per-call build's classification with `cells=False` (a KV range's first search) is
     the interval analysis's alone: it loads nothing, where the full one loads the tile's

@@ -115,6 +115,14 @@ def operand_values(options: "AttentionOptions", given: dict) -> dict[str, int | 
 # tile fastest) keeps fewer heads' K/V in flight than LPT's.
 DEFAULT_SCHEDULER = "Adaptive"
 UNMASKED_DEFAULT_SCHEDULER = "Queued"
+# ... with all heads in one of LPT's sections (`l2_rows = 0`) where the mask reads data
+# (packed documents): its calls classify their tiles, and a query tile reads the keys its
+# classes keep (its document's), not its head's every row, which the sections' L2 budget
+# counts; the last section, handed out by position where the documents set the tiles'
+# costs, left a tail. H100, packed documents (benchmarks/operands.py's rows, H16 D128,
+# TFLOP/s): B1 S16384 312 -> 358, B1 S32768 438 -> 494, B4 S8192 257 -> 264, B8 S4096
+# 186 -> 181 (benchmarks/log/BENCHMARKS_LOG.md).
+DATA_MASK_DEFAULT_ARGS = (("l2_rows", 0),)
 # The backward pass of a masked declaration that names no scheduler: its work tiles are K/V
 # tiles, whose cost under a causal mask falls with their index; LPT starts the longest first.
 BACKWARD_DEFAULT_SCHEDULER = "LPT"
@@ -182,8 +190,11 @@ class AttentionOptions:
         follow the lengths (`balanced`); for a `deterministic` backward
         DETERMINISTIC_BACKWARD_SCHEDULER (with DETERMINISTIC_UNMASKED_ARGS without a mask),
         else for a masked declaration's backward
-        BACKWARD_DEFAULT_SCHEDULER with BACKWARD_DEFAULT_ARGS."""
+        BACKWARD_DEFAULT_SCHEDULER with BACKWARD_DEFAULT_ARGS; a forward call whose mask
+        reads data, the default with DATA_MASK_DEFAULT_ARGS."""
         if not self.scheduler_named:
+            if workload == "prefill" and self.mask_reads_data:
+                return self.scheduler, DATA_MASK_DEFAULT_ARGS
             if workload == "decode":
                 return (BALANCED_DECODE_SCHEDULER if balanced else DECODE_DEFAULT_SCHEDULER), ()
             if workload == "backward" and deterministic:
