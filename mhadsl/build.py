@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from mhadsl.abi import KernelABI
 from mhadsl.front.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.front.check import CheckedProgram
-from mhadsl.analysis.classify import kv_band_tiles
+from mhadsl.analysis.classify import SHORT_BAND_TILES, kv_band_tiles
 from mhadsl.codegen import backends, block_classes, tile_index
 from mhadsl.codegen.assemble import (
     Assembled, KernelResources, assemble, find_ptxas, run_ptxas,
@@ -72,7 +72,10 @@ def plan(program: CheckedProgram, request: KernelRequest) -> Plan:
     """Resolve a request; raises `MhaError` (at the declaration's setting at fault) when its
     backend cannot run the declaration on the target, `RequestError` for a bad request."""
     options = resolve_attention(program.attentions[request.kernel])
-    options = dataclasses.replace(options, kv_band=kv_band_tiles(options.mask, program))
+    band = kv_band_tiles(options.mask, program)
+    if band is None and request.layout.short_band:  # (at most: the call's values decide)
+        band = SHORT_BAND_TILES
+    options = dataclasses.replace(options, kv_band=band)
     if request.scheduler is not None:
         name, args = request.scheduler
         options = dataclasses.replace(options, scheduler=name, scheduler_args=tuple(args))

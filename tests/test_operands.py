@@ -15,11 +15,12 @@ import mhadsl
 from helpers import EXAMPLES, checked
 from mhadsl import abi
 from mhadsl.analysis.classify import (
-    classify_tile, count_visited_kv_tiles, integer_operands, kv_band_tiles,
+    SHORT_BAND_TILES, classify_tile, count_visited_kv_tiles, integer_operands, kv_band_tiles,
 )
 from mhadsl.analysis.reference import attention_reference, attention_reference_backward
 from mhadsl.codegen.assemble import find_ptxas
-from mhadsl.codegen.backends import CacheLayout, backends
+from mhadsl.build import KernelRequest, plan
+from mhadsl.codegen.backends import CacheLayout, Layout, backends
 from mhadsl.front.attention_spec import Operand, operand_values
 from mhadsl.front.diagnostics import MhaError
 
@@ -276,16 +277,20 @@ def test_each_launch_packs_its_calls_operands_into_one_plan(host_kernel):
     from test_hostile_tensors import dense
     args = dense()
     host_kernel(**args, cap=2.5)
+    # the builds for a window that is a short band of keys and for any other, at once
+    assert host_kernel.calls["build"] == 2
     host_kernel(**args, window=-7, cap=30)
     host_kernel(**dense(batch=3), window=9, cap=0.5)
-    assert host_kernel.launches == 3
-    assert [_operands_in(host_kernel, b) for b in host_kernel.blocks] == [
-        (256, 2.5), (-7, 30.0), (9, 0.5)]
     assert len(host_kernel.launcher.plans) == 2  # a new value is not a new plan
-    assert host_kernel.calls["build"] == 1  # nor a new build
+    host_kernel(**args, window=1 << 20, cap=1.0)  # the other build's: its own plan
+    assert host_kernel.launches == 4
+    assert [_operands_in(host_kernel, b) for b in host_kernel.blocks] == [
+        (256, 2.5), (-7, 30.0), (9, 0.5), (1 << 20, 1.0)]
+    assert len(host_kernel.launcher.plans) == 3
+    assert host_kernel.calls["build"] == 2  # nor a new build
     with pytest.raises(TypeError, match="the call needs operand 'cap'"):
         host_kernel(**args)
-    assert host_kernel.launches == 3
+    assert host_kernel.launches == 4
 
 
 # ---------------------------------------------------------------- the command line
@@ -371,6 +376,39 @@ def test_a_window_operand_masks_by_bits_where_a_literal_window_would():
     assert build.backend == "sm90" and build.config.bit_mask
     assert "operand_window" in build.llvm
     assert all(k.spills == 0 for k in build.assembled.kernels.values())
+
+
+WINDOW = ('import "std/schedulers.mha"\nattention w {{ dtype = bf16  head_dim = 128\n'
+          '  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx && q_idx - kv_idx < {} }}')
+
+
+@pytest.mark.parametrize("window", [-3, 1, 256, 385, 386, 1024, 1 << 30])
+def test_a_run_time_window_selects_the_build_a_literal_window_of_its_value_gets(windowed,
+                                                                              window):
+    """A forward call whose window operand makes the mask a short band of keys selects the
+    build for one (`Layout.short_band`: on sm_90a more stages and the mask by bits), and any
+    other value the general build: what the same window written as a literal gets."""
+    literal = mhadsl.compile(WINDOW.format(window))["w"]
+    assert literal.launcher.band_operands == ()  # its band is the declaration's
+    short = windowed.launcher.short_band({"window": window, "cap": 1.0})
+    band = kv_band_tiles(literal.options.mask, literal.program.checked)
+    assert short == (band is not None and band <= SHORT_BAND_TILES)
+    got = plan(windowed.program.checked, KernelRequest(
+        "runtime_window", "sm_90a", layout=Layout(short_band=short))).configs
+    want = plan(literal.program.checked, KernelRequest("w", "sm_90a")).configs
+    assert [(c.stages, c.bit_mask) for c in got] == [(c.stages, c.bit_mask) for c in want]
+    assert windowed.launcher.short_bands[(window,)] == short  # decided once per value
+
+
+def test_only_a_mask_whose_band_an_i32_operand_decides_has_band_operands(windowed,
+                                                                         prefix_lm):
+    assert windowed.launcher.band_operands == ("window",)
+    assert prefix_lm.launcher.band_operands == ()  # a tensor's elements bound no band
+    causal = mhadsl.compile('import "std/schedulers.mha"\nattention c(cap: f32) {\n'
+                            '  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx\n'
+                            '  score(s, b, h, q_idx, kv_idx) = cap * tanh(s / cap) }')["c"]
+    assert causal.launcher.band_operands == ()
+    assert not causal.launcher.short_band({"cap": 2.0})
 
 
 # ---------------------------------------------------------------- tensor operands

@@ -152,6 +152,9 @@ class Layout:
     # the backward's kernels add the gradients of the f32 tensors the score reads too
     # (`ExprHooks.scatter_reads`)
     operand_grads: bool = False
+    # the call's i32 operands make the mask a short band of keys, which the declaration's
+    # constants alone do not (a run-time window: `classify.short_band`)
+    short_band: bool = False
 
     @property
     def workload(self) -> str:

@@ -31,6 +31,7 @@ from typing import Callable
 from llvmlite import ir
 
 from mhadsl.abi import KernelABI, Param, TensorMap
+from mhadsl.analysis.classify import SHORT_BAND_TILES
 from mhadsl.codegen import hopper, nvptx, signature, warp
 from mhadsl.codegen.backends import (
     FORWARD_PARAMS, SHARED_MEMORY_LIMIT, Backend, ExprHooks, KernelArgs, KernelBuild, KernelSource,
@@ -878,12 +879,11 @@ UNMASKED_DENSE_TILES = {128: ((128, 144),)}
 # fragments held.
 Q_IN_REGISTERS_HEAD_DIMS = (128,)
 
-# A mask whose mid-sequence query tiles visit at most BAND_TILES KV tiles of 128 keys (a
-# sliding window: `AttentionOptions.kv_band`) gets BAND_STAGES K/V stages where they fit:
+# A mask whose mid-sequence query tiles visit at most SHORT_BAND_TILES KV tiles of 128 keys
+# (a sliding window: `AttentionOptions.kv_band`) gets BAND_STAGES K/V stages where they fit:
 # with so few KV tiles per work tile the producer's lead into the next work tile is what
 # hides its loads. 3 stages: fastest measured on the H200 for a 256-key window (a causal
 # mask keeps 2).
-BAND_TILES = 4
 BAND_STAGES = 3
 # Head dims whose K/V tiles are small enough for more stages beside Q and O (head dim 64:
 # 32 KiB a stage), and how many: 4 stages, fastest measured on the H200 (5 are no faster).
@@ -921,8 +921,8 @@ UNIFORM_GROUP_CONSUMER_GROUPS = 3
 DRAIN_IDLE_CONSUMER_GROUPS = 3
 
 # `bit_mask`: where a mask keeps one run of keys per row, the head dims, besides every short
-# band (`BAND_TILES`), that mask a partial tile by bits rather than compares: faster on the
-# H200 only there; at head dims 128 and 256 the compares are as fast or faster.
+# band (`SHORT_BAND_TILES`), that mask a partial tile by bits rather than compares: faster
+# on the H200 only there; at head dims 128 and 256 the compares are as fast or faster.
 BIT_MASK_HEAD_DIMS = (64,)
 
 
@@ -976,8 +976,9 @@ def _q_and_tiles(options, q_choices: tuple[bool, ...], tiles: tuple) -> list:
 
 
 def _short_band(options) -> bool:
-    """Whether the mask is a band of at most BAND_TILES KV tiles a query tile (a window)."""
-    return options.kv_band is not None and options.kv_band <= BAND_TILES
+    """Whether the mask is a band of at most SHORT_BAND_TILES KV tiles a query tile (a
+    window)."""
+    return options.kv_band is not None and options.kv_band <= SHORT_BAND_TILES
 
 
 def _stage_choices(options, config: HopperConfig) -> tuple[int, ...]:

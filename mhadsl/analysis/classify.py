@@ -650,23 +650,46 @@ def operand_bounds(fn, operands: dict | None) -> list:
     return out + [(operands or {}).get(name) for name in fn.tensors]
 
 
-_bands: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rule -> {block: band}
+_bands: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rule -> {key: band}
+
+# A band of at most this many KV tiles of 128 keys a query tile is short: a design may build
+# for it (sm90's `BAND_STAGES` and masks by bits, measured faster on the H200 for a window of
+# 256 keys), and a call whose i32 operands make the mask one selects that build.
+SHORT_BAND_TILES = 4
 
 
 def kv_band_tiles(mask_rule: ast.Rule | None, program: CheckedProgram | None,
-                  block: int = 128) -> int | None:
+                  block: int = 128, operands: dict | None = None) -> int | None:
     """The KV tiles of `block` keys that a query tile of `block` rows in the middle of a long
     self-attention sequence visits, where that count does not grow with the sequence (a
-    sliding window's band); None where it does (no mask, causal). Planned once per rule."""
+    sliding window's band); None where it does (no mask, causal) or depends on an i32
+    operand missing from `operands` (by name). Planned once per rule and operand values."""
     if mask_rule is None:
         return None
     bands = _bands.setdefault(mask_rule, {})
-    if block not in bands:
+    key = (block, tuple(sorted((operands or {}).items())))
+    if key not in bands:
         counts = {count_visited_kv_tiles(mask_rule, program, q_tile=n // (2 * block),
-                                         block_m=block, block_n=block, seqlen_q=n, seqlen_k=n)
+                                         block_m=block, block_n=block, seqlen_q=n, seqlen_k=n,
+                                         operands=operands)
                   for n in (4096, 8192)}
-        bands[block] = counts.pop() if len(counts) == 1 else None
-    return bands[block]
+        bands[key] = counts.pop() if len(counts) == 1 else None
+    return bands[key]
+
+
+def band_operands(mask_rule: ast.Rule | None, program: CheckedProgram) -> tuple[str, ...]:
+    """The i32 operands whose values decide whether the mask is a short band
+    (`SHORT_BAND_TILES`, a run-time window): those the mask reads, where its constants alone
+    bound no band; () otherwise."""
+    if mask_rule is None or kv_band_tiles(mask_rule, program) is not None:
+        return ()
+    return tuple(integer_operands(mask_rule, program))
+
+
+def short_band(mask_rule: ast.Rule, program: CheckedProgram, operands: dict) -> bool:
+    """Whether the mask, its i32 operands given these values, is a short band."""
+    band = kv_band_tiles(mask_rule, program, operands=operands)
+    return band is not None and band <= SHORT_BAND_TILES
 
 
 def _range(v: int | None) -> tuple[int, int]:

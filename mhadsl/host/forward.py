@@ -39,6 +39,8 @@ def forward(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, return_lse, s
     key = torch_signature(q, k, v, out, cu_q, cu_k, *tensor_ops.values())
     if key is not None:  # torch tensors: a signature seen before runs its plan
         key = typed_key(key, (max_q, max_k, scale, return_lse))
+        if kernel.launcher.band_operands:  # (its values may select another build)
+            key = (key, kernel.launcher.short_band(operands))
         planned = kernel.launcher.fast_plans.get(key)
         if planned is not None:
             return _run_torch(kernel, planned, q, k, v, out, cu_q, cu_k, stream, operands,
@@ -164,8 +166,7 @@ def block_classes(kernel, q, k, v, cu_q, cu_k, max_q, max_k, return_lse, stream,
                          f"keyed by their addresses); {', '.join(host)} on the host")
     sizes, device = call.sizes, call.q.device
     launcher = kernel.launcher
-    loaded = launcher.load(Layout(sizes.heads // sizes.kv_heads, sizes.ragged, want_lse),
-                           device)
+    loaded = launcher.load(call_layout(kernel, sizes, want_lse, operands), device)
     shapes = {n: TensorShape(tuple(t.shape), tuple(t.strides), t.dtype)
               for n, t in views.items() if t is not None}
     plan = launcher.classes_plan(loaded, sizes, shapes, launcher.values(loaded, sizes))
@@ -276,7 +277,7 @@ def _launch(kernel, call: Call, views: dict, want_lse: bool, stream: int,
             torch_key: tuple | None, operands: dict | None, classes) -> None:
     """Launch a validated call on device views of its tensors, by its signature's plan
     (remembered for `torch_key`'s calls)."""
-    planned = _planned(kernel, call, views, want_lse)
+    planned = _planned(kernel, call, views, want_lse, operands)
     if torch_key is not None:
         kernel.launcher.fast_plans[torch_key] = planned
     addresses = {n: t.ptr for n, t in views.items() if t}
@@ -285,21 +286,28 @@ def _launch(kernel, call: Call, views: dict, want_lse: bool, stream: int,
                                    _operand_shapes(views), operands)
     launch(planned.plans, addresses, stream, kernel.recording_workspace, operands)
 
-def _planned(kernel, call: Call, views: dict, want_lse: bool) -> _Planned:
+def call_layout(kernel, sizes: CallSizes, want_lse: bool, operands: dict | None) -> Layout:
+    """The layout a forward call selects: its GQA group, raggedness and log-sum-exp, and
+    whether its i32 operands make the mask a short band (`Launcher.short_band`)."""
+    return Layout(sizes.heads // sizes.kv_heads, sizes.ragged, want_lse,
+                  short_band=kernel.launcher.short_band(operands))
+
+
+def _planned(kernel, call: Call, views: dict, want_lse: bool, operands: dict | None
+             ) -> _Planned:
     """The plan of a validated call's signature: made on its first call, then reused."""
     from mhadsl.runtime.launch import TensorShape
     shapes = {n: TensorShape(tuple(t.shape), tuple(t.strides), t.dtype) if t else None
               for n, t in views.items()}
     device = views["q"].device
-    key = ("prefill", device, tuple(shapes.items()), call.sizes, want_lse, kernel.backend,
+    layout = call_layout(kernel, call.sizes, want_lse, operands)
+    key = ("prefill", device, tuple(shapes.items()), call.sizes, layout, kernel.backend,
            kernel.trace)
     launcher = kernel.launcher
     planned = launcher.plans.get(key)
     if planned is None:
-        sizes = call.sizes
-        loaded = launcher.load(Layout(sizes.heads // sizes.kv_heads, sizes.ragged, want_lse),
-                               device)
-        planned = launcher.plans[key] = _Planned(launcher.plan(loaded, sizes, shapes), call,
+        loaded = launcher.load(layout, device)
+        planned = launcher.plans[key] = _Planned(launcher.plan(loaded, call.sizes, shapes), call,
                                                  want_lse, shapes, device)
     return planned
 

@@ -21,12 +21,13 @@ signature; a change of the kernel's forced design or tracing clears them).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mhadsl.abi import (
     CallSizes, block_class_bytes, block_class_values, classifies_per_call,
     declaration_params, with_operands,
 )
+from mhadsl.analysis.classify import band_operands, short_band
 from mhadsl.build import RequestError, build_block_classes, tile_index_kernel
 from mhadsl.codegen import backends
 from mhadsl.codegen.backends import Backend, KernelBuild, Layout
@@ -67,6 +68,24 @@ class Launcher:
         # the classes kernel (`classes_plan`), loaded: (build, module, function) by
         # (ragged, device)
         self.classes: dict[tuple, tuple] = {}
+        # the i32 operands that decide whether a call's mask is a short band, and what each
+        # of their values decided (`short_band`)
+        self.band_operands = band_operands(kernel.options.mask, kernel.program.checked)
+        self.short_bands: dict[tuple, bool] = {}
+
+    def short_band(self, operands: dict | None) -> bool:
+        """Whether a forward call's i32 operands (checked values, by name) make its mask a
+        short band of keys (`Layout.short_band`: a run-time window that selects the build
+        for one); each set of values is decided once."""
+        if not self.band_operands:
+            return False
+        values = tuple(operands[n] for n in self.band_operands)
+        decided = self.short_bands.get(values)
+        if decided is None:
+            decided = self.short_bands[values] = short_band(
+                self.kernel.options.mask, self.kernel.program.checked,
+                dict(zip(self.band_operands, values)))
+        return decided
 
     def load(self, layout: Layout, device: int) -> Loaded:
         """The build of `layout` for `device`, loaded (once)."""
@@ -84,6 +103,9 @@ class Launcher:
         design = backends.backend(build.backend)
         functions = {k.name: module.function(k.name) for k in design.kernels(build.config)}
         self.loaded[key] = Loaded(build, design, layout, device, functions, module)
+        if self.band_operands and layout.workload == "prefill":
+            # the other value of `short_band` too: a call's new operand values never build
+            self.load(replace(layout, short_band=not layout.short_band), device)
         return self.loaded[key]
 
     def build(self, layout: Layout, arch: str) -> KernelBuild:
@@ -98,7 +120,8 @@ class Launcher:
                                 return_lse=layout.return_lse, backend=forced,
                                 cache=layout.cache, backward=layout.backward,
                                 deterministic=layout.deterministic,
-                                operand_grads=layout.operand_grads)
+                                operand_grads=layout.operand_grads,
+                                short_band=layout.short_band)
         except RequestError as err:
             raise RuntimeError(f"kernel '{kernel.name}': {err}") from None
 
