@@ -130,3 +130,18 @@ def test_an_appending_build_runs_the_append_then_decode(arch, cache):
     plain = KERN.build(arch, gqa_group=4, cache=CacheLayout(cache.query_rows, cache.page_size))
     assert [k.name for k in decode.BACKEND.kernels(plain.config)] == [decode.KERNEL_NAME]
     assert decode.APPEND_NAME not in plain.ptx
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("cache", [CacheLayout(1, 64, appends=True),
+                                   CacheLayout(1, 0, appends=True),
+                                   CacheLayout(0, 16, appends=True),
+                                   CacheLayout(1, 64, appends=True, fp8=True)])
+def test_the_append_reads_both_pieces_before_it_stores(arch, cache):
+    """Each thread of `mha_decode_append` reads its K and its V piece before the first
+    store, so the reads overlap the page-table entry's and only the stores wait for it."""
+    ptx = KERN.build(arch, gqa_group=4, cache=cache).ptx
+    body = ptx[ptx.index(f".entry {decode.APPEND_NAME}("):]
+    body = body[:body.index("\n}\n")]
+    memory = re.findall(r"\b(ld\.global\S*v4\S*|st\.global\S*)", body)
+    assert [op.split(".")[0] for op in memory] == ["ld", "ld", "st", "st"], memory

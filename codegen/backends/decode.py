@@ -1254,26 +1254,31 @@ def _emit_append(module: ir.Module, config: DecodeConfig, hooks: ExprHooks) -> N
         else:
             inside, page, in_page = b.icmp_unsigned("<", pos, a.cache_capacity), bidx, pos
         writes = b.and_(inside, b.icmp_unsigned("<", page, a.cache_pages))
-        with b.if_then(writes):
-            for t in "kv":
-                src = b.add(b.mul(_i64(b, bidx), a[f"{t}_new_stride_batch"]),
-                            b.mul(_i64(b, b.add(first, row)), a[f"{t}_new_stride_row"]))
-                dst = b.add(b.mul(_i64(b, page), a[f"{t}_stride_page"]),
-                            b.mul(_i64(b, in_page), a[f"{t}_stride_row"]))
 
-                def copy(b, j, _, t=t, src=src, dst=dst):
-                    h, chunk = b.udiv(j, i32(chunks)), b.shl(b.urem(j, i32(chunks)), i32(3))
-                    at = (lambda base, stride: b.add(b.add(base, b.mul(_i64(b, h), stride)),
-                                                     _i64(b, chunk)))
-                    value = b.load(b.gep(a[f"{t}_new"], [at(src, a[f"{t}_new_stride_head"])],
-                                         source_etype=nvptx.i16), typ=vector, align=16)
+        def copy(b, j, _):
+            # K's and V's pieces are read before the page entry is waited for, so the three
+            # reads overlap and only the stores follow it
+            h, chunk = b.udiv(j, i32(chunks)), _i64(b, b.shl(b.urem(j, i32(chunks)), i32(3)))
+            values = {}
+            for t in "kv":
+                src = b.add(b.add(b.mul(_i64(b, bidx), a[f"{t}_new_stride_batch"]),
+                                  b.mul(_i64(b, b.add(first, row)), a[f"{t}_new_stride_row"])),
+                            b.add(b.mul(_i64(b, h), a[f"{t}_new_stride_head"]), chunk))
+                values[t] = b.load(b.gep(a[f"{t}_new"], [src], source_etype=nvptx.i16),
+                                   typ=vector, align=16)
+            with b.if_then(writes):
+                for t in "kv":
+                    value = values[t]
                     if config.fp8:
                         value = _quantized(b, config, value, a[f"{t}_scale"])
-                    b.store(value, b.gep(a[f"{t}_cache"], [at(dst, a[f"{t}_stride_head"])],
+                    dst = b.add(b.add(b.mul(_i64(b, page), a[f"{t}_stride_page"]),
+                                      b.mul(_i64(b, in_page), a[f"{t}_stride_row"])),
+                                b.add(b.mul(_i64(b, h), a[f"{t}_stride_head"]), chunk))
+                    b.store(value, b.gep(a[f"{t}_cache"], [dst],
                                          source_etype=nvptx.i8 if config.fp8 else nvptx.i16),
                             align=8 if config.fp8 else 16)
-                    return b.add(j, i32(APPEND_THREADS)), []
-                ir_loop(b, tid, b.mul(a.num_heads, i32(chunks)), [], copy)
+            return b.add(j, i32(APPEND_THREADS)), []
+        ir_loop(b, tid, b.mul(a.num_heads, i32(chunks)), [], copy)
         return b.add(row, nvptx.special_register(b, "grid_dim", "y")), []
     ir_loop(b, nvptx.special_register(b, "block_idx", "y"), rows, [], row_step)
     b.ret_void()
