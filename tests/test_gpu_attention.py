@@ -276,6 +276,24 @@ def test_one_build_for_five_shapes(backend):
     assert len(kern.launcher.loaded) == 1
 
 
+def test_a_plain_call_runs_the_kv_tile_its_keys_select(backend):
+    """The first call of a plain dense declaration loads every build its calls may select: on
+    sm90 the wide KV tile's and the 128-key one that calls of few keys run
+    (`Layout.narrow_kv`); a call of many keys then runs the other, and builds nothing."""
+    kern = kernel("plain.mha", "plain_fwd", backend)
+    assert_matches(kern, dense(kern, 2, 512, 512, 2, 2))
+    loaded, built = dict(kern.launcher.loaded), kern.builds_compiled
+    narrow = {False, True} if backend == "sm90" else {False}
+    assert {key[0].narrow_kv for key in loaded} == narrow
+    assert_matches(kern, dense(kern, 1, 4000, 4000, 2, 2))
+    assert kern.launcher.loaded == loaded and kern.builds_compiled == built
+
+    def ran(planned):
+        return next(key[0].narrow_kv for key, build in loaded.items()
+                    if any(f is planned.plans[-1].function for f in build.functions.values()))
+    assert {ran(p) for p in kern.launcher.plans.values()} == narrow
+
+
 def test_cuda_graph_replay(backend):
     kern = kernel("causal.mha", "causal_fwd", backend)
     args = dense(kern, 2, 1000, 1000, 4, 4)

@@ -9,12 +9,13 @@ import pytest
 import mhadsl
 from helpers import REPO, STD, checked
 from mhadsl.front.attention_spec import resolve_attention
+from mhadsl.abi import CallSizes
 from mhadsl.build import KernelRequest, build_kernel, plan
 from mhadsl.codegen import backends
 from mhadsl.codegen.assemble import find_ptxas
 from mhadsl.codegen.backends import Layout, select_backend
-from mhadsl.codegen.backends.sm90 import BACKEND, KERNEL_NAME, REGISTERS, HopperConfig, \
-    shared_bytes
+from mhadsl.codegen.backends.sm90 import BACKEND, KERNEL_NAME, REGISTERS, WIDE_KV_MIN_KEYS, \
+    HopperConfig, shared_bytes
 
 needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
 EXAMPLES = [(f, n) for f in ("plain.mha", "causal.mha", "sliding_window.mha", "softcap.mha",
@@ -446,6 +447,35 @@ def test_unmasked_dense_head_dim_128_takes_144_keys(mask, layout, keys):
     assert (kb.config.block_n, kb.config.q_in_registers) == (keys, True)
     resources = kb.assembled.kernels[KERNEL_NAME]
     assert resources.spill_stores == resources.spill_loads == 0
+
+
+@pytest.mark.parametrize("keys", [1, 512, 1024, 2048, WIDE_KV_MIN_KEYS - 1, WIDE_KV_MIN_KEYS,
+                                  4096, 16384])
+def test_a_dense_call_of_few_keys_takes_128_key_tiles(keys):
+    """The wide unmasked KV tile (144 keys) pays only on long calls: a call of fewer keys
+    selects the build without it (`Layout.narrow_kv`), the same build but for the tile."""
+    narrow = keys < WIDE_KV_MIN_KEYS
+    options = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = 128 }}")["a"].options
+    call = CallSizes(2, 16, 16, keys, keys, keys, keys, 2 * keys, False, 1.0)
+    layout = BACKEND.call_layout(options, Layout(), call)
+    assert layout == Layout(narrow_kv=narrow)
+    first = BACKEND.configs(options, layout)[0]
+    assert first.block_n == (128 if narrow else 144)
+    assert first == replace(BACKEND.configs(options, Layout())[0], block_n=first.block_n)
+    assert BACKEND.sibling_layouts(options, Layout()) == (Layout(narrow_kv=True),)
+    assert BACKEND.sibling_layouts(options, Layout(narrow_kv=True)) == ()
+
+
+@pytest.mark.parametrize("declaration, layout", [
+    ("mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx", Layout()), ("tile = (128, 144)", Layout()),
+    ("", Layout(1, True))], ids=["causal", "declared-tile", "ragged"])
+def test_only_a_build_that_would_take_the_wide_tile_has_a_narrow_sibling(declaration, layout):
+    options = mhadsl.compile(
+        f"{STD}\nattention a {{ dtype = bf16  head_dim = 128 {declaration} }}")["a"].options
+    call = CallSizes(2, 16, 16, 512, 512, 512, 512, 1024, layout.ragged, 1.0)
+    assert BACKEND.call_layout(options, layout, call) == layout
+    assert BACKEND.sibling_layouts(options, layout) == ()
+    assert backends.backend("sm80").call_layout(options, Layout(), call) == Layout()
 
 
 @pytest.mark.parametrize("backend", ["sm80", "sm90"])

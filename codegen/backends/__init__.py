@@ -155,6 +155,9 @@ class Layout:
     # the call's i32 operands make the mask a short band of keys, which the declaration's
     # constants alone do not (a run-time window: `classify.short_band`)
     short_band: bool = False
+    # a dense call whose keys the design's narrower KV tile spans in as few tiles as its wide
+    # one: the build leaves the wide tile out (`Backend.call_layout`)
+    narrow_kv: bool = False
 
     @property
     def workload(self) -> str:
@@ -418,6 +421,16 @@ class Backend(ABC):
         """Bytes of each scratch buffer (a `Pointer` or `Workspace` parameter the call does
         not pass) a call needs."""
         return {}
+
+    def call_layout(self, options, layout: "Layout", call: CallSizes) -> "Layout":
+        """The layout a call of `layout` with these sizes runs, where the design picks its
+        build by them too (`Layout.narrow_kv`); by default `layout`."""
+        return layout
+
+    def sibling_layouts(self, options, layout: "Layout") -> tuple["Layout", ...]:
+        """The other layouts `call_layout` may give calls of `layout`, loaded with it so that
+        a call of new sizes never builds; by default none."""
+        return ()
 
     def runs_layout(self, layout: "Layout") -> bool:
         """Whether the design runs a call of this layout (beyond what `problems` says of the

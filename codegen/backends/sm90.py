@@ -30,7 +30,7 @@ from typing import Callable
 
 from llvmlite import ir
 
-from mhadsl.abi import KernelABI, Param, TensorMap
+from mhadsl.abi import CallSizes, KernelABI, Param, TensorMap
 from mhadsl.analysis.classify import SHORT_BAND_TILES
 from mhadsl.codegen import hopper, nvptx, signature, warp
 from mhadsl.codegen.backends import (
@@ -869,6 +869,11 @@ DEFAULT_TILES = {64: ((192, 128), (192, 112), (128, 128), (128, 64)),
 # barrier rounds per key. At head dim 128, 144 keys with Q in registers (160 and 176 spill):
 # faster on the H200 without a mask, slower under one (benchmarks/log/BENCHMARKS_LOG.md).
 UNMASKED_DENSE_TILES = {128: ((128, 144),)}
+# ... for calls of at least WIDE_KV_MIN_KEYS keys: a call of fewer takes the build without
+# it (`Layout.narrow_kv`), faster on the H100 by 1-9 % from 512 to 2,048 keys (512 and
+# 1,024 keys fill 144-key tiles no fewer times than 128-key ones, and the last 12.5 %
+# past the end), slower by 1.5 % at 4,096 and 5 % at 16,384.
+WIDE_KV_MIN_KEYS = 3072
 
 
 # The head dims whose S GEMM takes Q from registers (loaded once per work tile), every tile
@@ -942,8 +947,8 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
         tiles = ((options.block_m, options.block_n),)
     else:
         tiles = DEFAULT_TILES.get(options.head_dim, DEFAULT_TILES[128])
-        if options.mask is None and not layout.ragged:
-            tiles = UNMASKED_DENSE_TILES.get(options.head_dim, ()) + tiles
+        if _wide_kv_tile(options, layout) and not layout.narrow_kv:
+            tiles = UNMASKED_DENSE_TILES[options.head_dim] + tiles
         tiles = tuple((m, n) for m, n in tiles if not (layout.ragged and m > 2 * GROUP_ROWS))
     base = replace(HopperConfig(options.dtype, options.head_dim), gqa_group=layout.gqa_group,
                    return_lse=layout.return_lse, ragged=layout.ragged)
@@ -962,6 +967,16 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
                  for stages in _stage_choices(options, config) for lazy in (True, False)
                  for uniform in ((True, False) if config.consumer_groups
                                  == UNIFORM_GROUP_CONSUMER_GROUPS else (False,)))
+
+
+def _wide_kv_tile(options, layout: Layout) -> int | None:
+    """The KV tile of `UNMASKED_DENSE_TILES` a build of this declaration and layout tries
+    first, if any: a dense forward without a mask or a declared tile."""
+    wide = UNMASKED_DENSE_TILES.get(options.head_dim)
+    if wide and options.mask is None and options.block_m is None and not layout.ragged \
+            and layout.workload == "prefill":
+        return wide[0][1]
+    return None
 
 
 def _q_and_tiles(options, q_choices: tuple[bool, ...], tiles: tuple) -> list:
@@ -1028,6 +1043,16 @@ class SM90(Backend):
 
     def configs(self, options, layout: Layout) -> tuple[HopperConfig, ...]:
         return declared_configs(options, layout)
+
+    def call_layout(self, options, layout: Layout, call: CallSizes) -> Layout:
+        if _wide_kv_tile(options, layout) and call.max_seqlen_k < WIDE_KV_MIN_KEYS:
+            return replace(layout, narrow_kv=True)
+        return layout
+
+    def sibling_layouts(self, options, layout: Layout) -> tuple[Layout, ...]:
+        if _wide_kv_tile(options, layout) and not layout.narrow_kv:
+            return (replace(layout, narrow_kv=True),)
+        return ()
 
     def kernels(self, config: HopperConfig) -> tuple[KernelLaunch, ...]:
         return (KernelLaunch(KERNEL_NAME, ABI, config.threads, shared_bytes(config)),)

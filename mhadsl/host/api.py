@@ -189,21 +189,23 @@ class Kernel:
     # ---------------------------------------------------------------- builds
     def config(self, *, gqa_group: int | None = None, ragged: bool = False,
                return_lse: bool = False, arch: str = "sm_90a", backend: str | None = None,
-               cache: CacheLayout | None = None, short_band: bool = False):
+               cache: CacheLayout | None = None, short_band: bool = False,
+               narrow_kv: bool = False):
         """The build a call of this layout selects (its key; see `build` for the tile)."""
         layout = self._layout(arch, backend, gqa_group, ragged, return_lse, cache,
-                              short_band=short_band)
+                              short_band=short_band, narrow_kv=narrow_kv)
         return self._configs(layout, arch, backend)[0]
 
     def _layout(self, arch, backend, gqa_group, ragged, return_lse, cache, backward=False,
-                deterministic=False, operand_grads=False, short_band=False) -> Layout:
+                deterministic=False, operand_grads=False, short_band=False,
+                narrow_kv=False) -> Layout:
         """A build's layout, checked before any work: a layout no call can select, or a
         design that does not make it, is refused rather than built as something else."""
         if not isinstance(arch, str):
             raise TypeError(f"arch must be a str such as 'sm_90a', got {arch!r}")
         flags = {"ragged": ragged, "return_lse": return_lse, "backward": backward,
                  "deterministic": deterministic, "operand_grads": operand_grads,
-                 "short_band": short_band}
+                 "short_band": short_band, "narrow_kv": narrow_kv}
         for name, flag in flags.items():
             if not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
@@ -212,15 +214,17 @@ class Kernel:
         if short_band and not self.launcher.band_operands:
             raise ValueError(f"short_band: kernel '{self.name}' has no i32 operand that decides "
                              f"whether its mask is a short band of keys")
-        if short_band and (backward or cache is not None):
-            raise ValueError("short_band is a forward build's (no cache, not backward)")
+        for name in ("short_band", "narrow_kv"):
+            if flags[name] and (backward or cache is not None):
+                raise ValueError(f"{name} is a forward build's (no cache, not backward)")
         if operand_grads and not score_read_floats(self.options, self.program.checked):
             raise ValueError(f"operand_grads: kernel '{self.name}' has no score rule that "
                              f"reads an f32 tensor operand")
         if cache is not None and not isinstance(cache, CacheLayout):
             raise TypeError(f"cache must be a CacheLayout or None, got {cache!r}")
         layout = Layout(self._group(gqa_group), *map(bool, (ragged, return_lse)), cache,
-                        *map(bool, (backward, deterministic, operand_grads, short_band)))
+                        *map(bool, (backward, deterministic, operand_grads, short_band,
+                                    narrow_kv)))
         if backend is not None:
             if not isinstance(backend, str):
                 raise TypeError(f"backend must be a design's name (a str) or None, got "
@@ -277,18 +281,19 @@ class Kernel:
               return_lse: bool = False, backend: str | None = None,
               cache: CacheLayout | None = None, backward: bool = False,
               deterministic: bool = False, operand_grads: bool = False,
-              short_band: bool = False) -> KernelBuild:
+              short_band: bool = False, narrow_kv: bool = False) -> KernelBuild:
         """The kernel for `arch` (from the on-disk cache when it holds it): LLVM IR, PTX
         and, with ptxas, the cubin and its resources. With `cache`, the decode kernel of
         calls against a KV cache of that layout; with `backward`, the backward pass's
         (`deterministic`: its bitwise repeatable kernels; `operand_grads`: those adding the
         gradients of the f32 tensors the score reads too); with `short_band`, the forward
         of calls whose i32 operands make the mask a short band of keys (a run-time window:
-        docs/language.md). `backend` forces a design of that build: "sm80" or "sm90" for
-        the forward's, "decode" with `cache`, "backward" or "backward_sm90" with
-        `backward`."""
+        docs/language.md); with `narrow_kv`, the dense forward without the design's wide KV
+        tile (what a call of few keys runs: `Backend.call_layout`). `backend` forces a
+        design of that build: "sm80" or "sm90" for the forward's, "decode" with `cache`,
+        "backward" or "backward_sm90" with `backward`."""
         layout = self._layout(arch, backend, gqa_group, ragged, return_lse, cache, backward,
-                              deterministic, operand_grads, short_band)
+                              deterministic, operand_grads, short_band, narrow_kv)
         build = build_kernel(self.program.checked, self._request(layout, arch, backend))
         self.builds_compiled += not build.cached
         return build

@@ -166,7 +166,7 @@ def block_classes(kernel, q, k, v, cu_q, cu_k, max_q, max_k, return_lse, stream,
                          f"keyed by their addresses); {', '.join(host)} on the host")
     sizes, device = call.sizes, call.q.device
     launcher = kernel.launcher
-    loaded = launcher.load(call_layout(kernel, sizes, want_lse, operands), device)
+    loaded = launcher.load_call(call_layout(kernel, sizes, want_lse, operands), sizes, device)
     shapes = {n: TensorShape(tuple(t.shape), tuple(t.strides), t.dtype)
               for n, t in views.items() if t is not None}
     plan = launcher.classes_plan(loaded, sizes, shapes, launcher.values(loaded, sizes))
@@ -306,7 +306,7 @@ def _planned(kernel, call: Call, views: dict, want_lse: bool, operands: dict | N
     launcher = kernel.launcher
     planned = launcher.plans.get(key)
     if planned is None:
-        loaded = launcher.load(layout, device)
+        loaded = launcher.load_call(layout, call.sizes, device)
         planned = launcher.plans[key] = _Planned(launcher.plan(loaded, call.sizes, shapes), call,
                                                  want_lse, shapes, device)
     return planned

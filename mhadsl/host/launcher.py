@@ -106,7 +106,16 @@ class Launcher:
         if self.band_operands and layout.workload == "prefill":
             # the other value of `short_band` too: a call's new operand values never build
             self.load(replace(layout, short_band=not layout.short_band), device)
+        for sibling in design.sibling_layouts(kernel.options, layout):
+            self.load(sibling, device)  # (nor do its new sizes)
         return self.loaded[key]
+
+    def load_call(self, layout: Layout, call: CallSizes, device: int) -> Loaded:
+        """The build a call of `layout` with these sizes runs on `device`, loaded: the one
+        its design picks by the sizes (`Backend.call_layout`)."""
+        loaded = self.load(layout, device)
+        sized = loaded.design.call_layout(self.kernel.options, layout, call)
+        return loaded if sized == layout else self.load(sized, device)
 
     def build(self, layout: Layout, arch: str) -> KernelBuild:
         """The kernel's build of `layout` for `arch` (`Kernel.build`), by its forced design
@@ -121,7 +130,7 @@ class Launcher:
                                 cache=layout.cache, backward=layout.backward,
                                 deterministic=layout.deterministic,
                                 operand_grads=layout.operand_grads,
-                                short_band=layout.short_band)
+                                short_band=layout.short_band, narrow_kv=layout.narrow_kv)
         except RequestError as err:
             raise RuntimeError(f"kernel '{kernel.name}': {err}") from None
 
