@@ -870,10 +870,10 @@ DEFAULT_TILES = {64: ((192, 128), (192, 112), (128, 128), (128, 64)),
 # faster on the H200 without a mask, slower under one (benchmarks/log/BENCHMARKS_LOG.md).
 UNMASKED_DENSE_TILES = {128: ((128, 144),)}
 # ... for calls of at least WIDE_KV_MIN_KEYS keys: a call of fewer takes the build without
-# it (`Layout.narrow_kv`), faster on the H100 by 1-9 % from 512 to 2,048 keys (512 and
-# 1,024 keys fill 144-key tiles no fewer times than 128-key ones, and the last 12.5 %
-# past the end), slower by 1.5 % at 4,096 and 5 % at 16,384.
-WIDE_KV_MIN_KEYS = 3072
+# it (`Layout.narrow_kv`), faster on the H100 by 2-9 % from 512 to 2,048 keys (at 512 and
+# 1,024 keys 144-key tiles are no fewer than 128-key ones and 12.5 % of their keys lie past
+# the end), slower by 2.5 % at 2,560, 1-4 % from 3,584 and 4 % at 8,192 and 16,384.
+WIDE_KV_MIN_KEYS = 2560
 
 
 # The head dims whose S GEMM takes Q from registers (loaded once per work tile), every tile
