@@ -136,6 +136,26 @@ def test_the_design_is_chosen_again_for_another_device_or_a_forced_backend(kerne
     assert kernel.launches == 2 and kernel.calls["build"] == 4
 
 
+def test_a_plain_call_runs_the_kv_tile_its_keys_select(monkeypatch):
+    """A dense call without a mask of few keys runs the sm90 build without the wide KV tile
+    (`Layout.narrow_kv`), a long one the wide tile's: both loaded at the first call, and
+    K's tensor map boxes as many rows as the tile that ran."""
+    kern = next(stand_in(monkeypatch, mhadsl.compile(
+        "attention p { dtype = fp16  head_dim = 128 }")["p"]))
+
+    def key_rows(keys: int) -> int:
+        q, k, v = (FakeDevice((1, keys, 2, 128)) for _ in range(3))
+        kern(q=q, k=k, v=v, out=FakeDevice(q.shape))
+        words = struct.unpack(f"<{len(kern.blocks[-1]) // 8}Q", kern.blocks[-1])
+        # K's tensor map: its address, then its box (columns, heads, rows, batch) and dims
+        at = next(i for i, w in enumerate(words) if w == k.ptr and 0 < words[i + 1] < 1 << 16)
+        return words[at + 3]
+
+    assert key_rows(512) == 128 and kern.calls["build"] == 2
+    assert key_rows(4096) == 144 and key_rows(2559) == 128 and key_rows(2560) == 144
+    assert kern.calls["build"] == 2 and kern.launches == 4
+
+
 def on_device_1(args: dict) -> dict:
     return {n: FakeDevice(t.shape, device=1) if isinstance(t, FakeDevice) else t
             for n, t in args.items()}
