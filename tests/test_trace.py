@@ -544,3 +544,75 @@ def test_decode_trace_report(damage, rc, line, monkeypatch, capsys, tmp_path):
     assert saved["combines"]["needed"] == 4 and saved["q_tiles"] == 2
     assert saved["covered_exactly_once"] == (damage is not _duplicate_item)
     assert len(saved["records"]["kind"]) == len(rows)
+
+
+# ---------------------------------------------------------------- the launches it traces
+def test_a_traced_scheduler_launches_as_the_declaration_that_names_it(monkeypatch):
+    """`trace.scheduler_kernel(..., "LPT")` (what `mhadsl trace --scheduler LPT` runs,
+    untraced and traced) launches exactly what a declaration with `scheduler = LPT()` does
+    for the same call (a tensor operand passed as a NumPy array, as the CLI passes it): the
+    classes kernel, then the scheduled kernel, with the same grids and parameter blocks but
+    for the traced launch's workspace. No GPU: the driver is replaced by recorders."""
+    import ctypes
+    from types import SimpleNamespace
+    from helpers import fake_launcher
+    from test_hostile_tensors import FakeDevice
+    from mhadsl.codegen.backends import KernelBuild
+    from mhadsl.runtime import driver, launch as runtime_launch, tensormap, tensors
+
+    text = (REPO / "examples/document_mask.mha").read_text().replace("bf16", "fp16")
+    named = text.replace("dtype    = fp16", "dtype    = fp16\n    scheduler = LPT()")
+    launched = []
+    real_launch = runtime_launch.LaunchPlan.launch
+
+    def recorded(self, addresses, stream, workspace=None, scalars=None):
+        real_launch(self, addresses, stream, workspace, scalars)
+        launched.append((self.grid, self.threads, bytes(self.block.data)))
+
+    def fake_copy(array, name="array", *, dtype=None, stream=None, device=None):
+        host, dtype = tensors._host_copy(array, name, dtype)
+        return tensors.DeviceTensor(7 << 32, host.shape, tensors.contiguous_strides(
+            host.shape), dtype, 0, "numpy", array), None
+
+    function = SimpleNamespace(max_active_blocks=lambda *a: 1,
+                               launcher=fake_launcher(lambda *a: None),
+                               set_max_dynamic_shared=lambda nbytes: None)
+    monkeypatch.setattr(runtime_launch.LaunchPlan, "launch", recorded)
+    monkeypatch.setattr(driver.Module, "from_ptx", staticmethod(
+        lambda ptx, device=None: SimpleNamespace(function=lambda name: function)))
+    monkeypatch.setattr(tensors, "pointer_device", lambda ptr: ptr >> 40)
+    monkeypatch.setattr(tensors, "to_device", fake_copy)
+    monkeypatch.setattr(driver, "device_info", lambda device=None: SimpleNamespace(
+        compute_capability=(9, 0), multiprocessor_count=132))
+    monkeypatch.setattr(driver, "workspace", lambda stream, device: SimpleNamespace(
+        ptr=1 << 20))
+    monkeypatch.setattr(driver, "ensure_context", lambda device=None: device or 0)
+    monkeypatch.setattr(driver, "stream_buffer", lambda name, nbytes, handle, device, what:
+                        {"block_classes": 2 << 20, "tile_index": 3 << 20}[name])
+    monkeypatch.setattr(tensormap, "encode_tiled", lambda *a, device=None, **k:
+                        SimpleNamespace(kernel_arg=lambda: (ctypes.c_ubyte * 128)()))
+    tensormap.launch_arg.cache_clear()
+
+    def launches(kern, traced: bool) -> list:
+        def build(layout, arch):  # the real choice of design and config, no code generated
+            resolved = plan(kern.program.checked, kern._request(layout, arch, kern.backend))
+            return KernelBuild(resolved.backend.name, arch, "", "", None, resolved.configs[0])
+        monkeypatch.setattr(kern.launcher, "build", build)
+        kern.trace, kern.trace_workspace = traced, 5 << 20
+        shape = (1, 4096, 16, 128)
+        q, k, v, out = (FakeDevice(shape, ptr=n << 36) for n in range(1, 5))
+        doc = np.repeat(np.arange(4, dtype=np.int32), 1024)[None]
+        launched.clear()
+        kern(q, k, v, out=out, doc=doc)
+        return list(launched)
+
+    try:
+        for traced in (False, True):
+            got = launches(trace.scheduler_kernel(mhadsl.compile(text), "document_mask",
+                                                  "LPT", trace=traced), traced)
+            want = launches(mhadsl.compile(named)["document_mask"], traced)
+            assert [(g, t) for g, t, _ in got] == [((256, 1, 1), 128), ((132, 1, 1), 384)]
+            assert got == want
+            assert (5 << 20 if traced else 1 << 20).to_bytes(8, "little") in got[-1][2]
+    finally:
+        tensormap.launch_arg.cache_clear()
