@@ -478,6 +478,21 @@ def test_only_a_build_that_would_take_the_wide_tile_has_a_narrow_sibling(declara
     assert backends.backend("sm80").call_layout(options, Layout(), call) == Layout()
 
 
+@pytest.mark.parametrize("declaration, request_args", [
+    ("", {"arch": "sm_80"}), ("", {"backend": "sm80"}), ("", {"ragged": True}),
+    ("", {"backward": True}), ("tile = (128, 144)", {}),
+    ("mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx", {})],
+    ids=["sm_80", "sm80-forced", "ragged", "backward", "declared-tile", "causal"])
+def test_a_narrow_build_no_call_selects_is_refused(declaration, request_args):
+    """`Kernel.build(narrow_kv=True)` makes what a plain dense call of few keys runs on
+    sm90; for any other build it is a ValueError, never the same build under another key."""
+    kern = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = 128 {declaration} }}")["a"]
+    with pytest.raises(ValueError, match="narrow_kv"):
+        kern.build(narrow_kv=True, **request_args)
+    plain = mhadsl.compile(f"{STD}\nattention p {{ dtype = bf16  head_dim = 128 }}")["p"]
+    assert plain.config(narrow_kv=True).block_n == 128
+
+
 @pytest.mark.parametrize("backend", ["sm80", "sm90"])
 def test_the_scheduler_is_built_for_the_launchs_gqa_group(backend):
     """`gqa_group` is a constant of the build (its Layout), as `tile_m` is: the scheduler's

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -234,6 +235,13 @@ class Kernel:
                 takes = " or ".join(repr(b.name) for b in backends.backends(layout.workload))
                 raise ValueError(f"backend {backend!r} makes {_BUILDS[made]}, not "
                                  f"{_BUILDS[layout.workload]}, which takes {takes}")
+        if layout.narrow_kv:  # only where the design would give a call of few keys one
+            wide = replace(layout, narrow_kv=False)
+            design = plan(self.program.checked, self._request(wide, arch, backend)).backend
+            if layout not in design.sibling_layouts(self.options, wide):
+                raise ValueError(f"narrow_kv: no call of kernel '{self.name}' selects a "
+                                 f"narrower KV tile on the {design.name} design (sm90's dense "
+                                 f"calls without a mask or a declared tile do)")
         return layout
 
     def _group(self, gqa_group) -> int:
