@@ -155,8 +155,8 @@ class Layout:
     # the call's i32 operands make the mask a short band of keys, which the declaration's
     # constants alone do not (a run-time window: `classify.short_band`)
     short_band: bool = False
-    # a dense call whose keys the design's narrower KV tile spans in as few tiles as its wide
-    # one: the build leaves the wide tile out (`Backend.call_layout`)
+    # a dense call of too few keys for the design's wide KV tile to pay: the build leaves
+    # that tile out (`Backend.call_layout`)
     narrow_kv: bool = False
 
     @property
