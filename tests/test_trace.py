@@ -550,9 +550,10 @@ def test_decode_trace_report(damage, rc, line, monkeypatch, capsys, tmp_path):
 def test_a_traced_scheduler_launches_as_the_declaration_that_names_it(monkeypatch):
     """`trace.scheduler_kernel(..., "LPT")` (what `mhadsl trace --scheduler LPT` runs,
     untraced and traced) launches exactly what a declaration with `scheduler = LPT()` does
-    for the same call (a tensor operand passed as a NumPy array, as the CLI passes it): the
-    classes kernel, then the scheduled kernel, with the same grids and parameter blocks but
-    for the traced launch's workspace. No GPU: the driver is replaced by recorders."""
+    for the same call (a tensor operand passed as a NumPy array, as the CLI passes it): a
+    build for the same scheduler and arguments, then the classes kernel and the scheduled
+    kernel, with the same grids and parameter blocks but for the traced launch's workspace.
+    No GPU: the driver is replaced by recorders."""
     import ctypes
     from types import SimpleNamespace
     from helpers import fake_launcher
@@ -595,7 +596,9 @@ def test_a_traced_scheduler_launches_as_the_declaration_that_names_it(monkeypatc
 
     def launches(kern, traced: bool) -> list:
         def build(layout, arch):  # the real choice of design and config, no code generated
-            resolved = plan(kern.program.checked, kern._request(layout, arch, kern.backend))
+            request = kern._request(layout, arch, kern.backend)
+            launched.append(request.scheduler)  # the scheduler the build's code would run
+            resolved = plan(kern.program.checked, request)
             return KernelBuild(resolved.backend.name, arch, "", "", None, resolved.configs[0])
         monkeypatch.setattr(kern.launcher, "build", build)
         kern.trace, kern.trace_workspace = traced, 5 << 20
@@ -611,7 +614,9 @@ def test_a_traced_scheduler_launches_as_the_declaration_that_names_it(monkeypatc
             got = launches(trace.scheduler_kernel(mhadsl.compile(text), "document_mask",
                                                   "LPT", trace=traced), traced)
             want = launches(mhadsl.compile(named)["document_mask"], traced)
-            assert [(g, t) for g, t, _ in got] == [((256, 1, 1), 128), ((132, 1, 1), 384)]
+            (scheduler, _), *runs = got
+            assert scheduler == "LPT"
+            assert [(g, t) for g, t, _ in runs] == [((256, 1, 1), 128), ((132, 1, 1), 384)]
             assert got == want
             assert (5 << 20 if traced else 1 << 20).to_bytes(8, "little") in got[-1][2]
     finally:
