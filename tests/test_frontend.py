@@ -48,6 +48,35 @@ def test_syntax_error_has_location_line_and_caret():
     assert lines[2] == "^"
 
 
+@pytest.mark.parametrize("rule", [
+    "mask(b, h, q_idx, kv_idx) { return kv_idx <= q_idx }",
+    "score(s, b, h, q_idx, kv_idx) { if q_idx > kv_idx { return s } return s * 0.5 }",
+    "sink(b, h) { return 0.5 }",
+])
+def test_a_scheduler_setting_may_follow_a_rule_written_as_a_block(rule):
+    """After a block's '}' LALR's merged state offers the top-level keyword `scheduler`;
+    inside a declaration's body it is read as the setting's name, as everywhere else."""
+    program = mhadsl.compile(f"""import "std/schedulers.mha"
+attention a {{
+    {rule}
+    scheduler = LPT(heads_per_section = 1)
+}}
+fn twice(x: i32) -> i32 {{ return 2 * x }}
+attention b {{ mask(b, h, q_idx, kv_idx) = kv_idx <= twice(q_idx) }}
+""")
+    options = program["a"].options
+    assert (options.scheduler, options.scheduler_args) == ("LPT", (("heads_per_section", 1),))
+    assert program["b"].options.scheduler_named is False
+
+
+def test_a_keyword_where_a_name_would_do_is_still_refused():
+    """A declared name that is a keyword stays an error at its place, after a block too."""
+    with pytest.raises(MhaError, match="'scheduler' is a keyword") as err:
+        mhadsl.compile("fn f(x: i32) -> i32 { if x > 0 { return x } let scheduler = 2 "
+                       "return scheduler }")
+    assert ":1:" in str(err.value)
+
+
 def test_unexpected_character():
     (msg,) = errors_of("fn f() -> u32 { return 1 $ 2 }")
     assert msg.startswith("bad.mha:1:26: error: syntax error: unexpected character '$'")

@@ -20,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from lark import Lark, Token, Transformer_NonRecursive, v_args
+from lark.parsers.lalr_analysis import Shift
 from lark.exceptions import (
     UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError,
 )
@@ -68,6 +69,13 @@ _UNARY = {"neg": "-", "not_": "!", "bitnot": "~"}
 def keywords() -> frozenset[str]:
     """The language's reserved words (`if`, `let`, `true`, ...), read from the grammar."""
     return frozenset(t.pattern.value for t in _parser().terminals
+                     if t.pattern.type == "str" and t.pattern.value.isidentifier())
+
+
+@functools.cache
+def _keyword_terminals() -> frozenset[str]:
+    """The terminal names of the reserved words."""
+    return frozenset(t.name for t in _parser().terminals
                      if t.pattern.type == "str" and t.pattern.value.isidentifier())
 
 
@@ -307,12 +315,16 @@ def _parse(source: Source, max_tokens: int) -> tuple[ast.Module, int]:
     try:
         with no_cyclic_gc():
             parser = _parser().parse_interactive(source.text)
-            for token in parser.iter_parse():
+            keyword_types = _keyword_terminals()
+            for token in parser.lexer_thread.lex(parser.parser_state):
                 tokens += 1
                 if tokens > max_tokens:
                     raise MhaError(f"too much source: a program holds at most {MAX_TOKENS} "
                                    f"tokens (names, numbers, operators), imports included",
                                    Span(source, token.line, token.column))
+                if token.type in keyword_types:
+                    token = _keyword_or_name(parser.parser_state, token)
+                parser.feed_token(token)
             module = _ToAst(source).transform(parser.feed_eof())
     except UnexpectedInput as err:
         raise _syntax_error(source, err) from None
@@ -322,6 +334,33 @@ def _parse(source: Source, max_tokens: int) -> tuple[ast.Module, int]:
         raise
     _check_nesting(module)
     return module, tokens
+
+
+def _keyword_or_name(state, token: Token) -> Token:
+    """`token`, a keyword, as the parser in `state` takes it: a name where it takes a name
+    and not the keyword. (LALR merges the states after a block's '}', so the contextual
+    lexer offers a declaration's keyword where a body takes a name: `scheduler = LPT()`
+    after a rule written as a block.)"""
+    if _shifts(state, token.type) or not _shifts(state, "NAME"):
+        return token
+    return Token.new_borrow_pos("NAME", token, token)
+
+
+def _shifts(state, terminal: str) -> bool:
+    """Whether the parser in `state` takes `terminal` next, its reductions played on a copy
+    of its state stack alone (the values' trees are shared and would change)."""
+    table, stack = state.parse_conf.states, state.state_stack
+    copied = False
+    while (action := table[stack[-1]].get(terminal)) is not None:
+        kind, arg = action
+        if kind is Shift:
+            return True
+        if not copied:
+            stack, copied = list(stack), True
+        if arg.expansion:
+            del stack[-len(arg.expansion):]
+        stack.append(table[stack[-1]][arg.origin.name][1])
+    return False
 
 
 @contextlib.contextmanager
