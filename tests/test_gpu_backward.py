@@ -105,6 +105,25 @@ def test_gqa_and_mqa_sum_dk_dv_over_the_group(name, hq, hkv):
     assert_gradients(kern, ragged(kern, [129, 0, 300], [129, 64, 300], hq, hkv))
 
 
+VARS = """attention var_score { dtype = bf16  head_dim = 128
+    mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx
+    score(s, b, h, q_idx, kv_idx) { var x = s
+        if q_idx > kv_idx + 16 { x *= 0.5 }
+        var y = 0.0
+        y += 30.0 * tanh(x / 30.0)
+        return y } }
+"""
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_a_score_that_assigns_vars_has_its_gradients(deterministic):
+    """The score's derivative follows its `var`s through branches and compound assignments
+    (`mhadsl.analysis.derivative`), dense and ragged."""
+    kern = mhadsl.compile(VARS, name="<vars>")["var_score"]
+    assert_gradients(kern, dense(kern, 2, 200, 200, 2, 2), deterministic=deterministic)
+    assert_gradients(kern, ragged(kern, RAGGED, RAGGED, 2, 2), deterministic=deterministic)
+
+
 WIDE = """import "std/schedulers.mha"
 attention causal_d256 { dtype = bf16  head_dim = 256  mask(b, h, q_idx, kv_idx) = kv_idx <= q_idx }
 attention plain_d256 { dtype = bf16  head_dim = 256 }

@@ -9,9 +9,13 @@ where the one-sided conventions at kinks are written down). Expressions that do 
 on `s` have derivative 0, so integer index arithmetic is never differentiated; results are
 simplified as they are built (0 * x, 1 * x, x + 0, ...), so `score = s` gives 1.
 
+A `var` that depends on s carries a derivative `var` beside it: each assignment to it is
+preceded by one to its derivative, from the values before the assignment (`x *= 2.0` after
+`dx = dx * 2.0`), so the derivative follows every branch the value takes.
+
 What cannot be differentiated is an error at its place in the source: `s` turned into an
 integer or a bool (`i32(s)`, `s > 0` feeding arithmetic; `where` and `if` conditions are
-fine), or flowing through a fn call, an assignment or a loop (not supported yet).
+fine), or flowing through a fn call or a loop (not supported yet).
 """
 from __future__ import annotations
 
@@ -81,6 +85,7 @@ class _Differentiator:
         self.sink = DiagnosticSink()
         self.dependent: dict[ast.Expr, bool] = {}
         self.local_derivatives: dict[ast.Let, ast.Let] = {}  # of the f32 locals that depend on s
+        self.dependent_vars = self._dependent_vars(rule.body)
 
     # ---- statements
     def block(self, stmts: tuple[ast.Stmt, ...]) -> tuple[ast.Stmt, ...]:
@@ -90,23 +95,70 @@ class _Differentiator:
                 out.append(s)
                 # An integer or bool local is differentiated only if arithmetic uses it.
                 local_type = TYPE_NAMES[s.type.name] if s.type else self.type(s.value)
-                if self.depends(s.value) and local_type == F32:
-                    derivative = ast.Let(s.span, f"d{s.name}/ds", None, self.of(s.value), False)
+                if self.depends_local(s) and local_type == F32:
+                    derivative = ast.Let(s.span, f"d{s.name}/ds", None, self.of(s.value),
+                                         s.mutable)
                     out.append(derivative)
                     self.local_derivatives[s] = derivative
             elif isinstance(s, ast.If):
                 out.append(ast.If(s.span, s.cond, self.block(s.then), self.block(s.orelse)))
             elif isinstance(s, ast.Return):
                 out.append(ast.Return(s.span, self.of(s.value)))
-            elif isinstance(s, (ast.Assign, ast.While)):
-                what = "an assignment" if isinstance(s, ast.Assign) else "a while loop"
-                self.sink.error(s.span, f"cannot differentiate the score through {what} "
-                                        f"(not supported yet)")
+            elif isinstance(s, ast.Assign):
+                derivative = self.local_derivatives.get(self.program.refs[s.target].node)
+                if derivative is not None:  # (before the value it reads changes)
+                    out.append(ast.Assign(s.span, self.name(derivative), "=",
+                                          self.assigned(s, derivative)))
+                out.append(s)
+            elif isinstance(s, ast.While):
+                self.sink.error(s.span, "cannot differentiate the score through a while "
+                                        "loop (not supported yet)")
             else:
                 out.append(s)  # a call for nothing: attention code has no effects
         return tuple(out)
 
+    def assigned(self, s: ast.Assign, derivative: ast.Let) -> ast.Expr:
+        """The derivative of what assignment `s` gives its variable, from the values before
+        it (`derivative`: the variable's)."""
+        d_value = self.of(s.value)
+        if s.op == "=":
+            return d_value
+        d_old, old = self.name(derivative), s.target
+        if s.op in ("+=", "-="):
+            return self.add(d_old, d_value) if s.op == "+=" else self.sub(d_old, d_value)
+        if s.op == "*=":
+            return self.add(self.mul(d_old, s.value), self.mul(old, d_value))
+        assert s.op == "/=", s.op  # (the checker allows no other operator on an f32)
+        return self.sub(self.div(d_old, s.value),
+                        self.div(self.mul(old, d_value), self.mul(s.value, s.value)))
+
+    def _dependent_vars(self, body: tuple[ast.Stmt, ...]) -> set[ast.Let]:
+        """The `var`s whose value may depend on the variable: from their first value or any
+        assignment, through each other, to a fixed point."""
+        assigned: dict[ast.Let, list[ast.Expr]] = {}
+        todo = list(body)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, ast.Let) and node.mutable:
+                assigned.setdefault(node, []).append(node.value)
+            elif isinstance(node, ast.Assign):
+                assigned.setdefault(self.program.refs[node.target].node, []).append(node.value)
+            elif isinstance(node, ast.If):
+                todo.extend((*node.then, *node.orelse))
+        dependent: set[ast.Let] = set()
+        self.dependent_vars = dependent  # (what `depends` reads while this runs)
+        while True:
+            self.dependent.clear()  # (answers given before a var joined may have changed)
+            grown = {var for var, values in assigned.items() if var not in dependent and
+                     any(self.depends(v) for v in values)}
+            if not grown:
+                return dependent
+            dependent |= grown
+
     # ---- what depends on s
+    def depends_local(self, let: ast.Let) -> bool:
+        return let in self.dependent_vars if let.mutable else self.depends(let.value)
+
     def depends(self, e) -> bool:
         if e not in self.dependent:
             self.dependent[e] = self._depends(e)
@@ -120,7 +172,7 @@ class _Differentiator:
             if sym is None:
                 return False
             if sym.kind == "local":
-                return self.depends(sym.node.value)
+                return self.depends_local(sym.node)
             return self.read is None and sym.kind == "rule_param" and sym.node == "s"
         return any(self.depends(child) for child in ast.children(e))
 
@@ -195,8 +247,9 @@ class _Differentiator:
         return self.node(ast.FloatLit(self.span, value))
 
     def name(self, let: ast.Let) -> ast.Expr:
+        """Local `let`, to read or assign."""
         e = self.node(ast.Name(let.span, let.name))
-        self.refs[e] = Symbol("local", let.name, F32, let)
+        self.refs[e] = Symbol("local", let.name, F32, let, let.mutable)
         return e
 
     def may_be_nan(self, e: ast.Expr) -> bool:
