@@ -13,6 +13,7 @@ from mhadsl.abi import CallSizes
 from mhadsl.build import KernelRequest, build_kernel, plan
 from mhadsl.codegen import backends
 from mhadsl.codegen.assemble import find_ptxas
+from mhadsl.front.diagnostics import MhaError
 from mhadsl.codegen.backends import Layout, select_backend
 from mhadsl.codegen.backends.sm90 import BACKEND, KERNEL_NAME, REGISTERS, WIDE_KV_MIN_KEYS, \
     HopperConfig, shared_bytes
@@ -330,6 +331,27 @@ def test_short_band_masks_take_three_stages_where_they_fit(head_dim, mask, decla
     assert planned.configs[0].stages == stages
     assert all(shared_bytes(c) <= backends.SHARED_MEMORY_LIMIT["sm_90a"]
                for c in planned.configs)
+
+
+@pytest.mark.parametrize("head_dim, declared, tile", [
+    (128, "stages = 3", (128, 128)),  # the 144-key tile of a plain build does not fit
+    (128, "stages = 4", (128, 64)), (256, "stages = 3", (128, 48)),
+    (64, "stages = 8", (128, 64)), (128, "stages = 2", (128, 144))])
+def test_declared_stages_take_the_default_tiles_they_fit_beside(head_dim, declared, tile):
+    """Stages a declaration sets without a tile are built with the first of the design's
+    tiles that fits beside them (a plain build without its wide KV tile, where that does not
+    fit); a declared tile that does not fit is still refused."""
+    program = mhadsl.compile(f"{STD}\nattention a {{ dtype = bf16  head_dim = {head_dim} "
+                             f"{declared} }}")
+    planned = plan(program.checked, KernelRequest("a", "sm_90a", "sm90", Layout()))
+    assert (planned.configs[0].block_m, planned.configs[0].block_n) == tile
+    assert all(shared_bytes(c) <= backends.SHARED_MEMORY_LIMIT["sm_90a"]
+               for c in planned.configs)
+    siblings = BACKEND.sibling_layouts(program["a"].options, Layout())
+    assert bool(siblings) == (tile[1] == 144)
+    with pytest.raises(MhaError, match="shared memory|stages"):
+        mhadsl.compile(f"{STD}\nattention a {{ head_dim = 128  tile = (128, 128)  "
+                       f"stages = 4 }}")
 
 
 @pytest.mark.parametrize("head_dim, mask, ragged, stages", [

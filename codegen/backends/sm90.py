@@ -942,7 +942,8 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
     `PACKED_P_UNMASKED_HEAD_DIMS`; the mask by bits at `BIT_MASK_HEAD_DIMS` and on short
     bands; with `UNIFORM_GROUP_CONSUMER_GROUPS` consumer warpgroups each build with
     `uniform_group` first, then without, and every one with `drain_idle_groups`
-    (`DRAIN_IDLE_CONSUMER_GROUPS`). Not validated."""
+    (`DRAIN_IDLE_CONSUMER_GROUPS`); only those that fit in shared memory where any does.
+    Not validated further."""
     if options.block_m is not None:
         tiles = ((options.block_m, options.block_n),)
     else:
@@ -957,7 +958,7 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
                       and options.head_dim in PACKED_P_UNMASKED_HEAD_DIMS)
     bit_mask = options.head_dim in BIT_MASK_HEAD_DIMS or _short_band(options)
     defer_alpha = options.head_dim in DEFER_ALPHA_HEAD_DIMS
-    return tuple(replace(config, stages=stages, lazy_rescale=lazy,
+    configs = tuple(replace(config, stages=stages, lazy_rescale=lazy,
                          defer_alpha=lazy and defer_alpha, uniform_group=uniform,
                          drain_idle_groups=config.consumer_groups == DRAIN_IDLE_CONSUMER_GROUPS)
                  for config in (replace(base, block_m=m, block_n=n, q_in_registers=q,
@@ -967,15 +968,24 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
                  for stages in _stage_choices(options, config) for lazy in (True, False)
                  for uniform in ((True, False) if config.consumer_groups
                                  == UNIFORM_GROUP_CONSUMER_GROUPS else (False,)))
+    # declared stages take the default tiles they fit beside (none left: the first, for
+    # `check` to reject)
+    fitting = tuple(c for c in configs if shared_bytes(c) <= SHARED_MEMORY_LIMIT["sm_90a"])
+    return fitting or configs
 
 
 def _wide_kv_tile(options, layout: Layout) -> int | None:
     """The KV tile of `UNMASKED_DENSE_TILES` a build of this declaration and layout tries
-    first, if any: a dense forward without a mask or a declared tile."""
+    first, if any: a dense forward without a mask or a declared tile, where the tile fits
+    in shared memory with the declared stages."""
     wide = UNMASKED_DENSE_TILES.get(options.head_dim)
     if wide and options.mask is None and options.block_m is None and not layout.ragged \
             and layout.workload == "prefill":
-        return wide[0][1]
+        (m, n), = wide
+        config = replace(HopperConfig(options.dtype, options.head_dim), block_m=m, block_n=n)
+        if shared_bytes(replace(config, stages=options.stages or config.stages)) <= \
+                SHARED_MEMORY_LIMIT["sm_90a"]:
+            return n
     return None
 
 
