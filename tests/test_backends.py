@@ -82,6 +82,18 @@ def test_check_reports_what_the_backend_rejects(settings, line, column, message)
     assert (found[0].span.line, found[0].span.column) == (line, column)
 
 
+def test_a_declaration_no_design_runs_hears_what_each_design_refuses():
+    """Each design's problems where it comes closest, at the settings at fault: sm80's
+    stage count and sm90's tile rows, not one of them."""
+    err = _check_error("    tile = (64, 256)\n    stages = 8")
+    where = {d.message.split(": ", 1)[1]: (d.span.line, d.span.column)
+             for d in err.diagnostics}
+    assert where == {
+        "stages = 8: the sm80 kernel has the 2-stage (FlashAttention-2) K/V pipeline": (4, 14),
+        "a tile of 64 query rows: the sm90 kernel's two or three consumer warpgroups take "
+        "128 or 192": (3, 12)}
+
+
 def test_shared_memory_past_every_target_is_found_fast():
     start = time.perf_counter()
     err = _check_error("    head_dim = 256\n    tile = (128, 256)")

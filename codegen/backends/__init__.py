@@ -454,10 +454,14 @@ class Backend(ABC):
 
 
 def declaration_problems(options) -> list[Problem]:
-    """Empty when some backend runs the declaration on some target; else the problems of
-    the (backend, target) pair that comes closest."""
-    found = [b.problems(options, arch) for b in backends() for arch in b.targets]
-    return [] if any(not p for p in found) else min(found, key=len)
+    """Empty when some backend runs the declaration on some target; else each backend's
+    problems on the target where it comes closest (each message names its design, so a
+    user learns what every design refuses)."""
+    found = [min((b.problems(options, arch) for arch in b.targets), key=len)
+             for b in backends()]
+    if any(not p for p in found):
+        return []
+    return list({(p.settings, p.message): p for problems in found for p in problems}.values())
 
 
 def ir_loop(b: ir.IRBuilder, start: ir.Value, end: ir.Value, carried: list[ir.Value], body):

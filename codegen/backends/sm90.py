@@ -168,7 +168,8 @@ class HopperConfig:
             found.append(Problem(("tile",), f"the KV tile ({self.block_n}) must be a multiple "
                                             "of 16 from 16 to 256"))
         if not 1 <= self.stages <= 8:
-            found.append(Problem(("stages",), f"stages = {self.stages}: 1 to 8 K/V stages"))
+            found.append(Problem(("stages",), f"stages = {self.stages}: the sm90 kernel takes "
+                                              "1 to 8 K/V stages"))
         return found
 
 
