@@ -960,15 +960,16 @@ def declared_configs(options, layout: Layout = Layout()) -> tuple[HopperConfig, 
     bit_mask = options.head_dim in BIT_MASK_HEAD_DIMS or _short_band(options)
     defer_alpha = options.head_dim in DEFER_ALPHA_HEAD_DIMS
     configs = tuple(replace(config, stages=stages, lazy_rescale=lazy,
-                         defer_alpha=lazy and defer_alpha, uniform_group=uniform,
-                         drain_idle_groups=config.consumer_groups == DRAIN_IDLE_CONSUMER_GROUPS)
-                 for config in (replace(base, block_m=m, block_n=n, q_in_registers=q,
-                                        softmax_under_pv=options.mask is not None,
-                                        carry_packed_p=carry_packed_p, bit_mask=bit_mask)
-                                for q, (m, n) in _q_and_tiles(options, q_choices, tiles))
-                 for stages in _stage_choices(options, config) for lazy in (True, False)
-                 for uniform in ((True, False) if config.consumer_groups
-                                 == UNIFORM_GROUP_CONSUMER_GROUPS else (False,)))
+                            defer_alpha=lazy and defer_alpha, uniform_group=uniform,
+                            drain_idle_groups=config.consumer_groups
+                            == DRAIN_IDLE_CONSUMER_GROUPS)
+                    for config in (replace(base, block_m=m, block_n=n, q_in_registers=q,
+                                           softmax_under_pv=options.mask is not None,
+                                           carry_packed_p=carry_packed_p, bit_mask=bit_mask)
+                                   for q, (m, n) in _q_and_tiles(options, q_choices, tiles))
+                    for stages in _stage_choices(options, config) for lazy in (True, False)
+                    for uniform in ((True, False) if config.consumer_groups
+                                    == UNIFORM_GROUP_CONSUMER_GROUPS else (False,)))
     # declared stages take the default tiles they fit beside (none left: the first, for
     # `check` to reject)
     fitting = tuple(c for c in configs if shared_bytes(c) <= SHARED_MEMORY_LIMIT["sm_90a"])

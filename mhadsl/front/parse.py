@@ -66,17 +66,16 @@ _UNARY = {"neg": "-", "not_": "!", "bitnot": "~"}
 
 
 @functools.cache
-def keywords() -> frozenset[str]:
-    """The language's reserved words (`if`, `let`, `true`, ...), read from the grammar."""
-    return frozenset(t.pattern.value for t in _parser().terminals
-                     if t.pattern.type == "str" and t.pattern.value.isidentifier())
+def _keyword_terminals() -> dict[str, str]:
+    """The grammar's reserved words by their terminals' names."""
+    return {t.name: t.pattern.value for t in _parser().terminals
+            if t.pattern.type == "str" and t.pattern.value.isidentifier()}
 
 
 @functools.cache
-def _keyword_terminals() -> frozenset[str]:
-    """The terminal names of the reserved words."""
-    return frozenset(t.name for t in _parser().terminals
-                     if t.pattern.type == "str" and t.pattern.value.isidentifier())
+def keywords() -> frozenset[str]:
+    """The language's reserved words (`if`, `let`, `true`, ...), read from the grammar."""
+    return frozenset(_keyword_terminals().values())
 
 
 class _ToAst(Transformer_NonRecursive):
