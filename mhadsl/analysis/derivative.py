@@ -85,7 +85,8 @@ class _Differentiator:
         self.sink = DiagnosticSink()
         self.dependent: dict[ast.Expr, bool] = {}
         self.local_derivatives: dict[ast.Let, ast.Let] = {}  # of the f32 locals that depend on s
-        self.dependent_vars = self._dependent_vars(rule.body)
+        self.dependent_vars: set[ast.Let] = set()  # the vars whose value may depend on s
+        self._find_dependent_vars(rule.body)
 
     # ---- statements
     def block(self, stmts: tuple[ast.Stmt, ...]) -> tuple[ast.Stmt, ...]:
@@ -132,9 +133,9 @@ class _Differentiator:
         return self.sub(self.div(d_old, s.value),
                         self.div(self.mul(old, d_value), self.mul(s.value, s.value)))
 
-    def _dependent_vars(self, body: tuple[ast.Stmt, ...]) -> set[ast.Let]:
-        """The `var`s whose value may depend on the variable: from their first value or any
-        assignment, through each other, to a fixed point."""
+    def _find_dependent_vars(self, body: tuple[ast.Stmt, ...]) -> None:
+        """Fill `dependent_vars`: the `var`s whose value may depend on the variable, from
+        their first value or any assignment, through each other, to a fixed point."""
         assigned: dict[ast.Let, list[ast.Expr]] = {}
         todo = list(body)
         while todo:
@@ -145,15 +146,13 @@ class _Differentiator:
                 assigned.setdefault(self.program.refs[node.target].node, []).append(node.value)
             elif isinstance(node, ast.If):
                 todo.extend((*node.then, *node.orelse))
-        dependent: set[ast.Let] = set()
-        self.dependent_vars = dependent  # (what `depends` reads while this runs)
         while True:
             self.dependent.clear()  # (answers given before a var joined may have changed)
-            grown = {var for var, values in assigned.items() if var not in dependent and
-                     any(self.depends(v) for v in values)}
+            grown = {var for var, values in assigned.items() if var not in self.dependent_vars
+                     and any(self.depends(v) for v in values)}
             if not grown:
-                return dependent
-            dependent |= grown
+                return
+            self.dependent_vars |= grown
 
     # ---- what depends on s
     def depends_local(self, let: ast.Let) -> bool:
