@@ -76,6 +76,20 @@ def shared_address(builder: ir.IRBuilder, ptr: ir.Value) -> ir.Value:
     return builder.ptrtoint(ptr, i32)
 
 
+# ============================================================ programmatic dependent launch
+def begin_after_prior_grids(fn: ir.Function) -> None:
+    """Make kernel `fn`'s first instructions let the stream's next grid launch and then wait
+    for the grids before it in the stream to finish, their writes visible (programmatic
+    dependent launch; the runtime launches such kernels with programmatic stream
+    serialization). The next grid's CTAs then take the multiprocessors this one's CTAs leave
+    and run to their own wait, so a launch's latency hides under the end of the one before;
+    the signal completes only when every CTA of this grid has started, so they never take a
+    place this grid needs. The wait precedes every read and write of global memory."""
+    b = ir.IRBuilder()
+    b.position_at_start(fn.entry_basic_block)
+    _asm(b, void, "griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;", "~{memory}", [])
+
+
 # ============================================================================ tensor maps
 def mark_tensor_map_param(arg: ir.Argument) -> None:
     """Make kernel parameter `arg` (type `ptr`) a CUtensorMap passed by value:

@@ -37,6 +37,13 @@ class Target:
     def features(self) -> str:
         return f"+ptx{self.ptx_version}" if self.is_gpu else ""
 
+    @property
+    def grid_dependent(self) -> bool:
+        """Whether its kernels begin with programmatic dependent launch's two instructions
+        (`hopper.begin_after_prior_grids`: sm_90 and later), so the runtime launches them
+        while the grid before them in the stream drains."""
+        return self.arch == "sm_90a"
+
     def cache_fields(self) -> dict:
         return {"arch": self.arch, "ptx_version": self.ptx_version,
                 "llvm": ".".join(map(str, llvm.llvm_version_info)),

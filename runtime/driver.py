@@ -571,10 +571,15 @@ class Function:
         self._dynamic_shared_limit = nbytes
 
     def launcher(self, grid: tuple[int, int, int], threads: int, shared_bytes: int,
-                 params: int) -> Callable[[int], None]:
+                 params: int, grid_dependent: bool = False) -> Callable[[int], None]:
         """A launch on a raw stream handle with `params`, the address of a `void*[]` of the
         kernel's parameters (`runtime.launch.ParamBlock`): one driver call, every argument
-        but the stream a ctypes object made once, here."""
+        but the stream a ctypes object made once, here. `grid_dependent`: the kernel waits
+        for the grids before it itself (`KernelBuild.grid_dependent`), so it is launched
+        with programmatic stream serialization (cuLaunchKernelEx) and may start while the
+        grid before it drains."""
+        if grid_dependent:
+            return self._dependent_launcher(grid, threads, shared_bytes, params)
         launch = _raw("cuLaunchKernel")
         if launch is None:
             def run(stream: int) -> None:
@@ -594,6 +599,57 @@ class Function:
             if code:
                 check((cu.CUresult(code),), "cuLaunchKernel")
         return run
+
+    def _dependent_launcher(self, grid: tuple[int, int, int], threads: int, shared_bytes: int,
+                            params: int) -> Callable[[int], None]:
+        """`launcher`'s launch with programmatic stream serialization allowed: the
+        configuration a ctypes struct made once, its stream written at each launch (the
+        caller holds its plan's lock across a launch)."""
+        launch = _raw("cuLaunchKernelEx")
+        if launch is None:
+            attribute = cu.CUlaunchAttribute()
+            attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attribute.value.programmaticStreamSerializationAllowed = 1
+
+            def run(stream: int) -> None:
+                config = cu.CUlaunchConfig()
+                config.gridDimX, config.gridDimY, config.gridDimZ = grid
+                config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+                config.sharedMemBytes, config.hStream = shared_bytes, stream
+                config.attrs, config.numAttrs = [attribute], 1
+                check(cu.cuLaunchKernelEx(config, self._handle, params, 0), "cuLaunchKernelEx")
+            return run
+        attribute = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attribute.value[0] = 1  # programmaticStreamSerializationAllowed
+        config = _LaunchConfig(*grid, threads, 1, 1, shared_bytes, None,
+                               ctypes.pointer(attribute), 1)
+        # (the config's pointer field keeps the attribute alive; byref keeps the config)
+        config_arg = ctypes.byref(config)
+        function, params_arg = ctypes.c_void_p(int(self._handle)), ctypes.c_void_p(params)
+
+        def run(stream: int) -> None:
+            config.stream = stream
+            code = launch(config_arg, function, params_arg, None)
+            if code:
+                check((cu.CUresult(code),), "cuLaunchKernelEx")
+        return run
+
+
+# cuda.h's CUlaunchAttribute and CUlaunchConfig, for cuLaunchKernelEx through ctypes
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_int * 16)]  # the 64-byte CUlaunchAttributeValue union
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint),
+                ("grid_z", ctypes.c_uint), ("block_x", ctypes.c_uint),
+                ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("attr_count", ctypes.c_uint)]
 
 
 @cache

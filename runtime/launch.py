@@ -96,12 +96,15 @@ class LaunchPlan:
     `scalars`, the call's operand values by name (`Scalar` parameters).
     Ragged tensors (`ragged`) have batch stride 0 and are seen as (1, T, H, D) in tensor
     maps. With a `tile_index` (`runtime.tile_index.plan`) the launch builds its tile index
-    first, on the device by a kernel of its own, over the row offsets `tile_offsets`."""
+    first, on the device by a kernel of its own, over the row offsets `tile_offsets`.
+    `grid_dependent`: the kernel waits for the grids before it itself
+    (`KernelBuild.grid_dependent`), so it launches while the one before it drains."""
 
     def __init__(self, function, grid: tuple[int, int, int], threads: int,
                  shared_bytes: int, abi: KernelABI, config, device: int,
                  tensors: Mapping[str, TensorShape | None], values: Mapping,
-                 tile_index=None, tile_offsets: str = "cu_seqlens_q"):
+                 tile_index=None, tile_offsets: str = "cu_seqlens_q",
+                 grid_dependent: bool = False):
         self.function, self.grid, self.threads = function, grid, threads
         self.shared_bytes, self.device = shared_bytes, device
         self.ctas_per_sm = values.get("ctas_per_sm")  # what the grid was planned for
@@ -128,7 +131,8 @@ class LaunchPlan:
             else:
                 self.block.pack(p.name, signature_value(b, tensors, values))
         self.function.set_max_dynamic_shared(shared_bytes)
-        self._launch = function.launcher(grid, threads, shared_bytes, self.block.address)
+        self._launch = function.launcher(grid, threads, shared_bytes, self.block.address,
+                                         grid_dependent)
         self._lock = threading.Lock()  # the block is shared: one patch-and-launch at a time
         self._last: tuple | None = None  # the addresses the block's maps were made for
 

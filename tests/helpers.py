@@ -36,11 +36,16 @@ def finishes_within(seconds: float, work):
     return result[0]
 
 
-def fake_launcher(launch):
+def fake_launcher(launch, grid_dependent: list | None = None):
     """A fake `driver.Function.launcher` that calls `launch(grid, threads, shared_bytes,
-    stream, params)` at each launch (when the plan's parameter block holds the call's)."""
-    def launcher(grid, threads, shared_bytes, params):
-        return lambda stream: launch(grid, threads, shared_bytes, stream, params)
+    stream, params)` at each launch (when the plan's parameter block holds the call's), and
+    appends to `grid_dependent` whether each launch was planned grid-dependent."""
+    def launcher(grid, threads, shared_bytes, params, dependent=False):
+        def run(stream):
+            if grid_dependent is not None:
+                grid_dependent.append(dependent)
+            launch(grid, threads, shared_bytes, stream, params)
+        return run
     return launcher
 
 

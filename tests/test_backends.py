@@ -180,3 +180,41 @@ def test_ragged_tiles_take_the_keys_rows_from_the_queries_where_one_offsets_tens
             r"setp\.(?:eq|ne)\.b64\s+%p\d+, (%rd\d+), (%rd\d+);", ptx))
     assert compares(Layout(ragged=True)) == roles
     assert compares(Layout()) == 0
+
+
+_GLOBAL_ACCESS = re.compile(
+    r"^\s*(?:@!?%p\d+\s+)?(?:(?:ld|st|atom|red|cp|prefetch|multimem)\.(?!param|shared|local)"
+    r"|mbarrier\.|wgmma\.)", re.M)
+
+
+def _kernel_bodies(ptx: str) -> dict[str, str]:
+    """Each `.entry` of PTX text, by name: its text up to the next entry."""
+    parts = re.split(r"^\.visible \.entry (\w+)\(", ptx, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_hopper_kernels_let_the_next_grid_launch_and_wait_before_touching_memory():
+    """Every kernel of every design built for sm_90a begins with programmatic dependent
+    launch's signal and wait (the runtime launches them while the grid before drains):
+    no access to global or shared memory comes before the wait. sm_80 builds have neither
+    (their PTX also runs on GPUs the runtime launches plainly)."""
+    kern = mhadsl.compile(str(REPO / "examples" / "causal.mha"))["causal_fwd"]
+    hopper = {"sm90": kern.build("sm_90a"),
+              "sm80 design": kern.build("sm_90a", backend="sm80"),
+              "decode": kern.build("sm_90a", gqa_group=4, cache=CacheLayout(1, 16)),
+              "decode by length, appending": kern.build("sm_90a", gqa_group=4, cache=CacheLayout(
+                  1, 16, appends=True, balanced=True)),
+              "backward_sm90": kern.backward_build("sm_90a")}
+    for design, build in hopper.items():
+        assert build.grid_dependent, design
+        bodies = _kernel_bodies(build.ptx)
+        assert bodies, design
+        for name, body in bodies.items():
+            signal = body.find("griddepcontrol.launch_dependents;")
+            wait = body.find("griddepcontrol.wait;")
+            assert 0 <= signal < wait, (design, name)
+            first = _GLOBAL_ACCESS.search(body)
+            assert first is not None and first.start() > wait, (design, name)
+            assert body.count("griddepcontrol") == 2, (design, name)
+    ampere = kern.build("sm_80")
+    assert not ampere.grid_dependent and "griddepcontrol" not in ampere.ptx

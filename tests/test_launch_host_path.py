@@ -43,10 +43,11 @@ def stand_in(monkeypatch, kern):
     `kernel.calls` the builds (each chooses the design) and overlap checks the host ran,
     `kernel.targets` the targets of the builds it loaded, `kernel.encoded` the addresses of
     the tensor maps it encoded, `kernel.blocks` the parameter blocks launched (and
-    `kernel.grids` their grids and threads). A build is the
+    `kernel.grids` their grids and threads, `kernel.dependent` whether each was launched
+    grid-dependent). A build is the
     real build path's choice of design and config, with no code generated."""
     kern.launches, kern.calls, kern.targets, kern.encoded, kern.blocks = 0, Counter(), [], [], []
-    kern.grids = []
+    kern.grids, kern.dependent = [], []
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -71,7 +72,7 @@ def stand_in(monkeypatch, kern):
         kern.abi = abi.with_operands(scheduled.abi, abi.operand_params(kern.options.operands))
         return KernelBuild(resolved.backend.name, arch, "", "", None, resolved.configs[0])
 
-    function = SimpleNamespace(max_active_blocks=lambda *a: 2, launcher=fake_launcher(launch),
+    function = SimpleNamespace(max_active_blocks=lambda *a: 2, launcher=fake_launcher(launch, kern.dependent),
                                set_max_dynamic_shared=lambda nbytes: None)
     monkeypatch.setattr(driver.Module, "from_ptx", staticmethod(
         lambda ptx, device=None: SimpleNamespace(function=lambda name: function)))
@@ -226,6 +227,27 @@ def test_forcing_a_design_or_tracing_forgets_the_plans_of_torch_calls(kernel):
     kernel.trace = False
     kernel(**dense())
     assert kernel.targets == ["sm_90a", "sm_90a"] and kernel.launches == 2
+
+
+def test_hopper_builds_launch_grid_dependent_and_the_tile_index_kernel_does_not(kernel,
+                                                                                monkeypatch):
+    """An sm_90a build's kernels wait for the grids before them themselves
+    (`KernelBuild.grid_dependent`), so their launches allow programmatic stream
+    serialization; the tile index kernel (sm_80 PTX, no such wait) is launched plainly."""
+    from mhadsl.runtime import tile_index
+    index_dependent = []
+    fake = SimpleNamespace(launcher=fake_launcher(lambda *a: None, index_dependent),
+                           set_max_dynamic_shared=lambda n: None)
+    monkeypatch.setattr(tile_index, "_function", lambda kernel, device: fake)
+    monkeypatch.setattr(tile_index, "buffer", lambda batch, stream, device: 0xABC000)
+    tile_index.plan.cache_clear()
+    kernel(**dense())
+    args = ragged((5, 0, 9), (7, 1, 2))
+    args["cu_seqlens_q"], args["cu_seqlens_k"] = (FakeDevice((4,), "<i4") for _ in range(2))
+    kernel(**args, max_seqlen_q=9, max_seqlen_k=7)
+    tile_index.plan.cache_clear()
+    assert kernel.targets == ["sm_90a", "sm_90a"]
+    assert kernel.dependent == [True, True] and index_dependent == [False]
 
 
 def test_a_ragged_launch_builds_its_tile_index_first_by_the_index_kernels_abi(kernel,

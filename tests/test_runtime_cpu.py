@@ -451,6 +451,44 @@ def test_a_launcher_passes_its_plans_arguments_and_each_calls_stream(monkeypatch
                       0x7F00_0000_BEEF, null] for stream in streams]
 
 
+@pytest.mark.parametrize("through", ["ctypes", "cuda-python"])
+def test_a_grid_dependent_launch_allows_programmatic_stream_serialization(monkeypatch,
+                                                                         through):
+    """A grid-dependent kernel's launcher calls cuLaunchKernelEx with cuda.h's CUlaunchConfig
+    (grid, block, shared bytes, each call's stream) and one attribute,
+    CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (6) set to 1, read here byte for
+    byte as C lays them out."""
+    calls = []
+
+    @as_libcuda(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_void_p)
+    def raw_launch(config, function, params, extra):
+        *dims, stream, attrs, count = struct.unpack("<7I4xQQI4x", ctypes.string_at(config, 56))
+        attribute = struct.unpack("<i4xi", ctypes.string_at(attrs, 12))
+        calls.append([function, *dims, stream or 0, count, attribute, params, extra])
+        return 0
+
+    def wrapped_launch(config, function, params, extra):
+        attribute = config.attrs[0]
+        calls.append([int(function), config.gridDimX, config.gridDimY, config.gridDimZ,
+                      config.blockDimX, config.blockDimY, config.blockDimZ,
+                      config.sharedMemBytes, int(config.hStream), config.numAttrs,
+                      (int(attribute.id), attribute.value.programmaticStreamSerializationAllowed),
+                      params, extra or None])
+        return (driver._SUCCESS,)
+    monkeypatch.setattr(driver, "_raw", lambda name: raw_launch if through == "ctypes" else None)
+    monkeypatch.setattr(driver.cu, "cuLaunchKernelEx", wrapped_launch)
+    handle = 0x7F00_0000_0F00
+    function = driver.Function(None, cu.CUfunction(handle) if through != "ctypes" else handle,
+                               "k")
+    run = function.launcher((3, 2, 1), 384, 1024, 0x7F00_0000_BEEF, grid_dependent=True)
+    streams = (0x7F00_0000_5151, 0x7F00_0000_6262, 0)
+    for stream in streams:
+        run(stream)
+    assert calls == [[handle, 3, 2, 1, 384, 1, 1, 1024, stream, 1, (6, 1), 0x7F00_0000_BEEF,
+                      None] for stream in streams]
+
+
 def test_a_failed_launch_raises_the_drivers_error(monkeypatch):
     failing = as_libcuda(ctypes.c_int, *LAUNCH_ARGTYPES)(lambda *args: 1)
     monkeypatch.setattr(driver, "_raw", lambda name: failing)

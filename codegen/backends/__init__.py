@@ -34,7 +34,7 @@ from llvmlite import ir
 from mhadsl.abi import (
     CallSizes, CallValue, KernelABI, Param, Pointer, Stride, Workspace, with_operands,
 )
-from mhadsl.codegen import warp
+from mhadsl.codegen import hopper, warp
 from mhadsl.codegen.assemble import Assembled, assemble, find_ptxas
 from mhadsl.codegen.nvptx import i32
 from mhadsl.codegen.target import Target, emit_ptx, optimize
@@ -366,6 +366,12 @@ class KernelBuild:
     config: object  # the backend's config the build settled on
     cached: bool = False  # loaded from the on-disk cache rather than generated
 
+    @property
+    def grid_dependent(self) -> bool:
+        """Whether its kernels wait for the grids before them themselves
+        (`hopper.begin_after_prior_grids`): launched with programmatic stream serialization."""
+        return Target(self.arch).grid_dependent
+
 
 class Backend(ABC):
     """One attention kernel design. Its configs are frozen dataclasses with at least
@@ -550,6 +556,10 @@ def spill_free_build(backend: str, target: Target,
     best = None
     for config, make_module in candidates if have_ptxas else candidates[:1]:
         module = make_module()
+        if target.grid_dependent:
+            for fn in module.functions:
+                if fn.calling_convention == "ptx_kernel":
+                    hopper.begin_after_prior_grids(fn)
         ptx = emit_ptx(optimize(module, target), target)
         assembled = assemble(ptx, target.arch) if have_ptxas else None
         build = KernelBuild(backend, target.arch, str(module), ptx, assembled, config)

@@ -196,7 +196,8 @@ class Launcher:
             plans.append(LaunchPlan(loaded.functions[kernel.name], grid, kernel.threads,
                                     kernel.shared_bytes, with_operands(kernel.abi, operands),
                                     config, device, tensors,
-                                    values, index, design.tile_offsets))
+                                    values, index, design.tile_offsets,
+                                    loaded.build.grid_dependent))
         return plans
 
     def classes_plan(self, loaded: Loaded, call: CallSizes,
