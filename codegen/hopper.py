@@ -87,7 +87,8 @@ def begin_after_prior_grids(fn: ir.Function) -> None:
     place this grid needs. The wait precedes every read and write of global memory."""
     b = ir.IRBuilder()
     b.position_at_start(fn.entry_basic_block)
-    _asm(b, void, "griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;", "~{memory}", [])
+    _asm(b, void, "griddepcontrol.launch_dependents;", "~{memory}", [])
+    _asm(b, void, "griddepcontrol.wait;", "~{memory}", [])
 
 
 # ============================================================================ tensor maps
