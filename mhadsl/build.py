@@ -28,7 +28,7 @@ from mhadsl.abi import KernelABI
 from mhadsl.front.attention_spec import AttentionOptions, resolve_attention
 from mhadsl.front.check import CheckedProgram
 from mhadsl.analysis.classify import SHORT_BAND_TILES, kv_band_tiles
-from mhadsl.codegen import backends, block_classes, tile_index
+from mhadsl.codegen import backends, block_classes, hopper, tile_index
 from mhadsl.codegen.assemble import (
     Assembled, KernelResources, assemble, find_ptxas, run_ptxas,
 )
@@ -141,6 +141,7 @@ class TileIndexBuild:
     """The tile index kernel as `runtime.tile_index` loads and launches it."""
 
     ptx: str
+    grid_dependent: bool  # (`KernelBuild.grid_dependent`)
     name: str = tile_index.KERNEL_NAME
     threads: int = tile_index.THREADS  # per CTA
     abi: KernelABI = tile_index.ABI
@@ -158,16 +159,18 @@ def build_tile_index(arch: str = "sm_80",
     if entry is None or "ptx" not in entry:
         module = new_module("tile_index", target)
         tile_index.build_tile_index_kernel(module)
+        if target.grid_dependent:
+            hopper.begin_after_prior_grids(module)
         entry = {"ptx": emit_ptx(optimize(module, target), target).encode()}
         store.put(key, entry)
-    return TileIndexBuild(entry["ptx"].decode())
+    return TileIndexBuild(entry["ptx"].decode(), target.grid_dependent)
 
 
 @functools.cache
-def tile_index_kernel() -> TileIndexBuild:
-    """The tile index kernel ragged launches run, once per process (a backward call asks
-    for it on every call): sm_80 PTX, which every later GPU compiles when it loads it."""
-    return build_tile_index("sm_80")
+def tile_index_kernel(arch: str = "sm_80") -> TileIndexBuild:
+    """The tile index kernel ragged launches of builds for `arch` run, once per process and
+    arch (sm_80 PTX runs on every later GPU too, which compiles it when it loads it)."""
+    return build_tile_index(arch)
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,7 @@ class BlockClassesBuild:
     ptx: str
     assembled: Assembled | None  # None when no ptxas is at hand
     abi: KernelABI
+    grid_dependent: bool  # (`KernelBuild.grid_dependent`)
     name: str = block_classes.KERNEL_NAME
     threads: int = block_classes.THREADS  # per CTA
 
@@ -201,6 +205,8 @@ def build_block_classes(program: CheckedProgram, kernel: str, ragged: bool,
     if entry is None or "ptx" not in entry:
         module = new_module("block_classes", target)
         block_classes.build_block_classes_kernel(module, hooks, ragged)
+        if target.grid_dependent:
+            hopper.begin_after_prior_grids(module)
         ptx = emit_ptx(optimize(module, target), target)
         entry = {"llvm": str(module).encode(), "ptx": ptx.encode()}
         if find_ptxas() is not None:
@@ -214,7 +220,7 @@ def build_block_classes(program: CheckedProgram, kernel: str, ragged: bool,
         resources = {name: KernelResources(**k) for name, k in json.loads(entry["meta"]).items()}
         assembled = Assembled(entry["cubin"], resources, "")
     return BlockClassesBuild(entry["llvm"].decode(), entry["ptx"].decode(), assembled,
-                             hooks.kernel_abi(block_classes.ABI))
+                             hooks.kernel_abi(block_classes.ABI), target.grid_dependent)
 
 
 @functools.cache

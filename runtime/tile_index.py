@@ -52,7 +52,8 @@ class IndexPlan:
         self.batch, self.device = batch, device
         self.launch_plan = LaunchPlan(
             _function(kernel, device), (-(-batch * 32 // kernel.threads), 1, 1), kernel.threads,
-            0, kernel.abi, None, device, {}, {"batch": batch, "tile_m": tile_m})
+            0, kernel.abi, None, device, {}, {"batch": batch, "tile_m": tile_m},
+            grid_dependent=kernel.grid_dependent)
 
     def prepare(self, cu_seqlens: int, stream: int) -> int:
         """Queue the kernel over `cu_seqlens` (device pointer to int32 row offsets, batch

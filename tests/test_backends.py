@@ -9,7 +9,9 @@ import pytest
 import mhadsl
 from helpers import REPO, STD, checked
 from mhadsl.front.attention_spec import resolve_attention
-from mhadsl.build import KernelRequest, RequestError, plan
+from mhadsl.build import (
+    KernelRequest, RequestError, build_block_classes, build_tile_index, plan,
+)
 from mhadsl.codegen import backends
 from mhadsl.codegen.backends import (
     CacheLayout, DeviceTarget, Layout, select_backend, select_target,
@@ -218,3 +220,9 @@ def test_hopper_kernels_let_the_next_grid_launch_and_wait_before_touching_memory
             assert body.count("griddepcontrol") == 2, (design, name)
     ampere = kern.build("sm_80")
     assert not ampere.grid_dependent and "griddepcontrol" not in ampere.ptx
+    documents = mhadsl.compile(str(REPO / "examples" / "document_mask.mha"))
+    for arch in ("sm_80", "sm_90a"):
+        for small in (build_tile_index(arch), build_block_classes(
+                documents.checked, "document_mask", ragged=False, arch=arch)):
+            assert small.grid_dependent == (arch == "sm_90a")
+            assert small.ptx.count("griddepcontrol.wait;") == small.grid_dependent

@@ -229,16 +229,21 @@ def test_forcing_a_design_or_tracing_forgets_the_plans_of_torch_calls(kernel):
     assert kernel.targets == ["sm_90a", "sm_90a"] and kernel.launches == 2
 
 
-def test_hopper_builds_launch_grid_dependent_and_the_tile_index_kernel_does_not(kernel,
-                                                                                monkeypatch):
+def test_a_hopper_calls_kernels_and_its_tile_index_kernel_launch_grid_dependent(kernel,
+                                                                                 monkeypatch):
     """An sm_90a build's kernels wait for the grids before them themselves
-    (`KernelBuild.grid_dependent`), so their launches allow programmatic stream
-    serialization; the tile index kernel (sm_80 PTX, no such wait) is launched plainly."""
+    (`KernelBuild.grid_dependent`), and so does the tile index kernel built for the same
+    arch that a ragged call runs first: their launches allow programmatic stream
+    serialization."""
     from mhadsl.runtime import tile_index
-    index_dependent = []
+    index_dependent, index_kernels = [], []
     fake = SimpleNamespace(launcher=fake_launcher(lambda *a: None, index_dependent),
                            set_max_dynamic_shared=lambda n: None)
-    monkeypatch.setattr(tile_index, "_function", lambda kernel, device: fake)
+
+    def function(kernel, device):
+        index_kernels.append(kernel)
+        return fake
+    monkeypatch.setattr(tile_index, "_function", function)
     monkeypatch.setattr(tile_index, "buffer", lambda batch, stream, device: 0xABC000)
     tile_index.plan.cache_clear()
     kernel(**dense())
@@ -247,7 +252,8 @@ def test_hopper_builds_launch_grid_dependent_and_the_tile_index_kernel_does_not(
     kernel(**args, max_seqlen_q=9, max_seqlen_k=7)
     tile_index.plan.cache_clear()
     assert kernel.targets == ["sm_90a", "sm_90a"]
-    assert kernel.dependent == [True, True] and index_dependent == [False]
+    assert kernel.dependent == [True, True] and index_dependent == [True]
+    assert "griddepcontrol.wait;" in index_kernels[0].ptx
 
 
 def test_a_ragged_launch_builds_its_tile_index_first_by_the_index_kernels_abi(kernel,

@@ -557,9 +557,7 @@ def spill_free_build(backend: str, target: Target,
     for config, make_module in candidates if have_ptxas else candidates[:1]:
         module = make_module()
         if target.grid_dependent:
-            for fn in module.functions:
-                if fn.calling_convention == "ptx_kernel":
-                    hopper.begin_after_prior_grids(fn)
+            hopper.begin_after_prior_grids(module)
         ptx = emit_ptx(optimize(module, target), target)
         assembled = assemble(ptx, target.arch) if have_ptxas else None
         build = KernelBuild(backend, target.arch, str(module), ptx, assembled, config)

@@ -191,7 +191,7 @@ class Launcher:
                 grid = self.host_scheduler(config, design).grid(*space, num_sms, ctas_per_sm)
                 if loaded.layout.ragged:
                     from mhadsl.runtime import tile_index
-                    index = tile_index.plan(tile_index_kernel(), call.batch,
+                    index = tile_index.plan(tile_index_kernel(loaded.build.arch), call.batch,
                                             design.scheduler_shape(config)[0], device)
             plans.append(LaunchPlan(loaded.functions[kernel.name], grid, kernel.threads,
                                     kernel.shared_bytes, with_operands(kernel.abi, operands),
@@ -208,7 +208,8 @@ class Launcher:
         kernel, ragged = self.kernel, loaded.layout.ragged
         key = (ragged, loaded.device)
         if key not in self.classes:
-            build = build_block_classes(kernel.program.checked, kernel.name, ragged)
+            build = build_block_classes(kernel.program.checked, kernel.name, ragged,
+                                        loaded.build.arch)
             module = driver.Module.from_ptx(build.ptx.encode(), loaded.device)
             self.classes[key] = (build, module, module.function(build.name))
         build, _, function = self.classes[key]
@@ -219,7 +220,8 @@ class Launcher:
                              f"more than {MAX_CELLS}")
         grid = (max(1, -(-cells * 32 // build.threads)), 1, 1)
         return ClassesPlan(LaunchPlan(function, grid, build.threads, 0, build.abi, None,
-                                      loaded.device, tensors, values), cells, loaded.device,
+                                      loaded.device, tensors, values,
+                                      grid_dependent=build.grid_dependent), cells, loaded.device,
                            (call.batch, *(values[n] for n in CLASS_SIZES)),
                            (call.seqlen_q, call.seqlen_k, call.max_seqlen_q, call.max_seqlen_k))
 
