@@ -24,6 +24,7 @@ gets sm_80 PTX, which the driver compiles for itself when it loads the module.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -366,11 +367,11 @@ class KernelBuild:
     config: object  # the backend's config the build settled on
     cached: bool = False  # loaded from the on-disk cache rather than generated
 
-    @property
+    @functools.cached_property
     def grid_dependent(self) -> bool:
         """Whether its kernels wait for the grids before them themselves
         (`hopper.begin_after_prior_grids`): launched with programmatic stream serialization."""
-        return Target(self.arch).grid_dependent
+        return "griddepcontrol.wait;" in self.ptx
 
 
 class Backend(ABC):
@@ -548,15 +549,18 @@ def rename_new_functions(module: ir.Module, before: set[str], suffix: str) -> No
 
 
 def spill_free_build(backend: str, target: Target,
-                     candidates: list[tuple[object, Callable[[], ir.Module]]]) -> KernelBuild:
+                     candidates: list[tuple[object, Callable[[], ir.Module]]],
+                     grid_dependent: bool = True) -> KernelBuild:
     """The first candidate (config, module maker) that assembles without spills, else the
     one with the fewest; ptxas's allocation near the register cap is chaotic, so backends
-    list equivalent IR shapes and fallback tiles. Without ptxas: the first, unassembled."""
+    list equivalent IR shapes and fallback tiles. Without ptxas: the first, unassembled.
+    `grid_dependent`: whether the kernels launch while the grid before them drains, where
+    the target can (`Target.grid_dependent`)."""
     have_ptxas = find_ptxas() is not None
     best = None
     for config, make_module in candidates if have_ptxas else candidates[:1]:
         module = make_module()
-        if target.grid_dependent:
+        if grid_dependent and target.grid_dependent:
             hopper.begin_after_prior_grids(module)
         ptx = emit_ptx(optimize(module, target), target)
         assembled = assemble(ptx, target.arch) if have_ptxas else None
