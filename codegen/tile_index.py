@@ -48,28 +48,34 @@ def build_tile_index_kernel(module: ir.Module) -> ir.Function:
         rows = b.select(b.icmp_signed("<", rows, i32(0)), i32(0), rows)  # as builtins: 0
         return b.udiv(b.add(rows, b.sub(tile_m, i32(1))), tile_m)
 
-    write_tile_index(b, batch, index, lambda me, lane: tiles)
+    write_tile_index(b, *warp_per_sequence(b), batch, index, lambda me, lane: tiles)
+    b.ret_void()
     return fn
 
 
-def write_tile_index(b: ir.IRBuilder, batch: ir.Value, index: ir.Value, counter) -> None:
-    """The body of a tile index kernel whose grid holds a warp per sequence, ending the
-    function: `counter(me, lane)` (emitted once in warp `me`'s sequence block, where it may
-    read what every sequence's count depends on) returns `tiles(j)`, an i32 count of
-    sequence j's work tiles, which the warp emits once for its own sequence, then for every
-    sequence in one lane-strided pass."""
+def warp_per_sequence(b: ir.IRBuilder) -> tuple[ir.Value, ir.Value]:
+    """(sequence, lane) of the thread in a grid that holds a warp per sequence."""
+    thread = b.add(b.mul(nvptx.special_register(b, "block_idx", "x"),
+                         nvptx.special_register(b, "block_dim", "x")),
+                   nvptx.special_register(b, "thread_idx", "x"))
+    return b.udiv(thread, i32(32)), b.urem(thread, i32(32))
+
+
+def write_tile_index(b: ir.IRBuilder, me: ir.Value, lane: ir.Value, batch: ir.Value,
+                     index: ir.Value, counter) -> None:
+    """Warp `me`'s part of the tile index (none where `me` >= `batch`; the same in a whole
+    warp), leaving `b` after it: `counter(me, lane)` (emitted once in the sequence's block,
+    where it may read what every sequence's count depends on) returns `tiles(j)`, an i32
+    count of sequence j's work tiles, which the warp emits once for its own sequence, then
+    for every sequence in one lane-strided pass."""
     fn = b.function
 
     def word(k: ir.Value) -> ir.Value:
         return b.gep(index, [k], source_etype=i32)
 
-    thread = b.add(b.mul(nvptx.special_register(b, "block_idx", "x"),
-                         nvptx.special_register(b, "block_dim", "x")),
-                   nvptx.special_register(b, "thread_idx", "x"))
-    me, lane = b.udiv(thread, i32(32)), b.urem(thread, i32(32))  # a warp per sequence
     work = fn.append_basic_block("sequence")
     finish = fn.append_basic_block("finish")
-    b.cbranch(b.icmp_unsigned("<", me, batch), work, finish)  # the same in a whole warp
+    b.cbranch(b.icmp_unsigned("<", me, batch), work, finish)
 
     b.position_at_end(work)
     tiles = counter(me, lane)
@@ -114,4 +120,3 @@ def write_tile_index(b: ir.IRBuilder, batch: ir.Value, index: ir.Value, counter)
     b.branch(finish)
 
     b.position_at_end(finish)
-    b.ret_void()

@@ -15,7 +15,7 @@ from mhadsl.codegen.backends import CacheLayout
 CAUSAL = "examples/causal.mha"
 ENTRIES = {"causal_fwd": ["mha_fwd_sm90"],
            "causal_fwd.backward": ["mha_bwd_preprocess", "mha_bwd", "mha_bwd_postprocess"],
-           "causal_fwd.decode": ["mha_decode_append", "mha_decode_splits", "mha_decode"]}
+           "causal_fwd.decode": ["mha_decode_append", "mha_decode"]}
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +55,6 @@ def test_pass_all_writes_one_file_per_unit(tmp_path, capsys):
         ("causal_fwd.backward mha_bwd", "backward_sm90", "64x128"),
         ("causal_fwd.backward mha_bwd_postprocess", "backward_sm90", "64x128"),
         ("causal_fwd.decode mha_decode_append", "decode", "16x64"),
-        ("causal_fwd.decode mha_decode_splits", "decode", "16x64"),
         ("causal_fwd.decode mha_decode", "decode", "16x64")], out
     # the builds the API makes for a backward call and a decode step that appends its row
     # to a 64-row paged cache, its splits by length (LPT's default)

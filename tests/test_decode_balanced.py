@@ -223,17 +223,24 @@ def test_the_chunk_rule_at_its_limits(host_rule):
     ("queued", 4, CacheLayout(16, 0, 32, balanced=True)),
 ])
 def test_balanced_builds_assemble_without_spills(arch, name, group, cache):
+    """The split index comes from `mha_decode_splits`, or in a call that appends rows
+    from the append kernel (one launch fewer), which then reads the index's address."""
     build = PROGRAM[name].build(arch, gqa_group=group, cache=cache, return_lse=True)
     kernels = build.assembled.kernels
-    assert set(kernels) >= {decode.KERNEL_NAME, decode.SPLITS_NAME}
+    writer = decode.APPEND_NAME if cache.appends else decode.SPLITS_NAME
+    assert set(kernels) >= {decode.KERNEL_NAME, writer}
+    assert (decode.SPLITS_NAME in kernels) == (not cache.appends)
     assert all(k.spill_stores == 0 and k.spill_loads == 0 for k in kernels.values())
     config = build.config
     assert config.balanced and config.ragged  # the scheduler numbers the index's work
     abi = decode.decode_abi(config)
-    for kernel in (decode.KERNEL_NAME, decode.SPLITS_NAME):
+    for kernel in (decode.KERNEL_NAME, writer):
         entry = build.ptx.split(f".entry {kernel}(")[1].split(")")[0]
         assert len(entry.strip().splitlines()) == len(abi.params)
-    assert [k.name for k in decode.BACKEND.kernels(config)][-2:] == [decode.SPLITS_NAME,
+    index_param = [p.name for p in abi.params].index("split_index")
+    body = build.ptx.split(f".entry {writer}(")[1].split(".entry")[0]
+    assert f"[{writer}_param_{index_param}]" in body
+    assert [k.name for k in decode.BACKEND.kernels(config)][-2:] == [writer,
                                                                       decode.KERNEL_NAME]
 
 

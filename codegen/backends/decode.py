@@ -13,9 +13,9 @@ The work tile (what the scheduler hands out, `TileSeq`) is decode's own:
   fastest, with a tile height of 1: prompt_offset = q_tile * splits + split. Fixed splits:
   num_splits a sequence, split s covering cache positions [s * kv_chunk, (s + 1) *
   kv_chunk). Splits that follow the lengths (`DecodeConfig.balanced`): `mha_decode_splits`
-  first counts each sequence's from its own length and the batch's work (`SplitRule`) into
-  a tile index, so the scheduler's work space is ragged and holds no empty split; a
-  sequence's KV tiles are shared evenly by its splits. With one split the tile writes O;
+  (or, in a call that appends rows, `mha_decode_append`) first counts each sequence's from
+  its own length and the batch's work (`SplitRule`) into a tile index, so the scheduler's
+  work space is ragged and holds no empty split; a sequence's KV tiles are shared evenly by its splits. With one split the tile writes O;
   with more, each split writes its fp32 partial O and LSE to the workspace, and the last
   split of a group to finish (a counter per group, which that split resets to 0, so
   CUDA-graph replays need no host work) merges them into O and the LSE.
@@ -116,8 +116,8 @@ class DecodeConfig(RowCopies):
     # sm_90a only (`Decode.build` sets it with `fp8`): the conversion unit turns FP8 into
     # f16 (`warp.e4m3_quad_to_f16`), not integer steps
     fp8_cvt: bool = False
-    # each sequence's splits follow its own length and the batch's (`mha_decode_splits`
-    # counts them on the device, `valid_work.balanced_splits` is their meaning): the
+    # each sequence's splits follow its own length and the batch's (`mha_decode_splits`,
+    # or the append, counts them on the device, `valid_work.balanced_splits` is their meaning): the
     # scheduler numbers only the (query-row tile, split) work tiles that exist
     balanced: bool = False
 
@@ -1225,7 +1225,9 @@ def _emit_append(module: ir.Module, config: DecodeConfig, hooks: ExprHooks) -> N
     """`mha_decode_append`: CTA (b, y) copies query rows y, y + grid_dim.y, ... of sequence
     b's new K and V rows to cache positions cache_seqlens[b] + row, 16 bytes a thread; a
     position outside the cache's capacity, or whose page-table entry names no page of the
-    cache, is not written (the host checks the values it has: `check_decode_call`)."""
+    cache, is not written (the host checks the values it has: `check_decode_call`).
+    Balanced, warp 0 of CTA (b, 0) then writes sequence b's part of the split index (which
+    reads the lengths only, not the cache)."""
     fn, _ = signature.kernel(module, hooks.kernel_abi(decode_abi(config)), APPEND_NAME,
                              APPEND_THREADS)
     b = ir.IRBuilder(fn.append_basic_block("entry"))
@@ -1280,7 +1282,12 @@ def _emit_append(module: ir.Module, config: DecodeConfig, hooks: ExprHooks) -> N
             return b.add(j, i32(APPEND_THREADS)), []
         ir_loop(b, tid, b.mul(a.num_heads, i32(chunks)), [], copy)
         return b.add(row, nvptx.special_register(b, "grid_dim", "y")), []
-    ir_loop(b, nvptx.special_register(b, "block_idx", "y"), rows, [], row_step)
+    row_block = nvptx.special_register(b, "block_idx", "y")
+    ir_loop(b, row_block, rows, [], row_step)
+    if config.balanced:  # the split index, in warp 0 of CTA (b, 0): one launch fewer
+        first_warp = b.and_(b.icmp_unsigned("<", tid, i32(32)),
+                            b.icmp_unsigned("==", row_block, i32(0)))
+        _write_split_index(b, a, config, b.select(first_warp, bidx, a.batch), tid)
     b.ret_void()
 
 
@@ -1336,14 +1343,22 @@ class SplitRule:
 
 
 def _emit_split_index(module: ir.Module, config: DecodeConfig, hooks: ExprHooks) -> None:
-    """`mha_decode_splits` (balanced builds): from the lengths on the device, each
-    sequence's work tiles (query-row tiles x its KV splits, `SplitRule`) as a tile index
-    (`codegen.tile_index`), which the decode kernel's scheduler numbers and its tiles read.
-    A warp per sequence; each first sums the batch's work itself."""
+    """`mha_decode_splits` (balanced builds that append no rows): `_write_split_index`,
+    a warp per sequence."""
     abi = decode_abi(config)
     fn, _ = signature.kernel(module, hooks.kernel_abi(abi), SPLITS_NAME, SPLITS_THREADS)
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     a = KernelArgs(fn, abi, config)
+    _write_split_index(b, a, config, *tile_index.warp_per_sequence(b))
+    b.ret_void()
+
+
+def _write_split_index(b: ir.IRBuilder, a, config: DecodeConfig, me: ir.Value,
+                       lane: ir.Value) -> None:
+    """Warp `me`'s part (none where `me` >= the batch) of the split index: from the lengths
+    on the device, each sequence's work tiles (query-row tiles x its KV splits,
+    `SplitRule`) as a tile index (`codegen.tile_index`), which the decode kernel's
+    scheduler numbers and its tiles read. Each warp first sums the batch's work itself."""
     rule = SplitRule(config, a)
 
     def counter(me: ir.Value, lane: ir.Value):
@@ -1358,7 +1373,7 @@ def _emit_split_index(module: ir.Module, config: DecodeConfig, hooks: ExprHooks)
             q_tiles, n = rule.extent(b, j)
             return b.mul(q_tiles, rule.splits(b, n, chunk))
         return tiles
-    tile_index.write_tile_index(b, a.batch, a.split_index, counter)
+    tile_index.write_tile_index(b, me, lane, a.batch, a.split_index, counter)
 
 
 def _quantized(b: ir.IRBuilder, config: DecodeConfig, value: ir.Value, scale: ir.Value):
@@ -1382,7 +1397,7 @@ def build_decode_module(config: DecodeConfig, hooks: ExprHooks, target: Target,
     module = new_module(f"mha_decode_{config.dtype}_d{config.head_dim}", target)
     if config.appends:
         _emit_append(module, config, hooks)
-    if config.balanced:
+    elif config.balanced:
         _emit_split_index(module, config, hooks)
     fn, _ = signature.kernel(module, hooks.kernel_abi(decode_abi(config)), KERNEL_NAME,
                              config.threads)
@@ -1425,8 +1440,9 @@ class Decode(Backend):
             (config, nearer, replace(nearer, stages=min(nearer.stages, MAX_STAGES)))))
 
     def kernels(self, config: DecodeConfig) -> tuple[KernelLaunch, ...]:
-        """The decode kernel; first, where the call appends the step's rows, the append,
-        and where the splits follow the lengths, the split index."""
+        """The decode kernel; first, where the call appends the step's rows, the append
+        (which also writes the split index where the splits follow the lengths), else
+        there the split index."""
         abi = decode_abi(config)
         first = []
         if config.appends:
@@ -1434,7 +1450,7 @@ class Decode(Backend):
                 q_rows = call.max_seqlen_q if call.ragged else call.query_rows
                 return max(1, call.batch), max(1, min(q_rows, APPEND_ROW_BLOCKS)), 1
             first.append(KernelLaunch(APPEND_NAME, abi, APPEND_THREADS, 0, rows))
-        if config.balanced:
+        elif config.balanced:
             first.append(KernelLaunch(SPLITS_NAME, abi, SPLITS_THREADS, 0, lambda call: (
                 max(1, -(-call.batch * 32 // SPLITS_THREADS)), 1, 1)))
         return (*first, KernelLaunch(KERNEL_NAME, abi, config.threads, config.shared_bytes))
