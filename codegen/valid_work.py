@@ -29,6 +29,9 @@ def _may_be(schedule: ir.Value, name: str) -> bool:
     return True
 
 
+SEARCH_ARITY = 8  # `RaggedIndex.search`'s candidates per step
+
+
 class TileIndex:
     """The valid work of a launch, as `mhadsl.analysis.valid_work.tile_index` lays it out:
     `prefix(b)` (tiles of the sequences before b), `count(b)`, `ranked(r)` (the sequence of rank r, most
@@ -100,23 +103,31 @@ class RaggedIndex(TileIndex):
 
     def search(self, key: Callable[[ir.Value], ir.Value], target: ir.Value) -> ir.Value:
         """The last r < batch_size with key(r) <= target (key ascending, key(0) <= target):
-        a binary search, ceil(log2(batch_size)) steps."""
+        a search of SEARCH_ARITY-way steps, ceil(log_SEARCH_ARITY(batch_size)) of them,
+        each step's keys read together (a read's latency, not log2(B) of them, is what a
+        work tile waits for before it starts)."""
         b = self.b
         entry = b.block
         head, body, done = (b.append_basic_block(n) for n in ("search", "search_step",
                                                               "search_done"))
         b.branch(head)
         b.position_at_end(head)
-        low, size = b.phi(i32), b.phi(i32)
+        low, size = b.phi(i32), b.phi(i32)  # the answer is in [low, low + size)
         low.add_incoming(i32(0), entry)
         size.add_incoming(self.batch, entry)
         b.cbranch(b.icmp_unsigned(">", size, i32(1)), body, done)
         b.position_at_end(body)
-        half = b.lshr(size, i32(1))
-        middle = b.add(low, half)
-        low.add_incoming(b.select(b.icmp_unsigned("<=", key(middle), target), middle, low),
-                         b.block)
-        size.add_incoming(b.sub(size, half), b.block)
+        stride = b.udiv(b.add(size, i32(SEARCH_ARITY - 1)), i32(SEARCH_ARITY))
+        last = b.sub(b.add(low, size), i32(1))
+        passed = i32(0)  # candidates low + j * stride (j >= 1) with key <= target
+        for j in range(1, SEARCH_ARITY):
+            at = b.add(low, b.mul(stride, i32(j)))
+            inside = b.icmp_unsigned("<=", at, last)
+            at_most = b.icmp_unsigned("<=", key(b.select(inside, at, last)), target)
+            passed = b.add(passed, b.zext(b.and_(inside, at_most), i32))
+        start = b.add(low, b.mul(passed, stride))
+        low.add_incoming(start, b.block)
+        size.add_incoming(self.lower.umin(stride, b.sub(b.add(low, size), start)), b.block)
         b.branch(head)
         b.position_at_end(done)
         return low
