@@ -63,7 +63,7 @@ def _handoff_barrier(builder: ir.IRBuilder, which: str, step: ir.Value) -> ir.Va
 # step (`memoized` of `codegen.scheduler`): a flag, the key words, the value words. The
 # builtins are functions of the launch alone, so a consumer that asks for the same key may
 # take the producer's values: on a ragged batch of short sequences, decoding a work index (a
-# binary search over the tile index, then the sequence's offsets) took a quarter of a
+# search over the tile index, then the sequence's offsets) took a quarter of a
 # consumer's time per tile. Published before the producer's arrival on `full[p]`, read
 # before the consumers' on `empty[p]`, so no entry changes while it is read (as the slot
 # itself).

@@ -288,8 +288,9 @@ def kernel_source(program: CheckedProgram, options, target: Target,
     build's hooks add the score rule's derivative (`backward_hooks`), and with
     `operand_grads` the gradients of the f32 tensors it reads. The hooks' parameters are
     the build's after its design's own (`mhadsl.abi.declaration_params`)."""
-    def work_loop(tile_m: int, gqa_group: int) -> WorkLoop:
-        spec = SchedulerSpec(options.scheduler, options.scheduler_args, tile_m, gqa_group)
+    def work_loop(tile_m: int, gqa_group: int, search_ways: int = 2) -> WorkLoop:
+        spec = SchedulerSpec(options.scheduler, options.scheduler_args, tile_m, gqa_group,
+                             search_ways)
         return scheduler_work_loop(program, spec, target, trace)
     per_call = classifies_per_call(options, workload)
     if workload == "backward":

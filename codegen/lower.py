@@ -106,6 +106,7 @@ class FunctionLowering:
 
     def __init__(self, builder: ir.IRBuilder, program: CheckedProgram, builtins: Builtins,
                  bindings: dict[object, Value], *, tile_m: int = 0, gqa_group: int = 1,
+                 search_ways: int = 2,
                  param_values: dict[str, Callable[[], Value]] | None = None,
                  default_int: Ty = U32, per_element: bool = False,
                  branch_free_reads: bool = False):
@@ -122,6 +123,7 @@ class FunctionLowering:
         self.bindings = bindings
         self.tile_m = tile_m
         self.gqa_group = gqa_group
+        self.search_ways = search_ways
         self.param_values = param_values or {}
         self.locals: dict[ast.Let, object] = {}
         self.ret_slot: object = None
@@ -567,6 +569,7 @@ class FunctionLowering:
             bindings[p] = slot
         inner = FunctionLowering(self.b, self.program, self.builtins, bindings,
                                  tile_m=self.tile_m, gqa_group=self.gqa_group,
+                                 search_ways=self.search_ways,
                                  param_values=self.param_values,
                                  default_int=self.default_int)
         slot = inner.lower_body(fn.body, TYPE_NAMES[fn.ret.name])

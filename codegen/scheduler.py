@@ -47,6 +47,7 @@ class SchedulerSpec:
     args: tuple[tuple[str, object], ...] = ()
     tile_m: int = 128
     gqa_group: int = 1
+    search_ways: int = 2  # a ragged launch's tile index search (`RaggedIndex.search`)
 
     def arg_dict(self) -> dict[str, object]:
         return dict(self.args)
@@ -255,7 +256,7 @@ def lower_scheduler(module: ir.Module, program: CheckedProgram, spec: SchedulerS
         builder = ir.IRBuilder(fn.append_basic_block("entry"))
         bindings = dict(zip(arg_roles, fn.args))
         lower = FunctionLowering(builder, program, builtins, bindings, tile_m=spec.tile_m,
-                                 gqa_group=spec.gqa_group)
+                                 gqa_group=spec.gqa_group, search_ways=spec.search_ways)
         lower.param_values = _param_thunks(lower, decl, args)
         returned_none = lower.entry_alloca(i1, "is_none") if rule_name == "advance" else None
         if returned_none is not None:

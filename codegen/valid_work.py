@@ -29,7 +29,7 @@ def _may_be(schedule: ir.Value, name: str) -> bool:
     return True
 
 
-SEARCH_ARITY = 8  # `RaggedIndex.search`'s candidates per step
+WIDE_SEARCH = 8  # `RaggedIndex.search`'s ways a step, where a design takes the wide search
 
 
 class TileIndex:
@@ -75,6 +75,7 @@ class RaggedIndex(TileIndex):
     def __init__(self, lower, ts: ir.Value, words: ir.Value):
         super().__init__(lower, ts)
         self.words = words
+        self.ways = lower.search_ways
 
     def word(self, at: ir.Value) -> ir.Value:
         return self.b.load(self.b.gep(self.words, [at], source_etype=i32), typ=i32)
@@ -103,9 +104,9 @@ class RaggedIndex(TileIndex):
 
     def search(self, key: Callable[[ir.Value], ir.Value], target: ir.Value) -> ir.Value:
         """The last r < batch_size with key(r) <= target (key ascending, key(0) <= target):
-        a search of SEARCH_ARITY-way steps, ceil(log_SEARCH_ARITY(batch_size)) of them,
-        each step's keys read together (a read's latency, not log2(B) of them, is what a
-        work tile waits for before it starts)."""
+        a search of `ways`-way steps, ceil(log_ways(batch_size)) of them, each step's
+        ways - 1 keys read together (a work tile starts after that many reads' latency,
+        each waiting for the one before; more ways hold more registers meanwhile)."""
         b = self.b
         entry = b.block
         head, body, done = (b.append_basic_block(n) for n in ("search", "search_step",
@@ -117,17 +118,25 @@ class RaggedIndex(TileIndex):
         size.add_incoming(self.batch, entry)
         b.cbranch(b.icmp_unsigned(">", size, i32(1)), body, done)
         b.position_at_end(body)
-        stride = b.udiv(b.add(size, i32(SEARCH_ARITY - 1)), i32(SEARCH_ARITY))
-        last = b.sub(b.add(low, size), i32(1))
-        passed = i32(0)  # candidates low + j * stride (j >= 1) with key <= target
-        for j in range(1, SEARCH_ARITY):
-            at = b.add(low, b.mul(stride, i32(j)))
-            inside = b.icmp_unsigned("<=", at, last)
-            at_most = b.icmp_unsigned("<=", key(b.select(inside, at, last)), target)
-            passed = b.add(passed, b.zext(b.and_(inside, at_most), i32))
-        start = b.add(low, b.mul(passed, stride))
-        low.add_incoming(start, b.block)
-        size.add_incoming(self.lower.umin(stride, b.sub(b.add(low, size), start)), b.block)
+        if self.ways == 2:
+            half = b.lshr(size, i32(1))
+            middle = b.add(low, half)
+            low.add_incoming(b.select(b.icmp_unsigned("<=", key(middle), target), middle,
+                                      low), b.block)
+            size.add_incoming(b.sub(size, half), b.block)
+        else:
+            stride = b.udiv(b.add(size, i32(self.ways - 1)), i32(self.ways))
+            last = b.sub(b.add(low, size), i32(1))
+            passed = i32(0)  # candidates low + j * stride (j >= 1) with key <= target
+            for j in range(1, self.ways):
+                at = b.add(low, b.mul(stride, i32(j)))
+                inside = b.icmp_unsigned("<=", at, last)
+                at_most = b.icmp_unsigned("<=", key(b.select(inside, at, last)), target)
+                passed = b.add(passed, b.zext(b.and_(inside, at_most), i32))
+            start = b.add(low, b.mul(passed, stride))
+            low.add_incoming(start, b.block)
+            size.add_incoming(self.lower.umin(stride, b.sub(b.add(low, size), start)),
+                              b.block)
         b.branch(head)
         b.position_at_end(done)
         return low

@@ -134,7 +134,7 @@ def test_roles_run_apart_where_the_scheduler_lets_them():
 @needs_ptxas
 def test_consumers_take_the_producers_decoding_where_roles_run_apart():
     """Running apart, the producer's advance publishes its decoding of each step (the valid
-    work item: a binary search over the tile index; the sequence's offsets) in the handoff's
+    work item: a search over the tile index; the sequence's offsets) in the handoff's
     memo, and the consumers' advance reads it back where the key matches instead of
     decoding again, also where a `fn` the advance calls decodes (Adaptive). Lock-step roles
     (MyQueued) never read it, so LLVM drops it whole."""

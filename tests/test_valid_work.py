@@ -14,6 +14,7 @@ from mhadsl.codegen.assemble import assemble, find_ptxas
 from mhadsl.codegen.scheduler import SchedulerSpec
 from mhadsl.codegen.target import emit_ptx, gpu_target, new_module, optimize
 from mhadsl.codegen.tile_index import KERNEL_NAME, build_tile_index_kernel
+from mhadsl.codegen.valid_work import WIDE_SEARCH
 from mhadsl.analysis.simulate import (
     Batch, HostScheduler, _Env, _SeqInfo, _State, _TileSummary, simulate,
 )
@@ -48,10 +49,12 @@ def test_the_definition_by_hand():
         (0, 0, 0), (0, 0, 2), (1, 0, 0), (0, 1, 0), (0, 1, 2), (1, 1, 0)]
 
 
-def stride_order(program, batch: Batch, order: str, section: int) -> list:
-    """The tiles one static persistent CTA visits: every valid index, in order."""
+def stride_order(program, batch: Batch, order: str, section: int, ways: int = 2) -> list:
+    """The tiles one static persistent CTA visits: every valid index, in order (`ways`:
+    the tile index search's, `RaggedIndex.search`)."""
     spec = SchedulerSpec("Persistent", (("num_ctas", 1), ("order", order),
-                                        ("heads_per_section", section)), batch.tile)
+                                        ("heads_per_section", section)), batch.tile,
+                         search_ways=ways)
     result = simulate(program, spec, batch, ctas=1)
     assert result.covered_exactly_once, result.message
     return result.visits.get(0, [])
@@ -60,13 +63,17 @@ def stride_order(program, batch: Batch, order: str, section: int) -> list:
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("ragged", [True, False])
 def test_valid_work_info_is_its_definition(order, ragged):
+    """Under each tile index search (a ragged launch's: binary, and the wide one the sm90
+    and decode designs take, `WIDE_SEARCH`)."""
     program = checked(STD)
     lens = MUST_SHOW if ragged else [300] * 3
     for heads, section in ((5, 0), (5, 1), (5, 2), (5, 5), (5, 9), (1, 0), (4, 3)):
         batch = Batch(lens, heads=heads, tile=128, ragged=ragged)
         want = [(q * 128, h, b) for q, h, b in
                 valid_work_order(tile_counts(lens, 128), heads, order, section)]
-        assert stride_order(program, batch, order, section) == want, (heads, section)
+        for ways in (2, WIDE_SEARCH) if ragged else (2,):
+            assert stride_order(program, batch, order, section, ways) == want, \
+                (heads, section, ways)
 
 
 DENSE_MAP = STD + """
@@ -166,12 +173,14 @@ def test_longest_first_takes_the_last_tiles_of_the_longest_sequences_first():
     assert order[-16 * 4:] == [(0, h, b) for b in (6, 7, 14, 15) for h in range(16)]
 
 
+@pytest.mark.parametrize("ways", [2, 3, WIDE_SEARCH])
 @pytest.mark.parametrize("name", ["Persistent", "Queued", "LPT"])
-def test_ten_thousand_sequences_exactly_once(name):
+def test_ten_thousand_sequences_exactly_once(name, ways):
     rng = random.Random(10_000)
     lens = [rng.choice([0, 1, 64, 127, 129, rng.randrange(1, 3000)]) for _ in range(10_000)]
     batch = Batch(lens, heads=2, tile=128, ragged=True)
-    result = simulate(checked(STD), SchedulerSpec(name, (), 128), batch, ctas=132)
+    result = simulate(checked(STD), SchedulerSpec(name, (), 128, search_ways=ways), batch,
+                      ctas=132)
     assert result.covered_exactly_once, result.message
     assert result.tiles == batch.num_tiles
 

@@ -347,12 +347,13 @@ WorkLoop = Callable[[ir.IRBuilder, KernelArgs, Callable], None]
 @dataclass(frozen=True)
 class KernelSource:
     """What a declaration gives a backend: its hooks, and the scheduler's work loop for a
-    tile height and GQA group (the config's `block_m` and `gqa_group`); `trace`: the loop
+    tile height and GQA group (the config's `block_m` and `gqa_group`; `search_ways`: a
+    ragged launch's tile index search, `RaggedIndex.search`); `trace`: the loop
     records its work items (`mhadsl trace`), and a design may record more (decode: its
     combines); `scheduler`: which scheduler that loop runs."""
 
     hooks: ExprHooks
-    work_loop: Callable[[int, int], WorkLoop]
+    work_loop: Callable[..., WorkLoop]  # (tile_m, gqa_group, search_ways = 2)
     trace: bool = False
     scheduler: tuple[str, tuple] = ("", ())  # the scheduler's (name, arguments)
 

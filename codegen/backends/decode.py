@@ -57,6 +57,7 @@ from mhadsl.codegen.backends.blocks import TileRules, last_index
 from mhadsl.codegen.nvptx import GLOBAL, SHARED, f32, i32, i64
 from mhadsl.codegen.trace_records import end_record, record_work_item
 from mhadsl.codegen.target import Target, new_module
+from mhadsl.codegen.valid_work import WIDE_SEARCH
 
 KERNEL_NAME = "mha_decode"
 SMEM_SYMBOL = "mha_decode_smem"
@@ -1518,7 +1519,8 @@ class Decode(Backend):
             configs = tuple(replace(c, wgmma=c.wgmma_fits, fp8_cvt=c.fp8) for c in configs)
         return spill_free_build(self.name, target, [
             (c, lambda c=c: build_decode_module(c, source.hooks, target,
-                                                source.work_loop(*self.scheduler_shape(c)),
+                                                source.work_loop(*self.scheduler_shape(c),
+                                                                 search_ways=WIDE_SEARCH),
                                                 source.trace))
             for c in configs],
             # launched early, a step's append, split index and decode kernels made short

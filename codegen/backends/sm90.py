@@ -42,6 +42,7 @@ from mhadsl.codegen.backends.blocks import WorkTile, last_index
 from mhadsl.codegen.nvptx import SHARED, f32, i32, i64
 from mhadsl.codegen.handoff import Handoff, init_handoff
 from mhadsl.codegen.target import Target, new_module
+from mhadsl.codegen.valid_work import WIDE_SEARCH
 from mhadsl.codegen.work_loop import count_exit, init_role_votes
 
 KERNEL_NAME = "mha_fwd_sm90"
@@ -1024,7 +1025,8 @@ def compile_kernel(source: KernelSource, configs: tuple[HopperConfig, ...],
     """The first config that assembles without spills (else the one with the fewest)."""
     return spill_free_build(BACKEND.name, target, [
         (c, lambda c=c: build_module(c, source.hooks, target,
-                                     source.work_loop(c.block_m, c.gqa_group)))
+                                     source.work_loop(c.block_m, c.gqa_group,
+                                                      search_ways=WIDE_SEARCH)))
         for c in configs])
 
 
