@@ -70,7 +70,7 @@ def stand_in(monkeypatch, kern):
         kern.targets.append(arch)
         scheduled = resolved.backend.scheduled(resolved.configs[0])
         kern.abi = abi.with_operands(scheduled.abi, abi.operand_params(kern.options.operands))
-        waits = "griddepcontrol.wait;" if arch == "sm_90a" else ""  # as sm_90a prefill's kernels
+        waits = "griddepcontrol.wait;" if arch == "sm_90a" else ""  # as sm_90a prefill's
         return KernelBuild(resolved.backend.name, arch, "", waits, None, resolved.configs[0])
 
     function = SimpleNamespace(max_active_blocks=lambda *a: 2, launcher=fake_launcher(launch, kern.dependent),

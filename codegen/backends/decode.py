@@ -15,10 +15,11 @@ The work tile (what the scheduler hands out, `TileSeq`) is decode's own:
   kv_chunk). Splits that follow the lengths (`DecodeConfig.balanced`): `mha_decode_splits`
   (or, in a call that appends rows, `mha_decode_append`) first counts each sequence's from
   its own length and the batch's work (`SplitRule`) into a tile index, so the scheduler's
-  work space is ragged and holds no empty split; a sequence's KV tiles are shared evenly by its splits. With one split the tile writes O;
-  with more, each split writes its fp32 partial O and LSE to the workspace, and the last
-  split of a group to finish (a counter per group, which that split resets to 0, so
-  CUDA-graph replays need no host work) merges them into O and the LSE.
+  work space is ragged and holds no empty split; a sequence's KV tiles are shared evenly
+  by its splits. With one split the tile writes O; with more, each split writes its fp32
+  partial O and LSE to the workspace, and the last split of a group to finish (a counter
+  per group, which that split resets to 0, so CUDA-graph replays need no host work) merges
+  them into O and the LSE.
 - **Paged KV**: position p of sequence b lives in page `page_table[b, p // page_size]`, row
   p % page_size; a contiguous cache is the same with page b and no page size. The page
   entries a tile needs are read PAGE_LOOKAHEAD_ROWS KV rows ahead of its copies, while the
@@ -118,8 +119,8 @@ class DecodeConfig(RowCopies):
     # f16 (`warp.e4m3_quad_to_f16`), not integer steps
     fp8_cvt: bool = False
     # each sequence's splits follow its own length and the batch's (`mha_decode_splits`,
-    # or the append, counts them on the device, `valid_work.balanced_splits` is their meaning): the
-    # scheduler numbers only the (query-row tile, split) work tiles that exist
+    # or the append, counts them on the device, `valid_work.balanced_splits` is their
+    # meaning): the scheduler numbers only the (query-row tile, split) work tiles that exist
     balanced: bool = False
 
     # the scheduler's tile height: a work tile is one (query-row tile, split) pair

@@ -219,9 +219,9 @@ class Launcher:
                              f"{cells} cells (sequences x heads x query tiles x KV tiles), "
                              f"more than {MAX_CELLS}")
         grid = (max(1, -(-cells * 32 // build.threads)), 1, 1)
-        return ClassesPlan(LaunchPlan(function, grid, build.threads, 0, build.abi, None,
-                                      loaded.device, tensors, values,
-                                      grid_dependent=build.grid_dependent), cells, loaded.device,
+        launch = LaunchPlan(function, grid, build.threads, 0, build.abi, None, loaded.device,
+                            tensors, values, grid_dependent=build.grid_dependent)
+        return ClassesPlan(launch, cells, loaded.device,
                            (call.batch, *(values[n] for n in CLASS_SIZES)),
                            (call.seqlen_q, call.seqlen_k, call.max_seqlen_q, call.max_seqlen_k))
 
