@@ -77,20 +77,33 @@ def shared_address(builder: ir.IRBuilder, ptr: ir.Value) -> ir.Value:
 
 
 # ============================================================ programmatic dependent launch
-def begin_after_prior_grids(module: ir.Module) -> None:
-    """Make every kernel of `module` begin by letting the stream's next grid launch and then
+GRID_WAIT = "griddepcontrol.wait;"
+
+
+def waits_for_prior_grids(ptx: str) -> bool:
+    """Whether the kernels of `ptx` wait for the grids before them themselves
+    (`begin_after_prior_grids`): the runtime then launches them with programmatic stream
+    serialization."""
+    return GRID_WAIT in ptx
+
+
+def begin_after_prior_grids(module: ir.Module, target) -> None:
+    """Where `target` can (`Target.grid_dependent`), make every kernel of `module` begin
+    by letting the stream's next grid launch and then
     waiting for the grids before it in the stream to finish, their writes visible
     (programmatic dependent launch; the runtime launches such kernels with programmatic
     stream serialization). The next grid's CTAs then take the multiprocessors this one's
     CTAs leave and run to their own wait, so a launch's latency hides under the end of the
     one before; the signal completes only when every CTA of this grid has started, so they
     never take a place this grid needs. The wait precedes every read and write of memory."""
+    if not target.grid_dependent:
+        return
     for fn in module.functions:
         if fn.calling_convention == "ptx_kernel":
             b = ir.IRBuilder()
             b.position_at_start(fn.entry_basic_block)
             _asm(b, void, "griddepcontrol.launch_dependents;", "~{memory}", [])
-            _asm(b, void, "griddepcontrol.wait;", "~{memory}", [])
+            _asm(b, void, GRID_WAIT, "~{memory}", [])
 
 
 # ============================================================================ tensor maps

@@ -141,10 +141,13 @@ class TileIndexBuild:
     """The tile index kernel as `runtime.tile_index` loads and launches it."""
 
     ptx: str
-    grid_dependent: bool  # (`KernelBuild.grid_dependent`)
     name: str = tile_index.KERNEL_NAME
     threads: int = tile_index.THREADS  # per CTA
     abi: KernelABI = tile_index.ABI
+
+    @property
+    def grid_dependent(self) -> bool:
+        return hopper.waits_for_prior_grids(self.ptx)
 
 
 def build_tile_index(arch: str = "sm_80",
@@ -159,11 +162,10 @@ def build_tile_index(arch: str = "sm_80",
     if entry is None or "ptx" not in entry:
         module = new_module("tile_index", target)
         tile_index.build_tile_index_kernel(module)
-        if target.grid_dependent:
-            hopper.begin_after_prior_grids(module)
+        hopper.begin_after_prior_grids(module, target)
         entry = {"ptx": emit_ptx(optimize(module, target), target).encode()}
         store.put(key, entry)
-    return TileIndexBuild(entry["ptx"].decode(), target.grid_dependent)
+    return TileIndexBuild(entry["ptx"].decode())
 
 
 @functools.cache
@@ -182,9 +184,12 @@ class BlockClassesBuild:
     ptx: str
     assembled: Assembled | None  # None when no ptxas is at hand
     abi: KernelABI
-    grid_dependent: bool  # (`KernelBuild.grid_dependent`)
     name: str = block_classes.KERNEL_NAME
     threads: int = block_classes.THREADS  # per CTA
+
+    @property
+    def grid_dependent(self) -> bool:
+        return hopper.waits_for_prior_grids(self.ptx)
 
 
 def build_block_classes(program: CheckedProgram, kernel: str, ragged: bool,
@@ -205,8 +210,7 @@ def build_block_classes(program: CheckedProgram, kernel: str, ragged: bool,
     if entry is None or "ptx" not in entry:
         module = new_module("block_classes", target)
         block_classes.build_block_classes_kernel(module, hooks, ragged)
-        if target.grid_dependent:
-            hopper.begin_after_prior_grids(module)
+        hopper.begin_after_prior_grids(module, target)
         ptx = emit_ptx(optimize(module, target), target)
         entry = {"llvm": str(module).encode(), "ptx": ptx.encode()}
         if find_ptxas() is not None:
@@ -220,7 +224,7 @@ def build_block_classes(program: CheckedProgram, kernel: str, ragged: bool,
         resources = {name: KernelResources(**k) for name, k in json.loads(entry["meta"]).items()}
         assembled = Assembled(entry["cubin"], resources, "")
     return BlockClassesBuild(entry["llvm"].decode(), entry["ptx"].decode(), assembled,
-                             hooks.kernel_abi(block_classes.ABI), target.grid_dependent)
+                             hooks.kernel_abi(block_classes.ABI))
 
 
 @functools.cache

@@ -370,9 +370,7 @@ class KernelBuild:
 
     @functools.cached_property
     def grid_dependent(self) -> bool:
-        """Whether its kernels wait for the grids before them themselves
-        (`hopper.begin_after_prior_grids`): launched with programmatic stream serialization."""
-        return "griddepcontrol.wait;" in self.ptx
+        return hopper.waits_for_prior_grids(self.ptx)
 
 
 class Backend(ABC):
@@ -561,8 +559,8 @@ def spill_free_build(backend: str, target: Target,
     best = None
     for config, make_module in candidates if have_ptxas else candidates[:1]:
         module = make_module()
-        if grid_dependent and target.grid_dependent:
-            hopper.begin_after_prior_grids(module)
+        if grid_dependent:
+            hopper.begin_after_prior_grids(module, target)
         ptx = emit_ptx(optimize(module, target), target)
         assembled = assemble(ptx, target.arch) if have_ptxas else None
         build = KernelBuild(backend, target.arch, str(module), ptx, assembled, config)

@@ -1524,8 +1524,8 @@ class Decode(Backend):
                                                                  search_ways=WIDE_SEARCH),
                                                 source.trace))
             for c in configs],
-            # launched early, a step's append, split index and decode kernels made short
-            # batches' steps slower (11 % on 32 sequences of 169 to 1,056 keys, H100)
+            # launched early, a step's append and decode kernels were slower (11 % on 32
+            # sequences of about 1,000 keys, eight steps in a CUDA graph, H100)
             grid_dependent=False)
 
 
